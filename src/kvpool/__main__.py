@@ -1,0 +1,5 @@
+import sys
+
+from kvpool.cli.main import main
+
+sys.exit(main())

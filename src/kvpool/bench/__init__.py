@@ -1,0 +1,1 @@
+"""Benchmarks. Each module exposes `register(subparsers)` for `kvpool bench NAME`."""

@@ -1,0 +1,19 @@
+"""`kvpool bench ...`: benchmarks that print kvpool's figures beside their anchors."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+_BENCH_MODULES = (
+    "kvpool.bench.transfer",
+    "kvpool.bench.store",
+    "kvpool.bench.conductor",
+)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("bench", help="run a benchmark (transfer, store, conductor)")
+    bench_sub = parser.add_subparsers(dest="bench", metavar="BENCH")
+    for name in _BENCH_MODULES:
+        importlib.import_module(name).register(bench_sub)

@@ -1,0 +1,48 @@
+"""Entry point of the `kvpool` console script.
+
+Every module named in `_COMMAND_MODULES` exposes `register(subparsers)`, which adds one or more
+subcommands and sets `func(args) -> int` as their handler. Modules are imported only when the
+CLI starts, so importing kvpool as a library never pulls in CLI code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from kvpool import __version__
+from kvpool.log import setup_logging
+
+_COMMAND_MODULES = (
+    "kvpool.cli.metadata_cmd",
+    "kvpool.cli.bench_cmd",
+    "kvpool.cli.master_cmd",
+    "kvpool.cli.store_node_cmd",
+    "kvpool.cli.sim_cmd",
+    "kvpool.cli.mooncake_cmd",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvpool", description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--version", action="version", version=f"kvpool {__version__}")
+    parser.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING, ERROR")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in _COMMAND_MODULES:
+        importlib.import_module(name).register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "func", None) is None:
+        parser.print_help()
+        return 2
+    setup_logging(args.log_level)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

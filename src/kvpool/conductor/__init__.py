@@ -1,0 +1,1 @@
+"""kvpool.conductor."""

@@ -1,0 +1,68 @@
+"""The one error hierarchy of kvpool.
+
+Expected outcomes (no space, object missing, request rejected) are returned as typed values;
+these exceptions are for misuse and broken links. Messages carry the offending values and,
+where there is one, the fix.
+"""
+
+from __future__ import annotations
+
+
+class KvpoolError(Exception):
+    """Base of every error kvpool raises on purpose."""
+
+
+class ConfigError(KvpoolError, ValueError):
+    """A configuration value is out of bounds or malformed (raised at construction)."""
+
+
+class InvalidArgument(KvpoolError, ValueError):
+    """A call got an argument it cannot accept (wrong size, unknown name, bad key)."""
+
+
+class ProtocolError(KvpoolError):
+    """A frame or message violates the wire protocol."""
+
+
+class LocalProtocolError(ProtocolError):
+    """We were asked to send something the protocol does not allow (our bug or misuse)."""
+
+
+class RemoteProtocolError(ProtocolError):
+    """The peer sent bytes that are not a valid frame; the connection must be dropped."""
+
+
+class AuthError(KvpoolError):
+    """The peer presented a wrong or missing shared token."""
+
+
+class TransferError(KvpoolError):
+    """A transfer could not be completed (peer gone, timeout, remote rejection)."""
+
+
+class PeerUnavailable(TransferError):
+    """The target segment cannot be reached (refused, dead, or unknown address)."""
+
+
+class TransferTimeout(TransferError):
+    """A transfer did not finish within its deadline."""
+
+
+class SegmentNotFound(KvpoolError, LookupError):
+    """No segment of that name is known to the metadata service."""
+
+
+class MetadataError(KvpoolError):
+    """The metadata service failed or answered something unexpected."""
+
+
+class MemoryRegistrationError(KvpoolError, ValueError):
+    """A buffer cannot be registered, or an address is not inside any registered buffer."""
+
+
+class StoreError(KvpoolError):
+    """The store master or a store client failed in a way that is not an expected outcome."""
+
+
+class RpcError(StoreError):
+    """A control-plane RPC failed (timeout, unreachable master, malformed reply)."""

@@ -1,0 +1,1 @@
+"""Shared test helpers: free ports, child processes, a real etcd server."""

@@ -1,0 +1,53 @@
+"""Child processes for multi-process tests: real interpreters, killed on exit."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+def python_env() -> dict[str, str]:
+    env = dict(os.environ)
+    src = os.path.join(os.path.dirname(__file__), "..", "..", "src")
+    env["PYTHONPATH"] = os.path.abspath(src) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("KVPOOL_LOG_LEVEL", "WARNING")
+    return env
+
+
+def spawn_python(code: str, *args: str, stdout: int | None = subprocess.PIPE) -> subprocess.Popen[bytes]:
+    """Start `python -c code args...` with kvpool importable; stdin is a pipe for control."""
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        stdin=subprocess.PIPE,
+        stdout=stdout,
+        stderr=None,
+        env=python_env(),
+    )
+
+
+def spawn_kvpool(*args: str) -> subprocess.Popen[bytes]:
+    """Start the `kvpool` CLI as a user would, in its own process."""
+    return subprocess.Popen([sys.executable, "-m", "kvpool", *args], env=python_env())
+
+
+def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextmanager
+def running(proc: subprocess.Popen[bytes]) -> Iterator[subprocess.Popen[bytes]]:
+    try:
+        yield proc
+    finally:
+        stop(proc)
