@@ -66,3 +66,7 @@ class StoreError(KvpoolError):
 
 class RpcError(StoreError):
     """A control-plane RPC failed (timeout, unreachable master, malformed reply)."""
+
+
+class MetadataUnavailable(MetadataError):
+    """The metadata service cannot be reached (refused, timed out, or every endpoint down)."""
