@@ -1,9 +1,55 @@
-"""Placeholder: this subcommand module registers nothing yet."""
+"""`kvpool metadata`: run the standalone HTTP metadata server until SIGINT/SIGTERM."""
 
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
+
+from kvpool.errors import KvpoolError
+from kvpool.log import get_logger
+from kvpool.units import format_size, parse_size
+
+if TYPE_CHECKING:
+    from kvpool.metadata.server import MetadataServer
+
+_log = get_logger("cli.metadata")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    return None
+    from kvpool.metadata.base import DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_VALUE_BYTES
+
+    parser = subparsers.add_parser(
+        "metadata",
+        help="run the HTTP metadata server (GET|PUT|DELETE /metadata?key=K)",
+        description="Serve the segment directory over HTTP, compatible with Mooncake's "
+        "metadata server. Transfer engines connect with http://HOST:PORT/metadata.",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8080, help="TCP port; 0 picks a free one")
+    parser.add_argument(
+        "--max-value-size", default=str(DEFAULT_MAX_VALUE_BYTES),
+        help=f"largest value accepted, e.g. 16MB (default {format_size(DEFAULT_MAX_VALUE_BYTES)})",
+    )
+    parser.add_argument(
+        "--max-key-len", type=int, default=DEFAULT_MAX_KEY_LEN,
+        help=f"longest key in characters (default {DEFAULT_MAX_KEY_LEN})",
+    )
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from kvpool.metadata.server import MetadataLimits, MetadataServer
+
+    try:
+        limits = MetadataLimits(parse_size(args.max_value_size), args.max_key_len)
+        server = MetadataServer(args.host, args.port, limits=limits)
+        server.serve_forever(on_ready=_announce)
+    except KvpoolError as exc:
+        _log.error("%s", exc)
+        return 1
+    return 0
+
+
+def _announce(server: MetadataServer) -> None:
+    # Printed (not logged) so that scripts can read the chosen port when --port 0.
+    print(f"kvpool metadata server ready on {server.url}", flush=True)

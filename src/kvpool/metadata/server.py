@@ -1,0 +1,238 @@
+"""The HTTP metadata server, wire-compatible with Mooncake's: `GET|PUT|DELETE /metadata?key=K`.
+
+    GET    -> 200 + raw value bytes | 404 absent
+    PUT    -> 200 (raw request body stored verbatim) | 413 value too large
+    DELETE -> 200 | 404 absent
+    any    -> 400 when `key` is missing, blank, or longer than the limit
+
+`create_metadata_app` builds the FastAPI app (the store master mounts it on its own port);
+`MetadataServer` runs it with uvicorn on a background thread, or in the foreground for the CLI.
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import FrameType, TracebackType
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import PlainTextResponse, Response
+
+from kvpool.errors import ConfigError, MetadataError
+from kvpool.log import get_logger
+from kvpool.metadata.base import DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_VALUE_BYTES
+from kvpool.metadata.memory import MemoryBackend
+
+METADATA_PATH = "/metadata"
+DEFAULT_PORT = 8080
+_STARTUP_TIMEOUT_S = 15.0
+_log = get_logger("metadata.server")
+
+
+@dataclass(frozen=True)
+class MetadataLimits:
+    """What one request may carry."""
+
+    max_value_bytes: int = DEFAULT_MAX_VALUE_BYTES
+    """Largest PUT body accepted; larger ones get 413."""
+    max_key_len: int = DEFAULT_MAX_KEY_LEN
+    """Longest key, in characters; longer ones get 400."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.max_value_bytes <= 1 << 31:
+            raise ConfigError(f"max_value_bytes must be in [1, 2 GiB], got {self.max_value_bytes}")
+        if not 1 <= self.max_key_len <= 65536:
+            raise ConfigError(f"max_key_len must be in [1, 65536], got {self.max_key_len}")
+
+
+def create_metadata_app(
+    backend: MemoryBackend | None = None, limits: MetadataLimits | None = None
+) -> FastAPI:
+    """A FastAPI app serving `METADATA_PATH` over `backend` (a fresh MemoryBackend if None)."""
+    store = backend if backend is not None else MemoryBackend()
+    limit = limits or MetadataLimits()
+    app = FastAPI(title="kvpool metadata", openapi_url=None, docs_url=None, redoc_url=None)
+    app.state.metadata_backend = store
+
+    @app.get(METADATA_PATH)
+    def get_value(request: Request) -> Response:
+        key = _key_of(request, limit)
+        if isinstance(key, Response):
+            return key
+        value = store.get(key)
+        if value is None:
+            return _text(404, f"metadata not found: {key!r}")
+        return Response(value, media_type="application/octet-stream")
+
+    @app.put(METADATA_PATH)
+    async def put_value(request: Request) -> Response:
+        key = _key_of(request, limit)
+        if isinstance(key, Response):
+            return key
+        body = await _read_body(request, limit.max_value_bytes)
+        if isinstance(body, Response):
+            return body
+        store.put(key, body)
+        return _text(200, "metadata updated")
+
+    @app.delete(METADATA_PATH)
+    def delete_value(request: Request) -> Response:
+        key = _key_of(request, limit)
+        if isinstance(key, Response):
+            return key
+        if not store.delete(key):
+            return _text(404, f"metadata not found: {key!r}")
+        return _text(200, "metadata deleted")
+
+    return app
+
+
+def _text(status: int, message: str) -> PlainTextResponse:
+    return PlainTextResponse(message + "\n", status_code=status)
+
+
+def _key_of(request: Request, limits: MetadataLimits) -> str | Response:
+    key = request.query_params.get("key")
+    if key is None or not key.strip():
+        return _text(400, "missing or blank 'key' query parameter: use /metadata?key=NAME")
+    if len(key) > limits.max_key_len:
+        return _text(400, f"key of {len(key)} characters exceeds the limit of {limits.max_key_len}")
+    return key
+
+
+async def _read_body(request: Request, max_bytes: int) -> bytes | Response:
+    """The whole body, or a 413 response as soon as it is known to exceed `max_bytes`."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        return _too_large(f"{declared} bytes", max_bytes)
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            return _too_large(f"more than {max_bytes} bytes", max_bytes)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(size: str, max_bytes: int) -> Response:
+    response = _text(413, f"value of {size} exceeds the limit of {max_bytes} bytes")
+    response.headers["connection"] = "close"  # the unread rest of the body is not wanted
+    return response
+
+
+class MetadataServer:
+    """Serves the metadata app with uvicorn on host:port (port 0 picks a free port).
+
+    `start()` returns once the socket accepts connections and uvicorn is running; `.port` is
+    then the real port. `stop()` is idempotent. `serve_forever()` blocks until SIGINT/SIGTERM.
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = DEFAULT_PORT,
+        *,
+        backend: MemoryBackend | None = None,
+        limits: MetadataLimits | None = None,
+    ) -> None:
+        if not 0 <= port <= 65535:
+            raise ConfigError(f"metadata server port must be in 0..65535, got {port}")
+        self.host = host
+        self.port = port
+        self.backend = backend if backend is not None else MemoryBackend()
+        self.app = create_metadata_app(self.backend, limits)
+        self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
+        self._socket: socket.socket | None = None
+
+    @property
+    def url(self) -> str:
+        """The URI clients pass to connect_metadata."""
+        return f"http://{self.host}:{self.port}{METADATA_PATH}"
+
+    def start(self) -> MetadataServer:
+        if self._thread is not None:
+            raise MetadataError(f"metadata server on {self.host}:{self.port} already started")
+        self._socket = self._listen()
+        config = uvicorn.Config(
+            self.app, log_level="warning", access_log=False, lifespan="off",
+            timeout_graceful_shutdown=2,
+        )
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._socket]},
+            name=f"metadata-http-{self.port}", daemon=True,
+        )
+        self._thread.start()
+        self._wait_started()
+        _log.info("metadata server listening on %s", self.url)
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(10.0)
+        if self._socket is not None:
+            self._socket.close()
+        self._server = self._thread = self._socket = None
+
+    def serve_forever(self, on_ready: Callable[[MetadataServer], None] | None = None) -> None:
+        """Start, call `on_ready(self)`, and run until SIGINT or SIGTERM (main thread only)."""
+        stop_requested = threading.Event()
+
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            _log.info("metadata server got signal %d, stopping", signum)
+            stop_requested.set()
+
+        previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self.start()
+            if on_ready is not None:
+                on_ready(self)
+            while not stop_requested.wait(0.5):
+                if self._thread is None or not self._thread.is_alive():
+                    raise MetadataError(f"metadata server on {self.url} died")
+        finally:
+            self.stop()
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+    def __enter__(self) -> MetadataServer:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def _listen(self) -> socket.socket:
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self.port))
+            sock.listen(128)
+        except OSError as exc:
+            sock.close()
+            raise MetadataError(
+                f"metadata server cannot listen on {self.host}:{self.port}: {exc}"
+            ) from exc
+        self.port = int(sock.getsockname()[1])
+        return sock
+
+    def _wait_started(self) -> None:
+        assert self._server is not None and self._thread is not None
+        deadline = time.monotonic() + _STARTUP_TIMEOUT_S
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise MetadataError(f"metadata server on {self.host}:{self.port} failed to start")
+            time.sleep(0.01)
