@@ -1,0 +1,135 @@
+"""Result codes and typed results of the store.
+
+`ErrorCode` values are Mooncake's integer codes, so the compatibility layer can hand them out
+unchanged; every result type in the native API carries one (`.code`).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class ErrorCode(enum.IntEnum):
+    OK = 0
+    NO_AVAILABLE_HANDLE = -200
+    INVALID_PARAMS = -600
+    OBJECT_NOT_FOUND = -704
+    OBJECT_ALREADY_EXISTS = -705
+    OBJECT_HAS_LEASE = -706
+    LEASE_EXPIRED = -707
+    TRANSFER_FAIL = -800
+    RPC_FAIL = -900
+    RPC_TIMEOUT = -901
+    UNKNOWN_CLIENT = -1000
+    SEGMENT_NOT_FOUND = -1001
+    SEGMENT_ALREADY_EXISTS = -1002
+
+    @property
+    def ok(self) -> bool:
+        return self is ErrorCode.OK
+
+
+class ReplicaState(enum.IntEnum):
+    PENDING = 1
+    COMPLETE = 2
+
+
+class Tier(enum.IntEnum):
+    DRAM = 1
+    SSD = 2
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaDesc:
+    """Where one replica's bytes live: `endpoint` is the transfer-engine segment name of the
+    owner ("host:port"), `addr` an absolute address inside that process's mounted segment."""
+
+    segment_id: str
+    endpoint: str
+    addr: int
+    size: int
+    tier: Tier = Tier.DRAM
+    state: ReplicaState = ReplicaState.COMPLETE
+
+    @property
+    def host(self) -> str:
+        return self.endpoint.rsplit(":", 1)[0]
+
+
+@dataclass(frozen=True, slots=True)
+class PutStartResult:
+    code: ErrorCode
+    replicas: tuple[ReplicaDesc, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """The answer to a replica lookup; `lease_ttl_s` is how long the read lease lasts."""
+
+    code: ErrorCode
+    size: int = 0
+    replicas: tuple[ReplicaDesc, ...] = ()
+    lease_ttl_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class GetResult:
+    """Bytes of an object (`data`), or why there are none (`code`)."""
+
+    code: ErrorCode
+    data: bytes = b""
+
+    @property
+    def ok(self) -> bool:
+        return self.code is ErrorCode.OK
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    """`code` is OK when the object is stored (or already was, for a plain put)."""
+
+    code: ErrorCode
+    already_existed: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.code is ErrorCode.OK
+
+
+@dataclass(frozen=True, slots=True)
+class ReadResult:
+    """A zero-copy read: bytes written into the caller's buffer, or the failure code."""
+
+    code: ErrorCode
+    num_bytes: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.code is ErrorCode.OK
+
+    @property
+    def value(self) -> int:
+        """Mooncake's convention: bytes read, or a negative code."""
+        return self.num_bytes if self.code is ErrorCode.OK else int(self.code)
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentInfo:
+    segment_id: str
+    client_id: str
+    endpoint: str
+    base_addr: int
+    capacity_bytes: int
+    used_bytes: int
+    tier: Tier = Tier.DRAM
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    key: str
+    size: int
+    replicas: tuple[ReplicaDesc, ...] = field(default_factory=tuple)
+    leased: bool = False
+    hard_pinned: bool = False
+    soft_pinned: bool = False

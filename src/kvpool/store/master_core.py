@@ -1,0 +1,376 @@
+"""The master's state machine: objects, segments, allocation, leases, eviction, liveness.
+
+Sans-I/O: no sockets, no threads, no sleeping. Time comes from the injected Clock; the RPC
+driver calls `tick()` periodically so timeouts fire. Every public call is batch-shaped and
+returns one typed value per key; bad input yields INVALID_PARAMS for that key only.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvpool.clock import SYSTEM_CLOCK, Clock
+from kvpool.store import master_evict
+from kvpool.store.allocator import OffsetAllocator
+from kvpool.store.codes import (
+    ErrorCode,
+    LookupResult,
+    ObjectInfo,
+    PutStartResult,
+    ReplicaState,
+    SegmentInfo,
+    Tier,
+)
+from kvpool.store.config import MasterConfig, ReplicateConfig
+from kvpool.store.eviction import create_eviction_policy
+from kvpool.store.placement import create_placement, pick_segments
+from kvpool.store.state import ClientState, PendingPut, Replica, Segment, StoredObject
+from kvpool.store.validate import valid_key, valid_size
+
+E = ErrorCode
+DEFAULT_REPLICATE = ReplicateConfig()
+
+
+@dataclass
+class MasterStats:
+    evicted_objects: int = 0
+    evicted_bytes: int = 0
+    eviction_rounds: int = 0
+    discarded_puts: int = 0
+    expired_clients: int = 0
+    no_space: int = 0
+
+
+class MasterCore:
+    def __init__(self, config: MasterConfig | None = None, clock: Clock = SYSTEM_CLOCK) -> None:
+        self.config = config or MasterConfig()
+        self.clock = clock
+        self.objects: dict[str, StoredObject] = {}
+        self.pending: dict[str, PendingPut] = {}
+        self.segments: dict[str, Segment] = {}
+        self.clients: dict[str, ClientState] = {}
+        self.policy = create_eviction_policy(self.config.eviction_policy)
+        self.placement = create_placement(self.config.allocation_strategy, self.config.seed)
+        self.stats = MasterStats()
+        self._deferred: list[tuple[float, Segment, int]] = []  # (free at, segment, offset)
+        self._capacity = 0
+        self._used = 0
+
+    # -- clients and segments -------------------------------------------------------------
+
+    def heartbeat(self, client_id: str) -> ErrorCode:
+        """Refresh a client's liveness. UNKNOWN_CLIENT tells it to mount its segments again
+        (it was declared dead, or the master restarted); it is registered from now on."""
+        client = self.clients.get(client_id)
+        if client is None:
+            self.clients[client_id] = ClientState(client_id, self.clock.now())
+            return E.UNKNOWN_CLIENT
+        client.last_seen = self.clock.now()
+        return E.OK
+
+    def _touch_client(self, client_id: str) -> ClientState:
+        client = self.clients.get(client_id)
+        if client is None:
+            client = self.clients[client_id] = ClientState(client_id, self.clock.now())
+        client.last_seen = self.clock.now()
+        return client
+
+    def mount_segment(self, client_id: str, endpoint: str, base_addr: int, size: int,
+                      tier: Tier = Tier.DRAM) -> tuple[ErrorCode, str]:
+        """Add [base_addr, base_addr + size) of `endpoint`'s process to the pool."""
+        if not (valid_key(client_id) and valid_key(endpoint) and type(base_addr) is int
+                and base_addr >= 0 and valid_size(size, 1 << 50)):
+            return E.INVALID_PARAMS, ""
+        segment_id = f"{endpoint}/{base_addr:x}"
+        existing = self.segments.get(segment_id)
+        if existing is not None:
+            if existing.client_id == client_id and existing.capacity == size:
+                return E.OK, segment_id
+            self._drop_segment(existing)  # a restarted process reusing the address
+        client = self._touch_client(client_id)
+        seg = Segment(segment_id, client_id, endpoint, base_addr,
+                      OffsetAllocator(size, self.config.alignment), tier)
+        self.segments[segment_id] = seg
+        client.segment_ids.add(segment_id)
+        self._capacity += size
+        return E.OK, segment_id
+
+    def unmount_segment(self, client_id: str, segment_id: str) -> ErrorCode:
+        seg = self.segments.get(segment_id)
+        if seg is None:
+            return E.SEGMENT_NOT_FOUND
+        if seg.client_id != client_id:
+            return E.INVALID_PARAMS
+        self._drop_segment(seg)
+        return E.OK
+
+    def _drop_segment(self, seg: Segment) -> None:
+        """Forget a segment: replicas there vanish, objects left without one are removed,
+        and puts that were writing there are revoked."""
+        del self.segments[seg.segment_id]
+        client = self.clients.get(seg.client_id)
+        if client is not None:
+            client.segment_ids.discard(seg.segment_id)
+        self._capacity -= seg.capacity
+        self._used -= seg.allocator.used_bytes
+        for key in list(seg.pending_keys):
+            self._revoke(self.pending[key])
+        for key in list(seg.keys):
+            obj = self.objects[key]
+            obj.replicas = [r for r in obj.replicas if r.segment is not seg]
+            if not obj.replicas:
+                del self.objects[key]
+                self.policy.on_remove(key)
+        self._deferred = [d for d in self._deferred if d[1] is not seg]
+
+    def expire_clients(self) -> list[str]:
+        """Declare dead every client silent for longer than client_ttl_s."""
+        horizon = self.clock.now() - self.config.client_ttl_s
+        dead = [c for c in self.clients.values() if c.last_seen < horizon]
+        for client in dead:
+            for segment_id in list(client.segment_ids):
+                self._drop_segment(self.segments[segment_id])
+            for put in [p for p in self.pending.values() if p.client_id == client.client_id]:
+                self._revoke(put)
+            del self.clients[client.client_id]
+        self.stats.expired_clients += len(dead)
+        return [c.client_id for c in dead]
+
+    # -- puts ---------------------------------------------------------------------------
+
+    def put_start(self, client_id: str, keys: Sequence[str], sizes: Sequence[int],
+                  config: ReplicateConfig = DEFAULT_REPLICATE,
+                  upsert: bool = False) -> list[PutStartResult]:
+        """Allocate replicas for each key (state pending). The client writes them, then calls
+        put_end (or put_revoke). A plain put of an existing key answers OBJECT_ALREADY_EXISTS
+        and changes nothing."""
+        if len(keys) != len(sizes) or config.replica_num > self.config.max_replicas:
+            return [PutStartResult(E.INVALID_PARAMS)] * len(keys)
+        self._touch_client(client_id)
+        return [self._put_start_one(client_id, k, s, config, upsert)
+                for k, s in zip(keys, sizes, strict=True)]
+
+    def _put_start_one(self, client_id: str, key: str, size: int, config: ReplicateConfig,
+                       upsert: bool) -> PutStartResult:
+        if not valid_key(key) or not valid_size(size, self.config.max_object_bytes):
+            return PutStartResult(E.INVALID_PARAMS)
+        if key in self.pending or (not upsert and key in self.objects):
+            return PutStartResult(E.OBJECT_ALREADY_EXISTS)
+        replicas = self._allocate(size, config)
+        if replicas is None:
+            self.stats.no_space += 1
+            return PutStartResult(E.NO_AVAILABLE_HANDLE)
+        put = PendingPut(key, size, replicas, client_id, self.clock.now(), upsert,
+                         config.with_hard_pin, config.with_soft_pin)
+        self.pending[key] = put
+        for r in replicas:
+            r.segment.pending_keys.add(key)
+        return PutStartResult(E.OK, tuple(r.desc(ReplicaState.PENDING) for r in replicas))
+
+    def _allocate(self, size: int, config: ReplicateConfig) -> list[Replica] | None:
+        replicas = self._try_allocate(size, config)
+        if replicas is None and self.evict(max(self._eviction_target(), size
+                                              * config.replica_num)):
+            replicas = self._try_allocate(size, config)
+        return replicas
+
+    def _try_allocate(self, size: int, config: ReplicateConfig) -> list[Replica] | None:
+        segs = list(self.segments.values())
+        if len(segs) < config.replica_num:
+            return None
+        preferred = ([config.preferred_segment] if config.preferred_segment else []) \
+            + list(config.preferred_segments)
+        chosen = pick_segments(self.placement.order(segs, size), preferred, size,
+                               config.replica_num)
+        if len(chosen) < config.replica_num:
+            return None
+        replicas = []
+        for seg in chosen:
+            offset = seg.allocator.allocate(size)
+            assert offset is not None, "can_allocate said yes"
+            replicas.append(Replica(seg, offset, size))
+            self._used += seg.allocator.rounded(size)
+        return replicas
+
+    def put_end(self, client_id: str, keys: Sequence[str]) -> list[ErrorCode]:
+        """Publish written objects. OBJECT_NOT_FOUND: the put was discarded meanwhile (timeout,
+        a target segment died) and the object is not stored."""
+        self._touch_client(client_id)
+        return [self._put_end_one(client_id, key) for key in keys]
+
+    def _put_end_one(self, client_id: str, key: str) -> ErrorCode:
+        put = self.pending.get(key) if type(key) is str else None
+        if put is None or put.client_id != client_id:
+            return E.OBJECT_NOT_FOUND
+        del self.pending[key]
+        old = self.objects.get(key)
+        if old is not None:
+            self._remove_object(old, defer=True)
+        now = self.clock.now()
+        soft_until = now + self.config.soft_pin_ttl_s if put.soft_pinned else 0.0
+        self.objects[key] = StoredObject(key, put.size, put.replicas, 0.0, put.hard_pinned,
+                                         soft_until)
+        for r in put.replicas:
+            r.segment.pending_keys.discard(key)
+            r.segment.keys.add(key)
+        self.policy.on_insert(key)
+        return E.OK
+
+    def put_revoke(self, client_id: str, keys: Sequence[str]) -> list[ErrorCode]:
+        self._touch_client(client_id)
+        out = []
+        for key in keys:
+            put = self.pending.get(key) if type(key) is str else None
+            if put is None or put.client_id != client_id:
+                out.append(E.OBJECT_NOT_FOUND)
+            else:
+                self._revoke(put)
+                out.append(E.OK)
+        return out
+
+    def _revoke(self, put: PendingPut) -> None:
+        del self.pending[put.key]
+        for r in put.replicas:
+            r.segment.pending_keys.discard(put.key)
+            self._free(r.segment, r.offset)
+
+    def discard_stale_puts(self) -> int:
+        horizon = self.clock.now() - self.config.put_discard_timeout_s
+        stale = [p for p in self.pending.values() if p.started < horizon]
+        for put in stale:
+            self._revoke(put)
+        self.stats.discarded_puts += len(stale)
+        return len(stale)
+
+    # -- reads and removal ----------------------------------------------------------------
+
+    def get_replicas(self, keys: Sequence[str]) -> list[LookupResult]:
+        """Replicas of complete objects; each found object gets a read lease."""
+        now = self.clock.now()
+        ttl = self.config.lease_ttl_s
+        out = []
+        for key in keys:
+            obj = self.objects.get(key) if type(key) is str else None
+            if obj is None:
+                out.append(LookupResult(E.INVALID_PARAMS if not valid_key(key)
+                                        else E.OBJECT_NOT_FOUND))
+                continue
+            obj.lease_until = max(obj.lease_until, now + ttl)
+            self.policy.on_access(key)
+            out.append(LookupResult(E.OK, obj.size, tuple(r.desc() for r in obj.replicas), ttl))
+        return out
+
+    def exists(self, keys: Sequence[str]) -> list[ErrorCode]:
+        return [E.OK if type(k) is str and k in self.objects
+                else (E.OBJECT_NOT_FOUND if valid_key(k) else E.INVALID_PARAMS) for k in keys]
+
+    def remove(self, keys: Sequence[str], force: bool = False) -> list[ErrorCode]:
+        now = self.clock.now()
+        out = []
+        for key in keys:
+            obj = self.objects.get(key) if type(key) is str else None
+            if obj is None:
+                out.append(E.OBJECT_NOT_FOUND if valid_key(key) else E.INVALID_PARAMS)
+            elif obj.lease_until > now and not force:
+                out.append(E.OBJECT_HAS_LEASE)
+            else:
+                self._remove_object(obj, defer=True)
+                out.append(E.OK)
+        return out
+
+    def remove_all(self, force: bool = False) -> int:
+        return self._remove_matching(lambda key: True, force)
+
+    def remove_regex(self, pattern: str, force: bool = False) -> int:
+        """Remove every key matching `pattern` (re.search); -600 for a bad pattern."""
+        try:
+            compiled = re.compile(pattern)
+        except (re.error, TypeError):
+            return int(E.INVALID_PARAMS)
+        return self._remove_matching(lambda key: compiled.search(key) is not None, force)
+
+    def _remove_matching(self, match: object, force: bool) -> int:
+        now = self.clock.now()
+        victims = [o for o in self.objects.values()
+                   if (force or o.lease_until <= now) and match(o.key)]  # type: ignore[operator]
+        for obj in victims:
+            self._remove_object(obj, defer=True)
+        return len(victims)
+
+    def _remove_object(self, obj: StoredObject, defer: bool) -> None:
+        """Drop an object; with `defer`, memory a live lease may still be read from is
+        freed only when the lease ends."""
+        del self.objects[obj.key]
+        self.policy.on_remove(obj.key)
+        leased = defer and obj.lease_until > self.clock.now()
+        for r in obj.replicas:
+            r.segment.keys.discard(obj.key)
+            if leased:
+                self._deferred.append((obj.lease_until, r.segment, r.offset))
+            else:
+                self._free(r.segment, r.offset)
+
+    def _free(self, seg: Segment, offset: int) -> None:
+        if self.segments.get(seg.segment_id) is seg:
+            self._used -= seg.allocator.free(offset)
+
+    def release_deferred(self) -> int:
+        now = self.clock.now()
+        due = [d for d in self._deferred if d[0] <= now]
+        if due:
+            self._deferred = [d for d in self._deferred if d[0] > now]
+            for _, seg, offset in due:
+                self._free(seg, offset)
+        return len(due)
+
+    # -- housekeeping and inspection ------------------------------------------------------
+
+    def evict(self, num_bytes: int) -> bool:
+        """Free about `num_bytes` (see master_evict.evict); whether anything was freed."""
+        return master_evict.evict(self, num_bytes)
+
+    def _eviction_target(self) -> int:
+        return master_evict.eviction_target(self)
+
+    def tick(self) -> None:
+        """Run every timeout that is due, then evict if above the high watermark."""
+        self.expire_clients()
+        self.discard_stale_puts()
+        self.release_deferred()
+        if self._capacity and self._used > self.config.high_watermark * self._capacity:
+            self.evict(self._eviction_target())
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def query(self, key: str) -> ObjectInfo | None:
+        obj = self.objects.get(key)
+        if obj is None:
+            return None
+        now = self.clock.now()
+        return ObjectInfo(key, obj.size, tuple(r.desc() for r in obj.replicas),
+                          obj.lease_until > now, obj.hard_pinned, obj.soft_pin_until > now)
+
+    def keys(self, prefix: str = "", limit: int = 1000) -> list[str]:
+        out = []
+        for key in self.objects:
+            if key.startswith(prefix):
+                out.append(key)
+                if len(out) >= limit:
+                    break
+        return out
+
+    def segment_infos(self) -> list[SegmentInfo]:
+        return [s.info() for s in self.segments.values()]
+
+    def check_integrity(self) -> None:
+        """AssertionError unless every table agrees with every other and with the allocators."""
+        from kvpool.store.master_check import check_master
+        check_master(self)

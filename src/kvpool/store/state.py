@@ -1,0 +1,72 @@
+"""The master's tables: segments, stored objects, pending puts and clients (plain data)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvpool.store.allocator import OffsetAllocator
+from kvpool.store.codes import ReplicaDesc, ReplicaState, SegmentInfo, Tier
+
+
+@dataclass(eq=False)
+class Segment:
+    """Memory one client contributes: [base_addr, base_addr + capacity) in its process."""
+
+    segment_id: str
+    client_id: str
+    endpoint: str
+    base_addr: int
+    allocator: OffsetAllocator
+    tier: Tier = Tier.DRAM
+    keys: set[str] = field(default_factory=set)
+    """Keys of complete objects with a replica here."""
+    pending_keys: set[str] = field(default_factory=set)
+
+    @property
+    def capacity(self) -> int:
+        return self.allocator.capacity
+
+    def info(self) -> SegmentInfo:
+        return SegmentInfo(self.segment_id, self.client_id, self.endpoint, self.base_addr,
+                           self.capacity, self.allocator.used_bytes, self.tier)
+
+
+@dataclass(eq=False, slots=True)
+class Replica:
+    segment: Segment
+    offset: int
+    size: int
+
+    def desc(self, state: ReplicaState = ReplicaState.COMPLETE) -> ReplicaDesc:
+        seg = self.segment
+        return ReplicaDesc(seg.segment_id, seg.endpoint, seg.base_addr + self.offset,
+                           self.size, seg.tier, state)
+
+
+@dataclass(eq=False, slots=True)
+class StoredObject:
+    key: str
+    size: int
+    replicas: list[Replica]
+    lease_until: float = 0.0
+    hard_pinned: bool = False
+    soft_pin_until: float = 0.0
+
+
+@dataclass(eq=False, slots=True)
+class PendingPut:
+    key: str
+    size: int
+    replicas: list[Replica]
+    client_id: str
+    started: float
+    upsert: bool
+    hard_pinned: bool
+    soft_pinned: bool
+
+
+@dataclass(eq=False, slots=True)
+class ClientState:
+    client_id: str
+    last_seen: float
+    segment_ids: set[str] = field(default_factory=set)

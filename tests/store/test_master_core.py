@@ -1,0 +1,210 @@
+from __future__ import annotations
+
+from kvpool.clock import VirtualClock
+from kvpool.store.codes import ErrorCode as E
+from kvpool.store.codes import ReplicaState
+from kvpool.store.config import ReplicateConfig
+from kvpool.store.master_core import MasterCore
+from tests.store.conftest import KIB, make_core
+
+
+def put(core: MasterCore, key: str, size: int = KIB, client: str = "w",
+        cfg: ReplicateConfig | None = None, upsert: bool = False) -> E:
+    (res,) = core.put_start(client, [key], [size], cfg or ReplicateConfig(), upsert)
+    if res.code != E.OK:
+        return res.code
+    (end,) = core.put_end(client, [key])
+    core.check_integrity()
+    return end
+
+
+def test_two_phase_put_hides_pending(core: MasterCore) -> None:
+    (res,) = core.put_start("w", ["k"], [1000], ReplicateConfig(replica_num=2))
+    assert res.code == E.OK
+    assert len(res.replicas) == 2
+    assert {r.endpoint for r in res.replicas} == {"127.0.0.1:9000", "127.0.0.1:9001"}
+    assert all(r.state == ReplicaState.PENDING and r.size == 1000 for r in res.replicas)
+    assert [r.addr for r in res.replicas] == [0x10000, 0x10000]
+    core.check_integrity()
+    assert core.get_replicas(["k"])[0].code == E.OBJECT_NOT_FOUND
+    assert core.exists(["k"]) == [E.OBJECT_NOT_FOUND]
+    assert core.put_end("other", ["k"]) == [E.OBJECT_NOT_FOUND]
+    assert core.put_end("w", ["k"]) == [E.OK]
+    (look,) = core.get_replicas(["k"])
+    assert look.code == E.OK and look.size == 1000 and len(look.replicas) == 2
+    assert look.lease_ttl_s == 10.0
+    assert core.used_bytes == 2 * 1024
+    core.check_integrity()
+
+
+def test_revoke_frees_space(core: MasterCore) -> None:
+    core.put_start("w", ["k"], [5000])
+    assert core.used_bytes == 5056
+    assert core.put_revoke("w", ["k"]) == [E.OK]
+    assert core.put_revoke("w", ["k"]) == [E.OBJECT_NOT_FOUND]
+    assert core.used_bytes == 0 and core.pending == {}
+    core.check_integrity()
+
+
+def test_objects_are_immutable_upsert_replaces(core: MasterCore) -> None:
+    assert put(core, "k", 100) == E.OK
+    assert put(core, "k", 200) == E.OBJECT_ALREADY_EXISTS
+    assert core.get_replicas(["k"])[0].size == 100
+    core.clock.advance(11)  # type: ignore[attr-defined]
+    assert put(core, "k", 300, upsert=True) == E.OK
+    assert core.get_replicas(["k"])[0].size == 300
+    assert core.used_bytes == 320
+
+
+def test_concurrent_put_of_same_key(core: MasterCore) -> None:
+    assert core.put_start("a", ["k"], [64])[0].code == E.OK
+    assert core.put_start("b", ["k"], [64])[0].code == E.OBJECT_ALREADY_EXISTS
+
+
+def test_lease_blocks_remove_until_expiry(core: MasterCore, vclock: VirtualClock) -> None:
+    put(core, "k")
+    core.get_replicas(["k"])
+    assert core.remove(["k"]) == [E.OBJECT_HAS_LEASE]
+    vclock.advance(9.9)
+    assert core.remove(["k"]) == [E.OBJECT_HAS_LEASE]
+    vclock.advance(0.2)
+    assert core.remove(["k"]) == [E.OK]
+    assert core.remove(["k"]) == [E.OBJECT_NOT_FOUND]
+    assert core.used_bytes == 0
+    core.check_integrity()
+
+
+def test_forced_remove_defers_free_until_lease_ends(core: MasterCore,
+                                                   vclock: VirtualClock) -> None:
+    put(core, "k", 4096)
+    core.get_replicas(["k"])
+    assert core.remove(["k"], force=True) == [E.OK]
+    assert core.exists(["k"]) == [E.OBJECT_NOT_FOUND]
+    assert core.used_bytes == 4096          # a reader may still be copying
+    core.check_integrity()
+    vclock.advance(10.5)
+    core.tick()
+    assert core.used_bytes == 0
+    core.check_integrity()
+
+
+def test_stale_pending_put_is_discarded(core: MasterCore, vclock: VirtualClock) -> None:
+    core.put_start("w", ["k"], [64])
+    vclock.advance(29)
+    core.heartbeat("w"), core.heartbeat("c0"), core.heartbeat("c1")
+    core.tick()
+    assert "k" in core.pending
+    vclock.advance(2)
+    core.heartbeat("w"), core.heartbeat("c0"), core.heartbeat("c1")
+    core.tick()
+    assert core.pending == {} and core.stats.discarded_puts == 1
+    assert core.put_end("w", ["k"]) == [E.OBJECT_NOT_FOUND]
+    core.check_integrity()
+
+
+def test_dead_client_loses_segments_and_puts(vclock: VirtualClock) -> None:
+    core = make_core(vclock, num_segments=3)
+    cfg2 = ReplicateConfig(replica_num=2, preferred_segments=("127.0.0.1:9000", "127.0.0.1:9001"))
+    assert put(core, "both", cfg=cfg2) == E.OK
+    assert put(core, "only0", cfg=ReplicateConfig(preferred_segment="127.0.0.1:9000")) == E.OK
+    assert put(core, "only2", cfg=ReplicateConfig(preferred_segment="127.0.0.1:9002")) == E.OK
+    core.put_start("w", ["inflight"], [64], ReplicateConfig(preferred_segment="127.0.0.1:9000"))
+    for _ in range(10):
+        vclock.advance(1.0)
+        for c in ("c1", "c2", "w"):
+            assert core.heartbeat(c) == E.OK
+        core.tick()
+    vclock.advance(0.5)
+    core.tick()
+    assert "c0" not in core.clients and core.stats.expired_clients == 1
+    assert sorted(core.objects) == ["both", "only2"]
+    assert [r.endpoint for r in core.get_replicas(["both"])[0].replicas] == ["127.0.0.1:9001"]
+    assert core.put_end("w", ["inflight"]) == [E.OBJECT_NOT_FOUND]
+    assert core.heartbeat("c0") == E.UNKNOWN_CLIENT
+    core.check_integrity()
+
+
+def test_full_pool_gives_no_space_when_nothing_evictable(vclock: VirtualClock) -> None:
+    core = make_core(vclock, num_segments=1, capacity=4 * KIB)
+    for i in range(4):
+        assert put(core, f"k{i}", KIB) == E.OK
+    core.get_replicas([f"k{i}" for i in range(4)])   # leases protect everything
+    assert core.put_start("w", ["x"], [KIB])[0].code == E.NO_AVAILABLE_HANDLE
+    assert core.put_start("w", ["y"], [8 * KIB])[0].code == E.NO_AVAILABLE_HANDLE
+    assert core.stats.no_space == 2
+    assert len(core.objects) == 4
+
+
+def test_allocation_failure_evicts_lru(vclock: VirtualClock) -> None:
+    core = make_core(vclock, num_segments=1, capacity=4 * KIB, eviction_ratio=0.25)
+    for i in range(4):
+        assert put(core, f"k{i}", KIB) == E.OK
+        vclock.advance(1)
+    vclock.advance(11)
+    core.get_replicas(["k0"])            # k0 becomes most recent (and leased)
+    assert put(core, "new", KIB) == E.OK
+    assert sorted(core.objects) == ["k0", "k2", "k3", "new"]
+    assert core.stats.evicted_objects == 1
+
+
+def test_watermark_eviction_order_and_pins(vclock: VirtualClock) -> None:
+    core = make_core(vclock, num_segments=1, capacity=10 * KIB, high_watermark=0.5,
+                     eviction_ratio=0.2)
+    assert put(core, "hard", KIB, cfg=ReplicateConfig(with_hard_pin=True)) == E.OK
+    assert put(core, "soft", KIB, cfg=ReplicateConfig(with_soft_pin=True)) == E.OK
+    for i in range(4):
+        assert put(core, f"k{i}", KIB) == E.OK
+    core.tick()                          # 6/10 used > 0.5: free 2 KiB, plain objects first
+    assert sorted(core.objects) == ["hard", "k2", "k3", "soft"]
+    core.tick()
+    assert sorted(core.objects) == ["hard", "k2", "k3", "soft"]   # 4/10 is below the mark
+    core.put_start("w", ["p1", "p2"], [KIB, KIB])                # pending: never evicted
+    core.remove(["k2", "k3"])
+    assert put(core, "k4", 2 * KIB) == E.OK                      # 6/10 again
+    core.tick()                          # first pass: k4 is plain, soft survives
+    assert sorted(core.objects) == ["hard", "soft"]
+    assert sorted(core.pending) == ["p1", "p2"]
+    assert put(core, "k5", 2 * KIB, cfg=ReplicateConfig(with_hard_pin=True)) == E.OK
+    core.tick()                          # nothing plain left: the second pass takes soft
+    assert sorted(core.objects) == ["hard", "k5"]
+    core.check_integrity()
+
+
+def test_bad_input_gets_invalid_params(core: MasterCore) -> None:
+    bad_keys = ["", "a b", "x" * 5000, "tab\t", 7, None]
+    res = core.put_start("w", bad_keys, [10] * len(bad_keys))  # type: ignore[arg-type]
+    assert [r.code for r in res] == [E.INVALID_PARAMS] * len(bad_keys)
+    assert [r.code for r in core.put_start("w", ["a", "b", "c"], [0, -1, 1 << 41])] == \
+        [E.INVALID_PARAMS] * 3
+    assert [r.code for r in core.put_start("w", ["a"], [1, 2])] == [E.INVALID_PARAMS]
+    assert core.put_start("w", ["a"], [1], ReplicateConfig(replica_num=9))[0].code \
+        == E.INVALID_PARAMS
+    assert core.exists(["", 3]) == [E.INVALID_PARAMS, E.INVALID_PARAMS]  # type: ignore[list-item]
+    assert core.remove_regex("(") == E.INVALID_PARAMS
+    assert core.mount_segment("c", "h:1", -5, 10)[0] == E.INVALID_PARAMS
+    assert core.put_start("w", ["ok"], [10])[0].code == E.OK
+    core.check_integrity()
+
+
+def test_more_replicas_than_segments_is_no_space(core: MasterCore) -> None:
+    assert core.put_start("w", ["k"], [64], ReplicateConfig(replica_num=3))[0].code \
+        == E.NO_AVAILABLE_HANDLE
+
+
+def test_remove_all_and_regex(core: MasterCore) -> None:
+    for key in ("a1", "a2", "b1"):
+        put(core, key)
+    core.get_replicas(["b1"])
+    assert core.remove_regex("^a") == 2
+    assert core.remove_all() == 0
+    assert core.remove_all(force=True) == 1
+    assert core.objects == {}
+
+
+def test_unmount_by_owner_only(core: MasterCore) -> None:
+    sid = core.segment_infos()[0].segment_id
+    assert core.unmount_segment("c1", sid) == E.INVALID_PARAMS
+    assert core.unmount_segment("c0", "nope") == E.SEGMENT_NOT_FOUND
+    assert core.unmount_segment("c0", sid) == E.OK
+    assert core.capacity_bytes == 64 * KIB
+    core.check_integrity()
