@@ -1,0 +1,118 @@
+"""Admission policies ([A] section 7), swapped by name through ADMISSION_POLICIES.
+
+Load is predicted time over its limit: prefill load = predicted TTFT / l_ttft, decode load =
+max(predicted TBT / l_tbt, KV tokens / decode VRAM capacity). A request is refused when a load
+exceeds 1.
+
+- `none`: the baseline. At arrival only the prefill stage checks its own load; the decode stage
+  checks its load when the KV arrives (`at_decode`) and may refuse after the prefill was spent.
+- `early_rejection`: at arrival, refuse on max(prefill load, current decode load).
+- `early_rejection_predicted`: like early rejection, but the decode load is the one predicted
+  for the moment this request's prefill ends (system-level prediction with horizon t_d).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from kvpool.conductor.config import ConductorConfig
+from kvpool.conductor.cost import CostModel
+from kvpool.conductor.decode import active_tbt_s, predicted_at
+from kvpool.conductor.types import DecodeChoice, PrefillChoice, Rejected, RequestInfo
+from kvpool.conductor.view import ClusterView, DecodeLoad
+from kvpool.errors import InvalidArgument
+
+
+class AdmissionPolicy(Protocol):
+    def at_arrival(self, req: RequestInfo, prefill: PrefillChoice, decode: DecodeChoice | None,
+                   view: ClusterView, now: float) -> Rejected | None: ...
+
+    def at_decode(self, req: RequestInfo, d: DecodeLoad, num_running: int,
+                  running_tokens: int) -> Rejected | None: ...
+
+
+class _Base:
+    def __init__(self, cost: CostModel, config: ConductorConfig) -> None:
+        self.cost = cost
+        self.config = config
+
+    def decode_load(self, tbt_s: float, tokens: int, capacity: int) -> float:
+        return max(tbt_s / self.config.tbt_slo_s, tokens / capacity if capacity else 0.0)
+
+    def _verdict(self, prefill: PrefillChoice, tbt_s: float, p_load: float, d_load: float,
+                 stage: str = "arrival") -> Rejected | None:
+        if p_load <= 1.0 and d_load <= 1.0:
+            return None
+        if p_load > 1.0 and p_load >= d_load:
+            reason = "ttft"
+        else:
+            reason = "tbt" if tbt_s > self.config.tbt_slo_s else "kv_capacity"
+        return Rejected(reason, stage, prefill.ttft_s, tbt_s, p_load, d_load)
+
+    def at_decode(self, req: RequestInfo, d: DecodeLoad, num_running: int,
+                  running_tokens: int) -> Rejected | None:
+        return None
+
+
+class NoAdmission(_Base):
+    def at_arrival(self, req: RequestInfo, prefill: PrefillChoice, decode: DecodeChoice | None,
+                   view: ClusterView, now: float) -> Rejected | None:
+        tbt = decode.tbt_s if decode is not None else 0.0
+        return self._verdict(prefill, tbt, prefill.ttft_s / self.config.ttft_slo_s, 0.0)
+
+    def at_decode(self, req: RequestInfo, d: DecodeLoad, num_running: int,
+                  running_tokens: int) -> Rejected | None:
+        """The decode stage's own check when the KV arrives: the batch with this request."""
+        tokens = running_tokens + req.input_len
+        tbt = self.cost.decode_step_s(num_running + 1, tokens)
+        load = self.decode_load(tbt, tokens, d.kv_capacity_tokens)
+        if load <= 1.0:
+            return None
+        reason = "tbt" if tbt > self.config.tbt_slo_s else "kv_capacity"
+        return Rejected(reason, "decode", 0.0, tbt, 0.0, load)
+
+
+class EarlyRejection(_Base):
+    def at_arrival(self, req: RequestInfo, prefill: PrefillChoice, decode: DecodeChoice | None,
+                   view: ClusterView, now: float) -> Rejected | None:
+        p_load = prefill.ttft_s / self.config.ttft_slo_s
+        if decode is None:
+            return self._verdict(prefill, 0.0, p_load, 0.0)
+        d = view.decode[decode.instance_id]
+        tbt = active_tbt_s(self.cost, d, req)
+        d_load = self.decode_load(tbt, d.active_tokens + req.input_len, d.kv_capacity_tokens)
+        return self._verdict(prefill, tbt, p_load, d_load)
+
+
+class PredictedEarlyRejection(_Base):
+    def at_arrival(self, req: RequestInfo, prefill: PrefillChoice, decode: DecodeChoice | None,
+                   view: ClusterView, now: float) -> Rejected | None:
+        p_load = prefill.ttft_s / self.config.ttft_slo_s
+        if decode is None:
+            return self._verdict(prefill, 0.0, p_load, 0.0)
+        d = view.decode[decode.instance_id]
+        count, tokens = predicted_at(d, now + prefill.ttft_s, self.config.decode_horizon_s)
+        tokens += req.input_len
+        tbt = self.cost.decode_step_s(count + 1, tokens)
+        d_load = self.decode_load(tbt, tokens, d.kv_capacity_tokens)
+        return self._verdict(prefill, tbt, p_load, d_load)
+
+
+AdmissionFactory = Callable[[CostModel, ConductorConfig], AdmissionPolicy]
+
+ADMISSION_POLICIES: dict[str, AdmissionFactory] = {
+    "none": NoAdmission,
+    "early_rejection": EarlyRejection,
+    "early_rejection_predicted": PredictedEarlyRejection,
+}
+
+
+def create_admission(name: str, cost: CostModel, config: ConductorConfig) -> AdmissionPolicy:
+    try:
+        factory = ADMISSION_POLICIES[name]
+    except KeyError:
+        raise InvalidArgument(
+            f"unknown admission policy {name!r}; choose one of {sorted(ADMISSION_POLICIES)}"
+        ) from None
+    return factory(cost, config)

@@ -1,0 +1,152 @@
+"""The cluster as the conductor sees it: per-instance load and a block -> holders index.
+
+The owner (simulator or live proxy) keeps this view current: it reports cached and evicted
+blocks to `PrefixIndex`, and tells `ClusterView` when a request is accepted, starts decoding or
+finishes. The conductor only reads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvpool.conductor.types import Accepted, RequestInfo
+from kvpool.errors import InvalidArgument
+
+_EMPTY: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    lens: dict[int, int]
+    """instance id -> leading blocks of the request it holds (absent = 0)."""
+    best_blocks: int
+    best_instance: int | None
+
+    def blocks_on(self, instance_id: int) -> int:
+        return self.lens.get(instance_id, 0)
+
+
+class PrefixIndex:
+    """block hash -> set of instances whose cache holds that block."""
+
+    def __init__(self) -> None:
+        self._holders: dict[int, set[int]] = {}
+
+    def add(self, instance_id: int, block_hash: int) -> None:
+        self._holders.setdefault(block_hash, set()).add(instance_id)
+
+    def remove(self, instance_id: int, block_hash: int) -> None:
+        holders = self._holders.get(block_hash)
+        if holders is None or instance_id not in holders:
+            raise InvalidArgument(f"instance {instance_id} does not hold block {block_hash}")
+        holders.discard(instance_id)
+        if not holders:
+            del self._holders[block_hash]
+
+    def holders(self, block_hash: int) -> frozenset[int] | set[int]:
+        return self._holders.get(block_hash, _EMPTY)
+
+    def __len__(self) -> int:
+        return len(self._holders)
+
+    def match(self, block_hashes: Sequence[int]) -> PrefixMatch:
+        """Leading run of `block_hashes` held by each instance; O(matched blocks) set ops."""
+        lens: dict[int, int] = {}
+        alive: set[int] = set()
+        depth = 0
+        for depth, block in enumerate(block_hashes):
+            holders = self._holders.get(block)
+            if holders is None:
+                break
+            nxt = set(holders) if depth == 0 else alive & holders
+            for gone in alive - nxt:
+                lens[gone] = depth
+            alive = nxt
+            if not alive:
+                break
+        else:
+            depth = len(block_hashes)
+        for inst in alive:
+            lens[inst] = depth
+        if not lens:
+            return PrefixMatch(lens, 0, None)
+        best = max(lens.values())
+        best_inst = min(i for i, n in lens.items() if n == best)
+        return PrefixMatch(lens, best, best_inst)
+
+
+@dataclass(slots=True)
+class PrefillLoad:
+    instance_id: int
+    busy_until_s: float = 0.0
+    """When the work already queued on this instance is predicted to finish."""
+    nic_busy_until_s: float = 0.0
+    """When this node's NIC finishes the transfers it is already sending (sender congestion)."""
+    num_queued: int = 0
+
+    def queue_s(self, now: float) -> float:
+        return max(0.0, self.busy_until_s - now)
+
+
+@dataclass(slots=True)
+class DecodeLoad:
+    instance_id: int
+    kv_capacity_tokens: int
+    num_active: int = 0
+    """Requests whose KV has arrived (running or waiting for VRAM)."""
+    active_tokens: int = 0
+    num_assigned: int = 0
+    """Active requests plus accepted ones still in prefill or transfer."""
+    assigned_tokens: int = 0
+    planned: dict[int, tuple[float, int]] = field(default_factory=dict)
+    """request id -> (decode start, context tokens), predicted until the request starts."""
+
+
+@dataclass(slots=True)
+class ClusterView:
+    prefill: list[PrefillLoad]
+    decode: list[DecodeLoad]
+    index: PrefixIndex = field(default_factory=PrefixIndex)
+
+    @classmethod
+    def create(cls, num_prefill: int, num_decode: int, kv_capacity_tokens: int) -> ClusterView:
+        if num_prefill <= 0 or num_decode < 0:
+            raise InvalidArgument(
+                f"need num_prefill > 0 and num_decode >= 0, got {num_prefill}, {num_decode}")
+        return cls([PrefillLoad(i) for i in range(num_prefill)],
+                   [DecodeLoad(i, kv_capacity_tokens) for i in range(num_decode)])
+
+    def record_accept(self, req: RequestInfo, decision: Accepted, now: float) -> None:
+        """Book an accepted request: prefill queue, sender NIC, decode assignment."""
+        choice = decision.prefill
+        p = self.prefill[choice.instance_id]
+        p.busy_until_s = max(p.busy_until_s, now) + choice.transfer_s + choice.prefill_s
+        p.num_queued += 1
+        if choice.source_id is not None and choice.transfer_s > 0:
+            src = self.prefill[choice.source_id]
+            src.nic_busy_until_s = max(src.nic_busy_until_s, now) + choice.transfer_s
+        if self.decode:
+            d = self.decode[decision.decode.instance_id]
+            d.num_assigned += 1
+            d.assigned_tokens += req.input_len
+            d.planned[req.request_id] = (now + choice.ttft_s, req.input_len)
+
+    def record_prefill_done(self, instance_id: int) -> None:
+        self.prefill[instance_id].num_queued -= 1
+
+    def record_decode_start(self, decode_id: int, req: RequestInfo, now: float) -> None:
+        d = self.decode[decode_id]
+        d.num_active += 1
+        d.active_tokens += req.input_len
+        d.planned[req.request_id] = (now, req.input_len)
+
+    def record_decode_end(self, decode_id: int, req: RequestInfo, started: bool) -> None:
+        """The request left decode instance `decode_id` (finished, or rejected/failed before)."""
+        d = self.decode[decode_id]
+        d.num_assigned -= 1
+        d.assigned_tokens -= req.input_len
+        if started:
+            d.num_active -= 1
+            d.active_tokens -= req.input_len
+        d.planned.pop(req.request_id, None)
