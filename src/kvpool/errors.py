@@ -70,3 +70,7 @@ class RpcError(StoreError):
 
 class MetadataUnavailable(MetadataError):
     """The metadata service cannot be reached (refused, timed out, or every endpoint down)."""
+
+
+class RpcTimeout(RpcError):
+    """The master did not answer a control-plane RPC within its deadline."""

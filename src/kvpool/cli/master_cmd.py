@@ -1,9 +1,90 @@
-"""Placeholder: this subcommand module registers nothing yet."""
+"""`kvpool master`: the store's metadata master (RPC, admin HTTP, embedded HTTP metadata).
+
+Mooncake's `mooncake_master` flag spellings are accepted as aliases, with Mooncake's units
+(`--default_kv_lease_ttl` in ms, `--client_ttl` in s).
+"""
 
 from __future__ import annotations
 
 import argparse
+import signal
+import threading
+
+from kvpool.errors import ConfigError, KvpoolError
+from kvpool.log import get_logger
+from kvpool.store.config import MasterConfig
+from kvpool.store.master import MasterServer, MasterServerConfig
+
+log = get_logger("cli.master")
+_DEF = MasterConfig()
+_SRV = MasterServerConfig()
+
+
+def _bool(value: str) -> bool:
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    return None
+    p = subparsers.add_parser("master", help="run the KVCache store master")
+    p.add_argument("--host", default=_SRV.host, help="address to bind (default 127.0.0.1)")
+    p.add_argument("--rpc-port", "--rpc_port", "--port", dest="rpc_port", type=int,
+                   default=_SRV.rpc_port, help="control-plane RPC port (default 50051)")
+    p.add_argument("--admin-port", "--metrics_port", "--metrics-port", dest="admin_port",
+                   type=int, default=_SRV.admin_port, help="admin HTTP port (default 9003)")
+    p.add_argument("--metadata-port", "--http_metadata_server_port", dest="metadata_port",
+                   type=int, default=_SRV.metadata_port,
+                   help="embedded HTTP metadata port (default 8080)")
+    p.add_argument("--enable_http_metadata_server", dest="metadata", type=_bool, nargs="?",
+                   const=True, default=True, help="serve HTTP metadata (default on)")
+    p.add_argument("--no-http-metadata", dest="metadata", action="store_false",
+                   help="do not embed the HTTP metadata server")
+    p.add_argument("--lease-ttl-ms", "--default_kv_lease_ttl", dest="lease_ttl_ms",
+                   type=float, default=_DEF.lease_ttl_s * 1000, help="read lease, ms")
+    p.add_argument("--soft-pin-ttl-ms", "--default_kv_soft_pin_ttl", dest="soft_pin_ttl_ms",
+                   type=float, default=_DEF.soft_pin_ttl_s * 1000, help="soft pin, ms")
+    p.add_argument("--high-watermark", "--eviction_high_watermark_ratio", dest="watermark",
+                   type=float, default=_DEF.high_watermark)
+    p.add_argument("--eviction-ratio", "--eviction_ratio", dest="eviction_ratio", type=float,
+                   default=_DEF.eviction_ratio)
+    p.add_argument("--client-ttl", "--client_ttl", dest="client_ttl", type=float,
+                   default=_DEF.client_ttl_s, help="seconds without heartbeat before a "
+                   "client is declared dead")
+    p.add_argument("--put-discard-timeout", "--put_start_discard_timeout_sec",
+                   dest="put_timeout", type=float, default=_DEF.put_discard_timeout_s)
+    p.add_argument("--allocation-strategy", "--allocation_strategy", dest="strategy",
+                   choices=("random", "free_ratio_first"), default=_DEF.allocation_strategy)
+    p.add_argument("--eviction-policy", default=_DEF.eviction_policy, help="lru or fifo")
+    p.set_defaults(func=run)
+
+
+def build_configs(args: argparse.Namespace) -> tuple[MasterServerConfig, MasterConfig]:
+    server = MasterServerConfig(args.host, args.rpc_port, args.admin_port, args.metadata_port,
+                                args.metadata)
+    config = MasterConfig(lease_ttl_s=args.lease_ttl_ms / 1000,
+                          soft_pin_ttl_s=args.soft_pin_ttl_ms / 1000,
+                          high_watermark=args.watermark, eviction_ratio=args.eviction_ratio,
+                          client_ttl_s=args.client_ttl,
+                          put_discard_timeout_s=args.put_timeout,
+                          allocation_strategy=args.strategy,
+                          eviction_policy=args.eviction_policy)
+    return server, config
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        server_cfg, config = build_configs(args)
+        master = MasterServer(server_cfg, config).start()
+    except (ConfigError, KvpoolError) as exc:
+        log.error("%s", exc)
+        return 2
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    print(f"kvpool master ready: rpc {master.address} admin {master.admin_port}", flush=True)
+    stop.wait()
+    master.stop()
+    return 0

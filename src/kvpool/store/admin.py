@@ -1,0 +1,60 @@
+"""The master's admin HTTP app: health, Prometheus metrics and read-only inspection."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Query, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from kvpool.store.master_core import MasterCore
+from kvpool.store.metrics import MasterMetrics
+
+
+def _segment_json(core: MasterCore) -> list[dict[str, Any]]:
+    return [{"segment_id": s.segment_id, "client_id": s.client_id, "endpoint": s.endpoint,
+             "base_addr": s.base_addr, "capacity_bytes": s.capacity_bytes,
+             "used_bytes": s.used_bytes, "tier": s.tier.name} for s in core.segment_infos()]
+
+
+def create_admin_app(core: MasterCore, lock: threading.Lock,
+                     metrics: MasterMetrics) -> FastAPI:
+    app = FastAPI(title="kvpool master admin")
+
+    @app.get("/health")
+    def health() -> dict[str, Any]:
+        with lock:
+            return {"status": "ok", "keys": len(core.objects), "segments": len(core.segments),
+                    "clients": len(core.clients), "capacity_bytes": core.capacity_bytes,
+                    "used_bytes": core.used_bytes}
+
+    @app.get("/metrics")
+    def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/segments")
+    @app.get("/get_all_segments")
+    def segments() -> list[dict[str, Any]]:
+        with lock:
+            return _segment_json(core)
+
+    @app.get("/query_key")
+    def query_key(key: str = Query(..., min_length=1, max_length=4096)) -> dict[str, Any]:
+        with lock:
+            info = core.query(key)
+        if info is None:
+            raise HTTPException(404, f"no object with key {key!r}")
+        return {"key": info.key, "size": info.size, "leased": info.leased,
+                "hard_pinned": info.hard_pinned, "soft_pinned": info.soft_pinned,
+                "replicas": [{"segment_id": r.segment_id, "endpoint": r.endpoint,
+                              "addr": r.addr, "size": r.size, "tier": r.tier.name,
+                              "state": r.state.name} for r in info.replicas]}
+
+    @app.get("/keys")
+    def keys(prefix: str = "", limit: int = Query(1000, ge=1, le=100000)) -> dict[str, Any]:
+        with lock:
+            found = core.keys(prefix, limit)
+        return {"prefix": prefix, "count": len(found), "keys": found}
+
+    return app

@@ -1,0 +1,43 @@
+"""Run an ASGI app with uvicorn in a background thread (admin HTTP of the master)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Any
+
+import uvicorn
+
+from kvpool.errors import StoreError
+
+
+class HttpServerThread:
+    def __init__(self, app: Any, host: str, port: int) -> None:
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._sock.bind((host, port))
+        except OSError as exc:
+            self._sock.close()
+            raise StoreError(f"cannot listen on {host}:{port}: {exc}") from None
+        self.host = host
+        self.port = int(self._sock.getsockname()[1])
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run,
+                                        kwargs={"sockets": [self._sock]},
+                                        name=f"kvpool-http-{self.port}", daemon=True)
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise StoreError(f"HTTP server on port {self.port} did not start")
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(5)
+        self._sock.close()

@@ -1,0 +1,103 @@
+"""The master process: RPC server, admin HTTP server and (optionally) the HTTP metadata
+server around one MasterCore."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool.clock import SYSTEM_CLOCK, Clock
+from kvpool.errors import ConfigError
+from kvpool.log import get_logger
+from kvpool.store.admin import create_admin_app
+from kvpool.store.config import MasterConfig
+from kvpool.store.http_thread import HttpServerThread
+from kvpool.store.master_core import MasterCore
+from kvpool.store.metrics import MasterMetrics
+from kvpool.store.rpc_server import RpcServer
+from kvpool.store.service import MasterService
+
+log = get_logger("store.master")
+
+
+@dataclass(frozen=True)
+class MasterServerConfig:
+    host: str = "127.0.0.1"
+    rpc_port: int = 50051
+    """Control-plane RPC (0 picks a free port)."""
+    admin_port: int = 9003
+    """Health, Prometheus metrics and inspection."""
+    metadata_port: int = 8080
+    """Embedded HTTP metadata server (when enabled)."""
+    enable_http_metadata: bool = True
+    tick_interval_s: float = 0.1
+    """How often timeouts and watermark eviction are checked."""
+
+    def __post_init__(self) -> None:
+        for name in ("rpc_port", "admin_port", "metadata_port"):
+            value = getattr(self, name)
+            if not 0 <= value <= 65535:
+                raise ConfigError(f"{name} must be in 0..65535, got {value}")
+        if not 0.001 <= self.tick_interval_s <= 10:
+            raise ConfigError(f"tick_interval_s must be in [0.001, 10], got "
+                              f"{self.tick_interval_s}")
+
+
+class MasterServer:
+    """`start()` binds every port and returns; `.rpc_port` / `.admin_port` are then real."""
+
+    def __init__(self, server: MasterServerConfig | None = None,
+                 config: MasterConfig | None = None, clock: Clock = SYSTEM_CLOCK) -> None:
+        self.server_config = server or MasterServerConfig()
+        self.core = MasterCore(config or MasterConfig(), clock)
+        self.lock = threading.Lock()
+        self.metrics = MasterMetrics(self.core, self.lock)
+        self.service = MasterService(self.core, self.metrics.observe)
+        self._rpc: RpcServer | None = None
+        self._admin: HttpServerThread | None = None
+        self._metadata: Any = None
+
+    @property
+    def rpc_port(self) -> int:
+        assert self._rpc is not None, "start() first"
+        return self._rpc.port
+
+    @property
+    def admin_port(self) -> int:
+        assert self._admin is not None, "start() first"
+        return self._admin.port
+
+    @property
+    def address(self) -> str:
+        return f"{self.server_config.host}:{self.rpc_port}"
+
+    def start(self) -> MasterServer:
+        cfg = self.server_config
+        self._rpc = RpcServer(self.service, cfg.host, cfg.rpc_port, self.lock,
+                              cfg.tick_interval_s)
+        self._admin = HttpServerThread(create_admin_app(self.core, self.lock, self.metrics),
+                                       cfg.host, cfg.admin_port)
+        self._admin.start()
+        if cfg.enable_http_metadata:
+            from kvpool.metadata.server import MetadataServer
+            self._metadata = MetadataServer(cfg.host, cfg.metadata_port)
+            self._metadata.start()
+        self._rpc.start()
+        log.info("master listening: rpc %s:%d admin %d metadata %s", cfg.host, self._rpc.port,
+                 self._admin.port, self._metadata.port if self._metadata else "off")
+        return self
+
+    def stop(self) -> None:
+        if self._rpc is not None:
+            self._rpc.stop()
+        if self._admin is not None:
+            self._admin.stop()
+        if self._metadata is not None:
+            self._metadata.stop()
+
+    def __enter__(self) -> MasterServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

@@ -1,0 +1,111 @@
+"""Dispatch of decoded requests to the master core, and the wire shape of results.
+
+Still sans-I/O: bytes in, bytes out. The RPC server feeds it frames; tests feed it frames
+directly, byte by byte.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvpool.errors import RemoteProtocolError
+from kvpool.store.codes import ErrorCode, ReplicaDesc, Tier
+from kvpool.store.config import ReplicateConfig
+from kvpool.store.master_core import MasterCore
+from kvpool.store.protocol import (
+    Op,
+    Request,
+    decode_request,
+    encode_reply,
+    peek_req_id,
+)
+
+E = ErrorCode
+
+
+def replica_to_wire(r: ReplicaDesc) -> list[Any]:
+    return [r.segment_id, r.endpoint, r.addr, r.size, int(r.tier)]
+
+
+def replica_from_wire(w: list[Any]) -> ReplicaDesc:
+    return ReplicaDesc(w[0], w[1], w[2], w[3], Tier(w[4]))
+
+
+class MasterService:
+    """Turns request frames into reply frames; `on_result(op_name, status, seconds)` observes
+    each one (metrics)."""
+
+    def __init__(self, core: MasterCore,
+                 on_result: Callable[[str, int, float], None] | None = None) -> None:
+        self.core = core
+        self._t0 = 0.0
+        self._on_result = on_result
+        self._handlers: dict[Op, Callable[[Request], Any]] = {
+            Op.PING: lambda r: "pong",
+            Op.HEARTBEAT: lambda r: int(core.heartbeat(r.client_id)),
+            Op.MOUNT: self._mount,
+            Op.UNMOUNT: lambda r: int(core.unmount_segment(r.client_id, r.args[0])),
+            Op.PUT_START: self._put_start,
+            Op.PUT_END: lambda r: [int(c) for c in core.put_end(r.client_id, r.args[0])],
+            Op.PUT_REVOKE: lambda r: [int(c) for c in core.put_revoke(r.client_id, r.args[0])],
+            Op.GET_REPLICAS: self._get_replicas,
+            Op.EXISTS: lambda r: [int(c) for c in core.exists(r.args[0])],
+            Op.REMOVE: lambda r: [int(c) for c in core.remove(r.args[0], r.args[1])],
+            Op.REMOVE_ALL: lambda r: core.remove_all(r.args[0]),
+            Op.REMOVE_REGEX: lambda r: core.remove_regex(r.args[0], r.args[1]),
+            Op.SEGMENTS: self._segments,
+        }
+
+    def handle(self, frame: bytes) -> bytes:
+        """One reply frame for one request frame; never raises for bad input."""
+        self._t0 = time.perf_counter()
+        try:
+            req = decode_request(frame)
+        except RemoteProtocolError as exc:
+            self._observe("malformed", int(E.INVALID_PARAMS))
+            return encode_reply(peek_req_id(frame), int(E.INVALID_PARAMS), str(exc))
+        if req.op in _KEYED and len(req.args[0]) > self.core.config.max_batch:
+            self._observe(req.op.name, int(E.INVALID_PARAMS))
+            return encode_reply(req.req_id, int(E.INVALID_PARAMS),
+                                f"batch of {len(req.args[0])} keys exceeds "
+                                f"{self.core.config.max_batch}")
+        try:
+            result = self._handlers[req.op](req)
+        except (ValueError, TypeError) as exc:  # a value the decoder could not foresee
+            self._observe(req.op.name, int(E.INVALID_PARAMS))
+            return encode_reply(req.req_id, int(E.INVALID_PARAMS), f"{req.op.name}: {exc}")
+        self._observe(req.op.name, 0)
+        return encode_reply(req.req_id, 0, result)
+
+    def _observe(self, op: str, status: int) -> None:
+        if self._on_result is not None:
+            self._on_result(op, status, time.perf_counter() - self._t0)
+
+    def _mount(self, r: Request) -> list[Any]:
+        endpoint, base_addr, size, tier = r.args
+        code, segment_id = self.core.mount_segment(r.client_id, endpoint, base_addr, size,
+                                                   Tier(tier))
+        return [int(code), segment_id]
+
+    def _put_start(self, r: Request) -> list[Any]:
+        keys, sizes, replica_num, hard, soft, preferred, upsert = r.args
+        if not 1 <= replica_num <= self.core.config.max_replicas or len(keys) != len(sizes):
+            return [[int(E.INVALID_PARAMS), []] for _ in keys]
+        cfg = ReplicateConfig(replica_num, hard, soft, "", tuple(preferred))
+        results = self.core.put_start(r.client_id, keys, sizes, cfg, upsert)
+        return [[int(x.code), [replica_to_wire(d) for d in x.replicas]] for x in results]
+
+    def _get_replicas(self, r: Request) -> list[Any]:
+        results = self.core.get_replicas(r.args[0])
+        return [self.core.config.lease_ttl_s,
+                [[int(x.code), x.size, [replica_to_wire(d) for d in x.replicas]]
+                 for x in results]]
+
+    def _segments(self, r: Request) -> list[Any]:
+        return [[s.segment_id, s.client_id, s.endpoint, s.base_addr, s.capacity_bytes,
+                 s.used_bytes, int(s.tier)] for s in self.core.segment_infos()]
+
+
+_KEYED = {Op.PUT_START, Op.PUT_END, Op.PUT_REVOKE, Op.GET_REPLICAS, Op.EXISTS, Op.REMOVE}
