@@ -1,0 +1,208 @@
+"""One simulated GPU instance that runs continuous-batching steps.
+
+Decode work: requests whose KV has arrived wait in `waiting`, join the batch at the next step
+boundary when their KV reservation (input + output tokens) fits in VRAM, and leave after
+output_len - 1 steps (the first token came from prefill). Optional prefill work (the colocated
+baseline): requests in `prefill_queue` are computed whole between decode steps (vLLM without
+chunked prefill: decodes stall) or in chunks folded into decode steps (chunked prefill).
+
+Time advances in *segments*: runs of k identical steps between two batch changes, so a step is
+never simulated one by one unless a prefill chunk rides on it. A request's inter-token gaps are
+read back from the segments it lived through when it finishes.
+
+    seg_start            boundary = seg_start + k*dt             wake
+    |--dt--|--dt--|--dt--|--dt--| ... a join cuts the segment at the next boundary
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvpool.conductor.cost import CostModel
+from kvpool.errors import ConfigError
+from kvpool.sim.events import EventLoop
+from kvpool.sim.record import SimRequest, top_share_mean
+
+Hook = Callable[[SimRequest, float], None]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    kv_capacity_tokens: int = 1_300_000
+    """KV tokens that fit in VRAM: 8 x 80 GB minus 140 GB of weights and activations, at
+    320 KiB per token."""
+    chunk_tokens: int = 0
+    """Chunked prefill token budget per step (0 = prefill whole, stalling decodes)."""
+    prefix_cache_blocks: int = 0
+    """Colocated baseline's GPU prefix cache in blocks (0 = prefix caching off)."""
+
+    def __post_init__(self) -> None:
+        if self.kv_capacity_tokens <= 0:
+            raise ConfigError(f"kv_capacity_tokens must be > 0, got {self.kv_capacity_tokens}")
+        if self.chunk_tokens < 0 or self.prefix_cache_blocks < 0:
+            raise ConfigError("chunk_tokens and prefix_cache_blocks must be >= 0")
+
+
+class BatchEngine:
+    def __init__(self, engine_id: int, cost: CostModel, config: EngineConfig, loop: EventLoop,
+                 on_finish: Hook, on_first_token: Hook | None = None) -> None:
+        self.engine_id = engine_id
+        self.cost = cost
+        self.config = config
+        self.loop = loop
+        self.on_finish = on_finish
+        self.on_first_token = on_first_token
+        self.waiting: deque[SimRequest] = deque()
+        self.prefill_queue: deque[SimRequest] = deque()
+        self.running: dict[int, SimRequest] = {}
+        self._finish_heap: list[tuple[int, int]] = []
+        self.steps_done = 0
+        self.kv_reserved = 0
+        self._in_sum = 0
+        self._join_sum = 0
+        self.seg_dt: list[float] = []
+        self.seg_k: list[int] = []
+        self.busy = False
+        self._seg_start = 0.0
+        self._dt = 0.0
+        self._wake_k = 0
+        self._chunk: tuple[SimRequest, int] | None = None
+        self._stall = False
+        """The current step is a whole prefill: running requests get no token from it."""
+        self._version = 0
+        self.prefill_gpu_s = 0.0
+
+    # ---- questions
+    @property
+    def batch_size(self) -> int:
+        return len(self.running)
+
+    @property
+    def context_tokens(self) -> int:
+        return self._in_sum + len(self.running) * self.steps_done - self._join_sum
+
+    def outstanding(self) -> int:
+        return len(self.running) + len(self.waiting) + len(self.prefill_queue)
+
+    # ---- actions
+    def submit_decode(self, sr: SimRequest, now: float) -> None:
+        """KV of `sr` is in this instance's memory; it joins at the next step boundary."""
+        self.waiting.append(sr)
+        self._poke(now)
+
+    def submit_prefill(self, sr: SimRequest, now: float) -> None:
+        self.prefill_queue.append(sr)
+        self._poke(now)
+
+    def _poke(self, now: float) -> None:
+        if not self.busy:
+            self._boundary(now, 0)
+            return
+        k = max(1, math.ceil((now - self._seg_start) / self._dt - 1e-9))
+        if k < self._wake_k:
+            self._schedule(self._seg_start + k * self._dt, k)
+
+    def _schedule(self, when: float, k: int) -> None:
+        self._version += 1
+        self._wake_k = k
+        self.loop.at(when, self._wake, self._version)
+
+    def _wake(self, version: int) -> None:
+        if version == self._version:
+            self._boundary(self.loop.now, self._wake_k)
+
+    def _boundary(self, now: float, k: int) -> None:
+        if self.busy:
+            self._close_segment(now, k)
+        self._admit(now)
+        self._plan(now)
+
+    def _close_segment(self, now: float, k: int) -> None:
+        decoded = 0 if self._stall else k
+        self.seg_dt.append(self._dt)
+        self.seg_k.append(decoded)
+        self.steps_done += decoded
+        self._finish_chunk(now)
+        while self._finish_heap and self._finish_heap[0][0] <= self.steps_done:
+            _, rid = heapq.heappop(self._finish_heap)
+            self._finish(self.running.pop(rid), now)
+
+    def _finish(self, sr: SimRequest, now: float) -> None:
+        self._in_sum -= sr.req.input_len
+        self._join_sum -= sr.join_step
+        self.kv_reserved -= sr.req.input_len + sr.req.output_len
+        sr.finish_s = now
+        sr.tbt_s = top_share_mean(self._gaps(sr))
+        self.on_finish(sr, now)
+
+    def _gaps(self, sr: SimRequest) -> list[tuple[float, int]]:
+        assert sr.first_token_s is not None
+        carry = sr.join_s - sr.first_token_s
+        gaps: list[tuple[float, int]] = []
+        for dt, k in zip(self.seg_dt[sr.join_seg:], self.seg_k[sr.join_seg:], strict=True):
+            if k == 0:
+                carry += dt
+                continue
+            gaps.append((carry + dt, 1))
+            gaps.append((dt, k - 1))
+            carry = 0.0
+        return gaps
+
+    def _admit(self, now: float) -> None:
+        cap = self.config.kv_capacity_tokens
+        while self.waiting:
+            sr = self.waiting[0]
+            need = sr.req.input_len + sr.req.output_len
+            if self.running and self.kv_reserved + need > cap:
+                break
+            self.waiting.popleft()
+            self._join(sr, now, need)
+
+    def _join(self, sr: SimRequest, now: float, need: int) -> None:
+        sr.engine_id = self.engine_id
+        sr.join_s = now
+        sr.join_seg = len(self.seg_dt)
+        sr.join_step = self.steps_done
+        sr.finish_step = self.steps_done + max(1, sr.req.output_len - 1)
+        self.kv_reserved += need
+        self._in_sum += sr.req.input_len
+        self._join_sum += self.steps_done
+        self.running[sr.req.request_id] = sr
+        heapq.heappush(self._finish_heap, (sr.finish_step, sr.req.request_id))
+
+    def _plan(self, now: float) -> None:
+        self._seg_start = now
+        self._chunk = self._next_prefill()
+        self._stall = False
+        if self._chunk is not None:
+            self.busy = True
+            self._dt = self._prefill_step_s(*self._chunk)
+            self._schedule(now + self._dt, 1)
+        elif self.running:
+            self.busy = True
+            self._dt = self.cost.decode_step_s(len(self.running), self.context_tokens)
+            k = self._finish_heap[0][0] - self.steps_done
+            self._schedule(now + k * self._dt, k)
+        else:
+            self.busy = False
+            self._version += 1
+
+    # ---- prefill work (colocated baseline); overridden in colocated.py
+    def _next_prefill(self) -> tuple[SimRequest, int] | None:
+        return None
+
+    def _prefill_step_s(self, sr: SimRequest, tokens: int) -> float:
+        raise NotImplementedError
+
+    def _finish_chunk(self, now: float) -> None:
+        return None
+
+    def check_integrity(self) -> None:
+        assert self.kv_reserved == sum(
+            s.req.input_len + s.req.output_len for s in self.running.values())
+        assert len(self._finish_heap) == len(self.running)
+        assert self.kv_reserved <= self.config.kv_capacity_tokens or len(self.running) == 1

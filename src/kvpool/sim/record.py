@@ -1,0 +1,66 @@
+"""Per-request record kept by the simulators, and the TBT statistic."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kvpool.sim.trace import TraceRequest
+
+TBT_TOP_SHARE = 0.10
+"""[F] 5.1: a request's TBT is the mean of its longest 10% of inter-token intervals."""
+
+
+@dataclass(slots=True)
+class SimRequest:
+    req: TraceRequest
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    tbt_s: float = 0.0
+    rejected_stage: str | None = None
+    """None, 'arrival' or 'decode'."""
+    rejected_reason: str | None = None
+    prefill_gpu_s: float = 0.0
+    reused_tokens: int = 0
+    # batch-engine bookkeeping
+    engine_id: int = -1
+    join_s: float = 0.0
+    join_seg: int = 0
+    join_step: int = 0
+    finish_step: int = 0
+    prefilled_tokens: int = 0
+    prefix_len: int = 0
+
+    @property
+    def ttft_s(self) -> float | None:
+        if self.first_token_s is None:
+            return None
+        return self.first_token_s - self.req.arrival_s
+
+    @property
+    def completed(self) -> bool:
+        return self.finish_s is not None and self.rejected_stage is None
+
+    def meets(self, ttft_slo_s: float, tbt_slo_s: float) -> bool:
+        ttft = self.ttft_s
+        return (self.completed and ttft is not None and ttft <= ttft_slo_s
+                and self.tbt_s <= tbt_slo_s)
+
+
+def top_share_mean(gaps: Iterable[tuple[float, int]], share: float = TBT_TOP_SHARE) -> float:
+    """Mean of the largest ceil(share * n) values of a run-length list of (value, count)."""
+    runs = sorted((g for g in gaps if g[1] > 0), reverse=True)
+    total = sum(c for _, c in runs)
+    if total == 0:
+        return 0.0
+    want = max(1, math.ceil(share * total - 1e-9))
+    taken = 0
+    acc = 0.0
+    for value, count in runs:
+        use = min(count, want - taken)
+        acc += value * use
+        taken += use
+        if taken == want:
+            break
+    return acc / want
