@@ -72,8 +72,8 @@ class MetadataBackend(ABC):
         """The value stored under `key`, or None when there is none."""
         return self._get(self._usable(key))
 
-    def put(self, key: str, value: bytes) -> None:
-        """Store `value` under `key`, replacing any previous value."""
+    def put(self, key: str, value: bytes | bytearray | memoryview) -> None:
+        """Store a copy of `value` under `key`, replacing any previous value."""
         data = check_value(value)
         self._put(self._usable(key), data)
 

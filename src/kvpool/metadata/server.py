@@ -215,7 +215,9 @@ class MetadataServer:
 
     def _listen(self) -> socket.socket:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # proto must be IPPROTO_TCP: asyncio only disables Nagle on accepted sockets that say
+        # so, and with Nagle on, each response pays a 40 ms delayed-ACK stall.
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((self.host, self.port))
