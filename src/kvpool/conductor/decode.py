@@ -35,13 +35,14 @@ def predicted_at(d: DecodeLoad, at_s: float, horizon_s: float) -> tuple[int, int
 
 
 def select_decode(cost: CostModel, view: ClusterView, req: RequestInfo) -> DecodeChoice | None:
-    """Least-loaded decode instance by predicted TBT; None when there is no decode pool."""
+    """Least-loaded decode instance by predicted TBT, then by assigned requests, then by id;
+    None when there is no decode pool."""
     best: DecodeLoad | None = None
-    best_tbt = 0.0
+    best_key = (0.0, 0)
     for d in view.decode:
-        tbt = assigned_tbt_s(cost, d, req)
-        if best is None or tbt < best_tbt:
-            best, best_tbt = d, tbt
+        key = (assigned_tbt_s(cost, d, req), d.num_assigned)
+        if best is None or key < best_key:
+            best, best_key = d, key
     if best is None:
         return None
-    return DecodeChoice(best.instance_id, best_tbt)
+    return DecodeChoice(best.instance_id, best_key[0])
