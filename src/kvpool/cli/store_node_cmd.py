@@ -1,9 +1,44 @@
-"""Placeholder: this subcommand module registers nothing yet."""
+"""`kvpool store-node --dram 8GiB --master HOST:PORT`: contribute DRAM to the KVCache pool."""
 
 from __future__ import annotations
 
 import argparse
+import signal
+import threading
+
+from kvpool.errors import KvpoolError
+from kvpool.log import get_logger
+from kvpool.store.client_config import ClientConfig
+from kvpool.store.node import run_store_node
+from kvpool.units import parse_size
+
+log = get_logger("cli.store_node")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    return None
+    p = subparsers.add_parser("store-node", help="contribute DRAM to the KVCache pool")
+    p.add_argument("--dram", required=True, help="memory to contribute, e.g. 8GiB")
+    p.add_argument("--master", default="127.0.0.1:50051", help="master RPC HOST:PORT")
+    p.add_argument("--host", default="127.0.0.1", help="transfer-engine listen address")
+    p.add_argument("--port", type=int, default=0, help="transfer-engine port (0 = free)")
+    p.add_argument("--metadata", default="P2PHANDSHAKE",
+                   help="P2PHANDSHAKE, http://HOST:PORT/metadata or etcd://HOST:PORT")
+    p.add_argument("--protocol", default="auto", choices=("auto", "tcp", "shm"))
+    p.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        config = ClientConfig(master=args.master, local_hostname=args.host, te_port=args.port,
+                              metadata=args.metadata, protocol=args.protocol,
+                              global_segment_size=parse_size(args.dram), local_buffer_size=0,
+                              heartbeat_interval_s=args.heartbeat_interval)
+        run_store_node(config, stop)
+    except KvpoolError as exc:
+        log.error("%s", exc)
+        return 2
+    return 0

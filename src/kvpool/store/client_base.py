@@ -1,0 +1,225 @@
+"""The machinery under StoreClient: transfer engine, master RPC, mounted segments,
+heartbeats, and the two data paths (write replicas, read the closest replica)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from kvpool.clock import SYSTEM_CLOCK, Clock
+from kvpool.errors import RpcError, RpcTimeout
+from kvpool.log import get_logger
+from kvpool.store.client_config import ClientConfig
+from kvpool.store.codes import ErrorCode, LookupResult, PutResult, ReadResult, ReplicaDesc, Tier
+from kvpool.store.config import ReplicateConfig
+from kvpool.store.plan import Part, copies_for, order_replicas, parts_total, valid_parts
+from kvpool.store.protocol import Op
+from kvpool.store.rpc_client import RpcClient
+from kvpool.store.service import replica_from_wire
+from kvpool.store.staging import StagingArea
+from kvpool.store.validate import valid_key
+from kvpool.transfer import OpCode, TransferConfig, TransferEngine, TransferRequest
+
+E = ErrorCode
+log = get_logger("store.client")
+Copy = tuple[int, int, int, str]  # local addr, remote addr, length, endpoint
+
+
+class RpcFailed(Exception):
+    def __init__(self, code: ErrorCode) -> None:
+        self.code = code
+
+
+class ClientBase:
+    def __init__(self, config: ClientConfig, clock: Clock = SYSTEM_CLOCK) -> None:
+        self.config = config
+        self.clock = clock
+        self.engine = TransferEngine(TransferConfig(
+            host=config.local_hostname, port=config.te_port, metadata=config.metadata,
+            protocol=config.protocol, timeout_s=config.transfer_timeout_s)).start()
+        self.endpoint: str = self.engine.segment_name
+        self.host = self.endpoint.rsplit(":", 1)[0]
+        self.client_id = config.client_id or f"{self.endpoint}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._rpc = RpcClient(config.master, self.client_id, config.rpc_timeout_s)
+        self._segments: dict[str, Any] = {}  # segment id -> managed Buffer
+        self._staging = StagingArea(self.engine, config.local_buffer_size)
+        self._stop = threading.Event()
+        self._hb_rpc = RpcClient(config.master, self.client_id, config.rpc_timeout_s)
+        self._hb = threading.Thread(target=self._heartbeat_loop, daemon=True,
+                                    name="kvpool-store-heartbeat")
+        self._hb.start()
+        if config.global_segment_size:
+            self.mount(config.global_segment_size)
+
+    # -- master RPC, segments, liveness ----------------------------------------------------
+
+    def _call(self, op: Op, *args: Any) -> Any:
+        try:
+            return self._rpc.call(op, *args)
+        except RpcTimeout:
+            raise RpcFailed(E.RPC_TIMEOUT) from None
+        except RpcError as exc:
+            log.warning("%s failed: %s", op.name, exc)
+            raise RpcFailed(E.RPC_FAIL) from None
+
+    def mount(self, size: int) -> str:
+        """Contribute `size` bytes of shared memory to the pool; returns the segment id."""
+        buf = self.engine.allocate_managed(size)
+        code, segment_id = self._rpc.call(Op.MOUNT, self.endpoint, buf.addr, size,
+                                          int(Tier.DRAM))
+        if code != 0:
+            self.engine.free_managed(buf)
+            raise RpcError(f"master refused to mount {size} bytes: code {code}")
+        self._segments[segment_id] = buf
+        return str(segment_id)
+
+    def unmount(self, segment_id: str) -> ErrorCode:
+        buf = self._segments.pop(segment_id, None)
+        if buf is None:
+            return E.SEGMENT_NOT_FOUND
+        try:
+            code = ErrorCode(self._rpc.call(Op.UNMOUNT, segment_id))
+        except RpcError:
+            code = E.RPC_FAIL
+        self.engine.free_managed(buf)
+        return code
+
+    @property
+    def segment_ids(self) -> list[str]:
+        return list(self._segments)
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self.config.heartbeat_interval_s):
+            try:
+                if self._hb_rpc.call(Op.HEARTBEAT) == E.UNKNOWN_CLIENT:
+                    self._remount()
+            except RpcError as exc:
+                log.debug("heartbeat failed: %s", exc)
+
+    def _remount(self) -> None:
+        for segment_id, buf in list(self._segments.items()):
+            log.warning("master forgot us; mounting %s again", segment_id)
+            self._hb_rpc.call(Op.MOUNT, self.endpoint, buf.addr, buf.length, int(Tier.DRAM))
+
+    def close(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._hb.join(self.config.heartbeat_interval_s + self.config.rpc_timeout_s)
+        for segment_id in list(self._segments):
+            self.unmount(segment_id)
+        self._staging.close()
+        self._rpc.close()
+        self._hb_rpc.close()
+        self.engine.close()
+
+    # -- data paths ------------------------------------------------------------------------
+
+    def _run_copies(self, op: OpCode, copies: dict[int, list[Copy]]) -> set[int]:
+        """Run every copy; returns the indices whose copies did not all succeed."""
+        failed: set[int] = set()
+        requests: list[TransferRequest] = []
+        owners: list[int] = []
+        for idx, items in copies.items():
+            for local, remote, n, endpoint in items:
+                if endpoint == self.endpoint:
+                    src, dst = (local, remote) if op == OpCode.WRITE else (remote, local)
+                    ctypes.memmove(dst, src, n)
+                else:
+                    requests.append(TransferRequest(op, local, n, endpoint, remote))
+                    owners.append(idx)
+        if requests:
+            for idx, status in zip(owners, self.engine.transfer_sync(requests), strict=True):
+                if not status.ok:
+                    failed.add(idx)
+        return failed
+
+    def _write(self, keys: Sequence[str], parts: Sequence[Sequence[Part]],
+               cfg: ReplicateConfig, upsert: bool) -> list[PutResult]:
+        """Two-phase put of each key from its local parts: start, write, end or revoke."""
+        results: list[PutResult | None] = [None] * len(keys)
+        todo = []
+        for i, (key, p) in enumerate(zip(keys, parts, strict=True)):
+            if valid_key(key) and valid_parts(p):
+                todo.append(i)
+            else:
+                results[i] = PutResult(E.INVALID_PARAMS)
+        if todo:
+            try:
+                self._write_valid(todo, keys, parts, cfg, upsert, results)
+            except RpcFailed as exc:
+                results = [r or PutResult(exc.code) for r in results]
+        return [r or PutResult(E.RPC_FAIL) for r in results]
+
+    def _write_valid(self, todo: list[int], keys: Sequence[str], parts: Sequence[Sequence[Part]],
+                     cfg: ReplicateConfig, upsert: bool, results: list[PutResult | None]) -> None:
+        sizes = [parts_total(parts[i]) for i in todo]
+        preferred = ([cfg.preferred_segment] if cfg.preferred_segment else []) \
+            + list(cfg.preferred_segments)
+        started = self._call(Op.PUT_START, [keys[i] for i in todo], sizes, cfg.replica_num,
+                             cfg.with_hard_pin, cfg.with_soft_pin, preferred, upsert)
+        copies: dict[int, list[Copy]] = {}
+        for i, size, (code, wire) in zip(todo, sizes, started, strict=True):
+            if code == E.OBJECT_ALREADY_EXISTS and not upsert:
+                results[i] = PutResult(E.OK, already_existed=True)
+            elif code != 0:
+                results[i] = PutResult(ErrorCode(code))
+            else:
+                reps = [replica_from_wire(w) for w in wire]
+                copies[i] = [(a, r, n, rep.endpoint) for rep in reps
+                             for a, r, n in copies_for(parts[i], rep.addr, size)]
+        failed = self._run_copies(OpCode.WRITE, copies)
+        ok = [i for i in copies if i not in failed]
+        if failed:
+            self._call(Op.PUT_REVOKE, [keys[i] for i in failed])
+            for i in failed:
+                results[i] = PutResult(E.TRANSFER_FAIL)
+        if ok:
+            for i, code in zip(ok, self._call(Op.PUT_END, [keys[i] for i in ok]), strict=True):
+                results[i] = PutResult(ErrorCode(code))
+
+    def _lookup(self, keys: Sequence[str]) -> tuple[list[LookupResult], float]:
+        """Replica lookups (granting read leases) and the time they were asked for."""
+        t0 = self.clock.now()
+        valid = [i for i, k in enumerate(keys) if valid_key(k)]
+        out = [LookupResult(E.INVALID_PARAMS)] * len(keys)
+        if valid:
+            try:
+                lease_s, items = self._call(Op.GET_REPLICAS, [keys[i] for i in valid])
+            except RpcFailed as exc:
+                return [LookupResult(exc.code)] * len(keys), t0
+            for i, (code, size, wire) in zip(valid, items, strict=True):
+                reps = tuple(replica_from_wire(w) for w in wire)
+                out[i] = LookupResult(ErrorCode(code), size, reps, lease_s)
+        return out, t0
+
+    def _read(self, looks: Sequence[LookupResult], parts: Sequence[Sequence[Part] | None],
+              t0: float) -> list[ReadResult]:
+        """Read each found object into its parts from the closest replica, falling back to
+        the next replica on failure. LEASE_EXPIRED when the read outlived the lease."""
+        results: list[ReadResult] = []
+        queues: dict[int, list[ReplicaDesc]] = {}
+        for i, (look, p) in enumerate(zip(looks, parts, strict=True)):
+            if look.code != E.OK:
+                results.append(ReadResult(look.code))
+            elif p is None or not valid_parts(p) or parts_total(p) < look.size:
+                results.append(ReadResult(E.INVALID_PARAMS))
+            else:
+                results.append(ReadResult(E.OK, look.size))
+                queues[i] = order_replicas(look.replicas, self.endpoint, self.host)
+        while queues:
+            copies = {i: [(a, r, n, q[0].endpoint)
+                          for a, r, n in copies_for(parts[i] or (), q[0].addr, looks[i].size)]
+                      for i, q in queues.items()}
+            failed = self._run_copies(OpCode.READ, copies)
+            queues = {i: queues[i][1:] for i in failed}
+            for i in [i for i, q in queues.items() if not q]:
+                results[i] = ReadResult(E.TRANSFER_FAIL)
+                del queues[i]
+        if looks and self.clock.now() > t0 + max(x.lease_ttl_s for x in looks):
+            results = [ReadResult(E.LEASE_EXPIRED) if r.ok else r for r in results]
+        return results

@@ -1,0 +1,44 @@
+"""Configuration of a store client (library or store-node daemon)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpool.errors import ConfigError
+
+DEFAULT_LOCAL_BUFFER = 64 << 20
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    master: str = "127.0.0.1:50051"
+    """Master RPC address, HOST:PORT."""
+    local_hostname: str = "127.0.0.1"
+    """Host the transfer engine listens on and advertises."""
+    te_port: int = 0
+    """Transfer-engine port; 0 picks a free one."""
+    metadata: str = "P2PHANDSHAKE"
+    """Segment directory for the transfer engine."""
+    protocol: str = "auto"
+    """Transport: auto (shm on the same host, else tcp), tcp or shm."""
+    global_segment_size: int = 0
+    """Bytes of DRAM this process contributes to the pool (0 = pure client)."""
+    local_buffer_size: int = DEFAULT_LOCAL_BUFFER
+    """Staging buffer for the bytes API (put/get of Python bytes)."""
+    rpc_timeout_s: float = 5.0
+    heartbeat_interval_s: float = 1.0
+    transfer_timeout_s: float = 10.0
+    client_id: str = ""
+    """Empty: derived from the transfer-engine endpoint and the process id."""
+
+    def __post_init__(self) -> None:
+        if self.global_segment_size < 0 or self.local_buffer_size < 0:
+            raise ConfigError("global_segment_size and local_buffer_size must be >= 0, got "
+                              f"{self.global_segment_size} and {self.local_buffer_size}")
+        if not 0 <= self.te_port <= 65535:
+            raise ConfigError(f"te_port must be in 0..65535, got {self.te_port}")
+        for name in ("rpc_timeout_s", "heartbeat_interval_s", "transfer_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
+        if ":" not in self.master:
+            raise ConfigError(f"master must be HOST:PORT, got {self.master!r}")
