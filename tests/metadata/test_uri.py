@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
 from kvpool.errors import ConfigError
@@ -10,6 +13,7 @@ from kvpool.metadata.etcd_backend import EtcdMetadataBackend
 from kvpool.metadata.http_client import HttpMetadataBackend
 from kvpool.metadata.server import MetadataLimits, MetadataServer
 from kvpool.metadata.uri import parse_etcd_endpoints
+from tests.support.procs import python_env
 
 
 @pytest.mark.parametrize("uri", ["P2PHANDSHAKE", "p2phandshake", "P2pHandShake", " P2PHANDSHAKE\n"])
@@ -52,7 +56,7 @@ def test_etcd_uris(uri: str, endpoints: list[tuple[str, int]]) -> None:
 
 @pytest.mark.parametrize(
     "uri",
-    ["", "   ", "localhost", "redis://h:1", "file:///tmp/x", "http:/h:1/metadata", "h:port",
+    ["", "   ", "localhost", "redis://h:6379", "file:///tmp/x", "http:/h:1/metadata", "h:port",
      "P2P", "etcd://", "etcd://h:1,,h:2", "etcd://h:0", "etcd://h:99999", "etcd://h:1/x"],
 )
 def test_unsupported_uris_name_the_accepted_forms(uri: str) -> None:
@@ -63,9 +67,9 @@ def test_unsupported_uris_name_the_accepted_forms(uri: str) -> None:
 
 def test_unknown_scheme_message_lists_every_form() -> None:
     with pytest.raises(ConfigError) as info:
-        connect_metadata("redis://h:1")
+        connect_metadata("ftp://h:1")
     assert str(info.value) == (
-        "unsupported metadata URI 'redis://h:1': use 'P2PHANDSHAKE' (no directory), "
+        "unsupported metadata URI 'ftp://h:1': use 'P2PHANDSHAKE' (no directory), "
         "'http://host:port/metadata', 'etcd://host:port[,host:port...]', or a bare etcd "
         "'host:port'"
     )
@@ -116,3 +120,16 @@ def test_server_limit_bounds(kwargs: dict[str, int], field: str) -> None:
 def test_server_port_bounds(port: int) -> None:
     with pytest.raises(ConfigError, match="port must be in 0..65535"):
         MetadataServer(port=port)
+
+
+def test_redis_is_refused_by_name() -> None:
+    with pytest.raises(ConfigError, match=r"^redis metadata \('redis://h:6379'\) is not supported"):
+        connect_metadata("redis://h:6379")
+
+
+def test_library_import_does_not_pull_in_the_server() -> None:
+    code = "import sys, kvpool.metadata; print(sorted({'fastapi', 'uvicorn'} & set(sys.modules)))"
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=python_env(), timeout=30
+    )
+    assert (result.returncode, result.stdout) == (0, "[]\n")

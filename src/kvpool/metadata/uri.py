@@ -36,6 +36,8 @@ def connect_metadata(uri: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Metadata
         from kvpool.metadata.etcd_backend import EtcdMetadataBackend
 
         return EtcdMetadataBackend(parse_etcd_endpoints(text), config)
+    if scheme == "redis":
+        raise ConfigError(f"redis metadata ({uri!r}) is not supported by kvpool: use {ACCEPTED_FORMS}")
     raise ConfigError(f"unsupported metadata URI {uri!r}: use {ACCEPTED_FORMS}")
 
 
