@@ -51,6 +51,16 @@ def create_admin_app(core: MasterCore, lock: threading.Lock,
                               "addr": r.addr, "size": r.size, "tier": r.tier.name,
                               "state": r.state.name} for r in info.replicas]}
 
+    @app.get("/integrity")
+    def integrity() -> dict[str, Any]:
+        """Run the master's integrity check (500 with the broken invariant if it fails)."""
+        with lock:
+            try:
+                core.check_integrity()
+            except AssertionError as exc:
+                raise HTTPException(500, f"integrity check failed: {exc}") from None
+            return {"status": "ok", "keys": len(core.objects), "pending": len(core.pending)}
+
     @app.get("/keys")
     def keys(prefix: str = "", limit: int = Query(1000, ge=1, le=100000)) -> dict[str, Any]:
         with lock:

@@ -1,0 +1,162 @@
+"""Multi-process tests: a master, store nodes and clients, each in its own process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from kvpool.store.client import StoreClient
+from kvpool.store.client_config import ClientConfig
+from kvpool.store.codes import ErrorCode as E
+from kvpool.store.config import ReplicateConfig
+from tests.store.cluster import Cluster, content, store_cluster
+from tests.support.procs import spawn_python
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+WORKER = f"""
+import sys
+sys.path.insert(0, {ROOT!r})
+from tests.store.workload import main
+main(sys.argv[1:])
+"""
+
+
+def start_workers(cluster: Cluster, num: int, num_ops: int,
+                  replicas: int) -> list[subprocess.Popen[bytes]]:
+    procs = [spawn_python(WORKER, cluster.address, str(w), str(num_ops), str(replicas))
+             for w in range(num)]
+    for p in procs:
+        assert p.stdout is not None and p.stdout.readline().strip() == b"ready"
+    return procs
+
+
+def collect(procs: list[subprocess.Popen[bytes]], timeout_s: float = 120) -> list[dict]:  # type: ignore[type-arg]
+    out = []
+    for p in procs:
+        stdout, _ = p.communicate(timeout=timeout_s)
+        assert p.returncode == 0
+        out.append(json.loads(stdout.decode().strip().splitlines()[-1]))
+    return out
+
+
+def verify_all(cluster: Cluster, acked: dict[str, int]) -> None:
+    with StoreClient(ClientConfig(master=cluster.address)) as store:
+        keys = sorted(acked)
+        for i in range(0, len(keys), 64):
+            chunk = keys[i:i + 64]
+            for key, got in zip(chunk, store.get_batch(chunk), strict=True):
+                assert got.code == E.OK, (key, got.code)
+                assert got.data == content(key, acked[key]), key
+
+
+def test_clients_in_other_processes_share_objects() -> None:
+    with store_cluster(2, "32MiB") as cluster:
+        (result,) = collect(start_workers(cluster, 1, 200, 2))
+        assert result["stats"]["bad_reads"] == 0
+        assert len(result["acked"]) > 50
+        verify_all(cluster, result["acked"])
+        cluster.check_integrity()
+        segs = cluster.segments()
+        assert sorted(s["capacity_bytes"] for s in segs) == [32 << 20, 32 << 20]
+
+
+def test_eight_concurrent_clients_mixed_operations() -> None:
+    with store_cluster(2, "64MiB") as cluster:
+        results = collect(start_workers(cluster, 8, 1000, 2), timeout_s=170)
+        acked: dict[str, int] = {}
+        for r in results:
+            assert r["stats"] == {"bad_reads": 0, "lost_own": 0, "ops": 1000}, r
+            assert set(r["codes"]) <= {"put:OK", "get:OK", "get:OBJECT_NOT_FOUND",
+                                       "remove:OK", "remove:OBJECT_HAS_LEASE"}, r["codes"]
+            acked.update(r["acked"])
+        cluster.check_integrity()
+        assert cluster.admin("/health").json()["keys"] == len(acked)
+        verify_all(cluster, acked)
+        cluster.check_integrity()
+
+
+def test_kill_store_node_replicated_survive_unreplicated_vanish() -> None:
+    with store_cluster(2, "16MiB", "--client_ttl", "1") as cluster:
+        victim, survivor = cluster.segments()
+        with StoreClient(ClientConfig(master=cluster.address, transfer_timeout_s=2.0)) as store:
+            both = ReplicateConfig(replica_num=2)
+            on_victim = ReplicateConfig(preferred_segment=str(victim["endpoint"]))
+            for i in range(40):
+                assert store.put(f"r{i}", content(f"r{i}", 3000 + i), both).ok
+                assert store.put(f"u{i}", content(f"u{i}", 2000 + i), on_victim).ok
+            assert {r.endpoint for r in store.replica_desc("u0").replicas} == \
+                {victim["endpoint"]}
+            victim_proc = next(p for p in cluster.nodes
+                               if str(p.pid) in str(victim["client_id"]))
+            victim_proc.send_signal(signal.SIGKILL)
+            victim_proc.wait()
+            for i in range(40):                 # before the master notices
+                got = store.get(f"r{i}")
+                assert got.code == E.OK and got.data == content(f"r{i}", 3000 + i)
+                got = store.get(f"u{i}")
+                assert got.code in (E.OK, E.TRANSFER_FAIL)
+                if got.ok:
+                    assert got.data == content(f"u{i}", 2000 + i)
+            cluster.wait_segments(1, timeout_s=10)
+            for i in range(40):
+                assert store.get(f"u{i}").code == E.OBJECT_NOT_FOUND
+                got = store.get(f"r{i}")
+                assert got.code == E.OK and got.data == content(f"r{i}", 3000 + i)
+                assert [r.endpoint for r in store.replica_desc(f"r{i}").replicas] == \
+                    [survivor["endpoint"]]
+            assert store.put("after", b"x" * 100, both).code == E.NO_AVAILABLE_HANDLE
+            assert store.put("after", b"x" * 100).ok
+        cluster.check_integrity()
+
+
+def test_kill_store_node_mid_workload() -> None:
+    with store_cluster(2, "64MiB", "--client_ttl", "1") as cluster:
+        procs = start_workers(cluster, 3, 400, 2)
+        time.sleep(1.5)
+        cluster.nodes[0].send_signal(signal.SIGKILL)
+        results = collect(procs)
+        acked: dict[str, int] = {}
+        for r in results:
+            assert r["stats"]["bad_reads"] == 0
+            acked.update(r["acked"])
+        cluster.wait_segments(1, timeout_s=10)
+        verify_all(cluster, acked)
+        cluster.check_integrity()
+
+
+def test_full_pool_is_a_clear_no_space_result() -> None:
+    with store_cluster(1, "1MiB") as cluster:
+        with StoreClient(ClientConfig(master=cluster.address)) as store:
+            pinned = ReplicateConfig(with_hard_pin=True)
+            codes = [store.put(f"p{i}", b"z" * 100_000, pinned).code for i in range(12)]
+            assert codes[:10] == [E.OK] * 10
+            assert codes[10:] == [E.NO_AVAILABLE_HANDLE] * 2
+            assert store.put("big", b"z" * (2 << 20)).code == E.NO_AVAILABLE_HANDLE
+            assert store.get("p3").data == b"z" * 100_000
+        cluster.check_integrity()
+
+
+@pytest.mark.parametrize("flags", [("--default_kv_lease_ttl", "300",
+                                    "--put_start_discard_timeout_sec", "0.5")])
+def test_short_real_lease_and_pending_timeouts(flags: tuple[str, ...]) -> None:
+    from kvpool.store.protocol import Op
+    from kvpool.store.rpc_client import RpcClient
+    with store_cluster(1, "4MiB", *flags) as cluster:
+        with StoreClient(ClientConfig(master=cluster.address)) as store:
+            assert store.put("k", b"v" * 10).ok
+            assert store.get("k").ok
+            assert store.remove("k") == E.OBJECT_HAS_LEASE
+            time.sleep(0.4)
+            assert store.remove("k") == E.OK
+        with RpcClient(cluster.address, "stuck") as rpc:
+            assert rpc.call(Op.PUT_START, ["p"], [64], 1, False, False, [], False)[0][0] == 0
+            assert "kvpool_master_pending_puts 1.0" in cluster.admin("/metrics").text
+            time.sleep(0.9)
+            assert "kvpool_master_pending_puts 0.0" in cluster.admin("/metrics").text
+            assert rpc.call(Op.PUT_END, ["p"]) == [int(E.OBJECT_NOT_FOUND)]
+        cluster.check_integrity()
