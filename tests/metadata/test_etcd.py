@@ -100,3 +100,13 @@ def test_not_etcd_at_all_is_not_reported_as_unreachable(metadata_server: object)
 def test_empty_endpoint_list_is_refused() -> None:
     with pytest.raises(MetadataError, match="at least one"):
         EtcdMetadataBackend([])
+
+
+def test_value_over_etcd_request_limit_is_a_metadata_error(etcd_endpoint: str) -> None:
+    backend = connect_metadata(etcd_endpoint)
+    assert backend is not None
+    with backend:
+        with pytest.raises(MetadataError, match="request is too large") as info:
+            backend.put("etcd/too-large", bytes(1_600_000))
+        assert not isinstance(info.value, MetadataUnavailable)
+        assert backend.get("etcd/too-large") is None
