@@ -1,0 +1,130 @@
+"""Transfer requests, their per-request status, and batches that track completion."""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+class OpCode(enum.IntEnum):
+    READ = 0  # copy target memory into the local buffer
+    WRITE = 1  # copy the local buffer into target memory
+
+
+class RequestState(enum.IntEnum):
+    PENDING = 0
+    DONE = 1
+    FAILED = 2
+
+
+@dataclass(frozen=True, slots=True)
+class TransferRequest:
+    op: OpCode
+    local_addr: int
+    length: int
+    target: str
+    """Segment name of the peer, "host:port"."""
+    target_addr: int
+
+
+@dataclass(frozen=True, slots=True)
+class RequestStatus:
+    state: RequestState
+    reason: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.state == RequestState.DONE
+
+
+PENDING = RequestStatus(RequestState.PENDING)
+DONE = RequestStatus(RequestState.DONE)
+
+
+class Batch:
+    """Per-request completion of one submitted batch.
+
+    A request may travel as several slices; it is DONE only when every slice succeeded, and
+    FAILED (with the first reason) as soon as one failed: partial success is never success.
+    """
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._cond = threading.Condition()
+        self._remaining: list[int] = []
+        self._status: list[RequestStatus] = []
+        self._open = 0
+        self._callbacks: list[Callable[[], None]] = []
+
+    def add(self, slices_per_request: list[int]) -> int:
+        """Reserve slots for new requests; returns the index of the first."""
+        with self._cond:
+            if len(self._status) + len(slices_per_request) > self.capacity:
+                raise ValueError(
+                    f"batch capacity {self.capacity} exceeded: {len(self._status)} submitted, "
+                    f"{len(slices_per_request)} more requested"
+                )
+            first = len(self._status)
+            self._remaining.extend(slices_per_request)
+            self._status.extend([PENDING] * len(slices_per_request))
+            self._open += len(slices_per_request)
+            return first
+
+    def complete(self, indices: list[int], reason: str | None = None, whole: bool = False) -> None:
+        """One slice (or, with `whole`, all slices) of each request in `indices` finished.
+
+        A None reason means success.
+        """
+        with self._cond:
+            for index in indices:
+                if whole and reason is None:
+                    self._remaining[index] = 1
+                self._complete_one(index, reason)
+            if self._open == 0:
+                self._cond.notify_all()
+                callbacks, self._callbacks = self._callbacks, []
+            else:
+                callbacks = []
+        for callback in callbacks:
+            callback()
+
+    def _complete_one(self, index: int, reason: str | None) -> None:
+        if self._status[index].state != RequestState.PENDING:
+            return
+        if reason is not None:
+            self._status[index] = RequestStatus(RequestState.FAILED, reason)
+            self._open -= 1
+            return
+        self._remaining[index] -= 1
+        if self._remaining[index] == 0:
+            self._status[index] = DONE
+            self._open -= 1
+
+    def fail_open(self, reason: str) -> None:
+        """Mark every still-pending request failed (used on timeout and engine close)."""
+        with self._cond:
+            pending = [i for i, s in enumerate(self._status) if s.state == RequestState.PENDING]
+        self.complete(pending, reason)
+
+    def status(self) -> list[RequestStatus]:
+        with self._cond:
+            return list(self._status)
+
+    @property
+    def finished(self) -> bool:
+        return self._open == 0
+
+    def wait(self, timeout_s: float | None) -> bool:
+        """True when every request finished, False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._open == 0, timeout_s)
+
+    def on_finish(self, callback: Callable[[], None]) -> None:
+        """Call `callback` (from a transport thread) once every request has finished."""
+        with self._cond:
+            if self._open:
+                self._callbacks.append(callback)
+                return
+        callback()

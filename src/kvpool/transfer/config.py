@@ -1,0 +1,54 @@
+"""Typed configuration of a transfer engine."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from kvpool.errors import ConfigError
+
+PROTOCOLS = ("auto", "tcp", "shm")
+
+
+def _env_token() -> str | None:
+    return os.environ.get("KVPOOL_TOKEN") or None
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    host: str = "127.0.0.1"
+    """Address the engine listens on and advertises; 127.0.0.1 unless told otherwise."""
+    port: int = 0
+    """TCP port of the engine's listener; 0 picks a free one."""
+    metadata: str = "P2PHANDSHAKE"
+    """Segment directory: "P2PHANDSHAKE", "http://h:p/metadata", "etcd://h:p" or bare "h:p" (etcd)."""
+    protocol: str = "auto"
+    """"auto" uses shm for same-host peers' shared buffers and tcp otherwise; "tcp" or "shm" force one."""
+    token: str | None = field(default_factory=_env_token)
+    """Shared secret checked at the connection handshake (default: $KVPOOL_TOKEN)."""
+    timeout_s: float = 10.0
+    """A request to a peer that does not answer fails after this long (never hangs)."""
+    connect_timeout_s: float = 3.0
+    """Bound on establishing a connection to a peer."""
+    connections_per_peer: int = 4
+    """Size of the TCP connection pool to each peer; large requests are spread across it."""
+    slice_bytes: int = 4 << 20
+    """Requests larger than this are cut into slices that travel on different connections."""
+    frame_bytes: int = 1 << 20
+    """Small requests to one peer are coalesced into frames of up to this many payload bytes."""
+    frame_requests: int = 512
+    """...and at most this many descriptors per frame (sendmsg's iovec limit is 1024)."""
+
+    def __post_init__(self) -> None:
+        if self.protocol not in PROTOCOLS:
+            raise ConfigError(f"protocol must be one of {PROTOCOLS}, got {self.protocol!r}")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        if self.timeout_s <= 0 or self.connect_timeout_s <= 0:
+            raise ConfigError("timeouts must be > 0 seconds")
+        if not 1 <= self.connections_per_peer <= 64:
+            raise ConfigError(f"connections_per_peer must be in 1..64, got {self.connections_per_peer}")
+        if self.slice_bytes < 4096 or self.frame_bytes < 4096:
+            raise ConfigError("slice_bytes and frame_bytes must be >= 4096")
+        if not 1 <= self.frame_requests <= 1000:
+            raise ConfigError(f"frame_requests must be in 1..1000, got {self.frame_requests}")

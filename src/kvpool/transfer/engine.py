@@ -1,0 +1,230 @@
+"""TransferEngine: one per process; registers memory and moves bytes between segments.
+
+Life of a transfer (see docs/structure.md): submit -> resolve local buffer -> find the peer's
+descriptor (cache, directory or handshake) -> route (local copy, shm, or tcp frames) -> transport
+reports per-request outcomes to the batch -> status / wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import threading
+from typing import Any
+
+from kvpool.errors import InvalidArgument, KvpoolError, TransferError
+from kvpool.log import get_logger
+from kvpool.metadata import MetadataBackend, connect_metadata
+from kvpool.transfer.batch import Batch, OpCode, RequestStatus, TransferRequest
+from kvpool.transfer.config import TransferConfig
+from kvpool.transfer.memory import Buffer, MemoryRegistry, SharedMemoryArena, buffer_of, view_at
+from kvpool.transfer.peers import PeerDirectory
+from kvpool.transfer.routing import Router
+from kvpool.transfer.segment import SegmentDescriptor, ShmRegion, host_identity, segment_key
+from kvpool.transfer.shm_sweep import sweep_stale_shm
+from kvpool.transfer.tcp_server import TcpTarget
+
+log = get_logger("transfer.engine")
+
+
+class TransferEngine:
+    """Usage: ``with TransferEngine(TransferConfig()) as te: ...``. Thread-safe."""
+
+    def __init__(self, config: TransferConfig | None = None) -> None:
+        self.config = config or TransferConfig()
+        self.registry = MemoryRegistry()
+        self._arena = SharedMemoryArena(f"kvpool-{os.getpid()}-{id(self) & 0xFFFFFF:x}")
+        self._batches: dict[int, Batch] = {}
+        self._batch_ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._backend: MetadataBackend | None = None
+        self._target: TcpTarget | None = None
+        self._router: Router | None = None
+        self.segment_name = ""
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> TransferEngine:
+        sweep_stale_shm()
+        self._target = TcpTarget(self.registry, self.config.host, self.config.port,
+                                 self.config.token, lambda: self.descriptor().to_dict())
+        self.segment_name = f"{self.config.host}:{self._target.port}"
+        self._backend = connect_metadata(self.config.metadata, timeout_s=self.config.connect_timeout_s)
+        peers = PeerDirectory(self._backend, self.config, self.segment_name)
+        self._router = Router(self.config, self.registry, peers, self.segment_name)
+        self._target.start()
+        self._publish()
+        return self
+
+    def close(self) -> None:
+        if self._router is not None:
+            self._router.close()
+        for batch in list(self._batches.values()):
+            batch.fail_open("transfer engine is closed")
+        if self._target is not None:
+            self._target.close()
+        if self._backend is not None:
+            try:
+                self._backend.delete(segment_key(self.segment_name))
+            except KvpoolError as exc:
+                log.warning("could not unpublish %s: %s", self.segment_name, exc)
+            self._backend.close()
+        self._arena.close()
+
+    def __enter__(self) -> TransferEngine:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def descriptor(self) -> SegmentDescriptor:
+        regions = tuple(ShmRegion(b.addr, b.length, b.shm_name)
+                        for b in self.registry.buffers() if b.shm_name)
+        return SegmentDescriptor(self.segment_name, self.config.host, self._port, host_identity(),
+                                 os.getpid(), regions)
+
+    @property
+    def _port(self) -> int:
+        if self._target is None:
+            raise TransferError("transfer engine is not started")
+        return self._target.port
+
+    def _publish(self) -> None:
+        if self._backend is not None:
+            self._backend.put(segment_key(self.segment_name), self.descriptor().to_json())
+
+    # -- memory ----------------------------------------------------------------------------
+
+    def register(self, obj: Any) -> Buffer:
+        """Register a bytes-like object, numpy array, mmap or CPU tensor; kept alive while registered."""
+        return self.registry.add(buffer_of(obj))
+
+    def register_address(self, addr: int, length: int) -> Buffer:
+        """Register raw memory the caller keeps alive until `unregister(addr)`."""
+        return self.registry.add(Buffer(addr, length, view_at(addr, length)))
+
+    def unregister(self, addr: int) -> None:
+        self.registry.remove(addr)
+
+    def allocate_managed(self, length: int) -> Buffer:
+        """Shared-memory buffer, registered and published so same-host peers can memcpy it."""
+        buf = self.registry.add(self._arena.allocate(length))
+        self._publish()
+        return buf
+
+    def free_managed(self, buf: Buffer | int) -> None:
+        addr = buf if isinstance(buf, int) else buf.addr
+        self.registry.remove(addr)
+        self._arena.free(addr)
+        self._publish()
+
+    # -- batches ---------------------------------------------------------------------------
+
+    def allocate_batch(self, capacity: int) -> int:
+        if capacity <= 0:
+            raise InvalidArgument(f"batch capacity must be > 0, got {capacity}")
+        batch_id = next(self._batch_ids)
+        with self._lock:
+            self._batches[batch_id] = Batch(capacity)
+        return batch_id
+
+    def submit(self, batch_id: int, requests: list[TransferRequest]) -> None:
+        """Start the requests; outcomes appear in `status(batch_id)`. Never blocks on peers."""
+        self._started_router().dispatch(self._batch(batch_id), requests)
+
+    def status(self, batch_id: int) -> list[RequestStatus]:
+        return self._batch(batch_id).status()
+
+    def wait(self, batch_id: int, timeout_s: float | None = None) -> list[RequestStatus]:
+        """Wait until every request finished; on timeout the unfinished ones are failed."""
+        batch = self._batch(batch_id)
+        limit = self.config.timeout_s * 2 if timeout_s is None else timeout_s
+        if not batch.wait(limit):
+            batch.fail_open(f"not finished within {limit:g}s")
+        return batch.status()
+
+    def free_batch(self, batch_id: int) -> None:
+        with self._lock:
+            if self._batches.pop(batch_id, None) is None:
+                raise InvalidArgument(f"unknown batch id {batch_id}")
+
+    def _batch(self, batch_id: int) -> Batch:
+        batch = self._batches.get(batch_id)
+        if batch is None:
+            raise InvalidArgument(f"unknown batch id {batch_id} (freed or never allocated)")
+        return batch
+
+    def _started_router(self) -> Router:
+        if self._router is None:
+            raise TransferError("transfer engine is not started: use start() or a with-block")
+        return self._router
+
+    # -- sync and asyncio helpers ------------------------------------------------------------
+
+    def transfer_sync(self, requests: list[TransferRequest], timeout_s: float | None = None) -> list[RequestStatus]:
+        """Run requests to completion; returns per-request status, never raises for peer failures."""
+        if not requests:
+            return []
+        batch = Batch(len(requests))
+        self._started_router().dispatch(batch, requests, inline=True)
+        limit = self.config.timeout_s * 2 if timeout_s is None else timeout_s
+        if not batch.wait(limit):
+            batch.fail_open(f"not finished within {limit:g}s")
+        return batch.status()
+
+    async def async_transfer(self, requests: list[TransferRequest]) -> list[RequestStatus]:
+        if not requests:
+            return []
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[None] = loop.create_future()
+        batch = Batch(len(requests))
+        self._started_router().dispatch(batch, requests)
+        batch.on_finish(lambda: _call_soon(loop, done))
+        try:
+            await asyncio.wait_for(asyncio.shield(done), self.config.timeout_s * 2)
+        except TimeoutError:
+            batch.fail_open("not finished within the timeout")
+        return batch.status()
+
+    def write(self, target: str, local_addr: int, target_addr: int, length: int) -> None:
+        self.batch_write(target, [(local_addr, target_addr, length)])
+
+    def read(self, target: str, local_addr: int, target_addr: int, length: int) -> None:
+        self.batch_read(target, [(local_addr, target_addr, length)])
+
+    def batch_write(self, target: str, items: list[tuple[int, int, int]]) -> None:
+        """items: (local_addr, target_addr, length). Raises TransferError if any failed."""
+        self._raise_failed(self._run(OpCode.WRITE, target, items))
+
+    def batch_read(self, target: str, items: list[tuple[int, int, int]]) -> None:
+        self._raise_failed(self._run(OpCode.READ, target, items))
+
+    async def async_write(self, target: str, items: list[tuple[int, int, int]]) -> None:
+        self._raise_failed(await self.async_transfer(_requests(OpCode.WRITE, target, items)))
+
+    async def async_read(self, target: str, items: list[tuple[int, int, int]]) -> None:
+        self._raise_failed(await self.async_transfer(_requests(OpCode.READ, target, items)))
+
+    def _run(self, op: OpCode, target: str, items: list[tuple[int, int, int]]) -> list[RequestStatus]:
+        return self.transfer_sync(_requests(op, target, items))
+
+    @staticmethod
+    def _raise_failed(statuses: list[RequestStatus]) -> None:
+        failed = [(i, s.reason) for i, s in enumerate(statuses) if not s.ok]
+        if failed:
+            first, reason = failed[0]
+            raise TransferError(f"{len(failed)} of {len(statuses)} requests failed; #{first}: {reason}")
+
+
+def _requests(op: OpCode, target: str, items: list[tuple[int, int, int]]) -> list[TransferRequest]:
+    return [TransferRequest(op, local, length, target, remote) for local, remote, length in items]
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, future: asyncio.Future[None]) -> None:
+    loop.call_soon_threadsafe(_resolve, future)

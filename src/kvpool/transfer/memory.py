@@ -1,0 +1,182 @@
+"""Registered memory: what a transfer engine may read from and write into.
+
+Every buffer is a range of absolute virtual addresses [addr, addr + length) in this process.
+Lookups return a memoryview slice of the registered object, so data moves with `recv_into`,
+`sendmsg` or `memcpy` straight to and from it. Reads of the table are lock-free (copy-on-write).
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import mmap
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvpool.errors import MemoryRegistrationError
+
+
+@dataclass(frozen=True, eq=False)
+class Buffer:
+    """A registered range. `view` is a writable (unless `readonly`) byte memoryview of it."""
+
+    addr: int
+    length: int
+    view: memoryview = field(repr=False)
+    readonly: bool = False
+    shm_name: str | None = None
+    owner: Any = field(default=None, repr=False)
+
+    def numpy(self) -> np.ndarray:
+        return np.frombuffer(self.view, dtype=np.uint8)
+
+    def contains(self, addr: int, length: int) -> bool:
+        return self.addr <= addr and addr + length <= self.addr + self.length
+
+
+def view_at(addr: int, length: int) -> memoryview:
+    """A writable byte view of raw memory the caller guarantees is alive."""
+    if addr <= 0 or length < 0:
+        raise MemoryRegistrationError(f"invalid raw range addr={addr:#x} length={length}")
+    return memoryview((ctypes.c_ubyte * length).from_address(addr)).cast("B")
+
+
+def buffer_of(obj: Any) -> Buffer:
+    """Describe a bytes-like object, numpy array, mmap or CPU torch tensor as a Buffer."""
+    if hasattr(obj, "data_ptr") and hasattr(obj, "is_contiguous"):
+        return _tensor_buffer(obj)
+    if isinstance(obj, np.ndarray):
+        if not obj.flags.c_contiguous:
+            raise MemoryRegistrationError("numpy array must be C-contiguous to register")
+        view = memoryview(obj).cast("B") if obj.nbytes else memoryview(b"")  # type: ignore[arg-type]
+        return Buffer(int(obj.ctypes.data), obj.nbytes, view, not obj.flags.writeable, owner=obj)
+    try:
+        view = memoryview(obj)
+    except TypeError:
+        raise MemoryRegistrationError(f"cannot register {type(obj).__name__}: not a buffer") from None
+    if not view.c_contiguous:
+        raise MemoryRegistrationError("buffer must be contiguous to register")
+    view = view.cast("B")
+    addr = int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if view.nbytes else 0
+    return Buffer(addr, view.nbytes, view, view.readonly, owner=obj)
+
+
+def _tensor_buffer(tensor: Any) -> Buffer:
+    if tensor.device.type != "cpu":
+        raise MemoryRegistrationError(f"only CPU tensors can be registered, got {tensor.device}")
+    if not tensor.is_contiguous():
+        raise MemoryRegistrationError("tensor must be contiguous to register")
+    length = tensor.numel() * tensor.element_size()
+    addr = int(tensor.data_ptr())
+    return Buffer(addr, length, view_at(addr, length), owner=tensor)
+
+
+class MemoryRegistry:
+    """The registered buffers of one engine, sorted by address."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._starts: tuple[int, ...] = ()
+        self._buffers: tuple[Buffer, ...] = ()
+
+    def add(self, buf: Buffer) -> Buffer:
+        if buf.length <= 0:
+            raise MemoryRegistrationError("cannot register an empty buffer")
+        with self._lock:
+            for existing in self._buffers:
+                if existing.addr == buf.addr and existing.length == buf.length:
+                    return existing
+            items = sorted((*self._buffers, buf), key=lambda b: b.addr)
+            self._buffers, self._starts = tuple(items), tuple(b.addr for b in items)
+        return buf
+
+    def remove(self, addr: int) -> Buffer:
+        with self._lock:
+            for i, existing in enumerate(self._buffers):
+                if existing.addr == addr:
+                    items = self._buffers[:i] + self._buffers[i + 1 :]
+                    self._buffers, self._starts = items, tuple(b.addr for b in items)
+                    return existing
+        raise MemoryRegistrationError(f"no buffer registered at {addr:#x}")
+
+    def find(self, addr: int, length: int) -> Buffer | None:
+        """The registered buffer that holds all of [addr, addr+length), or None."""
+        buffers, starts = self._buffers, self._starts
+        i = bisect.bisect_right(starts, addr) - 1
+        while i >= 0:
+            buf = buffers[i]
+            if buf.contains(addr, length):
+                return buf
+            i -= 1
+        return None
+
+    def view(self, addr: int, length: int) -> memoryview | None:
+        buf = self.find(addr, length)
+        if buf is None:
+            return None
+        start = addr - buf.addr
+        return buf.view[start : start + length]
+
+    def buffers(self) -> tuple[Buffer, ...]:
+        return self._buffers
+
+
+class SharedMemoryArena:
+    """Managed buffers backed by files in /dev/shm, so same-host peers can map and memcpy them."""
+
+    def __init__(self, prefix: str) -> None:
+        self._prefix = prefix
+        self._counter = 0
+        self._lock = threading.Lock()
+        self._maps: dict[int, tuple[mmap.mmap, str]] = {}
+
+    def allocate(self, length: int) -> Buffer:
+        if length <= 0:
+            raise MemoryRegistrationError(f"managed buffer length must be > 0, got {length}")
+        with self._lock:
+            self._counter += 1
+            name = f"{self._prefix}-{self._counter}"
+        fd = os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, length)
+            mem = mmap.mmap(fd, length)
+        finally:
+            os.close(fd)
+        view = memoryview(mem).cast("B")
+        addr = int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
+        self._maps[addr] = (mem, name)
+        return Buffer(addr, length, view, shm_name=name, owner=mem)
+
+    def free(self, addr: int) -> None:
+        mem, name = self._maps.pop(addr)
+        _unlink(name)
+        try:
+            mem.close()
+        except BufferError:
+            pass  # views still exported; the mapping goes when they do
+
+    def close(self) -> None:
+        for addr in list(self._maps):
+            self.free(addr)
+
+
+def _unlink(name: str) -> None:
+    try:
+        os.unlink(f"/dev/shm/{name}")
+    except FileNotFoundError:
+        pass
+
+
+def map_peer_shm(name: str, length: int) -> memoryview:
+    """Map a same-host peer's managed buffer; raises OSError if it is not reachable."""
+    fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
+    try:
+        if os.fstat(fd).st_size < length:
+            raise OSError(f"/dev/shm/{name} is smaller than advertised")
+        return memoryview(mmap.mmap(fd, length)).cast("B")
+    finally:
+        os.close(fd)

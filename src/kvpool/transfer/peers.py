@@ -1,0 +1,65 @@
+"""Finding peers: segment name -> descriptor, through the directory or a P2P handshake."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from kvpool.errors import KvpoolError, SegmentNotFound
+from kvpool.metadata import MetadataBackend
+from kvpool.transfer.config import TransferConfig
+from kvpool.transfer.segment import SegmentDescriptor, parse_segment_name, segment_key
+from kvpool.transfer.tcp_client import open_connection
+
+_REFRESH_MIN_S = 0.2
+
+
+class PeerDirectory:
+    """Caches descriptors of peer segments; refreshes one on demand (rate-limited)."""
+
+    def __init__(self, backend: MetadataBackend | None, config: TransferConfig, me: str) -> None:
+        self._backend = backend
+        self._config = config
+        self._me = me
+        self._cache: dict[str, SegmentDescriptor] = {}
+        self._fetched_at: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def lookup(self, name: str) -> SegmentDescriptor:
+        """The descriptor of `name`; raises SegmentNotFound / PeerUnavailable / MetadataError."""
+        found = self._cache.get(name)
+        if found is not None:
+            return found
+        return self._fetch(name)
+
+    def refresh(self, name: str) -> SegmentDescriptor | None:
+        """Fetch again if the cached copy is old enough; None when rate-limited."""
+        if time.monotonic() - self._fetched_at.get(name, 0.0) < _REFRESH_MIN_S:
+            return None
+        try:
+            return self._fetch(name)
+        except KvpoolError:
+            return None
+
+    def forget(self, name: str) -> None:
+        with self._lock:
+            self._cache.pop(name, None)
+
+    def _fetch(self, name: str) -> SegmentDescriptor:
+        if self._backend is None:
+            descriptor = self._handshake(name)
+        else:
+            raw = self._backend.get(segment_key(name))
+            if raw is None:
+                raise SegmentNotFound(f"segment {name!r} is not in the metadata directory")
+            descriptor = SegmentDescriptor.from_json(raw)
+        with self._lock:
+            self._cache[name] = descriptor
+            self._fetched_at[name] = time.monotonic()
+        return descriptor
+
+    def _handshake(self, name: str) -> SegmentDescriptor:
+        host, port = parse_segment_name(name)
+        sock, body = open_connection(host, port, self._config, self._me)
+        sock.close()
+        return SegmentDescriptor.from_dict(body)

@@ -1,0 +1,160 @@
+"""The transfer wire protocol, sans-I/O: pure functions and a decoder over bytes.
+
+Every frame starts with a fixed 28-byte header (little-endian):
+
+    0      4     5      6        8         12             20             28
+    +------+-----+------+--------+---------+--------------+--------------+
+    | KVP1 | typ | flag | rsvd16 | count32 | request_id64 | payload_len64|
+    +------+-----+------+--------+---------+--------------+--------------+
+
+- HELLO / HELLO_OK / ERROR: `payload_len` bytes of JSON (HELLO, HELLO_OK) or UTF-8 (ERROR).
+- WRITE: `count` descriptors of 16 bytes (target_addr u64, length u64), then the data of every
+  descriptor back to back; `payload_len` == sum of lengths.
+- READ: `count` descriptors, no data; `payload_len` == 0.
+- WRITE_ACK: `count` status bytes (payload_len == count).
+- READ_RESP: `count` status bytes, then the data of each descriptor whose status is OK, in
+  order; `payload_len` == count + sum of OK lengths.
+
+The drivers read the header and descriptors through these functions and move the data with
+`recv_into`/`sendmsg` straight between sockets and registered memory.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvpool.errors import LocalProtocolError, RemoteProtocolError
+
+MAGIC = b"KVP1"
+HEADER = struct.Struct("<4sBBHIQQ")
+HEADER_BYTES = HEADER.size  # 28
+DESCRIPTOR_BYTES = 16
+MAX_DESCRIPTORS = 1 << 16
+MAX_PAYLOAD_BYTES = 1 << 34
+MAX_CONTROL_BYTES = 1 << 20
+_DESC_DTYPE = np.dtype("<u8")
+
+
+class FrameType(enum.IntEnum):
+    HELLO = 1
+    HELLO_OK = 2
+    WRITE = 3
+    READ = 4
+    WRITE_ACK = 5
+    READ_RESP = 6
+    ERROR = 7
+
+
+class Status(enum.IntEnum):
+    """Per-descriptor outcome reported by the target."""
+
+    OK = 0
+    OUT_OF_RANGE = 1  # the address range is not inside one registered buffer
+    READ_ONLY = 2  # a write into a buffer registered read-only
+
+
+CONTROL_TYPES = frozenset({FrameType.HELLO, FrameType.HELLO_OK, FrameType.ERROR})
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    type: FrameType
+    count: int
+    request_id: int
+    payload_len: int
+
+    @property
+    def descriptor_bytes(self) -> int:
+        return self.count * DESCRIPTOR_BYTES if self.type in (FrameType.WRITE, FrameType.READ) else 0
+
+
+def encode_header(ftype: FrameType, count: int, request_id: int, payload_len: int) -> bytes:
+    if not 0 <= count <= MAX_DESCRIPTORS:
+        raise LocalProtocolError(f"count {count} outside 0..{MAX_DESCRIPTORS}")
+    if not 0 <= payload_len <= MAX_PAYLOAD_BYTES:
+        raise LocalProtocolError(f"payload_len {payload_len} outside 0..{MAX_PAYLOAD_BYTES}")
+    return HEADER.pack(MAGIC, int(ftype), 0, 0, count, request_id, payload_len)
+
+
+def decode_header(data: bytes | bytearray | memoryview) -> Header:
+    """Parse exactly HEADER_BYTES bytes; raise RemoteProtocolError on anything invalid."""
+    if len(data) != HEADER_BYTES:
+        raise RemoteProtocolError(f"header must be {HEADER_BYTES} bytes, got {len(data)}")
+    magic, raw_type, _flags, _rsvd, count, request_id, payload_len = HEADER.unpack(data)
+    if magic != MAGIC:
+        raise RemoteProtocolError(f"bad magic {bytes(magic)!r}: not a kvpool transfer peer")
+    try:
+        ftype = FrameType(raw_type)
+    except ValueError:
+        raise RemoteProtocolError(f"unknown frame type {raw_type}") from None
+    header = Header(ftype, count, request_id, payload_len)
+    _check_header(header)
+    return header
+
+
+def _check_header(h: Header) -> None:
+    if h.count > MAX_DESCRIPTORS:
+        raise RemoteProtocolError(f"{h.count} descriptors exceed the limit {MAX_DESCRIPTORS}")
+    if h.payload_len > MAX_PAYLOAD_BYTES:
+        raise RemoteProtocolError(f"payload of {h.payload_len} bytes exceeds {MAX_PAYLOAD_BYTES}")
+    if h.type in CONTROL_TYPES and h.payload_len > MAX_CONTROL_BYTES:
+        raise RemoteProtocolError(f"{h.type.name} payload of {h.payload_len} bytes is too large")
+    if h.type == FrameType.READ and h.payload_len != 0:
+        raise RemoteProtocolError("READ frames carry no payload")
+    if h.type == FrameType.WRITE_ACK and h.payload_len != h.count:
+        raise RemoteProtocolError("WRITE_ACK payload must be one status byte per descriptor")
+    if h.type == FrameType.READ_RESP and h.payload_len < h.count:
+        raise RemoteProtocolError("READ_RESP payload shorter than its status bytes")
+
+
+def encode_descriptors(addrs: list[int], lengths: list[int]) -> bytes:
+    if len(addrs) != len(lengths):
+        raise LocalProtocolError(f"{len(addrs)} addresses but {len(lengths)} lengths")
+    table = np.empty((len(addrs), 2), dtype=_DESC_DTYPE)
+    table[:, 0] = addrs
+    table[:, 1] = lengths
+    return table.tobytes()
+
+
+def decode_descriptors(data: bytes | bytearray | memoryview, header: Header) -> tuple[list[int], list[int]]:
+    """(addresses, lengths) of a WRITE/READ frame; checks sizes against the header."""
+    if len(data) != header.descriptor_bytes:
+        raise RemoteProtocolError(f"descriptor block is {len(data)} bytes, expected {header.descriptor_bytes}")
+    table = np.frombuffer(data, dtype=_DESC_DTYPE).reshape(-1, 2)
+    addrs, lengths = table[:, 0], table[:, 1]
+    if header.count and int(lengths.max()) > MAX_PAYLOAD_BYTES:
+        raise RemoteProtocolError("a descriptor length exceeds the payload limit")
+    total = int(lengths.sum(dtype=np.uint64))
+    if header.type == FrameType.WRITE and total != header.payload_len:
+        raise RemoteProtocolError(f"WRITE descriptors sum to {total} bytes but payload_len is {header.payload_len}")
+    return addrs.tolist(), lengths.tolist()
+
+
+def decode_statuses(data: bytes | bytearray | memoryview) -> list[Status]:
+    try:
+        return [Status(b) for b in bytes(data)]
+    except ValueError as exc:
+        raise RemoteProtocolError(f"unknown status byte: {exc}") from None
+
+
+def encode_control(ftype: FrameType, body: dict[str, Any] | str) -> bytes:
+    raw = body.encode() if isinstance(body, str) else json.dumps(body, separators=(",", ":")).encode()
+    return encode_header(ftype, 0, 0, len(raw)) + raw
+
+
+def decode_control(header: Header, payload: bytes) -> dict[str, Any] | str:
+    if header.type == FrameType.ERROR:
+        return payload.decode("utf-8", errors="replace")
+    try:
+        body = json.loads(payload)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RemoteProtocolError(f"{header.type.name} payload is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise RemoteProtocolError(f"{header.type.name} payload must be a JSON object")
+    return body

@@ -1,0 +1,135 @@
+"""Router: turns submitted requests into work for the local, shm and tcp transports.
+
+Per target segment it looks up the descriptor once, then per request picks the route: a local
+copy for our own segment, shm when the target range lies in a same-host peer's shared buffer
+(protocol "auto"/"shm"), tcp frames otherwise. Failures found here (unregistered local memory,
+unknown segment) fail only the requests concerned.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from kvpool.errors import KvpoolError
+from kvpool.transfer.batch import Batch, OpCode, TransferRequest
+from kvpool.transfer.config import TransferConfig
+from kvpool.transfer.memory import MemoryRegistry
+from kvpool.transfer.peers import PeerDirectory
+from kvpool.transfer.planner import Piece, count_slices, plan_frames
+from kvpool.transfer.segment import SegmentDescriptor
+from kvpool.transfer.shm import ShmPeer, ShmTransport
+from kvpool.transfer.tcp_client import PeerLink
+
+ShmItem = tuple[int, memoryview, memoryview]
+
+
+class Router:
+    def __init__(self, config: TransferConfig, registry: MemoryRegistry, peers: PeerDirectory,
+                 me: str) -> None:
+        self._config = config
+        self._registry = registry
+        self._peers = peers
+        self._me = me
+        self._shm = ShmTransport()
+        self._links: dict[str, PeerLink] = {}
+        self._shm_peers: dict[str, ShmPeer] = {}
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            links, self._links = list(self._links.values()), {}
+        for link in links:
+            link.close()
+        self._shm.close()
+
+    def dispatch(self, batch: Batch, requests: list[TransferRequest], inline: bool = False) -> None:
+        """Start the requests. With `inline` (sync callers) the caller's thread does part of the
+        work: a small shm copy, or the first tcp frame, instead of handing it to a thread."""
+        slice_bytes = self._config.slice_bytes
+        first = batch.add([count_slices(r.length, slice_bytes) for r in requests])
+        groups: dict[tuple[str, OpCode], list[int]] = {}
+        for offset, req in enumerate(requests):
+            groups.setdefault((req.target, req.op), []).append(offset)
+        for (target, op), offsets in groups.items():
+            items = [(first + i, requests[i]) for i in offsets]
+            self._dispatch_group(batch, op, target, items, inline)
+
+    def _dispatch_group(self, batch: Batch, op: OpCode, target: str,
+                        items: list[tuple[int, TransferRequest]], inline: bool) -> None:
+        if target == self._me:
+            self._dispatch_local(batch, op, items, inline)
+            return
+        try:
+            descriptor = self._peers.lookup(target)
+        except KvpoolError as exc:
+            batch.complete([index for index, _ in items], f"{target}: {exc}")
+            return
+        shm_peer = self._shm_peer_for(target, descriptor)
+        shm_items: list[ShmItem] = []
+        pieces: list[Piece] = []
+        for index, req in items:
+            local = self._local_view(batch, index, req, op)
+            if local is None:
+                continue
+            remote = shm_peer.resolve(req.target_addr, req.length) if shm_peer else None
+            if remote is not None:
+                shm_items.append((index, local, remote))
+            else:
+                pieces.append(Piece(index, req.target_addr, req.length, local))
+        if shm_items and shm_peer is not None:
+            self._shm.run(op, batch, shm_items, shm_peer, inline)
+        if pieces:
+            link, frames = self._link(target, descriptor), plan_frames(op, batch, pieces, self._config)
+            link.run_inline(frames) if inline else link.send(frames)
+
+    def _dispatch_local(self, batch: Batch, op: OpCode, items: list[tuple[int, TransferRequest]],
+                        inline: bool) -> None:
+        copies: list[ShmItem] = []
+        for index, req in items:
+            local = self._local_view(batch, index, req, op)
+            if local is None:
+                continue
+            target = self._registry.find(req.target_addr, req.length)
+            if target is None or (op == OpCode.WRITE and target.readonly):
+                batch.complete([index], "target range is not inside a writable registered buffer")
+                continue
+            start = req.target_addr - target.addr
+            copies.append((index, local, target.view[start : start + req.length]))
+        if copies:
+            self._shm.run(op, batch, copies, None, inline)
+
+    def _local_view(self, batch: Batch, index: int, req: TransferRequest, op: OpCode) -> memoryview | None:
+        buf = self._registry.find(req.local_addr, req.length)
+        if buf is None:
+            batch.complete([index], f"local range {req.local_addr:#x}+{req.length} is not registered")
+            return None
+        if op == OpCode.READ and buf.readonly:
+            batch.complete([index], "local buffer is read-only; cannot read into it")
+            return None
+        if req.length == 0:
+            batch.complete([index], whole=True)
+            return None
+        start = req.local_addr - buf.addr
+        return buf.view[start : start + req.length]
+
+    def _shm_peer_for(self, target: str, descriptor: SegmentDescriptor) -> ShmPeer | None:
+        if self._config.protocol == "tcp" or not descriptor.same_host():
+            return None
+        peer = self._shm_peers.get(target)
+        if peer is None or peer.descriptor is not descriptor:
+            peer = ShmPeer(descriptor)
+            self._shm_peers[target] = peer
+        if not peer.watch.alive():
+            self._peers.forget(target)  # a restarted peer has new buffers: look it up again
+            return None
+        return peer
+
+    def _link(self, target: str, descriptor: SegmentDescriptor) -> PeerLink:
+        link = self._links.get(target)
+        if link is None:
+            with self._lock:
+                link = self._links.get(target)
+                if link is None:
+                    link = PeerLink(descriptor.host, descriptor.port, self._config, self._me)
+                    self._links[target] = link
+        return link

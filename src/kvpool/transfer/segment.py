@@ -1,0 +1,137 @@
+"""Segment descriptors: what a peer publishes about itself (directory value, handshake reply)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import select
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool.errors import InvalidArgument, RemoteProtocolError
+
+SEGMENT_KEY_PREFIX = "kvpool/segments/"
+
+
+def segment_key(name: str) -> str:
+    """Directory key of a segment; the same on every metadata backend."""
+    return SEGMENT_KEY_PREFIX + name
+
+
+@functools.cache
+def host_identity() -> str:
+    """Same value for every process that can map this machine's /dev/shm."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "unknown"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def parse_segment_name(name: str) -> tuple[str, int]:
+    """Split "host:port" (IPv6 as "[::1]:port")."""
+    host, sep, port = name.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        raise InvalidArgument(f"segment name must be 'host:port', got {name!r}")
+    return host.strip("[]"), int(port)
+
+
+@dataclass(frozen=True)
+class ShmRegion:
+    addr: int
+    length: int
+    name: str
+
+
+@dataclass(frozen=True)
+class SegmentDescriptor:
+    name: str
+    host: str
+    port: int
+    host_id: str
+    pid: int
+    shm_regions: tuple[ShmRegion, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name, "host": self.host, "port": self.port,
+            "host_id": self.host_id, "pid": self.pid,
+            "shm": [[r.addr, r.length, r.name] for r in self.shm_regions],
+        }
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.to_dict(), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_dict(cls, body: dict[str, Any]) -> SegmentDescriptor:
+        try:
+            regions = tuple(ShmRegion(int(a), int(n), str(s)) for a, n, s in body.get("shm", []))
+            return cls(str(body["name"]), str(body["host"]), int(body["port"]),
+                       str(body["host_id"]), int(body["pid"]), regions)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise RemoteProtocolError(f"malformed segment descriptor: {exc!r}") from None
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> SegmentDescriptor:
+        try:
+            return cls.from_dict(json.loads(raw))
+        except ValueError as exc:
+            raise RemoteProtocolError(f"segment descriptor is not JSON: {exc}") from None
+
+    def same_host(self) -> bool:
+        return self.host_id == host_identity()
+
+    def process_alive(self) -> bool:
+        """Only meaningful for same-host peers; a zombie counts as dead."""
+        return process_alive(self.pid)
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return ProcessWatch(pid).alive()
+
+
+class ProcessWatch:
+    """Cheap repeated liveness checks of a same-host process through a pidfd (zombies included)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        try:
+            self._fd: int | None = os.pidfd_open(pid)
+        except (OSError, AttributeError):
+            self._fd = None
+        self._dead = False
+
+    def alive(self) -> bool:
+        if self._dead:
+            return False
+        if self._fd is None:
+            return _kill_probe(self.pid)
+        ready, _, _ = select.select([self._fd], [], [], 0)
+        if ready:
+            self._dead = True
+            os.close(self._fd)
+            self._fd = None
+        return not self._dead
+
+    def __del__(self) -> None:
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)  # type: ignore[arg-type]
+
+
+def _kill_probe(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

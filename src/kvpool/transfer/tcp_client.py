@@ -1,0 +1,205 @@
+"""The initiator side of the tcp transport: a pool of connections per peer, fed with frames.
+
+Each connection has one worker thread that sends a frame, waits for its reply, and reports
+per-descriptor outcomes to the frame's batch. A broken connection fails the frame in hand (never
+reporting partial success) and is re-established for the next frame.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool.errors import AuthError, KvpoolError, PeerUnavailable, RemoteProtocolError
+from kvpool.transfer.batch import Batch, OpCode
+from kvpool.transfer.config import TransferConfig
+from kvpool.transfer.protocol import (
+    HEADER_BYTES,
+    FrameType,
+    Header,
+    Status,
+    decode_control,
+    decode_header,
+    decode_statuses,
+    encode_control,
+    encode_descriptors,
+    encode_header,
+)
+from kvpool.transfer.wire import recv_exact, recv_into_views, send_views
+
+_request_ids = itertools.count(1)
+_FAILURE_TEXT = {
+    Status.OUT_OF_RANGE: "target range is not inside a buffer registered at the target",
+    Status.READ_ONLY: "target buffer is registered read-only",
+}
+
+
+@dataclass(slots=True)
+class Frame:
+    """Descriptors bound for one peer in one message, and where to report their outcome."""
+
+    op: OpCode
+    batch: Batch
+    indices: list[int]
+    addrs: list[int]
+    lengths: list[int]
+    views: list[memoryview]
+
+    def fail(self, reason: str) -> None:
+        self.batch.complete(self.indices, reason)
+
+    def finish(self, statuses: list[Status]) -> None:
+        ok = [i for i, s in zip(self.indices, statuses, strict=True) if s == Status.OK]
+        self.batch.complete(ok)
+        for index, status in zip(self.indices, statuses, strict=True):
+            if status != Status.OK:
+                self.batch.complete([index], _FAILURE_TEXT.get(status, f"remote status {status}"))
+
+
+def open_connection(host: str, port: int, config: TransferConfig, me: str) -> tuple[socket.socket, dict[str, Any]]:
+    """Connect and handshake; returns the socket and the peer's descriptor (HELLO_OK body)."""
+    try:
+        sock = socket.create_connection((host, port), timeout=config.connect_timeout_s)
+    except OSError as exc:
+        raise PeerUnavailable(f"cannot connect to {host}:{port}: {exc}") from None
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.settimeout(config.timeout_s)
+        send_views(sock, [encode_control(FrameType.HELLO, {"token": config.token, "peer": me})])
+        header = decode_header(recv_exact(sock, HEADER_BYTES))
+        body = decode_control(header, bytes(recv_exact(sock, header.payload_len)))
+        if header.type == FrameType.ERROR:
+            raise AuthError(f"{host}:{port} refused the handshake: {body}")
+        if header.type != FrameType.HELLO_OK or not isinstance(body, dict):
+            raise RemoteProtocolError(f"expected HELLO_OK from {host}:{port}, got {header.type.name}")
+        return sock, body
+    except BaseException:
+        sock.close()
+        raise
+
+
+class PeerLink:
+    """Connections to one peer segment.
+
+    Frames run either inline in the caller's thread (sync calls) or on worker threads (batch
+    submits); both check a connection out of the idle pool, or open a new one, per frame.
+    """
+
+    def __init__(self, host: str, port: int, config: TransferConfig, me: str) -> None:
+        self.host, self.port = host, port
+        self._config = config
+        self._me = me
+        self._queue: queue.SimpleQueue[Frame | None] = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._idle: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def send(self, frames: list[Frame]) -> None:
+        """Queue frames for the worker threads; returns at once."""
+        with self._lock:
+            if self._closed:
+                for frame in frames:
+                    frame.fail("transfer engine is closed")
+                return
+            self._grow(len(frames))
+        for frame in frames:
+            self._queue.put(frame)
+
+    def run_inline(self, frames: list[Frame]) -> None:
+        """Run frames in the calling thread (the first one), the rest on workers."""
+        self.send(frames[1:])
+        if frames:
+            self._run(frames[0])
+
+    def _grow(self, wanted: int) -> None:
+        while len(self._threads) < min(wanted, self._config.connections_per_peer):
+            thread = threading.Thread(target=self._worker, name=f"kvpool-tcp-{self.port}", daemon=True)
+            self._threads.append(thread)
+            thread.start()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            threads = list(self._threads)
+            idle, self._idle = self._idle, []
+        for _ in threads:
+            self._queue.put(None)
+        for thread in threads:
+            thread.join(timeout=self._config.timeout_s)
+        for sock in idle:
+            sock.close()
+
+    def _worker(self) -> None:
+        while (frame := self._queue.get()) is not None:
+            self._run(frame)
+
+    def _run(self, frame: Frame) -> None:
+        sock: socket.socket | None = None
+        try:
+            sock = self._checkout()
+            statuses = _run_frame(sock, frame)
+        except (OSError, KvpoolError) as exc:
+            if sock is not None:
+                sock.close()
+            frame.fail(f"{self.host}:{self.port}: {_describe(exc)}")
+            return
+        self._checkin(sock)
+        frame.finish(statuses)
+
+    def _checkout(self) -> socket.socket:
+        with self._lock:
+            if self._closed:
+                raise PeerUnavailable("transfer engine is closed")
+            if self._idle:
+                return self._idle.pop()
+        sock, _ = open_connection(self.host, self.port, self._config, self._me)
+        return sock
+
+    def _checkin(self, sock: socket.socket) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < self._config.connections_per_peer:
+                self._idle.append(sock)
+                return
+        sock.close()
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, TimeoutError | socket.timeout):
+        return "peer did not answer within the timeout"
+    return str(exc) or type(exc).__name__
+
+
+def _run_frame(sock: socket.socket, frame: Frame) -> list[Status]:
+    rid = next(_request_ids)
+    count = len(frame.indices)
+    desc = encode_descriptors(frame.addrs, frame.lengths)
+    if frame.op == OpCode.WRITE:
+        head = encode_header(FrameType.WRITE, count, rid, sum(frame.lengths))
+        send_views(sock, [head, desc, *frame.views])
+        reply = _expect(sock, FrameType.WRITE_ACK, rid, count)
+        return decode_statuses(recv_exact(sock, reply.payload_len))
+    send_views(sock, [encode_header(FrameType.READ, count, rid, 0), desc])
+    reply = _expect(sock, FrameType.READ_RESP, rid, count)
+    statuses = decode_statuses(recv_exact(sock, count))
+    ok_views = [v for v, s in zip(frame.views, statuses, strict=True) if s == Status.OK]
+    if reply.payload_len != count + sum(v.nbytes for v in ok_views):
+        raise RemoteProtocolError("READ_RESP length does not match its OK descriptors")
+    recv_into_views(sock, ok_views)
+    return statuses
+
+
+def _expect(sock: socket.socket, ftype: FrameType, rid: int, count: int) -> Header:
+    raw = recv_exact(sock, HEADER_BYTES)
+    header = decode_header(raw)
+    if header.type == FrameType.ERROR:
+        text = decode_control(header, bytes(recv_exact(sock, header.payload_len)))
+        raise PeerUnavailable(f"peer reported: {text}")
+    if header.type != ftype or header.request_id != rid or header.count != count:
+        raise RemoteProtocolError(f"expected {ftype.name} #{rid} x{count}, got {header.type.name} "
+                                  f"#{header.request_id} x{header.count}")
+    return header

@@ -1,0 +1,47 @@
+"""A transfer target in its own process, driven over stdin/stdout by the tests.
+
+argv[1]: JSON of TransferConfig fields; argv[2]: buffer size. Prints one JSON line
+{segment, managed, plain, size, pid}; then answers commands, one per line:
+  fill ADDR LEN SEED   -> "ok"           (pseudo-random bytes from SEED)
+  digest ADDR LEN      -> hex sha256
+  quit
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+
+import numpy as np
+
+from kvpool.transfer import TransferConfig, TransferEngine
+from kvpool.transfer.memory import view_at
+
+
+def main() -> None:
+    config = TransferConfig(**json.loads(sys.argv[1]))
+    size = int(sys.argv[2])
+    plain = np.zeros(size, dtype=np.uint8)
+    with TransferEngine(config) as engine:
+        managed = engine.allocate_managed(size)
+        engine.register(plain)
+        info = {"segment": engine.segment_name, "managed": managed.addr,
+                "plain": int(plain.ctypes.data), "size": size}
+        print(json.dumps(info), flush=True)
+        for line in sys.stdin:
+            parts = line.split()
+            if not parts or parts[0] == "quit":
+                break
+            addr, length = int(parts[1]), int(parts[2])
+            view = view_at(addr, length)
+            if parts[0] == "fill":
+                rng = np.random.default_rng(int(parts[3]))
+                np.frombuffer(view, dtype=np.uint8)[:] = rng.integers(0, 256, length, dtype=np.uint8)
+                print("ok", flush=True)
+            else:
+                print(hashlib.sha256(view).hexdigest(), flush=True)
+
+
+if __name__ == "__main__":
+    main()
