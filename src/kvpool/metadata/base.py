@@ -67,6 +67,7 @@ class MetadataBackend(ABC):
     def __init__(self, url: str) -> None:
         self.url = url
         self._closed = threading.Event()
+        self._close_lock = threading.Lock()
 
     def get(self, key: str) -> bytes | None:
         """The value stored under `key`, or None when there is none."""
@@ -83,9 +84,11 @@ class MetadataBackend(ABC):
 
     def close(self) -> None:
         """Release connections. Idempotent; later calls raise MetadataError."""
-        if not self._closed.is_set():
+        with self._close_lock:
+            if self._closed.is_set():
+                return
             self._closed.set()
-            self._release()
+        self._release()
 
     @property
     def closed(self) -> bool:
