@@ -2,57 +2,67 @@
 
 Pure policy over lengths: no sockets. A request larger than `slice_bytes` travels as several
 slices (spread by the connection pool); requests up to it are packed together into frames of at
-most `frame_bytes` payload and `frame_requests` descriptors.
+most `frame_bytes` payload and `frame_requests` descriptors. Inputs are parallel lists because
+this runs per request on the hot path.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvpool.transfer.batch import Batch, OpCode
 from kvpool.transfer.config import TransferConfig
 from kvpool.transfer.tcp_client import Frame
 
 
-@dataclass(frozen=True, slots=True)
-class Piece:
-    index: int
-    """Index of the request in its batch."""
-    target_addr: int
-    length: int
-    view: memoryview
-    """The local side of the transfer (source of a write, destination of a read)."""
+@dataclass
+class Pieces:
+    """Requests bound for one peer: batch index, target address, length, local view."""
+
+    indices: list[int] = field(default_factory=list)
+    addrs: list[int] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+    views: list[memoryview] = field(default_factory=list)
+
+    def add(self, index: int, addr: int, length: int, view: memoryview) -> None:
+        self.indices.append(index)
+        self.addrs.append(addr)
+        self.lengths.append(length)
+        self.views.append(view)
 
 
 def count_slices(length: int, slice_bytes: int) -> int:
-    return max(1, -(-length // slice_bytes))
+    return 1 if length <= slice_bytes else -(-length // slice_bytes)
 
 
-def plan_frames(op: OpCode, batch: Batch, pieces: list[Piece], config: TransferConfig) -> list[Frame]:
+def plan_frames(op: OpCode, batch: Batch, pieces: Pieces, config: TransferConfig) -> list[Frame]:
     frames: list[Frame] = []
-    current = Frame(op, batch, [], [], [], [])
-    current_bytes = 0
-    for piece in pieces:
-        if piece.length > config.slice_bytes:
-            frames.extend(_slices(op, batch, piece, config.slice_bytes))
+    start, used = 0, 0
+    slice_bytes, frame_bytes, frame_requests = config.slice_bytes, config.frame_bytes, config.frame_requests
+    for i, length in enumerate(pieces.lengths):
+        if length > slice_bytes:
+            if i > start:
+                frames.append(_frame(op, batch, pieces, start, i))
+            frames.extend(_slices(op, batch, pieces, i, slice_bytes))
+            start, used = i + 1, 0
             continue
-        current.indices.append(piece.index)
-        current.addrs.append(piece.target_addr)
-        current.lengths.append(piece.length)
-        current.views.append(piece.view)
-        current_bytes += piece.length
-        if current_bytes >= config.frame_bytes or len(current.indices) >= config.frame_requests:
-            frames.append(current)
-            current, current_bytes = Frame(op, batch, [], [], [], []), 0
-    if current.indices:
-        frames.append(current)
+        used += length
+        if used >= frame_bytes or i + 1 - start >= frame_requests:
+            frames.append(_frame(op, batch, pieces, start, i + 1))
+            start, used = i + 1, 0
+    if start < len(pieces.lengths):
+        frames.append(_frame(op, batch, pieces, start, len(pieces.lengths)))
     return frames
 
 
-def _slices(op: OpCode, batch: Batch, piece: Piece, slice_bytes: int) -> list[Frame]:
+def _frame(op: OpCode, batch: Batch, p: Pieces, start: int, end: int) -> Frame:
+    return Frame(op, batch, p.indices[start:end], p.addrs[start:end], p.lengths[start:end], p.views[start:end])
+
+
+def _slices(op: OpCode, batch: Batch, p: Pieces, i: int, slice_bytes: int) -> list[Frame]:
+    index, addr, length, view = p.indices[i], p.addrs[i], p.lengths[i], p.views[i]
     return [
-        Frame(op, batch, [piece.index], [piece.target_addr + offset],
-              [min(slice_bytes, piece.length - offset)],
-              [piece.view[offset : offset + slice_bytes]])
-        for offset in range(0, piece.length, slice_bytes)
+        Frame(op, batch, [index], [addr + offset], [min(slice_bytes, length - offset)],
+              [view[offset : offset + slice_bytes]])
+        for offset in range(0, length, slice_bytes)
     ]

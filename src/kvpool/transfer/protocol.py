@@ -136,9 +136,15 @@ def decode_descriptors(data: bytes | bytearray | memoryview, header: Header) -> 
     return addrs.tolist(), lengths.tolist()
 
 
+_STATUS_VALUES = frozenset(int(s) for s in Status)
+
+
 def decode_statuses(data: bytes | bytearray | memoryview) -> list[Status]:
+    raw = bytes(data)
+    if raw.count(Status.OK) == len(raw):
+        return [Status.OK] * len(raw)
     try:
-        return [Status(b) for b in bytes(data)]
+        return [Status(b) for b in raw]
     except ValueError as exc:
         raise RemoteProtocolError(f"unknown status byte: {exc}") from None
 

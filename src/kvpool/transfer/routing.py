@@ -13,9 +13,9 @@ import threading
 from kvpool.errors import KvpoolError
 from kvpool.transfer.batch import Batch, OpCode, TransferRequest
 from kvpool.transfer.config import TransferConfig
-from kvpool.transfer.memory import MemoryRegistry
+from kvpool.transfer.memory import Buffer, MemoryRegistry
 from kvpool.transfer.peers import PeerDirectory
-from kvpool.transfer.planner import Piece, count_slices, plan_frames
+from kvpool.transfer.planner import Pieces, count_slices, plan_frames
 from kvpool.transfer.segment import SegmentDescriptor
 from kvpool.transfer.shm import ShmPeer, ShmTransport
 from kvpool.transfer.tcp_client import PeerLink
@@ -66,19 +66,20 @@ class Router:
             return
         shm_peer = self._shm_peer_for(target, descriptor)
         shm_items: list[ShmItem] = []
-        pieces: list[Piece] = []
+        pieces = Pieces()
+        cache: list[Buffer | None] = [None]
         for index, req in items:
-            local = self._local_view(batch, index, req, op)
+            local = self._local_view(batch, index, req, op, cache)
             if local is None:
                 continue
             remote = shm_peer.resolve(req.target_addr, req.length) if shm_peer else None
             if remote is not None:
                 shm_items.append((index, local, remote))
             else:
-                pieces.append(Piece(index, req.target_addr, req.length, local))
+                pieces.add(index, req.target_addr, req.length, local)
         if shm_items and shm_peer is not None:
             self._shm.run(op, batch, shm_items, shm_peer, inline)
-        if pieces:
+        if pieces.indices:
             link, frames = self._link(target, descriptor), plan_frames(op, batch, pieces, self._config)
             link.run_inline(frames) if inline else link.send(frames)
 
@@ -86,7 +87,7 @@ class Router:
                         inline: bool) -> None:
         copies: list[ShmItem] = []
         for index, req in items:
-            local = self._local_view(batch, index, req, op)
+            local = self._local_view(batch, index, req, op, [None])
             if local is None:
                 continue
             target = self._registry.find(req.target_addr, req.length)
@@ -98,8 +99,13 @@ class Router:
         if copies:
             self._shm.run(op, batch, copies, None, inline)
 
-    def _local_view(self, batch: Batch, index: int, req: TransferRequest, op: OpCode) -> memoryview | None:
-        buf = self._registry.find(req.local_addr, req.length)
+    def _local_view(self, batch: Batch, index: int, req: TransferRequest, op: OpCode,
+                    cache: list[Buffer | None]) -> memoryview | None:
+        """The local side of `req`, or None after failing it. `cache[0]` remembers the last
+        buffer found, since a batch usually walks through one buffer."""
+        buf = cache[0]
+        if buf is None or not buf.contains(req.local_addr, req.length):
+            buf = cache[0] = self._registry.find(req.local_addr, req.length)
         if buf is None:
             batch.complete([index], f"local range {req.local_addr:#x}+{req.length} is not registered")
             return None

@@ -52,10 +52,14 @@ class Frame:
     def fail(self, reason: str) -> None:
         self.batch.complete(self.indices, reason)
 
-    def finish(self, statuses: list[Status]) -> None:
-        ok = [i for i, s in zip(self.indices, statuses, strict=True) if s == Status.OK]
-        self.batch.complete(ok)
-        for index, status in zip(self.indices, statuses, strict=True):
+    def finish(self, statuses: bytes | bytearray) -> None:
+        """Report the target's per-descriptor status bytes (Status values) to the batch."""
+        if statuses.count(Status.OK) == len(statuses):
+            self.batch.complete(self.indices)
+            return
+        decoded = decode_statuses(statuses)
+        self.batch.complete([i for i, s in zip(self.indices, decoded, strict=True) if s == Status.OK])
+        for index, status in zip(self.indices, decoded, strict=True):
             if status != Status.OK:
                 self.batch.complete([index], _FAILURE_TEXT.get(status, f"remote status {status}"))
 
@@ -174,7 +178,8 @@ def _describe(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
-def _run_frame(sock: socket.socket, frame: Frame) -> list[Status]:
+def _run_frame(sock: socket.socket, frame: Frame) -> bytearray:
+    """Send one frame and receive its reply; returns the status bytes (validated)."""
     rid = next(_request_ids)
     count = len(frame.indices)
     desc = encode_descriptors(frame.addrs, frame.lengths)
@@ -182,10 +187,13 @@ def _run_frame(sock: socket.socket, frame: Frame) -> list[Status]:
         head = encode_header(FrameType.WRITE, count, rid, sum(frame.lengths))
         send_views(sock, [head, desc, *frame.views])
         reply = _expect(sock, FrameType.WRITE_ACK, rid, count)
-        return decode_statuses(recv_exact(sock, reply.payload_len))
+        statuses = recv_exact(sock, reply.payload_len)
+        decode_statuses(statuses)
+        return statuses
     send_views(sock, [encode_header(FrameType.READ, count, rid, 0), desc])
     reply = _expect(sock, FrameType.READ_RESP, rid, count)
-    statuses = decode_statuses(recv_exact(sock, count))
+    statuses = recv_exact(sock, count)
+    decode_statuses(statuses)
     ok_views = [v for v, s in zip(frame.views, statuses, strict=True) if s == Status.OK]
     if reply.payload_len != count + sum(v.nbytes for v in ok_views):
         raise RemoteProtocolError("READ_RESP length does not match its OK descriptors")

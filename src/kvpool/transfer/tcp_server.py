@@ -15,7 +15,7 @@ from typing import Any
 
 from kvpool.errors import KvpoolError, ProtocolError, RemoteProtocolError
 from kvpool.log import get_logger
-from kvpool.transfer.memory import MemoryRegistry
+from kvpool.transfer.memory import Buffer, MemoryRegistry
 from kvpool.transfer.protocol import (
     HEADER_BYTES,
     FrameType,
@@ -115,8 +115,9 @@ class TcpTarget:
         addrs, lengths = decode_descriptors(recv_exact(conn, header.descriptor_bytes), header)
         statuses = bytearray(header.count)
         views: list[memoryview] = []
+        cache: list[Buffer | None] = [None]
         for i, (addr, length) in enumerate(zip(addrs, lengths, strict=True)):
-            status, view = self._resolve(addr, length, write=True)
+            status, view = self._resolve(addr, length, True, cache)
             statuses[i] = status
             views.extend([view] if view is not None else _discard_views(length))
         recv_into_views(conn, views)
@@ -127,8 +128,9 @@ class TcpTarget:
         addrs, lengths = decode_descriptors(recv_exact(conn, header.descriptor_bytes), header)
         statuses = bytearray(header.count)
         views: list[bytes | bytearray | memoryview] = []
+        cache: list[Buffer | None] = [None]
         for i, (addr, length) in enumerate(zip(addrs, lengths, strict=True)):
-            status, view = self._resolve(addr, length, write=False)
+            status, view = self._resolve(addr, length, False, cache)
             statuses[i] = status
             if view is not None:
                 views.append(view)
@@ -136,8 +138,12 @@ class TcpTarget:
         head = encode_header(FrameType.READ_RESP, header.count, header.request_id, total)
         send_views(conn, [head, statuses, *views])
 
-    def _resolve(self, addr: int, length: int, write: bool) -> tuple[int, memoryview | None]:
-        buf = self._registry.find(addr, length)
+    def _resolve(self, addr: int, length: int, write: bool,
+                 cache: list[Buffer | None]) -> tuple[int, memoryview | None]:
+        """Status and target view of one descriptor; `cache[0]` is the last buffer hit."""
+        buf = cache[0]
+        if buf is None or not buf.contains(addr, length):
+            buf = cache[0] = self._registry.find(addr, length)
         if buf is None:
             return Status.OUT_OF_RANGE, None
         if write and buf.readonly:

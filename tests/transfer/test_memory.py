@@ -1,0 +1,98 @@
+"""Memory registration of every supported kind, and the registry's lookups."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+
+import numpy as np
+import pytest
+import torch
+
+from kvpool.errors import MemoryRegistrationError
+from kvpool.transfer import OpCode, TransferConfig, TransferEngine, TransferRequest
+from kvpool.transfer.memory import Buffer, MemoryRegistry, buffer_of, view_at
+from kvpool.transfer.shm_sweep import sweep_stale_shm
+
+
+def test_registry_finds_exact_containing_buffer() -> None:
+    registry = MemoryRegistry()
+    a = np.zeros(100, dtype=np.uint8)
+    b = np.zeros(50, dtype=np.uint8)
+    ba, bb = registry.add(buffer_of(a)), registry.add(buffer_of(b))
+    assert registry.find(ba.addr, 100) is ba
+    assert registry.find(ba.addr + 99, 1) is ba
+    assert registry.find(ba.addr + 99, 2) is None or registry.find(ba.addr + 99, 2) is bb
+    assert registry.find(bb.addr + 10, 40) is bb
+    assert registry.find(bb.addr + 10, 41) is None
+    registry.remove(ba.addr)
+    assert registry.find(ba.addr, 1) is None
+    with pytest.raises(MemoryRegistrationError):
+        registry.remove(ba.addr)
+
+
+def test_register_kinds() -> None:
+    arr = np.arange(16, dtype=np.float32)
+    assert buffer_of(arr).length == 64
+    assert buffer_of(arr).addr == arr.ctypes.data
+    ro = buffer_of(b"immutable")
+    assert ro.readonly and ro.length == 9
+    mm = mmap.mmap(-1, 8192)
+    assert buffer_of(mm).length == 8192
+    tensor = torch.arange(32, dtype=torch.float16)
+    tb = buffer_of(tensor)
+    assert (tb.addr, tb.length) == (tensor.data_ptr(), 64)
+    raw = (ctypes.c_ubyte * 128)()
+    view = view_at(ctypes.addressof(raw), 128)
+    view[0] = 42
+    assert raw[0] == 42
+
+
+def test_register_rejects_bad_inputs() -> None:
+    with pytest.raises(MemoryRegistrationError):
+        buffer_of(np.zeros((4, 4))[:, 1])  # not contiguous
+    with pytest.raises(MemoryRegistrationError):
+        buffer_of(torch.zeros(4, 4).t())
+    with pytest.raises(MemoryRegistrationError):
+        buffer_of(12345)
+    with pytest.raises(MemoryRegistrationError):
+        MemoryRegistry().add(Buffer(0x1000, 0, memoryview(b"")))
+    with pytest.raises(MemoryRegistrationError):
+        view_at(0, 10)
+
+
+def test_local_copy_between_own_buffers_of_every_kind() -> None:
+    with TransferEngine(TransferConfig()) as engine:
+        tensor = torch.arange(1024, dtype=torch.int32)
+        dest = np.zeros(4096, dtype=np.uint8)
+        src_buf, dst_buf = engine.register(tensor), engine.register(dest)
+        engine.write(engine.segment_name, src_buf.addr, dst_buf.addr, 4096)
+        assert dest.view(np.int32).tolist() == list(range(1024))
+        constant = engine.register(b"read-only!")
+        bad = engine.transfer_sync([TransferRequest(OpCode.WRITE, src_buf.addr, 4, engine.segment_name,
+                                                    constant.addr)])
+        assert not bad[0].ok
+        engine.unregister(dst_buf.addr)
+        gone = engine.transfer_sync([TransferRequest(OpCode.WRITE, src_buf.addr, 4, engine.segment_name,
+                                                     dst_buf.addr)])
+        assert not gone[0].ok
+
+
+def test_managed_buffers_live_in_dev_shm_and_are_removed() -> None:
+    with TransferEngine(TransferConfig()) as engine:
+        buf = engine.allocate_managed(1 << 16)
+        assert buf.shm_name is not None
+        assert open(f"/dev/shm/{buf.shm_name}", "rb").read(4) == b"\0\0\0\0"
+        assert engine.descriptor().shm_regions[0].addr == buf.addr
+        engine.free_managed(buf)
+        assert not engine.descriptor().shm_regions
+        with pytest.raises(FileNotFoundError):
+            open(f"/dev/shm/{buf.shm_name}", "rb")
+
+
+def test_sweep_removes_files_of_dead_processes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "kvpool-999999999-abc-1").write_bytes(b"x")
+    (tmp_path / "kvpool-1-abc-1").write_bytes(b"x")  # pid 1 is alive
+    (tmp_path / "unrelated").write_bytes(b"x")
+    assert sweep_stale_shm(str(tmp_path)) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kvpool-1-abc-1", "unrelated"]
