@@ -1,9 +1,129 @@
-"""Placeholder: this subcommand module registers nothing yet."""
+"""`kvpool sim run ...` (one configuration) and `kvpool sim experiment NAME` (a paper
+experiment: table beside the paper's figures, a PNG plot, `--json` rows)."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvpool.errors import KvpoolError
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    return None
+    parser = subparsers.add_parser("sim", help="simulate a cluster replaying a request trace")
+    sub = parser.add_subparsers(dest="sim_command", metavar="SIM_COMMAND")
+    _add_run(sub)
+    _add_experiment(sub)
+    parser.set_defaults(func=lambda args: (parser.print_help(), 2)[1])
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--trace", type=Path, default=None,
+                   help="Mooncake-format JSONL (default: the conversation trace)")
+    p.add_argument("--limit", type=int, default=None, help="use only the first N requests")
+    p.add_argument("--speed", type=float, default=None, help="replay speed-up factor (e.g. 2)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+
+
+def _add_experiment(sub: argparse._SubParsersAction) -> None:
+    from kvpool.sim.experiments import EXPERIMENTS
+
+    p = sub.add_parser("experiment", help="reproduce one of the papers' experiments")
+    p.add_argument("name", choices=sorted(EXPERIMENTS), metavar="NAME",
+                   help=", ".join(sorted(EXPERIMENTS)))
+    _common(p)
+    p.add_argument("--out", type=Path, default=Path("out"), help="directory for the PNG plot")
+    p.set_defaults(func=_experiment)
+
+
+def _experiment(args: argparse.Namespace) -> int:
+    from kvpool.sim.experiments import EXPERIMENTS, ExperimentOptions
+    from kvpool.sim.report import print_result
+
+    opts = ExperimentOptions(args.trace, args.limit, args.out, not args.no_progress, args.speed)
+    try:
+        result = EXPERIMENTS[args.name](opts)
+    except KvpoolError as exc:
+        print(f"kvpool sim: {exc}", file=sys.stderr)
+        return 2
+    print_result(result, sys.stdout, args.json)
+    if result.plot is not None:
+        path = result.plot(args.out)
+        print(f"plot: {path}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def _add_run(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="simulate one configuration")
+    _common(p)
+    p.add_argument("--mode", choices=("disagg", "colocated"), default="disagg")
+    p.add_argument("--poisson-rate", type=float, default=None,
+                   help="replace timestamps with Poisson arrivals at this rate (req/s)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-len", type=int, default=None, help="force every output length")
+    g = p.add_argument_group("disaggregated (Mooncake)")
+    g.add_argument("--prefill-policy", default="kvcache_centric")
+    g.add_argument("--admission", default="early_rejection")
+    g.add_argument("--num-prefill", type=int, default=8)
+    g.add_argument("--num-decode", type=int, default=8)
+    g.add_argument("--cache-blocks", type=int, default=5859,
+                   help="DRAM cache per prefill instance in blocks (0 = unlimited)")
+    g.add_argument("--eviction", default="lru", help="lru, lfu, length_aware")
+    g.add_argument("--threshold", type=float, default=1.2, help="kvcache balancing threshold")
+    g.add_argument("--decode-horizon", type=float, default=10.0, help="t_d in seconds")
+    g.add_argument("--bandwidth-gbps", type=float, default=800.0)
+    g.add_argument("--ttft-slo", type=float, default=30.0)
+    g.add_argument("--tbt-slo", type=float, default=0.1)
+    c = p.add_argument_group("colocated (vLLM-like)")
+    c.add_argument("--instances", type=int, default=16)
+    c.add_argument("--chunk-tokens", type=int, default=0, help="chunked prefill budget (0 = off)")
+    c.add_argument("--prefix-cache-blocks", type=int, default=0, help="0 = prefix caching off")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        summary = _simulate(args)
+    except KvpoolError as exc:
+        print(f"kvpool sim: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        for key, value in summary.items():
+            print(f"{key:24s} {value:.4g}" if isinstance(value, float) else f"{key:24s} {value}")
+    return 0
+
+
+def _simulate(args: argparse.Namespace) -> dict[str, Any]:
+    from kvpool.conductor import Conductor, ConductorConfig, CostModel
+    from kvpool.sim.colocated import ColocatedConfig, ColocatedSim
+    from kvpool.sim.disagg import DisaggConfig, DisaggSim
+    from kvpool.sim.engine import EngineConfig
+    from kvpool.sim.trace import force_output_len, load_trace, poisson_arrivals, speed_up
+
+    reqs = load_trace(args.trace, args.limit)
+    if args.poisson_rate is not None:
+        reqs = poisson_arrivals(reqs, args.poisson_rate, args.seed)
+    if args.speed is not None:
+        reqs = speed_up(reqs, args.speed)
+    if args.output_len is not None:
+        reqs = force_output_len(reqs, args.output_len)
+    cost = CostModel().with_bandwidth(args.bandwidth_gbps)
+    progress = not args.no_progress
+    if args.mode == "colocated":
+        engine = EngineConfig(chunk_tokens=args.chunk_tokens,
+                              prefix_cache_blocks=args.prefix_cache_blocks)
+        sim = ColocatedSim(cost, ColocatedConfig(args.instances, engine), args.ttft_slo,
+                           args.tbt_slo)
+        return sim.run(reqs, progress).summary()
+    config = ConductorConfig(args.prefill_policy, args.admission, args.ttft_slo, args.tbt_slo,
+                             args.threshold, decode_horizon_s=args.decode_horizon,
+                             seed=args.seed)
+    disagg = DisaggConfig(args.num_prefill, args.num_decode, args.cache_blocks or None,
+                          args.eviction)
+    return DisaggSim(Conductor(config, cost), disagg).run(reqs, progress).summary()

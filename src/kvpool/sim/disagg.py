@@ -92,6 +92,7 @@ class DisaggSim:
             blocks = -(-choice.prefix_len // self.conductor.config.block_size)
             self.caches[choice.source_id].access(info.block_hashes[:blocks])
         sr.prefill_gpu_s, sr.reused_tokens = choice.prefill_s, choice.prefix_len
+        sr.transfer_s = choice.transfer_s
         end = self.view.prefill[choice.instance_id].busy_until_s
         self.loop.at(end, self._prefill_done, sr, decision)
 

@@ -23,6 +23,8 @@ class SimRequest:
     rejected_reason: str | None = None
     prefill_gpu_s: float = 0.0
     reused_tokens: int = 0
+    transfer_s: float = 0.0
+    """Time spent fetching a remote prefix before the prefill (0 when computed locally)."""
     # batch-engine bookkeeping
     engine_id: int = -1
     join_s: float = 0.0
