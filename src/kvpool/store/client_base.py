@@ -192,7 +192,7 @@ class ClientBase:
                 lease_s, items = self._call(Op.GET_REPLICAS, [keys[i] for i in valid])
             except RpcFailed as exc:
                 return [LookupResult(exc.code)] * len(keys), t0
-            for i, (code, size, wire) in zip(valid, items, strict=True):
+            for i, (code, size, wire, _) in zip(valid, items, strict=True):
                 reps = tuple(replica_from_wire(w) for w in wire)
                 out[i] = LookupResult(ErrorCode(code), size, reps, lease_s)
         return out, t0

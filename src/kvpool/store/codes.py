@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
 class ErrorCode(enum.IntEnum):
@@ -40,10 +41,10 @@ class Tier(enum.IntEnum):
     SSD = 2
 
 
-@dataclass(frozen=True, slots=True)
-class ReplicaDesc:
+class ReplicaDesc(NamedTuple):
     """Where one replica's bytes live: `endpoint` is the transfer-engine segment name of the
-    owner ("host:port"), `addr` an absolute address inside that process's mounted segment."""
+    owner ("host:port"), `addr` an absolute address inside that process's mounted segment.
+    (Named tuples: they go on the wire as msgpack arrays without conversion.)"""
 
     segment_id: str
     endpoint: str
@@ -57,14 +58,12 @@ class ReplicaDesc:
         return self.endpoint.rsplit(":", 1)[0]
 
 
-@dataclass(frozen=True, slots=True)
-class PutStartResult:
+class PutStartResult(NamedTuple):
     code: ErrorCode
     replicas: tuple[ReplicaDesc, ...] = ()
 
 
-@dataclass(frozen=True, slots=True)
-class LookupResult:
+class LookupResult(NamedTuple):
     """The answer to a replica lookup; `lease_ttl_s` is how long the read lease lasts."""
 
     code: ErrorCode

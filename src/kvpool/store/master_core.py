@@ -162,12 +162,13 @@ class MasterCore:
         if replicas is None:
             self.stats.no_space += 1
             return PutStartResult(E.NO_AVAILABLE_HANDLE)
-        put = PendingPut(key, size, replicas, client_id, self.clock.now(), upsert,
-                         config.with_hard_pin, config.with_soft_pin)
-        self.pending[key] = put
+        self.pending[key] = PendingPut(key, size, replicas, client_id, self.clock.now(), upsert,
+                                       config.with_hard_pin, config.with_soft_pin)
+        descs = []
         for r in replicas:
             r.segment.pending_keys.add(key)
-        return PutStartResult(E.OK, tuple(r.desc(ReplicaState.PENDING) for r in replicas))
+            descs.append(r.desc(ReplicaState.PENDING))
+        return PutStartResult(E.OK, tuple(descs))
 
     def _allocate(self, size: int, config: ReplicateConfig) -> list[Replica] | None:
         replicas = self._try_allocate(size, config)
@@ -177,9 +178,9 @@ class MasterCore:
         return replicas
 
     def _try_allocate(self, size: int, config: ReplicateConfig) -> list[Replica] | None:
-        segs = list(self.segments.values())
-        if len(segs) < config.replica_num:
+        if len(self.segments) < config.replica_num:
             return None
+        segs = list(self.segments.values())
         preferred = ([config.preferred_segment] if config.preferred_segment else []) \
             + list(config.preferred_segments)
         chosen = pick_segments(self.placement.order(segs, size), preferred, size,

@@ -23,11 +23,11 @@ class RandomPlacement:
         self._rng = random.Random(seed)
 
     def order(self, segments: Sequence[Segment], size: int) -> list[Segment]:
+        # A random rotation: as fair as a shuffle for choosing the first segments, and cheap.
         if len(segments) <= 1:
             return list(segments)
-        ordered = list(segments)
-        self._rng.shuffle(ordered)
-        return ordered
+        i = int(self._rng.random() * len(segments))
+        return [*segments[i:], *segments[:i]]
 
 
 class FreeRatioFirstPlacement:
@@ -53,8 +53,13 @@ def pick_segments(ordered: list[Segment], preferred: Sequence[str], size: int,
                   count: int) -> list[Segment]:
     """Up to `count` distinct segments that can hold `size`, preferred ones first, then
     segments of clients not chosen yet (so replicas land on different processes)."""
-    by_name = {s.segment_id: s for s in ordered} | {s.endpoint: s for s in ordered}
     chosen: list[Segment] = []
+    if count == 1 and not preferred:
+        for seg in ordered:
+            if seg.allocator.can_allocate(size):
+                return [seg]
+        return []
+    by_name = {s.segment_id: s for s in ordered} | {s.endpoint: s for s in ordered}
     for name in preferred:
         seg = by_name.get(name)
         if seg is not None and seg not in chosen and seg.allocator.can_allocate(size):

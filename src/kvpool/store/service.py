@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvpool.errors import RemoteProtocolError
-from kvpool.store.codes import ErrorCode, ReplicaDesc, Tier
+from kvpool.store.codes import ErrorCode, ReplicaDesc, ReplicaState, Tier
 from kvpool.store.config import ReplicateConfig
 from kvpool.store.master_core import MasterCore
 from kvpool.store.protocol import (
@@ -25,12 +25,10 @@ from kvpool.store.protocol import (
 E = ErrorCode
 
 
-def replica_to_wire(r: ReplicaDesc) -> list[Any]:
-    return [r.segment_id, r.endpoint, r.addr, r.size, int(r.tier)]
-
-
 def replica_from_wire(w: list[Any]) -> ReplicaDesc:
-    return ReplicaDesc(w[0], w[1], w[2], w[3], Tier(w[4]))
+    """Replicas travel as the ReplicaDesc tuple itself: [segment_id, endpoint, addr, size,
+    tier, state]."""
+    return ReplicaDesc(w[0], w[1], w[2], w[3], Tier(w[4]), ReplicaState(w[5]))
 
 
 class MasterService:
@@ -94,14 +92,10 @@ class MasterService:
         if not 1 <= replica_num <= self.core.config.max_replicas or len(keys) != len(sizes):
             return [[int(E.INVALID_PARAMS), []] for _ in keys]
         cfg = ReplicateConfig(replica_num, hard, soft, "", tuple(preferred))
-        results = self.core.put_start(r.client_id, keys, sizes, cfg, upsert)
-        return [[int(x.code), [replica_to_wire(d) for d in x.replicas]] for x in results]
+        return self.core.put_start(r.client_id, keys, sizes, cfg, upsert)
 
     def _get_replicas(self, r: Request) -> list[Any]:
-        results = self.core.get_replicas(r.args[0])
-        return [self.core.config.lease_ttl_s,
-                [[int(x.code), x.size, [replica_to_wire(d) for d in x.replicas]]
-                 for x in results]]
+        return [self.core.config.lease_ttl_s, self.core.get_replicas(r.args[0])]
 
     def _segments(self, r: Request) -> list[Any]:
         return [[s.segment_id, s.client_id, s.endpoint, s.base_addr, s.capacity_bytes,
