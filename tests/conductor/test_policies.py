@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from kvpool.conductor import (
@@ -14,8 +16,8 @@ from kvpool.errors import ConfigError, InvalidArgument
 from tests.conductor.conftest import req, view_with
 
 
-def conductor(cost: CostModel, policy: str, **kw: object) -> Conductor:
-    return Conductor(ConductorConfig(prefill_policy=policy, admission="none", **kw), cost)  # type: ignore[arg-type]
+def conductor(cost: CostModel, policy: str, **kw: Any) -> Conductor:
+    return Conductor(ConductorConfig(prefill_policy=policy, admission="none", **kw), cost)
 
 
 def test_registry_names() -> None:

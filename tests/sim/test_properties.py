@@ -65,7 +65,8 @@ def test_disaggregated_invariants(rows: list[tuple[float, int, int, int, int]], 
 
 @settings(max_examples=30, deadline=None)
 @given(rows=st.lists(_req, min_size=1, max_size=14))
-def test_prefix_hits_never_make_a_request_slower(rows: list[tuple[float, int, int, int, int]]) -> None:
+def test_prefix_hits_never_make_a_request_slower(
+        rows: list[tuple[float, int, int, int, int]]) -> None:
     """One FIFO prefill instance: an unlimited cache gives every request a TTFT no later than a
     one-block cache does."""
     reqs = build(rows)

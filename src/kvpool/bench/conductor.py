@@ -18,7 +18,8 @@ DECISION_TARGET_US = 100.0
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("conductor", help="conductor decision time and trace replay time")
-    p.add_argument("--trace", type=Path, default=None, help="Mooncake JSONL (default: conversation)")
+    p.add_argument("--trace", type=Path, default=None,
+                   help="Mooncake JSONL (default: conversation)")
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     p.add_argument("--decisions", type=int, default=2000, help="decisions to time")
     p.add_argument("--json", action="store_true", help="one JSON object per measurement")

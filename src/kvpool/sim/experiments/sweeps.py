@@ -118,9 +118,11 @@ def _plot_xy(rows: list[dict[str, Any]], x: str, ours: str, paper: str, ylabel: 
     from kvpool.sim.report import new_figure, save
 
     fig, ax = new_figure()
-    labels = [str(r[x]) for r in rows]
-    ax.plot(labels, [r[ours] for r in rows], marker="o", label="kvpool")
-    ax.plot(labels, [r[paper] for r in rows], "k--", marker="s", label="paper")
+    xs = list(range(len(rows)))
+    ax.plot(xs, [r[ours] for r in rows], marker="o", label="kvpool")
+    ax.plot(xs, [r[paper] for r in rows], "k--", marker="s", label="paper")
+    ax.set_xticks(xs)
+    ax.set_xticklabels([str(r[x]) for r in rows])
     ax.set_xlabel(x)
     ax.set_ylabel(ylabel)
     ax.legend()

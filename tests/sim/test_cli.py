@@ -1,0 +1,70 @@
+"""The `kvpool sim` and `kvpool bench conductor` commands on small trace slices."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvpool.cli.main import main
+from kvpool.sim.experiments import EXPERIMENTS
+from tests.sim.conftest import write_trace
+from tests.support.procs import python_env
+
+
+def small_trace(tmp_path: Path) -> Path:
+    rows = [(0.5 * i, 600 + 300 * (i % 5), 3 + i % 7,
+             [i % 3] + [100 + i * 10 + k for k in range(i % 4)]) for i in range(40)]
+    return write_trace(tmp_path / "small.jsonl", rows)
+
+
+def test_hit_rate_json_rows_in_a_real_process(tmp_path: Path) -> None:
+    trace = small_trace(tmp_path)
+    out = subprocess.run(
+        [sys.executable, "-m", "kvpool", "sim", "experiment", "hit-rate", "--trace", str(trace),
+         "--json", "--no-progress", "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, env=python_env(), timeout=60, check=True)
+    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    assert len(rows) == 18
+    unlimited = [r for r in rows if r["policy"] == "lru" and r["capacity_blocks"] is None]
+    assert unlimited[0]["hit_rate"] == pytest.approx(37 / 100, abs=1e-4)  # only first blocks repeat
+    assert {"policy", "capacity_blocks", "hit_rate"} <= set(rows[0])
+    assert (tmp_path / "out" / "hit-rate.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("name", sorted(set(EXPERIMENTS) - {"hit-rate"}))
+def test_every_experiment_runs_on_a_slice(name: str, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    trace = small_trace(tmp_path)
+    rc = main(["sim", "experiment", name, "--trace", str(trace), "--no-progress",
+               "--out", str(tmp_path)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "paper" in text
+    assert (tmp_path / f"{name}.png").is_file()
+
+
+def test_sim_run_json_and_bad_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = small_trace(tmp_path)
+    assert main(["sim", "run", "--trace", str(trace), "--json", "--no-progress"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["num_requests"] == 40
+    assert summary["num_completed"] + summary["rejected"] == 40
+    assert main(["sim", "run", "--mode", "colocated", "--trace", str(trace), "--json",
+                 "--chunk-tokens", "256", "--no-progress"]) == 0
+    assert json.loads(capsys.readouterr().out)["num_completed"] == 40
+    assert main(["sim", "run", "--trace", str(tmp_path / "nope.jsonl"), "--no-progress"]) == 2
+    assert "not found" in capsys.readouterr().err
+    assert main(["sim", "run", "--trace", str(trace), "--admission", "bogus",
+                 "--no-progress"]) == 2
+
+
+def test_bench_conductor_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "conductor", "--limit", "300", "--decisions", "50", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["name"] for r in rows] == ["trace_replay", "decision"]
+    assert rows[0]["requests"] == 300 and rows[1]["decisions"] == 50
+    assert rows[1]["unit"] == "us" and rows[1]["value"] > 0
