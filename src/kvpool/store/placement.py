@@ -55,15 +55,12 @@ def pick_segments(ordered: list[Segment], preferred: Sequence[str], size: int,
     segments of clients not chosen yet (so replicas land on different processes)."""
     chosen: list[Segment] = []
     if count == 1 and not preferred:
-        for seg in ordered:
-            if seg.allocator.can_allocate(size):
-                return [seg]
-        return []
+        return [s for s in ordered if s.allocator.can_allocate(size)][:1]
     by_name = {s.segment_id: s for s in ordered} | {s.endpoint: s for s in ordered}
     for name in preferred:
-        seg = by_name.get(name)
-        if seg is not None and seg not in chosen and seg.allocator.can_allocate(size):
-            chosen.append(seg)
+        found = by_name.get(name)
+        if found is not None and found not in chosen and found.allocator.can_allocate(size):
+            chosen.append(found)
     owners = {s.client_id for s in chosen}
     for distinct_owner in (True, False):
         for seg in ordered:
