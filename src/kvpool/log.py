@@ -17,3 +17,5 @@ def setup_logging(level: str | None = None) -> None:
     chosen = (level or os.environ.get("KVPOOL_LOG_LEVEL") or "INFO").upper()
     logging.basicConfig(level=chosen, format=_FORMAT)
     logging.getLogger("kvpool").setLevel(chosen)
+    for noisy in ("httpx", "httpcore"):  # one INFO line per HTTP request otherwise
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger("kvpool").level))

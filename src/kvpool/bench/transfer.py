@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import socket
 import struct
 from collections.abc import Callable
@@ -100,6 +101,7 @@ def _checked(engine: TransferEngine, reqs: list[TransferRequest]) -> Callable[[]
 
 
 def bench_mooncake(sizes: list[int], seconds: float) -> list[Measurement]:
+    os.environ.setdefault("GLOG_minloglevel", "2")  # quiet the C++ engine's INFO/WARNING lines
     from mooncake.engine import TransferEngine as MooncakeEngine
 
     results = []

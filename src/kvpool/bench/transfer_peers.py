@@ -8,6 +8,7 @@ KIND: `kvpool` (a TransferEngine with a managed buffer), `mooncake` (the real Mo
 from __future__ import annotations
 
 import json
+import os
 import socket
 import struct
 import sys
@@ -31,6 +32,7 @@ def serve_kvpool(size: int) -> None:
 
 
 def serve_mooncake(size: int) -> None:
+    os.environ.setdefault("GLOG_minloglevel", "2")
     from mooncake.engine import TransferEngine as MooncakeEngine
 
     engine = MooncakeEngine()

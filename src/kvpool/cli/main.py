@@ -21,6 +21,7 @@ _COMMAND_MODULES = (
     "kvpool.cli.store_node_cmd",
     "kvpool.cli.sim_cmd",
     "kvpool.cli.mooncake_cmd",
+    "kvpool.cli.up_cmd",
 )
 
 

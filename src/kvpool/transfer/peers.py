@@ -41,10 +41,6 @@ class PeerDirectory:
         except KvpoolError:
             return None
 
-    def forget(self, name: str) -> None:
-        with self._lock:
-            self._cache.pop(name, None)
-
     def _fetch(self, name: str) -> SegmentDescriptor:
         if self._backend is None:
             descriptor = self._handshake(name)

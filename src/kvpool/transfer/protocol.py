@@ -113,9 +113,14 @@ def _check_header(h: Header) -> None:
         raise RemoteProtocolError("READ_RESP payload shorter than its status bytes")
 
 
+_SMALL = 8  # below this many descriptors, struct beats numpy
+
+
 def encode_descriptors(addrs: list[int], lengths: list[int]) -> bytes:
     if len(addrs) != len(lengths):
         raise LocalProtocolError(f"{len(addrs)} addresses but {len(lengths)} lengths")
+    if len(addrs) <= _SMALL:
+        return b"".join(struct.pack("<QQ", a, n) for a, n in zip(addrs, lengths, strict=True))
     table = np.empty((len(addrs), 2), dtype=_DESC_DTYPE)
     table[:, 0] = addrs
     table[:, 1] = lengths
@@ -126,6 +131,8 @@ def decode_descriptors(data: bytes | bytearray | memoryview, header: Header) -> 
     """(addresses, lengths) of a WRITE/READ frame; checks sizes against the header."""
     if len(data) != header.descriptor_bytes:
         raise RemoteProtocolError(f"descriptor block is {len(data)} bytes, expected {header.descriptor_bytes}")
+    if header.count <= _SMALL:
+        return _decode_small(data, header)
     table = np.frombuffer(data, dtype=_DESC_DTYPE).reshape(-1, 2)
     addrs, lengths = table[:, 0], table[:, 1]
     if header.count and int(lengths.max()) > MAX_PAYLOAD_BYTES:
@@ -137,6 +144,16 @@ def decode_descriptors(data: bytes | bytearray | memoryview, header: Header) -> 
 
 
 _STATUS_VALUES = frozenset(int(s) for s in Status)
+
+
+def _decode_small(data: bytes | bytearray | memoryview, header: Header) -> tuple[list[int], list[int]]:
+    flat = struct.unpack(f"<{2 * header.count}Q", data)
+    addrs, lengths = list(flat[0::2]), list(flat[1::2])
+    if any(n > MAX_PAYLOAD_BYTES for n in lengths):
+        raise RemoteProtocolError("a descriptor length exceeds the payload limit")
+    if header.type == FrameType.WRITE and sum(lengths) != header.payload_len:
+        raise RemoteProtocolError(f"WRITE descriptors sum to {sum(lengths)} bytes but payload_len is {header.payload_len}")
+    return addrs, lengths
 
 
 def decode_statuses(data: bytes | bytearray | memoryview) -> list[Status]:

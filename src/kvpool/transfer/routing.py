@@ -126,7 +126,7 @@ class Router:
             peer = ShmPeer(descriptor)
             self._shm_peers[target] = peer
         if not peer.watch.alive():
-            self._peers.forget(target)  # a restarted peer has new buffers: look it up again
+            self._peers.refresh(target)  # a restarted peer has new buffers (rate-limited lookup)
             return None
         return peer
 
