@@ -1,9 +1,325 @@
-"""Placeholder: this benchmark registers nothing yet."""
+"""`kvpool bench store`: put/get throughput of the KV store, kvpool beside Mooncake.
+
+A pure client (contributing no memory) in this process runs the workload against a store
+node in another process: zero-copy single-key and batched puts and gets, 4 KiB to 16 MiB.
+When the Mooncake wheel is importable, the identical workload runs through
+`MooncakeDistributedStore` against its own `mooncake_master` and store-node process
+(metadata P2PHANDSHAKE, protocol tcp). `--master-only` measures the master's metadata path.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import numpy as np
+
+from kvpool.units import format_size, parse_size
+
+Record = dict[str, Any]
+NODE_READY = "node-ready"
+MOONCAKE_NODE = """
+import sys
+from mooncake.store import MooncakeDistributedStore
+store = MooncakeDistributedStore()
+rc = store.setup("127.0.0.1", "P2PHANDSHAKE", int(sys.argv[2]), 16 << 20, "tcp", "",
+                 sys.argv[1])
+print("node-ready" if rc == 0 else f"setup failed {rc}", flush=True)
+sys.stdin.read()
+store.close()
+"""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    return None
+    p = subparsers.add_parser("store", help="KV store put/get throughput, kvpool vs Mooncake")
+    p.add_argument("--sizes", default="4KiB,64KiB,1MiB,16MiB", help="object sizes")
+    p.add_argument("--batch", type=int, default=32, help="keys per batched call")
+    p.add_argument("--phase-bytes", default="256MiB", help="bytes moved per measurement")
+    p.add_argument("--max-ops", type=int, default=2000, help="cap on objects per measurement")
+    p.add_argument("--dram", default="1GiB", help="memory of the store node")
+    p.add_argument("--protocol", default="auto", choices=("auto", "tcp", "shm"),
+                   help="kvpool transport (Mooncake always uses tcp)")
+    p.add_argument("--no-mooncake", action="store_true", help="skip the Mooncake comparison")
+    p.add_argument("--master-only", action="store_true", help="benchmark the master alone")
+    p.add_argument("--seconds", type=float, default=2.0, help="duration of master-only runs")
+    p.add_argument("--json", action="store_true", help="one JSON object per measurement")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    emit = _emitter(args.json)
+    if args.master_only:
+        from kvpool.store.master_bench import bench_master
+        for record in bench_master(args.seconds):
+            emit(record)
+        return 0
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    systems: list[tuple[str, Callable[[ExitStack, int], Any]]] = [("kvpool", _kvpool_system)]
+    if not args.no_mooncake and _mooncake_available():
+        systems.append(("mooncake", _mooncake_system))
+    elif not args.no_mooncake:
+        print("mooncake.store is not importable: kvpool only", file=sys.stderr)
+    results: list[Record] = []
+    for name, factory in systems:
+        with ExitStack() as stack:
+            system = factory(stack, parse_size(args.dram))
+            for record in _workload(name, system, sizes, args.batch,
+                                    parse_size(args.phase_bytes), args.max_ops):
+                results.append(record)
+                emit(record)
+    if not args.json:
+        _print_ratios(results)
+    return 0
+
+
+# -- workload ---------------------------------------------------------------------------------
+
+def _workload(name: str, system: Any, sizes: Sequence[int], batch: int, phase_bytes: int,
+              max_ops: int) -> Iterator[Record]:
+    largest = max(sizes) * batch
+    src = np.random.default_rng(0).integers(0, 255, largest, dtype=np.uint8)
+    dst = np.zeros(largest, dtype=np.uint8)
+    src_addr, dst_addr = system.register(src), system.register(dst)
+    for size in sizes:
+        count = max(1, min(max_ops, phase_bytes // size))
+        keys = [f"{name}-s{size}-{i}" for i in range(count)]
+        yield from _single(name, system, keys, size, src_addr, dst_addr)
+        assert np.array_equal(dst[:size], src[:size]), f"{name}: single get returned wrong bytes"
+        system.clear()
+        rounds = max(1, count // batch)
+        groups = [[f"{name}-b{size}-{r}-{i}" for i in range(batch)] for r in range(rounds)]
+        yield from _batched(name, system, groups, size, src_addr, dst_addr)
+        assert np.array_equal(dst[:batch * size], src[:batch * size]), \
+            f"{name}: batched get returned wrong bytes"
+        system.clear()
+
+
+def _single(name: str, system: Any, keys: list[str], size: int, src: int,
+            dst: int) -> Iterator[Record]:
+    t0 = time.perf_counter()
+    for key in keys:
+        system.put(key, src, size)
+    t1 = time.perf_counter()
+    for key in keys:
+        system.get(key, dst, size)
+    t2 = time.perf_counter()
+    yield _record(name, "put", "single", size, len(keys), t1 - t0)
+    yield _record(name, "get", "single", size, len(keys), t2 - t1)
+
+
+def _batched(name: str, system: Any, groups: list[list[str]], size: int, src: int,
+             dst: int) -> Iterator[Record]:
+    n = len(groups[0])
+    addrs = [src + i * size for i in range(n)]
+    daddrs = [dst + i * size for i in range(n)]
+    t0 = time.perf_counter()
+    for keys in groups:
+        system.put_batch(keys, addrs, [size] * n)
+    t1 = time.perf_counter()
+    for keys in groups:
+        system.get_batch(keys, daddrs, [size] * n)
+    t2 = time.perf_counter()
+    total = n * len(groups)
+    yield _record(name, "put", f"batch{n}", size, total, t1 - t0)
+    yield _record(name, "get", f"batch{n}", size, total, t2 - t1)
+
+
+def _record(system: str, op: str, mode: str, size: int, ops: int, seconds: float) -> Record:
+    return {"system": system, "op": op, "mode": mode, "size": size, "ops": ops,
+            "seconds": round(seconds, 6), "ops_per_s": round(ops / seconds, 1),
+            "gb_per_s": round(ops * size / seconds / 1e9, 4)}
+
+
+# -- kvpool -----------------------------------------------------------------------------------
+
+class _KvpoolAdapter:
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    def register(self, arr: np.ndarray) -> int:
+        return int(self.client.register_buffer(arr).addr)
+
+    def put(self, key: str, addr: int, size: int) -> None:
+        _check(self.client.put_from(key, addr, size).code, key)
+
+    def get(self, key: str, addr: int, size: int) -> None:
+        _check(self.client.get_into(key, addr, size).code, key)
+
+    def put_batch(self, keys: list[str], addrs: list[int], sizes: list[int]) -> None:
+        for key, r in zip(keys, self.client.batch_put_from(keys, addrs, sizes), strict=True):
+            _check(r.code, key)
+
+    def get_batch(self, keys: list[str], addrs: list[int], sizes: list[int]) -> None:
+        for key, r in zip(keys, self.client.batch_get_into(keys, addrs, sizes), strict=True):
+            _check(r.code, key)
+
+    def clear(self) -> None:
+        self.client.remove_all(force=True)
+
+
+def _check(code: int, key: str) -> None:
+    if code != 0:
+        raise RuntimeError(f"operation on {key!r} failed with code {int(code)}")
+
+
+def _kvpool_system(stack: ExitStack, dram: int) -> _KvpoolAdapter:
+    from kvpool.store.client import StoreClient
+    from kvpool.store.client_config import ClientConfig
+    from kvpool.store.rpc_client import RpcClient
+    rpc, admin = _free_port(), _free_port()
+    stack.enter_context(_process([sys.executable, "-m", "kvpool", "master", "--rpc_port",
+                                  str(rpc), "--metrics_port", str(admin),
+                                  "--no-http-metadata"]))
+    master = f"127.0.0.1:{rpc}"
+    _wait_port(rpc)
+    stack.enter_context(_process([sys.executable, "-m", "kvpool", "store-node", "--dram",
+                                  str(dram), "--master", master]))
+    with RpcClient(master, "bench-probe") as probe:
+        from kvpool.store.protocol import Op
+        _wait_until(lambda: len(probe.call(Op.SEGMENTS)) == 1, "the store node to mount")
+    client = StoreClient(ClientConfig(master=master, local_buffer_size=0))
+    stack.callback(client.close)
+    return _KvpoolAdapter(client)
+
+
+# -- Mooncake ---------------------------------------------------------------------------------
+
+def _mooncake_available() -> bool:
+    try:
+        import mooncake.store  # noqa: F401
+    except ImportError:
+        return False
+    return _mooncake_master_binary() is not None
+
+
+def _mooncake_master_binary() -> str | None:
+    local = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
+    return local if os.path.exists(local) else shutil.which("mooncake_master")
+
+
+class _MooncakeAdapter(_KvpoolAdapter):
+    def register(self, arr: np.ndarray) -> int:
+        addr = int(arr.ctypes.data)
+        _check(self.client.register_buffer(addr, arr.nbytes), "register_buffer")
+        return addr
+
+    def put(self, key: str, addr: int, size: int) -> None:
+        _check(self.client.put_from(key, addr, size), key)
+
+    def get(self, key: str, addr: int, size: int) -> None:
+        got = self.client.get_into(key, addr, size)
+        _check(0 if got == size else got, key)
+
+    def put_batch(self, keys: list[str], addrs: list[int], sizes: list[int]) -> None:
+        for key, code in zip(keys, self.client.batch_put_from(keys, addrs, sizes), strict=True):
+            _check(code, key)
+
+    def get_batch(self, keys: list[str], addrs: list[int], sizes: list[int]) -> None:
+        got = self.client.batch_get_into(keys, addrs, sizes)
+        for key, n, size in zip(keys, got, sizes, strict=True):
+            _check(0 if n == size else n, key)
+
+    def clear(self) -> None:
+        self.client.remove_all(True)
+
+
+def _mooncake_system(stack: ExitStack, dram: int) -> _MooncakeAdapter:
+    from mooncake.store import MooncakeDistributedStore
+    rpc, admin = _free_port(), _free_port()
+    binary = _mooncake_master_binary()
+    assert binary is not None
+    stack.enter_context(_process([binary, f"--rpc_port={rpc}", f"--metrics_port={admin}"]))
+    _wait_port(rpc)
+    master = f"127.0.0.1:{rpc}"
+    node = stack.enter_context(_process([sys.executable, "-c", MOONCAKE_NODE, master,
+                                         str(dram)], stdout=subprocess.PIPE,
+                                        stdin=subprocess.PIPE))
+    assert node.stdout is not None
+    line = node.stdout.readline().decode().strip()
+    if line != NODE_READY:
+        raise RuntimeError(f"Mooncake store node did not start: {line!r}")
+    client = MooncakeDistributedStore()
+    rc = client.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", master)
+    if rc != 0:
+        raise RuntimeError(f"MooncakeDistributedStore.setup failed: {rc}")
+    stack.callback(client.close)
+    return _MooncakeAdapter(client)
+
+
+# -- processes and output ---------------------------------------------------------------------
+
+@contextmanager
+def _process(cmd: list[str], **kwargs: Any) -> Iterator[subprocess.Popen[bytes]]:
+    kwargs.setdefault("stdout", subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL, **kwargs)
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _wait_port(port: int, timeout_s: float = 20.0) -> None:
+    import socket
+
+    def accepts() -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            return True
+        except OSError:
+            return False
+    _wait_until(accepts, f"port {port}", timeout_s)
+
+
+def _wait_until(cond: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _emitter(as_json: bool) -> Callable[[Record], None]:
+    def emit(record: Record) -> None:
+        if as_json:
+            print(json.dumps(record), flush=True)
+            return
+        if "size" in record:
+            print(f"{record['system']:9} {record['op']:4} {record['mode']:8} "
+                  f"{format_size(record['size']):>8}  {record['ops_per_s']:>10.0f} ops/s "
+                  f"{record['gb_per_s']:>8.3f} GB/s", flush=True)
+        else:
+            print(f"{record['system']:14} {record['op']:14} {record['mode']:12} "
+                  f"{record['rate']:>12.0f} {record['unit']}", flush=True)
+    return emit
+
+
+def _print_ratios(results: list[Record]) -> None:
+    ours = {(r["op"], r["mode"], r["size"]): r for r in results if r["system"] == "kvpool"}
+    theirs = {(r["op"], r["mode"], r["size"]): r for r in results if r["system"] == "mooncake"}
+    if not theirs:
+        return
+    print("\nkvpool / mooncake")
+    for key, r in ours.items():
+        if key in theirs:
+            ratio_ops = r["ops_per_s"] / theirs[key]["ops_per_s"]
+            print(f"  {key[0]:4} {key[1]:8} {format_size(key[2]):>8}  x{ratio_ops:.2f}")

@@ -149,20 +149,26 @@ class MasterCore:
         if len(keys) != len(sizes) or config.replica_num > self.config.max_replicas:
             return [PutStartResult(E.INVALID_PARAMS)] * len(keys)
         self._touch_client(client_id)
-        return [self._put_start_one(client_id, k, s, config, upsert)
+        preferred = ([config.preferred_segment] if config.preferred_segment else []) \
+            + list(config.preferred_segments)
+        now = self.clock.now()
+        return [self._put_start_one(client_id, k, s, config, upsert, preferred, now)
                 for k, s in zip(keys, sizes, strict=True)]
 
     def _put_start_one(self, client_id: str, key: str, size: int, config: ReplicateConfig,
-                       upsert: bool) -> PutStartResult:
+                       upsert: bool, preferred: list[str], now: float) -> PutStartResult:
         if not valid_key(key) or not valid_size(size, self.config.max_object_bytes):
             return PutStartResult(E.INVALID_PARAMS)
         if key in self.pending or (not upsert and key in self.objects):
             return PutStartResult(E.OBJECT_ALREADY_EXISTS)
-        replicas = self._allocate(size, config)
+        replicas = self._try_allocate(size, config.replica_num, preferred)
+        if replicas is None and self.evict(max(self._eviction_target(),
+                                               size * config.replica_num)):
+            replicas = self._try_allocate(size, config.replica_num, preferred)
         if replicas is None:
             self.stats.no_space += 1
             return PutStartResult(E.NO_AVAILABLE_HANDLE)
-        self.pending[key] = PendingPut(key, size, replicas, client_id, self.clock.now(), upsert,
+        self.pending[key] = PendingPut(key, size, replicas, client_id, now, upsert,
                                        config.with_hard_pin, config.with_soft_pin)
         descs = []
         for r in replicas:
@@ -170,22 +176,19 @@ class MasterCore:
             descs.append(r.desc(ReplicaState.PENDING))
         return PutStartResult(E.OK, tuple(descs))
 
-    def _allocate(self, size: int, config: ReplicateConfig) -> list[Replica] | None:
-        replicas = self._try_allocate(size, config)
-        if replicas is None and self.evict(max(self._eviction_target(), size
-                                              * config.replica_num)):
-            replicas = self._try_allocate(size, config)
-        return replicas
-
-    def _try_allocate(self, size: int, config: ReplicateConfig) -> list[Replica] | None:
-        if len(self.segments) < config.replica_num:
+    def _try_allocate(self, size: int, count: int, preferred: list[str]) -> list[Replica] | None:
+        if len(self.segments) < count:
             return None
-        segs = list(self.segments.values())
-        preferred = ([config.preferred_segment] if config.preferred_segment else []) \
-            + list(config.preferred_segments)
-        chosen = pick_segments(self.placement.order(segs, size), preferred, size,
-                               config.replica_num)
-        if len(chosen) < config.replica_num:
+        ordered = self.placement.order(list(self.segments.values()), size)
+        if count == 1 and not preferred:  # the common case, without building a plan
+            for seg in ordered:
+                offset = seg.allocator.allocate(size)
+                if offset is not None:
+                    self._used += seg.allocator.rounded(size)
+                    return [Replica(seg, offset, size)]
+            return None
+        chosen = pick_segments(ordered, preferred, size, count)
+        if len(chosen) < count:
             return None
         replicas = []
         for seg in chosen:

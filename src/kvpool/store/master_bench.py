@@ -1,0 +1,90 @@
+"""Microbenchmark of the master alone (`kvpool bench store --master-only`).
+
+Two views of the same metadata path:
+- "service": frames handled in this process by MasterService (decode, core, encode), the
+  master's own cost per request with no network;
+- "rpc": the same requests to a `kvpool master` process over loopback zmq, from one client.
+Single-key rates count requests per second; batched rates count keys per second.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from kvpool.store.master_core import MasterCore
+from kvpool.store.metrics import MasterMetrics
+from kvpool.store.protocol import Op, encode_request
+from kvpool.store.rpc_client import RpcClient
+from kvpool.store.service import MasterService
+
+BATCH = 128
+SIZE = 4096
+Call = Callable[..., Any]
+
+
+def _ops(call: Call, keys: list[str]) -> list[tuple[str, Callable[[list[str]], Any]]]:
+    return [
+        ("put_start", lambda ks: call(Op.PUT_START, ks, [SIZE] * len(ks), 1, False, False, [],
+                                      False)),
+        ("put_end", lambda ks: call(Op.PUT_END, ks)),
+        ("get_replicas", lambda ks: call(Op.GET_REPLICAS, ks)),
+        ("exists", lambda ks: call(Op.EXISTS, ks)),
+        ("remove", lambda ks: call(Op.REMOVE, ks, True)),
+    ]
+
+
+def _run(system: str, call: Call, seconds: float, prefix: str) -> Iterator[dict[str, Any]]:
+    call(Op.MOUNT, "127.0.0.1:1", 4096, 1 << 44, 1)
+    for mode, per_call in (("single", 1), (f"batch{BATCH}", BATCH)):
+        count = _calibrate(call, per_call, seconds, f"{prefix}-cal-{mode}")
+        groups = [[f"{prefix}-{mode}-{i}-{j}" for j in range(per_call)] for i in range(count)]
+        for op, fn in _ops(call, []):
+            t0 = time.perf_counter()
+            for keys in groups:
+                fn(keys)
+            elapsed = time.perf_counter() - t0
+            rate = count * per_call / elapsed
+            yield {"system": system, "op": op, "mode": mode, "rate": round(rate, 1),
+                   "unit": "requests/s" if per_call == 1 else "keys/s",
+                   "keys": count * per_call, "seconds": round(elapsed, 4)}
+
+
+def _calibrate(call: Call, per_call: int, seconds: float, prefix: str) -> int:
+    """Number of calls of one op that take about seconds / 5 (five ops are measured)."""
+    t0 = time.perf_counter()
+    n = 0
+    while time.perf_counter() - t0 < 0.1:
+        call(Op.EXISTS, [f"{prefix}-{n}-{j}" for j in range(per_call)])
+        n += 1
+    return max(10, int(n * (seconds / 5) / 0.1))
+
+
+def bench_master(seconds: float = 2.0) -> Iterator[dict[str, Any]]:
+    yield from _service_bench(seconds)
+    yield from _rpc_bench(seconds)
+
+
+def _service_bench(seconds: float) -> Iterator[dict[str, Any]]:
+    core = MasterCore()
+    service = MasterService(core, MasterMetrics(core, threading.Lock()).observe)
+
+    def call(op: Op, *args: Any) -> Any:
+        return service.handle(encode_request(op, 1, "bench", *args))
+    yield from _run("master-service", call, seconds, "svc")
+    core.check_integrity()
+
+
+def _rpc_bench(seconds: float) -> Iterator[dict[str, Any]]:
+    from kvpool.bench.store import _free_port, _process, _wait_port
+    rpc, admin = _free_port(), _free_port()
+    with _process([sys.executable, "-m", "kvpool", "master", "--rpc_port", str(rpc),
+                   "--metrics_port", str(admin), "--no-http-metadata"],
+                  stdout=subprocess.DEVNULL):
+        _wait_port(rpc)
+        with RpcClient(f"127.0.0.1:{rpc}", "bench") as client:
+            yield from _run("master-rpc", client.call, seconds, "rpc")
