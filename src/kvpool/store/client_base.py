@@ -69,6 +69,8 @@ class ClientBase:
     def mount(self, size: int) -> str:
         """Contribute `size` bytes of shared memory to the pool; returns the segment id."""
         buf = self.engine.allocate_managed(size)
+        if self.config.prefault:
+            buf.numpy()[::4096] = 0
         code, segment_id = self._rpc.call(Op.MOUNT, self.endpoint, buf.addr, size,
                                           int(Tier.DRAM))
         if code != 0:

@@ -28,6 +28,9 @@ class ClientConfig:
     rpc_timeout_s: float = 5.0
     heartbeat_interval_s: float = 1.0
     transfer_timeout_s: float = 10.0
+    prefault: bool = True
+    """Touch every page of a mounted segment up front, so the first puts into it do not pay
+    for page allocation (fresh shared-memory pages cost ~10x a copy on first write)."""
     client_id: str = ""
     """Empty: derived from the transfer-engine endpoint and the process id."""
 
