@@ -56,6 +56,13 @@ def test_sim_run_json_and_bad_trace(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert main(["sim", "run", "--mode", "colocated", "--trace", str(trace), "--json",
                  "--chunk-tokens", "256", "--no-progress"]) == 0
     assert json.loads(capsys.readouterr().out)["num_completed"] == 40
+    csv = tmp_path / "load.csv"
+    assert main(["sim", "run", "--trace", str(trace), "--json", "--no-progress",
+                 "--pool-blocks", "8", "--num-prefill", "2", "--load-csv", str(csv)]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["num_completed"] + summary["rejected"] == 40
+    lines = csv.read_text().splitlines()
+    assert lines[0] == "t_s,prefill_load,decode_load" and lines[1].startswith("0.0,")
     assert main(["sim", "run", "--trace", str(tmp_path / "nope.jsonl"), "--no-progress"]) == 2
     assert "not found" in capsys.readouterr().err
     assert main(["sim", "run", "--trace", str(trace), "--admission", "bogus",

@@ -65,6 +65,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
                    help="replace timestamps with Poisson arrivals at this rate (req/s)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-len", type=int, default=None, help="force every output length")
+    p.add_argument("--load-csv", type=Path, default=None,
+                   help="write load over time (t_s,prefill_load,decode_load) to this file")
     g = p.add_argument_group("disaggregated (Mooncake)")
     g.add_argument("--prefill-policy", default="kvcache_centric")
     g.add_argument("--admission", default="early_rejection")
@@ -72,6 +74,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--num-decode", type=int, default=8)
     g.add_argument("--cache-blocks", type=int, default=5859,
                    help="DRAM cache per prefill instance in blocks (0 = unlimited)")
+    g.add_argument("--pool-blocks", type=int, default=None,
+                   help="total pool capacity in blocks, split evenly over prefill instances")
     g.add_argument("--eviction", default="lru", help="lru, lfu, length_aware")
     g.add_argument("--threshold", type=float, default=1.2, help="kvcache balancing threshold")
     g.add_argument("--decode-horizon", type=float, default=10.0, help="t_d in seconds")
@@ -124,6 +128,22 @@ def _simulate(args: argparse.Namespace) -> dict[str, Any]:
     config = ConductorConfig(args.prefill_policy, args.admission, args.ttft_slo, args.tbt_slo,
                              args.threshold, decode_horizon_s=args.decode_horizon,
                              seed=args.seed)
-    disagg = DisaggConfig(args.num_prefill, args.num_decode, args.cache_blocks or None,
-                          args.eviction)
-    return DisaggSim(Conductor(config, cost), disagg).run(reqs, progress).summary()
+    per_instance = args.cache_blocks or None
+    if args.pool_blocks is not None:
+        per_instance = max(1, args.pool_blocks // args.num_prefill)
+    disagg = DisaggConfig(args.num_prefill, args.num_decode, per_instance, args.eviction)
+    result = DisaggSim(Conductor(config, cost), disagg).run(reqs, progress)
+    if args.load_csv is not None:
+        _write_load(args.load_csv, result.load)
+    summary = result.summary()
+    if result.load:
+        summary["peak_prefill_load"] = max(x.prefill_load for x in result.load)
+        summary["peak_decode_load"] = max(x.decode_load for x in result.load)
+    return summary
+
+
+def _write_load(path: Path, samples: list[Any]) -> None:
+    with path.open("w") as fh:
+        fh.write("t_s,prefill_load,decode_load\n")
+        for x in samples:
+            fh.write(f"{x.t_s:.1f},{x.prefill_load:.4f},{x.decode_load:.4f}\n")
