@@ -107,3 +107,20 @@ def test_decode_goes_to_least_loaded_and_rejection_is_typed(cost: CostModel) -> 
     assert r.prefill_load == pytest.approx(1.024)
     with pytest.raises(InvalidArgument):
         c.schedule(req(2, [], input_len=0), view, 0.0)
+
+
+def test_schedule_reads_the_injected_clock(cost: CostModel) -> None:
+    from kvpool.clock import VirtualClock
+
+    clock = VirtualClock(start=10.0)
+    view = view_with({})
+    view.prefill[0].busy_until_s = 12.0
+    view.prefill[1].busy_until_s = 13.0
+    c = Conductor(ConductorConfig(prefill_policy="cache_aware", admission="none"), cost, clock)
+    d = c.schedule(req(0, [1]), view)
+    assert isinstance(d, Accepted) and d.prefill.queue_s == pytest.approx(2.0)
+    clock.advance(5.0)
+    d = c.schedule(req(0, [1]), view)
+    assert isinstance(d, Accepted) and d.prefill.queue_s == 0.0
+    with pytest.raises(InvalidArgument, match="clock"):
+        Conductor(cost=cost).schedule(req(0, [1]), view)

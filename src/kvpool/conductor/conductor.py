@@ -10,6 +10,7 @@ The caller books an Accepted decision with `ClusterView.record_accept` and runs 
 
 from __future__ import annotations
 
+from kvpool.clock import Clock
 from kvpool.conductor.admission import AdmissionPolicy, create_admission
 from kvpool.conductor.config import ConductorConfig
 from kvpool.conductor.cost import CostModel
@@ -22,16 +23,25 @@ from kvpool.errors import InvalidArgument
 
 class Conductor:
     def __init__(self, config: ConductorConfig | None = None,
-                 cost: CostModel | None = None) -> None:
+                 cost: CostModel | None = None, clock: Clock | None = None) -> None:
         self.config = config or ConductorConfig()
+        self.clock = clock
         self.cost = cost or CostModel()
         self.prefill_policy: PrefillPolicy = create_prefill_policy(
             self.config.prefill_policy, self.cost, self.config)
         self.admission: AdmissionPolicy = create_admission(
             self.config.admission, self.cost, self.config)
 
-    def schedule(self, req: RequestInfo, view: ClusterView, now: float) -> Decision:
-        """Decide where `req` runs, or refuse it. Reads `view`, changes nothing."""
+    def schedule(self, req: RequestInfo, view: ClusterView, now: float | None = None) -> Decision:
+        """Decide where `req` runs, or refuse it. Reads `view`, changes nothing.
+
+        `now` defaults to the injected clock's time (the live proxy); the simulator passes its
+        virtual time. Raises InvalidArgument for an empty prompt or a view without instances.
+        """
+        if now is None:
+            if self.clock is None:
+                raise InvalidArgument("schedule() needs `now` or a Conductor built with a clock")
+            now = self.clock.now()
         if req.input_len <= 0:
             raise InvalidArgument(f"request {req.request_id}: input_len must be > 0")
         if not view.prefill:
