@@ -1,0 +1,190 @@
+"""The client library against an in-process master and a store-node client."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from kvpool.store.aio import AsyncStoreClient
+from kvpool.store.client import StoreClient
+from kvpool.store.client_config import ClientConfig
+from kvpool.store.codes import ErrorCode as E
+from kvpool.store.config import MasterConfig, ReplicateConfig
+from kvpool.store.master import MasterServer, MasterServerConfig
+from tests.store.cluster import content
+from tests.support.net import free_port
+
+MIB = 1 << 20
+
+
+def start_master(port: int = 0, **cfg: object) -> MasterServer:
+    server = MasterServerConfig(rpc_port=port, admin_port=0, enable_http_metadata=False,
+                                tick_interval_s=0.05)
+    return MasterServer(server, MasterConfig(**cfg)).start()  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def master() -> Iterator[MasterServer]:
+    m = start_master(lease_ttl_s=0.5)
+    yield m
+    m.stop()
+
+
+@pytest.fixture
+def node(master: MasterServer) -> Iterator[StoreClient]:
+    with StoreClient(ClientConfig(master=master.address, global_segment_size=8 * MIB,
+                                  local_buffer_size=0, heartbeat_interval_s=0.2)) as n:
+        yield n
+
+
+@pytest.fixture
+def store(master: MasterServer, node: StoreClient) -> Iterator[StoreClient]:
+    with StoreClient(ClientConfig(master=master.address, local_buffer_size=MIB)) as c:
+        yield c
+
+
+def test_bytes_api(store: StoreClient, master: MasterServer) -> None:
+    assert store.put("a", b"hello").ok
+    assert store.get("a").data == b"hello"
+    again = store.put("a", b"other")
+    assert again.ok and again.already_existed
+    assert store.get("a").data == b"hello"
+    assert store.upsert("a", b"replaced!").ok
+    assert store.get("a").data == b"replaced!"
+    assert store.size("a").size == 9
+    assert store.exists("a") == E.OK and store.exists("b") == E.OBJECT_NOT_FOUND
+    assert store.get("b").code == E.OBJECT_NOT_FOUND and store.get("b").data == b""
+    assert store.remove("a") == E.OBJECT_HAS_LEASE
+    assert store.remove("a", force=True) == E.OK
+    assert store.put_parts("p", b"ab", bytearray(b"cd"), memoryview(b"ef")).ok
+    assert store.get("p").data == b"abcdef"
+    big = content("big", 3 * MIB)         # larger than the staging buffer
+    assert store.put("big", big).ok and store.get("big").data == big
+    with master.lock:
+        master.core.check_integrity()
+
+
+def test_batches_and_bad_input(store: StoreClient) -> None:
+    keys = [f"k{i}" for i in range(40)]
+    vals = [content(k, 100 + i) for i, k in enumerate(keys)]
+    assert all(r.ok for r in store.put_batch(keys, vals))
+    got = store.get_batch(keys + ["missing", "", "sp ace"])
+    assert [g.data for g in got[:40]] == vals
+    assert [g.code for g in got[40:]] == [E.OBJECT_NOT_FOUND, E.INVALID_PARAMS,
+                                          E.INVALID_PARAMS]
+    assert store.batch_exists(["k0", "zz", "x" * 5000]) == [E.OK, E.OBJECT_NOT_FOUND,
+                                                           E.INVALID_PARAMS]
+    assert [r.code for r in store.put_batch(["x", "y"], [b"1"])] == [E.INVALID_PARAMS] * 2
+    assert store.put("", b"x").code == E.INVALID_PARAMS
+    assert store.put("empty", b"").code == E.INVALID_PARAMS
+    assert store.batch_remove(["k1", "nope"], force=True) == [E.OK, E.OBJECT_NOT_FOUND]
+    assert store.remove_regex("^k[0-4]$", force=True) == 4
+    assert store.remove_regex("(") == E.INVALID_PARAMS
+    assert store.remove_all(force=True) == 35
+
+
+def test_zero_copy_numpy_torch_and_raw(store: StoreClient) -> None:
+    src = np.frombuffer(content("np", MIB), np.uint8).copy()
+    dst = np.zeros(MIB + 100, np.uint8)
+    s, d = store.register_buffer(src), store.register_buffer(dst)
+    assert store.put_from("np", s.addr, MIB).ok
+    read = store.get_into("np", d.addr, dst.nbytes)
+    assert read.ok and read.num_bytes == MIB and read.value == MIB
+    assert np.array_equal(dst[:MIB], src) and not dst[MIB:].any()
+    assert store.get_into("np", d.addr, MIB - 1).code == E.INVALID_PARAMS  # too small
+    t = torch.arange(4096, dtype=torch.float32)
+    out = torch.zeros_like(t)
+    tb, ob = store.register_buffer(t), store.register_buffer(out)
+    assert store.put_from("tensor", tb.addr, tb.length).ok
+    assert store.get_into("tensor", ob.addr, ob.length).ok
+    assert torch.equal(t, out)
+    raw = (ctypes.c_ubyte * 4096)()
+    ctypes.memset(raw, 7, 4096)
+    store.register_buffer(ctypes.addressof(raw), 4096)
+    assert store.put_from("raw", ctypes.addressof(raw), 4096).ok
+    assert store.get("raw").data == b"\x07" * 4096
+    res = store.batch_put_from(["b0", "b1"], [s.addr, s.addr + 10], [10])
+    assert [r.code for r in res] == [E.INVALID_PARAMS] * 2
+
+
+def test_scatter_gather_k_and_v_across_layers(store: StoreClient) -> None:
+    layers = 4
+    k = [torch.full((16, 8), float(i)) for i in range(layers)]
+    v = [torch.full((16, 8), float(-i)) for i in range(layers)]
+    bufs = [store.register_buffer(t) for t in k + v]
+    parts = [(b.addr, b.length) for b in bufs]
+    assert store.batch_put_from_parts(["block"], [parts])[0].ok
+    assert store.size("block").size == 2 * layers * 16 * 8 * 4
+    k2 = [torch.zeros(16, 8) for _ in range(layers)]
+    v2 = [torch.zeros(16, 8) for _ in range(layers)]
+    out = [store.register_buffer(t) for t in v2 + k2]   # a different layout on the way back
+    (res,) = store.batch_get_into_parts(["block"], [[(b.addr, b.length) for b in out]])
+    assert res.ok and res.num_bytes == 2 * layers * 512
+    assert all(torch.equal(a, b) for a, b in zip(v2 + k2, k + v, strict=True))
+    assert store.batch_get_into_parts(["block"], [[]])[0].code == E.INVALID_PARAMS
+
+
+def test_own_segment_and_replicas(master: MasterServer, node: StoreClient) -> None:
+    with StoreClient(ClientConfig(master=master.address, global_segment_size=4 * MIB)) as me:
+        mine = ReplicateConfig(preferred_segment=me.endpoint)
+        assert me.put("local", b"L" * 5000, mine).ok
+        assert [r.endpoint for r in me.replica_desc("local").replicas] == [me.endpoint]
+        assert me.get("local").data == b"L" * 5000
+        both = ReplicateConfig(replica_num=2)
+        assert me.put("two", b"T" * 700, both).ok
+        desc = me.replica_desc("two")
+        assert sorted(r.endpoint for r in desc.replicas) == sorted([me.endpoint,
+                                                                    node.endpoint])
+        assert node.get("two").data == b"T" * 700
+        assert me.put("three", b"x", ReplicateConfig(replica_num=3)).code \
+            == E.NO_AVAILABLE_HANDLE
+    assert node.get("local").code == E.OBJECT_NOT_FOUND   # unmounted on close
+    assert [r.endpoint for r in node.replica_desc("two").replicas] == [node.endpoint]
+
+
+def test_master_unreachable_gives_rpc_codes() -> None:
+    cfg = ClientConfig(master=f"127.0.0.1:{free_port()}", rpc_timeout_s=0.2)
+    with StoreClient(cfg) as c:
+        assert c.put("k", b"v").code == E.RPC_TIMEOUT
+        assert c.get("k").code == E.RPC_TIMEOUT
+        assert c.exists("k") == E.RPC_TIMEOUT
+        assert c.remove_all() == E.RPC_TIMEOUT
+
+
+def test_node_mounts_again_after_master_restart() -> None:
+    port = free_port()
+    first = start_master(port)
+    with StoreClient(ClientConfig(master=f"127.0.0.1:{port}", global_segment_size=MIB,
+                                  heartbeat_interval_s=0.1, rpc_timeout_s=0.5)) as n:
+        first.stop()
+        second = start_master(port)
+        try:
+            deadline = time.monotonic() + 10
+            while not second.core.segments and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert [s.segment_id for s in second.core.segment_infos()] == n.segment_ids
+        finally:
+            second.stop()
+
+
+def test_asyncio_client(master: MasterServer, node: StoreClient) -> None:
+    async def main() -> None:
+        client = await AsyncStoreClient.connect(ClientConfig(master=master.address))
+        async with client:
+            keys = [f"a{i}" for i in range(20)]
+            puts = await asyncio.gather(*(client.put(k, content(k, 3000)) for k in keys))
+            assert all(p.ok for p in puts)
+            gets = await asyncio.gather(*(client.get(k) for k in keys))
+            assert [g.data for g in gets] == [content(k, 3000) for k in keys]
+            assert await client.exists("a3") == E.OK
+            assert (await client.size("a3")).size == 3000
+            assert await client.remove("a3", force=True) == E.OK
+            assert [g.code for g in await client.get_batch(["a3", "a4"])] == [
+                E.OBJECT_NOT_FOUND, E.OK]
+    asyncio.run(main())
