@@ -4,13 +4,14 @@ workloads; kvpool runs them on the given trace (conversation by default)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from kvpool.conductor import CostModel
-from kvpool.sim.disagg import DRAM_TOKENS_PER_NODE, DisaggConfig
+from kvpool.conductor import Conductor, ConductorConfig, CostModel
+from kvpool.sim.disagg import DRAM_TOKENS_PER_NODE, DisaggConfig, DisaggSim
 from kvpool.sim.experiments.common import (
     NO_SLO_S,
     ExperimentOptions,
@@ -66,25 +67,31 @@ def run_global_vs_local(opts: ExperimentOptions) -> ExperimentResult:
     cfg = DisaggConfig(num_prefill=10, num_decode=1,
                        cache_blocks_per_instance=DRAM_TOKENS_PER_NODE // 512)
     rows: list[dict[str, Any]] = []
+    hot = [b for b, _ in Counter(b for r in reqs for b in r.block_hashes).most_common(100)]
     for mode, policy in runs(list(GLOBAL_LOCAL_RUNS), opts.progress, "global-vs-local"):
-        res = run_disagg(reqs, config=cfg, prefill_policy=policy, admission="none",
-                         ttft_slo_s=NO_SLO_S)
+        sim = DisaggSim(Conductor(ConductorConfig(prefill_policy=policy, admission="none",
+                                                  ttft_slo_s=NO_SLO_S)), cfg)
+        res = sim.run(reqs)
         hit, gpu = PAPER_GLOBAL_LOCAL[mode]
+        replicas = [len(sim.view.index.holders(b)) for b in hot]
         rows.append({"mode": mode, "policy": policy, "hit_rate": rnd(res.hit_rate()),
                      "paper_hit_rate": hit, "prefill_gpu_s": rnd(res.prefill_gpu_s()),
                      "paper_prefill_gpu_s": gpu,
-                     "mean_ttft_s": rnd(res.summary()["mean_ttft_s"])})
+                     "mean_ttft_s": rnd(res.summary()["mean_ttft_s"]),
+                     "top100_replicas": rnd(sum(replicas) / max(1, len(replicas)), 2)})
     loc, glob = rows[1], rows[2]
     notes = [f"global/local hit rate: kvpool {glob['hit_rate'] / max(loc['hit_rate'], 1e-9):.2f}x,"
              f" paper 2.22x; prefill time: kvpool "
              f"{glob['prefill_gpu_s'] / loc['prefill_gpu_s']:.2f}x, paper 0.76x",
              "10 prefill nodes with 3M tokens of DRAM cache each; outputs forced to 1 token.",
-             "local/load_balance: local caches with cache-blind routing (a lower bound)."]
+             "local/load_balance: local caches with cache-blind routing (a lower bound).",
+             "top100_replicas: mean copies of the 100 most-used blocks at the end "
+             "([F] Fig.11: almost every prefill instance)."]
     return ExperimentResult(
         "global-vs-local", "Global pool vs per-instance local caches, 10 prefill nodes "
         "([F] Fig.10)",
         ["mode", "policy", "hit_rate", "paper_hit_rate", "prefill_gpu_s", "paper_prefill_gpu_s",
-         "mean_ttft_s"], rows, notes=notes,
+         "mean_ttft_s", "top100_replicas"], rows, notes=notes,
         plot=lambda out: _plot_xy(rows, "mode", "hit_rate", "paper_hit_rate", "hit rate",
                                   out / "global-vs-local.png"))
 
