@@ -68,3 +68,11 @@ def test_lru_matches_measured_trace_figures_on_a_slice() -> None:
     rates = [hit_rate(reqs, c, "lru") for c in (1000, 10000, None)]
     assert rates == pytest.approx([0.040425, 0.209169, 0.314219], abs=1e-6)
     assert hit_rate(reqs, None, "lfu") == rates[-1]
+
+
+def test_lru_reproduces_the_paper_figures_on_the_whole_trace() -> None:
+    from kvpool.sim.experiments.hit_rate import PAPER_CONVERSATION_LRU
+
+    reqs = [r.block_hashes for r in load_trace()]
+    for cap in (1000, 10000, 100000, None):
+        assert hit_rate(reqs, cap, "lru") == pytest.approx(PAPER_CONVERSATION_LRU[cap], abs=6e-4)
