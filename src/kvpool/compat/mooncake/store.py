@@ -60,11 +60,13 @@ class MooncakeDistributedStore(StoreData):
 
     @needs_setup(code)
     def is_exist(self, key: str, /) -> int:
-        return _exist_value(self.client.exists(key))
+        return self.batch_is_exist([key])[0]
 
     @needs_setup(per_key)
     def batch_is_exist(self, keys: Sequence[str]) -> list[int]:
-        return [_exist_value(s) for s in self.client.batch_exists(list(keys))]
+        """1 / 0 / <0 per key. Asked as a replica lookup so that, as in Mooncake, a found
+        object gets a read lease (kvpool's plain exists does not grant one)."""
+        return [_exist_value(look.code) for look in self.client.replica_desc_batch(list(keys))]
 
     @needs_setup(code)
     def get_size(self, key: str, /) -> int:
