@@ -84,23 +84,21 @@ class SegmentDescriptor:
     def same_host(self) -> bool:
         return self.host_id == host_identity()
 
-    def process_alive(self) -> bool:
-        """Only meaningful for same-host peers; a zombie counts as dead."""
-        return process_alive(self.pid)
 
-
-def process_alive(pid: int) -> bool:
+def pid_exists(pid: int) -> bool:
+    """Whether a process with this pid exists on this host (zombies included)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return ProcessWatch(pid).alive()
+    return True
 
 
 class ProcessWatch:
-    """Cheap repeated liveness checks of a same-host process through a pidfd (zombies included)."""
+    """Cheap repeated liveness checks of a same-host process through a pidfd, which becomes
+    readable when the process exits (so an unreaped zombie counts as dead)."""
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
@@ -108,13 +106,13 @@ class ProcessWatch:
             self._fd: int | None = os.pidfd_open(pid)
         except (OSError, AttributeError):
             self._fd = None
-        self._dead = False
+        self._dead = self._fd is None and not pid_exists(pid)
 
     def alive(self) -> bool:
         if self._dead:
             return False
         if self._fd is None:
-            return _kill_probe(self.pid)
+            return pid_exists(self.pid)
         ready, _, _ = select.select([self._fd], [], [], 0)
         if ready:
             self._dead = True
@@ -125,13 +123,3 @@ class ProcessWatch:
     def __del__(self) -> None:
         if getattr(self, "_fd", None) is not None:
             os.close(self._fd)  # type: ignore[arg-type]
-
-
-def _kill_probe(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

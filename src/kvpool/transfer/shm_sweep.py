@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import re
 
+from kvpool.transfer.segment import pid_exists
+
 _NAME = re.compile(r"^kvpool-(\d+)-[0-9a-f]+-\d+$")
 
 
@@ -17,7 +19,7 @@ def sweep_stale_shm(directory: str = "/dev/shm") -> int:
         return 0
     for name in names:
         match = _NAME.match(name)
-        if match is None or _alive(int(match.group(1))):
+        if match is None or pid_exists(int(match.group(1))):
             continue
         try:
             os.unlink(os.path.join(directory, name))
@@ -26,12 +28,3 @@ def sweep_stale_shm(directory: str = "/dev/shm") -> int:
             pass
     return removed
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
