@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -116,3 +117,20 @@ def test_trace_slice_runs_under_kvcache_centric(tmp_path: Path) -> None:
     assert s["num_completed"] + s["rejected"] == 600
     assert 0.0 < s["hit_rate"] < 1.0
     assert res.load and all(x.prefill_load >= 0 for x in res.load)
+
+
+def test_prediction_error_is_seeded_and_corrected() -> None:
+    reqs = load_trace(limit=500)
+
+    def once(noise: float, seed: int) -> tuple[list[float | None], DisaggSim]:
+        sim = DisaggSim(Conductor(ConductorConfig()), DisaggConfig(
+            num_prefill=4, num_decode=4, prefill_noise=noise, seed=seed))
+        return [r.ttft_s for r in sim.run(reqs).records], sim
+
+    exact, _ = once(0.0, 0)
+    noisy, sim = once(0.4, 1)
+    assert noisy == once(0.4, 1)[0]
+    assert noisy != exact and noisy != once(0.4, 2)[0]
+    # once every prefill is done, each instance's predicted queue end equals the real one
+    for p, free_at in zip(sim.view.prefill, sim._free_at, strict=True):
+        assert p.busy_until_s == pytest.approx(free_at)

@@ -80,6 +80,8 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--threshold", type=float, default=1.2, help="kvcache balancing threshold")
     g.add_argument("--decode-horizon", type=float, default=10.0, help="t_d in seconds")
     g.add_argument("--bandwidth-gbps", type=float, default=800.0)
+    g.add_argument("--prefill-noise", type=float, default=0.0,
+                   help="sigma of the lognormal error of real vs predicted prefill time")
     g.add_argument("--ttft-slo", type=float, default=30.0)
     g.add_argument("--tbt-slo", type=float, default=0.1)
     c = p.add_argument_group("colocated (vLLM-like)")
@@ -131,7 +133,8 @@ def _simulate(args: argparse.Namespace) -> dict[str, Any]:
     per_instance = args.cache_blocks or None
     if args.pool_blocks is not None:
         per_instance = max(1, args.pool_blocks // args.num_prefill)
-    disagg = DisaggConfig(args.num_prefill, args.num_decode, per_instance, args.eviction)
+    disagg = DisaggConfig(args.num_prefill, args.num_decode, per_instance, args.eviction,
+                          prefill_noise=args.prefill_noise, seed=args.seed)
     result = DisaggSim(Conductor(config, cost), disagg).run(reqs, progress)
     if args.load_csv is not None:
         _write_load(args.load_csv, result.load)

@@ -9,6 +9,7 @@ mirrored into the conductor's PrefixIndex.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -37,6 +38,11 @@ class DisaggConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     sample_every_s: float = 30.0
     """Period of the load-over-time samples."""
+    prefill_noise: float = 0.0
+    """Prediction error: each prefill's real compute time is the predicted one times a
+    lognormal factor with this sigma (mean 1). 0 = the conductor predicts exactly."""
+    seed: int = 0
+    """Seed of the prediction-error draws."""
 
     def __post_init__(self) -> None:
         if self.num_prefill <= 0 or self.num_decode <= 0:
@@ -44,6 +50,8 @@ class DisaggConfig:
                 f"need >= 1 prefill and decode instance, got {self.num_prefill}P{self.num_decode}D")
         if self.sample_every_s <= 0:
             raise ConfigError(f"sample_every_s must be > 0, got {self.sample_every_s}")
+        if not 0 <= self.prefill_noise <= 2:
+            raise ConfigError(f"prefill_noise must be in [0, 2], got {self.prefill_noise}")
 
 
 class DisaggSim:
@@ -58,6 +66,11 @@ class DisaggSim:
         self.decoders = [BatchEngine(i, self.cost, cfg.engine, self.loop, self._finished)
                          for i in range(cfg.num_decode)]
         self.load: list[LoadSample] = []
+        self._rng = random.Random(cfg.seed)
+        self._free_at = [0.0] * cfg.num_prefill
+        """When each prefill instance really finishes its queued work."""
+        self._shift = [0.0] * cfg.num_prefill
+        """Total correction applied so far to each instance's predicted queue end."""
 
     def _make_cache(self, inst: int) -> BlockCache:
         index = self.view.index
@@ -91,21 +104,33 @@ class DisaggSim:
         if choice.source_id is not None:
             blocks = -(-choice.prefix_len // self.conductor.config.block_size)
             self.caches[choice.source_id].access(info.block_hashes[:blocks])
-        sr.prefill_gpu_s, sr.reused_tokens = choice.prefill_s, choice.prefix_len
-        sr.transfer_s = choice.transfer_s
-        end = self.view.prefill[choice.instance_id].busy_until_s
-        self.loop.at(end, self._prefill_done, sr, decision)
+        p = choice.instance_id
+        sr.prefill_gpu_s = choice.prefill_s * self._error_factor()
+        sr.reused_tokens, sr.transfer_s = choice.prefix_len, choice.transfer_s
+        start = max(now, self._free_at[p])
+        self._free_at[p] = end = start + choice.transfer_s + sr.prefill_gpu_s
+        predicted_end = self.view.prefill[p].busy_until_s
+        self.loop.at(end, self._prefill_done, sr, decision, predicted_end, self._shift[p])
 
-    def _prefill_done(self, sr: SimRequest, decision: Accepted) -> None:
+    def _error_factor(self) -> float:
+        sigma = self.config.prefill_noise
+        return self._rng.lognormvariate(-sigma * sigma / 2, sigma) if sigma else 1.0
+
+    def _prefill_done(self, sr: SimRequest, decision: Accepted, predicted_end: float,
+                      shift_then: float) -> None:
         now, p, d = self.loop.now, decision.prefill.instance_id, decision.decode.instance_id
         self.view.record_prefill_done(p)
+        # the queue behind this request now starts later (or earlier) than predicted
+        delta = now - (predicted_end + self._shift[p] - shift_then)
+        self.view.prefill[p].busy_until_s += delta
+        self._shift[p] += delta
         self.caches[p].access(sr.req.block_hashes)
         sr.first_token_s = now
         if sr.req.output_len <= 1:
             sr.finish_s = now
             self.view.record_decode_end(d, sr.req.info(), started=False)
             return
-        exec_start = now - decision.prefill.prefill_s
+        exec_start = now - sr.prefill_gpu_s
         arrive = max(now, exec_start + self.cost.kv_transfer_s(sr.req.input_len))
         self.loop.at(arrive, self._kv_arrived, sr, d)
 
