@@ -45,6 +45,7 @@ def test_disaggregated_invariants(rows: list[tuple[float, int, int, int, int]], 
     sim = DisaggSim(Conductor(cfg), DisaggConfig(
         num_prefill=2, num_decode=2, cache_blocks_per_instance=cache_blocks,
         engine=EngineConfig(kv_capacity_tokens=kv_cap)))
+    sim.loop.after_each = sim.check_integrity
     res = sim.run(reqs)
     for r in res.records:
         assert (r.rejected_stage is None) == r.completed
@@ -53,11 +54,10 @@ def test_disaggregated_invariants(rows: list[tuple[float, int, int, int, int]], 
         if r.completed:
             assert r.ttft_s is not None and r.ttft_s >= 0 and r.tbt_s >= 0
     assert res.rejected() + sum(r.completed for r in res.records) == len(reqs)
+    sim.check_integrity()
     for cache in sim.caches:
-        cache.check_integrity()
         assert cache_blocks is None or len(cache) <= cache_blocks
     for engine in sim.decoders:
-        engine.check_integrity()
         assert not engine.running and not engine.waiting
     for d in sim.view.decode:
         assert (d.num_assigned, d.num_active, d.assigned_tokens, d.planned) == (0, 0, 0, {})

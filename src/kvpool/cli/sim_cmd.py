@@ -105,11 +105,7 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _simulate(args: argparse.Namespace) -> dict[str, Any]:
-    from kvpool.conductor import Conductor, ConductorConfig, CostModel
-    from kvpool.sim.colocated import ColocatedConfig, ColocatedSim
-    from kvpool.sim.disagg import DisaggConfig, DisaggSim
-    from kvpool.sim.engine import EngineConfig
+def _requests(args: argparse.Namespace) -> list[Any]:
     from kvpool.sim.trace import force_output_len, load_trace, poisson_arrivals, speed_up
 
     reqs = load_trace(args.trace, args.limit)
@@ -119,6 +115,16 @@ def _simulate(args: argparse.Namespace) -> dict[str, Any]:
         reqs = speed_up(reqs, args.speed)
     if args.output_len is not None:
         reqs = force_output_len(reqs, args.output_len)
+    return reqs
+
+
+def _simulate(args: argparse.Namespace) -> dict[str, Any]:
+    from kvpool.conductor import Conductor, ConductorConfig, CostModel
+    from kvpool.sim.colocated import ColocatedConfig, ColocatedSim
+    from kvpool.sim.disagg import DisaggConfig, DisaggSim
+    from kvpool.sim.engine import EngineConfig
+
+    reqs = _requests(args)
     cost = CostModel().with_bandwidth(args.bandwidth_gbps)
     progress = not args.no_progress
     if args.mode == "colocated":

@@ -128,6 +128,9 @@ class BlockCache:
     def __len__(self) -> int:
         return len(self._blocks)
 
+    def blocks(self) -> frozenset[int]:
+        return frozenset(self._blocks)
+
     def prefix_blocks(self, hashes: Sequence[int]) -> int:
         n = 0
         for h in hashes:

@@ -148,6 +148,19 @@ class DisaggSim:
     def _finished(self, sr: SimRequest, now: float) -> None:
         self.view.record_decode_end(sr.engine_id, sr.req.info(), started=True)
 
+    def check_integrity(self) -> None:
+        """Every cache is within capacity and mirrored exactly by the conductor's index."""
+        held: dict[int, set[int]] = {}
+        for inst, cache in enumerate(self.caches):
+            cache.check_integrity()
+            for block in cache.blocks():
+                held.setdefault(block, set()).add(inst)
+        assert len(held) == len(self.view.index)
+        for block, insts in held.items():
+            assert self.view.index.holders(block) == insts, block
+        for engine in self.decoders:
+            engine.check_integrity()
+
     def _sample(self, until: float) -> None:
         now, cfg = self.loop.now, self.conductor.config
         p_load = sum(p.queue_s(now) for p in self.view.prefill) / len(self.view.prefill)

@@ -15,6 +15,8 @@ class EventLoop:
         self._seq = 0
         self.now = 0.0
         self.num_events = 0
+        self.after_each: Callable[[], None] | None = None
+        """Called after every event (tests hook integrity checks here)."""
 
     def at(self, when: float, fn: Callable[..., None], *args: Any) -> None:
         """Run `fn(*args)` at time `when`; same-time events run in scheduling order."""
@@ -32,3 +34,5 @@ class EventLoop:
             self.now = when
             self.num_events += 1
             fn(*args)
+            if self.after_each is not None:
+                self.after_each()
