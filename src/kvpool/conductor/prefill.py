@@ -76,13 +76,18 @@ class CacheAwarePolicy(_Base):
 
     def choose(self, req: RequestInfo, match: PrefixMatch, view: ClusterView,
                now: float) -> PrefillChoice:
-        best: PrefillChoice | None = None
+        prefill_s: dict[int, float] = {}
+        best = (0.0, -1, 0)
         for p in view.prefill:
-            c = self.local_choice(req, match, view, p.instance_id, now)
-            if best is None or c.ttft_s < best.ttft_s:
-                best = c
-        assert best is not None
-        return best
+            prefix = self._tokens(req, match.lens.get(p.instance_id, 0))
+            if prefix not in prefill_s:
+                prefill_s[prefix] = self.cost.prefill_with_load_s(req.input_len, prefix)
+            ttft = max(0.0, p.busy_until_s - now) + prefill_s[prefix]
+            if best[1] < 0 or ttft < best[0]:
+                best = (ttft, p.instance_id, prefix)
+        _, inst, prefix = best
+        return PrefillChoice(inst, prefix, prefix, None, view.prefill[inst].queue_s(now), 0.0,
+                             prefill_s[prefix])
 
 
 class KVCacheCentricPolicy(_Base):
@@ -91,31 +96,39 @@ class KVCacheCentricPolicy(_Base):
     For an instance holding `local` leading blocks of a best match of `best` blocks elsewhere,
     the remote prefix is fetched when best / local >= balancing_threshold (local == 0 with
     best > 0 counts as an infinite ratio); otherwise the instance computes from its own prefix.
-    A fetched prefix is replicated on the chosen instance (hot-spot migration).
+    A fetched prefix is replicated on the chosen instance (hot-spot migration). Work that only
+    depends on the local prefix length is computed once per distinct length.
     """
 
     def choose(self, req: RequestInfo, match: PrefixMatch, view: ClusterView,
                now: float) -> PrefillChoice:
-        best: PrefillChoice | None = None
+        plans: dict[int, tuple[int, int, float, float]] = {}
+        best_ttft, best_inst, best_local = 0.0, -1, 0
         for p in view.prefill:
-            c = self._candidate(req, match, view, p.instance_id, now)
-            if best is None or c.ttft_s < best.ttft_s:
-                best = c
-        assert best is not None
-        return best
+            local = match.lens.get(p.instance_id, 0)
+            plan = plans.get(local)
+            if plan is None:
+                plan = plans[local] = self._plan(req, match, view, local, now)
+            ttft = max(0.0, p.busy_until_s - now) + plan[2] + plan[3]
+            if best_inst < 0 or ttft < best_ttft:
+                best_ttft, best_inst, best_local = ttft, p.instance_id, local
+        prefix, local_tokens, transfer, prefill = plans[best_local]
+        source = match.best_instance if prefix > local_tokens else None
+        return PrefillChoice(best_inst, prefix, local_tokens, source,
+                             view.prefill[best_inst].queue_s(now), transfer, prefill)
 
-    def _candidate(self, req: RequestInfo, match: PrefixMatch, view: ClusterView,
-                   inst: int, now: float) -> PrefillChoice:
-        local = match.blocks_on(inst)
+    def _plan(self, req: RequestInfo, match: PrefixMatch, view: ClusterView, local: int,
+              now: float) -> tuple[int, int, float, float]:
+        """(prefix tokens, local prefix tokens, transfer s, prefill s) for `local` blocks."""
         best, source = match.best_blocks, match.best_instance
-        if source is None or best <= local or best < local * self.config.balancing_threshold:
-            return self.local_choice(req, match, view, inst, now)
-        prefix = self._tokens(req, best)
         local_tokens = self._tokens(req, local)
+        if source is None or best <= local or best < local * self.config.balancing_threshold:
+            return (local_tokens, local_tokens, 0.0,
+                    self.cost.prefill_with_load_s(req.input_len, local_tokens))
+        prefix = self._tokens(req, best)
         nic_wait = max(0.0, view.prefill[source].nic_busy_until_s - now)
         transfer = nic_wait + self.cost.kv_transfer_s(prefix - local_tokens)
-        return PrefillChoice(inst, prefix, local_tokens, source, view.prefill[inst].queue_s(now),
-                             transfer, self.cost.prefill_with_load_s(req.input_len, prefix))
+        return prefix, local_tokens, transfer, self.cost.prefill_with_load_s(req.input_len, prefix)
 
 
 PolicyFactory = Callable[[CostModel, ConductorConfig], PrefillPolicy]
