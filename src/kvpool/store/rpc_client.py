@@ -37,6 +37,7 @@ class RpcClient:
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.IMMEDIATE, 0)
         self._sock.connect(f"tcp://{host}:{port}")
+        self._rcvtimeo = -1
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._closed = False
@@ -56,17 +57,25 @@ class RpcClient:
         return reply.result
 
     def _wait(self, frame_id: int, timeout_s: float) -> Any:
+        timeout_ms = max(1, int(timeout_s * 1000))
+        if timeout_ms != self._rcvtimeo:  # a blocking recv with a timeout: no poller per call
+            self._sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
+            self._rcvtimeo = timeout_ms
         deadline = time.monotonic() + timeout_s
         while True:
-            remaining_ms = int((deadline - time.monotonic()) * 1000)
-            if remaining_ms <= 0 or not self._sock.poll(remaining_ms):
-                raise RpcTimeout(f"master {self.address} did not answer within {timeout_s}s")
             try:
-                reply = decode_reply(self._sock.recv())
+                frame = self._sock.recv()
+            except zmq.Again:
+                raise RpcTimeout(
+                    f"master {self.address} did not answer within {timeout_s}s") from None
+            try:
+                reply = decode_reply(frame)
             except RemoteProtocolError as exc:
                 raise RpcError(f"malformed reply from {self.address}: {exc}") from None
             if reply.req_id == frame_id:
                 return reply
+            if time.monotonic() > deadline:  # only late replies of earlier calls arrived
+                raise RpcTimeout(f"master {self.address} did not answer within {timeout_s}s")
 
     def close(self) -> None:
         with self._lock:

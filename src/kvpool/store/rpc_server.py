@@ -48,29 +48,28 @@ class RpcServer:
         self._sock.close(0)
 
     def _run(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._sock, zmq.POLLIN)
+        # A blocking recv with a timeout: one call per message, and a tick when idle.
+        self._sock.setsockopt(zmq.RCVTIMEO, max(1, int(self.tick_interval_s * 1000)))
         next_tick = time.monotonic()
-        timeout_ms = int(self.tick_interval_s * 1000)
         while not self._stop.is_set():
-            if poller.poll(timeout_ms):
-                self._drain()
+            try:
+                frames = self._sock.recv_multipart(copy=True)
+            except zmq.Again:
+                frames = None
+            except zmq.ZMQError as exc:  # a message over MAXMSGSIZE drops the peer, not us
+                log.warning("receive failed: %s", exc)
+                frames = None
+            if frames is not None and len(frames) >= 2:
+                self._reply(frames)
             if time.monotonic() >= next_tick:
                 with self.lock:
                     self.service.core.tick()
                 next_tick = time.monotonic() + self.tick_interval_s
 
-    def _drain(self) -> None:
-        for _ in range(1024):
-            try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=True)
-            except zmq.Again:
-                return
-            if len(frames) < 2:
-                continue
-            with self.lock:
-                reply = self.service.handle(frames[-1])
-            try:
-                self._sock.send_multipart([*frames[:-1], reply], zmq.NOBLOCK)
-            except zmq.ZMQError as exc:  # the peer went away; nothing to do
-                log.debug("reply dropped: %s", exc)
+    def _reply(self, frames: list[bytes]) -> None:
+        with self.lock:
+            reply = self.service.handle(frames[-1])
+        try:
+            self._sock.send_multipart([*frames[:-1], reply], zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # the peer went away; nothing to do
+            log.debug("reply dropped: %s", exc)
