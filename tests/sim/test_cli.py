@@ -75,3 +75,33 @@ def test_bench_conductor_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert [r["name"] for r in rows] == ["trace_replay", "decision"]
     assert rows[0]["requests"] == 300 and rows[1]["decisions"] == 50
     assert rows[1]["unit"] == "us" and rows[1]["value"] > 0
+
+
+def test_fit_then_simulate_with_the_fitted_model(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    from kvpool.conductor import CostModel
+
+    truth = CostModel(prefill_base_s=0.05, prefill_linear_s=2e-4, prefill_quadratic_s=2e-9)
+    samples = tmp_path / "samples.csv"
+    samples.write_text("input_len,prefix_len,seconds\n" + "".join(
+        f"{n},{p},{truth.prefill_s(n, p)}\n" for n in (1000, 8000, 32000) for p in (0, n // 2)))
+    model_path = tmp_path / "cost.json"
+    assert main(["sim", "fit", str(samples), "--out", str(model_path)]) == 0
+    fitted = json.loads(model_path.read_text())
+    assert fitted["prefill_linear_s"] == pytest.approx(2e-4, rel=1e-6)
+    assert fitted["decode_base_s"] == CostModel().decode_base_s
+    capsys.readouterr()
+    trace = small_trace(tmp_path)
+    assert main(["sim", "run", "--trace", str(trace), "--json", "--no-progress",
+                 "--cost", str(model_path)]) == 0
+    assert json.loads(capsys.readouterr().out)["num_requests"] == 40
+    assert main(["sim", "experiment", "scheduling", "--trace", str(trace), "--no-progress",
+                 "--cost", str(model_path), "--out", str(tmp_path)]) == 0
+    capsys.readouterr()
+    (tmp_path / "bad.csv").write_text("1,2,3\n4,x,6\n")
+    assert main(["sim", "fit", str(tmp_path / "bad.csv")]) == 2
+    assert "bad.csv:2" in capsys.readouterr().err
+    (tmp_path / "bad.json").write_text('{"prefill_speed": 1}')
+    assert main(["sim", "run", "--trace", str(trace), "--cost", str(tmp_path / "bad.json"),
+                 "--no-progress"]) == 2
+    assert "unknown CostModel fields" in capsys.readouterr().err

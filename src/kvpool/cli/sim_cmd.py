@@ -17,6 +17,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sub = parser.add_subparsers(dest="sim_command", metavar="SIM_COMMAND")
     _add_run(sub)
     _add_experiment(sub)
+    _add_fit(sub)
     parser.set_defaults(func=lambda args: (parser.print_help(), 2)[1])
 
 
@@ -27,6 +28,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speed", type=float, default=None, help="replay speed-up factor (e.g. 2)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--cost", type=Path, default=None,
+                   help="cost model JSON (from `kvpool sim fit`); default: calibrated to [F]")
 
 
 def _add_experiment(sub: argparse._SubParsersAction) -> None:
@@ -44,8 +47,9 @@ def _experiment(args: argparse.Namespace) -> int:
     from kvpool.sim.experiments import EXPERIMENTS, ExperimentOptions
     from kvpool.sim.report import print_result
 
-    opts = ExperimentOptions(args.trace, args.limit, args.out, not args.no_progress, args.speed)
     try:
+        opts = ExperimentOptions(args.trace, args.limit, args.out, not args.no_progress,
+                                 args.speed, _cost(args))
         result = EXPERIMENTS[args.name](opts)
     except KvpoolError as exc:
         print(f"kvpool sim: {exc}", file=sys.stderr)
@@ -105,6 +109,57 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cost(args: argparse.Namespace) -> Any:
+    from kvpool.conductor.cost import CostModel, load_cost_model
+
+    return load_cost_model(args.cost) if args.cost is not None else CostModel()
+
+
+def _add_fit(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("fit", help="fit the prefill cost model to measured timings")
+    p.add_argument("samples", type=Path,
+                   help="CSV rows input_len,prefix_len,seconds (header optional)")
+    p.add_argument("--out", type=Path, default=None, help="write the cost model JSON here")
+    p.set_defaults(func=_fit)
+
+
+def read_samples(path: Path) -> list[tuple[int, int, float]]:
+    """(input_len, prefix_len, seconds) rows of a CSV file; a non-numeric first line is a
+    header. Raises InvalidArgument naming the bad line."""
+    from kvpool.errors import InvalidArgument
+
+    rows = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        parts = [x.strip() for x in line.split(",")]
+        if not line.strip() or (lineno == 1 and not parts[0].lstrip("-").isdigit()):
+            continue
+        try:
+            n, p, secs = int(parts[0]), int(parts[1]), float(parts[2])
+        except (ValueError, IndexError):
+            raise InvalidArgument(
+                f"{path}:{lineno}: expected input_len,prefix_len,seconds") from None
+        rows.append((n, p, secs))
+    return rows
+
+
+def _fit(args: argparse.Namespace) -> int:
+    from kvpool.conductor.cost import fit_prefill
+
+    try:
+        samples = read_samples(args.samples)
+        model = fit_prefill(samples)
+    except (KvpoolError, OSError) as exc:
+        print(f"kvpool sim fit: {exc}", file=sys.stderr)
+        return 2
+    worst = max(abs(model.prefill_s(n, p) - s) / max(s, 1e-9) for n, p, s in samples)
+    text = json.dumps(model.to_dict(), indent=2)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
+    print(text)
+    print(f"{len(samples)} samples, worst relative error {worst:.1%}", file=sys.stderr)
+    return 0
+
+
 def _requests(args: argparse.Namespace) -> list[Any]:
     from kvpool.sim.trace import force_output_len, load_trace, poisson_arrivals, speed_up
 
@@ -119,13 +174,13 @@ def _requests(args: argparse.Namespace) -> list[Any]:
 
 
 def _simulate(args: argparse.Namespace) -> dict[str, Any]:
-    from kvpool.conductor import Conductor, ConductorConfig, CostModel
+    from kvpool.conductor import Conductor, ConductorConfig
     from kvpool.sim.colocated import ColocatedConfig, ColocatedSim
     from kvpool.sim.disagg import DisaggConfig, DisaggSim
     from kvpool.sim.engine import EngineConfig
 
     reqs = _requests(args)
-    cost = CostModel().with_bandwidth(args.bandwidth_gbps)
+    cost = _cost(args).with_bandwidth(args.bandwidth_gbps)
     progress = not args.no_progress
     if args.mode == "colocated":
         engine = EngineConfig(chunk_tokens=args.chunk_tokens,

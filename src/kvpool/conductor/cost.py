@@ -13,8 +13,11 @@ Defaults are calibrated to the papers' LLaMA-70B on 8xA800 figures (see docs/con
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -97,6 +100,29 @@ class CostModel:
 
     def with_bandwidth(self, gbps: float) -> CostModel:
         return replace(self, bandwidth_gbps=gbps)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> CostModel:
+        """Defaults for missing fields; InvalidArgument for unknown ones."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise InvalidArgument(f"unknown CostModel fields {unknown}; known: {sorted(known)}")
+        return cls(**data)
+
+
+def load_cost_model(path: Path | str) -> CostModel:
+    """A CostModel from a JSON object file (as written by `kvpool sim fit`)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise InvalidArgument(f"cannot read a cost model from {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise InvalidArgument(f"{path}: a cost model is a JSON object")
+    return CostModel.from_dict(data)
 
 
 def fit_prefill(samples: Iterable[tuple[int, int, float]],

@@ -48,8 +48,9 @@ def run(opts: ExperimentOptions) -> ExperimentResult:
     results: dict[str, SimResult] = {}
     for name in runs(list(SYSTEMS), opts.progress, "capacity"):
         cfg = SYSTEMS[name]
-        results[name] = (run_disagg(reqs, admission="early_rejection", ttft_slo_s=TTFT_LIMIT_S)
-                         if cfg is None else run_colocated(reqs, cfg))
+        results[name] = (run_disagg(reqs, opts.cost, admission="early_rejection",
+                                    ttft_slo_s=TTFT_LIMIT_S)
+                         if cfg is None else run_colocated(reqs, cfg, opts.cost))
     rows = _rows(results)
     return ExperimentResult(
         "capacity", "Effective request capacity, 16 nodes: Mooncake 8P8D vs vLLM-like 16x "

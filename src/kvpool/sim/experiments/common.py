@@ -31,6 +31,8 @@ class ExperimentOptions:
     progress: bool = True
     speed: float | None = None
     """Replay speed-up; None = the experiment's own default."""
+    cost: CostModel = field(default_factory=CostModel)
+    """Cost model of every run (the calibrated defaults, or one fitted with `fit_prefill`)."""
 
     def requests(self, default_speed: float = 1.0) -> list[TraceRequest]:
         reqs = load_trace(self.trace, self.limit)

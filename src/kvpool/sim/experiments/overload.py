@@ -39,7 +39,7 @@ def scaled_decode(cost: CostModel, factor: float) -> CostModel:
 
 def run(opts: ExperimentOptions) -> ExperimentResult:
     reqs = opts.requests(default_speed=2.0)
-    models = {"calibrated": CostModel(), "a_like_decode": scaled_decode(CostModel(), DECODE_SCALE)}
+    models: dict[str, CostModel] = {"calibrated": opts.cost, "a_like_decode": scaled_decode(opts.cost, DECODE_SCALE)}
     grid = [(m, a) for m in models for a in ADMISSIONS]
     rows: list[dict[str, Any]] = []
     loads: dict[tuple[str, str], SimResult] = {}

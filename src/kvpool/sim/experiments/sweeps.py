@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.conductor import Conductor, ConductorConfig, CostModel
+from kvpool.conductor import Conductor, ConductorConfig
 from kvpool.sim.disagg import DRAM_TOKENS_PER_NODE, DisaggConfig, DisaggSim
 from kvpool.sim.experiments.common import (
     NO_SLO_S,
@@ -37,7 +37,7 @@ def run_pd_ratio(opts: ExperimentOptions) -> ExperimentResult:
     reqs = opts.requests(default_speed=PD_SPEED)
     rows: list[dict[str, Any]] = []
     for num_p in runs(list(PAPER_PD), opts.progress, "pd-ratio"):
-        res = run_disagg(reqs, config=DisaggConfig(num_prefill=num_p, num_decode=16 - num_p),
+        res = run_disagg(reqs, opts.cost, config=DisaggConfig(num_prefill=num_p, num_decode=16 - num_p),
                          admission="early_rejection", ttft_slo_s=PD_TTFT_S, tbt_slo_s=PD_TBT_S)
         s = res.summary()
         eff, ttft, tbt = PAPER_PD[num_p]
@@ -70,7 +70,7 @@ def run_global_vs_local(opts: ExperimentOptions) -> ExperimentResult:
     hot = [b for b, _ in Counter(b for r in reqs for b in r.block_hashes).most_common(100)]
     for mode, policy in runs(list(GLOBAL_LOCAL_RUNS), opts.progress, "global-vs-local"):
         sim = DisaggSim(Conductor(ConductorConfig(prefill_policy=policy, admission="none",
-                                                  ttft_slo_s=NO_SLO_S)), cfg)
+                                                  ttft_slo_s=NO_SLO_S), opts.cost), cfg)
         res = sim.run(reqs)
         hit, gpu = PAPER_GLOBAL_LOCAL[mode]
         replicas = [len(sim.view.index.holders(b)) for b in hot]
@@ -106,7 +106,7 @@ def run_bandwidth(opts: ExperimentOptions) -> ExperimentResult:
     reqs = opts.requests()
     rows: list[dict[str, Any]] = []
     for gbps in runs(list(PAPER_BW), opts.progress, "bandwidth"):
-        res = run_disagg(reqs, CostModel().with_bandwidth(gbps), admission="none",
+        res = run_disagg(reqs, opts.cost.with_bandwidth(gbps), admission="none",
                          ttft_slo_s=NO_SLO_S)
         moved = [r.transfer_s for r in res.records if r.transfer_s > 0]
         ttft, xfer = PAPER_BW[gbps]
@@ -114,7 +114,8 @@ def run_bandwidth(opts: ExperimentOptions) -> ExperimentResult:
                      "paper_mean_ttft_s": ttft,
                      "mean_transfer_s": rnd(float(np.mean(moved)) if moved else 0.0),
                      "paper_transfer_s": xfer, "fetched_share": rnd(len(moved) / len(reqs))})
-    local = run_disagg(reqs, admission="none", ttft_slo_s=NO_SLO_S, prefill_policy="cache_aware")
+    local = run_disagg(reqs, opts.cost, admission="none", ttft_slo_s=NO_SLO_S,
+                       prefill_policy="cache_aware")
     rows.append({"bandwidth_gbps": "recompute", "mean_ttft_s":
                  rnd(local.summary()["mean_ttft_s"]), "paper_mean_ttft_s": PAPER_RECOMPUTE_TTFT_S,
                  "mean_transfer_s": 0.0, "paper_transfer_s": None, "fetched_share": 0.0})
