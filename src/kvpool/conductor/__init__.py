@@ -6,7 +6,7 @@ Shared by the simulator (kvpool.sim) and the live proxy. See docs/conductor.md.
 from kvpool.conductor.admission import ADMISSION_POLICIES, create_admission
 from kvpool.conductor.conductor import Conductor
 from kvpool.conductor.config import ConductorConfig
-from kvpool.conductor.cost import CostModel, fit_prefill
+from kvpool.conductor.cost import CostModel, fit_prefill, load_cost_model
 from kvpool.conductor.prefill import PREFILL_POLICIES, create_prefill_policy
 from kvpool.conductor.types import (
     Accepted,
@@ -22,5 +22,5 @@ __all__ = [
     "ADMISSION_POLICIES", "PREFILL_POLICIES", "Accepted", "ClusterView", "Conductor",
     "ConductorConfig", "CostModel", "Decision", "DecodeChoice", "DecodeLoad", "PrefillChoice",
     "PrefillLoad", "PrefixIndex", "PrefixMatch", "Rejected", "RequestInfo", "create_admission",
-    "create_prefill_policy", "fit_prefill",
+    "create_prefill_policy", "fit_prefill", "load_cost_model",
 ]
