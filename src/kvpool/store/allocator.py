@@ -49,9 +49,10 @@ class OffsetAllocator:
         if i == len(self._by_size):
             return None
         free_size, offset = self._by_size[i]
-        self._remove_free(offset, free_size)
         if free_size > need:
-            self._add_free(offset + need, free_size - need)
+            self._shrink_free(i, offset, free_size, need)
+        else:
+            self._remove_free(offset, free_size)
         self._used[offset] = need
         self.used_bytes += need
         return offset
@@ -112,6 +113,20 @@ class OffsetAllocator:
         self._free[offset] = size
         bisect.insort(self._offsets, offset)
         bisect.insort(self._by_size, (size, offset))
+
+    def _shrink_free(self, i: int, offset: int, size: int, cut: int) -> None:
+        """Give the first `cut` bytes of the free range at `offset` (index i by size) away,
+        updating both indexes in place where the order allows (the common bump case)."""
+        rest, start = size - cut, offset + cut
+        self._offsets[bisect.bisect_left(self._offsets, offset)] = start
+        del self._free[offset]
+        self._free[start] = rest
+        k = bisect.bisect_left(self._by_size, (rest, start))  # k <= i: the range got smaller
+        if k == i:
+            self._by_size[i] = (rest, start)
+        else:
+            del self._by_size[i]
+            self._by_size.insert(k, (rest, start))
 
     def _remove_free(self, offset: int, size: int) -> None:
         del self._free[offset]

@@ -19,6 +19,7 @@ from kvpool.store.codes import (
     LookupResult,
     ObjectInfo,
     PutStartResult,
+    ReplicaDesc,
     ReplicaState,
     SegmentInfo,
     Tier,
@@ -30,6 +31,7 @@ from kvpool.store.state import ClientState, PendingPut, Replica, Segment, Stored
 from kvpool.store.validate import valid_key, valid_size
 
 E = ErrorCode
+_new = tuple.__new__  # builds a NamedTuple without its Python-level __new__ (hot paths)
 DEFAULT_REPLICATE = ReplicateConfig()
 
 
@@ -57,6 +59,7 @@ class MasterCore:
         self._deferred: list[tuple[float, Segment, int]] = []  # (free at, segment, offset)
         self._capacity = 0
         self._used = 0
+        self._segments_cache: list[Segment] | None = None
 
     # -- clients and segments -------------------------------------------------------------
 
@@ -93,6 +96,7 @@ class MasterCore:
         seg = Segment(segment_id, client_id, endpoint, base_addr,
                       OffsetAllocator(size, self.config.alignment), tier)
         self.segments[segment_id] = seg
+        self._segments_cache = None
         client.segment_ids.add(segment_id)
         self._capacity += size
         return E.OK, segment_id
@@ -110,6 +114,7 @@ class MasterCore:
         """Forget a segment: replicas there vanish, objects left without one are removed,
         and puts that were writing there are revoked."""
         del self.segments[seg.segment_id]
+        self._segments_cache = None
         client = self.clients.get(seg.client_id)
         if client is not None:
             client.segment_ids.discard(seg.segment_id)
@@ -172,14 +177,17 @@ class MasterCore:
                                        config.with_hard_pin, config.with_soft_pin)
         descs = []
         for r in replicas:
-            r.segment.pending_keys.add(key)
-            descs.append(r.desc(ReplicaState.PENDING))
-        return PutStartResult(E.OK, tuple(descs))
+            seg = r.segment
+            seg.pending_keys.add(key)
+            descs.append(_new(ReplicaDesc, (seg.segment_id, seg.endpoint,
+                                            seg.base_addr + r.offset, size, seg.tier,
+                                            ReplicaState.PENDING)))
+        return _new(PutStartResult, (E.OK, tuple(descs)))
 
     def _try_allocate(self, size: int, count: int, preferred: list[str]) -> list[Replica] | None:
         if len(self.segments) < count:
             return None
-        ordered = self.placement.order(list(self.segments.values()), size)
+        ordered = self.placement.order(self._segment_list(), size)
         if count == 1 and not preferred:  # the common case, without building a plan
             for seg in ordered:
                 offset = seg.allocator.allocate(size)
@@ -197,6 +205,11 @@ class MasterCore:
             replicas.append(Replica(seg, offset, size))
             self._used += seg.allocator.rounded(size)
         return replicas
+
+    def _segment_list(self) -> list[Segment]:
+        if self._segments_cache is None:
+            self._segments_cache = list(self.segments.values())
+        return self._segments_cache
 
     def put_end(self, client_id: str, keys: Sequence[str]) -> list[ErrorCode]:
         """Publish written objects. OBJECT_NOT_FOUND: the put was discarded meanwhile (timeout,
