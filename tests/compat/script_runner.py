@@ -1,0 +1,50 @@
+"""Running `mooncake_script.py` in a fresh interpreter against one implementation, and the
+results the real Mooncake wheel (0.3.13) gives for it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).with_name("mooncake_script.py")
+SRC = Path(__file__).resolve().parents[2] / "src"
+
+MOONCAKE_RESULTS = {
+    "bad_puts": [-600, -600], "batch_get_into": [200, -704, 100], "batch_is_exist": [1, 0],
+    "batch_mismatch": [[-600, -600], [-600, -600]], "batch_put_from": [0, 0],
+    "batch_remove": [[-706, -704], [0]], "batch_replica_desc_keys": ["pp"], "close": [0, 1],
+    "get": ["hello", ""], "get_batch": ["1", "", "22"], "get_buffer": [6, 6, "abcdef"],
+    "get_buffer_missing": True, "get_into": 4096, "get_into_bytes_equal": True,
+    "get_into_missing": -704, "get_into_small": -600, "get_keyword": "TypeError",
+    "get_size_missing": -704, "health": 0, "is_exist": [1, 0], "multi_bytes_equal": True,
+    "multi_get": [150, 300, -704], "multi_mismatch": [[-600, -600], [-600, -600]],
+    "multi_put": [0, 0], "multi_small": [-600], "put": [0, 0], "put_batch": [0, -600],
+    "put_from": 0, "put_parts": [0, "abcdef"], "put_with_config": 0,
+    "regex": [0, 0, 2, 0, -600], "register": [0, 0, -600], "remove_all": 8, "remove_force": 0,
+    "remove_leased": -706, "remove_missing": -704, "replica_desc": [1, True, 6, "127.0.0.1"],
+    "replica_desc_missing": [], "setup": 0, "te_async": [True, 0], "te_batch_write": 0,
+    "te_bytes_equal": True, "te_empty": 0, "te_init": [0, 0], "te_mismatch": -1,
+    "te_probe": [0, True], "te_read": 0, "te_register": [0, 0, -7], "te_unregister": [0, -3],
+    "te_write": 0, "unregister": [0, -600], "upsert": [0, "xx"],
+}
+"""What the real wheel printed (recorded once; the differential test checks it live)."""
+
+
+def run_script(master: str, shim_dir: Path | None, metadata: str = "P2PHANDSHAKE",
+               timeout_s: float = 60.0) -> dict[str, object]:
+    """Run the script in a new interpreter. With `shim_dir`, kvpool's activated `mooncake`
+    package (and kvpool's sources) come first on the path; without, whatever `mooncake` the
+    environment has answers."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(MOONCAKE_MASTER=master, MOONCAKE_TE_META_DATA_SERVER=metadata,
+               KVPOOL_LOG_LEVEL="ERROR")
+    if shim_dir is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(shim_dir), str(SRC)])
+    proc = subprocess.run([sys.executable, str(SCRIPT)], env=env, capture_output=True,
+                          timeout=timeout_s, cwd=str(shim_dir or SCRIPT.parent))
+    lines = [ln for ln in proc.stdout.decode().splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr.decode()[-3000:]
+    return dict(json.loads(lines[-1][len("RESULT "):]))
