@@ -108,7 +108,7 @@ def engine_calls():
     dst_raw, dst = buffer(4096, 0)
     record("te_register", [a.register_memory(src, 4096), b.register_memory(dst, 4096),
                            a.register_memory(src, 4096)])
-    target = "127.0.0.1:%d" % b.get_rpc_port()
+    target = f"127.0.0.1:{b.get_rpc_port()}"
     record("te_write", a.transfer_sync_write(target, src, dst, 1024))
     record("te_batch_write", a.batch_transfer_sync_write(target, [src + 1024, src + 2048],
                                                          [dst + 1024, dst + 2048], [1024, 1024]))
