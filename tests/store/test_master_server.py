@@ -71,6 +71,10 @@ def test_garbage_over_the_socket_then_service_continues(master: MasterServer) ->
             w.call(Op.MOUNT, "x", 0, 1)   # wrong arity
         metrics = httpx.get(f"http://127.0.0.1:{master.admin_port}/metrics").text
         assert 'kvpool_master_errors_total{code="INVALID_PARAMS",op="malformed"}' in metrics
+        assert 'kvpool_master_key_errors_total{code="INVALID_PARAMS",op="GET_REPLICAS"} 5.0' \
+            in metrics
+        assert 'kvpool_master_key_errors_total{code="OBJECT_NOT_FOUND",op="GET_REPLICAS"} 1.0' \
+            in metrics
 
 
 def test_rpc_timeout_when_no_master() -> None:

@@ -72,6 +72,13 @@ def test_bad_values_inside_well_formed_requests() -> None:
     assert [r[0] for r in result] == [-600]                         # type: ignore[union-attr]
     assert call(svc, encode_request(Op.REMOVE_REGEX, 4, "c", "(", False))[2] == -600
     assert call(svc, encode_request(Op.MOUNT, 5, "c", "h:1", 0, 0, 1))[2] == [-600, ""]
+    for frame in (encode_request(Op.PING, 6, ""), encode_request(Op.PING, 6, "a b"),
+                  encode_request(Op.PING, 6, "c" * 5000),
+                  encode_request(Op.PUT_START, 6, "c", ["k"], [1], 1, False, False,
+                                 ["s"] * 65, False),
+                  encode_request(Op.REMOVE_REGEX, 6, "c", "a" * 1025, False)):
+        assert call(svc, frame)[:2] == (6, E.INVALID_PARAMS)
+    assert svc.key_errors[("PUT_START", "INVALID_PARAMS")] == 4 + 2 + 1
     svc.core.check_integrity()
 
 

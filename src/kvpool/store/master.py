@@ -54,6 +54,7 @@ class MasterServer:
         self.lock = threading.Lock()
         self.metrics = MasterMetrics(self.core, self.lock)
         self.service = MasterService(self.core, self.metrics.observe)
+        self.metrics.watch_key_errors(self.service.key_errors)
         self._rpc: RpcServer | None = None
         self._admin: HttpServerThread | None = None
         self._metadata: Any = None

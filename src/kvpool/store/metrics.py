@@ -4,9 +4,11 @@ reads the core's tables at scrape time (keys, bytes by segment and tier, evictio
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import Counter as PromCounter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -27,6 +29,7 @@ class _CoreCollector(Collector):
     def __init__(self, core: MasterCore, lock: threading.Lock) -> None:
         self.core = core
         self.lock = lock
+        self.key_errors: Counter[tuple[str, str]] | None = None
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         with self.lock:
@@ -58,6 +61,11 @@ class _CoreCollector(Collector):
             expired = CounterMetricFamily("kvpool_master_expired_clients",
                                           "clients declared dead")
             expired.add_metric([], stats.expired_clients)
+            per_key = CounterMetricFamily("kvpool_master_key_errors",
+                                          "per-key outcomes other than OK", labels=["op", "code"])
+            for (op, code), count in sorted((self.key_errors or {}).items()):
+                per_key.add_metric([op, code], count)
+        yield per_key
         yield from (keys, pending, clients, used, cap, evicted, evicted_b, rounds, discarded,
                     expired)
 
@@ -65,14 +73,18 @@ class _CoreCollector(Collector):
 class MasterMetrics:
     def __init__(self, core: MasterCore, lock: threading.Lock) -> None:
         self.registry = CollectorRegistry()
-        self.ops = Counter("kvpool_master_ops", "RPC requests by op", ["op"],
+        self.ops = PromCounter("kvpool_master_ops", "RPC requests by op", ["op"],
                            registry=self.registry)
-        self.errors = Counter("kvpool_master_errors", "RPC requests refused, by op and code",
+        self.errors = PromCounter("kvpool_master_errors", "RPC requests refused, by op and code",
                               ["op", "code"], registry=self.registry)
         self.latency = Histogram("kvpool_master_rpc_seconds", "time to handle one request",
                                  ["op"], buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.registry.register(_CoreCollector(core, lock))
-        self._children: dict[str, tuple[Counter, Histogram]] = {}
+        self._collector = _CoreCollector(core, lock)
+        self.registry.register(self._collector)
+        self._children: dict[str, tuple[PromCounter, Histogram]] = {}
+
+    def watch_key_errors(self, key_errors: Counter[tuple[str, str]]) -> None:
+        self._collector.key_errors = key_errors
 
     def observe(self, op: str, status: int, seconds: float) -> None:
         pair = self._children.get(op)

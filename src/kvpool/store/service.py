@@ -6,6 +6,7 @@ directly, byte by byte.
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Callable
 from typing import Any
@@ -21,8 +22,11 @@ from kvpool.store.protocol import (
     encode_reply,
     peek_req_id,
 )
+from kvpool.store.validate import valid_key
 
 E = ErrorCode
+MAX_PREFERRED = 64
+MAX_PATTERN = 1024
 
 
 def replica_from_wire(w: list[Any]) -> ReplicaDesc:
@@ -38,6 +42,8 @@ class MasterService:
     def __init__(self, core: MasterCore,
                  on_result: Callable[[str, int, float], None] | None = None) -> None:
         self.core = core
+        self.key_errors: collections.Counter[tuple[str, str]] = collections.Counter()
+        """Per-key outcomes other than OK, by (op, code name)."""
         self._t0 = 0.0
         self._on_result = on_result
         self._handlers: dict[Op, Callable[[Request], Any]] = {
@@ -46,11 +52,11 @@ class MasterService:
             Op.MOUNT: self._mount,
             Op.UNMOUNT: lambda r: int(core.unmount_segment(r.client_id, r.args[0])),
             Op.PUT_START: self._put_start,
-            Op.PUT_END: lambda r: [int(c) for c in core.put_end(r.client_id, r.args[0])],
-            Op.PUT_REVOKE: lambda r: [int(c) for c in core.put_revoke(r.client_id, r.args[0])],
+            Op.PUT_END: lambda r: self._count(r, core.put_end(r.client_id, r.args[0])),
+            Op.PUT_REVOKE: lambda r: self._count(r, core.put_revoke(r.client_id, r.args[0])),
             Op.GET_REPLICAS: self._get_replicas,
-            Op.EXISTS: lambda r: [int(c) for c in core.exists(r.args[0])],
-            Op.REMOVE: lambda r: [int(c) for c in core.remove(r.args[0], r.args[1])],
+            Op.EXISTS: lambda r: core.exists(r.args[0]),
+            Op.REMOVE: lambda r: self._count(r, core.remove(r.args[0], r.args[1])),
             Op.REMOVE_ALL: lambda r: core.remove_all(r.args[0]),
             Op.REMOVE_REGEX: lambda r: core.remove_regex(r.args[0], r.args[1]),
             Op.SEGMENTS: self._segments,
@@ -64,11 +70,10 @@ class MasterService:
         except RemoteProtocolError as exc:
             self._observe("malformed", int(E.INVALID_PARAMS))
             return encode_reply(peek_req_id(frame), int(E.INVALID_PARAMS), str(exc))
-        if req.op in _KEYED and len(req.args[0]) > self.core.config.max_batch:
+        problem = self._request_problem(req)
+        if problem is not None:
             self._observe(req.op.name, int(E.INVALID_PARAMS))
-            return encode_reply(req.req_id, int(E.INVALID_PARAMS),
-                                f"batch of {len(req.args[0])} keys exceeds "
-                                f"{self.core.config.max_batch}")
+            return encode_reply(req.req_id, int(E.INVALID_PARAMS), problem)
         try:
             result = self._handlers[req.op](req)
         except (ValueError, TypeError) as exc:  # a value the decoder could not foresee
@@ -76,6 +81,25 @@ class MasterService:
             return encode_reply(req.req_id, int(E.INVALID_PARAMS), f"{req.op.name}: {exc}")
         self._observe(req.op.name, 0)
         return encode_reply(req.req_id, 0, result)
+
+    def _request_problem(self, req: Request) -> str | None:
+        """What makes a well-formed request unacceptable as a whole, or None."""
+        if not valid_key(req.client_id):
+            return "client_id must be 1..4096 bytes without whitespace or control characters"
+        if req.op in _KEYED and len(req.args[0]) > self.core.config.max_batch:
+            return f"batch of {len(req.args[0])} keys exceeds {self.core.config.max_batch}"
+        if req.op is Op.PUT_START and len(req.args[5]) > MAX_PREFERRED:
+            return f"more than {MAX_PREFERRED} preferred segments"
+        if req.op is Op.REMOVE_REGEX and len(req.args[0]) > MAX_PATTERN:
+            return f"pattern longer than {MAX_PATTERN} characters"
+        return None
+
+    def _count(self, r: Request, codes: list[ErrorCode]) -> list[ErrorCode]:
+        """Count per-key failures by op and code (for metrics); returns `codes`."""
+        for code in codes:
+            if code:
+                self.key_errors[(r.op.name, code.name)] += 1
+        return codes
 
     def _observe(self, op: str, status: int) -> None:
         if self._on_result is not None:
@@ -90,12 +114,17 @@ class MasterService:
     def _put_start(self, r: Request) -> list[Any]:
         keys, sizes, replica_num, hard, soft, preferred, upsert = r.args
         if not 1 <= replica_num <= self.core.config.max_replicas or len(keys) != len(sizes):
+            self._count(r, [E.INVALID_PARAMS] * len(keys))
             return [[int(E.INVALID_PARAMS), []] for _ in keys]
         cfg = ReplicateConfig(replica_num, hard, soft, "", tuple(preferred))
-        return self.core.put_start(r.client_id, keys, sizes, cfg, upsert)
+        results = self.core.put_start(r.client_id, keys, sizes, cfg, upsert)
+        self._count(r, [x.code for x in results])
+        return results
 
     def _get_replicas(self, r: Request) -> list[Any]:
-        return [self.core.config.lease_ttl_s, self.core.get_replicas(r.args[0])]
+        results = self.core.get_replicas(r.args[0])
+        self._count(r, [x.code for x in results])
+        return [self.core.config.lease_ttl_s, results]
 
     def _segments(self, r: Request) -> list[Any]:
         return [[s.segment_id, s.client_id, s.endpoint, s.base_addr, s.capacity_bytes,
