@@ -11,7 +11,8 @@ if TYPE_CHECKING:
 def check_master(core: MasterCore) -> None:
     expected: dict[str, dict[int, int]] = {sid: {} for sid in core.segments}
     for key, obj in core.objects.items():
-        assert key not in core.pending, f"{key!r} is both stored and pending"
+        assert key not in core.pending or core.pending[key].upsert, \
+            f"{key!r} is both stored and pending without upsert"
         assert obj.replicas, f"{key!r} has no replica"
         _collect(core, key, obj.replicas, expected)
         for r in obj.replicas:
