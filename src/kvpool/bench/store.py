@@ -52,6 +52,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-mooncake", action="store_true", help="skip the Mooncake comparison")
     p.add_argument("--master-only", action="store_true", help="benchmark the master alone")
     p.add_argument("--seconds", type=float, default=2.0, help="duration of master-only runs")
+    p.add_argument("--clients", type=int, default=4,
+                   help="concurrent client processes in the master-only RPC run")
     p.add_argument("--json", action="store_true", help="one JSON object per measurement")
     p.set_defaults(func=run)
 
@@ -60,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     emit = _emitter(args.json)
     if args.master_only:
         from kvpool.store.master_bench import bench_master
-        for record in bench_master(args.seconds):
+        for record in bench_master(args.seconds, args.clients):
             emit(record)
         return 0
     sizes = [parse_size(s) for s in args.sizes.split(",")]

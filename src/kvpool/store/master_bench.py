@@ -64,9 +64,9 @@ def _calibrate(call: Call, per_call: int, seconds: float, prefix: str) -> int:
     return max(10, int(n * (seconds / 5) / 0.1))
 
 
-def bench_master(seconds: float = 2.0) -> Iterator[dict[str, Any]]:
+def bench_master(seconds: float = 2.0, num_clients: int = 4) -> Iterator[dict[str, Any]]:
     yield from _service_bench(seconds)
-    yield from _rpc_bench(seconds)
+    yield from _rpc_bench(seconds, num_clients)
 
 
 def _service_bench(seconds: float) -> Iterator[dict[str, Any]]:
@@ -79,7 +79,7 @@ def _service_bench(seconds: float) -> Iterator[dict[str, Any]]:
     core.check_integrity()
 
 
-def _rpc_bench(seconds: float) -> Iterator[dict[str, Any]]:
+def _rpc_bench(seconds: float, num_clients: int) -> Iterator[dict[str, Any]]:
     from kvpool.bench.store import _free_port, _process, _wait_port
     rpc, admin = _free_port(), _free_port()
     with _process([sys.executable, "-m", "kvpool", "master", "--rpc_port", str(rpc),
@@ -88,3 +88,36 @@ def _rpc_bench(seconds: float) -> Iterator[dict[str, Any]]:
         _wait_port(rpc)
         with RpcClient(f"127.0.0.1:{rpc}", "bench") as client:
             yield from _run("master-rpc", client.call, seconds, "rpc")
+        if num_clients > 1:
+            yield _concurrent(f"127.0.0.1:{rpc}", num_clients, seconds)
+
+
+_CLIENT = """
+import sys, time
+from kvpool.store.master_bench import client_loop
+print(client_loop(sys.argv[1], sys.argv[2], float(sys.argv[3])))
+"""
+
+
+def client_loop(address: str, name: str, seconds: float) -> float:
+    """Single-key put_start, put_end and lookup in a loop; returns requests per second."""
+    with RpcClient(address, name) as client:
+        client.call(Op.MOUNT, f"127.0.0.1:{name}", 4096, 1 << 40, 1)
+        n = 0
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            key = [f"{name}-{n}"]
+            client.call(Op.PUT_START, key, [SIZE], 1, False, False, [], False)
+            client.call(Op.PUT_END, key)
+            client.call(Op.GET_REPLICAS, key)
+            n += 3
+        return n / (time.perf_counter() - t0)
+
+
+def _concurrent(address: str, num_clients: int, seconds: float) -> dict[str, Any]:
+    procs = [subprocess.Popen([sys.executable, "-c", _CLIENT, address, f"c{i}", str(seconds)],
+                              stdout=subprocess.PIPE) for i in range(num_clients)]
+    rate = sum(float(p.communicate()[0]) for p in procs)
+    return {"system": "master-rpc", "op": "start+end+get", "mode": f"single x{num_clients}",
+            "rate": round(rate, 1), "unit": "requests/s", "clients": num_clients,
+            "seconds": seconds}
