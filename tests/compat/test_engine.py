@@ -164,3 +164,25 @@ def test_positional_only_and_keyword_names(engine: TransferEngine) -> None:
     assert engine.transfer_sync_write(target_hostname="127.0.0.1:1", buffer=1,
                                       peer_buffer_address=2, length=3) == -1
     assert engine.register_memory(buffer_addr=4096 * 1024, capacity=0) == -1
+
+
+def test_concurrent_pushes_from_a_thread_pool(engine: TransferEngine) -> None:
+    """vLLM and SGLang push from a thread pool into one peer; every page must land intact."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    peer = TransferEngine()
+    assert peer.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    try:
+        src, dst = kv_cache(32, seed=21), torch.zeros_like(kv_cache(32, seed=0))
+        assert engine.register_memory(src.data_ptr(), src.numel() * 2) == 0
+        assert peer.register_memory(dst.data_ptr(), dst.numel() * 2) == 0
+        target = f"127.0.0.1:{peer.get_rpc_port()}"
+        plans = [([p, p + 1], [31 - p, 30 - p]) for p in range(0, 32, 4)]
+        with ThreadPoolExecutor(4) as pool:
+            codes = list(pool.map(lambda plan: _push(engine, target, src, dst.data_ptr(), *plan),
+                                  plans))
+        assert codes == [0] * len(plans)
+        for s, d in plans:
+            assert page_digest(dst, d) == page_digest(src, s)
+    finally:
+        peer.close()
