@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -106,3 +107,23 @@ def test_cli_master_bad_flag_value() -> None:
     proc = spawn_kvpool("master", "--rpc_port", "0", "--metrics_port", "0",
                         "--no-http-metadata", "--eviction_ratio", "7")
     assert proc.wait(30) == 2
+
+
+def test_store_node_waits_for_a_late_master() -> None:
+    rpc, admin = free_port(), free_port()
+    node = spawn_kvpool("store-node", "--dram", "4MiB", "--master", f"127.0.0.1:{rpc}")
+    with running(node):
+        time.sleep(1.0)
+        assert node.poll() is None
+        master = spawn_kvpool("master", "--rpc_port", str(rpc), "--metrics_port", str(admin),
+                              "--no-http-metadata")
+        with running(master):
+            wait_port(admin)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                segs = httpx.get(f"http://127.0.0.1:{admin}/segments").json()
+                if segs:
+                    break
+                time.sleep(0.1)
+            assert [s["capacity_bytes"] for s in segs] == [4 << 20]
+    assert node.returncode == 0

@@ -53,7 +53,11 @@ class ClientBase:
                                     name="kvpool-store-heartbeat")
         self._hb.start()
         if config.global_segment_size:
-            self.mount(config.global_segment_size)
+            try:
+                self.mount(config.global_segment_size)
+            except BaseException:
+                self.close()
+                raise
 
     # -- master RPC, segments, liveness ----------------------------------------------------
 
@@ -71,8 +75,12 @@ class ClientBase:
         buf = self.engine.allocate_managed(size)
         if self.config.prefault:
             buf.numpy()[::4096] = 0
-        code, segment_id = self._rpc.call(Op.MOUNT, self.endpoint, buf.addr, size,
-                                          int(Tier.DRAM))
+        try:
+            code, segment_id = self._rpc.call(Op.MOUNT, self.endpoint, buf.addr, size,
+                                              int(Tier.DRAM))
+        except RpcError:
+            self.engine.free_managed(buf)
+            raise
         if code != 0:
             self.engine.free_managed(buf)
             raise RpcError(f"master refused to mount {size} bytes: code {code}")

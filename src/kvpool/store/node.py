@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+from kvpool.errors import RpcError
 from kvpool.log import get_logger
 from kvpool.store.client import StoreClient
 from kvpool.store.client_config import ClientConfig
@@ -11,10 +12,27 @@ from kvpool.store.client_config import ClientConfig
 log = get_logger("store.node")
 
 
-def run_store_node(config: ClientConfig, stop: threading.Event) -> None:
+def _connect(config: ClientConfig, stop: threading.Event,
+             retry_s: float) -> StoreClient | None:
+    """A client with its segment mounted; waits for an unreachable master until `stop`."""
+    while not stop.is_set():
+        try:
+            return StoreClient(config)
+        except RpcError as exc:
+            log.warning("cannot mount at master %s yet (%s); retrying in %.0fs",
+                        config.master, exc, retry_s)
+            stop.wait(retry_s)
+    return None
+
+
+def run_store_node(config: ClientConfig, stop: threading.Event,
+                   retry_s: float = 2.0) -> None:
     """Mount `config.global_segment_size` bytes and heartbeat until `stop` is set; then
     unmount cleanly (the master drops the objects held here)."""
-    with StoreClient(config) as client:
+    client = _connect(config, stop, retry_s)
+    if client is None:
+        return
+    with client:
         log.info("store node %s contributes %d bytes as %s", client.endpoint,
                  config.global_segment_size, ", ".join(client.segment_ids))
         print(f"kvpool store-node ready: {client.endpoint} "
