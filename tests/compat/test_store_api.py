@@ -216,3 +216,16 @@ def test_health_check_sees_a_dead_master() -> None:
     finally:
         stop(proc)
         store.close()
+
+
+def test_preferred_segment_is_the_callers_hostname(make_store: StoreFactory) -> None:
+    """LMCache's prefer_local_alloc sets preferred_segment = store.get_hostname()."""
+    a, b = make_store(), make_store()
+    for store in (a, b):
+        cfg = ReplicateConfig()
+        cfg.preferred_segment = store.get_hostname()
+        for i in range(4):
+            assert store.put(f"local-{store.get_hostname()}-{i}", b"v" * 100, cfg) == 0
+            (desc,) = store.get_replica_desc(f"local-{store.get_hostname()}-{i}")
+            endpoint = desc.get_memory_descriptor().buffer_descriptor.transport_endpoint
+            assert endpoint == store.get_hostname()
