@@ -12,7 +12,8 @@ import pytest
 from kvpool.compat import activate as shim
 from tests.compat.conftest import Master
 from tests.compat.script_runner import MOONCAKE_RESULTS, run_script
-from tests.support.procs import python_env
+from tests.support.net import free_port, wait_port
+from tests.support.procs import python_env, running
 
 
 def kvpool_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -68,10 +69,37 @@ def test_detects_the_wheel_installed_in_this_environment() -> None:
     assert shim.status(shim.default_target()).foreign_package  # its package, not ours
 
 
-@pytest.mark.parametrize("metadata", ["P2PHANDSHAKE", "http"])
-def test_mooncake_script_runs_unchanged(master: Master, tmp_path: Path, metadata: str) -> None:
+def test_mooncake_script_runs_unchanged(master: Master, tmp_path: Path) -> None:
     assert shim.activate(tmp_path)[0]
-    results = run_script(master.address, tmp_path,
-                         master.http_metadata if metadata == "http" else metadata)
+    results = run_script(master.address, tmp_path)
     assert results.pop("implementation") == "kvpool"
     assert results == MOONCAKE_RESULTS
+
+
+def test_mooncake_deployment_runs_unchanged(tmp_path: Path) -> None:
+    """`mooncake_master` with Mooncake's flags, then the client script with HTTP metadata."""
+    site, bin_dir = tmp_path / "site", tmp_path / "bin"
+    site.mkdir(), bin_dir.mkdir()
+    done = kvpool_cli("mooncake", "activate", "--target", str(site), "--scripts", str(bin_dir))
+    assert done.returncode == 0, done.stdout + done.stderr
+    rpc, meta = free_port(), free_port()
+    master = subprocess.Popen(
+        [str(bin_dir / "mooncake_master"), f"--rpc_port={rpc}", f"--metrics_port={free_port()}",
+         "--enable_http_metadata_server=true", f"--http_metadata_server_port={meta}",
+         "--default_kv_lease_ttl=5000"], env=python_env())
+    with running(master):
+        wait_port(rpc), wait_port(meta)
+        results = run_script(f"127.0.0.1:{rpc}", site, f"http://127.0.0.1:{meta}/metadata")
+    assert results.pop("implementation") == "kvpool"
+    assert results == MOONCAKE_RESULTS
+    assert shim.deactivate(site, bin_dir)[0]
+    assert list(bin_dir.iterdir()) == [] and list(site.iterdir()) == []
+
+
+def test_master_script_never_overwrites_a_foreign_one(tmp_path: Path) -> None:
+    (tmp_path / "mooncake_master").write_text("#!/bin/sh\necho real\n")
+    done, message = shim.activate(tmp_path, tmp_path)
+    assert not done and "not kvpool's" in message
+    assert not (tmp_path / "mooncake").exists()
+    assert shim.deactivate(tmp_path, tmp_path)[0]
+    assert (tmp_path / "mooncake_master").read_text() == "#!/bin/sh\necho real\n"

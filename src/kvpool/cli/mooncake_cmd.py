@@ -23,6 +23,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         q = sub.add_parser(name, help=text)
         q.add_argument("--target", type=Path, default=None,
                        help="site-packages directory to act on (default: this environment's)")
+        q.add_argument("--scripts", type=Path, default=None,
+                       help="bin directory for the `mooncake_master` command (default: this "
+                       "environment's when --target is not given, none otherwise)")
         q.set_defaults(func=func)
 
 
@@ -30,14 +33,20 @@ def _target(args: argparse.Namespace) -> Path:
     return Path(args.target) if args.target is not None else shim.default_target()
 
 
+def _scripts(args: argparse.Namespace) -> Path | None:
+    if args.scripts is not None:
+        return Path(args.scripts)
+    return shim.default_scripts() if args.target is None else None
+
+
 def _activate(args: argparse.Namespace) -> int:
-    done, message = shim.activate(_target(args))
+    done, message = shim.activate(_target(args), _scripts(args))
     print(message)
     return 0 if done else 1
 
 
 def _deactivate(args: argparse.Namespace) -> int:
-    done, message = shim.deactivate(_target(args))
+    done, message = shim.deactivate(_target(args), _scripts(args))
     print(message)
     return 0 if done else 1
 

@@ -10,6 +10,7 @@ package without the marker is present: kvpool never shadows or overwrites the re
 from __future__ import annotations
 
 import shutil
+import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,17 @@ _MODULES = {
 }
 
 
+MASTER_SCRIPT = "mooncake_master"
+_MASTER_BODY = """#!{python}
+# {marker}: written by `kvpool mooncake activate`; runs `kvpool master` with Mooncake's flags
+import sys
+
+from kvpool.cli.main import main
+
+sys.exit(main(["master", *sys.argv[1:]]))
+"""
+
+
 @dataclass(frozen=True)
 class ShimStatus:
     target: Path
@@ -47,6 +59,31 @@ def default_target() -> Path:
     return Path(sysconfig.get_paths()["purelib"])
 
 
+def default_scripts() -> Path:
+    """The environment's bin directory, where the real wheel puts `mooncake_master`."""
+    return Path(sysconfig.get_paths()["scripts"])
+
+
+def _ours(script: Path) -> bool:
+    try:
+        return MARKER in script.read_text(encoding="utf-8", errors="replace")[:400]
+    except OSError:
+        return False
+
+
+def _write_master_script(scripts: Path) -> str | None:
+    """Write `mooncake_master` into `scripts`; an error message when it cannot."""
+    script = scripts / MASTER_SCRIPT
+    if script.exists() and not _ours(script):
+        return f"{script} exists and is not kvpool's; refusing to overwrite it"
+    if not scripts.is_dir():
+        return f"{scripts} is not a directory"
+    script.write_text(_MASTER_BODY.format(python=sys.executable, marker=MARKER),
+                      encoding="utf-8")
+    script.chmod(0o755)
+    return None
+
+
 def find_real_mooncake(target: Path) -> tuple[str, ...]:
     """Names of real Mooncake distributions installed in `target`."""
     if not target.is_dir():
@@ -61,8 +98,9 @@ def status(target: Path) -> ShimStatus:
     return ShimStatus(target, shim, find_real_mooncake(target), package.exists() and not shim)
 
 
-def activate(target: Path) -> tuple[bool, str]:
-    """(done, message). Idempotent: activating twice rewrites kvpool's own shim."""
+def activate(target: Path, scripts: Path | None = None) -> tuple[bool, str]:
+    """(done, message). Idempotent: activating twice rewrites kvpool's own shim. With
+    `scripts`, also writes a `mooncake_master` command there that runs `kvpool master`."""
     state = status(target)
     if state.real_mooncake:
         return False, (f"the real Mooncake is installed in {target} ({', '.join(state.real_mooncake)});"
@@ -71,6 +109,10 @@ def activate(target: Path) -> tuple[bool, str]:
         return False, f"{target / PACKAGE} exists and is not kvpool's; refusing to overwrite it"
     if not target.is_dir():
         return False, f"{target} is not a directory"
+    if scripts is not None:
+        problem = _write_master_script(scripts)
+        if problem is not None:
+            return False, problem
     package = target / PACKAGE
     package.mkdir(exist_ok=True)
     for name, body in _MODULES.items():
@@ -79,8 +121,11 @@ def activate(target: Path) -> tuple[bool, str]:
     return True, f"`import mooncake.store` / `mooncake.engine` now resolve to kvpool ({package})"
 
 
-def deactivate(target: Path) -> tuple[bool, str]:
-    """(done, message). Removes only a package carrying kvpool's marker."""
+def deactivate(target: Path, scripts: Path | None = None) -> tuple[bool, str]:
+    """(done, message). Removes only a package (and a `mooncake_master` in `scripts`)
+    carrying kvpool's marker."""
+    if scripts is not None and _ours(scripts / MASTER_SCRIPT):
+        (scripts / MASTER_SCRIPT).unlink()
     state = status(target)
     if state.foreign_package:
         return False, f"{target / PACKAGE} is not kvpool's; leaving it alone"
