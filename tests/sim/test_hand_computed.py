@@ -7,12 +7,13 @@ from pathlib import Path
 import pytest
 
 from kvpool.conductor import Conductor, ConductorConfig
-from kvpool.sim.colocated import ColocatedConfig, ColocatedSim
+from kvpool.sim.colocated import ColocatedConfig, ColocatedSim, VllmConfig
 from kvpool.sim.disagg import DisaggConfig, DisaggSim
 from kvpool.sim.engine import EngineConfig
 from tests.sim.conftest import SIMPLE_COST, trace_of
 
 # prefill 1 ms/token; decode step 10 ms; KV transfer 1 us/token
+OFF = VllmConfig.off()
 
 
 def test_disaggregated_two_prefill_one_decode(tmp_path: Path) -> None:
@@ -38,7 +39,7 @@ def test_disaggregated_two_prefill_one_decode(tmp_path: Path) -> None:
 
 def test_colocated_whole_prefill_stalls_running_decodes(tmp_path: Path) -> None:
     reqs = trace_of(tmp_path, [(0.0, 1000, 3, [1, 2]), (0.5, 500, 2, [3])])
-    res = ColocatedSim(SIMPLE_COST, ColocatedConfig(num_instances=1)).run(reqs)
+    res = ColocatedSim(SIMPLE_COST, ColocatedConfig(num_instances=1, vllm=OFF)).run(reqs)
     # a: prefill 0..1.0; b's prefill 1.0..1.5 stalls a; decode steps at 1.51 and 1.52
     assert [r.ttft_s for r in res.records] == pytest.approx([1.0, 1.0])
     assert [r.finish_s for r in res.records] == pytest.approx([1.52, 1.51])
@@ -48,7 +49,7 @@ def test_colocated_whole_prefill_stalls_running_decodes(tmp_path: Path) -> None:
 
 def test_colocated_chunked_prefill_spreads_the_stall(tmp_path: Path) -> None:
     reqs = trace_of(tmp_path, [(0.0, 1000, 3, [1, 2]), (0.5, 500, 2, [3])])
-    cfg = ColocatedConfig(num_instances=1, engine=EngineConfig(chunk_tokens=400))
+    cfg = ColocatedConfig(num_instances=1, engine=EngineConfig(chunk_tokens=400), vllm=OFF)
     res = ColocatedSim(SIMPLE_COST, cfg).run(reqs)
     # a: chunks 400+400+200 -> first token 1.0; b: 399 tokens + a's decode (0.409 s),
     # then 101 tokens + decode (0.111 s) -> first token 1.52; b decodes alone until 1.53
@@ -59,7 +60,8 @@ def test_colocated_chunked_prefill_spreads_the_stall(tmp_path: Path) -> None:
 
 def test_colocated_prefix_cache_skips_cached_blocks(tmp_path: Path) -> None:
     reqs = trace_of(tmp_path, [(0.0, 1024, 1, [1, 2]), (5.0, 1536, 1, [1, 2, 3])])
-    cfg = ColocatedConfig(num_instances=1, engine=EngineConfig(prefix_cache_blocks=10))
+    cfg = ColocatedConfig(num_instances=1, engine=EngineConfig(prefix_cache_blocks=10),
+                          vllm=OFF)
     res = ColocatedSim(SIMPLE_COST, cfg).run(reqs)
     assert [r.ttft_s for r in res.records] == pytest.approx([1.024, 0.512])
     assert res.hit_rate() == pytest.approx(1024 / 2560)

@@ -149,13 +149,24 @@ class BlockCache:
                 self._insert(h, pos)
         return hits
 
+    def resize(self, capacity_blocks: int) -> None:
+        """Change the capacity, evicting by policy down to it at once."""
+        if capacity_blocks <= 0:
+            raise InvalidArgument(f"capacity_blocks must be > 0, got {capacity_blocks}")
+        self.capacity_blocks = capacity_blocks
+        while len(self._blocks) > capacity_blocks:
+            self._evict_one()
+
+    def _evict_one(self) -> None:
+        victim = self._policy.victim()
+        self._blocks.discard(victim)
+        self.num_evicted += 1
+        if self._on_evict is not None:
+            self._on_evict(victim)
+
     def _insert(self, block: int, pos: int) -> None:
         if self.capacity_blocks is not None and len(self._blocks) >= self.capacity_blocks:
-            victim = self._policy.victim()
-            self._blocks.discard(victim)
-            self.num_evicted += 1
-            if self._on_evict is not None:
-                self._on_evict(victim)
+            self._evict_one()
         self._blocks.add(block)
         self._policy.insert(block, pos)
         if self._on_insert is not None:

@@ -1,12 +1,17 @@
 """The colocated vLLM-like baseline: every instance runs both prefill and decode.
 
-Per instance (vLLM v0.5-style scheduling):
-- without chunked prefill, a waiting prompt runs as a whole-prefill step before the next decode
-  step, so every running request's next token is delayed by the whole prefill;
-- with chunked prefill, each step carries the running decodes plus up to `chunk_tokens` prompt
-  tokens (minus one per running sequence), so prefill slows every step a little instead;
-- with prefix caching, the instance's own GPU cache of `prefix_cache_blocks` blocks (LRU) lets
-  a prompt skip its cached leading blocks. There is no cache sharing between instances.
+Per instance, the scheduling of vLLM v0.5.1 as deployed in [F] (each behaviour below that is
+marked with a `VllmConfig` field can be switched off):
+- default scheduler (no chunked prefill): waiting prompts have priority; several of them are
+  batched into one prefill step up to `max_num_batched_tokens` (`batch_prefills`), and every
+  running request's next token waits for the whole prefill step;
+- chunked prefill: each step carries the running decodes plus up to `chunk_tokens` prompt
+  tokens (minus one per running sequence), filled from the prompt in progress and then from
+  the next waiting ones (`batch_prefills`); every step that carries a chunk also pays
+  `chunk_overhead_s`;
+- prefix caching: the instance's own GPU cache (LRU) lets a prompt skip its cached leading
+  blocks. Cached blocks live in the VRAM that running requests leave free
+  (`shared_vram_cache`). There is no cache sharing between instances.
 Requests are dispatched round-robin (or to the instance with the fewest outstanding requests);
 there is no admission control: every request is served, however late.
 """
@@ -28,6 +33,43 @@ from kvpool.sim.record import SimRequest
 from kvpool.sim.trace import TraceRequest
 
 DISPATCH = ("round_robin", "least_loaded")
+CHUNK_OVERHEAD_S = 0.0225
+"""Extra seconds of every step that carries a prefill chunk. Calibrated (not derived) so that
+vLLM with chunked prefill spends 1.90x Mooncake's prefill GPU time per request on the
+conversation trace, as in [F] Fig.8; see docs/sim.md."""
+Work = list[tuple[SimRequest, int]]
+
+
+@dataclass(frozen=True, slots=True)
+class VllmConfig:
+    """Documented vLLM v0.5.1 behaviour the baseline models; `VllmConfig.off()` is the plain
+    one-prompt-at-a-time model."""
+
+    batch_prefills: bool = True
+    """Several waiting prompts share one prefill step (default scheduler) or one chunk budget
+    (chunked prefill), as vLLM's scheduler fills its token budget from the waiting queue."""
+    max_num_batched_tokens: int = 131_072
+    """Token budget of one prefill step without chunked prefill: vLLM's default
+    max(max_model_len, 2048), with max_model_len 128k to serve the trace's 126k prompts."""
+    max_num_seqs: int = 256
+    """vLLM's default limit on sequences in one step."""
+    chunk_overhead_s: float = CHUNK_OVERHEAD_S
+    """Fixed cost of every step that carries prefill chunks (chunked prefill only): mixed
+    steps run eagerly (CUDA graphs cover decode-only batches) with less efficient kernels."""
+    shared_vram_cache: bool = True
+    """The prefix cache holds only blocks that the KV of running requests leaves free."""
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
+            raise ConfigError(
+                f"max_num_batched_tokens and max_num_seqs must be > 0, got "
+                f"{self.max_num_batched_tokens}, {self.max_num_seqs}")
+        if self.chunk_overhead_s < 0:
+            raise ConfigError(f"chunk_overhead_s must be >= 0, got {self.chunk_overhead_s}")
+
+    @classmethod
+    def off(cls) -> VllmConfig:
+        return cls(batch_prefills=False, chunk_overhead_s=0.0, shared_vram_cache=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +78,7 @@ class ColocatedConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     dispatch: str = "round_robin"
     block_size: int = 512
+    vllm: VllmConfig = field(default_factory=VllmConfig)
 
     def __post_init__(self) -> None:
         if self.num_instances <= 0:
@@ -46,65 +89,134 @@ class ColocatedConfig:
 
 class ColocatedEngine(BatchEngine):
     def __init__(self, engine_id: int, cost: CostModel, config: EngineConfig, loop: EventLoop,
-                 on_finish: Hook, block_size: int) -> None:
+                 on_finish: Hook, block_size: int, vllm: VllmConfig | None = None) -> None:
         super().__init__(engine_id, cost, config, loop, on_finish)
         self.block_size = block_size
+        self.vllm = vllm or VllmConfig()
         self.cache = (BlockCache(config.prefix_cache_blocks, "lru")
                       if config.prefix_cache_blocks else None)
-        self._current: SimRequest | None = None
+        self._prefilling: list[SimRequest] = []
+        """Prompts started and not yet fully computed (chunked prefill), in order."""
 
-    def _next_prefill(self) -> tuple[SimRequest, int] | None:
-        sr = self._current or self._start_prompt()
-        if sr is None:
-            return None
-        self._current = sr
-        left = sr.req.input_len - sr.prefilled_tokens
-        if not self.config.chunk_tokens:
-            return sr, left
-        return sr, min(left, max(1, self.config.chunk_tokens - len(self.running)))
+    # ---- choosing the prefill work of the next step
+    def _next_prefill(self) -> Work:
+        if self.config.chunk_tokens:
+            return self._chunk_work()
+        if self._prefilling:  # cannot happen without chunking; kept for safety
+            sr = self._prefilling[0]
+            return [(sr, sr.req.input_len - sr.prefilled_tokens)]
+        return self._whole_work()
 
-    def _start_prompt(self) -> SimRequest | None:
-        if not self.prefill_queue:
-            return None
-        sr = self.prefill_queue[0]
+    def _whole_work(self) -> Work:
+        work: Work = []
+        tokens = pending = 0
+        while self.prefill_queue:
+            sr = self.prefill_queue[0]
+            if work and not self._fits_batch(len(work), tokens + sr.req.input_len):
+                break
+            if not self._kv_fits(sr, pending, bool(work)):
+                break
+            self._start_prompt()
+            work.append((sr, sr.req.input_len - sr.prefilled_tokens))
+            tokens += sr.req.input_len
+            pending += sr.req.input_len + sr.req.output_len
+        return work
+
+    def _fits_batch(self, num_prompts: int, tokens: int) -> bool:
+        v = self.vllm
+        return (v.batch_prefills and tokens <= v.max_num_batched_tokens
+                and len(self.running) + num_prompts < v.max_num_seqs)
+
+    def _chunk_work(self) -> Work:
+        budget = max(1, self.config.chunk_tokens - len(self.running))
+        work: Work = []
+        pending = sum(s.req.input_len + s.req.output_len for s in self._prefilling)
+        for sr in self._prefilling:
+            if budget <= 0 or (work and not self.vllm.batch_prefills):
+                return work
+            take = min(budget, sr.req.input_len - sr.prefilled_tokens)
+            work.append((sr, take))
+            budget -= take
+        while budget > 0 and self.prefill_queue and (self.vllm.batch_prefills or not work):
+            sr = self.prefill_queue[0]
+            if not self._kv_fits(sr, pending, bool(work or self._prefilling)):
+                break
+            self._start_prompt()
+            take = min(budget, sr.req.input_len - sr.prefilled_tokens)
+            work.append((sr, take))
+            budget -= take
+            pending += sr.req.input_len + sr.req.output_len
+        return work
+
+    def _kv_fits(self, sr: SimRequest, pending: int, others: bool) -> bool:
         need = sr.req.input_len + sr.req.output_len
-        if self.running and self.kv_reserved + need > self.config.kv_capacity_tokens:
-            return None
-        self.prefill_queue.popleft()
+        if not (self.running or others):
+            return True
+        return self.kv_reserved + pending + need <= self.config.kv_capacity_tokens
+
+    def _start_prompt(self) -> SimRequest:
+        sr = self.prefill_queue.popleft()
         blocks = self.cache.prefix_blocks(sr.req.block_hashes) if self.cache else 0
         sr.prefix_len = min(blocks * self.block_size, sr.req.input_len)
         sr.prefilled_tokens = sr.reused_tokens = sr.prefix_len
+        self._prefilling.append(sr)
         return sr
 
-    def _prefill_step_s(self, sr: SimRequest, tokens: int) -> float:
+    # ---- cost of a step
+    def _prefill_step_s(self, work: Work) -> float:
+        parts = [self._compute_s(sr, tokens) for sr, tokens in work]
+        compute = sum(parts)
+        if not self.config.chunk_tokens:
+            # one step: the fixed cost is paid once, shared by the prompts of the batch
+            base = self.cost.prefill_base_s
+            compute -= base * (len(work) - 1)
+            for (sr, _), part in zip(work, parts, strict=True):
+                sr.prefill_gpu_s += part - base + base / len(work)
+            self._stall = True
+            return compute
+        overhead = self.vllm.chunk_overhead_s
+        total_tokens = sum(t for _, t in work) or 1
+        for (sr, tokens), part in zip(work, parts, strict=True):
+            sr.prefill_gpu_s += part + overhead * tokens / total_tokens
+        step = compute + overhead
+        if self.running:
+            step += self.cost.decode_step_s(len(self.running), self.context_tokens)
+        return step
+
+    def _compute_s(self, sr: SimRequest, tokens: int) -> float:
         start = sr.prefilled_tokens
         compute = self.cost.prefill_s(start + tokens, start)
         if start != sr.prefix_len:
             compute -= self.cost.prefill_base_s  # the fixed cost is paid once per prompt
-        sr.prefill_gpu_s += compute
-        if not self.config.chunk_tokens:
-            self._stall = True
-            return compute
-        if not self.running:
-            return compute
-        return compute + self.cost.decode_step_s(len(self.running), self.context_tokens)
+        return compute
 
-    def _finish_chunk(self, now: float) -> None:
-        if self._chunk is None:
-            return
-        sr, tokens = self._chunk
-        sr.prefilled_tokens += tokens
-        if sr.prefilled_tokens < sr.req.input_len:
-            return
-        self._current = None
+    # ---- end of a step
+    def _finish_prefill(self, now: float) -> None:
+        for sr, tokens in self._work:
+            sr.prefilled_tokens += tokens
+            if sr.prefilled_tokens >= sr.req.input_len:
+                self._prefilling.remove(sr)
+                self._first_token(sr, now)
+
+    def _first_token(self, sr: SimRequest, now: float) -> None:
         sr.first_token_s = now
         if self.cache is not None:
+            self._fit_cache()
             self.cache.access(sr.req.block_hashes)
         if sr.req.output_len <= 1:
             sr.finish_s = now
             self.on_finish(sr, now)
         else:
             self.waiting.append(sr)
+
+    def _fit_cache(self) -> None:
+        """Shrink the prefix cache to the VRAM the running requests' KV leaves free."""
+        assert self.cache is not None
+        total = self.config.prefix_cache_blocks
+        if not self.vllm.shared_vram_cache:
+            return
+        in_use = -(-self.kv_reserved // self.block_size)
+        self.cache.resize(max(1, total - in_use))
 
 
 class ColocatedSim:
@@ -115,7 +227,8 @@ class ColocatedSim:
         self.ttft_slo_s, self.tbt_slo_s = ttft_slo_s, tbt_slo_s
         self.loop = EventLoop()
         self.instances = [ColocatedEngine(i, cost, cfg.engine, self.loop, self._finished,
-                                          cfg.block_size) for i in range(cfg.num_instances)]
+                                          cfg.block_size, cfg.vllm)
+                          for i in range(cfg.num_instances)]
         self._rr = 0
 
     def run(self, requests: Sequence[TraceRequest], progress: bool = False) -> SimResult:

@@ -70,7 +70,8 @@ class BatchEngine:
         self._seg_start = 0.0
         self._dt = 0.0
         self._wake_k = 0
-        self._chunk: tuple[SimRequest, int] | None = None
+        self._work: list[tuple[SimRequest, int]] = []
+        """Prefill work of the current step: (request, prompt tokens) pairs."""
         self._stall = False
         """The current step is a whole prefill: running requests get no token from it."""
         self._version = 0
@@ -126,7 +127,7 @@ class BatchEngine:
         self.seg_dt.append(self._dt)
         self.seg_k.append(decoded)
         self.steps_done += decoded
-        self._finish_chunk(now)
+        self._finish_prefill(now)
         while self._finish_heap and self._finish_heap[0][0] <= self.steps_done:
             _, rid = heapq.heappop(self._finish_heap)
             self._finish(self.running.pop(rid), now)
@@ -176,11 +177,11 @@ class BatchEngine:
 
     def _plan(self, now: float) -> None:
         self._seg_start = now
-        self._chunk = self._next_prefill()
+        self._work = self._next_prefill()
         self._stall = False
-        if self._chunk is not None:
+        if self._work:
             self.busy = True
-            self._dt = self._prefill_step_s(*self._chunk)
+            self._dt = self._prefill_step_s(self._work)
             self._schedule(now + self._dt, 1)
         elif self.running:
             self.busy = True
@@ -192,13 +193,13 @@ class BatchEngine:
             self._version += 1
 
     # ---- prefill work (colocated baseline); overridden in colocated.py
-    def _next_prefill(self) -> tuple[SimRequest, int] | None:
-        return None
+    def _next_prefill(self) -> list[tuple[SimRequest, int]]:
+        return []
 
-    def _prefill_step_s(self, sr: SimRequest, tokens: int) -> float:
+    def _prefill_step_s(self, work: list[tuple[SimRequest, int]]) -> float:
         raise NotImplementedError
 
-    def _finish_chunk(self, now: float) -> None:
+    def _finish_prefill(self, now: float) -> None:
         return None
 
     def check_integrity(self) -> None:
