@@ -32,6 +32,10 @@ def start_workers(cluster: Cluster, num: int, num_ops: int,
              for w in range(num)]
     for p in procs:
         assert p.stdout is not None and p.stdout.readline().strip() == b"ready"
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write(b"go\n")
+        p.stdin.flush()
     return procs
 
 
@@ -116,14 +120,19 @@ def test_kill_store_node_replicated_survive_unreplicated_vanish() -> None:
 
 def test_kill_store_node_mid_workload() -> None:
     with store_cluster(2, "64MiB", "--client_ttl", "1") as cluster:
-        procs = start_workers(cluster, 3, 400, 2)
-        time.sleep(1.5)
+        procs = start_workers(cluster, 3, 1000, 2)
+        time.sleep(0.5)
+        assert all(p.poll() is None for p in procs), "workers finished before the kill"
         cluster.nodes[0].send_signal(signal.SIGKILL)
         results = collect(procs)
         acked: dict[str, int] = {}
+        failed_puts = 0
         for r in results:
             assert r["stats"]["bad_reads"] == 0
             acked.update(r["acked"])
+            failed_puts += sum(n for c, n in r["codes"].items()
+                               if c.startswith("put:") and c != "put:OK")
+        assert failed_puts > 0, "the kill did not land during the workload"
         cluster.wait_segments(1, timeout_s=10)
         verify_all(cluster, acked)
         cluster.check_integrity()

@@ -23,6 +23,7 @@ def main(argv: list[str]) -> None:
     with StoreClient(ClientConfig(master=master, local_buffer_size=4 << 20,
                                   transfer_timeout_s=3.0)) as store:
         print("ready", flush=True)
+        sys.stdin.readline()  # "go": every worker starts at once
         for n in range(num_ops):
             op = rng.random()
             if op < 0.4 or not acked:
