@@ -100,6 +100,30 @@ def store_calls():
     record("close", [store.close(), store.health_check()])
 
 
+def tensor_calls():
+    import torch
+
+    store = MooncakeDistributedStore()
+    store.setup("127.0.0.1", "P2PHANDSHAKE", 64 * 1024 * 1024, 16 * 1024 * 1024, "tcp", "",
+                os.environ["MOONCAKE_MASTER"])
+    kv = torch.arange(2 * 32 * 2 * 16, dtype=torch.float32).reshape(2, 32, 2, 16).half()
+    record("tensor_put", [store.put_tensor("t1", kv), store.put_tensor("t1", kv * 2)])
+    got = store.get_tensor("t1")
+    record("tensor_get", [got is not None and bool(torch.equal(got, kv)),
+                          str(got.dtype), list(got.shape), store.get_tensor("missing") is None])
+    record("tensor_batch_put", store.batch_put_tensor(["t2", "t3"], [kv[0], kv[1].float()]))
+    got = store.batch_get_tensor(["t2", "missing", "t3"])
+    record("tensor_batch_get", [bool(torch.equal(got[0], kv[0])), got[1] is None,
+                                bool(torch.equal(got[2], kv[1].float()))])
+    buf = torch.zeros(1 << 16, dtype=torch.uint8)
+    record("tensor_register", store.register_buffer(buf.data_ptr(), buf.numel()))
+    into = store.get_tensor_into("t1", buf.data_ptr(), buf.numel())
+    record("tensor_get_into", [into is not None and bool(torch.equal(into, kv)),
+                               store.get_tensor_into("missing", buf.data_ptr(), 1 << 16) is None])
+    record("tensor_remove_all", store.remove_all(True))
+    store.close()
+
+
 def engine_calls():
     a, b = TransferEngine(), TransferEngine()
     record("te_init", [a.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", ""),
@@ -123,6 +147,7 @@ def engine_calls():
 
 
 store_calls()
+tensor_calls()
 engine_calls()
 record("implementation", MooncakeDistributedStore.__module__.split(".")[0])
 sys.stdout.write("RESULT " + json.dumps(out, sort_keys=True) + "\n")

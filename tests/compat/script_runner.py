@@ -29,6 +29,9 @@ MOONCAKE_RESULTS = {
     "te_bytes_equal": True, "te_empty": 0, "te_init": [0, 0], "te_mismatch": -1,
     "te_probe": [0, True], "te_read": 0, "te_register": [0, 0, -7], "te_unregister": [0, -3],
     "te_write": 0, "unregister": [0, -600], "upsert": [0, "xx"],
+    "tensor_put": [0, 0], "tensor_get": [True, "torch.float16", [2, 32, 2, 16], True],
+    "tensor_batch_put": [0, 0], "tensor_batch_get": [True, True, True], "tensor_register": 0,
+    "tensor_get_into": [True, True], "tensor_remove_all": 3,
 }
 """What the real wheel printed (recorded once; the differential test checks it live)."""
 
