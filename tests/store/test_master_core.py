@@ -186,9 +186,13 @@ def test_bad_input_gets_invalid_params(core: MasterCore) -> None:
     core.check_integrity()
 
 
-def test_more_replicas_than_segments_is_no_space(core: MasterCore) -> None:
+def test_impossible_placement_is_no_space_and_evicts_nothing(core: MasterCore) -> None:
+    for i in range(60):
+        assert put(core, f"k{i}", KIB) == E.OK
     assert core.put_start("w", ["k"], [64], ReplicateConfig(replica_num=3))[0].code \
         == E.NO_AVAILABLE_HANDLE
+    assert core.put_start("w", ["big"], [65 * KIB])[0].code == E.NO_AVAILABLE_HANDLE
+    assert len(core.objects) == 60 and core.stats.evicted_objects == 0
 
 
 def test_remove_all_and_regex(core: MasterCore) -> None:

@@ -167,8 +167,8 @@ class MasterCore:
         if key in self.pending or (not upsert and key in self.objects):
             return PutStartResult(E.OBJECT_ALREADY_EXISTS)
         replicas = self._try_allocate(size, config.replica_num, preferred)
-        if replicas is None and self.evict(max(self._eviction_target(),
-                                               size * config.replica_num)):
+        if replicas is None and self._eviction_could_help(size, config.replica_num) \
+                and self.evict(max(self._eviction_target(), size * config.replica_num)):
             replicas = self._try_allocate(size, config.replica_num, preferred)
         if replicas is None:
             self.stats.no_space += 1
@@ -205,6 +205,13 @@ class MasterCore:
             replicas.append(Replica(seg, offset, size))
             self._used += seg.allocator.rounded(size)
         return replicas
+
+    def _eviction_could_help(self, size: int, count: int) -> bool:
+        """Whether enough segments are large enough at all: never evict for a placement
+        that no amount of freeing can satisfy (e.g. more replicas than segments)."""
+        big_enough = sum(1 for s in self.segments.values()
+                         if s.capacity >= s.allocator.rounded(size))
+        return big_enough >= count
 
     def _segment_list(self) -> list[Segment]:
         if self._segments_cache is None:
