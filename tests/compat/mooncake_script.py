@@ -124,6 +124,27 @@ def tensor_calls():
     store.close()
 
 
+def edge_calls():
+    store = MooncakeDistributedStore()
+    store.setup("127.0.0.1", "P2PHANDSHAKE", 32 * 1024 * 1024, 16 * 1024 * 1024, "tcp", "",
+                os.environ["MOONCAKE_MASTER"])
+    raw, ptr = buffer(4096, 9)
+    record("edge_register_empty", [store.register_buffer(ptr, 0), store.register_buffer(ptr, 4096)])
+    record("edge_duplicate_keys_in_batch", store.batch_put_from(["d", "d"], [ptr, ptr + 10],
+                                                                [10, 10]))
+    record("edge_duplicate_stored_once", store.get_size("d"))
+    record("edge_get_into_zero", store.get_into("d", ptr + 100, 0))
+    config = ReplicateConfig()
+    config.replica_num = 0
+    record("edge_zero_replicas", store.put("r0", b"abc", config))
+    record("edge_empty_batches", [store.batch_remove([]), store.put_batch([], []),
+                                  store.batch_put_from([], [], []), store.batch_is_exist([]),
+                                  store.batch_get_into([], [], [])])
+    record("edge_regex_everything", [store.put("q1", b"1"), store.remove_by_regex(".*", True),
+                                     store.get_size("q1"), store.remove_all(True)])
+    store.close()
+
+
 def engine_calls():
     a, b = TransferEngine(), TransferEngine()
     record("te_init", [a.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", ""),
@@ -148,6 +169,7 @@ def engine_calls():
 
 store_calls()
 tensor_calls()
+edge_calls()
 engine_calls()
 record("implementation", MooncakeDistributedStore.__module__.split(".")[0])
 sys.stdout.write("RESULT " + json.dumps(out, sort_keys=True) + "\n")

@@ -32,6 +32,9 @@ MOONCAKE_RESULTS = {
     "tensor_put": [0, 0], "tensor_get": [True, "torch.float16", [2, 32, 2, 16], True],
     "tensor_batch_put": [0, 0], "tensor_batch_get": [True, True, True], "tensor_register": 0,
     "tensor_get_into": [True, True], "tensor_remove_all": 3,
+    "edge_register_empty": [-600, 0], "edge_duplicate_keys_in_batch": [0, 0],
+    "edge_duplicate_stored_once": 10, "edge_get_into_zero": -600, "edge_zero_replicas": -600,
+    "edge_empty_batches": [[], 0, [], [], []], "edge_regex_everything": [0, 2, -704, 0],
 }
 """What the real wheel printed (recorded once; the differential test checks it live)."""
 
