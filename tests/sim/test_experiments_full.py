@@ -39,14 +39,24 @@ def test_capacity_mooncake_beats_every_baseline_most_at_100ms() -> None:
     assert ratios["vllm_prefix"] < ratios["vllm"] and min(ratios.values()) == 1.0
 
 
-def test_overload_order_in_the_decode_bound_regime() -> None:
+def test_overload_order_in_the_balanced_regime() -> None:
     table = rows("overload")
-    a_like = [pick(table, decode_model="a_like_decode", admission=a)["rejected"]
-              for a in ("none", "early_rejection", "early_rejection_predicted")]
-    assert a_like[0] > a_like[1] > a_like[2]
-    assert pick(table, decode_model="a_like_decode", admission="none")["rejected_decode"] > 0
-    calibrated = {r["rejected"] for r in table if r["decode_model"] == "calibrated"}
-    assert len(calibrated) == 1
+    balanced = [pick(table, regime="balanced", admission=a)["rejected"]
+                for a in ("none", "early_rejection", "early_rejection_predicted")]
+    assert balanced[0] > balanced[1] > balanced[2]
+    assert pick(table, regime="balanced", admission="none")["rejected_decode"] > 0
+    assert pick(table, regime="balanced", admission="none")["decode_factor"] > 2
+    for name in ("calibrated", "matched"):  # decode never binds: the policies agree
+        assert len({r["rejected"] for r in table if r["regime"] == name}) == 1
+        assert all(r["rejected_decode"] == 0 for r in table if r["regime"] == name)
+    matched = pick(table, regime="matched", admission="none")
+    assert 2.0 < matched["speed"] < 2.1 and matched["tbt_slo_ms"] == pytest.approx(133.2, abs=0.1)
+
+
+def test_capacity_chunked_prefill_time_ratio_is_calibrated_to_the_paper() -> None:
+    table = rows("capacity")
+    chunked = pick(table, system="vllm_chunked", tbt_threshold_ms=100)
+    assert chunked["prefill_ratio"] == pytest.approx(1.90, abs=0.02)
 
 
 def test_global_pool_beats_local_caches() -> None:
