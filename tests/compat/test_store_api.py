@@ -229,3 +229,27 @@ def test_preferred_segment_is_the_callers_hostname(make_store: StoreFactory) -> 
             (desc,) = store.get_replica_desc(f"local-{store.get_hostname()}-{i}")
             endpoint = desc.get_memory_descriptor().buffer_descriptor.transport_endpoint
             assert endpoint == store.get_hostname()
+
+
+def test_host_mem_allocator_backs_registered_tensors(store: MooncakeDistributedStore) -> None:
+    """SGLang's MooncakeHostTensorAllocator: alloc an address, view it as a tensor, register."""
+    import ctypes
+
+    import torch
+
+    from kvpool.compat.mooncake.store import MooncakeHostMemAllocator
+
+    allocator = MooncakeHostMemAllocator()
+    ptr = allocator.alloc(1 << 16)
+    assert ptr != 0 and ptr % 4096 == 0
+    assert allocator.alloc(0) == 0
+    tensor = torch.frombuffer((ctypes.c_byte * (1 << 16)).from_address(ptr), dtype=torch.uint8)
+    tensor[:] = torch.arange(1 << 16, dtype=torch.int32).to(torch.uint8)
+    assert store.register_buffer(ptr, 1 << 16) == 0
+    assert store.put_from("host", ptr, 1000) == 0
+    assert store.get_into("host", ptr + 5000, 1000) == 1000
+    assert torch.equal(tensor[5000:6000], tensor[:1000])
+    assert store.unregister_buffer(ptr) == 0
+    del tensor
+    assert allocator.free(ptr) == 0
+    assert allocator.free(ptr) == -1

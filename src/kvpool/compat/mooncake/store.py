@@ -26,6 +26,7 @@ from kvpool.compat.mooncake.types import (
     Descriptor,
     DiskDescriptor,
     MemoryDescriptor,
+    MooncakeHostMemAllocator,
     ObjectDataType,
     ReplicaDescriptor,
     ReplicaStatus,
@@ -38,7 +39,7 @@ E = ErrorCode
 
 __all__ = [
     "BufferHandle", "Descriptor", "DiskDescriptor", "MemoryDescriptor",
-    "MooncakeDistributedStore", "ObjectDataType", "ReplicaDescriptor", "ReplicaStatus",
+    "MooncakeDistributedStore", "MooncakeHostMemAllocator", "ObjectDataType", "ReplicaDescriptor", "ReplicaStatus",
     "ReplicateConfig", "SoftPinAction",
 ]
 

@@ -170,3 +170,35 @@ class ReplicaDescriptor:
     def __repr__(self) -> str:
         where = self._memory.buffer_descriptor if self._memory else self._disk
         return f"<ReplicaDescriptor {self.status.name} {where!r}>"
+
+
+class MooncakeHostMemAllocator:
+    """Page-aligned host memory by address (`alloc(size) -> ptr`, 0 on failure;
+    `free(ptr) -> 0 | -1`). The memory stays valid until freed or the allocator is dropped."""
+
+    def __init__(self) -> None:
+        self._blocks: dict[int, Any] = {}
+
+    def alloc(self, size: int, /) -> int:
+        if type(size) is not int or size <= 0:
+            return 0
+        import mmap
+
+        try:
+            block = mmap.mmap(-1, size)
+        except (OSError, ValueError, OverflowError):
+            return 0
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(block))
+        self._blocks[addr] = block
+        return addr
+
+    def free(self, ptr: int, /) -> int:
+        block = self._blocks.pop(ptr, None)
+        if block is None:
+            return -1
+        try:
+            block.close()
+        except BufferError:
+            self._blocks[ptr] = block  # still viewed by a live tensor; keep it mapped
+            return -1
+        return 0
