@@ -9,11 +9,12 @@ _BENCH_MODULES = (
     "kvpool.bench.transfer",
     "kvpool.bench.store",
     "kvpool.bench.conductor",
+    "kvpool.compat.bench",
 )
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("bench", help="run a benchmark (transfer, store, conductor)")
+    parser = subparsers.add_parser("bench", help="run a benchmark (transfer, store, conductor, mooncake-api)")
     bench_sub = parser.add_subparsers(dest="bench", metavar="BENCH")
     for name in _BENCH_MODULES:
         importlib.import_module(name).register(bench_sub)
