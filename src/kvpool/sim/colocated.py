@@ -160,6 +160,8 @@ class ColocatedEngine(BatchEngine):
         sr.prefix_len = min(blocks * self.block_size, sr.req.input_len)
         sr.prefilled_tokens = sr.reused_tokens = sr.prefix_len
         self._prefilling.append(sr)
+        held = sum(s.req.input_len + s.req.output_len for s in self._prefilling)
+        self.peak_kv_reserved = max(self.peak_kv_reserved, self.kv_reserved + held)
         return sr
 
     # ---- cost of a step
@@ -252,6 +254,13 @@ class ColocatedSim:
         inst = self.instances[self._rr % len(self.instances)]
         self._rr += 1
         return inst
+
+    def peak_kv_share(self) -> float:
+        """Highest share of an instance's VRAM KV capacity ever reserved. vLLM allocates KV as
+        tokens are produced, never more than this reservation, so below 1 its preemption by
+        recomputation (when blocks run out) cannot have happened."""
+        cap = self.config.engine.kv_capacity_tokens
+        return max(e.peak_kv_reserved for e in self.instances) / cap
 
     def _finished(self, sr: SimRequest, now: float) -> None:
         return None

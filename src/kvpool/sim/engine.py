@@ -76,6 +76,8 @@ class BatchEngine:
         """The current step is a whole prefill: running requests get no token from it."""
         self._version = 0
         self.prefill_gpu_s = 0.0
+        self.peak_kv_reserved = 0
+        """Most KV tokens ever reserved at once (input + output of the running requests)."""
 
     # ---- questions
     @property
@@ -170,6 +172,7 @@ class BatchEngine:
         sr.join_step = self.steps_done
         sr.finish_step = self.steps_done + max(1, sr.req.output_len - 1)
         self.kv_reserved += need
+        self.peak_kv_reserved = max(self.peak_kv_reserved, self.kv_reserved)
         self._in_sum += sr.req.input_len
         self._join_sum += self.steps_done
         self.running[sr.req.request_id] = sr
