@@ -27,7 +27,7 @@ from kvpool.units import format_size, parse_size
 Record = dict[str, Any]
 NODE_READY = "node-ready"
 LEASE_MS = 2000
-"""Read lease of both masters; short so memory of cleared phases is reused at once."""
+"""Default read lease of both masters: short, so memory of cleared phases is reused soon."""
 MOONCAKE_NODE = """
 import sys
 from mooncake.store import MooncakeDistributedStore
@@ -44,7 +44,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("store", help="KV store put/get throughput, kvpool vs Mooncake")
     p.add_argument("--sizes", default="4KiB,64KiB,1MiB,16MiB", help="object sizes")
     p.add_argument("--batch", type=int, default=32, help="keys per batched call")
-    p.add_argument("--phase-bytes", default="256MiB", help="bytes moved per measurement")
+    p.add_argument("--phase-bytes", default="128MiB", help="bytes moved per measurement")
+    p.add_argument("--lease-ms", type=int, default=LEASE_MS,
+                   help="read lease of both masters (cleared memory is reused after it)")
+    p.add_argument("--repeat", type=int, default=3, help="timed passes; the best is reported")
     p.add_argument("--max-ops", type=int, default=2000, help="cap on objects per measurement")
     p.add_argument("--dram", default="1GiB", help="memory of the store node")
     p.add_argument("--protocol", default="auto", choices=("auto", "tcp", "shm"),
@@ -66,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
             emit(record)
         return 0
     sizes = [parse_size(s) for s in args.sizes.split(",")]
-    systems: list[tuple[str, Callable[[ExitStack, int], Any]]] = [("kvpool", _kvpool_system)]
+    systems: list[tuple[str, Callable[[ExitStack, int, int], Any]]] = [
+        ("kvpool", _kvpool_system)]
     if not args.no_mooncake and _mooncake_available():
         systems.append(("mooncake", _mooncake_system))
     elif not args.no_mooncake:
@@ -74,9 +78,9 @@ def run(args: argparse.Namespace) -> int:
     results: list[Record] = []
     for name, factory in systems:
         with ExitStack() as stack:
-            system = factory(stack, parse_size(args.dram))
+            system = factory(stack, parse_size(args.dram), args.lease_ms)
             for record in _workload(name, system, sizes, args.batch,
-                                    parse_size(args.phase_bytes), args.max_ops):
+                                    parse_size(args.phase_bytes), args.max_ops, args.repeat):
                 results.append(record)
                 emit(record)
     if not args.json:
@@ -87,27 +91,38 @@ def run(args: argparse.Namespace) -> int:
 # -- workload ---------------------------------------------------------------------------------
 
 def _workload(name: str, system: Any, sizes: Sequence[int], batch: int, phase_bytes: int,
-              max_ops: int) -> Iterator[Record]:
+              max_ops: int, repeat: int) -> Iterator[Record]:
+    """For each size: one untimed warm pass, then `repeat` timed passes; the best pass of
+    each measurement is reported (this machine's load varies between passes)."""
     largest = max(sizes) * batch
     src = np.random.default_rng(0).integers(0, 255, largest, dtype=np.uint8)
     dst = np.zeros(largest, dtype=np.uint8)
     src_addr, dst_addr = system.register(src), system.register(dst)
     for size in sizes:
         count = max(1, min(max_ops, phase_bytes // size))
-        rounds = max(1, count // batch)
-        for timed in (False, True):  # an untimed pass first: both systems run warm
-            keys = [f"{name}-s{size}-{i}-{timed}" for i in range(count)]
-            records = list(_single(name, system, keys, size, src_addr, dst_addr))
-            assert np.array_equal(dst[:size], src[:size]), f"{name}: single get: wrong bytes"
-            system.clear()
-            groups = [[f"{name}-b{size}-{r}-{i}-{timed}" for i in range(batch)]
-                      for r in range(rounds)]
-            records += _batched(name, system, groups, size, src_addr, dst_addr)
-            assert np.array_equal(dst[:batch * size], src[:batch * size]), \
-                f"{name}: batched get returned wrong bytes"
-            system.clear()
-            if timed:
-                yield from records
+        best: dict[tuple[str, str], Record] = {}
+        for attempt in range(repeat + 1):
+            for rec in _pass(name, system, size, count, batch, src, dst, src_addr, dst_addr,
+                             attempt):
+                slot = (rec["op"], rec["mode"])
+                if attempt and (slot not in best or rec["ops_per_s"] > best[slot]["ops_per_s"]):
+                    best[slot] = rec | {"passes": repeat}
+        yield from best.values()
+
+
+def _pass(name: str, system: Any, size: int, count: int, batch: int, src: np.ndarray,
+          dst: np.ndarray, src_addr: int, dst_addr: int, attempt: int) -> list[Record]:
+    keys = [f"{name}-s{size}-{i}-{attempt}" for i in range(count)]
+    records = list(_single(name, system, keys, size, src_addr, dst_addr))
+    assert np.array_equal(dst[:size], src[:size]), f"{name}: single get returned wrong bytes"
+    system.clear()
+    groups = [[f"{name}-b{size}-{r}-{i}-{attempt}" for i in range(batch)]
+              for r in range(max(1, count // batch))]
+    records += _batched(name, system, groups, size, src_addr, dst_addr)
+    assert np.array_equal(dst[:batch * size], src[:batch * size]), \
+        f"{name}: batched get returned wrong bytes"
+    system.clear()
+    return records
 
 
 def _single(name: str, system: Any, keys: list[str], size: int, src: int,
@@ -149,8 +164,9 @@ def _record(system: str, op: str, mode: str, size: int, ops: int, seconds: float
 # -- kvpool -----------------------------------------------------------------------------------
 
 class _KvpoolAdapter:
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: Any, lease_ms: int) -> None:
         self.client = client
+        self.lease_ms = lease_ms
 
     def register(self, arr: np.ndarray) -> int:
         return int(self.client.register_buffer(arr).addr)
@@ -171,7 +187,7 @@ class _KvpoolAdapter:
 
     def clear(self) -> None:
         self.client.remove_all(force=True)
-        time.sleep(LEASE_MS / 1000 + 0.1)  # force-removed memory is reused once leases end
+        time.sleep(self.lease_ms / 1000 + 0.1)  # force-removed memory is reused once leases end
 
 
 def _check(code: int, key: str) -> None:
@@ -179,7 +195,7 @@ def _check(code: int, key: str) -> None:
         raise RuntimeError(f"operation on {key!r} failed with code {int(code)}")
 
 
-def _kvpool_system(stack: ExitStack, dram: int) -> _KvpoolAdapter:
+def _kvpool_system(stack: ExitStack, dram: int, lease_ms: int) -> _KvpoolAdapter:
     from kvpool.store.client import StoreClient
     from kvpool.store.client_config import ClientConfig
     from kvpool.store.rpc_client import RpcClient
@@ -187,7 +203,7 @@ def _kvpool_system(stack: ExitStack, dram: int) -> _KvpoolAdapter:
     stack.enter_context(_process([sys.executable, "-m", "kvpool", "master", "--rpc_port",
                                   str(rpc), "--metrics_port", str(admin),
                                   "--no-http-metadata", "--default_kv_lease_ttl",
-                                  str(LEASE_MS)]))
+                                  str(lease_ms)]))
     master = f"127.0.0.1:{rpc}"
     _wait_port(rpc)
     stack.enter_context(_process([sys.executable, "-m", "kvpool", "store-node", "--dram",
@@ -197,7 +213,7 @@ def _kvpool_system(stack: ExitStack, dram: int) -> _KvpoolAdapter:
         _wait_until(lambda: len(probe.call(Op.SEGMENTS)) == 1, "the store node to mount")
     client = StoreClient(ClientConfig(master=master, local_buffer_size=0))
     stack.callback(client.close)
-    return _KvpoolAdapter(client)
+    return _KvpoolAdapter(client, lease_ms)
 
 
 # -- Mooncake ---------------------------------------------------------------------------------
@@ -239,17 +255,17 @@ class _MooncakeAdapter(_KvpoolAdapter):
 
     def clear(self) -> None:
         self.client.remove_all(True)
-        time.sleep(LEASE_MS / 1000 + 0.1)
+        time.sleep(self.lease_ms / 1000 + 0.1)
 
 
-def _mooncake_system(stack: ExitStack, dram: int) -> _MooncakeAdapter:
+def _mooncake_system(stack: ExitStack, dram: int, lease_ms: int) -> _MooncakeAdapter:
     os.environ.setdefault("GLOG_minloglevel", "2")  # before the wheel initialises glog
     from mooncake.store import MooncakeDistributedStore
     rpc, admin = _free_port(), _free_port()
     binary = _mooncake_master_binary()
     assert binary is not None
     stack.enter_context(_process([binary, f"--rpc_port={rpc}", f"--metrics_port={admin}",
-                                  f"--default_kv_lease_ttl={LEASE_MS}"]))
+                                  f"--default_kv_lease_ttl={lease_ms}"]))
     _wait_port(rpc)
     master = f"127.0.0.1:{rpc}"
     node = stack.enter_context(_process([sys.executable, "-c", MOONCAKE_NODE, master,
@@ -264,7 +280,7 @@ def _mooncake_system(stack: ExitStack, dram: int) -> _MooncakeAdapter:
     if rc != 0:
         raise RuntimeError(f"MooncakeDistributedStore.setup failed: {rc}")
     stack.callback(client.close)
-    return _MooncakeAdapter(client)
+    return _MooncakeAdapter(client, lease_ms)
 
 
 # -- processes and output ---------------------------------------------------------------------

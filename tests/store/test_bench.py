@@ -1,0 +1,33 @@
+"""`kvpool bench store` runs end to end (tiny settings; numbers come from the real run)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.support.procs import python_env
+
+
+def run_bench(*args: str) -> list[dict]:  # type: ignore[type-arg]
+    out = subprocess.run([sys.executable, "-m", "kvpool", "bench", "store", "--json", *args],
+                         capture_output=True, env=python_env(), timeout=120, check=True)
+    return [json.loads(line) for line in out.stdout.decode().splitlines()]
+
+
+def test_bench_store_kvpool_only() -> None:
+    records = run_bench("--no-mooncake", "--sizes", "4KiB,64KiB", "--max-ops", "64",
+                        "--repeat", "1", "--dram", "64MiB", "--lease-ms", "100")
+    assert [(r["op"], r["mode"], r["size"]) for r in records] == [
+        (op, mode, size) for size in (4096, 65536)
+        for mode in ("single", "batch32") for op in ("put", "get")]
+    assert all(r["system"] == "kvpool" and r["ops_per_s"] > 0 for r in records)
+    assert [r["ops"] for r in records[:4]] == [64, 64, 64, 64]
+
+
+def test_bench_store_master_only() -> None:
+    records = run_bench("--master-only", "--seconds", "0.3", "--clients", "2")
+    systems = [r["system"] for r in records]
+    assert systems.count("master-service") == 10 and systems.count("master-rpc") == 11
+    assert {r["unit"] for r in records} == {"requests/s", "keys/s"}
+    assert all(r["rate"] > 0 for r in records)
