@@ -100,3 +100,37 @@ def test_cache_resize_evicts_down_by_policy() -> None:
     cache.check_integrity()
     with pytest.raises(InvalidArgument):
         cache.resize(0)
+
+
+def _preempt_run(tmp_path: Path, preempt: bool) -> tuple[ColocatedSim, list]:  # type: ignore[type-arg]
+    reqs = trace_of(tmp_path, [(0.0, 400, 300, [1]), (0.1, 400, 300, [2])])
+    cfg = ColocatedConfig(num_instances=1, engine=EngineConfig(kv_capacity_tokens=1000),
+                          vllm=replace(VllmConfig(), preempt_recompute=preempt))
+    sim = ColocatedSim(SIMPLE_COST, cfg)
+    sim.loop.after_each = lambda: sim.instances[0].check_integrity()
+    return sim, sim.run(reqs).records
+
+
+def test_full_vram_preempts_the_newest_request_and_recomputes_it(tmp_path: Path) -> None:
+    sim, (r0, r1) = _preempt_run(tmp_path, preempt=True)
+    # r0 prefills 0..0.4, r1 0.4..0.8 (both prompts fit: KV is allocated on demand). After
+    # 100 steps (1.8 s) the 1000-token VRAM is full: r1, the newest, is preempted with 100
+    # tokens decoded. r0 finishes its 199 remaining steps at 3.79; r1 recomputes 501 tokens
+    # (3.79 .. 4.291, its next token: a 2.491 s gap) and decodes the last 198 tokens.
+    assert sim.num_preempted() == 1 and r1.num_preempted == 1 and r0.num_preempted == 0
+    assert [r.ttft_s for r in (r0, r1)] == pytest.approx([0.4, 0.7])
+    assert [r.finish_s for r in (r0, r1)] == pytest.approx([3.79, 6.271])
+    # TBT: mean of the longest 30 of 299 gaps
+    assert r0.tbt_s == pytest.approx((0.41 + 29 * 0.01) / 30)
+    assert r1.tbt_s == pytest.approx((2.491 + 29 * 0.01) / 30)
+    assert r1.prefill_gpu_s == pytest.approx(0.901)  # the recomputation costs GPU time too
+    assert sim.peak_kv_share() == pytest.approx(1.0)
+
+
+def test_reserving_input_and_output_never_preempts(tmp_path: Path) -> None:
+    sim, (r0, r1) = _preempt_run(tmp_path, preempt=False)
+    # r1's 700 reserved tokens do not fit beside r0's 700: it waits until r0 ends at 3.39
+    assert sim.num_preempted() == 0
+    assert [r.ttft_s for r in (r0, r1)] == pytest.approx([0.4, 3.69])
+    assert [r.finish_s for r in (r0, r1)] == pytest.approx([3.39, 6.78])
+    assert sim.peak_kv_share() == pytest.approx(0.7)

@@ -11,13 +11,19 @@ marked with a `VllmConfig` field can be switched off):
   `chunk_overhead_s`;
 - prefix caching: the instance's own GPU cache (LRU) lets a prompt skip its cached leading
   blocks. Cached blocks live in the VRAM that running requests leave free
-  (`shared_vram_cache`). There is no cache sharing between instances.
+  (`shared_vram_cache`). There is no cache sharing between instances;
+- KV is allocated as tokens are produced; a prompt starts when its KV fits beside the running
+  requests' (1% watermark); when a decode step finds no free slot, the newest running request
+  is preempted by recomputation: its KV is dropped and it is prefilled again (prompt plus the
+  tokens it produced) ahead of the waiting prompts (`preempt_recompute`). Off: a request
+  reserves input + output tokens when it starts and is never preempted.
 Requests are dispatched round-robin (or to the instance with the fewest outstanding requests);
 there is no admission control: every request is served, however late.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -29,7 +35,7 @@ from kvpool.sim.cache import BlockCache
 from kvpool.sim.engine import BatchEngine, EngineConfig, Hook
 from kvpool.sim.events import EventLoop
 from kvpool.sim.metrics import SimResult
-from kvpool.sim.record import SimRequest
+from kvpool.sim.record import SimRequest, top_share_mean
 from kvpool.sim.trace import TraceRequest
 
 DISPATCH = ("round_robin", "least_loaded")
@@ -38,6 +44,11 @@ CHUNK_OVERHEAD_S = 0.0225
 vLLM with chunked prefill spends 1.90x Mooncake's prefill GPU time per request on the
 conversation trace, as in [F] Fig.8; see docs/sim.md."""
 Work = list[tuple[SimRequest, int]]
+
+
+def _prompt_len(sr: SimRequest) -> int:
+    """Tokens a prefill computes: the prompt, plus the produced tokens for a recomputation."""
+    return sr.req.input_len + (1 + sr.decoded if sr.num_preempted else 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +69,11 @@ class VllmConfig:
     steps run eagerly (CUDA graphs cover decode-only batches) with less efficient kernels."""
     shared_vram_cache: bool = True
     """The prefix cache holds only blocks that the KV of running requests leaves free."""
+    preempt_recompute: bool = True
+    """KV allocated on demand; the newest running request is preempted and recomputed when
+    a decode step finds no free slot (vLLM's default preemption mode for single sequences)."""
+    watermark: float = 0.01
+    """Share of the KV capacity a new prompt must leave free (vLLM's default watermark)."""
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
@@ -66,10 +82,13 @@ class VllmConfig:
                 f"{self.max_num_batched_tokens}, {self.max_num_seqs}")
         if self.chunk_overhead_s < 0:
             raise ConfigError(f"chunk_overhead_s must be >= 0, got {self.chunk_overhead_s}")
+        if not 0 <= self.watermark < 1:
+            raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
 
     @classmethod
     def off(cls) -> VllmConfig:
-        return cls(batch_prefills=False, chunk_overhead_s=0.0, shared_vram_cache=False)
+        return cls(batch_prefills=False, chunk_overhead_s=0.0, shared_vram_cache=False,
+                   preempt_recompute=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,6 +116,9 @@ class ColocatedEngine(BatchEngine):
                       if config.prefix_cache_blocks else None)
         self._prefilling: list[SimRequest] = []
         """Prompts started and not yet fully computed (chunked prefill), in order."""
+        self.num_preempted = 0
+        self.peak_kv_held = 0
+        """Most KV tokens held at once: allocated (preemption on) or reserved (off)."""
 
     # ---- choosing the prefill work of the next step
     def _next_prefill(self) -> Work:
@@ -112,14 +134,14 @@ class ColocatedEngine(BatchEngine):
         tokens = pending = 0
         while self.prefill_queue:
             sr = self.prefill_queue[0]
-            if work and not self._fits_batch(len(work), tokens + sr.req.input_len):
+            if work and not self._fits_batch(len(work), tokens + _prompt_len(sr)):
                 break
             if not self._kv_fits(sr, pending, bool(work)):
                 break
             self._start_prompt()
-            work.append((sr, sr.req.input_len - sr.prefilled_tokens))
-            tokens += sr.req.input_len
-            pending += sr.req.input_len + sr.req.output_len
+            work.append((sr, _prompt_len(sr) - sr.prefilled_tokens))
+            tokens += _prompt_len(sr)
+            pending += self._hold(sr)
         return work
 
     def _fits_batch(self, num_prompts: int, tokens: int) -> bool:
@@ -128,13 +150,15 @@ class ColocatedEngine(BatchEngine):
                 and len(self.running) + num_prompts < v.max_num_seqs)
 
     def _chunk_work(self) -> Work:
+        if self.running:
+            self._make_room(self.loop.now)  # running decodes are scheduled first
         budget = max(1, self.config.chunk_tokens - len(self.running))
         work: Work = []
-        pending = sum(s.req.input_len + s.req.output_len for s in self._prefilling)
+        pending = sum(self._hold(s) for s in self._prefilling)
         for sr in self._prefilling:
             if budget <= 0 or (work and not self.vllm.batch_prefills):
                 return work
-            take = min(budget, sr.req.input_len - sr.prefilled_tokens)
+            take = min(budget, _prompt_len(sr) - sr.prefilled_tokens)
             work.append((sr, take))
             budget -= take
         while budget > 0 and self.prefill_queue and (self.vllm.batch_prefills or not work):
@@ -142,26 +166,87 @@ class ColocatedEngine(BatchEngine):
             if not self._kv_fits(sr, pending, bool(work or self._prefilling)):
                 break
             self._start_prompt()
-            take = min(budget, sr.req.input_len - sr.prefilled_tokens)
+            take = min(budget, _prompt_len(sr) - sr.prefilled_tokens)
             work.append((sr, take))
             budget -= take
-            pending += sr.req.input_len + sr.req.output_len
+            pending += self._hold(sr)
         return work
 
+    # ---- KV memory
+    def _hold(self, sr: SimRequest) -> int:
+        """KV tokens a starting prompt claims: its prompt (on demand) or input + output."""
+        if self.vllm.preempt_recompute:
+            return _prompt_len(sr)
+        return sr.req.input_len + sr.req.output_len
+
+    def _held(self) -> int:
+        """KV tokens held now by the running and the prefilling requests."""
+        if not self.vllm.preempt_recompute:
+            return self.kv_reserved
+        return self.context_tokens + sum(_prompt_len(s) for s in self._prefilling)
+
     def _kv_fits(self, sr: SimRequest, pending: int, others: bool) -> bool:
-        need = sr.req.input_len + sr.req.output_len
         if not (self.running or others):
             return True
-        return self.kv_reserved + pending + need <= self.config.kv_capacity_tokens
+        cap = self.config.kv_capacity_tokens
+        if self.vllm.preempt_recompute:
+            cap = int(cap * (1.0 - self.vllm.watermark))
+            return self._held() + pending + self._hold(sr) <= cap
+        return self.kv_reserved + pending + self._hold(sr) <= cap
+
+    def _admit(self, now: float) -> None:
+        if not self.vllm.preempt_recompute:
+            super()._admit(now)
+            return
+        while self.waiting:  # their KV was allocated when their prefill started
+            sr = self.waiting.popleft()
+            self._join(sr, now, sr.req.input_len + sr.req.output_len)
+        self.peak_kv_held = max(self.peak_kv_held, self._held())  # held grows until a boundary
+
+    def _make_room(self, now: float) -> None:
+        """Before a decode step: every running request needs one more KV slot."""
+        if not self.vllm.preempt_recompute:
+            return
+        cap = self.config.kv_capacity_tokens
+        while len(self.running) > 1 and self._held() + len(self.running) > cap:
+            self._preempt(max(self.running.values(),
+                              key=lambda s: (s.req.arrival_s, s.req.request_id)), now)
+        self.peak_kv_held = max(self.peak_kv_held, self._held() + len(self.running))
+
+    def _decode_steps(self) -> int:
+        steps = super()._decode_steps()
+        if not self.vllm.preempt_recompute:
+            return steps
+        free = self.config.kv_capacity_tokens - self._held()
+        return max(1, min(steps, free // len(self.running)))
+
+    def _preempt(self, sr: SimRequest, now: float) -> None:
+        """Drop `sr`'s KV; it is prefilled again (prompt + produced tokens) before any prompt."""
+        del self.running[sr.req.request_id]
+        self._finish_heap = [(f, rid) for f, rid in self._finish_heap
+                             if rid != sr.req.request_id]
+        heapq.heapify(self._finish_heap)
+        self._leave(sr)
+        gaps, trailing = self._residency_gaps(sr)
+        sr.prior_gaps.extend(gaps)
+        sr.last_token_s = now - trailing
+        sr.decoded += self.steps_done - sr.join_step
+        sr.num_preempted += 1
+        sr.prefilled_tokens = 0
+        self.num_preempted += 1
+        self.prefill_queue.appendleft(sr)
 
     def _start_prompt(self) -> SimRequest:
         sr = self.prefill_queue.popleft()
         blocks = self.cache.prefix_blocks(sr.req.block_hashes) if self.cache else 0
         sr.prefix_len = min(blocks * self.block_size, sr.req.input_len)
-        sr.prefilled_tokens = sr.reused_tokens = sr.prefix_len
+        sr.prefilled_tokens = sr.prefix_len
+        if not sr.num_preempted:
+            sr.reused_tokens = sr.prefix_len
         self._prefilling.append(sr)
-        held = sum(s.req.input_len + s.req.output_len for s in self._prefilling)
-        self.peak_kv_reserved = max(self.peak_kv_reserved, self.kv_reserved + held)
+        held = sum(self._hold(s) for s in self._prefilling)
+        base = self.kv_reserved if not self.vllm.preempt_recompute else self.context_tokens
+        self.peak_kv_held = max(self.peak_kv_held, base + held)
         return sr
 
     # ---- cost of a step
@@ -196,9 +281,12 @@ class ColocatedEngine(BatchEngine):
     def _finish_prefill(self, now: float) -> None:
         for sr, tokens in self._work:
             sr.prefilled_tokens += tokens
-            if sr.prefilled_tokens >= sr.req.input_len:
+            if sr.prefilled_tokens >= _prompt_len(sr):
                 self._prefilling.remove(sr)
-                self._first_token(sr, now)
+                if sr.num_preempted:
+                    self._recomputed(sr, now)
+                else:
+                    self._first_token(sr, now)
 
     def _first_token(self, sr: SimRequest, now: float) -> None:
         sr.first_token_s = now
@@ -210,6 +298,30 @@ class ColocatedEngine(BatchEngine):
             self.on_finish(sr, now)
         else:
             self.waiting.append(sr)
+
+    def _recomputed(self, sr: SimRequest, now: float) -> None:
+        """A preempted request's prefill again: it yields its next token and rejoins."""
+        assert sr.last_token_s is not None
+        sr.prior_gaps.append((now - sr.last_token_s, 1))
+        sr.last_token_s = now
+        sr.decoded += 1
+        if sr.decoded >= sr.req.output_len - 1:
+            assert sum(c for _, c in sr.prior_gaps) == sr.req.output_len - 1, sr
+            sr.finish_s = now
+            sr.tbt_s = top_share_mean(sr.prior_gaps)
+            self.on_finish(sr, now)
+        else:
+            self.waiting.append(sr)
+
+    def check_integrity(self) -> None:
+        if not self.vllm.preempt_recompute:
+            super().check_integrity()
+            return
+        assert len(self._finish_heap) == len(self.running)
+        held = sum(s.req.input_len + s.decoded + self.steps_done - s.join_step
+                   for s in self.running.values())
+        assert held == self.context_tokens
+        assert self._held() <= self.config.kv_capacity_tokens or len(self.running) <= 1
 
     def _fit_cache(self) -> None:
         """Shrink the prefix cache to the VRAM the running requests' KV leaves free."""
@@ -256,11 +368,13 @@ class ColocatedSim:
         return inst
 
     def peak_kv_share(self) -> float:
-        """Highest share of an instance's VRAM KV capacity ever reserved. vLLM allocates KV as
-        tokens are produced, never more than this reservation, so below 1 its preemption by
-        recomputation (when blocks run out) cannot have happened."""
+        """Highest share of an instance's VRAM KV capacity ever held (allocated on demand, or
+        reserved when preemption is off)."""
         cap = self.config.engine.kv_capacity_tokens
-        return max(e.peak_kv_reserved for e in self.instances) / cap
+        return max(e.peak_kv_held for e in self.instances) / cap
+
+    def num_preempted(self) -> int:
+        return sum(e.num_preempted for e in self.instances)
 
     def _finished(self, sr: SimRequest, now: float) -> None:
         return None

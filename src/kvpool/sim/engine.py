@@ -135,16 +135,25 @@ class BatchEngine:
             self._finish(self.running.pop(rid), now)
 
     def _finish(self, sr: SimRequest, now: float) -> None:
-        self._in_sum -= sr.req.input_len
-        self._join_sum -= sr.join_step
-        self.kv_reserved -= sr.req.input_len + sr.req.output_len
+        self._leave(sr)
         sr.finish_s = now
-        sr.tbt_s = top_share_mean(self._gaps(sr))
+        gaps = sr.prior_gaps + self._residency_gaps(sr)[0]
+        assert sum(c for _, c in gaps) == max(1, sr.req.output_len - 1), sr
+        sr.tbt_s = top_share_mean(gaps)
         self.on_finish(sr, now)
 
-    def _gaps(self, sr: SimRequest) -> list[tuple[float, int]]:
-        assert sr.first_token_s is not None
-        carry = sr.join_s - sr.first_token_s
+    def _leave(self, sr: SimRequest) -> None:
+        """Undo the bookkeeping of `_join` (the request is already out of `running`)."""
+        self._in_sum -= sr.req.input_len + sr.decoded
+        self._join_sum -= sr.join_step
+        self.kv_reserved -= sr.req.input_len + sr.req.output_len
+
+    def _residency_gaps(self, sr: SimRequest) -> tuple[list[tuple[float, int]], float]:
+        """Gaps between the tokens of the current residency, and the time since its last
+        token (the trailing steps in which it got none)."""
+        last = sr.first_token_s if sr.last_token_s is None else sr.last_token_s
+        assert last is not None
+        carry = sr.join_s - last
         gaps: list[tuple[float, int]] = []
         for dt, k in zip(self.seg_dt[sr.join_seg:], self.seg_k[sr.join_seg:], strict=True):
             if k == 0:
@@ -153,7 +162,7 @@ class BatchEngine:
             gaps.append((carry + dt, 1))
             gaps.append((dt, k - 1))
             carry = 0.0
-        return gaps
+        return gaps, carry
 
     def _admit(self, now: float) -> None:
         cap = self.config.kv_capacity_tokens
@@ -170,10 +179,10 @@ class BatchEngine:
         sr.join_s = now
         sr.join_seg = len(self.seg_dt)
         sr.join_step = self.steps_done
-        sr.finish_step = self.steps_done + max(1, sr.req.output_len - 1)
+        sr.finish_step = self.steps_done + max(1, sr.req.output_len - 1 - sr.decoded)
         self.kv_reserved += need
         self.peak_kv_reserved = max(self.peak_kv_reserved, self.kv_reserved)
-        self._in_sum += sr.req.input_len
+        self._in_sum += sr.req.input_len + sr.decoded
         self._join_sum += self.steps_done
         self.running[sr.req.request_id] = sr
         heapq.heappush(self._finish_heap, (sr.finish_step, sr.req.request_id))
@@ -187,15 +196,23 @@ class BatchEngine:
             self._dt = self._prefill_step_s(self._work)
             self._schedule(now + self._dt, 1)
         elif self.running:
+            self._make_room(now)
             self.busy = True
             self._dt = self.cost.decode_step_s(len(self.running), self.context_tokens)
-            k = self._finish_heap[0][0] - self.steps_done
+            k = self._decode_steps()
             self._schedule(now + k * self._dt, k)
         else:
             self.busy = False
             self._version += 1
 
-    # ---- prefill work (colocated baseline); overridden in colocated.py
+    def _decode_steps(self) -> int:
+        """Decode steps until the batch next changes by itself (the first finish)."""
+        return self._finish_heap[0][0] - self.steps_done
+
+    # ---- prefill work and preemption (colocated baseline); overridden in colocated.py
+    def _make_room(self, now: float) -> None:
+        return None
+
     def _next_prefill(self) -> list[tuple[SimRequest, int]]:
         return []
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvpool.sim.trace import TraceRequest
 
@@ -33,6 +33,14 @@ class SimRequest:
     finish_step: int = 0
     prefilled_tokens: int = 0
     prefix_len: int = 0
+    # preemption by recomputation (colocated vLLM baseline)
+    decoded: int = 0
+    """Tokens produced after the first one in earlier residencies (before a preemption)."""
+    num_preempted: int = 0
+    last_token_s: float | None = None
+    """Time of the last token before the current residency; None = the first token."""
+    prior_gaps: list[tuple[float, int]] = field(default_factory=list)
+    """Inter-token gaps of earlier residencies, as (gap, count) runs."""
 
     @property
     def ttft_s(self) -> float | None:

@@ -13,9 +13,9 @@ from kvpool.sim.experiments.common import ExperimentOptions, ExperimentResult, r
 
 ON = VllmConfig()
 SWITCHES: dict[str, tuple[str, ...]] = {
-    "vllm": ("batch_prefills",),
-    "vllm_prefix": ("batch_prefills", "shared_vram_cache"),
-    "vllm_chunked": ("batch_prefills", "chunk_overhead_s"),
+    "vllm": ("batch_prefills", "preempt_recompute"),
+    "vllm_prefix": ("batch_prefills", "shared_vram_cache", "preempt_recompute"),
+    "vllm_chunked": ("batch_prefills", "chunk_overhead_s", "preempt_recompute"),
 }
 
 
@@ -24,6 +24,8 @@ def _without(switch: str) -> VllmConfig:
         return replace(ON, chunk_overhead_s=0.0)
     if switch == "batch_prefills":
         return replace(ON, batch_prefills=False)
+    if switch == "preempt_recompute":
+        return replace(ON, preempt_recompute=False)
     return replace(ON, shared_vram_cache=False)
 
 
@@ -42,22 +44,25 @@ def run(opts: ExperimentOptions) -> ExperimentResult:
     for system, setting, vllm in runs(grid(), opts.progress, "capacity-ablation"):
         base = SYSTEMS[system]
         assert isinstance(base, ColocatedConfig)
-        res = ColocatedSim(opts.cost, replace(base, vllm=vllm)).run(reqs)
+        sim = ColocatedSim(opts.cost, replace(base, vllm=vllm))
+        res = sim.run(reqs)
         row: dict[str, Any] = {"system": system, "setting": setting}
         for th in THRESHOLDS_MS:
             row[f"effective_{th}ms"] = rnd(res.attainment(TTFT_LIMIT_S, th / 1000))
         row["mean_ttft_s"] = rnd(res.summary()["mean_ttft_s"])
         row["prefill_gpu_s"] = rnd(res.prefill_gpu_s())
+        row["preemptions"] = sim.num_preempted()
         rows.append(row)
     paper: dict[str, Any] = {"system": "paper", "setting": "best vLLM (eye)"}
     paper.update({f"effective_{t}ms": PAPER_EFFECTIVE["best_vllm"][t] for t in THRESHOLDS_MS})
-    rows.append(paper | {"mean_ttft_s": None, "prefill_gpu_s": None})
+    rows.append(paper | {"mean_ttft_s": None, "prefill_gpu_s": None, "preemptions": None})
     return ExperimentResult(
         "capacity-ablation", "vLLM v0.5.1 behaviours of the colocated baseline, one at a time",
         ["system", "setting", *[f"effective_{t}ms" for t in THRESHOLDS_MS], "mean_ttft_s",
-         "prefill_gpu_s"],
+         "prefill_gpu_s", "preemptions"],
         rows, notes=["'all off' is VllmConfig.off(): one prompt per step, no chunk overhead, "
-                     "a prefix cache beside (not inside) the running requests' VRAM."],
+                     "a prefix cache beside (not inside) the running requests' VRAM, input + "
+                     "output reserved at start and no preemption."],
         plot=lambda out: _plot(rows, out))
 
 

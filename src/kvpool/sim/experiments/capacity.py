@@ -45,7 +45,7 @@ SYSTEMS: dict[str, ColocatedConfig | None] = {
 def run(opts: ExperimentOptions) -> ExperimentResult:
     reqs = opts.requests()
     results: dict[str, SimResult] = {}
-    peak_kv: dict[str, float] = {}
+    peak_kv: dict[str, tuple[float, int]] = {}
     for name in runs(list(SYSTEMS), opts.progress, "capacity"):
         cfg = SYSTEMS[name]
         if cfg is None:
@@ -54,26 +54,26 @@ def run(opts: ExperimentOptions) -> ExperimentResult:
             continue
         sim = ColocatedSim(opts.cost, cfg)
         results[name] = sim.run(reqs)
-        peak_kv[name] = sim.peak_kv_share()
+        peak_kv[name] = (sim.peak_kv_share(), sim.num_preempted())
     rows = _rows(results, peak_kv)
     return ExperimentResult(
         "capacity", "Effective request capacity, 16 nodes: Mooncake 8P8D vs vLLM v0.5.1-like 16x "
         "colocated ([F] Fig.1, Fig.8)",
         ["system", "tbt_threshold_ms", "effective", "paper_effective", "gain_pct",
          "paper_gain_pct", "mean_ttft_s", "prefill_gpu_s", "prefill_ratio",
-         "paper_prefill_ratio", "peak_kv_share"],
+         "paper_prefill_ratio", "peak_kv_share", "preemptions"],
         rows,
         notes=["gain_pct: Mooncake over the best vLLM variant at that threshold.",
                "paper_effective for vLLM rows is the best baseline's share (eye).",
                "vllm_chunked's prefill_ratio is calibrated to the paper's 1.90 "
                "(colocated.CHUNK_OVERHEAD_S).",
-               "peak_kv_share: most VRAM KV ever reserved on one instance; below 1, vLLM's "
-               "preemption by recomputation cannot occur."],
+               "peak_kv_share: most VRAM KV held at once on one instance (KV allocated on "
+               "demand); preemptions: requests preempted by recomputation when it ran out."],
         plot=lambda out: _plot(rows, out))
 
 
 def _rows(results: dict[str, SimResult],
-          peak_kv: dict[str, float]) -> list[dict[str, Any]]:
+          peak_kv: dict[str, tuple[float, int]]) -> list[dict[str, Any]]:
     base_gpu = results["mooncake"].prefill_gpu_s()
     rows = []
     for th in THRESHOLDS_MS:
@@ -90,7 +90,8 @@ def _rows(results: dict[str, SimResult],
                 "prefill_gpu_s": rnd(res.prefill_gpu_s()),
                 "prefill_ratio": rnd(res.prefill_gpu_s() / base_gpu, 2),
                 "paper_prefill_ratio": PAPER_PREFILL_RATIO[name],
-                "peak_kv_share": rnd(peak_kv[name], 2) if name in peak_kv else None})
+                "peak_kv_share": rnd(peak_kv[name][0], 2) if name in peak_kv else None,
+                "preemptions": peak_kv[name][1] if name in peak_kv else None})
     return rows
 
 
