@@ -26,7 +26,7 @@ def test_trace_load_by_hand() -> None:
 
 def test_matched_speed_and_slos() -> None:
     load = regime.trace_load(REQS, SIMPLE_COST)
-    assert regime.matched_speed(load) == pytest.approx(2 * 23_608 * 182 / 3600 / 3.0)
+    assert regime.matched_speed(load) == pytest.approx(2 * 23_608 * 181 / 3600 / 3.0)
     assert regime.matched_slos(load, SIMPLE_COST) == pytest.approx((10.24, 0.05))
 
 

@@ -68,7 +68,8 @@ def trace_load(reqs: Sequence[TraceRequest], cost: CostModel, block_size: int = 
 
 def matched_speed(load: TraceLoad) -> float:
     """Replay speed-up at which the trace offers [A]'s decode token rate at 2x."""
-    paper_rate = PAPER_A_SPEED * PAPER_A_REQUESTS_PER_HOUR * PAPER_A_MEAN_OUTPUT / 3600.0
+    # decode steps make every token but the first, which comes from the prefill
+    paper_rate = PAPER_A_SPEED * PAPER_A_REQUESTS_PER_HOUR * (PAPER_A_MEAN_OUTPUT - 1) / 3600.0
     if load.output_tokens_per_s <= 0:
         raise InvalidArgument("the trace has no output tokens to match")
     return paper_rate / load.output_tokens_per_s
