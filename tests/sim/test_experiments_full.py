@@ -57,6 +57,21 @@ def test_capacity_chunked_prefill_time_ratio_is_calibrated_to_the_paper() -> Non
     table = rows("capacity")
     chunked = pick(table, system="vllm_chunked", tbt_threshold_ms=100)
     assert chunked["prefill_ratio"] == pytest.approx(1.90, abs=0.02)
+    # VRAM never binds at the trace's rate: no preemption, at most 40% of the KV capacity held
+    for r in table:
+        if r["system"] != "mooncake":
+            assert r["preemptions"] == 0 and r["peak_kv_share"] < 0.4
+
+
+def test_capacity_ablation_the_chunk_overhead_matters_most() -> None:
+    table = rows("capacity-ablation")
+    on = pick(table, system="vllm_chunked", setting="all on")
+    no_overhead = pick(table, system="vllm_chunked", setting="without chunk_overhead_s")
+    assert no_overhead["effective_100ms"] > on["effective_100ms"] + 0.2
+    for system in ("vllm", "vllm_prefix", "vllm_chunked"):
+        same = pick(table, system=system, setting="without preempt_recompute")
+        assert same == pick(table, system=system, setting="all on") | {
+            "setting": "without preempt_recompute"}
 
 
 def test_global_pool_beats_local_caches() -> None:
