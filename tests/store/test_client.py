@@ -80,6 +80,8 @@ def test_batches_and_bad_input(store: StoreClient) -> None:
                                           E.INVALID_PARAMS]
     assert store.batch_exists(["k0", "zz", "x" * 5000]) == [E.OK, E.OBJECT_NOT_FOUND,
                                                            E.INVALID_PARAMS]
+    assert [(s.code, s.size) for s in store.batch_size(["k1", "zz"])] == [
+        (E.OK, 101), (E.OBJECT_NOT_FOUND, 0)]
     assert [r.code for r in store.put_batch(["x", "y"], [b"1"])] == [E.INVALID_PARAMS] * 2
     assert store.put("", b"x").code == E.INVALID_PARAMS
     assert store.put("empty", b"").code == E.INVALID_PARAMS

@@ -9,6 +9,7 @@ from fastapi import FastAPI, HTTPException, Query, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvpool.store.master_core import MasterCore
+from kvpool.store.master_inspect import list_keys, object_info
 from kvpool.store.metrics import MasterMetrics
 
 
@@ -42,7 +43,7 @@ def create_admin_app(core: MasterCore, lock: threading.Lock,
     @app.get("/query_key")
     def query_key(key: str = Query(..., min_length=1, max_length=4096)) -> dict[str, Any]:
         with lock:
-            info = core.query(key)
+            info = object_info(core, key)
         if info is None:
             raise HTTPException(404, f"no object with key {key!r}")
         return {"key": info.key, "size": info.size, "leased": info.leased,
@@ -64,7 +65,7 @@ def create_admin_app(core: MasterCore, lock: threading.Lock,
     @app.get("/keys")
     def keys(prefix: str = "", limit: int = Query(1000, ge=1, le=100000)) -> dict[str, Any]:
         with lock:
-            found = core.keys(prefix, limit)
+            found = list_keys(core, prefix, limit)
         return {"prefix": prefix, "count": len(found), "keys": found}
 
     return app

@@ -87,6 +87,9 @@ class AsyncStoreClient:
     async def size(self, key: str) -> SizeResult:
         return await self._run(self.client.size, key)
 
+    async def batch_size(self, keys: Sequence[str]) -> list[SizeResult]:
+        return await self._run(self.client.batch_size, keys)
+
     async def replica_desc(self, key: str) -> LookupResult:
         return await self._run(self.client.replica_desc, key)
 

@@ -152,8 +152,11 @@ class StoreClient(ClientBase):
         return self._keyed(Op.EXISTS, keys)
 
     def size(self, key: str) -> SizeResult:
-        (look,) = self.replica_desc_batch([key])
-        return SizeResult(look.code, look.size)
+        return self.batch_size([key])[0]
+
+    def batch_size(self, keys: Sequence[str]) -> list[SizeResult]:
+        """Object sizes (a replica lookup: it grants a read lease, like Mooncake's)."""
+        return [SizeResult(look.code, look.size) for look in self.replica_desc_batch(keys)]
 
     def replica_desc(self, key: str) -> LookupResult:
         return self.replica_desc_batch([key])[0]

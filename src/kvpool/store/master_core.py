@@ -17,7 +17,6 @@ from kvpool.store.allocator import OffsetAllocator
 from kvpool.store.codes import (
     ErrorCode,
     LookupResult,
-    ObjectInfo,
     PutStartResult,
     ReplicaDesc,
     ReplicaState,
@@ -373,23 +372,6 @@ class MasterCore:
     @property
     def used_bytes(self) -> int:
         return self._used
-
-    def query(self, key: str) -> ObjectInfo | None:
-        obj = self.objects.get(key)
-        if obj is None:
-            return None
-        now = self.clock.now()
-        return ObjectInfo(key, obj.size, tuple(r.desc() for r in obj.replicas),
-                          obj.lease_until > now, obj.hard_pinned, obj.soft_pin_until > now)
-
-    def keys(self, prefix: str = "", limit: int = 1000) -> list[str]:
-        out = []
-        for key in self.objects:
-            if key.startswith(prefix):
-                out.append(key)
-                if len(out) >= limit:
-                    break
-        return out
 
     def segment_infos(self) -> list[SegmentInfo]:
         return [s.info() for s in self.segments.values()]
