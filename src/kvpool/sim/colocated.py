@@ -37,58 +37,18 @@ from kvpool.sim.events import EventLoop
 from kvpool.sim.metrics import SimResult
 from kvpool.sim.record import SimRequest, top_share_mean
 from kvpool.sim.trace import TraceRequest
+from kvpool.sim.vllm import CHUNK_OVERHEAD_S, VllmConfig
+
+__all__ = ["CHUNK_OVERHEAD_S", "ColocatedConfig", "ColocatedEngine", "ColocatedSim",
+           "VllmConfig"]
 
 DISPATCH = ("round_robin", "least_loaded")
-CHUNK_OVERHEAD_S = 0.0225
-"""Extra seconds of every step that carries a prefill chunk. Calibrated (not derived) so that
-vLLM with chunked prefill spends 1.90x Mooncake's prefill GPU time per request on the
-conversation trace, as in [F] Fig.8; see docs/sim.md."""
 Work = list[tuple[SimRequest, int]]
 
 
 def _prompt_len(sr: SimRequest) -> int:
     """Tokens a prefill computes: the prompt, plus the produced tokens for a recomputation."""
     return sr.req.input_len + (1 + sr.decoded if sr.num_preempted else 0)
-
-
-@dataclass(frozen=True, slots=True)
-class VllmConfig:
-    """Documented vLLM v0.5.1 behaviour the baseline models; `VllmConfig.off()` is the plain
-    one-prompt-at-a-time model."""
-
-    batch_prefills: bool = True
-    """Several waiting prompts share one prefill step (default scheduler) or one chunk budget
-    (chunked prefill), as vLLM's scheduler fills its token budget from the waiting queue."""
-    max_num_batched_tokens: int = 131_072
-    """Token budget of one prefill step without chunked prefill: vLLM's default
-    max(max_model_len, 2048), with max_model_len 128k to serve the trace's 126k prompts."""
-    max_num_seqs: int = 256
-    """vLLM's default limit on sequences in one step."""
-    chunk_overhead_s: float = CHUNK_OVERHEAD_S
-    """Fixed cost of every step that carries prefill chunks (chunked prefill only): mixed
-    steps run eagerly (CUDA graphs cover decode-only batches) with less efficient kernels."""
-    shared_vram_cache: bool = True
-    """The prefix cache holds only blocks that the KV of running requests leaves free."""
-    preempt_recompute: bool = True
-    """KV allocated on demand; the newest running request is preempted and recomputed when
-    a decode step finds no free slot (vLLM's default preemption mode for single sequences)."""
-    watermark: float = 0.01
-    """Share of the KV capacity a new prompt must leave free (vLLM's default watermark)."""
-
-    def __post_init__(self) -> None:
-        if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
-            raise ConfigError(
-                f"max_num_batched_tokens and max_num_seqs must be > 0, got "
-                f"{self.max_num_batched_tokens}, {self.max_num_seqs}")
-        if self.chunk_overhead_s < 0:
-            raise ConfigError(f"chunk_overhead_s must be >= 0, got {self.chunk_overhead_s}")
-        if not 0 <= self.watermark < 1:
-            raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
-
-    @classmethod
-    def off(cls) -> VllmConfig:
-        return cls(batch_prefills=False, chunk_overhead_s=0.0, shared_vram_cache=False,
-                   preempt_recompute=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,10 +84,7 @@ class ColocatedEngine(BatchEngine):
     def _next_prefill(self) -> Work:
         if self.config.chunk_tokens:
             return self._chunk_work()
-        if self._prefilling:  # cannot happen without chunking; kept for safety
-            sr = self._prefilling[0]
-            return [(sr, sr.req.input_len - sr.prefilled_tokens)]
-        return self._whole_work()
+        return self._whole_work()  # a whole-prompt step leaves nothing half done
 
     def _whole_work(self) -> Work:
         work: Work = []
