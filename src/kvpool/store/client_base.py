@@ -29,6 +29,9 @@ log = get_logger("store.client")
 Copy = tuple[int, int, int, str]  # local addr, remote addr, length, endpoint
 
 
+_PUT_OK = PutResult(ErrorCode.OK)
+
+
 class RpcFailed(Exception):
     def __init__(self, code: ErrorCode) -> None:
         self.code = code
@@ -178,10 +181,11 @@ class ClientBase:
                 results[i] = PutResult(E.OK, already_existed=True)
             elif code != 0:
                 results[i] = PutResult(ErrorCode(code))
+            elif len(parts[i]) == 1 and len(wire) == 1:  # the common case: one piece, one copy
+                copies[i] = [(parts[i][0][0], wire[0][2], size, wire[0][1])]
             else:
-                reps = [replica_from_wire(w) for w in wire]
-                copies[i] = [(a, r, n, rep.endpoint) for rep in reps
-                             for a, r, n in copies_for(parts[i], rep.addr, size)]
+                copies[i] = [(a, r, n, w[1]) for w in wire
+                             for a, r, n in copies_for(parts[i], w[2], size)]
         failed = self._run_copies(OpCode.WRITE, copies)
         ok = [i for i in copies if i not in failed]
         if failed:
@@ -190,7 +194,7 @@ class ClientBase:
                 results[i] = PutResult(E.TRANSFER_FAIL)
         if ok:
             for i, code in zip(ok, self._call(Op.PUT_END, [keys[i] for i in ok]), strict=True):
-                results[i] = PutResult(ErrorCode(code))
+                results[i] = _PUT_OK if code == 0 else PutResult(ErrorCode(code))
 
     def _lookup(self, keys: Sequence[str]) -> tuple[list[LookupResult], float]:
         """Replica lookups (granting read leases) and the time they were asked for."""

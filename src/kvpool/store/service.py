@@ -29,10 +29,14 @@ MAX_PREFERRED = 64
 MAX_PATTERN = 1024
 
 
+_TIERS = {int(t): t for t in Tier}
+_STATES = {int(s): s for s in ReplicaState}
+
+
 def replica_from_wire(w: list[Any]) -> ReplicaDesc:
     """Replicas travel as the ReplicaDesc tuple itself: [segment_id, endpoint, addr, size,
-    tier, state]."""
-    return ReplicaDesc(w[0], w[1], w[2], w[3], Tier(w[4]), ReplicaState(w[5]))
+    tier, state]. (Dict lookups: calling an IntEnum costs a microsecond per field.)"""
+    return tuple.__new__(ReplicaDesc, (w[0], w[1], w[2], w[3], _TIERS[w[4]], _STATES[w[5]]))
 
 
 class MasterService:
