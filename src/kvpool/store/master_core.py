@@ -172,8 +172,8 @@ class MasterCore:
         if replicas is None:
             self.stats.no_space += 1
             return PutStartResult(E.NO_AVAILABLE_HANDLE)
-        self.pending[key] = PendingPut(key, size, replicas, client_id, now, upsert,
-                                       config.with_hard_pin, config.with_soft_pin)
+        self.pending[key] = _new(PendingPut, (key, size, replicas, client_id, now, upsert,
+                                              config.with_hard_pin, config.with_soft_pin))
         descs = []
         for r in replicas:
             seg = r.segment
@@ -192,7 +192,7 @@ class MasterCore:
                 offset = seg.allocator.allocate(size)
                 if offset is not None:
                     self._used += seg.allocator.rounded(size)
-                    return [Replica(seg, offset, size)]
+                    return [_new(Replica, (seg, offset, size))]
             return None
         chosen = pick_segments(ordered, preferred, size, count)
         if len(chosen) < count:

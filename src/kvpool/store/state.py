@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvpool.store.allocator import OffsetAllocator
 from kvpool.store.codes import ReplicaDesc, ReplicaState, SegmentInfo, Tier
@@ -31,8 +32,9 @@ class Segment:
                            self.capacity, self.allocator.used_bytes, self.tier)
 
 
-@dataclass(eq=False, slots=True)
-class Replica:
+class Replica(NamedTuple):
+    """One allocated copy of an object (immutable; a tuple because puts make many)."""
+
     segment: Segment
     offset: int
     size: int
@@ -53,8 +55,9 @@ class StoredObject:
     soft_pin_until: float = 0.0
 
 
-@dataclass(eq=False, slots=True)
-class PendingPut:
+class PendingPut(NamedTuple):
+    """A put between start and end/revoke (immutable)."""
+
     key: str
     size: int
     replicas: list[Replica]
