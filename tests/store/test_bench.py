@@ -29,5 +29,6 @@ def test_bench_store_master_only() -> None:
     records = run_bench("--master-only", "--seconds", "0.3", "--clients", "2")
     systems = [r["system"] for r in records]
     assert systems.count("master-service") == 10 and systems.count("master-rpc") == 11
+    assert systems.count("zmq-echo") == 2
     assert {r["unit"] for r in records} == {"requests/s", "keys/s"}
     assert all(r["rate"] > 0 for r in records)

@@ -90,6 +90,7 @@ def _rpc_bench(seconds: float, num_clients: int) -> Iterator[dict[str, Any]]:
             yield from _run("master-rpc", client.call, seconds, "rpc")
         if num_clients > 1:
             yield _concurrent(f"127.0.0.1:{rpc}", num_clients, seconds)
+    yield from _zmq_floor(seconds, num_clients)
 
 
 _CLIENT = """
@@ -112,6 +113,43 @@ def client_loop(address: str, name: str, seconds: float) -> float:
             client.call(Op.GET_REPLICAS, key)
             n += 3
         return n / (time.perf_counter() - t0)
+
+
+_ECHO_SERVER = """
+import sys, zmq
+sock = zmq.Context().socket(zmq.ROUTER)
+sock.bind("tcp://127.0.0.1:" + sys.argv[1])
+while True:
+    sock.send_multipart(sock.recv_multipart())
+"""
+_ECHO_CLIENT = """
+import sys, time, zmq
+sock = zmq.Context().socket(zmq.DEALER)
+sock.connect("tcp://127.0.0.1:" + sys.argv[1])
+n, t0 = 0, time.perf_counter()
+while time.perf_counter() - t0 < float(sys.argv[2]):
+    sock.send(b"x" * 64)
+    sock.recv()
+    n += 1
+print(n / (time.perf_counter() - t0))
+"""
+
+
+def _zmq_floor(seconds: float, num_clients: int) -> Iterator[dict[str, Any]]:
+    """Round trips of a bare pyzmq ROUTER echo on this machine: the ceiling of any
+    request/reply over pyzmq here, for reading the master-rpc rates."""
+    from kvpool.bench.store import _free_port, _process, _wait_port
+    port = _free_port()
+    with _process([sys.executable, "-c", _ECHO_SERVER, str(port)]):
+        _wait_port(port)
+        for clients in sorted({1, num_clients}):
+            procs = [subprocess.Popen([sys.executable, "-c", _ECHO_CLIENT, str(port),
+                                       str(seconds / 2)], stdout=subprocess.PIPE)
+                     for _ in range(clients)]
+            rate = sum(float(p.communicate()[0]) for p in procs)
+            yield {"system": "zmq-echo", "op": "round trip", "mode": f"x{clients}",
+                   "rate": round(rate, 1), "unit": "requests/s", "clients": clients,
+                   "seconds": seconds / 2}
 
 
 def _concurrent(address: str, num_clients: int, seconds: float) -> dict[str, Any]:
