@@ -35,7 +35,10 @@ class RpcClient:
         ctx: Any = zmq.Context.instance()
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.IMMEDIATE, 0)
+        # Queue nothing while the master is unreachable: a send then times out instead of
+        # piling up stale requests (or blocking forever at the high-water mark).
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)
+        self._sndtimeo = -1
         self._sock.connect(f"tcp://{host}:{port}")
         self._rcvtimeo = -1
         self._ids = itertools.count(1)
@@ -50,11 +53,23 @@ class RpcClient:
         with self._lock:
             if self._closed:
                 raise RpcError("RPC client is closed")
-            self._sock.send(frame, copy=len(frame) < 65536)
-            reply = self._wait(frame_id, timeout_s if timeout_s is not None else self.timeout_s)
+            timeout = timeout_s if timeout_s is not None else self.timeout_s
+            self._send(frame, timeout)
+            reply = self._wait(frame_id, timeout)
         if reply.status != 0:
             raise RpcError(f"master refused {op.name} (code {reply.status}): {reply.result}")
         return reply.result
+
+    def _send(self, frame: bytes, timeout_s: float) -> None:
+        timeout_ms = max(1, int(timeout_s * 1000))
+        if timeout_ms != self._sndtimeo:
+            self._sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
+            self._sndtimeo = timeout_ms
+        try:
+            self._sock.send(frame, copy=len(frame) < 65536)
+        except zmq.Again:
+            raise RpcTimeout(f"master {self.address} is not reachable "
+                             f"(no connection within {timeout_s}s)") from None
 
     def _wait(self, frame_id: int, timeout_s: float) -> Any:
         timeout_ms = max(1, int(timeout_s * 1000))
