@@ -190,3 +190,15 @@ def test_asyncio_client(master: MasterServer, node: StoreClient) -> None:
             assert [g.code for g in await client.get_batch(["a3", "a4"])] == [
                 E.OBJECT_NOT_FOUND, E.OK]
     asyncio.run(main())
+
+
+def test_stale_own_replica_is_never_touched(master: MasterServer, node: StoreClient) -> None:
+    with StoreClient(ClientConfig(master=master.address, global_segment_size=MIB)) as me:
+        (sid,) = me.segment_ids
+        assert me.put("mine", b"m" * 100, ReplicateConfig(preferred_segment=sid)).ok
+        buf = me._segments.pop(sid)        # as if a failed unmount had already freed it
+        try:
+            assert me.get("mine").code == E.TRANSFER_FAIL
+        finally:
+            me._segments[sid] = buf
+        assert me.get("mine").data == b"m" * 100

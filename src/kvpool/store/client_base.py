@@ -132,6 +132,10 @@ class ClientBase:
 
     # -- data paths ------------------------------------------------------------------------
 
+    def _mounted(self, addr: int, n: int) -> bool:
+        return any(b.addr <= addr and addr + n <= b.addr + b.length
+                   for b in self._segments.values())
+
     def _run_copies(self, op: OpCode, copies: dict[int, list[Copy]]) -> set[int]:
         """Run every copy; returns the indices whose copies did not all succeed."""
         failed: set[int] = set()
@@ -140,6 +144,9 @@ class ClientBase:
         for idx, items in copies.items():
             for local, remote, n, endpoint in items:
                 if endpoint == self.endpoint:
+                    if not self._mounted(remote, n):  # a stale replica: never touch it
+                        failed.add(idx)
+                        continue
                     src, dst = (local, remote) if op == OpCode.WRITE else (remote, local)
                     ctypes.memmove(dst, src, n)
                 else:
