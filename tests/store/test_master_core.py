@@ -99,6 +99,12 @@ def test_stale_pending_put_is_discarded(core: MasterCore, vclock: VirtualClock) 
     core.tick()
     assert core.pending == {} and core.stats.discarded_puts == 1
     assert core.put_end("w", ["k"]) == [E.OBJECT_NOT_FOUND]
+    assert core.used_bytes == 64          # its writer may still be copying: not reused yet
+    core.check_integrity()
+    vclock.advance(600)
+    core.heartbeat("c0"), core.heartbeat("c1")
+    core.tick()
+    assert core.used_bytes == 0
     core.check_integrity()
 
 

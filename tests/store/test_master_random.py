@@ -71,7 +71,7 @@ def test_random_operations_match_model(seed: int) -> None:
     core.remove_all(force=True)
     for key in list(pending):
         core.put_revoke("w", [key])
-    clock.advance(11)
+    clock.advance(601)                   # leases and the release timeout of discarded puts
     core.heartbeat("c0"), core.heartbeat("c1"), core.heartbeat("c2")
     core.tick()
     core.check_integrity()

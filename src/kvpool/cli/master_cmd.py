@@ -55,6 +55,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "client is declared dead")
     p.add_argument("--put-discard-timeout", "--put_start_discard_timeout_sec",
                    dest="put_timeout", type=float, default=_DEF.put_discard_timeout_s)
+    p.add_argument("--put-release-timeout", "--put_start_release_timeout_sec",
+                   dest="put_release", type=float, default=_DEF.put_release_timeout_s,
+                   help="seconds before memory of a discarded put is reused")
     p.add_argument("--allocation-strategy", "--allocation_strategy", dest="strategy",
                    choices=("random", "free_ratio_first"), default=_DEF.allocation_strategy)
     p.add_argument("--eviction-policy", default=_DEF.eviction_policy, help="lru or fifo")
@@ -69,6 +72,7 @@ def build_configs(args: argparse.Namespace) -> tuple[MasterServerConfig, MasterC
                           high_watermark=args.watermark, eviction_ratio=args.eviction_ratio,
                           client_ttl_s=args.client_ttl,
                           put_discard_timeout_s=args.put_timeout,
+                          put_release_timeout_s=args.put_release,
                           allocation_strategy=args.strategy,
                           eviction_policy=args.eviction_policy)
     return server, config

@@ -29,6 +29,9 @@ class MasterConfig:
     """A client silent for this long is considered dead; its segments are unmounted."""
     put_discard_timeout_s: float = 30.0
     """A put started but neither ended nor revoked within this time is discarded."""
+    put_release_timeout_s: float = 600.0
+    """Memory of a put the master discarded is reused only this long after, in case its
+    writer is still copying (Mooncake's put_start_release_timeout_sec)."""
     allocation_strategy: str = "random"
     """Replica placement: 'random' or 'free_ratio_first'."""
     eviction_policy: str = "lru"
@@ -52,6 +55,8 @@ class MasterConfig:
         _check(self.client_ttl_s > 0, f"client_ttl_s must be > 0, got {self.client_ttl_s}")
         _check(self.put_discard_timeout_s > 0,
                f"put_discard_timeout_s must be > 0, got {self.put_discard_timeout_s}")
+        _check(self.put_release_timeout_s >= 0,
+               f"put_release_timeout_s must be >= 0, got {self.put_release_timeout_s}")
         _check(self.allocation_strategy in ("random", "free_ratio_first"),
                f"allocation_strategy must be 'random' or 'free_ratio_first', "
                f"got {self.allocation_strategy!r}")

@@ -120,7 +120,7 @@ class MasterCore:
         self._capacity -= seg.capacity
         self._used -= seg.allocator.used_bytes
         for key in list(seg.pending_keys):
-            self._revoke(self.pending[key])
+            self._revoke(self.pending[key], by_master=True)
         for key in list(seg.keys):
             obj = self.objects[key]
             obj.replicas = [r for r in obj.replicas if r.segment is not seg]
@@ -137,7 +137,7 @@ class MasterCore:
             for segment_id in list(client.segment_ids):
                 self._drop_segment(self.segments[segment_id])
             for put in [p for p in self.pending.values() if p.client_id == client.client_id]:
-                self._revoke(put)
+                self._revoke(put, by_master=True)
             del self.clients[client.client_id]
         self.stats.expired_clients += len(dead)
         return [c.client_id for c in dead]
@@ -253,17 +253,24 @@ class MasterCore:
                 out.append(E.OK)
         return out
 
-    def _revoke(self, put: PendingPut) -> None:
+    def _revoke(self, put: PendingPut, by_master: bool = False) -> None:
+        """Forget a pending put. Revoked by its client, the memory is free at once; revoked
+        by the master (timeout, dead client or segment), the writer may still be copying, so
+        the memory is reused only after put_release_timeout_s."""
         del self.pending[put.key]
+        release_at = self.clock.now() + self.config.put_release_timeout_s
         for r in put.replicas:
             r.segment.pending_keys.discard(put.key)
-            self._free(r.segment, r.offset)
+            if by_master:
+                self._deferred.append((release_at, r.segment, r.offset))
+            else:
+                self._free(r.segment, r.offset)
 
     def discard_stale_puts(self) -> int:
         horizon = self.clock.now() - self.config.put_discard_timeout_s
         stale = [p for p in self.pending.values() if p.started < horizon]
         for put in stale:
-            self._revoke(put)
+            self._revoke(put, by_master=True)
         self.stats.discarded_puts += len(stale)
         return len(stale)
 
