@@ -169,3 +169,23 @@ def test_short_real_lease_and_pending_timeouts(flags: tuple[str, ...]) -> None:
             assert "kvpool_master_pending_puts 0.0" in cluster.admin("/metrics").text
             assert rpc.call(Op.PUT_END, ["p"]) == [int(E.OBJECT_NOT_FOUND)]
         cluster.check_integrity()
+
+
+def test_watermark_eviction_in_a_running_master() -> None:
+    with store_cluster(1, "2MiB", "--eviction_high_watermark_ratio", "0.5",
+                       "--eviction_ratio", "0.25") as cluster:
+        with StoreClient(ClientConfig(master=cluster.address)) as store:
+            for i in range(14):                      # 14 x 100 KB = 1.4 MB > 50 % of 2 MiB
+                assert store.put(f"e{i}", content(f"e{i}", 100_000)).ok
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                health = cluster.admin("/health").json()
+                if health["used_bytes"] <= (1 << 20):
+                    break
+                time.sleep(0.05)
+            assert health["used_bytes"] <= 1 << 20
+            metrics = cluster.admin("/metrics").text
+            assert "kvpool_master_evicted_objects_total 0.0" not in metrics
+            assert store.get("e0").code == E.OBJECT_NOT_FOUND      # least recently used
+            assert store.get("e13").data == content("e13", 100_000)
+        cluster.check_integrity()
