@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.support.procs import python_env
 
 
@@ -32,3 +34,13 @@ def test_bench_store_master_only() -> None:
     assert systems.count("zmq-echo") == 2
     assert {r["unit"] for r in records} == {"requests/s", "keys/s"}
     assert all(r["rate"] > 0 for r in records)
+
+
+@pytest.mark.slow
+@pytest.mark.mooncake
+def test_bench_store_runs_the_mooncake_side() -> None:
+    pytest.importorskip("mooncake.store")
+    records = run_bench("--only", "mooncake", "--sizes", "4KiB", "--max-ops", "64",
+                        "--repeat", "1", "--dram", "64MiB")
+    assert [(r["system"], r["op"], r["mode"]) for r in records] == [
+        ("mooncake", op, mode) for mode in ("single", "batch32") for op in ("put", "get")]
