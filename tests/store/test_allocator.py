@@ -68,3 +68,21 @@ def test_random_workload_keeps_integrity() -> None:
         a.free(off)
     a.check_integrity()
     assert a.num_free_ranges == 1 and a.free_bytes == 1 << 20
+
+
+def test_allocate_run_carves_consecutive_ranges() -> None:
+    a = OffsetAllocator(4096, alignment=64)
+    assert a.allocate(100) == 0                      # 128 used
+    assert a.allocate_run([64, 1, 200]) == [128, 192, 256]
+    a.check_integrity()
+    assert a.used_bytes == 128 + 64 + 64 + 256
+    a.free(192)
+    a.check_integrity()
+    assert a.allocate_run([4000]) is None
+    assert a.allocate_run([64]) == [192]             # best fit: the hole just freed
+    for off in (0, 128, 192, 256):
+        a.free(off)
+    a.check_integrity()
+    assert a.num_free_ranges == 1
+    with pytest.raises(InvalidArgument):
+        a.allocate_run([64, 0])

@@ -218,3 +218,22 @@ def test_unmount_by_owner_only(core: MasterCore) -> None:
     assert core.unmount_segment("c0", sid) == E.OK
     assert core.capacity_bytes == 64 * KIB
     core.check_integrity()
+
+
+def test_batch_fast_path_places_a_run_and_falls_back(vclock: VirtualClock) -> None:
+    core = make_core(vclock, num_segments=2, capacity=16 * KIB)
+    res = core.put_start("w", ["a", "b", "c"], [100, 64, 1000])
+    addrs = [r.replicas[0].addr for r in res]
+    assert [r.code for r in res] == [E.OK] * 3
+    assert len({r.replicas[0].endpoint for r in res}) == 1       # one segment, one run
+    assert [a - addrs[0] for a in addrs] == [0, 128, 192]
+    core.check_integrity()
+    mixed = core.put_start("w", ["d", "", "a", "e"], [64, 64, 64, 64])   # declines the run
+    assert [r.code for r in mixed] == [E.OK, E.INVALID_PARAMS, E.OBJECT_ALREADY_EXISTS, E.OK]
+    dup = core.put_start("w", ["f", "f"], [64, 64])
+    assert [r.code for r in dup] == [E.OK, E.OBJECT_ALREADY_EXISTS]
+    free = [s.allocator.largest_free for s in core.segments.values()]
+    assert max(free) < 21 * KIB                                  # no range for a 21 KiB run
+    big = core.put_start("w", [f"g{i}" for i in range(3)], [7 * KIB] * 3)
+    assert [r.code for r in big] == [E.OK] * 3                   # placed one by one
+    core.check_integrity()

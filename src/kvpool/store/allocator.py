@@ -57,6 +57,30 @@ class OffsetAllocator:
         self.used_bytes += need
         return offset
 
+    def allocate_run(self, sizes: list[int]) -> list[int] | None:
+        """Offsets of len(sizes) consecutive ranges carved from one free range (each freed
+        on its own later), or None when no free range holds them all."""
+        needs = [self.rounded(size) for size in sizes]
+        if not needs or min(sizes) <= 0:
+            raise InvalidArgument(f"allocation sizes must be > 0, got {sizes[:8]}")
+        total = sum(needs)
+        i = bisect.bisect_left(self._by_size, (total, -1))
+        if i == len(self._by_size):
+            return None
+        free_size, offset = self._by_size[i]
+        if free_size > total:
+            self._shrink_free(i, offset, free_size, total)
+        else:
+            self._remove_free(offset, free_size)
+        offsets = []
+        used = self._used
+        for need in needs:
+            used[offset] = need
+            offsets.append(offset)
+            offset += need
+        self.used_bytes += total
+        return offsets
+
     def free(self, offset: int) -> int:
         """Release the range that starts at `offset`; returns its allocated size."""
         size = self._used.pop(offset, None)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvpool.clock import SYSTEM_CLOCK, Clock
-from kvpool.store import master_evict
+from kvpool.store import master_batch, master_evict
 from kvpool.store.allocator import OffsetAllocator
 from kvpool.store.codes import (
     ErrorCode,
@@ -57,7 +57,6 @@ class MasterCore:
         self.stats = MasterStats()
         self._deferred: list[tuple[float, Segment, int]] = []  # (free at, segment, offset)
         self._capacity = 0
-        self._used = 0
         self._segments_cache: list[Segment] | None = None
 
     # -- clients and segments -------------------------------------------------------------
@@ -118,7 +117,6 @@ class MasterCore:
         if client is not None:
             client.segment_ids.discard(seg.segment_id)
         self._capacity -= seg.capacity
-        self._used -= seg.allocator.used_bytes
         for key in list(seg.pending_keys):
             self._revoke(self.pending[key], by_master=True)
         for key in list(seg.keys):
@@ -156,6 +154,10 @@ class MasterCore:
         preferred = ([config.preferred_segment] if config.preferred_segment else []) \
             + list(config.preferred_segments)
         now = self.clock.now()
+        if len(keys) > 1 and config.replica_num == 1 and not preferred:
+            run = master_batch.put_start_run(self, client_id, keys, sizes, config, upsert, now)
+            if run is not None:
+                return run
         return [self._put_start_one(client_id, k, s, config, upsert, preferred, now)
                 for k, s in zip(keys, sizes, strict=True)]
 
@@ -186,12 +188,11 @@ class MasterCore:
     def _try_allocate(self, size: int, count: int, preferred: list[str]) -> list[Replica] | None:
         if len(self.segments) < count:
             return None
-        ordered = self.placement.order(self._segment_list(), size)
+        ordered = self.placement.order(self.segment_list(), size)
         if count == 1 and not preferred:  # the common case, without building a plan
             for seg in ordered:
                 offset = seg.allocator.allocate(size)
                 if offset is not None:
-                    self._used += seg.allocator.rounded(size)
                     return [_new(Replica, (seg, offset, size))]
             return None
         chosen = pick_segments(ordered, preferred, size, count)
@@ -202,7 +203,6 @@ class MasterCore:
             offset = seg.allocator.allocate(size)
             assert offset is not None, "can_allocate said yes"
             replicas.append(Replica(seg, offset, size))
-            self._used += seg.allocator.rounded(size)
         return replicas
 
     def _eviction_could_help(self, size: int, count: int) -> bool:
@@ -212,7 +212,7 @@ class MasterCore:
                          if s.capacity >= s.allocator.rounded(size))
         return big_enough >= count
 
-    def _segment_list(self) -> list[Segment]:
+    def segment_list(self) -> list[Segment]:
         if self._segments_cache is None:
             self._segments_cache = list(self.segments.values())
         return self._segments_cache
@@ -344,7 +344,7 @@ class MasterCore:
 
     def _free(self, seg: Segment, offset: int) -> None:
         if self.segments.get(seg.segment_id) is seg:
-            self._used -= seg.allocator.free(offset)
+            seg.allocator.free(offset)
 
     def release_deferred(self) -> int:
         now = self.clock.now()
@@ -369,7 +369,7 @@ class MasterCore:
         self.expire_clients()
         self.discard_stale_puts()
         self.release_deferred()
-        if self._capacity and self._used > self.config.high_watermark * self._capacity:
+        if self._capacity and self.used_bytes > self.config.high_watermark * self._capacity:
             self.evict(self._eviction_target())
 
     @property
@@ -378,7 +378,9 @@ class MasterCore:
 
     @property
     def used_bytes(self) -> int:
-        return self._used
+        """Allocated bytes over all segments (summed on demand: segments are few and the
+        put path stays free of bookkeeping)."""
+        return sum(s.allocator.used_bytes for s in self.segments.values())
 
     def segment_infos(self) -> list[SegmentInfo]:
         return [s.info() for s in self.segments.values()]

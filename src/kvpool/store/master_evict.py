@@ -13,7 +13,7 @@ def eviction_target(core: MasterCore) -> int:
     """Bytes one round frees: eviction_ratio of capacity, or enough to get back under the
     high watermark, whichever is more."""
     cfg = core.config
-    above = core._used - int(cfg.high_watermark * core._capacity)
+    above = core.used_bytes - int(cfg.high_watermark * core._capacity)
     return max(int(cfg.eviction_ratio * core._capacity), above, 1)
 
 
