@@ -13,7 +13,7 @@ import threading
 from kvpool.errors import ConfigError, KvpoolError
 from kvpool.log import get_logger
 from kvpool.store.config import MasterConfig
-from kvpool.store.master import MasterServer, MasterServerConfig
+from kvpool.store.master import MasterServer, MasterServerConfig, tune_gc_for_master
 
 log = get_logger("cli.master")
 _DEF = MasterConfig()
@@ -82,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         server_cfg, config = build_configs(args)
         master = MasterServer(server_cfg, config).start()
+        tune_gc_for_master()
     except (ConfigError, KvpoolError) as exc:
         log.error("%s", exc)
         return 2

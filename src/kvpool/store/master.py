@@ -3,6 +3,7 @@ server around one MasterCore."""
 
 from __future__ import annotations
 
+import gc
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +43,17 @@ class MasterServerConfig:
         if not 0.001 <= self.tick_interval_s <= 10:
             raise ConfigError(f"tick_interval_s must be in [0.001, 10], got "
                               f"{self.tick_interval_s}")
+
+
+def tune_gc_for_master() -> tuple[int, int, int]:
+    """Make Python's cyclic collector rare in a master process: its tables hold millions of
+    small objects without cycles, and frequent full collections over them cost more than
+    the requests (about 1.5x put_start throughput at a million keys). Returns the previous
+    thresholds. Called by `kvpool master`; library users of MasterServer decide themselves."""
+    previous = gc.get_threshold()
+    gc.freeze()
+    gc.set_threshold(200_000, 50, 1000)
+    return previous
 
 
 class MasterServer:
