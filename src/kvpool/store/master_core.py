@@ -278,8 +278,9 @@ class MasterCore:
 
     def get_replicas(self, keys: Sequence[str]) -> list[LookupResult]:
         """Replicas of complete objects; each found object gets a read lease."""
-        now = self.clock.now()
         ttl = self.config.lease_ttl_s
+        until = self.clock.now() + ttl
+        touch = self.policy.on_access
         out = []
         for key in keys:
             obj = self.objects.get(key) if type(key) is str else None
@@ -287,9 +288,14 @@ class MasterCore:
                 out.append(LookupResult(E.INVALID_PARAMS if not valid_key(key)
                                         else E.OBJECT_NOT_FOUND))
                 continue
-            obj.lease_until = max(obj.lease_until, now + ttl)
-            self.policy.on_access(key)
-            out.append(LookupResult(E.OK, obj.size, tuple(r.desc() for r in obj.replicas), ttl))
+            if obj.lease_until < until:
+                obj.lease_until = until
+            touch(key)
+            descs = tuple([_new(ReplicaDesc, (r.segment.segment_id, r.segment.endpoint,
+                                              r.segment.base_addr + r.offset, r.size,
+                                              r.segment.tier, ReplicaState.COMPLETE))
+                           for r in obj.replicas])
+            out.append(_new(LookupResult, (E.OK, obj.size, descs, ttl)))
         return out
 
     def exists(self, keys: Sequence[str]) -> list[ErrorCode]:
