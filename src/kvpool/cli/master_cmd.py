@@ -28,6 +28,22 @@ def _bool(value: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
 
 
+_UNIT_MS = {"ms": 1.0, "s": 1000.0, "m": 60_000.0, "h": 3_600_000.0}
+
+
+def _duration_ms(value: str) -> float:
+    """Milliseconds from '10000', '500ms', '10s', '5m' or '1h' (Mooncake's TTL flags)."""
+    text = value.strip().lower()
+    for unit in ("ms", "s", "m", "h"):
+        if text.endswith(unit) and text[:-len(unit)].replace(".", "", 1).isdigit():
+            return float(text[:-len(unit)]) * _UNIT_MS[unit]
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected milliseconds or a duration like 10s, got {value!r}") from None
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("master", help="run the KVCache store master")
     p.add_argument("--host", default=_SRV.host, help="address to bind (default 127.0.0.1)")
@@ -43,9 +59,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-http-metadata", dest="metadata", action="store_false",
                    help="do not embed the HTTP metadata server")
     p.add_argument("--lease-ttl-ms", "--default_kv_lease_ttl", dest="lease_ttl_ms",
-                   type=float, default=_DEF.lease_ttl_s * 1000, help="read lease, ms")
+                   type=_duration_ms, default=_DEF.lease_ttl_s * 1000, help="read lease, ms")
     p.add_argument("--soft-pin-ttl-ms", "--default_kv_soft_pin_ttl", dest="soft_pin_ttl_ms",
-                   type=float, default=_DEF.soft_pin_ttl_s * 1000, help="soft pin, ms")
+                   type=_duration_ms, default=_DEF.soft_pin_ttl_s * 1000, help="soft pin, ms")
     p.add_argument("--high-watermark", "--eviction_high_watermark_ratio", dest="watermark",
                    type=float, default=_DEF.high_watermark)
     p.add_argument("--eviction-ratio", "--eviction_ratio", dest="eviction_ratio", type=float,
