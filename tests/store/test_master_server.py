@@ -127,3 +127,16 @@ def test_store_node_waits_for_a_late_master() -> None:
                 time.sleep(0.1)
             assert [s["capacity_bytes"] for s in segs] == [4 << 20]
     assert node.returncode == 0
+
+
+def test_oversized_frame_drops_that_peer_only(master: MasterServer) -> None:
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://{master.address}")
+    sock.send(b"\x00" * ((64 << 20) + 1))     # over the 64 MiB frame limit
+    assert not sock.poll(500)                  # no reply: zmq drops the connection
+    sock.close()
+    with RpcClient(master.address, "w") as w:
+        assert w.call(Op.PING) == "pong"
+        assert w.call(Op.EXISTS, ["k" * 4097, "k"]) == [-600, -704]
