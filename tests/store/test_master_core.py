@@ -139,6 +139,10 @@ def test_full_pool_gives_no_space_when_nothing_evictable(vclock: VirtualClock) -
     assert core.put_start("w", ["y"], [8 * KIB])[0].code == E.NO_AVAILABLE_HANDLE
     assert core.stats.no_space == 2
     assert len(core.objects) == 4
+    assert core.stats.eviction_rounds == 1      # a futile round is not repeated at once
+    vclock.advance(0.06)
+    assert core.put_start("w", ["z"], [KIB])[0].code == E.NO_AVAILABLE_HANDLE
+    assert core.stats.eviction_rounds == 2
 
 
 def test_allocation_failure_evicts_lru(vclock: VirtualClock) -> None:

@@ -48,7 +48,7 @@ class LruEvictionPolicy:
         self._order.pop(key, None)
 
     def victims(self) -> Iterator[str]:
-        return iter(list(self._order))
+        return iter(self._order)
 
 
 class FifoEvictionPolicy(LruEvictionPolicy):

@@ -58,6 +58,7 @@ class MasterCore:
         self._deferred: list[tuple[float, Segment, int]] = []  # (free at, segment, offset)
         self._capacity = 0
         self._segments_cache: list[Segment] | None = None
+        self._no_evict_until = 0.0
 
     # -- clients and segments -------------------------------------------------------------
 
@@ -168,8 +169,8 @@ class MasterCore:
         if key in self.pending or (not upsert and key in self.objects):
             return PutStartResult(E.OBJECT_ALREADY_EXISTS)
         replicas = self._try_allocate(size, config.replica_num, preferred)
-        if replicas is None and self._eviction_could_help(size, config.replica_num) \
-                and self.evict(max(self._eviction_target(), size * config.replica_num)):
+        if replicas is None and master_evict.evict_for_allocation(self, size,
+                                                                  config.replica_num, now):
             replicas = self._try_allocate(size, config.replica_num, preferred)
         if replicas is None:
             self.stats.no_space += 1
@@ -204,13 +205,6 @@ class MasterCore:
             assert offset is not None, "can_allocate said yes"
             replicas.append(Replica(seg, offset, size))
         return replicas
-
-    def _eviction_could_help(self, size: int, count: int) -> bool:
-        """Whether enough segments are large enough at all: never evict for a placement
-        that no amount of freeing can satisfy (e.g. more replicas than segments)."""
-        big_enough = sum(1 for s in self.segments.values()
-                         if s.capacity >= s.allocator.rounded(size))
-        return big_enough >= count
 
     def segment_list(self) -> list[Segment]:
         if self._segments_cache is None:

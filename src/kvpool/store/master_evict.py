@@ -6,7 +6,28 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from kvpool.store.master_core import MasterCore
+    from kvpool.store.state import StoredObject
 
+
+
+FUTILE_EVICTION_S = 0.05
+
+
+def evict_for_allocation(core: MasterCore, size: int, count: int, now: float) -> bool:
+    """Evict after an allocation failure; whether anything was freed. A round that freed
+    nothing is not retried for FUTILE_EVICTION_S (with everything leased, every failing
+    put would otherwise walk all objects again), and a placement that no freeing can
+    satisfy (more replicas than big-enough segments) evicts nothing."""
+    if now < core._no_evict_until:
+        return False
+    big_enough = sum(1 for s in core.segments.values()
+                     if s.capacity >= s.allocator.rounded(size))
+    if big_enough < count:
+        return False
+    if evict(core, max(eviction_target(core), size * count)):
+        return True
+    core._no_evict_until = now + FUTILE_EVICTION_S
+    return False
 
 
 def eviction_target(core: MasterCore) -> int:
@@ -23,8 +44,10 @@ def evict(core: MasterCore, num_bytes: int) -> bool:
     whether anything was freed."""
     core.stats.eviction_rounds += 1
     now = core.clock.now()
+    chosen: list[StoredObject] = []
     freed = 0
     for second_pass in (False, True):
+        # Walk the policy's order lazily (no copy of a million keys), remove afterwards.
         for key in core.policy.victims():
             if freed >= num_bytes:
                 break
@@ -34,9 +57,11 @@ def evict(core: MasterCore, num_bytes: int) -> bool:
             if (obj.soft_pin_until > now) != second_pass:
                 continue
             freed += sum(r.segment.allocator.rounded(r.size) for r in obj.replicas)
-            core._remove_object(obj, defer=False)
-            core.stats.evicted_objects += 1
+            chosen.append(obj)
         if freed >= num_bytes:
             break
+    for obj in chosen:
+        core._remove_object(obj, defer=False)
+    core.stats.evicted_objects += len(chosen)
     core.stats.evicted_bytes += freed
     return freed > 0
