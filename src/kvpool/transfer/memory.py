@@ -172,11 +172,16 @@ def _unlink(name: str) -> None:
 
 
 def map_peer_shm(name: str, length: int) -> memoryview:
-    """Map a same-host peer's managed buffer; raises OSError if it is not reachable."""
+    """Map a same-host peer's managed buffer; raises OSError if it is not reachable.
+
+    The mapping is populated up front (MAP_POPULATE): one pass over the page tables at first
+    contact instead of a page fault on every first touch inside transfers.
+    """
     fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
     try:
         if os.fstat(fd).st_size < length:
             raise OSError(f"/dev/shm/{name} is smaller than advertised")
-        return memoryview(mmap.mmap(fd, length)).cast("B")
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        return memoryview(mmap.mmap(fd, length, flags=flags)).cast("B")
     finally:
         os.close(fd)
