@@ -1,19 +1,21 @@
-"""The master as a real process and as an in-process server: RPC over zmq, admin HTTP."""
+"""The master as a real process and as an in-process server: RPC over TCP, admin HTTP."""
 
 from __future__ import annotations
 
+import socket
+import struct
 import time
 from collections.abc import Iterator
 
 import httpx
 import msgpack
 import pytest
-import zmq
 
 from kvpool.errors import RpcError, RpcTimeout
 from kvpool.store.codes import ErrorCode as E
+from kvpool.store.framing import FrameDecoder, encode_frame
 from kvpool.store.master import MasterServer, MasterServerConfig
-from kvpool.store.protocol import Op, decode_reply
+from kvpool.store.protocol import Op, decode_reply, encode_request
 from kvpool.store.rpc_client import RpcClient
 from tests.support.net import free_port, wait_port
 from tests.support.procs import running, spawn_kvpool
@@ -53,29 +55,72 @@ def test_rpc_and_admin_in_process(master: MasterServer) -> None:
     assert "kvpool_master_rpc_seconds_bucket" in metrics
 
 
+def _raw(master: MasterServer) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", master.rpc_port), timeout=5)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
+def _read_frames(sock: socket.socket, count: int) -> list[bytes]:
+    decoder, frames = FrameDecoder(), []
+    while len(frames) < count:
+        data = sock.recv(65536)
+        assert data, "the master closed the connection"
+        frames += decoder.feed(data)
+    assert decoder.buffered_bytes == 0
+    return frames
+
+
+def _at_eof(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(65536) == b""
+    except ConnectionResetError:
+        return True
+
+
+BAD_FRAMES = (b"\x00garbage", msgpack.packb([int(Op.GET_REPLICAS), 4, "c", [1, 2]]), b"")
+
+
 def test_garbage_over_the_socket_then_service_continues(master: MasterServer) -> None:
-    ctx = zmq.Context.instance()
-    for kind in (zmq.DEALER, zmq.REQ):
-        sock = ctx.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(f"tcp://{master.address}")
-        for frame in (b"\x00garbage", msgpack.packb([int(Op.GET_REPLICAS), 4, "c", [1, 2]])):
-            sock.send(frame)
-            assert sock.poll(5000)
-            reply = decode_reply(sock.recv())
-            assert reply.status == 0 or reply.status == E.INVALID_PARAMS
+    whole = _raw(master)   # two kinds of sender: whole frames in one write, and a trickle
+    for frame in BAD_FRAMES:
+        whole.sendall(encode_frame(frame))
+    trickle = _raw(master)
+    for byte in b"".join(encode_frame(f) for f in BAD_FRAMES):
+        trickle.send(bytes([byte]))
+    for sock in (whole, trickle):
+        replies = [decode_reply(f) for f in _read_frames(sock, 3)]
+        assert [(r.req_id, r.status) for r in replies] == [
+            (0, E.INVALID_PARAMS), (4, 0), (0, E.INVALID_PARAMS)]
+        assert replies[1].result == [10.0, [[-600, 0, [], 0.0], [-600, 0, [], 0.0]]]
         sock.close()
+    truncated = _raw(master)                     # half a header, then half a frame, then gone
+    truncated.sendall(encode_frame(BAD_FRAMES[1])[:2])
+    truncated.close()
+    truncated = _raw(master)
+    truncated.sendall(encode_frame(BAD_FRAMES[1])[:9])
+    truncated.close()
     with RpcClient(master.address, "w") as w:
         assert w.call(Op.GET_REPLICAS, [1, "x"]) == [10.0, [[-600, 0, [], 0.0],
                                                             [-704, 0, [], 0.0]]]
         with pytest.raises(RpcError, match="code -600"):
             w.call(Op.MOUNT, "x", 0, 1)   # wrong arity
         metrics = httpx.get(f"http://127.0.0.1:{master.admin_port}/metrics").text
-        assert 'kvpool_master_errors_total{code="INVALID_PARAMS",op="malformed"}' in metrics
+        assert 'kvpool_master_errors_total{code="INVALID_PARAMS",op="malformed"} 5.0' in metrics
         assert 'kvpool_master_key_errors_total{code="INVALID_PARAMS",op="GET_REPLICAS"} 5.0' \
             in metrics
         assert 'kvpool_master_key_errors_total{code="OBJECT_NOT_FOUND",op="GET_REPLICAS"} 1.0' \
             in metrics
+
+
+def test_pipelined_requests_are_answered_in_order(master: MasterServer) -> None:
+    sock = _raw(master)
+    requests = [encode_request(Op.EXISTS, i, "p", [f"k{i}"]) for i in range(1, 201)]
+    sock.sendall(b"".join(encode_frame(r) for r in requests))
+    replies = [decode_reply(f) for f in _read_frames(sock, 200)]
+    assert [(r.req_id, r.status, r.result) for r in replies] == [
+        (i, 0, [-704]) for i in range(1, 201)]
+    sock.close()
 
 
 def test_rpc_timeout_when_no_master() -> None:
@@ -130,13 +175,17 @@ def test_store_node_waits_for_a_late_master() -> None:
 
 
 def test_oversized_frame_drops_that_peer_only(master: MasterServer) -> None:
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(f"tcp://{master.address}")
-    sock.send(b"\x00" * ((64 << 20) + 1))     # over the 64 MiB frame limit
-    assert not sock.poll(500)                  # no reply: zmq drops the connection
+    bystander = RpcClient(master.address, "b")
+    assert bystander.call(Op.PING) == "pong"
+    sock = _raw(master)
+    sock.sendall(struct.pack("<I", (64 << 20) + 1) + b"\x00" * 1000)  # over the 64 MiB limit
+    reply = decode_reply(_read_frames(sock, 1)[0])
+    assert (reply.req_id, reply.status) == (0, E.INVALID_PARAMS)
+    assert reply.result == f"frame of {(64 << 20) + 1} bytes exceeds {64 << 20}"
+    assert _at_eof(sock)                       # then the master hangs up on that peer
     sock.close()
+    assert bystander.call(Op.PING) == "pong"   # same connection, still served
+    bystander.close()
     with RpcClient(master.address, "w") as w:
         assert w.call(Op.PING) == "pong"
         assert w.call(Op.EXISTS, ["k" * 4097, "k"]) == [-600, -704]

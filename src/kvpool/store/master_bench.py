@@ -3,13 +3,16 @@
 Two views of the same metadata path:
 - "service": frames handled in this process by MasterService (decode, core, encode), the
   master's own cost per request with no network (request frames are encoded beforehand);
-- "rpc": the same requests to a `kvpool master` process over loopback zmq, from one client.
+- "rpc": the same requests to a `kvpool master` process over loopback TCP, from one client
+  (and a put_start+put_end+lookup loop from several client processes);
+- "tcp-echo" / "zmq-echo": bare echo round trips, the floor of any RPC over that transport.
 Single-key rates count requests per second; batched rates count keys per second.
 """
 
 from __future__ import annotations
 
 import gc
+import importlib.util
 import subprocess
 import sys
 import threading
@@ -110,7 +113,7 @@ def _rpc_bench(seconds: float, num_clients: int) -> Iterator[dict[str, Any]]:
             yield from _run("master-rpc", client.call, seconds, "rpc")
         if num_clients > 1:
             yield _concurrent(f"127.0.0.1:{rpc}", num_clients, seconds)
-    yield from _zmq_floor(seconds, num_clients)
+    yield from _echo_floors(seconds, num_clients)
 
 
 _CLIENT = """
@@ -135,14 +138,49 @@ def client_loop(address: str, name: str, seconds: float) -> float:
         return n / (time.perf_counter() - t0)
 
 
-_ECHO_SERVER = """
+_TCP_ECHO_SERVER = """
+import selectors, socket, sys
+lsock = socket.create_server(("127.0.0.1", int(sys.argv[1])))
+lsock.setblocking(False)
+sel = selectors.DefaultSelector()
+sel.register(lsock, selectors.EVENT_READ)
+while True:
+    for key, _ in sel.select():
+        if key.fileobj is lsock:
+            conn, _ = lsock.accept()
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.setblocking(False)
+            sel.register(conn, selectors.EVENT_READ)
+            continue
+        data = key.fileobj.recv(65536)
+        if data:
+            key.fileobj.sendall(data)
+        else:
+            sel.unregister(key.fileobj)
+            key.fileobj.close()
+"""
+_TCP_ECHO_CLIENT = """
+import socket, sys, time
+sock = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
+sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+frame = (64).to_bytes(4, "little") + b"x" * 64
+n, t0 = 0, time.perf_counter()
+while time.perf_counter() - t0 < float(sys.argv[2]):
+    sock.sendall(frame)
+    got = 0
+    while got < len(frame):
+        got += len(sock.recv(65536))
+    n += 1
+print(n / (time.perf_counter() - t0))
+"""
+_ZMQ_ECHO_SERVER = """
 import sys, zmq
 sock = zmq.Context().socket(zmq.ROUTER)
 sock.bind("tcp://127.0.0.1:" + sys.argv[1])
 while True:
     sock.send_multipart(sock.recv_multipart())
 """
-_ECHO_CLIENT = """
+_ZMQ_ECHO_CLIENT = """
 import sys, time, zmq
 sock = zmq.Context().socket(zmq.DEALER)
 sock.connect("tcp://127.0.0.1:" + sys.argv[1])
@@ -155,21 +193,33 @@ print(n / (time.perf_counter() - t0))
 """
 
 
-def _zmq_floor(seconds: float, num_clients: int) -> Iterator[dict[str, Any]]:
-    """Round trips of a bare pyzmq ROUTER echo on this machine: the ceiling of any
-    request/reply over pyzmq here, for reading the master-rpc rates."""
+def echo_floors() -> list[tuple[str, str, str]]:
+    """(system, server script, client script) of the echo floors measured here: a raw TCP
+    echo of 64-byte length-prefixed frames (the master's transport), and a bare pyzmq
+    ROUTER/DEALER echo when pyzmq is installed (the transport it replaced)."""
+    floors = [("tcp-echo", _TCP_ECHO_SERVER, _TCP_ECHO_CLIENT)]
+    if importlib.util.find_spec("zmq") is not None:
+        floors.append(("zmq-echo", _ZMQ_ECHO_SERVER, _ZMQ_ECHO_CLIENT))
+    return floors
+
+
+def _echo_floors(seconds: float, num_clients: int) -> Iterator[dict[str, Any]]:
+    """Round trips of bare echo servers on this machine, one Python thread each: the
+    ceiling of any request/reply over that transport here, for reading the master-rpc
+    rates."""
     from kvpool.bench.store import _free_port, _process, _wait_port
-    port = _free_port()
-    with _process([sys.executable, "-c", _ECHO_SERVER, str(port)]):
-        _wait_port(port)
-        for clients in sorted({1, num_clients}):
-            procs = [subprocess.Popen([sys.executable, "-c", _ECHO_CLIENT, str(port),
-                                       str(seconds / 2)], stdout=subprocess.PIPE)
-                     for _ in range(clients)]
-            rate = sum(float(p.communicate()[0]) for p in procs)
-            yield {"system": "zmq-echo", "op": "round trip", "mode": f"x{clients}",
-                   "rate": round(rate, 1), "unit": "requests/s", "clients": clients,
-                   "seconds": seconds / 2}
+    for system, server, client in echo_floors():
+        port = _free_port()
+        with _process([sys.executable, "-c", server, str(port)]):
+            _wait_port(port)
+            for clients in sorted({1, num_clients}):
+                procs = [subprocess.Popen([sys.executable, "-c", client, str(port),
+                                           str(seconds / 2)], stdout=subprocess.PIPE)
+                         for _ in range(clients)]
+                rate = sum(float(p.communicate()[0]) for p in procs)
+                yield {"system": system, "op": "round trip", "mode": f"x{clients}",
+                       "rate": round(rate, 1), "unit": "requests/s", "clients": clients,
+                       "seconds": seconds / 2}
 
 
 def _concurrent(address: str, num_clients: int, seconds: float) -> dict[str, Any]:

@@ -1,23 +1,44 @@
-"""The master's RPC driver: one thread, one zmq ROUTER socket, the sans-I/O service inside.
+"""The master's RPC driver: one thread, a `selectors` loop over plain TCP, the sans-I/O
+service inside.
 
-Accepts DEALER clients ([identity, frame]) and REQ clients ([identity, b"", frame]). Between
-requests, and at least every `tick_interval_s`, it runs the core's timeouts. The core is
-guarded by `lock` so the admin HTTP server can read it from its own thread.
+Each connection carries length-prefixed msgpack frames (framing.py); replies go back on the
+same connection in request order. Sockets are non-blocking: partial reads are reassembled by
+a per-connection FrameDecoder, partial writes wait in a per-connection buffer (and the
+connection is not read again until it is flushed, so a client that never reads cannot make
+the master queue without bound). A frame with an oversized length gets one error reply and
+then that connection is closed; nobody else notices. Between requests, and at least every
+`tick_interval_s`, the loop runs the core's timeouts. The core is guarded by `lock` so the
+admin HTTP server can read it from its own thread.
 """
 
 from __future__ import annotations
 
+import selectors
+import socket
 import threading
 import time
-from typing import Any
 
-import zmq
-
+from kvpool.errors import LocalProtocolError, RemoteProtocolError
 from kvpool.log import get_logger
-from kvpool.store.protocol import MAX_FRAME_BYTES
+from kvpool.store.codes import ErrorCode as E
+from kvpool.store.framing import FrameDecoder, encode_frame
+from kvpool.store.protocol import encode_reply, peek_req_id
 from kvpool.store.service import MasterService
 
 log = get_logger("store.rpc")
+RECV_BYTES = 256 << 10
+_READ, _WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
+
+
+class _Conn:
+    __slots__ = ("sock", "decoder", "out", "closing")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.decoder = FrameDecoder()
+        self.out = bytearray()
+        self.closing = False
+        """Close once `out` is flushed (after a protocol error)."""
 
 
 class RpcServer:
@@ -26,16 +47,22 @@ class RpcServer:
         self.service = service
         self.lock = lock
         self.tick_interval_s = tick_interval_s
-        self._ctx: Any = zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.ROUTER)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_FRAME_BYTES)
-        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-        if port == 0:
-            self.port = self._sock.bind_to_random_port(f"tcp://{host}")
-        else:
-            self._sock.bind(f"tcp://{host}:{port}")
-            self.port = port
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self._listener.bind((host, port))
+            self._listener.listen(socket.SOMAXCONN)
+        except BaseException:
+            self._listener.close()
+            raise
+        self._listener.setblocking(False)
+        self.port: int = self._listener.getsockname()[1]
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._sel = selectors.DefaultSelector()
+        self._sel.register(self._listener, _READ, None)
+        self._sel.register(self._wake_r, _READ, None)
+        self._conns: dict[int, _Conn] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvpool-master-rpc", daemon=True)
 
@@ -44,32 +71,131 @@ class RpcServer:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(5)
-        self._sock.close(0)
+        if self._thread.is_alive():
+            self._wake_w.send(b"x")
+            self._thread.join(5)
+        if not self._thread.is_alive():
+            self._close_all()
+
+    def _close_all(self) -> None:
+        for conn in list(self._conns.values()):
+            self._drop(conn)
+        for sock in (self._listener, self._wake_r, self._wake_w):
+            sock.close()
+        self._sel.close()
 
     def _run(self) -> None:
-        # A blocking recv with a timeout: one call per message, and a tick when idle.
-        self._sock.setsockopt(zmq.RCVTIMEO, max(1, int(self.tick_interval_s * 1000)))
         next_tick = time.monotonic()
         while not self._stop.is_set():
-            try:
-                frames = self._sock.recv_multipart(copy=True)
-            except zmq.Again:
-                frames = None
-            except zmq.ZMQError as exc:  # a message over MAXMSGSIZE drops the peer, not us
-                log.warning("receive failed: %s", exc)
-                frames = None
-            if frames is not None and len(frames) >= 2:
-                self._reply(frames)
+            for key, events in self._sel.select(max(0.0, next_tick - time.monotonic())):
+                if key.data is not None:
+                    self._on_event(key.data, events)
+                elif key.fileobj is self._listener:
+                    self._accept()
             if time.monotonic() >= next_tick:
                 with self.lock:
                     self.service.core.tick()
                 next_tick = time.monotonic() + self.tick_interval_s
 
-    def _reply(self, frames: list[bytes]) -> None:
-        with self.lock:
-            reply = self.service.handle(frames[-1])
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # out of descriptors, or the peer reset already
+                log.warning("accept failed: %s", exc)
+                return
+            sock.setblocking(False)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn = _Conn(sock)
+            self._conns[sock.fileno()] = conn
+            self._sel.register(sock, _READ, conn)
+
+    def _on_event(self, conn: _Conn, events: int) -> None:
+        if events & _WRITE:
+            self._flush(conn)
+        elif events & _READ:
+            self._read(conn)
+
+    def _read(self, conn: _Conn) -> None:
         try:
-            self._sock.send_multipart([*frames[:-1], reply], zmq.NOBLOCK)
-        except zmq.ZMQError as exc:  # the peer went away; nothing to do
-            log.debug("reply dropped: %s", exc)
+            data = conn.sock.recv(RECV_BYTES)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(conn)
+            return
+        try:
+            frames = conn.decoder.feed(data)
+        except RemoteProtocolError as exc:
+            log.warning("dropping an RPC client: %s", exc)
+            conn.closing = True
+            self._send(conn, encode_frame(encode_reply(0, int(E.INVALID_PARAMS), str(exc))))
+            return
+        if frames:
+            replies = self._handle(frames)
+            self._send(conn, replies[0] if len(replies) == 1 else b"".join(replies))
+
+    def _handle(self, frames: list[bytes]) -> list[bytes]:
+        handle = self.service.handle
+        with self.lock:
+            replies = [handle(frame) for frame in frames]
+        try:
+            return [encode_frame(reply) for reply in replies]
+        except LocalProtocolError:
+            return [self._frame_or_refusal(frame, reply)
+                    for frame, reply in zip(frames, replies, strict=True)]
+
+    @staticmethod
+    def _frame_or_refusal(request: bytes, reply: bytes) -> bytes:
+        """The reply's frame, or an error reply when the result is too large to send."""
+        try:
+            return encode_frame(reply)
+        except LocalProtocolError as exc:
+            return encode_frame(encode_reply(peek_req_id(request), int(E.INVALID_PARAMS),
+                                             f"reply too large: {exc}"))
+
+    def _send(self, conn: _Conn, data: bytes) -> None:
+        if conn.out:  # already waiting for the socket to drain: keep the order
+            conn.out += data
+            return
+        try:
+            sent = conn.sock.send(data)
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        except OSError:  # the peer went away; its replies go nowhere
+            self._drop(conn)
+            return
+        if sent < len(data):
+            conn.out += memoryview(data)[sent:]
+            self._sel.modify(conn.sock, _WRITE, conn)
+        elif conn.closing:
+            self._drop(conn)
+
+    def _flush(self, conn: _Conn) -> None:
+        """The socket takes more of what is waiting; read again once everything is out."""
+        try:
+            sent = conn.sock.send(conn.out)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self._drop(conn)
+            return
+        del conn.out[:sent]
+        if conn.out:
+            return
+        if conn.closing:
+            self._drop(conn)
+        else:
+            self._sel.modify(conn.sock, _READ, conn)
+
+    def _drop(self, conn: _Conn) -> None:
+        self._conns.pop(conn.sock.fileno(), None)
+        try:
+            self._sel.unregister(conn.sock)
+        except (KeyError, ValueError):
+            pass
+        conn.sock.close()

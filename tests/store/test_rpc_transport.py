@@ -1,0 +1,169 @@
+"""RpcClient against scripted TCP servers: timeouts, late replies, broken and reset
+connections, a master that closed an idle connection, a malformed reply."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from kvpool.errors import RpcError, RpcTimeout
+from kvpool.store.framing import FrameDecoder, encode_frame
+from kvpool.store.protocol import Op, decode_request, encode_reply
+from kvpool.store.rpc_client import RpcClient, parse_address
+
+Script = Callable[[socket.socket, int], None]
+
+
+@contextmanager
+def scripted_server(script: Script) -> Iterator[tuple[str, list[int]]]:
+    """A server that runs `script(conn, index)` on each accepted connection in turn;
+    yields its address and the list of connection indexes it accepted."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(0.1)
+    accepted: list[int] = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                continue
+            accepted.append(len(accepted))
+            with conn:
+                script(conn, accepted[-1])
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield f"127.0.0.1:{listener.getsockname()[1]}", accepted
+    finally:
+        stop.set()
+        thread.join(5)
+        listener.close()
+
+
+def read_request_ids(conn: socket.socket, count: int) -> list[int]:
+    decoder, ids = FrameDecoder(), []
+    conn.settimeout(5)
+    while len(ids) < count:
+        data = conn.recv(65536)
+        if not data:
+            break
+        ids += [decode_request(f).req_id for f in decoder.feed(data)]
+    return ids
+
+
+def answer(conn: socket.socket, req_id: int, result: object = "pong") -> None:
+    conn.sendall(encode_frame(encode_reply(req_id, 0, result)))
+
+
+def test_late_reply_of_a_timed_out_call_is_skipped() -> None:
+    def script(conn: socket.socket, index: int) -> None:
+        assert read_request_ids(conn, 1) == [1]     # no answer in time
+        assert read_request_ids(conn, 1) == [2]
+        answer(conn, 1, "late")
+        answer(conn, 2, "second")
+        read_request_ids(conn, 1)
+    with scripted_server(script) as (address, accepted):
+        with RpcClient(address, "c", timeout_s=0.3) as client:
+            t0 = time.monotonic()
+            with pytest.raises(RpcTimeout, match=r"did not answer within 0.3s"):
+                client.call(Op.PING)
+            assert 0.25 < time.monotonic() - t0 < 2
+            assert client.call(Op.PING) == "second"
+        assert accepted == [0]                        # the same connection throughout
+
+
+def test_connection_closed_mid_call_fails_that_call_then_reconnects() -> None:
+    def script(conn: socket.socket, index: int) -> None:
+        ids = read_request_ids(conn, 1)
+        if index == 1:
+            answer(conn, ids[0])
+            read_request_ids(conn, 1)
+    with scripted_server(script) as (address, accepted):
+        with RpcClient(address, "c", timeout_s=5) as client:
+            t0 = time.monotonic()
+            with pytest.raises(RpcError, match="closed the connection"):
+                client.call(Op.PING)
+            assert time.monotonic() - t0 < 2                 # not a timeout: no hang
+            assert client.call(Op.PING) == "pong"
+        assert accepted == [0, 1]
+
+
+def test_idle_connection_closed_by_the_master_is_replaced_silently() -> None:
+    def script(conn: socket.socket, index: int) -> None:
+        ids = read_request_ids(conn, 1)
+        answer(conn, ids[0], f"conn{index}")
+        if index == 1:
+            read_request_ids(conn, 1)
+    with scripted_server(script) as (address, accepted):
+        with RpcClient(address, "c") as client:
+            assert client.call(Op.PING) == "conn0"
+            time.sleep(0.2)                                   # the server has closed it
+            assert client.call(Op.PING) == "conn1"
+        assert accepted == [0, 1]
+
+
+def test_oversized_reply_is_an_error_and_the_next_call_reconnects() -> None:
+    def script(conn: socket.socket, index: int) -> None:
+        ids = read_request_ids(conn, 1)
+        if index == 0:
+            conn.sendall(struct.pack("<I", (64 << 20) + 1))
+        else:
+            answer(conn, ids[0])
+        read_request_ids(conn, 1)
+    with scripted_server(script) as (address, accepted):
+        with RpcClient(address, "c") as client:
+            with pytest.raises(RpcError, match="malformed reply .* exceeds"):
+                client.call(Op.PING)
+            assert client.call(Op.PING) == "pong"
+        assert accepted == [0, 1]
+
+
+def test_undecodable_reply_is_an_error() -> None:
+    def script(conn: socket.socket, index: int) -> None:
+        read_request_ids(conn, 1)
+        conn.sendall(encode_frame(b"\xc1"))
+        read_request_ids(conn, 1)
+    with scripted_server(script) as (address, _):
+        with RpcClient(address, "c") as client:
+            with pytest.raises(RpcError, match="malformed reply"):
+                client.call(Op.PING)
+
+
+def test_master_refusal_and_closed_client() -> None:
+    def script(conn: socket.socket, index: int) -> None:
+        ids = read_request_ids(conn, 1)
+        conn.sendall(encode_frame(encode_reply(ids[0], -600, "bad arguments")))
+        read_request_ids(conn, 1)
+    with scripted_server(script) as (address, _):
+        client = RpcClient(address, "c")
+        with pytest.raises(RpcError, match=r"master refused PING \(code -600\): bad arguments"):
+            client.call(Op.PING)
+        client.close()
+        with pytest.raises(RpcError, match="RPC client is closed"):
+            client.call(Op.PING)
+
+
+def test_unreachable_master_times_out_at_the_call_timeout() -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))                  # bound, not listening: refused
+        with RpcClient(f"127.0.0.1:{holder.getsockname()[1]}", "c", timeout_s=5) as client:
+            t0 = time.monotonic()
+            with pytest.raises(RpcTimeout, match=r"not reachable \(no connection within 0.3s"):
+                client.call(Op.PING, timeout_s=0.3)
+            assert 0.2 < time.monotonic() - t0 < 2
+
+
+def test_parse_address() -> None:
+    assert parse_address("10.0.0.1:6000") == ("10.0.0.1", 6000)
+    assert parse_address("master") == ("master", 50051)
+    for bad in ("h:0", "h:65536", "h:x"):
+        with pytest.raises(RpcError, match="bad master address"):
+            parse_address(bad)
