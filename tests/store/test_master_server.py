@@ -189,3 +189,19 @@ def test_oversized_frame_drops_that_peer_only(master: MasterServer) -> None:
     with RpcClient(master.address, "w") as w:
         assert w.call(Op.PING) == "pong"
         assert w.call(Op.EXISTS, ["k" * 4097, "k"]) == [-600, -704]
+
+
+def test_a_client_that_does_not_read_stalls_only_itself(master: MasterServer) -> None:
+    with RpcClient(master.address, "node") as node:
+        for i in range(100):
+            assert node.call(Op.MOUNT, f"127.0.0.1:{7000 + i}", 0, 1 << 20, 1)[0] == 0
+        sock = _raw(master)       # ~1,500 replies of ~9 KB: far more than the socket buffers
+        sock.sendall(b"".join(encode_frame(encode_request(Op.SEGMENTS, i, "s"))
+                              for i in range(1, 1501)))
+        time.sleep(0.3)
+        assert node.call(Op.PING, timeout_s=2) == "pong"
+        replies = [decode_reply(f) for f in _read_frames(sock, 1500)]
+        assert [r.req_id for r in replies] == list(range(1, 1501))
+        assert all(r.status == 0 and len(r.result) == 100 for r in replies)
+        sock.close()
+        assert node.call(Op.PING) == "pong"
