@@ -7,6 +7,7 @@ Mooncake's `mooncake_master` flag spellings are accepted as aliases, with Moonca
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import signal
 import threading
 
@@ -77,12 +78,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--allocation-strategy", "--allocation_strategy", dest="strategy",
                    choices=("random", "free_ratio_first"), default=_DEF.allocation_strategy)
     p.add_argument("--eviction-policy", default=_DEF.eviction_policy, help="lru or fifo")
+    p.add_argument("--token", default=None,
+                   help="shared secret every RPC connection must present (default: $KVPOOL_TOKEN)")
     p.set_defaults(func=run)
 
 
 def build_configs(args: argparse.Namespace) -> tuple[MasterServerConfig, MasterConfig]:
     server = MasterServerConfig(args.host, args.rpc_port, args.admin_port, args.metadata_port,
                                 args.metadata)
+    if args.token:
+        server = dataclasses.replace(server, token=args.token)
     config = MasterConfig(lease_ttl_s=args.lease_ttl_ms / 1000,
                           soft_pin_ttl_s=args.soft_pin_ttl_ms / 1000,
                           high_watermark=args.watermark, eviction_ratio=args.eviction_ratio,

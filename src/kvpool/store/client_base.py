@@ -43,15 +43,17 @@ class ClientBase:
         self.clock = clock
         self.engine = TransferEngine(TransferConfig(
             host=config.local_hostname, port=config.te_port, metadata=config.metadata,
-            protocol=config.protocol, timeout_s=config.transfer_timeout_s)).start()
+            protocol=config.protocol, timeout_s=config.transfer_timeout_s,
+            token=config.token)).start()
         self.endpoint: str = self.engine.segment_name
         self.host = self.endpoint.rsplit(":", 1)[0]
         self.client_id = config.client_id or f"{self.endpoint}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._rpc = RpcClient(config.master, self.client_id, config.rpc_timeout_s)
+        self._rpc = RpcClient(config.master, self.client_id, config.rpc_timeout_s, config.token)
         self._segments: dict[str, Any] = {}  # segment id -> managed Buffer
         self._staging = StagingArea(self.engine, config.local_buffer_size)
         self._stop = threading.Event()
-        self._hb_rpc = RpcClient(config.master, self.client_id, config.rpc_timeout_s)
+        self._hb_rpc = RpcClient(config.master, self.client_id, config.rpc_timeout_s,
+                                 config.token)
         self._hb = threading.Thread(target=self._heartbeat_loop, daemon=True,
                                     name="kvpool-store-heartbeat")
         self._hb.start()

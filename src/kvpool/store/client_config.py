@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 from kvpool.errors import ConfigError
 
@@ -31,6 +32,8 @@ class ClientConfig:
     prefault: bool = True
     """Touch every page of a mounted segment up front, so the first puts into it do not pay
     for page allocation (fresh shared-memory pages cost ~10x a copy on first write)."""
+    token: str | None = field(default_factory=lambda: os.environ.get("KVPOOL_TOKEN") or None)
+    """Shared secret for the master's RPC and the transfer engine (default: $KVPOOL_TOKEN)."""
     client_id: str = ""
     """Empty: derived from the transfer-engine endpoint and the process id."""
 

@@ -4,8 +4,9 @@ server around one MasterCore."""
 from __future__ import annotations
 
 import gc
+import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.clock import SYSTEM_CLOCK, Clock
@@ -34,6 +35,8 @@ class MasterServerConfig:
     enable_http_metadata: bool = True
     tick_interval_s: float = 0.1
     """How often timeouts and watermark eviction are checked."""
+    token: str | None = field(default_factory=lambda: os.environ.get("KVPOOL_TOKEN") or None)
+    """Shared secret every RPC connection must present first (default: $KVPOOL_TOKEN)."""
 
     def __post_init__(self) -> None:
         for name in ("rpc_port", "admin_port", "metadata_port"):
@@ -88,7 +91,7 @@ class MasterServer:
     def start(self) -> MasterServer:
         cfg = self.server_config
         self._rpc = RpcServer(self.service, cfg.host, cfg.rpc_port, self.lock,
-                              cfg.tick_interval_s)
+                              cfg.tick_interval_s, cfg.token)
         self._admin = HttpServerThread(create_admin_app(self.core, self.lock, self.metrics),
                                        cfg.host, cfg.admin_port)
         self._admin.start()

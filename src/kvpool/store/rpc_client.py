@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from kvpool.errors import RemoteProtocolError, RpcError, RpcTimeout
-from kvpool.store.framing import FrameDecoder, encode_frame
+from kvpool.store.framing import FrameDecoder, encode_auth, encode_frame
 from kvpool.store.protocol import Op, Reply, decode_reply, encode_request
 
 RECV_BYTES = 256 << 10
@@ -42,8 +42,10 @@ def _timeval(seconds: float) -> bytes:
 
 
 class RpcClient:
-    def __init__(self, address: str, client_id: str, timeout_s: float = 5.0) -> None:
+    def __init__(self, address: str, client_id: str, timeout_s: float = 5.0,
+                 token: str | None = None) -> None:
         self._host, self._port = parse_address(address)
+        self._token = token
         self.address = f"{self._host}:{self._port}"
         self.client_id = client_id
         self.timeout_s = timeout_s
@@ -124,6 +126,8 @@ class RpcClient:
                 time.sleep(CONNECT_RETRY_S)
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._token is not None:  # sent ahead of the first request; no reply of its own
+            sock.sendall(encode_auth(self._token))
         self._decoder = FrameDecoder()
         self._frames = []
         self._sock_timeout = -1.0
@@ -157,6 +161,8 @@ class RpcClient:
                 reply = self._decode(self._frames.pop(0))
                 if reply.req_id == frame_id:
                     return reply
+                if reply.req_id == 0 and reply.status != 0:  # the master refused the connection
+                    raise RpcError(f"master {self.address} refused the connection: {reply.result}")
             if time.monotonic() > deadline:  # only late replies of earlier calls arrived
                 raise RpcTimeout(f"master {self.address} did not answer within {timeout_s}s")
             self._frames = self._receive(sock, timeout_s)

@@ -13,6 +13,7 @@ admin HTTP server can read it from its own thread.
 
 from __future__ import annotations
 
+import hmac
 import selectors
 import socket
 import threading
@@ -21,7 +22,7 @@ import time
 from kvpool.errors import LocalProtocolError, RemoteProtocolError
 from kvpool.log import get_logger
 from kvpool.store.codes import ErrorCode as E
-from kvpool.store.framing import FrameDecoder, encode_frame
+from kvpool.store.framing import FrameDecoder, auth_token, encode_frame
 from kvpool.store.protocol import encode_reply, peek_req_id
 from kvpool.store.service import MasterService
 
@@ -31,20 +32,24 @@ _READ, _WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
 
 
 class _Conn:
-    __slots__ = ("sock", "decoder", "out", "closing")
+    __slots__ = ("sock", "decoder", "out", "closing", "authed")
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, authed: bool) -> None:
         self.sock = sock
         self.decoder = FrameDecoder()
         self.out = bytearray()
         self.closing = False
         """Close once `out` is flushed (after a protocol error)."""
+        self.authed = authed
+        """False until the connection presented the shared token (when one is set)."""
 
 
 class RpcServer:
     def __init__(self, service: MasterService, host: str, port: int,
-                 lock: threading.Lock, tick_interval_s: float = 0.1) -> None:
+                 lock: threading.Lock, tick_interval_s: float = 0.1,
+                 token: str | None = None) -> None:
         self.service = service
+        self.token = token
         self.lock = lock
         self.tick_interval_s = tick_interval_s
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -108,7 +113,7 @@ class RpcServer:
                 return
             sock.setblocking(False)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn = _Conn(sock)
+            conn = _Conn(sock, authed=self.token is None)
             self._conns[sock.fileno()] = conn
             self._sel.register(sock, _READ, conn)
 
@@ -135,9 +140,27 @@ class RpcServer:
             conn.closing = True
             self._send(conn, encode_frame(encode_reply(0, int(E.INVALID_PARAMS), str(exc))))
             return
+        frames = self._authenticate(conn, frames)
         if frames:
             replies = self._handle(frames)
             self._send(conn, replies[0] if len(replies) == 1 else b"".join(replies))
+
+    def _authenticate(self, conn: _Conn, frames: list[bytes]) -> list[bytes]:
+        """Frames left to serve. A connection to a master with a shared token must start with
+        an auth frame carrying it; otherwise it gets one error reply (request id 0) and is
+        closed. A master without a token ignores a leading auth frame."""
+        if conn.authed or not frames:
+            return frames[1:] if frames and auth_token(frames[0]) is not None else frames
+        offered = auth_token(frames[0])
+        if offered is not None and self.token is not None and hmac.compare_digest(
+                offered.encode(), self.token.encode()):
+            conn.authed = True
+            return frames[1:]
+        log.warning("refusing an RPC client: wrong or missing shared token")
+        conn.closing = True
+        self._send(conn, encode_frame(encode_reply(
+            0, int(E.INVALID_PARAMS), "authentication failed: wrong or missing shared token")))
+        return []
 
     def _handle(self, frames: list[bytes]) -> list[bytes]:
         handle = self.service.handle
