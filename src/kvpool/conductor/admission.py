@@ -73,30 +73,40 @@ class NoAdmission(_Base):
         return Rejected(reason, "decode", 0.0, tbt, 0.0, load)
 
 
-class EarlyRejection(_Base):
+class _EarlyBase(_Base):
+    """Refuse at arrival on max(prefill load, decode load); subclasses say which decode load."""
+
     def at_arrival(self, req: RequestInfo, prefill: PrefillChoice, decode: DecodeChoice | None,
                    view: ClusterView, now: float) -> Rejected | None:
         p_load = prefill.ttft_s / self.config.ttft_slo_s
         if decode is None:
             return self._verdict(prefill, 0.0, p_load, 0.0)
         d = view.decode[decode.instance_id]
-        tbt = active_tbt_s(self.cost, d, req)
-        d_load = self.decode_load(tbt, d.active_tokens + req.input_len, d.kv_capacity_tokens)
-        return self._verdict(prefill, tbt, p_load, d_load)
+        tbt, tokens = self.decode_estimate(req, d, prefill, now)
+        return self._verdict(prefill, tbt, p_load, self.decode_load(tbt, tokens, d.kv_capacity_tokens))
+
+    def decode_estimate(self, req: RequestInfo, d: DecodeLoad, prefill: PrefillChoice,
+                        now: float) -> tuple[float, int]:
+        """(TBT s, KV tokens) of decode instance `d` once it holds `req`."""
+        raise NotImplementedError
 
 
-class PredictedEarlyRejection(_Base):
-    def at_arrival(self, req: RequestInfo, prefill: PrefillChoice, decode: DecodeChoice | None,
-                   view: ClusterView, now: float) -> Rejected | None:
-        p_load = prefill.ttft_s / self.config.ttft_slo_s
-        if decode is None:
-            return self._verdict(prefill, 0.0, p_load, 0.0)
-        d = view.decode[decode.instance_id]
+class EarlyRejection(_EarlyBase):
+    """The decode load as it is now."""
+
+    def decode_estimate(self, req: RequestInfo, d: DecodeLoad, prefill: PrefillChoice,
+                        now: float) -> tuple[float, int]:
+        return active_tbt_s(self.cost, d, req), d.active_tokens + req.input_len
+
+
+class PredictedEarlyRejection(_EarlyBase):
+    """The decode load predicted for when this request's prefill ends (horizon t_d)."""
+
+    def decode_estimate(self, req: RequestInfo, d: DecodeLoad, prefill: PrefillChoice,
+                        now: float) -> tuple[float, int]:
         count, tokens = predicted_at(d, now + prefill.ttft_s, self.config.decode_horizon_s)
         tokens += req.input_len
-        tbt = self.cost.decode_step_s(count + 1, tokens)
-        d_load = self.decode_load(tbt, tokens, d.kv_capacity_tokens)
-        return self._verdict(prefill, tbt, p_load, d_load)
+        return self.cost.decode_step_s(count + 1, tokens), tokens
 
 
 AdmissionFactory = Callable[[CostModel, ConductorConfig], AdmissionPolicy]
