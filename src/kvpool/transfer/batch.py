@@ -7,6 +7,10 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvpool.log import get_logger
+
+log = get_logger("transfer.batch")
+
 
 class OpCode(enum.IntEnum):
     READ = 0  # copy target memory into the local buffer
@@ -88,7 +92,10 @@ class Batch:
             else:
                 callbacks = []
         for callback in callbacks:
-            callback()
+            try:
+                callback()
+            except Exception:  # a waiter that went away must not break the reporting thread
+                log.debug("batch completion callback failed", exc_info=True)
 
     def _complete_one(self, index: int, reason: str | None) -> None:
         if self._status[index].state != RequestState.PENDING:

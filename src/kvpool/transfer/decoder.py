@@ -97,7 +97,7 @@ class FrameDecoder:
         need = header.descriptor_bytes
         if len(self._buf) < need:
             return NEED_DATA
-        addrs, lengths = decode_descriptors(bytes(self._buf[:need]), header)
+        addrs, lengths = decode_descriptors(bytes(self._buf[:need]), header) if need else ([], [])
         del self._buf[:need]
         self._in_payload, self._payload_left = True, header.payload_len
         return FrameStart(header, addrs, lengths)

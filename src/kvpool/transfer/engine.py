@@ -46,6 +46,15 @@ class TransferEngine:
     # -- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> TransferEngine:
+        """Listen, connect to the directory and publish the segment; on failure everything
+        started so far is closed again before the error propagates."""
+        try:
+            return self._start()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self) -> TransferEngine:
         sweep_stale_shm()
         self._target = TcpTarget(self.registry, self.config.host, self.config.port,
                                  self.config.token, lambda: self.descriptor().to_dict())
@@ -227,4 +236,5 @@ def _resolve(future: asyncio.Future[None]) -> None:
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, future: asyncio.Future[None]) -> None:
-    loop.call_soon_threadsafe(_resolve, future)
+    if not loop.is_closed():  # the awaiting coroutine may be long gone
+        loop.call_soon_threadsafe(_resolve, future)

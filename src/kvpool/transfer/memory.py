@@ -11,6 +11,8 @@ import bisect
 import ctypes
 import mmap
 import os
+import re
+import stat
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -144,6 +146,9 @@ class SharedMemoryArena:
         try:
             os.ftruncate(fd, length)
             mem = mmap.mmap(fd, length)
+        except BaseException:
+            _unlink(name)
+            raise
         finally:
             os.close(fd)
         view = memoryview(mem).cast("B")
@@ -171,17 +176,28 @@ def _unlink(name: str) -> None:
         pass
 
 
-def map_peer_shm(name: str, length: int) -> memoryview:
-    """Map a same-host peer's managed buffer; raises OSError if it is not reachable.
+SHM_NAME = re.compile(r"^kvpool-(\d+)-[0-9a-f]+-\d+$")
+"""Names of managed-buffer files: kvpool-<pid>-<engine tag>-<counter>."""
+
+
+def map_peer_shm(name: str, length: int, pid: int) -> tuple[memoryview, int]:
+    """Map a same-host peer's managed buffer; returns the view and the open fd (to detect a
+    later unlink). Raises OSError unless `name` is a managed-buffer file of process `pid`:
+    a regular file in /dev/shm owned by us, at least `length` bytes long.
 
     The mapping is populated up front (MAP_POPULATE): one pass over the page tables at first
     contact instead of a page fault on every first touch inside transfers.
     """
-    fd = os.open(f"/dev/shm/{name}", os.O_RDWR)
+    match = SHM_NAME.match(name)
+    if match is None or int(match.group(1)) != pid:
+        raise OSError(f"{name!r} is not a managed buffer of process {pid}")
+    fd = os.open(f"/dev/shm/{name}", os.O_RDWR | os.O_NOFOLLOW)
     try:
-        if os.fstat(fd).st_size < length:
-            raise OSError(f"/dev/shm/{name} is smaller than advertised")
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_size < length:
+            raise OSError(f"/dev/shm/{name} is not a regular file of ours of {length} bytes")
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        return memoryview(mmap.mmap(fd, length, flags=flags)).cast("B")
-    finally:
+        return memoryview(mmap.mmap(fd, length, flags=flags)).cast("B"), fd
+    except BaseException:
         os.close(fd)
+        raise

@@ -37,7 +37,7 @@ HEADER_BYTES = HEADER.size  # 28
 DESCRIPTOR_BYTES = 16
 MAX_DESCRIPTORS = 1 << 16
 MAX_PAYLOAD_BYTES = 1 << 34
-MAX_CONTROL_BYTES = 1 << 20
+MAX_CONTROL_BYTES = 64 << 10
 _DESC_DTYPE = np.dtype("<u8")
 
 
@@ -176,7 +176,7 @@ def decode_control(header: Header, payload: bytes) -> dict[str, Any] | str:
         return payload.decode("utf-8", errors="replace")
     try:
         body = json.loads(payload)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise RemoteProtocolError(f"{header.type.name} payload is not JSON: {exc}") from None
     if not isinstance(body, dict):
         raise RemoteProtocolError(f"{header.type.name} payload must be a JSON object")

@@ -21,6 +21,7 @@ from kvpool.transfer.shm import ShmPeer, ShmTransport
 from kvpool.transfer.tcp_client import PeerLink
 
 ShmItem = tuple[int, memoryview, memoryview]
+_ADDR_LIMIT = 1 << 64
 
 
 class Router:
@@ -40,6 +41,8 @@ class Router:
             links, self._links = list(self._links.values()), {}
         for link in links:
             link.close()
+        for peer in list(self._shm_peers.values()):
+            peer.close()
         self._shm.close()
 
     def dispatch(self, batch: Batch, requests: list[TransferRequest], inline: bool = False) -> None:
@@ -52,7 +55,10 @@ class Router:
             groups.setdefault((req.target, req.op), []).append(offset)
         for (target, op), offsets in groups.items():
             items = [(first + i, requests[i]) for i in offsets]
-            self._dispatch_group(batch, op, target, items, inline)
+            try:
+                self._dispatch_group(batch, op, target, items, inline)
+            except Exception as exc:  # never leave a request PENDING behind an error
+                batch.complete([index for index, _ in items], f"{target}: {exc!r}")
 
     def _dispatch_group(self, batch: Batch, op: OpCode, target: str,
                         items: list[tuple[int, TransferRequest]], inline: bool) -> None:
@@ -103,6 +109,9 @@ class Router:
                     cache: list[Buffer | None]) -> memoryview | None:
         """The local side of `req`, or None after failing it. `cache[0]` remembers the last
         buffer found, since a batch usually walks through one buffer."""
+        if not (0 <= req.target_addr < _ADDR_LIMIT and 0 <= req.length < _ADDR_LIMIT):
+            batch.complete([index], f"invalid target address {req.target_addr} or length {req.length}")
+            return None
         buf = cache[0]
         if buf is None or not buf.contains(req.local_addr, req.length):
             buf = cache[0] = self._registry.find(req.local_addr, req.length)
@@ -123,6 +132,8 @@ class Router:
             return None
         peer = self._shm_peers.get(target)
         if peer is None or peer.descriptor is not descriptor:
+            if peer is not None:
+                peer.close()
             peer = ShmPeer(descriptor)
             self._shm_peers[target] = peer
         if not peer.watch.alive():

@@ -7,6 +7,7 @@ import json
 import os
 import select
 import socket
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,6 +103,7 @@ class ProcessWatch:
 
     def __init__(self, pid: int) -> None:
         self.pid = pid
+        self._lock = threading.Lock()
         try:
             self._fd: int | None = os.pidfd_open(pid)
         except (OSError, AttributeError):
@@ -111,14 +113,17 @@ class ProcessWatch:
     def alive(self) -> bool:
         if self._dead:
             return False
-        if self._fd is None:
-            return pid_exists(self.pid)
-        ready, _, _ = select.select([self._fd], [], [], 0)
-        if ready:
-            self._dead = True
-            os.close(self._fd)
-            self._fd = None
-        return not self._dead
+        with self._lock:
+            if self._dead:
+                return False
+            if self._fd is None:
+                return pid_exists(self.pid)
+            ready, _, _ = select.select([self._fd], [], [], 0)
+            if ready:
+                self._dead = True
+                os.close(self._fd)
+                self._fd = None
+            return not self._dead
 
     def __del__(self) -> None:
         if getattr(self, "_fd", None) is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -24,12 +25,16 @@ def copy_bytes(dst: memoryview, src: memoryview) -> None:
 
 
 class ShmPeer:
-    """The shared regions of one same-host peer, mapped on first use."""
+    """The shared regions of one same-host peer, mapped on first use.
+
+    A region whose file the peer has since unlinked (freed) no longer resolves, so requests to
+    it go over tcp and get the target's verdict instead of landing in orphaned memory.
+    """
 
     def __init__(self, descriptor: SegmentDescriptor) -> None:
         self.descriptor = descriptor
         self.watch = ProcessWatch(descriptor.pid)
-        self._maps: dict[str, memoryview] = {}
+        self._maps: dict[str, tuple[memoryview, int]] = {}
         self._lock = threading.Lock()
 
     def resolve(self, addr: int, length: int) -> memoryview | None:
@@ -44,14 +49,23 @@ class ShmPeer:
 
     def _map(self, name: str, length: int) -> memoryview | None:
         with self._lock:
-            view = self._maps.get(name)
-            if view is None:
+            entry = self._maps.get(name)
+            if entry is None:
                 try:
-                    view = map_peer_shm(name, length)
+                    entry = map_peer_shm(name, length, self.descriptor.pid)
                 except OSError:
                     return None
-                self._maps[name] = view
+                self._maps[name] = entry
+            view, fd = entry
+            if os.fstat(fd).st_nlink == 0:  # freed by its owner since we mapped it
+                return None
             return view
+
+    def close(self) -> None:
+        with self._lock:
+            maps, self._maps = self._maps, {}
+        for _, fd in maps.values():
+            os.close(fd)
 
 
 class ShmTransport:

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import os
-import re
 
+from kvpool.transfer.memory import SHM_NAME as _NAME
 from kvpool.transfer.segment import pid_exists
-
-_NAME = re.compile(r"^kvpool-(\d+)-[0-9a-f]+-\d+$")
 
 
 def sweep_stale_shm(directory: str = "/dev/shm") -> int:

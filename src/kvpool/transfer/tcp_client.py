@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import itertools
 import queue
+import select
 import socket
 import threading
 from dataclasses import dataclass
 from typing import Any
 
-from kvpool.errors import AuthError, KvpoolError, PeerUnavailable, RemoteProtocolError
+from kvpool.errors import AuthError, PeerUnavailable, RemoteProtocolError
 from kvpool.transfer.batch import Batch, OpCode
 from kvpool.transfer.config import TransferConfig
 from kvpool.transfer.protocol import (
@@ -147,7 +148,7 @@ class PeerLink:
         try:
             sock = self._checkout()
             statuses = _run_frame(sock, frame)
-        except (OSError, KvpoolError) as exc:
+        except Exception as exc:  # whatever happens, the frame ends and the worker lives
             if sock is not None:
                 sock.close()
             frame.fail(f"{self.host}:{self.port}: {_describe(exc)}")
@@ -159,8 +160,11 @@ class PeerLink:
         with self._lock:
             if self._closed:
                 raise PeerUnavailable("transfer engine is closed")
-            if self._idle:
-                return self._idle.pop()
+            idle = self._idle.pop() if self._idle else None
+        if idle is not None and _still_open(idle):
+            return idle
+        if idle is not None:
+            idle.close()  # the peer closed it while idle (e.g. it restarted)
         sock, _ = open_connection(self.host, self.port, self._config, self._me)
         return sock
 
@@ -170,6 +174,16 @@ class PeerLink:
                 self._idle.append(sock)
                 return
         sock.close()
+
+
+def _still_open(sock: socket.socket) -> bool:
+    """False when an idle connection was closed or reset by the peer. (An idle connection
+    has nothing to read unless the peer closed it: then the peek sees EOF or an error.)"""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        return not readable or sock.recv(1, socket.MSG_PEEK) != b""
+    except OSError:
+        return False
 
 
 def _describe(exc: BaseException) -> str:

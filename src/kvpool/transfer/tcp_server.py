@@ -31,6 +31,7 @@ from kvpool.transfer.wire import recv_exact, recv_into_views, send_views
 
 log = get_logger("transfer.tcp")
 _DISCARD = memoryview(bytearray(1 << 20))
+HANDSHAKE_TIMEOUT_S = 10.0
 
 
 class TcpTarget:
@@ -67,7 +68,14 @@ class TcpTarget:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
                 self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="kvpool-tcp-conn", daemon=True).start()
+            try:
+                threading.Thread(target=self._serve, args=(conn,), name="kvpool-tcp-conn",
+                                 daemon=True).start()
+            except RuntimeError as exc:  # out of threads: refuse this peer, keep accepting
+                log.warning("cannot serve a new peer: %s", exc)
+                with self._lock:
+                    self._conns.discard(conn)
+                _shutdown(conn)
 
     def _serve(self, conn: socket.socket) -> None:
         try:
@@ -79,16 +87,22 @@ class TcpTarget:
             _try_send(conn, encode_control(FrameType.ERROR, f"protocol error: {exc}"))
         except (OSError, KvpoolError):
             pass
+        except Exception:  # a bug must cost this connection only, never the target
+            log.exception("dropping peer after an unexpected error")
         finally:
             with self._lock:
                 self._conns.discard(conn)
             _shutdown(conn)
 
     def _handshake(self, conn: socket.socket) -> bool:
+        """HELLO must arrive within HANDSHAKE_TIMEOUT_S; the token is checked before any
+        buffer registered here is reachable."""
+        conn.settimeout(HANDSHAKE_TIMEOUT_S)
         header = decode_header(recv_exact(conn, HEADER_BYTES))
         if header.type != FrameType.HELLO:
             raise RemoteProtocolError(f"expected HELLO, got {header.type.name}")
         body = decode_control(header, bytes(recv_exact(conn, header.payload_len)))
+        conn.settimeout(None)
         token = body.get("token") if isinstance(body, dict) else None
         if self._token is not None and not hmac.compare_digest(str(token or ""), self._token):
             _try_send(conn, encode_control(FrameType.ERROR, "authentication failed: token mismatch"))
