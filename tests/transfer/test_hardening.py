@@ -55,11 +55,12 @@ def test_write_into_a_buffer_the_peer_freed_is_not_done() -> None:
         assert after[0].state == RequestState.FAILED
 
 
-def test_failed_start_releases_the_listener() -> None:
+@pytest.mark.parametrize("metadata", ["http://127.0.0.1:1/metadata", "redis://127.0.0.1:1"])
+def test_failed_start_releases_the_listener(metadata: str) -> None:
     port = free_port()
     before = {t.name for t in threading.enumerate()}
-    engine = TransferEngine(TransferConfig(port=port, metadata="http://127.0.0.1:1/metadata"))
-    with pytest.raises(KvpoolError):
+    engine = TransferEngine(TransferConfig(port=port, metadata=metadata))
+    with pytest.raises(KvpoolError):  # unreachable directory / unsupported directory
         engine.start()
     assert {t.name for t in threading.enumerate()} - before == set()
     with TransferEngine(TransferConfig(port=port)) as again:  # the port is free again

@@ -57,7 +57,8 @@ class TcpTarget:
             conns, self._conns = list(self._conns), set()
         for conn in conns:
             _shutdown(conn)
-        self._thread.join(timeout=5)
+        if self._thread.ident is not None:  # close() may follow a start() that failed early
+            self._thread.join(timeout=5)
 
     def _accept_loop(self) -> None:
         while not self._closed:
