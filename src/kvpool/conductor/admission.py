@@ -21,7 +21,7 @@ from kvpool.conductor.cost import CostModel
 from kvpool.conductor.decode import active_tbt_s, predicted_at
 from kvpool.conductor.types import DecodeChoice, PrefillChoice, Rejected, RequestInfo
 from kvpool.conductor.view import ClusterView, DecodeLoad
-from kvpool.errors import InvalidArgument
+from kvpool.registry import lookup
 
 
 class AdmissionPolicy(Protocol):
@@ -119,10 +119,4 @@ ADMISSION_POLICIES: dict[str, AdmissionFactory] = {
 
 
 def create_admission(name: str, cost: CostModel, config: ConductorConfig) -> AdmissionPolicy:
-    try:
-        factory = ADMISSION_POLICIES[name]
-    except KeyError:
-        raise InvalidArgument(
-            f"unknown admission policy {name!r}; choose one of {sorted(ADMISSION_POLICIES)}"
-        ) from None
-    return factory(cost, config)
+    return lookup(ADMISSION_POLICIES, "admission policy", name)(cost, config)

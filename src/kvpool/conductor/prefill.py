@@ -15,7 +15,7 @@ from kvpool.conductor.config import ConductorConfig
 from kvpool.conductor.cost import CostModel
 from kvpool.conductor.types import PrefillChoice, RequestInfo
 from kvpool.conductor.view import ClusterView, PrefixMatch
-from kvpool.errors import InvalidArgument
+from kvpool.registry import lookup
 
 
 class PrefillPolicy(Protocol):
@@ -143,9 +143,4 @@ PREFILL_POLICIES: dict[str, PolicyFactory] = {
 
 
 def create_prefill_policy(name: str, cost: CostModel, config: ConductorConfig) -> PrefillPolicy:
-    try:
-        factory = PREFILL_POLICIES[name]
-    except KeyError:
-        raise InvalidArgument(
-            f"unknown prefill policy {name!r}; choose one of {sorted(PREFILL_POLICIES)}") from None
-    return factory(cost, config)
+    return lookup(PREFILL_POLICIES, "prefill policy", name)(cost, config)

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from kvpool.errors import ConfigError, InvalidArgument
+from kvpool.registry import lookup
 
 
 class EvictionPolicy(Protocol):
@@ -111,12 +112,10 @@ class BlockCache:
                  on_insert: EvictHook | None = None, on_evict: EvictHook | None = None) -> None:
         if capacity_blocks is not None and capacity_blocks <= 0:
             raise ConfigError(f"capacity_blocks must be > 0 or None, got {capacity_blocks}")
-        if policy not in EVICTION_POLICIES:
-            raise InvalidArgument(
-                f"unknown eviction policy {policy!r}; choose one of {sorted(EVICTION_POLICIES)}")
+        factory = lookup(EVICTION_POLICIES, "eviction policy", policy)
         self.capacity_blocks = capacity_blocks
         self.policy_name = policy
-        self._policy = EVICTION_POLICIES[policy]()
+        self._policy = factory()
         self._blocks: set[int] = set()
         self._on_insert = on_insert
         self._on_evict = on_evict

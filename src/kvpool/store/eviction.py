@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Protocol
 
 from kvpool.errors import ConfigError
+from kvpool.registry import lookup
 
 
 class EvictionPolicy(Protocol):
@@ -67,9 +68,4 @@ EVICTION_POLICIES: dict[str, type[LruEvictionPolicy]] = {
 
 
 def create_eviction_policy(name: str) -> EvictionPolicy:
-    try:
-        return EVICTION_POLICIES[name]()
-    except KeyError:
-        raise ConfigError(
-            f"unknown eviction policy {name!r}; choose one of {sorted(EVICTION_POLICIES)}"
-        ) from None
+    return lookup(EVICTION_POLICIES, "eviction policy", name, ConfigError)()
