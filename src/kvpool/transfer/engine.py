@@ -148,6 +148,10 @@ class TransferEngine:
     def wait(self, batch_id: int, timeout_s: float | None = None) -> list[RequestStatus]:
         """Wait until every request finished; on timeout the unfinished ones are failed."""
         batch = self._batch(batch_id)
+        return self._finish(batch, timeout_s)
+
+    def _finish(self, batch: Batch, timeout_s: float | None) -> list[RequestStatus]:
+        """Wait for `batch` (default 2 x timeout_s); requests unfinished by then are failed."""
         limit = self.config.timeout_s * 2 if timeout_s is None else timeout_s
         if not batch.wait(limit):
             batch.fail_open(f"not finished within {limit:g}s")
@@ -177,10 +181,7 @@ class TransferEngine:
             return []
         batch = Batch(len(requests))
         self._started_router().dispatch(batch, requests, inline=True)
-        limit = self.config.timeout_s * 2 if timeout_s is None else timeout_s
-        if not batch.wait(limit):
-            batch.fail_open(f"not finished within {limit:g}s")
-        return batch.status()
+        return self._finish(batch, timeout_s)
 
     async def async_transfer(self, requests: list[TransferRequest]) -> list[RequestStatus]:
         if not requests:
