@@ -1,0 +1,1 @@
+"""kvpool.engine: the reference inference engine (torch) and its prefill/decode workers."""

@@ -1,0 +1,66 @@
+"""Prefix-chained block hashes: the one key space shared by the engine, the pool and the conductor.
+
+A prompt is cut into full blocks of `block_size` tokens; a trailing partial block has no hash.
+The hash of block i covers the model's identity and every token of blocks 0..i:
+
+    h[-1] = model_hash
+    h[i]  = H(h[i-1] || tokens[i*B:(i+1)*B])        H = blake2b, 8-byte digest
+
+so two prompts share h[i] exactly when they share their first (i+1)*B tokens (up to a 2**-64
+collision), and two models never share a key. The conductor's `PrefixIndex` takes these ints as
+they are; the store keys an object by `block_key(h)`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+from kvpool.errors import InvalidArgument
+
+_MASK = (1 << 64) - 1
+
+
+def model_hash(identity: str) -> int:
+    """The root of every chain for one model (its name, config and weights' fingerprint)."""
+    digest = hashlib.blake2b(identity.encode(), digest_size=8, person=b"kvpool-model").digest()
+    return int.from_bytes(digest, "little")
+
+
+def model_hash_for_dir(model_dir: str | Path) -> int:
+    """The root hash of a checkpoint folder: its config.json and the names and sizes of its
+    weight files (cheap to compute, and changes whenever the weights are replaced)."""
+    folder = Path(model_dir)
+    config = json.loads((folder / "config.json").read_text())
+    weights = sorted((p.name, p.stat().st_size) for p in folder.glob("*.safetensors"))
+    return model_hash(json.dumps({"config": config, "weights": weights}, sort_keys=True))
+
+
+def chain_hash(parent: int, tokens: Sequence[int]) -> int:
+    """The hash of one full block given its parent's hash."""
+    h = hashlib.blake2b(digest_size=8, person=b"kvpool-block")
+    h.update((parent & _MASK).to_bytes(8, "little"))
+    h.update(np.asarray(tokens, dtype=np.int64).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+def prefix_block_hashes(token_ids: Sequence[int], block_size: int, root: int) -> list[int]:
+    """One hash per full block of `token_ids`, each chained on the one before it."""
+    if block_size <= 0:
+        raise InvalidArgument(f"block_size must be positive, got {block_size}")
+    hashes: list[int] = []
+    parent = root
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = chain_hash(parent, token_ids[start:start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
+def block_key(block_hash: int, layer: int | None = None) -> str:
+    """The store key of a block's KV (all layers, or one layer when `layer` is given)."""
+    base = f"kv/{block_hash & _MASK:016x}"
+    return base if layer is None else f"{base}/L{layer}"
