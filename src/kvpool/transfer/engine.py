@@ -60,7 +60,7 @@ class TransferEngine:
         self._target = TcpTarget(self.registry, self.config.host, self.config.port,
                                  self.config.token, lambda: self.descriptor().to_dict(),
                                  self.config.timeout_s)
-        self.segment_name = f"{self.config.host}:{self._target.port}"
+        self.segment_name = self._target.name
         self._backend = connect_metadata(self.config.metadata, timeout_s=self.config.connect_timeout_s)
         peers = PeerDirectory(self._backend, self.config, self.segment_name)
         self._router = Router(self.config, self.registry, peers, self.segment_name)

@@ -12,10 +12,20 @@ import queue
 import select
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from kvpool.errors import AuthError, PeerUnavailable, RemoteProtocolError
+from kvpool.transfer.auth import (
+    INITIATOR,
+    TARGET,
+    check_proof,
+    new_nonce,
+    nonce_of,
+    proof,
+    require_token,
+)
 from kvpool.transfer.batch import Batch, OpCode
 from kvpool.transfer.config import TransferConfig
 from kvpool.transfer.protocol import (
@@ -31,7 +41,7 @@ from kvpool.transfer.protocol import (
     encode_descriptors,
     encode_header,
 )
-from kvpool.transfer.wire import recv_exact, recv_into_views, send_views
+from kvpool.transfer.wire import recv_control, recv_exact, recv_into_views, send_views
 
 _request_ids = itertools.count(1)
 _FAILURE_TEXT = {
@@ -70,25 +80,46 @@ class Frame:
 
 
 def open_connection(host: str, port: int, config: TransferConfig, me: str) -> tuple[socket.socket, dict[str, Any]]:
-    """Connect and handshake; returns the socket and the peer's descriptor (HELLO_OK body)."""
+    """Connect and handshake (see kvpool.transfer.auth); returns the socket and the peer's
+    descriptor (HELLO_OK body). Raises PeerUnavailable, AuthError (the peer refused us, or
+    could not prove it knows our token: it got no frame but HELLO), RemoteProtocolError."""
     try:
         sock = socket.create_connection((host, port), timeout=config.connect_timeout_s)
     except OSError as exc:
         raise PeerUnavailable(f"cannot connect to {host}:{port}: {exc}") from None
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        body = _handshake(sock, f"{host}:{port}", config, me)
         sock.settimeout(config.timeout_s)
-        send_views(sock, [encode_control(FrameType.HELLO, {"token": config.token, "peer": me})])
-        header = decode_header(recv_exact(sock, HEADER_BYTES))
-        body = decode_control(header, bytes(recv_exact(sock, header.payload_len)))
-        if header.type == FrameType.ERROR:
-            raise AuthError(f"{host}:{port} refused the handshake: {body}")
-        if header.type != FrameType.HELLO_OK or not isinstance(body, dict):
-            raise RemoteProtocolError(f"expected HELLO_OK from {host}:{port}, got {header.type.name}")
         return sock, body
     except BaseException:
         sock.close()
         raise
+
+
+def _handshake(sock: socket.socket, name: str, config: TransferConfig, me: str) -> dict[str, Any]:
+    deadline = time.monotonic() + config.timeout_s
+    nonce = new_nonce()
+    send_views(sock, [encode_control(FrameType.HELLO, {"peer": me, "nonce": nonce})])
+    header, body = recv_control(sock, deadline)
+    if header.type == FrameType.CHALLENGE:
+        token = require_token(config.token, name)
+        target_nonce = nonce_of(body)
+        presented = body.get("proof") if isinstance(body, dict) else None
+        if not check_proof(token, TARGET, nonce, target_nonce, name, presented):
+            raise AuthError(f"{name} failed to prove it knows the shared token (wrong token, or "
+                            "not the peer its segment descriptor claims); nothing was sent to it")
+        answer = {"proof": proof(token, INITIATOR, nonce, target_nonce, name)}
+        send_views(sock, [encode_control(FrameType.AUTH, answer)])
+        header, body = recv_control(sock, deadline)
+    elif header.type == FrameType.HELLO_OK and config.token is not None:
+        raise AuthError(f"{name} skipped authentication: it did not prove it knows the shared "
+                        "token; nothing was sent to it")
+    if header.type == FrameType.ERROR:
+        raise AuthError(f"{name} refused the handshake: {body}")
+    if header.type != FrameType.HELLO_OK or not isinstance(body, dict):
+        raise RemoteProtocolError(f"expected HELLO_OK from {name}, got {header.type.name}")
+    return body
 
 
 class PeerLink:

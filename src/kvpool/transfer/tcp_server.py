@@ -10,14 +10,15 @@ A malformed frame or a failed handshake closes that connection only.
 
 from __future__ import annotations
 
-import hmac
 import socket
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from kvpool.errors import KvpoolError, ProtocolError, RemoteProtocolError
 from kvpool.log import get_logger
+from kvpool.transfer.auth import INITIATOR, TARGET, check_proof, new_nonce, nonce_of, proof
 from kvpool.transfer.fence import Fence
 from kvpool.transfer.memory import Buffer, MemoryRegistry
 from kvpool.transfer.protocol import (
@@ -25,13 +26,12 @@ from kvpool.transfer.protocol import (
     FrameType,
     Header,
     Status,
-    decode_control,
     decode_descriptors,
     decode_header,
     encode_control,
     encode_header,
 )
-from kvpool.transfer.wire import recv_exact, recv_into_views, send_views
+from kvpool.transfer.wire import recv_control, recv_exact, recv_into_views, send_views
 
 log = get_logger("transfer.tcp")
 _DISCARD = memoryview(bytearray(1 << 20))
@@ -47,6 +47,7 @@ class TcpTarget:
         self._describe = describe
         self._listener = socket.create_server((host, port), backlog=128, reuse_port=False)
         self.port = int(self._listener.getsockname()[1])
+        self.name = f"{host}:{self.port}"  # our segment name, which the initiator dialed
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
@@ -101,20 +102,30 @@ class TcpTarget:
             _shutdown(conn)
 
     def _handshake(self, conn: socket.socket) -> bool:
-        """HELLO must arrive within HANDSHAKE_TIMEOUT_S; the token is checked before any
-        buffer registered here is reachable."""
-        conn.settimeout(HANDSHAKE_TIMEOUT_S)
-        header = decode_header(recv_exact(conn, HEADER_BYTES))
+        """The whole handshake (kvpool.transfer.auth) must end within HANDSHAKE_TIMEOUT_S; the
+        initiator has proved it knows the token before any buffer registered here is reachable
+        or the segment descriptor is sent."""
+        deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
+        header, body = recv_control(conn, deadline)
         if header.type != FrameType.HELLO:
             raise RemoteProtocolError(f"expected HELLO, got {header.type.name}")
-        body = decode_control(header, bytes(recv_exact(conn, header.payload_len)))
-        conn.settimeout(None)
-        token = body.get("token") if isinstance(body, dict) else None
-        if self._token is not None and not hmac.compare_digest(str(token or ""), self._token):
+        if self._token is not None and not self._authenticate(conn, nonce_of(body), deadline):
             _try_send(conn, encode_control(FrameType.ERROR, "authentication failed: token mismatch"))
             return False
+        conn.settimeout(None)
         send_views(conn, [encode_control(FrameType.HELLO_OK, self._describe())])
         return True
+
+    def _authenticate(self, conn: socket.socket, nonce: str, deadline: float) -> bool:
+        assert self._token is not None
+        own_nonce = new_nonce()
+        challenge = {"nonce": own_nonce, "proof": proof(self._token, TARGET, nonce, own_nonce, self.name)}
+        send_views(conn, [encode_control(FrameType.CHALLENGE, challenge)])
+        header, body = recv_control(conn, deadline)
+        if header.type != FrameType.AUTH:
+            raise RemoteProtocolError(f"expected AUTH, got {header.type.name}")
+        presented = body.get("proof") if isinstance(body, dict) else None
+        return check_proof(self._token, INITIATOR, nonce, own_nonce, self.name, presented)
 
     def _serve_frame(self, conn: socket.socket) -> bool:
         raw = conn.recv(HEADER_BYTES, socket.MSG_WAITALL)
