@@ -5,6 +5,8 @@ argv[1]: JSON of TransferConfig fields; argv[2]: buffer size. Prints one JSON li
   fill ADDR LEN SEED   -> "ok"           (pseudo-random bytes from SEED)
   digest ADDR LEN      -> hex sha256
   fence ADDR VALUE     -> "ok"           (set_fence of the region registered at ADDR)
+  exhaust              -> "ok N"         (lower RLIMIT_NOFILE and hold fds until EMFILE)
+  release              -> "ok"           (close them again)
   quit
 """
 
@@ -12,6 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import resource
 import sys
 
 import numpy as np
@@ -24,6 +28,7 @@ def main() -> None:
     config = TransferConfig(**json.loads(sys.argv[1]))
     size = int(sys.argv[2])
     plain = np.zeros(size, dtype=np.uint8)
+    held: list[int] = []
     with TransferEngine(config) as engine:
         managed = engine.allocate_managed(size)
         engine.register(plain)
@@ -34,6 +39,9 @@ def main() -> None:
             parts = line.split()
             if not parts or parts[0] == "quit":
                 break
+            if parts[0] in ("exhaust", "release"):
+                print(_fds(parts[0], held), flush=True)
+                continue
             if parts[0] == "fence":
                 engine.set_fence(int(parts[1]), int(parts[2]))
                 print("ok", flush=True)
@@ -46,6 +54,21 @@ def main() -> None:
                 print("ok", flush=True)
             else:
                 print(hashlib.sha256(view).hexdigest(), flush=True)
+
+
+def _fds(command: str, held: list[int]) -> str:
+    if command == "release":
+        while held:
+            os.close(held.pop())
+        return "ok"
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(len(os.listdir("/proc/self/fd")) + 16, hard), hard))
+    try:
+        while True:
+            held.append(os.open("/dev/null", os.O_RDONLY))
+    except OSError:
+        pass
+    return f"ok {len(held)}"
 
 
 if __name__ == "__main__":

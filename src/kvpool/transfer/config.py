@@ -38,6 +38,10 @@ class TransferConfig:
     """Small requests to one peer are coalesced into frames of up to this many payload bytes."""
     frame_requests: int = 512
     """...and at most this many descriptors per frame (sendmsg's iovec limit is 1024)."""
+    handshake_timeout_s: float = 10.0
+    """The listener drops a connection whose whole handshake took longer (however it trickles)."""
+    max_connections_per_address: int = 64
+    """The listener closes connections from one remote address beyond this many at once."""
 
     def __post_init__(self) -> None:
         if self.protocol not in PROTOCOLS:
@@ -52,3 +56,8 @@ class TransferConfig:
             raise ConfigError("slice_bytes and frame_bytes must be >= 4096")
         if not 1 <= self.frame_requests <= 1000:
             raise ConfigError(f"frame_requests must be in 1..1000, got {self.frame_requests}")
+        if self.handshake_timeout_s <= 0:
+            raise ConfigError(f"handshake_timeout_s must be > 0, got {self.handshake_timeout_s}")
+        if not 1 <= self.max_connections_per_address <= 65536:
+            raise ConfigError("max_connections_per_address must be in 1..65536, "
+                              f"got {self.max_connections_per_address}")

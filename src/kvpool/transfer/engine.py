@@ -57,9 +57,7 @@ class TransferEngine:
 
     def _start(self) -> TransferEngine:
         sweep_stale_shm()
-        self._target = TcpTarget(self.registry, self.config.host, self.config.port,
-                                 self.config.token, lambda: self.descriptor().to_dict(),
-                                 self.config.timeout_s)
+        self._target = TcpTarget(self.registry, self.config, lambda: self.descriptor().to_dict())
         self.segment_name = self._target.name
         self._backend = connect_metadata(self.config.metadata, timeout_s=self.config.connect_timeout_s)
         peers = PeerDirectory(self._backend, self.config, self.segment_name)

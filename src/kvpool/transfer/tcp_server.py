@@ -10,6 +10,7 @@ A malformed frame or a failed handshake closes that connection only.
 
 from __future__ import annotations
 
+import errno
 import socket
 import threading
 import time
@@ -19,6 +20,7 @@ from typing import Any
 from kvpool.errors import KvpoolError, ProtocolError, RemoteProtocolError
 from kvpool.log import get_logger
 from kvpool.transfer.auth import INITIATOR, TARGET, check_proof, new_nonce, nonce_of, proof
+from kvpool.transfer.config import TransferConfig
 from kvpool.transfer.fence import Fence
 from kvpool.transfer.memory import Buffer, MemoryRegistry
 from kvpool.transfer.protocol import (
@@ -35,19 +37,24 @@ from kvpool.transfer.wire import recv_control, recv_exact, recv_into_views, send
 
 log = get_logger("transfer.tcp")
 _DISCARD = memoryview(bytearray(1 << 20))
-HANDSHAKE_TIMEOUT_S = 10.0
+_EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+_RETRY_ACCEPT = _EXHAUSTED | {errno.ECONNABORTED, errno.EINTR, errno.EPROTO, errno.EPERM}
+_BACKOFF_S = 0.1
+_WARN_INTERVAL_S = 10.0
 
 
 class TcpTarget:
-    def __init__(self, registry: MemoryRegistry, host: str, port: int, token: str | None,
-                 describe: Callable[[], dict[str, Any]], frame_timeout_s: float = 10.0) -> None:
+    def __init__(self, registry: MemoryRegistry, config: TransferConfig,
+                 describe: Callable[[], dict[str, Any]]) -> None:
         self._registry = registry
-        self._frame_timeout_s = frame_timeout_s
-        self._token = token
+        self._config = config
+        self._token = config.token
         self._describe = describe
-        self._listener = socket.create_server((host, port), backlog=128, reuse_port=False)
+        self._listener = socket.create_server((config.host, config.port), backlog=128, reuse_port=False)
         self.port = int(self._listener.getsockname()[1])
-        self.name = f"{host}:{self.port}"  # our segment name, which the initiator dialed
+        self.name = f"{config.host}:{self.port}"  # our segment name, which the initiator dialed
+        self._per_address: dict[str, int] = {}
+        self._warned_at = -_WARN_INTERVAL_S
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
@@ -67,24 +74,55 @@ class TcpTarget:
             self._thread.join(timeout=5)
 
     def _accept_loop(self) -> None:
+        """Accept until closed. Running out of fds or memory backs off and retries (the
+        pending peers wait in the backlog), so the listener outlives a burst of load."""
         while not self._closed:
             try:
-                conn, _addr = self._listener.accept()
-            except OSError:
-                return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            with self._lock:
-                self._conns.add(conn)
-            try:
-                threading.Thread(target=self._serve, args=(conn,), name="kvpool-tcp-conn",
-                                 daemon=True).start()
-            except RuntimeError as exc:  # out of threads: refuse this peer, keep accepting
-                log.warning("cannot serve a new peer: %s", exc)
-                with self._lock:
-                    self._conns.discard(conn)
-                _shutdown(conn)
+                conn, addr = self._listener.accept()
+            except OSError as exc:
+                if self._closed or exc.errno not in _RETRY_ACCEPT:
+                    return
+                self._back_off(exc)
+                continue
+            self._admit(conn, str(addr[0]))
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _back_off(self, exc: OSError) -> None:
+        if exc.errno in _EXHAUSTED:
+            now = time.monotonic()
+            if now - self._warned_at >= _WARN_INTERVAL_S:
+                self._warned_at = now
+                log.warning("listener %s cannot accept (%s); retrying every %gs", self.name,
+                            exc.strerror, _BACKOFF_S)
+            time.sleep(_BACKOFF_S)
+
+    def _admit(self, conn: socket.socket, address: str) -> None:
+        """Serve `conn` on its own thread, unless its address already has its share."""
+        with self._lock:
+            if self._per_address.get(address, 0) >= self._config.max_connections_per_address:
+                log.debug("refusing another connection from %s", address)
+                conn.close()
+                return
+            self._per_address[address] = self._per_address.get(address, 0) + 1
+            self._conns.add(conn)
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            threading.Thread(target=self._serve, args=(conn, address), name="kvpool-tcp-conn",
+                             daemon=True).start()
+        except (RuntimeError, OSError) as exc:  # out of threads: refuse this peer, keep accepting
+            log.warning("cannot serve a new peer: %s", exc)
+            self._release(conn, address)
+
+    def _release(self, conn: socket.socket, address: str) -> None:
+        with self._lock:
+            self._conns.discard(conn)
+            left = self._per_address.get(address, 1) - 1
+            if left:
+                self._per_address[address] = left
+            else:
+                self._per_address.pop(address, None)
+        _shutdown(conn)
+
+    def _serve(self, conn: socket.socket, address: str) -> None:
         try:
             if self._handshake(conn):
                 while self._serve_frame(conn):
@@ -97,15 +135,13 @@ class TcpTarget:
         except Exception:  # a bug must cost this connection only, never the target
             log.exception("dropping peer after an unexpected error")
         finally:
-            with self._lock:
-                self._conns.discard(conn)
-            _shutdown(conn)
+            self._release(conn, address)
 
     def _handshake(self, conn: socket.socket) -> bool:
-        """The whole handshake (kvpool.transfer.auth) must end within HANDSHAKE_TIMEOUT_S; the
+        """The whole handshake (kvpool.transfer.auth) must end within handshake_timeout_s; the
         initiator has proved it knows the token before any buffer registered here is reachable
         or the segment descriptor is sent."""
-        deadline = time.monotonic() + HANDSHAKE_TIMEOUT_S
+        deadline = time.monotonic() + self._config.handshake_timeout_s
         header, body = recv_control(conn, deadline)
         if header.type != FrameType.HELLO:
             raise RemoteProtocolError(f"expected HELLO, got {header.type.name}")
@@ -134,7 +170,7 @@ class TcpTarget:
         if len(raw) < HEADER_BYTES:
             raise RemoteProtocolError("connection closed inside a frame header")
         header = decode_header(raw)
-        conn.settimeout(self._frame_timeout_s)  # a stalled frame must not hold a fence forever
+        conn.settimeout(self._config.timeout_s)  # a stalled frame must not hold a fence forever
         if header.type == FrameType.WRITE:
             self._serve_write(conn, header)
         elif header.type == FrameType.READ:

@@ -1,0 +1,78 @@
+"""The listener under load and abuse: fd exhaustion, slow handshakes, connection floods."""
+
+from __future__ import annotations
+
+import select
+import socket
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from kvpool.transfer import OpCode, TransferConfig, TransferEngine, TransferRequest
+from tests.transfer.conftest import Target, sha
+
+
+def _address(target: Target) -> tuple[str, int]:
+    host, port = target.segment.rsplit(":", 1)
+    return host, int(port)
+
+
+def _closed_by_peer(sock: socket.socket, within_s: float) -> bool:
+    """Whether the peer closes (EOF or reset) `sock` within `within_s`."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    if not poller.poll(within_s * 1000):
+        return False
+    try:
+        return sock.recv(1) == b""
+    except OSError:
+        return True
+
+
+def _write_ok(target: Target, timeout_s: float = 3.0) -> bool:
+    with TransferEngine(TransferConfig(protocol="tcp", timeout_s=timeout_s)) as engine:
+        local = engine.allocate_managed(4096).numpy()
+        local[:] = np.arange(4096) % 251
+        status = engine.transfer_sync([TransferRequest(OpCode.WRITE, local.ctypes.data, 4096,
+                                                       target.segment, target.plain)])[0]
+        return status.ok and target.digest(target.plain, 4096) == sha(local)
+
+
+def test_listener_survives_running_out_of_fds(target: Target) -> None:
+    reply = target.command("exhaust")
+    assert reply.startswith("ok ")
+    waiting = socket.create_connection(_address(target))  # queued; accept() fails with EMFILE
+    time.sleep(0.5)
+    assert target.command("release") == "ok"
+    assert _write_ok(target)
+    waiting.close()
+
+
+def test_slow_handshake_is_dropped_at_the_deadline(target_factory: Callable[..., Target]) -> None:
+    target = target_factory(handshake_timeout_s=1.0)
+    start = time.monotonic()
+    with socket.create_connection(_address(target)) as slow:
+        closed = False
+        while not closed and time.monotonic() - start < 6:
+            try:
+                slow.send(b"K")  # one byte of a HELLO header every 0.3 s
+            except OSError:
+                closed = True
+                break
+            closed = _closed_by_peer(slow, 0.3)
+    assert closed and time.monotonic() - start < 3
+    assert _write_ok(target)
+
+
+def test_connections_per_address_are_capped(target_factory: Callable[..., Target]) -> None:
+    target = target_factory(max_connections_per_address=3)
+    socks = [socket.create_connection(_address(target)) for _ in range(5)]
+    try:
+        time.sleep(0.3)
+        assert [_closed_by_peer(s, 0.5) for s in socks] == [False, False, False, True, True]
+    finally:
+        for sock in socks:
+            sock.close()
+    time.sleep(0.3)  # the target notices the closed ones and frees their slots
+    assert _write_ok(target)
