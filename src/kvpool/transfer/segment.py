@@ -86,6 +86,14 @@ class SegmentDescriptor:
         return self.host_id == host_identity()
 
 
+def readable_now(fd: int) -> bool:
+    """Whether `fd` is readable (or closed/errored) right now. poll, not select: select fails
+    for fds >= 1024, which a process with many open files hands out."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))
+
+
 def pid_exists(pid: int) -> bool:
     """Whether a process with this pid exists on this host (zombies included)."""
     try:
@@ -118,8 +126,7 @@ class ProcessWatch:
                 return False
             if self._fd is None:
                 return pid_exists(self.pid)
-            ready, _, _ = select.select([self._fd], [], [], 0)
-            if ready:
+            if readable_now(self._fd):
                 self._dead = True
                 os.close(self._fd)
                 self._fd = None

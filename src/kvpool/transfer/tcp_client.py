@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import itertools
 import queue
-import select
 import socket
 import threading
 import time
@@ -41,6 +40,7 @@ from kvpool.transfer.protocol import (
     encode_descriptors,
     encode_header,
 )
+from kvpool.transfer.segment import readable_now
 from kvpool.transfer.wire import recv_control, recv_exact, recv_into_views, send_views
 
 _request_ids = itertools.count(1)
@@ -215,8 +215,7 @@ def _still_open(sock: socket.socket) -> bool:
     """False when an idle connection was closed or reset by the peer. (An idle connection
     has nothing to read unless the peer closed it: then the peek sees EOF or an error.)"""
     try:
-        readable, _, _ = select.select([sock], [], [], 0)
-        return not readable or sock.recv(1, socket.MSG_PEEK) != b""
+        return not readable_now(sock.fileno()) or sock.recv(1, socket.MSG_PEEK) != b""
     except OSError:
         return False
 
