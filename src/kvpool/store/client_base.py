@@ -3,7 +3,6 @@ heartbeats, and the two data paths (write replicas, read the closest replica).""
 
 from __future__ import annotations
 
-import ctypes
 import os
 import threading
 import uuid
@@ -149,8 +148,7 @@ class ClientBase:
                     if not self._mounted(remote, n):  # a stale replica: never touch it
                         failed.add(idx)
                         continue
-                    src, dst = (local, remote) if op == OpCode.WRITE else (remote, local)
-                    ctypes.memmove(dst, src, n)
+                    self.engine.copy_local(op, local, remote, n)  # raises on unregistered memory
                 else:
                     requests.append(TransferRequest(op, local, n, endpoint, remote))
                     owners.append(idx)

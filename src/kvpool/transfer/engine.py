@@ -13,7 +13,7 @@ import os
 import threading
 from typing import Any
 
-from kvpool.errors import InvalidArgument, KvpoolError, TransferError
+from kvpool.errors import InvalidArgument, KvpoolError, MemoryRegistrationError, TransferError
 from kvpool.log import get_logger
 from kvpool.metadata import MetadataBackend, connect_metadata
 from kvpool.transfer.batch import Batch, OpCode, RequestStatus, TransferRequest
@@ -21,8 +21,10 @@ from kvpool.transfer.config import TransferConfig
 from kvpool.transfer.fence import Fence, check_fence
 from kvpool.transfer.memory import Buffer, MemoryRegistry, SharedMemoryArena, buffer_of, view_at
 from kvpool.transfer.peers import PeerDirectory
+from kvpool.transfer.protocol import FENCED_REASON
 from kvpool.transfer.routing import Router
 from kvpool.transfer.segment import SegmentDescriptor, ShmRegion, host_identity, segment_key
+from kvpool.transfer.shm import copy_bytes
 from kvpool.transfer.shm_sweep import sweep_stale_shm
 from kvpool.transfer.tcp_server import TcpTarget
 
@@ -153,6 +155,38 @@ class TransferEngine:
         self.registry.remove(addr)
         self._arena.free(addr)
         self._publish()
+
+    def copy_local(self, op: OpCode, local_addr: int, target_addr: int, length: int,
+                   fence: int = 0) -> None:
+        """Copy within this process between two registered ranges, in the calling thread: WRITE
+        copies local -> target, READ target -> local (the own-segment route of a transfer,
+        as a call that raises). Raises InvalidArgument for a negative length,
+        MemoryRegistrationError when either range is not inside one registered buffer or the
+        destination is read-only, TransferError when the target region's fence refuses
+        `fence`. Unregistered memory is never touched."""
+        if length < 0:
+            raise InvalidArgument(f"length must be >= 0, got {length}")
+        write = op == OpCode.WRITE
+        local_buf, local = self._registered(local_addr, length, not write, "local")
+        target_buf, target = self._registered(target_addr, length, write, "target")
+        token = target_buf.fence.enter(check_fence(fence), write)
+        if token is None:
+            raise TransferError(f"{target_addr:#x}+{length}: {FENCED_REASON}")
+        try:
+            copy_bytes(target, local) if write else copy_bytes(local, target)
+        finally:
+            target_buf.fence.leave(token)
+
+    def _registered(self, addr: int, length: int, writable: bool, side: str) -> tuple[Buffer, memoryview]:
+        """The registered buffer holding [addr, addr+length) and a view of that range."""
+        buf = self.registry.find(addr, length) if 0 < addr < 1 << 64 else None
+        if buf is None:
+            raise MemoryRegistrationError(f"{side} range {addr:#x}+{length} is not inside a "
+                                          "registered buffer; register it first")
+        if writable and buf.readonly:
+            raise MemoryRegistrationError(f"{side} range {addr:#x}+{length} is registered read-only")
+        start = addr - buf.addr
+        return buf, buf.view[start : start + length]
 
     # -- batches ---------------------------------------------------------------------------
 
