@@ -3,18 +3,31 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Callable
 
 import pytest
 
-from kvpool.errors import KvpoolError
-from kvpool.transfer import OpCode, RequestState, TransferConfig, TransferEngine, TransferRequest
+from kvpool.errors import InvalidArgument, KvpoolError
+from kvpool.transfer import (
+    Buffer,
+    OpCode,
+    RequestState,
+    TransferConfig,
+    TransferEngine,
+    TransferRequest,
+)
+from kvpool.transfer.batch import Batch
 from kvpool.transfer.decoder import NEED_DATA, FrameDecoder, FrameStart
 from kvpool.transfer.protocol import FrameType, encode_header
 from kvpool.transfer.segment import SegmentDescriptor, ShmRegion, host_identity
 from kvpool.transfer.shm import ShmPeer
+from kvpool.transfer.tcp_client import Frame, PeerLink
 from tests.support.net import free_port
+from tests.support.procs import python_env
 from tests.transfer.conftest import Target
 
 
@@ -87,3 +100,100 @@ def test_decoder_passes_reply_frames_through() -> None:
     while (event := decoder.next_event()) is not NEED_DATA:
         events.append(event)
     assert [type(e).__name__ for e in events] == ["Data", "FrameEnd"]
+
+
+def test_frames_queued_during_close_fail_promptly(target: Target) -> None:
+    with TransferEngine(TransferConfig(protocol="tcp", timeout_s=5.0)) as engine:
+        local = engine.allocate_managed(4096)
+        host, port = target.segment.rsplit(":", 1)
+        link = PeerLink(host, int(port), engine.config, engine.segment_name)
+        real_queue = link._queue
+        closer = threading.Thread(target=link.close)
+
+        class CloseWhileQueueing:
+            """Starts a concurrent close() just as send() queues its frame."""
+
+            def put(self, item: object) -> None:
+                if item is not None and not closer.is_alive():
+                    closer.start()
+                    closer.join(0.3)  # on the old code close() ran to the end right here
+                real_queue.put(item)
+
+            def get(self) -> object:
+                return real_queue.get()
+
+        link._queue = CloseWhileQueueing()  # type: ignore[assignment]
+        batch = Batch(1)
+        batch.add([1])
+        start = time.monotonic()
+        link.send([Frame(OpCode.WRITE, batch, [0], [target.plain], [4096], [local.view])])
+        assert batch.wait(2.0), "a frame queued during close() waited for the batch timeout"
+        assert time.monotonic() - start < 2.0
+        closer.join(5)
+
+
+def test_forced_shm_never_falls_back_to_tcp(target: Target) -> None:
+    with TransferEngine(TransferConfig(protocol="shm")) as engine:
+        local = engine.allocate_managed(4096)
+        statuses = engine.transfer_sync([
+            TransferRequest(OpCode.WRITE, local.addr, 4096, target.segment, target.managed),
+            TransferRequest(OpCode.WRITE, local.addr, 4096, target.segment, target.plain),
+        ])
+        assert statuses[0].ok
+        assert statuses[1].state == RequestState.FAILED and "'shm' is forced" in (statuses[1].reason or "")
+        assert not engine._started_router()._links  # no tcp data connection was made
+
+
+def test_batch_over_capacity_is_a_kvpool_error() -> None:
+    with TransferEngine(TransferConfig()) as engine:
+        local = engine.allocate_managed(4096)
+        batch = engine.allocate_batch(1)
+        request = TransferRequest(OpCode.WRITE, local.addr, 16, engine.segment_name, local.addr + 64)
+        with pytest.raises(InvalidArgument, match="capacity"):
+            engine.submit(batch, [request, request])
+
+
+TRUNCATE = """
+import os, sys
+from kvpool.transfer import OpCode, TransferConfig, TransferEngine, TransferRequest
+
+segment, managed = sys.argv[1], int(sys.argv[2])
+for fresh in (False, True):
+    with TransferEngine(TransferConfig(protocol="shm")) as engine:
+        local = engine.allocate_managed(4096)
+        request = TransferRequest(OpCode.WRITE, local.addr, 4096, segment, managed)
+        if not fresh:
+            assert engine.transfer_sync([request])[0].ok  # maps the peer's file
+            name = engine._started_router()._peers.lookup(segment).shm_regions[0].name
+            os.truncate(f"/dev/shm/{name}", 0)  # as a buggy or hostile owner could
+        status = engine.transfer_sync([request])[0]
+        print(status.state.name, status.reason, flush=True)
+"""
+
+
+def test_truncated_shared_file_is_refused_instead_of_sigbus(target: Target) -> None:
+    done = subprocess.run([sys.executable, "-c", TRUNCATE, target.segment, str(target.managed)],
+                          env=python_env(), capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    lines = done.stdout.splitlines()
+    assert len(lines) == 2 and all(line.startswith("FAILED") and "'shm' is forced" in line for line in lines)
+
+
+def test_concurrent_first_contacts_share_one_shm_peer(target: Target) -> None:
+    for _ in range(3):
+        with TransferEngine(TransferConfig()) as engine:
+            local = engine.allocate_managed(1 << 16)
+            errors: list[str] = []
+
+            def write(k: int, engine: TransferEngine = engine, local: Buffer = local,
+                      errors: list[str] = errors) -> None:
+                statuses = engine.transfer_sync([TransferRequest(OpCode.WRITE, local.addr + k * 4096, 4096,
+                                                                 target.segment, target.managed + k * 4096)])
+                errors.extend(s.reason or "" for s in statuses if not s.ok)
+
+            threads = [threading.Thread(target=write, args=(k,)) for k in range(16)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(30)
+            assert errors == []

@@ -17,6 +17,7 @@ from kvpool.transfer.memory import (
     Buffer,
     MemoryRegistry,
     buffer_of,
+    pid_namespace,
     view_at,
 )
 from kvpool.transfer.shm_sweep import sweep_stale_shm
@@ -99,9 +100,13 @@ def test_managed_buffers_live_in_dev_shm_and_are_removed() -> None:
             open(f"/dev/shm/{buf.shm_name}", "rb")
 
 
-def test_sweep_removes_files_of_dead_processes(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    (tmp_path / "kvpool-999999999-abc-1").write_bytes(b"x")
-    (tmp_path / "kvpool-1-abc-1").write_bytes(b"x")  # pid 1 is alive
+def test_sweep_removes_files_of_dead_processes_of_our_pid_namespace(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    ours, other = f"{pid_namespace():x}", f"{pid_namespace() + 1:x}"
+    (tmp_path / f"kvpool-999999999-{ours}-abc-1").write_bytes(b"x")
+    (tmp_path / f"kvpool-1-{ours}-abc-1").write_bytes(b"x")  # pid 1 is alive
+    (tmp_path / f"kvpool-999999999-{other}-abc-1").write_bytes(b"x")  # another container's
+    (tmp_path / "kvpool-999999999-abc-1").write_bytes(b"x")  # not a name we make
     (tmp_path / "unrelated").write_bytes(b"x")
     assert sweep_stale_shm(str(tmp_path)) == 1
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["kvpool-1-abc-1", "unrelated"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"kvpool-1-{ours}-abc-1", f"kvpool-999999999-{other}-abc-1", "kvpool-999999999-abc-1", "unrelated"])

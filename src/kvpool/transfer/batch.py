@@ -7,6 +7,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvpool.errors import InvalidArgument
 from kvpool.log import get_logger
 
 log = get_logger("transfer.batch")
@@ -69,9 +70,9 @@ class Batch:
         """Reserve slots for new requests; returns the index of the first."""
         with self._cond:
             if len(self._status) + len(slices_per_request) > self.capacity:
-                raise ValueError(
+                raise InvalidArgument(
                     f"batch capacity {self.capacity} exceeded: {len(self._status)} submitted, "
-                    f"{len(slices_per_request)} more requested"
+                    f"{len(slices_per_request)} more requested; allocate a larger batch"
                 )
             first = len(self._status)
             self._remaining.extend(slices_per_request)

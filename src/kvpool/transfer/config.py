@@ -23,7 +23,9 @@ class TransferConfig:
     metadata: str = "P2PHANDSHAKE"
     """Segment directory: "P2PHANDSHAKE", "http://h:p/metadata", "etcd://h:p" or bare "h:p" (etcd)."""
     protocol: str = "auto"
-    """"auto" uses shm for same-host peers' shared buffers and tcp otherwise; "tcp" or "shm" force one."""
+    """"auto" uses shm for same-host peers' shared buffers and tcp otherwise; "tcp" never uses shm;
+    "shm" never moves data over tcp: a request that cannot go through shm fails (peers are still
+    looked up, and P2P handshakes made, over tcp)."""
     token: str | None = field(default_factory=_env_token)
     """Shared secret checked at the connection handshake (default: $KVPOOL_TOKEN)."""
     timeout_s: float = 10.0

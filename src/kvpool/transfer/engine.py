@@ -19,7 +19,14 @@ from kvpool.metadata import MetadataBackend, connect_metadata
 from kvpool.transfer.batch import Batch, OpCode, RequestStatus, TransferRequest
 from kvpool.transfer.config import TransferConfig
 from kvpool.transfer.fence import Fence, check_fence
-from kvpool.transfer.memory import Buffer, MemoryRegistry, SharedMemoryArena, buffer_of, view_at
+from kvpool.transfer.memory import (
+    Buffer,
+    MemoryRegistry,
+    SharedMemoryArena,
+    buffer_of,
+    shm_prefix,
+    view_at,
+)
 from kvpool.transfer.peers import PeerDirectory
 from kvpool.transfer.protocol import FENCED_REASON
 from kvpool.transfer.routing import Router
@@ -37,7 +44,7 @@ class TransferEngine:
     def __init__(self, config: TransferConfig | None = None) -> None:
         self.config = config or TransferConfig()
         self.registry = MemoryRegistry()
-        self._arena = SharedMemoryArena(f"kvpool-{os.getpid()}-{id(self) & 0xFFFFFF:x}")
+        self._arena = SharedMemoryArena(shm_prefix(id(self)))
         self._batches: dict[int, Batch] = {}
         self._batch_ids = itertools.count(1)
         self._lock = threading.Lock()

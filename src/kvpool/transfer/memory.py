@@ -242,8 +242,22 @@ def _unlink(name: str) -> None:
         pass
 
 
-SHM_NAME = re.compile(r"^kvpool-(\d+)-[0-9a-f]+-\d+$")
-"""Names of managed-buffer files: kvpool-<pid>-<engine tag>-<counter>."""
+SHM_NAME = re.compile(r"^kvpool-(\d+)-([0-9a-f]+)-[0-9a-f]+-\d+$")
+"""Names of managed-buffer files: kvpool-<pid>-<pid namespace, hex>-<engine tag>-<counter>.
+The pid means something only in the pid namespace named next to it."""
+
+
+def pid_namespace() -> int:
+    """An id of this process's pid namespace (the inode of /proc/self/ns/pid; 0 if unknown)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def shm_prefix(tag: int) -> str:
+    """The prefix of one engine's managed-buffer files (see SHM_NAME)."""
+    return f"kvpool-{os.getpid()}-{pid_namespace():x}-{tag & 0xFFFFFF:x}"
 
 
 @dataclass(frozen=True, eq=False)

@@ -2,7 +2,7 @@
 
 Per target segment it looks up the descriptor once, then per request picks the route: a local
 copy for our own segment, shm when the target range lies in a same-host peer's shared buffer
-(protocol "auto"/"shm"), tcp frames otherwise. Failures found here (unregistered local memory,
+(protocol "auto"/"shm"), tcp frames otherwise ("auto"; with "shm" such a request fails). Failures found here (unregistered local memory,
 unknown segment) fail only the requests concerned.
 """
 
@@ -21,6 +21,8 @@ from kvpool.transfer.shm import ShmItem, ShmPeer, ShmTransport
 from kvpool.transfer.tcp_client import PeerLink
 
 _ADDR_LIMIT = 1 << 64
+_NO_SHM = ("protocol 'shm' is forced, but the target range is not in a shared buffer of a live "
+           "same-host peer (protocol 'auto' would use tcp)")
 
 
 class Router:
@@ -81,6 +83,8 @@ class Router:
             remote = shm_peer.resolve(req.target_addr, req.length) if shm_peer else None
             if remote is not None:
                 shm_items.append((index, local, remote[0], remote[1], req.fence))
+            elif self._config.protocol == "shm":
+                batch.complete([index], f"{target}: {_NO_SHM}")
             else:
                 pieces.add(index, req.target_addr, req.length, local, req.fence)
         if shm_items and shm_peer is not None:

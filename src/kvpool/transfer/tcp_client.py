@@ -140,15 +140,17 @@ class PeerLink:
         self._closed = False
 
     def send(self, frames: list[Frame]) -> None:
-        """Queue frames for the worker threads; returns at once."""
+        """Queue frames for the worker threads; returns at once. Queued under the lock, so a
+        concurrent `close()` either refuses them here or finds them ahead of its sentinels
+        (then they fail promptly instead of waiting out the batch timeout)."""
         with self._lock:
             if self._closed:
                 for frame in frames:
                     frame.fail("transfer engine is closed")
                 return
             self._grow(len(frames))
-        for frame in frames:
-            self._queue.put(frame)
+            for frame in frames:
+                self._queue.put(frame)
 
     def run_inline(self, frames: list[Frame]) -> None:
         """Run frames in the calling thread (the first one), the rest on workers."""
