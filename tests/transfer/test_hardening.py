@@ -21,11 +21,11 @@ from kvpool.transfer import (
     TransferRequest,
 )
 from kvpool.transfer.batch import Batch
-from kvpool.transfer.decoder import NEED_DATA, FrameDecoder, FrameStart
-from kvpool.transfer.protocol import FrameType, encode_header
+from kvpool.transfer.decoder import NEED_DATA, Control, FrameDecoder, FrameStart
+from kvpool.transfer.protocol import FrameType, Status, encode_header
 from kvpool.transfer.segment import SegmentDescriptor, ShmRegion, host_identity
 from kvpool.transfer.shm import ShmPeer
-from kvpool.transfer.tcp_client import Frame, PeerLink
+from kvpool.transfer.tcp_client import Frame, PeerLink, open_connection
 from tests.support.net import free_port
 from tests.support.procs import python_env
 from tests.transfer.conftest import Target
@@ -91,15 +91,32 @@ def test_first_request_after_a_peer_restart_succeeds(target_factory: Callable[..
         engine.write(revived.segment, local.addr, revived.plain, 4096)
 
 
-def test_decoder_passes_reply_frames_through() -> None:
+def test_decoder_parses_reply_statuses() -> None:
     decoder = FrameDecoder()
     decoder.feed(encode_header(FrameType.WRITE_ACK, 3, 9, 3) + b"\0\0\1")
     start = decoder.next_event()
     assert isinstance(start, FrameStart) and start.addrs == [] and start.header.count == 3
+    assert start.statuses == [Status.OK, Status.OK, Status.OUT_OF_RANGE] and start.payload_bytes == 0
     events = []
     while (event := decoder.next_event()) is not NEED_DATA:
         events.append(event)
-    assert [type(e).__name__ for e in events] == ["Data", "FrameEnd"]
+    assert [type(e).__name__ for e in events] == ["FrameEnd"]
+
+
+def test_target_drops_a_peer_that_sends_garbage_after_the_handshake(target: Target) -> None:
+    with TransferEngine(TransferConfig(protocol="tcp")) as engine:
+        host, port = target.segment.rsplit(":", 1)
+        sock, _ = open_connection(host, int(port), engine.config, engine.segment_name)
+        with sock:
+            sock.sendall(encode_header(FrameType.HELLO, 0, 0, 2) + b"{}")  # not a data frame
+            decoder = FrameDecoder()
+            decoder.feed(sock.recv(4096))
+            event = decoder.next_event()
+            assert isinstance(event, Control) and event.header.type == FrameType.ERROR
+            assert "unexpected HELLO" in str(event.body)
+            assert sock.recv(1) == b""
+        local = engine.allocate_managed(4096)
+        engine.write(target.segment, local.addr, target.plain, 4096)  # the target still serves
 
 
 def test_frames_queued_during_close_fail_promptly(target: Target) -> None:

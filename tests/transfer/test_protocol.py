@@ -183,3 +183,76 @@ def test_fuzzed_mutations_of_valid_frames(payloads: list[bytes], position: int, 
     for event in events:  # whatever decodes is self-consistent
         if isinstance(event, FrameStart):
             assert sum(event.lengths) == event.header.payload_len
+
+
+def _read_resp(statuses: list[int], payloads: list[bytes], rid: int = 4) -> bytes:
+    data = b"".join(p for p, s in zip(payloads, statuses, strict=True) if s == Status.OK)
+    return encode_header(FrameType.READ_RESP, len(statuses), rid, len(statuses) + len(data)) + bytes(statuses) + data
+
+
+def test_driver_reads_only_what_the_decoder_wants_and_moves_payloads_itself() -> None:
+    """The way the tcp drivers use the decoder: read bytes_wanted() at most, then recv_into the
+    payload and report it; no payload byte passes through the decoder."""
+    stream = memoryview(write_frame([1, 2], [b"abc", b"defg"], fences=[5, 6])
+                        + _read_resp([0, 3, 0], [b"xy", b"zz", b"w"]))
+    decoder, pos = FrameDecoder(), 0
+    starts, payloads = [], []
+    while pos < len(stream):
+        event = decoder.next_event()
+        if event is NEED_DATA:
+            want = decoder.bytes_wanted()
+            decoder.receive_data(stream[pos : pos + min(want, 5)])  # short reads, never past want
+            pos += min(want, 5)
+        elif isinstance(event, FrameStart):
+            starts.append(event)
+            payloads.append(bytes(stream[pos : pos + event.payload_bytes]))  # "recv_into"
+            pos += event.payload_bytes
+            decoder.payload_received(event.payload_bytes)
+            assert isinstance(decoder.next_event(), FrameEnd)
+    assert decoder.at_boundary
+    assert [s.fences for s in starts] == [[5, 6], []]
+    assert starts[1].statuses == [Status.OK, Status.FENCED, Status.OK]
+    assert payloads == [b"abcdefg", b"xyw"]
+
+
+def test_payload_received_outside_a_payload_is_local_misuse() -> None:
+    decoder = FrameDecoder()
+    with pytest.raises(LocalProtocolError):
+        decoder.payload_received(1)
+    decoder.feed(write_frame([1], [b"abcd"]))
+    assert isinstance(decoder.next_event(), FrameStart)
+    with pytest.raises(LocalProtocolError):
+        decoder.payload_received(4)  # two payload bytes are already buffered
+    with pytest.raises(LocalProtocolError):
+        FrameDecoder().payload_received(0)
+
+
+def test_reply_with_unknown_status_is_a_remote_error() -> None:
+    decoder = FrameDecoder()
+    decoder.feed(encode_header(FrameType.WRITE_ACK, 2, 1, 2) + bytes([0, 77]))
+    with pytest.raises(RemoteProtocolError, match="status"):
+        drain(decoder)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(list(Status)), st.binary(max_size=30)), min_size=1, max_size=10),
+       st.integers(1, 9), st.integers(0, 200), st.integers(0, 255))
+def test_fuzzed_read_replies(items: list[tuple[Status, bytes]], chunk: int, position: int, value: int) -> None:
+    frame = _read_resp([int(s) for s, _ in items], [p for _, p in items])
+    decoder = FrameDecoder()
+    events: list[object] = []
+    for i in range(0, len(frame), chunk):
+        decoder.feed(frame[i : i + chunk])
+        events.extend(drain(decoder))
+    start = events[0]
+    assert isinstance(start, FrameStart) and start.statuses == [s for s, _ in items]
+    assert b"".join(e.data for e in events if isinstance(e, Data)) == b"".join(
+        p for s, p in items if s == Status.OK)
+    mutated = bytearray(frame)
+    mutated[position % len(mutated)] = value
+    decoder = FrameDecoder()
+    decoder.feed(bytes(mutated))
+    try:
+        drain(decoder)
+    except RemoteProtocolError:
+        pass

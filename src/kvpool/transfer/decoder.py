@@ -1,34 +1,59 @@
-"""An incremental, sans-I/O frame decoder: feed any bytes, pull events.
+"""An incremental, sans-I/O frame decoder: feed any bytes, pull events (h11-style).
 
-Used for the control path and by tests that feed frames one byte at a time or fuzz them. The
-data-plane drivers use the same pure functions (`decode_header`, `decode_descriptors`) but move
-payloads with `recv_into` instead of buffering them here.
+This is the parser that runs: the tcp initiator and target push the bytes they receive into a
+`FrameDecoder` and act on its events, and the tests feed it one byte at a time and fuzz it.
+
+Zero-copy payloads: a driver that wants a frame's payload in registered memory asks
+`bytes_wanted()` before each read, so it never reads past what the decoder needs (no payload
+byte is ever buffered here unless the driver chooses to feed it), then, after `FrameStart`,
+moves the payload itself with `recv_into` and reports it with `payload_received(n)`.
+
+Events, per frame:
+
+    control frame (HELLO, CHALLENGE, AUTH, HELLO_OK, ERROR):  Control
+    WRITE / READ:             FrameStart(addrs, lengths, fences), Data..., FrameEnd
+    WRITE_ACK / READ_RESP:    FrameStart(statuses),               Data..., FrameEnd
+
+For replies the status bytes (one per descriptor, checked to be known Status values) are part
+of FrameStart; the Data events are the rest of the payload (a READ_RESP's data).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from kvpool.errors import RemoteProtocolError
+from kvpool.errors import LocalProtocolError, RemoteProtocolError
 from kvpool.transfer.protocol import (
     CONTROL_TYPES,
     HEADER_BYTES,
+    FrameType,
     Header,
+    Status,
     decode_control,
     decode_descriptors,
     decode_header,
+    decode_statuses,
 )
+
+REPLY_TYPES = frozenset({FrameType.WRITE_ACK, FrameType.READ_RESP})
 
 
 @dataclass(frozen=True, slots=True)
 class FrameStart:
-    """A frame's header and (for WRITE/READ) its descriptors; payload follows as Data events."""
+    """A frame's header and its descriptors (WRITE/READ) or status bytes (replies); the
+    payload that follows comes as Data events (or is moved by the driver)."""
 
     header: Header
     addrs: list[int]
     lengths: list[int]
     fences: list[int]
+    statuses: list[Status] = field(default_factory=list)
+
+    @property
+    def payload_bytes(self) -> int:
+        """Payload bytes after this event (for replies: after the status bytes)."""
+        return self.header.payload_len - (len(self.statuses) if self.header.type in REPLY_TYPES else 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,8 +90,30 @@ class FrameDecoder:
         self._in_payload = False
         self._dead = False
 
-    def feed(self, data: bytes) -> None:
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
         self._buf += data
+
+    feed = receive_data
+
+    @property
+    def at_boundary(self) -> bool:
+        """True between frames with nothing buffered: a clean place for the stream to end."""
+        return self._header is None and not self._buf
+
+    def bytes_wanted(self) -> int:
+        """How many more bytes the next event needs (at least 1); reading no more than this
+        keeps every payload byte out of the decoder's buffer."""
+        if self._header is None:
+            return max(1, HEADER_BYTES - len(self._buf))
+        if self._in_payload:
+            return max(1, self._payload_left - len(self._buf))
+        return max(1, _prefix_bytes(self._header) - len(self._buf))
+
+    def payload_received(self, n: int) -> None:
+        """The driver moved the next `n` payload bytes itself (straight from the socket)."""
+        if not self._in_payload or self._buf or n > self._payload_left:
+            raise LocalProtocolError(f"{n} payload bytes reported outside a frame's unread payload")
+        self._payload_left -= n
 
     def next_event(self) -> Event:
         if self._dead:
@@ -88,20 +135,21 @@ class FrameDecoder:
         return self._body_event(self._header)
 
     def _body_event(self, header: Header) -> Event:
-        if header.type in CONTROL_TYPES:
-            if len(self._buf) < header.payload_len:
-                return NEED_DATA
-            payload = bytes(self._buf[: header.payload_len])
-            del self._buf[: header.payload_len]
-            self._header = None
-            return Control(header, decode_control(header, payload))
-        need = header.descriptor_bytes
+        need = _prefix_bytes(header)
         if len(self._buf) < need:
             return NEED_DATA
-        addrs, lengths, fences = decode_descriptors(bytes(self._buf[:need]), header) if need else ([], [], [])
+        prefix = bytes(self._buf[:need])
         del self._buf[:need]
-        self._in_payload, self._payload_left = True, header.payload_len
-        return FrameStart(header, addrs, lengths, fences)
+        if header.type in CONTROL_TYPES:
+            self._header = None
+            return Control(header, decode_control(header, prefix))
+        if header.type in REPLY_TYPES:
+            start = FrameStart(header, [], [], [], decode_statuses(prefix))
+        else:
+            addrs, lengths, fences = decode_descriptors(prefix, header) if need else ([], [], [])
+            start = FrameStart(header, addrs, lengths, fences)
+        self._in_payload, self._payload_left = True, start.payload_bytes
+        return start
 
     def _payload_event(self) -> Event:
         assert self._header is not None
@@ -115,3 +163,13 @@ class FrameDecoder:
         del self._buf[:take]
         self._payload_left -= take
         return Data(chunk)
+
+
+def _prefix_bytes(header: Header) -> int:
+    """Bytes after the header that the decoder parses itself: a control body, the descriptors,
+    or a reply's status bytes."""
+    if header.type in CONTROL_TYPES:
+        return header.payload_len
+    if header.type in REPLY_TYPES:
+        return header.count
+    return header.descriptor_bytes

@@ -27,21 +27,18 @@ from kvpool.transfer.auth import (
 )
 from kvpool.transfer.batch import Batch, OpCode
 from kvpool.transfer.config import TransferConfig
+from kvpool.transfer.decoder import Control, FrameDecoder, FrameEnd, FrameStart
 from kvpool.transfer.protocol import (
     FENCED_REASON,
-    HEADER_BYTES,
     FrameType,
     Header,
     Status,
-    decode_control,
-    decode_header,
-    decode_statuses,
     encode_control,
     encode_descriptors,
     encode_header,
 )
 from kvpool.transfer.segment import readable_now
-from kvpool.transfer.wire import recv_control, recv_exact, recv_into_views, send_views
+from kvpool.transfer.wire import receive_event, recv_control, recv_into_views, send_views
 
 _request_ids = itertools.count(1)
 _FAILURE_TEXT = {
@@ -67,12 +64,12 @@ class Frame:
     def fail(self, reason: str) -> None:
         self.batch.complete(self.indices, reason)
 
-    def finish(self, statuses: bytes | bytearray) -> None:
-        """Report the target's per-descriptor status bytes (Status values) to the batch."""
+    def finish(self, statuses: list[Status]) -> None:
+        """Report the target's per-descriptor statuses to the batch."""
         if statuses.count(Status.OK) == len(statuses):
             self.batch.complete(self.indices)
             return
-        decoded = decode_statuses(statuses)
+        decoded = statuses
         self.batch.complete([i for i, s in zip(self.indices, decoded, strict=True) if s == Status.OK])
         for index, status in zip(self.indices, decoded, strict=True):
             if status != Status.OK:
@@ -97,11 +94,16 @@ def open_connection(host: str, port: int, config: TransferConfig, me: str) -> tu
         raise
 
 
+def _control(sock: socket.socket, deadline: float) -> tuple[Header, dict[str, Any] | str]:
+    event = recv_control(sock, deadline)
+    return event.header, event.body
+
+
 def _handshake(sock: socket.socket, name: str, config: TransferConfig, me: str) -> dict[str, Any]:
     deadline = time.monotonic() + config.timeout_s
     nonce = new_nonce()
     send_views(sock, [encode_control(FrameType.HELLO, {"peer": me, "nonce": nonce})])
-    header, body = recv_control(sock, deadline)
+    header, body = _control(sock, deadline)
     if header.type == FrameType.CHALLENGE:
         token = require_token(config.token, name)
         target_nonce = nonce_of(body)
@@ -111,7 +113,7 @@ def _handshake(sock: socket.socket, name: str, config: TransferConfig, me: str) 
                             "not the peer its segment descriptor claims); nothing was sent to it")
         answer = {"proof": proof(token, INITIATOR, nonce, target_nonce, name)}
         send_views(sock, [encode_control(FrameType.AUTH, answer)])
-        header, body = recv_control(sock, deadline)
+        header, body = _control(sock, deadline)
     elif header.type == FrameType.HELLO_OK and config.token is not None:
         raise AuthError(f"{name} skipped authentication: it did not prove it knows the shared "
                         "token; nothing was sent to it")
@@ -228,36 +230,40 @@ def _describe(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
-def _run_frame(sock: socket.socket, frame: Frame) -> bytearray:
-    """Send one frame and receive its reply; returns the status bytes (validated)."""
+def _run_frame(sock: socket.socket, frame: Frame) -> list[Status]:
+    """Send one frame and receive its reply through the frame decoder; returns the statuses.
+    A READ's data goes from the socket straight into the OK descriptors' views."""
     rid = next(_request_ids)
     count = len(frame.indices)
     desc = encode_descriptors(frame.addrs, frame.lengths, frame.fences)
+    decoder = FrameDecoder()
     if frame.op == OpCode.WRITE:
         head = encode_header(FrameType.WRITE, count, rid, sum(frame.lengths))
         send_views(sock, [head, desc, *frame.views])
-        reply = _expect(sock, FrameType.WRITE_ACK, rid, count)
-        statuses = recv_exact(sock, reply.payload_len)
-        decode_statuses(statuses)
-        return statuses
-    send_views(sock, [encode_header(FrameType.READ, count, rid, 0), desc])
-    reply = _expect(sock, FrameType.READ_RESP, rid, count)
-    statuses = recv_exact(sock, count)
-    decode_statuses(statuses)
-    ok_views = [v for v, s in zip(frame.views, statuses, strict=True) if s == Status.OK]
-    if reply.payload_len != count + sum(v.nbytes for v in ok_views):
-        raise RemoteProtocolError("READ_RESP length does not match its OK descriptors")
-    recv_into_views(sock, ok_views)
-    return statuses
+        reply = _expect(sock, decoder, FrameType.WRITE_ACK, rid, count)
+    else:
+        send_views(sock, [encode_header(FrameType.READ, count, rid, 0), desc])
+        reply = _expect(sock, decoder, FrameType.READ_RESP, rid, count)
+        ok_views = [v for v, s in zip(frame.views, reply.statuses, strict=True) if s == Status.OK]
+        if reply.payload_bytes != sum(v.nbytes for v in ok_views):
+            raise RemoteProtocolError("READ_RESP length does not match its OK descriptors")
+        recv_into_views(sock, ok_views)
+        decoder.payload_received(reply.payload_bytes)
+    if not isinstance(receive_event(sock, decoder), FrameEnd):
+        raise RemoteProtocolError("reply frame did not end where its header said")
+    return reply.statuses
 
 
-def _expect(sock: socket.socket, ftype: FrameType, rid: int, count: int) -> Header:
-    raw = recv_exact(sock, HEADER_BYTES)
-    header = decode_header(raw)
-    if header.type == FrameType.ERROR:
-        text = decode_control(header, bytes(recv_exact(sock, header.payload_len)))
-        raise PeerUnavailable(f"peer reported: {text}")
+def _expect(sock: socket.socket, decoder: FrameDecoder, ftype: FrameType, rid: int,
+            count: int) -> FrameStart:
+    event = receive_event(sock, decoder)
+    if event is None:
+        raise PeerUnavailable("peer closed the connection before replying")
+    if isinstance(event, Control):
+        raise PeerUnavailable(f"peer reported: {event.body}")
+    assert isinstance(event, FrameStart)  # a decoder's first event of a frame
+    header = event.header
     if header.type != ftype or header.request_id != rid or header.count != count:
         raise RemoteProtocolError(f"expected {ftype.name} #{rid} x{count}, got {header.type.name} "
                                   f"#{header.request_id} x{header.count}")
-    return header
+    return event

@@ -21,19 +21,16 @@ from kvpool.errors import KvpoolError, ProtocolError, RemoteProtocolError
 from kvpool.log import get_logger
 from kvpool.transfer.auth import INITIATOR, TARGET, check_proof, new_nonce, nonce_of, proof
 from kvpool.transfer.config import TransferConfig
+from kvpool.transfer.decoder import Control, FrameDecoder, FrameEnd, FrameStart
 from kvpool.transfer.fence import Fence
 from kvpool.transfer.memory import Buffer, MemoryRegistry
 from kvpool.transfer.protocol import (
-    HEADER_BYTES,
     FrameType,
-    Header,
     Status,
-    decode_descriptors,
-    decode_header,
     encode_control,
     encode_header,
 )
-from kvpool.transfer.wire import recv_control, recv_exact, recv_into_views, send_views
+from kvpool.transfer.wire import receive_event, recv_control, recv_into_views, send_views
 
 log = get_logger("transfer.tcp")
 _DISCARD = memoryview(bytearray(1 << 20))
@@ -125,7 +122,8 @@ class TcpTarget:
     def _serve(self, conn: socket.socket, address: str) -> None:
         try:
             if self._handshake(conn):
-                while self._serve_frame(conn):
+                decoder = FrameDecoder()
+                while self._serve_frame(conn, decoder):
                     pass
         except ProtocolError as exc:
             log.warning("dropping peer after protocol error: %s", exc)
@@ -142,7 +140,8 @@ class TcpTarget:
         initiator has proved it knows the token before any buffer registered here is reachable
         or the segment descriptor is sent."""
         deadline = time.monotonic() + self._config.handshake_timeout_s
-        header, body = recv_control(conn, deadline)
+        hello = recv_control(conn, deadline)
+        header, body = hello.header, hello.body
         if header.type != FrameType.HELLO:
             raise RemoteProtocolError(f"expected HELLO, got {header.type.name}")
         if self._token is not None and not self._authenticate(conn, nonce_of(body), deadline):
@@ -157,31 +156,32 @@ class TcpTarget:
         own_nonce = new_nonce()
         challenge = {"nonce": own_nonce, "proof": proof(self._token, TARGET, nonce, own_nonce, self.name)}
         send_views(conn, [encode_control(FrameType.CHALLENGE, challenge)])
-        header, body = recv_control(conn, deadline)
-        if header.type != FrameType.AUTH:
-            raise RemoteProtocolError(f"expected AUTH, got {header.type.name}")
-        presented = body.get("proof") if isinstance(body, dict) else None
+        auth = recv_control(conn, deadline)
+        if auth.header.type != FrameType.AUTH:
+            raise RemoteProtocolError(f"expected AUTH, got {auth.header.type.name}")
+        presented = auth.body.get("proof") if isinstance(auth.body, dict) else None
         return check_proof(self._token, INITIATOR, nonce, own_nonce, self.name, presented)
 
-    def _serve_frame(self, conn: socket.socket) -> bool:
-        raw = conn.recv(HEADER_BYTES, socket.MSG_WAITALL)
-        if not raw:
+    def _serve_frame(self, conn: socket.socket, decoder: FrameDecoder) -> bool:
+        """Serve one frame; False when the initiator closed the connection between frames.
+        Once a frame has begun every read and write times out after timeout_s, so a stalled
+        peer cannot hold a fence (or this thread) forever."""
+        timeout_s = self._config.timeout_s
+        start = receive_event(conn, decoder, frame_timeout_s=timeout_s)
+        if start is None:
             return False
-        if len(raw) < HEADER_BYTES:
-            raise RemoteProtocolError("connection closed inside a frame header")
-        header = decode_header(raw)
-        conn.settimeout(self._config.timeout_s)  # a stalled frame must not hold a fence forever
-        if header.type == FrameType.WRITE:
-            self._serve_write(conn, header)
-        elif header.type == FrameType.READ:
-            self._serve_read(conn, header)
+        if not isinstance(start, FrameStart) or start.header.type not in (FrameType.WRITE, FrameType.READ):
+            kind = start.header.type.name if isinstance(start, FrameStart | Control) else "data"
+            raise RemoteProtocolError(f"unexpected {kind} frame from an initiator")
+        conn.settimeout(timeout_s)
+        if start.header.type == FrameType.WRITE:
+            self._serve_write(conn, decoder, start)
         else:
-            raise RemoteProtocolError(f"unexpected {header.type.name} frame from an initiator")
-        conn.settimeout(None)
+            self._serve_read(conn, decoder, start)
         return True
 
-    def _serve_write(self, conn: socket.socket, header: Header) -> None:
-        addrs, lengths, fences = decode_descriptors(recv_exact(conn, header.descriptor_bytes), header)
+    def _serve_write(self, conn: socket.socket, decoder: FrameDecoder, start: FrameStart) -> None:
+        header, addrs, lengths, fences = start.header, start.addrs, start.lengths, start.fences
         statuses = bytearray(header.count)
         views: list[memoryview] = []
         admitted: list[tuple[Fence, int]] = []
@@ -192,14 +192,17 @@ class TcpTarget:
                 statuses[i] = status
                 views.extend([view] if view is not None else _discard_views(length))
             recv_into_views(conn, views)
+            decoder.payload_received(start.payload_bytes)
         finally:
             for region, token in admitted:
                 region.leave(token)
+        _expect_end(conn, decoder)
         send_views(conn, [encode_header(FrameType.WRITE_ACK, header.count, header.request_id,
                                         header.count), statuses])
 
-    def _serve_read(self, conn: socket.socket, header: Header) -> None:
-        addrs, lengths, fences = decode_descriptors(recv_exact(conn, header.descriptor_bytes), header)
+    def _serve_read(self, conn: socket.socket, decoder: FrameDecoder, start: FrameStart) -> None:
+        header, addrs, lengths, fences = start.header, start.addrs, start.lengths, start.fences
+        _expect_end(conn, decoder)
         statuses = bytearray(header.count)
         views: list[bytes | bytearray | memoryview] = []
         cache: list[Buffer | None] = [None]
@@ -230,6 +233,11 @@ class TcpTarget:
             admitted.append((buf.fence, token))
         start = addr - buf.addr
         return Status.OK, buf.view[start : start + length]
+
+
+def _expect_end(conn: socket.socket, decoder: FrameDecoder) -> None:
+    if not isinstance(receive_event(conn, decoder), FrameEnd):
+        raise RemoteProtocolError("frame did not end where its header said")
 
 
 def _discard_views(length: int) -> list[memoryview]:

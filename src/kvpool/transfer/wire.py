@@ -1,44 +1,14 @@
-"""Socket driver helpers: exact reads and scatter/gather I/O without intermediate copies."""
+"""Socket driver helpers: feeding the frame decoder, and scatter/gather I/O without copies."""
 
 from __future__ import annotations
 
 import socket
 import time
-from typing import Any
 
 from kvpool.errors import PeerUnavailable, RemoteProtocolError
-from kvpool.transfer.protocol import (
-    CONTROL_TYPES,
-    HEADER_BYTES,
-    Header,
-    decode_control,
-    decode_header,
-)
+from kvpool.transfer.decoder import NEED_DATA, Control, Event, FrameDecoder, FrameStart
 
 IOV_MAX = 1024
-
-
-def recv_exact(sock: socket.socket, n: int) -> bytearray:
-    buf = bytearray(n)
-    recv_into_views(sock, [memoryview(buf)])
-    return buf
-
-
-def recv_exact_by(sock: socket.socket, n: int, deadline: float) -> bytearray:
-    """n bytes, all of them before `deadline` (time.monotonic()); TimeoutError after it, however
-    the peer spaces its bytes out."""
-    buf = bytearray(n)
-    view, got = memoryview(buf), 0
-    while got < n:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"deadline passed with {got} of {n} bytes received")
-        sock.settimeout(left)
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise PeerUnavailable("peer closed the connection mid-frame")
-        got += k
-    return buf
 
 
 def recv_into_views(sock: socket.socket, views: list[memoryview]) -> None:
@@ -72,9 +42,39 @@ def _advance(views: list[memoryview], n: int) -> list[memoryview]:
     return rest
 
 
-def recv_control(sock: socket.socket, deadline: float) -> tuple[Header, dict[str, Any] | str]:
-    """One control frame (handshake or ERROR), whole, before `deadline`."""
-    header = decode_header(recv_exact_by(sock, HEADER_BYTES, deadline))
-    if header.type not in CONTROL_TYPES:
-        raise RemoteProtocolError(f"expected a handshake frame, got {header.type.name}")
-    return header, decode_control(header, bytes(recv_exact_by(sock, header.payload_len, deadline)))
+def receive_event(sock: socket.socket, decoder: FrameDecoder, deadline: float | None = None,
+                  frame_timeout_s: float | None = None) -> Event | None:
+    """The decoder's next event, reading from `sock` only the bytes it wants (so payloads stay
+    in the socket for `recv_into`). None when the peer closed the connection between frames.
+
+    `deadline` (time.monotonic()) bounds the whole call however the peer spaces its bytes
+    (TimeoutError after it). Otherwise, with `frame_timeout_s`, a read inside a frame times out
+    after that long while between frames the peer may stay silent; without either the socket's
+    own timeout applies.
+    """
+    while (event := decoder.next_event()) is NEED_DATA:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("deadline passed before the frame was complete")
+            sock.settimeout(left)
+        elif frame_timeout_s is not None:
+            sock.settimeout(None if decoder.at_boundary else frame_timeout_s)
+        data = sock.recv(decoder.bytes_wanted(), socket.MSG_WAITALL)
+        if not data:
+            if decoder.at_boundary:
+                return None
+            raise PeerUnavailable("peer closed the connection mid-frame")
+        decoder.receive_data(data)
+    return event
+
+
+def recv_control(sock: socket.socket, deadline: float) -> Control:
+    """One whole control frame (handshake or ERROR) before `deadline`."""
+    event = receive_event(sock, FrameDecoder(), deadline)
+    if event is None:
+        raise PeerUnavailable("peer closed the connection during the handshake")
+    if not isinstance(event, Control):
+        kind = event.header.type.name if isinstance(event, FrameStart) else type(event).__name__
+        raise RemoteProtocolError(f"expected a handshake frame, got {kind}")
+    return event
