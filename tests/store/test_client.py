@@ -15,6 +15,7 @@ from kvpool.store.aio import AsyncStoreClient
 from kvpool.store.client import StoreClient
 from kvpool.store.client_config import ClientConfig
 from kvpool.store.codes import ErrorCode as E
+from kvpool.store.codes import GetResult
 from kvpool.store.config import MasterConfig, ReplicateConfig
 from kvpool.store.master import MasterServer, MasterServerConfig
 from tests.store.cluster import content
@@ -202,3 +203,49 @@ def test_stale_own_replica_is_never_touched(master: MasterServer, node: StoreCli
         finally:
             me._segments[sid] = buf
         assert me.get("mine").data == b"m" * 100
+
+
+def _corrupt_own_replica(me: StoreClient, key: str, at: int = 10) -> None:
+    (rep,) = me.replica_desc(key).replicas
+    ctypes.c_ubyte.from_address(rep.addr + at).value ^= 0xFF
+
+
+def test_corrupted_replica_is_refused_not_returned(master: MasterServer,
+                                                   node: StoreClient) -> None:
+    with StoreClient(ClientConfig(master=master.address, global_segment_size=MIB)) as me:
+        mine = ReplicateConfig(preferred_segment=me.endpoint)
+        value = content("c", 5000)
+        assert me.put("c", value, mine).ok
+        assert me.put_from("z", me.register_buffer(np.frombuffer(value, np.uint8).copy()).addr,
+                           5000, mine).ok
+        _corrupt_own_replica(me, "c")
+        _corrupt_own_replica(me, "z", 4999)
+        assert me.get("c") == GetResult(E.CHECKSUM_MISMATCH)
+        out = np.zeros(5000, np.uint8)
+        assert me.get_into("z", out.ctypes.data, 5000).code == E.CHECKSUM_MISMATCH
+        assert [r.code for r in me.get_batch(["c", "z"])] == [E.CHECKSUM_MISMATCH] * 2
+        parts = [[(out.ctypes.data, 2000), (out.ctypes.data + 2000, 3000)]]
+        assert me.batch_get_into_parts(["z"], parts)[0].value == int(E.CHECKSUM_MISMATCH)
+        assert me.stats.checksum_mismatches == 5
+        with StoreClient(ClientConfig(master=master.address,
+                                      verify_checksums=False)) as trusting:
+            assert trusting.get("c").ok and trusting.get("c").data != value
+
+
+def test_a_corrupted_replica_falls_back_to_an_intact_one(master: MasterServer,
+                                                        node: StoreClient) -> None:
+    with StoreClient(ClientConfig(master=master.address, global_segment_size=MIB)) as me:
+        value = content("two", 3000)
+        assert me.put("two", value, ReplicateConfig(replica_num=2)).ok
+        own = [r for r in me.replica_desc("two").replicas if r.endpoint == me.endpoint]
+        ctypes.c_ubyte.from_address(own[0].addr).value ^= 1
+        assert me.get("two").data == value                 # own replica first, then node's
+        assert me.stats.checksum_mismatches == 1
+
+
+def test_objects_put_without_checksums_are_read_unverified(master: MasterServer,
+                                                           node: StoreClient) -> None:
+    with StoreClient(ClientConfig(master=master.address, write_checksums=False)) as c:
+        assert c.put("n", b"plain").ok
+        assert c.replica_desc("n").checksum is None
+        assert c.get("n").data == b"plain"

@@ -241,3 +241,17 @@ def test_batch_fast_path_places_a_run_and_falls_back(vclock: VirtualClock) -> No
     big = core.put_start("w", [f"g{i}" for i in range(3)], [7 * KIB] * 3)
     assert [r.code for r in big] == [E.OK] * 3                   # placed one by one
     core.check_integrity()
+
+
+def test_put_end_records_checksums_and_lookups_return_them(core: MasterCore) -> None:
+    core.put_start("w", ["a", "b", "c", "d"], [100, 100, 100, 100])
+    assert core.put_end("w", ["a"], [1, 2]) == [E.INVALID_PARAMS]      # lengths differ
+    assert core.put_end("w", ["a", "b", "c", "d"], [0xDEADBEEF, None, -1, 1 << 64]) == [
+        E.OK, E.OK, E.INVALID_PARAMS, E.INVALID_PARAMS]
+    assert [x.checksum for x in core.get_replicas(["a", "b", "c"])] == [0xDEADBEEF, None, None]
+    assert core.put_end("w", ["c", "d"], [(1 << 64) - 1, 5]) == [E.OK, E.OK]
+    assert core.get_replicas(["c"])[0].checksum == (1 << 64) - 1
+    (res,) = core.put_start("w", ["a"], [100], upsert=True)
+    assert core.put_end("w", ["a"], [7]) == [E.OK]
+    assert core.get_replicas(["a"])[0].checksum == 7                # upsert replaces it
+    core.check_integrity()

@@ -92,7 +92,7 @@ def test_garbage_over_the_socket_then_service_continues(master: MasterServer) ->
         replies = [decode_reply(f) for f in _read_frames(sock, 3)]
         assert [(r.req_id, r.status) for r in replies] == [
             (0, E.INVALID_PARAMS), (4, 0), (0, E.INVALID_PARAMS)]
-        assert replies[1].result == [10.0, [[-600, 0, [], 0.0], [-600, 0, [], 0.0]]]
+        assert replies[1].result == [10.0, [[-600, 0, [], 0.0, None], [-600, 0, [], 0.0, None]]]
         sock.close()
     truncated = _raw(master)                     # half a header, then half a frame, then gone
     truncated.sendall(encode_frame(BAD_FRAMES[1])[:2])
@@ -101,8 +101,8 @@ def test_garbage_over_the_socket_then_service_continues(master: MasterServer) ->
     truncated.sendall(encode_frame(BAD_FRAMES[1])[:9])
     truncated.close()
     with RpcClient(master.address, "w") as w:
-        assert w.call(Op.GET_REPLICAS, [1, "x"]) == [10.0, [[-600, 0, [], 0.0],
-                                                            [-704, 0, [], 0.0]]]
+        assert w.call(Op.GET_REPLICAS, [1, "x"]) == [10.0, [[-600, 0, [], 0.0, None],
+                                                            [-704, 0, [], 0.0, None]]]
         with pytest.raises(RpcError, match="code -600"):
             w.call(Op.MOUNT, "x", 0, 1)   # wrong arity
         metrics = httpx.get(f"http://127.0.0.1:{master.admin_port}/metrics").text

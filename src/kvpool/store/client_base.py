@@ -8,11 +8,13 @@ import os
 import threading
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kvpool.clock import SYSTEM_CLOCK, Clock
 from kvpool.errors import RpcError, RpcTimeout
 from kvpool.log import get_logger
+from kvpool.store.checksum import parts_checksum
 from kvpool.store.client_config import ClientConfig
 from kvpool.store.codes import ErrorCode, LookupResult, PutResult, ReadResult, ReplicaDesc, Tier
 from kvpool.store.config import ReplicateConfig
@@ -37,6 +39,16 @@ class RpcFailed(Exception):
         self.code = code
 
 
+@dataclass
+class ClientStats:
+    """Counters of one client (read them any time; they only grow)."""
+
+    checksum_mismatches: int = 0
+    """Replica reads whose bytes did not match the object's checksum (refused)."""
+    remounts: int = 0
+    """Times the master had forgotten this client and its segments were mounted again."""
+
+
 class ClientBase:
     def __init__(self, config: ClientConfig, clock: Clock = SYSTEM_CLOCK) -> None:
         self.config = config
@@ -47,6 +59,7 @@ class ClientBase:
             token=config.token)).start()
         self.endpoint: str = self.engine.segment_name
         self.host = self.endpoint.rsplit(":", 1)[0]
+        self.stats = ClientStats()
         self.client_id = config.client_id or f"{self.endpoint}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._rpc = RpcClient(config.master, self.client_id, config.rpc_timeout_s, config.token)
         self._segments: dict[str, Any] = {}  # segment id -> managed Buffer
@@ -198,12 +211,25 @@ class ClientBase:
         failed = self._run_copies(OpCode.WRITE, copies)
         ok = [i for i in copies if i not in failed]
         if failed:
-            self._call(Op.PUT_REVOKE, [keys[i] for i in failed])
             for i in failed:
                 results[i] = PutResult(E.TRANSFER_FAIL)
+            self._revoke([keys[i] for i in failed])
         if ok:
-            for i, code in zip(ok, self._call(Op.PUT_END, [keys[i] for i in ok]), strict=True):
+            size_of = dict(zip(todo, sizes, strict=True))
+            sums = [parts_checksum(parts[i], size_of[i]) if self.config.write_checksums
+                    else None for i in ok]
+            ended = self._call(Op.PUT_END, [keys[i] for i in ok], sums)
+            for i, code in zip(ok, ended, strict=True):
                 results[i] = _PUT_OK if code == 0 else PutResult(ErrorCode(code))
+
+    def _revoke(self, keys: list[str]) -> None:
+        """Give up puts whose copies failed. Best effort: if the master cannot be told, it
+        discards them after put_discard_timeout_s; the puts that were written still end."""
+        try:
+            self._call(Op.PUT_REVOKE, keys)
+        except RpcFailed as exc:
+            log.warning("could not revoke %d failed puts (%s); the master will discard them",
+                        len(keys), exc.code.name)
 
     def _lookup(self, keys: Sequence[str]) -> tuple[list[LookupResult], float]:
         """Replica lookups (granting read leases) and the time they were asked for."""
@@ -215,17 +241,20 @@ class ClientBase:
                 lease_s, items = self._call(Op.GET_REPLICAS, [keys[i] for i in valid])
             except RpcFailed as exc:
                 return [LookupResult(exc.code)] * len(keys), t0
-            for i, (code, size, wire, _) in zip(valid, items, strict=True):
+            for i, (code, size, wire, _, checksum) in zip(valid, items, strict=True):
                 reps = tuple(replica_from_wire(w) for w in wire)
-                out[i] = LookupResult(ErrorCode(code), size, reps, lease_s)
+                out[i] = LookupResult(ErrorCode(code), size, reps, lease_s, checksum)
         return out, t0
 
     def _read(self, looks: Sequence[LookupResult], parts: Sequence[Sequence[Part] | None],
               t0: float) -> list[ReadResult]:
         """Read each found object into its parts from the closest replica, falling back to
-        the next replica on failure. LEASE_EXPIRED when the read outlived the lease."""
+        the next replica on failure or on bytes that fail the checksum (CHECKSUM_MISMATCH
+        when no replica had the right bytes). LEASE_EXPIRED when the read outlived the
+        lease. On any failure the caller's parts hold undefined bytes."""
         results: list[ReadResult] = []
         queues: dict[int, list[ReplicaDesc]] = {}
+        mismatched: set[int] = set()
         for i, (look, p) in enumerate(zip(looks, parts, strict=True)):
             if look.code != E.OK:
                 results.append(ReadResult(look.code))
@@ -239,10 +268,29 @@ class ClientBase:
                           for a, r, n in copies_for(parts[i] or (), q[0].addr, looks[i].size)]
                       for i, q in queues.items()}
             failed = self._run_copies(OpCode.READ, copies)
+            if self.config.verify_checksums:
+                bad = self._verify(looks, parts, [i for i in queues if i not in failed])
+                mismatched |= bad
+                failed |= bad
             queues = {i: queues[i][1:] for i in failed}
             for i in [i for i, q in queues.items() if not q]:
-                results[i] = ReadResult(E.TRANSFER_FAIL)
+                results[i] = ReadResult(E.CHECKSUM_MISMATCH if i in mismatched
+                                        else E.TRANSFER_FAIL)
                 del queues[i]
         if looks and self.clock.now() > t0 + max(x.lease_ttl_s for x in looks):
             results = [ReadResult(E.LEASE_EXPIRED) if r.ok else r for r in results]
         return results
+
+    def _verify(self, looks: Sequence[LookupResult], parts: Sequence[Sequence[Part] | None],
+                read: list[int]) -> set[int]:
+        """Indices among `read` whose bytes do not hash to their object's checksum."""
+        bad = set()
+        for i in read:
+            want = looks[i].checksum
+            if want is not None and parts_checksum(parts[i] or (), looks[i].size) != want:
+                bad.add(i)
+        if bad:
+            self.stats.checksum_mismatches += len(bad)
+            log.warning("checksum mismatch on %d replica reads; trying other replicas",
+                        len(bad))
+        return bad

@@ -25,6 +25,9 @@ class ErrorCode(enum.IntEnum):
     UNKNOWN_CLIENT = -1000
     SEGMENT_NOT_FOUND = -1001
     SEGMENT_ALREADY_EXISTS = -1002
+    CHECKSUM_MISMATCH = -1003
+    """Every replica read (or the only one) did not match the checksum recorded at put_end:
+    the bytes are not handed out."""
 
     @property
     def ok(self) -> bool:
@@ -70,6 +73,8 @@ class LookupResult(NamedTuple):
     size: int = 0
     replicas: tuple[ReplicaDesc, ...] = ()
     lease_ttl_s: float = 0.0
+    checksum: int | None = None
+    """xxh3_64 of the object's bytes recorded at put_end (None: put without one)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -211,13 +211,22 @@ class MasterCore:
             self._segments_cache = list(self.segments.values())
         return self._segments_cache
 
-    def put_end(self, client_id: str, keys: Sequence[str]) -> list[ErrorCode]:
-        """Publish written objects. OBJECT_NOT_FOUND: the put was discarded meanwhile (timeout,
-        a target segment died) and the object is not stored."""
+    def put_end(self, client_id: str, keys: Sequence[str],
+                checksums: Sequence[int | None] | None = None) -> list[ErrorCode]:
+        """Publish written objects, each with the xxh3_64 of its bytes that readers verify
+        (None: no checksum). OBJECT_NOT_FOUND: the put was discarded meanwhile (timeout, a
+        target segment died) and the object is not stored."""
         self._touch_client(client_id)
-        return [self._put_end_one(client_id, key) for key in keys]
+        if checksums is None:
+            checksums = [None] * len(keys)
+        elif len(checksums) != len(keys):
+            return [E.INVALID_PARAMS] * len(keys)
+        return [self._put_end_one(client_id, key, checksum)
+                for key, checksum in zip(keys, checksums, strict=True)]
 
-    def _put_end_one(self, client_id: str, key: str) -> ErrorCode:
+    def _put_end_one(self, client_id: str, key: str, checksum: int | None) -> ErrorCode:
+        if checksum is not None and not (type(checksum) is int and 0 <= checksum < 1 << 64):
+            return E.INVALID_PARAMS
         put = self.pending.get(key) if type(key) is str else None
         if put is None or put.client_id != client_id:
             return E.OBJECT_NOT_FOUND
@@ -228,7 +237,7 @@ class MasterCore:
         now = self.clock.now()
         soft_until = now + self.config.soft_pin_ttl_s if put.soft_pinned else 0.0
         self.objects[key] = StoredObject(key, put.size, put.replicas, 0.0, put.hard_pinned,
-                                         soft_until)
+                                         soft_until, checksum)
         for r in put.replicas:
             r.segment.pending_keys.discard(key)
             r.segment.keys.add(key)
@@ -289,7 +298,7 @@ class MasterCore:
                                               r.segment.base_addr + r.offset, r.size,
                                               r.segment.tier, ReplicaState.COMPLETE))
                            for r in obj.replicas])
-            out.append(_new(LookupResult, (E.OK, obj.size, descs, ttl)))
+            out.append(_new(LookupResult, (E.OK, obj.size, descs, ttl, obj.checksum)))
         return out
 
     def exists(self, keys: Sequence[str]) -> list[ErrorCode]:

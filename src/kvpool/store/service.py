@@ -56,7 +56,7 @@ class MasterService:
             Op.MOUNT: self._mount,
             Op.UNMOUNT: lambda r: int(core.unmount_segment(r.client_id, r.args[0])),
             Op.PUT_START: self._put_start,
-            Op.PUT_END: lambda r: self._count(r, core.put_end(r.client_id, r.args[0])),
+            Op.PUT_END: lambda r: self._count(r, core.put_end(r.client_id, *r.args)),
             Op.PUT_REVOKE: lambda r: self._count(r, core.put_revoke(r.client_id, r.args[0])),
             Op.GET_REPLICAS: self._get_replicas,
             Op.EXISTS: lambda r: core.exists(r.args[0]),

@@ -53,6 +53,8 @@ class StoredObject:
     lease_until: float = 0.0
     hard_pinned: bool = False
     soft_pin_until: float = 0.0
+    checksum: int | None = None
+    """xxh3_64 of the bytes, sent by the writer with put_end (None: no checksum)."""
 
 
 class PendingPut(NamedTuple):
