@@ -249,3 +249,46 @@ def test_objects_put_without_checksums_are_read_unverified(master: MasterServer,
         assert c.put("n", b"plain").ok
         assert c.replica_desc("n").checksum is None
         assert c.get("n").data == b"plain"
+
+
+def test_a_bad_master_address_closes_the_started_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvpool.errors import RpcError
+    from kvpool.transfer import TransferEngine
+    closed = []
+    real_close = TransferEngine.close
+    monkeypatch.setattr(TransferEngine, "close", lambda self: (closed.append(self),
+                                                               real_close(self))[-1])
+    with pytest.raises(RpcError, match="bad master address"):
+        StoreClient(ClientConfig(master="127.0.0.1:99999"))
+    assert len(closed) == 1
+
+
+def test_late_replies_reach_the_heartbeat_hook() -> None:
+    """A master that stalled answers a timed-out heartbeat late: the hook still sees it."""
+    import socket
+    import threading
+
+    from kvpool.store.framing import FrameDecoder, encode_frame
+    from kvpool.store.protocol import decode_request, encode_reply
+    from kvpool.store.rpc_client import RpcClient
+    listener = socket.create_server(("127.0.0.1", 0))
+    late: list[object] = []
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        decoder, reqs = FrameDecoder(), []
+        while len(reqs) < 2:
+            reqs += [decode_request(f) for f in decoder.feed(conn.recv(4096))]
+        conn.sendall(encode_frame(encode_reply(reqs[0].req_id, 0, int(E.UNKNOWN_CLIENT))) +
+                     encode_frame(encode_reply(reqs[1].req_id, 0, 0)))
+        conn.recv(1)
+    threading.Thread(target=serve, daemon=True).start()
+    from kvpool.errors import RpcTimeout
+    from kvpool.store.protocol import Op
+    rpc = RpcClient(f"127.0.0.1:{listener.getsockname()[1]}", "c", 0.2, None, late.append)
+    with pytest.raises(RpcTimeout):
+        rpc.call(Op.HEARTBEAT)
+    assert rpc.call(Op.HEARTBEAT) == 0
+    assert [(r.req_id, r.result) for r in late] == [(1, int(E.UNKNOWN_CLIENT))]  # type: ignore[attr-defined]
+    rpc.close()
+    listener.close()

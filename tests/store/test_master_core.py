@@ -5,7 +5,7 @@ from kvpool.store.codes import ErrorCode as E
 from kvpool.store.codes import ReplicaState
 from kvpool.store.config import ReplicateConfig
 from kvpool.store.master_core import MasterCore
-from tests.store.conftest import KIB, make_core
+from tests.store.conftest import KIB, live_for, make_core
 
 
 def put(core: MasterCore, key: str, size: int = KIB, client: str = "w",
@@ -90,20 +90,14 @@ def test_forced_remove_defers_free_until_lease_ends(core: MasterCore,
 
 def test_stale_pending_put_is_discarded(core: MasterCore, vclock: VirtualClock) -> None:
     core.put_start("w", ["k"], [64])
-    vclock.advance(29)
-    core.heartbeat("w"), core.heartbeat("c0"), core.heartbeat("c1")
-    core.tick()
+    live_for(core, vclock, 29)
     assert "k" in core.pending
-    vclock.advance(2)
-    core.heartbeat("w"), core.heartbeat("c0"), core.heartbeat("c1")
-    core.tick()
+    live_for(core, vclock, 2)
     assert core.pending == {} and core.stats.discarded_puts == 1
     assert core.put_end("w", ["k"]) == [E.OBJECT_NOT_FOUND]
     assert core.used_bytes == 64          # its writer may still be copying: not reused yet
     core.check_integrity()
-    vclock.advance(600)
-    core.heartbeat("c0"), core.heartbeat("c1")
-    core.tick()
+    live_for(core, vclock, 600, ("c0", "c1"))
     assert core.used_bytes == 0
     core.check_integrity()
 
@@ -255,3 +249,29 @@ def test_put_end_records_checksums_and_lookups_return_them(core: MasterCore) -> 
     assert core.put_end("w", ["a"], [7]) == [E.OK]
     assert core.get_replicas(["a"])[0].checksum == 7                # upsert replaces it
     core.check_integrity()
+
+
+def test_the_masters_own_stall_is_grace_not_everyones_death(core: MasterCore,
+                                                            vclock: VirtualClock) -> None:
+    assert put(core, "k", 100) == E.OK
+    core.put_start("w", ["p"], [64])
+    live_for(core, vclock, 4)
+    vclock.advance(15)                    # SIGSTOP: no tick, no heartbeat read for 15 s
+    core.tick()
+    assert sorted(core.clients) == ["c0", "c1", "w"] and core.stats.expired_clients == 0
+    assert core.stats.stalls_forgiven == 1 and "p" in core.pending
+    assert core.get_replicas(["k"])[0].code == E.OK
+    core.check_integrity()
+    live_for(core, vclock, 9, ("c0", "w"))   # after the stall, ordinary silence counts again
+    assert "c1" in core.clients
+    live_for(core, vclock, 2, ("c0", "w"))
+    assert sorted(core.clients) == ["c0", "w"] and core.stats.expired_clients == 1
+    assert core.stats.stalls_forgiven == 1
+    core.check_integrity()
+
+
+def test_a_short_gap_between_ticks_is_no_stall(core: MasterCore, vclock: VirtualClock) -> None:
+    live_for(core, vclock, 7.5, ("c0",))
+    vclock.advance(4.9)                   # under client_ttl / 2: c1's silence is its own
+    core.tick()
+    assert core.stats.stalls_forgiven == 0 and sorted(core.clients) == ["c0"]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.clock import SYSTEM_CLOCK, Clock
-from kvpool.errors import RpcError, RpcTimeout
+from kvpool.errors import KvpoolError, RpcError, RpcTimeout
 from kvpool.log import get_logger
 from kvpool.store.checksum import parts_checksum
 from kvpool.store.client_config import ClientConfig
@@ -57,16 +57,24 @@ class ClientBase:
             host=config.local_hostname, port=config.te_port, metadata=config.metadata,
             protocol=config.protocol, timeout_s=config.transfer_timeout_s,
             token=config.token)).start()
-        self.endpoint: str = self.engine.segment_name
-        self.host = self.endpoint.rsplit(":", 1)[0]
-        self.stats = ClientStats()
-        self.client_id = config.client_id or f"{self.endpoint}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._rpc = RpcClient(config.master, self.client_id, config.rpc_timeout_s, config.token)
-        self._segments: dict[str, Any] = {}  # segment id -> managed Buffer
-        self._staging = StagingArea(self.engine, config.local_buffer_size)
+        try:
+            self.endpoint: str = self.engine.segment_name
+            self.host = self.endpoint.rsplit(":", 1)[0]
+            self.stats = ClientStats()
+            self.client_id = config.client_id or \
+                f"{self.endpoint}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            self._rpc = RpcClient(config.master, self.client_id, config.rpc_timeout_s,
+                                  config.token)
+            self._hb_rpc = RpcClient(config.master, self.client_id, config.rpc_timeout_s,
+                                     config.token, on_late_reply=self._on_late_heartbeat)
+            self._segments: dict[str, Any] = {}  # segment id -> managed Buffer
+            self._forgotten = False
+            """The master answered UNKNOWN_CLIENT (maybe late): mount everything again."""
+            self._staging = StagingArea(self.engine, config.local_buffer_size)
+        except BaseException:
+            self.engine.close()  # a bad master address must not leak the started engine
+            raise
         self._stop = threading.Event()
-        self._hb_rpc = RpcClient(config.master, self.client_id, config.rpc_timeout_s,
-                                 config.token)
         self._hb = threading.Thread(target=self._heartbeat_loop, daemon=True,
                                     name="kvpool-store-heartbeat")
         self._hb.start()
@@ -124,14 +132,46 @@ class ClientBase:
         while not self._stop.wait(self.config.heartbeat_interval_s):
             try:
                 if self._hb_rpc.call(Op.HEARTBEAT) == E.UNKNOWN_CLIENT:
-                    self._remount()
+                    self._forgotten = True
             except RpcError as exc:
                 log.debug("heartbeat failed: %s", exc)
+            if self._forgotten and not self._stop.is_set():
+                self._forgotten = not self._remount() if self._segments else False
 
-    def _remount(self) -> None:
+    def _on_late_heartbeat(self, reply: Any) -> None:
+        """A heartbeat answered after its call timed out (the master stalled, then forgot
+        us): UNKNOWN_CLIENT there means the same as on time."""
+        if reply.status == 0 and reply.result == E.UNKNOWN_CLIENT:
+            self._forgotten = True
+
+    def _remount(self) -> bool:
+        """Mount every segment again after the master forgot this client (it restarted, or
+        declared us dead), and publish the segment descriptor again (a restarted master's
+        embedded directory is empty). False when the master could not take it yet; the
+        next heartbeat tries again."""
         for segment_id, buf in list(self._segments.items()):
             log.warning("master forgot us; mounting %s again", segment_id)
-            self._hb_rpc.call(Op.MOUNT, self.endpoint, buf.addr, buf.length, int(Tier.DRAM))
+            try:
+                code, new_id = self._hb_rpc.call(Op.MOUNT, self.endpoint, buf.addr, buf.length,
+                                                 int(Tier.DRAM))
+            except RpcError as exc:
+                log.warning("mounting %s again failed: %s", segment_id, exc)
+                return False
+            if code != 0:
+                log.warning("master refused to mount %s again: %s", segment_id,
+                            ErrorCode(code).name)
+                return False
+            if new_id != segment_id:
+                self._segments[str(new_id)] = self._segments.pop(segment_id)
+        self._publish()
+        self.stats.remounts += 1
+        return True
+
+    def _publish(self) -> None:
+        try:
+            self.engine._publish()
+        except KvpoolError as exc:
+            log.warning("could not publish segment %s again: %s", self.endpoint, exc)
 
     def close(self) -> None:
         if self._stop.is_set():

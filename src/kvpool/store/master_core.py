@@ -32,6 +32,10 @@ from kvpool.store.validate import valid_key, valid_size
 E = ErrorCode
 _new = tuple.__new__  # builds a NamedTuple without its Python-level __new__ (hot paths)
 DEFAULT_REPLICATE = ReplicateConfig()
+STALL_FRACTION = 0.5
+"""A gap between two `tick()` calls longer than this fraction of client_ttl_s is the
+master's own stall (SIGSTOP, swap, a long pause): nobody could be heard meanwhile, so every
+deadline moves by the gap instead of everyone being declared dead."""
 
 
 @dataclass
@@ -42,6 +46,7 @@ class MasterStats:
     discarded_puts: int = 0
     expired_clients: int = 0
     no_space: int = 0
+    stalls_forgiven: int = 0
 
 
 class MasterCore:
@@ -59,6 +64,7 @@ class MasterCore:
         self._capacity = 0
         self._segments_cache: list[Segment] | None = None
         self._no_evict_until = 0.0
+        self._last_tick = clock.now()
 
     # -- clients and segments -------------------------------------------------------------
 
@@ -269,6 +275,15 @@ class MasterCore:
             else:
                 self._free(r.segment, r.offset)
 
+    def forgive_stall(self, gap_s: float) -> None:
+        """Move every liveness and put deadline `gap_s` later: time the master spent stopped
+        is no client's silence, and heartbeats sent meanwhile are still queued unread."""
+        for client in self.clients.values():
+            client.last_seen += gap_s
+        for key, put in self.pending.items():
+            self.pending[key] = put._replace(started=put.started + gap_s)
+        self.stats.stalls_forgiven += 1
+
     def discard_stale_puts(self) -> int:
         horizon = self.clock.now() - self.config.put_discard_timeout_s
         stale = [p for p in self.pending.values() if p.started < horizon]
@@ -374,7 +389,12 @@ class MasterCore:
         return master_evict.eviction_target(self)
 
     def tick(self) -> None:
-        """Run every timeout that is due, then evict if above the high watermark."""
+        """Run every timeout that is due, then evict if above the high watermark. A long
+        gap since the previous tick is the master's own stall, forgiven first."""
+        now = self.clock.now()
+        gap, self._last_tick = now - self._last_tick, now
+        if gap > STALL_FRACTION * self.config.client_ttl_s:
+            self.forgive_stall(gap)
         self.expire_clients()
         self.discard_stale_puts()
         self.release_deferred()
