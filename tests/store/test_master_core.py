@@ -275,3 +275,37 @@ def test_a_short_gap_between_ticks_is_no_stall(core: MasterCore, vclock: Virtual
     vclock.advance(4.9)                   # under client_ttl / 2: c1's silence is its own
     core.tick()
     assert core.stats.stalls_forgiven == 0 and sorted(core.clients) == ["c0"]
+
+
+def test_ranges_a_late_writer_may_hold_survive_a_remount(vclock: VirtualClock) -> None:
+    core = make_core(vclock, num_segments=1, capacity=4 * KIB)
+    (started,) = core.put_start("w", ["a"], [KIB])
+    assert put(core, "b", KIB) == E.OK
+    live_for(core, vclock, 11, ("w",))             # c0 (the node) stalls and is expired
+    assert core.segments == {} and core.pending == {}
+    code, sid = core.mount_segment("c0", "127.0.0.1:9000", 0x10000, 4 * KIB)
+    assert code == E.OK
+    assert core.used_bytes == KIB                  # a's range is still held, b's is free
+    (again,) = core.put_start("w", ["c"], [3 * KIB])
+    assert again.code == E.OK and started.replicas[0].addr not in {r.addr for r in again.replicas}
+    core.check_integrity()
+    live_for(core, vclock, 600, ("w", "c0"))
+    assert core.used_bytes == 3 * KIB and core._quarantine == {}
+    core.check_integrity()
+
+
+def test_a_new_fence_starts_the_memory_empty(vclock: VirtualClock) -> None:
+    core = make_core(vclock, num_segments=0)
+    assert core.mount_segment("n", "127.0.0.1:9000", 0x10000, 4 * KIB, fence=11) == (
+        E.OK, "127.0.0.1:9000/10000")
+    (started,) = core.put_start("w", ["a"], [KIB])
+    assert [r.fence for r in started.replicas] == [11]
+    assert put(core, "b", KIB) == E.OK
+    assert [r.fence for r in core.get_replicas(["b"])[0].replicas] == [11]
+    assert core.mount_segment("n", "127.0.0.1:9000", 0x10000, 4 * KIB, fence=11)[0] == E.OK
+    assert core.get_replicas(["b"])[0].code == E.OK           # the same mount: idempotent
+    assert core.mount_segment("n", "127.0.0.1:9000", 0x10000, 4 * KIB, fence=12)[0] == E.OK
+    assert core.get_replicas(["b"])[0].code == E.OBJECT_NOT_FOUND
+    assert core.pending == {} and core.used_bytes == 0         # old writers are fenced out
+    assert core.mount_segment("n", "h:1", 0, KIB, fence=1 << 64)[0] == E.INVALID_PARAMS
+    core.check_integrity()

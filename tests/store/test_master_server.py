@@ -34,8 +34,8 @@ def test_rpc_and_admin_in_process(master: MasterServer) -> None:
         code, sid = node.call(Op.MOUNT, "127.0.0.1:7000", 4096, 1 << 20, 1)
         assert (code, sid) == (0, "127.0.0.1:7000/1000")
         res = w.call(Op.PUT_START, ["k1", "k2"], [10, 5000], 1, False, False, [], False)
-        assert res == [[0, [[sid, "127.0.0.1:7000", 4096, 10, 1, 1]]],
-                       [0, [[sid, "127.0.0.1:7000", 4096 + 64, 5000, 1, 1]]]]
+        assert res == [[0, [[sid, "127.0.0.1:7000", 4096, 10, 1, 1, 0]]],
+                       [0, [[sid, "127.0.0.1:7000", 4096 + 64, 5000, 1, 1, 0]]]]
         assert w.call(Op.PUT_END, ["k1", "k2"]) == [0, 0]
         assert w.call(Op.EXISTS, ["k1", "nope"]) == [0, -704]
     base = f"http://127.0.0.1:{master.admin_port}"

@@ -55,6 +55,9 @@ class ReplicaDesc(NamedTuple):
     size: int
     tier: Tier = Tier.DRAM
     state: ReplicaState = ReplicaState.COMPLETE
+    fence: int = 0
+    """Write fence of the mount the replica lives in: every transfer to or from it carries
+    this value, and the owner refuses it once the segment was mounted again (0 = none)."""
 
     @property
     def host(self) -> str:

@@ -61,6 +61,10 @@ class MasterCore:
         self.placement = create_placement(self.config.allocation_strategy, self.config.seed)
         self.stats = MasterStats()
         self._deferred: list[tuple[float, Segment, int]] = []  # (free at, segment, offset)
+        self._quarantine: dict[str, tuple[int, list[tuple[float, int, int]]]] = {}
+        """Dropped segment id -> (its fence, [(free at, offset, size)]): ranges a late
+        writer or reader may still touch, held again if the same memory comes back under
+        the same fence (with a new fence the owner refuses those transfers itself)."""
         self._capacity = 0
         self._segments_cache: list[Segment] | None = None
         self._no_evict_until = 0.0
@@ -86,25 +90,41 @@ class MasterCore:
         return client
 
     def mount_segment(self, client_id: str, endpoint: str, base_addr: int, size: int,
-                      tier: Tier = Tier.DRAM) -> tuple[ErrorCode, str]:
-        """Add [base_addr, base_addr + size) of `endpoint`'s process to the pool."""
+                      tier: Tier = Tier.DRAM, fence: int = 0) -> tuple[ErrorCode, str]:
+        """Add [base_addr, base_addr + size) of `endpoint`'s process to the pool, guarded
+        by the owner's write fence `fence` (a u64, 0 = none) that every replica descriptor
+        there carries."""
         if not (valid_key(client_id) and valid_key(endpoint) and type(base_addr) is int
-                and base_addr >= 0 and valid_size(size, 1 << 50)):
+                and base_addr >= 0 and valid_size(size, 1 << 50)
+                and type(fence) is int and 0 <= fence < 1 << 64):
             return E.INVALID_PARAMS, ""
         segment_id = f"{endpoint}/{base_addr:x}"
         existing = self.segments.get(segment_id)
         if existing is not None:
-            if existing.client_id == client_id and existing.capacity == size:
+            if existing.client_id == client_id and existing.capacity == size \
+                    and existing.fence == fence:
                 return E.OK, segment_id
-            self._drop_segment(existing)  # a restarted process reusing the address
+            self._drop_segment(existing)  # a restarted process, or a new fence: start empty
         client = self._touch_client(client_id)
         seg = Segment(segment_id, client_id, endpoint, base_addr,
-                      OffsetAllocator(size, self.config.alignment), tier)
+                      OffsetAllocator(size, self.config.alignment), tier, fence)
+        self._hold_quarantined(seg)
         self.segments[segment_id] = seg
         self._segments_cache = None
         client.segment_ids.add(segment_id)
         self._capacity += size
         return E.OK, segment_id
+
+    def _hold_quarantined(self, seg: Segment) -> None:
+        """Keep ranges of the dropped mount of the same memory allocated until their
+        release time, unless the owner changed its fence (then nobody can write them)."""
+        fence, ranges = self._quarantine.pop(seg.segment_id, (0, []))
+        if fence != seg.fence and fence and seg.fence:
+            return
+        now = self.clock.now()
+        for release_at, offset, size in ranges:
+            if release_at > now and seg.allocator.reserve(offset, size):
+                self._deferred.append((release_at, seg, offset))
 
     def unmount_segment(self, client_id: str, segment_id: str) -> ErrorCode:
         seg = self.segments.get(segment_id)
@@ -132,6 +152,10 @@ class MasterCore:
             if not obj.replicas:
                 del self.objects[key]
                 self.policy.on_remove(key)
+        held = [(at, offset, seg.allocator.allocated_ranges()[offset])
+                for at, s, offset in self._deferred if s is seg]
+        if held:
+            self._quarantine[seg.segment_id] = (seg.fence, held)
         self._deferred = [d for d in self._deferred if d[1] is not seg]
 
     def expire_clients(self) -> list[str]:
@@ -189,7 +213,7 @@ class MasterCore:
             seg.pending_keys.add(key)
             descs.append(_new(ReplicaDesc, (seg.segment_id, seg.endpoint,
                                             seg.base_addr + r.offset, size, seg.tier,
-                                            ReplicaState.PENDING)))
+                                            ReplicaState.PENDING, seg.fence)))
         return _new(PutStartResult, (E.OK, tuple(descs)))
 
     def _try_allocate(self, size: int, count: int, preferred: list[str]) -> list[Replica] | None:
@@ -311,7 +335,8 @@ class MasterCore:
             touch(key)
             descs = tuple([_new(ReplicaDesc, (r.segment.segment_id, r.segment.endpoint,
                                               r.segment.base_addr + r.offset, r.size,
-                                              r.segment.tier, ReplicaState.COMPLETE))
+                                              r.segment.tier, ReplicaState.COMPLETE,
+                                              r.segment.fence))
                            for r in obj.replicas])
             out.append(_new(LookupResult, (E.OK, obj.size, descs, ttl, obj.checksum)))
         return out
@@ -372,6 +397,12 @@ class MasterCore:
 
     def release_deferred(self) -> int:
         now = self.clock.now()
+        for sid, (fence, ranges) in list(self._quarantine.items()):
+            ranges = [r for r in ranges if r[0] > now]
+            if ranges:
+                self._quarantine[sid] = (fence, ranges)
+            else:
+                del self._quarantine[sid]
         due = [d for d in self._deferred if d[0] <= now]
         if due:
             self._deferred = [d for d in self._deferred if d[0] > now]

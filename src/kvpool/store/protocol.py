@@ -67,7 +67,7 @@ REQUESTS: dict[Op, tuple[tuple[str, Check], ...]] = {
     Op.PING: (),
     Op.HEARTBEAT: (),
     Op.MOUNT: (("endpoint", _is_str), ("base_addr", _is_int), ("size", _is_int),
-               ("tier", _is_int)),
+               ("tier", _is_int), ("fence", _is_int)),
     Op.UNMOUNT: (("segment_id", _is_str),),
     Op.PUT_START: (("keys", _is_list), ("sizes", _is_list), ("replica_num", _is_int),
                    ("hard_pin", _is_bool), ("soft_pin", _is_bool),
@@ -84,10 +84,12 @@ REQUESTS: dict[Op, tuple[tuple[str, Check], ...]] = {
 
 
 OPTIONAL: dict[Op, tuple[Any, ...]] = {
+    Op.MOUNT: (0,),
     Op.PUT_END: (None,),
 }
-"""Defaults of trailing arguments a request may leave out (older clients): PUT_END without
-checksums publishes objects that readers cannot verify."""
+"""Defaults of trailing arguments a request may leave out (older clients): a MOUNT without
+a fence is unfenced (0); PUT_END without checksums publishes objects that readers cannot
+verify."""
 
 
 @dataclass(frozen=True, slots=True)
