@@ -243,11 +243,8 @@ class ClientBase:
                 results[i] = PutResult(E.OK, already_existed=True)
             elif code != 0:
                 results[i] = PutResult(ErrorCode(code))
-            elif len(parts[i]) == 1 and len(wire) == 1:  # the common case: one piece, one copy
-                copies[i] = [(parts[i][0][0], wire[0][2], size, wire[0][1])]
             else:
-                copies[i] = [(a, r, n, w[1]) for w in wire
-                             for a, r, n in copies_for(parts[i], w[2], size)]
+                copies[i] = self._copies_to(wire, parts[i], size)
         failed = self._run_copies(OpCode.WRITE, copies)
         ok = [i for i in copies if i not in failed]
         if failed:
@@ -261,6 +258,14 @@ class ClientBase:
             ended = self._call(Op.PUT_END, [keys[i] for i in ok], sums)
             for i, code in zip(ok, ended, strict=True):
                 results[i] = _PUT_OK if code == 0 else PutResult(ErrorCode(code))
+
+    @staticmethod
+    def _copies_to(wire: Sequence[Any], parts: Sequence[Part], size: int) -> list[Copy]:
+        """The copies writing `size` object bytes from `parts` to every replica of a
+        PUT_START answer."""
+        if len(parts) == 1 and len(wire) == 1:  # the common case: one piece, one copy
+            return [(parts[0][0], wire[0][2], size, wire[0][1])]
+        return [(a, r, n, w[1]) for w in wire for a, r, n in copies_for(parts, w[2], size)]
 
     def _revoke(self, keys: list[str]) -> None:
         """Give up puts whose copies failed. Best effort: if the master cannot be told, it
