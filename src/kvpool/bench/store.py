@@ -10,6 +10,7 @@ When the Mooncake wheel is importable, the identical workload runs through
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -60,6 +61,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seconds", type=float, default=2.0, help="duration of master-only runs")
     p.add_argument("--clients", type=int, default=4,
                    help="concurrent client processes in the master-only RPC run")
+    p.add_argument("--checksums", choices=("both", "on", "off"), default="both",
+                   help="kvpool with xxh3 checksums on (hash on put, verify on get), off, "
+                   "or both in the same run (the off run is reported as kvpool-nosum)")
     p.add_argument("--json", action="store_true", help="one JSON object per measurement")
     p.set_defaults(func=run)
 
@@ -72,15 +76,18 @@ def run(args: argparse.Namespace) -> int:
             emit(record)
         return 0
     sizes = [parse_size(s) for s in args.sizes.split(",")]
-    systems: list[tuple[str, Callable[[ExitStack, int, int], Any]]] = [
-        ("kvpool", _kvpool_system)]
+    systems: list[tuple[str, Callable[[ExitStack, int, int], Any]]] = []
+    if args.checksums in ("both", "on"):
+        systems.append(("kvpool", functools.partial(_kvpool_system, checksums=True)))
+    if args.checksums in ("both", "off"):
+        systems.append(("kvpool-nosum", functools.partial(_kvpool_system, checksums=False)))
     if not args.no_mooncake and _mooncake_available():
         systems.append(("mooncake", _mooncake_system))
     elif not args.no_mooncake:
         print("mooncake.store is not importable: kvpool only", file=sys.stderr)
     results: list[Record] = []
     for name, factory in systems:
-        if args.only and name != args.only:
+        if args.only and name.split("-")[0] != args.only:
             continue
         with ExitStack() as stack:
             system = factory(stack, parse_size(args.dram), args.lease_ms)
@@ -90,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
                 emit(record)
     if not args.json:
         _print_ratios(results)
+        _print_checksum_cost(results)
     return 0
 
 
@@ -200,7 +208,8 @@ def _check(code: int, key: str) -> None:
         raise RuntimeError(f"operation on {key!r} failed with code {int(code)}")
 
 
-def _kvpool_system(stack: ExitStack, dram: int, lease_ms: int) -> _KvpoolAdapter:
+def _kvpool_system(stack: ExitStack, dram: int, lease_ms: int,
+                   checksums: bool = True) -> _KvpoolAdapter:
     from kvpool.store.client import StoreClient
     from kvpool.store.client_config import ClientConfig
     from kvpool.store.rpc_client import RpcClient
@@ -216,7 +225,8 @@ def _kvpool_system(stack: ExitStack, dram: int, lease_ms: int) -> _KvpoolAdapter
     with RpcClient(master, "bench-probe") as probe:
         from kvpool.store.protocol import Op
         _wait_until(lambda: len(probe.call(Op.SEGMENTS)) == 1, "the store node to mount")
-    client = StoreClient(ClientConfig(master=master, local_buffer_size=0))
+    client = StoreClient(ClientConfig(master=master, local_buffer_size=0,
+                                      write_checksums=checksums, verify_checksums=checksums))
     stack.callback(client.close)
     return _KvpoolAdapter(client, lease_ms)
 
@@ -355,3 +365,17 @@ def _print_ratios(results: list[Record]) -> None:
         if key in theirs:
             ratio_ops = r["ops_per_s"] / theirs[key]["ops_per_s"]
             print(f"  {key[0]:4} {key[1]:8} {format_size(key[2]):>8}  x{ratio_ops:.2f}")
+
+
+def _print_checksum_cost(results: list[Record]) -> None:
+    """Checksums on (kvpool) against off (kvpool-nosum), measured in the same run."""
+    on = {(r["op"], r["mode"], r["size"]): r for r in results if r["system"] == "kvpool"}
+    off = {(r["op"], r["mode"], r["size"]): r for r in results if r["system"] == "kvpool-nosum"}
+    if not on or not off:
+        return
+    print("\nchecksums (xxh3_64: hash on put, verify on get): on / off")
+    for key, r in on.items():
+        if key in off:
+            print(f"  {key[0]:4} {key[1]:8} {format_size(key[2]):>8}  "
+                  f"on {r['gb_per_s']:.3f} GB/s  off {off[key]['gb_per_s']:.3f} GB/s  "
+                  f"x{r['ops_per_s'] / off[key]['ops_per_s']:.2f}")
