@@ -41,6 +41,9 @@ class Target:
     def digest(self, addr: int, length: int) -> str:
         return self.command(f"digest {addr} {length}")
 
+    def set_fence(self, addr: int, fence: int) -> None:
+        assert self.command(f"fence {addr} {fence}") == "ok"
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.kill()

@@ -4,6 +4,7 @@ argv[1]: JSON of TransferConfig fields; argv[2]: buffer size. Prints one JSON li
 {segment, managed, plain, size, pid}; then answers commands, one per line:
   fill ADDR LEN SEED   -> "ok"           (pseudo-random bytes from SEED)
   digest ADDR LEN      -> hex sha256
+  fence ADDR VALUE     -> "ok"           (set_fence of the region registered at ADDR)
   quit
 """
 
@@ -33,6 +34,10 @@ def main() -> None:
             parts = line.split()
             if not parts or parts[0] == "quit":
                 break
+            if parts[0] == "fence":
+                engine.set_fence(int(parts[1]), int(parts[2]))
+                print("ok", flush=True)
+                continue
             addr, length = int(parts[1]), int(parts[2])
             view = view_at(addr, length)
             if parts[0] == "fill":

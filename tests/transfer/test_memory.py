@@ -11,7 +11,14 @@ import torch
 
 from kvpool.errors import MemoryRegistrationError
 from kvpool.transfer import OpCode, TransferConfig, TransferEngine, TransferRequest
-from kvpool.transfer.memory import Buffer, MemoryRegistry, buffer_of, view_at
+from kvpool.transfer.memory import (
+    SHM_HEADER_BYTES,
+    SHM_MAGIC,
+    Buffer,
+    MemoryRegistry,
+    buffer_of,
+    view_at,
+)
 from kvpool.transfer.shm_sweep import sweep_stale_shm
 
 
@@ -82,7 +89,9 @@ def test_managed_buffers_live_in_dev_shm_and_are_removed() -> None:
     with TransferEngine(TransferConfig()) as engine:
         buf = engine.allocate_managed(1 << 16)
         assert buf.shm_name is not None
-        assert open(f"/dev/shm/{buf.shm_name}", "rb").read(4) == b"\0\0\0\0"
+        raw = open(f"/dev/shm/{buf.shm_name}", "rb").read()
+        assert raw[:8] == SHM_MAGIC and len(raw) == SHM_HEADER_BYTES + (1 << 16)
+        assert raw[SHM_HEADER_BYTES:] == bytes(1 << 16)
         assert engine.descriptor().shm_regions[0].addr == buf.addr
         engine.free_managed(buf)
         assert not engine.descriptor().shm_regions

@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 from kvpool.errors import LocalProtocolError, RemoteProtocolError
 from kvpool.transfer.decoder import NEED_DATA, Control, Data, FrameDecoder, FrameEnd, FrameStart
 from kvpool.transfer.protocol import (
+    DESCRIPTOR_BYTES,
     HEADER_BYTES,
+    MAGIC,
     FrameType,
     Status,
     decode_descriptors,
@@ -23,10 +25,11 @@ from kvpool.transfer.protocol import (
 )
 
 
-def write_frame(addrs: list[int], payloads: list[bytes], rid: int = 7) -> bytes:
+def write_frame(addrs: list[int], payloads: list[bytes], rid: int = 7,
+                fences: list[int] | None = None) -> bytes:
     lengths = [len(p) for p in payloads]
     return (encode_header(FrameType.WRITE, len(addrs), rid, sum(lengths))
-            + encode_descriptors(addrs, lengths) + b"".join(payloads))
+            + encode_descriptors(addrs, lengths, fences) + b"".join(payloads))
 
 
 def drain(decoder: FrameDecoder) -> list[object]:
@@ -39,16 +42,24 @@ def drain(decoder: FrameDecoder) -> list[object]:
 def test_header_layout_is_exact() -> None:
     raw = encode_header(FrameType.READ, 3, 0x0102, 0)
     assert len(raw) == HEADER_BYTES == 28
-    assert raw[:4] == b"KVP1" and raw[4] == FrameType.READ
+    assert raw[:4] == b"KVP2" and raw[4] == FrameType.READ
     assert struct.unpack_from("<I", raw, 8)[0] == 3
     assert struct.unpack_from("<Q", raw, 12)[0] == 0x0102
     header = decode_header(raw)
     assert (header.type, header.count, header.request_id, header.payload_len) == (FrameType.READ, 3, 0x102, 0)
-    assert header.descriptor_bytes == 48
+    assert header.descriptor_bytes == 72
+
+
+def test_descriptor_layout_is_exact() -> None:
+    raw = encode_descriptors([0x1000, 0x2000], [3, 5], [0, 2**64 - 1])
+    assert len(raw) == 2 * DESCRIPTOR_BYTES == 48
+    assert struct.unpack("<6Q", raw) == (0x1000, 3, 0, 0x2000, 5, 2**64 - 1)
+    many = encode_descriptors(list(range(20)), [1] * 20, [7] * 20)  # the numpy path
+    assert struct.unpack_from("<3Q", many, 24 * 19) == (19, 1, 7)
 
 
 def test_write_frame_fed_one_byte_at_a_time() -> None:
-    frame = write_frame([0x1000, 0x2000], [b"abc", b"defgh"])
+    frame = write_frame([0x1000, 0x2000], [b"abc", b"defgh"], fences=[0, 2**63 + 5])
     frame += encode_control(FrameType.HELLO, {"token": "t", "peer": "a:1"})
     decoder = FrameDecoder()
     events: list[object] = []
@@ -58,6 +69,7 @@ def test_write_frame_fed_one_byte_at_a_time() -> None:
     start = events[0]
     assert isinstance(start, FrameStart)
     assert start.addrs == [0x1000, 0x2000] and start.lengths == [3, 5]
+    assert start.fences == [0, 2**63 + 5]
     data = b"".join(e.data for e in events if isinstance(e, Data))
     assert data == b"abcdefgh"
     assert isinstance(events[-2], FrameEnd)
@@ -93,10 +105,10 @@ def test_malformed_frames_raise_remote_protocol_error(mutate, message: str) -> N
 def test_header_limits_are_enforced() -> None:
     with pytest.raises(LocalProtocolError):
         encode_header(FrameType.WRITE, 1 << 20, 1, 0)
-    read_with_payload = struct.pack("<4sBBHIQQ", b"KVP1", FrameType.READ, 0, 0, 1, 1, 5)
+    read_with_payload = struct.pack("<4sBBHIQQ", MAGIC, FrameType.READ, 0, 0, 1, 1, 5)
     with pytest.raises(RemoteProtocolError, match="no payload"):
         decode_header(read_with_payload)
-    huge_control = struct.pack("<4sBBHIQQ", b"KVP1", FrameType.HELLO, 0, 0, 0, 1, 1 << 30)
+    huge_control = struct.pack("<4sBBHIQQ", MAGIC, FrameType.HELLO, 0, 0, 0, 1, 1 << 30)
     with pytest.raises(RemoteProtocolError, match="too large"):
         decode_header(huge_control)
     with pytest.raises(RemoteProtocolError):
@@ -105,8 +117,15 @@ def test_header_limits_are_enforced() -> None:
 
 def test_descriptors_and_statuses_round_trip() -> None:
     header = decode_header(encode_header(FrameType.READ, 2, 1, 0))
-    assert decode_descriptors(encode_descriptors([5, 2**63], [1, 2]), header) == ([5, 2**63], [1, 2])
-    assert decode_statuses(bytes([0, 1, 2])) == [Status.OK, Status.OUT_OF_RANGE, Status.READ_ONLY]
+    assert decode_descriptors(encode_descriptors([5, 2**63], [1, 2]), header) == ([5, 2**63], [1, 2], [0, 0])
+    assert decode_descriptors(encode_descriptors([5, 6], [1, 2], [3, 4]), header)[2] == [3, 4]
+    big = decode_header(encode_header(FrameType.READ, 30, 1, 0))
+    fences = [i * 2**58 for i in range(30)]
+    assert decode_descriptors(encode_descriptors(list(range(30)), [1] * 30, fences), big)[2] == fences
+    with pytest.raises(LocalProtocolError):
+        encode_descriptors([1, 2], [1, 2], [0])
+    assert decode_statuses(bytes([0, 1, 2, 3])) == [Status.OK, Status.OUT_OF_RANGE, Status.READ_ONLY,
+                                                     Status.FENCED]
     with pytest.raises(RemoteProtocolError):
         decode_statuses(bytes([200]))
     with pytest.raises(RemoteProtocolError):
@@ -134,9 +153,26 @@ def test_fuzzed_garbage_gives_clean_errors(garbage: bytes, chunk: int) -> None:
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.lists(st.binary(max_size=40), min_size=1, max_size=8), st.integers(0, 300), st.integers(0, 255))
+@given(st.lists(st.tuples(st.binary(max_size=40), st.integers(0, 2**64 - 1)), min_size=1, max_size=12),
+       st.integers(1, 17))
+def test_fuzzed_valid_frames_round_trip_in_any_chunking(items: list[tuple[bytes, int]], chunk: int) -> None:
+    payloads, fences = [p for p, _ in items], [f for _, f in items]
+    frame = write_frame(list(range(len(items))), payloads, fences=fences)
+    decoder = FrameDecoder()
+    events: list[object] = []
+    for i in range(0, len(frame), chunk):
+        decoder.feed(frame[i : i + chunk])
+        events.extend(drain(decoder))
+    start = events[0]
+    assert isinstance(start, FrameStart) and start.fences == fences
+    assert b"".join(e.data for e in events if isinstance(e, Data)) == b"".join(payloads)
+    assert isinstance(events[-1], FrameEnd)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.binary(max_size=40), min_size=1, max_size=8), st.integers(0, 400), st.integers(0, 255))
 def test_fuzzed_mutations_of_valid_frames(payloads: list[bytes], position: int, value: int) -> None:
-    frame = bytearray(write_frame(list(range(len(payloads))), payloads))
+    frame = bytearray(write_frame(list(range(len(payloads))), payloads, fences=[3] * len(payloads)))
     frame[position % len(frame)] = value
     decoder = FrameDecoder()
     decoder.feed(bytes(frame))

@@ -31,6 +31,9 @@ class TransferRequest:
     target: str
     """Segment name of the peer, "host:port"."""
     target_addr: int
+    fence: int = 0
+    """The fence of the target region this request was planned against (0: none); a fenced
+    target region refuses a request whose fence differs (status FENCED)."""
 
 
 @dataclass(frozen=True, slots=True)

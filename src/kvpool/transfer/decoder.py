@@ -28,6 +28,7 @@ class FrameStart:
     header: Header
     addrs: list[int]
     lengths: list[int]
+    fences: list[int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,10 +98,10 @@ class FrameDecoder:
         need = header.descriptor_bytes
         if len(self._buf) < need:
             return NEED_DATA
-        addrs, lengths = decode_descriptors(bytes(self._buf[:need]), header) if need else ([], [])
+        addrs, lengths, fences = decode_descriptors(bytes(self._buf[:need]), header) if need else ([], [], [])
         del self._buf[:need]
         self._in_payload, self._payload_left = True, header.payload_len
-        return FrameStart(header, addrs, lengths)
+        return FrameStart(header, addrs, lengths, fences)
 
     def _payload_event(self) -> Event:
         assert self._header is not None

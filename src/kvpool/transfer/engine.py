@@ -18,6 +18,7 @@ from kvpool.log import get_logger
 from kvpool.metadata import MetadataBackend, connect_metadata
 from kvpool.transfer.batch import Batch, OpCode, RequestStatus, TransferRequest
 from kvpool.transfer.config import TransferConfig
+from kvpool.transfer.fence import Fence, check_fence
 from kvpool.transfer.memory import Buffer, MemoryRegistry, SharedMemoryArena, buffer_of, view_at
 from kvpool.transfer.peers import PeerDirectory
 from kvpool.transfer.routing import Router
@@ -57,7 +58,8 @@ class TransferEngine:
     def _start(self) -> TransferEngine:
         sweep_stale_shm()
         self._target = TcpTarget(self.registry, self.config.host, self.config.port,
-                                 self.config.token, lambda: self.descriptor().to_dict())
+                                 self.config.token, lambda: self.descriptor().to_dict(),
+                                 self.config.timeout_s)
         self.segment_name = f"{self.config.host}:{self._target.port}"
         self._backend = connect_metadata(self.config.metadata, timeout_s=self.config.connect_timeout_s)
         peers = PeerDirectory(self._backend, self.config, self.segment_name)
@@ -105,20 +107,46 @@ class TransferEngine:
 
     # -- memory ----------------------------------------------------------------------------
 
-    def register(self, obj: Any) -> Buffer:
-        """Register a bytes-like object, numpy array, mmap or CPU tensor; kept alive while registered."""
-        return self.registry.add(buffer_of(obj))
+    def register(self, obj: Any, fence: int = 0) -> Buffer:
+        """Register a bytes-like object, numpy array, mmap or CPU tensor; kept alive while
+        registered. A nonzero `fence` makes the region refuse requests planned against another
+        fence (see `set_fence`)."""
+        buf = buffer_of(obj)
+        return self._add(Buffer(buf.addr, buf.length, buf.view, buf.readonly, owner=buf.owner,
+                                fence=Fence(check_fence(fence))))
 
-    def register_address(self, addr: int, length: int) -> Buffer:
+    def register_address(self, addr: int, length: int, fence: int = 0) -> Buffer:
         """Register raw memory the caller keeps alive until `unregister(addr)`."""
-        return self.registry.add(Buffer(addr, length, view_at(addr, length)))
+        return self._add(Buffer(addr, length, view_at(addr, length), fence=Fence(check_fence(fence))))
+
+    def _add(self, buf: Buffer) -> Buffer:
+        """Registering an already registered range again returns it, with the new fence."""
+        found = self.registry.add(buf)
+        if found is not buf and found.fence.value != buf.fence.value:
+            self.set_fence(found.addr, buf.fence.value)
+        return found
+
+    def set_fence(self, addr: int, fence: int) -> None:
+        """Change the fence of the region registered at `addr` (0 removes it).
+
+        Returns once no write admitted under the old fence is still copying into the region,
+        in this process or (for managed buffers) in a same-host peer; from then on a request
+        lands only if its fence equals `fence`. Raises MemoryRegistrationError if no region
+        starts at `addr`, InvalidArgument for a fence outside 0..2**64-1, and TransferTimeout
+        if a write is still copying after 2 x timeout_s (the new fence is in force anyway).
+        """
+        check_fence(fence)
+        buf = self.registry.at(addr)
+        timeout_s = self.config.timeout_s * 2
+        self._arena.publish_fence(addr, fence, timeout_s)
+        buf.fence.set(fence, timeout_s)
 
     def unregister(self, addr: int) -> None:
         self.registry.remove(addr)
 
-    def allocate_managed(self, length: int) -> Buffer:
+    def allocate_managed(self, length: int, fence: int = 0) -> Buffer:
         """Shared-memory buffer, registered and published so same-host peers can memcpy it."""
-        buf = self.registry.add(self._arena.allocate(length))
+        buf = self.registry.add(self._arena.allocate(length, check_fence(fence)))
         self._publish()
         return buf
 

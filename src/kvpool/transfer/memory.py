@@ -3,28 +3,47 @@
 Every buffer is a range of absolute virtual addresses [addr, addr + length) in this process.
 Lookups return a memoryview slice of the registered object, so data moves with `recv_into`,
 `sendmsg` or `memcpy` straight to and from it. Reads of the table are lock-free (copy-on-write).
+
+A managed buffer is a file in /dev/shm that starts with one header page; the buffer itself (the
+registered range) is the rest of the file, so same-host peers can read the fence word:
+
+    0          8          16                        4096                     4096 + length
+    +----------+----------+--------- zero ----------+----------- buffer -----------+
+    | KVPSHM01 | fence64  |                         | registered range [addr, ...) |
+    +----------+----------+-------------------------+------------------------------+
+
+A peer that writes through its mapping holds a shared `flock` on the file from its fence check
+until its copy ends; the owner changes the fence word under an exclusive `flock`. So once
+`set_fence` returns, no same-host write checked against the old fence is still copying.
+The residual race is a peer that ignores this protocol (any process of our uid can write the
+file), and a torn 8-byte read is not possible for the aligned word on the platforms we run on.
 """
 
 from __future__ import annotations
 
 import bisect
 import ctypes
+import fcntl
 import mmap
 import os
 import re
 import stat
 import threading
+import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from kvpool.errors import MemoryRegistrationError
+from kvpool.errors import MemoryRegistrationError, TransferTimeout
+from kvpool.transfer.fence import Fence
 
 
 @dataclass(frozen=True, eq=False)
 class Buffer:
-    """A registered range. `view` is a writable (unless `readonly`) byte memoryview of it."""
+    """A registered range. `view` is a writable (unless `readonly`) byte memoryview of it;
+    `fence` is the region's write fence (see kvpool.transfer.fence)."""
 
     addr: int
     length: int
@@ -32,6 +51,7 @@ class Buffer:
     readonly: bool = False
     shm_name: str | None = None
     owner: Any = field(default=None, repr=False)
+    fence: Fence = field(default_factory=Fence, repr=False)
 
     def numpy(self) -> np.ndarray:
         return np.frombuffer(self.view, dtype=np.uint8)
@@ -116,6 +136,13 @@ class MemoryRegistry:
             i -= 1
         return None
 
+    def at(self, addr: int) -> Buffer:
+        """The buffer registered to start at `addr`; MemoryRegistrationError if none."""
+        for existing in self._buffers:
+            if existing.addr == addr:
+                return existing
+        raise MemoryRegistrationError(f"no buffer registered at {addr:#x}")
+
     def view(self, addr: int, length: int) -> memoryview | None:
         buf = self.find(addr, length)
         if buf is None:
@@ -127,6 +154,12 @@ class MemoryRegistry:
         return self._buffers
 
 
+SHM_HEADER_BYTES = 4096
+SHM_MAGIC = b"KVPSHM01"
+FENCE_WORD = 1  # index of the fence among the header's u64 words
+_LOCK_POLL_S = 0.0005
+
+
 class SharedMemoryArena:
     """Managed buffers backed by files in /dev/shm, so same-host peers can map and memcpy them."""
 
@@ -134,9 +167,9 @@ class SharedMemoryArena:
         self._prefix = prefix
         self._counter = 0
         self._lock = threading.Lock()
-        self._maps: dict[int, tuple[mmap.mmap, str]] = {}
+        self._maps: dict[int, tuple[mmap.mmap, str, int]] = {}
 
-    def allocate(self, length: int) -> Buffer:
+    def allocate(self, length: int, fence: int = 0) -> Buffer:
         if length <= 0:
             raise MemoryRegistrationError(f"managed buffer length must be > 0, got {length}")
         with self._lock:
@@ -144,21 +177,36 @@ class SharedMemoryArena:
             name = f"{self._prefix}-{self._counter}"
         fd = os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
-            os.ftruncate(fd, length)
-            mem = mmap.mmap(fd, length)
+            os.ftruncate(fd, SHM_HEADER_BYTES + length)
+            mem = mmap.mmap(fd, SHM_HEADER_BYTES + length)
         except BaseException:
             _unlink(name)
-            raise
-        finally:
             os.close(fd)
-        view = memoryview(mem).cast("B")
+            raise
+        mem[: len(SHM_MAGIC)] = SHM_MAGIC
+        header_words(mem)[FENCE_WORD] = fence
+        view = memoryview(mem).cast("B")[SHM_HEADER_BYTES:]
         addr = int(np.frombuffer(view, dtype=np.uint8).ctypes.data)
-        self._maps[addr] = (mem, name)
-        return Buffer(addr, length, view, shm_name=name, owner=mem)
+        self._maps[addr] = (mem, name, fd)
+        return Buffer(addr, length, view, shm_name=name, owner=mem, fence=Fence(fence))
+
+    def publish_fence(self, addr: int, fence: int, timeout_s: float) -> None:
+        """Publish a managed buffer's new fence to same-host writers (no-op for other memory):
+        under the exclusive file lock, so no peer is between its check and its copy."""
+        entry = self._maps.get(addr)
+        if entry is None:
+            return
+        mem, name, fd = entry
+        lock_file(fd, fcntl.LOCK_EX, timeout_s, f"/dev/shm/{name}")
+        try:
+            header_words(mem)[FENCE_WORD] = fence
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
 
     def free(self, addr: int) -> None:
-        mem, name = self._maps.pop(addr)
+        mem, name, fd = self._maps.pop(addr)
         _unlink(name)
+        os.close(fd)
         try:
             mem.close()
         except BufferError:
@@ -167,6 +215,24 @@ class SharedMemoryArena:
     def close(self) -> None:
         for addr in list(self._maps):
             self.free(addr)
+
+
+def header_words(mem: Any) -> np.ndarray:
+    """The first two u64 words of a managed buffer's header page (magic, fence)."""
+    return np.frombuffer(mem, dtype="<u8", count=2)
+
+
+def lock_file(fd: int, mode: int, timeout_s: float, what: str) -> None:
+    """flock(fd, mode) within `timeout_s`; TransferTimeout if another process holds it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                raise TransferTimeout(f"{what} stayed locked for {timeout_s:g}s") from None
+            time.sleep(_LOCK_POLL_S)
 
 
 def _unlink(name: str) -> None:
@@ -180,10 +246,21 @@ SHM_NAME = re.compile(r"^kvpool-(\d+)-[0-9a-f]+-\d+$")
 """Names of managed-buffer files: kvpool-<pid>-<engine tag>-<counter>."""
 
 
-def map_peer_shm(name: str, length: int, pid: int) -> tuple[memoryview, int]:
-    """Map a same-host peer's managed buffer; returns the view and the open fd (to detect a
-    later unlink). Raises OSError unless `name` is a managed-buffer file of process `pid`:
-    a regular file in /dev/shm owned by us, at least `length` bytes long.
+@dataclass(frozen=True, eq=False)
+class PeerMapping:
+    """A same-host peer's managed buffer mapped here: its data view, header words, and an
+    open fd (for the file lock and to notice an unlink), closed when the mapping is dropped."""
+
+    view: memoryview
+    words: np.ndarray
+    fd: int
+    size: int
+
+
+def map_peer_shm(name: str, length: int, pid: int) -> PeerMapping:
+    """Map a same-host peer's managed buffer. Raises OSError unless `name` is a managed-buffer
+    file of process `pid`: a regular file in /dev/shm owned by us, exactly one header page plus
+    `length` bytes long (a shorter file would SIGBUS a copy past its end), with the header magic.
 
     The mapping is populated up front (MAP_POPULATE): one pass over the page tables at first
     contact instead of a page fault on every first touch inside transfers.
@@ -193,11 +270,18 @@ def map_peer_shm(name: str, length: int, pid: int) -> tuple[memoryview, int]:
         raise OSError(f"{name!r} is not a managed buffer of process {pid}")
     fd = os.open(f"/dev/shm/{name}", os.O_RDWR | os.O_NOFOLLOW)
     try:
+        size = SHM_HEADER_BYTES + length
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_size < length:
-            raise OSError(f"/dev/shm/{name} is not a regular file of ours of {length} bytes")
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_size != size:
+            raise OSError(f"/dev/shm/{name} is not a regular file of ours of {size} bytes")
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        return memoryview(mmap.mmap(fd, length, flags=flags)).cast("B"), fd
+        mem = mmap.mmap(fd, size, flags=flags)
+        if mem[: len(SHM_MAGIC)] != SHM_MAGIC:
+            mem.close()
+            raise OSError(f"/dev/shm/{name} has no managed-buffer header")
+        mapping = PeerMapping(memoryview(mem).cast("B")[SHM_HEADER_BYTES:], header_words(mem), fd, size)
+        weakref.finalize(mapping, os.close, fd)  # when no copy can use it any more
+        return mapping
     except BaseException:
         os.close(fd)
         raise

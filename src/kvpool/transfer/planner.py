@@ -23,12 +23,14 @@ class Pieces:
     addrs: list[int] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)
     views: list[memoryview] = field(default_factory=list)
+    fences: list[int] = field(default_factory=list)
 
-    def add(self, index: int, addr: int, length: int, view: memoryview) -> None:
+    def add(self, index: int, addr: int, length: int, view: memoryview, fence: int = 0) -> None:
         self.indices.append(index)
         self.addrs.append(addr)
         self.lengths.append(length)
         self.views.append(view)
+        self.fences.append(fence)
 
 
 def count_slices(length: int, slice_bytes: int) -> int:
@@ -56,13 +58,14 @@ def plan_frames(op: OpCode, batch: Batch, pieces: Pieces, config: TransferConfig
 
 
 def _frame(op: OpCode, batch: Batch, p: Pieces, start: int, end: int) -> Frame:
-    return Frame(op, batch, p.indices[start:end], p.addrs[start:end], p.lengths[start:end], p.views[start:end])
+    return Frame(op, batch, p.indices[start:end], p.addrs[start:end], p.lengths[start:end],
+                 p.views[start:end], p.fences[start:end])
 
 
 def _slices(op: OpCode, batch: Batch, p: Pieces, i: int, slice_bytes: int) -> list[Frame]:
-    index, addr, length, view = p.indices[i], p.addrs[i], p.lengths[i], p.views[i]
+    index, addr, length, view, fence = p.indices[i], p.addrs[i], p.lengths[i], p.views[i], p.fences[i]
     return [
         Frame(op, batch, [index], [addr + offset], [min(slice_bytes, length - offset)],
-              [view[offset : offset + slice_bytes]])
+              [view[offset : offset + slice_bytes]], [fence])
         for offset in range(0, length, slice_bytes)
     ]

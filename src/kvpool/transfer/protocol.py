@@ -4,12 +4,21 @@ Every frame starts with a fixed 28-byte header (little-endian):
 
     0      4     5      6        8         12             20             28
     +------+-----+------+--------+---------+--------------+--------------+
-    | KVP1 | typ | flag | rsvd16 | count32 | request_id64 | payload_len64|
+    | KVP2 | typ | flag | rsvd16 | count32 | request_id64 | payload_len64|
     +------+-----+------+--------+---------+--------------+--------------+
 
-- HELLO / HELLO_OK / ERROR: `payload_len` bytes of JSON (HELLO, HELLO_OK) or UTF-8 (ERROR).
-- WRITE: `count` descriptors of 16 bytes (target_addr u64, length u64), then the data of every
-  descriptor back to back; `payload_len` == sum of lengths.
+- HELLO / CHALLENGE / AUTH / HELLO_OK / ERROR: `payload_len` bytes of JSON (UTF-8 for ERROR);
+  the handshake that uses them is described in `kvpool.transfer.auth`.
+- WRITE: `count` descriptors of 24 bytes, then the data of every descriptor back to back;
+  `payload_len` == sum of lengths. A descriptor:
+
+      0              8              16             24
+      +--------------+--------------+--------------+
+      | target_addr64| length64     | fence64      |
+      +--------------+--------------+--------------+
+
+  `fence` 0 is "no fence". A target region that carries a fence (!= 0) accepts a descriptor
+  only if its fence is equal; otherwise that descriptor gets FENCED and its bytes are dropped.
 - READ: `count` descriptors, no data; `payload_len` == 0.
 - WRITE_ACK: `count` status bytes (payload_len == count).
 - READ_RESP: `count` status bytes, then the data of each descriptor whose status is OK, in
@@ -31,10 +40,11 @@ import numpy as np
 
 from kvpool.errors import LocalProtocolError, RemoteProtocolError
 
-MAGIC = b"KVP1"
+MAGIC = b"KVP2"  # 2: 24-byte descriptors with a fence, HMAC handshake
 HEADER = struct.Struct("<4sBBHIQQ")
 HEADER_BYTES = HEADER.size  # 28
-DESCRIPTOR_BYTES = 16
+DESCRIPTOR_BYTES = 24
+MAX_FENCE = (1 << 64) - 1
 MAX_DESCRIPTORS = 1 << 16
 MAX_PAYLOAD_BYTES = 1 << 34
 MAX_CONTROL_BYTES = 64 << 10
@@ -49,6 +59,8 @@ class FrameType(enum.IntEnum):
     WRITE_ACK = 5
     READ_RESP = 6
     ERROR = 7
+    CHALLENGE = 8
+    AUTH = 9
 
 
 class Status(enum.IntEnum):
@@ -57,9 +69,14 @@ class Status(enum.IntEnum):
     OK = 0
     OUT_OF_RANGE = 1  # the address range is not inside one registered buffer
     READ_ONLY = 2  # a write into a buffer registered read-only
+    FENCED = 3  # the region carries another fence: the request was planned against a stale one
 
 
-CONTROL_TYPES = frozenset({FrameType.HELLO, FrameType.HELLO_OK, FrameType.ERROR})
+FENCED_REASON = "stale fence: region re-registered (the request's fence no longer matches)"
+
+
+CONTROL_TYPES = frozenset({FrameType.HELLO, FrameType.HELLO_OK, FrameType.ERROR,
+                           FrameType.CHALLENGE, FrameType.AUTH})
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,44 +133,51 @@ def _check_header(h: Header) -> None:
 _SMALL = 8  # below this many descriptors, struct beats numpy
 
 
-def encode_descriptors(addrs: list[int], lengths: list[int]) -> bytes:
-    if len(addrs) != len(lengths):
-        raise LocalProtocolError(f"{len(addrs)} addresses but {len(lengths)} lengths")
+def encode_descriptors(addrs: list[int], lengths: list[int], fences: list[int] | None = None) -> bytes:
+    """The descriptor block of a WRITE/READ frame; `fences` defaults to all 0 (unfenced)."""
+    if fences is None:
+        fences = [0] * len(addrs)
+    if not len(addrs) == len(lengths) == len(fences):
+        raise LocalProtocolError(f"{len(addrs)} addresses, {len(lengths)} lengths, {len(fences)} fences")
     if len(addrs) <= _SMALL:
-        return b"".join(struct.pack("<QQ", a, n) for a, n in zip(addrs, lengths, strict=True))
-    table = np.empty((len(addrs), 2), dtype=_DESC_DTYPE)
+        return b"".join(struct.pack("<QQQ", a, n, f) for a, n, f in zip(addrs, lengths, fences, strict=True))
+    table = np.empty((len(addrs), 3), dtype=_DESC_DTYPE)
     table[:, 0] = addrs
     table[:, 1] = lengths
+    table[:, 2] = fences
     return table.tobytes()
 
 
-def decode_descriptors(data: bytes | bytearray | memoryview, header: Header) -> tuple[list[int], list[int]]:
-    """(addresses, lengths) of a WRITE/READ frame; checks sizes against the header."""
+Descriptors = tuple[list[int], list[int], list[int]]
+
+
+def decode_descriptors(data: bytes | bytearray | memoryview, header: Header) -> Descriptors:
+    """(addresses, lengths, fences) of a WRITE/READ frame; checks sizes against the header."""
     if len(data) != header.descriptor_bytes:
         raise RemoteProtocolError(f"descriptor block is {len(data)} bytes, expected {header.descriptor_bytes}")
     if header.count <= _SMALL:
         return _decode_small(data, header)
-    table = np.frombuffer(data, dtype=_DESC_DTYPE).reshape(-1, 2)
+    table = np.frombuffer(data, dtype=_DESC_DTYPE).reshape(-1, 3)
     addrs, lengths = table[:, 0], table[:, 1]
     if header.count and int(lengths.max()) > MAX_PAYLOAD_BYTES:
         raise RemoteProtocolError("a descriptor length exceeds the payload limit")
     total = int(lengths.sum(dtype=np.uint64))
     if header.type == FrameType.WRITE and total != header.payload_len:
         raise RemoteProtocolError(f"WRITE descriptors sum to {total} bytes but payload_len is {header.payload_len}")
-    return addrs.tolist(), lengths.tolist()
+    return addrs.tolist(), lengths.tolist(), table[:, 2].tolist()
 
 
 _STATUS_VALUES = frozenset(int(s) for s in Status)
 
 
-def _decode_small(data: bytes | bytearray | memoryview, header: Header) -> tuple[list[int], list[int]]:
-    flat = struct.unpack(f"<{2 * header.count}Q", data)
-    addrs, lengths = list(flat[0::2]), list(flat[1::2])
+def _decode_small(data: bytes | bytearray | memoryview, header: Header) -> Descriptors:
+    flat = struct.unpack(f"<{3 * header.count}Q", data)
+    addrs, lengths, fences = list(flat[0::3]), list(flat[1::3]), list(flat[2::3])
     if any(n > MAX_PAYLOAD_BYTES for n in lengths):
         raise RemoteProtocolError("a descriptor length exceeds the payload limit")
     if header.type == FrameType.WRITE and sum(lengths) != header.payload_len:
         raise RemoteProtocolError(f"WRITE descriptors sum to {sum(lengths)} bytes but payload_len is {header.payload_len}")
-    return addrs, lengths
+    return addrs, lengths, fences
 
 
 def decode_statuses(data: bytes | bytearray | memoryview) -> list[Status]:

@@ -17,10 +17,9 @@ from kvpool.transfer.memory import Buffer, MemoryRegistry
 from kvpool.transfer.peers import PeerDirectory
 from kvpool.transfer.planner import Pieces, count_slices, plan_frames
 from kvpool.transfer.segment import SegmentDescriptor
-from kvpool.transfer.shm import ShmPeer, ShmTransport
+from kvpool.transfer.shm import ShmItem, ShmPeer, ShmTransport
 from kvpool.transfer.tcp_client import PeerLink
 
-ShmItem = tuple[int, memoryview, memoryview]
 _ADDR_LIMIT = 1 << 64
 
 
@@ -39,9 +38,10 @@ class Router:
     def close(self) -> None:
         with self._lock:
             links, self._links = list(self._links.values()), {}
+            shm_peers, self._shm_peers = list(self._shm_peers.values()), {}
         for link in links:
             link.close()
-        for peer in list(self._shm_peers.values()):
+        for peer in shm_peers:
             peer.close()
         self._shm.close()
 
@@ -80,9 +80,9 @@ class Router:
                 continue
             remote = shm_peer.resolve(req.target_addr, req.length) if shm_peer else None
             if remote is not None:
-                shm_items.append((index, local, remote))
+                shm_items.append((index, local, remote[0], remote[1], req.fence))
             else:
-                pieces.add(index, req.target_addr, req.length, local)
+                pieces.add(index, req.target_addr, req.length, local, req.fence)
         if shm_items and shm_peer is not None:
             self._shm.run(op, batch, shm_items, shm_peer, inline)
         if pieces.indices:
@@ -101,7 +101,7 @@ class Router:
                 batch.complete([index], "target range is not inside a writable registered buffer")
                 continue
             start = req.target_addr - target.addr
-            copies.append((index, local, target.view[start : start + req.length]))
+            copies.append((index, local, target.view[start : start + req.length], target.fence, req.fence))
         if copies:
             self._shm.run(op, batch, copies, None, inline)
 
@@ -109,8 +109,10 @@ class Router:
                     cache: list[Buffer | None]) -> memoryview | None:
         """The local side of `req`, or None after failing it. `cache[0]` remembers the last
         buffer found, since a batch usually walks through one buffer."""
-        if not (0 <= req.target_addr < _ADDR_LIMIT and 0 <= req.length < _ADDR_LIMIT):
-            batch.complete([index], f"invalid target address {req.target_addr} or length {req.length}")
+        if not (0 <= req.target_addr < _ADDR_LIMIT and 0 <= req.length < _ADDR_LIMIT
+                and 0 <= req.fence < _ADDR_LIMIT):
+            batch.complete([index], f"invalid target address {req.target_addr}, length {req.length} "
+                                    f"or fence {req.fence}")
             return None
         buf = cache[0]
         if buf is None or not buf.contains(req.local_addr, req.length):
@@ -131,11 +133,13 @@ class Router:
         if self._config.protocol == "tcp" or not descriptor.same_host():
             return None
         peer = self._shm_peers.get(target)
-        if peer is None or peer.descriptor is not descriptor:
-            if peer is not None:
-                peer.close()
-            peer = ShmPeer(descriptor)
-            self._shm_peers[target] = peer
+        if peer is None or (peer.descriptor is not descriptor and peer.descriptor != descriptor):
+            with self._lock:  # replaced only when the peer published a new descriptor
+                peer = self._shm_peers.get(target)
+                if peer is None or peer.descriptor != descriptor:
+                    if peer is not None:
+                        peer.close()  # copies in flight keep their mappings until they end
+                    peer = self._shm_peers[target] = ShmPeer(descriptor, self._config.timeout_s)
         if not peer.watch.alive():
             self._peers.refresh(target)  # a restarted peer has new buffers (rate-limited lookup)
             return None

@@ -1,19 +1,46 @@
-"""The shm transport: same-host peers' managed buffers, mapped from /dev/shm and copied directly."""
+"""The shm transport: same-host peers' managed buffers, mapped from /dev/shm and copied directly.
+
+Fences: before a copy into a peer's buffer the writer takes a shared `flock` on the buffer's
+file, reads the fence word from the mapped header page and copies only if it admits the
+request; the lock is held until the copy ends. The owner changes the word under an exclusive
+lock (`SharedMemoryArena.fence_change`), so after its `set_fence` returns no copy checked
+against the old fence is still running. Residual race: the lock is advisory, so a process of
+our uid that maps the file without this protocol can still write it; and a read is checked
+without the lock (a read never changes the target). Reads and writes into our own segment use
+the in-process `Fence` of the target buffer instead.
+"""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 import numpy as np
 
+from kvpool.errors import KvpoolError
 from kvpool.transfer.batch import Batch, OpCode
-from kvpool.transfer.memory import map_peer_shm
+from kvpool.transfer.fence import READ_ADMITTED, admits
+from kvpool.transfer.memory import FENCE_WORD, PeerMapping, lock_file, map_peer_shm
+from kvpool.transfer.protocol import FENCED_REASON
 from kvpool.transfer.segment import ProcessWatch, SegmentDescriptor
 
 _NUMPY_COPY_BYTES = 64 << 10
 _INLINE_BYTES = 256 << 10
+
+
+class Guard(Protocol):
+    """Admits a copy against a fence (`enter` -> token or None) and ends it (`leave`)."""
+
+    def enter(self, fence: int, write: bool) -> int | None: ...
+
+    def leave(self, token: int) -> None: ...
+
+
+ShmItem = tuple[int, memoryview, memoryview, Guard, int]
+"""(request index, local view, remote view, guard of the remote region, request fence)."""
 
 
 def copy_bytes(dst: memoryview, src: memoryview) -> None:
@@ -24,48 +51,84 @@ def copy_bytes(dst: memoryview, src: memoryview) -> None:
         dst[:] = src
 
 
+class ShmGuard:
+    """The fence of one mapped peer buffer: header word + shared file lock while copying.
+
+    flock belongs to the open file, which every thread here shares, so the first writer in
+    takes the lock and the last one out releases it.
+    """
+
+    def __init__(self, mapping: PeerMapping, name: str, timeout_s: float) -> None:
+        self._mapping = mapping
+        self._name = name
+        self._timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._holders = 0
+
+    def enter(self, fence: int, write: bool) -> int | None:
+        if not write:
+            return READ_ADMITTED if admits(int(self._mapping.words[FENCE_WORD]), fence) else None
+        with self._lock:
+            if self._holders == 0:
+                lock_file(self._mapping.fd, fcntl.LOCK_SH, self._timeout_s, f"/dev/shm/{self._name}")
+            self._holders += 1
+        if admits(int(self._mapping.words[FENCE_WORD]), fence):
+            return 1
+        self.leave(1)
+        return None
+
+    def leave(self, token: int) -> None:
+        if token == READ_ADMITTED:
+            return
+        with self._lock:
+            self._holders -= 1
+            if self._holders == 0:
+                fcntl.flock(self._mapping.fd, fcntl.LOCK_UN)
+
+
 class ShmPeer:
     """The shared regions of one same-host peer, mapped on first use.
 
-    A region whose file the peer has since unlinked (freed) no longer resolves, so requests to
-    it go over tcp and get the target's verdict instead of landing in orphaned memory.
+    A region whose file the peer has since unlinked (freed) or shrunk no longer resolves, so
+    requests to it go over tcp and get the target's verdict instead of landing in orphaned
+    memory (or faulting past the end of the file).
     """
 
-    def __init__(self, descriptor: SegmentDescriptor) -> None:
+    def __init__(self, descriptor: SegmentDescriptor, timeout_s: float = 10.0) -> None:
         self.descriptor = descriptor
         self.watch = ProcessWatch(descriptor.pid)
-        self._maps: dict[str, tuple[memoryview, int]] = {}
+        self._timeout_s = timeout_s
+        self._maps: dict[str, tuple[PeerMapping, ShmGuard]] = {}
         self._lock = threading.Lock()
 
-    def resolve(self, addr: int, length: int) -> memoryview | None:
+    def resolve(self, addr: int, length: int) -> tuple[memoryview, Guard] | None:
         for region in self.descriptor.shm_regions:
             if region.addr <= addr and addr + length <= region.addr + region.length:
-                view = self._map(region.name, region.length)
-                if view is None:
+                entry = self._map(region.name, region.length)
+                if entry is None:
                     return None
                 start = addr - region.addr
-                return view[start : start + length]
+                return entry[0].view[start : start + length], entry[1]
         return None
 
-    def _map(self, name: str, length: int) -> memoryview | None:
+    def _map(self, name: str, length: int) -> tuple[PeerMapping, ShmGuard] | None:
         with self._lock:
             entry = self._maps.get(name)
             if entry is None:
                 try:
-                    entry = map_peer_shm(name, length, self.descriptor.pid)
+                    mapping = map_peer_shm(name, length, self.descriptor.pid)
                 except OSError:
                     return None
-                self._maps[name] = entry
-            view, fd = entry
-            if os.fstat(fd).st_nlink == 0:  # freed by its owner since we mapped it
+                entry = self._maps[name] = (mapping, ShmGuard(mapping, name, self._timeout_s))
+            info = os.fstat(entry[0].fd)
+            if info.st_nlink == 0 or info.st_size < entry[0].size:  # freed or truncated since
                 return None
-            return view
+            return entry
 
     def close(self) -> None:
+        """Forget the mappings; each fd closes once no copy in flight still uses it."""
         with self._lock:
-            maps, self._maps = self._maps, {}
-        for _, fd in maps.values():
-            os.close(fd)
+            self._maps = {}
 
 
 class ShmTransport:
@@ -74,11 +137,11 @@ class ShmTransport:
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpool-shm")
 
-    def run(self, op: OpCode, batch: Batch, items: list[tuple[int, memoryview, memoryview]],
-            peer: ShmPeer | None, inline: bool = False) -> None:
-        """items: (request index, local view, remote view). Small copies (all copies when
-        `inline`) run in the caller's thread; large async ones on the pool."""
-        total = sum(local.nbytes for _, local, _ in items)
+    def run(self, op: OpCode, batch: Batch, items: list[ShmItem], peer: ShmPeer | None,
+            inline: bool = False) -> None:
+        """Small copies (all copies when `inline`) run in the caller's thread; large async
+        ones on the pool."""
+        total = sum(item[1].nbytes for item in items)
         if inline or total <= _INLINE_BYTES:
             _copy_all(op, batch, items, peer)
         else:
@@ -88,19 +151,35 @@ class ShmTransport:
         self._pool.shutdown(wait=True)
 
 
-def _copy_all(op: OpCode, batch: Batch, items: list[tuple[int, memoryview, memoryview]],
-              peer: ShmPeer | None) -> None:
-    indices = [index for index, _, _ in items]
+def _copy_all(op: OpCode, batch: Batch, items: list[ShmItem], peer: ShmPeer | None) -> None:
     if peer is not None and not peer.watch.alive():
-        batch.complete(indices, f"peer process {peer.watch.pid} ({peer.descriptor.name}) is gone")
+        batch.complete([item[0] for item in items],
+                       f"peer process {peer.watch.pid} ({peer.descriptor.name}) is gone")
         return
+    done: list[int] = []
+    for item in items:
+        reason = _copy_one(op, item)
+        if reason is None:
+            done.append(item[0])
+        else:
+            batch.complete([item[0]], reason)
+    batch.complete(done, whole=True)
+
+
+def _copy_one(op: OpCode, item: ShmItem) -> str | None:
+    """Copy one item under its guard; None on success, else the reason it failed."""
+    _, local, remote, guard, fence = item
+    write = op == OpCode.WRITE
     try:
-        for _, local, remote in items:
-            if op == OpCode.WRITE:
-                copy_bytes(remote, local)
-            else:
-                copy_bytes(local, remote)
+        token = guard.enter(fence, write)
+    except KvpoolError as exc:
+        return f"shm copy failed: {exc}"
+    if token is None:
+        return FENCED_REASON
+    try:
+        copy_bytes(remote, local) if write else copy_bytes(local, remote)
     except (ValueError, TypeError, OSError) as exc:
-        batch.complete(indices, f"shm copy failed: {exc}")
-        return
-    batch.complete(indices, whole=True)
+        return f"shm copy failed: {exc}"
+    finally:
+        guard.leave(token)
+    return None

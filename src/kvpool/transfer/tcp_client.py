@@ -19,6 +19,7 @@ from kvpool.errors import AuthError, PeerUnavailable, RemoteProtocolError
 from kvpool.transfer.batch import Batch, OpCode
 from kvpool.transfer.config import TransferConfig
 from kvpool.transfer.protocol import (
+    FENCED_REASON,
     HEADER_BYTES,
     FrameType,
     Header,
@@ -36,6 +37,7 @@ _request_ids = itertools.count(1)
 _FAILURE_TEXT = {
     Status.OUT_OF_RANGE: "target range is not inside a buffer registered at the target",
     Status.READ_ONLY: "target buffer is registered read-only",
+    Status.FENCED: FENCED_REASON,
 }
 
 
@@ -49,6 +51,8 @@ class Frame:
     addrs: list[int]
     lengths: list[int]
     views: list[memoryview]
+    fences: list[int] | None = None
+    """Per descriptor; None means all 0 (unfenced)."""
 
     def fail(self, reason: str) -> None:
         self.batch.complete(self.indices, reason)
@@ -196,7 +200,7 @@ def _run_frame(sock: socket.socket, frame: Frame) -> bytearray:
     """Send one frame and receive its reply; returns the status bytes (validated)."""
     rid = next(_request_ids)
     count = len(frame.indices)
-    desc = encode_descriptors(frame.addrs, frame.lengths)
+    desc = encode_descriptors(frame.addrs, frame.lengths, frame.fences)
     if frame.op == OpCode.WRITE:
         head = encode_header(FrameType.WRITE, count, rid, sum(frame.lengths))
         send_views(sock, [head, desc, *frame.views])

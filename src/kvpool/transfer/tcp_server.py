@@ -1,7 +1,10 @@
 """The target side of the tcp transport: accepts peers and serves their READ/WRITE frames.
 
-Every access is checked against the registry; a descriptor outside the registered ranges gets
-its own error status and its bytes are discarded, so the other descriptors of the frame proceed.
+Every access is checked against the registry and the region's fence; a descriptor outside the
+registered ranges, or planned against a stale fence, gets its own error status and its bytes are
+discarded, so the other descriptors of the frame proceed. A write admitted by a region's fence
+stays counted as in flight until its bytes are in (or the frame failed), so `set_fence` can wait
+for it.
 A malformed frame or a failed handshake closes that connection only.
 """
 
@@ -15,6 +18,7 @@ from typing import Any
 
 from kvpool.errors import KvpoolError, ProtocolError, RemoteProtocolError
 from kvpool.log import get_logger
+from kvpool.transfer.fence import Fence
 from kvpool.transfer.memory import Buffer, MemoryRegistry
 from kvpool.transfer.protocol import (
     HEADER_BYTES,
@@ -36,8 +40,9 @@ HANDSHAKE_TIMEOUT_S = 10.0
 
 class TcpTarget:
     def __init__(self, registry: MemoryRegistry, host: str, port: int, token: str | None,
-                 describe: Callable[[], dict[str, Any]]) -> None:
+                 describe: Callable[[], dict[str, Any]], frame_timeout_s: float = 10.0) -> None:
         self._registry = registry
+        self._frame_timeout_s = frame_timeout_s
         self._token = token
         self._describe = describe
         self._listener = socket.create_server((host, port), backlog=128, reuse_port=False)
@@ -118,34 +123,41 @@ class TcpTarget:
         if len(raw) < HEADER_BYTES:
             raise RemoteProtocolError("connection closed inside a frame header")
         header = decode_header(raw)
+        conn.settimeout(self._frame_timeout_s)  # a stalled frame must not hold a fence forever
         if header.type == FrameType.WRITE:
             self._serve_write(conn, header)
         elif header.type == FrameType.READ:
             self._serve_read(conn, header)
         else:
             raise RemoteProtocolError(f"unexpected {header.type.name} frame from an initiator")
+        conn.settimeout(None)
         return True
 
     def _serve_write(self, conn: socket.socket, header: Header) -> None:
-        addrs, lengths = decode_descriptors(recv_exact(conn, header.descriptor_bytes), header)
+        addrs, lengths, fences = decode_descriptors(recv_exact(conn, header.descriptor_bytes), header)
         statuses = bytearray(header.count)
         views: list[memoryview] = []
+        admitted: list[tuple[Fence, int]] = []
         cache: list[Buffer | None] = [None]
-        for i, (addr, length) in enumerate(zip(addrs, lengths, strict=True)):
-            status, view = self._resolve(addr, length, True, cache)
-            statuses[i] = status
-            views.extend([view] if view is not None else _discard_views(length))
-        recv_into_views(conn, views)
+        try:
+            for i, (addr, length, fence) in enumerate(zip(addrs, lengths, fences, strict=True)):
+                status, view = self._resolve(addr, length, fence, admitted, cache)
+                statuses[i] = status
+                views.extend([view] if view is not None else _discard_views(length))
+            recv_into_views(conn, views)
+        finally:
+            for region, token in admitted:
+                region.leave(token)
         send_views(conn, [encode_header(FrameType.WRITE_ACK, header.count, header.request_id,
                                         header.count), statuses])
 
     def _serve_read(self, conn: socket.socket, header: Header) -> None:
-        addrs, lengths = decode_descriptors(recv_exact(conn, header.descriptor_bytes), header)
+        addrs, lengths, fences = decode_descriptors(recv_exact(conn, header.descriptor_bytes), header)
         statuses = bytearray(header.count)
         views: list[bytes | bytearray | memoryview] = []
         cache: list[Buffer | None] = [None]
-        for i, (addr, length) in enumerate(zip(addrs, lengths, strict=True)):
-            status, view = self._resolve(addr, length, False, cache)
+        for i, (addr, length, fence) in enumerate(zip(addrs, lengths, fences, strict=True)):
+            status, view = self._resolve(addr, length, fence, None, cache)
             statuses[i] = status
             if view is not None:
                 views.append(view)
@@ -153,16 +165,22 @@ class TcpTarget:
         head = encode_header(FrameType.READ_RESP, header.count, header.request_id, total)
         send_views(conn, [head, statuses, *views])
 
-    def _resolve(self, addr: int, length: int, write: bool,
+    def _resolve(self, addr: int, length: int, fence: int, admitted: list[tuple[Fence, int]] | None,
                  cache: list[Buffer | None]) -> tuple[int, memoryview | None]:
-        """Status and target view of one descriptor; `cache[0]` is the last buffer hit."""
+        """Status and target view of one descriptor; `cache[0]` is the last buffer hit. A write
+        (`admitted` is a list) admitted by the region's fence is appended to `admitted`."""
         buf = cache[0]
         if buf is None or not buf.contains(addr, length):
             buf = cache[0] = self._registry.find(addr, length)
         if buf is None:
             return Status.OUT_OF_RANGE, None
-        if write and buf.readonly:
+        if admitted is not None and buf.readonly:
             return Status.READ_ONLY, None
+        token = buf.fence.enter(fence, admitted is not None)
+        if token is None:
+            return Status.FENCED, None
+        if admitted is not None:
+            admitted.append((buf.fence, token))
         start = addr - buf.addr
         return Status.OK, buf.view[start : start + length]
 

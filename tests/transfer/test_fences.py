@@ -1,0 +1,115 @@
+"""Write fences: a fenced region refuses requests planned against another fence, on every route."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from kvpool.errors import InvalidArgument, MemoryRegistrationError
+from kvpool.transfer import OpCode, RequestState, TransferConfig, TransferEngine, TransferRequest
+from kvpool.transfer.fence import Fence
+from kvpool.transfer.protocol import FENCED_REASON
+from tests.transfer.conftest import Target, remote_base, sha
+
+SIZE = 64 << 10
+
+
+def _fill(engine: TransferEngine, seed: int) -> np.ndarray:
+    buf = engine.allocate_managed(SIZE).numpy()
+    buf[:] = np.random.default_rng(seed).integers(0, 256, SIZE, dtype=np.uint8)
+    return buf
+
+
+def _write(engine: TransferEngine, local: np.ndarray, segment: str, addr: int, fence: int) -> list:
+    return engine.transfer_sync([TransferRequest(OpCode.WRITE, local.ctypes.data, SIZE, segment, addr, fence)])
+
+
+def test_stale_fence_is_refused_and_touches_nothing(engine: TransferEngine, target: Target,
+                                                     transport: str) -> None:
+    base = remote_base(target, transport)
+    target.set_fence(base, 5)
+    first, second = _fill(engine, 1), _fill(engine, 2)
+    assert _write(engine, first, target.segment, base, 5)[0].ok
+    assert target.digest(base, SIZE) == sha(first)
+    target.set_fence(base, 6)  # the region was handed out again
+    for fence in (5, 0):
+        status = _write(engine, second, target.segment, base, fence)[0]
+        assert status.state == RequestState.FAILED and status.reason == FENCED_REASON
+    assert target.digest(base, SIZE) == sha(first)
+    back = engine.allocate_managed(SIZE).numpy()
+    stale_read = engine.transfer_sync([TransferRequest(OpCode.READ, back.ctypes.data, SIZE,
+                                                       target.segment, base, 5)])[0]
+    assert stale_read.reason == FENCED_REASON
+    assert _write(engine, second, target.segment, base, 6)[0].ok
+    assert target.digest(base, SIZE) == sha(second)
+
+
+def test_fences_are_per_descriptor_in_one_frame(engine: TransferEngine, target: Target,
+                                               transport: str) -> None:
+    base = remote_base(target, transport)
+    target.set_fence(base, 9)
+    local = _fill(engine, 3)
+    reqs = [TransferRequest(OpCode.WRITE, local.ctypes.data + i * 4096, 4096, target.segment,
+                            base + i * 4096, 9 if i % 2 else 8) for i in range(8)]
+    statuses = engine.transfer_sync(reqs)
+    assert [s.ok for s in statuses] == [False, True] * 4
+    for i in (1, 3):
+        assert target.digest(base + i * 4096, 4096) == sha(local[i * 4096 : (i + 1) * 4096])
+
+
+def test_unfenced_region_accepts_any_request_fence(engine: TransferEngine, target: Target,
+                                                   transport: str) -> None:
+    base = remote_base(target, transport)
+    local = _fill(engine, 4)
+    assert _write(engine, local, target.segment, base, 1234)[0].ok
+    target.set_fence(base, 7)
+    target.set_fence(base, 0)  # back to unfenced
+    assert _write(engine, local, target.segment, base, 0)[0].ok
+    assert target.digest(base, SIZE) == sha(local)
+
+
+def test_own_segment_copies_check_the_fence() -> None:
+    with TransferEngine(TransferConfig()) as engine:
+        src = _fill(engine, 5)
+        dest = np.zeros(SIZE, dtype=np.uint8)
+        region = engine.register(dest, fence=3)
+        assert _write(engine, src, engine.segment_name, region.addr, 3)[0].ok
+        engine.set_fence(region.addr, 4)
+        status = _write(engine, _fill(engine, 6), engine.segment_name, region.addr, 3)[0]
+        assert status.reason == FENCED_REASON
+        assert sha(dest) == sha(src)
+        managed = engine.allocate_managed(SIZE, fence=11)
+        assert _write(engine, src, engine.segment_name, managed.addr, 11)[0].ok
+        assert not _write(engine, src, engine.segment_name, managed.addr, 12)[0].ok
+
+
+def test_set_fence_waits_for_a_write_admitted_under_the_old_fence() -> None:
+    fence = Fence(1)
+    token = fence.enter(1, write=True)
+    assert token is not None
+    returned = threading.Event()
+    setter = threading.Thread(target=lambda: (fence.set(2, 5.0), returned.set()))
+    setter.start()
+    assert not returned.wait(0.2)  # the old write is still copying
+    assert fence.enter(1, write=True) is None  # but no new write gets in under the old fence
+    new = fence.enter(2, write=True)
+    assert new is not None and not returned.is_set()  # writes under the new fence don't block it
+    fence.leave(token)
+    assert returned.wait(5)
+    fence.leave(new)
+    setter.join()
+
+
+def test_fence_api_misuse_raises() -> None:
+    with TransferEngine(TransferConfig()) as engine:
+        buf = engine.allocate_managed(4096)
+        with pytest.raises(InvalidArgument):
+            engine.set_fence(buf.addr, -1)
+        with pytest.raises(InvalidArgument):
+            engine.set_fence(buf.addr, 1 << 64)
+        with pytest.raises(MemoryRegistrationError):
+            engine.set_fence(buf.addr + 1, 1)
+        with pytest.raises(InvalidArgument):
+            engine.register(np.zeros(16, dtype=np.uint8), fence=-5)
