@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import secrets
 import threading
 import uuid
 from collections.abc import Sequence
@@ -28,7 +29,12 @@ from kvpool.transfer import OpCode, TransferConfig, TransferEngine, TransferRequ
 
 E = ErrorCode
 log = get_logger("store.client")
-Copy = tuple[int, int, int, str]  # local addr, remote addr, length, endpoint
+Copy = tuple[int, int, int, str, int]  # local addr, remote addr, length, endpoint, fence
+
+
+def new_fence() -> int:
+    """A fresh write fence for one mount: random, non-zero, 64 bits."""
+    return secrets.randbits(64) or 1
 
 
 _PUT_OK = PutResult(ErrorCode.OK)
@@ -97,13 +103,16 @@ class ClientBase:
             raise RpcFailed(E.RPC_FAIL) from None
 
     def mount(self, size: int) -> str:
-        """Contribute `size` bytes of shared memory to the pool; returns the segment id."""
-        buf = self.engine.allocate_managed(size)
+        """Contribute `size` bytes of shared memory to the pool; returns the segment id. The
+        memory gets a fresh write fence, which the master hands out with every replica
+        there; transfers planned against another fence are refused."""
+        fence = new_fence()
+        buf = self.engine.allocate_managed(size, fence=fence)
         if self.config.prefault:
             buf.numpy()[::4096] = 0
         try:
             code, segment_id = self._rpc.call(Op.MOUNT, self.endpoint, buf.addr, size,
-                                              int(Tier.DRAM))
+                                              int(Tier.DRAM), fence)
         except RpcError:
             self.engine.free_managed(buf)
             raise
@@ -147,13 +156,19 @@ class ClientBase:
     def _remount(self) -> bool:
         """Mount every segment again after the master forgot this client (it restarted, or
         declared us dead), and publish the segment descriptor again (a restarted master's
-        embedded directory is empty). False when the master could not take it yet; the
-        next heartbeat tries again."""
+        embedded directory is empty). Each segment first gets a new fence, so writes
+        planned against the old mount (or the old master) are refused from then on. False
+        when the master could not take it yet; the next heartbeat tries again."""
         for segment_id, buf in list(self._segments.items()):
             log.warning("master forgot us; mounting %s again", segment_id)
+            fence = new_fence()
+            try:
+                self.engine.set_fence(buf.addr, fence)
+            except KvpoolError as exc:  # a write is still copying; the new fence holds anyway
+                log.warning("fencing %s: %s", segment_id, exc)
             try:
                 code, new_id = self._hb_rpc.call(Op.MOUNT, self.endpoint, buf.addr, buf.length,
-                                                 int(Tier.DRAM))
+                                                 int(Tier.DRAM), fence)
             except RpcError as exc:
                 log.warning("mounting %s again failed: %s", segment_id, exc)
                 return False
@@ -187,9 +202,25 @@ class ClientBase:
 
     # -- data paths ------------------------------------------------------------------------
 
-    def _mounted(self, addr: int, n: int) -> bool:
-        return any(b.addr <= addr and addr + n <= b.addr + b.length
-                   for b in self._segments.values())
+    def _own_buffer(self, addr: int, n: int) -> Any:
+        for b in list(self._segments.values()):
+            if b.addr <= addr and addr + n <= b.addr + b.length:
+                return b
+        return None
+
+    def _copy_own(self, op: OpCode, local: int, remote: int, n: int, fence: int) -> bool:
+        """memcpy to or from our own segment, admitted by its fence like a peer's request
+        (so a re-mount's set_fence waits for it); False for a stale replica."""
+        buf = self._own_buffer(remote, n)
+        token = buf.fence.enter(fence, op == OpCode.WRITE) if buf is not None else None
+        if token is None:
+            return False
+        try:
+            src, dst = (local, remote) if op == OpCode.WRITE else (remote, local)
+            ctypes.memmove(dst, src, n)
+        finally:
+            buf.fence.leave(token)
+        return True
 
     def _run_copies(self, op: OpCode, copies: dict[int, list[Copy]]) -> set[int]:
         """Run every copy; returns the indices whose copies did not all succeed."""
@@ -197,15 +228,12 @@ class ClientBase:
         requests: list[TransferRequest] = []
         owners: list[int] = []
         for idx, items in copies.items():
-            for local, remote, n, endpoint in items:
+            for local, remote, n, endpoint, fence in items:
                 if endpoint == self.endpoint:
-                    if not self._mounted(remote, n):  # a stale replica: never touch it
-                        failed.add(idx)
-                        continue
-                    src, dst = (local, remote) if op == OpCode.WRITE else (remote, local)
-                    ctypes.memmove(dst, src, n)
+                    if not self._copy_own(op, local, remote, n, fence):
+                        failed.add(idx)      # a stale replica: never touch it
                 else:
-                    requests.append(TransferRequest(op, local, n, endpoint, remote))
+                    requests.append(TransferRequest(op, local, n, endpoint, remote, fence))
                     owners.append(idx)
         if requests:
             for idx, status in zip(owners, self.engine.transfer_sync(requests), strict=True):
@@ -264,8 +292,9 @@ class ClientBase:
         """The copies writing `size` object bytes from `parts` to every replica of a
         PUT_START answer."""
         if len(parts) == 1 and len(wire) == 1:  # the common case: one piece, one copy
-            return [(parts[0][0], wire[0][2], size, wire[0][1])]
-        return [(a, r, n, w[1]) for w in wire for a, r, n in copies_for(parts, w[2], size)]
+            return [(parts[0][0], wire[0][2], size, wire[0][1], wire[0][6])]
+        return [(a, r, n, w[1], w[6]) for w in wire
+                for a, r, n in copies_for(parts, w[2], size)]
 
     def _revoke(self, keys: list[str]) -> None:
         """Give up puts whose copies failed. Best effort: if the master cannot be told, it
@@ -309,7 +338,7 @@ class ClientBase:
                 results.append(ReadResult(E.OK, look.size))
                 queues[i] = order_replicas(look.replicas, self.endpoint, self.host)
         while queues:
-            copies = {i: [(a, r, n, q[0].endpoint)
+            copies = {i: [(a, r, n, q[0].endpoint, q[0].fence)
                           for a, r, n in copies_for(parts[i] or (), q[0].addr, looks[i].size)]
                       for i, q in queues.items()}
             failed = self._run_copies(OpCode.READ, copies)
