@@ -292,3 +292,26 @@ def test_late_replies_reach_the_heartbeat_hook() -> None:
     assert [(r.req_id, r.result) for r in late] == [(1, int(E.UNKNOWN_CLIENT))]  # type: ignore[attr-defined]
     rpc.close()
     listener.close()
+
+
+def test_a_failed_revoke_still_ends_the_puts_that_were_written(
+        store: StoreClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvpool.store.client_base import RpcFailed
+    from kvpool.store.protocol import Op
+    real_run, real_call = store._run_copies, store._call
+
+    def first_copy_fails(op: object, copies: dict) -> set[int]:  # type: ignore[type-arg]
+        real_run(op, copies)  # type: ignore[arg-type]
+        return {min(copies)}
+
+    def revoke_unreachable(op: Op, *args: object) -> object:
+        if op is Op.PUT_REVOKE:
+            raise RpcFailed(E.RPC_TIMEOUT)
+        return real_call(op, *args)
+    monkeypatch.setattr(store, "_run_copies", first_copy_fails)
+    monkeypatch.setattr(store, "_call", revoke_unreachable)
+    assert [r.code for r in store.put_batch(["bad", "good"], [b"1" * 100, b"2" * 100])] == [
+        E.TRANSFER_FAIL, E.OK]
+    monkeypatch.undo()
+    assert store.get("good").data == b"2" * 100
+    assert store.get("bad").code == E.OBJECT_NOT_FOUND
