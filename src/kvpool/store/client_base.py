@@ -164,8 +164,11 @@ class ClientBase:
             fence = new_fence()
             try:
                 self.engine.set_fence(buf.addr, fence)
-            except KvpoolError as exc:  # a write is still copying; the new fence holds anyway
-                log.warning("fencing %s: %s", segment_id, exc)
+            except KvpoolError as exc:
+                if buf.fence.value != fence:  # never mount under a fence the memory lacks
+                    log.warning("cannot fence %s yet (%s); retrying", segment_id, exc)
+                    return False
+                log.warning("fenced %s, a late write may still be copying: %s", segment_id, exc)
             try:
                 code, new_id = self._hb_rpc.call(Op.MOUNT, self.endpoint, buf.addr, buf.length,
                                                  int(Tier.DRAM), fence)
