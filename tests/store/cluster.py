@@ -29,6 +29,28 @@ class Cluster:
     admin_port: int
     master: subprocess.Popen[bytes]
     nodes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    master_args: tuple[str, ...] = ()
+    metadata: str = "P2PHANDSHAKE"
+    """The segment directory nodes publish in (the master's embedded one, or none)."""
+    stack: ExitStack | None = None
+
+    def kill_master(self) -> None:
+        self.master.kill()
+        self.master.wait()
+
+    def start_master(self) -> None:
+        """A new master on the same ports (after kill_master)."""
+        assert self.stack is not None
+        self.master = self.stack.enter_context(running(spawn_kvpool(*self.master_args)))
+        wait_port(self.rpc_port), wait_port(self.admin_port)
+
+    def add_node(self, dram: str = "32MiB") -> subprocess.Popen[bytes]:
+        assert self.stack is not None
+        node = self.stack.enter_context(running(spawn_kvpool(
+            "store-node", "--dram", dram, "--master", self.address,
+            "--heartbeat-interval", "0.2", "--metadata", self.metadata)))
+        self.nodes.append(node)
+        return node
 
     @property
     def address(self) -> str:
@@ -56,19 +78,25 @@ class Cluster:
 
 
 @contextmanager
-def store_cluster(num_nodes: int = 2, dram: str = "32MiB",
-                  *master_flags: str) -> Iterator[Cluster]:
+def store_cluster(num_nodes: int = 2, dram: str = "32MiB", *master_flags: str,
+                  http_metadata: bool = False) -> Iterator[Cluster]:
+    """A master and `num_nodes` store nodes; with `http_metadata` the nodes publish their
+    segments in the master's embedded directory (`cluster.metadata`)."""
     rpc, admin = free_port(), free_port()
+    if http_metadata:
+        meta_port = free_port()
+        meta_flags: tuple[str, ...] = ("--metadata-port", str(meta_port))
+        metadata = f"http://127.0.0.1:{meta_port}/metadata"
+    else:
+        meta_flags, metadata = ("--no-http-metadata",), "P2PHANDSHAKE"
+    args = ("master", "--rpc_port", str(rpc), "--metrics_port", str(admin), *meta_flags,
+            *master_flags)
     with ExitStack() as stack:
-        master = stack.enter_context(running(spawn_kvpool(
-            "master", "--rpc_port", str(rpc), "--metrics_port", str(admin),
-            "--no-http-metadata", *master_flags)))
+        master = stack.enter_context(running(spawn_kvpool(*args)))
         wait_port(rpc), wait_port(admin)
-        cluster = Cluster(rpc, admin, master)
+        cluster = Cluster(rpc, admin, master, master_args=args, metadata=metadata,
+                          stack=stack)
         for _ in range(num_nodes):
-            node = stack.enter_context(running(spawn_kvpool(
-                "store-node", "--dram", dram, "--master", cluster.address,
-                "--heartbeat-interval", "0.2")))
-            cluster.nodes.append(node)
+            cluster.add_node(dram)
         cluster.wait_segments(num_nodes)
         yield cluster

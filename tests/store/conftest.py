@@ -21,6 +21,18 @@ def make_core(clock: VirtualClock, num_segments: int = 2, capacity: int = 64 * K
     return core
 
 
+def live_for(core: MasterCore, clock: VirtualClock, seconds: float,
+             clients: tuple[str, ...] = ("w", "c0", "c1"), step: float = 2.5) -> None:
+    """Let `seconds` pass on a master that ticks every `step` (so none of it is a stall of
+    the master's own) while `clients` heartbeat before each tick."""
+    while seconds > 0:
+        clock.advance(min(step, seconds))
+        seconds -= step
+        for client in clients:
+            core.heartbeat(client)
+        core.tick()
+
+
 @pytest.fixture
 def core(vclock: VirtualClock) -> MasterCore:
     return make_core(vclock)

@@ -86,3 +86,17 @@ def test_allocate_run_carves_consecutive_ranges() -> None:
     assert a.num_free_ranges == 1
     with pytest.raises(InvalidArgument):
         a.allocate_run([64, 0])
+
+
+def test_reserve_takes_exactly_a_free_range() -> None:
+    from kvpool.store.allocator import OffsetAllocator
+    a = OffsetAllocator(1024, 64)
+    assert a.reserve(128, 100)                     # rounded to 128: [128, 256)
+    a.check_integrity()
+    assert not a.reserve(192, 64) and not a.reserve(100, 64) and not a.reserve(960, 128)
+    assert a.allocate(128) == 0 and a.allocate(64) is not None
+    assert a.allocated_ranges()[128] == 128
+    a.free(128)
+    a.check_integrity()
+    assert a.reserve(896, 128) and not a.reserve(0, 64)
+    a.check_integrity()

@@ -15,6 +15,7 @@ from kvpool.store.aio import AsyncStoreClient
 from kvpool.store.client import StoreClient
 from kvpool.store.client_config import ClientConfig
 from kvpool.store.codes import ErrorCode as E
+from kvpool.store.codes import GetResult
 from kvpool.store.config import MasterConfig, ReplicateConfig
 from kvpool.store.master import MasterServer, MasterServerConfig
 from tests.store.cluster import content
@@ -202,3 +203,115 @@ def test_stale_own_replica_is_never_touched(master: MasterServer, node: StoreCli
         finally:
             me._segments[sid] = buf
         assert me.get("mine").data == b"m" * 100
+
+
+def _corrupt_own_replica(me: StoreClient, key: str, at: int = 10) -> None:
+    (rep,) = me.replica_desc(key).replicas
+    ctypes.c_ubyte.from_address(rep.addr + at).value ^= 0xFF
+
+
+def test_corrupted_replica_is_refused_not_returned(master: MasterServer,
+                                                   node: StoreClient) -> None:
+    with StoreClient(ClientConfig(master=master.address, global_segment_size=MIB)) as me:
+        mine = ReplicateConfig(preferred_segment=me.endpoint)
+        value = content("c", 5000)
+        assert me.put("c", value, mine).ok
+        assert me.put_from("z", me.register_buffer(np.frombuffer(value, np.uint8).copy()).addr,
+                           5000, mine).ok
+        _corrupt_own_replica(me, "c")
+        _corrupt_own_replica(me, "z", 4999)
+        assert me.get("c") == GetResult(E.CHECKSUM_MISMATCH)
+        out = np.zeros(5000, np.uint8)
+        assert me.get_into("z", out.ctypes.data, 5000).code == E.CHECKSUM_MISMATCH
+        assert [r.code for r in me.get_batch(["c", "z"])] == [E.CHECKSUM_MISMATCH] * 2
+        parts = [[(out.ctypes.data, 2000), (out.ctypes.data + 2000, 3000)]]
+        assert me.batch_get_into_parts(["z"], parts)[0].value == int(E.CHECKSUM_MISMATCH)
+        assert me.stats.checksum_mismatches == 5
+        with StoreClient(ClientConfig(master=master.address,
+                                      verify_checksums=False)) as trusting:
+            assert trusting.get("c").ok and trusting.get("c").data != value
+
+
+def test_a_corrupted_replica_falls_back_to_an_intact_one(master: MasterServer,
+                                                        node: StoreClient) -> None:
+    with StoreClient(ClientConfig(master=master.address, global_segment_size=MIB)) as me:
+        value = content("two", 3000)
+        assert me.put("two", value, ReplicateConfig(replica_num=2)).ok
+        own = [r for r in me.replica_desc("two").replicas if r.endpoint == me.endpoint]
+        ctypes.c_ubyte.from_address(own[0].addr).value ^= 1
+        assert me.get("two").data == value                 # own replica first, then node's
+        assert me.stats.checksum_mismatches == 1
+
+
+def test_objects_put_without_checksums_are_read_unverified(master: MasterServer,
+                                                           node: StoreClient) -> None:
+    with StoreClient(ClientConfig(master=master.address, write_checksums=False)) as c:
+        assert c.put("n", b"plain").ok
+        assert c.replica_desc("n").checksum is None
+        assert c.get("n").data == b"plain"
+
+
+def test_a_bad_master_address_closes_the_started_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvpool.errors import RpcError
+    from kvpool.transfer import TransferEngine
+    closed = []
+    real_close = TransferEngine.close
+    monkeypatch.setattr(TransferEngine, "close", lambda self: (closed.append(self),
+                                                               real_close(self))[-1])
+    with pytest.raises(RpcError, match="bad master address"):
+        StoreClient(ClientConfig(master="127.0.0.1:99999"))
+    assert len(closed) == 1
+
+
+def test_late_replies_reach_the_heartbeat_hook() -> None:
+    """A master that stalled answers a timed-out heartbeat late: the hook still sees it."""
+    import socket
+    import threading
+
+    from kvpool.store.framing import FrameDecoder, encode_frame
+    from kvpool.store.protocol import decode_request, encode_reply
+    from kvpool.store.rpc_client import RpcClient
+    listener = socket.create_server(("127.0.0.1", 0))
+    late: list[object] = []
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        decoder, reqs = FrameDecoder(), []
+        while len(reqs) < 2:
+            reqs += [decode_request(f) for f in decoder.feed(conn.recv(4096))]
+        conn.sendall(encode_frame(encode_reply(reqs[0].req_id, 0, int(E.UNKNOWN_CLIENT))) +
+                     encode_frame(encode_reply(reqs[1].req_id, 0, 0)))
+        conn.recv(1)
+    threading.Thread(target=serve, daemon=True).start()
+    from kvpool.errors import RpcTimeout
+    from kvpool.store.protocol import Op
+    rpc = RpcClient(f"127.0.0.1:{listener.getsockname()[1]}", "c", 0.2, None, late.append)
+    with pytest.raises(RpcTimeout):
+        rpc.call(Op.HEARTBEAT)
+    assert rpc.call(Op.HEARTBEAT) == 0
+    assert [(r.req_id, r.result) for r in late] == [(1, int(E.UNKNOWN_CLIENT))]  # type: ignore[attr-defined]
+    rpc.close()
+    listener.close()
+
+
+def test_a_failed_revoke_still_ends_the_puts_that_were_written(
+        store: StoreClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvpool.store.client_base import RpcFailed
+    from kvpool.store.protocol import Op
+    real_run, real_call = store._run_copies, store._call
+
+    def first_copy_fails(op: object, copies: dict) -> set[int]:  # type: ignore[type-arg]
+        real_run(op, copies)  # type: ignore[arg-type]
+        return {min(copies)}
+
+    def revoke_unreachable(op: Op, *args: object) -> object:
+        if op is Op.PUT_REVOKE:
+            raise RpcFailed(E.RPC_TIMEOUT)
+        return real_call(op, *args)
+    monkeypatch.setattr(store, "_run_copies", first_copy_fails)
+    monkeypatch.setattr(store, "_call", revoke_unreachable)
+    assert [r.code for r in store.put_batch(["bad", "good"], [b"1" * 100, b"2" * 100])] == [
+        E.TRANSFER_FAIL, E.OK]
+    monkeypatch.undo()
+    assert store.get("good").data == b"2" * 100
+    assert store.get("bad").code == E.OBJECT_NOT_FOUND

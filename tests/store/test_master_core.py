@@ -5,7 +5,7 @@ from kvpool.store.codes import ErrorCode as E
 from kvpool.store.codes import ReplicaState
 from kvpool.store.config import ReplicateConfig
 from kvpool.store.master_core import MasterCore
-from tests.store.conftest import KIB, make_core
+from tests.store.conftest import KIB, live_for, make_core
 
 
 def put(core: MasterCore, key: str, size: int = KIB, client: str = "w",
@@ -90,20 +90,14 @@ def test_forced_remove_defers_free_until_lease_ends(core: MasterCore,
 
 def test_stale_pending_put_is_discarded(core: MasterCore, vclock: VirtualClock) -> None:
     core.put_start("w", ["k"], [64])
-    vclock.advance(29)
-    core.heartbeat("w"), core.heartbeat("c0"), core.heartbeat("c1")
-    core.tick()
+    live_for(core, vclock, 29)
     assert "k" in core.pending
-    vclock.advance(2)
-    core.heartbeat("w"), core.heartbeat("c0"), core.heartbeat("c1")
-    core.tick()
+    live_for(core, vclock, 2)
     assert core.pending == {} and core.stats.discarded_puts == 1
     assert core.put_end("w", ["k"]) == [E.OBJECT_NOT_FOUND]
     assert core.used_bytes == 64          # its writer may still be copying: not reused yet
     core.check_integrity()
-    vclock.advance(600)
-    core.heartbeat("c0"), core.heartbeat("c1")
-    core.tick()
+    live_for(core, vclock, 600, ("c0", "c1"))
     assert core.used_bytes == 0
     core.check_integrity()
 
@@ -240,4 +234,78 @@ def test_batch_fast_path_places_a_run_and_falls_back(vclock: VirtualClock) -> No
     assert max(free) < 21 * KIB                                  # no range for a 21 KiB run
     big = core.put_start("w", [f"g{i}" for i in range(3)], [7 * KIB] * 3)
     assert [r.code for r in big] == [E.OK] * 3                   # placed one by one
+    core.check_integrity()
+
+
+def test_put_end_records_checksums_and_lookups_return_them(core: MasterCore) -> None:
+    core.put_start("w", ["a", "b", "c", "d"], [100, 100, 100, 100])
+    assert core.put_end("w", ["a"], [1, 2]) == [E.INVALID_PARAMS]      # lengths differ
+    assert core.put_end("w", ["a", "b", "c", "d"], [0xDEADBEEF, None, -1, 1 << 64]) == [
+        E.OK, E.OK, E.INVALID_PARAMS, E.INVALID_PARAMS]
+    assert [x.checksum for x in core.get_replicas(["a", "b", "c"])] == [0xDEADBEEF, None, None]
+    assert core.put_end("w", ["c", "d"], [(1 << 64) - 1, 5]) == [E.OK, E.OK]
+    assert core.get_replicas(["c"])[0].checksum == (1 << 64) - 1
+    (res,) = core.put_start("w", ["a"], [100], upsert=True)
+    assert core.put_end("w", ["a"], [7]) == [E.OK]
+    assert core.get_replicas(["a"])[0].checksum == 7                # upsert replaces it
+    core.check_integrity()
+
+
+def test_the_masters_own_stall_is_grace_not_everyones_death(core: MasterCore,
+                                                            vclock: VirtualClock) -> None:
+    assert put(core, "k", 100) == E.OK
+    core.put_start("w", ["p"], [64])
+    live_for(core, vclock, 4)
+    vclock.advance(15)                    # SIGSTOP: no tick, no heartbeat read for 15 s
+    core.tick()
+    assert sorted(core.clients) == ["c0", "c1", "w"] and core.stats.expired_clients == 0
+    assert core.stats.stalls_forgiven == 1 and "p" in core.pending
+    assert core.get_replicas(["k"])[0].code == E.OK
+    core.check_integrity()
+    live_for(core, vclock, 9, ("c0", "w"))   # after the stall, ordinary silence counts again
+    assert "c1" in core.clients
+    live_for(core, vclock, 2, ("c0", "w"))
+    assert sorted(core.clients) == ["c0", "w"] and core.stats.expired_clients == 1
+    assert core.stats.stalls_forgiven == 1
+    core.check_integrity()
+
+
+def test_a_short_gap_between_ticks_is_no_stall(core: MasterCore, vclock: VirtualClock) -> None:
+    live_for(core, vclock, 7.5, ("c0",))
+    vclock.advance(4.9)                   # under client_ttl / 2: c1's silence is its own
+    core.tick()
+    assert core.stats.stalls_forgiven == 0 and sorted(core.clients) == ["c0"]
+
+
+def test_ranges_a_late_writer_may_hold_survive_a_remount(vclock: VirtualClock) -> None:
+    core = make_core(vclock, num_segments=1, capacity=4 * KIB)
+    (started,) = core.put_start("w", ["a"], [KIB])
+    assert put(core, "b", KIB) == E.OK
+    live_for(core, vclock, 11, ("w",))             # c0 (the node) stalls and is expired
+    assert core.segments == {} and core.pending == {}
+    code, sid = core.mount_segment("c0", "127.0.0.1:9000", 0x10000, 4 * KIB)
+    assert code == E.OK
+    assert core.used_bytes == KIB                  # a's range is still held, b's is free
+    (again,) = core.put_start("w", ["c"], [3 * KIB])
+    assert again.code == E.OK and started.replicas[0].addr not in {r.addr for r in again.replicas}
+    core.check_integrity()
+    live_for(core, vclock, 600, ("w", "c0"))
+    assert core.used_bytes == 3 * KIB and core._quarantine == {}
+    core.check_integrity()
+
+
+def test_a_new_fence_starts_the_memory_empty(vclock: VirtualClock) -> None:
+    core = make_core(vclock, num_segments=0)
+    assert core.mount_segment("n", "127.0.0.1:9000", 0x10000, 4 * KIB, fence=11) == (
+        E.OK, "127.0.0.1:9000/10000")
+    (started,) = core.put_start("w", ["a"], [KIB])
+    assert [r.fence for r in started.replicas] == [11]
+    assert put(core, "b", KIB) == E.OK
+    assert [r.fence for r in core.get_replicas(["b"])[0].replicas] == [11]
+    assert core.mount_segment("n", "127.0.0.1:9000", 0x10000, 4 * KIB, fence=11)[0] == E.OK
+    assert core.get_replicas(["b"])[0].code == E.OK           # the same mount: idempotent
+    assert core.mount_segment("n", "127.0.0.1:9000", 0x10000, 4 * KIB, fence=12)[0] == E.OK
+    assert core.get_replicas(["b"])[0].code == E.OBJECT_NOT_FOUND
+    assert core.pending == {} and core.used_bytes == 0         # old writers are fenced out
+    assert core.mount_segment("n", "h:1", 0, KIB, fence=1 << 64)[0] == E.INVALID_PARAMS
     core.check_integrity()

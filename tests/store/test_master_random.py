@@ -10,7 +10,7 @@ import pytest
 from kvpool.clock import VirtualClock
 from kvpool.store.codes import ErrorCode as E
 from kvpool.store.config import ReplicateConfig
-from tests.store.conftest import KIB, make_core
+from tests.store.conftest import KIB, live_for, make_core
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -60,10 +60,7 @@ def test_random_operations_match_model(seed: int) -> None:
                 assert code == E.OK
                 del model[key]
         else:
-            clock.advance(rng.choice([0.5, 3.0, 11.0]))
-            for client in ("w", "c0", "c1", "c2"):
-                core.heartbeat(client)
-            core.tick()
+            live_for(core, clock, rng.choice([0.5, 3.0, 11.0]), ("w", "c0", "c1", "c2"))
             pending = {k: v for k, v in pending.items() if v[1] >= clock.now() - 30.0}
         core.check_integrity()
         assert set(core.objects) == set(model)
@@ -71,9 +68,7 @@ def test_random_operations_match_model(seed: int) -> None:
     core.remove_all(force=True)
     for key in list(pending):
         core.put_revoke("w", [key])
-    clock.advance(601)                   # leases and the release timeout of discarded puts
-    core.heartbeat("c0"), core.heartbeat("c1"), core.heartbeat("c2")
-    core.tick()
+    live_for(core, clock, 601, ("c0", "c1", "c2"))  # leases, release timeout of discarded puts
     core.check_integrity()
     assert core.used_bytes == 0
 

@@ -34,8 +34,8 @@ def test_rpc_and_admin_in_process(master: MasterServer) -> None:
         code, sid = node.call(Op.MOUNT, "127.0.0.1:7000", 4096, 1 << 20, 1)
         assert (code, sid) == (0, "127.0.0.1:7000/1000")
         res = w.call(Op.PUT_START, ["k1", "k2"], [10, 5000], 1, False, False, [], False)
-        assert res == [[0, [[sid, "127.0.0.1:7000", 4096, 10, 1, 1]]],
-                       [0, [[sid, "127.0.0.1:7000", 4096 + 64, 5000, 1, 1]]]]
+        assert res == [[0, [[sid, "127.0.0.1:7000", 4096, 10, 1, 1, 0]]],
+                       [0, [[sid, "127.0.0.1:7000", 4096 + 64, 5000, 1, 1, 0]]]]
         assert w.call(Op.PUT_END, ["k1", "k2"]) == [0, 0]
         assert w.call(Op.EXISTS, ["k1", "nope"]) == [0, -704]
     base = f"http://127.0.0.1:{master.admin_port}"
@@ -92,7 +92,7 @@ def test_garbage_over_the_socket_then_service_continues(master: MasterServer) ->
         replies = [decode_reply(f) for f in _read_frames(sock, 3)]
         assert [(r.req_id, r.status) for r in replies] == [
             (0, E.INVALID_PARAMS), (4, 0), (0, E.INVALID_PARAMS)]
-        assert replies[1].result == [10.0, [[-600, 0, [], 0.0], [-600, 0, [], 0.0]]]
+        assert replies[1].result == [10.0, [[-600, 0, [], 0.0, None], [-600, 0, [], 0.0, None]]]
         sock.close()
     truncated = _raw(master)                     # half a header, then half a frame, then gone
     truncated.sendall(encode_frame(BAD_FRAMES[1])[:2])
@@ -101,8 +101,8 @@ def test_garbage_over_the_socket_then_service_continues(master: MasterServer) ->
     truncated.sendall(encode_frame(BAD_FRAMES[1])[:9])
     truncated.close()
     with RpcClient(master.address, "w") as w:
-        assert w.call(Op.GET_REPLICAS, [1, "x"]) == [10.0, [[-600, 0, [], 0.0],
-                                                            [-704, 0, [], 0.0]]]
+        assert w.call(Op.GET_REPLICAS, [1, "x"]) == [10.0, [[-600, 0, [], 0.0, None],
+                                                            [-704, 0, [], 0.0, None]]]
         with pytest.raises(RpcError, match="code -600"):
             w.call(Op.MOUNT, "x", 0, 1)   # wrong arity
         metrics = httpx.get(f"http://127.0.0.1:{master.admin_port}/metrics").text

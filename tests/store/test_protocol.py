@@ -35,7 +35,7 @@ def test_round_trip_put_and_get() -> None:
     assert call(svc, encode_request(Op.PUT_END, 6, "w", ["a", "b"])) == (6, 0, [0, 0])
     _, _, got = call(svc, encode_request(Op.GET_REPLICAS, 7, "r", ["a", "zz"]))
     assert got[0] == 10.0                                         # type: ignore[index]
-    assert got[1][0][:2] == [0, 100] and got[1][1] == [-704, 0, [], 0.0]  # type: ignore[index]
+    assert got[1][0][:2] == [0, 100] and got[1][1] == [-704, 0, [], 0.0, None]  # type: ignore[index]
     svc.core.check_integrity()
 
 

@@ -10,6 +10,7 @@ When the Mooncake wheel is importable, the identical workload runs through
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -60,6 +61,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--seconds", type=float, default=2.0, help="duration of master-only runs")
     p.add_argument("--clients", type=int, default=4,
                    help="concurrent client processes in the master-only RPC run")
+    p.add_argument("--checksums", choices=("both", "on", "off"), default="both",
+                   help="kvpool with xxh3 checksums on (hash on put, verify on get), off, "
+                   "or both in the same run (the off run is reported as kvpool-nosum)")
     p.add_argument("--json", action="store_true", help="one JSON object per measurement")
     p.set_defaults(func=run)
 
@@ -73,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     systems: list[tuple[str, Callable[[ExitStack, int, int], Any]]] = [
-        ("kvpool", _kvpool_system)]
+        ("kvpool", functools.partial(_kvpool_systems, checksums=args.checksums))]
     if not args.no_mooncake and _mooncake_available():
         systems.append(("mooncake", _mooncake_system))
     elif not args.no_mooncake:
@@ -83,35 +87,41 @@ def run(args: argparse.Namespace) -> int:
         if args.only and name != args.only:
             continue
         with ExitStack() as stack:
-            system = factory(stack, parse_size(args.dram), args.lease_ms)
-            for record in _workload(name, system, sizes, args.batch,
-                                    parse_size(args.phase_bytes), args.max_ops, args.repeat):
+            found = factory(stack, parse_size(args.dram), args.lease_ms)
+            named = found if isinstance(found, list) else [(name, found)]
+            for record in _workload(named, sizes, args.batch, parse_size(args.phase_bytes),
+                                    args.max_ops, args.repeat):
                 results.append(record)
                 emit(record)
     if not args.json:
         _print_ratios(results)
+        _print_checksum_cost(results)
     return 0
 
 
 # -- workload ---------------------------------------------------------------------------------
 
-def _workload(name: str, system: Any, sizes: Sequence[int], batch: int, phase_bytes: int,
-              max_ops: int, repeat: int) -> Iterator[Record]:
+def _workload(systems: list[tuple[str, Any]], sizes: Sequence[int], batch: int,
+              phase_bytes: int, max_ops: int, repeat: int) -> Iterator[Record]:
     """For each size: one untimed warm pass, then `repeat` timed passes; the best pass of
-    each measurement is reported (this machine's load varies between passes)."""
+    each measurement is reported (this machine's load varies between passes). Several
+    systems (kvpool with checksums on and off) take turns pass by pass, so load changes
+    hit them alike."""
     largest = max(sizes) * batch
     src = np.random.default_rng(0).integers(0, 255, largest, dtype=np.uint8)
     dst = np.zeros(largest, dtype=np.uint8)
-    src_addr, dst_addr = system.register(src), system.register(dst)
+    addrs = [(system.register(src), system.register(dst)) for _, system in systems]
     for size in sizes:
         count = max(1, min(max_ops, phase_bytes // size))
-        best: dict[tuple[str, str], Record] = {}
+        best: dict[tuple[str, str, str], Record] = {}
         for attempt in range(repeat + 1):
-            for rec in _pass(name, system, size, count, batch, src, dst, src_addr, dst_addr,
-                             attempt):
-                slot = (rec["op"], rec["mode"])
-                if attempt and (slot not in best or rec["ops_per_s"] > best[slot]["ops_per_s"]):
-                    best[slot] = rec | {"passes": repeat}
+            for (name, system), (src_addr, dst_addr) in zip(systems, addrs, strict=True):
+                for rec in _pass(name, system, size, count, batch, src, dst, src_addr,
+                                 dst_addr, attempt):
+                    slot = (name, rec["op"], rec["mode"])
+                    if attempt and (slot not in best
+                                    or rec["ops_per_s"] > best[slot]["ops_per_s"]):
+                        best[slot] = rec | {"passes": repeat}
         yield from best.values()
 
 
@@ -200,7 +210,10 @@ def _check(code: int, key: str) -> None:
         raise RuntimeError(f"operation on {key!r} failed with code {int(code)}")
 
 
-def _kvpool_system(stack: ExitStack, dram: int, lease_ms: int) -> _KvpoolAdapter:
+def _kvpool_systems(stack: ExitStack, dram: int, lease_ms: int,
+                    checksums: str = "both") -> list[tuple[str, _KvpoolAdapter]]:
+    """A master and a store node; one client with checksums on ("kvpool") and/or one with
+    them off ("kvpool-nosum"), both against the same node."""
     from kvpool.store.client import StoreClient
     from kvpool.store.client_config import ClientConfig
     from kvpool.store.rpc_client import RpcClient
@@ -216,9 +229,14 @@ def _kvpool_system(stack: ExitStack, dram: int, lease_ms: int) -> _KvpoolAdapter
     with RpcClient(master, "bench-probe") as probe:
         from kvpool.store.protocol import Op
         _wait_until(lambda: len(probe.call(Op.SEGMENTS)) == 1, "the store node to mount")
-    client = StoreClient(ClientConfig(master=master, local_buffer_size=0))
-    stack.callback(client.close)
-    return _KvpoolAdapter(client, lease_ms)
+    out = []
+    for name, on in (("kvpool", True), ("kvpool-nosum", False)):
+        if checksums == "both" or (checksums == "on") == on:
+            client = StoreClient(ClientConfig(master=master, local_buffer_size=0,
+                                              write_checksums=on, verify_checksums=on))
+            stack.callback(client.close)
+            out.append((name, _KvpoolAdapter(client, lease_ms)))
+    return out
 
 
 # -- Mooncake ---------------------------------------------------------------------------------
@@ -355,3 +373,17 @@ def _print_ratios(results: list[Record]) -> None:
         if key in theirs:
             ratio_ops = r["ops_per_s"] / theirs[key]["ops_per_s"]
             print(f"  {key[0]:4} {key[1]:8} {format_size(key[2]):>8}  x{ratio_ops:.2f}")
+
+
+def _print_checksum_cost(results: list[Record]) -> None:
+    """Checksums on (kvpool) against off (kvpool-nosum), measured in the same run."""
+    on = {(r["op"], r["mode"], r["size"]): r for r in results if r["system"] == "kvpool"}
+    off = {(r["op"], r["mode"], r["size"]): r for r in results if r["system"] == "kvpool-nosum"}
+    if not on or not off:
+        return
+    print("\nchecksums (xxh3_64: hash on put, verify on get): on / off")
+    for key, r in on.items():
+        if key in off:
+            print(f"  {key[0]:4} {key[1]:8} {format_size(key[2]):>8}  "
+                  f"on {r['gb_per_s']:.3f} GB/s  off {off[key]['gb_per_s']:.3f} GB/s  "
+                  f"x{r['ops_per_s'] / off[key]['ops_per_s']:.2f}")

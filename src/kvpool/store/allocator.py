@@ -81,6 +81,26 @@ class OffsetAllocator:
         self.used_bytes += total
         return offsets
 
+    def reserve(self, offset: int, size: int) -> bool:
+        """Take exactly [offset, offset + rounded(size)) if it is free (as `allocate` would
+        have returned it); False, changing nothing, when any of it is taken or outside."""
+        need = self.rounded(size)
+        i = bisect.bisect_right(self._offsets, offset) - 1
+        if need <= 0 or offset % self.alignment or i < 0:
+            return False
+        start = self._offsets[i]
+        free_size = self._free[start]
+        if offset + need > start + free_size:
+            return False
+        self._remove_free(start, free_size)
+        if offset > start:
+            self._add_free(start, offset - start)
+        if start + free_size > offset + need:
+            self._add_free(offset + need, start + free_size - offset - need)
+        self._used[offset] = need
+        self.used_bytes += need
+        return True
+
     def free(self, offset: int) -> int:
         """Release the range that starts at `offset`; returns its allocated size."""
         size = self._used.pop(offset, None)

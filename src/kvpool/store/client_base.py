@@ -4,14 +4,22 @@ heartbeats, and the two data paths (write replicas, read the closest replica).""
 from __future__ import annotations
 
 import os
+import secrets
 import threading
 import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kvpool.clock import SYSTEM_CLOCK, Clock
-from kvpool.errors import RpcError, RpcTimeout
+from kvpool.errors import (
+    KvpoolError,
+    RpcError,
+    RpcTimeout,
+    TransferError,
+)
 from kvpool.log import get_logger
+from kvpool.store.checksum import parts_checksum
 from kvpool.store.client_config import ClientConfig
 from kvpool.store.codes import ErrorCode, LookupResult, PutResult, ReadResult, ReplicaDesc, Tier
 from kvpool.store.config import ReplicateConfig
@@ -25,7 +33,12 @@ from kvpool.transfer import OpCode, TransferConfig, TransferEngine, TransferRequ
 
 E = ErrorCode
 log = get_logger("store.client")
-Copy = tuple[int, int, int, str]  # local addr, remote addr, length, endpoint
+Copy = tuple[int, int, int, str, int]  # local addr, remote addr, length, endpoint, fence
+
+
+def new_fence() -> int:
+    """A fresh write fence for one mount: random, non-zero, 64 bits."""
+    return secrets.randbits(64) or 1
 
 
 _PUT_OK = PutResult(ErrorCode.OK)
@@ -36,6 +49,16 @@ class RpcFailed(Exception):
         self.code = code
 
 
+@dataclass
+class ClientStats:
+    """Counters of one client (read them any time; they only grow)."""
+
+    checksum_mismatches: int = 0
+    """Replica reads whose bytes did not match the object's checksum (refused)."""
+    remounts: int = 0
+    """Times the master had forgotten this client and its segments were mounted again."""
+
+
 class ClientBase:
     def __init__(self, config: ClientConfig, clock: Clock = SYSTEM_CLOCK) -> None:
         self.config = config
@@ -44,15 +67,24 @@ class ClientBase:
             host=config.local_hostname, port=config.te_port, metadata=config.metadata,
             protocol=config.protocol, timeout_s=config.transfer_timeout_s,
             token=config.token)).start()
-        self.endpoint: str = self.engine.segment_name
-        self.host = self.endpoint.rsplit(":", 1)[0]
-        self.client_id = config.client_id or f"{self.endpoint}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._rpc = RpcClient(config.master, self.client_id, config.rpc_timeout_s, config.token)
-        self._segments: dict[str, Any] = {}  # segment id -> managed Buffer
-        self._staging = StagingArea(self.engine, config.local_buffer_size)
+        try:
+            self.endpoint: str = self.engine.segment_name
+            self.host = self.endpoint.rsplit(":", 1)[0]
+            self.stats = ClientStats()
+            self.client_id = config.client_id or \
+                f"{self.endpoint}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            self._rpc = RpcClient(config.master, self.client_id, config.rpc_timeout_s,
+                                  config.token)
+            self._hb_rpc = RpcClient(config.master, self.client_id, config.rpc_timeout_s,
+                                     config.token, on_late_reply=self._on_late_heartbeat)
+            self._segments: dict[str, Any] = {}  # segment id -> managed Buffer
+            self._forgotten = False
+            """The master answered UNKNOWN_CLIENT (maybe late): mount everything again."""
+            self._staging = StagingArea(self.engine, config.local_buffer_size)
+        except BaseException:
+            self.engine.close()  # a bad master address must not leak the started engine
+            raise
         self._stop = threading.Event()
-        self._hb_rpc = RpcClient(config.master, self.client_id, config.rpc_timeout_s,
-                                 config.token)
         self._hb = threading.Thread(target=self._heartbeat_loop, daemon=True,
                                     name="kvpool-store-heartbeat")
         self._hb.start()
@@ -75,13 +107,16 @@ class ClientBase:
             raise RpcFailed(E.RPC_FAIL) from None
 
     def mount(self, size: int) -> str:
-        """Contribute `size` bytes of shared memory to the pool; returns the segment id."""
-        buf = self.engine.allocate_managed(size)
+        """Contribute `size` bytes of shared memory to the pool; returns the segment id. The
+        memory gets a fresh write fence, which the master hands out with every replica
+        there; transfers planned against another fence are refused."""
+        fence = new_fence()
+        buf = self.engine.allocate_managed(size, fence=fence)
         if self.config.prefault:
             buf.numpy()[::4096] = 0
         try:
             code, segment_id = self._rpc.call(Op.MOUNT, self.endpoint, buf.addr, size,
-                                              int(Tier.DRAM))
+                                              int(Tier.DRAM), fence)
         except RpcError:
             self.engine.free_managed(buf)
             raise
@@ -110,14 +145,55 @@ class ClientBase:
         while not self._stop.wait(self.config.heartbeat_interval_s):
             try:
                 if self._hb_rpc.call(Op.HEARTBEAT) == E.UNKNOWN_CLIENT:
-                    self._remount()
+                    self._forgotten = True
             except RpcError as exc:
                 log.debug("heartbeat failed: %s", exc)
+            if self._forgotten and not self._stop.is_set():
+                self._forgotten = not self._remount() if self._segments else False
 
-    def _remount(self) -> None:
+    def _on_late_heartbeat(self, reply: Any) -> None:
+        """A heartbeat answered after its call timed out (the master stalled, then forgot
+        us): UNKNOWN_CLIENT there means the same as on time."""
+        if reply.status == 0 and reply.result == E.UNKNOWN_CLIENT:
+            self._forgotten = True
+
+    def _remount(self) -> bool:
+        """Mount every segment again after the master forgot this client (it restarted, or
+        declared us dead), and publish the segment descriptor again (a restarted master's
+        embedded directory is empty). Each segment first gets a new fence, so writes
+        planned against the old mount (or the old master) are refused from then on. False
+        when the master could not take it yet; the next heartbeat tries again."""
         for segment_id, buf in list(self._segments.items()):
             log.warning("master forgot us; mounting %s again", segment_id)
-            self._hb_rpc.call(Op.MOUNT, self.endpoint, buf.addr, buf.length, int(Tier.DRAM))
+            fence = new_fence()
+            try:
+                self.engine.set_fence(buf.addr, fence)
+            except KvpoolError as exc:
+                if buf.fence.value != fence:  # never mount under a fence the memory lacks
+                    log.warning("cannot fence %s yet (%s); retrying", segment_id, exc)
+                    return False
+                log.warning("fenced %s, a late write may still be copying: %s", segment_id, exc)
+            try:
+                code, new_id = self._hb_rpc.call(Op.MOUNT, self.endpoint, buf.addr, buf.length,
+                                                 int(Tier.DRAM), fence)
+            except RpcError as exc:
+                log.warning("mounting %s again failed: %s", segment_id, exc)
+                return False
+            if code != 0:
+                log.warning("master refused to mount %s again: %s", segment_id,
+                            ErrorCode(code).name)
+                return False
+            if new_id != segment_id:
+                self._segments[str(new_id)] = self._segments.pop(segment_id)
+        self._publish()
+        self.stats.remounts += 1
+        return True
+
+    def _publish(self) -> None:
+        try:
+            self.engine._publish()
+        except KvpoolError as exc:
+            log.warning("could not publish segment %s again: %s", self.endpoint, exc)
 
     def close(self) -> None:
         if self._stop.is_set():
@@ -133,9 +209,24 @@ class ClientBase:
 
     # -- data paths ------------------------------------------------------------------------
 
-    def _mounted(self, addr: int, n: int) -> bool:
-        return any(b.addr <= addr and addr + n <= b.addr + b.length
-                   for b in self._segments.values())
+    def _own_buffer(self, addr: int, n: int) -> Any:
+        for b in list(self._segments.values()):
+            if b.addr <= addr and addr + n <= b.addr + b.length:
+                return b
+        return None
+
+    def _copy_own(self, op: OpCode, local: int, remote: int, n: int, fence: int) -> bool:
+        """memcpy to or from our own segment through the engine's checked copy, admitted by the
+        segment's fence like a peer's request (so a re-mount's set_fence waits for it). False
+        for a stale replica (no longer mounted, or fenced); unregistered local memory raises
+        MemoryRegistrationError."""
+        if self._own_buffer(remote, n) is None:
+            return False
+        try:
+            self.engine.copy_local(op, local, remote, n, fence)
+        except TransferError:
+            return False
+        return True
 
     def _run_copies(self, op: OpCode, copies: dict[int, list[Copy]]) -> set[int]:
         """Run every copy; returns the indices whose copies did not all succeed."""
@@ -143,14 +234,12 @@ class ClientBase:
         requests: list[TransferRequest] = []
         owners: list[int] = []
         for idx, items in copies.items():
-            for local, remote, n, endpoint in items:
+            for local, remote, n, endpoint, fence in items:
                 if endpoint == self.endpoint:
-                    if not self._mounted(remote, n):  # a stale replica: never touch it
-                        failed.add(idx)
-                        continue
-                    self.engine.copy_local(op, local, remote, n)  # raises on unregistered memory
+                    if not self._copy_own(op, local, remote, n, fence):
+                        failed.add(idx)      # a stale replica: never touch it
                 else:
-                    requests.append(TransferRequest(op, local, n, endpoint, remote))
+                    requests.append(TransferRequest(op, local, n, endpoint, remote, fence))
                     owners.append(idx)
         if requests:
             for idx, status in zip(owners, self.engine.transfer_sync(requests), strict=True):
@@ -188,20 +277,39 @@ class ClientBase:
                 results[i] = PutResult(E.OK, already_existed=True)
             elif code != 0:
                 results[i] = PutResult(ErrorCode(code))
-            elif len(parts[i]) == 1 and len(wire) == 1:  # the common case: one piece, one copy
-                copies[i] = [(parts[i][0][0], wire[0][2], size, wire[0][1])]
             else:
-                copies[i] = [(a, r, n, w[1]) for w in wire
-                             for a, r, n in copies_for(parts[i], w[2], size)]
+                copies[i] = self._copies_to(wire, parts[i], size)
         failed = self._run_copies(OpCode.WRITE, copies)
         ok = [i for i in copies if i not in failed]
         if failed:
-            self._call(Op.PUT_REVOKE, [keys[i] for i in failed])
             for i in failed:
                 results[i] = PutResult(E.TRANSFER_FAIL)
+            self._revoke([keys[i] for i in failed])
         if ok:
-            for i, code in zip(ok, self._call(Op.PUT_END, [keys[i] for i in ok]), strict=True):
+            size_of = dict(zip(todo, sizes, strict=True))
+            sums = [parts_checksum(parts[i], size_of[i]) if self.config.write_checksums
+                    else None for i in ok]
+            ended = self._call(Op.PUT_END, [keys[i] for i in ok], sums)
+            for i, code in zip(ok, ended, strict=True):
                 results[i] = _PUT_OK if code == 0 else PutResult(ErrorCode(code))
+
+    @staticmethod
+    def _copies_to(wire: Sequence[Any], parts: Sequence[Part], size: int) -> list[Copy]:
+        """The copies writing `size` object bytes from `parts` to every replica of a
+        PUT_START answer."""
+        if len(parts) == 1 and len(wire) == 1:  # the common case: one piece, one copy
+            return [(parts[0][0], wire[0][2], size, wire[0][1], wire[0][6])]
+        return [(a, r, n, w[1], w[6]) for w in wire
+                for a, r, n in copies_for(parts, w[2], size)]
+
+    def _revoke(self, keys: list[str]) -> None:
+        """Give up puts whose copies failed. Best effort: if the master cannot be told, it
+        discards them after put_discard_timeout_s; the puts that were written still end."""
+        try:
+            self._call(Op.PUT_REVOKE, keys)
+        except RpcFailed as exc:
+            log.warning("could not revoke %d failed puts (%s); the master will discard them",
+                        len(keys), exc.code.name)
 
     def _lookup(self, keys: Sequence[str]) -> tuple[list[LookupResult], float]:
         """Replica lookups (granting read leases) and the time they were asked for."""
@@ -213,17 +321,20 @@ class ClientBase:
                 lease_s, items = self._call(Op.GET_REPLICAS, [keys[i] for i in valid])
             except RpcFailed as exc:
                 return [LookupResult(exc.code)] * len(keys), t0
-            for i, (code, size, wire, _) in zip(valid, items, strict=True):
+            for i, (code, size, wire, _, checksum) in zip(valid, items, strict=True):
                 reps = tuple(replica_from_wire(w) for w in wire)
-                out[i] = LookupResult(ErrorCode(code), size, reps, lease_s)
+                out[i] = LookupResult(ErrorCode(code), size, reps, lease_s, checksum)
         return out, t0
 
     def _read(self, looks: Sequence[LookupResult], parts: Sequence[Sequence[Part] | None],
               t0: float) -> list[ReadResult]:
         """Read each found object into its parts from the closest replica, falling back to
-        the next replica on failure. LEASE_EXPIRED when the read outlived the lease."""
+        the next replica on failure or on bytes that fail the checksum (CHECKSUM_MISMATCH
+        when no replica had the right bytes). LEASE_EXPIRED when the read outlived the
+        lease. On any failure the caller's parts hold undefined bytes."""
         results: list[ReadResult] = []
         queues: dict[int, list[ReplicaDesc]] = {}
+        mismatched: set[int] = set()
         for i, (look, p) in enumerate(zip(looks, parts, strict=True)):
             if look.code != E.OK:
                 results.append(ReadResult(look.code))
@@ -233,14 +344,33 @@ class ClientBase:
                 results.append(ReadResult(E.OK, look.size))
                 queues[i] = order_replicas(look.replicas, self.endpoint, self.host)
         while queues:
-            copies = {i: [(a, r, n, q[0].endpoint)
+            copies = {i: [(a, r, n, q[0].endpoint, q[0].fence)
                           for a, r, n in copies_for(parts[i] or (), q[0].addr, looks[i].size)]
                       for i, q in queues.items()}
             failed = self._run_copies(OpCode.READ, copies)
+            if self.config.verify_checksums:
+                bad = self._verify(looks, parts, [i for i in queues if i not in failed])
+                mismatched |= bad
+                failed |= bad
             queues = {i: queues[i][1:] for i in failed}
             for i in [i for i, q in queues.items() if not q]:
-                results[i] = ReadResult(E.TRANSFER_FAIL)
+                results[i] = ReadResult(E.CHECKSUM_MISMATCH if i in mismatched
+                                        else E.TRANSFER_FAIL)
                 del queues[i]
         if looks and self.clock.now() > t0 + max(x.lease_ttl_s for x in looks):
             results = [ReadResult(E.LEASE_EXPIRED) if r.ok else r for r in results]
         return results
+
+    def _verify(self, looks: Sequence[LookupResult], parts: Sequence[Sequence[Part] | None],
+                read: list[int]) -> set[int]:
+        """Indices among `read` whose bytes do not hash to their object's checksum."""
+        bad = set()
+        for i in read:
+            want = looks[i].checksum
+            if want is not None and parts_checksum(parts[i] or (), looks[i].size) != want:
+                bad.add(i)
+        if bad:
+            self.stats.checksum_mismatches += len(bad)
+            log.warning("checksum mismatch on %d replica reads; trying other replicas",
+                        len(bad))
+        return bad

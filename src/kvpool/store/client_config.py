@@ -34,6 +34,12 @@ class ClientConfig:
     for page allocation (fresh shared-memory pages cost ~10x a copy on first write)."""
     token: str | None = field(default_factory=lambda: os.environ.get("KVPOOL_TOKEN") or None)
     """Shared secret for the master's RPC and the transfer engine (default: $KVPOOL_TOKEN)."""
+    verify_checksums: bool = True
+    """Hash what every read received and refuse bytes that do not match the checksum the
+    writer recorded (CHECKSUM_MISMATCH, after trying the other replicas)."""
+    write_checksums: bool = True
+    """Hash every object's bytes on put and record the value with PUT_END; objects put
+    without one are never verified."""
     client_id: str = ""
     """Empty: derived from the transfer-engine endpoint and the process id."""
 

@@ -25,6 +25,9 @@ class ErrorCode(enum.IntEnum):
     UNKNOWN_CLIENT = -1000
     SEGMENT_NOT_FOUND = -1001
     SEGMENT_ALREADY_EXISTS = -1002
+    CHECKSUM_MISMATCH = -1003
+    """Every replica read (or the only one) did not match the checksum recorded at put_end:
+    the bytes are not handed out."""
 
     @property
     def ok(self) -> bool:
@@ -52,6 +55,9 @@ class ReplicaDesc(NamedTuple):
     size: int
     tier: Tier = Tier.DRAM
     state: ReplicaState = ReplicaState.COMPLETE
+    fence: int = 0
+    """Write fence of the mount the replica lives in: every transfer to or from it carries
+    this value, and the owner refuses it once the segment was mounted again (0 = none)."""
 
     @property
     def host(self) -> str:
@@ -70,6 +76,8 @@ class LookupResult(NamedTuple):
     size: int = 0
     replicas: tuple[ReplicaDesc, ...] = ()
     lease_ttl_s: float = 0.0
+    checksum: int | None = None
+    """xxh3_64 of the object's bytes recorded at put_end (None: put without one)."""
 
 
 @dataclass(frozen=True, slots=True)

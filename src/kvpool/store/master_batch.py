@@ -46,6 +46,6 @@ def put_start_run(core: MasterCore, client_id: str, keys: Sequence[str],
                                               config.with_hard_pin, config.with_soft_pin))
         seg.pending_keys.add(key)
         desc = _new(ReplicaDesc, (seg.segment_id, seg.endpoint, seg.base_addr + offset,
-                                  size, seg.tier, ReplicaState.PENDING))
+                                  size, seg.tier, ReplicaState.PENDING, seg.fence))
         out.append(_new(PutStartResult, (ErrorCode.OK, (desc,))))
     return out

@@ -32,6 +32,10 @@ from kvpool.store.validate import valid_key, valid_size
 E = ErrorCode
 _new = tuple.__new__  # builds a NamedTuple without its Python-level __new__ (hot paths)
 DEFAULT_REPLICATE = ReplicateConfig()
+STALL_FRACTION = 0.5
+"""A gap between two `tick()` calls longer than this fraction of client_ttl_s is the
+master's own stall (SIGSTOP, swap, a long pause): nobody could be heard meanwhile, so every
+deadline moves by the gap instead of everyone being declared dead."""
 
 
 @dataclass
@@ -42,6 +46,7 @@ class MasterStats:
     discarded_puts: int = 0
     expired_clients: int = 0
     no_space: int = 0
+    stalls_forgiven: int = 0
 
 
 class MasterCore:
@@ -56,9 +61,14 @@ class MasterCore:
         self.placement = create_placement(self.config.allocation_strategy, self.config.seed)
         self.stats = MasterStats()
         self._deferred: list[tuple[float, Segment, int]] = []  # (free at, segment, offset)
+        self._quarantine: dict[str, tuple[int, list[tuple[float, int, int]]]] = {}
+        """Dropped segment id -> (its fence, [(free at, offset, size)]): ranges a late
+        writer or reader may still touch, held again if the same memory comes back under
+        the same fence (with a new fence the owner refuses those transfers itself)."""
         self._capacity = 0
         self._segments_cache: list[Segment] | None = None
         self._no_evict_until = 0.0
+        self._last_tick = clock.now()
 
     # -- clients and segments -------------------------------------------------------------
 
@@ -80,25 +90,41 @@ class MasterCore:
         return client
 
     def mount_segment(self, client_id: str, endpoint: str, base_addr: int, size: int,
-                      tier: Tier = Tier.DRAM) -> tuple[ErrorCode, str]:
-        """Add [base_addr, base_addr + size) of `endpoint`'s process to the pool."""
+                      tier: Tier = Tier.DRAM, fence: int = 0) -> tuple[ErrorCode, str]:
+        """Add [base_addr, base_addr + size) of `endpoint`'s process to the pool, guarded
+        by the owner's write fence `fence` (a u64, 0 = none) that every replica descriptor
+        there carries."""
         if not (valid_key(client_id) and valid_key(endpoint) and type(base_addr) is int
-                and base_addr >= 0 and valid_size(size, 1 << 50)):
+                and base_addr >= 0 and valid_size(size, 1 << 50)
+                and type(fence) is int and 0 <= fence < 1 << 64):
             return E.INVALID_PARAMS, ""
         segment_id = f"{endpoint}/{base_addr:x}"
         existing = self.segments.get(segment_id)
         if existing is not None:
-            if existing.client_id == client_id and existing.capacity == size:
+            if existing.client_id == client_id and existing.capacity == size \
+                    and existing.fence == fence:
                 return E.OK, segment_id
-            self._drop_segment(existing)  # a restarted process reusing the address
+            self._drop_segment(existing)  # a restarted process, or a new fence: start empty
         client = self._touch_client(client_id)
         seg = Segment(segment_id, client_id, endpoint, base_addr,
-                      OffsetAllocator(size, self.config.alignment), tier)
+                      OffsetAllocator(size, self.config.alignment), tier, fence)
+        self._hold_quarantined(seg)
         self.segments[segment_id] = seg
         self._segments_cache = None
         client.segment_ids.add(segment_id)
         self._capacity += size
         return E.OK, segment_id
+
+    def _hold_quarantined(self, seg: Segment) -> None:
+        """Keep ranges of the dropped mount of the same memory allocated until their
+        release time, unless the owner changed its fence (then nobody can write them)."""
+        fence, ranges = self._quarantine.pop(seg.segment_id, (0, []))
+        if fence != seg.fence and fence and seg.fence:
+            return
+        now = self.clock.now()
+        for release_at, offset, size in ranges:
+            if release_at > now and seg.allocator.reserve(offset, size):
+                self._deferred.append((release_at, seg, offset))
 
     def unmount_segment(self, client_id: str, segment_id: str) -> ErrorCode:
         seg = self.segments.get(segment_id)
@@ -126,6 +152,10 @@ class MasterCore:
             if not obj.replicas:
                 del self.objects[key]
                 self.policy.on_remove(key)
+        held = [(at, offset, seg.allocator.allocated_ranges()[offset])
+                for at, s, offset in self._deferred if s is seg]
+        if held:
+            self._quarantine[seg.segment_id] = (seg.fence, held)
         self._deferred = [d for d in self._deferred if d[1] is not seg]
 
     def expire_clients(self) -> list[str]:
@@ -183,7 +213,7 @@ class MasterCore:
             seg.pending_keys.add(key)
             descs.append(_new(ReplicaDesc, (seg.segment_id, seg.endpoint,
                                             seg.base_addr + r.offset, size, seg.tier,
-                                            ReplicaState.PENDING)))
+                                            ReplicaState.PENDING, seg.fence)))
         return _new(PutStartResult, (E.OK, tuple(descs)))
 
     def _try_allocate(self, size: int, count: int, preferred: list[str]) -> list[Replica] | None:
@@ -211,13 +241,22 @@ class MasterCore:
             self._segments_cache = list(self.segments.values())
         return self._segments_cache
 
-    def put_end(self, client_id: str, keys: Sequence[str]) -> list[ErrorCode]:
-        """Publish written objects. OBJECT_NOT_FOUND: the put was discarded meanwhile (timeout,
-        a target segment died) and the object is not stored."""
+    def put_end(self, client_id: str, keys: Sequence[str],
+                checksums: Sequence[int | None] | None = None) -> list[ErrorCode]:
+        """Publish written objects, each with the xxh3_64 of its bytes that readers verify
+        (None: no checksum). OBJECT_NOT_FOUND: the put was discarded meanwhile (timeout, a
+        target segment died) and the object is not stored."""
         self._touch_client(client_id)
-        return [self._put_end_one(client_id, key) for key in keys]
+        if checksums is None:
+            checksums = [None] * len(keys)
+        elif len(checksums) != len(keys):
+            return [E.INVALID_PARAMS] * len(keys)
+        return [self._put_end_one(client_id, key, checksum)
+                for key, checksum in zip(keys, checksums, strict=True)]
 
-    def _put_end_one(self, client_id: str, key: str) -> ErrorCode:
+    def _put_end_one(self, client_id: str, key: str, checksum: int | None) -> ErrorCode:
+        if checksum is not None and not (type(checksum) is int and 0 <= checksum < 1 << 64):
+            return E.INVALID_PARAMS
         put = self.pending.get(key) if type(key) is str else None
         if put is None or put.client_id != client_id:
             return E.OBJECT_NOT_FOUND
@@ -228,7 +267,7 @@ class MasterCore:
         now = self.clock.now()
         soft_until = now + self.config.soft_pin_ttl_s if put.soft_pinned else 0.0
         self.objects[key] = StoredObject(key, put.size, put.replicas, 0.0, put.hard_pinned,
-                                         soft_until)
+                                         soft_until, checksum)
         for r in put.replicas:
             r.segment.pending_keys.discard(key)
             r.segment.keys.add(key)
@@ -260,6 +299,15 @@ class MasterCore:
             else:
                 self._free(r.segment, r.offset)
 
+    def forgive_stall(self, gap_s: float) -> None:
+        """Move every liveness and put deadline `gap_s` later: time the master spent stopped
+        is no client's silence, and heartbeats sent meanwhile are still queued unread."""
+        for client in self.clients.values():
+            client.last_seen += gap_s
+        for key, put in self.pending.items():
+            self.pending[key] = put._replace(started=put.started + gap_s)
+        self.stats.stalls_forgiven += 1
+
     def discard_stale_puts(self) -> int:
         horizon = self.clock.now() - self.config.put_discard_timeout_s
         stale = [p for p in self.pending.values() if p.started < horizon]
@@ -287,9 +335,10 @@ class MasterCore:
             touch(key)
             descs = tuple([_new(ReplicaDesc, (r.segment.segment_id, r.segment.endpoint,
                                               r.segment.base_addr + r.offset, r.size,
-                                              r.segment.tier, ReplicaState.COMPLETE))
+                                              r.segment.tier, ReplicaState.COMPLETE,
+                                              r.segment.fence))
                            for r in obj.replicas])
-            out.append(_new(LookupResult, (E.OK, obj.size, descs, ttl)))
+            out.append(_new(LookupResult, (E.OK, obj.size, descs, ttl, obj.checksum)))
         return out
 
     def exists(self, keys: Sequence[str]) -> list[ErrorCode]:
@@ -348,6 +397,12 @@ class MasterCore:
 
     def release_deferred(self) -> int:
         now = self.clock.now()
+        for sid, (fence, ranges) in list(self._quarantine.items()):
+            ranges = [r for r in ranges if r[0] > now]
+            if ranges:
+                self._quarantine[sid] = (fence, ranges)
+            else:
+                del self._quarantine[sid]
         due = [d for d in self._deferred if d[0] <= now]
         if due:
             self._deferred = [d for d in self._deferred if d[0] > now]
@@ -365,7 +420,12 @@ class MasterCore:
         return master_evict.eviction_target(self)
 
     def tick(self) -> None:
-        """Run every timeout that is due, then evict if above the high watermark."""
+        """Run every timeout that is due, then evict if above the high watermark. A long
+        gap since the previous tick is the master's own stall, forgiven first."""
+        now = self.clock.now()
+        gap, self._last_tick = now - self._last_tick, now
+        if gap > STALL_FRACTION * self.config.client_ttl_s:
+            self.forgive_stall(gap)
         self.expire_clients()
         self.discard_stale_puts()
         self.release_deferred()

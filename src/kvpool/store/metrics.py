@@ -61,13 +61,16 @@ class _CoreCollector(Collector):
             expired = CounterMetricFamily("kvpool_master_expired_clients",
                                           "clients declared dead")
             expired.add_metric([], stats.expired_clients)
+            stalls = CounterMetricFamily("kvpool_master_stalls_forgiven",
+                                         "own stalls longer than client_ttl/2 (deadlines moved)")
+            stalls.add_metric([], stats.stalls_forgiven)
             per_key = CounterMetricFamily("kvpool_master_key_errors",
                                           "per-key outcomes other than OK", labels=["op", "code"])
             for (op, code), count in sorted((self.key_errors or {}).items()):
                 per_key.add_metric([op, code], count)
         yield per_key
         yield from (keys, pending, clients, used, cap, evicted, evicted_b, rounds, discarded,
-                    expired)
+                    expired, stalls)
 
 
 class MasterMetrics:

@@ -67,12 +67,12 @@ REQUESTS: dict[Op, tuple[tuple[str, Check], ...]] = {
     Op.PING: (),
     Op.HEARTBEAT: (),
     Op.MOUNT: (("endpoint", _is_str), ("base_addr", _is_int), ("size", _is_int),
-               ("tier", _is_int)),
+               ("tier", _is_int), ("fence", _is_int)),
     Op.UNMOUNT: (("segment_id", _is_str),),
     Op.PUT_START: (("keys", _is_list), ("sizes", _is_list), ("replica_num", _is_int),
                    ("hard_pin", _is_bool), ("soft_pin", _is_bool),
                    ("preferred", _is_str_list), ("upsert", _is_bool)),
-    Op.PUT_END: (("keys", _is_list),),
+    Op.PUT_END: (("keys", _is_list), ("checksums", _is_list)),
     Op.PUT_REVOKE: (("keys", _is_list),),
     Op.GET_REPLICAS: (("keys", _is_list),),
     Op.EXISTS: (("keys", _is_list),),
@@ -81,6 +81,15 @@ REQUESTS: dict[Op, tuple[tuple[str, Check], ...]] = {
     Op.REMOVE_REGEX: (("pattern", _is_str), ("force", _is_bool)),
     Op.SEGMENTS: (),
 }
+
+
+OPTIONAL: dict[Op, tuple[Any, ...]] = {
+    Op.MOUNT: (0,),
+    Op.PUT_END: (None,),
+}
+"""Defaults of trailing arguments a request may leave out (older clients): a MOUNT without
+a fence is unfenced (0); PUT_END without checksums publishes objects that readers cannot
+verify."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,11 +141,14 @@ def decode_request(frame: bytes) -> Request:
     if type(req_id) is not int or type(client_id) is not str:
         raise RemoteProtocolError("req_id must be an int and client_id a str")
     spec = REQUESTS[op]
-    if len(args) != len(spec):
+    defaults = OPTIONAL.get(op, ())
+    if not len(spec) - len(defaults) <= len(args) <= len(spec):
         raise RemoteProtocolError(f"{op.name} takes {len(spec)} arguments, got {len(args)}")
-    for (name, check), value in zip(spec, args, strict=True):
+    for (name, check), value in zip(spec, args, strict=False):
         if not check(value):
             raise RemoteProtocolError(f"{op.name}: bad {name} of type {type(value).__name__}")
+    if len(args) < len(spec):
+        args += defaults[len(defaults) - (len(spec) - len(args)):]
     return Request(op, req_id, client_id, tuple(args))
 
 

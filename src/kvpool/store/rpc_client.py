@@ -16,6 +16,7 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kvpool.errors import RemoteProtocolError, RpcError, RpcTimeout
@@ -43,8 +44,12 @@ def _timeval(seconds: float) -> bytes:
 
 class RpcClient:
     def __init__(self, address: str, client_id: str, timeout_s: float = 5.0,
-                 token: str | None = None) -> None:
+                 token: str | None = None,
+                 on_late_reply: Callable[[Reply], None] | None = None) -> None:
         self._host, self._port = parse_address(address)
+        self.on_late_reply = on_late_reply
+        """Sees each reply to an earlier call that timed out (skipped otherwise): a late
+        answer can still carry news, such as the master not knowing this client."""
         self._token = token
         self.address = f"{self._host}:{self._port}"
         self.client_id = client_id
@@ -163,6 +168,8 @@ class RpcClient:
                     return reply
                 if reply.req_id == 0 and reply.status != 0:  # the master refused the connection
                     raise RpcError(f"master {self.address} refused the connection: {reply.result}")
+                if self.on_late_reply is not None:
+                    self.on_late_reply(reply)
             if time.monotonic() > deadline:  # only late replies of earlier calls arrived
                 raise RpcTimeout(f"master {self.address} did not answer within {timeout_s}s")
             self._frames = self._receive(sock, timeout_s)

@@ -35,8 +35,9 @@ _STATES = {int(s): s for s in ReplicaState}
 
 def replica_from_wire(w: list[Any]) -> ReplicaDesc:
     """Replicas travel as the ReplicaDesc tuple itself: [segment_id, endpoint, addr, size,
-    tier, state]. (Dict lookups: calling an IntEnum costs a microsecond per field.)"""
-    return tuple.__new__(ReplicaDesc, (w[0], w[1], w[2], w[3], _TIERS[w[4]], _STATES[w[5]]))
+    tier, state, fence]. (Dict lookups: calling an IntEnum costs a microsecond per field.)"""
+    return tuple.__new__(ReplicaDesc, (w[0], w[1], w[2], w[3], _TIERS[w[4]], _STATES[w[5]],
+                                       w[6]))
 
 
 class MasterService:
@@ -56,7 +57,7 @@ class MasterService:
             Op.MOUNT: self._mount,
             Op.UNMOUNT: lambda r: int(core.unmount_segment(r.client_id, r.args[0])),
             Op.PUT_START: self._put_start,
-            Op.PUT_END: lambda r: self._count(r, core.put_end(r.client_id, r.args[0])),
+            Op.PUT_END: lambda r: self._count(r, core.put_end(r.client_id, *r.args)),
             Op.PUT_REVOKE: lambda r: self._count(r, core.put_revoke(r.client_id, r.args[0])),
             Op.GET_REPLICAS: self._get_replicas,
             Op.EXISTS: lambda r: core.exists(r.args[0]),
@@ -110,9 +111,9 @@ class MasterService:
             self._on_result(op, status, time.perf_counter() - self._t0)
 
     def _mount(self, r: Request) -> list[Any]:
-        endpoint, base_addr, size, tier = r.args
+        endpoint, base_addr, size, tier, fence = r.args
         code, segment_id = self.core.mount_segment(r.client_id, endpoint, base_addr, size,
-                                                   Tier(tier))
+                                                   Tier(tier), fence)
         return [int(code), segment_id]
 
     def _put_start(self, r: Request) -> list[Any]:

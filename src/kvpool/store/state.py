@@ -19,6 +19,8 @@ class Segment:
     base_addr: int
     allocator: OffsetAllocator
     tier: Tier = Tier.DRAM
+    fence: int = 0
+    """The owner's write fence for this mount (a fresh random value per mount)."""
     keys: set[str] = field(default_factory=set)
     """Keys of complete objects with a replica here."""
     pending_keys: set[str] = field(default_factory=set)
@@ -42,7 +44,7 @@ class Replica(NamedTuple):
     def desc(self, state: ReplicaState = ReplicaState.COMPLETE) -> ReplicaDesc:
         seg = self.segment
         return ReplicaDesc(seg.segment_id, seg.endpoint, seg.base_addr + self.offset,
-                           self.size, seg.tier, state)
+                           self.size, seg.tier, state, seg.fence)
 
 
 @dataclass(eq=False, slots=True)
@@ -53,6 +55,8 @@ class StoredObject:
     lease_until: float = 0.0
     hard_pinned: bool = False
     soft_pin_until: float = 0.0
+    checksum: int | None = None
+    """xxh3_64 of the bytes, sent by the writer with put_end (None: no checksum)."""
 
 
 class PendingPut(NamedTuple):
