@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Query, Response
+from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvpool.store.master_core import MasterCore
 from kvpool.store.master_inspect import list_keys, object_info
 from kvpool.store.metrics import MasterMetrics
+
+LOCK_WAIT_S = 1.0
+"""How long /health waits for the master lock before it reports the master stuck."""
 
 
 def _segment_json(core: MasterCore) -> list[dict[str, Any]]:
@@ -19,16 +24,27 @@ def _segment_json(core: MasterCore) -> list[dict[str, Any]]:
              "used_bytes": s.used_bytes, "tier": s.tier.name} for s in core.segment_infos()]
 
 
-def create_admin_app(core: MasterCore, lock: threading.Lock,
-                     metrics: MasterMetrics) -> FastAPI:
+def create_admin_app(core: MasterCore, lock: threading.Lock, metrics: MasterMetrics,
+                     rpc_problem: Callable[[], str | None] | None = None) -> FastAPI:
+    """`rpc_problem()` says why the RPC server is not serving (None while it is)."""
     app = FastAPI(title="kvpool master admin")
 
     @app.get("/health")
-    def health() -> dict[str, Any]:
-        with lock:
-            return {"status": "ok", "keys": len(core.objects), "segments": len(core.segments),
-                    "clients": len(core.clients), "capacity_bytes": core.capacity_bytes,
-                    "used_bytes": core.used_bytes}
+    def health() -> Response:
+        """200 with the pool's size while the RPC loop turns and the master lock is free
+        within a second; 503 with the reason otherwise."""
+        problem = rpc_problem() if rpc_problem is not None else None
+        if problem is None and not lock.acquire(timeout=LOCK_WAIT_S):
+            problem = f"the master lock has been held for over {LOCK_WAIT_S}s"
+        elif problem is None:
+            try:
+                body = {"status": "ok", "keys": len(core.objects),
+                        "segments": len(core.segments), "clients": len(core.clients),
+                        "capacity_bytes": core.capacity_bytes, "used_bytes": core.used_bytes}
+            finally:
+                lock.release()
+            return JSONResponse(body)
+        return JSONResponse({"status": "unhealthy", "reason": problem}, status_code=503)
 
     @app.get("/metrics")
     def prometheus() -> Response:

@@ -37,6 +37,8 @@ class MasterServerConfig:
     """How often timeouts and watermark eviction are checked."""
     token: str | None = field(default_factory=lambda: os.environ.get("KVPOOL_TOKEN") or None)
     """Shared secret every RPC connection must present first (default: $KVPOOL_TOKEN)."""
+    health_stall_s: float = 5.0
+    """/health answers 503 when the RPC loop has not turned for this long."""
 
     def __post_init__(self) -> None:
         for name in ("rpc_port", "admin_port", "metadata_port"):
@@ -46,6 +48,9 @@ class MasterServerConfig:
         if not 0.001 <= self.tick_interval_s <= 10:
             raise ConfigError(f"tick_interval_s must be in [0.001, 10], got "
                               f"{self.tick_interval_s}")
+        if not self.tick_interval_s < self.health_stall_s <= 3600:
+            raise ConfigError(f"health_stall_s must be in (tick_interval_s, 3600], got "
+                              f"{self.health_stall_s}")
 
 
 def tune_gc_for_master() -> tuple[int, int, int]:
@@ -92,8 +97,10 @@ class MasterServer:
         cfg = self.server_config
         self._rpc = RpcServer(self.service, cfg.host, cfg.rpc_port, self.lock,
                               cfg.tick_interval_s, cfg.token)
-        self._admin = HttpServerThread(create_admin_app(self.core, self.lock, self.metrics),
-                                       cfg.host, cfg.admin_port)
+        rpc = self._rpc
+        app = create_admin_app(self.core, self.lock, self.metrics,
+                               lambda: rpc.stall_problem(cfg.health_stall_s))
+        self._admin = HttpServerThread(app, cfg.host, cfg.admin_port)
         self._admin.start()
         if cfg.enable_http_metadata:
             from kvpool.metadata.server import MetadataServer

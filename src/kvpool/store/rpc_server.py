@@ -14,6 +14,7 @@ admin HTTP server can read it from its own thread.
 from __future__ import annotations
 
 import hmac
+import logging
 import selectors
 import socket
 import threading
@@ -28,7 +29,29 @@ from kvpool.store.service import MasterService
 
 log = get_logger("store.rpc")
 RECV_BYTES = 256 << 10
+ERROR_LOG_INTERVAL_S = 5.0
+"""Repeated failures (a bug hit on every request, accept failing) log once per interval."""
 _READ, _WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
+
+
+class RateLimitedLog:
+    """Warnings that may repeat many times a second, logged at most once per interval with
+    the count of those left out."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float) -> None:
+        self._log, self.interval_s = logger, interval_s
+        self._last_s = -interval_s
+        self._suppressed = 0
+
+    def warn(self, message: str, *args: object, exc_info: bool = False) -> None:
+        now = time.monotonic()
+        if now - self._last_s < self.interval_s:
+            self._suppressed += 1
+            return
+        if self._suppressed:
+            message += f" ({self._suppressed} more like it in the last {self.interval_s:.0f}s)"
+        self._log.warning(message, *args, exc_info=exc_info)
+        self._last_s, self._suppressed = now, 0
 
 
 class _Conn:
@@ -69,6 +92,8 @@ class RpcServer:
         self._sel.register(self._wake_r, _READ, None)
         self._conns: dict[int, _Conn] = {}
         self._stop = threading.Event()
+        self._next_tick = self._last_turn_s = time.monotonic()
+        self._errors = RateLimitedLog(log, ERROR_LOG_INTERVAL_S)
         self._thread = threading.Thread(target=self._run, name="kvpool-master-rpc", daemon=True)
 
     def start(self) -> None:
@@ -89,18 +114,48 @@ class RpcServer:
             sock.close()
         self._sel.close()
 
+    @property
+    def last_turn_s(self) -> float:
+        """Monotonic time at which the loop last began a turn (it turns at least every
+        `tick_interval_s` while alive)."""
+        return self._last_turn_s
+
+    def stall_problem(self, max_stall_s: float) -> str | None:
+        """Why the loop is not serving (stopped, or no turn for `max_stall_s`), or None."""
+        if not self._thread.is_alive():
+            return "the RPC loop is not running"
+        stalled_s = time.monotonic() - self._last_turn_s
+        if stalled_s > max_stall_s:
+            return f"the RPC loop has not turned for {stalled_s:.1f}s"
+        return None
+
     def _run(self) -> None:
-        next_tick = time.monotonic()
         while not self._stop.is_set():
-            for key, events in self._sel.select(max(0.0, next_tick - time.monotonic())):
-                if key.data is not None:
-                    self._on_event(key.data, events)
-                elif key.fileobj is self._listener:
-                    self._accept()
-            if time.monotonic() >= next_tick:
-                with self.lock:
-                    self.service.core.tick()
-                next_tick = time.monotonic() + self.tick_interval_s
+            self._last_turn_s = time.monotonic()
+            try:
+                self._turn()
+            except Exception:  # a bug must not end the loop: log it and keep serving
+                self._errors.warn("RPC loop error (serving continues)", exc_info=True)
+
+    def _turn(self) -> None:
+        timeout = max(0.0, self._next_tick - time.monotonic())
+        for key, events in self._sel.select(timeout):
+            if key.data is not None:
+                self._serve_event(key.data, events)
+            elif key.fileobj is self._listener:
+                self._accept()
+        if time.monotonic() >= self._next_tick:
+            self._next_tick = time.monotonic() + self.tick_interval_s
+            with self.lock:
+                self.service.core.tick()
+
+    def _serve_event(self, conn: _Conn, events: int) -> None:
+        """One connection's event; a failure drops that connection only."""
+        try:
+            self._on_event(conn, events)
+        except Exception:
+            self._errors.warn("dropping an RPC connection after an error", exc_info=True)
+            self._drop(conn)
 
     def _accept(self) -> None:
         while True:
