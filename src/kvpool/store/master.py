@@ -17,6 +17,7 @@ from kvpool.store.config import MasterConfig
 from kvpool.store.http_thread import HttpServerThread
 from kvpool.store.master_core import MasterCore
 from kvpool.store.metrics import MasterMetrics
+from kvpool.store.rpc_limits import RpcLimits
 from kvpool.store.rpc_server import RpcServer
 from kvpool.store.service import MasterService
 
@@ -37,6 +38,8 @@ class MasterServerConfig:
     """How often timeouts and watermark eviction are checked."""
     token: str | None = field(default_factory=lambda: os.environ.get("KVPOOL_TOKEN") or None)
     """Shared secret every RPC connection must present first (default: $KVPOOL_TOKEN)."""
+    rpc_limits: RpcLimits = field(default_factory=RpcLimits)
+    """Handshake and idle timeouts, connection caps of the RPC server."""
     health_stall_s: float = 5.0
     """/health answers 503 when the RPC loop has not turned for this long."""
 
@@ -96,7 +99,7 @@ class MasterServer:
     def start(self) -> MasterServer:
         cfg = self.server_config
         self._rpc = RpcServer(self.service, cfg.host, cfg.rpc_port, self.lock,
-                              cfg.tick_interval_s, cfg.token)
+                              cfg.tick_interval_s, cfg.token, cfg.rpc_limits)
         rpc = self._rpc
         app = create_admin_app(self.core, self.lock, self.metrics,
                                lambda: rpc.stall_problem(cfg.health_stall_s))
