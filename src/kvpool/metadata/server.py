@@ -26,6 +26,7 @@ from fastapi.responses import PlainTextResponse, Response
 from kvpool.errors import ConfigError, MetadataError
 from kvpool.log import get_logger
 from kvpool.metadata.base import DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_VALUE_BYTES
+from kvpool.metadata.http_serving import HttpLimits, QuietServer, uvicorn_config
 from kvpool.metadata.memory import MemoryBackend
 
 METADATA_PATH = "/metadata"
@@ -140,12 +141,14 @@ class MetadataServer:
         *,
         backend: MemoryBackend | None = None,
         limits: MetadataLimits | None = None,
+        http_limits: HttpLimits | None = None,
     ) -> None:
         if not 0 <= port <= 65535:
             raise ConfigError(f"metadata server port must be in 0..65535, got {port}")
         self.host = host
         self.port = port
         self.backend = backend if backend is not None else MemoryBackend()
+        self.http_limits = http_limits or HttpLimits()
         self.app = create_metadata_app(self.backend, limits)
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
@@ -160,11 +163,8 @@ class MetadataServer:
         if self._thread is not None:
             raise MetadataError(f"metadata server on {self.host}:{self.port} already started")
         self._socket = self._listen()
-        config = uvicorn.Config(
-            self.app, log_level="warning", access_log=False, lifespan="off",
-            timeout_graceful_shutdown=2,
-        )
-        self._server = uvicorn.Server(config)
+        config = uvicorn_config(self.app, self.http_limits, timeout_graceful_shutdown=2)
+        self._server = QuietServer(config)
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self._socket]},
             name=f"metadata-http-{self.port}", daemon=True,

@@ -22,7 +22,6 @@ that connection is dropped.
 from __future__ import annotations
 
 import errno
-import logging
 import selectors
 import socket
 import threading
@@ -31,6 +30,7 @@ from collections.abc import Callable
 
 from kvpool.errors import AuthError, LocalProtocolError, RemoteProtocolError, StoreError
 from kvpool.log import get_logger
+from kvpool.metadata.http_serving import RateLimitedLog
 from kvpool.store.codes import ErrorCode as E
 from kvpool.store.framing import FrameDecoder, encode_frame
 from kvpool.store.protocol import MAX_FRAME_BYTES, encode_reply, peek_req_id
@@ -45,26 +45,6 @@ ERROR_LOG_INTERVAL_S = 5.0
 ACCEPTS_PER_TURN = 64
 _OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 _READ, _WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
-
-
-class RateLimitedLog:
-    """Warnings that may repeat many times a second, logged at most once per interval with
-    the count of those left out."""
-
-    def __init__(self, logger: logging.Logger, interval_s: float) -> None:
-        self._log, self.interval_s = logger, interval_s
-        self._last_s = -interval_s
-        self._suppressed = 0
-
-    def warn(self, message: str, *args: object, exc_info: bool = False) -> None:
-        now = time.monotonic()
-        if now - self._last_s < self.interval_s:
-            self._suppressed += 1
-            return
-        if self._suppressed:
-            message += f" ({self._suppressed} more like it in the last {self.interval_s:.0f}s)"
-        self._log.warning(message, *args, exc_info=exc_info)
-        self._last_s, self._suppressed = now, 0
 
 
 class _Conn:
