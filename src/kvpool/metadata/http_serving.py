@@ -15,6 +15,7 @@ concurrency and idle time, shared by every server so that they defend alike.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 from dataclasses import dataclass
@@ -106,3 +107,10 @@ def uvicorn_config(app: Any, limits: HttpLimits, **overrides: Any) -> uvicorn.Co
         backlog=limits.backlog)
     options.update(overrides)
     return uvicorn.Config(app, **options)
+
+
+def bearer_matches(header: str | None, token: str) -> bool:
+    """Whether an Authorization header value is `Bearer <token>` (constant-time compare)."""
+    scheme, _, offered = (header or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(offered.strip().encode(),
+                                                              token.encode())
