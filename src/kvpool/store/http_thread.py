@@ -40,6 +40,8 @@ class HttpServerThread:
             time.sleep(0.01)
 
     def stop(self) -> None:
+        """Stop serving and close the socket (also when never started)."""
         self._server.should_exit = True
-        self._thread.join(5)
+        if self._thread.is_alive():
+            self._thread.join(5)
         self._sock.close()

@@ -12,6 +12,7 @@ from typing import Any
 from kvpool.clock import SYSTEM_CLOCK, Clock
 from kvpool.errors import ConfigError
 from kvpool.log import get_logger
+from kvpool.metadata.http_serving import HttpLimits
 from kvpool.store.admin import create_admin_app
 from kvpool.store.config import MasterConfig
 from kvpool.store.http_thread import HttpServerThread
@@ -37,7 +38,10 @@ class MasterServerConfig:
     tick_interval_s: float = 0.1
     """How often timeouts and watermark eviction are checked."""
     token: str | None = field(default_factory=lambda: os.environ.get("KVPOOL_TOKEN") or None)
-    """Shared secret every RPC connection must present first (default: $KVPOOL_TOKEN)."""
+    """Shared secret (default: $KVPOOL_TOKEN): RPC connections prove they know it, metadata
+    writes and admin listings must carry it."""
+    http_limits: HttpLimits = field(default_factory=HttpLimits)
+    """Concurrency and idle limits of the admin and embedded metadata HTTP servers."""
     rpc_limits: RpcLimits = field(default_factory=RpcLimits)
     """Handshake and idle timeouts, connection caps of the RPC server."""
     health_stall_s: float = 5.0
@@ -97,22 +101,31 @@ class MasterServer:
         return f"{self.server_config.host}:{self.rpc_port}"
 
     def start(self) -> MasterServer:
+        """Bind and start every server. On failure (StoreError or MetadataError naming the
+        port, e.g. one already in use) whatever was started is stopped and closed again."""
+        try:
+            self._start_servers()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_servers(self) -> None:
         cfg = self.server_config
-        self._rpc = RpcServer(self.service, cfg.host, cfg.rpc_port, self.lock,
-                              cfg.tick_interval_s, cfg.token, cfg.rpc_limits)
-        rpc = self._rpc
+        self._rpc = rpc = RpcServer(self.service, cfg.host, cfg.rpc_port, self.lock,
+                                    cfg.tick_interval_s, cfg.token, cfg.rpc_limits)
         app = create_admin_app(self.core, self.lock, self.metrics,
-                               lambda: rpc.stall_problem(cfg.health_stall_s))
-        self._admin = HttpServerThread(app, cfg.host, cfg.admin_port)
+                               lambda: rpc.stall_problem(cfg.health_stall_s), cfg.token)
+        self._admin = HttpServerThread(app, cfg.host, cfg.admin_port, cfg.http_limits)
         self._admin.start()
         if cfg.enable_http_metadata:
             from kvpool.metadata.server import MetadataServer
-            self._metadata = MetadataServer(cfg.host, cfg.metadata_port)
+            self._metadata = MetadataServer(cfg.host, cfg.metadata_port,
+                                            http_limits=cfg.http_limits, token=cfg.token)
             self._metadata.start()
-        self._rpc.start()
-        log.info("master listening: rpc %s:%d admin %d metadata %s", cfg.host, self._rpc.port,
+        rpc.start()
+        log.info("master listening: rpc %s:%d admin %d metadata %s", cfg.host, rpc.port,
                  self._admin.port, self._metadata.port if self._metadata else "off")
-        return self
 
     def stop(self) -> None:
         if self._rpc is not None:
