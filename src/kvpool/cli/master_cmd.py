@@ -7,10 +7,11 @@ Mooncake's `mooncake_master` flag spellings are accepted as aliases, with Moonca
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import signal
+import sys
 import threading
 
+from kvpool.cli.security import add_security_args, bind_refusal
 from kvpool.errors import ConfigError, KvpoolError
 from kvpool.log import get_logger
 from kvpool.store.config import MasterConfig
@@ -78,16 +79,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--allocation-strategy", "--allocation_strategy", dest="strategy",
                    choices=("random", "free_ratio_first"), default=_DEF.allocation_strategy)
     p.add_argument("--eviction-policy", default=_DEF.eviction_policy, help="lru or fifo")
-    p.add_argument("--token", default=None,
-                   help="shared secret every RPC connection must present (default: $KVPOOL_TOKEN)")
+    add_security_args(p, "RPC clients must prove, and that metadata writes and admin "
+                         "listings must carry")
     p.set_defaults(func=run)
 
 
 def build_configs(args: argparse.Namespace) -> tuple[MasterServerConfig, MasterConfig]:
     server = MasterServerConfig(args.host, args.rpc_port, args.admin_port, args.metadata_port,
-                                args.metadata)
-    if args.token:
-        server = dataclasses.replace(server, token=args.token)
+                                args.metadata, token=args.token or None)
     config = MasterConfig(lease_ttl_s=args.lease_ttl_ms / 1000,
                           soft_pin_ttl_s=args.soft_pin_ttl_ms / 1000,
                           high_watermark=args.watermark, eviction_ratio=args.eviction_ratio,
@@ -100,6 +99,10 @@ def build_configs(args: argparse.Namespace) -> tuple[MasterServerConfig, MasterC
 
 
 def run(args: argparse.Namespace) -> int:
+    refusal = bind_refusal("master", args.host, args.token, args.insecure)
+    if refusal is not None:
+        print(refusal, file=sys.stderr)
+        return 2
     try:
         server_cfg, config = build_configs(args)
         master = MasterServer(server_cfg, config).start()

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import TYPE_CHECKING
 
+from kvpool.cli.security import add_security_args, bind_refusal
 from kvpool.errors import KvpoolError
 from kvpool.log import get_logger
 from kvpool.units import format_size, parse_size
@@ -16,7 +18,11 @@ _log = get_logger("cli.metadata")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    from kvpool.metadata.base import DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_VALUE_BYTES
+    from kvpool.metadata.base import (
+        DEFAULT_MAX_KEY_LEN,
+        DEFAULT_MAX_TOTAL_BYTES,
+        DEFAULT_MAX_VALUE_BYTES,
+    )
 
     parser = subparsers.add_parser(
         "metadata",
@@ -31,18 +37,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"largest value accepted, e.g. 16MB (default {format_size(DEFAULT_MAX_VALUE_BYTES)})",
     )
     parser.add_argument(
+        "--max-total-size", default=str(DEFAULT_MAX_TOTAL_BYTES),
+        help=f"all values together, e.g. 256MB (default {format_size(DEFAULT_MAX_TOTAL_BYTES)})",
+    )
+    parser.add_argument(
         "--max-key-len", type=int, default=DEFAULT_MAX_KEY_LEN,
         help=f"longest key in characters (default {DEFAULT_MAX_KEY_LEN})",
     )
+    add_security_args(parser, "PUT and DELETE requests must carry (reads stay open)")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from kvpool.metadata.server import MetadataLimits, MetadataServer
 
+    refusal = bind_refusal("metadata", args.host, args.token, args.insecure)
+    if refusal is not None:
+        print(refusal, file=sys.stderr)
+        return 2
     try:
-        limits = MetadataLimits(parse_size(args.max_value_size), args.max_key_len)
-        server = MetadataServer(args.host, args.port, limits=limits)
+        limits = MetadataLimits(parse_size(args.max_value_size), args.max_key_len,
+                                parse_size(args.max_total_size))
+        server = MetadataServer(args.host, args.port, limits=limits, token=args.token or None)
         server.serve_forever(on_ready=_announce)
     except KvpoolError as exc:
         _log.error("%s", exc)

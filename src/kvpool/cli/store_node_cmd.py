@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import signal
+import sys
 import threading
 
+from kvpool.cli.security import add_security_args, bind_refusal, export_token
 from kvpool.errors import KvpoolError
 from kvpool.log import get_logger
 from kvpool.store.client_config import ClientConfig
@@ -25,10 +27,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="P2PHANDSHAKE, http://HOST:PORT/metadata or etcd://HOST:PORT")
     p.add_argument("--protocol", default="auto", choices=("auto", "tcp", "shm"))
     p.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds")
+    add_security_args(p, "the master, the metadata server and peers' transfer engines "
+                         "expect")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    refusal = bind_refusal("store-node", args.host, args.token, args.insecure)
+    if refusal is not None:
+        print(refusal, file=sys.stderr)
+        return 2
+    export_token(args.token)  # also for the metadata client inside the transfer engine
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -36,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
         config = ClientConfig(master=args.master, local_hostname=args.host, te_port=args.port,
                               metadata=args.metadata, protocol=args.protocol,
                               global_segment_size=parse_size(args.dram), local_buffer_size=0,
-                              heartbeat_interval_s=args.heartbeat_interval)
+                              heartbeat_interval_s=args.heartbeat_interval,
+                              token=args.token or None)
         run_store_node(config, stop)
     except KvpoolError as exc:
         log.error("%s", exc)

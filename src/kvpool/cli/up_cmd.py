@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from kvpool.cli.security import add_security_args, bind_refusal, export_token
 from kvpool.errors import KvpoolError
 
 
@@ -33,6 +34,7 @@ class LocalCluster:
     metadata_port: int
     master: subprocess.Popen[bytes]
     nodes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    token: str | None = None
 
     @property
     def master_address(self) -> str:
@@ -43,7 +45,9 @@ class LocalCluster:
         return f"http://{self.host}:{self.metadata_port}/metadata"
 
     def admin(self, path: str) -> httpx.Response:
-        return httpx.get(f"http://{self.host}:{self.admin_port}{path}", timeout=10)
+        headers = {"authorization": f"Bearer {self.token}"} if self.token else None
+        return httpx.get(f"http://{self.host}:{self.admin_port}{path}", timeout=10,
+                         headers=headers)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -56,6 +60,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--metadata-port", type=int, default=0, help="embedded metadata port (0 = a free one)")
     p.add_argument("--demo", action="store_true", help="run the demo workload, then shut down")
     p.add_argument("--no-bench", action="store_true", help="with --demo: skip the transfer benchmark")
+    add_security_args(p, "every process of the cluster requires")
     p.set_defaults(func=run)
 
 
@@ -63,9 +68,15 @@ def run(args: argparse.Namespace) -> int:
     if args.store_nodes < 1:
         print("kvpool up: --store-nodes must be >= 1", file=sys.stderr)
         return 2
+    refusal = bind_refusal("up", args.host, args.token, args.insecure)
+    if refusal is not None:
+        print(refusal, file=sys.stderr)
+        return 2
+    export_token(args.token)  # the demo's client, and the children, read it
     try:
         with local_cluster(args.host, args.store_nodes, args.dram, args.rpc_port,
-                           args.admin_port, args.metadata_port) as cluster:
+                           args.admin_port, args.metadata_port, args.token,
+                           args.insecure) as cluster:
             _print_endpoints(cluster)
             if args.demo:
                 from kvpool.cli.demo import run_demo
@@ -80,17 +91,19 @@ def run(args: argparse.Namespace) -> int:
 
 @contextmanager
 def local_cluster(host: str, num_nodes: int, dram: str, rpc_port: int = 0, admin_port: int = 0,
-                  metadata_port: int = 0) -> Iterator[LocalCluster]:
+                  metadata_port: int = 0, token: str | None = None,
+                  insecure: bool = False) -> Iterator[LocalCluster]:
     rpc, admin, meta = (p or _free_port(host) for p in (rpc_port, admin_port, metadata_port))
+    security = (["--token", token] if token else []) + (["--insecure"] if insecure else [])
     with ExitStack() as stack:
         master = _start(stack, "master", "--host", host, "--rpc-port", str(rpc),
-                        "--admin-port", str(admin), "--metadata-port", str(meta))
-        cluster = LocalCluster(host, rpc, admin, meta, master)
+                        "--admin-port", str(admin), "--metadata-port", str(meta), *security)
+        cluster = LocalCluster(host, rpc, admin, meta, master, token=token)
         _wait_http(cluster, "/health", master)
         for _ in range(num_nodes):
             cluster.nodes.append(_start(stack, "store-node", "--dram", dram, "--master",
                                         cluster.master_address, "--host", host,
-                                        "--metadata", cluster.metadata_url))
+                                        "--metadata", cluster.metadata_url, *security))
         _wait_segments(cluster, num_nodes)
         yield cluster
 

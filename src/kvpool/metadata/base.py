@@ -6,9 +6,10 @@ opaque `bytes` values. The caller chooses the key layout; backends never rewrite
 
 from __future__ import annotations
 
+import os
 import threading
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 
 from kvpool.errors import ConfigError, InvalidArgument, MetadataError
@@ -16,6 +17,7 @@ from kvpool.errors import ConfigError, InvalidArgument, MetadataError
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_MAX_KEY_LEN = 1024
 DEFAULT_MAX_VALUE_BYTES = 16 << 20
+DEFAULT_MAX_TOTAL_BYTES = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,9 @@ class MetadataClientConfig:
     (times the number of etcd endpoints tried)."""
     max_connections: int = 16
     """Size of the HTTP connection pool shared by all threads using one backend."""
+    token: str | None = field(default_factory=lambda: os.environ.get("KVPOOL_TOKEN") or None,
+                              repr=False)
+    """Shared secret sent with writes to an HTTP metadata server (default: $KVPOOL_TOKEN)."""
 
     def __post_init__(self) -> None:
         if not 0 < self.timeout_s <= 3600:

@@ -22,8 +22,11 @@ class HttpMetadataBackend(MetadataBackend):
             max_connections=self.config.max_connections,
             max_keepalive_connections=self.config.max_connections,
         )
+        headers = ({"authorization": f"Bearer {self.config.token}"}
+                   if self.config.token else None)
         self._client = httpx.Client(
-            timeout=httpx.Timeout(self.config.timeout_s), limits=limits, trust_env=False
+            timeout=httpx.Timeout(self.config.timeout_s), limits=limits, trust_env=False,
+            headers=headers,
         )
 
     def _get(self, key: str) -> bytes | None:

@@ -14,6 +14,24 @@ class MemoryBackend(MetadataBackend):
         super().__init__("memory://")
         self._lock = threading.Lock()
         self._items: dict[str, bytes] = {}
+        self._total_bytes = 0
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all values stored."""
+        return self._total_bytes
+
+    def put_within(self, key: str, value: bytes, max_total_bytes: int) -> bool:
+        """Store `value` under `key` unless the values would then total more than
+        `max_total_bytes` (False, nothing changed)."""
+        key, value = self._usable(key), bytes(value)
+        with self._lock:
+            old = self._items.get(key)
+            total = self._total_bytes - (len(old) if old is not None else 0) + len(value)
+            if total > max_total_bytes:
+                return False
+            self._items[key], self._total_bytes = value, total
+            return True
 
     def _get(self, key: str) -> bytes | None:
         with self._lock:
@@ -21,11 +39,17 @@ class MemoryBackend(MetadataBackend):
 
     def _put(self, key: str, value: bytes) -> None:
         with self._lock:
+            old = self._items.get(key)
+            self._total_bytes += len(value) - (len(old) if old is not None else 0)
             self._items[key] = value
 
     def _delete(self, key: str) -> bool:
         with self._lock:
-            return self._items.pop(key, None) is not None
+            old = self._items.pop(key, None)
+            if old is None:
+                return False
+            self._total_bytes -= len(old)
+            return True
 
     def keys(self, prefix: str = "") -> list[str]:
         """Sorted keys that start with `prefix` (a snapshot)."""

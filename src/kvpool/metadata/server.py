@@ -2,8 +2,14 @@
 
     GET    -> 200 + raw value bytes | 404 absent
     PUT    -> 200 (raw request body stored verbatim) | 413 value too large
+              | 507 the values would exceed the total quota
     DELETE -> 200 | 404 absent
+    PUT, DELETE -> 401 without `Authorization: Bearer <token>` when the server has a token
     any    -> 400 when `key` is missing, blank, or longer than the limit
+
+Reads stay open: descriptors say where segments listen, and peers need them before they can
+authenticate anywhere. Bytes being received count against the quota as they arrive, so
+concurrent uploads cannot hold more than `max_total_bytes` between them either.
 
 `create_metadata_app` builds the FastAPI app (the store master mounts it on its own port);
 `MetadataServer` runs it with uvicorn on a background thread, or in the foreground for the CLI.
@@ -25,7 +31,12 @@ from fastapi.responses import PlainTextResponse, Response
 
 from kvpool.errors import ConfigError, MetadataError
 from kvpool.log import get_logger
-from kvpool.metadata.base import DEFAULT_MAX_KEY_LEN, DEFAULT_MAX_VALUE_BYTES
+from kvpool.metadata.base import (
+    DEFAULT_MAX_KEY_LEN,
+    DEFAULT_MAX_TOTAL_BYTES,
+    DEFAULT_MAX_VALUE_BYTES,
+)
+from kvpool.metadata.http_serving import HttpLimits, QuietServer, bearer_matches, uvicorn_config
 from kvpool.metadata.memory import MemoryBackend
 
 METADATA_PATH = "/metadata"
@@ -42,20 +53,28 @@ class MetadataLimits:
     """Largest PUT body accepted; larger ones get 413."""
     max_key_len: int = DEFAULT_MAX_KEY_LEN
     """Longest key, in characters; longer ones get 400."""
+    max_total_bytes: int = DEFAULT_MAX_TOTAL_BYTES
+    """All stored values together (plus bodies being received); a PUT beyond gets 507."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_value_bytes <= 1 << 31:
             raise ConfigError(f"max_value_bytes must be in [1, 2 GiB], got {self.max_value_bytes}")
         if not 1 <= self.max_key_len <= 65536:
             raise ConfigError(f"max_key_len must be in [1, 65536], got {self.max_key_len}")
+        if not self.max_value_bytes <= self.max_total_bytes <= 1 << 40:
+            raise ConfigError(f"max_total_bytes must be in [max_value_bytes, 1 TiB], got "
+                              f"{self.max_total_bytes}")
 
 
 def create_metadata_app(
-    backend: MemoryBackend | None = None, limits: MetadataLimits | None = None
+    backend: MemoryBackend | None = None, limits: MetadataLimits | None = None,
+    token: str | None = None,
 ) -> FastAPI:
-    """A FastAPI app serving `METADATA_PATH` over `backend` (a fresh MemoryBackend if None)."""
+    """A FastAPI app serving `METADATA_PATH` over `backend` (a fresh MemoryBackend if None);
+    with `token`, writes need it as a Bearer credential."""
     store = backend if backend is not None else MemoryBackend()
     limit = limits or MetadataLimits()
+    budget = _WriteBudget(store, limit.max_total_bytes)
     app = FastAPI(title="kvpool metadata", openapi_url=None, docs_url=None, redoc_url=None)
     app.state.metadata_backend = store
 
@@ -71,18 +90,16 @@ def create_metadata_app(
 
     @app.put(METADATA_PATH)
     async def put_value(request: Request) -> Response:
-        key = _key_of(request, limit)
+        refusal = _unauthorized(request, token)
+        key = _key_of(request, limit) if refusal is None else refusal
         if isinstance(key, Response):
             return key
-        body = await _read_body(request, limit.max_value_bytes)
-        if isinstance(body, Response):
-            return body
-        store.put(key, body)
-        return _text(200, "metadata updated")
+        return await budget.receive_and_store(request, key, limit.max_value_bytes)
 
     @app.delete(METADATA_PATH)
     def delete_value(request: Request) -> Response:
-        key = _key_of(request, limit)
+        refusal = _unauthorized(request, token)
+        key = _key_of(request, limit) if refusal is None else refusal
         if isinstance(key, Response):
             return key
         if not store.delete(key):
@@ -90,6 +107,61 @@ def create_metadata_app(
         return _text(200, "metadata deleted")
 
     return app
+
+
+def _unauthorized(request: Request, token: str | None) -> Response | None:
+    """401 unless the request carries `token` (when there is one)."""
+    if token is None or bearer_matches(request.headers.get("authorization"), token):
+        return None
+    response = _closing(_text(401, "metadata writes need the shared token: send "
+                                   "'Authorization: Bearer <token>' (KVPOOL_TOKEN)"))
+    response.headers["www-authenticate"] = "Bearer"
+    return response
+
+
+class _WriteBudget:
+    """Stored bytes plus bytes being received stay within `max_total_bytes`. Used from the
+    event loop only (the PUT handler is async), so reservations need no lock."""
+
+    def __init__(self, store: MemoryBackend, max_total_bytes: int) -> None:
+        self._store = store
+        self._max_total_bytes = max_total_bytes
+        self._receiving = 0
+
+    async def receive_and_store(self, request: Request, key: str, max_value_bytes: int
+                                ) -> Response:
+        old = self._store.get(key)
+        credit = len(old) if old is not None else 0
+        held = 0
+        try:
+            chunks: list[bytes] = []
+            declared = request.headers.get("content-length")
+            if declared is not None and declared.isdigit() and int(declared) > max_value_bytes:
+                return _too_large(f"{declared} bytes", max_value_bytes)
+            async for chunk in request.stream():
+                if held + len(chunk) > max_value_bytes:
+                    return _too_large(f"more than {max_value_bytes} bytes", max_value_bytes)
+                if not self._reserve(len(chunk), credit):
+                    return self._over_quota()
+                held += len(chunk)
+                chunks.append(chunk)
+            if not self._store.put_within(key, b"".join(chunks), self._max_total_bytes):
+                return self._over_quota()
+            return _text(200, "metadata updated")
+        finally:
+            self._receiving -= held
+
+    def _reserve(self, num_bytes: int, credit: int) -> bool:
+        total = self._store.total_bytes - credit + self._receiving + num_bytes
+        if total > self._max_total_bytes:
+            return False
+        self._receiving += num_bytes
+        return True
+
+    def _over_quota(self) -> Response:
+        return _closing(_text(507, f"metadata store is full: values may total "
+                                   f"{self._max_total_bytes} bytes; delete stale keys or raise "
+                                   "--max-total-size"))
 
 
 def _text(status: int, message: str) -> PlainTextResponse:
@@ -105,23 +177,11 @@ def _key_of(request: Request, limits: MetadataLimits) -> str | Response:
     return key
 
 
-async def _read_body(request: Request, max_bytes: int) -> bytes | Response:
-    """The whole body, or a 413 response as soon as it is known to exceed `max_bytes`."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        return _too_large(f"{declared} bytes", max_bytes)
-    chunks: list[bytes] = []
-    size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            return _too_large(f"more than {max_bytes} bytes", max_bytes)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
 def _too_large(size: str, max_bytes: int) -> Response:
-    response = _text(413, f"value of {size} exceeds the limit of {max_bytes} bytes")
+    return _closing(_text(413, f"value of {size} exceeds the limit of {max_bytes} bytes"))
+
+
+def _closing(response: Response) -> Response:
     response.headers["connection"] = "close"  # the unread rest of the body is not wanted
     return response
 
@@ -140,13 +200,16 @@ class MetadataServer:
         *,
         backend: MemoryBackend | None = None,
         limits: MetadataLimits | None = None,
+        http_limits: HttpLimits | None = None,
+        token: str | None = None,
     ) -> None:
         if not 0 <= port <= 65535:
             raise ConfigError(f"metadata server port must be in 0..65535, got {port}")
         self.host = host
         self.port = port
         self.backend = backend if backend is not None else MemoryBackend()
-        self.app = create_metadata_app(self.backend, limits)
+        self.http_limits = http_limits or HttpLimits()
+        self.app = create_metadata_app(self.backend, limits, token)
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
         self._socket: socket.socket | None = None
@@ -160,11 +223,8 @@ class MetadataServer:
         if self._thread is not None:
             raise MetadataError(f"metadata server on {self.host}:{self.port} already started")
         self._socket = self._listen()
-        config = uvicorn.Config(
-            self.app, log_level="warning", access_log=False, lifespan="off",
-            timeout_graceful_shutdown=2,
-        )
-        self._server = uvicorn.Server(config)
+        config = uvicorn_config(self.app, self.http_limits, timeout_graceful_shutdown=2)
+        self._server = QuietServer(config)
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [self._socket]},
             name=f"metadata-http-{self.port}", daemon=True,

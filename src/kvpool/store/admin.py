@@ -1,16 +1,63 @@
-"""The master's admin HTTP app: health, Prometheus metrics and read-only inspection."""
+"""The master's admin HTTP app: health, Prometheus metrics and read-only inspection.
+
+/health and /metrics are open (monitoring must work without secrets; they carry counts and
+sizes, no keys, but /metrics labels used bytes by segment id, which names the endpoint and
+base address). Everything that lists keys, segments or addresses, and
+/integrity, needs the master's token when it has one.
+"""
 
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
-from fastapi import FastAPI, HTTPException, Query, Response
+from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
+from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvpool.metadata.http_serving import bearer_matches
 from kvpool.store.master_core import MasterCore
 from kvpool.store.master_inspect import list_keys, object_info
 from kvpool.store.metrics import MasterMetrics
+
+LOCK_WAIT_S = 1.0
+"""How long /health waits for the master lock before it reports the master stuck."""
+INTEGRITY_INTERVAL_S = 1.0
+"""Least time between two runs of /integrity (O(objects) under the master lock)."""
+
+
+def _token_check(token: str | None) -> Callable[[Request], None]:
+    """A dependency that lets a request through only with `Authorization: Bearer <token>`
+    (every request when there is no token)."""
+
+    def check(request: Request) -> None:
+        if token is not None and not bearer_matches(request.headers.get("authorization"),
+                                                     token):
+            raise HTTPException(401, "this admin endpoint needs the shared token: send "
+                                "'Authorization: Bearer <token>' (KVPOOL_TOKEN)",
+                                headers={"www-authenticate": "Bearer"})
+
+    return check
+
+
+class _Interval:
+    """Lets one caller through per `interval_s`; `wait_s()` is 0 for the one let through,
+    else how long until the next may pass."""
+
+    def __init__(self, interval_s: float) -> None:
+        self.interval_s = interval_s
+        self._next_s = 0.0
+        self._lock = threading.Lock()
+
+    def wait_s(self) -> float:
+        with self._lock:
+            now = time.monotonic()
+            if now < self._next_s:
+                return self._next_s - now
+            self._next_s = now + self.interval_s
+            return 0.0
 
 
 def _segment_json(core: MasterCore) -> list[dict[str, Any]]:
@@ -19,28 +66,44 @@ def _segment_json(core: MasterCore) -> list[dict[str, Any]]:
              "used_bytes": s.used_bytes, "tier": s.tier.name} for s in core.segment_infos()]
 
 
-def create_admin_app(core: MasterCore, lock: threading.Lock,
-                     metrics: MasterMetrics) -> FastAPI:
-    app = FastAPI(title="kvpool master admin")
+def create_admin_app(core: MasterCore, lock: threading.Lock, metrics: MasterMetrics,
+                     rpc_problem: Callable[[], str | None] | None = None,
+                     token: str | None = None) -> FastAPI:
+    """`rpc_problem()` says why the RPC server is not serving (None while it is). With
+    `token`, everything but /health and /metrics needs `Authorization: Bearer <token>`."""
+    app = FastAPI(title="kvpool master admin", openapi_url=None, docs_url=None,
+                  redoc_url=None)
+    guarded = [Depends(_token_check(token))]
+    integrity_gate = _Interval(INTEGRITY_INTERVAL_S)
 
     @app.get("/health")
-    def health() -> dict[str, Any]:
-        with lock:
-            return {"status": "ok", "keys": len(core.objects), "segments": len(core.segments),
-                    "clients": len(core.clients), "capacity_bytes": core.capacity_bytes,
-                    "used_bytes": core.used_bytes}
+    def health() -> Response:
+        """200 with the pool's size while the RPC loop turns and the master lock is free
+        within a second; 503 with the reason otherwise."""
+        problem = rpc_problem() if rpc_problem is not None else None
+        if problem is None and not lock.acquire(timeout=LOCK_WAIT_S):
+            problem = f"the master lock has been held for over {LOCK_WAIT_S}s"
+        elif problem is None:
+            try:
+                body = {"status": "ok", "keys": len(core.objects),
+                        "segments": len(core.segments), "clients": len(core.clients),
+                        "capacity_bytes": core.capacity_bytes, "used_bytes": core.used_bytes}
+            finally:
+                lock.release()
+            return JSONResponse(body)
+        return JSONResponse({"status": "unhealthy", "reason": problem}, status_code=503)
 
     @app.get("/metrics")
     def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/segments")
-    @app.get("/get_all_segments")
+    @app.get("/segments", dependencies=guarded)
+    @app.get("/get_all_segments", dependencies=guarded)
     def segments() -> list[dict[str, Any]]:
         with lock:
             return _segment_json(core)
 
-    @app.get("/query_key")
+    @app.get("/query_key", dependencies=guarded)
     def query_key(key: str = Query(..., min_length=1, max_length=4096)) -> dict[str, Any]:
         with lock:
             info = object_info(core, key)
@@ -52,9 +115,16 @@ def create_admin_app(core: MasterCore, lock: threading.Lock,
                               "addr": r.addr, "size": r.size, "tier": r.tier.name,
                               "state": r.state.name} for r in info.replicas]}
 
-    @app.get("/integrity")
+    @app.get("/integrity", dependencies=guarded)
     def integrity() -> dict[str, Any]:
-        """Run the master's integrity check (500 with the broken invariant if it fails)."""
+        """Run the master's integrity check (500 with the broken invariant if it fails). It
+        walks every object under the master lock, so it runs at most once per
+        INTEGRITY_INTERVAL_S (429 otherwise)."""
+        wait_s = integrity_gate.wait_s()
+        if wait_s > 0:
+            raise HTTPException(429, f"/integrity runs at most once per "
+                                f"{INTEGRITY_INTERVAL_S}s; retry in {wait_s:.1f}s",
+                                headers={"retry-after": str(max(1, round(wait_s)))})
         with lock:
             try:
                 core.check_integrity()
@@ -62,7 +132,7 @@ def create_admin_app(core: MasterCore, lock: threading.Lock,
                 raise HTTPException(500, f"integrity check failed: {exc}") from None
             return {"status": "ok", "keys": len(core.objects), "pending": len(core.pending)}
 
-    @app.get("/keys")
+    @app.get("/keys", dependencies=guarded)
     def keys(prefix: str = "", limit: int = Query(1000, ge=1, le=100000)) -> dict[str, Any]:
         with lock:
             found = list_keys(core, prefix, limit)

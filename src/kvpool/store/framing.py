@@ -91,18 +91,3 @@ class FrameDecoder:
             pos = end
         return frames, pos
 
-
-AUTH_MAGIC = b"\x00KVPAUTH"
-"""First frame of a connection to a master that has a shared token: magic + UTF-8 token.
-No msgpack request starts with a zero byte, so it cannot be mistaken for one."""
-
-
-def encode_auth(token: str) -> bytes:
-    return encode_frame(AUTH_MAGIC + token.encode())
-
-
-def auth_token(frame: bytes) -> str | None:
-    """The token of an auth frame, or None when `frame` is not one."""
-    if not frame.startswith(AUTH_MAGIC):
-        return None
-    return frame[len(AUTH_MAGIC):].decode("utf-8", errors="replace")

@@ -7,24 +7,26 @@ import threading
 import time
 from typing import Any
 
-import uvicorn
-
 from kvpool.errors import StoreError
+from kvpool.metadata.http_serving import HttpLimits, QuietServer, uvicorn_config
 
 
 class HttpServerThread:
-    def __init__(self, app: Any, host: str, port: int) -> None:
+    """Raises StoreError when it cannot listen on host:port."""
+
+    def __init__(self, app: Any, host: str, port: int, limits: HttpLimits | None = None) -> None:
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             self._sock.bind((host, port))
         except OSError as exc:
             self._sock.close()
-            raise StoreError(f"cannot listen on {host}:{port}: {exc}") from None
+            raise StoreError(f"admin HTTP cannot listen on {host}:{port}: "
+                             f"{exc.strerror or exc}") from None
         self.host = host
         self.port = int(self._sock.getsockname()[1])
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")
-        self._server = uvicorn.Server(config)
+        config = uvicorn_config(app, limits or HttpLimits())
+        self._server = QuietServer(config)
         self._thread = threading.Thread(target=self._server.run,
                                         kwargs={"sockets": [self._sock]},
                                         name=f"kvpool-http-{self.port}", daemon=True)
@@ -38,6 +40,8 @@ class HttpServerThread:
             time.sleep(0.01)
 
     def stop(self) -> None:
+        """Stop serving and close the socket (also when never started)."""
         self._server.should_exit = True
-        self._thread.join(5)
+        if self._thread.is_alive():
+            self._thread.join(5)
         self._sock.close()

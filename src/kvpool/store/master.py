@@ -12,11 +12,13 @@ from typing import Any
 from kvpool.clock import SYSTEM_CLOCK, Clock
 from kvpool.errors import ConfigError
 from kvpool.log import get_logger
+from kvpool.metadata.http_serving import HttpLimits
 from kvpool.store.admin import create_admin_app
 from kvpool.store.config import MasterConfig
 from kvpool.store.http_thread import HttpServerThread
 from kvpool.store.master_core import MasterCore
 from kvpool.store.metrics import MasterMetrics
+from kvpool.store.rpc_limits import RpcLimits
 from kvpool.store.rpc_server import RpcServer
 from kvpool.store.service import MasterService
 
@@ -36,7 +38,14 @@ class MasterServerConfig:
     tick_interval_s: float = 0.1
     """How often timeouts and watermark eviction are checked."""
     token: str | None = field(default_factory=lambda: os.environ.get("KVPOOL_TOKEN") or None)
-    """Shared secret every RPC connection must present first (default: $KVPOOL_TOKEN)."""
+    """Shared secret (default: $KVPOOL_TOKEN): RPC connections prove they know it, metadata
+    writes and admin listings must carry it."""
+    http_limits: HttpLimits = field(default_factory=HttpLimits)
+    """Concurrency and idle limits of the admin and embedded metadata HTTP servers."""
+    rpc_limits: RpcLimits = field(default_factory=RpcLimits)
+    """Handshake and idle timeouts, connection caps of the RPC server."""
+    health_stall_s: float = 5.0
+    """/health answers 503 when the RPC loop has not turned for this long."""
 
     def __post_init__(self) -> None:
         for name in ("rpc_port", "admin_port", "metadata_port"):
@@ -46,6 +55,9 @@ class MasterServerConfig:
         if not 0.001 <= self.tick_interval_s <= 10:
             raise ConfigError(f"tick_interval_s must be in [0.001, 10], got "
                               f"{self.tick_interval_s}")
+        if not self.tick_interval_s < self.health_stall_s <= 3600:
+            raise ConfigError(f"health_stall_s must be in (tick_interval_s, 3600], got "
+                              f"{self.health_stall_s}")
 
 
 def tune_gc_for_master() -> tuple[int, int, int]:
@@ -89,20 +101,31 @@ class MasterServer:
         return f"{self.server_config.host}:{self.rpc_port}"
 
     def start(self) -> MasterServer:
+        """Bind and start every server. On failure (StoreError or MetadataError naming the
+        port, e.g. one already in use) whatever was started is stopped and closed again."""
+        try:
+            self._start_servers()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start_servers(self) -> None:
         cfg = self.server_config
-        self._rpc = RpcServer(self.service, cfg.host, cfg.rpc_port, self.lock,
-                              cfg.tick_interval_s, cfg.token)
-        self._admin = HttpServerThread(create_admin_app(self.core, self.lock, self.metrics),
-                                       cfg.host, cfg.admin_port)
+        self._rpc = rpc = RpcServer(self.service, cfg.host, cfg.rpc_port, self.lock,
+                                    cfg.tick_interval_s, cfg.token, cfg.rpc_limits)
+        app = create_admin_app(self.core, self.lock, self.metrics,
+                               lambda: rpc.stall_problem(cfg.health_stall_s), cfg.token)
+        self._admin = HttpServerThread(app, cfg.host, cfg.admin_port, cfg.http_limits)
         self._admin.start()
         if cfg.enable_http_metadata:
             from kvpool.metadata.server import MetadataServer
-            self._metadata = MetadataServer(cfg.host, cfg.metadata_port)
+            self._metadata = MetadataServer(cfg.host, cfg.metadata_port,
+                                            http_limits=cfg.http_limits, token=cfg.token)
             self._metadata.start()
-        self._rpc.start()
-        log.info("master listening: rpc %s:%d admin %d metadata %s", cfg.host, self._rpc.port,
+        rpc.start()
+        log.info("master listening: rpc %s:%d admin %d metadata %s", cfg.host, rpc.port,
                  self._admin.port, self._metadata.port if self._metadata else "off")
-        return self
 
     def stop(self) -> None:
         if self._rpc is not None:

@@ -20,8 +20,9 @@ from collections.abc import Callable
 from typing import Any
 
 from kvpool.errors import RemoteProtocolError, RpcError, RpcTimeout
-from kvpool.store.framing import FrameDecoder, encode_auth, encode_frame
+from kvpool.store.framing import FrameDecoder, encode_frame
 from kvpool.store.protocol import Op, Reply, decode_reply, encode_request
+from kvpool.store.rpc_auth import client_handshake
 
 RECV_BYTES = 256 << 10
 CONNECT_RETRY_S = 0.05
@@ -131,8 +132,13 @@ class RpcClient:
                 time.sleep(CONNECT_RETRY_S)
         sock.settimeout(None)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if self._token is not None:  # sent ahead of the first request; no reply of its own
-            sock.sendall(encode_auth(self._token))
+        if self._token is not None:  # the token's proof; it never crosses the wire
+            try:
+                client_handshake(sock, self._token, max(0.001, deadline - time.monotonic()),
+                                 self.address)
+            except BaseException:
+                sock.close()
+                raise
         self._decoder = FrameDecoder()
         self._frames = []
         self._sock_timeout = -1.0

@@ -11,7 +11,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvpool.errors import RemoteProtocolError
+from kvpool.errors import ConfigError, InvalidArgument, RemoteProtocolError
+from kvpool.log import get_logger
 from kvpool.store.codes import ErrorCode, ReplicaDesc, ReplicaState, Tier
 from kvpool.store.config import ReplicateConfig
 from kvpool.store.master_core import MasterCore
@@ -22,9 +23,15 @@ from kvpool.store.protocol import (
     encode_reply,
     peek_req_id,
 )
-from kvpool.store.validate import valid_key
+from kvpool.store.validate import TIER_VALUES, mount_problem, valid_key
 
 E = ErrorCode
+INTERNAL_ERROR = -1
+"""Status of a request the master failed to serve through no fault of the caller (Mooncake's
+INTERNAL_ERROR; not yet an ErrorCode member)."""
+_ARGUMENT_ERRORS = (InvalidArgument, ConfigError)
+"""Raised on purpose for arguments the decoder cannot judge; any other exception is a bug."""
+log = get_logger("store.service")
 MAX_PREFERRED = 64
 MAX_PATTERN = 1024
 
@@ -68,7 +75,9 @@ class MasterService:
         }
 
     def handle(self, frame: bytes) -> bytes:
-        """One reply frame for one request frame; never raises for bad input."""
+        """One reply frame for one request frame; never raises. Bad arguments are answered
+        with INVALID_PARAMS, a failure of the master itself (a bug) with INTERNAL_ERROR and
+        a log line with the traceback."""
         self._t0 = time.perf_counter()
         try:
             req = decode_request(frame)
@@ -77,15 +86,34 @@ class MasterService:
             return encode_reply(peek_req_id(frame), int(E.INVALID_PARAMS), str(exc))
         problem = self._request_problem(req)
         if problem is not None:
-            self._observe(req.op.name, int(E.INVALID_PARAMS))
-            return encode_reply(req.req_id, int(E.INVALID_PARAMS), problem)
+            status, result = int(E.INVALID_PARAMS), problem
+        else:
+            status, result = self._run(req)
+        reply = self._encode(req, status, result)
+        self._observe(req.op.name, status if reply is not None else INTERNAL_ERROR)
+        return reply if reply is not None else encode_reply(
+            req.req_id, INTERNAL_ERROR, f"{req.op.name}: internal error: the reply could "
+            "not be encoded (see the master's log)")
+
+    def _run(self, req: Request) -> tuple[int, Any]:
+        """(status, result) of one valid request."""
         try:
-            result = self._handlers[req.op](req)
-        except (ValueError, TypeError) as exc:  # a value the decoder could not foresee
-            self._observe(req.op.name, int(E.INVALID_PARAMS))
-            return encode_reply(req.req_id, int(E.INVALID_PARAMS), f"{req.op.name}: {exc}")
-        self._observe(req.op.name, 0)
-        return encode_reply(req.req_id, 0, result)
+            return 0, self._handlers[req.op](req)
+        except _ARGUMENT_ERRORS as exc:  # raised on purpose for a value the checks let by
+            return int(E.INVALID_PARAMS), f"{req.op.name}: {exc}"
+        except Exception:
+            log.exception("internal error serving %s for client %r", req.op.name,
+                          req.client_id)
+            return INTERNAL_ERROR, f"{req.op.name}: internal error in the master (see its log)"
+
+    @staticmethod
+    def _encode(req: Request, status: int, result: Any) -> bytes | None:
+        try:
+            return encode_reply(req.req_id, status, result)
+        except Exception:
+            log.exception("cannot encode the reply to %s for client %r", req.op.name,
+                          req.client_id)
+            return None
 
     def _request_problem(self, req: Request) -> str | None:
         """What makes a well-formed request unacceptable as a whole, or None."""
@@ -97,6 +125,8 @@ class MasterService:
             return f"more than {MAX_PREFERRED} preferred segments"
         if req.op is Op.REMOVE_REGEX and len(req.args[0]) > MAX_PATTERN:
             return f"pattern longer than {MAX_PATTERN} characters"
+        if req.op is Op.MOUNT and req.args[3] not in TIER_VALUES:
+            return f"unknown tier {req.args[3]}: expected one of {sorted(TIER_VALUES)}"
         return None
 
     def _count(self, r: Request, codes: list[ErrorCode]) -> list[ErrorCode]:
@@ -112,6 +142,10 @@ class MasterService:
 
     def _mount(self, r: Request) -> list[Any]:
         endpoint, base_addr, size, tier, fence = r.args
+        problem = mount_problem(endpoint, base_addr, size, fence)
+        if problem is not None:  # answered like the core's own refusals: [code, ""]
+            log.info("refusing a MOUNT from client %r: %s", r.client_id, problem)
+            return [int(E.INVALID_PARAMS), ""]
         code, segment_id = self.core.mount_segment(r.client_id, endpoint, base_addr, size,
                                                    Tier(tier), fence)
         return [int(code), segment_id]

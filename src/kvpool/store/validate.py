@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from kvpool.store.codes import Tier
 from kvpool.store.config import MAX_KEY_BYTES
 
 
@@ -32,3 +33,30 @@ def valid_key(key: object) -> bool:
 
 def valid_size(size: object, max_bytes: int) -> bool:
     return type(size) is int and 0 < size <= max_bytes
+
+
+ADDRESS_LIMIT = 1 << 64
+"""Addresses travel as msgpack uint64: every byte of a segment must lie below this."""
+MAX_SEGMENT_BYTES = 1 << 50
+"""Largest segment one MOUNT may add (1 PiB)."""
+MAX_ENDPOINT_BYTES = 256
+
+
+def mount_problem(endpoint: str, base_addr: int, size: int, fence: int = 0) -> str | None:
+    """Why a MOUNT of [base_addr, base_addr + size) of `endpoint` is not acceptable, or None.
+    The range must fit below 2**64, so that every replica address handed out later can be
+    encoded in a reply."""
+    if not endpoint or len(endpoint) > MAX_ENDPOINT_BYTES or not valid_key(endpoint):
+        return f"endpoint must be 1..{MAX_ENDPOINT_BYTES} characters without whitespace"
+    if not 0 <= base_addr < ADDRESS_LIMIT:
+        return f"base_addr must be in [0, 2**64), got {base_addr}"
+    if not 0 < size <= MAX_SEGMENT_BYTES:
+        return f"size must be in [1, {MAX_SEGMENT_BYTES}], got {size}"
+    if base_addr + size >= ADDRESS_LIMIT:
+        return f"segment [{base_addr:#x}, +{size:#x}) does not fit below 2**64"
+    if not 0 <= fence < ADDRESS_LIMIT:
+        return f"fence must be in [0, 2**64), got {fence}"
+    return None
+
+
+TIER_VALUES = frozenset(int(t) for t in Tier)
