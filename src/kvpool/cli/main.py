@@ -23,6 +23,8 @@ _COMMAND_MODULES = (
     "kvpool.cli.mooncake_cmd",
     "kvpool.cli.up_cmd",
     "kvpool.cli.model_cmd",
+    "kvpool.cli.worker_cmd",
+    "kvpool.cli.generate_cmd",
 )
 
 

@@ -129,7 +129,7 @@ class LLMEngine:
         if not last:
             return {}
         logits = self.model.logits(hidden[[row for _, row in last]])  # [N, vocab]
-        return {seq: sample(logits[i], seq.sampling, seq.generator)
+        return {seq: sample(logits[i], seq.sampling, seq.sampling_generator())
                 for i, (seq, _) in enumerate(last)}
 
     def postprocess(self, batch: ScheduledBatch, sampled: dict[Sequence, int]) -> list[StepOutput]:

@@ -50,10 +50,7 @@ class Sequence:
         self.block_hashes = prefix_block_hashes(self.token_ids, self.block_size, self.root_hash)
         if self.sampling.temperature > 0:
             self.generator = torch.Generator()
-            if self.sampling.seed is None:
-                self.generator.seed()
-            else:
-                self.generator.manual_seed(self.sampling.seed)
+            self.generator.seed()
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -69,6 +66,14 @@ class Sequence:
     @property
     def num_blocks_needed(self) -> int:
         return -(-len(self.token_ids) // self.block_size)
+
+    def sampling_generator(self) -> torch.Generator | None:
+        """The generator for the next token. With a seed, each output position gets its own
+        stream (seed, position), so a request split across a prefill and a decode worker
+        samples exactly what it would on one."""
+        if self.generator is not None and self.sampling.seed is not None:
+            self.generator.manual_seed(self.sampling.seed * 1_000_003 + len(self.output_ids))
+        return self.generator
 
     def append(self, token_id: int) -> None:
         self.token_ids.append(token_id)
