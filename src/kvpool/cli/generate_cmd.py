@@ -35,7 +35,12 @@ def run(args: argparse.Namespace) -> int:
         print("give --prefill and --decode, or --both", file=sys.stderr)
         return 2
     headers = {"Authorization": f"Bearer {args.token}"} if args.token else {}
-    model = args.model or httpx.get(f"{decode_url}/info", headers=headers, timeout=10).json()["model"]
+    try:
+        model = args.model or httpx.get(f"{decode_url}/info", headers=headers,
+                                        timeout=10).json()["model"]
+    except httpx.HTTPError as exc:
+        print(f"error: {decode_url} does not answer: {exc}", file=sys.stderr)
+        return 1
     tok = load_tokenizer(model)
     text = tok.render_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     ids = tok.encode(text)
