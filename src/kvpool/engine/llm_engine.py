@@ -93,6 +93,7 @@ class LLMEngine:
     # -- the loop --------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
+        self.connector.before_step()
         batch = self.scheduler.schedule(self._admit)
         sampled = self.run(batch) if batch else {}
         return self.postprocess(batch, sampled)
@@ -161,8 +162,11 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str | None, error: str | None = None) -> None:
         if seq.status is SeqStatus.FINISHED:
             return
+        self.connector.before_step()  # no put may still read blocks that are freed below
         if error is None and seq.block_table:
             error = self.connector.on_finish(seq)
+        if error is not None:
+            self.connector.on_abort(seq)
         seq.finish_reason, seq.error = (None, error) if error else (reason, None)
         self.scheduler.finish(seq)
         self._finished.append(StepOutput(seq.request_id, None, seq.finish_reason, seq.error,
@@ -180,6 +184,7 @@ class LLMEngine:
     def reserve_blocks(self, num_tokens: int) -> list[int] | None:
         """Fresh blocks for `num_tokens` of KV that another worker will write; None if the
         cache has no room. Give them back with `blocks.release`, or to `start_pushed`."""
+        self.connector.before_step()
         needed = -(-num_tokens // self.config.block_size) + 1
         if needed > self.blocks.num_free_blocks:
             return None

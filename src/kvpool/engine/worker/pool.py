@@ -66,8 +66,12 @@ class LayerSaver:
         """blocks: (hash, block_id) whose layer-`layer` KV is complete."""
         self._queue.put((layer, blocks))
 
+    def wait(self) -> None:
+        """Wait until every submitted put has read its blocks."""
+        self._queue.join()
+
     def flush(self) -> list[str]:
-        """Wait until every submitted put is done; returns (and forgets) the failures."""
+        """Wait as `wait`; returns (and forgets) the failures so far."""
         self._queue.join()
         failures, self._failures = self._failures, []
         return failures
@@ -149,6 +153,15 @@ class PoolConnector(KVConnector):
         return None
 
     # -- saving while computing ----------------------------------------------------------------
+
+    def before_step(self) -> None:
+        # The puts of the last forward's last layers may still be reading blocks that this
+        # step's scheduling could free (preemption, abort) and hand to another sequence.
+        if self.saver is not None:
+            self.saver.wait()
+
+    def on_abort(self, seq: Sequence) -> None:
+        self.plans.pop(seq.request_id, None)
 
     def before_forward(self, batch: ScheduledBatch) -> None:
         self._pending = []
