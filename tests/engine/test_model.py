@@ -47,3 +47,13 @@ def test_bfloat16_is_close_to_float32(tiny_llama: Path) -> None:
     half = full_logits(load_model(tiny_llama, dtype="bfloat16"), PROMPT)
     assert half.dtype == torch.float32
     assert (half - full).abs().max() < 0.1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_matches_cpu(tiny_llama: Path) -> None:
+    from kvpool.engine.config import EngineConfig, SamplingParams
+    from kvpool.engine.llm_engine import LLMEngine
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    cpu = LLMEngine.from_dir(tiny_llama, EngineConfig(block_size=8)).generate([PROMPT], params)
+    gpu = LLMEngine.from_dir(tiny_llama, EngineConfig(block_size=8, device="cuda"))
+    assert gpu.generate([PROMPT], params) == cpu

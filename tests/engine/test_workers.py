@@ -4,6 +4,7 @@ KV in the pool is the KV a plain forward computes, bit for bit."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -81,6 +82,26 @@ def test_every_path_gives_the_same_tokens(workers: Workers) -> None:
         push = generate(p, SAMPLING, prefill_url=workers.p2, decode_url=workers.d, mode="push")
         assert both.token_ids == pool.token_ids == push.token_ids == expected
         assert pool.finish_reason == push.finish_reason == "length"
+
+
+def test_seeded_sampling_is_the_same_split_or_colocated(workers: Workers) -> None:
+    p = prompt(11, 4)
+    sampling = {"max_tokens": 10, "ignore_eos": True, "temperature": 0.8, "top_p": 0.95,
+                "seed": 77}
+    both = generate(p, sampling, decode_url=workers.both, token=TOKEN)
+    split = generate(p, sampling, prefill_url=workers.p1, decode_url=workers.d, mode="pool")
+    assert both.token_ids == split.token_ids and len(both.token_ids) == 10
+
+
+def test_a_client_that_goes_away_aborts_its_request(workers: Workers) -> None:
+    body = {"request_id": "gone", "prompt_token_ids": prompt(9, 5), "kv_source": "none",
+            "sampling": {"max_tokens": 400, "ignore_eos": True}}
+    with httpx.stream("POST", f"{workers.d}/generate", json=body, timeout=10) as reply:
+        assert "token_id" in next(reply.iter_lines())
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{workers.d}/load", timeout=10).json()["num_running"]:
+        assert time.monotonic() < deadline, "the request kept running"
+        time.sleep(0.05)
 
 
 def test_prefix_from_the_pool_written_by_another_prefill_worker(workers: Workers) -> None:
