@@ -10,6 +10,7 @@ _BENCH_MODULES = (
     "kvpool.bench.store",
     "kvpool.bench.conductor",
     "kvpool.compat.bench",
+    "kvpool.bench.engine",
 )
 
 
