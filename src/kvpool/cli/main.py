@@ -22,6 +22,7 @@ _COMMAND_MODULES = (
     "kvpool.cli.sim_cmd",
     "kvpool.cli.mooncake_cmd",
     "kvpool.cli.up_cmd",
+    "kvpool.cli.proxy_cmd",
 )
 
 
