@@ -29,7 +29,7 @@ def test_sampling_defaults_and_worker_object() -> None:
     req = CompletionRequest.model_validate({"model": "m", "prompt": "hi", "stop": "\n",
                                             "temperature": 0, "seed": 3})
     assert req.stop_list == ["\n"] and req.default_max_tokens() == 16
-    assert req.sampling(5) == {"max_tokens": 5, "temperature": 0.0, "top_p": 1.0, "top_k": -1,
+    assert req.sampling(5) == {"max_tokens": 5, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
                                "seed": 3, "stop_token_ids": [], "ignore_eos": False}
     chat = ChatRequest.model_validate({"model": "m", "messages": [
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],

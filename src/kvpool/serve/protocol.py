@@ -50,7 +50,7 @@ class _Sampling(BaseModel):
     def sampling(self, max_tokens: int) -> dict[str, Any]:
         """The `sampling` object of the worker API."""
         return {"max_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                "top_k": self.top_k, "seed": self.seed,
+                "top_k": max(0, self.top_k), "seed": self.seed,
                 "stop_token_ids": self.stop_token_ids or [], "ignore_eos": self.ignore_eos}
 
 
