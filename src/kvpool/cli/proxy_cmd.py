@@ -26,6 +26,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--admission", default=_D.admission, choices=sorted(ADMISSION_POLICIES))
     p.add_argument("--ttft-slo", type=float, default=_D.ttft_slo_s, help="TTFT objective, seconds")
     p.add_argument("--tbt-slo", type=float, default=_D.tbt_slo_s, help="TBT objective, seconds")
+    p.add_argument("--decode-horizon", type=float, default=_D.decode_horizon_s,
+                   help="seconds a request is assumed to decode (predicted early rejection)")
     p.add_argument("--cost", default=None, metavar="JSON",
                    help="cost model for the conductor's predictions (kvpool sim fit --out)")
     p.add_argument("--kv-transfer", default=_D.kv_transfer, choices=KV_TRANSFER_MODES,
@@ -43,7 +45,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         model_dir=args.model, model_name=args.model_name, host=args.host, port=args.port,
         prefill_urls=tuple(args.prefill), decode_urls=tuple(args.decode),
         prefill_policy=args.prefill_policy, admission=args.admission,
-        ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo, cost_path=args.cost,
+        ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
+        decode_horizon_s=args.decode_horizon, cost_path=args.cost,
         kv_transfer=args.kv_transfer, poll_interval_s=args.poll_interval,
         token=args.token or os.environ.get("KVPOOL_TOKEN"))
 

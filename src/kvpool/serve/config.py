@@ -27,6 +27,9 @@ class ProxyConfig:
     """A name in kvpool.conductor.ADMISSION_POLICIES."""
     ttft_slo_s: float = 30.0
     tbt_slo_s: float = 0.1
+    decode_horizon_s: float = 10.0
+    """t_d of predicted early rejection: how long a request is assumed to decode. The
+    conductor's default fits the papers' 70B model; a tiny CPU model finishes far sooner."""
     cost_path: str | None = None
     """A CostModel JSON (`kvpool sim fit --out`); None = the default coefficients."""
     kv_transfer: str = "pool"

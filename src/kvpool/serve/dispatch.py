@@ -42,7 +42,8 @@ class Dispatcher:
         self.cost = cost
         self.conductor_config = ConductorConfig(
             prefill_policy=config.prefill_policy, admission=config.admission,
-            ttft_slo_s=config.ttft_slo_s, tbt_slo_s=config.tbt_slo_s)
+            ttft_slo_s=config.ttft_slo_s, tbt_slo_s=config.tbt_slo_s,
+            decode_horizon_s=config.decode_horizon_s)
         self.conductor = Conductor(self.conductor_config, cost, clock)  # checks the names now
         self._ids = itertools.count(1)
         self._background: set[asyncio.Task[None]] = set()
