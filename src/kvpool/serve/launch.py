@@ -112,6 +112,8 @@ class ServingCluster:
     proxy_url: str
     model_dir: Path
     model_name: str
+    master_address: str = ""
+    metadata_url: str = ""
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     worker_urls: dict[str, list[str]] = field(default_factory=dict)
 
@@ -150,6 +152,7 @@ def serving_cluster(spec: ServingSpec) -> Iterator[ServingCluster]:
                        "--admin-port", str(admin), "--metadata-port", str(meta))
         wait_http(f"http://{host}:{admin}/health", [master], "master")
         master_addr, metadata = f"{host}:{rpc}", f"http://{host}:{meta}/metadata"
+        cluster.master_address, cluster.metadata_url = master_addr, metadata
         start("store-node", "store-node", "--dram", spec.dram, "--master", master_addr,
               "--host", host, "--metadata", metadata)
         roles = (["prefill"] * spec.num_prefill + ["decode"] * spec.num_decode
