@@ -22,6 +22,9 @@ _COMMAND_MODULES = (
     "kvpool.cli.sim_cmd",
     "kvpool.cli.mooncake_cmd",
     "kvpool.cli.up_cmd",
+    "kvpool.cli.model_cmd",
+    "kvpool.cli.worker_cmd",
+    "kvpool.cli.generate_cmd",
     "kvpool.cli.proxy_cmd",
 )
 

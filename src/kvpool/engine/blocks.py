@@ -64,3 +64,11 @@ def block_key(block_hash: int, layer: int | None = None) -> str:
     """The store key of a block's KV (all layers, or one layer when `layer` is given)."""
     base = f"kv/{block_hash & _MASK:016x}"
     return base if layer is None else f"{base}/L{layer}"
+
+
+def request_key(request_id: str, layer: int | None = None) -> str:
+    """The store key of a request's last, partial block (all layers, or one layer): written by
+    the prefill worker, read and removed by the decode worker."""
+    digest = hashlib.blake2b(request_id.encode(), digest_size=16, person=b"kvpool-req").hexdigest()
+    base = f"kvreq/{digest}"
+    return base if layer is None else f"{base}/L{layer}"

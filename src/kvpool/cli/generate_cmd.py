@@ -1,0 +1,68 @@
+"""`kvpool generate --prefill URL --decode URL "prompt"`: one request through a prefill and a
+decode worker (or `--both URL` for a colocated worker), printed as it streams."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import uuid
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("generate", help="drive a prefill and a decode worker")
+    p.add_argument("prompt")
+    p.add_argument("--prefill", help="prefill worker URL, http://H:P")
+    p.add_argument("--decode", help="decode worker URL")
+    p.add_argument("--both", help="a colocated worker's URL (instead of --prefill/--decode)")
+    p.add_argument("--kv-transfer", choices=("pool", "push"), default="pool")
+    p.add_argument("--model", help="checkpoint folder for the tokenizer (default: the worker's)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--token", default=os.environ.get("KVPOOL_TOKEN"))
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import httpx
+
+    from kvpool.engine.checkpoint import load_tokenizer
+    from kvpool.engine.worker.client import WorkerCallFailed, prefill, stream
+    decode_url = args.both or args.decode
+    if decode_url is None or (args.both is None and args.prefill is None):
+        print("give --prefill and --decode, or --both", file=sys.stderr)
+        return 2
+    headers = {"Authorization": f"Bearer {args.token}"} if args.token else {}
+    model = args.model or httpx.get(f"{decode_url}/info", headers=headers, timeout=10).json()["model"]
+    tok = load_tokenizer(model)
+    text = tok.render_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    ids = tok.encode(text)
+    sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature,
+                "seed": args.seed, "stop_token_ids": list(tok.eos_token_ids)}
+    rid = uuid.uuid4().hex
+    try:
+        first, source = None, "none"
+        if args.both is None:
+            transfer = {"mode": args.kv_transfer, "decode_url": decode_url}
+            info = prefill(args.prefill, rid, ids, sampling, transfer, args.token)
+            first, source = info["first_token_id"], args.kv_transfer
+            print(f"[prefill: {info['num_prompt_tokens']} tokens, {info['num_cached_tokens']} "
+                  f"cached, {info['num_pool_tokens']} from the pool, {info['prefill_s']:.3f}s]",
+                  file=sys.stderr)
+        out: list[int] = []
+        printed = ""
+        for msg in stream(decode_url, rid, ids, sampling, first, source, args.token):
+            if "token_id" in msg:
+                out.append(msg["token_id"])
+                text_now = tok.decode(out)
+                print(text_now[len(printed):], end="", flush=True)
+                printed = text_now
+            else:
+                print(f"\n[{msg['finish_reason']}, {msg['num_output_tokens']} tokens]",
+                      file=sys.stderr)
+    except (WorkerCallFailed, httpx.HTTPError) as exc:
+        print(f"\nerror: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,70 @@
+"""`kvpool worker --role prefill|decode|both --model DIR [--master H:P]`: serve the reference
+engine over HTTP (docs/worker-api.md), with KV through the pool or pushed to decode workers."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+
+from kvpool.errors import KvpoolError
+from kvpool.log import get_logger
+from kvpool.units import parse_size
+
+log = get_logger("cli.worker")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("worker", help="run a prefill, decode or colocated engine worker")
+    p.add_argument("--role", choices=("prefill", "decode", "both"), default="both")
+    p.add_argument("--model", required=True, help="Hugging Face checkpoint folder")
+    p.add_argument("--master", default=None, help="store master HOST:PORT (no pool if absent)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="HTTP port (0 = a free one, printed)")
+    p.add_argument("--kv-transfer", choices=("pool", "push"), default="pool",
+                   help="how a prefill worker hands KV over when the request does not say")
+    p.add_argument("--token", default=None, help="shared bearer token (default $KVPOOL_TOKEN)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=1024)
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--max-prefill-chunk", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dram", default="0", help="DRAM to contribute to the pool, e.g. 1GiB")
+    p.add_argument("--remote-timeout", type=float, default=10.0, help="seconds")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import os
+
+    import uvicorn
+
+    from kvpool.engine.config import EngineConfig
+    from kvpool.engine.worker.app import create_app
+    from kvpool.engine.worker.runtime import Worker, WorkerConfig
+    try:
+        config = WorkerConfig(
+            model_dir=args.model, role=args.role, master=args.master, host=args.host,
+            port=args.port or _free_port(args.host), kv_transfer=args.kv_transfer,
+            token=args.token or os.environ.get("KVPOOL_TOKEN") or None,
+            engine=EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks,
+                                max_num_seqs=args.max_num_seqs,
+                                max_prefill_chunk=args.max_prefill_chunk,
+                                max_model_len=args.max_model_len, dtype=args.dtype,
+                                device=args.device),
+            dram_bytes=parse_size(args.dram), remote_timeout_s=args.remote_timeout)
+        worker = Worker(config)
+    except KvpoolError as exc:
+        log.error("%s", exc)
+        return 2
+    print(f"kvpool worker ({config.role}) on http://{config.host}:{config.port} "
+          f"segment {worker.transfer.segment_name}", flush=True)
+    uvicorn.run(create_app(worker), host=config.host, port=config.port, log_level="warning")
+    return 0
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])

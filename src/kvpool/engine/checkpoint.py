@@ -1,0 +1,144 @@
+"""Load a local Hugging Face checkpoint folder: config.json, *.safetensors (one file, or shards
+named by model.safetensors.index.json), tokenizer.json and tokenizer_config.json.
+
+Loading is strict: every tensor the model needs must be there with its exact shape, and nothing
+else may be; otherwise CheckpointError names the tensor, the file and the shapes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from kvpool.engine.config import ModelConfig
+from kvpool.engine.model import CausalLM, rope_inv_freq
+from kvpool.errors import ConfigError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint folder is incomplete or does not match its config."""
+
+
+def read_model_config(model_dir: str | Path) -> ModelConfig:
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path} not found: a model folder needs config.json")
+    try:
+        return ModelConfig.from_hf(json.loads(path.read_text()))
+    except (KeyError, ValueError) as exc:
+        raise CheckpointError(f"{path}: {exc}") from exc
+
+
+def weight_files(model_dir: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file that holds it."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: model_dir / file for name, file in weight_map.items()}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors in {model_dir}")
+    out: dict[str, Path] = {}
+    for file in files:
+        with safe_open(str(file), "pt") as f:
+            out.update(dict.fromkeys(f.keys(), file))
+    return out
+
+
+def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu") -> CausalLM:
+    """Build the model for `model_dir` and load its weights (strictly)."""
+    folder = Path(model_dir)
+    config = read_model_config(folder)
+    with torch.device("meta"):
+        model = CausalLM(config)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+    state = _read_tensors(folder, expected, DTYPES[dtype], device)
+    model.load_state_dict(state, strict=False, assign=True)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.rotary.inv_freq = rope_inv_freq(config).to(device)
+    return model.eval()
+
+
+def _read_tensors(folder: Path, expected: dict[str, tuple[int, ...]], dtype: torch.dtype,
+                  device: str) -> dict[str, torch.Tensor]:
+    files = weight_files(folder)
+    ignorable = {"lm_head.weight"}  # tied checkpoints sometimes keep a copy
+    unexpected = sorted(set(files) - set(expected) - ignorable)
+    if unexpected:
+        raise CheckpointError(f"unexpected tensor {unexpected[0]!r} in {files[unexpected[0]].name}"
+                              f" ({len(unexpected)} unexpected in all) for "
+                              f"{folder / 'config.json'}")
+    missing = sorted(set(expected) - set(files))
+    if missing:
+        raise CheckpointError(f"missing tensor {missing[0]!r} ({len(missing)} missing in all) "
+                              f"in {folder}")
+    state: dict[str, torch.Tensor] = {}
+    by_file: dict[Path, list[str]] = {}
+    for name in expected:
+        by_file.setdefault(files[name], []).append(name)
+    for file, names in by_file.items():
+        with safe_open(str(file), "pt") as f:
+            for name in names:
+                tensor = f.get_tensor(name)
+                if tuple(tensor.shape) != expected[name]:
+                    raise CheckpointError(f"tensor {name!r} in {file.name} has shape "
+                                          f"{tuple(tensor.shape)}, the config needs "
+                                          f"{expected[name]}")
+                state[name] = tensor.to(device=device, dtype=dtype)
+    return state
+
+
+@dataclass
+class Tokenizer:
+    """tokenizer.json plus the bits of tokenizer_config.json the engine needs."""
+
+    backend: Any  # tokenizers.Tokenizer
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    chat_template: str | None
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.backend.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: list[int]) -> str:
+        return str(self.backend.decode(ids, skip_special_tokens=True))
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise CheckpointError("this tokenizer has no chat_template")
+        import jinja2
+        template = jinja2.Environment().from_string(self.chat_template)
+        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                               bos_token=self._token(self.bos_token_id),
+                               eos_token=self._token(self.eos_token_ids[0] if self.eos_token_ids else None))
+
+    def _token(self, token_id: int | None) -> str:
+        return "" if token_id is None else str(self.backend.id_to_token(token_id))
+
+
+def load_tokenizer(model_dir: str | Path) -> Tokenizer:
+    from tokenizers import Tokenizer as HFTokenizer
+    folder = Path(model_dir)
+    if not (folder / "tokenizer.json").is_file():
+        raise CheckpointError(f"{folder / 'tokenizer.json'} not found")
+    backend = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+    cfg_path = folder / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+
+    def token_id(entry: Any) -> int | None:
+        text = entry.get("content") if isinstance(entry, dict) else entry
+        return None if text is None else backend.token_to_id(text)
+
+    eos = token_id(cfg.get("eos_token"))
+    return Tokenizer(backend, token_id(cfg.get("bos_token")),
+                     () if eos is None else (eos,), cfg.get("chat_template"))

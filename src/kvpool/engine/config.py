@@ -1,0 +1,143 @@
+"""Typed, frozen configuration of the engine: the model's shape (from a checkpoint's
+config.json), the engine's capacity, and one request's sampling parameters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpool.errors import ConfigError
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The transformer's shape, read from a Hugging Face config.json."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    """None, {"rope_type": "linear", "factor"} or {"rope_type": "llama3", ...}."""
+    attention_bias: bool = False
+    """q/k/v projections carry a bias (always for Qwen2)."""
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                              f"num_key_value_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
+        archs = hf.get("architectures") or []
+        arch = next((a for a in archs if a in ARCHITECTURES), None)
+        if arch is None:
+            raise ConfigError(f"unknown architecture {archs or hf.get('model_type')!r}; "
+                              f"supported: {', '.join(ARCHITECTURES)}")
+        heads = int(hf["num_attention_heads"])
+        eos = hf.get("eos_token_id")
+        return cls(
+            architecture=arch, vocab_size=int(hf["vocab_size"]),
+            hidden_size=int(hf["hidden_size"]), intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]), num_heads=heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(_rope_theta(hf)), rope_scaling=_rope_scaling(hf),
+            attention_bias=ARCHITECTURES[arch] == "qwen2" or bool(hf.get("attention_bias")),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+        )
+
+
+def _rope_theta(hf: dict[str, Any]) -> float:
+    params = hf.get("rope_parameters") or {}
+    return float(hf.get("rope_theta") or params.get("rope_theta") or 10000.0)
+
+
+def _rope_scaling(hf: dict[str, Any]) -> dict[str, Any] | None:
+    """transformers 4.x writes `rope_scaling`; 5.x folds it into `rope_parameters`."""
+    scaling = hf.get("rope_scaling") or hf.get("rope_parameters")
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type") or scaling.get("type") or "default"
+    if kind == "default":
+        return None
+    if kind not in ("linear", "llama3"):
+        raise ConfigError(f"unsupported rope_scaling type {kind!r}; supported: linear, llama3")
+    return {k: v for k, v in scaling.items() if k != "type"} | {"rope_type": kind}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Capacity and numerics of one engine instance."""
+
+    block_size: int = 16
+    """Tokens per KV block; also the granularity of prefix hashing and of the pool's keys."""
+    num_blocks: int = 256
+    """KV blocks in the local paged cache (capacity = num_blocks * block_size tokens)."""
+    max_num_seqs: int = 32
+    """Sequences running at once (continuous batching)."""
+    max_prefill_chunk: int = 512
+    """Prompt tokens computed per step, summed over sequences (chunked prefill)."""
+    max_model_len: int = 2048
+    dtype: str = "float32"
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_blocks", "max_num_seqs", "max_prefill_chunk",
+                     "max_model_len"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its tokens. temperature 0 is greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 = no top-k cut."""
+    seed: int | None = None
+    """Seed of the request's own torch.Generator (None: a random one)."""
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise ConfigError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
+            raise ConfigError(f"need temperature >= 0, 0 < top_p <= 1, top_k >= 0; got "
+                              f"{self.temperature}, {self.top_p}, {self.top_k}")
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> SamplingParams:
+        known = {k: body[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "seed",
+                                      "ignore_eos") if body.get(k) is not None}
+        stops = tuple(int(t) for t in body.get("stop_token_ids") or ())
+        return cls(**known, stop_token_ids=stops)

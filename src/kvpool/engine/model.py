@@ -1,0 +1,204 @@
+"""A Llama-family decoder (Llama, Qwen2) in plain torch, attending over a paged KV cache.
+
+Module and parameter names follow the Hugging Face checkpoints (`model.layers.0.self_attn.q_proj`
+...), so a checkpoint's state dict loads as it is. One forward computes a flat batch of new
+tokens from several sequences (prompt chunks and decode steps alike):
+
+    input_ids [T]  positions [T]  ->  hidden [T, H]        T = sum of new tokens over sequences
+
+Each layer writes the new tokens' K and V into the cache at `batch.slots`, then each sequence
+attends over its own blocks (gathered through its block table) with a causal mask offset by the
+tokens it had already computed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvpool.engine.config import ModelConfig
+
+LayerHook = Callable[[int], None]
+
+
+@dataclass
+class SeqSlice:
+    """One sequence's part of a flat batch."""
+
+    start: int          # first row of this sequence in the batch's T tokens
+    num_new: int        # tokens computed now
+    context_len: int    # tokens with KV after this step (computed before + num_new)
+    block_table: torch.Tensor  # [num_blocks_of_seq] int64 block ids
+
+
+@dataclass
+class AttentionBatch:
+    slots: torch.Tensor  # [T] int64: block_id * block_size + offset of each new token
+    seqs: list[SeqSlice]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2], with the config's rope scaling applied."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling["rope_type"] == "linear":
+        return inv_freq / float(scaling["factor"])
+    return _llama3_inv_freq(inv_freq, scaling)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    """Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between."""
+    factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_len = float(s["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > old_len / low, inv_freq / factor, blended)
+    return torch.where(wavelen < old_len / high, inv_freq, out)
+
+
+class Rotary(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+
+    inv_freq: torch.Tensor
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]  # [T, D/2]
+        emb = torch.cat((freqs, freqs), dim=-1)                               # [T, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D]; rotate the two halves of each head."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.head_dim = config.head_dim
+        h, bias = config.hidden_size, config.attention_bias
+        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)     # [T, nh, D]
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, nkv, D]
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, nkv, D]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_cache, v_cache = cache[0], cache[1]                # [num_blocks, B, nkv, D] each
+        k_cache.view(-1, self.num_kv_heads, self.head_dim)[batch.slots] = k
+        v_cache.view(-1, self.num_kv_heads, self.head_dim)[batch.slots] = v
+        out = torch.empty_like(q)                             # [T, nh, D]
+        for s in batch.seqs:
+            out[s.start:s.start + s.num_new] = self._attend(q[s.start:s.start + s.num_new],
+                                                            k_cache, v_cache, s)
+        return self.o_proj(out.view(T, -1))
+
+    def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                s: SeqSlice) -> torch.Tensor:
+        ctx, n = s.context_len, s.num_new
+        k = k_cache[s.block_table].flatten(0, 1)[:ctx].transpose(0, 1)  # [nkv, ctx, D]
+        v = v_cache[s.block_table].flatten(0, 1)[:ctx].transpose(0, 1)  # [nkv, ctx, D]
+        q = q.transpose(0, 1)                                          # [nh, n, D]
+        if n == ctx:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        elif n == 1:
+            o = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        else:  # query i sits at position ctx - n + i and sees keys 0..that position
+            rows = torch.arange(ctx - n, ctx, device=q.device)[:, None]
+            mask = torch.arange(ctx, device=q.device)[None, :] <= rows  # [n, ctx]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return o.transpose(0, 1)                                       # [n, nh, D]
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = Rotary(config)
+
+
+class CausalLM(nn.Module):
+    """The whole model. `kv` is the cache: [num_layers, 2, num_blocks, block_size, nkv, D]."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+                kv: torch.Tensor, on_layer: LayerHook | None = None) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)                  # [T, H]
+        cos, sin = self.model.rotary(positions, x.dtype)        # [T, D] each
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, kv[i], batch)                # [T, H]; kv[i] now holds T more
+            if on_layer is not None:
+                on_layer(i)
+        return self.model.norm(x)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()                     # [N, vocab]

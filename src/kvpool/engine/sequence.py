@@ -1,0 +1,85 @@
+"""One request inside the engine: its tokens, how many have KV, and the blocks that hold it."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from kvpool.engine.blocks import chain_hash, prefix_block_hashes
+from kvpool.engine.config import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class KVSource(enum.Enum):
+    COMPUTE = "none"   # compute whatever the local cache (and the pool, if any) lacks
+    POOL = "pool"      # the whole prompt's KV must come from the pool
+    PUSH = "push"      # the prompt's KV was pushed into reserved blocks
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    block_size: int
+    root_hash: int
+    prefill_only: bool = False
+    """Stop after the first token and keep nothing running (a prefill worker's leg)."""
+    kv_source: KVSource = KVSource.COMPUTE
+    status: SeqStatus = SeqStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_committed_blocks: int = 0
+    """Leading full blocks registered under their hash in the block manager."""
+    num_cached_tokens: int = 0   # from the local prefix cache, at admission
+    num_pool_tokens: int = 0     # loaded from the pool, at admission
+    finish_reason: str | None = None
+    error: str | None = None
+    block_hashes: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        self.block_hashes = prefix_block_hashes(self.token_ids, self.block_size, self.root_hash)
+        if self.sampling.temperature > 0:
+            self.generator = torch.Generator()
+            self.generator.seed()
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def num_blocks_needed(self) -> int:
+        return -(-len(self.token_ids) // self.block_size)
+
+    def sampling_generator(self) -> torch.Generator | None:
+        """The generator for the next token. With a seed, each output position gets its own
+        stream (seed, position), so a request split across a prefill and a decode worker
+        samples exactly what it would on one."""
+        if self.generator is not None and self.sampling.seed is not None:
+            self.generator.manual_seed(self.sampling.seed * 1_000_003 + len(self.output_ids))
+        return self.generator
+
+    def append(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        if len(self.token_ids) % self.block_size == 0:
+            parent = self.block_hashes[-1] if self.block_hashes else self.root_hash
+            self.block_hashes.append(chain_hash(parent, self.token_ids[-self.block_size:]))
+
+    def block_tokens(self, index: int) -> list[int]:
+        return self.token_ids[index * self.block_size:(index + 1) * self.block_size]

@@ -1,0 +1,98 @@
+"""The engine's own thread: it alone touches the LLMEngine. Other threads (the HTTP server's
+event loop) hand it functions with `call` and hear about their requests through `subscribe`."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from kvpool.engine.llm_engine import LLMEngine, StepOutput
+from kvpool.log import get_logger
+
+log = get_logger("engine.loop")
+Listener = Callable[[StepOutput], None]
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, idle_tick_s: float = 0.5,
+                 on_idle: Callable[[], None] | None = None) -> None:
+        self.engine = engine
+        self._commands: queue.Queue[tuple[Callable[[LLMEngine], Any], Future[Any]]] = queue.Queue()
+        self._listeners: dict[str, Listener] = {}
+        self._idle_tick_s, self._on_idle = idle_tick_s, on_idle
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="kvpool-engine")
+
+    def start(self) -> EngineLoop:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._commands.put((lambda e: None, Future()))
+        self._thread.join(timeout=10)
+
+    def call(self, fn: Callable[[LLMEngine], Any]) -> Future[Any]:
+        """Run `fn(engine)` on the engine thread between steps; its result or exception comes
+        back through the future."""
+        future: Future[Any] = Future()
+        if self._stop.is_set():
+            future.set_exception(RuntimeError("the engine is shutting down"))
+        else:
+            self._commands.put((fn, future))
+        return future
+
+    def subscribe(self, request_id: str, listener: Listener) -> None:
+        """Called on the engine thread (from inside `call`) before the request is added."""
+        self._listeners[request_id] = listener
+
+    def unsubscribe(self, request_id: str) -> None:
+        self._listeners.pop(request_id, None)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._drain(block=not self.engine.has_work)
+            if self.engine.has_work:
+                try:
+                    outputs = self.engine.step()
+                except Exception:
+                    log.exception("engine step failed; aborting every request")
+                    outputs = self._abort_all()
+                self._dispatch(outputs)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._commands.get(timeout=self._idle_tick_s) if block else self._commands.get_nowait()
+        except queue.Empty:
+            if self._on_idle is not None:
+                self._on_idle()
+            return
+        while True:
+            fn, future = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(self.engine))
+                except Exception as exc:
+                    future.set_exception(exc)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                break
+        if self._on_idle is not None:
+            self._on_idle()
+
+    def _dispatch(self, outputs: list[StepOutput]) -> None:
+        for out in outputs:
+            listener = self._listeners.get(out.request_id)
+            if listener is not None:
+                listener(out)
+            if out.finish_reason is not None or out.error is not None:
+                self._listeners.pop(out.request_id, None)
+
+    def _abort_all(self) -> list[StepOutput]:
+        for seq in [*self.engine.scheduler.running, *self.engine.scheduler.waiting]:
+            self.engine.abort(seq.request_id, "engine step failed")
+        return self.engine.step() if self.engine.has_work else []

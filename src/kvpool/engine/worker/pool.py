@@ -1,0 +1,206 @@
+"""KV through the pool and by push: the worker's KVConnector.
+
+Pool layout (docs/engine.md):
+
+    block_key(h, layer)   one object per full block per layer: K bytes then V bytes
+                          (2 * block_bytes), h = the block's chained prefix hash
+    request_key(rid)      a request's last, partial block, all layers: K0 V0 K1 V1 ...
+                          (2 * num_layers * block_bytes); read once by the decode worker
+
+A prefill worker stores each new full block layer by layer while it computes: after layer i
+of a forward has written its KV, a background thread puts layer i's objects while layer i+1
+computes. When the request finishes it waits for those puts (the reply promises the KV is in
+place), then, by plan, puts the full blocks that came from its local cache and the partial
+block (`PoolPlan`), or writes every block straight into the decode worker's reserved memory
+(`PushPlan`).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool.engine.blocks import block_key, request_key
+from kvpool.engine.connector import KVConnector
+from kvpool.engine.kv_cache import KVCache
+from kvpool.engine.scheduler import ScheduledBatch
+from kvpool.engine.sequence import KVSource, Sequence
+from kvpool.errors import KvpoolError
+from kvpool.log import get_logger
+
+log = get_logger("engine.pool")
+Part = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """Leave the whole prompt's KV in the pool for the decode worker."""
+
+
+@dataclass(frozen=True)
+class PushPlan:
+    """Write the prompt's KV into the decode worker's reserved regions."""
+
+    segment: str
+    regions: list[Part]  # (addr, bytes), in `push_parts` order
+
+
+def push_parts(cache: KVCache, block_ids: list[int]) -> list[Part]:
+    """Every block's K and V for every layer: block-major, then layer, then K, V."""
+    return [part for b in block_ids for part in cache.block_parts(b)]
+
+
+class LayerSaver:
+    """A thread that puts (layer, blocks) objects in the pool as the forward hands them over."""
+
+    def __init__(self, store: Any, cache: KVCache) -> None:
+        self.store, self.cache = store, cache
+        self._queue: queue.Queue[tuple[int, list[tuple[int, int]]] | None] = queue.Queue()
+        self._failures: list[str] = []
+        self._thread = threading.Thread(target=self._run, daemon=True, name="kvpool-kv-saver")
+        self._thread.start()
+
+    def submit(self, layer: int, blocks: list[tuple[int, int]]) -> None:
+        """blocks: (hash, block_id) whose layer-`layer` KV is complete."""
+        self._queue.put((layer, blocks))
+
+    def flush(self) -> list[str]:
+        """Wait until every submitted put is done; returns (and forgets) the failures."""
+        self._queue.join()
+        failures, self._failures = self._failures, []
+        return failures
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            try:
+                self._put(*item)
+            except Exception as exc:  # a failed put must not kill the thread
+                self._failures.append(f"{type(exc).__name__}: {exc}")
+            finally:
+                self._queue.task_done()
+        self._queue.task_done()
+
+    def _put(self, layer: int, blocks: list[tuple[int, int]]) -> None:
+        keys = [block_key(h, layer) for h, _ in blocks]
+        parts = [self.cache.block_parts(b, range(layer, layer + 1)) for _, b in blocks]
+        for key, result in zip(keys, self.store.batch_put_from_parts(keys, parts), strict=True):
+            if not result.ok:
+                self._failures.append(f"put {key}: {result.code.name}")
+
+
+class PoolConnector(KVConnector):
+    """`store` is a StoreClient (or None: no pool); `transfer` the TransferEngine pushes use."""
+
+    def __init__(self, cache: KVCache, store: Any | None, transfer: Any,
+                 save_blocks: bool) -> None:
+        self.cache, self.transfer = cache, transfer
+        self.store: Any = store
+        self.bs = cache.block_size
+        self.plans: dict[str, PoolPlan | PushPlan] = {}
+        self.saver = LayerSaver(store, cache) if store is not None and save_blocks else None
+        self._pending: list[tuple[int, int]] = []
+
+    def close(self) -> None:
+        if self.saver is not None:
+            self.saver.close()
+
+    # -- loading at admission ----------------------------------------------------------------
+
+    def load(self, seq: Sequence) -> str | None:
+        limit = (len(seq) - 1) // self.bs  # full blocks that may be loaded
+        first = seq.num_computed_tokens // self.bs
+        loaded = self._load_blocks(seq, first, limit) if self.store is not None else 0
+        seq.num_pool_tokens = loaded * self.bs
+        seq.num_computed_tokens += seq.num_pool_tokens
+        if seq.kv_source is not KVSource.POOL:
+            return None
+        if first + loaded < limit:
+            return (f"KV of block {first + loaded} of request {seq.request_id} is missing from "
+                    f"the pool" if self.store is not None else "this worker has no pool (--master)")
+        return self._load_partial(seq, limit)
+
+    def _load_blocks(self, seq: Sequence, first: int, limit: int) -> int:
+        layers = range(self.cache.num_layers)
+        keys = [block_key(seq.block_hashes[i], layer) for i in range(first, limit) for layer in layers]
+        if not keys:
+            return 0
+        parts = [self.cache.block_parts(seq.block_table[i], range(layer, layer + 1))
+                 for i in range(first, limit) for layer in layers]
+        results = self.store.batch_get_into_parts(keys, parts)
+        per_block = [all(r.ok for r in results[j:j + len(layers)])
+                     for j in range(0, len(results), len(layers))]
+        return per_block.index(False) if False in per_block else len(per_block)
+
+    def _load_partial(self, seq: Sequence, limit: int) -> str | None:
+        if seq.num_prompt_tokens % self.bs:
+            key = request_key(seq.request_id)
+            result = self.store.batch_get_into_parts(
+                [key], [self.cache.block_parts(seq.block_table[limit])])[0]
+            if not result.ok:
+                return f"last block of request {seq.request_id} is missing from the pool ({result.code.name})"
+            self.store.remove(key)
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        return None
+
+    # -- saving while computing ----------------------------------------------------------------
+
+    def before_forward(self, batch: ScheduledBatch) -> None:
+        self._pending = []
+        if self.saver is None:
+            return
+        for seq, n in batch:
+            done = min((seq.num_computed_tokens + n) // self.bs, len(seq.block_hashes))
+            for i in range(seq.num_computed_tokens // self.bs, done):
+                self._pending.append((seq.block_hashes[i], seq.block_table[i]))
+
+    def on_layer(self, layer: int) -> None:
+        if self._pending and self.saver is not None:
+            self.saver.submit(layer, self._pending)
+
+    # -- handing the KV over -----------------------------------------------------------------
+
+    def on_finish(self, seq: Sequence) -> str | None:
+        plan = self.plans.pop(seq.request_id, None)
+        failures = self.saver.flush() if self.saver is not None else []
+        if plan is None:
+            return None
+        try:
+            if isinstance(plan, PushPlan):
+                return self._push(seq, plan)
+            if failures:
+                return f"storing KV in the pool failed: {failures[0]} ({len(failures)} in all)"
+            return self._put_rest(seq)
+        except KvpoolError as exc:
+            return f"{type(exc).__name__}: {exc}"
+
+    def _push(self, seq: Sequence, plan: PushPlan) -> str | None:
+        num_blocks = -(-seq.num_prompt_tokens // self.bs)
+        local = push_parts(self.cache, seq.block_table[:num_blocks])
+        if len(local) != len(plan.regions) or any(a[1] != b[1] for a, b in zip(local, plan.regions, strict=True)):
+            return (f"decode worker reserved {len(plan.regions)} regions, the prompt needs "
+                    f"{len(local)} of {self.cache.block_bytes} bytes")
+        items = [(addr, remote, n) for (addr, n), (remote, _) in zip(local, plan.regions, strict=True)]
+        self.transfer.batch_write(plan.segment, items)
+        return None
+
+    def _put_rest(self, seq: Sequence) -> str | None:
+        """The full blocks the saver did not write (local hits, pool loads), and the partial one."""
+        if self.store is None:
+            return "this worker has no pool (--master) to leave the KV in"
+        full = seq.num_prompt_tokens // self.bs
+        layers = range(self.cache.num_layers)
+        keys = [block_key(seq.block_hashes[i], layer) for i in range(full) for layer in layers]
+        parts = [self.cache.block_parts(seq.block_table[i], range(layer, layer + 1))
+                 for i in range(full) for layer in layers]
+        if seq.num_prompt_tokens % self.bs:
+            keys.append(request_key(seq.request_id))
+            parts.append(self.cache.block_parts(seq.block_table[full]))
+        results = self.store.batch_put_from_parts(keys, parts) if keys else []
+        bad = [(k, r.code.name) for k, r in zip(keys, results, strict=True) if not r.ok]
+        return f"storing KV in the pool failed: put {bad[0][0]}: {bad[0][1]}" if bad else None

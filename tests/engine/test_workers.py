@@ -1,0 +1,159 @@
+"""Workers as real processes (a master, a store node, two prefill workers, a decode worker and a
+colocated one): every path gives the same greedy tokens as a plain in-process engine, and the
+KV in the pool is the KV a plain forward computes, bit for bit."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from kvpool.engine.blocks import block_key, model_hash_for_dir, prefix_block_hashes
+from kvpool.engine.config import EngineConfig, SamplingParams
+from kvpool.engine.llm_engine import LLMEngine
+from kvpool.engine.worker.client import WorkerCallFailed, generate, prefill, stream
+from tests.support.net import free_port, wait_port
+from tests.support.procs import running, spawn_kvpool
+
+BS = 8
+TOKEN = "s3cret"
+SAMPLING = {"max_tokens": 10, "ignore_eos": True}
+
+
+@dataclass
+class Workers:
+    master: str
+    model_dir: Path
+    p1: str
+    p2: str
+    d: str
+    both: str
+
+
+def spawn_worker(stack: ExitStack, model_dir: Path, role: str, *extra: str) -> tuple[str, int]:
+    port = free_port()
+    stack.enter_context(running(spawn_kvpool(
+        "worker", "--role", role, "--model", str(model_dir), "--port", str(port),
+        "--block-size", str(BS), "--num-blocks", "128", "--max-model-len", "512",
+        "--remote-timeout", "3", *extra)))
+    return f"http://127.0.0.1:{port}", port
+
+
+@pytest.fixture(scope="module")
+def workers(tiny_llama: Path) -> Iterator[Workers]:
+    rpc, admin = free_port(), free_port()
+    with ExitStack() as stack:
+        stack.enter_context(running(spawn_kvpool(
+            "master", "--rpc_port", str(rpc), "--metrics_port", str(admin), "--no-http-metadata")))
+        wait_port(rpc)
+        master = f"127.0.0.1:{rpc}"
+        stack.enter_context(running(spawn_kvpool(
+            "store-node", "--dram", "64MiB", "--master", master, "--heartbeat-interval", "0.2")))
+        urls = [spawn_worker(stack, tiny_llama, role, "--master", master)
+                for role in ("prefill", "prefill", "decode")]
+        urls.append(spawn_worker(stack, tiny_llama, "both", "--token", TOKEN))
+        for _, port in urls:
+            wait_port(port, timeout_s=60)
+        httpx.get(f"{urls[0][0]}/health", timeout=10).raise_for_status()
+        yield Workers(master, tiny_llama, *(u for u, _ in urls))
+
+
+def reference(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
+    engine = LLMEngine.from_dir(model_dir, EngineConfig(block_size=BS, num_blocks=128))
+    return engine.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(2, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_every_path_gives_the_same_tokens(workers: Workers) -> None:
+    prompts = [prompt(5, 1), prompt(19, 2), prompt(24, 3)]
+    want = reference(workers.model_dir, prompts)
+    for p, expected in zip(prompts, want, strict=True):
+        both = generate(p, SAMPLING, decode_url=workers.both, token=TOKEN)
+        pool = generate(p, SAMPLING, prefill_url=workers.p1, decode_url=workers.d, mode="pool")
+        push = generate(p, SAMPLING, prefill_url=workers.p2, decode_url=workers.d, mode="push")
+        assert both.token_ids == pool.token_ids == push.token_ids == expected
+        assert pool.finish_reason == push.finish_reason == "length"
+
+
+def test_prefix_from_the_pool_written_by_another_prefill_worker(workers: Workers) -> None:
+    shared = prompt(32, 10)
+    first, second = shared + prompt(5, 11), shared + prompt(7, 12)
+    want = reference(workers.model_dir, [first, second])
+    a = generate(first, SAMPLING, prefill_url=workers.p1, decode_url=workers.d, mode="pool")
+    assert a.prefill["num_pool_tokens"] == 0 and a.prefill["num_computed_tokens"] == len(first)
+    b = generate(second, SAMPLING, prefill_url=workers.p2, decode_url=workers.d, mode="push")
+    assert b.prefill["num_pool_tokens"] == 32 and b.prefill["num_cached_tokens"] == 0
+    assert b.prefill["num_computed_tokens"] == len(second) - 32
+    assert [a.token_ids, b.token_ids] == want
+    c = generate(second, SAMPLING, prefill_url=workers.p2, decode_url=workers.d, mode="pool")
+    assert c.prefill["num_cached_tokens"] == 32 and c.token_ids == want[1]
+
+
+def test_pool_kv_equals_recomputed_bit_for_bit(workers: Workers) -> None:
+    from kvpool.store import ClientConfig, StoreClient
+    p = prompt(27, 20)
+    prefill(workers.p1, "kv-check", p, {"max_tokens": 1}, {"mode": "pool"})
+    engine = LLMEngine.from_dir(workers.model_dir, EngineConfig(block_size=BS, num_blocks=16))
+    seq = engine.add_request("local", p, SamplingParams(max_tokens=2))
+    engine.step()  # the whole prompt in one pass, as the worker did
+    hashes = prefix_block_hashes(p, BS, model_hash_for_dir(workers.model_dir))
+    assert len(hashes) == 3
+    with StoreClient(ClientConfig(master=workers.master)) as store:
+        for i, h in enumerate(hashes):
+            for layer in range(engine.cache.num_layers):
+                got = store.get(block_key(h, layer))
+                assert got.ok, (i, layer, got.code)
+                want = engine.cache.kv[layer, :, seq.block_table[i]].contiguous()
+                stored = torch.frombuffer(bytearray(got.data), dtype=torch.float32).view(want.shape)
+                assert torch.equal(stored, want), (i, layer)
+
+
+def test_load_reports_held_blocks(workers: Workers) -> None:
+    p = prompt(17, 30)
+    prefill(workers.p1, "load-check", p, {"max_tokens": 1}, {"mode": "pool"})
+    load = httpx.get(f"{workers.p1}/load", timeout=10).json()
+    hashes = prefix_block_hashes(p, BS, model_hash_for_dir(workers.model_dir))
+    assert set(hashes) <= set(load["block_hashes"])
+    assert load["kv_capacity_tokens"] == 128 * BS and load["num_running"] == 0
+    info = httpx.get(f"{workers.d}/info", timeout=10).json()
+    assert info["role"] == "decode" and info["block_size"] == BS
+    assert info["model_hash"] == model_hash_for_dir(workers.model_dir) and ":" in info["segment"]
+
+
+def test_errors_are_lines_not_hangs(workers: Workers) -> None:
+    p = prompt(12, 40)
+    dead = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(WorkerCallFailed, match="unreachable"):
+        prefill(workers.p1, "to-dead", p, SAMPLING, {"mode": "push", "decode_url": dead})
+    with pytest.raises(WorkerCallFailed, match="missing from the pool"):
+        list(stream(workers.d, "never-prefilled", prompt(30, 41), SAMPLING, 7, "pool"))
+    with pytest.raises(WorkerCallFailed, match="no reservation"):
+        list(stream(workers.d, "never-pushed", p, SAMPLING, 7, "push"))
+    with pytest.raises(WorkerCallFailed, match="400"):
+        prefill(workers.d, "wrong-role", p, SAMPLING, {"mode": "pool"})
+    assert httpx.get(f"{workers.both}/load", timeout=10).status_code == 401
+    assert httpx.post(f"{workers.d}/generate", json={"request_id": "x"}, timeout=10).status_code == 400
+
+
+def test_a_dead_decode_worker_fails_the_push(workers: Workers, tiny_llama: Path) -> None:
+    port = free_port()
+    proc = spawn_kvpool("worker", "--role", "decode", "--model", str(tiny_llama), "--port",
+                        str(port), "--block-size", str(BS), "--num-blocks", "16")
+    with running(proc):
+        wait_port(port, timeout_s=60)
+        url = f"http://127.0.0.1:{port}"
+        reserve = httpx.post(f"{url}/kv/reserve", json={"request_id": "r", "num_tokens": 20},
+                             timeout=10).json()
+        assert reserve["ok"] and len(reserve["regions"]) == 3 * 2 * 2  # blocks x layers x K,V
+        assert httpx.post(f"{url}/abort", json={"request_id": "r"}, timeout=10).json()["ok"]
+    with pytest.raises(WorkerCallFailed, match="unreachable"):
+        prefill(workers.p2, "dead-decode", prompt(20, 50), SAMPLING,
+                {"mode": "push", "decode_url": url})
