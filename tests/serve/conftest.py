@@ -71,7 +71,7 @@ def start_worker(model: Path, role: str, cluster: ServingCluster) -> tuple[subpr
     port = free_port()
     master = cluster.master_address
     proc = spawn("worker", "--role", role, "--model", str(model), "--host", "127.0.0.1",
-                 "--port", str(port), "--master", master, "--metadata", cluster.metadata_url)
+                 "--port", str(port), "--master", master)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http(url + "/health", [proc], f"{role} worker", timeout_s=60)

@@ -71,7 +71,8 @@ class Proxy:
 
     @property
     def max_model_len(self) -> int:
-        return self.cluster.max_model_len or self.context_len
+        """The smaller of the model's positions (config.json) and the workers' limit."""
+        return min(self.cluster.max_model_len or self.context_len, self.context_len)
 
     async def serve(self, request: Request, kind: str) -> Response:
         arrival_s = time.perf_counter()

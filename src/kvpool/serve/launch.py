@@ -161,7 +161,7 @@ def serving_cluster(spec: ServingSpec) -> Iterator[ServingCluster]:
             port = free_port(host)
             start(f"{role}-{i}", "worker", "--role", role, "--model", str(spec.model_dir),
                   "--host", host, "--port", str(port), "--master", master_addr,
-                  "--metadata", metadata, *spec.worker_args)
+                  *spec.worker_args)
             cluster.worker_urls.setdefault(role, []).append(f"http://{host}:{port}")
         flags = [f for role, urls in cluster.worker_urls.items() for u in urls
                  for f in ("--decode" if role == "decode" else "--prefill", u)]
