@@ -54,13 +54,15 @@ def proxy_url(cluster: ServingCluster) -> str:
     return cluster.proxy_url
 
 
-def start_proxy(model: Path, *args: str) -> tuple[subprocess.Popen[bytes], str]:
-    """Another `kvpool proxy` over existing workers; the caller stops it."""
+def start_proxy(model: Path, *args: str,
+                ready: str = "/health") -> tuple[subprocess.Popen[bytes], str]:
+    """Another `kvpool proxy` over existing workers, once `ready` answers 200; the caller
+    stops it."""
     port = free_port()
     proc = spawn("proxy", "--model", str(model), "--port", str(port), *args)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_http(url + "/health", [proc], "proxy", timeout_s=60)
+        wait_http(url + ready, [proc], "proxy", timeout_s=60)
     except BaseException:
         stop(proc)
         raise

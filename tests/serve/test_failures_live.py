@@ -12,21 +12,27 @@ from pathlib import Path
 
 import httpx
 
-from kvpool.serve.launch import ServingCluster, stop
+from kvpool.serve.launch import ServingCluster, stop, wait_http
 from tests.serve.conftest import start_proxy, start_worker
 
 
 def test_overload_is_refused_with_429(cluster: ServingCluster, tmp_path: Path) -> None:
     # Every prefill predicted at 0.2 s and a 0.5 s TTFT objective: of a burst on one prefill
     # worker, the first two fit and the queue refuses the rest, whatever the CPU's speed.
+    # The workers join this proxy by registering (POST /workers/register), not by flags.
     cost = tmp_path / "cost.json"
     cost.write_text(json.dumps({"prefill_base_s": 0.2, "prefill_linear_s": 0.0,
                                 "prefill_quadratic_s": 0.0}))
-    flags = ["--ttft-slo", "0.5", "--cost", str(cost)]
-    for role, urls in cluster.worker_urls.items():
-        flags += [f"--{'decode' if role == 'decode' else 'prefill'}" , urls[0]]
-    proc, url = start_proxy(cluster.model_dir, *flags)
+    proc, url = start_proxy(cluster.model_dir, "--ttft-slo", "0.5", "--cost", str(cost),
+                            ready="/v1/models")
     try:
+        assert httpx.get(url + "/health").status_code == 503  # no worker yet
+        for urls in cluster.worker_urls.values():
+            reply = httpx.post(url + "/workers/register", json={"url": urls[0]})
+            assert reply.json() == {"ok": True, "url": urls[0]}
+        assert httpx.post(url + "/workers/register", json={"nope": 1}).status_code == 400
+        wait_http(url + "/health", [proc], "proxy with registered workers", timeout_s=30)
+
         async def burst() -> list[httpx.Response]:
             async with httpx.AsyncClient(base_url=url, timeout=60) as http:
                 body = {"model": cluster.model_name, "prompt": "hello world", "max_tokens": 2}

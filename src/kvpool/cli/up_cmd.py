@@ -70,6 +70,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="workers that prefill and decode (role both; default 0)")
     p.add_argument("--prefill-policy", default="kvcache_centric")
     p.add_argument("--admission", default="early_rejection_predicted")
+    p.add_argument("--kv-transfer", choices=("pool", "push"), default="pool",
+                   help="prefill -> decode KV handoff")
     p.add_argument("--store-only", action="store_true",
                    help="only the KV store (master + store nodes), as before the workers existed")
     p.add_argument("--store-nodes", type=int, default=None,
@@ -115,7 +117,8 @@ def _run_serving(args: argparse.Namespace) -> int:
         model = Path(args.model) if args.model else ensure_tiny_model(default_model_dir())
         spec = ServingSpec(model, args.host, args.port, args.prefill, args.decode,
                            args.colocated, args.dram,
-                           ("--prefill-policy", args.prefill_policy, "--admission", args.admission))
+                           ("--prefill-policy", args.prefill_policy, "--admission", args.admission,
+                            "--kv-transfer", args.kv_transfer))
         with serving_cluster(spec) as cluster:
             _print_serving(cluster)
             if args.demo:
