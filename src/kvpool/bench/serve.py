@@ -193,14 +193,13 @@ def _print(label: str, row: dict[str, Any], as_json: bool) -> None:
 
 
 MATRIX = (  # (label, prefill workers, decode workers, colocated workers, policy, admission)
-    ("disaggregated kvcache_centric early_rej_pred", 1, 1, 0, "kvcache_centric",
+    ("2P1D kvcache_centric early_rej_pred", 2, 1, 0, "kvcache_centric",
      "early_rejection_predicted"),
-    ("disaggregated kvcache_centric no_rejection", 1, 1, 0, "kvcache_centric", "none"),
-    ("disaggregated load_balance early_rej_pred", 1, 1, 0, "load_balance",
+    ("2P1D kvcache_centric no_rejection", 2, 1, 0, "kvcache_centric", "none"),
+    ("2P1D load_balance early_rej_pred", 2, 1, 0, "load_balance", "early_rejection_predicted"),
+    ("3 colocated kvcache_centric early_rej_pred", 0, 0, 3, "kvcache_centric",
      "early_rejection_predicted"),
-    ("colocated kvcache_centric early_rej_pred", 0, 0, 2, "kvcache_centric",
-     "early_rejection_predicted"),
-    ("colocated load_balance early_rej_pred", 0, 0, 2, "load_balance",
+    ("3 colocated load_balance early_rej_pred", 0, 0, 3, "load_balance",
      "early_rejection_predicted"),
 )
 
@@ -221,7 +220,7 @@ def _run_matrix(args: argparse.Namespace) -> int:
                            num_colocated=num_c, proxy_args=(
                                "--prefill-policy", policy, "--admission", admission,
                                "--ttft-slo", str(args.ttft_slo), "--tbt-slo", str(args.tbt_slo),
-                               "--decode-horizon", str(args.decode_horizon)))
+                               "--decode-horizon", str(args.decode_horizon), "--fit-cost"))
         with serving_cluster(spec) as cluster:
             name, max_len = _model_facts(cluster.proxy_url)
             reqs = reqs or _requests(args, _vocab(model), max_len)

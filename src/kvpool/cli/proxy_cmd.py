@@ -30,6 +30,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="seconds a request is assumed to decode (predicted early rejection)")
     p.add_argument("--cost", default=None, metavar="JSON",
                    help="cost model for the conductor's predictions (kvpool sim fit --out)")
+    p.add_argument("--fit-cost", action="store_true",
+                   help="refit the prefill cost model from the prefill times workers report")
     p.add_argument("--kv-transfer", default=_D.kv_transfer, choices=KV_TRANSFER_MODES,
                    help="prefill -> decode KV handoff: through the pool, or pushed")
     p.add_argument("--poll-interval", type=float, default=_D.poll_interval_s,
@@ -46,7 +48,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         prefill_urls=tuple(args.prefill), decode_urls=tuple(args.decode),
         prefill_policy=args.prefill_policy, admission=args.admission,
         ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
-        decode_horizon_s=args.decode_horizon, cost_path=args.cost,
+        decode_horizon_s=args.decode_horizon, cost_path=args.cost, fit_cost=args.fit_cost,
         kv_transfer=args.kv_transfer, poll_interval_s=args.poll_interval,
         token=args.token or os.environ.get("KVPOOL_TOKEN"))
 

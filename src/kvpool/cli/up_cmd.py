@@ -118,7 +118,7 @@ def _run_serving(args: argparse.Namespace) -> int:
         spec = ServingSpec(model, args.host, args.port, args.prefill, args.decode,
                            args.colocated, args.dram,
                            ("--prefill-policy", args.prefill_policy, "--admission", args.admission,
-                            "--kv-transfer", args.kv_transfer))
+                            "--kv-transfer", args.kv_transfer, "--fit-cost"))
         with serving_cluster(spec) as cluster:
             _print_serving(cluster)
             if args.demo:

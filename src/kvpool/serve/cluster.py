@@ -107,6 +107,8 @@ class Booking:
     prefill_load: PrefillLoad
     decode_load: DecodeLoad
     decision: Accepted
+    alone: bool = False
+    """Nothing else was queued on the prefill worker when this request was booked."""
     prefill_pending: bool = True
     decode_started: bool = False
     finished: bool = False
@@ -228,8 +230,9 @@ class LiveCluster:
         p = self._prefill[decision.prefill.instance_id]
         d = self._decode[decision.decode.instance_id]
         assert p.prefill_load is not None and d.decode_load is not None
+        alone = p.prefill_load.num_queued == 0
         self.view.record_accept(req, decision, now)
-        return Booking(req, p, d, p.prefill_load, d.decode_load, decision)
+        return Booking(req, p, d, p.prefill_load, d.decode_load, decision, alone)
 
     def _in_view(self, b: Booking, prefill: bool) -> bool:
         if prefill:

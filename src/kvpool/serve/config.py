@@ -32,6 +32,9 @@ class ProxyConfig:
     conductor's default fits the papers' 70B model; a tiny CPU model finishes far sooner."""
     cost_path: str | None = None
     """A CostModel JSON (`kvpool sim fit --out`); None = the default coefficients."""
+    fit_cost: bool = False
+    """Refit the cost model's prefill coefficients from the prefill times workers report
+    (requests that had their prefill worker to themselves), starting from `cost_path`'s."""
     kv_transfer: str = "pool"
     """How the prefill leg hands the KV to the decode leg: through the pool, or pushed."""
     poll_interval_s: float = 0.15

@@ -15,12 +15,20 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from dataclasses import replace
 from typing import Any, TypeVar
 
 from kvpool.clock import Clock
-from kvpool.conductor import Conductor, ConductorConfig, CostModel, Rejected, RequestInfo
+from kvpool.conductor import (
+    Conductor,
+    ConductorConfig,
+    CostModel,
+    Rejected,
+    RequestInfo,
+    fit_prefill,
+)
 from kvpool.engine.blocks import prefix_block_hashes
 from kvpool.serve.cluster import Booking, LiveCluster, WorkerState
 from kvpool.serve.config import ProxyConfig
@@ -29,6 +37,9 @@ from kvpool.serve.metrics import ProxyMetrics
 from kvpool.serve.worker_client import WorkerCallError, WorkerClient
 
 T = TypeVar("T")
+
+REFIT_EVERY = 8
+"""Prefill samples between two refits of the cost model (with --fit-cost)."""
 
 
 class Dispatcher:
@@ -47,6 +58,8 @@ class Dispatcher:
         self.conductor = Conductor(self.conductor_config, cost, clock)  # checks the names now
         self._ids = itertools.count(1)
         self._background: set[asyncio.Task[None]] = set()
+        self._samples: deque[tuple[int, int, float]] = deque(maxlen=256)
+        self._new_samples = 0
 
     def _conductor_for(self, block_size: int) -> Conductor:
         if self.conductor.config.block_size != block_size:
@@ -74,6 +87,22 @@ class Dispatcher:
         if r.reason == "ttft":
             return max(1, min(60, math.ceil(r.predicted_ttft_s - self.config.ttft_slo_s)))
         return 1
+
+    def learn(self, booking: Booking, prefix_len: int, prefill_s: float) -> None:
+        """With fit_cost: one measured prefill; every REFIT_EVERY samples the conductor's
+        prefill coefficients are refitted (samples with other work queued are skipped: their
+        time includes that work)."""
+        if not self.config.fit_cost or not booking.alone or prefill_s <= 0:
+            return
+        self._samples.append((booking.req.input_len, prefix_len, prefill_s))
+        self._new_samples += 1
+        lengths = {n - p for n, p, _ in self._samples}
+        if self._new_samples < REFIT_EVERY or len(lengths) < 3:
+            return
+        self._new_samples = 0
+        self.cost = fit_prefill(self._samples, self.cost)
+        self.cluster.cost = self.cost
+        self.conductor = Conductor(self.conductor.config, self.cost, self.clock)
 
     def run(self, booking: Booking, request_id: str, prompt_ids: list[int],
             sampling: dict[str, Any]) -> Run:
@@ -153,6 +182,7 @@ class Run:
                                   f"reply without first_token_id: {reply!r}") from None
         self.d.metrics.prompt_tokens.inc(len(self.prompt_ids))
         self.d.metrics.prefix_hit_tokens.inc(self.cached_len)
+        self.d.learn(self.b, self.cached_len, float(reply.get("prefill_s") or 0.0))
         return first
 
     async def _decode_leg(self, first: int | None, kv_source: str) -> AsyncIterator[int]:
@@ -171,6 +201,8 @@ class Run:
                 self.d.cluster.decode_start(self.b, self.d.clock.now())
                 if "finish_reason" in obj:
                     self.finish_reason = str(obj["finish_reason"])
+                    if kv_source == "none":  # colocated: the prefill's reuse, if reported
+                        self._colocated_reuse(obj)
                     return
                 tok = int(obj["token_id"])
                 if skip_echo:  # the first token came from the prefill leg already
@@ -181,6 +213,11 @@ class Run:
                 yield tok
         finally:
             await lines.aclose()
+
+    def _colocated_reuse(self, finish: dict[str, Any]) -> None:
+        reused = int(finish.get("num_cached_tokens") or 0) + int(finish.get("num_pool_tokens") or 0)
+        self.cached_len = reused
+        self.d.metrics.prefix_hit_tokens.inc(reused)
 
     def _colocated_first_token(self) -> None:
         self.d.cluster.prefill_done(self.b, self.d.clock.now())
