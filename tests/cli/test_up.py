@@ -1,4 +1,6 @@
-"""`kvpool up --demo` as a user runs it: a real master, real store nodes, a SIGKILL, verified bytes."""
+"""`kvpool up --store-only --demo` as a user runs it: a real master, real store nodes, a SIGKILL,
+verified bytes. The serving cluster (`kvpool up` with workers and the proxy) is tested in
+tests/serve/test_up_serving.py."""
 
 from __future__ import annotations
 
@@ -10,7 +12,8 @@ from tests.support.procs import python_env
 
 def test_up_demo_runs_a_whole_local_cluster() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "kvpool", "up", "--demo", "--no-bench", "--dram", "64MiB"],
+        [sys.executable, "-m", "kvpool", "up", "--store-only", "--demo", "--no-bench",
+         "--dram", "64MiB"],
         capture_output=True, text=True, timeout=120, env=python_env(),
     )
     assert out.returncode == 0, out.stdout + out.stderr
@@ -20,7 +23,14 @@ def test_up_demo_runs_a_whole_local_cluster() -> None:
 
 
 def test_up_rejects_bad_node_count() -> None:
-    out = subprocess.run([sys.executable, "-m", "kvpool", "up", "--store-nodes", "0"],
+    out = subprocess.run([sys.executable, "-m", "kvpool", "up", "--store-only", "--store-nodes", "0"],
                          capture_output=True, text=True, timeout=60, env=python_env())
     assert out.returncode == 2
     assert "--store-nodes must be >= 1" in out.stderr
+
+
+def test_up_needs_a_prefill_and_a_decode_worker() -> None:
+    out = subprocess.run([sys.executable, "-m", "kvpool", "up", "--decode", "0"],
+                         capture_output=True, text=True, timeout=60, env=python_env())
+    assert out.returncode == 2
+    assert "need at least one prefill and one decode worker" in out.stderr

@@ -6,6 +6,8 @@ import pytest
 
 from kvpool.errors import InvalidArgument
 from kvpool.sim.trace import (
+    PACKAGED_TRACE,
+    checkout_trace_path,
     default_trace_path,
     force_output_len,
     load_trace,
@@ -50,8 +52,10 @@ def test_bad_files_name_the_line(tmp_path: Path) -> None:
 
 
 def test_default_path_and_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    assert default_trace_path().parts[-4:] == ("shared", "data", "traces",
-                                               "conversation_trace.jsonl")
+    assert default_trace_path() == PACKAGED_TRACE
+    assert PACKAGED_TRACE.parts[-3:] == ("kvpool", "data", "conversation_trace.jsonl.gz")
+    assert checkout_trace_path().parts[-4:] == ("shared", "data", "traces",
+                                                "conversation_trace.jsonl")
     monkeypatch.setenv("KVPOOL_TRACE_DIR", str(tmp_path))
     assert default_trace_path() == tmp_path / "conversation_trace.jsonl"
 

@@ -9,6 +9,7 @@ _BENCH_MODULES = (
     "kvpool.bench.transfer",
     "kvpool.bench.store",
     "kvpool.bench.conductor",
+    "kvpool.bench.serve",
     "kvpool.compat.bench",
     "kvpool.bench.engine",
 )

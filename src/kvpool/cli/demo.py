@@ -1,12 +1,16 @@
-"""The workload `kvpool up --demo` runs against its local cluster."""
+"""The workloads `kvpool up --demo` runs: requests through the serving cluster's proxy
+(`run_serving_demo`), or store operations against a store-only cluster (`run_demo`)."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import signal
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
+import httpx
 import numpy as np
 
 from kvpool.store.client import StoreClient
@@ -15,11 +19,87 @@ from kvpool.store.config import ReplicateConfig
 
 if TYPE_CHECKING:
     from kvpool.cli.up_cmd import LocalCluster
+    from kvpool.serve.launch import ServingCluster
 
 NUM_OBJECTS = 64
 OBJECT_BYTES = 256 << 10
 BATCH_KEYS = 32
 BATCH_OBJECT_BYTES = 1 << 20
+
+
+DEMO_PROMPTS = ("The cache block pool", "hello world, the prefill")
+_WORDS = ("the prefill of the prompt can read the cache block from the pool and the decode "
+          "can write the token to the store").split()
+
+
+def run_serving_demo(cluster: ServingCluster) -> int:
+    """A few streamed requests, then one long prompt cold and again with its prefix cached."""
+    with httpx.Client(base_url=cluster.proxy_url + "/v1", timeout=300) as http:
+        model = cluster.model_name
+        for prompt in DEMO_PROMPTS:
+            print(f"demo: completion {prompt!r} -> ", end="", flush=True)
+            _print_stream(http, "/completions", {"model": model, "prompt": prompt,
+                                                 "max_tokens": 24, "temperature": 0})
+        print("demo: chat 'What is a KV cache?' -> ", end="", flush=True)
+        _print_stream(http, "/chat/completions", {
+            "model": model, "max_tokens": 24, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is a KV cache?"}]})
+        max_len = int(http.get("/models").json()["data"][0]["max_model_len"])
+        _long_prompt_ttft(http, model, max_len)
+    metrics = httpx.get(cluster.proxy_url + "/metrics", timeout=10).text.splitlines()
+    for line in metrics:
+        if line.startswith(("kvpool_proxy_prefix_hit_tokens_total", "kvpool_proxy_prompt_tokens_total",
+                            "kvpool_proxy_ttft_seconds_count", "kvpool_proxy_rejections_total")):
+            print(f"  {line}")
+    print("demo: done", flush=True)
+    return 0
+
+
+def _events(http: httpx.Client, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    with http.stream("POST", path, json={**body, "stream": True,
+                                         "stream_options": {"include_usage": True}}) as resp:
+        if resp.status_code != 200:
+            raise httpx.HTTPStatusError(f"{path}: HTTP {resp.status_code} {resp.read()!r}",
+                                        request=resp.request, response=resp)
+        for line in resp.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                yield json.loads(line[6:])
+
+
+def _piece(event: dict[str, Any]) -> str:
+    if not event.get("choices"):
+        return ""
+    choice = event["choices"][0]
+    return str(choice.get("text") or choice.get("delta", {}).get("content") or "")
+
+
+def _print_stream(http: httpx.Client, path: str, body: dict[str, Any]) -> None:
+    for event in _events(http, path, body):
+        print(_piece(event), end="", flush=True)
+    print(flush=True)
+
+
+def _ttft(http: httpx.Client, body: dict[str, Any]) -> tuple[float, int, int]:
+    """(seconds to the first token, prompt tokens, prompt tokens reused)."""
+    start = time.perf_counter()
+    ttft = 0.0
+    use: dict[str, Any] = {}
+    for event in _events(http, "/completions", body):
+        if not ttft and event.get("choices"):
+            ttft = time.perf_counter() - start
+        use = event.get("usage") or use
+    cached = int((use.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
+    return ttft, int(use.get("prompt_tokens", 0)), cached
+
+
+def _long_prompt_ttft(http: httpx.Client, model: str, max_len: int) -> None:
+    words = (_WORDS * (max_len // len(_WORDS) + 1))[: max(64, max_len // 3)]
+    shared = " ".join(words)
+    cold = _ttft(http, {"model": model, "prompt": shared + " first question:", "max_tokens": 4})
+    warm = _ttft(http, {"model": model, "prompt": shared + " second question:", "max_tokens": 4})
+    print(f"demo: long prompt of {cold[1]} tokens: TTFT cold {cold[0] * 1e3:.1f} ms "
+          f"({cold[2]} tokens reused); same prefix again: TTFT {warm[0] * 1e3:.1f} ms "
+          f"({warm[2]} tokens reused from the cache/pool)", flush=True)
 
 
 def _payload(key: str, size: int) -> bytes:

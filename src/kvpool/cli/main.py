@@ -25,6 +25,7 @@ _COMMAND_MODULES = (
     "kvpool.cli.model_cmd",
     "kvpool.cli.worker_cmd",
     "kvpool.cli.generate_cmd",
+    "kvpool.cli.proxy_cmd",
 )
 
 

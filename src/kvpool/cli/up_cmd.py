@@ -1,10 +1,14 @@
-"""`kvpool up`: a whole local cluster in one command.
+"""`kvpool up`: a whole local serving cluster in one command.
 
-Starts a master (with the embedded HTTP metadata server) and N store nodes as separate
-processes on loopback. With `--demo` it then runs a short workload through a pure client:
-replicated puts and verified gets, zero-copy batches, a store node killed with SIGKILL while its
-replicated objects stay readable, and finally the transfer benchmark; then it shuts down.
-Without `--demo` it keeps the cluster up until Ctrl-C.
+Starts a master (with the embedded HTTP metadata server), a store node, prefill and decode
+workers on a model folder (a tiny random model made on first use by default) and the
+OpenAI-compatible proxy on 127.0.0.1:8000, each a separate process that dies with this one
+(Ctrl-C, SIGTERM, even SIGKILL: see kvpool.serve.launch). With `--demo` it sends a few requests
+itself and stops; without, it serves until Ctrl-C.
+
+`--store-only` starts just the KV store (master + N store nodes); its `--demo` runs replicated
+puts and verified gets, zero-copy batches, a store node killed with SIGKILL while its replicated
+objects stay readable, and the transfer benchmark.
 """
 
 from __future__ import annotations
@@ -12,18 +16,23 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
 from kvpool.cli.security import add_security_args, bind_refusal, export_token
 from kvpool.errors import KvpoolError
+from kvpool.serve.launch import free_port, spawn, stop
+
+if TYPE_CHECKING:
+    from kvpool.serve.launch import ServingCluster
 
 
 @dataclass
@@ -51,30 +60,126 @@ class LocalCluster:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("up", help="start a local cluster (master + store nodes); --demo runs a workload")
+    p = subparsers.add_parser(
+        "up", help="start a local serving cluster (master, store node, workers, proxy); "
+        "--demo sends requests and stops")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--store-nodes", type=int, default=2, help="store-node processes (default 2)")
+    p.add_argument("--port", type=int, default=8000, help="proxy port (default 8000)")
+    p.add_argument("--model", default=None,
+                   help="model folder (default: a tiny random model made on first use under "
+                   "~/.cache/kvpool/models/tiny)")
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
+    p.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
+    p.add_argument("--colocated", type=int, default=0,
+                   help="workers that prefill and decode (role both; default 0)")
+    p.add_argument("--prefill-policy", default="kvcache_centric")
+    p.add_argument("--admission", default="early_rejection_predicted")
+    p.add_argument("--kv-transfer", choices=("pool", "push"), default="pool",
+                   help="prefill -> decode KV handoff")
+    p.add_argument("--store-only", action="store_true",
+                   help="only the KV store (master + store nodes), as before the workers existed")
+    p.add_argument("--store-nodes", type=int, default=None,
+                   help="store-node processes (default 2 with --store-only, else 1)")
     p.add_argument("--dram", default="256MiB", help="DRAM each store node contributes")
-    p.add_argument("--rpc-port", type=int, default=0, help="master RPC port (0 = a free one)")
-    p.add_argument("--admin-port", type=int, default=0, help="master admin HTTP port (0 = a free one)")
-    p.add_argument("--metadata-port", type=int, default=0, help="embedded metadata port (0 = a free one)")
+    p.add_argument("--rpc-port", type=int, default=0, help="--store-only: master RPC port")
+    p.add_argument("--admin-port", type=int, default=0, help="--store-only: master admin port")
+    p.add_argument("--metadata-port", type=int, default=0, help="--store-only: metadata port")
     p.add_argument("--demo", action="store_true", help="run the demo workload, then shut down")
-    p.add_argument("--no-bench", action="store_true", help="with --demo: skip the transfer benchmark")
+    p.add_argument("--no-bench", action="store_true",
+                   help="--store-only --demo: skip the transfer benchmark")
     add_security_args(p, "every process of the cluster requires")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.store_nodes < 1:
-        print("kvpool up: --store-nodes must be >= 1", file=sys.stderr)
-        return 2
+    _terminate_on_sigterm()
+    if args.store_only:
+        return _run_store_only(args)
+    return _run_serving(args)
+
+
+def _terminate_on_sigterm() -> None:
+    """SIGTERM unwinds like Ctrl-C, so every child is stopped on the way out."""
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+def _secure_or_refuse(args: argparse.Namespace) -> bool:
+    """Refuse a public bind without a token; export the token for the children and clients."""
     refusal = bind_refusal("up", args.host, args.token, args.insecure)
     if refusal is not None:
         print(refusal, file=sys.stderr)
+        return False
+    export_token(args.token)  # the demo's clients, and every child, read it
+    return True
+
+
+def _run_serving(args: argparse.Namespace) -> int:
+    from kvpool.serve.launch import (
+        ServingSpec,
+        default_model_dir,
+        ensure_tiny_model,
+        serving_cluster,
+    )
+
+    if args.prefill + args.colocated < 1 or args.decode + args.colocated < 1:
+        print("kvpool up: need at least one prefill and one decode worker "
+              "(--prefill/--decode, or --colocated)", file=sys.stderr)
         return 2
-    export_token(args.token)  # the demo's client, and the children, read it
+    if not _secure_or_refuse(args):
+        return 2
     try:
-        with local_cluster(args.host, args.store_nodes, args.dram, args.rpc_port,
+        model = Path(args.model) if args.model else ensure_tiny_model(default_model_dir())
+        spec = ServingSpec(model, args.host, args.port, args.prefill, args.decode,
+                           args.colocated, args.dram,
+                           ("--prefill-policy", args.prefill_policy, "--admission", args.admission,
+                            "--kv-transfer", args.kv_transfer, "--fit-cost"))
+        with serving_cluster(spec) as cluster:
+            _print_serving(cluster)
+            if args.demo:
+                from kvpool.cli.demo import run_serving_demo
+
+                return run_serving_demo(cluster)
+            _wait_serving(cluster)
+            return 0
+    except KeyboardInterrupt:
+        return 0
+    except (KvpoolError, OSError, TimeoutError, subprocess.CalledProcessError) as exc:
+        print(f"kvpool up: {exc}", file=sys.stderr)
+        return 1
+
+
+def _print_serving(cluster: ServingCluster) -> None:
+    print(f"kvpool serving cluster up (pid {os.getpid()}), model {cluster.model_dir}:")
+    for role, urls in cluster.worker_urls.items():
+        print(f"  {role:8} workers  {' '.join(urls)}")
+    print(f"  OpenAI API        {cluster.proxy_url}/v1  (metrics: {cluster.proxy_url}/metrics)")
+    print(f"  try: curl {cluster.proxy_url}/v1/completions -H 'Content-Type: application/json' "
+          f"-d '{{\"model\": \"{cluster.model_name}\", \"prompt\": \"hello\", "
+          f"\"max_tokens\": 16}}'", flush=True)
+
+
+def _wait_serving(cluster: ServingCluster) -> None:
+    print("Ctrl-C to stop.", flush=True)
+    try:
+        while not cluster.exited():
+            time.sleep(0.5)
+        print(f"kvpool up: {', '.join(cluster.exited())} exited; shutting down", file=sys.stderr)
+    except KeyboardInterrupt:
+        pass
+
+
+def _run_store_only(args: argparse.Namespace) -> int:
+    num_nodes = 2 if args.store_nodes is None else args.store_nodes
+    if num_nodes < 1:
+        print("kvpool up: --store-nodes must be >= 1", file=sys.stderr)
+        return 2
+    if not _secure_or_refuse(args):
+        return 2
+    try:
+        with local_cluster(args.host, num_nodes, args.dram, args.rpc_port,
                            args.admin_port, args.metadata_port, args.token,
                            args.insecure) as cluster:
             _print_endpoints(cluster)
@@ -84,6 +189,8 @@ def run(args: argparse.Namespace) -> int:
                 return run_demo(cluster, bench=not args.no_bench)
             _wait_for_interrupt(cluster)
             return 0
+    except KeyboardInterrupt:
+        return 0
     except (KvpoolError, OSError, TimeoutError) as exc:
         print(f"kvpool up: {exc}", file=sys.stderr)
         return 1
@@ -93,7 +200,7 @@ def run(args: argparse.Namespace) -> int:
 def local_cluster(host: str, num_nodes: int, dram: str, rpc_port: int = 0, admin_port: int = 0,
                   metadata_port: int = 0, token: str | None = None,
                   insecure: bool = False) -> Iterator[LocalCluster]:
-    rpc, admin, meta = (p or _free_port(host) for p in (rpc_port, admin_port, metadata_port))
+    rpc, admin, meta = (p or free_port(host) for p in (rpc_port, admin_port, metadata_port))
     security = (["--token", token] if token else []) + (["--insecure"] if insecure else [])
     with ExitStack() as stack:
         master = _start(stack, "master", "--host", host, "--rpc-port", str(rpc),
@@ -109,26 +216,9 @@ def local_cluster(host: str, num_nodes: int, dram: str, rpc_port: int = 0, admin
 
 
 def _start(stack: ExitStack, *args: str) -> subprocess.Popen[bytes]:
-    proc = subprocess.Popen([sys.executable, "-m", "kvpool", "--log-level", "WARNING", *args],
-                            stdout=subprocess.DEVNULL)
-    stack.callback(_stop, proc)
+    proc = spawn(*args)
+    stack.callback(stop, proc)
     return proc
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def _wait_http(cluster: LocalCluster, path: str, proc: subprocess.Popen[bytes], timeout_s: float = 30) -> None:

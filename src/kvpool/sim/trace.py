@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import random
@@ -14,6 +15,8 @@ from kvpool.conductor.types import RequestInfo
 from kvpool.errors import InvalidArgument
 
 TRACE_NAME = "conversation_trace.jsonl"
+PACKAGED_TRACE = Path(__file__).resolve().parents[1] / "data" / (TRACE_NAME + ".gz")
+"""The trace shipped inside the package (gzipped; source and licence in kvpool/data/README.md)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,11 +32,17 @@ class TraceRequest:
 
 
 def default_trace_path() -> Path:
-    """`$KVPOOL_TRACE_DIR/conversation_trace.jsonl`, else `../shared/data/traces/` beside the
-    project's root."""
+    """`$KVPOOL_TRACE_DIR/conversation_trace.jsonl`, else the copy packaged with kvpool, else
+    `../shared/data/traces/` beside the project's root (a checkout without the package data)."""
     env = os.environ.get("KVPOOL_TRACE_DIR")
     if env:
         return Path(env) / TRACE_NAME
+    if PACKAGED_TRACE.is_file():
+        return PACKAGED_TRACE
+    return checkout_trace_path()
+
+
+def checkout_trace_path() -> Path:
     root = Path(__file__).resolve().parents[3]
     return (root / ".." / "shared" / "data" / "traces" / TRACE_NAME).resolve()
 
@@ -53,13 +62,13 @@ def _parse(line: str, lineno: int, path: Path) -> tuple[float, int, int, tuple[i
 
 
 def load_trace(path: Path | str | None = None, limit: int | None = None) -> list[TraceRequest]:
-    """Read a trace; arrival times are relative to the first record. Raises InvalidArgument on a
+    """Read a trace (plain or .gz); arrival times are relative to the first record. Raises InvalidArgument on a
     missing file or a malformed line (with its number)."""
     p = Path(path) if path is not None else default_trace_path()
     if not p.is_file():
         raise InvalidArgument(f"trace file not found: {p} (give --trace FILE or KVPOOL_TRACE_DIR)")
     out: list[TraceRequest] = []
-    with p.open() as fh:
+    with (gzip.open(p, "rt") if p.suffix == ".gz" else p.open()) as fh:
         for lineno, line in enumerate(fh, 1):
             if not line.strip():
                 continue

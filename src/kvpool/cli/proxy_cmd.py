@@ -1,0 +1,69 @@
+"""`kvpool proxy`: the OpenAI-compatible front of a prefill/decode cluster (docs/serve.md)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvpool.conductor import ADMISSION_POLICIES, PREFILL_POLICIES
+from kvpool.errors import KvpoolError
+from kvpool.serve.config import KV_TRANSFER_MODES, ProxyConfig
+
+_D = ProxyConfig(model_dir="")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("proxy", help="OpenAI-compatible proxy scheduling over workers")
+    p.add_argument("--model", required=True, help="model folder (tokenizer.json, config.json)")
+    p.add_argument("--model-name", default="", help="name served in /v1/models (default: folder name)")
+    p.add_argument("--host", default=_D.host)
+    p.add_argument("--port", type=int, default=_D.port)
+    p.add_argument("--prefill", action="append", default=[], metavar="URL",
+                   help="a prefill (or colocated 'both') worker; repeat for more")
+    p.add_argument("--decode", action="append", default=[], metavar="URL",
+                   help="a decode worker; repeat for more")
+    p.add_argument("--prefill-policy", default=_D.prefill_policy, choices=sorted(PREFILL_POLICIES))
+    p.add_argument("--admission", default=_D.admission, choices=sorted(ADMISSION_POLICIES))
+    p.add_argument("--ttft-slo", type=float, default=_D.ttft_slo_s, help="TTFT objective, seconds")
+    p.add_argument("--tbt-slo", type=float, default=_D.tbt_slo_s, help="TBT objective, seconds")
+    p.add_argument("--decode-horizon", type=float, default=_D.decode_horizon_s,
+                   help="seconds a request is assumed to decode (predicted early rejection)")
+    p.add_argument("--cost", default=None, metavar="JSON",
+                   help="cost model for the conductor's predictions (kvpool sim fit --out)")
+    p.add_argument("--fit-cost", action="store_true",
+                   help="refit the prefill cost model from the prefill times workers report")
+    p.add_argument("--kv-transfer", default=_D.kv_transfer, choices=KV_TRANSFER_MODES,
+                   help="prefill -> decode KV handoff: through the pool, or pushed")
+    p.add_argument("--poll-interval", type=float, default=_D.poll_interval_s,
+                   help="seconds between /load polls of each worker")
+    p.add_argument("--token", default=None, help="bearer token for the workers (or KVPOOL_TOKEN)")
+    p.set_defaults(func=run)
+
+
+def config_from_args(args: argparse.Namespace) -> ProxyConfig:
+    import os
+
+    return ProxyConfig(
+        model_dir=args.model, model_name=args.model_name, host=args.host, port=args.port,
+        prefill_urls=tuple(args.prefill), decode_urls=tuple(args.decode),
+        prefill_policy=args.prefill_policy, admission=args.admission,
+        ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
+        decode_horizon_s=args.decode_horizon, cost_path=args.cost, fit_cost=args.fit_cost,
+        kv_transfer=args.kv_transfer, poll_interval_s=args.poll_interval,
+        token=args.token or os.environ.get("KVPOOL_TOKEN"))
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvpool.serve.app import create_app
+
+    try:
+        config = config_from_args(args)
+        app = create_app(config)
+    except (KvpoolError, OSError) as exc:
+        print(f"kvpool proxy: {exc}", file=sys.stderr)
+        return 2
+    uvicorn.run(app, host=config.host, port=config.port, log_level="warning",
+                timeout_graceful_shutdown=5)
+    return 0

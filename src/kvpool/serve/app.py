@@ -1,0 +1,195 @@
+"""The proxy's FastAPI app: OpenAI-compatible endpoints over the dispatcher.
+
+    POST /v1/completions, /v1/chat/completions   (stream or not)
+    GET  /v1/models, /health, /metrics
+    POST /workers/register {"url": "http://H:P"}
+
+A request is parsed and checked (4xx), scheduled (429/503), then run; a failure before the
+first token is a 502 JSON error, after it an SSE error event followed by `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from kvpool.clock import Clock, MonotonicClock
+from kvpool.conductor import load_cost_model
+from kvpool.conductor.cost import CostModel
+from kvpool.log import get_logger
+from kvpool.serve.cluster import DECODE_ROLES, PREFILL_ROLES, LiveCluster
+from kvpool.serve.config import ProxyConfig
+from kvpool.serve.dispatch import Dispatcher, Run
+from kvpool.serve.errors import ApiError, bad_request
+from kvpool.serve.metrics import ProxyMetrics
+from kvpool.serve.poller import Poller
+from kvpool.serve.protocol import ChatRequest, CompletionRequest
+from kvpool.serve.requests import PreparedRequest, prepare
+from kvpool.serve.responses import full_body, sse_stream
+from kvpool.serve.tokenizer import ModelTokenizer
+from kvpool.serve.worker_client import WorkerCallError, WorkerClient
+
+log = get_logger("serve.app")
+
+
+class Proxy:
+    """Everything one proxy process holds; built before the event loop, started in lifespan."""
+
+    def __init__(self, config: ProxyConfig, clock: Clock | None = None) -> None:
+        self.config = config
+        self.clock = clock or MonotonicClock()
+        self.model_name = config.model_name or Path(config.model_dir).resolve().name
+        self.tokenizer = ModelTokenizer(config.model_dir)
+        self.context_len = _config_context_len(Path(config.model_dir))
+        cost = load_cost_model(config.cost_path) if config.cost_path else CostModel()
+        self.cluster = LiveCluster(cost, self.clock, config.dead_after_failures,
+                                   config.silent_dead_s)
+        self.client = WorkerClient(config.worker_timeout_s, config.token)
+        self.metrics = ProxyMetrics()
+        self.metrics.watch(self.cluster)
+        self.dispatcher = Dispatcher(config, self.cluster, self.client, cost, self.clock,
+                                     self.metrics)
+        self.poller = Poller(self.cluster, self.client, config.poll_interval_s)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        for url in (*self.config.prefill_urls, *self.config.decode_urls):
+            self.poller.watch(url)
+        try:
+            yield
+        finally:
+            await self.poller.stop()
+            await self.client.aclose()
+
+    @property
+    def max_model_len(self) -> int:
+        """The smaller of the model's positions (config.json) and the workers' limit."""
+        return min(self.cluster.max_model_len or self.context_len, self.context_len)
+
+    async def serve(self, request: Request, kind: str) -> Response:
+        arrival_s = time.perf_counter()
+        endpoint = "completions" if kind == "completion" else "chat"
+        try:
+            parsed = await _parse(request, CompletionRequest if kind == "completion" else ChatRequest)
+            prep = prepare(parsed, kind, self)  # type: ignore[arg-type]
+            booking = self.dispatcher.schedule(prep.prompt_ids, prep.max_tokens)
+            run = self.dispatcher.run(booking, prep.request_id, prep.prompt_ids, prep.sampling)
+            tokens = run.tokens()
+            try:
+                first = await anext(tokens)
+            except BaseException:
+                await tokens.aclose()
+                raise
+            self.metrics.ttft.observe(time.perf_counter() - arrival_s)
+        except WorkerCallError as exc:
+            return self._error(endpoint, ApiError(502, str(exc), "worker_error", "worker_failed"))
+        except StopAsyncIteration:
+            return self._error(endpoint, ApiError(502, "the worker produced no token",
+                                                  "worker_error", "worker_failed"))
+        except ApiError as exc:
+            return self._error(endpoint, exc)
+        self.metrics.requests.labels(endpoint, "200").inc()
+        if prep.stream:
+            return StreamingResponse(sse_stream(self, prep, run, first, tokens),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        return await self._collect(endpoint, prep, run, first, tokens)
+
+    async def _collect(self, endpoint: str, prep: PreparedRequest, run: Run, first: int,
+                       tokens: AsyncGenerator[int]) -> Response:
+        try:
+            body = await full_body(self, prep, run, first, tokens)
+        except WorkerCallError as exc:
+            return self._error(endpoint, ApiError(502, str(exc), "worker_error", "worker_failed"))
+        return JSONResponse(body)
+
+    def _error(self, endpoint: str, exc: ApiError) -> JSONResponse:
+        self.metrics.requests.labels(endpoint, str(exc.status)).inc()
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": 0, "owned_by": "kvpool",
+            "max_model_len": self.max_model_len}]}
+
+    def health(self) -> JSONResponse:
+        num_p = len(self.cluster.alive(PREFILL_ROLES))
+        num_d = len(self.cluster.alive(DECODE_ROLES))
+        ok = num_p > 0 and num_d > 0
+        return JSONResponse({"ok": ok, "prefill": num_p, "decode": num_d,
+                             "workers": {w.url: {"role": w.role, "alive": w.alive}
+                                         for w in self.cluster.workers.values()}},
+                            status_code=200 if ok else 503)
+
+
+async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
+    raw = await request.body()
+    try:
+        obj = json.loads(raw)
+    except ValueError as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        return model.model_validate(obj)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        param = ".".join(str(p) for p in err["loc"])
+        raise bad_request(f"invalid '{param}': {err['msg']}", param=param) from None
+
+
+def _config_context_len(folder: Path) -> int:
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return 2048
+    return int(cfg.get("max_position_embeddings") or cfg.get("n_positions") or 2048)
+
+
+def create_app(config: ProxyConfig, clock: Clock | None = None) -> FastAPI:
+    proxy = Proxy(config, clock)
+    app = FastAPI(title="kvpool proxy", lifespan=proxy.lifespan)
+    app.state.proxy = proxy
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await proxy.serve(request, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await proxy.serve(request, "chat")
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return proxy.models()
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return proxy.health()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(proxy.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/workers/register")
+    async def register_worker(request: Request) -> JSONResponse:
+        try:
+            obj = json.loads(await request.body())
+            url = str(obj["url"])
+        except (ValueError, KeyError, TypeError):
+            return JSONResponse(bad_request('body must be {"url": "http://host:port"}').body(),
+                                status_code=400)
+        if not url.startswith(("http://", "https://")):
+            return JSONResponse(bad_request(f"not an http URL: {url!r}").body(), status_code=400)
+        proxy.poller.watch(url)
+        return JSONResponse({"ok": True, "url": url.rstrip("/")})
+
+    return app

@@ -1,0 +1,287 @@
+"""The live cluster as the conductor sees it: workers, their `/load` reports, and the
+`ClusterView` + `PrefixIndex` built from them. Sans-I/O: the poller feeds it JSON and the
+current time; the dispatcher books requests on it. The one writer of the view.
+
+Instance ids are positions in `view.prefill` / `view.decode`. They are reassigned whenever a
+worker joins or leaves (the view is rebuilt), so a `Booking` holds the load objects themselves
+and books through them only while they are still in the view.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpool.clock import Clock
+from kvpool.conductor import (
+    Accepted,
+    ClusterView,
+    CostModel,
+    DecodeChoice,
+    DecodeLoad,
+    PrefillLoad,
+    PrefixIndex,
+    RequestInfo,
+)
+from kvpool.errors import InvalidArgument
+from kvpool.log import get_logger
+
+log = get_logger("serve.cluster")
+
+PREFILL_ROLES = ("prefill", "both")
+DECODE_ROLES = ("decode", "both")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerInfo:
+    """A worker's `/info` reply."""
+
+    role: str
+    model: str
+    model_hash: int
+    block_size: int
+    max_model_len: int
+    kv_capacity_tokens: int
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> WorkerInfo:
+        try:
+            info = cls(str(obj["role"]), str(obj.get("model", "")), int(obj["model_hash"]),
+                       int(obj["block_size"]), int(obj["max_model_len"]),
+                       int(obj["kv_capacity_tokens"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise InvalidArgument(f"malformed /info reply {dict(obj)!r}: {exc!r}") from None
+        if info.role not in ("prefill", "decode", "both") or info.block_size <= 0:
+            raise InvalidArgument(f"/info: bad role or block_size in {dict(obj)!r}")
+        return info
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """A worker's `/load` reply, minus the block list."""
+
+    num_waiting: int = 0
+    num_running: int = 0
+    queued_prefill_tokens: int = 0
+    running_tokens: int = 0
+    free_kv_tokens: int = 0
+    kv_capacity_tokens: int = 0
+
+    @classmethod
+    def from_json(cls, obj: Mapping[str, Any]) -> WorkerLoad:
+        try:
+            return cls(**{k: int(obj.get(k, 0)) for k in cls.__dataclass_fields__})
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgument(f"malformed /load reply: {exc!r}") from None
+
+
+@dataclass
+class WorkerState:
+    url: str
+    info: WorkerInfo | None = None
+    alive: bool = False
+    failures: int = 0
+    """Refused polls in a row."""
+    last_ok_s: float = 0.0
+    load: WorkerLoad = field(default_factory=WorkerLoad)
+    blocks: frozenset[int] = frozenset()
+    prefill_load: PrefillLoad | None = None
+    decode_load: DecodeLoad | None = None
+    down: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when the worker leaves the rotation; in-flight legs on it end at once."""
+
+    @property
+    def role(self) -> str:
+        return self.info.role if self.info else "unknown"
+
+
+@dataclass
+class Booking:
+    """An accepted request's place in the view, released exactly once by `finish`."""
+
+    req: RequestInfo
+    prefill: WorkerState
+    decode: WorkerState
+    prefill_load: PrefillLoad
+    decode_load: DecodeLoad
+    decision: Accepted
+    alone: bool = False
+    """Nothing else was queued on the prefill worker when this request was booked."""
+    prefill_pending: bool = True
+    decode_started: bool = False
+    finished: bool = False
+
+    @property
+    def colocated(self) -> bool:
+        return self.prefill is self.decode
+
+
+class LiveCluster:
+    def __init__(self, cost: CostModel, clock: Clock, dead_after_failures: int = 2,
+                 silent_dead_s: float = 10.0) -> None:
+        self.cost = cost
+        self.clock = clock
+        self.silent_dead_s = silent_dead_s
+        self.dead_after_failures = dead_after_failures
+        self.workers: dict[str, WorkerState] = {}
+        self.view = ClusterView([], [], PrefixIndex())
+        self._prefill: list[WorkerState] = []
+        self._decode: list[WorkerState] = []
+
+    # -- membership -------------------------------------------------------------------------
+
+    def add(self, url: str) -> WorkerState:
+        """Start watching `url` (idempotent); it joins once its /info is known."""
+        return self.workers.setdefault(url.rstrip("/"), WorkerState(url.rstrip("/")))
+
+    @property
+    def reference(self) -> WorkerInfo | None:
+        """The first joined worker's info: every other worker must share model and block size."""
+        return next((w.info for w in self.workers.values() if w.info is not None), None)
+
+    def join(self, url: str, info: WorkerInfo) -> None:
+        """Put the worker into rotation. Raises InvalidArgument when it serves another model
+        (its block hashes would never match) or another block size."""
+        w = self.workers[url]
+        ref = self.reference if w.info is None else w.info
+        if ref is not None and (ref.model_hash, ref.block_size) != (info.model_hash, info.block_size):
+            raise InvalidArgument(
+                f"worker {url} serves model hash {info.model_hash:x} with block size "
+                f"{info.block_size}, the cluster {ref.model_hash:x} / {ref.block_size}")
+        w.info, w.alive, w.failures, w.last_ok_s = info, True, 0, self.clock.now()
+        w.down = asyncio.Event()
+        w.prefill_load = PrefillLoad(0) if info.role in PREFILL_ROLES else None
+        w.decode_load = (DecodeLoad(0, info.kv_capacity_tokens)
+                         if info.role in DECODE_ROLES else None)
+        self._rebuild()
+        log.info("worker %s joined as %s", url, info.role)
+
+    def clock_now(self) -> float:
+        return self.clock.now()
+
+    def poll_failed(self, url: str, refused: bool) -> bool:
+        """Count a failed poll; True when this one takes the worker out of rotation: refused
+        connections `dead_after_failures` times in a row, or no good poll for `silent_dead_s`
+        (a busy worker may answer slowly; a dead one refuses at once)."""
+        w = self.workers[url]
+        w.failures += 1 if refused else 0
+        silent = self.clock.now() - w.last_ok_s >= self.silent_dead_s
+        if not w.alive or (w.failures < self.dead_after_failures and not silent):
+            return False
+        w.alive = False
+        w.blocks = frozenset()
+        w.down.set()
+        self._rebuild()
+        log.warning("worker %s left the rotation after %d failed polls", url, w.failures)
+        return True
+
+    def _rebuild(self) -> None:
+        alive = sorted((w for w in self.workers.values() if w.alive), key=lambda w: w.url)
+        self._prefill = [w for w in alive if w.prefill_load is not None]
+        self._decode = [w for w in alive if w.decode_load is not None]
+        index = PrefixIndex()
+        for i, w in enumerate(self._prefill):
+            assert w.prefill_load is not None
+            w.prefill_load.instance_id = i
+            for h in w.blocks:
+                index.add(i, h)
+        for j, w in enumerate(self._decode):
+            assert w.decode_load is not None
+            w.decode_load.instance_id = j
+        self.view = ClusterView([w.prefill_load for w in self._prefill if w.prefill_load],
+                                [w.decode_load for w in self._decode if w.decode_load], index)
+
+    # -- load reports -----------------------------------------------------------------------
+
+    def apply_load(self, url: str, obj: Mapping[str, Any], now: float) -> None:
+        """Fold one /load reply in: cached blocks into the index, queue into busy_until_s."""
+        w = self.workers[url]
+        w.failures, w.last_ok_s = 0, now
+        w.load = WorkerLoad.from_json(obj)
+        blocks = frozenset(int(h) for h in obj.get("block_hashes", ()))
+        if w.alive and w.prefill_load is not None:
+            i = w.prefill_load.instance_id
+            for h in blocks - w.blocks:
+                self.view.index.add(i, h)
+            for h in w.blocks - blocks:
+                self.view.index.remove(i, h)
+            queued_s = (self.cost.prefill_s(w.load.queued_prefill_tokens)
+                        if w.load.queued_prefill_tokens else 0.0)
+            w.prefill_load.busy_until_s = max(w.prefill_load.busy_until_s, now + queued_s)
+        if w.decode_load is not None and w.load.kv_capacity_tokens > 0:
+            w.decode_load.kv_capacity_tokens = w.load.kv_capacity_tokens
+        w.blocks = blocks
+
+    # -- bookings ---------------------------------------------------------------------------
+
+    def colocate(self, decision: Accepted) -> Accepted:
+        """A prefill on a `both` worker decodes there too (the colocated baseline)."""
+        w = self._prefill[decision.prefill.instance_id]
+        if w.info is None or w.info.role != "both" or w.decode_load is None:
+            return decision
+        d = w.decode_load.instance_id
+        if d == decision.decode.instance_id:
+            return decision
+        return Accepted(decision.prefill, DecodeChoice(d, decision.decode.tbt_s))
+
+    def book(self, req: RequestInfo, decision: Accepted, now: float) -> Booking:
+        p = self._prefill[decision.prefill.instance_id]
+        d = self._decode[decision.decode.instance_id]
+        assert p.prefill_load is not None and d.decode_load is not None
+        alone = p.prefill_load.num_queued == 0
+        self.view.record_accept(req, decision, now)
+        return Booking(req, p, d, p.prefill_load, d.decode_load, decision, alone)
+
+    def _in_view(self, b: Booking, prefill: bool) -> bool:
+        if prefill:
+            return any(load is b.prefill_load for load in self.view.prefill)
+        return any(load is b.decode_load for load in self.view.decode)
+
+    def prefill_done(self, b: Booking, now: float) -> None:
+        if not b.prefill_pending:
+            return
+        b.prefill_pending = False
+        if self._in_view(b, prefill=True):
+            self.view.record_prefill_done(b.prefill_load.instance_id)
+            if b.prefill_load.num_queued <= 0:  # an empty queue ends now, whatever was predicted
+                b.prefill_load.busy_until_s = min(b.prefill_load.busy_until_s, now)
+
+    def decode_start(self, b: Booking, now: float) -> None:
+        if b.decode_started or b.finished:
+            return
+        b.decode_started = True
+        if self._in_view(b, prefill=False):
+            self.view.record_decode_start(b.decode_load.instance_id, b.req, now)
+
+    def finish(self, b: Booking, now: float) -> None:
+        """Release the booking (finished, failed or abandoned); idempotent."""
+        if b.finished:
+            return
+        self.prefill_done(b, now)
+        b.finished = True
+        if self._in_view(b, prefill=False):
+            self.view.record_decode_end(b.decode_load.instance_id, b.req, b.decode_started)
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def alive(self, role_set: tuple[str, ...]) -> list[WorkerState]:
+        return [w for w in self.workers.values() if w.alive and w.role in role_set]
+
+    @property
+    def max_model_len(self) -> int | None:
+        lens = [w.info.max_model_len for w in self.workers.values() if w.alive and w.info]
+        return min(lens) if lens else None
+
+    def check_integrity(self) -> None:
+        """The index holds exactly the blocks of the prefill workers in rotation."""
+        expected = {h: {i} for i, w in enumerate(self._prefill) for h in w.blocks}
+        for i, w in enumerate(self._prefill):
+            for h in w.blocks:
+                expected[h].add(i)
+        for h, holders in expected.items():
+            assert set(self.view.index.holders(h)) == holders, (h, holders)
+        assert len(self.view.index) == len(expected)
+        for d in self.view.decode:
+            assert d.num_assigned >= d.num_active >= 0, d

@@ -1,0 +1,60 @@
+"""Settings of the proxy: one frozen dataclass, bounds checked once. The CLI's defaults are
+these defaults."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvpool.errors import ConfigError
+
+KV_TRANSFER_MODES = ("pool", "push")
+
+
+@dataclass(frozen=True, slots=True)
+class ProxyConfig:
+    model_dir: str
+    """Folder with the model's tokenizer.json, tokenizer_config.json and config.json."""
+    model_name: str = ""
+    """Name served in /v1/models and required in requests; "" = the folder's name."""
+    host: str = "127.0.0.1"
+    port: int = 8000
+    prefill_urls: tuple[str, ...] = ()
+    """Workers given on the command line (role from their /info: prefill or both)."""
+    decode_urls: tuple[str, ...] = ()
+    prefill_policy: str = "kvcache_centric"
+    """A name in kvpool.conductor.PREFILL_POLICIES."""
+    admission: str = "early_rejection_predicted"
+    """A name in kvpool.conductor.ADMISSION_POLICIES."""
+    ttft_slo_s: float = 30.0
+    tbt_slo_s: float = 0.1
+    decode_horizon_s: float = 10.0
+    """t_d of predicted early rejection: how long a request is assumed to decode. The
+    conductor's default fits the papers' 70B model; a tiny CPU model finishes far sooner."""
+    cost_path: str | None = None
+    """A CostModel JSON (`kvpool sim fit --out`); None = the default coefficients."""
+    fit_cost: bool = False
+    """Refit the cost model's prefill coefficients from the prefill times workers report
+    (requests that had their prefill worker to themselves), starting from `cost_path`'s."""
+    kv_transfer: str = "pool"
+    """How the prefill leg hands the KV to the decode leg: through the pool, or pushed."""
+    poll_interval_s: float = 0.15
+    """How often each worker's /load is read."""
+    dead_after_failures: int = 2
+    """Refused polls in a row after which a worker leaves the rotation."""
+    silent_dead_s: float = 10.0
+    """A worker that answers no poll for this long leaves the rotation too (hung, stopped)."""
+    worker_timeout_s: float = 600.0
+    """Backstop on one worker call; a dead worker is detected by polling long before."""
+    token: str | None = None
+    """Bearer token sent to workers (their --token / KVPOOL_TOKEN)."""
+
+    def __post_init__(self) -> None:
+        if self.kv_transfer not in KV_TRANSFER_MODES:
+            raise ConfigError(f"kv_transfer must be one of {KV_TRANSFER_MODES}, "
+                              f"got {self.kv_transfer!r}")
+        if min(self.poll_interval_s, self.worker_timeout_s, self.silent_dead_s) <= 0:
+            raise ConfigError("poll_interval_s, silent_dead_s and worker_timeout_s must be > 0")
+        if self.dead_after_failures < 1:
+            raise ConfigError(f"dead_after_failures must be >= 1, got {self.dead_after_failures}")
+        if not 0 <= self.port < 65536:
+            raise ConfigError(f"port must be in 0..65535, got {self.port}")

@@ -1,0 +1,232 @@
+"""From prompt ids to output ids: ask the conductor, book the decision on the live cluster,
+drive the prefill leg and the decode leg, release the booking however the request ends.
+
+    schedule(prompt ids)  -> Booking            (ApiError 429 on Rejected, 503 without workers)
+    Run(booking).tokens() -> token ids ...      (WorkerCallError when a leg fails)
+    Run.finish_reason, Run.cached_len           (set once the stream ends)
+
+A leg on a worker that leaves the rotation (failed polls) ends at once with WorkerCallError, so
+a hung worker cannot hang a client. Ending a run early (stop string, client gone) aborts it on
+the workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+from collections import deque
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from dataclasses import replace
+from typing import Any, TypeVar
+
+from kvpool.clock import Clock
+from kvpool.conductor import (
+    Conductor,
+    ConductorConfig,
+    CostModel,
+    Rejected,
+    RequestInfo,
+    fit_prefill,
+)
+from kvpool.engine.blocks import prefix_block_hashes
+from kvpool.serve.cluster import Booking, LiveCluster, WorkerState
+from kvpool.serve.config import ProxyConfig
+from kvpool.serve.errors import no_workers, rejected
+from kvpool.serve.metrics import ProxyMetrics
+from kvpool.serve.worker_client import WorkerCallError, WorkerClient
+
+T = TypeVar("T")
+
+REFIT_EVERY = 8
+"""Prefill samples between two refits of the cost model (with --fit-cost)."""
+
+
+class Dispatcher:
+    def __init__(self, config: ProxyConfig, cluster: LiveCluster, client: WorkerClient,
+                 cost: CostModel, clock: Clock, metrics: ProxyMetrics) -> None:
+        self.config = config
+        self.cluster = cluster
+        self.client = client
+        self.clock = clock
+        self.metrics = metrics
+        self.cost = cost
+        self.conductor_config = ConductorConfig(
+            prefill_policy=config.prefill_policy, admission=config.admission,
+            ttft_slo_s=config.ttft_slo_s, tbt_slo_s=config.tbt_slo_s,
+            decode_horizon_s=config.decode_horizon_s)
+        self.conductor = Conductor(self.conductor_config, cost, clock)  # checks the names now
+        self._ids = itertools.count(1)
+        self._background: set[asyncio.Task[None]] = set()
+        self._samples: deque[tuple[int, int, float]] = deque(maxlen=256)
+        self._new_samples = 0
+
+    def _conductor_for(self, block_size: int) -> Conductor:
+        if self.conductor.config.block_size != block_size:
+            self.conductor = Conductor(replace(self.conductor_config, block_size=block_size),
+                                       self.cost, self.clock)
+        return self.conductor
+
+    def schedule(self, prompt_ids: Sequence[int], max_tokens: int) -> Booking:
+        ref = self.cluster.reference
+        view = self.cluster.view
+        if ref is None or not view.prefill or not view.decode:
+            raise no_workers(f"no worker in rotation (prefill: {len(view.prefill)}, "
+                             f"decode: {len(view.decode)}); retry when workers are up")
+        hashes = prefix_block_hashes(prompt_ids, ref.block_size, ref.model_hash)
+        req = RequestInfo(next(self._ids), len(prompt_ids), max_tokens, tuple(hashes))
+        now = self.clock.now()
+        decision = self._conductor_for(ref.block_size).schedule(req, view, now)
+        if isinstance(decision, Rejected):
+            self.metrics.rejections.labels(decision.reason).inc()
+            raise rejected(decision.reason, decision.predicted_ttft_s, decision.predicted_tbt_s,
+                           self._retry_after_s(decision))
+        return self.cluster.book(req, self.cluster.colocate(decision), now)
+
+    def _retry_after_s(self, r: Rejected) -> int:
+        if r.reason == "ttft":
+            return max(1, min(60, math.ceil(r.predicted_ttft_s - self.config.ttft_slo_s)))
+        return 1
+
+    def learn(self, booking: Booking, prefix_len: int, prefill_s: float) -> None:
+        """With fit_cost: one measured prefill; every REFIT_EVERY samples the conductor's
+        prefill coefficients are refitted (samples with other work queued are skipped: their
+        time includes that work)."""
+        if not self.config.fit_cost or not booking.alone or prefill_s <= 0:
+            return
+        self._samples.append((booking.req.input_len, prefix_len, prefill_s))
+        self._new_samples += 1
+        lengths = {n - p for n, p, _ in self._samples}
+        if self._new_samples < REFIT_EVERY or len(lengths) < 3:
+            return
+        self._new_samples = 0
+        self.cost = fit_prefill(self._samples, self.cost)
+        self.cluster.cost = self.cost
+        self.conductor = Conductor(self.conductor.config, self.cost, self.clock)
+
+    def run(self, booking: Booking, request_id: str, prompt_ids: list[int],
+            sampling: dict[str, Any]) -> Run:
+        return Run(self, booking, request_id, prompt_ids, sampling)
+
+    def abort_later(self, url: str, request_id: str) -> None:
+        task = asyncio.get_running_loop().create_task(self.client.abort(url, request_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+async def guarded(aw: Awaitable[T], worker: WorkerState, call: str) -> T:
+    """`await aw`, unless `worker` leaves the rotation first (WorkerCallError)."""
+    task = asyncio.ensure_future(aw)
+    if worker.down.is_set():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        raise WorkerCallError(worker.url, call, "worker is out of rotation")
+    down = asyncio.ensure_future(worker.down.wait())
+    try:
+        await asyncio.wait({task, down}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        down.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    raise WorkerCallError(worker.url, call, "worker stopped answering its health checks")
+
+
+class Run:
+    def __init__(self, dispatcher: Dispatcher, booking: Booking, request_id: str,
+                 prompt_ids: list[int], sampling: dict[str, Any]) -> None:
+        self.d = dispatcher
+        self.b = booking
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.sampling = sampling
+        self.finish_reason: str | None = None
+        self.cached_len = 0
+        """Prompt tokens whose KV was reused (local cache + pool), as the prefill worker says."""
+
+    @property
+    def _mode(self) -> str:
+        return self.d.config.kv_transfer
+
+    async def tokens(self) -> AsyncGenerator[int]:
+        """Output token ids in order. Always close it (aclosing): that releases the booking and
+        aborts the request on its workers if it did not finish."""
+        try:
+            if self.b.colocated:
+                async for tok in self._decode_leg(None, "none"):
+                    yield tok
+            else:
+                first = await self._prefill_leg()
+                yield first
+                async for tok in self._decode_leg(first, self._mode):
+                    yield tok
+        finally:
+            self._release()
+
+    async def _prefill_leg(self) -> int:
+        kv: dict[str, Any] = {"mode": self._mode}
+        if self._mode == "push":
+            kv["decode_url"] = self.b.decode.url
+        body = {"request_id": self.request_id, "prompt_token_ids": self.prompt_ids,
+                "sampling": self.sampling, "kv_transfer": kv}
+        reply = await guarded(self.d.client.prefill(self.b.prefill.url, body), self.b.prefill,
+                              "/prefill")
+        self.d.cluster.prefill_done(self.b, self.d.clock.now())
+        try:
+            self.cached_len = int(reply.get("num_cached_tokens", 0)) + int(
+                reply.get("num_pool_tokens", 0))
+            first = int(reply["first_token_id"])
+        except (KeyError, TypeError, ValueError):
+            raise WorkerCallError(self.b.prefill.url, "/prefill",
+                                  f"reply without first_token_id: {reply!r}") from None
+        self.d.metrics.prompt_tokens.inc(len(self.prompt_ids))
+        self.d.metrics.prefix_hit_tokens.inc(self.cached_len)
+        self.d.learn(self.b, self.cached_len, float(reply.get("prefill_s") or 0.0))
+        return first
+
+    async def _decode_leg(self, first: int | None, kv_source: str) -> AsyncIterator[int]:
+        body = {"request_id": self.request_id, "prompt_token_ids": self.prompt_ids,
+                "sampling": self.sampling, "first_token_id": first, "kv_source": kv_source}
+        worker = self.b.decode
+        lines = self.d.client.generate(worker.url, body)
+        skip_echo = first is not None
+        try:
+            while True:
+                try:
+                    obj = await guarded(anext(lines), worker, "/generate")
+                except StopAsyncIteration:
+                    raise WorkerCallError(worker.url, "/generate",
+                                          "stream ended without a finish_reason") from None
+                self.d.cluster.decode_start(self.b, self.d.clock.now())
+                if "finish_reason" in obj:
+                    self.finish_reason = str(obj["finish_reason"])
+                    if kv_source == "none":  # colocated: the prefill's reuse, if reported
+                        self._colocated_reuse(obj)
+                    return
+                tok = int(obj["token_id"])
+                if skip_echo:  # the first token came from the prefill leg already
+                    skip_echo = False
+                    continue
+                if kv_source == "none" and self.b.prefill_pending:
+                    self._colocated_first_token()
+                yield tok
+        finally:
+            await lines.aclose()
+
+    def _colocated_reuse(self, finish: dict[str, Any]) -> None:
+        reused = int(finish.get("num_cached_tokens") or 0) + int(finish.get("num_pool_tokens") or 0)
+        self.cached_len = reused
+        self.d.metrics.prefix_hit_tokens.inc(reused)
+
+    def _colocated_first_token(self) -> None:
+        self.d.cluster.prefill_done(self.b, self.d.clock.now())
+        self.d.metrics.prompt_tokens.inc(len(self.prompt_ids))
+
+    def _release(self) -> None:
+        b = self.b
+        if self.finish_reason is None:
+            if b.prefill_pending and not b.colocated:
+                self.d.abort_later(b.prefill.url, self.request_id)
+            self.d.abort_later(b.decode.url, self.request_id)
+        self.d.cluster.finish(b, self.d.clock.now())

@@ -1,0 +1,55 @@
+"""Errors the proxy answers with, in OpenAI's shape: `{"error": {message, type, param, code}}`.
+
+Who is at fault decides the status: the client (400/404), the cluster's load (429, with
+`Retry-After`), a worker (502) or the absence of workers (503)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 code: str | None = None, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    def sse(self) -> bytes:
+        """The error as one SSE event (sent when a stream has already begun)."""
+        return b"data: " + json.dumps(self.body()).encode() + b"\n\n"
+
+
+def bad_request(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+def worker_failed(message: str) -> ApiError:
+    return ApiError(502, message, type="worker_error", code="worker_failed")
+
+
+def no_workers(message: str) -> ApiError:
+    return ApiError(503, message, type="service_unavailable", code="no_workers")
+
+
+def rejected(reason: str, predicted_ttft_s: float, predicted_tbt_s: float,
+             retry_after_s: int) -> ApiError:
+    what = {"ttft": "the prefill pool cannot meet the TTFT objective",
+            "tbt": "the decode pool cannot meet the TBT objective",
+            "kv_capacity": "the decode pool has no room for this request's KV cache"}
+    return ApiError(
+        429, f"request rejected by admission control: {what.get(reason, reason)} "
+        f"(predicted TTFT {predicted_ttft_s:.3f} s, TBT {predicted_tbt_s * 1e3:.1f} ms); "
+        f"retry after {retry_after_s} s",
+        type="rate_limit_exceeded", code=f"rejected_{reason}",
+        headers={"Retry-After": str(retry_after_s)})

@@ -1,0 +1,172 @@
+"""Child processes that die with their parent, and the serving cluster `kvpool up` starts.
+
+A child of `kvpool up` must not outlive it, however it ends (Ctrl-C, SIGTERM, SIGKILL):
+every child is started with Linux's parent-death signal (`prctl(PR_SET_PDEATHSIG, SIGTERM)`,
+set between fork and exec), and exits at once if its parent was already gone by then. The
+signal is SIGTERM so that children still clean up (shared-memory segments, sockets).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from kvpool.errors import KvpoolError
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int) -> Callable[[], None]:
+    """A `preexec_fn`: SIGTERM this child when the process that forked it exits."""
+
+    def set_pdeathsig() -> None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        except (OSError, AttributeError):  # not Linux: the parent's cleanup must do
+            return
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return set_pdeathsig
+
+
+def spawn(*args: str, quiet: bool = True) -> subprocess.Popen[bytes]:
+    """`python -m kvpool ARGS` as a child that dies with this process."""
+    return subprocess.Popen([sys.executable, "-m", "kvpool", "--log-level", "WARNING", *args],
+                            stdout=subprocess.DEVNULL if quiet else None,
+                            preexec_fn=die_with_parent(os.getpid()))
+
+
+def stop(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_http(url: str, procs: list[subprocess.Popen[bytes]], what: str,
+              timeout_s: float = 60.0) -> None:
+    """Until `url` answers 200; KvpoolError if one of `procs` exits first, TimeoutError."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for p in procs:
+            if p.poll() is not None:
+                raise KvpoolError(f"{what}: process {p.pid} exited with code {p.returncode} "
+                                  f"({' '.join(map(str, p.args))})")  # type: ignore[arg-type]
+        try:
+            if httpx.get(url, timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{what}: {url} did not answer within {timeout_s:.0f} s")
+
+
+def default_model_dir() -> Path:
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "kvpool" / "models" / "tiny"
+
+
+def ensure_tiny_model(folder: Path) -> Path:
+    """The tiny random model at `folder`, made on first use (`kvpool model make-tiny`) into a
+    temporary folder and renamed, so an interrupted run never leaves half a checkpoint."""
+    if (folder / "config.json").is_file():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
+    subprocess.run([sys.executable, "-m", "kvpool", "model", "make-tiny", str(tmp)], check=True,
+                   stdout=subprocess.DEVNULL, preexec_fn=die_with_parent(os.getpid()))
+    try:
+        tmp.rename(folder)
+    except OSError:  # another `kvpool up` made it meanwhile
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+@dataclass
+class ServingCluster:
+    host: str
+    proxy_url: str
+    model_dir: Path
+    model_name: str
+    master_address: str = ""
+    metadata_url: str = ""
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    worker_urls: dict[str, list[str]] = field(default_factory=dict)
+
+    def exited(self) -> list[str]:
+        return [name for name, p in self.procs.items() if p.poll() is not None]
+
+
+@dataclass(frozen=True)
+class ServingSpec:
+    model_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 8000
+    num_prefill: int = 1
+    num_decode: int = 1
+    num_colocated: int = 0
+    dram: str = "256MiB"
+    proxy_args: tuple[str, ...] = ()
+    worker_args: tuple[str, ...] = ()
+
+
+@contextmanager
+def serving_cluster(spec: ServingSpec) -> Iterator[ServingCluster]:
+    """Master (+ metadata), one store node, the workers and the proxy; all stopped on exit."""
+    host = spec.host
+    rpc, admin, meta = free_port(host), free_port(host), free_port(host)
+    cluster = ServingCluster(host, f"http://{host}:{spec.port}", spec.model_dir,
+                             spec.model_dir.resolve().name)
+    with ExitStack() as stack:
+        def start(name: str, *args: str) -> subprocess.Popen[bytes]:
+            proc = spawn(*args)
+            stack.callback(stop, proc)
+            cluster.procs[name] = proc
+            return proc
+
+        master = start("master", "master", "--host", host, "--rpc-port", str(rpc),
+                       "--admin-port", str(admin), "--metadata-port", str(meta))
+        wait_http(f"http://{host}:{admin}/health", [master], "master")
+        master_addr, metadata = f"{host}:{rpc}", f"http://{host}:{meta}/metadata"
+        cluster.master_address, cluster.metadata_url = master_addr, metadata
+        start("store-node", "store-node", "--dram", spec.dram, "--master", master_addr,
+              "--host", host, "--metadata", metadata)
+        roles = (["prefill"] * spec.num_prefill + ["decode"] * spec.num_decode
+                 + ["both"] * spec.num_colocated)
+        for i, role in enumerate(roles):
+            port = free_port(host)
+            start(f"{role}-{i}", "worker", "--role", role, "--model", str(spec.model_dir),
+                  "--host", host, "--port", str(port), "--master", master_addr,
+                  *spec.worker_args)
+            cluster.worker_urls.setdefault(role, []).append(f"http://{host}:{port}")
+        flags = [f for role, urls in cluster.worker_urls.items() for u in urls
+                 for f in ("--decode" if role == "decode" else "--prefill", u)]
+        start("proxy", "proxy", "--model", str(spec.model_dir), "--host", host,
+              "--port", str(spec.port), *flags, *spec.proxy_args)
+        wait_http(cluster.proxy_url + "/health", list(cluster.procs.values()),
+                  "the serving cluster", timeout_s=120)
+        yield cluster

@@ -1,0 +1,73 @@
+"""The proxy's Prometheus metrics, on a registry of its own (several proxies may live in one
+test process). Worker gauges are read from the live cluster at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from kvpool.serve.cluster import LiveCluster
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_TBT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class ProxyMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("kvpool_proxy_requests", "Requests answered, by endpoint and status",
+                                ["endpoint", "status"], registry=r)
+        self.ttft = Histogram("kvpool_proxy_ttft_seconds", "Time to first token", registry=r,
+                              buckets=_TTFT_BUCKETS)
+        self.tbt = Histogram("kvpool_proxy_tbt_seconds", "Time between output tokens", registry=r,
+                             buckets=_TBT_BUCKETS)
+        self.prompt_tokens = Counter("kvpool_proxy_prompt_tokens", "Prompt tokens prefilled",
+                                     registry=r)
+        self.prefix_hit_tokens = Counter(
+            "kvpool_proxy_prefix_hit_tokens",
+            "Prompt tokens whose KV was reused from a worker's cache or the pool", registry=r)
+        self.output_tokens = Counter("kvpool_proxy_output_tokens", "Tokens generated", registry=r)
+        self.rejections = Counter("kvpool_proxy_rejections", "Requests refused by admission",
+                                  ["reason"], registry=r)
+
+    def watch(self, cluster: LiveCluster) -> None:
+        self.registry.register(_WorkerCollector(cluster))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _WorkerCollector(Collector):
+    def __init__(self, cluster: LiveCluster) -> None:
+        self.cluster = cluster
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        labels = ["worker", "role"]
+        fams = {name: GaugeMetricFamily(f"kvpool_proxy_worker_{name}", doc, labels=labels)
+                for name, doc in (
+                    ("up", "1 while the worker is in rotation"),
+                    ("waiting", "Requests waiting on the worker (its /load)"),
+                    ("running", "Requests running on the worker (its /load)"),
+                    ("free_kv_tokens", "Free KV cache tokens (its /load)"),
+                    ("cached_blocks", "Full blocks in the worker's cache, indexed for prefix match"),
+                    ("queue_seconds", "Conductor's predicted prefill queue time"),
+                    ("assigned", "Requests the conductor has assigned to this decode worker"))}
+        now = self.cluster.clock_now()
+        for w in self.cluster.workers.values():
+            lv = [w.url, w.role]
+            fams["up"].add_metric(lv, 1.0 if w.alive else 0.0)
+            fams["waiting"].add_metric(lv, w.load.num_waiting)
+            fams["running"].add_metric(lv, w.load.num_running)
+            fams["free_kv_tokens"].add_metric(lv, w.load.free_kv_tokens)
+            fams["cached_blocks"].add_metric(lv, len(w.blocks))
+            if w.prefill_load is not None:
+                fams["queue_seconds"].add_metric(lv, w.prefill_load.queue_s(now))
+            if w.decode_load is not None:
+                fams["assigned"].add_metric(lv, w.decode_load.num_assigned)
+        yield from fams.values()

@@ -1,0 +1,58 @@
+"""Keeps the live cluster current: one task per worker reads `/info` until it joins, then
+`/load` every `poll_interval_s`. Failed polls take a worker out of rotation (LiveCluster
+decides when); a worker that answers again rejoins."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvpool.errors import InvalidArgument
+from kvpool.log import get_logger
+from kvpool.serve.cluster import LiveCluster, WorkerInfo
+from kvpool.serve.worker_client import WorkerCallError, WorkerClient
+
+log = get_logger("serve.poller")
+
+
+class Poller:
+    def __init__(self, cluster: LiveCluster, client: WorkerClient, interval_s: float) -> None:
+        self.cluster = cluster
+        self.client = client
+        self.interval_s = interval_s
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._refused: set[str] = set()
+
+    def watch(self, url: str) -> None:
+        """Start polling `url` (idempotent); needs a running event loop."""
+        w = self.cluster.add(url)
+        if w.url not in self._tasks:
+            self._tasks[w.url] = asyncio.get_running_loop().create_task(self._loop(w.url))
+
+    async def stop(self) -> None:
+        for task in self._tasks.values():
+            task.cancel()
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        self._tasks.clear()
+
+    async def poll_once(self, url: str) -> None:
+        w = self.cluster.workers[url]
+        timeout_s = max(1.0, 4 * self.interval_s)
+        try:
+            if not w.alive:
+                info = WorkerInfo.from_json(await self.client.get_json(url, "/info", timeout_s))
+                self.cluster.join(url, info)
+            load = await self.client.get_json(url, "/load", timeout_s)
+            self.cluster.apply_load(url, load, self.cluster.clock_now())
+        except WorkerCallError as exc:
+            refused = exc.status is None and "Timeout" not in str(exc)
+            if self.cluster.poll_failed(url, refused):
+                log.warning("%s", exc)
+        except InvalidArgument as exc:
+            if url not in self._refused:
+                self._refused.add(url)
+                log.error("worker %s not admitted: %s", url, exc)
+
+    async def _loop(self, url: str) -> None:
+        while True:
+            await self.poll_once(url)
+            await asyncio.sleep(self.interval_s)

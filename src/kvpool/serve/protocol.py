@@ -1,0 +1,131 @@
+"""The OpenAI-compatible HTTP surface: request models (pydantic, at the edge only), response
+and chunk builders, and SSE framing. Pure functions; the app drives them."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Sampling(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=-1, ge=-1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(default=1, ge=1, le=1)
+    """Only one choice per request."""
+
+    @property
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling(self, max_tokens: int) -> dict[str, Any]:
+        """The `sampling` object of the worker API."""
+        return {"max_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                "top_k": max(0, self.top_k), "seed": self.seed,
+                "stop_token_ids": self.stop_token_ids or [], "ignore_eos": self.ignore_eos}
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[int] | list[str]
+
+    def default_max_tokens(self) -> int | None:
+        return 16  # OpenAI's default for /v1/completions
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if self.content is None or isinstance(self.content, str):
+            return self.content or ""
+        return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+
+
+class ChatRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+
+    def default_max_tokens(self) -> int | None:
+        return self.max_completion_tokens  # None: up to the context length
+
+
+Kind = Literal["completion", "chat"]
+
+
+def new_id(kind: Kind, request_id: int) -> str:
+    return f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{request_id:x}{time.time_ns():x}"
+
+
+def usage(prompt_len: int, output_len: int, cached_len: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_len, "completion_tokens": output_len,
+            "total_tokens": prompt_len + output_len,
+            "prompt_tokens_details": {"cached_tokens": cached_len}}
+
+
+def full_response(kind: Kind, rid: str, model: str, text: str, finish: str,
+                  use: dict[str, Any]) -> dict[str, Any]:
+    if kind == "completion":
+        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None,
+                                  "finish_reason": finish}
+        obj = "text_completion"
+    else:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "logprobs": None, "finish_reason": finish}
+        obj = "chat.completion"
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model,
+            "choices": [choice], "usage": use}
+
+
+def chunk(kind: Kind, rid: str, model: str, text: str | None, finish: str | None,
+          first: bool = False) -> dict[str, Any]:
+    """One streamed choice; `text` None with `first` opens a chat stream with the role."""
+    if kind == "completion":
+        choice: dict[str, Any] = {"index": 0, "text": text or "", "logprobs": None,
+                                  "finish_reason": finish}
+        obj = "text_completion"
+    else:
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        if text is not None:
+            delta["content"] = text
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        obj = "chat.completion.chunk"
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model,
+            "choices": [choice]}
+
+
+def usage_chunk(kind: Kind, rid: str, model: str, use: dict[str, Any]) -> dict[str, Any]:
+    obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model,
+            "choices": [], "usage": use}

@@ -1,0 +1,79 @@
+"""Output ids -> text deltas, with stop strings applied (sans-I/O: no tokenizer calls beyond
+`decode`, no sockets). The proxy owns stop strings because only it sees text.
+
+The whole output is decoded again after each token (the tiny models served here emit hundreds
+of tokens, not tens of thousands), and two things are held back from the client:
+
+    emitted | held                      held = a trailing U+FFFD (an unfinished UTF-8 sequence)
+    --------+-----                             or the longest tail that begins a stop string
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+_PARTIAL = "\ufffd"
+
+
+@dataclass(frozen=True, slots=True)
+class TextDelta:
+    text: str
+    """New text the client may see now."""
+    stopped: bool
+    """A stop string matched; `text` ends right before it and the request must end."""
+
+
+class TextStream:
+    def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = ()) -> None:
+        self._decode = decode
+        self._stop = [s for s in stop if s]
+        self._ids: list[int] = []
+        self._emitted = 0
+        self.text = ""
+        """Everything emitted so far."""
+        self.stopped = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self._ids)
+
+    def push(self, token_id: int) -> TextDelta:
+        """Add one output token. After a stop (`stopped`), further tokens are ignored."""
+        if self.stopped:
+            return TextDelta("", True)
+        self._ids.append(token_id)
+        full = self._decode(self._ids)
+        hit = self._find_stop(full)
+        if hit is not None:
+            self.stopped = True
+            return self._emit(full, hit)
+        end = len(full) - self._held(full)
+        return self._emit(full, max(end, self._emitted))
+
+    def flush(self) -> str:
+        """The held-back tail, once the output has ended without a stop string."""
+        if self.stopped:
+            return ""
+        full = self._decode(self._ids)
+        return self._emit(full, len(full)).text
+
+    def _emit(self, full: str, end: int) -> TextDelta:
+        piece = full[self._emitted:end]
+        self._emitted = max(self._emitted, end)
+        self.text += piece
+        return TextDelta(piece, self.stopped)
+
+    def _find_stop(self, full: str) -> int | None:
+        longest = max((len(s) for s in self._stop), default=0)
+        start = max(0, self._emitted - longest + 1)
+        hits = [i for i in (full.find(s, start) for s in self._stop) if i >= 0]
+        return min(hits) if hits else None
+
+    def _held(self, full: str) -> int:
+        if full.endswith(_PARTIAL):
+            return len(full) - len(full.rstrip(_PARTIAL))
+        for n in range(min(len(full), max((len(s) for s in self._stop), default=0)), 0, -1):
+            if any(s.startswith(full[-n:]) for s in self._stop):
+                return n
+        return 0

@@ -1,0 +1,140 @@
+"""LiveCluster: /info and /load JSON -> ClusterView + PrefixIndex the conductor schedules over."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpool.clock import VirtualClock
+from kvpool.conductor import Accepted, Conductor, ConductorConfig, RequestInfo
+from kvpool.errors import InvalidArgument
+from kvpool.serve.cluster import LiveCluster, WorkerInfo
+from tests.conductor.conftest import SIMPLE_COST
+
+P1, P2, D1 = "http://p1", "http://p2", "http://d1"
+
+
+def info(role: str, model_hash: int = 7, block_size: int = 4) -> WorkerInfo:
+    return WorkerInfo.from_json({"role": role, "model": "tiny", "model_hash": model_hash,
+                                 "block_size": block_size, "max_model_len": 256,
+                                 "kv_capacity_tokens": 1000, "segment": "127.0.0.1:1"})
+
+
+def load(blocks: list[int], queued: int = 0) -> dict[str, object]:
+    return {"num_waiting": 0, "num_running": 0, "queued_prefill_tokens": queued,
+            "running_tokens": 0, "free_kv_tokens": 900, "kv_capacity_tokens": 1000,
+            "block_hashes": blocks}
+
+
+@pytest.fixture
+def cluster(vclock: VirtualClock) -> LiveCluster:
+    c = LiveCluster(SIMPLE_COST, vclock, dead_after_failures=2, silent_dead_s=5.0)
+    for url, role in ((P2, "prefill"), (P1, "prefill"), (D1, "decode")):
+        c.add(url)
+        c.join(url, info(role))
+    return c
+
+
+def test_load_reports_become_the_prefix_index(cluster: LiveCluster) -> None:
+    cluster.apply_load(P1, load([1, 2, 3]), 0.0)
+    cluster.apply_load(P2, load([1]), 0.0)
+    cluster.check_integrity()
+    assert [p.instance_id for p in cluster.view.prefill] == [0, 1]  # sorted by url: p1, p2
+    assert cluster.view.index.match([1, 2, 3, 4]).lens == {0: 3, 1: 1}
+    cluster.apply_load(P1, load([1, 2, 9]), 0.0)  # evicted 3, gained 9
+    cluster.check_integrity()
+    assert cluster.view.index.match([1, 2, 3]).lens == {0: 2, 1: 1}
+    assert cluster.view.index.holders(9) == {0}
+
+
+def test_queued_tokens_push_the_predicted_queue(cluster: LiveCluster) -> None:
+    cluster.apply_load(P1, load([], queued=500), 10.0)
+    assert cluster.view.prefill[0].busy_until_s == pytest.approx(10.5)  # 1 ms per token
+
+
+def test_dead_worker_leaves_and_ids_are_reassigned(cluster: LiveCluster,
+                                                   vclock: VirtualClock) -> None:
+    cluster.apply_load(P1, load([1]), 0.0)
+    cluster.apply_load(P2, load([1, 2]), 0.0)
+    down = cluster.workers[P1].down
+    assert not cluster.poll_failed(P1, refused=True)
+    assert cluster.poll_failed(P1, refused=True) and down.is_set()
+    cluster.check_integrity()
+    assert [w.url for w in cluster.alive(("prefill",))] == [P2]
+    assert cluster.view.prefill[0].instance_id == 0
+    assert cluster.view.index.match([1, 2]).lens == {0: 2}
+    cluster.join(P1, info("prefill"))  # it answers again
+    cluster.check_integrity()
+    assert len(cluster.view.prefill) == 2 and not cluster.workers[P1].down.is_set()
+
+
+def test_a_silent_worker_leaves_after_silent_dead_s(cluster: LiveCluster,
+                                                    vclock: VirtualClock) -> None:
+    assert not cluster.poll_failed(D1, refused=False)
+    vclock.advance(5.0)
+    assert cluster.poll_failed(D1, refused=False)
+    assert cluster.view.decode == []
+
+
+def test_another_model_or_block_size_is_refused(cluster: LiveCluster) -> None:
+    cluster.add("http://x")
+    with pytest.raises(InvalidArgument, match="model hash"):
+        cluster.join("http://x", info("prefill", model_hash=8))
+    with pytest.raises(InvalidArgument, match="block size"):
+        cluster.join("http://x", info("prefill", block_size=8))
+
+
+def test_booking_follows_the_conductor_and_releases_once(cluster: LiveCluster) -> None:
+    cluster.apply_load(P1, load([], queued=100), 0.0)  # p1: 0.1 s of queue
+    cluster.apply_load(P2, load([1, 2]), 0.0)
+    conductor = Conductor(ConductorConfig(block_size=4), SIMPLE_COST)
+    req = RequestInfo(1, 12, 4, (1, 2, 3))
+    decision = conductor.schedule(req, cluster.view, 0.0)
+    assert isinstance(decision, Accepted)
+    assert decision.prefill.instance_id == 1 and decision.prefill.prefix_len == 8  # p2 holds 2
+    b = cluster.book(req, decision, 0.0)
+    assert b.prefill.url == P2 and b.decode.url == D1 and not b.colocated
+    d = cluster.view.decode[0]
+    assert (d.num_assigned, d.num_active, cluster.view.prefill[1].num_queued) == (1, 0, 1)
+    cluster.apply_load(P2, load([1, 2], queued=4000), 0.0)  # slower than predicted
+    cluster.prefill_done(b, 0.01)
+    cluster.decode_start(b, 0.01)
+    assert (d.num_assigned, d.num_active, cluster.view.prefill[1].num_queued) == (1, 1, 0)
+    assert cluster.view.prefill[1].queue_s(0.01) == 0.0
+    cluster.finish(b, 0.02)
+    cluster.finish(b, 0.03)
+    assert (d.num_assigned, d.num_active, d.planned) == (0, 0, {})
+    cluster.check_integrity()
+
+
+def test_booking_on_a_worker_that_died_is_dropped_quietly(cluster: LiveCluster) -> None:
+    conductor = Conductor(ConductorConfig(block_size=4), SIMPLE_COST)
+    req = RequestInfo(1, 8, 4, (1, 2))
+    decision = conductor.schedule(req, cluster.view, 0.0)
+    assert isinstance(decision, Accepted)
+    b = cluster.book(req, decision, 0.0)
+    cluster.poll_failed(D1, refused=True)
+    cluster.poll_failed(D1, refused=True)
+    cluster.finish(b, 1.0)  # the decode load is no longer in the view: nothing to release
+    cluster.check_integrity()
+
+
+def test_both_role_worker_decodes_what_it_prefilled(vclock: VirtualClock) -> None:
+    c = LiveCluster(SIMPLE_COST, vclock)
+    for url in ("http://a", "http://b"):
+        c.add(url)
+        c.join(url, info("both"))
+    c.apply_load("http://b", load([1, 2]), 0.0)
+    conductor = Conductor(ConductorConfig(block_size=4), SIMPLE_COST)
+    req = RequestInfo(1, 8, 4, (1, 2))
+    decision = conductor.schedule(req, c.view, 0.0)
+    assert isinstance(decision, Accepted)
+    b = c.book(req, c.colocate(decision), 0.0)
+    assert b.colocated and b.prefill.url == "http://b"
+
+
+def test_malformed_reports_are_invalid_arguments() -> None:
+    with pytest.raises(InvalidArgument, match="malformed /info"):
+        WorkerInfo.from_json({"role": "prefill"})
+    with pytest.raises(InvalidArgument, match="bad role"):
+        WorkerInfo.from_json({"role": "chef", "model_hash": 1, "block_size": 4,
+                              "max_model_len": 8, "kv_capacity_tokens": 8})

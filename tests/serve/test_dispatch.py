@@ -1,0 +1,70 @@
+"""Dispatcher pieces that need no worker: rejection mapping and the online cost fit."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpool.clock import VirtualClock
+from kvpool.conductor import Accepted, CostModel
+from kvpool.serve.cluster import LiveCluster
+from kvpool.serve.config import ProxyConfig
+from kvpool.serve.dispatch import REFIT_EVERY, Dispatcher
+from kvpool.serve.errors import ApiError
+from kvpool.serve.metrics import ProxyMetrics
+from kvpool.serve.worker_client import WorkerClient
+from tests.serve.test_cluster import D1, P1, info, load
+
+
+def dispatcher(vclock: VirtualClock, **config: object) -> Dispatcher:
+    cost = CostModel(prefill_base_s=0.2, prefill_linear_s=0.0, prefill_quadratic_s=0.0)
+    cluster = LiveCluster(cost, vclock)
+    for url, role in ((P1, "prefill"), (D1, "decode")):
+        cluster.add(url)
+        cluster.join(url, info(role))
+        cluster.apply_load(url, load([]), 0.0)
+    cfg = ProxyConfig(model_dir="unused", **config)  # type: ignore[arg-type]
+    return Dispatcher(cfg, cluster, WorkerClient(1.0), cost, vclock, ProxyMetrics())
+
+
+def test_no_workers_is_503_and_overload_is_429(vclock: VirtualClock) -> None:
+    d = dispatcher(vclock, ttft_slo_s=0.5)
+    first = d.schedule(list(range(8)), 4)
+    assert isinstance(first.decision, Accepted) and first.alone
+    second = d.schedule(list(range(8)), 4)
+    assert not second.alone
+    with pytest.raises(ApiError) as exc:
+        d.schedule(list(range(8)), 4)
+    assert exc.value.status == 429 and exc.value.headers == {"Retry-After": "1"}
+    assert exc.value.code == "rejected_ttft"
+    d.cluster.poll_failed(D1, refused=True)
+    d.cluster.poll_failed(D1, refused=True)
+    with pytest.raises(ApiError) as exc:
+        d.schedule(list(range(8)), 4)
+    assert exc.value.status == 503
+
+
+def test_prefill_times_refit_the_cost_model(vclock: VirtualClock) -> None:
+    d = dispatcher(vclock, fit_cost=True)
+    old = d.conductor
+    for i in range(REFIT_EVERY):
+        b = d.schedule(list(range(10 * (i + 1))), 2)
+        d.cluster.prefill_done(b, 0.0)
+        d.cluster.finish(b, 0.0)
+        d.learn(b, 0, 0.01 + 0.001 * b.req.input_len)
+    assert d.conductor is not old and d.conductor.cost is d.cost and d.cluster.cost is d.cost
+    assert d.cost.prefill_base_s == pytest.approx(0.01, abs=1e-6)
+    assert d.cost.prefill_linear_s == pytest.approx(0.001, rel=1e-3)
+
+
+def test_busy_samples_and_a_fixed_cost_are_not_learned(vclock: VirtualClock) -> None:
+    d = dispatcher(vclock, fit_cost=True)
+    busy = d.schedule(list(range(8)), 2)
+    queued = d.schedule(list(range(16)), 2)
+    for _ in range(REFIT_EVERY):
+        d.learn(queued, 0, 1.0)
+    assert d.cost.prefill_base_s == 0.2
+    fixed = dispatcher(vclock)
+    b = fixed.schedule(list(range(8)), 2)
+    for _ in range(REFIT_EVERY):
+        fixed.learn(b, 0, 1.0)
+    assert fixed.cost.prefill_base_s == 0.2 and busy.alone

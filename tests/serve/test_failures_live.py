@@ -1,0 +1,96 @@
+"""Overload and failure over real workers: early rejection answers 429 with Retry-After; a
+worker killed with SIGKILL mid-request ends its requests with a clean error, never a hang."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+from kvpool.serve.launch import ServingCluster, stop, wait_http
+from tests.serve.conftest import start_proxy, start_worker
+
+
+def test_overload_is_refused_with_429(cluster: ServingCluster, tmp_path: Path) -> None:
+    # Every prefill predicted at 0.2 s and a 0.5 s TTFT objective: of a burst on one prefill
+    # worker, the first two fit and the queue refuses the rest, whatever the CPU's speed.
+    # The workers join this proxy by registering (POST /workers/register), not by flags.
+    cost = tmp_path / "cost.json"
+    cost.write_text(json.dumps({"prefill_base_s": 0.2, "prefill_linear_s": 0.0,
+                                "prefill_quadratic_s": 0.0}))
+    proc, url = start_proxy(cluster.model_dir, "--ttft-slo", "0.5", "--cost", str(cost),
+                            ready="/v1/models")
+    try:
+        assert httpx.get(url + "/health").status_code == 503  # no worker yet
+        for urls in cluster.worker_urls.values():
+            reply = httpx.post(url + "/workers/register", json={"url": urls[0]})
+            assert reply.json() == {"ok": True, "url": urls[0]}
+        assert httpx.post(url + "/workers/register", json={"nope": 1}).status_code == 400
+        wait_http(url + "/health", [proc], "proxy with registered workers", timeout_s=30)
+
+        async def burst() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+                body = {"model": cluster.model_name, "prompt": "hello world", "max_tokens": 2}
+                return list(await asyncio.gather(
+                    *(http.post("/v1/completions", json=body) for _ in range(8))))
+
+        codes = [r.status_code for r in asyncio.run(burst())]
+        assert codes.count(200) == 2 and codes.count(429) == 6, codes
+        refused = next(r for r in asyncio.run(burst()) if r.status_code == 429)
+        assert int(refused.headers["Retry-After"]) >= 1
+        err = refused.json()["error"]
+        assert (err["type"], err["code"]) == ("rate_limit_exceeded", "rejected_ttft")
+        metrics = httpx.get(url + "/metrics").text
+        assert 'kvpool_proxy_rejections_total{reason="ttft"}' in metrics
+    finally:
+        stop(proc)
+
+
+def test_worker_killed_mid_request_ends_it_cleanly(cluster: ServingCluster) -> None:
+    victim, victim_url = start_worker(cluster.model_dir, "decode", cluster)
+    proxy, url = start_proxy(cluster.model_dir, "--prefill", cluster.worker_urls["prefill"][0],
+                             "--decode", victim_url)
+    body = {"model": cluster.model_name, "prompt": "the cache", "max_tokens": 2000,
+            "ignore_eos": True, "temperature": 0}
+    results: dict[str, object] = {}
+
+    def non_streaming() -> None:
+        results["plain"] = httpx.post(url + "/v1/completions", json=body, timeout=120)
+
+    try:
+        plain = threading.Thread(target=non_streaming)
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True},
+                          timeout=120) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            assert '"text"' in first
+            plain.start()
+            time.sleep(0.3)
+            victim.send_signal(signal.SIGKILL)
+            killed_at = time.monotonic()
+            rest = [line for line in lines if line.startswith("data: ")]
+            ended_s = time.monotonic() - killed_at
+        plain.join(60)
+        assert not plain.is_alive()
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2][6:])["error"]
+        assert error["type"] == "worker_error" and victim_url in error["message"]
+        assert ended_s < 15
+        answer = results["plain"]
+        assert isinstance(answer, httpx.Response) and answer.status_code == 502
+        assert answer.json()["error"]["code"] == "worker_failed"
+        deadline = time.monotonic() + 15
+        while httpx.get(url + "/health").json()["decode"] != 0:
+            assert time.monotonic() < deadline, "the dead worker stayed in rotation"
+            time.sleep(0.1)
+        after = httpx.post(url + "/v1/completions", json={**body, "max_tokens": 2}, timeout=30)
+        assert after.status_code == 503 and after.json()["error"]["code"] == "no_workers"
+    finally:
+        stop(victim)
+        stop(proxy)

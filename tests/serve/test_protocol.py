@@ -1,0 +1,85 @@
+"""The HTTP edge as pure functions: request validation, response shapes, SSE framing, errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from kvpool.serve.errors import ApiError, rejected
+from kvpool.serve.protocol import (
+    SSE_DONE,
+    ChatRequest,
+    CompletionRequest,
+    chunk,
+    full_response,
+    sse,
+    usage,
+    usage_chunk,
+)
+
+
+def test_sse_frames_one_json_object_per_event() -> None:
+    assert sse({"a": 1}) == b'data: {"a":1}\n\n'
+    assert SSE_DONE == b"data: [DONE]\n\n"
+
+
+def test_sampling_defaults_and_worker_object() -> None:
+    req = CompletionRequest.model_validate({"model": "m", "prompt": "hi", "stop": "\n",
+                                            "temperature": 0, "seed": 3})
+    assert req.stop_list == ["\n"] and req.default_max_tokens() == 16
+    assert req.sampling(5) == {"max_tokens": 5, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
+                               "seed": 3, "stop_token_ids": [], "ignore_eos": False}
+    chat = ChatRequest.model_validate({"model": "m", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+        "stream": True, "stream_options": {"include_usage": True}, "max_completion_tokens": 7})
+    assert chat.messages[0].text() == "ab" and chat.include_usage
+    assert chat.default_max_tokens() == 7
+
+
+@pytest.mark.parametrize("body", [
+    {"model": "m", "prompt": "x", "max_tokens": -1},
+    {"model": "m", "prompt": "x", "max_tokens": 0},
+    {"model": "m", "prompt": "x", "n": 2},
+    {"model": "m", "prompt": "x", "temperature": -0.5},
+    {"prompt": "x"},
+])
+def test_bad_completion_bodies_fail_validation(body: dict[str, object]) -> None:
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate(body)
+
+
+def test_chat_needs_messages() -> None:
+    with pytest.raises(ValidationError):
+        ChatRequest.model_validate({"model": "m", "messages": []})
+
+
+def test_response_shapes_match_openai() -> None:
+    use = usage(5, 2, 4)
+    assert use == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7,
+                   "prompt_tokens_details": {"cached_tokens": 4}}
+    c = full_response("completion", "cmpl-1", "m", "ab", "length", use)
+    assert c["object"] == "text_completion" and c["choices"][0]["text"] == "ab"
+    ch = full_response("chat", "chatcmpl-1", "m", "ab", "stop", use)
+    assert ch["choices"][0]["message"] == {"role": "assistant", "content": "ab"}
+    first = chunk("chat", "x", "m", "", None, first=True)
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    end = chunk("chat", "x", "m", None, "stop")
+    assert end["choices"][0]["delta"] == {} and end["choices"][0]["finish_reason"] == "stop"
+    assert chunk("completion", "x", "m", None, "length")["choices"][0]["text"] == ""
+    assert usage_chunk("chat", "x", "m", use)["choices"] == []
+
+
+def test_rejection_is_a_429_with_retry_after() -> None:
+    err = rejected("ttft", 3.2, 0.01, 2)
+    assert err.status == 429 and err.headers == {"Retry-After": "2"}
+    body = err.body()["error"]
+    assert body["type"] == "rate_limit_exceeded" and body["code"] == "rejected_ttft"
+    assert "TTFT" in body["message"]
+
+
+def test_error_as_sse_event() -> None:
+    raw = ApiError(502, "worker gone", "worker_error", "worker_failed").sse()
+    assert raw.startswith(b"data: ") and raw.endswith(b"\n\n")
+    assert json.loads(raw[6:])["error"]["message"] == "worker gone"

@@ -1,0 +1,168 @@
+"""The proxy over real workers: the official openai client, greedy text equal to the engine's
+own, stop strings, prefix reuse, bad input, metrics. Real processes, real HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from kvpool.serve.launch import ServingCluster
+from kvpool.serve.tokenizer import ModelTokenizer
+from tests.serve.conftest import sse_events
+
+PROMPT = "the cache block pool and the prefill of the prompt"
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def engine_greedy(model: Path, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """A plain offline run of the engine in this process: the reference output."""
+    from kvpool.engine.config import EngineConfig, SamplingParams
+    from kvpool.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine.from_dir(model, EngineConfig())
+    return engine.generate([prompt_ids], SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                        ignore_eos=True))[0]
+
+
+def test_greedy_text_through_the_proxy_equals_the_engine(cluster: ServingCluster) -> None:
+    tok = ModelTokenizer(cluster.model_dir)
+    ids = tok.encode(PROMPT)
+    want_ids = engine_greedy(cluster.model_dir, ids, 24)
+    c = client(cluster.proxy_url)
+    out = c.completions.create(model=cluster.model_name, prompt=PROMPT, max_tokens=24,
+                               temperature=0, extra_body={"ignore_eos": True})
+    assert out.choices[0].text == tok.decode(want_ids)
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage is not None
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (len(ids), 24)
+    stream = c.completions.create(model=cluster.model_name, prompt=ids, max_tokens=24,
+                                  temperature=0, stream=True, extra_body={"ignore_eos": True},
+                                  stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == tok.decode(want_ids)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 24
+
+
+def test_chat_streaming_and_not_agree(cluster: ServingCluster) -> None:
+    c = client(cluster.proxy_url)
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    full = c.chat.completions.create(model=cluster.model_name, messages=msgs,  # type: ignore[arg-type]
+                                     max_tokens=12, temperature=0)
+    assert full.choices[0].message.role == "assistant"
+    assert full.usage is not None and full.usage.total_tokens == (
+        full.usage.prompt_tokens + full.usage.completion_tokens)
+    tok = ModelTokenizer(cluster.model_dir)
+    assert full.usage.prompt_tokens == len(tok.encode_chat(msgs))
+    chunks = list(c.chat.completions.create(model=cluster.model_name, messages=msgs,  # type: ignore[arg-type]
+                                            max_tokens=12, temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == full.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
+
+
+def test_stop_string_cuts_the_text(cluster: ServingCluster) -> None:
+    c = client(cluster.proxy_url)
+    args = {"model": cluster.model_name, "prompt": PROMPT, "max_tokens": 24, "temperature": 0,
+            "extra_body": {"ignore_eos": True}}
+    text = c.completions.create(**args).choices[0].text  # type: ignore[call-overload]
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    cut = text[:text.index(stop)]
+    out = c.completions.create(stop=[stop], **args)  # type: ignore[call-overload]
+    assert (out.choices[0].text, out.choices[0].finish_reason) == (cut, "stop")
+    streamed = list(c.completions.create(stop=stop, stream=True, **args))  # type: ignore[call-overload]
+    assert "".join(ch.choices[0].text for ch in streamed) == cut
+    assert streamed[-1].choices[0].finish_reason == "stop"
+
+
+def test_a_repeated_prefix_is_reused(cluster: ServingCluster) -> None:
+    c = client(cluster.proxy_url)
+    shared = " ".join(["the prefill of the prompt can read the cache block"] * 20)
+    c.completions.create(model=cluster.model_name, prompt=shared + " one", max_tokens=2)
+    again = c.completions.create(model=cluster.model_name, prompt=shared + " two", max_tokens=2)
+    assert again.usage is not None and again.usage.prompt_tokens_details is not None
+    cached = again.usage.prompt_tokens_details.cached_tokens or 0
+    assert cached >= again.usage.prompt_tokens // 2
+    metrics = httpx.get(cluster.proxy_url + "/metrics").text
+    hits = [line for line in metrics.splitlines()
+            if line.startswith("kvpool_proxy_prefix_hit_tokens_total")]
+    assert hits and float(hits[0].split()[-1]) >= cached
+
+
+@pytest.mark.parametrize(("body", "status", "param"), [
+    (b'{"model": "tiny", "prompt": ', 400, None),
+    (b'["not", "an", "object"]', 400, None),
+    (json.dumps({"model": "nope", "prompt": "x"}).encode(), 404, "model"),
+    (json.dumps({"model": "tiny", "prompt": "x", "max_tokens": -3}).encode(), 400, "max_tokens"),
+    (json.dumps({"model": "tiny", "prompt": "x", "n": 2}).encode(), 400, "n"),
+    (json.dumps({"model": "tiny", "prompt": [1, 99999]}).encode(), 400, "prompt"),
+    (json.dumps({"model": "tiny", "prompt": "x"}).encode(), 400, "messages"),  # to /chat
+    (json.dumps({"model": "tiny", "prompt": "cache " * 3000}).encode(), 400, "prompt"),
+    (json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 5000}).encode(), 400, "max_tokens"),
+])
+def test_bad_input_is_a_clear_4xx(cluster: ServingCluster, body: bytes, status: int,
+                                  param: str | None) -> None:
+    path = "/v1/chat/completions" if param == "messages" else "/v1/completions"
+    body = body.replace(b'"tiny"', json.dumps(cluster.model_name).encode())
+    resp = httpx.post(cluster.proxy_url + path, content=body, timeout=30,
+                      headers={"Content-Type": "application/json"})
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert err["message"] and err["param"] == param and err["type"] == "invalid_request_error"
+
+
+def test_bad_input_does_not_disturb_a_stream_in_flight(cluster: ServingCluster) -> None:
+    async def main() -> tuple[list[object], list[int]]:
+        async with httpx.AsyncClient(base_url=cluster.proxy_url, timeout=120) as http:
+            async def stream() -> list[object]:
+                body = {"model": cluster.model_name, "prompt": PROMPT, "max_tokens": 64,
+                        "stream": True, "ignore_eos": True}
+                async with http.stream("POST", "/v1/completions", json=body) as resp:
+                    return [line async for line in resp.aiter_lines() if line.startswith("data")]
+
+            async def bad() -> list[int]:
+                codes = []
+                for raw in (b"{", b'{"model": "x", "prompt": "y"}', b'{"prompt": 5}'):
+                    r = await http.post("/v1/completions", content=raw)
+                    codes.append(r.status_code)
+                return codes
+
+            lines, codes = await asyncio.gather(stream(), bad())
+            return list(lines), codes
+
+    lines, codes = asyncio.run(main())
+    assert codes == [400, 404, 400]
+    assert lines[-1] == "data: [DONE]" and len(lines) >= 2
+    assert not any('"error"' in str(line) for line in lines)
+
+
+def test_models_health_and_metrics(cluster: ServingCluster) -> None:
+    models = client(cluster.proxy_url).models.list()
+    assert [m.id for m in models.data] == [cluster.model_name]
+    health = httpx.get(cluster.proxy_url + "/health").json()
+    assert health["ok"] and (health["prefill"], health["decode"]) == (1, 1)
+    metrics = httpx.get(cluster.proxy_url + "/metrics").text
+    for name in ("kvpool_proxy_ttft_seconds_bucket", "kvpool_proxy_tbt_seconds_bucket",
+                 "kvpool_proxy_worker_up{", "kvpool_proxy_worker_cached_blocks{",
+                 "kvpool_proxy_requests_total{"):
+        assert name in metrics, name
+
+
+def test_sse_framing_on_the_wire(cluster: ServingCluster) -> None:
+    body = {"model": cluster.model_name, "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", cluster.proxy_url + "/v1/chat/completions", json=body,
+                      timeout=60) as resp:
+        assert resp.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(resp)
+    assert events[-1] == "[DONE]"
+    usage = events[-2]
+    assert isinstance(usage, dict) and usage["choices"] == [] and usage["usage"]

@@ -1,0 +1,59 @@
+"""TextStream: stop strings and unfinished UTF-8 are held back, never shown then taken back."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvpool.serve.text import TextStream
+
+PIECES = {0: "Hel", 1: "lo", 2: " wor", 3: "ld", 4: "!", 5: "\ufffd", 6: "é", 7: "EN", 8: "D"}
+
+
+def decode(ids: Sequence[int]) -> str:
+    text = "".join(PIECES[i] for i in ids)
+    return text.replace("\ufffdé", "é")  # 5 then 6: a two-token character
+
+
+def feed(stream: TextStream, ids: list[int]) -> list[str]:
+    return [stream.push(i).text for i in ids]
+
+
+def test_no_stop_emits_each_piece_at_once() -> None:
+    s = TextStream(decode)
+    assert feed(s, [0, 1, 2, 3]) == ["Hel", "lo", " wor", "ld"]
+    assert s.flush() == "" and s.text == "Hello world" and s.num_tokens == 4
+
+
+def test_stop_string_across_tokens_is_cut_and_never_shown() -> None:
+    s = TextStream(decode, stop=["o wo"])
+    assert feed(s, [0, 1]) == ["Hel", "l"]  # "o" might begin the stop string
+    delta = s.push(2)
+    assert (delta.text, delta.stopped) == ("", True)
+    assert s.text == "Hell" and s.stopped
+    assert s.push(3).text == "" and s.flush() == ""
+
+
+def test_held_prefix_is_released_when_the_stop_does_not_follow() -> None:
+    s = TextStream(decode, stop=["ldX"])
+    assert feed(s, [0, 1, 2, 3]) == ["He", "llo", " wor", ""]  # "l", "ld" may begin "ldX"
+    assert s.push(4).text == "ld!"
+    s2 = TextStream(decode, stop=["ldX"])
+    feed(s2, [0, 1, 2, 3])
+    assert s2.flush() == "ld" and s2.text == "Hello world"
+
+
+def test_earliest_of_several_stops_wins() -> None:
+    s = TextStream(decode, stop=["world", "lo"])
+    assert feed(s, [0, 1]) == ["He", "l"]
+    assert s.stopped and s.text == "Hel"
+
+
+def test_unfinished_utf8_waits_for_its_next_token() -> None:
+    s = TextStream(decode)
+    assert feed(s, [0, 5, 6]) == ["Hel", "", "é"]
+    assert s.text == "Helé"
+
+
+def test_stop_at_the_very_start_and_empty_stops_ignored() -> None:
+    s = TextStream(decode, stop=["", "EN"])
+    assert feed(s, [7]) == [""] and s.stopped and s.text == ""
