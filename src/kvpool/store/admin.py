@@ -8,6 +8,7 @@ base address). Everything that lists keys, segments or addresses, and
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -24,8 +25,9 @@ from kvpool.store.metrics import MasterMetrics
 
 LOCK_WAIT_S = 1.0
 """How long /health waits for the master lock before it reports the master stuck."""
-INTEGRITY_INTERVAL_S = 1.0
-"""Least time between two runs of /integrity (O(objects) under the master lock)."""
+INTEGRITY_MAX_SHARE = 0.1
+"""/integrity walks every object under the master lock: it may hold it at most this share of
+the time (one run at a time; after a run of d seconds the next waits 9 d)."""
 
 
 def _token_check(token: str | None) -> Callable[[Request], None]:
@@ -42,22 +44,42 @@ def _token_check(token: str | None) -> Callable[[Request], None]:
     return check
 
 
-class _Interval:
-    """Lets one caller through per `interval_s`; `wait_s()` is 0 for the one let through,
-    else how long until the next may pass."""
+BUSY_RETRY_S = 1.0
+"""Wait suggested to a caller that finds another one's run in progress."""
 
-    def __init__(self, interval_s: float) -> None:
-        self.interval_s = interval_s
+
+class _DutyCycle:
+    """Lets one caller at a time through, and after a run of d seconds the next one only
+    d * (1 / max_share - 1) seconds later, so the gated work takes at most `max_share` of the
+    time. `claim()` is 0 for the caller let through (who must then `release(d)`), else how
+    many seconds to wait."""
+
+    def __init__(self, max_share: float) -> None:
+        self._rest_per_s = 1 / max_share - 1
         self._next_s = 0.0
         self._lock = threading.Lock()
 
-    def wait_s(self) -> float:
+    def claim(self) -> float:
         with self._lock:
             now = time.monotonic()
+            if self._next_s == math.inf:
+                return BUSY_RETRY_S
             if now < self._next_s:
                 return self._next_s - now
-            self._next_s = now + self.interval_s
+            self._next_s = math.inf   # until release(): one caller at a time
             return 0.0
+
+    def release(self, duration_s: float) -> None:
+        with self._lock:
+            self._next_s = time.monotonic() + duration_s * self._rest_per_s
+
+
+def _check(core: MasterCore) -> dict[str, Any]:
+    try:
+        core.check_integrity()
+    except AssertionError as exc:
+        raise HTTPException(500, f"integrity check failed: {exc}") from None
+    return {"status": "ok", "keys": len(core.objects), "pending": len(core.pending)}
 
 
 def _segment_json(core: MasterCore) -> list[dict[str, Any]]:
@@ -74,7 +96,7 @@ def create_admin_app(core: MasterCore, lock: threading.Lock, metrics: MasterMetr
     app = FastAPI(title="kvpool master admin", openapi_url=None, docs_url=None,
                   redoc_url=None)
     guarded = [Depends(_token_check(token))]
-    integrity_gate = _Interval(INTEGRITY_INTERVAL_S)
+    integrity_gate = _DutyCycle(INTEGRITY_MAX_SHARE)
 
     @app.get("/health")
     def health() -> Response:
@@ -117,20 +139,19 @@ def create_admin_app(core: MasterCore, lock: threading.Lock, metrics: MasterMetr
 
     @app.get("/integrity", dependencies=guarded)
     def integrity() -> dict[str, Any]:
-        """Run the master's integrity check (500 with the broken invariant if it fails). It
-        walks every object under the master lock, so it runs at most once per
-        INTEGRITY_INTERVAL_S (429 otherwise)."""
-        wait_s = integrity_gate.wait_s()
+        """Run the master's integrity check (500 with the broken invariant if it fails); 429
+        while an earlier run's share of the master's time (INTEGRITY_MAX_SHARE) is used up."""
+        wait_s = integrity_gate.claim()
         if wait_s > 0:
-            raise HTTPException(429, f"/integrity runs at most once per "
-                                f"{INTEGRITY_INTERVAL_S}s; retry in {wait_s:.1f}s",
-                                headers={"retry-after": str(max(1, round(wait_s)))})
+            raise HTTPException(429, f"/integrity may hold the master lock at most "
+                                f"{INTEGRITY_MAX_SHARE:.0%} of the time; retry in "
+                                f"{wait_s:.3f}s", headers={"retry-after": str(math.ceil(wait_s))})
         with lock:
+            start = time.monotonic()
             try:
-                core.check_integrity()
-            except AssertionError as exc:
-                raise HTTPException(500, f"integrity check failed: {exc}") from None
-            return {"status": "ok", "keys": len(core.objects), "pending": len(core.pending)}
+                return _check(core)
+            finally:
+                integrity_gate.release(time.monotonic() - start)
 
     @app.get("/keys", dependencies=guarded)
     def keys(prefix: str = "", limit: int = Query(1000, ge=1, le=100000)) -> dict[str, Any]:

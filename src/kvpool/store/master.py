@@ -37,7 +37,8 @@ class MasterServerConfig:
     enable_http_metadata: bool = True
     tick_interval_s: float = 0.1
     """How often timeouts and watermark eviction are checked."""
-    token: str | None = field(default_factory=lambda: os.environ.get("KVPOOL_TOKEN") or None)
+    token: str | None = field(default_factory=lambda: os.environ.get("KVPOOL_TOKEN") or None,
+                              repr=False)
     """Shared secret (default: $KVPOOL_TOKEN): RPC connections prove they know it, metadata
     writes and admin listings must carry it."""
     http_limits: HttpLimits = field(default_factory=HttpLimits)
