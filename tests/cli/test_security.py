@@ -88,7 +88,7 @@ def test_store_node_with_a_token_joins_a_guarded_master() -> None:
 
 def test_up_demo_with_a_token() -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "kvpool", "up", "--demo", "--no-bench", "--dram", "64MiB",
+        [sys.executable, "-m", "kvpool", "up", "--store-only", "--demo", "--no-bench", "--dram", "64MiB",
          "--token", TOKEN], capture_output=True, text=True, timeout=180, env=python_env())
     assert out.returncode == 0, out.stdout + out.stderr
     assert "demo: all checks passed" in out.stdout
