@@ -222,6 +222,7 @@ def test_corrupted_replica_is_refused_not_returned(master: MasterServer,
         _corrupt_own_replica(me, "z", 4999)
         assert me.get("c") == GetResult(E.CHECKSUM_MISMATCH)
         out = np.zeros(5000, np.uint8)
+        me.register_buffer(out)
         assert me.get_into("z", out.ctypes.data, 5000).code == E.CHECKSUM_MISMATCH
         assert [r.code for r in me.get_batch(["c", "z"])] == [E.CHECKSUM_MISMATCH] * 2
         parts = [[(out.ctypes.data, 2000), (out.ctypes.data + 2000, 3000)]]
