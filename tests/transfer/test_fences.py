@@ -113,3 +113,14 @@ def test_fence_api_misuse_raises() -> None:
             engine.set_fence(buf.addr + 1, 1)
         with pytest.raises(InvalidArgument):
             engine.register(np.zeros(16, dtype=np.uint8), fence=-5)
+
+
+def test_registering_again_keeps_or_replaces_the_fence() -> None:
+    with TransferEngine(TransferConfig()) as engine:
+        dest = np.zeros(SIZE, dtype=np.uint8)
+        region = engine.register(dest, fence=3)
+        assert engine.register(dest) is region and region.fence.value == 3  # 0 keeps it
+        assert engine.register(dest, fence=4) is region and region.fence.value == 4
+        src = _fill(engine, 7)
+        assert _write(engine, src, engine.segment_name, region.addr, 3)[0].reason == FENCED_REASON
+        assert _write(engine, src, engine.segment_name, region.addr, 4)[0].ok

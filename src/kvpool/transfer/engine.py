@@ -127,9 +127,10 @@ class TransferEngine:
         return self._add(Buffer(addr, length, view_at(addr, length), fence=Fence(check_fence(fence))))
 
     def _add(self, buf: Buffer) -> Buffer:
-        """Registering an already registered range again returns it, with the new fence."""
+        """Registering an already registered range again returns it; a nonzero fence given
+        then replaces the region's fence (0 keeps it: remove a fence with set_fence)."""
         found = self.registry.add(buf)
-        if found is not buf and found.fence.value != buf.fence.value:
+        if found is not buf and buf.fence.value not in (0, found.fence.value):
             self.set_fence(found.addr, buf.fence.value)
         return found
 

@@ -165,9 +165,10 @@ class TcpTarget:
     def _serve_frame(self, conn: socket.socket, decoder: FrameDecoder) -> bool:
         """Serve one frame; False when the initiator closed the connection between frames.
         Once a frame has begun every read and write times out after timeout_s, so a stalled
-        peer cannot hold a fence (or this thread) forever."""
+        peer cannot hold a fence (or this thread) forever; between frames idle_timeout_s."""
         timeout_s = self._config.timeout_s
-        start = receive_event(conn, decoder, frame_timeout_s=timeout_s)
+        start = receive_event(conn, decoder, frame_timeout_s=timeout_s,
+                              idle_timeout_s=self._config.idle_timeout_s)
         if start is None:
             return False
         if not isinstance(start, FrameStart) or start.header.type not in (FrameType.WRITE, FrameType.READ):
