@@ -153,7 +153,8 @@ class TransferEngine:
         self.registry.remove(addr)
 
     def allocate_managed(self, length: int, fence: int = 0) -> Buffer:
-        """Shared-memory buffer, registered and published so same-host peers can memcpy it."""
+        """Shared-memory buffer, registered and published so same-host peers can memcpy it;
+        `fence` as in `register` (same-host writers read it from the file's header page)."""
         buf = self.registry.add(self._arena.allocate(length, check_fence(fence)))
         self._publish()
         return buf
@@ -175,13 +176,16 @@ class TransferEngine:
         if length < 0:
             raise InvalidArgument(f"length must be >= 0, got {length}")
         write = op == OpCode.WRITE
-        local_buf, local = self._registered(local_addr, length, not write, "local")
+        _, local = self._registered(local_addr, length, not write, "local")
         target_buf, target = self._registered(target_addr, length, write, "target")
         token = target_buf.fence.enter(check_fence(fence), write)
         if token is None:
             raise TransferError(f"{target_addr:#x}+{length}: {FENCED_REASON}")
         try:
-            copy_bytes(target, local) if write else copy_bytes(local, target)
+            if write:
+                copy_bytes(target, local)
+            else:
+                copy_bytes(local, target)
         finally:
             target_buf.fence.leave(token)
 
