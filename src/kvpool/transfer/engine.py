@@ -269,27 +269,29 @@ class TransferEngine:
             batch.fail_open("not finished within the timeout")
         return batch.status()
 
-    def write(self, target: str, local_addr: int, target_addr: int, length: int) -> None:
-        self.batch_write(target, [(local_addr, target_addr, length)])
+    def write(self, target: str, local_addr: int, target_addr: int, length: int, fence: int = 0) -> None:
+        self.batch_write(target, [(local_addr, target_addr, length)], fence)
 
-    def read(self, target: str, local_addr: int, target_addr: int, length: int) -> None:
-        self.batch_read(target, [(local_addr, target_addr, length)])
+    def read(self, target: str, local_addr: int, target_addr: int, length: int, fence: int = 0) -> None:
+        self.batch_read(target, [(local_addr, target_addr, length)], fence)
 
-    def batch_write(self, target: str, items: list[tuple[int, int, int]]) -> None:
-        """items: (local_addr, target_addr, length). Raises TransferError if any failed."""
-        self._raise_failed(self._run(OpCode.WRITE, target, items))
+    def batch_write(self, target: str, items: list[tuple[int, int, int]], fence: int = 0) -> None:
+        """items: (local_addr, target_addr, length), all planned against `fence`. Raises
+        TransferError if any failed (a stale fence included)."""
+        self._raise_failed(self._run(OpCode.WRITE, target, items, fence))
 
-    def batch_read(self, target: str, items: list[tuple[int, int, int]]) -> None:
-        self._raise_failed(self._run(OpCode.READ, target, items))
+    def batch_read(self, target: str, items: list[tuple[int, int, int]], fence: int = 0) -> None:
+        self._raise_failed(self._run(OpCode.READ, target, items, fence))
 
-    async def async_write(self, target: str, items: list[tuple[int, int, int]]) -> None:
-        self._raise_failed(await self.async_transfer(_requests(OpCode.WRITE, target, items)))
+    async def async_write(self, target: str, items: list[tuple[int, int, int]], fence: int = 0) -> None:
+        self._raise_failed(await self.async_transfer(_requests(OpCode.WRITE, target, items, fence)))
 
-    async def async_read(self, target: str, items: list[tuple[int, int, int]]) -> None:
-        self._raise_failed(await self.async_transfer(_requests(OpCode.READ, target, items)))
+    async def async_read(self, target: str, items: list[tuple[int, int, int]], fence: int = 0) -> None:
+        self._raise_failed(await self.async_transfer(_requests(OpCode.READ, target, items, fence)))
 
-    def _run(self, op: OpCode, target: str, items: list[tuple[int, int, int]]) -> list[RequestStatus]:
-        return self.transfer_sync(_requests(op, target, items))
+    def _run(self, op: OpCode, target: str, items: list[tuple[int, int, int]],
+             fence: int = 0) -> list[RequestStatus]:
+        return self.transfer_sync(_requests(op, target, items, fence))
 
     @staticmethod
     def _raise_failed(statuses: list[RequestStatus]) -> None:
@@ -299,8 +301,9 @@ class TransferEngine:
             raise TransferError(f"{len(failed)} of {len(statuses)} requests failed; #{first}: {reason}")
 
 
-def _requests(op: OpCode, target: str, items: list[tuple[int, int, int]]) -> list[TransferRequest]:
-    return [TransferRequest(op, local, length, target, remote) for local, remote, length in items]
+def _requests(op: OpCode, target: str, items: list[tuple[int, int, int]],
+              fence: int = 0) -> list[TransferRequest]:
+    return [TransferRequest(op, local, length, target, remote, fence) for local, remote, length in items]
 
 
 def _resolve(future: asyncio.Future[None]) -> None:
