@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 
-from kvpool.errors import InvalidArgument, MemoryRegistrationError
+from kvpool.errors import InvalidArgument, MemoryRegistrationError, TransferError
 from kvpool.transfer import OpCode, RequestState, TransferConfig, TransferEngine, TransferRequest
 from kvpool.transfer.fence import Fence
 from kvpool.transfer.protocol import FENCED_REASON
@@ -113,3 +113,26 @@ def test_fence_api_misuse_raises() -> None:
             engine.set_fence(buf.addr + 1, 1)
         with pytest.raises(InvalidArgument):
             engine.register(np.zeros(16, dtype=np.uint8), fence=-5)
+
+
+def test_registering_again_keeps_or_replaces_the_fence() -> None:
+    with TransferEngine(TransferConfig()) as engine:
+        dest = np.zeros(SIZE, dtype=np.uint8)
+        region = engine.register(dest, fence=3)
+        assert engine.register(dest) is region and region.fence.value == 3  # 0 keeps it
+        assert engine.register(dest, fence=4) is region and region.fence.value == 4
+        src = _fill(engine, 7)
+        assert _write(engine, src, engine.segment_name, region.addr, 3)[0].reason == FENCED_REASON
+        assert _write(engine, src, engine.segment_name, region.addr, 4)[0].ok
+
+
+def test_sync_helpers_carry_the_fence(engine: TransferEngine, target: Target, transport: str) -> None:
+    base = remote_base(target, transport)
+    target.set_fence(base, 21)
+    local = _fill(engine, 8)
+    engine.write(target.segment, local.ctypes.data, base, SIZE, fence=21)
+    with pytest.raises(TransferError, match="stale fence"):
+        engine.write(target.segment, local.ctypes.data, base, SIZE, fence=20)
+    with pytest.raises(TransferError, match="stale fence"):
+        engine.batch_read(target.segment, [(local.ctypes.data, base, 16)], fence=20)
+    engine.batch_read(target.segment, [(local.ctypes.data, base, 16)], fence=21)

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kvpool.transfer import OpCode, TransferConfig, TransferEngine, TransferRequest
+from kvpool.transfer.tcp_client import open_connection
 from tests.transfer.conftest import Target, sha
 
 
@@ -76,3 +77,17 @@ def test_connections_per_address_are_capped(target_factory: Callable[..., Target
             sock.close()
     time.sleep(0.3)  # the target notices the closed ones and frees their slots
     assert _write_ok(target)
+
+
+def test_idle_authenticated_connections_are_closed(target_factory: Callable[..., Target]) -> None:
+    target = target_factory(idle_timeout_s=0.5, token="t")
+    with TransferEngine(TransferConfig(protocol="tcp", token="t", timeout_s=3.0)) as engine:
+        host, port = _address(target)
+        sock, _ = open_connection(host, port, engine.config, engine.segment_name)
+        with sock:
+            assert not _closed_by_peer(sock, 0.2)
+            assert _closed_by_peer(sock, 2.0)
+        local = engine.allocate_managed(4096)
+        engine.write(target.segment, local.addr, target.plain, 4096)
+        time.sleep(1.0)  # the pooled connection is closed by the target meanwhile
+        engine.write(target.segment, local.addr, target.plain, 4096)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import sys
 
@@ -34,6 +35,6 @@ def test_transfers_from_a_process_with_fds_above_1024(target: Target) -> None:
                           env=python_env(), capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "ok"
-    expected = __import__("hashlib").sha256(bytes([3]) * (1 << 16)).hexdigest()
+    expected = hashlib.sha256(bytes([3]) * (1 << 16)).hexdigest()
     assert target.digest(target.plain, 1 << 16) == expected
     assert target.digest(target.managed, 1 << 16) == expected

@@ -42,8 +42,13 @@ class TransferConfig:
     """...and at most this many descriptors per frame (sendmsg's iovec limit is 1024)."""
     handshake_timeout_s: float = 10.0
     """The listener drops a connection whose whole handshake took longer (however it trickles)."""
-    max_connections_per_address: int = 64
-    """The listener closes connections from one remote address beyond this many at once."""
+    max_connections_per_address: int = 256
+    """The listener closes connections from one remote address beyond this many at once. Every
+    engine on this host connects from 127.0.0.1, each with up to `connections_per_peer`
+    pooled connections, hence more than 64."""
+    idle_timeout_s: float | None = None
+    """The listener closes an authenticated connection silent this long between frames
+    (initiators reconnect on their next frame); None keeps idle connections open."""
 
     def __post_init__(self) -> None:
         if self.protocol not in PROTOCOLS:
@@ -58,6 +63,8 @@ class TransferConfig:
             raise ConfigError("slice_bytes and frame_bytes must be >= 4096")
         if not 1 <= self.frame_requests <= 1000:
             raise ConfigError(f"frame_requests must be in 1..1000, got {self.frame_requests}")
+        if self.idle_timeout_s is not None and self.idle_timeout_s <= 0:
+            raise ConfigError(f"idle_timeout_s must be > 0 or None, got {self.idle_timeout_s}")
         if self.handshake_timeout_s <= 0:
             raise ConfigError(f"handshake_timeout_s must be > 0, got {self.handshake_timeout_s}")
         if not 1 <= self.max_connections_per_address <= 65536:

@@ -127,9 +127,10 @@ class TransferEngine:
         return self._add(Buffer(addr, length, view_at(addr, length), fence=Fence(check_fence(fence))))
 
     def _add(self, buf: Buffer) -> Buffer:
-        """Registering an already registered range again returns it, with the new fence."""
+        """Registering an already registered range again returns it; a nonzero fence given
+        then replaces the region's fence (0 keeps it: remove a fence with set_fence)."""
         found = self.registry.add(buf)
-        if found is not buf and found.fence.value != buf.fence.value:
+        if found is not buf and buf.fence.value not in (0, found.fence.value):
             self.set_fence(found.addr, buf.fence.value)
         return found
 
@@ -152,7 +153,8 @@ class TransferEngine:
         self.registry.remove(addr)
 
     def allocate_managed(self, length: int, fence: int = 0) -> Buffer:
-        """Shared-memory buffer, registered and published so same-host peers can memcpy it."""
+        """Shared-memory buffer, registered and published so same-host peers can memcpy it;
+        `fence` as in `register` (same-host writers read it from the file's header page)."""
         buf = self.registry.add(self._arena.allocate(length, check_fence(fence)))
         self._publish()
         return buf
@@ -174,13 +176,16 @@ class TransferEngine:
         if length < 0:
             raise InvalidArgument(f"length must be >= 0, got {length}")
         write = op == OpCode.WRITE
-        local_buf, local = self._registered(local_addr, length, not write, "local")
+        _, local = self._registered(local_addr, length, not write, "local")
         target_buf, target = self._registered(target_addr, length, write, "target")
         token = target_buf.fence.enter(check_fence(fence), write)
         if token is None:
             raise TransferError(f"{target_addr:#x}+{length}: {FENCED_REASON}")
         try:
-            copy_bytes(target, local) if write else copy_bytes(local, target)
+            if write:
+                copy_bytes(target, local)
+            else:
+                copy_bytes(local, target)
         finally:
             target_buf.fence.leave(token)
 
@@ -264,27 +269,29 @@ class TransferEngine:
             batch.fail_open("not finished within the timeout")
         return batch.status()
 
-    def write(self, target: str, local_addr: int, target_addr: int, length: int) -> None:
-        self.batch_write(target, [(local_addr, target_addr, length)])
+    def write(self, target: str, local_addr: int, target_addr: int, length: int, fence: int = 0) -> None:
+        self.batch_write(target, [(local_addr, target_addr, length)], fence)
 
-    def read(self, target: str, local_addr: int, target_addr: int, length: int) -> None:
-        self.batch_read(target, [(local_addr, target_addr, length)])
+    def read(self, target: str, local_addr: int, target_addr: int, length: int, fence: int = 0) -> None:
+        self.batch_read(target, [(local_addr, target_addr, length)], fence)
 
-    def batch_write(self, target: str, items: list[tuple[int, int, int]]) -> None:
-        """items: (local_addr, target_addr, length). Raises TransferError if any failed."""
-        self._raise_failed(self._run(OpCode.WRITE, target, items))
+    def batch_write(self, target: str, items: list[tuple[int, int, int]], fence: int = 0) -> None:
+        """items: (local_addr, target_addr, length), all planned against `fence`. Raises
+        TransferError if any failed (a stale fence included)."""
+        self._raise_failed(self._run(OpCode.WRITE, target, items, fence))
 
-    def batch_read(self, target: str, items: list[tuple[int, int, int]]) -> None:
-        self._raise_failed(self._run(OpCode.READ, target, items))
+    def batch_read(self, target: str, items: list[tuple[int, int, int]], fence: int = 0) -> None:
+        self._raise_failed(self._run(OpCode.READ, target, items, fence))
 
-    async def async_write(self, target: str, items: list[tuple[int, int, int]]) -> None:
-        self._raise_failed(await self.async_transfer(_requests(OpCode.WRITE, target, items)))
+    async def async_write(self, target: str, items: list[tuple[int, int, int]], fence: int = 0) -> None:
+        self._raise_failed(await self.async_transfer(_requests(OpCode.WRITE, target, items, fence)))
 
-    async def async_read(self, target: str, items: list[tuple[int, int, int]]) -> None:
-        self._raise_failed(await self.async_transfer(_requests(OpCode.READ, target, items)))
+    async def async_read(self, target: str, items: list[tuple[int, int, int]], fence: int = 0) -> None:
+        self._raise_failed(await self.async_transfer(_requests(OpCode.READ, target, items, fence)))
 
-    def _run(self, op: OpCode, target: str, items: list[tuple[int, int, int]]) -> list[RequestStatus]:
-        return self.transfer_sync(_requests(op, target, items))
+    def _run(self, op: OpCode, target: str, items: list[tuple[int, int, int]],
+             fence: int = 0) -> list[RequestStatus]:
+        return self.transfer_sync(_requests(op, target, items, fence))
 
     @staticmethod
     def _raise_failed(statuses: list[RequestStatus]) -> None:
@@ -294,8 +301,9 @@ class TransferEngine:
             raise TransferError(f"{len(failed)} of {len(statuses)} requests failed; #{first}: {reason}")
 
 
-def _requests(op: OpCode, target: str, items: list[tuple[int, int, int]]) -> list[TransferRequest]:
-    return [TransferRequest(op, local, length, target, remote) for local, remote, length in items]
+def _requests(op: OpCode, target: str, items: list[tuple[int, int, int]],
+              fence: int = 0) -> list[TransferRequest]:
+    return [TransferRequest(op, local, length, target, remote, fence) for local, remote, length in items]
 
 
 def _resolve(future: asyncio.Future[None]) -> None:

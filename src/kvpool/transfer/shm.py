@@ -177,7 +177,10 @@ def _copy_one(op: OpCode, item: ShmItem) -> str | None:
     if token is None:
         return FENCED_REASON
     try:
-        copy_bytes(remote, local) if write else copy_bytes(local, remote)
+        if write:
+            copy_bytes(remote, local)
+        else:
+            copy_bytes(local, remote)
     except (ValueError, TypeError, OSError) as exc:
         return f"shm copy failed: {exc}"
     finally:

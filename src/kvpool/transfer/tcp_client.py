@@ -69,9 +69,8 @@ class Frame:
         if statuses.count(Status.OK) == len(statuses):
             self.batch.complete(self.indices)
             return
-        decoded = statuses
-        self.batch.complete([i for i, s in zip(self.indices, decoded, strict=True) if s == Status.OK])
-        for index, status in zip(self.indices, decoded, strict=True):
+        self.batch.complete([i for i, s in zip(self.indices, statuses, strict=True) if s == Status.OK])
+        for index, status in zip(self.indices, statuses, strict=True):
             if status != Status.OK:
                 self.batch.complete([index], _FAILURE_TEXT.get(status, f"remote status {status}"))
 

@@ -4,8 +4,12 @@ Every access is checked against the registry and the region's fence; a descripto
 registered ranges, or planned against a stale fence, gets its own error status and its bytes are
 discarded, so the other descriptors of the frame proceed. A write admitted by a region's fence
 stays counted as in flight until its bytes are in (or the frame failed), so `set_fence` can wait
-for it.
-A malformed frame or a failed handshake closes that connection only.
+for it. A malformed frame or a failed handshake closes that connection only.
+
+Bounds, so hostile or broken peers cost little: the whole handshake has one deadline
+(`handshake_timeout_s`), a frame in progress `timeout_s` per read, an idle authenticated
+connection `idle_timeout_s` (optional); at most `max_connections_per_address` connections per
+remote address; and accept() failing for want of fds or memory backs off and retries.
 """
 
 from __future__ import annotations
@@ -24,12 +28,7 @@ from kvpool.transfer.config import TransferConfig
 from kvpool.transfer.decoder import Control, FrameDecoder, FrameEnd, FrameStart
 from kvpool.transfer.fence import Fence
 from kvpool.transfer.memory import Buffer, MemoryRegistry
-from kvpool.transfer.protocol import (
-    FrameType,
-    Status,
-    encode_control,
-    encode_header,
-)
+from kvpool.transfer.protocol import FrameType, Status, encode_control, encode_header
 from kvpool.transfer.wire import receive_event, recv_control, recv_into_views, send_views
 
 log = get_logger("transfer.tcp")
@@ -165,9 +164,10 @@ class TcpTarget:
     def _serve_frame(self, conn: socket.socket, decoder: FrameDecoder) -> bool:
         """Serve one frame; False when the initiator closed the connection between frames.
         Once a frame has begun every read and write times out after timeout_s, so a stalled
-        peer cannot hold a fence (or this thread) forever."""
+        peer cannot hold a fence (or this thread) forever; between frames idle_timeout_s."""
         timeout_s = self._config.timeout_s
-        start = receive_event(conn, decoder, frame_timeout_s=timeout_s)
+        start = receive_event(conn, decoder, frame_timeout_s=timeout_s,
+                              idle_timeout_s=self._config.idle_timeout_s)
         if start is None:
             return False
         if not isinstance(start, FrameStart) or start.header.type not in (FrameType.WRITE, FrameType.READ):

@@ -43,14 +43,14 @@ def _advance(views: list[memoryview], n: int) -> list[memoryview]:
 
 
 def receive_event(sock: socket.socket, decoder: FrameDecoder, deadline: float | None = None,
-                  frame_timeout_s: float | None = None) -> Event | None:
+                  frame_timeout_s: float | None = None, idle_timeout_s: float | None = None) -> Event | None:
     """The decoder's next event, reading from `sock` only the bytes it wants (so payloads stay
     in the socket for `recv_into`). None when the peer closed the connection between frames.
 
     `deadline` (time.monotonic()) bounds the whole call however the peer spaces its bytes
     (TimeoutError after it). Otherwise, with `frame_timeout_s`, a read inside a frame times out
-    after that long while between frames the peer may stay silent; without either the socket's
-    own timeout applies.
+    after that long while between frames the peer may stay silent for `idle_timeout_s` (None:
+    for ever); without either the socket's own timeout applies.
     """
     while (event := decoder.next_event()) is NEED_DATA:
         if deadline is not None:
@@ -59,7 +59,7 @@ def receive_event(sock: socket.socket, decoder: FrameDecoder, deadline: float | 
                 raise TimeoutError("deadline passed before the frame was complete")
             sock.settimeout(left)
         elif frame_timeout_s is not None:
-            sock.settimeout(None if decoder.at_boundary else frame_timeout_s)
+            sock.settimeout(idle_timeout_s if decoder.at_boundary else frame_timeout_s)
         data = sock.recv(decoder.bytes_wanted(), socket.MSG_WAITALL)
         if not data:
             if decoder.at_boundary:
