@@ -178,3 +178,15 @@ def test_a_dead_decode_worker_fails_the_push(workers: Workers, tiny_llama: Path)
     with pytest.raises(WorkerCallFailed, match="unreachable"):
         prefill(workers.p2, "dead-decode", prompt(20, 50), SAMPLING,
                 {"mode": "push", "decode_url": url})
+
+
+def test_generate_command(workers: Workers, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvpool.cli.main import main
+    args = ["generate", "hello world the cache", "--max-tokens", "6"]
+    assert main([*args, "--prefill", workers.p1, "--decode", workers.d, "--kv-transfer", "push"]) == 0
+    split = capsys.readouterr()
+    assert main([*args, "--both", workers.both, "--token", TOKEN]) == 0
+    both = capsys.readouterr()
+    assert split.out == both.out and "6 tokens" in both.err
+    assert main([*args, "--both", workers.both]) == 1  # no token
+    assert "401" in capsys.readouterr().err

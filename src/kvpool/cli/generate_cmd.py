@@ -36,10 +36,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     headers = {"Authorization": f"Bearer {args.token}"} if args.token else {}
     try:
-        model = args.model or httpx.get(f"{decode_url}/info", headers=headers,
-                                        timeout=10).json()["model"]
-    except httpx.HTTPError as exc:
-        print(f"error: {decode_url} does not answer: {exc}", file=sys.stderr)
+        model = args.model or _model_of(decode_url, headers)
+    except (httpx.HTTPError, WorkerCallFailed) as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 1
     tok = load_tokenizer(model)
     text = tok.render_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
@@ -71,3 +70,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"\nerror: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _model_of(url: str, headers: dict[str, str]) -> str:
+    import httpx
+
+    from kvpool.engine.worker.client import WorkerCallFailed
+    reply = httpx.get(f"{url}/info", headers=headers, timeout=10)
+    if reply.status_code != 200:
+        raise WorkerCallFailed(f"{url}/info: {reply.status_code} {reply.text}")
+    return str(reply.json()["model"])
