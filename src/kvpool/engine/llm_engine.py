@@ -75,9 +75,14 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: list[int], sampling: SamplingParams,
                     **kw: object) -> Sequence:
+        self._check_new_id(request_id)
         seq = self.new_sequence(request_id, prompt, sampling, **kw)
         self.scheduler.add(seq)
         return seq
+
+    def _check_new_id(self, request_id: str) -> None:
+        if self.scheduler.find(request_id) is not None:
+            raise InvalidArgument(f"request {request_id} is already running here")
 
     def abort(self, request_id: str, reason: str = "aborted") -> bool:
         seq = self.scheduler.find(request_id)
@@ -193,6 +198,7 @@ class LLMEngine:
     def start_pushed(self, request_id: str, prompt: list[int], first_token: int,
                      sampling: SamplingParams, block_ids: list[int]) -> Sequence:
         """Continue a request whose prompt KV was written into `block_ids`."""
+        self._check_new_id(request_id)
         seq = self.new_sequence(request_id, prompt, sampling, kv_source=KVSource.PUSH)
         seq.block_table = list(block_ids)
         seq.num_computed_tokens = len(prompt)
