@@ -34,6 +34,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ttft-len", type=int, default=2048, help="long prompt for the TTFT rows")
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
     p.add_argument("--no-ttft", action="store_true", help="skip the worker processes")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads for both engines (1 is steadiest on a shared VM)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_main)
 
@@ -41,6 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _main(args: argparse.Namespace) -> int:
     import torch
     torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", category=FutureWarning)
     with tempfile.TemporaryDirectory() as tmp:
         from kvpool.engine.checkpoint import read_model_config
