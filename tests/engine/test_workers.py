@@ -15,9 +15,11 @@ import pytest
 import torch
 
 from kvpool.engine.blocks import block_key, model_hash_for_dir, prefix_block_hashes
+from kvpool.engine.checkpoint import load_model
 from kvpool.engine.config import EngineConfig, SamplingParams
 from kvpool.engine.llm_engine import LLMEngine
 from kvpool.engine.worker.client import WorkerCallFailed, generate, prefill, stream
+from tests.engine.helpers import full_logits
 from tests.support.net import free_port, wait_port
 from tests.support.procs import running, spawn_kvpool
 
@@ -65,8 +67,15 @@ def workers(tiny_llama: Path) -> Iterator[Workers]:
 
 
 def reference(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
-    engine = LLMEngine.from_dir(model_dir, EngineConfig(block_size=BS, num_blocks=128))
-    return engine.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
+    """Greedy tokens from plain forward passes over the whole sequence, no engine."""
+    model = load_model(model_dir)
+    out = []
+    for p in prompts:
+        ids = list(p)
+        for _ in range(10):
+            ids.append(int(full_logits(model, ids)[-1].argmax()))
+        out.append(ids[len(p):])
+    return out
 
 
 def prompt(n: int, seed: int) -> list[int]:
