@@ -158,7 +158,8 @@ def test_kv_missing_from_the_pool_is_an_error(tiny_llama: Path) -> None:
     seq = decode.add_request("r", prompt(20, 5), GREEDY, kv_source=KVSource.POOL)
     decode.continue_with(seq, 7)
     outs = drain(decode)
-    assert outs[-1].error == "KV of block 0 of request r is missing from the pool"
+    assert outs[-1].error == ("KV of block 0 of request r could not be read from the pool "
+                              "(OBJECT_NOT_FOUND)")
 
 
 def test_prefill_reuses_pool_blocks(tiny_llama: Path) -> None:

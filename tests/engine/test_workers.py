@@ -1,9 +1,11 @@
-"""Workers as real processes (a master, a store node, two prefill workers, a decode worker and a
-colocated one): every path gives the same greedy tokens as a plain in-process engine, and the
-KV in the pool is the KV a plain forward computes, bit for bit."""
+"""Workers as real processes (a master, a store node, two prefill workers and a `both` worker
+that serves decode legs and colocated requests): every path gives the same greedy tokens as
+plain forward passes, and the KV in the pool is the KV a plain forward computes, bit for bit."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -24,7 +26,6 @@ from tests.support.net import free_port, wait_port
 from tests.support.procs import running, spawn_kvpool
 
 BS = 8
-TOKEN = "s3cret"
 SAMPLING = {"max_tokens": 10, "ignore_eos": True}
 
 
@@ -35,7 +36,8 @@ class Workers:
     p1: str
     p2: str
     d: str
-    both: str
+    """role both: the decode worker of every P->D test, and the colocated baseline"""
+    node: subprocess.Popen[bytes]
 
 
 def spawn_worker(stack: ExitStack, model_dir: Path, role: str, *extra: str) -> tuple[str, int]:
@@ -55,15 +57,14 @@ def workers(tiny_llama: Path) -> Iterator[Workers]:
             "master", "--rpc_port", str(rpc), "--metrics_port", str(admin), "--no-http-metadata")))
         wait_port(rpc)
         master = f"127.0.0.1:{rpc}"
-        stack.enter_context(running(spawn_kvpool(
+        node = stack.enter_context(running(spawn_kvpool(
             "store-node", "--dram", "64MiB", "--master", master, "--heartbeat-interval", "0.2")))
         urls = [spawn_worker(stack, tiny_llama, role, "--master", master)
-                for role in ("prefill", "prefill", "decode")]
-        urls.append(spawn_worker(stack, tiny_llama, "both", "--token", TOKEN))
+                for role in ("prefill", "prefill", "both")]
         for _, port in urls:
             wait_port(port, timeout_s=60)
         httpx.get(f"{urls[0][0]}/health", timeout=10).raise_for_status()
-        yield Workers(master, tiny_llama, *(u for u, _ in urls))
+        yield Workers(master, tiny_llama, *(u for u, _ in urls), node=node)
 
 
 def reference(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
@@ -86,7 +87,7 @@ def test_every_path_gives_the_same_tokens(workers: Workers) -> None:
     prompts = [prompt(5, 1), prompt(19, 2), prompt(24, 3)]
     want = reference(workers.model_dir, prompts)
     for p, expected in zip(prompts, want, strict=True):
-        both = generate(p, SAMPLING, decode_url=workers.both, token=TOKEN)
+        both = generate(p, SAMPLING, decode_url=workers.d)  # colocated: computes the prompt
         pool = generate(p, SAMPLING, prefill_url=workers.p1, decode_url=workers.d, mode="pool")
         push = generate(p, SAMPLING, prefill_url=workers.p2, decode_url=workers.d, mode="push")
         assert both.token_ids == pool.token_ids == push.token_ids == expected
@@ -97,7 +98,7 @@ def test_seeded_sampling_is_the_same_split_or_colocated(workers: Workers) -> Non
     p = prompt(11, 4)
     sampling = {"max_tokens": 10, "ignore_eos": True, "temperature": 0.8, "top_p": 0.95,
                 "seed": 77}
-    both = generate(p, sampling, decode_url=workers.both, token=TOKEN)
+    both = generate(p, sampling, decode_url=workers.d)
     split = generate(p, sampling, prefill_url=workers.p1, decode_url=workers.d, mode="pool")
     assert both.token_ids == split.token_ids and len(both.token_ids) == 10
 
@@ -154,7 +155,7 @@ def test_load_reports_held_blocks(workers: Workers) -> None:
     assert set(hashes) <= set(load["block_hashes"])
     assert load["kv_capacity_tokens"] == 128 * BS and load["num_running"] == 0
     info = httpx.get(f"{workers.d}/info", timeout=10).json()
-    assert info["role"] == "decode" and info["block_size"] == BS
+    assert info["role"] == "both" and info["block_size"] == BS
     assert info["model_hash"] == model_hash_for_dir(workers.model_dir) and ":" in info["segment"]
 
 
@@ -163,14 +164,12 @@ def test_errors_are_lines_not_hangs(workers: Workers) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(WorkerCallFailed, match="unreachable"):
         prefill(workers.p1, "to-dead", p, SAMPLING, {"mode": "push", "decode_url": dead})
-    with pytest.raises(WorkerCallFailed, match="missing from the pool"):
+    with pytest.raises(WorkerCallFailed, match="could not be read from the pool .OBJECT_NOT_FOUND"):
         list(stream(workers.d, "never-prefilled", prompt(30, 41), SAMPLING, 7, "pool"))
     with pytest.raises(WorkerCallFailed, match="no reservation"):
         list(stream(workers.d, "never-pushed", p, SAMPLING, 7, "push"))
-    with pytest.raises(WorkerCallFailed, match="400"):
-        prefill(workers.d, "wrong-role", p, SAMPLING, {"mode": "pool"})
-    assert httpx.get(f"{workers.both}/load", timeout=10).status_code == 401
-    assert httpx.post(f"{workers.d}/generate", json={"request_id": "x"}, timeout=10).status_code == 400
+    with pytest.raises(WorkerCallFailed, match="400.*prefill worker"):
+        list(stream(workers.p1, "wrong-role", p, SAMPLING, None, "none"))
 
 
 def test_a_dead_decode_worker_fails_the_push(workers: Workers, tiny_llama: Path) -> None:
@@ -194,8 +193,22 @@ def test_generate_command(workers: Workers, capsys: pytest.CaptureFixture[str]) 
     args = ["generate", "hello world the cache", "--max-tokens", "6"]
     assert main([*args, "--prefill", workers.p1, "--decode", workers.d, "--kv-transfer", "push"]) == 0
     split = capsys.readouterr()
-    assert main([*args, "--both", workers.both, "--token", TOKEN]) == 0
+    assert main([*args, "--both", workers.d]) == 0
     both = capsys.readouterr()
     assert split.out == both.out and "6 tokens" in both.err
-    assert main([*args, "--both", workers.both]) == 1  # no token
-    assert "401" in capsys.readouterr().err
+    assert main([*args, "--both", f"http://127.0.0.1:{free_port()}"]) == 1
+    assert "error" in capsys.readouterr().err
+
+
+def test_a_dead_store_node_ends_requests_with_errors(workers: Workers) -> None:
+    """Runs last: it kills the module's store node."""
+    p = prompt(20, 60)
+    info = prefill(workers.p1, "before-death", p, SAMPLING, {"mode": "pool"})
+    workers.node.send_signal(signal.SIGKILL)
+    workers.node.wait()
+    t0 = time.monotonic()
+    with pytest.raises(WorkerCallFailed, match="could not be read from the pool"):
+        list(stream(workers.d, "before-death", p, SAMPLING, info["first_token_id"], "pool"))
+    with pytest.raises(WorkerCallFailed, match="502.*pool failed"):
+        prefill(workers.p2, "after-death", prompt(20, 61), SAMPLING, {"mode": "pool"})
+    assert time.monotonic() - t0 < 30
