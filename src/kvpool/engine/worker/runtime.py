@@ -48,6 +48,9 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ConfigError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.engine.device != "cpu":
+            raise ConfigError(f"workers keep their KV in CPU memory registered with the transfer "
+                              f"engine; device {self.engine.device!r} is for the engine alone")
         if self.kv_transfer not in ("pool", "push"):
             raise ConfigError(f"kv_transfer must be pool or push, got {self.kv_transfer!r}")
 
