@@ -210,14 +210,17 @@ class PoolConnector(KVConnector):
         return None
 
     def _put_rest(self, seq: Sequence) -> str | None:
-        """The full blocks the saver did not write (local hits, pool loads), and the partial one."""
+        """The full blocks that came from the local cache (the pool may have dropped them since
+        they were computed; a put of a key still there writes nothing), and the partial one.
+        Blocks computed now were put by the saver; blocks loaded from the pool are there."""
         if self.store is None:
             return "this worker has no pool (--master) to leave the KV in"
         full = seq.num_prompt_tokens // self.bs
+        hits = min(seq.num_cached_tokens // self.bs, full)
         layers = range(self.cache.num_layers)
-        keys = [block_key(seq.block_hashes[i], layer) for i in range(full) for layer in layers]
+        keys = [block_key(seq.block_hashes[i], layer) for i in range(hits) for layer in layers]
         parts = [self.cache.block_parts(seq.block_table[i], range(layer, layer + 1))
-                 for i in range(full) for layer in layers]
+                 for i in range(hits) for layer in layers]
         if seq.num_prompt_tokens % self.bs:
             keys.append(request_key(seq.request_id))
             parts.append(self.cache.block_parts(seq.block_table[full]))
