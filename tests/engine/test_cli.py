@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -27,3 +28,10 @@ def test_bench_engine_smoke(tiny_llama: Path, capsys: pytest.CaptureFixture[str]
         ("kvpool", "prefill batch 2"), ("kvpool", "decode batch 2"),
         ("transformers", "prefill batch 2"), ("transformers", "decode batch 2")}
     assert all(r["value"] > 0 for r in rows)
+
+
+def test_generate_in_process(tiny_llama: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "hello world", "--model", str(tiny_llama), "--max-tokens", "5"]) == 0
+    count = re.search(r"\[(\d+) tokens\]", capsys.readouterr().err)
+    assert count is not None and 1 <= int(count.group(1)) <= 5  # eos may come first
+    assert main(["generate", "hello"]) == 2
