@@ -47,7 +47,7 @@ class MemoryStore:
             out.append(ReadResult(ErrorCode.OK, len(data)))
         return out
 
-    def remove(self, key: str) -> ErrorCode:
+    def remove(self, key: str, force: bool = False) -> ErrorCode:
         return ErrorCode.OK if self.objects.pop(key, None) is not None else ErrorCode.OBJECT_NOT_FOUND
 
 

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import torch
 
-from kvpool.engine.blocks import block_key, model_hash_for_dir, prefix_block_hashes
+from kvpool.engine.blocks import block_key, model_hash_for_dir, prefix_block_hashes, request_key
 from kvpool.engine.checkpoint import load_model
 from kvpool.engine.config import EngineConfig, SamplingParams
 from kvpool.engine.llm_engine import LLMEngine
@@ -124,8 +124,12 @@ def test_prefix_from_the_pool_written_by_another_prefill_worker(workers: Workers
     assert b.prefill["num_pool_tokens"] == 32 and b.prefill["num_cached_tokens"] == 0
     assert b.prefill["num_computed_tokens"] == len(second) - 32
     assert [a.token_ids, b.token_ids] == want
-    c = generate(second, SAMPLING, prefill_url=workers.p2, decode_url=workers.d, mode="pool")
+    c = generate(second, SAMPLING, prefill_url=workers.p2, decode_url=workers.d, mode="pool",
+                 request_id="third")
     assert c.prefill["num_cached_tokens"] == 32 and c.token_ids == want[1]
+    from kvpool.store import ClientConfig, StoreClient
+    with StoreClient(ClientConfig(master=workers.master)) as store:
+        assert not store.exists(request_key("third")).ok  # the decode worker took it
 
 
 def test_pool_kv_equals_recomputed_bit_for_bit(workers: Workers) -> None:
@@ -138,6 +142,7 @@ def test_pool_kv_equals_recomputed_bit_for_bit(workers: Workers) -> None:
     hashes = prefix_block_hashes(p, BS, model_hash_for_dir(workers.model_dir))
     assert len(hashes) == 3
     with StoreClient(ClientConfig(master=workers.master)) as store:
+        assert store.exists(request_key("kv-check")).ok  # the partial block, for a decode leg
         for i, h in enumerate(hashes):
             for layer in range(engine.cache.num_layers):
                 got = store.get(block_key(h, layer))
