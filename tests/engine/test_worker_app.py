@@ -58,3 +58,12 @@ def test_colocated_stream(client: TestClient) -> None:
         assert reply.headers["content-type"] == "application/x-ndjson"
         lines = [line for line in reply.iter_lines() if line]
     assert len(lines) == 4 and lines[-1] == '{"finish_reason": "length", "num_output_tokens": 3}'
+
+
+def test_a_stopped_engine_answers_503(tiny_llama: Path) -> None:
+    worker = Worker(WorkerConfig(str(tiny_llama), role="both",
+                                 engine=EngineConfig(block_size=8, num_blocks=8)))
+    with TestClient(create_app(worker)) as c:
+        worker.loop.stop()
+        reply = c.get("/load")
+        assert reply.status_code == 503 and "shutting down" in reply.json()["error"]["message"]
