@@ -47,8 +47,13 @@ class MemoryStore:
             out.append(ReadResult(ErrorCode.OK, len(data)))
         return out
 
-    def remove(self, key: str) -> ErrorCode:
+    def remove(self, key: str, force: bool = False) -> ErrorCode:
         return ErrorCode.OK if self.objects.pop(key, None) is not None else ErrorCode.OBJECT_NOT_FOUND
+
+
+class FullStore(MemoryStore):
+    def batch_put_from_parts(self, keys, parts):  # type: ignore[no-untyped-def]
+        return [PutResult(ErrorCode.NO_AVAILABLE_HANDLE)] * len(keys)
 
 
 class Memcpy:
@@ -153,7 +158,8 @@ def test_kv_missing_from_the_pool_is_an_error(tiny_llama: Path) -> None:
     seq = decode.add_request("r", prompt(20, 5), GREEDY, kv_source=KVSource.POOL)
     decode.continue_with(seq, 7)
     outs = drain(decode)
-    assert outs[-1].error == "KV of block 0 of request r is missing from the pool"
+    assert outs[-1].error == ("KV of block 0 of request r could not be read from the pool "
+                              "(OBJECT_NOT_FOUND)")
 
 
 def test_prefill_reuses_pool_blocks(tiny_llama: Path) -> None:
@@ -169,3 +175,13 @@ def test_prefill_reuses_pool_blocks(tiny_llama: Path) -> None:
     assert seq.num_pool_tokens == 24
     plain = LLMEngine.from_dir(tiny_llama, EngineConfig(block_size=BS))
     assert seq.output_ids == plain.generate([shared + [3, 4, 5]], GREEDY)[0]
+
+
+def test_a_full_pool_fails_a_pool_prefill(tiny_llama: Path) -> None:
+    prefill, conn = make(tiny_llama, FullStore(), save=True)
+    conn.plans["r"] = PoolPlan()
+    prefill.add_request("r", prompt(20, 7), GREEDY, prefill_only=True)
+    outs = drain(prefill)
+    assert outs[-1].error is not None
+    assert outs[-1].error.startswith("storing KV in the pool failed: put kv/")
+    assert "NO_AVAILABLE_HANDLE" in outs[-1].error and not conn.plans

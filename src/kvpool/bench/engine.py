@@ -34,6 +34,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ttft-len", type=int, default=2048, help="long prompt for the TTFT rows")
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
     p.add_argument("--no-ttft", action="store_true", help="skip the worker processes")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads for both engines (1 is steadiest on a shared VM)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_main)
 
@@ -41,16 +43,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _main(args: argparse.Namespace) -> int:
     import torch
     torch.manual_seed(0)
+    torch.set_num_threads(args.threads)
     warnings.filterwarnings("ignore", category=FutureWarning)
     with tempfile.TemporaryDirectory() as tmp:
+        from kvpool.engine.checkpoint import read_model_config
         model_dir = args.model or _tiny(Path(tmp) / "model", args.layers, args.hidden)
+        vocab = read_model_config(model_dir).vocab_size
         rows: list[dict[str, Any]] = []
         for batch in (int(b) for b in args.batches.split(",")):
-            rows += _ours(model_dir, batch, args.prompt_len, args.decode_steps)
+            rows += _ours(model_dir, batch, args.prompt_len, args.decode_steps, vocab)
             if not args.no_hf:
-                rows += _hf(model_dir, batch, args.prompt_len, args.decode_steps)
+                rows += _hf(model_dir, batch, args.prompt_len, args.decode_steps, vocab)
         if not args.no_ttft:
-            rows += _ttft(model_dir, args.ttft_len)
+            rows += _ttft(model_dir, args.ttft_len, vocab)
     for row in rows:
         print(json.dumps(row) if args.json else _fmt(row), flush=True)
     return 0
@@ -68,13 +73,14 @@ def _tiny(folder: Path, layers: int, hidden: int) -> Path:
                                       max_position_embeddings=8192))
 
 
-def _prompts(batch: int, length: int, vocab: int = 1000) -> list[list[int]]:
+def _prompts(batch: int, length: int, vocab: int, shift: int = 0) -> list[list[int]]:
+    """Random token ids in 2..vocab-1; `shift` makes a different set of the same shape."""
     import torch
-    g = torch.Generator().manual_seed(batch * 7 + length)
+    g = torch.Generator().manual_seed(batch * 7 + length + 1000 * shift)
     return torch.randint(2, vocab, (batch, length), generator=g).tolist()
 
 
-def _ours(model_dir: Path, batch: int, length: int, steps: int) -> list[dict[str, Any]]:
+def _ours(model_dir: Path, batch: int, length: int, steps: int, vocab: int) -> list[dict[str, Any]]:
     """Best of REPEATS prefills (fresh prompts each time), median decode step."""
     from kvpool.engine.config import EngineConfig, SamplingParams
     from kvpool.engine.llm_engine import LLMEngine
@@ -83,12 +89,12 @@ def _ours(model_dir: Path, batch: int, length: int, steps: int) -> list[dict[str
                           max_num_seqs=batch, max_prefill_chunk=batch * length,
                           max_model_len=length + steps + 16)
     engine = LLMEngine.from_dir(model_dir, config)
-    engine.generate(_prompts(1, 16), SamplingParams(max_tokens=2))  # warm up
+    engine.generate(_prompts(1, 16, vocab), SamplingParams(max_tokens=2))  # warm up
     params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
     prefill_s, step_s = [], []
     for rep in range(REPEATS):
-        for i, p in enumerate(_prompts(batch, length)):
-            engine.add_request(f"{rep}-{i}", [(t + rep) % 1000 + 2 for t in p], params)
+        for i, p in enumerate(_prompts(batch, length, vocab, shift=rep + 1)):
+            engine.add_request(f"{rep}-{i}", p, params)
         prefill_s.append(_timed(engine.step))  # every prompt in one pass, and first tokens
         step_s += [_timed(engine.step) for _ in range(steps)]
     return [_row("kvpool", f"prefill batch {batch}", batch * length / min(prefill_s), length),
@@ -101,15 +107,15 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
-def _hf(model_dir: Path, batch: int, length: int, steps: int) -> list[dict[str, Any]]:
+def _hf(model_dir: Path, batch: int, length: int, steps: int, vocab: int) -> list[dict[str, Any]]:
     import torch
     import transformers
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     prefill_s, step_s = [], []
     with torch.inference_mode():
-        model(torch.tensor(_prompts(1, 16)))  # warm up
+        model(torch.tensor(_prompts(1, 16, vocab)))  # warm up
         for rep in range(REPEATS):
-            ids = (torch.tensor(_prompts(batch, length)) + rep) % 1000 + 2
+            ids = torch.tensor(_prompts(batch, length, vocab, shift=rep + 1))
             t0 = time.perf_counter()
             out = model(ids, use_cache=True)
             prefill_s.append(time.perf_counter() - t0)
@@ -128,14 +134,14 @@ def _row(impl: str, phase: str, tok_s: float, length: int) -> dict[str, Any]:
             "prompt_len": length}
 
 
-def _ttft(model_dir: Path, length: int) -> list[dict[str, Any]]:
+def _ttft(model_dir: Path, length: int, vocab: int) -> list[dict[str, Any]]:
     """Cold prefill on P1 (its blocks go to the pool), then the same prefix plus a new tail on
     P2, which loads the prefix from the pool; then P2 again (local cache)."""
     from kvpool.engine.worker.client import prefill
-    shared = _prompts(1, length)[0]
+    shared = _prompts(1, length, vocab)[0]
     with _cluster(model_dir, length) as (p1, p2):
         for url in (p1, p2):  # first requests pay one-time costs (connections, allocator)
-            prefill(url, f"warm-{url}", [1 + t for t in shared[:64]], {"max_tokens": 1},
+            prefill(url, f"warm-{url}", _prompts(1, 64, vocab, shift=9)[0], {"max_tokens": 1},
                     {"mode": "pool"})
         rows = []
         for name, url, tail in (("cold", p1, [5, 6, 7]), ("prefix from pool", p2, [8, 9, 10]),
