@@ -5,6 +5,7 @@ either intact or reported missing, and no read anywhere returned wrong bytes as 
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import subprocess
@@ -84,7 +85,7 @@ def chaos(cluster: Cluster, rng: random.Random, seconds: float) -> list[str]:
 
 @pytest.mark.slow
 def test_random_stalls_and_kills_never_serve_wrong_bytes() -> None:
-    rng = random.Random(20261130)
+    rng = random.Random(int(os.environ.get("KVPOOL_CHAOS_SEED", "20261130")))
     with store_cluster(3, "16MiB", "--client-ttl", "2", "--lease-ttl-ms", "1000",
                        http_metadata=True) as cluster:
         workers = [spawn_python(WORKER, cluster.address, cluster.metadata, f"w{i}", "50")
