@@ -165,6 +165,7 @@ def test_node_mounts_again_after_master_restart() -> None:
     first = start_master(port)
     with StoreClient(ClientConfig(master=f"127.0.0.1:{port}", global_segment_size=MIB,
                                   heartbeat_interval_s=0.1, rpc_timeout_s=0.5)) as n:
+        (old,) = first.core.segments.values()
         first.stop()
         second = start_master(port)
         try:
@@ -172,6 +173,9 @@ def test_node_mounts_again_after_master_restart() -> None:
             while not second.core.segments and time.monotonic() < deadline:
                 time.sleep(0.05)
             assert [s.segment_id for s in second.core.segment_infos()] == n.segment_ids
+            (new,) = second.core.segments.values()     # fenced anew before mounting again
+            assert new.fence not in (0, old.fence)
+            assert new.fence == n._segments[new.segment_id].fence.value
         finally:
             second.stop()
 

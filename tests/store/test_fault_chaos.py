@@ -5,6 +5,7 @@ either intact or reported missing, and no read anywhere returned wrong bytes as 
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import subprocess
@@ -33,6 +34,8 @@ rng = random.Random(name)
 c = StoreClient(ClientConfig(master=master, metadata=metadata, heartbeat_interval_s=0.2,
                              rpc_timeout_s=1.0, transfer_timeout_s=2.0))
 acked, wrong, reads, n = [], 0, 0, 0
+print(json.dumps({"ready": name}), flush=True)
+sys.stdin.readline()
 end = time.monotonic() + seconds
 while time.monotonic() < end:
     if acked and rng.random() < 0.5:
@@ -82,16 +85,23 @@ def chaos(cluster: Cluster, rng: random.Random, seconds: float) -> list[str]:
 
 @pytest.mark.slow
 def test_random_stalls_and_kills_never_serve_wrong_bytes() -> None:
-    rng = random.Random(20261130)
+    rng = random.Random(int(os.environ.get("KVPOOL_CHAOS_SEED", "20261130")))
     with store_cluster(3, "16MiB", "--client-ttl", "2", "--lease-ttl-ms", "1000",
                        http_metadata=True) as cluster:
         workers = [spawn_python(WORKER, cluster.address, cluster.metadata, f"w{i}", "50")
                    for i in range(3)]
         with running(workers[0]), running(workers[1]), running(workers[2]):
+            for worker in workers:                 # all started before the first fault
+                assert worker.stdout is not None and worker.stdin is not None
+                assert "ready" in json.loads(worker.stdout.readline())
+            for worker in workers:
+                worker.stdin.write(b"go\n")      # type: ignore[union-attr]
+                worker.stdin.flush()              # type: ignore[union-attr]
             actions = chaos(cluster, rng, 45)
             summaries = [finish(w) for w in workers]
             for proc in [cluster.master, *cluster.nodes]:
                 proc.send_signal(signal.SIGCONT)
+            assert all(p.poll() is None for p in [cluster.master, *cluster.nodes]), actions
             cluster.wait_segments(3, timeout_s=15)
             acked = [k for s in summaries for k in s["acked"]]
             assert sum(s["wrong"] for s in summaries) == 0, summaries

@@ -64,7 +64,9 @@ def line(proc: subprocess.Popen[bytes]) -> dict:  # type: ignore[type-arg]
 
 
 def resume(proc: subprocess.Popen[bytes]) -> dict:  # type: ignore[type-arg]
+    """SIGCONT the stalled writer and let it copy; its report."""
     assert proc.stdin is not None
+    proc.send_signal(signal.SIGCONT)
     proc.stdin.write(b"go\n")
     proc.stdin.flush()
     return line(proc)
@@ -96,6 +98,7 @@ def test_stalled_writer_across_a_master_restart_never_overwrites_b() -> None:
             stalled_writer(cluster, "a") as writer:
         planned = line(writer)
         assert planned["code"] == 0
+        writer.send_signal(signal.SIGSTOP)
         cluster.kill_master()
         cluster.start_master()
         cluster.wait_segments(1, timeout_s=10)
@@ -114,6 +117,7 @@ def test_stalled_writer_across_a_node_remount_never_overwrites_b() -> None:
             stalled_writer(cluster, "a") as writer:
         planned = line(writer)
         assert planned["code"] == 0
+        writer.send_signal(signal.SIGSTOP)
         node = cluster.nodes[0]
         node.send_signal(signal.SIGSTOP)
         try:

@@ -100,3 +100,23 @@ def test_fuzz_never_crashes(data: bytes) -> None:
     req_id, status, _ = call(svc, data)
     assert isinstance(req_id, int) and isinstance(status, int)
     svc.core.check_integrity()
+
+
+def test_trailing_arguments_of_older_clients_take_their_defaults() -> None:
+    assert decode_request(encode_request(Op.MOUNT, 1, "c", "h:1", 4096, 10, 1)).args == (
+        "h:1", 4096, 10, 1, 0)
+    assert decode_request(encode_request(Op.MOUNT, 1, "c", "h:1", 4096, 10, 1, 7)).args[4] == 7
+    assert decode_request(encode_request(Op.PUT_END, 1, "c", ["k"])).args == (["k"], None)
+    for frame in (encode_request(Op.MOUNT, 1, "c", "h:1", 4096, 10),
+                  encode_request(Op.PUT_END, 1, "c"),
+                  encode_request(Op.PUT_END, 1, "c", ["k"], [1], [2]),
+                  encode_request(Op.MOUNT, 1, "c", "h:1", 4096, 10, 1, "x")):
+        with pytest.raises(RemoteProtocolError):
+            decode_request(frame)
+    svc = service()
+    _, _, (code, sid) = call(svc, encode_request(Op.MOUNT, 2, "n", "h:2", 4096, 4096, 1,
+                                                 (1 << 64) - 1))  # type: ignore[misc]
+    assert code == 0 and svc.core.segments[sid].fence == (1 << 64) - 1
+    svc.core.put_start("w", ["k"], [10])
+    assert call(svc, encode_request(Op.PUT_END, 3, "w", ["k"], [(1 << 64) - 1])) == (3, 0, [0])
+    assert svc.core.get_replicas(["k"])[0].checksum == (1 << 64) - 1

@@ -12,12 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.clock import SYSTEM_CLOCK, Clock
-from kvpool.errors import (
-    KvpoolError,
-    RpcError,
-    RpcTimeout,
-    TransferError,
-)
+from kvpool.errors import KvpoolError, MetadataError, RpcError, RpcTimeout, TransferError
 from kvpool.log import get_logger
 from kvpool.store.checksum import parts_checksum
 from kvpool.store.client_config import ClientConfig
@@ -80,6 +75,8 @@ class ClientBase:
             self._segments: dict[str, Any] = {}  # segment id -> managed Buffer
             self._forgotten = False
             """The master answered UNKNOWN_CLIENT (maybe late): mount everything again."""
+            self._publish_due = False
+            """Mounted again, but the segment descriptor is not yet published again."""
             self._staging = StagingArea(self.engine, config.local_buffer_size)
         except BaseException:
             self.engine.close()  # a bad master address must not leak the started engine
@@ -134,7 +131,10 @@ class ClientBase:
             code = ErrorCode(self._rpc.call(Op.UNMOUNT, segment_id))
         except RpcError:
             code = E.RPC_FAIL
-        self.engine.free_managed(buf)
+        try:
+            self.engine.free_managed(buf)
+        except MetadataError as exc:  # freed; only the directory could not be told
+            log.warning("unmounted %s, but could not publish that: %s", segment_id, exc)
         return code
 
     @property
@@ -150,6 +150,8 @@ class ClientBase:
                 log.debug("heartbeat failed: %s", exc)
             if self._forgotten and not self._stop.is_set():
                 self._forgotten = not self._remount() if self._segments else False
+            if self._publish_due and not self._forgotten:
+                self._publish_due = not self._publish()
 
     def _on_late_heartbeat(self, reply: Any) -> None:
         """A heartbeat answered after its call timed out (the master stalled, then forgot
@@ -185,15 +187,19 @@ class ClientBase:
                 return False
             if new_id != segment_id:
                 self._segments[str(new_id)] = self._segments.pop(segment_id)
-        self._publish()
+        self._publish_due = True
         self.stats.remounts += 1
         return True
 
-    def _publish(self) -> None:
+    def _publish(self) -> bool:
+        """Publish our segment descriptor in the directory again; False (retried at the next
+        heartbeat) while the directory cannot take it."""
         try:
             self.engine._publish()
         except KvpoolError as exc:
             log.warning("could not publish segment %s again: %s", self.endpoint, exc)
+            return False
+        return True
 
     def close(self) -> None:
         if self._stop.is_set():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from kvpool.errors import RpcError
+from kvpool.errors import MetadataError, RpcError
 from kvpool.log import get_logger
 from kvpool.store.client import StoreClient
 from kvpool.store.client_config import ClientConfig
@@ -14,11 +14,12 @@ log = get_logger("store.node")
 
 def _connect(config: ClientConfig, stop: threading.Event,
              retry_s: float) -> StoreClient | None:
-    """A client with its segment mounted; waits for an unreachable master until `stop`."""
+    """A client with its segment mounted; waits for an unreachable master (or segment
+    directory, often the master's) until `stop`."""
     while not stop.is_set():
         try:
             return StoreClient(config)
-        except RpcError as exc:
+        except (RpcError, MetadataError) as exc:
             log.warning("cannot mount at master %s yet (%s); retrying in %.0fs",
                         config.master, exc, retry_s)
             stop.wait(retry_s)
