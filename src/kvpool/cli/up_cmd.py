@@ -136,6 +136,7 @@ def _run_serving(args: argparse.Namespace) -> int:
 
 def _print_serving(cluster: ServingCluster) -> None:
     print(f"kvpool serving cluster up (pid {os.getpid()}), model {cluster.model_dir}:")
+    print(f"  store master      {cluster.master_address}  (metadata {cluster.metadata_url})")
     for role, urls in cluster.worker_urls.items():
         print(f"  {role:8} workers  {' '.join(urls)}")
     print(f"  OpenAI API        {cluster.proxy_url}/v1  (metrics: {cluster.proxy_url}/metrics)")
