@@ -46,7 +46,7 @@ def test_overload_is_refused_with_429(cluster: ServingCluster, tmp_path: Path) -
         err = refused.json()["error"]
         assert (err["type"], err["code"]) == ("rate_limit_exceeded", "rejected_ttft")
         metrics = httpx.get(url + "/metrics").text
-        assert 'kvpool_proxy_rejections_total{reason="ttft"}' in metrics
+        assert 'kvpool_proxy_rejections_total{reason="ttft",stage="arrival"}' in metrics
     finally:
         stop(proc)
 

@@ -78,10 +78,19 @@ class Dispatcher:
         now = self.clock.now()
         decision = self._conductor_for(ref.block_size).schedule(req, view, now)
         if isinstance(decision, Rejected):
-            self.metrics.rejections.labels(decision.reason).inc()
+            self.metrics.rejections.labels(decision.reason, decision.stage).inc()
             raise rejected(decision.reason, decision.predicted_ttft_s, decision.predicted_tbt_s,
                            self._retry_after_s(decision))
         return self.cluster.book(req, self.cluster.colocate(decision), now)
+
+    def check_decode(self, b: Booking) -> None:
+        """The decode stage's own check when the KV is ready (only the `none` baseline has one):
+        ApiError 429 after the prefill was spent, as the simulator counts it."""
+        d = b.decode_load
+        verdict = self.conductor.admission.at_decode(b.req, d, d.num_active, d.active_tokens)
+        if verdict is not None:
+            self.metrics.rejections.labels(verdict.reason, verdict.stage).inc()
+            raise rejected(verdict.reason, verdict.predicted_ttft_s, verdict.predicted_tbt_s, 1)
 
     def _retry_after_s(self, r: Rejected) -> int:
         if r.reason == "ttft":
@@ -173,6 +182,7 @@ class Run:
         reply = await guarded(self.d.client.prefill(self.b.prefill.url, body), self.b.prefill,
                               "/prefill")
         self.d.cluster.prefill_done(self.b, self.d.clock.now())
+        self.d.check_decode(self.b)
         try:
             self.cached_len = int(reply.get("num_cached_tokens", 0)) + int(
                 reply.get("num_pool_tokens", 0))
