@@ -85,3 +85,17 @@ def test_tokenizer_round_trip_and_chat_template(tiny_llama: Path) -> None:
     assert tok.eos_token_ids == (1,) and tok.bos_token_id == 0
     text = tok.render_chat([{"role": "user", "content": "hi"}])
     assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_derived_tensors_are_ignored_and_generation_eos_is_read(tiny_llama: Path,
+                                                               tmp_path: Path) -> None:
+    old = edit_weights(tiny_llama, tmp_path / "m", lambda w: w.__setitem__(
+        "model.layers.0.self_attn.rotary_emb.inv_freq", torch.ones(8)))
+    (old / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 3]}))
+    model = load_model(old)
+    assert model.config.eos_token_ids == (1, 3)
+
+
+def test_lazy_package_names() -> None:
+    import kvpool.engine as engine
+    assert engine.LLMEngine.__name__ == "LLMEngine" and engine.SamplingParams().max_tokens == 16

@@ -11,6 +11,7 @@ import torch
 from kvpool.engine.checkpoint import load_model
 from kvpool.engine.config import EngineConfig, SamplingParams
 from kvpool.engine.llm_engine import LLMEngine
+from kvpool.errors import InvalidArgument
 from tests.engine.helpers import full_logits
 
 transformers = pytest.importorskip("transformers")
@@ -117,6 +118,8 @@ def test_abort_frees_blocks(tiny_llama: Path) -> None:
     eng = engine(tiny_llama)
     eng.add_request("r", prompt(20), GREEDY)
     eng.step()
+    with pytest.raises(InvalidArgument, match="already running"):
+        eng.add_request("r", prompt(5), GREEDY)
     assert eng.abort("r")
     assert eng.blocks.num_free_blocks == 64
     eng.blocks.check_integrity()

@@ -15,6 +15,7 @@ from tests.engine.helpers import full_logits
 transformers = pytest.importorskip("transformers")
 
 PROMPT = [5, 17, 300, 42, 9, 101, 77, 3, 250, 18, 64, 199, 7, 7, 31, 400, 12, 88, 2, 141]
+SMALL = [t % 320 for t in PROMPT[:12]]
 
 
 def hf_logits(model_dir: Path, ids: list[int]) -> torch.Tensor:
@@ -47,3 +48,33 @@ def test_bfloat16_is_close_to_float32(tiny_llama: Path) -> None:
     half = full_logits(load_model(tiny_llama, dtype="bfloat16"), PROMPT)
     assert half.dtype == torch.float32
     assert (half - full).abs().max() < 0.1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_matches_cpu(tiny_llama: Path) -> None:
+    from kvpool.engine.config import EngineConfig, SamplingParams
+    from kvpool.engine.llm_engine import LLMEngine
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    cpu = LLMEngine.from_dir(tiny_llama, EngineConfig(block_size=8)).generate([PROMPT], params)
+    gpu = LLMEngine.from_dir(tiny_llama, EngineConfig(block_size=8, device="cuda"))
+    assert gpu.generate([PROMPT], params) == cpu
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_checkpoint_written_by_transformers(arch: str, tmp_path: Path) -> None:
+    """A folder written by transformers' own save_pretrained (its config.json spelling)."""
+    common = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    if arch == "llama":
+        config = transformers.LlamaConfig(**common, rope_scaling={
+            "rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+        hf = transformers.LlamaForCausalLM(config)
+    else:
+        config = transformers.Qwen2Config(**common, tie_word_embeddings=True, rope_theta=1e6)
+        hf = transformers.Qwen2ForCausalLM(config)
+    hf.save_pretrained(tmp_path)
+    ours = full_logits(load_model(tmp_path), SMALL, block_size=8)
+    with torch.no_grad():
+        theirs = hf.eval()(torch.tensor([SMALL])).logits[0]
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)

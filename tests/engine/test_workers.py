@@ -1,9 +1,12 @@
-"""Workers as real processes (a master, a store node, two prefill workers, a decode worker and a
-colocated one): every path gives the same greedy tokens as a plain in-process engine, and the
-KV in the pool is the KV a plain forward computes, bit for bit."""
+"""Workers as real processes (a master, a store node, two prefill workers and a `both` worker
+that serves decode legs and colocated requests): every path gives the same greedy tokens as
+plain forward passes, and the KV in the pool is the KV a plain forward computes, bit for bit."""
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -13,15 +16,16 @@ import httpx
 import pytest
 import torch
 
-from kvpool.engine.blocks import block_key, model_hash_for_dir, prefix_block_hashes
+from kvpool.engine.blocks import block_key, model_hash_for_dir, prefix_block_hashes, request_key
+from kvpool.engine.checkpoint import load_model
 from kvpool.engine.config import EngineConfig, SamplingParams
 from kvpool.engine.llm_engine import LLMEngine
 from kvpool.engine.worker.client import WorkerCallFailed, generate, prefill, stream
+from tests.engine.helpers import full_logits
 from tests.support.net import free_port, wait_port
 from tests.support.procs import running, spawn_kvpool
 
 BS = 8
-TOKEN = "s3cret"
 SAMPLING = {"max_tokens": 10, "ignore_eos": True}
 
 
@@ -32,7 +36,8 @@ class Workers:
     p1: str
     p2: str
     d: str
-    both: str
+    """role both: the decode worker of every P->D test, and the colocated baseline"""
+    node: subprocess.Popen[bytes]
 
 
 def spawn_worker(stack: ExitStack, model_dir: Path, role: str, *extra: str) -> tuple[str, int]:
@@ -52,20 +57,26 @@ def workers(tiny_llama: Path) -> Iterator[Workers]:
             "master", "--rpc_port", str(rpc), "--metrics_port", str(admin), "--no-http-metadata")))
         wait_port(rpc)
         master = f"127.0.0.1:{rpc}"
-        stack.enter_context(running(spawn_kvpool(
+        node = stack.enter_context(running(spawn_kvpool(
             "store-node", "--dram", "64MiB", "--master", master, "--heartbeat-interval", "0.2")))
         urls = [spawn_worker(stack, tiny_llama, role, "--master", master)
-                for role in ("prefill", "prefill", "decode")]
-        urls.append(spawn_worker(stack, tiny_llama, "both", "--token", TOKEN))
+                for role in ("prefill", "prefill", "both")]
         for _, port in urls:
             wait_port(port, timeout_s=60)
         httpx.get(f"{urls[0][0]}/health", timeout=10).raise_for_status()
-        yield Workers(master, tiny_llama, *(u for u, _ in urls))
+        yield Workers(master, tiny_llama, *(u for u, _ in urls), node=node)
 
 
 def reference(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
-    engine = LLMEngine.from_dir(model_dir, EngineConfig(block_size=BS, num_blocks=128))
-    return engine.generate(prompts, SamplingParams(max_tokens=10, ignore_eos=True))
+    """Greedy tokens from plain forward passes over the whole sequence, no engine."""
+    model = load_model(model_dir)
+    out = []
+    for p in prompts:
+        ids = list(p)
+        for _ in range(10):
+            ids.append(int(full_logits(model, ids)[-1].argmax()))
+        out.append(ids[len(p):])
+    return out
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -76,11 +87,31 @@ def test_every_path_gives_the_same_tokens(workers: Workers) -> None:
     prompts = [prompt(5, 1), prompt(19, 2), prompt(24, 3)]
     want = reference(workers.model_dir, prompts)
     for p, expected in zip(prompts, want, strict=True):
-        both = generate(p, SAMPLING, decode_url=workers.both, token=TOKEN)
+        both = generate(p, SAMPLING, decode_url=workers.d)  # colocated: computes the prompt
         pool = generate(p, SAMPLING, prefill_url=workers.p1, decode_url=workers.d, mode="pool")
         push = generate(p, SAMPLING, prefill_url=workers.p2, decode_url=workers.d, mode="push")
         assert both.token_ids == pool.token_ids == push.token_ids == expected
         assert pool.finish_reason == push.finish_reason == "length"
+
+
+def test_seeded_sampling_is_the_same_split_or_colocated(workers: Workers) -> None:
+    p = prompt(11, 4)
+    sampling = {"max_tokens": 10, "ignore_eos": True, "temperature": 0.8, "top_p": 0.95,
+                "seed": 77}
+    both = generate(p, sampling, decode_url=workers.d)
+    split = generate(p, sampling, prefill_url=workers.p1, decode_url=workers.d, mode="pool")
+    assert both.token_ids == split.token_ids and len(both.token_ids) == 10
+
+
+def test_a_client_that_goes_away_aborts_its_request(workers: Workers) -> None:
+    body = {"request_id": "gone", "prompt_token_ids": prompt(9, 5), "kv_source": "none",
+            "sampling": {"max_tokens": 400, "ignore_eos": True}}
+    with httpx.stream("POST", f"{workers.d}/generate", json=body, timeout=10) as reply:
+        assert "token_id" in next(reply.iter_lines())
+    deadline = time.monotonic() + 10
+    while httpx.get(f"{workers.d}/load", timeout=10).json()["num_running"]:
+        assert time.monotonic() < deadline, "the request kept running"
+        time.sleep(0.05)
 
 
 def test_prefix_from_the_pool_written_by_another_prefill_worker(workers: Workers) -> None:
@@ -93,8 +124,12 @@ def test_prefix_from_the_pool_written_by_another_prefill_worker(workers: Workers
     assert b.prefill["num_pool_tokens"] == 32 and b.prefill["num_cached_tokens"] == 0
     assert b.prefill["num_computed_tokens"] == len(second) - 32
     assert [a.token_ids, b.token_ids] == want
-    c = generate(second, SAMPLING, prefill_url=workers.p2, decode_url=workers.d, mode="pool")
+    c = generate(second, SAMPLING, prefill_url=workers.p2, decode_url=workers.d, mode="pool",
+                 request_id="third")
     assert c.prefill["num_cached_tokens"] == 32 and c.token_ids == want[1]
+    from kvpool.store import ClientConfig, StoreClient
+    with StoreClient(ClientConfig(master=workers.master)) as store:
+        assert not store.exists(request_key("third")).ok  # the decode worker took it
 
 
 def test_pool_kv_equals_recomputed_bit_for_bit(workers: Workers) -> None:
@@ -107,6 +142,7 @@ def test_pool_kv_equals_recomputed_bit_for_bit(workers: Workers) -> None:
     hashes = prefix_block_hashes(p, BS, model_hash_for_dir(workers.model_dir))
     assert len(hashes) == 3
     with StoreClient(ClientConfig(master=workers.master)) as store:
+        assert store.exists(request_key("kv-check")).ok  # the partial block, for a decode leg
         for i, h in enumerate(hashes):
             for layer in range(engine.cache.num_layers):
                 got = store.get(block_key(h, layer))
@@ -124,7 +160,7 @@ def test_load_reports_held_blocks(workers: Workers) -> None:
     assert set(hashes) <= set(load["block_hashes"])
     assert load["kv_capacity_tokens"] == 128 * BS and load["num_running"] == 0
     info = httpx.get(f"{workers.d}/info", timeout=10).json()
-    assert info["role"] == "decode" and info["block_size"] == BS
+    assert info["role"] == "both" and info["block_size"] == BS
     assert info["model_hash"] == model_hash_for_dir(workers.model_dir) and ":" in info["segment"]
 
 
@@ -133,14 +169,12 @@ def test_errors_are_lines_not_hangs(workers: Workers) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(WorkerCallFailed, match="unreachable"):
         prefill(workers.p1, "to-dead", p, SAMPLING, {"mode": "push", "decode_url": dead})
-    with pytest.raises(WorkerCallFailed, match="missing from the pool"):
+    with pytest.raises(WorkerCallFailed, match="could not be read from the pool .OBJECT_NOT_FOUND"):
         list(stream(workers.d, "never-prefilled", prompt(30, 41), SAMPLING, 7, "pool"))
     with pytest.raises(WorkerCallFailed, match="no reservation"):
         list(stream(workers.d, "never-pushed", p, SAMPLING, 7, "push"))
-    with pytest.raises(WorkerCallFailed, match="400"):
-        prefill(workers.d, "wrong-role", p, SAMPLING, {"mode": "pool"})
-    assert httpx.get(f"{workers.both}/load", timeout=10).status_code == 401
-    assert httpx.post(f"{workers.d}/generate", json={"request_id": "x"}, timeout=10).status_code == 400
+    with pytest.raises(WorkerCallFailed, match="400.*prefill worker"):
+        list(stream(workers.p1, "wrong-role", p, SAMPLING, None, "none"))
 
 
 def test_a_dead_decode_worker_fails_the_push(workers: Workers, tiny_llama: Path) -> None:
@@ -157,3 +191,29 @@ def test_a_dead_decode_worker_fails_the_push(workers: Workers, tiny_llama: Path)
     with pytest.raises(WorkerCallFailed, match="unreachable"):
         prefill(workers.p2, "dead-decode", prompt(20, 50), SAMPLING,
                 {"mode": "push", "decode_url": url})
+
+
+def test_generate_command(workers: Workers, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvpool.cli.main import main
+    args = ["generate", "hello world the cache", "--max-tokens", "6"]
+    assert main([*args, "--prefill", workers.p1, "--decode", workers.d, "--kv-transfer", "push"]) == 0
+    split = capsys.readouterr()
+    assert main([*args, "--both", workers.d]) == 0
+    both = capsys.readouterr()
+    assert split.out == both.out and "6 tokens" in both.err
+    assert main([*args, "--both", f"http://127.0.0.1:{free_port()}"]) == 1
+    assert "error" in capsys.readouterr().err
+
+
+def test_a_dead_store_node_ends_requests_with_errors(workers: Workers) -> None:
+    """Runs last: it kills the module's store node."""
+    p = prompt(20, 60)
+    info = prefill(workers.p1, "before-death", p, SAMPLING, {"mode": "pool"})
+    workers.node.send_signal(signal.SIGKILL)
+    workers.node.wait()
+    t0 = time.monotonic()
+    with pytest.raises(WorkerCallFailed, match="could not be read from the pool"):
+        list(stream(workers.d, "before-death", p, SAMPLING, info["first_token_id"], "pool"))
+    with pytest.raises(WorkerCallFailed, match="502.*pool failed"):
+        prefill(workers.p2, "after-death", prompt(20, 61), SAMPLING, {"mode": "pool"})
+    assert time.monotonic() - t0 < 30

@@ -1,5 +1,6 @@
 """`kvpool generate --prefill URL --decode URL "prompt"`: one request through a prefill and a
-decode worker (or `--both URL` for a colocated worker), printed as it streams."""
+decode worker (or `--both URL` for a colocated worker), printed as it streams. With only
+`--model DIR`, the engine runs in this process (no workers, no pool)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--decode", help="decode worker URL")
     p.add_argument("--both", help="a colocated worker's URL (instead of --prefill/--decode)")
     p.add_argument("--kv-transfer", choices=("pool", "push"), default="pool")
-    p.add_argument("--model", help="checkpoint folder for the tokenizer (default: the worker's)")
+    p.add_argument("--model", help="checkpoint folder for the tokenizer (default: the worker's); "
+                                   "alone, run the engine in this process")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the chat template")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -31,11 +33,17 @@ def run(args: argparse.Namespace) -> int:
     from kvpool.engine.checkpoint import load_tokenizer
     from kvpool.engine.worker.client import WorkerCallFailed, prefill, stream
     decode_url = args.both or args.decode
+    if decode_url is None and args.prefill is None and args.model:
+        return _in_process(args)
     if decode_url is None or (args.both is None and args.prefill is None):
-        print("give --prefill and --decode, or --both", file=sys.stderr)
+        print("give --prefill and --decode, or --both, or --model alone", file=sys.stderr)
         return 2
     headers = {"Authorization": f"Bearer {args.token}"} if args.token else {}
-    model = args.model or httpx.get(f"{decode_url}/info", headers=headers, timeout=10).json()["model"]
+    try:
+        model = args.model or _model_of(decode_url, headers)
+    except (httpx.HTTPError, WorkerCallFailed) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     tok = load_tokenizer(model)
     text = tok.render_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     ids = tok.encode(text)
@@ -65,4 +73,29 @@ def run(args: argparse.Namespace) -> int:
     except (WorkerCallFailed, httpx.HTTPError) as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _model_of(url: str, headers: dict[str, str]) -> str:
+    import httpx
+
+    from kvpool.engine.worker.client import WorkerCallFailed
+    reply = httpx.get(f"{url}/info", headers=headers, timeout=10)
+    if reply.status_code != 200:
+        raise WorkerCallFailed(f"{url}/info: {reply.status_code} {reply.text}")
+    return str(reply.json()["model"])
+
+
+def _in_process(args: argparse.Namespace) -> int:
+    from kvpool.engine.checkpoint import load_tokenizer
+    from kvpool.engine.config import SamplingParams
+    from kvpool.engine.llm_engine import LLMEngine
+    tok = load_tokenizer(args.model)
+    text = tok.render_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    engine = LLMEngine.from_dir(args.model)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            seed=args.seed, stop_token_ids=tok.eos_token_ids)
+    out = engine.generate([tok.encode(text)], params)[0]
+    print(tok.decode(out))
+    print(f"[{len(out)} tokens]", file=sys.stderr)
     return 0

@@ -7,6 +7,7 @@ else may be; otherwise CheckpointError names the tensor, the file and the shapes
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,9 +32,20 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
     if not path.is_file():
         raise CheckpointError(f"{path} not found: a model folder needs config.json")
     try:
-        return ModelConfig.from_hf(json.loads(path.read_text()))
+        config = ModelConfig.from_hf(json.loads(path.read_text()))
     except (KeyError, ValueError) as exc:
         raise CheckpointError(f"{path}: {exc}") from exc
+    return _with_generation_eos(config, Path(model_dir) / "generation_config.json")
+
+
+def _with_generation_eos(config: ModelConfig, path: Path) -> ModelConfig:
+    """Instruct models often list their end-of-turn tokens only in generation_config.json."""
+    if not path.is_file():
+        return config
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    extra = eos if isinstance(eos, list) else [] if eos is None else [eos]
+    merged = tuple(dict.fromkeys([*config.eos_token_ids, *(int(e) for e in extra)]))
+    return dataclasses.replace(config, eos_token_ids=merged)
 
 
 def weight_files(model_dir: Path) -> dict[str, Path]:
@@ -72,8 +84,7 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
 def _read_tensors(folder: Path, expected: dict[str, tuple[int, ...]], dtype: torch.dtype,
                   device: str) -> dict[str, torch.Tensor]:
     files = weight_files(folder)
-    ignorable = {"lm_head.weight"}  # tied checkpoints sometimes keep a copy
-    unexpected = sorted(set(files) - set(expected) - ignorable)
+    unexpected = sorted(n for n in set(files) - set(expected) if not _ignorable(n))
     if unexpected:
         raise CheckpointError(f"unexpected tensor {unexpected[0]!r} in {files[unexpected[0]].name}"
                               f" ({len(unexpected)} unexpected in all) for "
@@ -96,6 +107,12 @@ def _read_tensors(folder: Path, expected: dict[str, tuple[int, ...]], dtype: tor
                                           f"{expected[name]}")
                 state[name] = tensor.to(device=device, dtype=dtype)
     return state
+
+
+def _ignorable(name: str) -> bool:
+    """Tensors some checkpoints carry that the model derives itself: a tied lm_head's copy of
+    the embeddings, and RoPE frequencies saved by older Llama conversions."""
+    return name == "lm_head.weight" or name.endswith("rotary_emb.inv_freq")
 
 
 @dataclass

@@ -22,7 +22,7 @@ from kvpool.engine.checkpoint import DTYPES, load_model
 from kvpool.engine.config import EngineConfig, SamplingParams
 from kvpool.engine.connector import KVConnector, NullConnector
 from kvpool.engine.kv_cache import KVCache
-from kvpool.engine.model import AttentionBatch, CausalLM, SeqSlice
+from kvpool.engine.model import AttentionBatch, CausalLM, DecodeGroup, SeqSlice
 from kvpool.engine.sampler import sample
 from kvpool.engine.scheduler import ScheduledBatch, Scheduler
 from kvpool.engine.sequence import KVSource, SeqStatus, Sequence
@@ -75,9 +75,14 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: list[int], sampling: SamplingParams,
                     **kw: object) -> Sequence:
+        self._check_new_id(request_id)
         seq = self.new_sequence(request_id, prompt, sampling, **kw)
         self.scheduler.add(seq)
         return seq
+
+    def _check_new_id(self, request_id: str) -> None:
+        if self.scheduler.find(request_id) is not None:
+            raise InvalidArgument(f"request {request_id} is already running here")
 
     def abort(self, request_id: str, reason: str = "aborted") -> bool:
         seq = self.scheduler.find(request_id)
@@ -93,6 +98,7 @@ class LLMEngine:
     # -- the loop --------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
+        self.connector.before_step()
         batch = self.scheduler.schedule(self._admit)
         sampled = self.run(batch) if batch else {}
         return self.postprocess(batch, sampled)
@@ -105,24 +111,9 @@ class LLMEngine:
     def run(self, batch: ScheduledBatch) -> dict[Sequence, int]:
         """One forward over the batch; returns the token sampled for each sequence whose
         last token was computed now."""
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        slices: list[SeqSlice] = []
-        for seq, n in batch:
-            start = seq.num_computed_tokens
-            slices.append(SeqSlice(len(ids), n, start + n, torch.tensor(seq.block_table)))
-            ids += seq.token_ids[start:start + n]
-            positions += range(start, start + n)
-            slots += [seq.block_table[p // self.config.block_size] * self.config.block_size
-                      + p % self.config.block_size for p in range(start, start + n)]
-        dev = self.config.device
-        attn = AttentionBatch(torch.tensor(slots, device=dev), slices)
-        for s in slices:
-            s.block_table = s.block_table.to(dev)
+        ids, positions, attn, slices = self._prepare(batch)
         self.connector.before_forward(batch)
-        hidden = self.model(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
-                            attn, self.cache.kv, self.connector.on_layer)
+        hidden = self.model(ids, positions, attn, self.cache.kv, self.connector.on_layer)
         self.connector.after_forward()
         last = [(seq, s.start + n - 1) for (seq, n), s in zip(batch, slices, strict=True)
                 if seq.num_computed_tokens + n == len(seq)]
@@ -131,6 +122,40 @@ class LLMEngine:
         logits = self.model.logits(hidden[[row for _, row in last]])  # [N, vocab]
         return {seq: sample(logits[i], seq.sampling, seq.sampling_generator())
                 for i, (seq, _) in enumerate(last)}
+
+    def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor,
+                                                       AttentionBatch, list[SeqSlice]]:
+        """The flat batch: token ids [T], positions [T], where each token's KV goes, and
+        each sequence's slice of it."""
+        bs, dev = self.config.block_size, self.config.device
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        slices: list[SeqSlice] = []
+        for seq, n in batch:
+            start = seq.num_computed_tokens
+            table = torch.tensor(seq.block_table, device=dev)
+            slices.append(SeqSlice(len(ids), n, start + n, table))
+            ids += seq.token_ids[start:start + n]
+            positions += range(start, start + n)
+            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
+        attn = AttentionBatch(torch.tensor(slots, device=dev),
+                              [s for s in slices if s.num_new > 1], self._decode_group(slices))
+        return (torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), attn, slices)
+
+    def _decode_group(self, slices: list[SeqSlice]) -> DecodeGroup | None:
+        ones = [s for s in slices if s.num_new == 1]
+        if not ones:
+            return None
+        width = max(len(s.block_table) for s in ones)
+        tables = torch.zeros(len(ones), width, dtype=torch.int64)
+        for i, s in enumerate(ones):
+            tables[i, :len(s.block_table)] = s.block_table.cpu()
+        keys = torch.arange(width * self.config.block_size)
+        lens = torch.tensor([s.context_len for s in ones])
+        dev = self.config.device
+        return DecodeGroup(torch.tensor([s.start for s in ones], device=dev), tables.to(dev),
+                           (keys[None, :] < lens[:, None])[:, None, None, :].to(dev))
 
     def postprocess(self, batch: ScheduledBatch, sampled: dict[Sequence, int]) -> list[StepOutput]:
         outputs, self._finished = self._finished, []
@@ -161,8 +186,11 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str | None, error: str | None = None) -> None:
         if seq.status is SeqStatus.FINISHED:
             return
+        self.connector.before_step()  # no put may still read blocks that are freed below
         if error is None and seq.block_table:
             error = self.connector.on_finish(seq)
+        if error is not None:
+            self.connector.on_abort(seq)
         seq.finish_reason, seq.error = (None, error) if error else (reason, None)
         self.scheduler.finish(seq)
         self._finished.append(StepOutput(seq.request_id, None, seq.finish_reason, seq.error,
@@ -180,6 +208,7 @@ class LLMEngine:
     def reserve_blocks(self, num_tokens: int) -> list[int] | None:
         """Fresh blocks for `num_tokens` of KV that another worker will write; None if the
         cache has no room. Give them back with `blocks.release`, or to `start_pushed`."""
+        self.connector.before_step()
         needed = -(-num_tokens // self.config.block_size) + 1
         if needed > self.blocks.num_free_blocks:
             return None
@@ -188,6 +217,7 @@ class LLMEngine:
     def start_pushed(self, request_id: str, prompt: list[int], first_token: int,
                      sampling: SamplingParams, block_ids: list[int]) -> Sequence:
         """Continue a request whose prompt KV was written into `block_ids`."""
+        self._check_new_id(request_id)
         seq = self.new_sequence(request_id, prompt, sampling, kv_source=KVSource.PUSH)
         seq.block_table = list(block_ids)
         seq.num_computed_tokens = len(prompt)

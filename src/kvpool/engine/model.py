@@ -37,9 +37,19 @@ class SeqSlice:
 
 
 @dataclass
+class DecodeGroup:
+    """Sequences computing one token each, attended together over padded block tables."""
+
+    rows: torch.Tensor    # [B] int64: their rows in the batch's T tokens
+    tables: torch.Tensor  # [B, max_blocks] int64 block ids (padded with block 0)
+    mask: torch.Tensor    # [B, 1, 1, max_blocks * block_size] bool: key < context_len
+
+
+@dataclass
 class AttentionBatch:
     slots: torch.Tensor  # [T] int64: block_id * block_size + offset of each new token
-    seqs: list[SeqSlice]
+    seqs: list[SeqSlice]  # prompt chunks, attended one sequence at a time
+    decode: DecodeGroup | None = None
 
 
 class RMSNorm(nn.Module):
@@ -120,6 +130,9 @@ class Attention(nn.Module):
         k_cache.view(-1, self.num_kv_heads, self.head_dim)[batch.slots] = k
         v_cache.view(-1, self.num_kv_heads, self.head_dim)[batch.slots] = v
         out = torch.empty_like(q)                             # [T, nh, D]
+        if batch.decode is not None:
+            out[batch.decode.rows] = self._attend_decode(q[batch.decode.rows], k_cache, v_cache,
+                                                         batch.decode)
         for s in batch.seqs:
             out[s.start:s.start + s.num_new] = self._attend(q[s.start:s.start + s.num_new],
                                                             k_cache, v_cache, s)
@@ -140,6 +153,15 @@ class Attention(nn.Module):
             mask = torch.arange(ctx, device=q.device)[None, :] <= rows  # [n, ctx]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return o.transpose(0, 1)                                       # [n, nh, D]
+
+
+    def _attend_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                       d: DecodeGroup) -> torch.Tensor:
+        k = k_cache[d.tables].flatten(1, 2).transpose(1, 2)  # [B, nkv, L, D]
+        v = v_cache[d.tables].flatten(1, 2).transpose(1, 2)  # [B, nkv, L, D]
+        o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=d.mask,
+                                           enable_gqa=True)   # [B, nh, 1, D]
+        return o[:, :, 0]                                      # [B, nh, D]
 
 
 class MLP(nn.Module):

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 
 from kvpool.engine.config import SamplingParams
+from kvpool.engine.worker.loop import ShuttingDown
 from kvpool.engine.worker.runtime import RequestFailed, Worker
 from kvpool.errors import KvpoolError
 from kvpool.log import get_logger
@@ -85,6 +86,10 @@ def create_app(worker: Worker) -> FastAPI:
     @app.exception_handler(KvpoolError)
     async def bad_request(_: Request, exc: KvpoolError) -> JSONResponse:
         return error(400, str(exc), "invalid_request_error")
+
+    @app.exception_handler(ShuttingDown)
+    async def shutting_down(_: Request, exc: Exception) -> JSONResponse:
+        return error(503, str(exc), "unavailable")
 
     @app.exception_handler(RequestFailed)
     async def failed(_: Request, exc: RequestFailed) -> JSONResponse:
@@ -161,7 +166,7 @@ async def ndjson(outputs: AsyncIterator[Any]) -> AsyncIterator[bytes]:
                 yield _line({"token_id": out.token_id})
             if out.finish_reason is not None:
                 yield _line({"finish_reason": out.finish_reason, "num_output_tokens": num_tokens})
-    except (RequestFailed, KvpoolError) as exc:
+    except (RequestFailed, KvpoolError, ShuttingDown) as exc:
         yield _line({"error": str(exc)})
     except Exception as exc:
         log.exception("generate failed")

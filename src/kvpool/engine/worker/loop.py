@@ -16,6 +16,10 @@ log = get_logger("engine.loop")
 Listener = Callable[[StepOutput], None]
 
 
+class ShuttingDown(Exception):
+    """The engine thread has stopped; nothing more can be submitted."""
+
+
 class EngineLoop:
     def __init__(self, engine: LLMEngine, idle_tick_s: float = 0.5,
                  on_idle: Callable[[], None] | None = None) -> None:
@@ -40,7 +44,7 @@ class EngineLoop:
         back through the future."""
         future: Future[Any] = Future()
         if self._stop.is_set():
-            future.set_exception(RuntimeError("the engine is shutting down"))
+            future.set_exception(ShuttingDown("the worker is shutting down"))
         else:
             self._commands.put((fn, future))
         return future

@@ -66,8 +66,12 @@ class LayerSaver:
         """blocks: (hash, block_id) whose layer-`layer` KV is complete."""
         self._queue.put((layer, blocks))
 
+    def wait(self) -> None:
+        """Wait until every submitted put has read its blocks."""
+        self._queue.join()
+
     def flush(self) -> list[str]:
-        """Wait until every submitted put is done; returns (and forgets) the failures."""
+        """Wait as `wait`; returns (and forgets) the failures so far."""
         self._queue.join()
         failures, self._failures = self._failures, []
         return failures
@@ -115,27 +119,33 @@ class PoolConnector(KVConnector):
     def load(self, seq: Sequence) -> str | None:
         limit = (len(seq) - 1) // self.bs  # full blocks that may be loaded
         first = seq.num_computed_tokens // self.bs
-        loaded = self._load_blocks(seq, first, limit) if self.store is not None else 0
+        loaded, why = self._load_blocks(seq, first, limit) if self.store is not None else (0, "")
         seq.num_pool_tokens = loaded * self.bs
         seq.num_computed_tokens += seq.num_pool_tokens
         if seq.kv_source is not KVSource.POOL:
             return None
+        if self.store is None:
+            return "this worker has no pool (--master) to load KV from"
         if first + loaded < limit:
-            return (f"KV of block {first + loaded} of request {seq.request_id} is missing from "
-                    f"the pool" if self.store is not None else "this worker has no pool (--master)")
+            return (f"KV of block {first + loaded} of request {seq.request_id} could not be read "
+                    f"from the pool ({why})")
         return self._load_partial(seq, limit)
 
-    def _load_blocks(self, seq: Sequence, first: int, limit: int) -> int:
+    def _load_blocks(self, seq: Sequence, first: int, limit: int) -> tuple[int, str]:
+        """Load blocks first..limit-1 (all layers); how many leading ones arrived whole, and
+        why the next one did not."""
         layers = range(self.cache.num_layers)
         keys = [block_key(seq.block_hashes[i], layer) for i in range(first, limit) for layer in layers]
         if not keys:
-            return 0
+            return 0, ""
         parts = [self.cache.block_parts(seq.block_table[i], range(layer, layer + 1))
                  for i in range(first, limit) for layer in layers]
         results = self.store.batch_get_into_parts(keys, parts)
-        per_block = [all(r.ok for r in results[j:j + len(layers)])
-                     for j in range(0, len(results), len(layers))]
-        return per_block.index(False) if False in per_block else len(per_block)
+        for j in range(0, len(results), len(layers)):
+            bad = [r for r in results[j:j + len(layers)] if not r.ok]
+            if bad:
+                return j // len(layers), bad[0].code.name
+        return limit - first, ""
 
     def _load_partial(self, seq: Sequence, limit: int) -> str | None:
         if seq.num_prompt_tokens % self.bs:
@@ -143,12 +153,22 @@ class PoolConnector(KVConnector):
             result = self.store.batch_get_into_parts(
                 [key], [self.cache.block_parts(seq.block_table[limit])])[0]
             if not result.ok:
-                return f"last block of request {seq.request_id} is missing from the pool ({result.code.name})"
-            self.store.remove(key)
+                return (f"last block of request {seq.request_id} could not be read from the pool "
+                        f"({result.code.name})")
+            self.store.remove(key, force=True)  # our own read lease would refuse a plain remove
         seq.num_computed_tokens = seq.num_prompt_tokens
         return None
 
     # -- saving while computing ----------------------------------------------------------------
+
+    def before_step(self) -> None:
+        # The puts of the last forward's last layers may still be reading blocks that this
+        # step's scheduling could free (preemption, abort) and hand to another sequence.
+        if self.saver is not None:
+            self.saver.wait()
+
+    def on_abort(self, seq: Sequence) -> None:
+        self.plans.pop(seq.request_id, None)
 
     def before_forward(self, batch: ScheduledBatch) -> None:
         self._pending = []
@@ -190,14 +210,17 @@ class PoolConnector(KVConnector):
         return None
 
     def _put_rest(self, seq: Sequence) -> str | None:
-        """The full blocks the saver did not write (local hits, pool loads), and the partial one."""
+        """The full blocks that came from the local cache (the pool may have dropped them since
+        they were computed; a put of a key still there writes nothing), and the partial one.
+        Blocks computed now were put by the saver; blocks loaded from the pool are there."""
         if self.store is None:
             return "this worker has no pool (--master) to leave the KV in"
         full = seq.num_prompt_tokens // self.bs
+        hits = min(seq.num_cached_tokens // self.bs, full)
         layers = range(self.cache.num_layers)
-        keys = [block_key(seq.block_hashes[i], layer) for i in range(full) for layer in layers]
+        keys = [block_key(seq.block_hashes[i], layer) for i in range(hits) for layer in layers]
         parts = [self.cache.block_parts(seq.block_table[i], range(layer, layer + 1))
-                 for i in range(full) for layer in layers]
+                 for i in range(hits) for layer in layers]
         if seq.num_prompt_tokens % self.bs:
             keys.append(request_key(seq.request_id))
             parts.append(self.cache.block_parts(seq.block_table[full]))

@@ -17,7 +17,7 @@ from kvpool.engine.llm_engine import LLMEngine, StepOutput
 from kvpool.engine.sequence import KVSource
 from kvpool.engine.worker.loop import EngineLoop
 from kvpool.engine.worker.pool import PoolConnector, PoolPlan, PushPlan, push_parts
-from kvpool.errors import ConfigError, InvalidArgument
+from kvpool.errors import ConfigError, InvalidArgument, KvpoolError
 from kvpool.log import get_logger
 
 log = get_logger("engine.worker")
@@ -48,6 +48,9 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ConfigError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.engine.device != "cpu":
+            raise ConfigError(f"workers keep their KV in CPU memory registered with the transfer "
+                              f"engine; device {self.engine.device!r} is for the engine alone")
         if self.kv_transfer not in ("pool", "push"):
             raise ConfigError(f"kv_transfer must be pool or push, got {self.kv_transfer!r}")
 
@@ -114,6 +117,7 @@ class Worker:
     async def prefill(self, request_id: str, prompt: list[int], sampling: SamplingParams,
                       kv_transfer: dict[str, Any]) -> dict[str, Any]:
         t0 = time.monotonic()
+        self.engine.new_sequence(request_id, prompt, sampling)  # validate before reserving
         mode = kv_transfer.get("mode", self.config.kv_transfer)
         plan: PoolPlan | PushPlan = PoolPlan()
         decode_url = kv_transfer.get("decode_url")
@@ -125,7 +129,7 @@ class Worker:
             raise InvalidArgument(f"kv_transfer mode must be pool or push, got {mode!r}")
         try:
             first, stats = await self._run_prefill(request_id, prompt, sampling, plan)
-        except RequestFailed:
+        except (RequestFailed, KvpoolError):
             if decode_url:
                 await self._quietly_abort(decode_url, request_id)
             raise
@@ -150,8 +154,8 @@ class Worker:
     async def _run_prefill(self, request_id: str, prompt: list[int], sampling: SamplingParams,
                            plan: PoolPlan | PushPlan) -> tuple[int, dict[str, float]]:
         def add(engine: LLMEngine) -> None:
-            self.connector.plans[request_id] = plan
             engine.add_request(request_id, prompt, sampling, prefill_only=True)
+            self.connector.plans[request_id] = plan  # read when the request finishes
         first: int | None = None
         async for out in self._follow(request_id, add):
             if out.token_id is not None:
@@ -206,6 +210,10 @@ class Worker:
                 reserved = self._reserved.pop(request_id, None)
                 if reserved is None:
                     raise RequestFailed(f"no KV was pushed for request {request_id} (no reservation)")
+                if len(reserved[0]) * engine.config.block_size < len(prompt):
+                    engine.blocks.release(reserved[0])
+                    raise RequestFailed(f"request {request_id} reserved {len(reserved[0])} blocks, "
+                                        f"too few for {len(prompt)} prompt tokens")
                 engine.start_pushed(request_id, prompt, first_token or 0, sampling, reserved[0])
                 return
             seq = engine.add_request(request_id, prompt, sampling, kv_source=source)

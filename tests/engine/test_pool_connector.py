@@ -1,0 +1,187 @@
+"""The worker's KV connector in one process, over an in-memory stand-in for the store and the
+transfer engine: layer-wise puts, prefill -> decode through the pool and by push, and failures."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+
+from kvpool.engine.blocks import block_key, request_key
+from kvpool.engine.config import EngineConfig, SamplingParams
+from kvpool.engine.llm_engine import LLMEngine, StepOutput
+from kvpool.engine.sequence import KVSource
+from kvpool.engine.worker.pool import PoolConnector, PoolPlan, PushPlan, push_parts
+from kvpool.errors import TransferError
+from kvpool.store import ErrorCode, PutResult, ReadResult
+
+BS = 8
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+
+
+class MemoryStore:
+    """put/get by (addr, size) parts, like StoreClient's scatter/gather calls."""
+
+    def __init__(self) -> None:
+        self.objects: dict[str, bytes] = {}
+        self.put_log: list[str] = []
+
+    def batch_put_from_parts(self, keys, parts):  # type: ignore[no-untyped-def]
+        for key, ps in zip(keys, parts, strict=True):
+            self.put_log.append(key)
+            self.objects.setdefault(key, b"".join(ctypes.string_at(a, n) for a, n in ps))
+        return [PutResult(ErrorCode.OK)] * len(keys)
+
+    def batch_get_into_parts(self, keys, parts):  # type: ignore[no-untyped-def]
+        out = []
+        for key, ps in zip(keys, parts, strict=True):
+            data = self.objects.get(key)
+            if data is None:
+                out.append(ReadResult(ErrorCode.OBJECT_NOT_FOUND))
+                continue
+            offset = 0
+            for addr, n in ps:
+                ctypes.memmove(addr, data[offset:offset + n], n)
+                offset += n
+            out.append(ReadResult(ErrorCode.OK, len(data)))
+        return out
+
+    def remove(self, key: str, force: bool = False) -> ErrorCode:
+        return ErrorCode.OK if self.objects.pop(key, None) is not None else ErrorCode.OBJECT_NOT_FOUND
+
+
+class FullStore(MemoryStore):
+    def batch_put_from_parts(self, keys, parts):  # type: ignore[no-untyped-def]
+        return [PutResult(ErrorCode.NO_AVAILABLE_HANDLE)] * len(keys)
+
+
+class Memcpy:
+    """A transfer engine whose every segment is this process."""
+
+    segment_name = "local"
+
+    def __init__(self, fail: bool = False) -> None:
+        self.fail = fail
+
+    def batch_write(self, target: str, items: list[tuple[int, int, int]]) -> None:
+        if self.fail:
+            raise TransferError(f"peer {target} closed the connection")
+        for local, remote, n in items:
+            ctypes.memmove(remote, local, n)
+
+
+def make(model_dir: Path, store: MemoryStore | None, save: bool,
+         transfer: Memcpy | None = None) -> tuple[LLMEngine, PoolConnector]:
+    engine = LLMEngine.from_dir(model_dir, EngineConfig(block_size=BS, num_blocks=32,
+                                                        max_prefill_chunk=12))
+    conn = PoolConnector(engine.cache, store, transfer or Memcpy(), save_blocks=save)
+    engine.connector = conn
+    return engine, conn
+
+
+def drain(engine: LLMEngine) -> list[StepOutput]:
+    outs: list[StepOutput] = []
+    while engine.has_work:
+        outs += engine.step()
+    return outs
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(2, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_blocks_are_put_layer_by_layer_while_computing(tiny_llama: Path) -> None:
+    store = MemoryStore()
+    engine, conn = make(tiny_llama, store, save=True)
+    assert conn.saver is not None
+    submitted: list[int] = []
+    real_submit = conn.saver.submit
+    conn.saver.submit = lambda layer, blocks: (submitted.append(layer), real_submit(layer, blocks))  # type: ignore[method-assign]
+    p = prompt(20, 1)  # 12 + 8 tokens in two chunks: blocks 0 and 1 are full
+    conn.plans["r"] = PoolPlan()
+    seq = engine.add_request("r", p, GREEDY, prefill_only=True)
+    engine.step()
+    assert submitted == [0, 1]  # block 0 became full in the first chunk, at each layer
+    drain(engine)
+    assert submitted == [0, 1, 0, 1]
+    keys = [block_key(h, layer) for h in seq.block_hashes for layer in (0, 1)]
+    assert store.put_log[:4] == keys
+    assert set(store.objects) == {*keys, request_key("r")}
+
+
+def test_prefill_to_decode_through_the_pool(tiny_llama: Path) -> None:
+    store = MemoryStore()
+    p = prompt(21, 2)
+    want = LLMEngine.from_dir(tiny_llama, EngineConfig(block_size=BS)).generate([p], GREEDY)[0]
+    prefill, conn = make(tiny_llama, store, save=True)
+    conn.plans["r"] = PoolPlan()
+    prefill.add_request("r", p, GREEDY, prefill_only=True)
+    first = [o.token_id for o in drain(prefill) if o.token_id is not None]
+    decode, _ = make(tiny_llama, store, save=False)
+    seq = decode.add_request("r", p, GREEDY, kv_source=KVSource.POOL)
+    decode.continue_with(seq, first[0])
+    drain(decode)
+    assert seq.num_pool_tokens == 16 and seq.output_ids == want
+    assert request_key("r") not in store.objects  # the decode worker took the partial block
+    # KV moved through the pool is the prefill's KV, bit for bit
+    for i, block_id in enumerate(seq.block_table[:3]):
+        assert torch.equal(decode.cache.kv[:, :, block_id], prefill.cache.kv[:, :, i])
+
+
+def test_prefill_to_decode_by_push(tiny_llama: Path) -> None:
+    p = prompt(13, 3)
+    want = LLMEngine.from_dir(tiny_llama, EngineConfig(block_size=BS)).generate([p], GREEDY)[0]
+    decode, _ = make(tiny_llama, None, save=False)
+    reserved = decode.reserve_blocks(len(p))
+    assert reserved is not None and len(reserved) == 2
+    prefill, conn = make(tiny_llama, None, save=False)
+    conn.plans["r"] = PushPlan("local", push_parts(decode.cache, reserved))
+    prefill.add_request("r", p, GREEDY, prefill_only=True)
+    first = [o.token_id for o in drain(prefill) if o.token_id is not None]
+    seq = decode.start_pushed("r", p, first[0], GREEDY, reserved)
+    drain(decode)
+    assert seq.output_ids == want
+
+
+def test_failed_push_fails_the_request(tiny_llama: Path) -> None:
+    prefill, conn = make(tiny_llama, None, save=False, transfer=Memcpy(fail=True))
+    conn.plans["r"] = PushPlan("gone", push_parts(prefill.cache, [5, 6]))
+    prefill.add_request("r", prompt(13, 4), GREEDY, prefill_only=True)
+    outs = drain(prefill)
+    assert outs[-1].error is not None and "closed the connection" in outs[-1].error
+    assert prefill.blocks.num_free_blocks == 32
+
+
+def test_kv_missing_from_the_pool_is_an_error(tiny_llama: Path) -> None:
+    decode, _ = make(tiny_llama, MemoryStore(), save=False)
+    seq = decode.add_request("r", prompt(20, 5), GREEDY, kv_source=KVSource.POOL)
+    decode.continue_with(seq, 7)
+    outs = drain(decode)
+    assert outs[-1].error == ("KV of block 0 of request r could not be read from the pool "
+                              "(OBJECT_NOT_FOUND)")
+
+
+def test_prefill_reuses_pool_blocks(tiny_llama: Path) -> None:
+    store = MemoryStore()
+    shared = prompt(24, 6)
+    a, conn_a = make(tiny_llama, store, save=True)
+    a.add_request("a", shared + [1, 2], GREEDY, prefill_only=True)
+    drain(a)
+    conn_a.saver.flush()  # type: ignore[union-attr]
+    b, _ = make(tiny_llama, store, save=True)
+    seq = b.add_request("b", shared + [3, 4, 5], GREEDY)
+    drain(b)
+    assert seq.num_pool_tokens == 24
+    plain = LLMEngine.from_dir(tiny_llama, EngineConfig(block_size=BS))
+    assert seq.output_ids == plain.generate([shared + [3, 4, 5]], GREEDY)[0]
+
+
+def test_a_full_pool_fails_a_pool_prefill(tiny_llama: Path) -> None:
+    prefill, conn = make(tiny_llama, FullStore(), save=True)
+    conn.plans["r"] = PoolPlan()
+    prefill.add_request("r", prompt(20, 7), GREEDY, prefill_only=True)
+    outs = drain(prefill)
+    assert outs[-1].error is not None
+    assert outs[-1].error.startswith("storing KV in the pool failed: put kv/")
+    assert "NO_AVAILABLE_HANDLE" in outs[-1].error and not conn.plans

@@ -1,0 +1,69 @@
+"""The worker's HTTP edge in one process (FastAPI's TestClient): auth, bad bodies, roles,
+reservations."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from kvpool.engine.config import EngineConfig
+from kvpool.engine.worker.app import create_app
+from kvpool.engine.worker.runtime import Worker, WorkerConfig
+
+AUTH = {"Authorization": "Bearer s3cret"}
+
+
+@pytest.fixture(scope="module")
+def client(tiny_llama: Path) -> Iterator[TestClient]:
+    worker = Worker(WorkerConfig(str(tiny_llama), role="decode", token="s3cret",
+                                 engine=EngineConfig(block_size=8, num_blocks=8,
+                                                     max_model_len=64)))
+    with TestClient(create_app(worker)) as c:
+        yield c
+
+
+def test_token_is_required(client: TestClient) -> None:
+    assert client.get("/health").status_code == 401
+    bad = client.get("/load", headers={"Authorization": "Bearer nope"})
+    assert bad.status_code == 401 and bad.json()["error"]["type"] == "authentication_error"
+    assert client.get("/health", headers=AUTH).json() == {"ok": True, "role": "decode"}
+
+
+def test_bad_bodies_and_roles_are_400(client: TestClient) -> None:
+    assert client.post("/generate", json={"request_id": "x"}, headers=AUTH).status_code == 400
+    too_long = {"request_id": "x", "prompt_token_ids": [5] * 60, "sampling": {"max_tokens": 10}}
+    reply = client.post("/generate", json=too_long, headers=AUTH)
+    assert reply.status_code == 400 and "max_model_len" in reply.json()["error"]["message"]
+    wrong = client.post("/prefill", json={"request_id": "x", "prompt_token_ids": [5]}, headers=AUTH)
+    assert wrong.status_code == 400 and "decode worker" in wrong.json()["error"]["message"]
+
+
+def test_reserve_until_full_then_503_and_abort_gives_back(client: TestClient) -> None:
+    one = client.post("/kv/reserve", json={"request_id": "a", "num_tokens": 20}, headers=AUTH)
+    assert one.status_code == 200 and len(one.json()["regions"]) == 3 * 2 * 2
+    full = client.post("/kv/reserve", json={"request_id": "b", "num_tokens": 40}, headers=AUTH)
+    assert full.status_code == 503 and full.json()["error"]["type"] == "out_of_kv_space"
+    assert client.get("/load", headers=AUTH).json()["free_kv_tokens"] == 5 * 8
+    assert client.post("/abort", json={"request_id": "a"}, headers=AUTH).json() == {"ok": True}
+    assert client.get("/load", headers=AUTH).json()["free_kv_tokens"] == 8 * 8
+
+
+def test_colocated_stream(client: TestClient) -> None:
+    body = {"request_id": "s", "prompt_token_ids": [5, 6, 7],
+            "sampling": {"max_tokens": 3, "ignore_eos": True}}
+    with client.stream("POST", "/generate", json=body, headers=AUTH) as reply:
+        assert reply.headers["content-type"] == "application/x-ndjson"
+        lines = [line for line in reply.iter_lines() if line]
+    assert len(lines) == 4 and lines[-1] == '{"finish_reason": "length", "num_output_tokens": 3}'
+
+
+def test_a_stopped_engine_answers_503(tiny_llama: Path) -> None:
+    worker = Worker(WorkerConfig(str(tiny_llama), role="both",
+                                 engine=EngineConfig(block_size=8, num_blocks=8)))
+    with TestClient(create_app(worker)) as c:
+        worker.loop.stop()
+        reply = c.get("/load")
+        assert reply.status_code == 503 and "shutting down" in reply.json()["error"]["message"]
