@@ -182,7 +182,6 @@ class Run:
         reply = await guarded(self.d.client.prefill(self.b.prefill.url, body), self.b.prefill,
                               "/prefill")
         self.d.cluster.prefill_done(self.b, self.d.clock.now())
-        self.d.check_decode(self.b)
         try:
             self.cached_len = int(reply.get("num_cached_tokens", 0)) + int(
                 reply.get("num_pool_tokens", 0))
@@ -193,6 +192,7 @@ class Run:
         self.d.metrics.prompt_tokens.inc(len(self.prompt_ids))
         self.d.metrics.prefix_hit_tokens.inc(self.cached_len)
         self.d.learn(self.b, self.cached_len, float(reply.get("prefill_s") or 0.0))
+        self.d.check_decode(self.b)
         return first
 
     async def _decode_leg(self, first: int | None, kv_source: str) -> AsyncIterator[int]:
@@ -214,6 +214,8 @@ class Run:
                     if kv_source == "none":  # colocated: the prefill's reuse, if reported
                         self._colocated_reuse(obj)
                     return
+                if not isinstance(obj.get("token_id"), int):
+                    raise WorkerCallError(worker.url, "/generate", f"unexpected line {obj!r}")
                 tok = int(obj["token_id"])
                 if skip_echo:  # the first token came from the prefill leg already
                     skip_echo = False
