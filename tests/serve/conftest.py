@@ -1,5 +1,5 @@
 """A real serving cluster for the proxy tests, started once per session by `kvpool up` itself:
-master, store node, one prefill and one decode `kvpool worker` on a tiny model, and `kvpool
+master, store node, two prefill and one decode `kvpool worker` on a tiny model, and `kvpool
 proxy`, all separate processes on loopback. At the end of the session `kvpool up` is killed
 with SIGKILL and the teardown asserts that none of its children is left (they carry an
 environment marker, found by scanning /proc)."""
@@ -52,7 +52,8 @@ def cluster(tiny_model: Path, cache_home: Path,
     port = free_port()
     log = tmp_path_factory.mktemp("up") / "up.log"
     with log.open("w") as out:
-        proc = kvpool_up(marker, cache_home, "--port", str(port), "--dram", "64MiB", stdout=out)
+        proc = kvpool_up(marker, cache_home, "--port", str(port), "--dram", "64MiB",
+                         "--prefill", "2", stdout=out)
     try:
         wait_ready(proc, f"http://127.0.0.1:{port}", log)
         yield parse_up_output(log.read_text(), tiny_model)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -117,6 +118,35 @@ def test_a_repeated_prefix_is_reused(cluster: ServingCluster) -> None:
     assert hits and float(hits[0].split()[-1]) >= cached
 
 
+def _holders(cluster: ServingCluster, block_hash: int) -> list[str]:
+    return [u for u in cluster.worker_urls["prefill"]
+            if block_hash in httpx.get(u + "/load").json()["block_hashes"]]
+
+
+def test_the_conductor_sends_a_prefix_to_the_worker_that_holds_it(
+        cluster: ServingCluster) -> None:
+    from kvpool.engine.blocks import prefix_block_hashes
+
+    tok = ModelTokenizer(cluster.model_dir)
+    info = httpx.get(cluster.worker_urls["prefill"][0] + "/info").json()
+    c = client(cluster.proxy_url)
+    shared = " ".join(["when the decode will write the token to the store node"] * 8)
+    c.completions.create(model=cluster.model_name, prompt=shared, max_tokens=1)
+    ids = tok.encode(shared)
+    last = prefix_block_hashes(ids, info["block_size"], info["model_hash"])[-1]
+    holders = _holders(cluster, last)
+    assert len(holders) == 1
+    time.sleep(0.5)  # the proxy's next /load poll indexes the new blocks
+    for n in range(3):  # Algorithm 1: the holder's TTFT is the lowest (no queue anywhere)
+        prompt = f"{shared} and then {n} " + "the cache block pool " * 8
+        out = c.completions.create(model=cluster.model_name, prompt=prompt, max_tokens=1)
+        assert out.usage is not None and out.usage.prompt_tokens_details is not None
+        assert (out.usage.prompt_tokens_details.cached_tokens or 0) >= len(ids) // 16 * 16
+        longer = prefix_block_hashes(tok.encode(prompt), info["block_size"], info["model_hash"])
+        assert longer[-1] != last  # new full blocks, computed on the chosen worker
+        assert _holders(cluster, longer[-1]) == holders
+
+
 @pytest.mark.parametrize(("body", "status", "param"), [
     (b'{"model": "tiny", "prompt": ', 400, None),
     (b'["not", "an", "object"]', 400, None),
@@ -168,7 +198,7 @@ def test_models_health_and_metrics(cluster: ServingCluster) -> None:
     models = client(cluster.proxy_url).models.list()
     assert [m.id for m in models.data] == [cluster.model_name]
     health = httpx.get(cluster.proxy_url + "/health").json()
-    assert health["ok"] and (health["prefill"], health["decode"]) == (1, 1)
+    assert health["ok"] and (health["prefill"], health["decode"]) == (2, 1)
     metrics = httpx.get(cluster.proxy_url + "/metrics").text
     for name in ("kvpool_proxy_ttft_seconds_bucket", "kvpool_proxy_tbt_seconds_bucket",
                  "kvpool_proxy_worker_up{", "kvpool_proxy_worker_cached_blocks{",
