@@ -136,6 +136,7 @@ class ServingSpec:
     num_decode: int = 1
     num_colocated: int = 0
     dram: str = "256MiB"
+    num_store_nodes: int = 1
     proxy_args: tuple[str, ...] = ()
     worker_args: tuple[str, ...] = ()
 
@@ -160,8 +161,9 @@ def serving_cluster(spec: ServingSpec) -> Iterator[ServingCluster]:
         wait_http(f"http://{host}:{admin}/health", [master], "master")
         master_addr, metadata = f"{host}:{rpc}", f"http://{host}:{meta}/metadata"
         cluster.master_address, cluster.metadata_url = master_addr, metadata
-        start("store-node", "store-node", "--dram", spec.dram, "--master", master_addr,
-              "--host", host, "--metadata", metadata)
+        for i in range(spec.num_store_nodes):
+            start(f"store-node-{i}", "store-node", "--dram", spec.dram, "--master", master_addr,
+                  "--host", host, "--metadata", metadata)
         roles = (["prefill"] * spec.num_prefill + ["decode"] * spec.num_decode
                  + ["both"] * spec.num_colocated)
         for i, role in enumerate(roles):
