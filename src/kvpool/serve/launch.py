@@ -30,14 +30,15 @@ MASTER_GRACE_S = 3.0
 
 
 def die_with_parent(parent_pid: int) -> Callable[[], None]:
-    """A `preexec_fn`: SIGTERM this child when the process that forked it exits."""
+    """A `preexec_fn`: SIGTERM this child when the process that forked it exits. libc is
+    looked up here, before the fork, so the child only makes the one system call."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux: the parent's cleanup must do
+        return lambda: None
 
     def set_pdeathsig() -> None:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        except (OSError, AttributeError):  # not Linux: the parent's cleanup must do
-            return
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
         if os.getppid() != parent_pid:  # the parent died before prctl took effect
             os._exit(1)
 
