@@ -1,27 +1,30 @@
-"""A real serving cluster for the proxy tests: master, store node, one prefill and one decode
-`kvpool worker` on a tiny model, and `kvpool proxy`, all separate processes on loopback,
-started once per session the way `kvpool up` starts them."""
+"""A real serving cluster for the proxy tests, started once per session by `kvpool up` itself:
+master, store node, two prefill and one decode `kvpool worker` on a tiny model, and `kvpool
+proxy`, all separate processes on loopback. At the end of the session `kvpool up` is killed
+with SIGKILL and the teardown asserts that none of its children is left (they carry an
+environment marker, found by scanning /proc)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from kvpool.serve.launch import (
     ServingCluster,
-    ServingSpec,
     ensure_tiny_model,
     free_port,
-    serving_cluster,
     spawn,
     stop,
     wait_http,
@@ -43,10 +46,50 @@ def tiny_model(cache_home: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def cluster(tiny_model: Path) -> Iterator[ServingCluster]:
-    spec = ServingSpec(tiny_model, port=free_port(), dram="64MiB")
-    with serving_cluster(spec) as c:
-        yield c
+def cluster(tiny_model: Path, cache_home: Path,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServingCluster]:
+    marker = f"up-{uuid.uuid4().hex}"
+    port = free_port()
+    log = tmp_path_factory.mktemp("up") / "up.log"
+    with log.open("w") as out:
+        proc = kvpool_up(marker, cache_home, "--port", str(port), "--dram", "64MiB",
+                         "--prefill", "2", stdout=out)
+    try:
+        wait_ready(proc, f"http://127.0.0.1:{port}", log)
+        yield parse_up_output(log.read_text(), tiny_model)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert wait_gone(marker) == [], "children of a SIGKILLed `kvpool up` were left running"
+
+
+def parse_up_output(text: str, model: Path) -> ServingCluster:
+    proxy = re.search(r"OpenAI API\s+(\S+)/v1", text)
+    master = re.search(r"store master\s+(\S+)\s+\(metadata (\S+)\)", text)
+    assert proxy and master, text
+    c = ServingCluster("127.0.0.1", proxy.group(1), model, model.name, master.group(1),
+                       master.group(2))
+    for role, urls in re.findall(r"^\s+(prefill|decode|both)\s+workers\s+(.+)$", text, re.M):
+        c.worker_urls[role] = urls.split()
+    return c
+
+
+def wait_ready(proc: subprocess.Popen[str], url: str, log: Path | None = None,
+               timeout_s: float = 120) -> None:
+    """Until the proxy answers /health and `kvpool up` has printed its banner to `log`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"kvpool up exited with {proc.returncode}: "
+                                 f"{log.read_text() if log else ''}")
+        try:
+            healthy = httpx.get(url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            healthy = False
+        if healthy and (log is None or "try: curl" in log.read_text()):
+            return
+        time.sleep(0.2)
+    raise TimeoutError("kvpool up did not become ready")
 
 
 @pytest.fixture
@@ -130,7 +173,9 @@ def wait_gone(marker: str, timeout_s: float = 30.0) -> list[int]:
     return left
 
 
-def kvpool_up(marker: str, cache_home: Path, *args: str) -> subprocess.Popen[str]:
+def kvpool_up(marker: str, cache_home: Path, *args: str,
+              stdout: Any = subprocess.PIPE) -> subprocess.Popen[str]:
+    """`kvpool up ARGS` with `marker` in its environment (inherited by every child)."""
     env = python_env() | {"KVPOOL_TEST_MARKER": marker, "XDG_CACHE_HOME": str(cache_home)}
     return subprocess.Popen([sys.executable, "-m", "kvpool", "up", *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=stdout, stderr=subprocess.STDOUT, text=True)

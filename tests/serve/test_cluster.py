@@ -46,9 +46,21 @@ def test_load_reports_become_the_prefix_index(cluster: LiveCluster) -> None:
     assert cluster.view.index.holders(9) == {0}
 
 
-def test_queued_tokens_push_the_predicted_queue(cluster: LiveCluster) -> None:
-    cluster.apply_load(P1, load([], queued=500), 10.0)
-    assert cluster.view.prefill[0].busy_until_s == pytest.approx(10.5)  # 1 ms per token
+def test_prediction_errors_shift_the_queue_as_in_the_simulator(cluster: LiveCluster) -> None:
+    conductor = Conductor(ConductorConfig(block_size=4), SIMPLE_COST)
+    reqs = [RequestInfo(i, 100, 4, ()) for i in range(3)]
+    bookings = []
+    for r in reqs:  # 0.1 s predicted each, all on p1 (then p2) by load balance of kvcache_centric
+        decision = conductor.schedule(r, cluster.view, 0.0)
+        assert isinstance(decision, Accepted)
+        bookings.append(cluster.book(r, decision, 0.0))
+    p1 = bookings[0].prefill_load
+    mine = [b for b in bookings if b.prefill_load is p1]
+    assert len(mine) == 2 and p1.busy_until_s == pytest.approx(0.2)
+    cluster.prefill_done(mine[0], 0.15)  # 50 ms late: the one behind it ends 50 ms later too
+    assert p1.busy_until_s == pytest.approx(0.25)
+    cluster.prefill_done(mine[1], 0.2)  # early now: the queue is empty at 0.2
+    assert p1.busy_until_s == pytest.approx(0.2) and p1.queue_s(0.2) == 0.0
 
 
 def test_dead_worker_leaves_and_ids_are_reassigned(cluster: LiveCluster,
@@ -84,7 +96,6 @@ def test_another_model_or_block_size_is_refused(cluster: LiveCluster) -> None:
 
 
 def test_booking_follows_the_conductor_and_releases_once(cluster: LiveCluster) -> None:
-    cluster.apply_load(P1, load([], queued=100), 0.0)  # p1: 0.1 s of queue
     cluster.apply_load(P2, load([1, 2]), 0.0)
     conductor = Conductor(ConductorConfig(block_size=4), SIMPLE_COST)
     req = RequestInfo(1, 12, 4, (1, 2, 3))
@@ -95,7 +106,6 @@ def test_booking_follows_the_conductor_and_releases_once(cluster: LiveCluster) -
     assert b.prefill.url == P2 and b.decode.url == D1 and not b.colocated
     d = cluster.view.decode[0]
     assert (d.num_assigned, d.num_active, cluster.view.prefill[1].num_queued) == (1, 0, 1)
-    cluster.apply_load(P2, load([1, 2], queued=4000), 0.0)  # slower than predicted
     cluster.prefill_done(b, 0.01)
     cluster.decode_start(b, 0.01)
     assert (d.num_assigned, d.num_active, cluster.view.prefill[1].num_queued) == (1, 1, 0)

@@ -68,3 +68,15 @@ def test_busy_samples_and_a_fixed_cost_are_not_learned(vclock: VirtualClock) -> 
     for _ in range(REFIT_EVERY):
         fixed.learn(b, 0, 1.0)
     assert fixed.cost.prefill_base_s == 0.2 and busy.alone
+
+
+def test_the_none_baseline_can_refuse_at_decode(vclock: VirtualClock) -> None:
+    d = dispatcher(vclock, admission="none", tbt_slo_s=0.01)  # a decode step takes 26 ms
+    b = d.schedule(list(range(8)), 2)  # arrival: only the prefill stage checks
+    with pytest.raises(ApiError) as exc:
+        d.check_decode(b)
+    assert exc.value.status == 429 and exc.value.code == "rejected_tbt"
+    assert d.metrics.rejections.labels("tbt", "decode")._value.get() == 1
+    early = dispatcher(vclock, tbt_slo_s=0.01)
+    with pytest.raises(ApiError, match="TBT objective"):
+        early.schedule(list(range(8)), 2)  # early rejection refuses before any work

@@ -46,7 +46,7 @@ def test_overload_is_refused_with_429(cluster: ServingCluster, tmp_path: Path) -
         err = refused.json()["error"]
         assert (err["type"], err["code"]) == ("rate_limit_exceeded", "rejected_ttft")
         metrics = httpx.get(url + "/metrics").text
-        assert 'kvpool_proxy_rejections_total{reason="ttft"}' in metrics
+        assert 'kvpool_proxy_rejections_total{reason="ttft",stage="arrival"}' in metrics
     finally:
         stop(proc)
 
@@ -94,3 +94,19 @@ def test_worker_killed_mid_request_ends_it_cleanly(cluster: ServingCluster) -> N
     finally:
         stop(victim)
         stop(proxy)
+
+
+def test_a_client_that_goes_away_frees_its_request(cluster: ServingCluster) -> None:
+    decode = cluster.worker_urls["decode"][0]
+    body = {"model": cluster.model_name, "prompt": "the cache", "max_tokens": 2000,
+            "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", cluster.proxy_url + "/v1/completions", json=body,
+                      timeout=60) as resp:
+        lines = resp.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        assert httpx.get(decode + "/load").json()["num_running"] == 1
+    deadline = time.monotonic() + 10  # the proxy aborts it on the decode worker
+    while httpx.get(decode + "/load").json()["num_running"] != 0:
+        assert time.monotonic() < deadline, "the abandoned request kept decoding"
+        time.sleep(0.1)
+    assert httpx.get(cluster.proxy_url + "/health").json()["ok"]

@@ -5,15 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from kvpool.serve.launch import ServingCluster
+from kvpool.serve.launch import ServingCluster, stop
 from kvpool.serve.tokenizer import ModelTokenizer
-from tests.serve.conftest import sse_events
+from tests.serve.conftest import sse_events, start_proxy
 
 PROMPT = "the cache block pool and the prefill of the prompt"
 
@@ -22,20 +23,23 @@ def client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
-def engine_greedy(model: Path, prompt_ids: list[int], max_tokens: int) -> list[int]:
-    """A plain offline run of the engine in this process: the reference output."""
-    from kvpool.engine.config import EngineConfig, SamplingParams
-    from kvpool.engine.llm_engine import LLMEngine
+def plain_greedy(model_dir: Path, prompt_ids: list[int], max_tokens: int) -> list[int]:
+    """The reference: greedy tokens from plain forward passes of the engine's model over the
+    whole sequence (no scheduler, no KV reuse, no pool), in this process."""
+    from kvpool.engine.checkpoint import load_model
+    from tests.engine.helpers import full_logits
 
-    engine = LLMEngine.from_dir(model, EngineConfig())
-    return engine.generate([prompt_ids], SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                        ignore_eos=True))[0]
+    model = load_model(model_dir)
+    ids = list(prompt_ids)
+    for _ in range(max_tokens):
+        ids.append(int(full_logits(model, ids)[-1].argmax()))
+    return ids[len(prompt_ids):]
 
 
 def test_greedy_text_through_the_proxy_equals_the_engine(cluster: ServingCluster) -> None:
     tok = ModelTokenizer(cluster.model_dir)
     ids = tok.encode(PROMPT)
-    want_ids = engine_greedy(cluster.model_dir, ids, 24)
+    want_ids = plain_greedy(cluster.model_dir, ids, 24)
     c = client(cluster.proxy_url)
     out = c.completions.create(model=cluster.model_name, prompt=PROMPT, max_tokens=24,
                                temperature=0, extra_body={"ignore_eos": True})
@@ -49,6 +53,23 @@ def test_greedy_text_through_the_proxy_equals_the_engine(cluster: ServingCluster
     chunks = list(stream)
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == tok.decode(want_ids)
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 24
+
+
+def test_pushed_kv_gives_the_same_text(cluster: ServingCluster) -> None:
+    """A second proxy over the same workers, handing the KV over by push instead of the pool."""
+    proc, url = start_proxy(cluster.model_dir, "--kv-transfer", "push",
+                            "--prefill", cluster.worker_urls["prefill"][0],
+                            "--decode", cluster.worker_urls["decode"][0])
+    try:
+        tok = ModelTokenizer(cluster.model_dir)
+        prompt = PROMPT + " pushed"
+        want = tok.decode(plain_greedy(cluster.model_dir, tok.encode(prompt), 16))
+        out = client(url).completions.create(model=cluster.model_name, prompt=prompt,
+                                             max_tokens=16, temperature=0,
+                                             extra_body={"ignore_eos": True})
+        assert out.choices[0].text == want
+    finally:
+        stop(proc)
 
 
 def test_chat_streaming_and_not_agree(cluster: ServingCluster) -> None:
@@ -95,6 +116,35 @@ def test_a_repeated_prefix_is_reused(cluster: ServingCluster) -> None:
     hits = [line for line in metrics.splitlines()
             if line.startswith("kvpool_proxy_prefix_hit_tokens_total")]
     assert hits and float(hits[0].split()[-1]) >= cached
+
+
+def _holders(cluster: ServingCluster, block_hash: int) -> list[str]:
+    return [u for u in cluster.worker_urls["prefill"]
+            if block_hash in httpx.get(u + "/load").json()["block_hashes"]]
+
+
+def test_the_conductor_sends_a_prefix_to_the_worker_that_holds_it(
+        cluster: ServingCluster) -> None:
+    from kvpool.engine.blocks import prefix_block_hashes
+
+    tok = ModelTokenizer(cluster.model_dir)
+    info = httpx.get(cluster.worker_urls["prefill"][0] + "/info").json()
+    c = client(cluster.proxy_url)
+    shared = " ".join(["when the decode will write the token to the store node"] * 8)
+    c.completions.create(model=cluster.model_name, prompt=shared, max_tokens=1)
+    ids = tok.encode(shared)
+    last = prefix_block_hashes(ids, info["block_size"], info["model_hash"])[-1]
+    holders = _holders(cluster, last)
+    assert len(holders) == 1
+    time.sleep(0.5)  # the proxy's next /load poll indexes the new blocks
+    for n in range(3):  # Algorithm 1: the holder's TTFT is the lowest (no queue anywhere)
+        prompt = f"{shared} and then {n} " + "the cache block pool " * 8
+        out = c.completions.create(model=cluster.model_name, prompt=prompt, max_tokens=1)
+        assert out.usage is not None and out.usage.prompt_tokens_details is not None
+        assert (out.usage.prompt_tokens_details.cached_tokens or 0) >= len(ids) // 16 * 16
+        longer = prefix_block_hashes(tok.encode(prompt), info["block_size"], info["model_hash"])
+        assert longer[-1] != last  # new full blocks, computed on the chosen worker
+        assert _holders(cluster, longer[-1]) == holders
 
 
 @pytest.mark.parametrize(("body", "status", "param"), [
@@ -148,7 +198,7 @@ def test_models_health_and_metrics(cluster: ServingCluster) -> None:
     models = client(cluster.proxy_url).models.list()
     assert [m.id for m in models.data] == [cluster.model_name]
     health = httpx.get(cluster.proxy_url + "/health").json()
-    assert health["ok"] and (health["prefill"], health["decode"]) == (1, 1)
+    assert health["ok"] and (health["prefill"], health["decode"]) == (2, 1)
     metrics = httpx.get(cluster.proxy_url + "/metrics").text
     for name in ("kvpool_proxy_ttft_seconds_bucket", "kvpool_proxy_tbt_seconds_bucket",
                  "kvpool_proxy_worker_up{", "kvpool_proxy_worker_cached_blocks{",

@@ -36,6 +36,8 @@ class BenchRequest:
 @dataclass
 class BenchResult:
     status: int
+    reason: str = ""
+    """For a 429: the admission's reason (ttft, tbt, kv_capacity)."""
     ttft_s: float = 0.0
     gaps_s: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
@@ -95,7 +97,10 @@ async def _one(client: Any, url: str, model: str, req: BenchRequest) -> BenchRes
     async with client.stream("POST", url + "/v1/completions", json=body) as resp:
         res.status = resp.status_code
         if resp.status_code != 200:
-            await resp.aread()
+            raw = await resp.aread()
+            if resp.status_code == 429:
+                code = str(json.loads(raw)["error"].get("code") or "")
+                res.reason = code.removeprefix("rejected_")
             return res
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -149,6 +154,9 @@ def summarise(results: list[BenchResult], wall_s: float) -> dict[str, Any]:
     prompt = sum(r.prompt_tokens for r in ok)
     row: dict[str, Any] = {"requests": len(results), "ok": len(ok),
                            "rejected": sum(r.status == 429 for r in results),
+                           "rejected_by": {reason: sum(r.reason == reason for r in results)
+                                           for reason in sorted({r.reason for r in results
+                                                                 if r.status == 429})},
                            "failed": sum(r.status not in (200, 429) for r in results)}
     for name, values in (("ttft", ttft), ("tbt", tbt)):
         for q in (50, 90, 99):
@@ -185,7 +193,9 @@ def _print(label: str, row: dict[str, Any], as_json: bool) -> None:
     if as_json:
         print(json.dumps({"config": label, **row}), flush=True)
         return
+    why = ",".join(f"{k}:{v}" for k, v in row["rejected_by"].items()) or "-"
     print(f"{label:<44} ok {row['ok']:>3}/{row['requests']:<3} rej {row['rejected']:>3} "
+          f"({why}) "
           f"fail {row['failed']:>2}  TTFT p50/p90/p99 {row['ttft_p50_ms']:>7}/"
           f"{row['ttft_p90_ms']:>7}/{row['ttft_p99_ms']:>7} ms  TBT p50/p90/p99 "
           f"{row['tbt_p50_ms']:>5}/{row['tbt_p90_ms']:>5}/{row['tbt_p99_ms']:>6} ms  "

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from kvpool.cli.security import add_security_args, bind_refusal, export_token
+from kvpool.conductor import ADMISSION_POLICIES, PREFILL_POLICIES
 from kvpool.errors import KvpoolError
 from kvpool.serve.launch import free_port, spawn, stop
 
@@ -72,8 +73,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
     p.add_argument("--colocated", type=int, default=0,
                    help="workers that prefill and decode (role both; default 0)")
-    p.add_argument("--prefill-policy", default="kvcache_centric")
-    p.add_argument("--admission", default="early_rejection_predicted")
+    p.add_argument("--prefill-policy", default="kvcache_centric", choices=sorted(PREFILL_POLICIES))
+    p.add_argument("--admission", default="early_rejection_predicted",
+                   choices=sorted(ADMISSION_POLICIES))
     p.add_argument("--kv-transfer", choices=("pool", "push"), default="pool",
                    help="prefill -> decode KV handoff")
     p.add_argument("--store-only", action="store_true",
@@ -124,6 +126,9 @@ def _run_serving(args: argparse.Namespace) -> int:
         serving_cluster,
     )
 
+    if args.store_nodes is not None and args.store_nodes < 1:
+        print("kvpool up: --store-nodes must be >= 1", file=sys.stderr)
+        return 2
     if args.prefill + args.colocated < 1 or args.decode + args.colocated < 1:
         print("kvpool up: need at least one prefill and one decode worker "
               "(--prefill/--decode, or --colocated)", file=sys.stderr)
@@ -133,7 +138,7 @@ def _run_serving(args: argparse.Namespace) -> int:
     try:
         model = Path(args.model) if args.model else ensure_tiny_model(default_model_dir())
         spec = ServingSpec(model, args.host, args.port, args.prefill, args.decode,
-                           args.colocated, args.dram,
+                           args.colocated, args.dram, args.store_nodes or 1,
                            ("--prefill-policy", args.prefill_policy, "--admission", args.admission,
                             "--kv-transfer", args.kv_transfer, "--fit-cost"))
         with serving_cluster(spec) as cluster:
@@ -153,6 +158,7 @@ def _run_serving(args: argparse.Namespace) -> int:
 
 def _print_serving(cluster: ServingCluster) -> None:
     print(f"kvpool serving cluster up (pid {os.getpid()}), model {cluster.model_dir}:")
+    print(f"  store master      {cluster.master_address}  (metadata {cluster.metadata_url})")
     for role, urls in cluster.worker_urls.items():
         print(f"  {role:8} workers  {' '.join(urls)}")
     print(f"  OpenAI API        {cluster.proxy_url}/v1  (metrics: {cluster.proxy_url}/metrics)")

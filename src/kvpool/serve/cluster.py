@@ -89,6 +89,8 @@ class WorkerState:
     blocks: frozenset[int] = frozenset()
     prefill_load: PrefillLoad | None = None
     decode_load: DecodeLoad | None = None
+    shift_s: float = 0.0
+    """Sum of the prediction errors applied to busy_until_s so far (as the simulator keeps)."""
     down: asyncio.Event = field(default_factory=asyncio.Event)
     """Set when the worker leaves the rotation; in-flight legs on it end at once."""
 
@@ -109,6 +111,9 @@ class Booking:
     decision: Accepted
     alone: bool = False
     """Nothing else was queued on the prefill worker when this request was booked."""
+    predicted_end_s: float = 0.0
+    """The prefill worker's predicted busy_until_s right after booking (this request's end)."""
+    shift_then_s: float = 0.0
     prefill_pending: bool = True
     decode_started: bool = False
     finished: bool = False
@@ -153,6 +158,7 @@ class LiveCluster:
         w.info, w.alive, w.failures, w.last_ok_s = info, True, 0, self.clock.now()
         w.down = asyncio.Event()
         w.prefill_load = PrefillLoad(0) if info.role in PREFILL_ROLES else None
+        w.shift_s = 0.0
         w.decode_load = (DecodeLoad(0, info.kv_capacity_tokens)
                          if info.role in DECODE_ROLES else None)
         self._rebuild()
@@ -196,7 +202,9 @@ class LiveCluster:
     # -- load reports -----------------------------------------------------------------------
 
     def apply_load(self, url: str, obj: Mapping[str, Any], now: float) -> None:
-        """Fold one /load reply in: cached blocks into the index, queue into busy_until_s."""
+        """Fold one /load reply in: the worker's cached blocks into the prefix index. (Queues
+        are the conductor's own predictions, corrected as each prefill ends, as in the
+        simulator; the reported queue is kept for /metrics.)"""
         w = self.workers[url]
         w.failures, w.last_ok_s = 0, now
         w.load = WorkerLoad.from_json(obj)
@@ -207,9 +215,6 @@ class LiveCluster:
                 self.view.index.add(i, h)
             for h in w.blocks - blocks:
                 self.view.index.remove(i, h)
-            queued_s = (self.cost.prefill_s(w.load.queued_prefill_tokens)
-                        if w.load.queued_prefill_tokens else 0.0)
-            w.prefill_load.busy_until_s = max(w.prefill_load.busy_until_s, now + queued_s)
         if w.decode_load is not None and w.load.kv_capacity_tokens > 0:
             w.decode_load.kv_capacity_tokens = w.load.kv_capacity_tokens
         w.blocks = blocks
@@ -232,7 +237,8 @@ class LiveCluster:
         assert p.prefill_load is not None and d.decode_load is not None
         alone = p.prefill_load.num_queued == 0
         self.view.record_accept(req, decision, now)
-        return Booking(req, p, d, p.prefill_load, d.decode_load, decision, alone)
+        return Booking(req, p, d, p.prefill_load, d.decode_load, decision, alone,
+                       p.prefill_load.busy_until_s, p.shift_s)
 
     def _in_view(self, b: Booking, prefill: bool) -> bool:
         if prefill:
@@ -245,8 +251,11 @@ class LiveCluster:
         b.prefill_pending = False
         if self._in_view(b, prefill=True):
             self.view.record_prefill_done(b.prefill_load.instance_id)
-            if b.prefill_load.num_queued <= 0:  # an empty queue ends now, whatever was predicted
-                b.prefill_load.busy_until_s = min(b.prefill_load.busy_until_s, now)
+            # the queue behind this request starts later (or earlier) than predicted: shift it
+            # by the error, exactly as kvpool.sim.disagg does
+            delta = now - (b.predicted_end_s + b.prefill.shift_s - b.shift_then_s)
+            b.prefill_load.busy_until_s += delta
+            b.prefill.shift_s += delta
 
     def decode_start(self, b: Booking, now: float) -> None:
         if b.decode_started or b.finished:

@@ -78,10 +78,19 @@ class Dispatcher:
         now = self.clock.now()
         decision = self._conductor_for(ref.block_size).schedule(req, view, now)
         if isinstance(decision, Rejected):
-            self.metrics.rejections.labels(decision.reason).inc()
+            self.metrics.rejections.labels(decision.reason, decision.stage).inc()
             raise rejected(decision.reason, decision.predicted_ttft_s, decision.predicted_tbt_s,
                            self._retry_after_s(decision))
         return self.cluster.book(req, self.cluster.colocate(decision), now)
+
+    def check_decode(self, b: Booking) -> None:
+        """The decode stage's own check when the KV is ready (only the `none` baseline has one):
+        ApiError 429 after the prefill was spent, as the simulator counts it."""
+        d = b.decode_load
+        verdict = self.conductor.admission.at_decode(b.req, d, d.num_active, d.active_tokens)
+        if verdict is not None:
+            self.metrics.rejections.labels(verdict.reason, verdict.stage).inc()
+            raise rejected(verdict.reason, verdict.predicted_ttft_s, verdict.predicted_tbt_s, 1)
 
     def _retry_after_s(self, r: Rejected) -> int:
         if r.reason == "ttft":
@@ -183,6 +192,7 @@ class Run:
         self.d.metrics.prompt_tokens.inc(len(self.prompt_ids))
         self.d.metrics.prefix_hit_tokens.inc(self.cached_len)
         self.d.learn(self.b, self.cached_len, float(reply.get("prefill_s") or 0.0))
+        self.d.check_decode(self.b)
         return first
 
     async def _decode_leg(self, first: int | None, kv_source: str) -> AsyncIterator[int]:
@@ -204,6 +214,8 @@ class Run:
                     if kv_source == "none":  # colocated: the prefill's reuse, if reported
                         self._colocated_reuse(obj)
                     return
+                if not isinstance(obj.get("token_id"), int):
+                    raise WorkerCallError(worker.url, "/generate", f"unexpected line {obj!r}")
                 tok = int(obj["token_id"])
                 if skip_echo:  # the first token came from the prefill leg already
                     skip_echo = False

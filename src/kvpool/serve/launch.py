@@ -25,28 +25,35 @@ import httpx
 from kvpool.errors import KvpoolError
 
 _PR_SET_PDEATHSIG = 1
+MASTER_GRACE_S = 3.0
+"""How long the store master outlives a killed `kvpool up`, so store nodes unmount cleanly."""
 
 
 def die_with_parent(parent_pid: int) -> Callable[[], None]:
-    """A `preexec_fn`: SIGTERM this child when the process that forked it exits."""
+    """A `preexec_fn`: SIGTERM this child when the process that forked it exits. libc is
+    looked up here, before the fork, so the child only makes the one system call."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux: the parent's cleanup must do
+        return lambda: None
 
     def set_pdeathsig() -> None:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        except (OSError, AttributeError):  # not Linux: the parent's cleanup must do
-            return
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
         if os.getppid() != parent_pid:  # the parent died before prctl took effect
             os._exit(1)
 
     return set_pdeathsig
 
 
-def spawn(*args: str, quiet: bool = True) -> subprocess.Popen[bytes]:
-    """`python -m kvpool ARGS` as a child that dies with this process."""
-    return subprocess.Popen([sys.executable, "-m", "kvpool", "--log-level", "WARNING", *args],
-                            stdout=subprocess.DEVNULL if quiet else None,
-                            preexec_fn=die_with_parent(os.getpid()))
+def spawn(*args: str, quiet: bool = True, keeper_grace_s: float = 0.0) -> subprocess.Popen[bytes]:
+    """`python -m kvpool ARGS` as a child that dies with this process, in a session of its own
+    (a terminal's Ctrl-C reaches only this process, which stops the children in order). With
+    `keeper_grace_s`, through `kvpool.serve.keeper`, which outlives this process by that long."""
+    cmd = [sys.executable, "-m", "kvpool", "--log-level", "WARNING", *args]
+    if keeper_grace_s > 0:
+        cmd = [sys.executable, "-m", "kvpool.serve.keeper", str(keeper_grace_s), *cmd]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL if quiet else None,
+                            preexec_fn=die_with_parent(os.getpid()), start_new_session=True)
 
 
 def stop(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
@@ -130,6 +137,7 @@ class ServingSpec:
     num_decode: int = 1
     num_colocated: int = 0
     dram: str = "256MiB"
+    num_store_nodes: int = 1
     proxy_args: tuple[str, ...] = ()
     worker_args: tuple[str, ...] = ()
 
@@ -142,19 +150,21 @@ def serving_cluster(spec: ServingSpec) -> Iterator[ServingCluster]:
     cluster = ServingCluster(host, f"http://{host}:{spec.port}", spec.model_dir,
                              spec.model_dir.resolve().name)
     with ExitStack() as stack:
-        def start(name: str, *args: str) -> subprocess.Popen[bytes]:
-            proc = spawn(*args)
+        def start(name: str, *args: str, grace_s: float = 0.0) -> subprocess.Popen[bytes]:
+            proc = spawn(*args, keeper_grace_s=grace_s)
             stack.callback(stop, proc)
             cluster.procs[name] = proc
             return proc
 
         master = start("master", "master", "--host", host, "--rpc-port", str(rpc),
-                       "--admin-port", str(admin), "--metadata-port", str(meta))
+                       "--admin-port", str(admin), "--metadata-port", str(meta),
+                       grace_s=MASTER_GRACE_S)
         wait_http(f"http://{host}:{admin}/health", [master], "master")
         master_addr, metadata = f"{host}:{rpc}", f"http://{host}:{meta}/metadata"
         cluster.master_address, cluster.metadata_url = master_addr, metadata
-        start("store-node", "store-node", "--dram", spec.dram, "--master", master_addr,
-              "--host", host, "--metadata", metadata)
+        for i in range(spec.num_store_nodes):
+            start(f"store-node-{i}", "store-node", "--dram", spec.dram, "--master", master_addr,
+                  "--host", host, "--metadata", metadata)
         roles = (["prefill"] * spec.num_prefill + ["decode"] * spec.num_decode
                  + ["both"] * spec.num_colocated)
         for i, role in enumerate(roles):

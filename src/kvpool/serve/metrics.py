@@ -34,7 +34,7 @@ class ProxyMetrics:
             "Prompt tokens whose KV was reused from a worker's cache or the pool", registry=r)
         self.output_tokens = Counter("kvpool_proxy_output_tokens", "Tokens generated", registry=r)
         self.rejections = Counter("kvpool_proxy_rejections", "Requests refused by admission",
-                                  ["reason"], registry=r)
+                                  ["reason", "stage"], registry=r)
 
     def watch(self, cluster: LiveCluster) -> None:
         self.registry.register(_WorkerCollector(cluster))

@@ -3,6 +3,7 @@ worker's sampling object. Every check a client can fail is here, as a 4xx ApiErr
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -25,7 +26,7 @@ class PreparedRequest:
     include_usage: bool
 
 
-_ids = iter(range(1, 1 << 62))
+_ids = itertools.count(1)
 
 
 def prepare(req: CompletionRequest | ChatRequest, kind: Kind, proxy: Proxy) -> PreparedRequest:
