@@ -205,3 +205,26 @@ def test_a_client_that_does_not_read_stalls_only_itself(master: MasterServer) ->
         assert all(r.status == 0 and len(r.result) == 100 for r in replies)
         sock.close()
         assert node.call(Op.PING) == "pong"
+
+
+def test_store_node_whose_master_is_gone_stops_promptly_on_sigterm() -> None:
+    """With its master killed, a node's unmount cannot be answered: SIGTERM still ends it
+    within a few seconds (close_timeout_s), not after one RPC timeout per call."""
+    rpc, admin = free_port(), free_port()
+    master = spawn_kvpool("master", "--rpc_port", str(rpc), "--metrics_port", str(admin),
+                          "--no-http-metadata")
+    with running(master):
+        wait_port(admin)
+        node = spawn_kvpool("store-node", "--dram", "4MiB", "--master", f"127.0.0.1:{rpc}")
+        with running(node):
+            deadline = time.monotonic() + 30
+            while not httpx.get(f"http://127.0.0.1:{admin}/segments").json():
+                assert time.monotonic() < deadline, "the node never mounted"
+                time.sleep(0.1)
+            master.kill()
+            master.wait(10)
+            time.sleep(1.5)                     # heartbeats now fail
+            started = time.monotonic()
+            node.terminate()
+            assert node.wait(8) == 0
+            assert time.monotonic() - started < 6

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import secrets
 import threading
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -123,19 +124,25 @@ class ClientBase:
         self._segments[segment_id] = buf
         return str(segment_id)
 
-    def unmount(self, segment_id: str) -> ErrorCode:
+    def unmount(self, segment_id: str, timeout_s: float | None = None) -> ErrorCode:
+        """Withdraw a segment from the pool (the master drops the objects on it) and free its
+        memory. `timeout_s` bounds the master call (default: `rpc_timeout_s`); the memory is
+        freed whatever the master answers."""
         buf = self._segments.pop(segment_id, None)
         if buf is None:
             return E.SEGMENT_NOT_FOUND
         try:
-            code = ErrorCode(self._rpc.call(Op.UNMOUNT, segment_id))
+            code = ErrorCode(self._rpc.call(Op.UNMOUNT, segment_id, timeout_s=timeout_s))
         except RpcError:
             code = E.RPC_FAIL
+        self._free_segment(segment_id, buf)
+        return code
+
+    def _free_segment(self, segment_id: str, buf: Any) -> None:
         try:
             self.engine.free_managed(buf)
         except MetadataError as exc:  # freed; only the directory could not be told
             log.warning("unmounted %s, but could not publish that: %s", segment_id, exc)
-        return code
 
     @property
     def segment_ids(self) -> list[str]:
@@ -202,12 +209,21 @@ class ClientBase:
         return True
 
     def close(self) -> None:
+        """Stop heartbeating, unmount every segment and release everything, within
+        `close_timeout_s` plus the engine's own shutdown: once the master has failed to answer
+        (it may be gone), the remaining segments are freed without asking it."""
         if self._stop.is_set():
             return
         self._stop.set()
-        self._hb.join(self.config.heartbeat_interval_s + self.config.rpc_timeout_s)
+        deadline = time.monotonic() + self.config.close_timeout_s
+        self._hb.join(self.config.close_timeout_s)
+        master_answers = True
         for segment_id in list(self._segments):
-            self.unmount(segment_id)
+            left = deadline - time.monotonic()
+            if master_answers and left > 0:
+                master_answers = self.unmount(segment_id, timeout_s=left) != E.RPC_FAIL
+            else:
+                self._free_segment(segment_id, self._segments.pop(segment_id))
         self._staging.close()
         self._rpc.close()
         self._hb_rpc.close()

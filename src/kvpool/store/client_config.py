@@ -29,6 +29,9 @@ class ClientConfig:
     rpc_timeout_s: float = 5.0
     heartbeat_interval_s: float = 1.0
     transfer_timeout_s: float = 10.0
+    close_timeout_s: float = 3.0
+    """Upper bound on `close()`: unmounting is given up once this has passed, or at the first
+    failure to reach the master (it drops our segments when our heartbeats stop anyway)."""
     prefault: bool = True
     """Touch every page of a mounted segment up front, so the first puts into it do not pay
     for page allocation (fresh shared-memory pages cost ~10x a copy on first write)."""
@@ -49,7 +52,8 @@ class ClientConfig:
                               f"{self.global_segment_size} and {self.local_buffer_size}")
         if not 0 <= self.te_port <= 65535:
             raise ConfigError(f"te_port must be in 0..65535, got {self.te_port}")
-        for name in ("rpc_timeout_s", "heartbeat_interval_s", "transfer_timeout_s"):
+        for name in ("rpc_timeout_s", "heartbeat_interval_s", "transfer_timeout_s",
+                     "close_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be > 0, got {getattr(self, name)}")
         if ":" not in self.master:
