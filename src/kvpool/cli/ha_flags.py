@@ -83,7 +83,7 @@ def run_persistent(args: argparse.Namespace,
         server_cfg, config = build(args)
         persist = persist_config(args)
         if args.enable_ha:
-            from kvpool.store.election import run_ha_master
+            from kvpool.store.ha_master import run_ha_master
             return run_ha_master(server_cfg, config, persist, args.etcd_endpoints,
                                  args.ha_lease_ttl, args.cluster_id, stop)
         master = MasterServer(server_cfg, config, persist=persist).start()

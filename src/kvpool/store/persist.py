@@ -23,6 +23,7 @@ Segments not back within `recovery_grace_s` are dropped with their objects.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,7 +37,8 @@ from kvpool.store.persist_records import (
     decode_frames,
     encode_record,
 )
-from kvpool.store.service import MasterService
+from kvpool.store.protocol import encode_reply, peek_req_id
+from kvpool.store.service import INTERNAL_ERROR, MasterService
 from kvpool.store.state import Replica, Segment, StoredObject
 
 if TYPE_CHECKING:
@@ -137,6 +139,8 @@ class Journal:
         self._buf: list[bytes] = []
         self._log_bytes = 0
         self._last_sync = core.clock.now()
+        self.fence: Callable[[], bool] | None = None
+        """With HA: whether this master still leads; records are written only then."""
         self._rotate(state.records(), replayed)
 
     def _rotate(self, records: list[list[Any]], old_logs: list[Path]) -> None:
@@ -186,7 +190,7 @@ class Journal:
             self._append(["D", segment_id])
         self.commit()
         now = core.clock.now()
-        if self.config.fsync == "interval" and now - self._last_sync >= \
+        if self._fd >= 0 and self.config.fsync == "interval" and now - self._last_sync >= \
                 self.config.fsync_interval_s:
             os.fsync(self._fd)
             self._last_sync = now
@@ -198,10 +202,14 @@ class Journal:
     def _append(self, payload: list[Any]) -> None:
         self._buf.append(encode_record(payload))
 
-    def commit(self) -> None:
-        """Write buffered records to the log (and fsync under the 'always' policy)."""
-        if not self._buf or self._fd < 0:
-            return
+    def commit(self) -> bool:
+        """Write buffered records to the log (and fsync under the 'always' policy); False
+        when they were dropped instead (this master no longer leads, or is closed)."""
+        if not self._buf:
+            return True
+        if self._fd < 0 or (self.fence is not None and not self.fence()):
+            self._buf.clear()
+            return False
         data = b"".join(self._buf)
         self._buf.clear()
         view = memoryview(data)
@@ -210,6 +218,7 @@ class Journal:
         self._log_bytes += len(data)
         if self.config.fsync == "always":
             os.fsync(self._fd)
+        return True
 
     def compact(self, core: MasterCore) -> None:
         """Snapshot the live tables and start a new log."""
@@ -222,8 +231,8 @@ class Journal:
         log.info("state %s compacted: %d records", self.dir, len(records))
 
     def close(self) -> None:
-        self.commit()
         if self._fd >= 0:
+            self.commit()
             os.fsync(self._fd)
             os.close(self._fd)
             self._fd = -1
@@ -302,13 +311,21 @@ class Recovery:
 
 class PersistentService(MasterService):
     """A MasterService whose replies leave only after the records they acknowledge are
-    in the log."""
+    in the log. With HA (`journal.fence` set) a master that no longer leads answers every
+    request with an error, so nothing it says after losing its lease is acknowledged."""
 
     def __init__(self, core: MasterCore, journal: Journal, *args: Any, **kwargs: Any) -> None:
         super().__init__(core, *args, **kwargs)
         self.journal = journal
 
     def handle(self, frame: bytes) -> bytes:
+        fence = self.journal.fence
+        if fence is not None and not fence():
+            return _not_leader(frame)
         reply = super().handle(frame)
-        self.journal.commit()
-        return reply
+        return reply if self.journal.commit() else _not_leader(frame)
+
+
+def _not_leader(frame: bytes) -> bytes:
+    return encode_reply(peek_req_id(frame), INTERNAL_ERROR,
+                        "this master is not the leader (its lease lapsed); ask etcd again")
