@@ -4,17 +4,22 @@ over, and every acknowledged object reads back with its bytes."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import time
 from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
+import pytest
 
+from kvpool.errors import RpcError
 from kvpool.store.client import StoreClient
 from kvpool.store.client_config import ClientConfig
 from kvpool.store.codes import ErrorCode as E
 from kvpool.store.election import Etcd, parse_endpoints, read_leader
+from kvpool.store.protocol import Op
+from kvpool.store.rpc_client import RpcClient
 from tests.store.cluster import content
 from tests.support.etcd import etcd_server
 from tests.support.net import free_port, wait_port
@@ -114,3 +119,33 @@ def test_leader_sigkill_standby_serves_every_acknowledged_object(tmp_path: Path)
         print(f"\nfailover: first acknowledged put {first_ok - killed:.2f}s after SIGKILL "
               f"(lease ttl {TTL_S}s); all {len(acked)} acknowledged objects readable "
               f"{readable:.2f}s later; 0 lost")
+
+
+def test_a_paused_leader_is_deposed_and_refuses_to_serve(tmp_path: Path) -> None:
+    """SIGSTOP the leader past its lease: the standby takes over; resumed, the old leader
+    answers nothing, exits with code 3, and the new leader's objects all survive it."""
+    with etcd_server() as ep, ExitStack() as stack:
+        etcd = Etcd(parse_endpoints(ep))
+        address = f"etcd://{ep}"
+        a = start_master(stack, ep, tmp_path)
+        _, term1 = wait_leader(etcd)
+        b = start_master(stack, ep, tmp_path)
+        stack.enter_context(running(spawn_kvpool(
+            "store-node", "--dram", "16MiB", "--master", address, "--heartbeat-interval",
+            "0.2")))
+        acked: dict[str, int] = {}
+        with StoreClient(ClientConfig(master=address, rpc_timeout_s=1.0)) as store:
+            nxt, _ = put_until(store, acked, 0, 20)
+            old = RpcClient(f"127.0.0.1:{a[1]}", "probe", timeout_s=1.0)
+            assert old.call(Op.PING) == "pong"
+            a[0].send_signal(signal.SIGSTOP)
+            _, term2 = wait_leader(etcd, term1)
+            nxt, _ = put_until(store, acked, nxt, 20)
+            a[0].send_signal(signal.SIGCONT)
+            with pytest.raises(RpcError):
+                old.call(Op.PING)
+            old.close()
+            assert a[0].wait(15) == 3
+            nxt, _ = put_until(store, acked, nxt, 20)
+            read_all(store, acked)
+        assert term2 == term1 + 1 and b[0].poll() is None

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvpool.errors import ConfigError, RemoteProtocolError
+from kvpool.errors import ConfigError, RemoteProtocolError, StoreError
 from kvpool.log import get_logger
 from kvpool.store.persist_records import (
     DurableState,
@@ -134,6 +134,7 @@ class Journal:
         log.info("state %s: %d segments and %d objects recovered", self.dir,
                  len(state.segments), len(state.objects))
         self.recovery = Recovery(state, core.clock.now() + config.recovery_grace_s)
+        self.term = term or state.term  # a single master keeps the term it found
         self._seq = state.next_log_seq
         self._fd = -1
         self._buf: list[bytes] = []
@@ -153,6 +154,10 @@ class Journal:
             f.write(b"".join(encode_record(r) for r in records))
             f.flush()
             os.fsync(f.fileno())
+        if self._newer_snapshot_term() > self.term:
+            tmp.unlink(missing_ok=True)
+            raise StoreError(f"{self.dir}: a master of a later term wrote the snapshot; this "
+                             f"one (term {self.term}) must stop writing")
         os.replace(tmp, self.dir / SNAPSHOT)
         if self._fd >= 0:
             os.close(self._fd)
@@ -162,6 +167,16 @@ class Journal:
         for path in old_logs:
             path.unlink(missing_ok=True)
         self._log_bytes = 0
+
+    def _newer_snapshot_term(self) -> int:
+        """The term in the current snapshot's header (0 when none)."""
+        try:
+            with open(self.dir / SNAPSHOT, "rb") as f:
+                head = f.read(256)
+        except FileNotFoundError:
+            return 0
+        records, _ = decode_frames(head)
+        return int(records[0][2]) if records and records[0][0] == "H" else 0
 
     # -- hooks called by the core (under the master's lock) ------------------------------
 
@@ -186,6 +201,9 @@ class Journal:
         self._append(["R", key])
 
     def on_tick(self, core: MasterCore) -> None:
+        if self.fence is not None and not self.fence():
+            self._buf.clear()
+            return
         for segment_id in self.recovery.expire(core.clock.now()):
             self._append(["D", segment_id])
         self.commit()

@@ -173,6 +173,8 @@ class RpcClient:
         try:
             return self._wait_on(sock, frame_id, timeout_s, deadline)
         except RpcTimeout:
+            if self._leader_moved():  # a paused deposed leader: never wait on it again
+                self._disconnect()
             raise
         except RpcError:
             self._disconnect()
@@ -207,6 +209,14 @@ class RpcClient:
             return self._decoder.feed(data)
         except RemoteProtocolError as exc:
             raise RpcError(f"malformed reply from {self.address}: {exc}") from None
+
+    def _leader_moved(self) -> bool:
+        """With an etcd:// address: whether etcd names another leader than the one we
+        are connected to."""
+        if self._resolve is None:
+            return False
+        leader = self._resolve()
+        return leader is not None and leader != (self._host, self._port)
 
     def _decode(self, frame: bytes) -> Reply:
         try:
