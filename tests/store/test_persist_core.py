@@ -162,3 +162,21 @@ def test_compaction_keeps_the_state(tmp_path: Path) -> None:
     assert len(list(tmp_path.glob("log.*"))) == 1
     state, _ = load_state(tmp_path)
     assert set(state.objects) == set(core.objects)
+
+
+def test_remove_during_recovery_is_final(tmp_path: Path) -> None:
+    clock = VirtualClock()
+    core = open_core(clock, tmp_path)
+    mount(core, 0, 11), mount(core, 1, 12)
+    put(core, "two", replicas=2)
+    put(core, "one")
+    core2 = open_core(clock, tmp_path)
+    assert core2.remove(["one"]) == [E.OK]
+    mount(core2, 0, 21)
+    assert core2.remove(["two"], force=True) == [E.OK]   # back with one replica: removed
+    mount(core2, 1, 22)                                  # its other replica stays gone
+    assert core2.objects == {}
+    core2.check_integrity()
+    assert core2.journal is not None
+    core2.journal.commit()
+    assert load_state(tmp_path)[0].objects == {}

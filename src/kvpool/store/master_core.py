@@ -362,7 +362,10 @@ class MasterCore:
         out = []
         for key in keys:
             obj = self.objects.get(key) if type(key) is str else None
-            if obj is None:
+            if obj is None and self.journal is not None and valid_key(key) \
+                    and self.journal.remove_recovering(key):
+                out.append(E.OK)  # its segment is not back yet: it never will be served
+            elif obj is None:
                 out.append(E.OBJECT_NOT_FOUND if valid_key(key) else E.INVALID_PARAMS)
             elif obj.lease_until > now and not force:
                 out.append(E.OBJECT_HAS_LEASE)

@@ -200,6 +200,14 @@ class Journal:
     def on_remove(self, key: str) -> None:
         self._append(["R", key])
 
+    def remove_recovering(self, key: str) -> bool:
+        """Remove an object whose segment has not come back yet; whether there was one
+        (the core then answers OK instead of OBJECT_NOT_FOUND)."""
+        if not self.recovery.forget(key):
+            return False
+        self._append(["R", key])
+        return True
+
     def on_tick(self, core: MasterCore) -> None:
         if self.fence is not None and not self.fence():
             self._buf.clear()
@@ -262,10 +270,10 @@ class Recovery:
     def __init__(self, state: DurableState, deadline: float) -> None:
         self.segments = dict(state.segments)
         self.deadline = deadline
-        self._by_segment: dict[str, list[ObjRec]] = {sid: [] for sid in self.segments}
+        self._by_segment: dict[str, dict[str, ObjRec]] = {sid: {} for sid in self.segments}
         for obj in state.objects.values():
             for segment_id, _ in obj.replicas:
-                self._by_segment[segment_id].append(obj)
+                self._by_segment[segment_id][obj.key] = obj
         self._attached: dict[str, StoredObject] = {}
         """Objects this recovery put back (later replicas join only those)."""
 
@@ -290,12 +298,13 @@ class Recovery:
         del self.segments[seg.segment_id]
         dropped = []
         attached = 0
-        for rec in self._by_segment.pop(seg.segment_id, []):
+        for rec in self._by_segment.pop(seg.segment_id, {}).values():
             offset = next(o for s, o in rec.replicas if s == seg.segment_id)
             obj = core.objects.get(rec.key)
-            if rec.key in core.pending and obj is None:
+            ours = self._attached.get(rec.key)
+            if rec.key in core.pending and obj is None and ours is None:
                 dropped.append(rec.key)
-            elif (obj is None or self._attached.get(rec.key) is obj) \
+            elif ((obj is None and ours is None) or (obj is not None and ours is obj)) \
                     and seg.allocator.reserve(offset, rec.size):
                 self._attach(core, seg, rec, offset, obj)
                 attached += 1
@@ -313,6 +322,14 @@ class Recovery:
         else:
             obj.replicas.append(replica)
         seg.keys.add(rec.key)
+
+    def forget(self, key: str) -> bool:
+        """Drop a recovered object not yet back (a remove during recovery); whether it
+        was one."""
+        found = False
+        for objects in self._by_segment.values():
+            found = objects.pop(key, None) is not None or found
+        return found
 
     def expire(self, now: float) -> list[str]:
         """Give up segments still missing at the deadline; their ids."""
