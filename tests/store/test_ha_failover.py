@@ -93,6 +93,9 @@ def test_leader_sigkill_standby_serves_every_acknowledged_object(tmp_path: Path)
         first_addr, term1 = wait_leader(etcd)
         b = start_master(stack, ep, tmp_path)
         leader, standby = (a, b) if first_addr.endswith(f":{a[1]}") else (b, a)
+        wait_port(standby[2])
+        metrics = httpx.get(f"http://127.0.0.1:{standby[2]}/metrics").text
+        assert 'kvpool_master_role{role="standby"} 1.0' in metrics
         for _ in range(2):
             stack.enter_context(running(spawn_kvpool(
                 "store-node", "--dram", "16MiB", "--master", address,

@@ -25,6 +25,7 @@ from kvpool.store.election import (
     parse_endpoints,
     role_metrics,
 )
+from kvpool.store.http_thread import HttpServerThread
 from kvpool.store.master import MasterServer, MasterServerConfig, tune_gc_for_master
 from kvpool.store.persist import PersistConfig
 
@@ -38,6 +39,22 @@ class _RoleCollector:
 
     def collect(self):  # type: ignore[no-untyped-def]
         return role_metrics(self.election)
+
+
+def _standby_admin(election: LeaderElection, cfg: MasterServerConfig) -> HttpServerThread:
+    """/health and /metrics (role and term) on the admin port while standing by."""
+    from fastapi import FastAPI, Response
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+    registry = CollectorRegistry()
+    registry.register(_RoleCollector(election))  # type: ignore[arg-type]
+    app = FastAPI()
+    app.get("/health")(lambda: {"status": "standby", "leader_key": election.key})
+    app.get("/metrics")(lambda: Response(generate_latest(registry),
+                                         media_type=CONTENT_TYPE_LATEST))
+    server = HttpServerThread(app, cfg.host, cfg.admin_port, cfg.http_limits)
+    server.start()
+    return server
 
 
 def run_ha_master(server_cfg: MasterServerConfig, config: MasterConfig,
@@ -54,10 +71,14 @@ def run_ha_master(server_cfg: MasterServerConfig, config: MasterConfig,
     election = LeaderElection(Etcd(parse_endpoints(endpoints)),
                               advertised(server_cfg.host, server_cfg.rpc_port), ttl_s,
                               cluster_id)
+    standby_admin = _standby_admin(election, server_cfg)
     print(f"kvpool master standby: {election.address} waiting for the leader key",
           flush=True)
     waited = time.monotonic()
-    term = election.campaign(stop)
+    try:
+        term = election.campaign(stop)
+    finally:
+        standby_admin.stop()  # the leader's own admin server takes the port
     if term is None:
         return 0
     lost = threading.Event()
