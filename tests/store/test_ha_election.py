@@ -70,3 +70,21 @@ def test_a_deposed_master_answers_nothing(tmp_path: Path) -> None:
     leading[0] = False
     reply = decode_reply(service.handle(encode_request(Op.PING, 2, "c")))
     assert reply.status != 0 and "not the leader" in reply.result
+
+
+def test_master_flags_mooncake_spellings(tmp_path: Path) -> None:
+    from kvpool.cli import ha_flags
+    from kvpool.cli.main import build_parser
+    from kvpool.errors import ConfigError
+
+    args = build_parser().parse_args(["master", "--enable_ha=true",
+                                      "--etcd_endpoints=h1:2379;h2:2379"])
+    assert args.enable_ha is True and ha_flags.wants_persistence(args)
+    assert parse_endpoints(args.etcd_endpoints) == [("h1", 2379), ("h2", 2379)]
+    with pytest.raises(ConfigError, match="--state-dir"):
+        ha_flags.persist_config(args)
+    args = build_parser().parse_args(["master", "--state-dir", str(tmp_path),
+                                      "--persist-fsync", "interval"])
+    assert not args.enable_ha
+    assert ha_flags.persist_config(args) == PersistConfig(str(tmp_path), "interval")
+    assert not ha_flags.wants_persistence(build_parser().parse_args(["master"]))
