@@ -88,3 +88,17 @@ def test_master_flags_mooncake_spellings(tmp_path: Path) -> None:
     assert not args.enable_ha
     assert ha_flags.persist_config(args) == PersistConfig(str(tmp_path), "interval")
     assert not ha_flags.wants_persistence(build_parser().parse_args(["master"]))
+
+
+def test_a_dead_etcd_endpoint_is_skipped(etcd: str) -> None:
+    from tests.support.net import free_port
+
+    client = Etcd(parse_endpoints(f"127.0.0.1:{free_port()};{etcd}"))
+    a = LeaderElection(client, "127.0.0.1:3333", ttl_s=2, cluster_id="t2")
+    assert a.try_acquire()
+    resolve = leader_resolver(f"etcd://127.0.0.1:{free_port()};{etcd}")
+    assert resolve is not None
+    assert resolve() is None   # cluster "kvpool" has no leader
+    resolve = leader_resolver(f"etcd://{etcd}/t2")
+    assert resolve is not None and resolve() == ("127.0.0.1", 3333)
+    a.resign()

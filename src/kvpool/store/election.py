@@ -198,15 +198,17 @@ class LeaderElection:
 
 
 def leader_resolver(address: str) -> Callable[[], tuple[str, int] | None] | None:
-    """For an 'etcd://...' master address, a function giving the leader's (host, port)
-    (None while there is none); None for a plain HOST:PORT."""
+    """For an 'etcd://h1:2379;h2:2379[/cluster_id]' master address, a function giving the
+    leader's (host, port) (None while there is none); None for a plain HOST:PORT."""
     if not address.startswith("etcd://"):
         return None
-    etcd = Etcd(parse_endpoints(address))
+    endpoints, _, cluster_id = address[len("etcd://"):].partition("/")
+    etcd = Etcd(parse_endpoints(endpoints))
+    cluster_id = cluster_id.strip("/") or "kvpool"
 
     def resolve() -> tuple[str, int] | None:
         try:
-            found = read_leader(etcd)
+            found = read_leader(etcd, cluster_id)
         except (KvpoolError, ValueError, KeyError) as exc:
             log.debug("no leader from %s: %s", address, exc)
             return None
