@@ -127,10 +127,11 @@ class Journal:
 
     def __init__(self, config: PersistConfig, core: MasterCore, term: int = 0) -> None:
         self.config = config
-        self.term = term
         self.dir = Path(config.state_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         state, replayed = load_state(self.dir)
+        for leftover in self.dir.glob(SNAPSHOT + ".tmp*"):  # of a crash, or a deposed leader
+            leftover.unlink(missing_ok=True)
         log.info("state %s: %d segments and %d objects recovered", self.dir,
                  len(state.segments), len(state.objects))
         self.recovery = Recovery(state, core.clock.now() + config.recovery_grace_s)
@@ -148,7 +149,7 @@ class Journal:
         """Write `records` as the snapshot, start log.<seq + 1>, delete `old_logs`."""
         self.commit()
         self._seq += 1
-        tmp = self.dir / (SNAPSHOT + ".tmp")
+        tmp = self.dir / f"{SNAPSHOT}.tmp.{self.term}"  # two terms never share a tmp file
         with open(tmp, "wb") as f:
             f.write(encode_record(["H", self._seq, self.term]))
             f.write(b"".join(encode_record(r) for r in records))
