@@ -107,6 +107,20 @@ class DurableState:
     objects: dict[str, ObjRec] = field(default_factory=dict)
     next_log_seq: int = 0
     term: int = 0
+    _keys_on: dict[str, set[str]] = field(default_factory=dict)
+    """Segment id -> keys with a replica there (so dropping a segment is not a scan)."""
+
+    def _put(self, obj: ObjRec) -> None:
+        self._pop(obj.key)
+        self.objects[obj.key] = obj
+        for segment_id, _ in obj.replicas:
+            self._keys_on.setdefault(segment_id, set()).add(obj.key)
+
+    def _pop(self, key: str) -> ObjRec | None:
+        obj = self.objects.pop(key, None)
+        for segment_id, _ in obj.replicas if obj is not None else ():
+            self._keys_on.get(segment_id, set()).discard(key)
+        return obj
 
     def apply(self, payload: list[Any]) -> None:
         """Apply one record; RemoteProtocolError for one this code never writes."""
@@ -114,10 +128,10 @@ class DurableState:
             kind = payload[0]
             if kind == "P":
                 key, size, reps, checksum, pinned = payload[1:6]
-                self.objects[key] = ObjRec(key, size, tuple((s, o) for s, o in reps),
-                                           checksum, bool(pinned))
+                self._put(ObjRec(key, size, tuple((s, o) for s, o in reps), checksum,
+                                 bool(pinned)))
             elif kind == "R":
-                self.objects.pop(payload[1], None)
+                self._pop(payload[1])
             elif kind == "S":
                 self._mount(SegRec(*payload[1:8]))
             elif kind == "D":
@@ -138,25 +152,19 @@ class DurableState:
     def drop_segment(self, segment_id: str) -> None:
         """Forget a segment and every replica on it; objects left without one go."""
         self.segments.pop(segment_id, None)
-        for key, obj in list(self.objects.items()):
-            if any(s == segment_id for s, _ in obj.replicas):
-                left = tuple(r for r in obj.replicas if r[0] != segment_id)
-                if left:
-                    self.objects[key] = ObjRec(key, obj.size, left, obj.checksum,
-                                               obj.hard_pinned)
-                else:
-                    del self.objects[key]
+        for key in self._keys_on.pop(segment_id, set()):
+            obj = self._pop(key)
+            assert obj is not None, f"{key!r} indexed on {segment_id} but not stored"
+            left = tuple(r for r in obj.replicas if r[0] != segment_id)
+            if left:
+                self._put(ObjRec(key, obj.size, left, obj.checksum, obj.hard_pinned))
 
     def drop_orphans(self) -> int:
         """Remove replicas on unknown segments (and objects left without any); how many
         objects went."""
         before = len(self.objects)
-        for key, obj in list(self.objects.items()):
-            left = tuple(r for r in obj.replicas if r[0] in self.segments)
-            if not left:
-                del self.objects[key]
-            elif len(left) != len(obj.replicas):
-                self.objects[key] = ObjRec(key, obj.size, left, obj.checksum, obj.hard_pinned)
+        for segment_id in [s for s in self._keys_on if s not in self.segments]:
+            self.drop_segment(segment_id)
         return before - len(self.objects)
 
     def records(self) -> list[list[Any]]:
