@@ -197,7 +197,7 @@ def test_random_histories_replay_to_the_same_tables(tmp_path: Path) -> None:
         fences = {i: 100 + i for i in range(3)}
         for i in range(3):
             mount(core, i, fences[i])
-        for step in range(300):
+        for _ in range(300):
             op = rng.random()
             key = f"k{rng.randrange(60)}"
             if op < 0.55:
