@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 
+from kvpool.cli import ha_flags
 from kvpool.cli.security import add_security_args, bind_refusal
 from kvpool.errors import ConfigError, KvpoolError
 from kvpool.log import get_logger
@@ -81,6 +82,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--eviction-policy", default=_DEF.eviction_policy, help="lru or fifo")
     add_security_args(p, "RPC clients must prove, and that metadata writes and admin "
                          "listings must carry")
+    ha_flags.add_ha_args(p)
     p.set_defaults(func=run)
 
 
@@ -99,6 +101,8 @@ def build_configs(args: argparse.Namespace) -> tuple[MasterServerConfig, MasterC
 
 
 def run(args: argparse.Namespace) -> int:
+    if ha_flags.wants_persistence(args):
+        return ha_flags.run_persistent(args, build_configs)
     refusal = bind_refusal("master", args.host, args.token, args.insecure)
     if refusal is not None:
         print(refusal, file=sys.stderr)

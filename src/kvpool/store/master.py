@@ -18,6 +18,7 @@ from kvpool.store.config import MasterConfig
 from kvpool.store.http_thread import HttpServerThread
 from kvpool.store.master_core import MasterCore
 from kvpool.store.metrics import MasterMetrics
+from kvpool.store.persist import Journal, PersistConfig, PersistentService
 from kvpool.store.rpc_limits import RpcLimits
 from kvpool.store.rpc_server import RpcServer
 from kvpool.store.service import MasterService
@@ -76,12 +77,20 @@ class MasterServer:
     """`start()` binds every port and returns; `.rpc_port` / `.admin_port` are then real."""
 
     def __init__(self, server: MasterServerConfig | None = None,
-                 config: MasterConfig | None = None, clock: Clock = SYSTEM_CLOCK) -> None:
+                 config: MasterConfig | None = None, clock: Clock = SYSTEM_CLOCK,
+                 persist: PersistConfig | None = None, term: int = 0) -> None:
+        """With `persist`, the state directory is replayed here (objects come back as
+        their nodes mount again) and every acknowledged change is logged there."""
         self.server_config = server or MasterServerConfig()
         self.core = MasterCore(config or MasterConfig(), clock)
         self.lock = threading.Lock()
         self.metrics = MasterMetrics(self.core, self.lock)
-        self.service = MasterService(self.core, self.metrics.observe)
+        self.journal: Journal | None = None
+        if persist is None:
+            self.service = MasterService(self.core, self.metrics.observe)
+        else:
+            self.journal = self.core.journal = Journal(persist, self.core, term)
+            self.service = PersistentService(self.core, self.journal, self.metrics.observe)
         self.metrics.watch_key_errors(self.service.key_errors)
         self._rpc: RpcServer | None = None
         self._admin: HttpServerThread | None = None
@@ -135,6 +144,9 @@ class MasterServer:
             self._admin.stop()
         if self._metadata is not None:
             self._metadata.stop()
+        if self.journal is not None:
+            with self.lock:
+                self.journal.close()
 
     def __enter__(self) -> MasterServer:
         return self.start()

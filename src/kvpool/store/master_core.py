@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvpool.clock import SYSTEM_CLOCK, Clock
 from kvpool.store import master_batch, master_evict
@@ -28,6 +29,9 @@ from kvpool.store.eviction import create_eviction_policy
 from kvpool.store.placement import create_placement, pick_segments
 from kvpool.store.state import ClientState, PendingPut, Replica, Segment, StoredObject
 from kvpool.store.validate import valid_key, valid_size
+
+if TYPE_CHECKING:
+    from kvpool.store.persist import Journal
 
 E = ErrorCode
 _new = tuple.__new__  # builds a NamedTuple without its Python-level __new__ (hot paths)
@@ -69,6 +73,8 @@ class MasterCore:
         self._segments_cache: list[Segment] | None = None
         self._no_evict_until = 0.0
         self._last_tick = clock.now()
+        self.journal: Journal | None = None
+        """Persistence (persist.py): told of every durable change, and of each tick."""
 
     # -- clients and segments -------------------------------------------------------------
 
@@ -113,6 +119,8 @@ class MasterCore:
         self._segments_cache = None
         client.segment_ids.add(segment_id)
         self._capacity += size
+        if self.journal is not None:
+            self.journal.on_mount(self, seg)
         return E.OK, segment_id
 
     def _hold_quarantined(self, seg: Segment) -> None:
@@ -140,6 +148,8 @@ class MasterCore:
         and puts that were writing there are revoked."""
         del self.segments[seg.segment_id]
         self._segments_cache = None
+        if self.journal is not None:
+            self.journal.on_drop(seg.segment_id)
         client = self.clients.get(seg.client_id)
         if client is not None:
             client.segment_ids.discard(seg.segment_id)
@@ -272,6 +282,8 @@ class MasterCore:
             r.segment.pending_keys.discard(key)
             r.segment.keys.add(key)
         self.policy.on_insert(key)
+        if self.journal is not None:
+            self.journal.on_put(self.objects[key])
         return E.OK
 
     def put_revoke(self, client_id: str, keys: Sequence[str]) -> list[ErrorCode]:
@@ -350,7 +362,10 @@ class MasterCore:
         out = []
         for key in keys:
             obj = self.objects.get(key) if type(key) is str else None
-            if obj is None:
+            if obj is None and self.journal is not None and valid_key(key) \
+                    and self.journal.remove_recovering(key):
+                out.append(E.OK)  # its segment is not back yet: it never will be served
+            elif obj is None:
                 out.append(E.OBJECT_NOT_FOUND if valid_key(key) else E.INVALID_PARAMS)
             elif obj.lease_until > now and not force:
                 out.append(E.OBJECT_HAS_LEASE)
@@ -383,6 +398,8 @@ class MasterCore:
         freed only when the lease ends."""
         del self.objects[obj.key]
         self.policy.on_remove(obj.key)
+        if self.journal is not None:
+            self.journal.on_remove(obj.key)
         leased = defer and obj.lease_until > self.clock.now()
         for r in obj.replicas:
             r.segment.keys.discard(obj.key)
@@ -431,6 +448,8 @@ class MasterCore:
         self.release_deferred()
         if self._capacity and self.used_bytes > self.config.high_watermark * self._capacity:
             self.evict(self._eviction_target())
+        if self.journal is not None:
+            self.journal.on_tick(self)
 
     @property
     def capacity_bytes(self) -> int:

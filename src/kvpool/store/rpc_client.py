@@ -38,6 +38,13 @@ def parse_address(address: str, default_port: int = 50051) -> tuple[str, int]:
     return host, int(port)
 
 
+def _leader_resolver(address: str) -> Callable[[], tuple[str, int] | None] | None:
+    if not address.startswith("etcd://"):
+        return None
+    from kvpool.store.election import leader_resolver  # HA only: imports etcd3gw
+    return leader_resolver(address)
+
+
 def _timeval(seconds: float) -> bytes:
     micros = max(1000, int(seconds * 1e6))
     return struct.pack("ll", micros // 1_000_000, micros % 1_000_000)
@@ -47,12 +54,14 @@ class RpcClient:
     def __init__(self, address: str, client_id: str, timeout_s: float = 5.0,
                  token: str | None = None,
                  on_late_reply: Callable[[Reply], None] | None = None) -> None:
-        self._host, self._port = parse_address(address)
+        self._resolve = _leader_resolver(address)
+        """With an 'etcd://...' address: looks the leader up before each connection attempt."""
+        self._host, self._port = parse_address(address) if self._resolve is None else ("", 0)
         self.on_late_reply = on_late_reply
         """Sees each reply to an earlier call that timed out (skipped otherwise): a late
         answer can still carry news, such as the master not knowing this client."""
         self._token = token
-        self.address = f"{self._host}:{self._port}"
+        self.address = f"{self._host}:{self._port}" if self._resolve is None else address
         self.client_id = client_id
         self.timeout_s = timeout_s
         self._sock: socket.socket | None = None
@@ -122,6 +131,10 @@ class RpcClient:
         while True:
             remaining = deadline - time.monotonic()
             try:
+                if self._resolve is not None:
+                    self._host, self._port = self._resolve() or ("", 0)
+                    if not self._port:
+                        raise OSError("no leader in etcd yet")
                 sock = socket.create_connection((self._host, self._port),
                                                 timeout=max(0.001, remaining))
                 break
@@ -160,6 +173,8 @@ class RpcClient:
         try:
             return self._wait_on(sock, frame_id, timeout_s, deadline)
         except RpcTimeout:
+            if self._leader_moved():  # a paused deposed leader: never wait on it again
+                self._disconnect()
             raise
         except RpcError:
             self._disconnect()
@@ -194,6 +209,14 @@ class RpcClient:
             return self._decoder.feed(data)
         except RemoteProtocolError as exc:
             raise RpcError(f"malformed reply from {self.address}: {exc}") from None
+
+    def _leader_moved(self) -> bool:
+        """With an etcd:// address: whether etcd names another leader than the one we
+        are connected to."""
+        if self._resolve is None:
+            return False
+        leader = self._resolve()
+        return leader is not None and leader != (self._host, self._port)
 
     def _decode(self, frame: bytes) -> Reply:
         try:

@@ -1,0 +1,98 @@
+"""`kvpool master` flags for persistence and high availability, and the run loop they need.
+
+    kvpool master --state-dir DIR [--persist-fsync always|interval|never]
+    kvpool master --enable_ha=true --etcd_endpoints='h1:2379;h2:2379' --state-dir SHARED_DIR
+
+Without these flags `kvpool master` runs as before (master_cmd.run); with any of them,
+`run_persistent` takes over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+from collections.abc import Callable
+
+from kvpool.cli.security import bind_refusal
+from kvpool.errors import ConfigError, KvpoolError
+from kvpool.log import get_logger
+from kvpool.store.config import MasterConfig
+from kvpool.store.master import MasterServer, MasterServerConfig, tune_gc_for_master
+from kvpool.store.persist import FSYNC_POLICIES, PersistConfig
+
+log = get_logger("cli.master")
+_P = PersistConfig("")
+
+
+def _bool(value: str) -> bool:
+    if value.lower() in ("1", "true", "yes", "on"):
+        return True
+    if value.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
+
+
+def add_ha_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("persistence and high availability")
+    g.add_argument("--state-dir", "--state_dir", dest="state_dir", default=None,
+                   help="keep a snapshot and log of every stored object here; a master "
+                        "restarted on it serves them again (shared by HA masters)")
+    g.add_argument("--persist-fsync", dest="persist_fsync", choices=FSYNC_POLICIES,
+                   default=_P.fsync, help="when logged records reach the disk "
+                   "(default: before each reply)")
+    g.add_argument("--persist-fsync-interval", dest="persist_fsync_interval", type=float,
+                   default=_P.fsync_interval_s, help="seconds, for --persist-fsync interval")
+    g.add_argument("--recovery-grace", dest="recovery_grace", type=float,
+                   default=_P.recovery_grace_s, help="seconds recovered segments wait for "
+                   "their nodes to mount again")
+    g.add_argument("--enable_ha", "--enable-ha", dest="enable_ha", type=_bool, nargs="?",
+                   const=True, default=False, help="elect one leader among masters via etcd")
+    g.add_argument("--etcd_endpoints", "--etcd-endpoints", dest="etcd_endpoints",
+                   default=None, help="etcd host:port list, ';' or ',' separated")
+    g.add_argument("--ha-lease-ttl", dest="ha_lease_ttl", type=int, default=5,
+                   help="leader lease in etcd, whole seconds (failover takes about this)")
+    g.add_argument("--cluster_id", "--cluster-id", dest="cluster_id", default="kvpool",
+                   help="names the leader key in etcd, so clusters can share one etcd")
+
+
+def wants_persistence(args: argparse.Namespace) -> bool:
+    return bool(args.state_dir or args.enable_ha)
+
+
+def persist_config(args: argparse.Namespace) -> PersistConfig:
+    if not args.state_dir:
+        raise ConfigError("--enable_ha needs --state-dir: a directory every master can read "
+                          "and the leader writes (the new leader replays it)")
+    return PersistConfig(args.state_dir, args.persist_fsync, args.persist_fsync_interval,
+                         recovery_grace_s=args.recovery_grace)
+
+
+def run_persistent(args: argparse.Namespace,
+                   build: Callable[[argparse.Namespace],
+                                   tuple[MasterServerConfig, MasterConfig]]) -> int:
+    refusal = bind_refusal("master", args.host, args.token, args.insecure)
+    if refusal is not None:
+        print(refusal, file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    try:
+        server_cfg, config = build(args)
+        persist = persist_config(args)
+        if args.enable_ha:
+            from kvpool.store.ha_master import run_ha_master
+            return run_ha_master(server_cfg, config, persist, args.etcd_endpoints,
+                                 args.ha_lease_ttl, args.cluster_id, stop)
+        master = MasterServer(server_cfg, config, persist=persist).start()
+        tune_gc_for_master()
+    except (ConfigError, KvpoolError, OSError) as exc:
+        log.error("%s", exc)
+        return 2
+    print(f"kvpool master ready: rpc {master.address} admin {master.admin_port} "
+          f"state {persist.state_dir}", flush=True)
+    stop.wait()
+    master.stop()
+    return 0
