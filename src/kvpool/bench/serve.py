@@ -60,6 +60,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tbt-slo", type=float, default=0.2, help="--matrix: proxies' TBT SLO, s")
     p.add_argument("--decode-horizon", type=float, default=1.0,
                    help="--matrix: proxies' assumed decode time t_d, s")
+    p.add_argument("--calibrate", type=int, default=8,
+                   help="requests sent one at a time before the replay, so the simulator's "
+                        "cost model is fitted to clean prefill times (default 8; 0 = none)")
     p.add_argument("--json", action="store_true", help="one JSON object per run")
     p.set_defaults(func=_main)
 
@@ -137,6 +140,34 @@ async def replay(url: str, model: str, reqs: list[BenchRequest]) -> tuple[list[B
 
         results = await asyncio.gather(*(at(r) for r in reqs))
         return list(results), time.perf_counter() - start
+
+
+def calibration_requests(reqs: list[BenchRequest], num: int,
+                         vocab: range) -> list[BenchRequest]:
+    """`num` prompts spread evenly over the slice's prompt lengths, of tokens no trace prompt
+    shares (so they leave nothing the replay could reuse), 2 output tokens each."""
+    lens = sorted(len(r.prompt_ids) for r in reqs)
+    if num <= 0 or not lens:
+        return []
+    step = (lens[-1] - lens[0]) / max(1, num - 1)
+    return [BenchRequest(0.0, block_ids(-(10**9) - i, round(lens[0] + i * step), vocab), 2)
+            for i in range(num)]
+
+
+async def calibrate(url: str, model: str,
+                    reqs: list[BenchRequest]) -> list[tuple[int, int, float]]:
+    """Send `reqs` one at a time, so each prefill has its worker to itself (a clean sample at
+    the proxy). Returns (prompt tokens, cached tokens, TTFT) of the answered ones: the prefill
+    time as the client sees it, proxy and HTTP included."""
+    import httpx
+
+    out = []
+    async with httpx.AsyncClient(timeout=600) as client:
+        for req in reqs:
+            res = await _one(client, url, model, req)
+            if res.status == 200 and res.ttft_s > 0:
+                out.append((res.prompt_tokens, res.cached_tokens, res.ttft_s))
+    return out
 
 
 def pct(values: list[float], q: int) -> float:
@@ -225,7 +256,7 @@ MATRIX = (  # (label, prefill workers, decode workers, colocated workers, policy
 
 
 def _run_matrix(args: argparse.Namespace) -> int:
-    from kvpool.bench.serve_sim import LiveStats, compare, fetch_stats, prefill_samples
+    from kvpool.bench.serve_sim import prefill_samples
     from kvpool.serve.launch import (
         ServingSpec,
         default_model_dir,
@@ -246,28 +277,33 @@ def _run_matrix(args: argparse.Namespace) -> int:
         with serving_cluster(spec) as cluster:
             name, max_len = _model_facts(cluster.proxy_url)
             reqs = reqs or _requests(args, _vocab(model), max_len)
-            before = fetch_stats(cluster.proxy_url)
-            results, wall = asyncio.run(replay(cluster.proxy_url, name, reqs))
-            stats = LiveStats.from_json(fetch_stats(cluster.proxy_url), before)
-        row = summarise(results, wall)
-        sim = compare(row, reqs, stats, borrowed, "the runs above")
-        if len(prefill_samples(stats)) >= 3:
-            borrowed += prefill_samples(stats)
+            row, sim = _measure(args, cluster.proxy_url, name, reqs, _vocab(model), borrowed)
+        if len(prefill_samples(sim.stats)) >= 3:
+            borrowed += prefill_samples(sim.stats)
         _print(label, row, args.json, sim)
     return 0
 
 
-def _run_url(args: argparse.Namespace) -> int:
+def _measure(args: argparse.Namespace, url: str, name: str, reqs: list[BenchRequest],
+             vocab: range, borrowed: list[tuple[int, int, float]]) -> tuple[dict[str, Any], Any]:
+    """Calibrate, replay, and simulate the replay: the measured row and the comparison."""
     from kvpool.bench.serve_sim import LiveStats, compare, fetch_stats
 
-    url = args.url.rstrip("/")
-    name, max_len = _model_facts(url)
-    reqs = _requests(args, _vocab(Path(args.model) if args.model else None), max_len)
     before = fetch_stats(url)
+    cal = asyncio.run(calibrate(url, name, calibration_requests(reqs, args.calibrate, vocab)))
     results, wall = asyncio.run(replay(url, name, reqs))
     stats = LiveStats.from_json(fetch_stats(url), before)
     row = summarise(results, wall)
-    _print(url, row, args.json, compare(row, reqs, stats))
+    return row, compare(row, reqs, stats, cal, borrowed, "the runs above")
+
+
+def _run_url(args: argparse.Namespace) -> int:
+    url = args.url.rstrip("/")
+    name, max_len = _model_facts(url)
+    vocab = _vocab(Path(args.model) if args.model else None)
+    reqs = _requests(args, vocab, max_len)
+    row, sim = _measure(args, url, name, reqs, vocab, [])
+    _print(url, row, args.json, sim)
     return 0
 
 

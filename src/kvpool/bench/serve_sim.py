@@ -132,25 +132,30 @@ def trimmed_fit(samples: Sequence[tuple[int, int, float]],
     return (fit_prefill(kept, base) if drop and len(kept) >= 3 else cost), kept
 
 
-def fit_cost(stats: LiveStats, borrowed: Sequence[tuple[int, int, float]] = (),
+def fit_cost(stats: LiveStats, client: Sequence[tuple[int, int, float]] = (),
+             borrowed: Sequence[tuple[int, int, float]] = (),
              borrowed_from: str = "") -> FittedCost:
-    """The cost model of the simulated cluster: prefill terms from this run's samples, else
-    from `borrowed` ones (another run of the same model), else the papers'; decode terms from
+    """The cost model of the simulated cluster. Prefill terms from the first source with 3 or
+    more samples: the prefill times the workers reported in this run; the TTFTs of this run's
+    calibration requests as the client saw them (colocated workers report no prefill time);
+    `borrowed` samples of another run of the same model; else the papers'. Decode terms from
     this run's gaps, else the papers'."""
-    cost, samples = CostModel(), prefill_samples(stats)
     clean = sum(a for *_, a in stats.prefill) >= 3
-    prefill_from = f"this run ({len(samples)} {'alone' if clean else 'queued'} prefills)"
-    if len(samples) < 3 and len(borrowed) >= 3:
-        samples, prefill_from = list(borrowed), f"{borrowed_from} ({len(borrowed)} prefills)"
-    worst: float | None = None
+    sources = ((prefill_samples(stats),
+                f"this run's workers ({{}} {'alone' if clean else 'queued'} prefills)"),
+               (list(client), "this run's calibration TTFTs ({} requests sent alone)"),
+               (list(borrowed), f"{borrowed_from} ({{}} prefills)"))
+    cost, worst = CostModel(), None
     kept: list[tuple[int, int, float]] = []
-    if len(samples) >= 3:
-        cost, kept = trimmed_fit(samples, cost)
-        worst = worst_error(cost, kept)
-        if len(kept) < len(samples):
-            prefill_from += f", {len(samples) - len(kept)} outliers left out"
-    else:
-        prefill_from = "papers' 70B (no prefill measured)"
+    prefill_from = "papers' 70B (no prefill measured)"
+    for samples, name in sources:
+        if len(samples) >= 3:
+            cost, kept = trimmed_fit(samples, cost)
+            worst = worst_error(cost, kept)
+            prefill_from = name.format(len(samples))
+            if len(kept) < len(samples):
+                prefill_from += f", {len(samples) - len(kept)} outliers left out"
+            break
     decode_from = "papers' 70B (fewer than 3 gaps)"
     if len(stats.decode) >= 3:
         cost = fit_decode(stats.decode, cost)
@@ -244,10 +249,12 @@ def fetch_stats(url: str) -> dict[str, Any]:
 
 
 def compare(measured: dict[str, Any], reqs: Sequence[BenchRequest], stats: LiveStats,
+            client: Sequence[tuple[int, int, float]] = (),
             borrowed: Sequence[tuple[int, int, float]] = (),
             borrowed_from: str = "") -> Comparison:
-    """Fit, simulate the replayed requests, and set the result beside the measured row."""
-    fitted = fit_cost(stats, borrowed, borrowed_from)
+    """Fit (see `fit_cost`), simulate the replayed requests, and set the result beside the
+    measured row."""
+    fitted = fit_cost(stats, client, borrowed, borrowed_from)
     result = simulate(stats, fitted.cost, sim_requests(reqs, stats.block_size, stats.model_hash))
     row = sim_row(result)
     return Comparison(stats, fitted, row, relative_errors(measured, row))
