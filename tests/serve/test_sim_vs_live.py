@@ -23,6 +23,7 @@ from kvpool.bench.serve_sim import (
     LiveStats,
     compare,
     fetch_stats,
+    fit_cost,
     fit_decode,
     format_comparison,
     prefill_samples,
@@ -63,6 +64,36 @@ def test_decode_fit_recovers_known_coefficients_and_drops_negative_terms() -> No
     dropped = fit_decode(falling)
     assert dropped.decode_per_seq_s == 0.0 and dropped.decode_base_s >= 0
     assert min(dropped.decode_step_s(b, t) for b, t, _ in falling) >= 0
+
+
+def _stats_json(prefill: list[list[object]], colocated: int = 0) -> dict[str, object]:
+    return {"num_prefill_samples": len(prefill) + 5, "num_decode_samples": 3,
+            "prefill": prefill, "decode": [[1, 40, 0.01], [2, 80, 0.012], [3, 90, 0.014]],
+            "num_prefill_workers": 0 if colocated else 2,
+            "num_decode_workers": 0 if colocated else 1, "num_colocated_workers": colocated,
+            "block_size": 16, "model_hash": 7, "kv_capacity_tokens": 4096,
+            "prefill_policy": "kvcache_centric", "admission": "none", "ttft_slo_s": 2.0,
+            "tbt_slo_s": 0.2, "decode_horizon_s": 1.0}
+
+
+def test_stats_cut_and_where_the_prefill_fit_comes_from() -> None:
+    rows = [[40, 0, 0.02, True], [80, 0, 0.03, True], [120, 16, 0.035, True],
+            [160, 0, 0.05, False]]
+    before = _stats_json([]) | {"num_prefill_samples": 6}  # 6 taken before: 3 of ours are new
+    stats = LiveStats.from_json(_stats_json(rows), before)
+    assert stats.prefill == [(80, 0, 0.03, True), (120, 16, 0.035, True), (160, 0, 0.05, False)]
+    assert prefill_samples(stats) == [(80, 0, 0.03), (120, 16, 0.035), (160, 0, 0.05)]
+    client = [(40, 0, 0.05), (100, 0, 0.07), (200, 0, 0.11)]
+    assert fit_cost(stats, client).prefill_from.startswith("this run's workers (3 queued")
+    colocated = LiveStats.from_json(_stats_json([], colocated=3))
+    by_client = fit_cost(colocated, client, [(1, 0, 1.0)] * 3, "elsewhere")
+    assert by_client.prefill_from.startswith("this run's calibration TTFTs (3 ")
+    assert by_client.cost.prefill_s(100) == pytest.approx(0.07, rel=0.05)
+    assert fit_cost(colocated, [], client, "elsewhere").prefill_from == "elsewhere (3 prefills)"
+    papers = fit_cost(colocated)
+    assert papers.prefill_from.startswith("papers'") and papers.prefill_worst_error is None
+    assert papers.cost.prefill_base_s == CostModel().prefill_base_s
+    assert papers.decode_from == "this run (3 gaps)"
 
 
 def _requests() -> list[BenchRequest]:

@@ -26,6 +26,7 @@ import numpy as np
 from kvpool.bench.serve import BenchRequest, pct
 from kvpool.conductor.cost import CostModel, fit_prefill
 from kvpool.engine.blocks import prefix_block_hashes
+from kvpool.errors import InvalidArgument
 from kvpool.sim.metrics import SimResult
 from kvpool.sim.trace import TraceRequest
 
@@ -77,7 +78,8 @@ class LiveStats:
 class FittedCost:
     cost: CostModel
     prefill_from: str
-    """Where the prefill terms come from: "this run (N samples)", another run's, or defaults."""
+    """Where the prefill terms come from: this run's workers, its calibration TTFTs, another
+    run's samples, or the papers' defaults (see `fit_cost`)."""
     decode_from: str
     prefill_worst_error: float | None
     """Worst relative error of the fitted prefill model on the samples it was fitted to."""
@@ -89,10 +91,11 @@ def fit_decode(samples: Iterable[tuple[int, int, float]],
                base: CostModel | None = None) -> CostModel:
     """Least squares of `decode_step_s = base + per_seq*batch + per_token*context` on measured
     (batch, context_tokens, seconds) gaps, every coefficient >= 0 (a term whose unconstrained
-    fit goes negative is dropped and the rest refitted). Needs >= 3 samples (else ValueError)."""
+    fit goes negative is dropped and the rest refitted). Raises InvalidArgument for fewer than
+    3 samples."""
     arr = np.array([(b, t, s) for b, t, s in samples], dtype=np.float64)
     if len(arr) < 3:
-        raise ValueError(f"fit_decode needs at least 3 samples, got {len(arr)}")
+        raise InvalidArgument(f"fit_decode needs at least 3 samples, got {len(arr)}")
     design = np.stack([np.ones(len(arr)), arr[:, 0], arr[:, 1]], axis=1)
     active = [0, 1, 2]
     coef = np.zeros(3)
@@ -129,7 +132,9 @@ def trimmed_fit(samples: Sequence[tuple[int, int, float]],
     order = sorted(range(len(samples)), key=lambda i: -resid[i])
     drop = {i for i in order[:len(samples) // 4] if resid[i] > limit}
     kept = [x for i, x in enumerate(samples) if i not in drop]
-    return (fit_prefill(kept, base) if drop and len(kept) >= 3 else cost), kept
+    if not drop or len(kept) < 3:
+        return cost, list(samples)
+    return fit_prefill(kept, base), kept
 
 
 def fit_cost(stats: LiveStats, client: Sequence[tuple[int, int, float]] = (),
