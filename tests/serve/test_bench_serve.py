@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from kvpool.bench.serve import BenchResult, block_ids, summarise, synthesise
+from kvpool.bench.serve import (
+    BenchResult,
+    block_ids,
+    calibration_requests,
+    summarise,
+    synthesise,
+)
 from kvpool.sim.trace import TraceRequest
 
 VOCAB = range(16, 512)
@@ -30,3 +36,15 @@ def test_summary_percentiles_rates_and_reasons() -> None:
     assert row["rejected_by"] == {"kv_capacity": 1, "ttft": 1}
     assert row["ttft_p50_ms"] == 250.0 and row["tbt_p99_ms"] == 10.0
     assert row["output_tok_per_s"] == 8.0 and row["prefix_hit_rate"] == 0.5
+
+
+def test_calibration_prompts_span_the_slice_and_share_nothing_with_it() -> None:
+    trace = [TraceRequest(0, 0.0, 2048, 512, (1, 2, 3, 4)),
+             TraceRequest(1, 1.0, 1600, 100, (1, 2, 9, 10))]
+    reqs = synthesise(trace, 16, VOCAB, max_model_len=256, max_output=8)
+    cal = calibration_requests(reqs, 4, VOCAB)
+    assert [len(r.prompt_ids) for r in cal] == [50, 55, 59, 64]  # 50 .. 64 evenly
+    assert all(r.max_tokens == 2 and r.arrival_s == 0.0 for r in cal)
+    firsts = {tuple(r.prompt_ids[:16]) for r in reqs + cal}
+    assert len(firsts) == 1 + 4  # the two trace prompts share their first block, nothing else
+    assert calibration_requests(reqs, 0, VOCAB) == []

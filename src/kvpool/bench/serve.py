@@ -60,6 +60,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tbt-slo", type=float, default=0.2, help="--matrix: proxies' TBT SLO, s")
     p.add_argument("--decode-horizon", type=float, default=1.0,
                    help="--matrix: proxies' assumed decode time t_d, s")
+    p.add_argument("--calibrate", type=int, default=8,
+                   help="requests sent one at a time before the replay, so the simulator's "
+                        "cost model is fitted to clean prefill times (default 8; 0 = none)")
     p.add_argument("--json", action="store_true", help="one JSON object per run")
     p.set_defaults(func=_main)
 
@@ -139,7 +142,35 @@ async def replay(url: str, model: str, reqs: list[BenchRequest]) -> tuple[list[B
         return list(results), time.perf_counter() - start
 
 
-def _pct(values: list[float], q: int) -> float:
+def calibration_requests(reqs: list[BenchRequest], num: int,
+                         vocab: range) -> list[BenchRequest]:
+    """`num` prompts spread evenly over the slice's prompt lengths, of tokens no trace prompt
+    shares (so they leave nothing the replay could reuse), 2 output tokens each."""
+    lens = sorted(len(r.prompt_ids) for r in reqs)
+    if num <= 0 or not lens:
+        return []
+    step = (lens[-1] - lens[0]) / max(1, num - 1)
+    return [BenchRequest(0.0, block_ids(-(10**9) - i, round(lens[0] + i * step), vocab), 2)
+            for i in range(num)]
+
+
+async def calibrate(url: str, model: str,
+                    reqs: list[BenchRequest]) -> list[tuple[int, int, float]]:
+    """Send `reqs` one at a time, so each prefill has its worker to itself (a clean sample at
+    the proxy). Returns (prompt tokens, cached tokens, TTFT) of the answered ones: the prefill
+    time as the client sees it, proxy and HTTP included."""
+    import httpx
+
+    out = []
+    async with httpx.AsyncClient(timeout=600) as client:
+        for req in reqs:
+            res = await _one(client, url, model, req)
+            if res.status == 200 and res.ttft_s > 0:
+                out.append((res.prompt_tokens, res.cached_tokens, res.ttft_s))
+    return out
+
+
+def pct(values: list[float], q: int) -> float:
     if not values:
         return 0.0
     if len(values) == 1:
@@ -148,6 +179,10 @@ def _pct(values: list[float], q: int) -> float:
 
 
 def summarise(results: list[BenchResult], wall_s: float) -> dict[str, Any]:
+    """The measured row. `tbt_*` are over every gap; `tbt_req_*` over requests, each the mean
+    of its longest 10% of gaps (the simulator's TBT, [F] 5.1)."""
+    from kvpool.sim.record import top_share_mean
+
     ok = [r for r in results if r.status == 200]
     ttft = [r.ttft_s for r in ok if r.ttft_s]
     tbt = [g for r in ok for g in r.gaps_s]
@@ -158,9 +193,10 @@ def summarise(results: list[BenchResult], wall_s: float) -> dict[str, Any]:
                                            for reason in sorted({r.reason for r in results
                                                                  if r.status == 429})},
                            "failed": sum(r.status not in (200, 429) for r in results)}
-    for name, values in (("ttft", ttft), ("tbt", tbt)):
+    tbt_req = [top_share_mean((g, 1) for g in r.gaps_s) for r in ok if r.gaps_s]
+    for name, values in (("ttft", ttft), ("tbt", tbt), ("tbt_req", tbt_req)):
         for q in (50, 90, 99):
-            row[f"{name}_p{q}_ms"] = round(_pct(values, q) * 1e3, 1)
+            row[f"{name}_p{q}_ms"] = round(pct(values, q) * 1e3, 1)
     row["output_tok_per_s"] = round(sum(r.output_tokens for r in ok) / wall_s, 1)
     row["req_per_s"] = round(len(ok) / wall_s, 2)
     row["prefix_hit_rate"] = round(sum(r.cached_tokens for r in ok) / prompt, 3) if prompt else 0.0
@@ -189,9 +225,10 @@ def _vocab(model_dir: Path | None) -> range:
     return range(min(16, size // 2), size)
 
 
-def _print(label: str, row: dict[str, Any], as_json: bool) -> None:
+def _print(label: str, row: dict[str, Any], as_json: bool, sim: Any = None) -> None:
+    """One measured row; with `sim` (a serve_sim.Comparison) the simulated row under it."""
     if as_json:
-        print(json.dumps({"config": label, **row}), flush=True)
+        print(json.dumps({"config": label, **row, **(sim.to_json() if sim else {})}), flush=True)
         return
     why = ",".join(f"{k}:{v}" for k, v in row["rejected_by"].items()) or "-"
     print(f"{label:<44} ok {row['ok']:>3}/{row['requests']:<3} rej {row['rejected']:>3} "
@@ -200,6 +237,10 @@ def _print(label: str, row: dict[str, Any], as_json: bool) -> None:
           f"{row['ttft_p90_ms']:>7}/{row['ttft_p99_ms']:>7} ms  TBT p50/p90/p99 "
           f"{row['tbt_p50_ms']:>5}/{row['tbt_p90_ms']:>5}/{row['tbt_p99_ms']:>6} ms  "
           f"{row['output_tok_per_s']:>6} tok/s  hit {row['prefix_hit_rate']:.2f}", flush=True)
+    if sim is not None:
+        from kvpool.bench.serve_sim import format_comparison
+
+        print("\n".join(format_comparison(row, sim)), flush=True)
 
 
 MATRIX = (  # (label, prefill workers, decode workers, colocated workers, policy, admission)
@@ -215,6 +256,7 @@ MATRIX = (  # (label, prefill workers, decode workers, colocated workers, policy
 
 
 def _run_matrix(args: argparse.Namespace) -> int:
+    from kvpool.bench.serve_sim import prefill_samples
     from kvpool.serve.launch import (
         ServingSpec,
         default_model_dir,
@@ -225,6 +267,7 @@ def _run_matrix(args: argparse.Namespace) -> int:
 
     model = Path(args.model) if args.model else ensure_tiny_model(default_model_dir())
     reqs: list[BenchRequest] | None = None
+    borrowed: list[tuple[int, int, float]] = []
     for label, num_p, num_d, num_c, policy, admission in MATRIX:
         spec = ServingSpec(model, port=free_port(), num_prefill=num_p, num_decode=num_d,
                            num_colocated=num_c, proxy_args=(
@@ -234,23 +277,45 @@ def _run_matrix(args: argparse.Namespace) -> int:
         with serving_cluster(spec) as cluster:
             name, max_len = _model_facts(cluster.proxy_url)
             reqs = reqs or _requests(args, _vocab(model), max_len)
-            results, wall = asyncio.run(replay(cluster.proxy_url, name, reqs))
-        _print(label, summarise(results, wall), args.json)
+            row, sim = _measure(args, cluster.proxy_url, name, reqs, _vocab(model), borrowed)
+        if len(prefill_samples(sim.stats)) >= 3:
+            borrowed += prefill_samples(sim.stats)
+        _print(label, row, args.json, sim)
+    return 0
+
+
+def _measure(args: argparse.Namespace, url: str, name: str, reqs: list[BenchRequest],
+             vocab: range, borrowed: list[tuple[int, int, float]]) -> tuple[dict[str, Any], Any]:
+    """Calibrate, replay, and simulate the replay: the measured row and the comparison."""
+    from kvpool.bench.serve_sim import LiveStats, compare, fetch_stats
+
+    before = fetch_stats(url)
+    cal = asyncio.run(calibrate(url, name, calibration_requests(reqs, args.calibrate, vocab)))
+    results, wall = asyncio.run(replay(url, name, reqs))
+    stats = LiveStats.from_json(fetch_stats(url), before)
+    row = summarise(results, wall)
+    return row, compare(row, reqs, stats, cal, borrowed, "the runs above")
+
+
+def _run_url(args: argparse.Namespace) -> int:
+    url = args.url.rstrip("/")
+    name, max_len = _model_facts(url)
+    vocab = _vocab(Path(args.model) if args.model else None)
+    reqs = _requests(args, vocab, max_len)
+    row, sim = _measure(args, url, name, reqs, vocab, [])
+    _print(url, row, args.json, sim)
     return 0
 
 
 def _main(args: argparse.Namespace) -> int:
+    import httpx
+
     from kvpool.errors import KvpoolError
 
     try:
         if args.url is None or args.matrix:
             return _run_matrix(args)
-        url = args.url.rstrip("/")
-        name, max_len = _model_facts(url)
-        reqs = _requests(args, _vocab(Path(args.model) if args.model else None), max_len)
-        results, wall = asyncio.run(replay(url, name, reqs))
-        _print(url, summarise(results, wall), args.json)
-        return 0
-    except (KvpoolError, OSError, TimeoutError) as exc:
+        return _run_url(args)
+    except (KvpoolError, OSError, TimeoutError, httpx.HTTPError) as exc:
         print(f"kvpool bench serve: {exc}", file=sys.stderr)
         return 2

@@ -2,6 +2,7 @@
 
     POST /v1/completions, /v1/chat/completions   (stream or not)
     GET  /v1/models, /health, /metrics
+    GET  /stats/samples   measured prefill and decode times, the cluster's shape and settings
     POST /workers/register {"url": "http://H:P"}
 
 A request is parsed and checked (4xx), scheduled (429/503), then run; a failure before the
@@ -129,6 +130,24 @@ class Proxy:
                                          for w in self.cluster.workers.values()}},
                             status_code=200 if ok else 503)
 
+    def samples(self) -> dict[str, Any]:
+        """What `kvpool bench serve` needs to simulate this proxy's cluster: the measured
+        samples, the workers in rotation by role, the conductor's settings and cost model."""
+        cfg, ref = self.config, self.cluster.reference
+        roles = [w.role for w in self.cluster.workers.values() if w.alive]
+        caps = [d.kv_capacity_tokens for d in self.cluster.view.decode]
+        return {**self.dispatcher.measured.to_json(),
+                "num_prefill_workers": roles.count("prefill"),
+                "num_decode_workers": roles.count("decode"),
+                "num_colocated_workers": roles.count("both"),
+                "block_size": ref.block_size if ref else None,
+                "model_hash": ref.model_hash if ref else None,
+                "kv_capacity_tokens": min(caps) if caps else None,
+                "prefill_policy": cfg.prefill_policy, "admission": cfg.admission,
+                "ttft_slo_s": cfg.ttft_slo_s, "tbt_slo_s": cfg.tbt_slo_s,
+                "decode_horizon_s": cfg.decode_horizon_s,
+                "cost": self.dispatcher.cost.to_dict()}
+
 
 async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
     raw = await request.body()
@@ -178,6 +197,10 @@ def create_app(config: ProxyConfig, clock: Clock | None = None) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(proxy.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/stats/samples")
+    async def samples() -> dict[str, Any]:
+        return proxy.samples()
 
     @app.post("/workers/register")
     async def register_worker(request: Request) -> JSONResponse:

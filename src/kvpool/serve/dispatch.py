@@ -34,6 +34,7 @@ from kvpool.serve.cluster import Booking, LiveCluster, WorkerState
 from kvpool.serve.config import ProxyConfig
 from kvpool.serve.errors import no_workers, rejected
 from kvpool.serve.metrics import ProxyMetrics
+from kvpool.serve.samples import MeasuredSamples
 from kvpool.serve.worker_client import WorkerCallError, WorkerClient
 
 T = TypeVar("T")
@@ -60,6 +61,7 @@ class Dispatcher:
         self._background: set[asyncio.Task[None]] = set()
         self._samples: deque[tuple[int, int, float]] = deque(maxlen=256)
         self._new_samples = 0
+        self.measured = MeasuredSamples()
 
     def _conductor_for(self, block_size: int) -> Conductor:
         if self.conductor.config.block_size != block_size:
@@ -100,7 +102,9 @@ class Dispatcher:
     def learn(self, booking: Booking, prefix_len: int, prefill_s: float) -> None:
         """With fit_cost: one measured prefill; every REFIT_EVERY samples the conductor's
         prefill coefficients are refitted (samples with other work queued are skipped: their
-        time includes that work)."""
+        time includes that work). Every measured prefill is kept in `measured`."""
+        if prefill_s > 0:
+            self.measured.add_prefill(booking.req.input_len, prefix_len, prefill_s, booking.alone)
         if not self.config.fit_cost or not booking.alone or prefill_s <= 0:
             return
         self._samples.append((booking.req.input_len, prefix_len, prefill_s))
@@ -201,6 +205,7 @@ class Run:
         worker = self.b.decode
         lines = self.d.client.generate(worker.url, body)
         skip_echo = first is not None
+        last_s: float | None = None
         try:
             while True:
                 try:
@@ -222,9 +227,18 @@ class Run:
                     continue
                 if kv_source == "none" and self.b.prefill_pending:
                     self._colocated_first_token()
+                last_s = self._decode_gap(last_s)
                 yield tok
         finally:
             await lines.aclose()
+
+    def _decode_gap(self, last_s: float | None) -> float:
+        """Record the gap since the previous decode-leg token with the decode worker's batch."""
+        now = self.d.clock.now()
+        if last_s is not None:
+            d = self.b.decode_load
+            self.d.measured.add_decode(d.num_active, d.active_tokens, now - last_s)
+        return now
 
     def _colocated_reuse(self, finish: dict[str, Any]) -> None:
         reused = int(finish.get("num_cached_tokens") or 0) + int(finish.get("num_pool_tokens") or 0)
