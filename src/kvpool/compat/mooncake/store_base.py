@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from kvpool.compat.mooncake.config import MooncakeConfig, from_env, from_setup_args
+from kvpool.compat.mooncake.lifecycle import attach_teardown
 from kvpool.compat.mooncake.types import ReplicateConfig
 from kvpool.errors import ConfigError, KvpoolError
 from kvpool.log import get_logger
@@ -60,6 +62,7 @@ class StoreBase:
 
     def __init__(self) -> None:
         self._client: StoreClient | None = None
+        self._teardown: weakref.finalize | None = None
         self.config: MooncakeConfig | None = None
 
     def setup(self, *args: Any, **kwargs: Any) -> int:
@@ -73,17 +76,25 @@ class StoreBase:
             config, engine = from_env_or_args(args, kwargs)
             if engine is not None:
                 log.info("a shared engine was passed; kvpool's store runs its own engine")
-            self._client = StoreClient(config.client_config())
+            client = StoreClient(config.client_config())
         except (ConfigError, KvpoolError, OSError, ValueError) as exc:
             log.error("setup failed: %s", exc)
             return SETUP_FAILED
-        self.config = config
+        self._adopt(client, config)
         return 0
 
+    def _adopt(self, client: StoreClient, config: MooncakeConfig) -> None:
+        """Hold `client`, and tear it down (unmount, unpublish) when this store is closed,
+        collected, or still alive at interpreter exit (see lifecycle.py)."""
+        self._client, self.config = client, config
+        self._teardown = attach_teardown(self, client.close, f"store {client.endpoint}")
+
     def close(self) -> int:
-        client, self._client = self._client, None
-        if client is not None:
-            client.close()
+        """Unmount this process's segment and stop its threads; 0. Idempotent, and bounded
+        in time (lifecycle.CLOSE_BOUND_S); the store can be set up again afterwards."""
+        teardown, self._teardown, self._client = self._teardown, None, None
+        if teardown is not None:
+            teardown()
         return 0
 
     def health_check(self) -> int:
