@@ -14,13 +14,10 @@ Arguments Mooncake takes only positionally are positional-only here as well.
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Sequence
-from typing import Any
 
-from kvpool.compat.mooncake import tensor_codec
-from kvpool.compat.mooncake.store_base import INVALID, code, log, needs_setup, per_key
-from kvpool.compat.mooncake.store_data import StoreData
+from kvpool.compat.mooncake.store_base import code, needs_setup, per_key
+from kvpool.compat.mooncake.store_tensors import StoreTensors
 from kvpool.compat.mooncake.types import (
     BufferHandle,
     Descriptor,
@@ -56,7 +53,7 @@ def _replicas(look: LookupResult) -> list[ReplicaDescriptor]:
             for r in look.replicas]
 
 
-class MooncakeDistributedStore(StoreData):
+class MooncakeDistributedStore(StoreTensors):
     # -- existence, size, removal ----------------------------------------------------------
 
     @needs_setup(code)
@@ -107,77 +104,6 @@ class MooncakeDistributedStore(StoreData):
         looks = self._client.replica_desc_batch(list(keys))
         return {k: _replicas(look) for k, look in zip(keys, looks, strict=True)
                 if look.code is E.OK}
-
-    # -- torch tensors -----------------------------------------------------------------------
-
-    def put_tensor(self, key: str, tensor: Any) -> int:
-        return self.batch_put_tensor([key], [tensor])[0]
-
-    def upsert_tensor(self, key: str, tensor: Any) -> int:
-        return self._put_tensors([key], [tensor], None, upsert=True)[0]
-
-    def pub_tensor(self, key: str, tensor: Any, config: ReplicateConfig | None = None) -> int:
-        return self._put_tensors([key], [tensor], config, upsert=False)[0]
-
-    def batch_put_tensor(self, keys: Sequence[str], tensors_list: Sequence[Any]) -> list[int]:
-        return self._put_tensors(keys, tensors_list, None, upsert=False)
-
-    def batch_upsert_tensor(self, keys: Sequence[str], tensors_list: Sequence[Any]) -> list[int]:
-        return self._put_tensors(keys, tensors_list, None, upsert=True)
-
-    def batch_pub_tensor(self, keys: Sequence[str], tensors_list: Sequence[Any],
-                         config: ReplicateConfig | None = None) -> list[int]:
-        return self._put_tensors(keys, tensors_list, config, upsert=False)
-
-    @needs_setup(per_key)
-    def _put_tensors(self, keys: Sequence[str], tensors: Sequence[Any],
-                     config: ReplicateConfig | None, upsert: bool) -> list[int]:
-        if len(keys) != len(tensors):
-            return [INVALID] * len(keys)
-        values: list[bytes | None] = []
-        for tensor in tensors:
-            try:
-                values.append(tensor_codec.encode_header(tensor)
-                              + tensor_codec.payload_of(tensor).tobytes())
-            except (AttributeError, TypeError, ValueError, RuntimeError) as exc:
-                log.warning("cannot store tensor: %s", exc)
-                values.append(None)
-        return self._put_values(keys, values, config, upsert)
-
-    def get_tensor(self, key: str) -> Any | None:
-        """The tensor stored under `key`, or None when missing or not a tensor."""
-        return self.batch_get_tensor([key])[0]
-
-    def batch_get_tensor(self, keys: Sequence[str]) -> list[Any | None]:
-        if self._client is None:
-            return [None] * len(keys)
-        return [tensor_codec.decode(r.data) if r.ok else None
-                for r in self._client.get_batch(list(keys))]
-
-    def get_tensor_into(self, key: str, buffer_ptr: int, size: int) -> Any | None:
-        """Read the whole object (header and data) into the registered buffer and return a
-        tensor viewing its data part; None on any failure."""
-        return self.batch_get_tensor_into([key], [buffer_ptr], [size])[0]
-
-    def batch_get_tensor_into(self, keys: Sequence[str], buffer_ptrs: Sequence[int],
-                              sizes: Sequence[int]) -> list[Any | None]:
-        if self._client is None or not len(keys) == len(buffer_ptrs) == len(sizes):
-            return [None] * len(keys)
-        read = self.batch_get_into(keys, buffer_ptrs, sizes)
-        return [_tensor_at(ptr, n) if n > 0 else None
-                for ptr, n in zip(buffer_ptrs, read, strict=True)]
-
-
-def _tensor_at(ptr: int, num_bytes: int) -> Any | None:
-    if num_bytes < tensor_codec.HEADER_BYTES:
-        return None
-    raw = (ctypes.c_ubyte * num_bytes).from_address(ptr)
-    head = tensor_codec.decode_header(memoryview(raw).cast("B"))
-    if head is None:
-        return None
-    data = (ctypes.c_ubyte * (num_bytes - tensor_codec.HEADER_BYTES)).from_address(
-        ptr + tensor_codec.HEADER_BYTES)
-    return tensor_codec.tensor_from(data, *head)
 
 
 UNDEFINED, INITIALIZED, PROCESSING, COMPLETE, REMOVED, FAILED = tuple(ReplicaStatus)
