@@ -146,7 +146,8 @@ def test_tensor_from_buffers(store: MooncakeDistributedStore) -> None:
     assert store.put_tensor_from("f", ptr, len(raw)) == 0
     assert torch.equal(store.get_tensor("f"), full)
     assert store.put_tensor_from("g", ptr, 100) == -600  # not a whole tensor object
-    assert store.batch_put_tensor_from(["g", "h"], [ptr, ptr + 1], [len(raw)] * 2) == [0, -600]
+    assert store.batch_put_tensor_from(["g", "h"], [ptr, ptr + 1], [len(raw)] * 2) == [-600] * 2
+    assert store.batch_put_tensor_from(["g", "h"], [ptr, ptr], [len(raw)] * 2) == [0, 0]
     assert store.upsert_tensor_from("f", ptr, len(raw)) == 0
     assert store.batch_upsert_tensor_from(["f"], [ptr], [len(raw)]) == [0]
     assert store.put_tensor_with_tp_from("s", ptr, len(raw), 0, 2, 1) == 0

@@ -139,17 +139,14 @@ class StoreTensors(StoreData):
     @needs_setup(per_key)
     def _put_tensors_from(self, keys: Sequence[str], ptrs: Sequence[int], sizes: Sequence[int],
                           upsert: bool) -> list[int]:
-        """Like `batch_put_from`, for buffers that hold a valid tensor object (-600 else)."""
-        if not len(keys) == len(ptrs) == len(sizes):
+        """Like `batch_put_from`, for buffers that each hold a whole tensor object; as in
+        Mooncake, one bad item (unregistered, not a tensor) makes every item -600."""
+        if not len(keys) == len(ptrs) == len(sizes) or not all(
+                self._registered([(p, n)]) and _tensor_at(p, n) is not None
+                for p, n in zip(ptrs, sizes, strict=True)):
             return [INVALID] * len(keys)
-        ok = [i for i in range(len(keys)) if self._registered([(ptrs[i], sizes[i])])
-              and _tensor_at(ptrs[i], sizes[i]) is not None]
-        codes = self._put_parts([keys[i] for i in ok], [[(ptrs[i], sizes[i])] for i in ok],
-                                None, upsert)
-        out = [INVALID] * len(keys)
-        for i, c in zip(ok, codes, strict=True):
-            out[i] = c
-        return out
+        return self._put_parts(keys, [[(p, n)] for p, n in zip(ptrs, sizes, strict=True)],
+                               None, upsert)
 
     # -- tensor parallel ---------------------------------------------------------------------
 
