@@ -14,10 +14,13 @@ Arguments Mooncake takes only positionally are positional-only here as well.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from dataclasses import replace
 
-from kvpool.compat.mooncake.store_base import code, needs_setup, per_key
-from kvpool.compat.mooncake.store_tensors import StoreTensors
+from kvpool.compat.mooncake.config import from_env
+from kvpool.compat.mooncake.store_base import SETUP_FAILED, code, log, needs_setup, per_key
+from kvpool.compat.mooncake.store_ranges import StoreRanges
 from kvpool.compat.mooncake.types import (
     BufferHandle,
     Descriptor,
@@ -30,6 +33,7 @@ from kvpool.compat.mooncake.types import (
     ReplicateConfig,
     SoftPinAction,
 )
+from kvpool.errors import ConfigError
 from kvpool.store.codes import ErrorCode, LookupResult
 
 E = ErrorCode
@@ -37,7 +41,7 @@ E = ErrorCode
 __all__ = [
     "BufferHandle", "Descriptor", "DiskDescriptor", "MemoryDescriptor",
     "MooncakeDistributedStore", "MooncakeHostMemAllocator", "ObjectDataType", "ReplicaDescriptor", "ReplicaStatus",
-    "ReplicateConfig", "SoftPinAction",
+    "ReplicateConfig", "SoftPinAction", "bind_to_numa_node",
 ]
 
 
@@ -53,7 +57,48 @@ def _replicas(look: LookupResult) -> list[ReplicaDescriptor]:
             for r in look.replicas]
 
 
-class MooncakeDistributedStore(StoreTensors):
+def bind_to_numa_node(node: int) -> None:
+    """Run this thread on the CPUs of NUMA node `node` (LMCache calls it before `setup`);
+    nothing happens where the node or its CPU list is unknown."""
+    try:
+        with open(f"/sys/devices/system/node/node{int(node)}/cpulist", encoding="ascii") as f:
+            cpus = _cpu_list(f.read())
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+    except (OSError, ValueError) as exc:
+        log.info("bind_to_numa_node(%s): %s; left as it was", node, exc)
+
+
+def _cpu_list(text: str) -> set[int]:
+    """CPUs of a Linux cpulist such as "0-3,8,10-11"."""
+    cpus: set[int] = set()
+    for item in text.strip().split(","):
+        if item:
+            low, _, high = item.partition("-")
+            cpus.update(range(int(low), int(high or low) + 1))
+    return cpus
+
+
+class MooncakeDistributedStore(StoreRanges):
+    def setup_dummy(self, mem_pool_size: int, local_buffer_size: int,
+                    server_address: str, /) -> int:
+        """SGLang's standalone-storage mode. Mooncake attaches to a separate `mooncake_client`
+        process at `server_address` that owns the pool memory; kvpool has no such process, so
+        this process joins the pool as a pure client (no segment of its own) of the master
+        named by `MOONCAKE_CONFIG_PATH` / `MOONCAKE_MASTER`, with `local_buffer_size` of
+        staging. The caller's host pool (`mem_pool_size` bytes, from
+        `MooncakeHostMemAllocator`) is registered with `register_buffer` as usual. 0, or -1
+        (no master configured, or the master is unreachable)."""
+        try:
+            config = replace(from_env(os.environ), global_segment_size=0,
+                             local_buffer_size=int(local_buffer_size))
+        except (ConfigError, TypeError, ValueError) as exc:
+            log.error("setup_dummy(%s, %s, %r): kvpool has no standalone client process and "
+                      "connects to the master directly, but %s", mem_pool_size,
+                      local_buffer_size, server_address, exc)
+            return SETUP_FAILED
+        return self._start(config)
+
     # -- existence, size, removal ----------------------------------------------------------
 
     @needs_setup(code)
@@ -65,6 +110,12 @@ class MooncakeDistributedStore(StoreTensors):
         """1 / 0 / <0 per key. Asked as a replica lookup so that, as in Mooncake, a found
         object gets a read lease (kvpool's plain exists does not grant one)."""
         return [_exist_value(look.code) for look in self.client.replica_desc_batch(list(keys))]
+
+    @needs_setup(per_key)
+    def batch_is_exist_no_lease(self, keys: Sequence[str]) -> list[int]:
+        """1 / 0 / <0 per key, like `batch_is_exist` but granting no read lease (so a
+        lookup never delays the object's eviction or removal)."""
+        return [_exist_value(status) for status in self.client.batch_exists(list(keys))]
 
     @needs_setup(code)
     def get_size(self, key: str, /) -> int:

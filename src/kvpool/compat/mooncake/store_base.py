@@ -69,13 +69,21 @@ class StoreBase:
         """Mooncake's 7-positional form (with keywords), `setup(dict)`, or (a kvpool extension)
         no arguments: read `MOONCAKE_CONFIG_PATH` / `MOONCAKE_*`. 0, or -1 on failure; TypeError
         for unknown or missing arguments, as in Mooncake."""
+        try:
+            config, engine = from_env_or_args(args, kwargs)
+        except (ConfigError, ValueError) as exc:
+            log.error("setup failed: %s", exc)
+            return SETUP_FAILED
+        if engine is not None:
+            log.info("a shared engine was passed; kvpool's store runs its own engine")
+        return self._start(config)
+
+    def _start(self, config: MooncakeConfig) -> int:
+        """Connect with `config`: 0, or -1 (already set up, or the client could not start)."""
         if self._client is not None:
             log.warning("setup called on a store that is already set up")
             return SETUP_FAILED
         try:
-            config, engine = from_env_or_args(args, kwargs)
-            if engine is not None:
-                log.info("a shared engine was passed; kvpool's store runs its own engine")
             client = StoreClient(config.client_config())
         except (ConfigError, KvpoolError, OSError, ValueError) as exc:
             log.error("setup failed: %s", exc)
