@@ -200,3 +200,29 @@ def test_close_after_master_died_is_bounded() -> None:
     assert store.close() == 0
     assert time.monotonic() - start <= CLOSE_BOUND_S + 1
     assert store.close() == 0
+
+
+_FORKS = """
+import os, sys
+from kvpool.compat.mooncake.store import MooncakeDistributedStore
+store = MooncakeDistributedStore()
+assert store.setup("127.0.0.1", "P2PHANDSHAKE", 8 << 20, 8 << 20, "tcp", "", sys.argv[1]) == 0
+print(store.get_hostname(), flush=True)
+if os.fork() == 0:
+    sys.exit(0)             # a child exiting normally runs the inherited finalizers
+os.wait()
+print("child gone", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_forked_child_leaves_the_parents_segment(master: Master) -> None:
+    proc = spawn_python(_FORKS, master.address)
+    try:
+        assert proc.stdout is not None
+        name = proc.stdout.readline().decode().strip()
+        assert proc.stdout.readline() == b"child gone\n"
+        assert master.segments() == f"{name}\n"
+    finally:
+        _say(proc)
+        stop(proc)

@@ -17,6 +17,7 @@ there must not join the thread it runs on, nor wait on a lock that thread holds)
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -58,10 +59,17 @@ def close_bounded(close: Callable[[], object], what: str,
     return True
 
 
+def _in_owner_process(pid: int, close: Callable[[], object], what: str) -> None:
+    """Tear down only in the process that set up: a forked child that exits normally
+    inherits the finalizer, and must not unmount its parent's segment."""
+    if os.getpid() == pid:
+        close_bounded(close, what)
+
+
 def attach_teardown(owner: object, close: Callable[[], object], what: str) -> weakref.finalize:
     """Call `close` (bounded) when `owner` is collected or at interpreter exit, or when the
-    returned finalizer is called, whichever comes first; only once. `close` must not refer
-    to `owner`."""
-    finalizer = weakref.finalize(owner, close_bounded, close, what)
+    returned finalizer is called, whichever comes first; only once, and only in this
+    process. `close` must not refer to `owner`."""
+    finalizer = weakref.finalize(owner, _in_owner_process, os.getpid(), close, what)
     finalizer.atexit = True
     return finalizer

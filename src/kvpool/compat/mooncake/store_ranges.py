@@ -50,6 +50,12 @@ class StoreRanges(StoreTensors):
         self._get_sessions: dict[str, _GetSession] = {}
         self._put_sessions: dict[str, tuple[bytearray, ReplicateConfig | None]] = {}
 
+    def close(self) -> int:
+        with self._ranges_lock:
+            self._get_sessions.clear()
+            self._put_sessions.clear()
+        return super().close()
+
     # -- get sessions ----------------------------------------------------------------------
 
     @needs_setup(per_key)
