@@ -197,7 +197,9 @@ def range_calls():
         store.batch_put_from_multi_buffer_ranges(["zz"], [[src]], [[1]], [[0]]),
         store.batch_put_from_multi_buffer_ranges(["z2"], [[src]], [[8]], [[4]]),
         store.batch_put_session_end(["zz"]), store.batch_put_session_revoke(["zz"]),
-        store.batch_put_session_end(["z2"]), store.batch_put_session_revoke(["z2"])])
+        store.batch_put_session_end(["z2"]), store.batch_put_session_revoke(["z2"]),
+        store.get_into_ranges([dst], [["r1", "w1"]], [[[0]]], [[[0]]], [[[8]]]),
+        store.get_into_ranges([dst], [[""]], [[[0]]], [[[0]]], [[[8]]])])
     record("rg_remove_all", store.remove_all(True))
     store.close()
 

@@ -113,6 +113,9 @@ def test_get_into_ranges(store: MooncakeDistributedStore) -> None:
     assert store.get_into_ranges([dst], [["x"]], [[[0, 1]]], [[[0]]], [[[8]]]) == [[[-600] * 2]]
     assert store.get_into_ranges([dst, dst], [["x"]], [[[0]]], [[[0]]], [[[8]]]) == \
         [[[-600]], [[-600]]]
+    assert store.get_into_ranges([dst], [["x", "y"]], [[[0]]], [[[0]]], [[[8]]]) == \
+        [[[-600], [-600]]]  # lists shorter than the keys fail the whole buffer
+    assert store.get_into_ranges([dst], [[""]], [[[0]]], [[[0]]], [[[8]]]) == [[[-704]]]
 
 
 def test_exist_without_lease(store: MooncakeDistributedStore) -> None:

@@ -114,13 +114,16 @@ class StoreRanges(StoreTensors):
         n = len(buffer_ptrs)
         if not n == len(all_keys) == len(all_dst_offsets) == len(all_src_offsets) == len(all_sizes):
             return [[[INVALID]] for _ in range(n)]
-        flat = [(i, j, key) for i in range(n) for j, key in enumerate(all_keys[i])]
-        names = list(dict.fromkeys(key for _, _, key in flat))
+        names = list(dict.fromkeys(key for keys in all_keys for key in keys))
         found = dict(zip(names, self.client.replica_desc_batch(names), strict=True))
-        out: list[list[list[int]]] = [[[] for _ in keys] for keys in all_keys]
-        for i, j, key in flat:
-            out[i][j] = self._read_key_ranges(found[key], buffer_ptrs[i], all_dst_offsets[i][j],
-                                              all_src_offsets[i][j], all_sizes[i][j])
+        out: list[list[list[int]]] = []
+        for i, keys in enumerate(all_keys):
+            dsts, srcs, sizes = all_dst_offsets[i], all_src_offsets[i], all_sizes[i]
+            if not len(keys) == len(dsts) == len(srcs) == len(sizes):
+                out.append([[INVALID] for _ in keys])  # Mooncake fails the whole buffer
+                continue
+            out.append([self._read_key_ranges(found[key], buffer_ptrs[i], dsts[j], srcs[j],
+                                              sizes[j]) for j, key in enumerate(keys)])
         return out
 
     def _read_key_ranges(self, look: LookupResult, base: int, dsts: Sequence[int],
@@ -130,7 +133,8 @@ class StoreRanges(StoreTensors):
         if ranges is None:
             return [INVALID] * max(1, len(dsts))
         if look.code is not E.OK:
-            return [int(look.code)] * len(ranges)
+            missing = look.code in (E.OBJECT_NOT_FOUND, E.INVALID_PARAMS)  # -704 as Mooncake
+            return [int(E.OBJECT_NOT_FOUND) if missing else int(look.code)] * len(ranges)
         return [self._read_ranges([look], [[r]])[0] for r in ranges]
 
     def _read_ranges(self, looks: Sequence[LookupResult | None],
