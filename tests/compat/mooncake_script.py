@@ -246,8 +246,22 @@ def tensor_variant_calls():
                        [None if t is None else t.tolist() for t in
                         store.batch_get_tensor_with_tp_into(["tp", "no"], [ptr, ptr + 8192],
                                                             [4096, 4096], 0, 2)]])
+    size = store.get_into("tq_tp_1", ptr, 4096)  # a shard object, header and data
+    whole = store.get_into("one", ptr + 8192, 4096)
+    record("tp_more", [
+        store.pub_tensor_with_tp("pt", full, ReplicateConfig(), 0, 2, 1),
+        store.batch_pub_tensor_with_tp(["pb"], [full], ReplicateConfig(), 0, 2, 0),
+        store.put_tensor_with_tp_from("ptf", ptr + 8192, whole, 0, 2, 1),
+        store.batch_put_tensor_with_tp_from(["pbf"], [ptr + 8192], [whole], 0, 3, 1),
+        store.upsert_tensor_from("f0", ptr, size), store.batch_upsert_tensor_from(["f9"], [ptr],
+                                                                                   [size]),
+        store.upsert_pub_tensor("f0", full), store.batch_upsert_pub_tensor(["f8"], [full * 2]),
+        [None if t is None else t.tolist() for t in
+         [store.get_tensor_with_tp("pt", 1, 2), store.get_tensor_with_tp("pb", 0, 2),
+          store.get_tensor_with_tp("ptf", 1, 2), store.get_tensor_with_tp("pbf", 2, 3),
+          store.get_tensor("f0"), store.get_tensor("f9"), store.get_tensor("f8")]]])
     record("tp_remove_all", store.remove_all(True))
-    store.close()
+    record("close_twice", [store.close(), store.close()])
 
 
 def engine_calls():
