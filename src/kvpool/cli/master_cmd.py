@@ -61,7 +61,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         p.add_argument(flag, dest=f"addr_{flag.lstrip('-')}", default=None,
                        help="address to bind every server to (kvpool binds one address); "
                        "default 127.0.0.1, or 0.0.0.0 (as mooncake_master) with --token"
-                       if flag == "--host" else argparse.SUPPRESS)
+                       if flag == "--host" else "mooncake_master's spelling of --host")
     p.add_argument("--rpc-port", "--rpc_port", "--port", dest="rpc_port", type=int,
                    default=_SRV.rpc_port, help="control-plane RPC port (default 50051)")
     p.add_argument("--admin-port", "--metrics_port", "--metrics-port", dest="admin_port",
