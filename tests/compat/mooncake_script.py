@@ -145,6 +145,125 @@ def edge_calls():
     store.close()
 
 
+def range_calls():
+    """Get and put sessions, ranged reads and writes (SGLang's layer-wise direct path)."""
+    store = MooncakeDistributedStore()
+    store.setup("127.0.0.1", "P2PHANDSHAKE", 64 * 1024 * 1024, 16 * 1024 * 1024, "tcp", "",
+                os.environ["MOONCAKE_MASTER"])
+    src_raw, src = buffer(4096, 3)
+    dst_raw, dst = buffer(8192, 0)
+    store.register_buffer(src, 4096)
+    store.register_buffer(dst, 8192)
+    record("rg_put", [store.put_from("r1", src, 1000), store.put_from("r2", src + 1000, 500)])
+    record("rg_no_session", store.batch_get_into_multi_buffer_ranges(["r1"], [[dst]], [[10]],
+                                                                     [[5]]))
+    record("rg_start", store.batch_get_session_start(["r1", "r2", "missing"]))
+    record("rg_ranges", store.batch_get_into_multi_buffer_ranges(
+        ["r1", "r2"], [[dst, dst + 100], [dst + 200]], [[10, 20], [30]], [[5, 100], [0]]))
+    record("rg_bytes_equal", [bytes(dst_raw[0:10]) == bytes(src_raw[5:15]),
+                              bytes(dst_raw[100:120]) == bytes(src_raw[100:120]),
+                              bytes(dst_raw[200:230]) == bytes(src_raw[1000:1030])])
+    record("rg_errors", [
+        store.batch_get_into_multi_buffer_ranges(["r1"], [[dst]], [[10]], [[995]]),
+        store.batch_get_into_multi_buffer_ranges(["missing"], [[dst]], [[10]], [[0]]),
+        store.batch_get_into_multi_buffer_ranges(["r1", "r2"], [[dst]], [[10]], [[0]]),
+        store.batch_get_into_multi_buffer_ranges(["r1"], [[dst, dst + 10]], [[10]], [[0]])])
+    record("rg_leased", store.remove("r2"))
+    record("rg_end", [store.batch_get_session_end(["r1", "r2"]),
+                      store.batch_get_session_end(["nothing"])])
+    record("rg_after_end", store.batch_get_into_multi_buffer_ranges(["r1"], [[dst]], [[10]],
+                                                                    [[5]]))
+    record("rg_put_start", store.batch_put_session_start(["w1", "w2", "r1"], [100, 50, 1000]))
+    record("rg_put_ranges", store.batch_put_from_multi_buffer_ranges(
+        ["w1", "w2"], [[src, src + 10], [src + 20]], [[10, 90], [50]], [[0, 10], [0]]))
+    record("rg_put_invisible", store.batch_is_exist(["w1", "w2"]))
+    record("rg_put_end", [store.batch_put_session_end(["w1"]),
+                          store.batch_put_session_revoke(["w2"])])
+    record("rg_put_visible", [store.batch_is_exist(["w1", "w2"]),
+                              store.get("w1") == bytes(src_raw[:100])])
+    record("rg_get_into_ranges", store.get_into_ranges(
+        [dst], [["r1", "w1"]], [[[0, 50], [100]]], [[[0, 10], [20]]], [[[10, 10], [5]]]))
+    record("rg_get_into_ranges_bytes", [bytes(dst_raw[50:60]) == bytes(src_raw[10:20]),
+                                        bytes(dst_raw[100:105]) == bytes(src_raw[20:25])])
+    record("rg_edges", [
+        store.batch_get_session_start(["r1", ""]),
+        store.get_into_ranges([dst], [["r1", "missing"]], [[[0], [8]]], [[[0], [0]]],
+                              [[[8], [8]]]),
+        store.get_into_ranges([dst], [["r1"]], [[[0]]], [[[998]]], [[[8]]]),
+        store.get_into_ranges([dst], [["r1"]], [[[0, 1]]], [[[0]]], [[[8]]]),
+        store.get_into_ranges([dst, dst], [["r1"]], [[[0]]], [[[0]]], [[[8]]]),
+        store.batch_put_session_start(["z1", "z2"], [0, 8]),
+        store.batch_put_session_start(["z2"], [8]),
+        store.batch_put_from_multi_buffer_ranges(["zz"], [[src]], [[1]], [[0]]),
+        store.batch_put_from_multi_buffer_ranges(["z2"], [[src]], [[8]], [[4]]),
+        store.batch_put_session_end(["zz"]), store.batch_put_session_revoke(["zz"]),
+        store.batch_put_session_end(["z2"]), store.batch_put_session_revoke(["z2"]),
+        store.get_into_ranges([dst], [["r1", "w1"]], [[[0]]], [[[0]]], [[[8]]]),
+        store.get_into_ranges([dst], [[""]], [[[0]]], [[[0]]], [[[8]]])])
+    record("rg_remove_all", store.remove_all(True))
+    store.close()
+
+
+def tensor_variant_calls():
+    """Tensor-parallel shards, tensors from buffers, and the object layout itself: a hash of
+    the raw bytes each implementation stores for the same tensors."""
+    import hashlib
+
+    import torch
+
+    store = MooncakeDistributedStore()
+    store.setup("127.0.0.1", "P2PHANDSHAKE", 64 * 1024 * 1024, 16 * 1024 * 1024, "tcp", "",
+                os.environ["MOONCAKE_MASTER"])
+    full = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    record("tp_put", [store.put_tensor_with_tp("tp", full, 0, 2, 0),
+                      store.put_tensor_with_tp("tq", full, 0, 3, 1),
+                      store.put_tensor_with_tp("bad", full, 0, 4, 1),
+                      store.put_tensor_with_tp("one", full, 0, 1, 0),
+                      store.put_tensor_with_tp("tp", full * 2, 0, 2, 0)])
+    record("tp_exist", [store.is_exist(k) for k in ("tp", "tp_tp_0", "tp_tp_1", "one",
+                                                    "one_tp_0", "bad_tp_0")])
+    got = [store.get_tensor_with_tp("tp", 1, 2), store.get_tensor_with_tp("tq", 2, 3, 1),
+           store.get_tensor_with_tp("one", 0, 1), store.get_tensor_with_tp("tp", 5, 2)]
+    record("tp_get", [got[0].tolist(), got[1].tolist(), got[2].tolist(), got[3] is None])
+    record("tp_batch", [store.batch_put_tensor_with_tp(["b1", "b2"], [full, full + 1], 0, 2, 1),
+                        [None if t is None else t.tolist()
+                         for t in store.batch_get_tensor_with_tp(["b1", "b2", "no"], 1, 2)]])
+    record("tp_raw_sha", [hashlib.sha256(store.get(k)).hexdigest()[:16]
+                          for k in ("tp_tp_0", "tp_tp_1", "tq_tp_2", "one", "b2_tp_1")])
+    plain = [torch.arange(6, dtype=torch.bfloat16).reshape(2, 3), torch.tensor(3),
+             torch.zeros(0, 4, dtype=torch.int8), torch.arange(12).reshape(3, 4).t()]
+    record("tensor_raw_sha", [store.put_tensor(f"p{i}", t) for i, t in enumerate(plain)]
+           + [hashlib.sha256(store.get(f"p{i}")).hexdigest()[:16] for i in range(len(plain))])
+    buf = torch.zeros(1 << 16, dtype=torch.uint8)
+    ptr = buf.data_ptr()
+    record("tf_register", store.register_buffer(ptr, buf.numel()))
+    size = store.get_into("p0", ptr, 4096)
+    record("tf_put", [size, store.put_tensor_from("f0", ptr, size),
+                      store.put_tensor_from("f1", ptr, 100),
+                      store.batch_put_tensor_from(["f2", "f3"], [ptr, ptr + 1], [size, size]),
+                      store.get_tensor("f0").tolist() == plain[0].tolist()])
+    record("tp_into", [store.get_tensor_with_tp_into("tq", ptr, 4096, 1, 3, 1).tolist(),
+                       [None if t is None else t.tolist() for t in
+                        store.batch_get_tensor_with_tp_into(["tp", "no"], [ptr, ptr + 8192],
+                                                            [4096, 4096], 0, 2)]])
+    size = store.get_into("tq_tp_1", ptr, 4096)  # a shard object, header and data
+    whole = store.get_into("one", ptr + 8192, 4096)
+    record("tp_more", [
+        store.pub_tensor_with_tp("pt", full, ReplicateConfig(), 0, 2, 1),
+        store.batch_pub_tensor_with_tp(["pb"], [full], ReplicateConfig(), 0, 2, 0),
+        store.put_tensor_with_tp_from("ptf", ptr + 8192, whole, 0, 2, 1),
+        store.batch_put_tensor_with_tp_from(["pbf"], [ptr + 8192], [whole], 0, 3, 1),
+        store.upsert_tensor_from("f0", ptr, size), store.batch_upsert_tensor_from(["f9"], [ptr],
+                                                                                   [size]),
+        store.upsert_pub_tensor("f0", full), store.batch_upsert_pub_tensor(["f8"], [full * 2]),
+        [None if t is None else t.tolist() for t in
+         [store.get_tensor_with_tp("pt", 1, 2), store.get_tensor_with_tp("pb", 0, 2),
+          store.get_tensor_with_tp("ptf", 1, 2), store.get_tensor_with_tp("pbf", 2, 3),
+          store.get_tensor("f0"), store.get_tensor("f9"), store.get_tensor("f8")]]])
+    record("tp_remove_all", store.remove_all(True))
+    record("close_twice", [store.close(), store.close()])
+
+
 def engine_calls():
     a, b = TransferEngine(), TransferEngine()
     record("te_init", [a.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", ""),
@@ -170,6 +289,8 @@ def engine_calls():
 store_calls()
 tensor_calls()
 edge_calls()
+range_calls()
+tensor_variant_calls()
 engine_calls()
 record("implementation", MooncakeDistributedStore.__module__.split(".")[0])
 sys.stdout.write("RESULT " + json.dumps(out, sort_keys=True) + "\n")

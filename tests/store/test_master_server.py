@@ -132,6 +132,7 @@ def test_rpc_timeout_when_no_master() -> None:
 def test_cli_master_with_mooncake_flags() -> None:
     rpc, admin, meta = free_port(), free_port(), free_port()
     proc = spawn_kvpool("master", "--rpc_port", str(rpc), "--metrics_port", str(admin),
+                        "--enable_http_metadata_server", "true",
                         "--http_metadata_server_port", str(meta),
                         "--default_kv_lease_ttl", "500", "--client_ttl", "3",
                         "--eviction_high_watermark_ratio", "0.8", "--eviction_ratio", "0.1")

@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import argparse
 import signal
-import sys
 import threading
-from collections.abc import Callable
 
-from kvpool.cli.security import bind_refusal
 from kvpool.errors import ConfigError, KvpoolError
 from kvpool.log import get_logger
 from kvpool.store.config import MasterConfig
@@ -69,18 +66,14 @@ def persist_config(args: argparse.Namespace) -> PersistConfig:
                          recovery_grace_s=args.recovery_grace)
 
 
-def run_persistent(args: argparse.Namespace,
-                   build: Callable[[argparse.Namespace],
-                                   tuple[MasterServerConfig, MasterConfig]]) -> int:
-    refusal = bind_refusal("master", args.host, args.token, args.insecure)
-    if refusal is not None:
-        print(refusal, file=sys.stderr)
-        return 2
+def run_persistent(args: argparse.Namespace, server_cfg: MasterServerConfig,
+                   config: MasterConfig) -> int:
+    """Run a master with a state directory (and, with --enable_ha, under etcd leadership)
+    until SIGTERM/SIGINT. The caller has built the configs and checked the bind address."""
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
-        server_cfg, config = build(args)
         persist = persist_config(args)
         if args.enable_ha:
             from kvpool.store.ha_master import run_ha_master

@@ -1,7 +1,12 @@
 """`kvpool master`: the store's metadata master (RPC, admin HTTP, embedded HTTP metadata).
 
 Mooncake's `mooncake_master` flag spellings are accepted as aliases, with Mooncake's units
-(`--default_kv_lease_ttl` in ms, `--client_ttl` in s).
+(`--default_kv_lease_ttl` in ms, `--client_ttl` in s) and its defaults: RPC on 50051, admin
+HTTP on 9003, no HTTP metadata server unless `--enable_http_metadata_server` (kvpool's own
+`--metadata-port` turns it on). One difference, on purpose: without a token the master binds
+127.0.0.1, not every interface; `--rpc_address` / `--metrics_host` /
+`--http_metadata_server_host` (or `--host`) choose the address, and a non-loopback one needs
+`--token` or `--insecure` (cli/security.py). The startup line says what is reachable from where.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import sys
 import threading
 
 from kvpool.cli import ha_flags
-from kvpool.cli.security import add_security_args, bind_refusal
+from kvpool.cli.security import add_security_args, bind_refusal, is_loopback
 from kvpool.errors import ConfigError, KvpoolError
 from kvpool.log import get_logger
 from kvpool.store.config import MasterConfig
@@ -47,19 +52,30 @@ def _duration_ms(value: str) -> float:
             f"expected milliseconds or a duration like 10s, got {value!r}") from None
 
 
+ALL_INTERFACES = "0.0.0.0"
+_ADDRESS_FLAGS = ("--host", "--rpc_address", "--metrics_host", "--http_metadata_server_host")
+
+
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("master", help="run the KVCache store master")
-    p.add_argument("--host", default=_SRV.host, help="address to bind (default 127.0.0.1)")
+    for flag in _ADDRESS_FLAGS:
+        p.add_argument(flag, dest=f"addr_{flag.lstrip('-')}", default=None,
+                       help="address to bind every server to (kvpool binds one address); "
+                       "default 127.0.0.1, or 0.0.0.0 (as mooncake_master) with --token"
+                       if flag == "--host" else "mooncake_master's spelling of --host")
     p.add_argument("--rpc-port", "--rpc_port", "--port", dest="rpc_port", type=int,
                    default=_SRV.rpc_port, help="control-plane RPC port (default 50051)")
     p.add_argument("--admin-port", "--metrics_port", "--metrics-port", dest="admin_port",
                    type=int, default=_SRV.admin_port, help="admin HTTP port (default 9003)")
-    p.add_argument("--metadata-port", "--http_metadata_server_port", dest="metadata_port",
-                   type=int, default=_SRV.metadata_port,
-                   help="embedded HTTP metadata port (default 8080)")
-    p.add_argument("--enable_http_metadata_server", dest="metadata", type=_bool, nargs="?",
-                   const=True, default=True, help="serve HTTP metadata (default on)")
-    p.add_argument("--no-http-metadata", dest="metadata", action="store_false",
+    p.add_argument("--http_metadata_server_port", dest="metadata_port", type=int,
+                   default=_SRV.metadata_port,
+                   help="embedded HTTP metadata port (default 8080; see the next flag)")
+    p.add_argument("--metadata-port", dest="kvpool_metadata_port", type=int, default=None,
+                   help="serve HTTP metadata on this port (implies the next flag)")
+    p.add_argument("--enable_http_metadata_server", "--http-metadata", dest="metadata",
+                   type=_bool, nargs="?", const=True, default=None,
+                   help="serve HTTP metadata (default off, as mooncake_master)")
+    p.add_argument("--no-http-metadata", dest="metadata", action="store_false", default=None,
                    help="do not embed the HTTP metadata server")
     p.add_argument("--lease-ttl-ms", "--default_kv_lease_ttl", dest="lease_ttl_ms",
                    type=_duration_ms, default=_DEF.lease_ttl_s * 1000, help="read lease, ms")
@@ -86,9 +102,29 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def bind_host(args: argparse.Namespace) -> str:
+    """The one address every server binds: the address flags must agree; without any, the
+    loopback address, or all interfaces (Mooncake's default) when a token guards them."""
+    given = {getattr(args, f"addr_{f.lstrip('-')}") for f in _ADDRESS_FLAGS} - {None}
+    if len(given) > 1:
+        raise ConfigError(f"kvpool master binds one address for RPC, admin and metadata; got "
+                          f"{sorted(given)} from {', '.join(_ADDRESS_FLAGS)}")
+    if given:
+        return str(given.pop())
+    return ALL_INTERFACES if args.token else _SRV.host
+
+
+def _metadata_enabled(args: argparse.Namespace) -> bool:
+    if args.metadata is not None:
+        return bool(args.metadata)
+    return args.kvpool_metadata_port is not None
+
+
 def build_configs(args: argparse.Namespace) -> tuple[MasterServerConfig, MasterConfig]:
-    server = MasterServerConfig(args.host, args.rpc_port, args.admin_port, args.metadata_port,
-                                args.metadata, token=args.token or None)
+    port = args.kvpool_metadata_port if args.kvpool_metadata_port is not None \
+        else args.metadata_port
+    server = MasterServerConfig(bind_host(args), args.rpc_port, args.admin_port, port,
+                                _metadata_enabled(args), token=args.token or None)
     config = MasterConfig(lease_ttl_s=args.lease_ttl_ms / 1000,
                           soft_pin_ttl_s=args.soft_pin_ttl_ms / 1000,
                           high_watermark=args.watermark, eviction_ratio=args.eviction_ratio,
@@ -100,15 +136,34 @@ def build_configs(args: argparse.Namespace) -> tuple[MasterServerConfig, MasterC
     return server, config
 
 
+def exposure(server: MasterServerConfig, rpc_port: int, admin_port: int) -> str:
+    """One line saying which servers listen where, and who can reach them."""
+    ports = f"rpc {rpc_port}, admin http {admin_port}"
+    if server.enable_http_metadata:
+        ports += f", http metadata {server.metadata_port}"
+    else:
+        ports += ", no http metadata server"
+    if is_loopback(server.host):
+        return (f"listening on {server.host} only ({ports}): reachable from this host alone; "
+                f"for other hosts pass --rpc_address=0.0.0.0 with --token (or --insecure)")
+    guard = "token required" if server.token else "NO TOKEN: anyone who can reach it controls it"
+    where = "all interfaces" if server.host in (ALL_INTERFACES, "::") else server.host
+    return f"listening on {where} ({ports}); {guard}"
+
+
 def run(args: argparse.Namespace) -> int:
-    if ha_flags.wants_persistence(args):
-        return ha_flags.run_persistent(args, build_configs)
-    refusal = bind_refusal("master", args.host, args.token, args.insecure)
+    try:
+        server_cfg, config = build_configs(args)
+    except ConfigError as exc:
+        print(f"kvpool master: {exc}", file=sys.stderr)
+        return 2
+    refusal = bind_refusal("master", server_cfg.host, args.token, args.insecure)
     if refusal is not None:
         print(refusal, file=sys.stderr)
         return 2
+    if ha_flags.wants_persistence(args):
+        return ha_flags.run_persistent(args, server_cfg, config)
     try:
-        server_cfg, config = build_configs(args)
         master = MasterServer(server_cfg, config).start()
         tune_gc_for_master()
     except (ConfigError, KvpoolError) as exc:
@@ -117,7 +172,9 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    print(f"kvpool master ready: rpc {master.address} admin {master.admin_port}", flush=True)
+    print(f"kvpool master ready: rpc {master.address} admin {master.admin_port}; "
+          f"{exposure(server_cfg, master.rpc_port, master.admin_port)}",
+          flush=True)
     stop.wait()
     master.stop()
     return 0

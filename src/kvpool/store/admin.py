@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvpool.metadata.http_serving import bearer_matches
@@ -88,6 +88,12 @@ def _segment_json(core: MasterCore) -> list[dict[str, Any]]:
              "used_bytes": s.used_bytes, "tier": s.tier.name} for s in core.segment_infos()]
 
 
+def mooncake_segment_names(core: MasterCore) -> list[str]:
+    """Names of the mounted segments as Mooncake lists them: the owner's endpoint
+    ("host:port", what its `get_hostname()` returns), once each, in mount order."""
+    return list(dict.fromkeys(s.endpoint for s in core.segment_infos()))
+
+
 def create_admin_app(core: MasterCore, lock: threading.Lock, metrics: MasterMetrics,
                      rpc_problem: Callable[[], str | None] | None = None,
                      token: str | None = None) -> FastAPI:
@@ -120,10 +126,17 @@ def create_admin_app(core: MasterCore, lock: threading.Lock, metrics: MasterMetr
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/segments", dependencies=guarded)
-    @app.get("/get_all_segments", dependencies=guarded)
     def segments() -> list[dict[str, Any]]:
         with lock:
             return _segment_json(core)
+
+    @app.get("/get_all_segments", dependencies=guarded)
+    def mooncake_segments() -> Response:
+        """Mooncake's format: each mounted segment's name followed by a newline, an empty
+        body when none is mounted (SGLang's `check_server` waits for a non-empty one)."""
+        with lock:
+            names = mooncake_segment_names(core)
+        return PlainTextResponse("".join(f"{name}\n" for name in names))
 
     @app.get("/query_key", dependencies=guarded)
     def query_key(key: str = Query(..., min_length=1, max_length=4096)) -> dict[str, Any]:

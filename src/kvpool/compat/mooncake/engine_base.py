@@ -12,9 +12,11 @@ from __future__ import annotations
 import enum
 import json
 import threading
+import weakref
 from collections.abc import Sequence
 
 from kvpool.compat.mooncake.config import split_hostname
+from kvpool.compat.mooncake.lifecycle import attach_teardown
 from kvpool.errors import KvpoolError
 from kvpool.log import get_logger
 from kvpool.transfer import OpCode, TransferConfig, TransferRequest
@@ -57,6 +59,7 @@ class EngineBase:
 
     def __init__(self) -> None:
         self._engine: NativeEngine | None = None
+        self._teardown: weakref.finalize | None = None
         self._lock = threading.Lock()
         self._order: list[int] = []  # registration order, for get_first_buffer_address
 
@@ -79,17 +82,20 @@ class EngineBase:
         try:
             config = TransferConfig(host=host or "127.0.0.1", port=port,
                                     metadata=metadata_server, protocol=transport)
-            self._engine = NativeEngine(config).start()
+            engine = NativeEngine(config).start()
         except (KvpoolError, OSError, ValueError) as exc:
             log.error("initialize(%r, %r) failed: %s", local_hostname, metadata_server, exc)
             return ERR_INVALID_ARGUMENT
+        self._engine = engine
+        self._teardown = attach_teardown(self, engine.close, f"engine {engine.segment_name}")
         return OK
 
     def close(self) -> None:
-        """kvpool extension: stop listening and unpublish (Mooncake does it at exit)."""
-        if self._engine is not None:
-            self._engine.close()
-            self._engine = None
+        """kvpool extension: stop listening and unpublish. Mooncake does it when the engine
+        is collected or at exit, and so does kvpool (lifecycle.py); idempotent, bounded."""
+        teardown, self._teardown, self._engine = self._teardown, None, None
+        if teardown is not None:
+            teardown()
 
     def get_rpc_port(self) -> int:
         return int(self.native.segment_name.rsplit(":", 1)[1])

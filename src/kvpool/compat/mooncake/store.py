@@ -14,13 +14,13 @@ Arguments Mooncake takes only positionally are positional-only here as well.
 
 from __future__ import annotations
 
-import ctypes
+import os
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import replace
 
-from kvpool.compat.mooncake import tensor_codec
-from kvpool.compat.mooncake.store_base import INVALID, code, log, needs_setup, per_key
-from kvpool.compat.mooncake.store_data import StoreData
+from kvpool.compat.mooncake.config import from_env
+from kvpool.compat.mooncake.store_base import SETUP_FAILED, code, log, needs_setup, per_key
+from kvpool.compat.mooncake.store_ranges import StoreRanges
 from kvpool.compat.mooncake.types import (
     BufferHandle,
     Descriptor,
@@ -33,6 +33,7 @@ from kvpool.compat.mooncake.types import (
     ReplicateConfig,
     SoftPinAction,
 )
+from kvpool.errors import ConfigError
 from kvpool.store.codes import ErrorCode, LookupResult
 
 E = ErrorCode
@@ -40,7 +41,7 @@ E = ErrorCode
 __all__ = [
     "BufferHandle", "Descriptor", "DiskDescriptor", "MemoryDescriptor",
     "MooncakeDistributedStore", "MooncakeHostMemAllocator", "ObjectDataType", "ReplicaDescriptor", "ReplicaStatus",
-    "ReplicateConfig", "SoftPinAction",
+    "ReplicateConfig", "SoftPinAction", "bind_to_numa_node",
 ]
 
 
@@ -56,7 +57,48 @@ def _replicas(look: LookupResult) -> list[ReplicaDescriptor]:
             for r in look.replicas]
 
 
-class MooncakeDistributedStore(StoreData):
+def bind_to_numa_node(node: int) -> None:
+    """Run this thread on the CPUs of NUMA node `node` (LMCache calls it before `setup`);
+    nothing happens where the node or its CPU list is unknown."""
+    try:
+        with open(f"/sys/devices/system/node/node{int(node)}/cpulist", encoding="ascii") as f:
+            cpus = _cpu_list(f.read())
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+    except (OSError, ValueError) as exc:
+        log.info("bind_to_numa_node(%s): %s; left as it was", node, exc)
+
+
+def _cpu_list(text: str) -> set[int]:
+    """CPUs of a Linux cpulist such as "0-3,8,10-11"."""
+    cpus: set[int] = set()
+    for item in text.strip().split(","):
+        if item:
+            low, _, high = item.partition("-")
+            cpus.update(range(int(low), int(high or low) + 1))
+    return cpus
+
+
+class MooncakeDistributedStore(StoreRanges):
+    def setup_dummy(self, mem_pool_size: int, local_buffer_size: int,
+                    server_address: str, /) -> int:
+        """SGLang's standalone-storage mode. Mooncake attaches to a separate `mooncake_client`
+        process at `server_address` that owns the pool memory; kvpool has no such process, so
+        this process joins the pool as a pure client (no segment of its own) of the master
+        named by `MOONCAKE_CONFIG_PATH` / `MOONCAKE_MASTER`, with `local_buffer_size` of
+        staging. The caller's host pool (`mem_pool_size` bytes, from
+        `MooncakeHostMemAllocator`) is registered with `register_buffer` as usual. 0, or -1
+        (no master configured, or the master is unreachable)."""
+        try:
+            config = replace(from_env(os.environ), global_segment_size=0,
+                             local_buffer_size=int(local_buffer_size))
+        except (ConfigError, TypeError, ValueError) as exc:
+            log.error("setup_dummy(%s, %s, %r): kvpool has no standalone client process and "
+                      "connects to the master directly, but %s", mem_pool_size,
+                      local_buffer_size, server_address, exc)
+            return SETUP_FAILED
+        return self._start(config)
+
     # -- existence, size, removal ----------------------------------------------------------
 
     @needs_setup(code)
@@ -68,6 +110,12 @@ class MooncakeDistributedStore(StoreData):
         """1 / 0 / <0 per key. Asked as a replica lookup so that, as in Mooncake, a found
         object gets a read lease (kvpool's plain exists does not grant one)."""
         return [_exist_value(look.code) for look in self.client.replica_desc_batch(list(keys))]
+
+    @needs_setup(per_key)
+    def batch_is_exist_no_lease(self, keys: Sequence[str]) -> list[int]:
+        """1 / 0 / <0 per key, like `batch_is_exist` but granting no read lease (so a
+        lookup never delays the object's eviction or removal)."""
+        return [_exist_value(status) for status in self.client.batch_exists(list(keys))]
 
     @needs_setup(code)
     def get_size(self, key: str, /) -> int:
@@ -107,77 +155,6 @@ class MooncakeDistributedStore(StoreData):
         looks = self._client.replica_desc_batch(list(keys))
         return {k: _replicas(look) for k, look in zip(keys, looks, strict=True)
                 if look.code is E.OK}
-
-    # -- torch tensors -----------------------------------------------------------------------
-
-    def put_tensor(self, key: str, tensor: Any) -> int:
-        return self.batch_put_tensor([key], [tensor])[0]
-
-    def upsert_tensor(self, key: str, tensor: Any) -> int:
-        return self._put_tensors([key], [tensor], None, upsert=True)[0]
-
-    def pub_tensor(self, key: str, tensor: Any, config: ReplicateConfig | None = None) -> int:
-        return self._put_tensors([key], [tensor], config, upsert=False)[0]
-
-    def batch_put_tensor(self, keys: Sequence[str], tensors_list: Sequence[Any]) -> list[int]:
-        return self._put_tensors(keys, tensors_list, None, upsert=False)
-
-    def batch_upsert_tensor(self, keys: Sequence[str], tensors_list: Sequence[Any]) -> list[int]:
-        return self._put_tensors(keys, tensors_list, None, upsert=True)
-
-    def batch_pub_tensor(self, keys: Sequence[str], tensors_list: Sequence[Any],
-                         config: ReplicateConfig | None = None) -> list[int]:
-        return self._put_tensors(keys, tensors_list, config, upsert=False)
-
-    @needs_setup(per_key)
-    def _put_tensors(self, keys: Sequence[str], tensors: Sequence[Any],
-                     config: ReplicateConfig | None, upsert: bool) -> list[int]:
-        if len(keys) != len(tensors):
-            return [INVALID] * len(keys)
-        values: list[bytes | None] = []
-        for tensor in tensors:
-            try:
-                values.append(tensor_codec.encode_header(tensor)
-                              + tensor_codec.payload_of(tensor).tobytes())
-            except (AttributeError, TypeError, ValueError, RuntimeError) as exc:
-                log.warning("cannot store tensor: %s", exc)
-                values.append(None)
-        return self._put_values(keys, values, config, upsert)
-
-    def get_tensor(self, key: str) -> Any | None:
-        """The tensor stored under `key`, or None when missing or not a tensor."""
-        return self.batch_get_tensor([key])[0]
-
-    def batch_get_tensor(self, keys: Sequence[str]) -> list[Any | None]:
-        if self._client is None:
-            return [None] * len(keys)
-        return [tensor_codec.decode(r.data) if r.ok else None
-                for r in self._client.get_batch(list(keys))]
-
-    def get_tensor_into(self, key: str, buffer_ptr: int, size: int) -> Any | None:
-        """Read the whole object (header and data) into the registered buffer and return a
-        tensor viewing its data part; None on any failure."""
-        return self.batch_get_tensor_into([key], [buffer_ptr], [size])[0]
-
-    def batch_get_tensor_into(self, keys: Sequence[str], buffer_ptrs: Sequence[int],
-                              sizes: Sequence[int]) -> list[Any | None]:
-        if self._client is None or not len(keys) == len(buffer_ptrs) == len(sizes):
-            return [None] * len(keys)
-        read = self.batch_get_into(keys, buffer_ptrs, sizes)
-        return [_tensor_at(ptr, n) if n > 0 else None
-                for ptr, n in zip(buffer_ptrs, read, strict=True)]
-
-
-def _tensor_at(ptr: int, num_bytes: int) -> Any | None:
-    if num_bytes < tensor_codec.HEADER_BYTES:
-        return None
-    raw = (ctypes.c_ubyte * num_bytes).from_address(ptr)
-    head = tensor_codec.decode_header(memoryview(raw).cast("B"))
-    if head is None:
-        return None
-    data = (ctypes.c_ubyte * (num_bytes - tensor_codec.HEADER_BYTES)).from_address(
-        ptr + tensor_codec.HEADER_BYTES)
-    return tensor_codec.tensor_from(data, *head)
 
 
 UNDEFINED, INITIALIZED, PROCESSING, COMPLETE, REMOVED, FAILED = tuple(ReplicaStatus)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import functools
 import os
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from kvpool.compat.mooncake.config import MooncakeConfig, from_env, from_setup_args
+from kvpool.compat.mooncake.lifecycle import attach_teardown
 from kvpool.compat.mooncake.types import ReplicateConfig
 from kvpool.errors import ConfigError, KvpoolError
 from kvpool.log import get_logger
@@ -60,30 +62,47 @@ class StoreBase:
 
     def __init__(self) -> None:
         self._client: StoreClient | None = None
+        self._teardown: weakref.finalize | None = None
         self.config: MooncakeConfig | None = None
 
     def setup(self, *args: Any, **kwargs: Any) -> int:
         """Mooncake's 7-positional form (with keywords), `setup(dict)`, or (a kvpool extension)
         no arguments: read `MOONCAKE_CONFIG_PATH` / `MOONCAKE_*`. 0, or -1 on failure; TypeError
         for unknown or missing arguments, as in Mooncake."""
+        try:
+            config, engine = from_env_or_args(args, kwargs)
+        except (ConfigError, ValueError) as exc:
+            log.error("setup failed: %s", exc)
+            return SETUP_FAILED
+        if engine is not None:
+            log.info("a shared engine was passed; kvpool's store runs its own engine")
+        return self._start(config)
+
+    def _start(self, config: MooncakeConfig) -> int:
+        """Connect with `config`: 0, or -1 (already set up, or the client could not start)."""
         if self._client is not None:
             log.warning("setup called on a store that is already set up")
             return SETUP_FAILED
         try:
-            config, engine = from_env_or_args(args, kwargs)
-            if engine is not None:
-                log.info("a shared engine was passed; kvpool's store runs its own engine")
-            self._client = StoreClient(config.client_config())
+            client = StoreClient(config.client_config())
         except (ConfigError, KvpoolError, OSError, ValueError) as exc:
             log.error("setup failed: %s", exc)
             return SETUP_FAILED
-        self.config = config
+        self._adopt(client, config)
         return 0
 
+    def _adopt(self, client: StoreClient, config: MooncakeConfig) -> None:
+        """Hold `client`, and tear it down (unmount, unpublish) when this store is closed,
+        collected, or still alive at interpreter exit (see lifecycle.py)."""
+        self._client, self.config = client, config
+        self._teardown = attach_teardown(self, client.close, f"store {client.endpoint}")
+
     def close(self) -> int:
-        client, self._client = self._client, None
-        if client is not None:
-            client.close()
+        """Unmount this process's segment and stop its threads; 0. Idempotent, and bounded
+        in time (lifecycle.CLOSE_BOUND_S); the store can be set up again afterwards."""
+        teardown, self._teardown, self._client = self._teardown, None, None
+        if teardown is not None:
+            teardown()
         return 0
 
     def health_check(self) -> int:
