@@ -18,11 +18,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from typing import Any
 
 import numpy as np
 
+from kvpool.procs import free_port, running, wait_port
 from kvpool.units import format_size, parse_size
 
 Record = dict[str, Any]
@@ -217,15 +218,15 @@ def _kvpool_systems(stack: ExitStack, dram: int, lease_ms: int,
     from kvpool.store.client import StoreClient
     from kvpool.store.client_config import ClientConfig
     from kvpool.store.rpc_client import RpcClient
-    rpc, admin = _free_port(), _free_port()
-    stack.enter_context(_process([sys.executable, "-m", "kvpool", "master", "--rpc_port",
+    rpc, admin = free_port(), free_port()
+    stack.enter_context(running([sys.executable, "-m", "kvpool", "master", "--rpc_port",
                                   str(rpc), "--metrics_port", str(admin),
                                   "--no-http-metadata", "--default_kv_lease_ttl",
-                                  str(lease_ms)]))
+                                  str(lease_ms)], stderr=subprocess.DEVNULL))
     master = f"127.0.0.1:{rpc}"
-    _wait_port(rpc)
-    stack.enter_context(_process([sys.executable, "-m", "kvpool", "store-node", "--dram",
-                                  str(dram), "--master", master]))
+    wait_port(rpc)
+    stack.enter_context(running([sys.executable, "-m", "kvpool", "store-node", "--dram",
+                                  str(dram), "--master", master], stderr=subprocess.DEVNULL))
     with RpcClient(master, "bench-probe") as probe:
         from kvpool.store.protocol import Op
         _wait_until(lambda: len(probe.call(Op.SEGMENTS)) == 1, "the store node to mount")
@@ -283,15 +284,16 @@ class _MooncakeAdapter(_KvpoolAdapter):
 def _mooncake_system(stack: ExitStack, dram: int, lease_ms: int) -> _MooncakeAdapter:
     os.environ.setdefault("GLOG_minloglevel", "2")  # before the wheel initialises glog
     from mooncake.store import MooncakeDistributedStore
-    rpc, admin = _free_port(), _free_port()
+    rpc, admin = free_port(), free_port()
     binary = _mooncake_master_binary()
     assert binary is not None
-    stack.enter_context(_process([binary, f"--rpc_port={rpc}", f"--metrics_port={admin}"]))
-    _wait_port(rpc)
+    stack.enter_context(running([binary, f"--rpc_port={rpc}", f"--metrics_port={admin}"],
+                                stderr=subprocess.DEVNULL))
+    wait_port(rpc)
     master = f"127.0.0.1:{rpc}"
-    node = stack.enter_context(_process([sys.executable, "-c", MOONCAKE_NODE, master,
+    node = stack.enter_context(running([sys.executable, "-c", MOONCAKE_NODE, master,
                                          str(dram)], stdout=subprocess.PIPE,
-                                        stdin=subprocess.PIPE))
+                                        stdin=subprocess.PIPE, stderr=subprocess.DEVNULL))
     assert node.stdout is not None
     line = node.stdout.readline().decode().strip()
     if line != NODE_READY:
@@ -305,40 +307,6 @@ def _mooncake_system(stack: ExitStack, dram: int, lease_ms: int) -> _MooncakeAda
 
 
 # -- processes and output ---------------------------------------------------------------------
-
-@contextmanager
-def _process(cmd: list[str], **kwargs: Any) -> Iterator[subprocess.Popen[bytes]]:
-    kwargs.setdefault("stdout", subprocess.DEVNULL)
-    proc = subprocess.Popen(cmd, stderr=subprocess.DEVNULL, **kwargs)
-    try:
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _wait_port(port: int, timeout_s: float = 20.0) -> None:
-    import socket
-
-    def accepts() -> bool:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
-            return True
-        except OSError:
-            return False
-    _wait_until(accepts, f"port {port}", timeout_s)
-
 
 def _wait_until(cond: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
     deadline = time.monotonic() + timeout_s

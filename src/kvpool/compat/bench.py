@@ -12,16 +12,15 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
 from kvpool.bench.common import Measurement, emit
+from kvpool.procs import free_port, stop, wait_port
 from kvpool.units import parse_size
 
 _CLIENT = "kvpool.compat.bench_client"
@@ -83,37 +82,20 @@ def add_ratios(results: list[Measurement]) -> None:
             m.anchor, m.ratio = "mooncake", mine / theirs
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _wait_port(port: int, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), 0.5).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"no master on port {port} after {timeout_s}s")
-
-
 @contextmanager
 def _master(impl: str) -> Iterator[str]:
-    rpc = _free_port()
-    flags = [f"--rpc_port={rpc}", f"--metrics_port={_free_port()}",
+    rpc = free_port()
+    flags = [f"--rpc_port={rpc}", f"--metrics_port={free_port()}",
              "--enable_http_metadata_server=false", "--default_kv_lease_ttl=200"]
     binary = mooncake_master_binary()
     command = [str(binary), *flags] if impl == "mooncake" and binary else \
         [sys.executable, "-m", "kvpool", "--log-level", "WARNING", "master", *flags]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        _wait_port(rpc)
+        wait_port(rpc)
         yield f"127.0.0.1:{rpc}"
     finally:
-        _stop(proc)
+        stop(proc, 5.0)
 
 
 @contextmanager
@@ -130,7 +112,7 @@ def _node(impl: str, master: str, dram: int) -> Iterator[None]:
     finally:
         if proc.stdin:
             proc.stdin.close()
-        _stop(proc, grace_s=10)
+        stop(proc, 10)
 
 
 def _client(impl: str, master: str, sizes: str, batch: int, phase_bytes: int,
@@ -145,11 +127,3 @@ def _client(impl: str, master: str, sizes: str, batch: int, phase_bytes: int,
     return [Measurement(**row) for row in rows]
 
 
-def _stop(proc: subprocess.Popen[Any], grace_s: float = 5.0) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-    try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()

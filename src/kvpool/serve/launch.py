@@ -11,7 +11,6 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 import httpx
 
 from kvpool.errors import KvpoolError
+from kvpool.procs import free_port, stop
 
 _PR_SET_PDEATHSIG = 1
 MASTER_GRACE_S = 3.0
@@ -54,22 +54,6 @@ def spawn(*args: str, quiet: bool = True, keeper_grace_s: float = 0.0) -> subpro
         cmd = [sys.executable, "-m", "kvpool.serve.keeper", str(keeper_grace_s), *cmd]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL if quiet else None,
                             preexec_fn=die_with_parent(os.getpid()), start_new_session=True)
-
-
-def stop(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def wait_http(url: str, procs: list[subprocess.Popen[bytes]], what: str,

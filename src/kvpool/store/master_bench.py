@@ -103,12 +103,12 @@ def _service_bench_tuned(seconds: float) -> Iterator[dict[str, Any]]:
 
 
 def _rpc_bench(seconds: float, num_clients: int) -> Iterator[dict[str, Any]]:
-    from kvpool.bench.store import _free_port, _process, _wait_port
-    rpc, admin = _free_port(), _free_port()
-    with _process([sys.executable, "-m", "kvpool", "master", "--rpc_port", str(rpc),
+    from kvpool.procs import free_port, running, wait_port
+    rpc, admin = free_port(), free_port()
+    with running([sys.executable, "-m", "kvpool", "master", "--rpc_port", str(rpc),
                    "--metrics_port", str(admin), "--no-http-metadata"],
-                  stdout=subprocess.DEVNULL):
-        _wait_port(rpc)
+                  stderr=subprocess.DEVNULL):
+        wait_port(rpc)
         with RpcClient(f"127.0.0.1:{rpc}", "bench") as client:
             yield from _run("master-rpc", client.call, seconds, "rpc")
         if num_clients > 1:
@@ -207,11 +207,11 @@ def _echo_floors(seconds: float, num_clients: int) -> Iterator[dict[str, Any]]:
     """Round trips of bare echo servers on this machine, one Python thread each: the
     ceiling of any request/reply over that transport here, for reading the master-rpc
     rates."""
-    from kvpool.bench.store import _free_port, _process, _wait_port
+    from kvpool.procs import free_port, running, wait_port
     for system, server, client in echo_floors():
-        port = _free_port()
-        with _process([sys.executable, "-c", server, str(port)]):
-            _wait_port(port)
+        port = free_port()
+        with running([sys.executable, "-c", server, str(port)], stderr=subprocess.DEVNULL):
+            wait_port(port)
             for clients in sorted({1, num_clients}):
                 procs = [subprocess.Popen([sys.executable, "-c", client, str(port),
                                            str(seconds / 2)], stdout=subprocess.PIPE)
