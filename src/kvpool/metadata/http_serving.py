@@ -9,15 +9,13 @@ concurrency and idle time, shared by every server so that they defend alike.
   a traceback for every attempt (a backlog's worth each second); `QuietServer` logs one
   line per interval instead.
 
-`RateLimitedLog` is shared with the store master's RPC server.
+Repeated warnings go through `kvpool.log.RateLimitedLog`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-import logging
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +23,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kvpool.errors import ConfigError
-from kvpool.log import get_logger
+from kvpool.log import RateLimitedLog, get_logger
 
 LOG_INTERVAL_S = 5.0
 _ACCEPT_FAILED = "socket.accept() out of system resource"
@@ -59,26 +57,6 @@ class _SilentConnectionTimeout(H11Protocol):
         super().connection_made(transport)
         self.timeout_keep_alive_task = self.loop.call_later(
             self.timeout_keep_alive, self.timeout_keep_alive_handler)
-
-
-class RateLimitedLog:
-    """Warnings that may repeat many times a second, logged at most once per interval with
-    the count of those left out."""
-
-    def __init__(self, logger: logging.Logger, interval_s: float) -> None:
-        self._log, self.interval_s = logger, interval_s
-        self._last_s = -interval_s
-        self._suppressed = 0
-
-    def warn(self, message: str, *args: object, exc_info: bool = False) -> None:
-        now = time.monotonic()
-        if now - self._last_s < self.interval_s:
-            self._suppressed += 1
-            return
-        if self._suppressed:
-            message += f" ({self._suppressed} more like it in the last {self.interval_s:.0f}s)"
-        self._log.warning(message, *args, exc_info=exc_info)
-        self._last_s, self._suppressed = now, 0
 
 
 class QuietServer(uvicorn.Server):

@@ -29,8 +29,7 @@ import time
 from collections.abc import Callable
 
 from kvpool.errors import AuthError, LocalProtocolError, RemoteProtocolError, StoreError
-from kvpool.log import get_logger
-from kvpool.metadata.http_serving import RateLimitedLog
+from kvpool.log import RateLimitedLog, get_logger
 from kvpool.store.codes import ErrorCode as E
 from kvpool.store.framing import FrameDecoder, encode_frame
 from kvpool.store.protocol import MAX_FRAME_BYTES, encode_reply, peek_req_id

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvpool.errors import KvpoolError, ProtocolError, RemoteProtocolError
-from kvpool.log import get_logger
+from kvpool.log import RateLimitedLog, get_logger
 from kvpool.transfer.auth import INITIATOR, TARGET, check_proof, new_nonce, nonce_of, proof
 from kvpool.transfer.config import TransferConfig
 from kvpool.transfer.decoder import Control, FrameDecoder, FrameEnd, FrameStart
@@ -50,7 +50,7 @@ class TcpTarget:
         self.port = int(self._listener.getsockname()[1])
         self.name = f"{config.host}:{self.port}"  # our segment name, which the initiator dialed
         self._per_address: dict[str, int] = {}
-        self._warned_at = -_WARN_INTERVAL_S
+        self._accept_log = RateLimitedLog(log, _WARN_INTERVAL_S)
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
@@ -84,11 +84,8 @@ class TcpTarget:
 
     def _back_off(self, exc: OSError) -> None:
         if exc.errno in _EXHAUSTED:
-            now = time.monotonic()
-            if now - self._warned_at >= _WARN_INTERVAL_S:
-                self._warned_at = now
-                log.warning("listener %s cannot accept (%s); retrying every %gs", self.name,
-                            exc.strerror, _BACKOFF_S)
+            self._accept_log.warn("listener %s cannot accept (%s); retrying every %gs",
+                                  self.name, exc.strerror, _BACKOFF_S)
             time.sleep(_BACKOFF_S)
 
     def _admit(self, conn: socket.socket, address: str) -> None:
