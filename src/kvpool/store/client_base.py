@@ -7,7 +7,7 @@ import os
 import secrets
 import threading
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +37,39 @@ def new_fence() -> int:
 
 
 _PUT_OK = PutResult(ErrorCode.OK)
+
+
+RPC_BATCH_KEY_BYTES = 16 << 20
+"""Bytes of keys per master RPC: a quarter of the frame limit, leaving room for the other
+per-key arguments and for the reply."""
+
+
+def key_chunks(keys: Sequence[str], max_keys: int) -> list[tuple[int, int]]:
+    """[lo, hi) index ranges cutting `keys` into runs of at most `max_keys` keys and
+    RPC_BATCH_KEY_BYTES bytes of UTF-8 (counting 64 bytes of framing per key)."""
+    chunks, lo, size = [], 0, 0
+    for i, key in enumerate(keys):
+        n = len(key.encode()) + 64
+        if i > lo and (i - lo >= max_keys or size + n > RPC_BATCH_KEY_BYTES):
+            chunks.append((lo, i))
+            lo, size = i, 0
+        size += n
+    if lo < len(keys):
+        chunks.append((lo, len(keys)))
+    return chunks
+
+
+def _refusal_code(status: int | None) -> ErrorCode:
+    """The code of a whole-request refusal; RPC_FAIL when there is none to pass on."""
+    if status is None or status == 0 or status not in ErrorCode._value2member_map_:
+        return E.RPC_FAIL
+    return ErrorCode(status)
+
+
+def _lookup_items(reply: Any) -> list[Any]:
+    """GET_REPLICAS answers [lease_s, items]: the items, each carrying that lease."""
+    lease_s, items = reply
+    return [(code, size, wire, lease_s, checksum) for code, size, wire, _, checksum in items]
 
 
 class RpcFailed(Exception):
@@ -95,13 +128,33 @@ class ClientBase:
     # -- master RPC, segments, liveness ----------------------------------------------------
 
     def _call(self, op: Op, *args: Any) -> Any:
+        """The result of `op`, or RpcFailed with the code users see: RPC_TIMEOUT, the status
+        of a reply that refused the whole request (a batch over the master's limit:
+        INVALID_PARAMS), RPC_FAIL for a broken connection."""
         try:
             return self._rpc.call(op, *args)
         except RpcTimeout:
             raise RpcFailed(E.RPC_TIMEOUT) from None
         except RpcError as exc:
             log.warning("%s failed: %s", op.name, exc)
-            raise RpcFailed(E.RPC_FAIL) from None
+            raise RpcFailed(_refusal_code(exc.status)) from None
+
+    def _call_keyed(self, op: Op, keys: Sequence[str], columns: Sequence[Sequence[Any]],
+                    rest: Sequence[Any], refused: Callable[[ErrorCode], Any],
+                    unpack: Callable[[Any], list[Any]] = list) -> list[Any]:
+        """Per-key results of `op` over `keys` (and the per-key `columns`, then the `rest` of
+        the arguments), one RPC per chunk of at most `rpc_batch_keys` keys and
+        RPC_BATCH_KEY_BYTES of keys, so no request exceeds the master's batch or frame limit.
+        `unpack` turns one reply into its per-key items. The keys of a chunk whose call failed
+        get `refused(code)`; the other chunks still run."""
+        out: list[Any] = []
+        for lo, hi in key_chunks(keys, self.config.rpc_batch_keys):
+            try:
+                out += unpack(self._call(op, list(keys[lo:hi]), *(c[lo:hi] for c in columns),
+                                         *rest))
+            except RpcFailed as exc:
+                out += [refused(exc.code)] * (hi - lo)
+        return out
 
     def mount(self, size: int) -> str:
         """Contribute `size` bytes of shared memory to the pool; returns the segment id. The
@@ -163,18 +216,23 @@ class ClientBase:
         """Mount every segment again after the master forgot this client (it restarted, or
         declared us dead), and publish the segment descriptor again (a restarted master's
         embedded directory is empty). Each segment first gets a new fence, so writes
-        planned against the old mount (or the old master) are refused from then on. False
-        when the master could not take it yet; the next heartbeat tries again."""
-        for segment_id, buf in list(self._segments.items()):
+        planned against the old mount (or the old master) are refused from then on; a
+        segment a stalled writer keeps from being re-fenced is replaced by fresh memory
+        (`TransferEngine.renew_managed`). False when the master could not take it yet; the
+        next heartbeat tries again."""
+        for segment_id, old in list(self._segments.items()):
             log.warning("master forgot us; mounting %s again", segment_id)
             fence = new_fence()
-            try:
-                self.engine.set_fence(buf.addr, fence)
-            except KvpoolError as exc:
-                if buf.fence.value != fence:  # never mount under a fence the memory lacks
-                    log.warning("cannot fence %s yet (%s); retrying", segment_id, exc)
-                    return False
-                log.warning("fenced %s, a late write may still be copying: %s", segment_id, exc)
+            try:  # never mount under a fence the memory does not enforce
+                buf = self.engine.renew_managed(old, fence)
+            except KvpoolError as exc:  # no memory for a fresh buffer: the segment is gone
+                log.warning("cannot re-fence or replace %s (%s); dropping it", segment_id, exc)
+                del self._segments[segment_id]
+                continue
+            if buf is not old:
+                self._segments[segment_id] = buf
+                if self.config.prefault:
+                    buf.numpy()[::4096] = 0
             try:
                 code, new_id = self._hb_rpc.call(Op.MOUNT, self.endpoint, buf.addr, buf.length,
                                                  int(Tier.DRAM), fence)
@@ -195,7 +253,7 @@ class ClientBase:
         """Publish our segment descriptor in the directory again; False (retried at the next
         heartbeat) while the directory cannot take it."""
         try:
-            self.engine._publish()
+            self.engine.publish()
         except KvpoolError as exc:
             log.warning("could not publish segment %s again: %s", self.endpoint, exc)
             return False
@@ -275,8 +333,10 @@ class ClientBase:
         sizes = [parts_total(parts[i]) for i in todo]
         preferred = ([cfg.preferred_segment] if cfg.preferred_segment else []) \
             + list(cfg.preferred_segments)
-        started = self._call(Op.PUT_START, [keys[i] for i in todo], sizes, cfg.replica_num,
-                             cfg.with_hard_pin, cfg.with_soft_pin, preferred, upsert)
+        started = self._call_keyed(
+            Op.PUT_START, [keys[i] for i in todo], [sizes],
+            (cfg.replica_num, cfg.with_hard_pin, cfg.with_soft_pin, preferred, upsert),
+            lambda code: (int(code), []))
         copies: dict[int, list[Copy]] = {}
         for i, size, (code, wire) in zip(todo, sizes, started, strict=True):
             if code == E.OBJECT_ALREADY_EXISTS and not upsert:
@@ -295,7 +355,7 @@ class ClientBase:
             size_of = dict(zip(todo, sizes, strict=True))
             sums = [parts_checksum(parts[i], size_of[i]) if self.config.write_checksums
                     else None for i in ok]
-            ended = self._call(Op.PUT_END, [keys[i] for i in ok], sums)
+            ended = self._call_keyed(Op.PUT_END, [keys[i] for i in ok], [sums], (), int)
             for i, code in zip(ok, ended, strict=True):
                 results[i] = _PUT_OK if code == 0 else PutResult(ErrorCode(code))
 
@@ -311,11 +371,11 @@ class ClientBase:
     def _revoke(self, keys: list[str]) -> None:
         """Give up puts whose copies failed. Best effort: if the master cannot be told, it
         discards them after put_discard_timeout_s; the puts that were written still end."""
-        try:
-            self._call(Op.PUT_REVOKE, keys)
-        except RpcFailed as exc:
+        codes = self._call_keyed(Op.PUT_REVOKE, keys, (), (), RpcFailed)
+        failed = [c for c in codes if isinstance(c, RpcFailed)]
+        if failed:
             log.warning("could not revoke %d failed puts (%s); the master will discard them",
-                        len(keys), exc.code.name)
+                        len(failed), failed[0].code.name)
 
     def _lookup(self, keys: Sequence[str]) -> tuple[list[LookupResult], float]:
         """Replica lookups (granting read leases) and the time they were asked for."""
@@ -323,11 +383,10 @@ class ClientBase:
         valid = [i for i, k in enumerate(keys) if valid_key(k)]
         out = [LookupResult(E.INVALID_PARAMS)] * len(keys)
         if valid:
-            try:
-                lease_s, items = self._call(Op.GET_REPLICAS, [keys[i] for i in valid])
-            except RpcFailed as exc:
-                return [LookupResult(exc.code)] * len(keys), t0
-            for i, (code, size, wire, _, checksum) in zip(valid, items, strict=True):
+            items = self._call_keyed(Op.GET_REPLICAS, [keys[i] for i in valid], (), (),
+                                     lambda code: (int(code), 0, [], 0.0, None),
+                                     unpack=_lookup_items)
+            for i, (code, size, wire, lease_s, checksum) in zip(valid, items, strict=True):
                 reps = tuple(replica_from_wire(w) for w in wire)
                 out[i] = LookupResult(ErrorCode(code), size, reps, lease_s, checksum)
         return out, t0
