@@ -12,7 +12,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.clock import SYSTEM_CLOCK, Clock
-from kvpool.errors import KvpoolError, MetadataError, RpcError, RpcTimeout, TransferError
+from kvpool.errors import (
+    KvpoolError,
+    MemoryRegistrationError,
+    MetadataError,
+    RpcError,
+    RpcTimeout,
+    TransferError,
+)
 from kvpool.log import get_logger
 from kvpool.store.checksum import parts_checksum
 from kvpool.store.client_config import ClientConfig
@@ -279,16 +286,27 @@ class ClientBase:
                 return b
         return None
 
+    def _registered(self, parts: Sequence[Part], writable: bool) -> bool:
+        """Whether every part lies inside one buffer registered with the engine (writable,
+        for reads). The engine refuses anything else, so such an item is the caller's
+        INVALID_PARAMS on every route, found before a put starts."""
+        find = self.engine.registry.find
+        for addr, n in parts:
+            buf = find(addr, n) if addr + n < 1 << 64 else None
+            if buf is None or (writable and buf.readonly):
+                return False
+        return True
+
     def _copy_own(self, op: OpCode, local: int, remote: int, n: int, fence: int) -> bool:
         """memcpy to or from our own segment through the engine's checked copy, admitted by the
         segment's fence like a peer's request (so a re-mount's set_fence waits for it). False
-        for a stale replica (no longer mounted, or fenced); unregistered local memory raises
-        MemoryRegistrationError."""
+        for a stale replica (no longer mounted, or fenced), and for local memory unregistered
+        since the caller checked it."""
         if self._own_buffer(remote, n) is None:
             return False
         try:
             self.engine.copy_local(op, local, remote, n, fence)
-        except TransferError:
+        except (TransferError, MemoryRegistrationError):  # fenced, or unregistered meanwhile
             return False
         return True
 
@@ -317,7 +335,7 @@ class ClientBase:
         results: list[PutResult | None] = [None] * len(keys)
         todo = []
         for i, (key, p) in enumerate(zip(keys, parts, strict=True)):
-            if valid_key(key) and valid_parts(p):
+            if valid_key(key) and valid_parts(p) and self._registered(p, writable=False):
                 todo.append(i)
             else:
                 results[i] = PutResult(E.INVALID_PARAMS)
@@ -403,7 +421,8 @@ class ClientBase:
         for i, (look, p) in enumerate(zip(looks, parts, strict=True)):
             if look.code != E.OK:
                 results.append(ReadResult(look.code))
-            elif p is None or not valid_parts(p) or parts_total(p) < look.size:
+            elif p is None or not valid_parts(p) or parts_total(p) < look.size \
+                    or not self._registered(p, writable=True):
                 results.append(ReadResult(E.INVALID_PARAMS))
             else:
                 results.append(ReadResult(E.OK, look.size))
