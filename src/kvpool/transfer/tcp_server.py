@@ -9,7 +9,9 @@ for it. A malformed frame or a failed handshake closes that connection only.
 Bounds, so hostile or broken peers cost little: the whole handshake has one deadline
 (`handshake_timeout_s`), a frame in progress `timeout_s` per read, an idle authenticated
 connection `idle_timeout_s` (optional); at most `max_connections_per_address` connections per
-remote address; and accept() failing for want of fds or memory backs off and retries.
+remote address (at the limit the one of that address idle longest, in the handshake or
+between frames, is closed for the newcomer); and accept() failing for want of fds or memory
+backs off and retries.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ _DISCARD = memoryview(bytearray(1 << 20))
 _EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 _RETRY_ACCEPT = _EXHAUSTED | {errno.ECONNABORTED, errno.EINTR, errno.EPROTO, errno.EPERM}
 _BACKOFF_S = 0.1
+_HANDSHAKE, _IDLE, _BUSY, _EVICTED = "handshake", "idle", "busy", "evicted"
 _WARN_INTERVAL_S = 10.0
 
 
@@ -52,6 +55,9 @@ class TcpTarget:
         self._per_address: dict[str, int] = {}
         self._accept_log = RateLimitedLog(log, _WARN_INTERVAL_S)
         self._conns: set[socket.socket] = set()
+        self._phase: dict[socket.socket, tuple[str, float, str]] = {}
+        """conn -> (phase, since when, remote address): who may give way at the limit."""
+        self._evictions = RateLimitedLog(log, _WARN_INTERVAL_S)
         self._lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._accept_loop, name="kvpool-tcp-accept", daemon=True)
@@ -89,14 +95,19 @@ class TcpTarget:
             time.sleep(_BACKOFF_S)
 
     def _admit(self, conn: socket.socket, address: str) -> None:
-        """Serve `conn` on its own thread, unless its address already has its share."""
+        """Serve `conn` on its own thread. When its address already has its share, its
+        connection that has made no progress the longest (in the handshake, or idle between
+        frames) gives way, so connections that never finish cannot lock out the peers of
+        that address (on one host, every peer); with every one busy, `conn` is refused."""
         with self._lock:
-            if self._per_address.get(address, 0) >= self._config.max_connections_per_address:
+            if self._per_address.get(address, 0) >= self._config.max_connections_per_address \
+                    and not self._evict_idle(address):
                 log.debug("refusing another connection from %s", address)
                 conn.close()
                 return
             self._per_address[address] = self._per_address.get(address, 0) + 1
             self._conns.add(conn)
+            self._phase[conn] = (_HANDSHAKE, time.monotonic(), address)
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(target=self._serve, args=(conn, address), name="kvpool-tcp-conn",
@@ -105,8 +116,33 @@ class TcpTarget:
             log.warning("cannot serve a new peer: %s", exc)
             self._release(conn, address)
 
+    def _evict_idle(self, address: str) -> bool:
+        """Shut down the connection from `address` that has waited longest in the handshake
+        or between frames (its thread then releases it); False if all are busy. Under _lock."""
+        idle = [(phase != _HANDSHAKE, since, c) for c, (phase, since, a) in self._phase.items()
+                if a == address and phase in (_HANDSHAKE, _IDLE)]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda x: x[:2])[2]
+        self._phase[victim] = (_EVICTED, 0.0, address)
+        self._evictions.warn("connections from %s at the limit (%d): closing the one idle "
+                             "longest for a new one", address,
+                             self._config.max_connections_per_address)
+        try:
+            victim.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        return True
+
+    def _set_phase(self, conn: socket.socket, phase: str) -> None:
+        with self._lock:
+            entry = self._phase.get(conn)
+            if entry is not None and entry[0] != _EVICTED:
+                self._phase[conn] = (phase, time.monotonic(), entry[2])
+
     def _release(self, conn: socket.socket, address: str) -> None:
         with self._lock:
+            self._phase.pop(conn, None)
             self._conns.discard(conn)
             left = self._per_address.get(address, 1) - 1
             if left:
@@ -118,9 +154,10 @@ class TcpTarget:
     def _serve(self, conn: socket.socket, address: str) -> None:
         try:
             if self._handshake(conn):
+                self._set_phase(conn, _IDLE)
                 decoder = FrameDecoder()
                 while self._serve_frame(conn, decoder):
-                    pass
+                    self._set_phase(conn, _IDLE)
         except ProtocolError as exc:
             log.warning("dropping peer after protocol error: %s", exc)
             _try_send(conn, encode_control(FrameType.ERROR, f"protocol error: {exc}"))
@@ -170,6 +207,7 @@ class TcpTarget:
         if not isinstance(start, FrameStart) or start.header.type not in (FrameType.WRITE, FrameType.READ):
             kind = start.header.type.name if isinstance(start, FrameStart | Control) else "data"
             raise RemoteProtocolError(f"unexpected {kind} frame from an initiator")
+        self._set_phase(conn, _BUSY)
         conn.settimeout(timeout_s)
         if start.header.type == FrameType.WRITE:
             self._serve_write(conn, decoder, start)
