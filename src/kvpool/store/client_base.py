@@ -183,12 +183,16 @@ class ClientBase:
         self._segments[segment_id] = buf
         return str(segment_id)
 
-    def unmount(self, segment_id: str) -> ErrorCode:
+    def unmount(self, segment_id: str, timeout_s: float | None = None) -> ErrorCode:
+        """Withdraw a segment (its memory is freed even when the master cannot be told:
+        RPC_FAIL or RPC_TIMEOUT, and the master drops it after client_ttl_s)."""
         buf = self._segments.pop(segment_id, None)
         if buf is None:
             return E.SEGMENT_NOT_FOUND
         try:
-            code = ErrorCode(self._rpc.call(Op.UNMOUNT, segment_id))
+            code = ErrorCode(self._rpc.call(Op.UNMOUNT, segment_id, timeout_s=timeout_s))
+        except RpcTimeout:
+            code = E.RPC_TIMEOUT
         except RpcError:
             code = E.RPC_FAIL
         try:
@@ -271,8 +275,8 @@ class ClientBase:
             return
         self._stop.set()
         self._hb.join(self.config.heartbeat_interval_s + self.config.rpc_timeout_s)
-        for segment_id in list(self._segments):
-            self.unmount(segment_id)
+        for segment_id in list(self._segments):  # a master that is gone must not hold us
+            self.unmount(segment_id, timeout_s=min(1.0, self.config.rpc_timeout_s))
         self._staging.close()
         self._rpc.close()
         self._hb_rpc.close()
