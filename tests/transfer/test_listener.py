@@ -10,6 +10,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kvpool.transfer import OpCode, TransferConfig, TransferEngine, TransferRequest
+from kvpool.transfer.protocol import FrameType, encode_descriptors, encode_header
 from kvpool.transfer.tcp_client import open_connection
 from tests.transfer.conftest import Target, sha
 
@@ -92,3 +93,26 @@ def test_idle_authenticated_connections_are_closed(target_factory: Callable[...,
         engine.write(target.segment, local.addr, target.plain, 4096)
         time.sleep(1.0)  # the pooled connection is closed by the target meanwhile
         engine.write(target.segment, local.addr, target.plain, 4096)
+
+
+def test_a_trickled_write_frame_is_cut_off(target_factory: Callable[..., Target]) -> None:
+    """A peer that sends a write's payload one byte at a time, each just inside the read
+    timeout, formerly held the admitted write (and the region's fence) for as long as it
+    liked; now the whole payload has timeout_s plus its size at 1 MiB/s."""
+    target = target_factory(timeout_s=0.5)
+    with TransferEngine(TransferConfig(protocol="tcp")) as engine:
+        host, port = _address(target)
+        sock, _ = open_connection(host, port, engine.config, engine.segment_name)
+        with sock:
+            size = 256 << 10        # allowed: 0.5 s + 0.25 s
+            sock.sendall(encode_header(FrameType.WRITE, 1, 1, size)
+                         + encode_descriptors([target.plain], [size], [0]))
+            start, closed = time.monotonic(), False
+            while not closed and time.monotonic() - start < 6:
+                try:
+                    sock.send(b"x")
+                except OSError:
+                    break
+                closed = _closed_by_peer(sock, 0.3)
+            assert closed and time.monotonic() - start < 3
+    assert _write_ok(target)

@@ -7,7 +7,8 @@ stays counted as in flight until its bytes are in (or the frame failed), so `set
 for it. A malformed frame or a failed handshake closes that connection only.
 
 Bounds, so hostile or broken peers cost little: the whole handshake has one deadline
-(`handshake_timeout_s`), a frame in progress `timeout_s` per read, an idle authenticated
+(`handshake_timeout_s`), a frame in progress `timeout_s` per read (and a write's payload
+`timeout_s` plus its size at MIN_PAYLOAD_BYTES_PER_S in all), an idle authenticated
 connection `idle_timeout_s` (optional); at most `max_connections_per_address` connections per
 remote address (at the limit the one of that address idle longest, in the handshake or
 between frames, is closed for the newcomer); and accept() failing for want of fds or memory
@@ -38,6 +39,9 @@ _DISCARD = memoryview(bytearray(1 << 20))
 _EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 _RETRY_ACCEPT = _EXHAUSTED | {errno.ECONNABORTED, errno.EINTR, errno.EPROTO, errno.EPERM}
 _BACKOFF_S = 0.1
+MIN_PAYLOAD_BYTES_PER_S = 1 << 20
+"""A write frame's payload must arrive within timeout_s plus its size at this rate, so a peer
+cannot hold a write admitted under a fence (and a thread) by trickling it."""
 _HANDSHAKE, _IDLE, _BUSY, _EVICTED = "handshake", "idle", "busy", "evicted"
 _WARN_INTERVAL_S = 10.0
 
@@ -226,7 +230,8 @@ class TcpTarget:
                 status, view = self._resolve(addr, length, fence, admitted, cache)
                 statuses[i] = status
                 views.extend([view] if view is not None else _discard_views(length))
-            recv_into_views(conn, views)
+            recv_into_views(conn, views, time.monotonic() + self._config.timeout_s
+                            + start.payload_bytes / MIN_PAYLOAD_BYTES_PER_S)
             decoder.payload_received(start.payload_bytes)
         finally:
             for region, token in admitted:
