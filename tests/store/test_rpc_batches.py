@@ -9,12 +9,12 @@ import pytest
 
 from kvpool.errors import RpcError
 from kvpool.store.client import StoreClient
-from kvpool.store.client_base import RPC_BATCH_KEY_BYTES, key_chunks
 from kvpool.store.client_config import ClientConfig
 from kvpool.store.codes import ErrorCode as E
 from kvpool.store.config import MasterConfig
 from kvpool.store.master import MasterServer, MasterServerConfig
 from kvpool.store.protocol import Op
+from kvpool.store.rpc_batches import RPC_BATCH_KEY_BYTES, key_chunks, refusal_code
 from kvpool.store.rpc_client import RpcClient
 
 MIB = 1 << 20
@@ -40,6 +40,11 @@ def test_key_chunks_cut_by_count_and_by_bytes() -> None:
     per_chunk = RPC_BATCH_KEY_BYTES // (len(big) + 64)
     chunks = key_chunks([big] * (per_chunk + 1), 1 << 20)
     assert chunks == [(0, per_chunk), (per_chunk, per_chunk + 1)]
+
+
+def test_refusal_codes() -> None:
+    assert [refusal_code(s) for s in (None, 0, -600, -1, 12345)] == [
+        E.RPC_FAIL, E.RPC_FAIL, E.INVALID_PARAMS, E.INTERNAL_ERROR, E.RPC_FAIL]
 
 
 def test_a_whole_request_refusal_carries_the_masters_code(master: MasterServer) -> None:

@@ -27,6 +27,7 @@ from kvpool.store.codes import ErrorCode, LookupResult, PutResult, ReadResult, R
 from kvpool.store.config import ReplicateConfig
 from kvpool.store.plan import Part, copies_for, order_replicas, parts_total, valid_parts
 from kvpool.store.protocol import Op
+from kvpool.store.rpc_batches import key_chunks, lookup_items, refusal_code
 from kvpool.store.rpc_client import RpcClient
 from kvpool.store.service import replica_from_wire
 from kvpool.store.staging import StagingArea
@@ -44,39 +45,6 @@ def new_fence() -> int:
 
 
 _PUT_OK = PutResult(ErrorCode.OK)
-
-
-RPC_BATCH_KEY_BYTES = 16 << 20
-"""Bytes of keys per master RPC: a quarter of the frame limit, leaving room for the other
-per-key arguments and for the reply."""
-
-
-def key_chunks(keys: Sequence[str], max_keys: int) -> list[tuple[int, int]]:
-    """[lo, hi) index ranges cutting `keys` into runs of at most `max_keys` keys and
-    RPC_BATCH_KEY_BYTES bytes of UTF-8 (counting 64 bytes of framing per key)."""
-    chunks, lo, size = [], 0, 0
-    for i, key in enumerate(keys):
-        n = len(key.encode()) + 64
-        if i > lo and (i - lo >= max_keys or size + n > RPC_BATCH_KEY_BYTES):
-            chunks.append((lo, i))
-            lo, size = i, 0
-        size += n
-    if lo < len(keys):
-        chunks.append((lo, len(keys)))
-    return chunks
-
-
-def _refusal_code(status: int | None) -> ErrorCode:
-    """The code of a whole-request refusal; RPC_FAIL when there is none to pass on."""
-    if status is None or status == 0 or status not in ErrorCode._value2member_map_:
-        return E.RPC_FAIL
-    return ErrorCode(status)
-
-
-def _lookup_items(reply: Any) -> list[Any]:
-    """GET_REPLICAS answers [lease_s, items]: the items, each carrying that lease."""
-    lease_s, items = reply
-    return [(code, size, wire, lease_s, checksum) for code, size, wire, _, checksum in items]
 
 
 class RpcFailed(Exception):
@@ -144,7 +112,7 @@ class ClientBase:
             raise RpcFailed(E.RPC_TIMEOUT) from None
         except RpcError as exc:
             log.warning("%s failed: %s", op.name, exc)
-            raise RpcFailed(_refusal_code(exc.status)) from None
+            raise RpcFailed(refusal_code(exc.status)) from None
 
     def _call_keyed(self, op: Op, keys: Sequence[str], columns: Sequence[Sequence[Any]],
                     rest: Sequence[Any], refused: Callable[[ErrorCode], Any],
@@ -407,7 +375,7 @@ class ClientBase:
         if valid:
             items = self._call_keyed(Op.GET_REPLICAS, [keys[i] for i in valid], (), (),
                                      lambda code: (int(code), 0, [], 0.0, None),
-                                     unpack=_lookup_items)
+                                     unpack=lookup_items)
             for i, (code, size, wire, lease_s, checksum) in zip(valid, items, strict=True):
                 reps = tuple(replica_from_wire(w) for w in wire)
                 out[i] = LookupResult(ErrorCode(code), size, reps, lease_s, checksum)
