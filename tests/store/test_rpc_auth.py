@@ -184,8 +184,7 @@ def test_connections_in_the_handshake_are_capped(guarded: MasterServer) -> None:
     waiting = [_raw(guarded) for _ in range(4)]
     time.sleep(0.1)
     extra = _raw(guarded)                    # the oldest handshake gives way
-    assert _closed_within(waiting[0], 0.3)
-    assert guarded._rpc is not None and guarded._rpc.num_connections == 4
+    assert _closed_within(waiting[0], 0.3)  # long before its 0.5 s handshake deadline
     for sock in (*waiting, extra):
         sock.close()
     time.sleep(0.2)
