@@ -65,7 +65,12 @@ class StoreError(KvpoolError):
 
 
 class RpcError(StoreError):
-    """A control-plane RPC failed (timeout, unreachable master, malformed reply)."""
+    """A control-plane RPC failed (timeout, unreachable master, malformed reply, or the master
+    refused the whole request: then `status` is the reply's status, an ErrorCode value)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class MetadataUnavailable(MetadataError):

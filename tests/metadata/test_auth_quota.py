@@ -100,15 +100,41 @@ def test_silent_connections_are_closed() -> None:
 
 
 def test_concurrency_is_limited() -> None:
+    """Connections waiting for a request give way to a new one; busy ones get 503."""
     with MetadataServer(port=0, http_limits=HttpLimits(max_concurrency=3)) as server:
         idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(3)]
         time.sleep(0.2)
-        response = httpx.get(server.url, params={"key": "x"})
-        assert response.status_code == 503
+        assert httpx.get(server.url, params={"key": "x"}).status_code == 404
         for sock in idle:
+            sock.close()
+        busy = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(3)]
+        for sock in busy:     # a request whose body never comes: in progress
+            sock.sendall(b"PUT /metadata?key=b HTTP/1.1\r\nhost: x\r\n"
+                         b"content-length: 100\r\n\r\n")
+        time.sleep(0.2)
+        assert httpx.get(server.url, params={"key": "x"}).status_code == 503
+        for sock in busy:
             sock.close()
         time.sleep(0.2)
         assert httpx.get(server.url, params={"key": "x"}).status_code == 404
+
+
+def test_trickled_request_heads_are_cut_off_and_cannot_lock_clients_out() -> None:
+    limits = HttpLimits(max_concurrency=4, idle_timeout_s=0.5, head_timeout_s=1.0)
+    with MetadataServer(port=0, http_limits=limits) as server:
+        slow = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(6)]
+        start, closed = time.monotonic(), set()
+        while len(closed) < len(slow) and time.monotonic() - start < 5:
+            for i, sock in enumerate(slow):   # one byte of a head every 0.2 s
+                try:
+                    sock.sendall(b"G")
+                except OSError:
+                    closed.add(i)
+            assert httpx.get(server.url, params={"key": "x"}).status_code == 404
+            time.sleep(0.2)
+        assert len(closed) == len(slow) and time.monotonic() - start < 3
+        for sock in slow:
+            sock.close()
 
 
 def _rss_bytes(pid: int) -> int:

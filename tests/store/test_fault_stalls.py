@@ -11,6 +11,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import pytest
+
 from kvpool.store.client import StoreClient
 from kvpool.store.client_config import ClientConfig
 from kvpool.store.codes import ErrorCode as E
@@ -32,7 +34,7 @@ from kvpool.transfer import OpCode
 
 master, metadata, key, size = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
 c = StoreClient(ClientConfig(master=master, metadata=metadata, heartbeat_interval_s=0.2,
-                             rpc_timeout_s=2.0))
+                             rpc_timeout_s=2.0, protocol=sys.argv[5]))
 addr, view, _ = c._staging.acquire(size)
 view[:] = b"\xaa" * size                       # A's bytes
 ((code, wire),) = c._call(Op.PUT_START, [key], [size], 1, False, False, [], False)
@@ -51,10 +53,12 @@ c.close()
 
 
 @contextmanager
-def stalled_writer(cluster: Cluster, key: str) -> Iterator[subprocess.Popen[bytes]]:
-    """A writer that has the master's ranges for `key` and waits for a line to copy."""
+def stalled_writer(cluster: Cluster, key: str,
+                   protocol: str = "auto") -> Iterator[subprocess.Popen[bytes]]:
+    """A writer that has the master's ranges for `key` and waits for a line to copy (over
+    `protocol`: shm or tcp to a same-host node)."""
     with running(spawn_python(STALLED_WRITER, cluster.address, cluster.metadata, key,
-                              str(SIZE))) as proc:
+                              str(SIZE), protocol)) as proc:
         yield proc
 
 
@@ -93,9 +97,10 @@ def assert_never_wrong(b: StoreClient, key: str, value: bytes) -> E:
     return got.code
 
 
-def test_stalled_writer_across_a_master_restart_never_overwrites_b() -> None:
+@pytest.mark.parametrize("protocol", ["shm", "tcp"])
+def test_stalled_writer_across_a_master_restart_never_overwrites_b(protocol: str) -> None:
     with store_cluster(1, "8MiB", http_metadata=True) as cluster, \
-            stalled_writer(cluster, "a") as writer:
+            stalled_writer(cluster, "a", protocol) as writer:
         planned = line(writer)
         assert planned["code"] == 0
         writer.send_signal(signal.SIGSTOP)
@@ -112,9 +117,10 @@ def test_stalled_writer_across_a_master_restart_never_overwrites_b() -> None:
             assert assert_never_wrong(b, "b", value) is E.OK
 
 
-def test_stalled_writer_across_a_node_remount_never_overwrites_b() -> None:
+@pytest.mark.parametrize("protocol", ["shm", "tcp"])
+def test_stalled_writer_across_a_node_remount_never_overwrites_b(protocol: str) -> None:
     with store_cluster(1, "8MiB", "--client-ttl", "1.5") as cluster, \
-            stalled_writer(cluster, "a") as writer:
+            stalled_writer(cluster, "a", protocol) as writer:
         planned = line(writer)
         assert planned["code"] == 0
         writer.send_signal(signal.SIGSTOP)

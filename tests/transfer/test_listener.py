@@ -10,6 +10,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kvpool.transfer import OpCode, TransferConfig, TransferEngine, TransferRequest
+from kvpool.transfer.protocol import FrameType, encode_descriptors, encode_header
 from kvpool.transfer.tcp_client import open_connection
 from tests.transfer.conftest import Target, sha
 
@@ -67,16 +68,17 @@ def test_slow_handshake_is_dropped_at_the_deadline(target_factory: Callable[...,
 
 
 def test_connections_per_address_are_capped(target_factory: Callable[..., Target]) -> None:
+    """At the limit the connection idle longest gives way: hogs that open connections and
+    never finish them cannot lock out the real peers of their address (on one host, all)."""
     target = target_factory(max_connections_per_address=3)
     socks = [socket.create_connection(_address(target)) for _ in range(5)]
     try:
         time.sleep(0.3)
-        assert [_closed_by_peer(s, 0.5) for s in socks] == [False, False, False, True, True]
+        assert [_closed_by_peer(s, 0.5) for s in socks] == [True, True, False, False, False]
+        assert _write_ok(target)                 # formerly refused while the hogs stayed
     finally:
         for sock in socks:
             sock.close()
-    time.sleep(0.3)  # the target notices the closed ones and frees their slots
-    assert _write_ok(target)
 
 
 def test_idle_authenticated_connections_are_closed(target_factory: Callable[..., Target]) -> None:
@@ -91,3 +93,26 @@ def test_idle_authenticated_connections_are_closed(target_factory: Callable[...,
         engine.write(target.segment, local.addr, target.plain, 4096)
         time.sleep(1.0)  # the pooled connection is closed by the target meanwhile
         engine.write(target.segment, local.addr, target.plain, 4096)
+
+
+def test_a_trickled_write_frame_is_cut_off(target_factory: Callable[..., Target]) -> None:
+    """A peer that sends a write's payload one byte at a time, each just inside the read
+    timeout, formerly held the admitted write (and the region's fence) for as long as it
+    liked; now the whole payload has timeout_s plus its size at 1 MiB/s."""
+    target = target_factory(timeout_s=0.5)
+    with TransferEngine(TransferConfig(protocol="tcp")) as engine:
+        host, port = _address(target)
+        sock, _ = open_connection(host, port, engine.config, engine.segment_name)
+        with sock:
+            size = 256 << 10        # allowed: 0.5 s + 0.25 s
+            sock.sendall(encode_header(FrameType.WRITE, 1, 1, size)
+                         + encode_descriptors([target.plain], [size], [0]))
+            start, closed = time.monotonic(), False
+            while not closed and time.monotonic() - start < 6:
+                try:
+                    sock.send(b"x")
+                except OSError:
+                    break
+                closed = _closed_by_peer(sock, 0.3)
+            assert closed and time.monotonic() - start < 3
+    assert _write_ok(target)

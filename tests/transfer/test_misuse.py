@@ -38,17 +38,17 @@ master = MasterServer(server, MasterConfig()).start()
 with StoreClient(ClientConfig(master=master.address, global_segment_size=1 << 20)) as me:
     (sid,) = me.segment_ids
     assert me.put("mine", b"m" * 100, ReplicateConfig(preferred_segment=sid)).ok
-    expect_error("get_into", lambda: me.get_into("mine", BOGUS, 100))
+    print("get_into", me.get_into("mine", BOGUS, 100).code.name, flush=True)
     stray = np.zeros(100, dtype=np.uint8)  # mapped, but not registered
-    expect_error("put_from", lambda: me.put_from("other", stray.ctypes.data, 100,
-                                                 ReplicateConfig(preferred_segment=sid)))
+    print("put_from", me.put_from("other", stray.ctypes.data, 100,
+                                  ReplicateConfig(preferred_segment=sid)).code.name, flush=True)
     assert me.get("mine").data == b"m" * 100
 master.stop()
 print("survived", flush=True)
 """
 
 
-def test_unregistered_addresses_raise_instead_of_crashing() -> None:
+def test_unregistered_addresses_are_refused_instead_of_crashing() -> None:
     done = subprocess.run([sys.executable, "-c", SCRIPT], env=python_env(), capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
@@ -58,7 +58,7 @@ def test_unregistered_addresses_raise_instead_of_crashing() -> None:
         "copy_local-target": "MemoryRegistrationError",
         "write-own-segment": "TransferError",
         "read-own-segment": "TransferError",
-        "get_into": "MemoryRegistrationError",
-        "put_from": "MemoryRegistrationError",
+        "get_into": "INVALID_PARAMS",
+        "put_from": "INVALID_PARAMS",
     }
     assert done.stdout.splitlines()[-1] == "survived"

@@ -1,7 +1,10 @@
 """How kvpool runs its HTTP servers (metadata, master admin) with uvicorn: bounded
 concurrency and idle time, shared by every server so that they defend alike.
 
-- `max_concurrency`: connections plus requests in progress; above it uvicorn answers 503.
+- `max_concurrency`: connections plus requests in progress; above it uvicorn answers 503,
+  but first a new connection closes the one that has waited longest for a request, so
+  connections that never send one cannot lock the clients out.
+- `head_timeout_s`: a request head that trickles in is cut off after this long.
 - `idle_timeout_s`: a keep-alive connection with no new request, and (unlike plain uvicorn)
   a fresh connection that has not sent a byte yet, is closed after this long, so a flood of
   silent connections gives its descriptors back.
@@ -9,15 +12,13 @@ concurrency and idle time, shared by every server so that they defend alike.
   a traceback for every attempt (a backlog's worth each second); `QuietServer` logs one
   line per interval instead.
 
-`RateLimitedLog` is shared with the store master's RPC server.
+Repeated warnings go through `kvpool.log.RateLimitedLog`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-import logging
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,11 +26,12 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from kvpool.errors import ConfigError
-from kvpool.log import get_logger
+from kvpool.log import RateLimitedLog, get_logger
 
 LOG_INTERVAL_S = 5.0
 _ACCEPT_FAILED = "socket.accept() out of system resource"
 _log = get_logger("http")
+_evictions = RateLimitedLog(_log, LOG_INTERVAL_S)
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,9 @@ class HttpLimits:
     """Close a connection idle this long (before its first request or between requests)."""
     backlog: int = 128
     """Connections the kernel queues before they are accepted."""
+    head_timeout_s: float = 10.0
+    """A request head (request line and headers) must be in within this long of the accept
+    or of the previous response, however slowly it trickles, or the connection is closed."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_concurrency <= 1 << 16:
@@ -47,38 +52,70 @@ class HttpLimits:
                               f"{self.max_concurrency}")
         if not 0 < self.idle_timeout_s <= 3600:
             raise ConfigError(f"idle_timeout_s must be in (0, 3600], got {self.idle_timeout_s}")
+        if not 0 < self.head_timeout_s <= 3600:
+            raise ConfigError(f"head_timeout_s must be in (0, 3600], got {self.head_timeout_s}")
         if not 1 <= self.backlog <= 65535:
             raise ConfigError(f"backlog must be in [1, 65535], got {self.backlog}")
 
 
 class _SilentConnectionTimeout(H11Protocol):
     """uvicorn's h11 protocol, with its keep-alive timer also running from the moment a
-    connection is accepted (uvicorn starts it only after a first response)."""
+    connection is accepted (uvicorn starts it only after a first response), a deadline for
+    each request head (`head_timeout_s` from the accept or the last response, however the
+    head trickles in), and, at the concurrency limit, the connection waiting longest for a
+    request closed to make room for a new one."""
+
+    head_timeout_s = 10.0
+    max_concurrency = 256
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self.timeout_keep_alive_task = self.loop.call_later(
             self.timeout_keep_alive, self.timeout_keep_alive_handler)
+        self._head_task: asyncio.TimerHandle | None = None
+        self._arm_head_deadline()
+        if len(self.connections) >= self.max_concurrency:
+            self._evict_waiting(len(self.connections) - self.max_concurrency + 1)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_head_deadline()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._head_task is not None:
+            self._head_task.cancel()
+        super().connection_lost(exc)
+
+    def _waiting(self) -> bool:
+        """No request in progress: the connection waits for (the rest of) a request head."""
+        return self.cycle is None or self.cycle.response_complete
+
+    def _arm_head_deadline(self) -> None:
+        if self._head_task is not None:
+            self._head_task.cancel()
+        self.head_since = self.loop.time()
+        self._head_task = self.loop.call_later(self.head_timeout_s, self._head_deadline)
+
+    def _head_deadline(self) -> None:
+        if self._waiting() and not self.transport.is_closing():
+            self.transport.close()
+
+    def _evict_waiting(self, count: int) -> None:
+        """Close up to `count` other connections, those waiting longest for a request first,
+        so that this one is under the limit when its request comes (busy ones stay)."""
+        waiting = sorted((c for c in self.connections if c is not self
+                          and isinstance(c, _SilentConnectionTimeout) and c._waiting()
+                          and not c.transport.is_closing()), key=lambda c: c.head_since)
+        if waiting:
+            _evictions.warn("HTTP connections at the limit (%d): closing those waiting "
+                            "longest for a request", self.max_concurrency)
+        for victim in waiting[:count]:
+            victim.transport.close()
 
 
-class RateLimitedLog:
-    """Warnings that may repeat many times a second, logged at most once per interval with
-    the count of those left out."""
-
-    def __init__(self, logger: logging.Logger, interval_s: float) -> None:
-        self._log, self.interval_s = logger, interval_s
-        self._last_s = -interval_s
-        self._suppressed = 0
-
-    def warn(self, message: str, *args: object, exc_info: bool = False) -> None:
-        now = time.monotonic()
-        if now - self._last_s < self.interval_s:
-            self._suppressed += 1
-            return
-        if self._suppressed:
-            message += f" ({self._suppressed} more like it in the last {self.interval_s:.0f}s)"
-        self._log.warning(message, *args, exc_info=exc_info)
-        self._last_s, self._suppressed = now, 0
+def _protocol(limits: HttpLimits) -> type[_SilentConnectionTimeout]:
+    return type("BoundedH11Protocol", (_SilentConnectionTimeout,), {
+        "head_timeout_s": limits.head_timeout_s, "max_concurrency": limits.max_concurrency})
 
 
 class QuietServer(uvicorn.Server):
@@ -102,7 +139,7 @@ class QuietServer(uvicorn.Server):
 def uvicorn_config(app: Any, limits: HttpLimits, **overrides: Any) -> uvicorn.Config:
     """A uvicorn.Config for `app` (no access log, no lifespan) with `limits` applied."""
     options: dict[str, Any] = dict(
-        log_level="warning", access_log=False, lifespan="off", http=_SilentConnectionTimeout,
+        log_level="warning", access_log=False, lifespan="off", http=_protocol(limits),
         limit_concurrency=limits.max_concurrency, timeout_keep_alive=limits.idle_timeout_s,
         backlog=limits.backlog)
     options.update(overrides)

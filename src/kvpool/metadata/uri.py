@@ -20,7 +20,7 @@ _HOST_PORT = re.compile(r"^(\[[0-9a-fA-F:.]+\]|[A-Za-z0-9_.-]+)(?::(\d+))?$")
 def connect_metadata(uri: str, timeout_s: float = DEFAULT_TIMEOUT_S,
                      token: str | None = None) -> MetadataBackend | None:
     """The backend that `uri` names; None for P2PHANDSHAKE (peers are asked directly).
-    `token` authenticates writes to an HTTP server (None: $KVPOOL_TOKEN, if set).
+    `token` authenticates writes to an HTTP server (None: $KVPOOL_TOKEN, if set; "": none).
 
     Connecting is lazy: an unreachable service shows up as MetadataError on the first call,
     not here. Raises ConfigError for a URI of no accepted form.

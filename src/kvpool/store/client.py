@@ -188,10 +188,7 @@ class StoreClient(ClientBase):
         out = [E.INVALID_PARAMS] * len(keys)
         valid = [i for i, k in enumerate(keys) if valid_key(k)]
         if valid:
-            try:
-                codes = self._call(op, [keys[i] for i in valid], *args)
-            except RpcFailed as exc:
-                return [exc.code] * len(keys)
+            codes = self._call_keyed(op, [keys[i] for i in valid], (), args, lambda c: c)
             for i, code in zip(valid, codes, strict=True):
                 out[i] = ErrorCode(code)
         return out

@@ -8,12 +8,19 @@ import secrets
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvpool.clock import SYSTEM_CLOCK, Clock
-from kvpool.errors import KvpoolError, MetadataError, RpcError, RpcTimeout, TransferError
+from kvpool.errors import (
+    KvpoolError,
+    MemoryRegistrationError,
+    MetadataError,
+    RpcError,
+    RpcTimeout,
+    TransferError,
+)
 from kvpool.log import get_logger
 from kvpool.store.checksum import parts_checksum
 from kvpool.store.client_config import ClientConfig
@@ -21,6 +28,7 @@ from kvpool.store.codes import ErrorCode, LookupResult, PutResult, ReadResult, R
 from kvpool.store.config import ReplicateConfig
 from kvpool.store.plan import Part, copies_for, order_replicas, parts_total, valid_parts
 from kvpool.store.protocol import Op
+from kvpool.store.rpc_batches import key_chunks, lookup_items, refusal_code
 from kvpool.store.rpc_client import RpcClient
 from kvpool.store.service import replica_from_wire
 from kvpool.store.staging import StagingArea
@@ -96,13 +104,33 @@ class ClientBase:
     # -- master RPC, segments, liveness ----------------------------------------------------
 
     def _call(self, op: Op, *args: Any) -> Any:
+        """The result of `op`, or RpcFailed with the code users see: RPC_TIMEOUT, the status
+        of a reply that refused the whole request (a batch over the master's limit:
+        INVALID_PARAMS), RPC_FAIL for a broken connection."""
         try:
             return self._rpc.call(op, *args)
         except RpcTimeout:
             raise RpcFailed(E.RPC_TIMEOUT) from None
         except RpcError as exc:
             log.warning("%s failed: %s", op.name, exc)
-            raise RpcFailed(E.RPC_FAIL) from None
+            raise RpcFailed(refusal_code(exc.status)) from None
+
+    def _call_keyed(self, op: Op, keys: Sequence[str], columns: Sequence[Sequence[Any]],
+                    rest: Sequence[Any], refused: Callable[[ErrorCode], Any],
+                    unpack: Callable[[Any], list[Any]] = list) -> list[Any]:
+        """Per-key results of `op` over `keys` (and the per-key `columns`, then the `rest` of
+        the arguments), one RPC per chunk of at most `rpc_batch_keys` keys and
+        RPC_BATCH_KEY_BYTES of keys, so no request exceeds the master's batch or frame limit.
+        `unpack` turns one reply into its per-key items. The keys of a chunk whose call failed
+        get `refused(code)`; the other chunks still run."""
+        out: list[Any] = []
+        for lo, hi in key_chunks(keys, self.config.rpc_batch_keys):
+            try:
+                out += unpack(self._call(op, list(keys[lo:hi]), *(c[lo:hi] for c in columns),
+                                         *rest))
+            except RpcFailed as exc:
+                out += [refused(exc.code)] * (hi - lo)
+        return out
 
     def mount(self, size: int) -> str:
         """Contribute `size` bytes of shared memory to the pool; returns the segment id. The
@@ -127,12 +155,15 @@ class ClientBase:
     def unmount(self, segment_id: str, timeout_s: float | None = None) -> ErrorCode:
         """Withdraw a segment from the pool (the master drops the objects on it) and free its
         memory. `timeout_s` bounds the master call (default: `rpc_timeout_s`); the memory is
-        freed whatever the master answers."""
+        freed whatever the master answers (RPC_FAIL or RPC_TIMEOUT: the master drops the
+        segment after client_ttl_s)."""
         buf = self._segments.pop(segment_id, None)
         if buf is None:
             return E.SEGMENT_NOT_FOUND
         try:
             code = ErrorCode(self._rpc.call(Op.UNMOUNT, segment_id, timeout_s=timeout_s))
+        except RpcTimeout:
+            code = E.RPC_TIMEOUT
         except RpcError:
             code = E.RPC_FAIL
         self._free_segment(segment_id, buf)
@@ -170,18 +201,23 @@ class ClientBase:
         """Mount every segment again after the master forgot this client (it restarted, or
         declared us dead), and publish the segment descriptor again (a restarted master's
         embedded directory is empty). Each segment first gets a new fence, so writes
-        planned against the old mount (or the old master) are refused from then on. False
-        when the master could not take it yet; the next heartbeat tries again."""
-        for segment_id, buf in list(self._segments.items()):
+        planned against the old mount (or the old master) are refused from then on; a
+        segment a stalled writer keeps from being re-fenced is replaced by fresh memory
+        (`TransferEngine.renew_managed`). False when the master could not take it yet; the
+        next heartbeat tries again."""
+        for segment_id, old in list(self._segments.items()):
             log.warning("master forgot us; mounting %s again", segment_id)
             fence = new_fence()
-            try:
-                self.engine.set_fence(buf.addr, fence)
-            except KvpoolError as exc:
-                if buf.fence.value != fence:  # never mount under a fence the memory lacks
-                    log.warning("cannot fence %s yet (%s); retrying", segment_id, exc)
-                    return False
-                log.warning("fenced %s, a late write may still be copying: %s", segment_id, exc)
+            try:  # never mount under a fence the memory does not enforce
+                buf = self.engine.renew_managed(old, fence)
+            except KvpoolError as exc:  # no memory for a fresh buffer: the segment is gone
+                log.warning("cannot re-fence or replace %s (%s); dropping it", segment_id, exc)
+                del self._segments[segment_id]
+                continue
+            if buf is not old:
+                self._segments[segment_id] = buf
+                if self.config.prefault:
+                    buf.numpy()[::4096] = 0
             try:
                 code, new_id = self._hb_rpc.call(Op.MOUNT, self.endpoint, buf.addr, buf.length,
                                                  int(Tier.DRAM), fence)
@@ -202,7 +238,7 @@ class ClientBase:
         """Publish our segment descriptor in the directory again; False (retried at the next
         heartbeat) while the directory cannot take it."""
         try:
-            self.engine._publish()
+            self.engine.publish()
         except KvpoolError as exc:
             log.warning("could not publish segment %s again: %s", self.endpoint, exc)
             return False
@@ -221,7 +257,8 @@ class ClientBase:
         for segment_id in list(self._segments):
             left = deadline - time.monotonic()
             if master_answers and left > 0:
-                master_answers = self.unmount(segment_id, timeout_s=left) != E.RPC_FAIL
+                code = self.unmount(segment_id, timeout_s=left)
+                master_answers = code not in (E.RPC_FAIL, E.RPC_TIMEOUT)
             else:
                 self._free_segment(segment_id, self._segments.pop(segment_id))
         self._staging.close()
@@ -237,16 +274,27 @@ class ClientBase:
                 return b
         return None
 
+    def _registered(self, parts: Sequence[Part], writable: bool) -> bool:
+        """Whether every part lies inside one buffer registered with the engine (writable,
+        for reads). The engine refuses anything else, so such an item is the caller's
+        INVALID_PARAMS on every route, found before a put starts."""
+        find = self.engine.registry.find
+        for addr, n in parts:
+            buf = find(addr, n) if addr + n < 1 << 64 else None
+            if buf is None or (writable and buf.readonly):
+                return False
+        return True
+
     def _copy_own(self, op: OpCode, local: int, remote: int, n: int, fence: int) -> bool:
         """memcpy to or from our own segment through the engine's checked copy, admitted by the
         segment's fence like a peer's request (so a re-mount's set_fence waits for it). False
-        for a stale replica (no longer mounted, or fenced); unregistered local memory raises
-        MemoryRegistrationError."""
+        for a stale replica (no longer mounted, or fenced), and for local memory unregistered
+        since the caller checked it."""
         if self._own_buffer(remote, n) is None:
             return False
         try:
             self.engine.copy_local(op, local, remote, n, fence)
-        except TransferError:
+        except (TransferError, MemoryRegistrationError):  # fenced, or unregistered meanwhile
             return False
         return True
 
@@ -275,7 +323,7 @@ class ClientBase:
         results: list[PutResult | None] = [None] * len(keys)
         todo = []
         for i, (key, p) in enumerate(zip(keys, parts, strict=True)):
-            if valid_key(key) and valid_parts(p):
+            if valid_key(key) and valid_parts(p) and self._registered(p, writable=False):
                 todo.append(i)
             else:
                 results[i] = PutResult(E.INVALID_PARAMS)
@@ -291,8 +339,10 @@ class ClientBase:
         sizes = [parts_total(parts[i]) for i in todo]
         preferred = ([cfg.preferred_segment] if cfg.preferred_segment else []) \
             + list(cfg.preferred_segments)
-        started = self._call(Op.PUT_START, [keys[i] for i in todo], sizes, cfg.replica_num,
-                             cfg.with_hard_pin, cfg.with_soft_pin, preferred, upsert)
+        started = self._call_keyed(
+            Op.PUT_START, [keys[i] for i in todo], [sizes],
+            (cfg.replica_num, cfg.with_hard_pin, cfg.with_soft_pin, preferred, upsert),
+            lambda code: (int(code), []))
         copies: dict[int, list[Copy]] = {}
         for i, size, (code, wire) in zip(todo, sizes, started, strict=True):
             if code == E.OBJECT_ALREADY_EXISTS and not upsert:
@@ -311,7 +361,7 @@ class ClientBase:
             size_of = dict(zip(todo, sizes, strict=True))
             sums = [parts_checksum(parts[i], size_of[i]) if self.config.write_checksums
                     else None for i in ok]
-            ended = self._call(Op.PUT_END, [keys[i] for i in ok], sums)
+            ended = self._call_keyed(Op.PUT_END, [keys[i] for i in ok], [sums], (), int)
             for i, code in zip(ok, ended, strict=True):
                 results[i] = _PUT_OK if code == 0 else PutResult(ErrorCode(code))
 
@@ -327,11 +377,11 @@ class ClientBase:
     def _revoke(self, keys: list[str]) -> None:
         """Give up puts whose copies failed. Best effort: if the master cannot be told, it
         discards them after put_discard_timeout_s; the puts that were written still end."""
-        try:
-            self._call(Op.PUT_REVOKE, keys)
-        except RpcFailed as exc:
+        codes = self._call_keyed(Op.PUT_REVOKE, keys, (), (), RpcFailed)
+        failed = [c for c in codes if isinstance(c, RpcFailed)]
+        if failed:
             log.warning("could not revoke %d failed puts (%s); the master will discard them",
-                        len(keys), exc.code.name)
+                        len(failed), failed[0].code.name)
 
     def _lookup(self, keys: Sequence[str]) -> tuple[list[LookupResult], float]:
         """Replica lookups (granting read leases) and the time they were asked for."""
@@ -339,11 +389,10 @@ class ClientBase:
         valid = [i for i, k in enumerate(keys) if valid_key(k)]
         out = [LookupResult(E.INVALID_PARAMS)] * len(keys)
         if valid:
-            try:
-                lease_s, items = self._call(Op.GET_REPLICAS, [keys[i] for i in valid])
-            except RpcFailed as exc:
-                return [LookupResult(exc.code)] * len(keys), t0
-            for i, (code, size, wire, _, checksum) in zip(valid, items, strict=True):
+            items = self._call_keyed(Op.GET_REPLICAS, [keys[i] for i in valid], (), (),
+                                     lambda code: (int(code), 0, [], 0.0, None),
+                                     unpack=lookup_items)
+            for i, (code, size, wire, lease_s, checksum) in zip(valid, items, strict=True):
                 reps = tuple(replica_from_wire(w) for w in wire)
                 out[i] = LookupResult(ErrorCode(code), size, reps, lease_s, checksum)
         return out, t0
@@ -360,7 +409,8 @@ class ClientBase:
         for i, (look, p) in enumerate(zip(looks, parts, strict=True)):
             if look.code != E.OK:
                 results.append(ReadResult(look.code))
-            elif p is None or not valid_parts(p) or parts_total(p) < look.size:
+            elif p is None or not valid_parts(p) or parts_total(p) < look.size \
+                    or not self._registered(p, writable=True):
                 results.append(ReadResult(E.INVALID_PARAMS))
             else:
                 results.append(ReadResult(E.OK, look.size))

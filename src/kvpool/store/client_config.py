@@ -35,7 +35,8 @@ class ClientConfig:
     prefault: bool = True
     """Touch every page of a mounted segment up front, so the first puts into it do not pay
     for page allocation (fresh shared-memory pages cost ~10x a copy on first write)."""
-    token: str | None = field(default_factory=lambda: os.environ.get("KVPOOL_TOKEN") or None)
+    token: str | None = field(default_factory=lambda: os.environ.get("KVPOOL_TOKEN") or None,
+                               repr=False)
     """Shared secret for the master's RPC and the transfer engine (default: $KVPOOL_TOKEN)."""
     verify_checksums: bool = True
     """Hash what every read received and refuse bytes that do not match the checksum the
@@ -45,11 +46,16 @@ class ClientConfig:
     without one are never verified."""
     client_id: str = ""
     """Empty: derived from the transfer-engine endpoint and the process id."""
+    rpc_batch_keys: int = 4096
+    """Keys per master RPC: larger batches are split into several calls (keep it at or
+    below the master's max_batch)."""
 
     def __post_init__(self) -> None:
         if self.global_segment_size < 0 or self.local_buffer_size < 0:
             raise ConfigError("global_segment_size and local_buffer_size must be >= 0, got "
                               f"{self.global_segment_size} and {self.local_buffer_size}")
+        if not 1 <= self.rpc_batch_keys <= 1 << 20:
+            raise ConfigError(f"rpc_batch_keys must be in [1, 2**20], got {self.rpc_batch_keys}")
         if not 0 <= self.te_port <= 65535:
             raise ConfigError(f"te_port must be in 0..65535, got {self.te_port}")
         for name in ("rpc_timeout_s", "heartbeat_interval_s", "transfer_timeout_s",

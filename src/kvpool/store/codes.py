@@ -13,6 +13,9 @@ from typing import NamedTuple
 
 class ErrorCode(enum.IntEnum):
     OK = 0
+    INTERNAL_ERROR = -1
+    """The master failed to serve a request through no fault of the caller (a bug; its log
+    has the traceback)."""
     NO_AVAILABLE_HANDLE = -200
     INVALID_PARAMS = -600
     OBJECT_NOT_FOUND = -704

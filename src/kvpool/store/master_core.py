@@ -102,6 +102,7 @@ class MasterCore:
         there carries."""
         if not (valid_key(client_id) and valid_key(endpoint) and type(base_addr) is int
                 and base_addr >= 0 and valid_size(size, 1 << 50)
+                and base_addr + size < 1 << 64
                 and type(fence) is int and 0 <= fence < 1 << 64):
             return E.INVALID_PARAMS, ""
         segment_id = f"{endpoint}/{base_addr:x}"

@@ -19,7 +19,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvpool.errors import RemoteProtocolError, RpcError, RpcTimeout
+from kvpool.errors import LocalProtocolError, RemoteProtocolError, RpcError, RpcTimeout
+from kvpool.store.codes import ErrorCode
 from kvpool.store.framing import FrameDecoder, encode_frame
 from kvpool.store.protocol import Op, Reply, decode_reply, encode_request
 from kvpool.store.rpc_auth import client_handshake
@@ -74,9 +75,15 @@ class RpcClient:
 
     def call(self, op: Op, *args: Any, timeout_s: float | None = None) -> Any:
         """The result of `op`; RpcTimeout when no reply comes in time, RpcError when the
-        master refuses the request (the message says why) or the connection broke."""
+        master refuses the request (the message says why, `status` carries the reply's code),
+        when the request is too large for a frame (status INVALID_PARAMS, nothing sent) or
+        when the connection broke (status None)."""
         frame_id = next(self._ids)
-        frame = encode_frame(encode_request(op, frame_id, self.client_id, *args))
+        try:
+            frame = encode_frame(encode_request(op, frame_id, self.client_id, *args))
+        except LocalProtocolError as exc:  # nothing was sent; the request is the caller's fault
+            raise RpcError(f"{op.name} request not sent: {exc}",
+                           status=int(ErrorCode.INVALID_PARAMS)) from None
         with self._lock:
             if self._closed:
                 raise RpcError("RPC client is closed")
@@ -90,7 +97,8 @@ class RpcClient:
                 raise
             reply = self._wait(sock, frame_id, timeout, deadline)
         if reply.status != 0:
-            raise RpcError(f"master refused {op.name} (code {reply.status}): {reply.result}")
+            raise RpcError(f"master refused {op.name} (code {reply.status}): {reply.result}",
+                           status=reply.status)
         return reply.result
 
     def _ready_socket(self, timeout_s: float, deadline: float) -> socket.socket:

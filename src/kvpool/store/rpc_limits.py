@@ -16,9 +16,11 @@ class RpcLimits:
     """An authenticated connection that neither sends nor takes bytes for this long is
     closed (clients reconnect on their next call)."""
     max_connections: int = 1024
-    """Connections served at once; further ones are accepted and closed at once."""
+    """Connections served at once; at the limit a new one replaces the oldest handshake or
+    the longest idle connection, and is closed at once when every connection is busy."""
     max_handshakes: int = 128
-    """Connections still in the handshake at once (part of max_connections)."""
+    """Connections still in the handshake at once (part of max_connections); at the limit a
+    new one replaces the oldest."""
     accept_backoff_s: float = 0.5
     """When accept() fails for want of descriptors or memory, the listener rests this long."""
 

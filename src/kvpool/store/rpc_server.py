@@ -14,7 +14,9 @@ thread.
 With a token, a connection starts with the handshake of rpc_auth.py: until it completes, the
 master reads at most MAX_HANDSHAKE_FRAME_BYTES per frame and gives it `handshake_timeout_s`
 in all. Limits (RpcLimits): connections at once, handshakes at once, idle timeout, and a
-pause of the listener when accept() runs out of descriptors. No failure while serving one
+pause of the listener when accept() runs out of descriptors. At a limit the oldest handshake
+(or the longest idle connection) makes room for the newcomer, so a peer that opens many
+connections and never finishes them cannot lock the clients out. No failure while serving one
 connection ends the loop: it is logged (at most once per ERROR_LOG_INTERVAL_S per kind) and
 that connection is dropped.
 """
@@ -29,8 +31,7 @@ import time
 from collections.abc import Callable
 
 from kvpool.errors import AuthError, LocalProtocolError, RemoteProtocolError, StoreError
-from kvpool.log import get_logger
-from kvpool.metadata.http_serving import RateLimitedLog
+from kvpool.log import RateLimitedLog, get_logger
 from kvpool.store.codes import ErrorCode as E
 from kvpool.store.framing import FrameDecoder, encode_frame
 from kvpool.store.protocol import MAX_FRAME_BYTES, encode_reply, peek_req_id
@@ -178,8 +179,7 @@ class RpcServer:
     def _admit(self, sock: socket.socket) -> None:
         handshaking = self.token is not None
         limits = self.limits
-        if len(self._conns) >= limits.max_connections or (
-                handshaking and self._num_handshakes >= limits.max_handshakes):
+        if not self._make_room(handshaking):
             self._accept_log.warn("refusing an RPC connection: %d connections, %d in the "
                                   "handshake (limits %d and %d)", len(self._conns),
                                   self._num_handshakes, limits.max_connections,
@@ -197,6 +197,31 @@ class RpcServer:
             conn = _Conn(sock, None, now + limits.idle_timeout_s)
         self._conns[sock.fileno()] = conn
         self._sel.register(sock, _READ, conn)
+
+    def _make_room(self, handshaking: bool) -> bool:
+        """Whether a new connection fits. At a cap, the connection that has made no progress
+        the longest gives way: the oldest handshake, else (at max_connections) the longest
+        idle connection with nothing left to send. So connections that never finish, or sit
+        idle, cannot lock clients out; an evicted client reconnects on its next call. False
+        when every connection is busy."""
+        limits = self.limits
+        if handshaking and self._num_handshakes >= limits.max_handshakes:
+            return self._evict(lambda c: c.handshake is not None, "handshake")
+        if len(self._conns) >= limits.max_connections:
+            return self._evict(lambda c: c.handshake is not None, "handshake") or \
+                self._evict(lambda c: not c.out and not c.closing, "idle")
+        return True
+
+    def _evict(self, eligible: Callable[[_Conn], bool], kind: str) -> bool:
+        """Close the eligible connection with the earliest deadline; False if none."""
+        victim = min((c for c in self._conns.values() if eligible(c)),
+                     key=lambda c: c.deadline_s, default=None)
+        if victim is None:
+            return False
+        self._refusals.warn("at the connection limit: closing the oldest %s connection "
+                            "for a new one", kind)
+        self._drop(victim)
+        return True
 
     def _pause_accepting(self, exc: OSError) -> None:
         """Out of descriptors: stop watching the listener for a while instead of spinning

@@ -26,9 +26,7 @@ from kvpool.store.protocol import (
 from kvpool.store.validate import TIER_VALUES, mount_problem, valid_key
 
 E = ErrorCode
-INTERNAL_ERROR = -1
-"""Status of a request the master failed to serve through no fault of the caller (Mooncake's
-INTERNAL_ERROR; not yet an ErrorCode member)."""
+INTERNAL_ERROR = int(E.INTERNAL_ERROR)
 _ARGUMENT_ERRORS = (InvalidArgument, ConfigError)
 """Raised on purpose for arguments the decoder cannot judge; any other exception is a bug."""
 log = get_logger("store.service")

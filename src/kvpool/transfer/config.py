@@ -26,7 +26,7 @@ class TransferConfig:
     """"auto" uses shm for same-host peers' shared buffers and tcp otherwise; "tcp" never uses shm;
     "shm" never moves data over tcp: a request that cannot go through shm fails (peers are still
     looked up, and P2P handshakes made, over tcp)."""
-    token: str | None = field(default_factory=_env_token)
+    token: str | None = field(default_factory=_env_token, repr=False)
     """Shared secret checked at the connection handshake (default: $KVPOOL_TOKEN)."""
     timeout_s: float = 10.0
     """A request to a peer that does not answer fails after this long (never hangs)."""

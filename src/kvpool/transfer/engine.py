@@ -13,7 +13,13 @@ import os
 import threading
 from typing import Any
 
-from kvpool.errors import InvalidArgument, KvpoolError, MemoryRegistrationError, TransferError
+from kvpool.errors import (
+    InvalidArgument,
+    KvpoolError,
+    MemoryRegistrationError,
+    TransferError,
+    TransferTimeout,
+)
 from kvpool.log import get_logger
 from kvpool.metadata import MetadataBackend, connect_metadata
 from kvpool.transfer.batch import Batch, OpCode, RequestStatus, TransferRequest
@@ -68,11 +74,13 @@ class TransferEngine:
         sweep_stale_shm()
         self._target = TcpTarget(self.registry, self.config, lambda: self.descriptor().to_dict())
         self.segment_name = self._target.name
-        self._backend = connect_metadata(self.config.metadata, timeout_s=self.config.connect_timeout_s)
+        self._backend = connect_metadata(self.config.metadata,
+                                         timeout_s=self.config.connect_timeout_s,
+                                         token=self.config.token or "")  # "": none, not $KVPOOL_TOKEN
         peers = PeerDirectory(self._backend, self.config, self.segment_name)
         self._router = Router(self.config, self.registry, peers, self.segment_name)
         self._target.start()
-        self._publish()
+        self.publish()
         return self
 
     def close(self) -> None:
@@ -108,7 +116,10 @@ class TransferEngine:
             raise TransferError("transfer engine is not started")
         return self._target.port
 
-    def _publish(self) -> None:
+    def publish(self) -> None:
+        """Write this engine's segment descriptor to the directory (again): after a directory
+        restart, say. Raises MetadataError when the directory cannot take it; a no-op with
+        P2PHANDSHAKE (peers ask the engine itself)."""
         if self._backend is not None:
             self._backend.put(segment_key(self.segment_name), self.descriptor().to_json())
 
@@ -137,17 +148,39 @@ class TransferEngine:
     def set_fence(self, addr: int, fence: int) -> None:
         """Change the fence of the region registered at `addr` (0 removes it).
 
-        Returns once no write admitted under the old fence is still copying into the region,
-        in this process or (for managed buffers) in a same-host peer; from then on a request
-        lands only if its fence equals `fence`. Raises MemoryRegistrationError if no region
-        starts at `addr`, InvalidArgument for a fence outside 0..2**64-1, and TransferTimeout
-        if a write is still copying after 2 x timeout_s (the new fence is in force anyway).
+        On return the new fence is in force on every route and no write admitted under the
+        old fence is still copying into the region, in this process or (for managed buffers)
+        in a same-host peer. Raises MemoryRegistrationError if no region starts at `addr`,
+        InvalidArgument for a fence outside 0..2**64-1, and TransferTimeout when that cannot
+        be had within 2 x timeout_s; `region.fence.value` then says which fence is in force:
+        - the old one, for a managed buffer a same-host writer keeps locked (stopped between
+          its fence check and the end of its copy): nothing was changed;
+        - the new one otherwise, but a write admitted under the old fence (over tcp, or an
+          own-segment copy) may still be copying.
+        A region whose fence could not be set cleanly must not be handed out under the new
+        fence; `renew_managed` gives a managed buffer that can.
         """
         check_fence(fence)
         buf = self.registry.at(addr)
         timeout_s = self.config.timeout_s * 2
         self._arena.publish_fence(addr, fence, timeout_s)
         buf.fence.set(fence, timeout_s)
+
+    def renew_managed(self, buf: Buffer, fence: int) -> Buffer:
+        """The managed buffer `buf` under a new `fence`, with no write admitted under the old
+        fence still copying into it: `buf` itself when `set_fence` manages that, else (a
+        writer stalled mid-copy past 2 x timeout_s) a fresh managed buffer of the same length
+        under `fence`, published, with `buf` freed first, so a late write lands in memory that
+        nobody reads. Contents are not kept either way. Raises what `allocate_managed` raises
+        when there is no memory for the fresh buffer (`buf` is freed by then)."""
+        try:
+            self.set_fence(buf.addr, fence)
+            return buf
+        except TransferTimeout as exc:
+            log.warning("cannot re-fence the managed buffer at %#x (%s); replacing it",
+                        buf.addr, exc)
+        self.free_managed(buf)
+        return self.allocate_managed(buf.length, fence)
 
     def unregister(self, addr: int) -> None:
         self.registry.remove(addr)
@@ -156,14 +189,14 @@ class TransferEngine:
         """Shared-memory buffer, registered and published so same-host peers can memcpy it;
         `fence` as in `register` (same-host writers read it from the file's header page)."""
         buf = self.registry.add(self._arena.allocate(length, check_fence(fence)))
-        self._publish()
+        self.publish()
         return buf
 
     def free_managed(self, buf: Buffer | int) -> None:
         addr = buf if isinstance(buf, int) else buf.addr
         self.registry.remove(addr)
         self._arena.free(addr)
-        self._publish()
+        self.publish()
 
     def copy_local(self, op: OpCode, local_addr: int, target_addr: int, length: int,
                    fence: int = 0) -> None:

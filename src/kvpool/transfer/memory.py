@@ -192,7 +192,8 @@ class SharedMemoryArena:
 
     def publish_fence(self, addr: int, fence: int, timeout_s: float) -> None:
         """Publish a managed buffer's new fence to same-host writers (no-op for other memory):
-        under the exclusive file lock, so no peer is between its check and its copy."""
+        under the exclusive file lock, so no peer is between its check and its copy.
+        TransferTimeout, with the word unchanged, when a peer holds the lock past `timeout_s`."""
         entry = self._maps.get(addr)
         if entry is None:
             return

@@ -7,9 +7,12 @@ stays counted as in flight until its bytes are in (or the frame failed), so `set
 for it. A malformed frame or a failed handshake closes that connection only.
 
 Bounds, so hostile or broken peers cost little: the whole handshake has one deadline
-(`handshake_timeout_s`), a frame in progress `timeout_s` per read, an idle authenticated
+(`handshake_timeout_s`), a frame in progress `timeout_s` per read (and a write's payload
+`timeout_s` plus its size at MIN_PAYLOAD_BYTES_PER_S in all), an idle authenticated
 connection `idle_timeout_s` (optional); at most `max_connections_per_address` connections per
-remote address; and accept() failing for want of fds or memory backs off and retries.
+remote address (at the limit the one of that address idle longest, in the handshake or
+between frames, is closed for the newcomer); and accept() failing for want of fds or memory
+backs off and retries.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvpool.errors import KvpoolError, ProtocolError, RemoteProtocolError
-from kvpool.log import get_logger
+from kvpool.log import RateLimitedLog, get_logger
 from kvpool.transfer.auth import INITIATOR, TARGET, check_proof, new_nonce, nonce_of, proof
 from kvpool.transfer.config import TransferConfig
 from kvpool.transfer.decoder import Control, FrameDecoder, FrameEnd, FrameStart
@@ -36,6 +39,10 @@ _DISCARD = memoryview(bytearray(1 << 20))
 _EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 _RETRY_ACCEPT = _EXHAUSTED | {errno.ECONNABORTED, errno.EINTR, errno.EPROTO, errno.EPERM}
 _BACKOFF_S = 0.1
+MIN_PAYLOAD_BYTES_PER_S = 1 << 20
+"""A write frame's payload must arrive within timeout_s plus its size at this rate, so a peer
+cannot hold a write admitted under a fence (and a thread) by trickling it."""
+_HANDSHAKE, _IDLE, _BUSY, _EVICTED = "handshake", "idle", "busy", "evicted"
 _WARN_INTERVAL_S = 10.0
 
 
@@ -50,8 +57,11 @@ class TcpTarget:
         self.port = int(self._listener.getsockname()[1])
         self.name = f"{config.host}:{self.port}"  # our segment name, which the initiator dialed
         self._per_address: dict[str, int] = {}
-        self._warned_at = -_WARN_INTERVAL_S
+        self._accept_log = RateLimitedLog(log, _WARN_INTERVAL_S)
         self._conns: set[socket.socket] = set()
+        self._phase: dict[socket.socket, tuple[str, float, str]] = {}
+        """conn -> (phase, since when, remote address): who may give way at the limit."""
+        self._evictions = RateLimitedLog(log, _WARN_INTERVAL_S)
         self._lock = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._accept_loop, name="kvpool-tcp-accept", daemon=True)
@@ -84,22 +94,24 @@ class TcpTarget:
 
     def _back_off(self, exc: OSError) -> None:
         if exc.errno in _EXHAUSTED:
-            now = time.monotonic()
-            if now - self._warned_at >= _WARN_INTERVAL_S:
-                self._warned_at = now
-                log.warning("listener %s cannot accept (%s); retrying every %gs", self.name,
-                            exc.strerror, _BACKOFF_S)
+            self._accept_log.warn("listener %s cannot accept (%s); retrying every %gs",
+                                  self.name, exc.strerror, _BACKOFF_S)
             time.sleep(_BACKOFF_S)
 
     def _admit(self, conn: socket.socket, address: str) -> None:
-        """Serve `conn` on its own thread, unless its address already has its share."""
+        """Serve `conn` on its own thread. When its address already has its share, its
+        connection that has made no progress the longest (in the handshake, or idle between
+        frames) gives way, so connections that never finish cannot lock out the peers of
+        that address (on one host, every peer); with every one busy, `conn` is refused."""
         with self._lock:
-            if self._per_address.get(address, 0) >= self._config.max_connections_per_address:
+            if self._per_address.get(address, 0) >= self._config.max_connections_per_address \
+                    and not self._evict_idle(address):
                 log.debug("refusing another connection from %s", address)
                 conn.close()
                 return
             self._per_address[address] = self._per_address.get(address, 0) + 1
             self._conns.add(conn)
+            self._phase[conn] = (_HANDSHAKE, time.monotonic(), address)
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             threading.Thread(target=self._serve, args=(conn, address), name="kvpool-tcp-conn",
@@ -108,8 +120,33 @@ class TcpTarget:
             log.warning("cannot serve a new peer: %s", exc)
             self._release(conn, address)
 
+    def _evict_idle(self, address: str) -> bool:
+        """Shut down the connection from `address` that has waited longest in the handshake
+        or between frames (its thread then releases it); False if all are busy. Under _lock."""
+        idle = [(phase != _HANDSHAKE, since, c) for c, (phase, since, a) in self._phase.items()
+                if a == address and phase in (_HANDSHAKE, _IDLE)]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda x: x[:2])[2]
+        self._phase[victim] = (_EVICTED, 0.0, address)
+        self._evictions.warn("connections from %s at the limit (%d): closing the one idle "
+                             "longest for a new one", address,
+                             self._config.max_connections_per_address)
+        try:
+            victim.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        return True
+
+    def _set_phase(self, conn: socket.socket, phase: str) -> None:
+        with self._lock:
+            entry = self._phase.get(conn)
+            if entry is not None and entry[0] != _EVICTED:
+                self._phase[conn] = (phase, time.monotonic(), entry[2])
+
     def _release(self, conn: socket.socket, address: str) -> None:
         with self._lock:
+            self._phase.pop(conn, None)
             self._conns.discard(conn)
             left = self._per_address.get(address, 1) - 1
             if left:
@@ -121,9 +158,10 @@ class TcpTarget:
     def _serve(self, conn: socket.socket, address: str) -> None:
         try:
             if self._handshake(conn):
+                self._set_phase(conn, _IDLE)
                 decoder = FrameDecoder()
                 while self._serve_frame(conn, decoder):
-                    pass
+                    self._set_phase(conn, _IDLE)
         except ProtocolError as exc:
             log.warning("dropping peer after protocol error: %s", exc)
             _try_send(conn, encode_control(FrameType.ERROR, f"protocol error: {exc}"))
@@ -173,6 +211,7 @@ class TcpTarget:
         if not isinstance(start, FrameStart) or start.header.type not in (FrameType.WRITE, FrameType.READ):
             kind = start.header.type.name if isinstance(start, FrameStart | Control) else "data"
             raise RemoteProtocolError(f"unexpected {kind} frame from an initiator")
+        self._set_phase(conn, _BUSY)
         conn.settimeout(timeout_s)
         if start.header.type == FrameType.WRITE:
             self._serve_write(conn, decoder, start)
@@ -191,7 +230,8 @@ class TcpTarget:
                 status, view = self._resolve(addr, length, fence, admitted, cache)
                 statuses[i] = status
                 views.extend([view] if view is not None else _discard_views(length))
-            recv_into_views(conn, views)
+            recv_into_views(conn, views, time.monotonic() + self._config.timeout_s
+                            + start.payload_bytes / MIN_PAYLOAD_BYTES_PER_S)
             decoder.payload_received(start.payload_bytes)
         finally:
             for region, token in admitted:

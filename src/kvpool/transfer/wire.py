@@ -5,16 +5,21 @@ from __future__ import annotations
 import socket
 import time
 
-from kvpool.errors import PeerUnavailable, RemoteProtocolError
+from kvpool.errors import PeerUnavailable, RemoteProtocolError, TransferTimeout
 from kvpool.transfer.decoder import NEED_DATA, Control, Event, FrameDecoder, FrameStart
 
 IOV_MAX = 1024
 
 
-def recv_into_views(sock: socket.socket, views: list[memoryview]) -> None:
-    """Fill every view completely from the socket (scatter read, `recvmsg_into`)."""
+def recv_into_views(sock: socket.socket, views: list[memoryview],
+                    deadline: float | None = None) -> None:
+    """Fill every view completely from the socket (scatter read, `recvmsg_into`). With a
+    `deadline` (time.monotonic()), TransferTimeout once it passed between two reads, so a
+    peer trickling bytes just inside the socket timeout cannot stretch a frame forever."""
     pending = [v for v in views if v.nbytes]
     while pending:
+        if deadline is not None and time.monotonic() > deadline:
+            raise TransferTimeout("frame payload not received in time (too slow a peer)")
         chunk = pending[:IOV_MAX]
         got = sock.recvmsg_into(chunk)[0]
         if got == 0:

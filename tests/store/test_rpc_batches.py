@@ -1,0 +1,89 @@
+"""Batches larger than one master request: the client splits them, and a request the master
+refuses as a whole reaches users with the master's code, not RPC_FAIL."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from kvpool.errors import RpcError
+from kvpool.store.client import StoreClient
+from kvpool.store.client_config import ClientConfig
+from kvpool.store.codes import ErrorCode as E
+from kvpool.store.config import MasterConfig
+from kvpool.store.master import MasterServer, MasterServerConfig
+from kvpool.store.protocol import Op
+from kvpool.store.rpc_batches import RPC_BATCH_KEY_BYTES, key_chunks, refusal_code
+from kvpool.store.rpc_client import RpcClient
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def master() -> Iterator[MasterServer]:
+    config = MasterServerConfig(rpc_port=0, admin_port=0, enable_http_metadata=False,
+                                tick_interval_s=0.05, token=None)
+    with MasterServer(config, MasterConfig(max_batch=4)) as m:
+        yield m
+
+
+def _client(master: MasterServer, **cfg: object) -> StoreClient:
+    return StoreClient(ClientConfig(master=master.address, local_buffer_size=MIB,
+                                    token=None, **cfg))  # type: ignore[arg-type]
+
+
+def test_key_chunks_cut_by_count_and_by_bytes() -> None:
+    assert key_chunks([], 4) == []
+    assert key_chunks(["a"] * 9, 4) == [(0, 4), (4, 8), (8, 9)]
+    big = "k" * (4 << 10)
+    per_chunk = RPC_BATCH_KEY_BYTES // (len(big) + 64)
+    chunks = key_chunks([big] * (per_chunk + 1), 1 << 20)
+    assert chunks == [(0, per_chunk), (per_chunk, per_chunk + 1)]
+
+
+def test_refusal_codes() -> None:
+    assert [refusal_code(s) for s in (None, 0, -600, -1, 12345)] == [
+        E.RPC_FAIL, E.RPC_FAIL, E.INVALID_PARAMS, E.INTERNAL_ERROR, E.RPC_FAIL]
+
+
+def test_a_whole_request_refusal_carries_the_masters_code(master: MasterServer) -> None:
+    with RpcClient(master.address, "w") as rpc:
+        with pytest.raises(RpcError, match="exceeds 4") as info:
+            rpc.call(Op.EXISTS, ["a", "b", "c", "d", "e"])
+        assert info.value.status == E.INVALID_PARAMS
+        assert rpc.call(Op.PING) == "pong"
+
+
+def test_a_batch_over_max_batch_is_invalid_params_per_key(master: MasterServer) -> None:
+    with _client(master, rpc_batch_keys=8) as client:
+        assert client.batch_exists([f"k{i}" for i in range(6)]) == [E.INVALID_PARAMS] * 6
+        assert client.batch_remove([f"k{i}" for i in range(6)]) == [E.INVALID_PARAMS] * 6
+
+
+def test_large_batches_are_split_transparently(master: MasterServer) -> None:
+    with StoreClient(ClientConfig(master=master.address, global_segment_size=8 * MIB,
+                                  local_buffer_size=0, token=None, rpc_batch_keys=4)), \
+            _client(master, rpc_batch_keys=4) as client:
+        keys = [f"k{i}" for i in range(11)]
+        values = [bytes([i]) * 100 for i in range(11)]
+        assert all(r.ok for r in client.put_batch(keys, values))
+        assert client.batch_exists(keys + ["nope"]) == [E.OK] * 11 + [E.OBJECT_NOT_FOUND]
+        assert [r.data for r in client.get_batch(keys)] == values
+        assert client.batch_remove(keys, force=True) == [E.OK] * 11
+
+
+def test_a_request_too_large_for_a_frame_is_not_sent(master: MasterServer) -> None:
+    with RpcClient(master.address, "w") as rpc:
+        with pytest.raises(RpcError, match="not sent") as info:
+            rpc.call(Op.EXISTS, ["k" * 4096] * (17 << 10))
+        assert info.value.status == E.INVALID_PARAMS
+        assert rpc.call(Op.PING) == "pong"
+
+
+def test_keys_beyond_a_frame_are_split_by_bytes() -> None:
+    config = MasterServerConfig(rpc_port=0, admin_port=0, enable_http_metadata=False,
+                                tick_interval_s=0.05, token=None)
+    with MasterServer(config, MasterConfig()) as m, _client(m, rpc_batch_keys=1 << 20) as client:
+        keys = [f"{i:06d}" + "k" * 4000 for i in range(17_000)]  # 68 MiB of keys
+        assert client.batch_exists(keys) == [E.OBJECT_NOT_FOUND] * len(keys)
