@@ -25,8 +25,6 @@ from kvpool.errors import KvpoolError
 from kvpool.procs import free_port, stop
 
 _PR_SET_PDEATHSIG = 1
-MASTER_GRACE_S = 3.0
-"""How long the store master outlives a killed `kvpool up`, so store nodes unmount cleanly."""
 
 
 def die_with_parent(parent_pid: int) -> Callable[[], None]:
@@ -45,13 +43,11 @@ def die_with_parent(parent_pid: int) -> Callable[[], None]:
     return set_pdeathsig
 
 
-def spawn(*args: str, quiet: bool = True, keeper_grace_s: float = 0.0) -> subprocess.Popen[bytes]:
+def spawn(*args: str, quiet: bool = True) -> subprocess.Popen[bytes]:
     """`python -m kvpool ARGS` as a child that dies with this process, in a session of its own
-    (a terminal's Ctrl-C reaches only this process, which stops the children in order). With
-    `keeper_grace_s`, through `kvpool.serve.keeper`, which outlives this process by that long."""
+    (a terminal's Ctrl-C reaches only this process, which stops the children in order). A
+    store node whose master died at the same moment still stops within its close_timeout_s."""
     cmd = [sys.executable, "-m", "kvpool", "--log-level", "WARNING", *args]
-    if keeper_grace_s > 0:
-        cmd = [sys.executable, "-m", "kvpool.serve.keeper", str(keeper_grace_s), *cmd]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL if quiet else None,
                             preexec_fn=die_with_parent(os.getpid()), start_new_session=True)
 
@@ -134,15 +130,14 @@ def serving_cluster(spec: ServingSpec) -> Iterator[ServingCluster]:
     cluster = ServingCluster(host, f"http://{host}:{spec.port}", spec.model_dir,
                              spec.model_dir.resolve().name)
     with ExitStack() as stack:
-        def start(name: str, *args: str, grace_s: float = 0.0) -> subprocess.Popen[bytes]:
-            proc = spawn(*args, keeper_grace_s=grace_s)
+        def start(name: str, *args: str) -> subprocess.Popen[bytes]:
+            proc = spawn(*args)
             stack.callback(stop, proc)
             cluster.procs[name] = proc
             return proc
 
         master = start("master", "master", "--host", host, "--rpc-port", str(rpc),
-                       "--admin-port", str(admin), "--metadata-port", str(meta),
-                       grace_s=MASTER_GRACE_S)
+                       "--admin-port", str(admin), "--metadata-port", str(meta))
         wait_http(f"http://{host}:{admin}/health", [master], "master")
         master_addr, metadata = f"{host}:{rpc}", f"http://{host}:{meta}/metadata"
         cluster.master_address, cluster.metadata_url = master_addr, metadata
