@@ -129,19 +129,20 @@ class LLMEngine:
         each sequence's slice of it."""
         bs, dev = self.config.block_size, self.config.device
         ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
+        positions: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
         slices: list[SeqSlice] = []
         for seq, n in batch:
             start = seq.num_computed_tokens
-            table = torch.tensor(seq.block_table, device=dev)
-            slices.append(SeqSlice(len(ids), n, start + n, table))
+            table = torch.tensor(seq.block_table)
+            pos = torch.arange(start, start + n)                 # [n]
+            slices.append(SeqSlice(len(ids), n, start + n, table.to(dev)))
             ids += seq.token_ids[start:start + n]
-            positions += range(start, start + n)
-            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
-        attn = AttentionBatch(torch.tensor(slots, device=dev),
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)      # [n]
+        attn = AttentionBatch(torch.cat(slots).to(dev),
                               [s for s in slices if s.num_new > 1], self._decode_group(slices))
-        return (torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), attn, slices)
+        return (torch.tensor(ids, device=dev), torch.cat(positions).to(dev), attn, slices)
 
     def _decode_group(self, slices: list[SeqSlice]) -> DecodeGroup | None:
         ones = [s for s in slices if s.num_new == 1]

@@ -134,26 +134,34 @@ class Attention(nn.Module):
             out[batch.decode.rows] = self._attend_decode(q[batch.decode.rows], k_cache, v_cache,
                                                          batch.decode)
         for s in batch.seqs:
-            out[s.start:s.start + s.num_new] = self._attend(q[s.start:s.start + s.num_new],
-                                                            k_cache, v_cache, s)
+            rows = slice(s.start, s.start + s.num_new)
+            if s.num_new == s.context_len:  # nothing before this chunk: its own K/V suffice
+                out[rows] = self._attend_fresh(q[rows], k[rows], v[rows])
+            else:
+                out[rows] = self._attend(q[rows], k_cache, v_cache, s)
         return self.o_proj(out.view(T, -1))
+
+    @staticmethod
+    def _attend_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [n, nh, D], k and v [n, nkv, D] of one whole prompt -> [n, nh, D], causal."""
+        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
+                                           v.transpose(0, 1), is_causal=True, enable_gqa=True)
+        return o.transpose(0, 1)
 
     def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 s: SeqSlice) -> torch.Tensor:
         ctx, n = s.context_len, s.num_new
-        k = k_cache[s.block_table].flatten(0, 1)[:ctx].transpose(0, 1)  # [nkv, ctx, D]
-        v = v_cache[s.block_table].flatten(0, 1)[:ctx].transpose(0, 1)  # [nkv, ctx, D]
+        table = s.block_table[:-(-ctx // k_cache.shape[1])]          # the blocks holding ctx
+        k = k_cache[table].flatten(0, 1)[:ctx].transpose(0, 1)       # [nkv, ctx, D]
+        v = v_cache[table].flatten(0, 1)[:ctx].transpose(0, 1)       # [nkv, ctx, D]
         q = q.transpose(0, 1)                                          # [nh, n, D]
-        if n == ctx:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        elif n == 1:
+        if n == 1:
             o = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
         else:  # query i sits at position ctx - n + i and sees keys 0..that position
             rows = torch.arange(ctx - n, ctx, device=q.device)[:, None]
             mask = torch.arange(ctx, device=q.device)[None, :] <= rows  # [n, ctx]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return o.transpose(0, 1)                                       # [n, nh, D]
-
 
     def _attend_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                        d: DecodeGroup) -> torch.Tensor:
