@@ -202,6 +202,7 @@ class LLMEngine:
         return {"num_prompt_tokens": seq.num_prompt_tokens,
                 "num_cached_tokens": seq.num_cached_tokens,
                 "num_pool_tokens": seq.num_pool_tokens,
+                "pool_load_s": seq.pool_load_s,
                 "num_output_tokens": len(seq.output_ids)}
 
     # -- pushed KV ---------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -119,7 +120,9 @@ class PoolConnector(KVConnector):
     def load(self, seq: Sequence) -> str | None:
         limit = (len(seq) - 1) // self.bs  # full blocks that may be loaded
         first = seq.num_computed_tokens // self.bs
+        t0 = time.perf_counter()
         loaded, why = self._load_blocks(seq, first, limit) if self.store is not None else (0, "")
+        seq.pool_load_s = time.perf_counter() - t0
         seq.num_pool_tokens = loaded * self.bs
         seq.num_computed_tokens += seq.num_pool_tokens
         if seq.kv_source is not KVSource.POOL:
