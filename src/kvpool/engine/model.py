@@ -6,9 +6,12 @@ tokens from several sequences (prompt chunks and decode steps alike):
 
     input_ids [T]  positions [T]  ->  hidden [T, H]        T = sum of new tokens over sequences
 
-Each layer writes the new tokens' K and V into the cache at `batch.slots`, then each sequence
-attends over its own blocks (gathered through its block table) with a causal mask offset by the
-tokens it had already computed.
+Each layer writes the new tokens' K and V into the cache at `batch.slots`. A whole prompt
+attends over its own new K/V (causal); a later prompt chunk over its sequence's blocks, gathered
+through its block table, with a causal mask offset by the tokens it had already computed; all
+decode tokens together over their block tables padded to one width, with a length mask.
+
+One layer's cache is [num_blocks, 2, block_size, nkv, D] (kv_cache.py): a block's K then V.
 """
 
 from __future__ import annotations
@@ -50,6 +53,11 @@ class AttentionBatch:
     slots: torch.Tensor  # [T] int64: block_id * block_size + offset of each new token
     seqs: list[SeqSlice]  # prompt chunks, attended one sequence at a time
     decode: DecodeGroup | None = None
+
+    def cache_rows(self, block_size: int) -> torch.Tensor:
+        """[T] row of each new token's K in a layer's cache viewed as
+        [num_blocks * 2 * block_size, nkv, D]; its V is block_size rows further."""
+        return self.slots + self.slots // block_size * block_size
 
 
 class RMSNorm(nn.Module):
@@ -126,19 +134,20 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, nkv, D]
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, nkv, D]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_cache, v_cache = cache[0], cache[1]                # [num_blocks, B, nkv, D] each
-        k_cache.view(-1, self.num_kv_heads, self.head_dim)[batch.slots] = k
-        v_cache.view(-1, self.num_kv_heads, self.head_dim)[batch.slots] = v
+        block_size = cache.shape[2]                           # cache [num_blocks, 2, B, nkv, D]
+        flat = cache.view(-1, self.num_kv_heads, self.head_dim)  # [num_blocks * 2 * B, nkv, D]
+        rows = batch.cache_rows(block_size)
+        flat[rows] = k
+        flat[rows + block_size] = v
         out = torch.empty_like(q)                             # [T, nh, D]
         if batch.decode is not None:
-            out[batch.decode.rows] = self._attend_decode(q[batch.decode.rows], k_cache, v_cache,
-                                                         batch.decode)
+            out[batch.decode.rows] = self._attend_decode(q[batch.decode.rows], cache, batch.decode)
         for s in batch.seqs:
-            rows = slice(s.start, s.start + s.num_new)
+            new = slice(s.start, s.start + s.num_new)
             if s.num_new == s.context_len:  # nothing before this chunk: its own K/V suffice
-                out[rows] = self._attend_fresh(q[rows], k[rows], v[rows])
+                out[new] = self._attend_fresh(q[new], k[new], v[new])
             else:
-                out[rows] = self._attend(q[rows], k_cache, v_cache, s)
+                out[new] = self._attend(q[new], cache, s)
         return self.o_proj(out.view(T, -1))
 
     @staticmethod
@@ -148,12 +157,12 @@ class Attention(nn.Module):
                                            v.transpose(0, 1), is_causal=True, enable_gqa=True)
         return o.transpose(0, 1)
 
-    def _attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                s: SeqSlice) -> torch.Tensor:
+    @staticmethod
+    def _attend(q: torch.Tensor, cache: torch.Tensor, s: SeqSlice) -> torch.Tensor:
         ctx, n = s.context_len, s.num_new
-        table = s.block_table[:-(-ctx // k_cache.shape[1])]          # the blocks holding ctx
-        k = k_cache[table].flatten(0, 1)[:ctx].transpose(0, 1)       # [nkv, ctx, D]
-        v = v_cache[table].flatten(0, 1)[:ctx].transpose(0, 1)       # [nkv, ctx, D]
+        kv = cache[s.block_table[:-(-ctx // cache.shape[2])]]         # [n_blocks, 2, B, nkv, D]
+        k = kv[:, 0].flatten(0, 1)[:ctx].transpose(0, 1)              # [nkv, ctx, D]
+        v = kv[:, 1].flatten(0, 1)[:ctx].transpose(0, 1)              # [nkv, ctx, D]
         q = q.transpose(0, 1)                                          # [nh, n, D]
         if n == 1:
             o = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
@@ -163,10 +172,11 @@ class Attention(nn.Module):
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return o.transpose(0, 1)                                       # [n, nh, D]
 
-    def _attend_decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                       d: DecodeGroup) -> torch.Tensor:
-        k = k_cache[d.tables].flatten(1, 2).transpose(1, 2)  # [B, nkv, L, D]
-        v = v_cache[d.tables].flatten(1, 2).transpose(1, 2)  # [B, nkv, L, D]
+    @staticmethod
+    def _attend_decode(q: torch.Tensor, cache: torch.Tensor, d: DecodeGroup) -> torch.Tensor:
+        kv = cache[d.tables]                                  # [B, W, 2, bs, nkv, D]
+        k = kv[:, :, 0].flatten(1, 2).transpose(1, 2)         # [B, nkv, L, D]
+        v = kv[:, :, 1].flatten(1, 2).transpose(1, 2)         # [B, nkv, L, D]
         o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=d.mask,
                                            enable_gqa=True)   # [B, nh, 1, D]
         return o[:, :, 0]                                      # [B, nh, D]
@@ -208,7 +218,7 @@ class Backbone(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """The whole model. `kv` is the cache: [num_layers, 2, num_blocks, block_size, nkv, D]."""
+    """The whole model. `kv` is the cache: [num_layers, num_blocks, 2, block_size, nkv, D]."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
