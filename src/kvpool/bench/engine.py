@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 REPEATS = 3
+STREAM_FACTOR = 3  # requests per running slot in the stream rows
 
 
 @dataclass(frozen=True)
@@ -92,11 +93,19 @@ def _main(args: argparse.Namespace) -> int:
         for batch in (int(b) for b in args.batches.split(",")):
             mixed = batch > 1 and not args.same_lengths
             rows += _throughput(model_dir, batch, prompt_len, steps, mixed, vocab, args.no_hf)
+            if mixed:
+                rows += _stream(model_dir, batch, prompt_len // 2, steps, vocab, args.no_hf)
+            _print(rows, args.json)
         if not args.no_ttft:
-            rows += _ttft(model_dir, ttft_len, args.ttft_prefix or ttft_len * 3 // 4, vocab)
-    for row in rows:
-        print(json.dumps(row) if args.json else _fmt(row), flush=True)
+            _print(_ttft(model_dir, ttft_len, args.ttft_prefix or ttft_len * 3 // 4, vocab),
+                   args.json)
     return 0
+
+
+def _print(rows: list[dict[str, Any]], as_json: bool) -> None:
+    for row in rows:
+        print(json.dumps(row) if as_json else _fmt(row), flush=True)
+    rows.clear()
 
 
 def _fmt(row: dict[str, Any]) -> str:
@@ -164,13 +173,37 @@ def _throughput(model_dir: Path, batch: int, prompt_len: int, steps: int, mixed:
     return rows
 
 
+def _stream(model_dir: Path, batch: int, prompt_len: int, steps: int, vocab: int,
+            no_hf: bool) -> list[dict[str, Any]]:
+    """STREAM_FACTOR x batch requests of mixed lengths, `batch` at a time: kvpool admits the
+    next request as soon as one finishes; transformers runs them in arrival order as static
+    batches of `batch`, each to its longest output. Generated tokens per second of wall time
+    (prefill included); 2 alternations, median."""
+    work = [_workload(batch * STREAM_FACTOR, prompt_len, steps, True, vocab, rep)
+            for rep in range(2)]
+    runners: dict[str, _Ours | _HF] = {"kvpool": _Ours(model_dir, work[0], batch)}
+    if not no_hf:
+        runners["transformers"] = _HF(model_dir)
+    seconds: dict[str, list[float]] = {name: [] for name in runners}
+    for w in work:
+        for name, runner in runners.items():
+            seconds[name].append(runner.run_stream(w, batch))
+    phase = f"generate {len(work[0].prompts)} requests, {batch} at a time"
+    rows = [_row(name, phase, sum(work[0].outputs) / statistics.median(ts), work[0])
+            for name, ts in seconds.items()]
+    if not no_hf:
+        rows[0]["vs_transformers"] = round(rows[0]["value"] / rows[1]["value"], 2)
+    return rows
+
+
 class _Ours:
-    def __init__(self, model_dir: Path, w: Workload) -> None:
+    def __init__(self, model_dir: Path, w: Workload, max_num_seqs: int | None = None) -> None:
         from kvpool.engine.config import EngineConfig, SamplingParams
         from kvpool.engine.llm_engine import LLMEngine
         longest = max(len(p) for p in w.prompts) + max(w.outputs) + 16
-        config = EngineConfig(block_size=16, num_blocks=w.batch * (-(-longest // 16)) + 8,
-                              max_num_seqs=w.batch, max_prefill_chunk=longest * w.batch,
+        running = max_num_seqs or w.batch
+        config = EngineConfig(block_size=16, num_blocks=running * (-(-longest // 16)) + 8,
+                              max_num_seqs=running, max_prefill_chunk=longest * running,
                               max_model_len=longest)
         self.engine = LLMEngine.from_dir(model_dir, config)
         self.engine.generate([[5] * 16], SamplingParams(max_tokens=2))  # warm up
@@ -192,6 +225,11 @@ class _Ours:
             self.engine.step()
         return t1 - t0, time.perf_counter() - t1
 
+    def run_stream(self, w: Workload, batch: int) -> float:
+        """Seconds to finish every request, at most `batch` running (the engine's limit)."""
+        first, rest = self.run(w)
+        return first + rest
+
 
 class _HF:
     def __init__(self, model_dir: Path) -> None:
@@ -205,6 +243,11 @@ class _HF:
     def run(self, w: Workload) -> tuple[float, float]:
         """One left-padded generate to the longest output; the first token marks prefill."""
         return self._generate(w.prompts, max(w.outputs))
+
+    def run_stream(self, w: Workload, batch: int) -> float:
+        """Static batches of `batch` requests in arrival order."""
+        return sum(sum(self._generate(w.prompts[i:i + batch], max(w.outputs[i:i + batch])))
+                   for i in range(0, len(w.prompts), batch))
 
     def _generate(self, prompts: list[list[int]], num_tokens: int) -> tuple[float, float]:
         torch = self.torch
@@ -259,47 +302,63 @@ def _ttft(model_dir: Path, length: int, prefix_len: int, vocab: int) -> list[dic
                 rows[-1]["vs_cold"] = round(wall_ms / rows[0]["value"], 3)
             if i == 1:
                 pool_info = info
-        rows += _kv_load(model_dir, master, shared, pool_info)
+        fresh_tail = _prompts(1, length - prefix_len, vocab, shift=11)[0]
+        rows += _kv_load(model_dir, master, shared, fresh_tail, pool_info)
     return rows
 
 
-def _kv_load(model_dir: Path, master: str, prefix: list[int],
+def _kv_load(model_dir: Path, master: str, prefix: list[int], tail: list[int],
              info: dict[str, Any]) -> list[dict[str, Any]]:
-    """The worker's pool load in GB/s beside one raw `batch_get_into` of the same objects
-    (same keys, same sizes, into one registered buffer) from this process; best of 3."""
+    """GB/s of the KV load path: the worker's own load above (once, first touch of those pool
+    pages), then the same `PoolConnector.load` in this process into an engine-sized cache,
+    alternating with one raw `batch_get_into` of the same objects into a plain buffer; medians."""
     import torch
 
     from kvpool.engine.blocks import block_key, model_hash_for_dir, prefix_block_hashes
     from kvpool.engine.checkpoint import read_model_config
+    from kvpool.engine.config import EngineConfig, SamplingParams
+    from kvpool.engine.kv_cache import KVCache
+    from kvpool.engine.sequence import Sequence
+    from kvpool.engine.worker.pool import PoolConnector
     from kvpool.store.client import StoreClient
     from kvpool.store.client_config import ClientConfig
-    cfg = read_model_config(model_dir)
+    cfg, root = read_model_config(model_dir), model_hash_for_dir(model_dir)
     object_bytes = 2 * 16 * cfg.num_kv_heads * cfg.head_dim * 4  # K and V of one block, float32
-    hashes = prefix_block_hashes(prefix, 16, model_hash_for_dir(model_dir))
-    keys = [block_key(h, layer) for h in hashes for layer in range(cfg.num_layers)]
-    loaded = info["num_pool_tokens"] // 16 * cfg.num_layers * object_bytes
-    rows = [{"impl": "kvpool worker", "phase": "KV load from pool",
-             "value": loaded / info["pool_load_s"] / 1e9, "unit": "GB/s", "bytes": loaded,
-             "objects": loaded // object_bytes, "object_bytes": object_bytes,
-             "load_ms": round(info["pool_load_s"] * 1e3, 1)}]
-    buf = torch.empty(len(keys) * object_bytes, dtype=torch.uint8)
+    keys = [block_key(h, layer) for h in prefix_block_hashes(prefix, 16, root)
+            for layer in range(cfg.num_layers)]
+    total = len(keys) * object_bytes
+    worker = info["num_pool_tokens"] // 16 * cfg.num_layers * object_bytes / info["pool_load_s"]
+    prompt = prefix + tail
+    cache = KVCache(cfg, EngineConfig(num_blocks=-(-len(prompt) // 16)), torch.float32, "cpu")
+    buf = torch.zeros(total, dtype=torch.uint8)
     addrs = [buf.data_ptr() + i * object_bytes for i in range(len(keys))]
-    with StoreClient(ClientConfig(master=master, local_buffer_size=0,
-                                  global_segment_size=0)) as client:
+    path_s, raw_s = [], []
+    with StoreClient(ClientConfig(master=master, local_buffer_size=0)) as client:
         client.register_buffer(buf)
-        seconds = []
+        client.register_buffer(cache.kv)
+        conn = PoolConnector(cache, client, client.engine, save_blocks=False)
         for _ in range(3):
             t0 = time.perf_counter()
-            results = client.batch_get_into(keys, addrs, [object_bytes] * len(keys))
-            seconds.append(time.perf_counter() - t0)
-            if not all(r.ok for r in results):
-                raise RuntimeError(f"raw get of the prefix failed: {results[0]}")
-    raw = len(keys) * object_bytes / min(seconds) / 1e9
-    rows.append({"impl": "store", "phase": "raw batch_get_into", "value": raw, "unit": "GB/s",
-                 "bytes": len(keys) * object_bytes, "objects": len(keys),
-                 "object_bytes": object_bytes})
-    rows[0]["vs_raw"] = round(rows[0]["value"] / raw, 2)
-    return rows
+            if not all(r.ok for r in client.batch_get_into(keys, addrs, [object_bytes] * len(keys))):
+                raise RuntimeError("a raw get of the prefix failed")
+            raw_s.append(time.perf_counter() - t0)
+            seq = Sequence("load", prompt, len(prompt), SamplingParams(), 16, root)
+            seq.block_table = list(range(seq.num_blocks_needed))
+            conn.load(seq)
+            if seq.num_pool_tokens != len(prefix):
+                raise RuntimeError(f"loaded {seq.num_pool_tokens} of {len(prefix)} tokens")
+            path_s.append(seq.pool_load_s)
+    raw = total / statistics.median(raw_s) / 1e9
+    shape = {"bytes": total, "objects": len(keys), "object_bytes": object_bytes}
+    return [
+        {"impl": "kvpool worker", "phase": "KV load, in the worker", "value": worker / 1e9,
+         "unit": "GB/s", **shape, "load_ms": round(info["pool_load_s"] * 1e3, 1),
+         "vs_raw": round(worker / 1e9 / raw, 2)},
+        {"impl": "kvpool", "phase": "KV load path, warm", "value": total / statistics.median(path_s) / 1e9,
+         "unit": "GB/s", **shape, "load_ms": round(statistics.median(path_s) * 1e3, 1),
+         "vs_raw": round(total / statistics.median(path_s) / 1e9 / raw, 2)},
+        {"impl": "store", "phase": "raw batch_get_into", "value": raw, "unit": "GB/s", **shape,
+         "load_ms": round(statistics.median(raw_s) * 1e3, 1)}]
 
 
 @contextmanager
