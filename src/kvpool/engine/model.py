@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -53,11 +53,15 @@ class AttentionBatch:
     slots: torch.Tensor  # [T] int64: block_id * block_size + offset of each new token
     seqs: list[SeqSlice]  # prompt chunks, attended one sequence at a time
     decode: DecodeGroup | None = None
+    _rows: torch.Tensor | None = field(default=None, repr=False)
 
     def cache_rows(self, block_size: int) -> torch.Tensor:
         """[T] row of each new token's K in a layer's cache viewed as
-        [num_blocks * 2 * block_size, nkv, D]; its V is block_size rows further."""
-        return self.slots + self.slots // block_size * block_size
+        [num_blocks * 2 * block_size, nkv, D]; its V is block_size rows further. The same
+        for every layer, so computed once."""
+        if self._rows is None:
+            self._rows = self.slots + self.slots // block_size * block_size
+        return self._rows
 
 
 class RMSNorm(nn.Module):
@@ -139,6 +143,8 @@ class Attention(nn.Module):
         rows = batch.cache_rows(block_size)
         flat[rows] = k
         flat[rows + block_size] = v
+        if batch.decode is not None and not batch.seqs:  # one token per sequence, in order
+            return self.o_proj(self._attend_decode(q, cache, batch.decode).reshape(T, -1))
         out = torch.empty_like(q)                             # [T, nh, D]
         if batch.decode is not None:
             out[batch.decode.rows] = self._attend_decode(q[batch.decode.rows], cache, batch.decode)
@@ -160,9 +166,9 @@ class Attention(nn.Module):
     @staticmethod
     def _attend(q: torch.Tensor, cache: torch.Tensor, s: SeqSlice) -> torch.Tensor:
         ctx, n = s.context_len, s.num_new
-        kv = cache[s.block_table[:-(-ctx // cache.shape[2])]]         # [n_blocks, 2, B, nkv, D]
-        k = kv[:, 0].flatten(0, 1)[:ctx].transpose(0, 1)              # [nkv, ctx, D]
-        v = kv[:, 1].flatten(0, 1)[:ctx].transpose(0, 1)              # [nkv, ctx, D]
+        table = s.block_table[:-(-ctx // cache.shape[2])]             # the blocks holding ctx
+        k = cache[:, 0][table].flatten(0, 1)[:ctx].transpose(0, 1)    # [nkv, ctx, D]
+        v = cache[:, 1][table].flatten(0, 1)[:ctx].transpose(0, 1)    # [nkv, ctx, D]
         q = q.transpose(0, 1)                                          # [nh, n, D]
         if n == 1:
             o = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
@@ -174,9 +180,10 @@ class Attention(nn.Module):
 
     @staticmethod
     def _attend_decode(q: torch.Tensor, cache: torch.Tensor, d: DecodeGroup) -> torch.Tensor:
-        kv = cache[d.tables]                                  # [B, W, 2, bs, nkv, D]
-        k = kv[:, :, 0].flatten(1, 2).transpose(1, 2)         # [B, nkv, L, D]
-        v = kv[:, :, 1].flatten(1, 2).transpose(1, 2)         # [B, nkv, L, D]
+        # Gathering K and V apart leaves each [B, W, bs, nkv, D] contiguous, so the merge of
+        # W and bs below is a view: one copy of the context per step, as a growing cache has.
+        k = cache[:, 0][d.tables].flatten(1, 2).transpose(1, 2)  # [B, nkv, L, D]
+        v = cache[:, 1][d.tables].flatten(1, 2).transpose(1, 2)  # [B, nkv, L, D]
         o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=d.mask,
                                            enable_gqa=True)   # [B, nh, 1, D]
         return o[:, :, 0]                                      # [B, nh, D]
