@@ -120,6 +120,38 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+QUERY_BLOCK = 256
+"""Queries per score matrix in `causal_attention`: [heads, 256, context] floats at a time."""
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q [n, nh, D], the last n of ctx positions; k, v [ctx, nkv, D] -> [n, nh, D], each query
+    seeing the keys up to its own position.
+
+    In blocks of QUERY_BLOCK queries, each against the keys up to its last query only (a long
+    prompt skips about half the scores, as a causal kernel does), with the heads that share a
+    K/V head stacked into one matmul (no repeated K/V). Plain matmuls and one softmax: on CPU
+    this is several times faster than scaled_dot_product_attention's kernels for long
+    prompts (the 4k-token TTFT rows of `kvpool bench engine`), and exact within float error."""
+    n, nh, D = q.shape
+    ctx, nkv = k.shape[0], k.shape[1]
+    group, offset = nh // nkv, ctx - n
+    kt, vh = k.permute(1, 2, 0), v.transpose(0, 1)                  # [nkv, D, ctx], [nkv, ctx, D]
+    keys = torch.arange(ctx, device=q.device)
+    out = torch.empty_like(q)
+    for start in range(0, n, QUERY_BLOCK):
+        b, end = min(QUERY_BLOCK, n - start), offset + min(start + QUERY_BLOCK, n)
+        qb = (q[start:start + b] * D ** -0.5).view(b, nkv, group, D)
+        qb = qb.permute(1, 2, 0, 3).reshape(nkv, group * b, D)      # [nkv, group * b, D]
+        scores = torch.matmul(qb, kt[:, :, :end])                    # [nkv, group * b, end]
+        pos = torch.arange(offset + start, offset + start + b, device=q.device)
+        future = keys[None, :end] > pos[:, None]                    # [b, end]
+        scores.view(nkv, group, b, end).masked_fill_(future, float("-inf"))
+        ob = torch.matmul(torch.softmax(scores, dim=-1), vh[:, :end])  # [nkv, group * b, D]
+        out[start:start + b] = ob.view(nkv, group, b, D).permute(2, 0, 1, 3).reshape(b, nh, D)
+    return out
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -151,32 +183,18 @@ class Attention(nn.Module):
         for s in batch.seqs:
             new = slice(s.start, s.start + s.num_new)
             if s.num_new == s.context_len:  # nothing before this chunk: its own K/V suffice
-                out[new] = self._attend_fresh(q[new], k[new], v[new])
+                out[new] = causal_attention(q[new], k[new], v[new])
             else:
-                out[new] = self._attend(q[new], cache, s)
+                out[new] = causal_attention(q[new], *self._gather(cache, s))
         return self.o_proj(out.view(T, -1))
 
     @staticmethod
-    def _attend_fresh(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [n, nh, D], k and v [n, nkv, D] of one whole prompt -> [n, nh, D], causal."""
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
-                                           v.transpose(0, 1), is_causal=True, enable_gqa=True)
-        return o.transpose(0, 1)
-
-    @staticmethod
-    def _attend(q: torch.Tensor, cache: torch.Tensor, s: SeqSlice) -> torch.Tensor:
-        ctx, n = s.context_len, s.num_new
-        table = s.block_table[:-(-ctx // cache.shape[2])]             # the blocks holding ctx
-        k = cache[:, 0][table].flatten(0, 1)[:ctx].transpose(0, 1)    # [nkv, ctx, D]
-        v = cache[:, 1][table].flatten(0, 1)[:ctx].transpose(0, 1)    # [nkv, ctx, D]
-        q = q.transpose(0, 1)                                          # [nh, n, D]
-        if n == 1:
-            o = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-        else:  # query i sits at position ctx - n + i and sees keys 0..that position
-            rows = torch.arange(ctx - n, ctx, device=q.device)[:, None]
-            mask = torch.arange(ctx, device=q.device)[None, :] <= rows  # [n, ctx]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-        return o.transpose(0, 1)                                       # [n, nh, D]
+    def _gather(cache: torch.Tensor, s: SeqSlice) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [context_len, nkv, D] of one sequence, from its blocks."""
+        table = s.block_table[:-(-s.context_len // cache.shape[2])]   # the blocks holding it
+        k = cache[:, 0][table].flatten(0, 1)[:s.context_len]
+        v = cache[:, 1][table].flatten(0, 1)[:s.context_len]
+        return k, v
 
     @staticmethod
     def _attend_decode(q: torch.Tensor, cache: torch.Tensor, d: DecodeGroup) -> torch.Tensor:
