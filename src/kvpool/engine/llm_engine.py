@@ -152,11 +152,14 @@ class LLMEngine:
         tables = torch.zeros(len(ones), width, dtype=torch.int64)
         for i, s in enumerate(ones):
             tables[i, :len(s.block_table)] = s.block_table.cpu()
-        keys = torch.arange(width * self.config.block_size)
-        lens = torch.tensor([s.context_len for s in ones])
-        dev = self.config.device
+        lens = [s.context_len for s in ones]
+        dev, max_len = self.config.device, max(lens)
+        mask = None
+        if min(lens) < max_len:
+            keys = torch.arange(max_len)
+            mask = (keys[None, :] < torch.tensor(lens)[:, None])[:, None, None, :].to(dev)
         return DecodeGroup(torch.tensor([s.start for s in ones], device=dev), tables.to(dev),
-                           (keys[None, :] < lens[:, None])[:, None, None, :].to(dev))
+                           max_len, mask)
 
     def postprocess(self, batch: ScheduledBatch, sampled: dict[Sequence, int]) -> list[StepOutput]:
         outputs, self._finished = self._finished, []

@@ -45,7 +45,8 @@ class DecodeGroup:
 
     rows: torch.Tensor    # [B] int64: their rows in the batch's T tokens
     tables: torch.Tensor  # [B, max_blocks] int64 block ids (padded with block 0)
-    mask: torch.Tensor    # [B, 1, 1, max_blocks * block_size] bool: key < context_len
+    max_len: int          # the longest context: keys past it are never attended
+    mask: torch.Tensor | None  # [B, 1, 1, max_len] bool: key < context_len; None: all equal
 
 
 @dataclass
@@ -144,9 +145,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
         qb = (q[start:start + b] * D ** -0.5).view(b, nkv, group, D)
         qb = qb.permute(1, 2, 0, 3).reshape(nkv, group * b, D)      # [nkv, group * b, D]
         scores = torch.matmul(qb, kt[:, :, :end])                    # [nkv, group * b, end]
-        pos = torch.arange(offset + start, offset + start + b, device=q.device)
-        future = keys[None, :end] > pos[:, None]                    # [b, end]
-        scores.view(nkv, group, b, end).masked_fill_(future, float("-inf"))
+        first = offset + start  # every query of the block sees keys before its first one
+        pos = torch.arange(first, first + b, device=q.device)
+        future = keys[None, first:end] > pos[:, None]               # [b, end - first]
+        scores.view(nkv, group, b, end)[..., first:].masked_fill_(future, float("-inf"))
         ob = torch.matmul(torch.softmax(scores, dim=-1), vh[:, :end])  # [nkv, group * b, D]
         out[start:start + b] = ob.view(nkv, group, b, D).permute(2, 0, 1, 3).reshape(b, nh, D)
     return out
@@ -200,8 +202,8 @@ class Attention(nn.Module):
     def _attend_decode(q: torch.Tensor, cache: torch.Tensor, d: DecodeGroup) -> torch.Tensor:
         # Gathering K and V apart leaves each [B, W, bs, nkv, D] contiguous, so the merge of
         # W and bs below is a view: one copy of the context per step, as a growing cache has.
-        k = cache[:, 0][d.tables].flatten(1, 2).transpose(1, 2)  # [B, nkv, L, D]
-        v = cache[:, 1][d.tables].flatten(1, 2).transpose(1, 2)  # [B, nkv, L, D]
+        k = cache[:, 0][d.tables].flatten(1, 2)[:, :d.max_len].transpose(1, 2)  # [B, nkv, L, D]
+        v = cache[:, 1][d.tables].flatten(1, 2)[:, :d.max_len].transpose(1, 2)  # [B, nkv, L, D]
         o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=d.mask,
                                            enable_gqa=True)   # [B, nh, 1, D]
         return o[:, :, 0]                                      # [B, nh, D]
