@@ -7,7 +7,7 @@ mixed prompt and output lengths. Both engines get the same requests; transformer
 one left-padded `generate` (every row to the longest output), kvpool as requests in its
 continuous batch (a row leaves when its output is done). Only useful tokens count: prompt
 tokens for prefill, generated tokens after the first for decode. The two engines alternate,
-REPEATS times, on fresh prompts each time; the rows give medians.
+--repeats times (3), on fresh prompts each time; the rows give medians.
 
 Pool: the prefill worker's KV load (bytes of the prefix it read from the pool / the time of that
 batch get) beside the raw store's `batch_get_into` of the same objects from this process.
@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-REPEATS = 3
 STREAM_FACTOR = 3  # requests per running slot in the stream rows
 
 
@@ -69,6 +68,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ttft-len", type=int, default=None, help="TTFT prompt (default 4096)")
     p.add_argument("--ttft-prefix", type=int, default=None,
                    help="its tokens another worker left in the pool (default 3/4 of it)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="alternations of the two engines per throughput row (median)")
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
     p.add_argument("--no-ttft", action="store_true", help="skip the worker processes")
     p.add_argument("--threads", type=int, default=1,
@@ -92,7 +93,8 @@ def _main(args: argparse.Namespace) -> int:
         rows: list[dict[str, Any]] = []
         for batch in (int(b) for b in args.batches.split(",")):
             mixed = batch > 1 and not args.same_lengths
-            rows += _throughput(model_dir, batch, prompt_len, steps, mixed, vocab, args.no_hf)
+            rows += _throughput(model_dir, batch, prompt_len, steps, mixed, vocab, args.no_hf,
+                                args.repeats)
             if mixed:
                 rows += _stream(model_dir, batch, prompt_len // 2, steps, vocab, args.no_hf)
             _print(rows, args.json)
@@ -151,9 +153,9 @@ def _workload(batch: int, prompt_len: int, steps: int, mixed: bool, vocab: int,
 
 
 def _throughput(model_dir: Path, batch: int, prompt_len: int, steps: int, mixed: bool,
-                vocab: int, no_hf: bool) -> list[dict[str, Any]]:
+                vocab: int, no_hf: bool, repeats: int) -> list[dict[str, Any]]:
     """Alternate the two engines on the same workloads; medians of prefill and decode tok/s."""
-    work = [_workload(batch, prompt_len, steps, mixed, vocab, rep) for rep in range(REPEATS)]
+    work = [_workload(batch, prompt_len, steps, mixed, vocab, rep) for rep in range(repeats)]
     runners: dict[str, _Ours | _HF] = {"kvpool": _Ours(model_dir, work[0])}
     if not no_hf:
         runners["transformers"] = _HF(model_dir)
