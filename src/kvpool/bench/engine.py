@@ -99,8 +99,8 @@ def _main(args: argparse.Namespace) -> int:
                 rows += _stream(model_dir, batch, prompt_len // 2, steps, vocab, args.no_hf)
             _print(rows, args.json)
         if not args.no_ttft:
-            _print(_ttft(model_dir, ttft_len, args.ttft_prefix or ttft_len * 3 // 4, vocab),
-                   args.json)
+            _print(_ttft(model_dir, ttft_len, args.ttft_prefix or ttft_len * 3 // 4, vocab,
+                         args.repeats), args.json)
     return 0
 
 
@@ -278,42 +278,49 @@ def _row(impl: str, phase: str, tok_s: float, w: Workload) -> dict[str, Any]:
             "prompt_tokens": w.num_prompt_tokens, "output_tokens": sum(w.outputs)}
 
 
-def _ttft(model_dir: Path, length: int, prefix_len: int, vocab: int) -> list[dict[str, Any]]:
-    """Cold prefill on P1 (its blocks go to the pool), then the same prefix plus a new tail on
-    P2, which loads the prefix from the pool; then P2 again with another tail (local cache)."""
+def _ttft(model_dir: Path, length: int, prefix_len: int, vocab: int,
+          repeats: int) -> list[dict[str, Any]]:
+    """Per repeat, a new prefix: cold prefill on P1 (its blocks go to the pool), then the same
+    prefix plus a new tail on P2, which loads the prefix from the pool, then P2 again with
+    another tail (local cache). Medians over the repeats."""
     from kvpool.engine.worker.client import prefill
-    shared = _prompts(1, prefix_len, vocab)[0]
-    tails = _prompts(3, length - prefix_len, vocab, shift=7)
+    phases = (("cold", 0), ("prefix from pool", 1), ("prefix in local cache", 1))
+    runs: list[list[tuple[float, dict[str, Any]]]] = [[], [], []]
     with _cluster(model_dir, length) as (master, p1, p2):
-        for url in (p1, p2):  # first requests pay one-time costs (connections, allocator)
+        urls = (p1, p2)
+        for url in urls:  # first requests pay one-time costs (connections, allocator)
             prefill(url, f"warm-{url}", _prompts(1, 64, vocab, shift=9)[0], {"max_tokens": 1},
                     {"mode": "pool"})
-        rows: list[dict[str, Any]] = []
-        for i, (name, url) in enumerate((("cold", p1), ("prefix from pool", p2),
-                                         ("prefix in local cache", p2))):
-            t0 = time.perf_counter()
-            info = prefill(url, f"ttft-{i}", shared + tails[i], {"max_tokens": 1},
-                           {"mode": "pool"})
-            wall_ms = (time.perf_counter() - t0) * 1e3
-            rows.append({"impl": "kvpool worker", "phase": f"TTFT {name}", "value": wall_ms,
-                         "unit": "ms", "prompt_len": length,
-                         "pool_tokens": info["num_pool_tokens"],
-                         "cached_tokens": info["num_cached_tokens"],
-                         "computed_tokens": info["num_computed_tokens"]})
-            if i:
-                rows[-1]["vs_cold"] = round(wall_ms / rows[0]["value"], 3)
-            if i == 1:
-                pool_info = info
+        for rep in range(repeats):
+            shared = _prompts(1, prefix_len, vocab, shift=20 + rep)[0]
+            tails = _prompts(3, length - prefix_len, vocab, shift=40 + rep)
+            for i, (_, worker) in enumerate(phases):
+                t0 = time.perf_counter()
+                info = prefill(urls[worker], f"ttft-{rep}-{i}", shared + tails[i],
+                               {"max_tokens": 1}, {"mode": "pool"})
+                runs[i].append(((time.perf_counter() - t0) * 1e3, info))
         fresh_tail = _prompts(1, length - prefix_len, vocab, shift=11)[0]
-        rows += _kv_load(model_dir, master, shared, fresh_tail, pool_info)
-    return rows
+        loads = _kv_load(model_dir, master, shared, fresh_tail, [info for _, info in runs[1]])
+    rows = []
+    for (name, _), timed in zip(phases, runs, strict=True):
+        info = timed[-1][1]
+        rows.append({"impl": "kvpool worker", "phase": f"TTFT {name}",
+                     "value": statistics.median(ms for ms, _ in timed), "unit": "ms",
+                     "prompt_len": length, "pool_tokens": info["num_pool_tokens"],
+                     "cached_tokens": info["num_cached_tokens"],
+                     "computed_tokens": info["num_computed_tokens"],
+                     "runs_ms": [round(ms) for ms, _ in timed]})
+        if rows[0] is not rows[-1]:
+            rows[-1]["vs_cold"] = round(rows[-1]["value"] / rows[0]["value"], 3)
+    return rows + loads
 
 
 def _kv_load(model_dir: Path, master: str, prefix: list[int], tail: list[int],
-             info: dict[str, Any]) -> list[dict[str, Any]]:
-    """GB/s of the KV load path: the worker's own load above (once, first touch of those pool
-    pages), then the same `PoolConnector.load` in this process into an engine-sized cache,
-    alternating with one raw `batch_get_into` of the same objects into a plain buffer; medians."""
+             infos: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """GB/s of the KV load path: the worker's own loads above (median; each the first touch of
+    those pool pages by that worker), then the same `PoolConnector.load` in this process into
+    an engine-sized cache, alternating with one raw `batch_get_into` of the same objects into a
+    plain buffer; medians."""
     import torch
 
     from kvpool.engine.blocks import block_key, model_hash_for_dir, prefix_block_hashes
@@ -329,7 +336,8 @@ def _kv_load(model_dir: Path, master: str, prefix: list[int], tail: list[int],
     keys = [block_key(h, layer) for h in prefix_block_hashes(prefix, 16, root)
             for layer in range(cfg.num_layers)]
     total = len(keys) * object_bytes
-    worker = info["num_pool_tokens"] // 16 * cfg.num_layers * object_bytes / info["pool_load_s"]
+    load_s = statistics.median(info["pool_load_s"] for info in infos)
+    worker = infos[-1]["num_pool_tokens"] // 16 * cfg.num_layers * object_bytes / load_s
     prompt = prefix + tail
     cache = KVCache(cfg, EngineConfig(num_blocks=-(-len(prompt) // 16)), torch.float32, "cpu")
     buf = torch.zeros(total, dtype=torch.uint8)
@@ -354,7 +362,7 @@ def _kv_load(model_dir: Path, master: str, prefix: list[int], tail: list[int],
     shape = {"bytes": total, "objects": len(keys), "object_bytes": object_bytes}
     return [
         {"impl": "kvpool worker", "phase": "KV load, in the worker", "value": worker / 1e9,
-         "unit": "GB/s", **shape, "load_ms": round(info["pool_load_s"] * 1e3, 1),
+         "unit": "GB/s", **shape, "load_ms": round(load_s * 1e3, 1),
          "vs_raw": round(worker / 1e9 / raw, 2)},
         {"impl": "kvpool", "phase": "KV load path, warm", "value": total / statistics.median(path_s) / 1e9,
          "unit": "GB/s", **shape, "load_ms": round(statistics.median(path_s) * 1e3, 1),
