@@ -25,8 +25,10 @@ def test_bench_engine_smoke(tiny_llama: Path, capsys: pytest.CaptureFixture[str]
                  "--prompt-len", "8", "--decode-steps", "2", "--no-ttft", "--json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert {(r["impl"], r["phase"]) for r in rows} == {
-        ("kvpool", "prefill batch 2"), ("kvpool", "decode batch 2"),
-        ("transformers", "prefill batch 2"), ("transformers", "decode batch 2")}
+        ("kvpool", "prefill batch 2 mixed"), ("kvpool", "decode batch 2 mixed"),
+        ("transformers", "prefill batch 2 mixed"), ("transformers", "decode batch 2 mixed"),
+        ("kvpool", "generate 6 requests, 2 at a time"),
+        ("transformers", "generate 6 requests, 2 at a time")}
     assert all(r["value"] > 0 for r in rows)
 
 

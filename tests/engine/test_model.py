@@ -8,8 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kvpool.engine.checkpoint import load_model
+from kvpool.engine.model import causal_attention
 from tests.engine.helpers import full_logits
 
 transformers = pytest.importorskip("transformers")
@@ -78,3 +80,17 @@ def test_checkpoint_written_by_transformers(arch: str, tmp_path: Path) -> None:
     with torch.no_grad():
         theirs = hf.eval()(torch.tensor([SMALL])).logits[0]
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("num_new", "context_len"), [(600, 600), (700, 1500), (1, 37), (257, 257)])
+def test_causal_attention_equals_sdpa(num_new: int, context_len: int) -> None:
+    """Query blocks, skipped keys and grouped heads change nothing: the last `num_new` of
+    `context_len` positions attend as one masked scaled_dot_product_attention call."""
+    g = torch.Generator().manual_seed(num_new)
+    q = torch.randn(num_new, 6, 16, generator=g)
+    k, v = torch.randn(2, context_len, 2, 16, generator=g)
+    first = context_len - num_new
+    mask = torch.arange(context_len)[None, :] <= torch.arange(first, context_len)[:, None]
+    want = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                          attn_mask=mask, enable_gqa=True).transpose(0, 1)
+    torch.testing.assert_close(causal_attention(q, k, v), want, atol=1e-5, rtol=1e-5)

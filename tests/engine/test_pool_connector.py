@@ -126,7 +126,7 @@ def test_prefill_to_decode_through_the_pool(tiny_llama: Path) -> None:
     assert request_key("r") not in store.objects  # the decode worker took the partial block
     # KV moved through the pool is the prefill's KV, bit for bit
     for i, block_id in enumerate(seq.block_table[:3]):
-        assert torch.equal(decode.cache.kv[:, :, block_id], prefill.cache.kv[:, :, i])
+        assert torch.equal(decode.cache.kv[:, block_id], prefill.cache.kv[:, i])
 
 
 def test_prefill_to_decode_by_push(tiny_llama: Path) -> None:

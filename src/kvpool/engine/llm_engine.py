@@ -129,19 +129,20 @@ class LLMEngine:
         each sequence's slice of it."""
         bs, dev = self.config.block_size, self.config.device
         ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
+        positions: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
         slices: list[SeqSlice] = []
         for seq, n in batch:
             start = seq.num_computed_tokens
-            table = torch.tensor(seq.block_table, device=dev)
-            slices.append(SeqSlice(len(ids), n, start + n, table))
+            table = torch.tensor(seq.block_table)
+            pos = torch.arange(start, start + n)                 # [n]
+            slices.append(SeqSlice(len(ids), n, start + n, table.to(dev)))
             ids += seq.token_ids[start:start + n]
-            positions += range(start, start + n)
-            slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + n)]
-        attn = AttentionBatch(torch.tensor(slots, device=dev),
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)      # [n]
+        attn = AttentionBatch(torch.cat(slots).to(dev),
                               [s for s in slices if s.num_new > 1], self._decode_group(slices))
-        return (torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), attn, slices)
+        return (torch.tensor(ids, device=dev), torch.cat(positions).to(dev), attn, slices)
 
     def _decode_group(self, slices: list[SeqSlice]) -> DecodeGroup | None:
         ones = [s for s in slices if s.num_new == 1]
@@ -151,11 +152,14 @@ class LLMEngine:
         tables = torch.zeros(len(ones), width, dtype=torch.int64)
         for i, s in enumerate(ones):
             tables[i, :len(s.block_table)] = s.block_table.cpu()
-        keys = torch.arange(width * self.config.block_size)
-        lens = torch.tensor([s.context_len for s in ones])
-        dev = self.config.device
+        lens = [s.context_len for s in ones]
+        dev, max_len = self.config.device, max(lens)
+        mask = None
+        if min(lens) < max_len:
+            keys = torch.arange(max_len)
+            mask = (keys[None, :] < torch.tensor(lens)[:, None])[:, None, None, :].to(dev)
         return DecodeGroup(torch.tensor([s.start for s in ones], device=dev), tables.to(dev),
-                           (keys[None, :] < lens[:, None])[:, None, None, :].to(dev))
+                           max_len, mask)
 
     def postprocess(self, batch: ScheduledBatch, sampled: dict[Sequence, int]) -> list[StepOutput]:
         outputs, self._finished = self._finished, []
@@ -201,6 +205,7 @@ class LLMEngine:
         return {"num_prompt_tokens": seq.num_prompt_tokens,
                 "num_cached_tokens": seq.num_cached_tokens,
                 "num_pool_tokens": seq.num_pool_tokens,
+                "pool_load_s": seq.pool_load_s,
                 "num_output_tokens": len(seq.output_ids)}
 
     # -- pushed KV ---------------------------------------------------------------------------

@@ -41,6 +41,7 @@ class Sequence:
     """Leading full blocks registered under their hash in the block manager."""
     num_cached_tokens: int = 0   # from the local prefix cache, at admission
     num_pool_tokens: int = 0     # loaded from the pool, at admission
+    pool_load_s: float = 0.0     # time of that load
     finish_reason: str | None = None
     error: str | None = None
     block_hashes: list[int] = field(default_factory=list)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,7 +93,7 @@ class LayerSaver:
 
     def _put(self, layer: int, blocks: list[tuple[int, int]]) -> None:
         keys = [block_key(h, layer) for h, _ in blocks]
-        parts = [self.cache.block_parts(b, range(layer, layer + 1)) for _, b in blocks]
+        parts = [[self.cache.layer_part(b, layer)] for _, b in blocks]
         for key, result in zip(keys, self.store.batch_put_from_parts(keys, parts), strict=True):
             if not result.ok:
                 self._failures.append(f"put {key}: {result.code.name}")
@@ -119,7 +120,9 @@ class PoolConnector(KVConnector):
     def load(self, seq: Sequence) -> str | None:
         limit = (len(seq) - 1) // self.bs  # full blocks that may be loaded
         first = seq.num_computed_tokens // self.bs
+        t0 = time.perf_counter()
         loaded, why = self._load_blocks(seq, first, limit) if self.store is not None else (0, "")
+        seq.pool_load_s = time.perf_counter() - t0
         seq.num_pool_tokens = loaded * self.bs
         seq.num_computed_tokens += seq.num_pool_tokens
         if seq.kv_source is not KVSource.POOL:
@@ -138,7 +141,7 @@ class PoolConnector(KVConnector):
         keys = [block_key(seq.block_hashes[i], layer) for i in range(first, limit) for layer in layers]
         if not keys:
             return 0, ""
-        parts = [self.cache.block_parts(seq.block_table[i], range(layer, layer + 1))
+        parts = [[self.cache.layer_part(seq.block_table[i], layer)]
                  for i in range(first, limit) for layer in layers]
         results = self.store.batch_get_into_parts(keys, parts)
         for j in range(0, len(results), len(layers)):
@@ -151,13 +154,17 @@ class PoolConnector(KVConnector):
         if seq.num_prompt_tokens % self.bs:
             key = request_key(seq.request_id)
             result = self.store.batch_get_into_parts(
-                [key], [self.cache.block_parts(seq.block_table[limit])])[0]
+                [key], [self._partial_parts(seq.block_table[limit])])[0]
             if not result.ok:
                 return (f"last block of request {seq.request_id} could not be read from the pool "
                         f"({result.code.name})")
             self.store.remove(key, force=True)  # our own read lease would refuse a plain remove
         seq.num_computed_tokens = seq.num_prompt_tokens
         return None
+
+    def _partial_parts(self, block_id: int) -> list[Part]:
+        """The `request_key` object: K0 V0 K1 V1 ..., one range per layer."""
+        return [self.cache.layer_part(block_id, layer) for layer in range(self.cache.num_layers)]
 
     # -- saving while computing ----------------------------------------------------------------
 
@@ -219,11 +226,11 @@ class PoolConnector(KVConnector):
         hits = min(seq.num_cached_tokens // self.bs, full)
         layers = range(self.cache.num_layers)
         keys = [block_key(seq.block_hashes[i], layer) for i in range(hits) for layer in layers]
-        parts = [self.cache.block_parts(seq.block_table[i], range(layer, layer + 1))
+        parts = [[self.cache.layer_part(seq.block_table[i], layer)]
                  for i in range(hits) for layer in layers]
         if seq.num_prompt_tokens % self.bs:
             keys.append(request_key(seq.request_id))
-            parts.append(self.cache.block_parts(seq.block_table[full]))
+            parts.append(self._partial_parts(seq.block_table[full]))
         results = self.store.batch_put_from_parts(keys, parts) if keys else []
         bad = [(k, r.code.name) for k, r in zip(keys, results, strict=True) if not r.ok]
         return f"storing KV in the pool failed: put {bad[0][0]}: {bad[0][1]}" if bad else None

@@ -144,7 +144,8 @@ class Worker:
                 "num_prompt_tokens": len(prompt), "num_cached_tokens": num_cached,
                 "num_pool_tokens": num_pool,
                 "num_computed_tokens": num_computed,
-                "prefill_s": round(time.monotonic() - t0, 6), "kv_bytes_moved": moved}
+                "prefill_s": round(time.monotonic() - t0, 6),
+                "pool_load_s": round(stats["pool_load_s"], 6), "kv_bytes_moved": moved}
 
     @property
     def _token_bytes(self) -> int:
