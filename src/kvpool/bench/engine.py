@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,10 +24,12 @@ import tempfile
 import time
 import warnings
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from kvpool.procs import free_port, running, wait_port
 
 STREAM_FACTOR = 3  # requests per running slot in the stream rows
 
@@ -373,16 +374,16 @@ def _kv_load(model_dir: Path, master: str, prefix: list[int], tail: list[int],
 
 @contextmanager
 def _cluster(model_dir: Path, length: int) -> Iterator[tuple[str, str, str]]:
-    rpc, admin = _free_port(), _free_port()
+    rpc, admin = free_port(), free_port()
     with ExitStack() as stack:
         stack.enter_context(_proc("master", "--rpc_port", str(rpc), "--metrics_port", str(admin),
                                   "--no-http-metadata"))
-        _wait(rpc)
+        wait_port(rpc, timeout_s=30)
         master = f"127.0.0.1:{rpc}"
         stack.enter_context(_proc("store-node", "--dram", "2GiB", "--master", master))
         urls = []
         for _ in range(2):
-            port = _free_port()
+            port = free_port()
             stack.enter_context(_proc("worker", "--role", "prefill", "--model", str(model_dir),
                                       "--master", master, "--port", str(port),
                                       "--max-prefill-chunk", str(length),
@@ -390,37 +391,9 @@ def _cluster(model_dir: Path, length: int) -> Iterator[tuple[str, str, str]]:
                                       "--num-blocks", str(length // 16 * 3 + 64)))
             urls.append((f"http://127.0.0.1:{port}", port))
         for _, port in urls:
-            _wait(port, 120)
+            wait_port(port, timeout_s=120)
         yield master, urls[0][0], urls[1][0]
 
 
-@contextmanager
-def _proc(*args: str) -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen([sys.executable, "-m", "kvpool", "--log-level", "WARNING", *args],
-                            stdout=subprocess.DEVNULL)
-    try:
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def _wait(port: int, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout_s}s")
+def _proc(*args: str) -> AbstractContextManager[subprocess.Popen[bytes]]:
+    return running([sys.executable, "-m", "kvpool", "--log-level", "WARNING", *args])

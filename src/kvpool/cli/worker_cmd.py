@@ -4,10 +4,10 @@ engine over HTTP (docs/worker-api.md), with KV through the pool or pushed to dec
 from __future__ import annotations
 
 import argparse
-import socket
 
 from kvpool.errors import KvpoolError
 from kvpool.log import get_logger
+from kvpool.procs import free_port
 from kvpool.units import parse_size
 
 log = get_logger("cli.worker")
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = WorkerConfig(
             model_dir=args.model, role=args.role, master=args.master, host=args.host,
-            port=args.port or _free_port(args.host), kv_transfer=args.kv_transfer,
+            port=args.port or free_port(args.host), kv_transfer=args.kv_transfer,
             token=args.token or os.environ.get("KVPOOL_TOKEN") or None,
             engine=EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks,
                                 max_num_seqs=args.max_num_seqs,
@@ -62,9 +62,3 @@ def run(args: argparse.Namespace) -> int:
           f"segment {worker.transfer.segment_name}", flush=True)
     uvicorn.run(create_app(worker), host=config.host, port=config.port, log_level="warning")
     return 0
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
