@@ -31,10 +31,11 @@ def wait_port(port: int, host: str = "127.0.0.1", timeout_s: float = 20.0) -> No
             time.sleep(0.05)
 
 
-def stop(proc: subprocess.Popen[Any], timeout_s: float = 10.0) -> None:
-    """SIGTERM, then SIGKILL if it has not exited within `timeout_s`; reaps it either way."""
+def stop(proc: subprocess.Popen[Any], timeout_s: float = 10.0,
+         sig: int = signal.SIGTERM) -> None:
+    """`sig` (SIGTERM), then SIGKILL if it has not exited within `timeout_s`; reaps it."""
     if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
     try:
         proc.wait(timeout_s)
     except subprocess.TimeoutExpired:

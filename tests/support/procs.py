@@ -10,6 +10,8 @@ import textwrap
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from kvpool import procs
+
 
 def python_env() -> dict[str, str]:
     env = dict(os.environ)
@@ -36,13 +38,7 @@ def spawn_kvpool(*args: str) -> subprocess.Popen[bytes]:
 
 
 def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:
-    if proc.poll() is None:
-        proc.send_signal(sig)
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    procs.stop(proc, timeout_s, sig)
 
 
 @contextmanager

@@ -23,7 +23,8 @@ log = get_logger("cli.master")
 _P = PersistConfig("")
 
 
-def _bool(value: str) -> bool:
+def parse_bool(value: str) -> bool:
+    """Mooncake's boolean flag values (`--enable_ha=true`)."""
     if value.lower() in ("1", "true", "yes", "on"):
         return True
     if value.lower() in ("0", "false", "no", "off"):
@@ -44,7 +45,7 @@ def add_ha_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recovery-grace", dest="recovery_grace", type=float,
                    default=_P.recovery_grace_s, help="seconds recovered segments wait for "
                    "their nodes to mount again")
-    g.add_argument("--enable_ha", "--enable-ha", dest="enable_ha", type=_bool, nargs="?",
+    g.add_argument("--enable_ha", "--enable-ha", dest="enable_ha", type=parse_bool, nargs="?",
                    const=True, default=False, help="elect one leader among masters via etcd")
     g.add_argument("--etcd_endpoints", "--etcd-endpoints", dest="etcd_endpoints",
                    default=None, help="etcd host:port list, ';' or ',' separated")

@@ -27,15 +27,6 @@ log = get_logger("cli.master")
 _DEF = MasterConfig()
 _SRV = MasterServerConfig()
 
-
-def _bool(value: str) -> bool:
-    if value.lower() in ("1", "true", "yes", "on"):
-        return True
-    if value.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}")
-
-
 _UNIT_MS = {"ms": 1.0, "s": 1000.0, "m": 60_000.0, "h": 3_600_000.0}
 
 
@@ -73,7 +64,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--metadata-port", dest="kvpool_metadata_port", type=int, default=None,
                    help="serve HTTP metadata on this port (implies the next flag)")
     p.add_argument("--enable_http_metadata_server", "--http-metadata", dest="metadata",
-                   type=_bool, nargs="?", const=True, default=None,
+                   type=ha_flags.parse_bool, nargs="?", const=True, default=None,
                    help="serve HTTP metadata (default off, as mooncake_master)")
     p.add_argument("--no-http-metadata", dest="metadata", action="store_false", default=None,
                    help="do not embed the HTTP metadata server")
