@@ -109,6 +109,7 @@ keys, ptrs, sizes = page_meta(pool, ptr, range(NUM_PAGES))
 results, written = backend.batch_set(keys, ptrs, sizes)
 say(step="set", results=results, written=written)
 say(step="set_again", results=backend.batch_set(keys, ptrs, sizes)[0])
+sys.stdin.readline()   # every rank has stored its pages (MLA ranks write the same keys)
 back, back_ptr, back_size = host_pool(allocator, 0)
 assert backend.store.register_buffer(back_ptr, back_size) == 0
 got = backend.batch_get(*page_meta(back, back_ptr, range(NUM_PAGES)))
