@@ -3,6 +3,7 @@ reservations."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -57,7 +58,19 @@ def test_colocated_stream(client: TestClient) -> None:
     with client.stream("POST", "/generate", json=body, headers=AUTH) as reply:
         assert reply.headers["content-type"] == "application/x-ndjson"
         lines = [line for line in reply.iter_lines() if line]
-    assert len(lines) == 4 and lines[-1] == '{"finish_reason": "length", "num_output_tokens": 3}'
+    assert len(lines) == 4 and lines[-1] == ('{"finish_reason": "length", "num_output_tokens": 3, '
+                                             '"num_cached_tokens": 0, "num_pool_tokens": 0}')
+
+
+def test_colocated_finish_line_reports_reuse(client: TestClient) -> None:
+    prompt = list(range(3, 20))                  # two full blocks of 8, then one token
+    finish = []
+    for request_id in ("first", "again"):
+        body = {"request_id": request_id, "prompt_token_ids": prompt,
+                "sampling": {"max_tokens": 2, "ignore_eos": True}}
+        with client.stream("POST", "/generate", json=body, headers=AUTH) as reply:
+            finish.append(json.loads([line for line in reply.iter_lines() if line][-1]))
+    assert [f["num_cached_tokens"] for f in finish] == [0, 16]
 
 
 def test_a_stopped_engine_answers_503(tiny_llama: Path) -> None:

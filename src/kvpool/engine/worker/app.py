@@ -156,6 +156,11 @@ def sampling_params(s: Sampling) -> SamplingParams:
     return SamplingParams.from_json(s.model_dump())
 
 
+def _reuse(stats: dict[str, float]) -> dict[str, int]:
+    """Prompt tokens this worker did not compute (its cache, the pool), for the proxy's metrics."""
+    return {k: int(stats[k]) for k in ("num_cached_tokens", "num_pool_tokens") if k in stats}
+
+
 async def ndjson(outputs: AsyncIterator[Any]) -> AsyncIterator[bytes]:
     """One JSON line per token, then the finish line; an error ends the stream with its line."""
     num_tokens = 0
@@ -165,7 +170,8 @@ async def ndjson(outputs: AsyncIterator[Any]) -> AsyncIterator[bytes]:
                 num_tokens += 1
                 yield _line({"token_id": out.token_id})
             if out.finish_reason is not None:
-                yield _line({"finish_reason": out.finish_reason, "num_output_tokens": num_tokens})
+                yield _line({"finish_reason": out.finish_reason, "num_output_tokens": num_tokens,
+                             **_reuse(out.stats)})
     except (RequestFailed, KvpoolError, ShuttingDown) as exc:
         yield _line({"error": str(exc)})
     except Exception as exc:
