@@ -20,9 +20,8 @@ import pytest
 
 from kvpool.compat.mooncake.store import MooncakeDistributedStore, ReplicateConfig
 from tests.compat.kv import kv_cache
-from tests.compat.test_lifecycle import Master
-from tests.support.net import free_port, wait_port
-from tests.support.procs import python_env, running, spawn_kvpool, stop
+from tests.compat.test_lifecycle import Master, master_with_admin
+from tests.support.procs import python_env, stop
 
 MIB = 1 << 20
 RANK_SCRIPT = Path(__file__).with_name("sglang_rank.py")
@@ -30,13 +29,8 @@ RANK_SCRIPT = Path(__file__).with_name("sglang_rank.py")
 
 @pytest.fixture(scope="module")
 def master() -> Iterator[Master]:
-    rpc, admin, meta = free_port(), free_port(), free_port()
-    proc = spawn_kvpool("master", f"--rpc_port={rpc}", f"--metrics_port={admin}",
-                        "--enable_http_metadata_server=true",
-                        f"--http_metadata_server_port={meta}", "--default_kv_lease_ttl=500")
-    with running(proc):
-        wait_port(rpc), wait_port(admin), wait_port(meta)
-        yield Master(rpc, admin, meta)
+    with master_with_admin("--default_kv_lease_ttl=500") as m:
+        yield m
 
 
 class Rank:

@@ -11,6 +11,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
@@ -55,17 +56,24 @@ class Master:
             return False
 
 
+@contextmanager
+def master_with_admin(*extra: str) -> Iterator[Master]:
+    """A `kvpool master` with Mooncake's flags, HTTP metadata on and its admin port known."""
+    rpc, admin, meta = free_port(), free_port(), free_port()
+    proc = spawn_kvpool("master", f"--rpc_port={rpc}", f"--metrics_port={admin}",
+                        "--enable_http_metadata_server=true",
+                        f"--http_metadata_server_port={meta}", *extra)
+    with running(proc):
+        wait_port(rpc), wait_port(admin), wait_port(meta)
+        yield Master(rpc, admin, meta)
+
+
 @pytest.fixture(scope="module")
 def master() -> Iterator[Master]:
     """client_ttl 30 s: anything that disappears within the tests' waits was torn down by
     its owner, not expired by the master."""
-    rpc, admin, meta = free_port(), free_port(), free_port()
-    proc = spawn_kvpool("master", f"--rpc_port={rpc}", f"--metrics_port={admin}",
-                        "--enable_http_metadata_server=true",
-                        f"--http_metadata_server_port={meta}", "--client_ttl=30")
-    with running(proc):
-        wait_port(rpc), wait_port(admin), wait_port(meta)
-        yield Master(rpc, admin, meta)
+    with master_with_admin("--client_ttl=30") as m:
+        yield m
 
 
 def _wait_for(predicate: object, timeout_s: float = 5.0) -> bool:
