@@ -6,6 +6,7 @@ import httpx
 
 from kvpool.errors import MetadataError, MetadataUnavailable
 from kvpool.metadata.base import MetadataBackend, MetadataClientConfig
+from kvpool.metadata.http_serving import bearer_header
 
 
 class HttpMetadataBackend(MetadataBackend):
@@ -22,11 +23,9 @@ class HttpMetadataBackend(MetadataBackend):
             max_connections=self.config.max_connections,
             max_keepalive_connections=self.config.max_connections,
         )
-        headers = ({"authorization": f"Bearer {self.config.token}"}
-                   if self.config.token else None)
         self._client = httpx.Client(
             timeout=httpx.Timeout(self.config.timeout_s), limits=limits, trust_env=False,
-            headers=headers,
+            headers=bearer_header(self.config.token),
         )
 
     def _get(self, key: str) -> bytes | None:

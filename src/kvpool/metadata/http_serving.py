@@ -146,6 +146,11 @@ def uvicorn_config(app: Any, limits: HttpLimits, **overrides: Any) -> uvicorn.Co
     return uvicorn.Config(app, **options)
 
 
+def bearer_header(token: str | None) -> dict[str, str]:
+    """The Authorization header that carries `token`; none without a token."""
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
 def bearer_matches(header: str | None, token: str) -> bool:
     """Whether an Authorization header value is `Bearer <token>` (constant-time compare)."""
     scheme, _, offered = (header or "").partition(" ")

@@ -12,6 +12,7 @@ import httpx
 
 from kvpool.errors import KvpoolError
 from kvpool.log import get_logger
+from kvpool.metadata.http_serving import bearer_header
 
 log = get_logger("serve.worker_client")
 
@@ -35,9 +36,8 @@ def _error_text(resp: httpx.Response, body: bytes) -> str:
 
 class WorkerClient:
     def __init__(self, timeout_s: float, token: str | None = None) -> None:
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.AsyncClient(
-            headers=headers, timeout=httpx.Timeout(timeout_s, connect=5.0),
+            headers=bearer_header(token), timeout=httpx.Timeout(timeout_s, connect=5.0),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
 
     async def aclose(self) -> None:

@@ -17,6 +17,7 @@ from kvpool.engine.worker.loop import ShuttingDown
 from kvpool.engine.worker.runtime import RequestFailed, Worker
 from kvpool.errors import KvpoolError
 from kvpool.log import get_logger
+from kvpool.metadata.http_serving import bearer_matches
 
 log = get_logger("engine.worker.http")
 
@@ -69,7 +70,7 @@ def create_app(worker: Worker) -> FastAPI:
 
     async def authorized(request: Request) -> None:
         token = worker.config.token
-        if token and request.headers.get("authorization") != f"Bearer {token}":
+        if token and not bearer_matches(request.headers.get("authorization"), token):
             raise _Unauthorized()
 
     app = FastAPI(title=f"kvpool worker ({role})", lifespan=lifespan,

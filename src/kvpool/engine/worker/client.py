@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 
 from kvpool.errors import KvpoolError
+from kvpool.metadata.http_serving import bearer_header
 
 
 class WorkerCallFailed(KvpoolError):
@@ -25,14 +26,10 @@ class Generation:
     prefill: dict[str, Any] = field(default_factory=dict)
 
 
-def _headers(token: str | None) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"} if token else {}
-
-
 def prefill(url: str, request_id: str, prompt: list[int], sampling: dict[str, Any],
             kv_transfer: dict[str, Any], token: str | None = None,
             timeout_s: float = 120.0) -> dict[str, Any]:
-    reply = httpx.post(f"{url}/prefill", headers=_headers(token), timeout=timeout_s, json={
+    reply = httpx.post(f"{url}/prefill", headers=bearer_header(token), timeout=timeout_s, json={
         "request_id": request_id, "prompt_token_ids": prompt, "sampling": sampling,
         "kv_transfer": kv_transfer})
     if reply.status_code != 200:
@@ -46,7 +43,7 @@ def stream(url: str, request_id: str, prompt: list[int], sampling: dict[str, Any
     """The decode leg's NDJSON lines, parsed; raises WorkerCallFailed on an error line."""
     body = {"request_id": request_id, "prompt_token_ids": prompt, "sampling": sampling,
             "first_token_id": first_token_id, "kv_source": kv_source}
-    with httpx.stream("POST", f"{url}/generate", json=body, headers=_headers(token),
+    with httpx.stream("POST", f"{url}/generate", json=body, headers=bearer_header(token),
                       timeout=timeout_s) as reply:
         if reply.status_code != 200:
             raise WorkerCallFailed(f"generate on {url}: {reply.status_code} {reply.read().decode()}")

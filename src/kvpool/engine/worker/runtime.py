@@ -19,6 +19,7 @@ from kvpool.engine.worker.loop import EngineLoop
 from kvpool.engine.worker.pool import PoolConnector, PoolPlan, PushPlan, push_parts
 from kvpool.errors import ConfigError, InvalidArgument, KvpoolError
 from kvpool.log import get_logger
+from kvpool.metadata.http_serving import bearer_header
 
 log = get_logger("engine.worker")
 ROLES = ("prefill", "decode", "both")
@@ -88,7 +89,7 @@ class Worker:
         return store, store.engine
 
     def _auth(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.config.token}"} if self.config.token else {}
+        return bearer_header(self.config.token)
 
     async def close(self) -> None:
         await self.http.aclose()
