@@ -6,7 +6,7 @@ import pytest
 
 from kvpool.clock import VirtualClock
 from kvpool.store.config import MasterConfig
-from kvpool.store.master_core import MasterCore
+from kvpool.store.master.core import MasterCore
 
 KIB = 1024
 

@@ -11,13 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from kvpool.store.aio import AsyncStoreClient
-from kvpool.store.client import StoreClient
-from kvpool.store.client_config import ClientConfig
-from kvpool.store.codes import ErrorCode as E
-from kvpool.store.codes import GetResult
+from kvpool.store.client.aio import AsyncStoreClient
+from kvpool.store.client.config import ClientConfig
+from kvpool.store.client.store_client import StoreClient
 from kvpool.store.config import MasterConfig, ReplicateConfig
-from kvpool.store.master import MasterServer, MasterServerConfig
+from kvpool.store.master.server import MasterServer, MasterServerConfig
+from kvpool.store.wire.codes import ErrorCode as E
+from kvpool.store.wire.codes import GetResult
 from tests.store.cluster import content
 from tests.support.net import free_port
 
@@ -273,9 +273,9 @@ def test_late_replies_reach_the_heartbeat_hook() -> None:
     import socket
     import threading
 
-    from kvpool.store.framing import FrameDecoder, encode_frame
-    from kvpool.store.protocol import decode_request, encode_reply
-    from kvpool.store.rpc_client import RpcClient
+    from kvpool.store.client.rpc import RpcClient
+    from kvpool.store.wire.framing import FrameDecoder, encode_frame
+    from kvpool.store.wire.protocol import decode_request, encode_reply
     listener = socket.create_server(("127.0.0.1", 0))
     late: list[object] = []
 
@@ -289,7 +289,7 @@ def test_late_replies_reach_the_heartbeat_hook() -> None:
         conn.recv(1)
     threading.Thread(target=serve, daemon=True).start()
     from kvpool.errors import RpcTimeout
-    from kvpool.store.protocol import Op
+    from kvpool.store.wire.protocol import Op
     rpc = RpcClient(f"127.0.0.1:{listener.getsockname()[1]}", "c", 0.2, None, late.append)
     with pytest.raises(RpcTimeout):
         rpc.call(Op.HEARTBEAT)
@@ -301,8 +301,8 @@ def test_late_replies_reach_the_heartbeat_hook() -> None:
 
 def test_a_failed_revoke_still_ends_the_puts_that_were_written(
         store: StoreClient, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvpool.store.client_base import RpcFailed
-    from kvpool.store.protocol import Op
+    from kvpool.store.client.base import RpcFailed
+    from kvpool.store.wire.protocol import Op
     real_run, real_call = store._run_copies, store._call
 
     def first_copy_fails(op: object, copies: dict) -> set[int]:  # type: ignore[type-arg]

@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from kvpool.store.client import StoreClient
-from kvpool.store.client_config import ClientConfig
-from kvpool.store.codes import ErrorCode as E
+from kvpool.store.client.config import ClientConfig
+from kvpool.store.client.store_client import StoreClient
 from kvpool.store.config import ReplicateConfig
+from kvpool.store.wire.codes import ErrorCode as E
 from tests.store.cluster import Cluster, content, store_cluster
 from tests.support.procs import spawn_python
 
@@ -153,8 +153,8 @@ def test_full_pool_is_a_clear_no_space_result() -> None:
 @pytest.mark.parametrize("flags", [("--default_kv_lease_ttl", "300",
                                     "--put_start_discard_timeout_sec", "0.5")])
 def test_short_real_lease_and_pending_timeouts(flags: tuple[str, ...]) -> None:
-    from kvpool.store.protocol import Op
-    from kvpool.store.rpc_client import RpcClient
+    from kvpool.store.client.rpc import RpcClient
+    from kvpool.store.wire.protocol import Op
     with store_cluster(1, "4MiB", *flags) as cluster:
         with StoreClient(ClientConfig(master=cluster.address)) as store:
             assert store.put("k", b"v" * 10).ok

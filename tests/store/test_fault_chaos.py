@@ -13,16 +13,16 @@ import time
 
 import pytest
 
-from kvpool.store.client import StoreClient
-from kvpool.store.client_config import ClientConfig
+from kvpool.store.client.config import ClientConfig
+from kvpool.store.client.store_client import StoreClient
 from tests.store.cluster import Cluster, content, store_cluster
 from tests.support.procs import running, spawn_python
 
 WORKER = r"""
 import hashlib, json, random, sys, time
 import numpy as np
-from kvpool.store.client import StoreClient
-from kvpool.store.client_config import ClientConfig
+from kvpool.store.client.store_client import StoreClient
+from kvpool.store.client.config import ClientConfig
 from kvpool.store.config import ReplicateConfig
 
 def content(key, size):

@@ -13,11 +13,11 @@ from contextlib import contextmanager
 
 import pytest
 
-from kvpool.store.client import StoreClient
-from kvpool.store.client_config import ClientConfig
-from kvpool.store.codes import ErrorCode as E
-from kvpool.store.codes import ReplicaDesc
+from kvpool.store.client.config import ClientConfig
+from kvpool.store.client.store_client import StoreClient
 from kvpool.store.config import ReplicateConfig
+from kvpool.store.wire.codes import ErrorCode as E
+from kvpool.store.wire.codes import ReplicaDesc
 from kvpool.transfer import OpCode, TransferConfig, TransferEngine, TransferRequest
 from tests.store.cluster import Cluster, content, store_cluster
 from tests.support.procs import running, spawn_python
@@ -26,10 +26,10 @@ SIZE = 64 << 10
 
 STALLED_WRITER = r"""
 import json, sys
-from kvpool.store.client import StoreClient
-from kvpool.store.client_config import ClientConfig
-from kvpool.store.checksum import parts_checksum
-from kvpool.store.protocol import Op
+from kvpool.store.client.store_client import StoreClient
+from kvpool.store.client.config import ClientConfig
+from kvpool.store.client.checksum import parts_checksum
+from kvpool.store.wire.protocol import Op
 from kvpool.transfer import OpCode
 
 master, metadata, key, size = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])

@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool.errors import LocalProtocolError, RemoteProtocolError
-from kvpool.store.framing import HEADER_BYTES, FrameDecoder, encode_frame
-from kvpool.store.protocol import MAX_FRAME_BYTES
+from kvpool.store.wire.framing import HEADER_BYTES, FrameDecoder, encode_frame
+from kvpool.store.wire.protocol import MAX_FRAME_BYTES
 
 
 def test_encode_frame_layout() -> None:

@@ -11,18 +11,13 @@ from pathlib import Path
 import pytest
 
 from kvpool.clock import VirtualClock
-from kvpool.store.codes import Tier
 from kvpool.store.config import MasterConfig
-from kvpool.store.election import (
-    Etcd,
-    LeaderElection,
-    leader_resolver,
-    parse_endpoints,
-    read_leader,
-)
-from kvpool.store.master_core import MasterCore
-from kvpool.store.persist import Journal, PersistConfig, PersistentService
-from kvpool.store.protocol import Op, decode_reply, encode_request
+from kvpool.store.master.core import MasterCore
+from kvpool.store.master.election import LeaderElection
+from kvpool.store.master.persist import Journal, PersistConfig, PersistentService
+from kvpool.store.wire.codes import Tier
+from kvpool.store.wire.leader import Etcd, leader_resolver, parse_endpoints, read_leader
+from kvpool.store.wire.protocol import Op, decode_reply, encode_request
 from tests.support.etcd import etcd_server
 
 

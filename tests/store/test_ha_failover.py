@@ -14,12 +14,12 @@ import httpx
 import pytest
 
 from kvpool.errors import RpcError
-from kvpool.store.client import StoreClient
-from kvpool.store.client_config import ClientConfig
-from kvpool.store.codes import ErrorCode as E
-from kvpool.store.election import Etcd, parse_endpoints, read_leader
-from kvpool.store.protocol import Op
-from kvpool.store.rpc_client import RpcClient
+from kvpool.store.client.config import ClientConfig
+from kvpool.store.client.rpc import RpcClient
+from kvpool.store.client.store_client import StoreClient
+from kvpool.store.wire.codes import ErrorCode as E
+from kvpool.store.wire.leader import Etcd, parse_endpoints, read_leader
+from kvpool.store.wire.protocol import Op
 from tests.store.cluster import content
 from tests.support.etcd import etcd_server
 from tests.support.net import free_port, wait_port

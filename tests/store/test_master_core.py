@@ -1,10 +1,10 @@
 from __future__ import annotations
 
 from kvpool.clock import VirtualClock
-from kvpool.store.codes import ErrorCode as E
-from kvpool.store.codes import ReplicaState
 from kvpool.store.config import ReplicateConfig
-from kvpool.store.master_core import MasterCore
+from kvpool.store.master.core import MasterCore
+from kvpool.store.wire.codes import ErrorCode as E
+from kvpool.store.wire.codes import ReplicaState
 from tests.store.conftest import KIB, live_for, make_core
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kvpool.clock import VirtualClock
-from kvpool.store.codes import ErrorCode as E
 from kvpool.store.config import MasterConfig
-from kvpool.store.master_core import MasterCore
+from kvpool.store.master.core import MasterCore
+from kvpool.store.wire.codes import ErrorCode as E
 
 TOP = 1 << 64
 

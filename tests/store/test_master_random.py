@@ -8,8 +8,8 @@ import random
 import pytest
 
 from kvpool.clock import VirtualClock
-from kvpool.store.codes import ErrorCode as E
 from kvpool.store.config import ReplicateConfig
+from kvpool.store.wire.codes import ErrorCode as E
 from tests.store.conftest import KIB, live_for, make_core
 
 

@@ -12,11 +12,11 @@ import msgpack
 import pytest
 
 from kvpool.errors import RpcError, RpcTimeout
-from kvpool.store.codes import ErrorCode as E
-from kvpool.store.framing import FrameDecoder, encode_frame
-from kvpool.store.master import MasterServer, MasterServerConfig
-from kvpool.store.protocol import Op, decode_reply, encode_request
-from kvpool.store.rpc_client import RpcClient
+from kvpool.store.client.rpc import RpcClient
+from kvpool.store.master.server import MasterServer, MasterServerConfig
+from kvpool.store.wire.codes import ErrorCode as E
+from kvpool.store.wire.framing import FrameDecoder, encode_frame
+from kvpool.store.wire.protocol import Op, decode_reply, encode_request
 from tests.support.net import free_port, wait_port
 from tests.support.procs import running, spawn_kvpool
 

@@ -14,9 +14,9 @@ import httpx
 import pytest
 
 from kvpool.errors import StoreError
-from kvpool.store.master import MasterServer, MasterServerConfig
-from kvpool.store.protocol import Op
-from kvpool.store.rpc_client import RpcClient
+from kvpool.store.client.rpc import RpcClient
+from kvpool.store.master.server import MasterServer, MasterServerConfig
+from kvpool.store.wire.protocol import Op
 from tests.support.net import free_port
 from tests.support.procs import python_env
 

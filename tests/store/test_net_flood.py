@@ -13,8 +13,8 @@ from pathlib import Path
 
 import httpx
 
-from kvpool.store.protocol import Op
-from kvpool.store.rpc_client import RpcClient
+from kvpool.store.client.rpc import RpcClient
+from kvpool.store.wire.protocol import Op
 from tests.support.net import free_port, wait_port
 from tests.support.procs import python_env, stop
 

@@ -13,12 +13,12 @@ import httpx
 import pytest
 
 from kvpool.errors import RpcError
+from kvpool.store.client.rpc import RpcClient
 from kvpool.store.config import MasterConfig
-from kvpool.store.framing import FrameDecoder, encode_frame
-from kvpool.store.master import MasterServer, MasterServerConfig
-from kvpool.store.protocol import Op, decode_reply, encode_request
-from kvpool.store.rpc_client import RpcClient
-from kvpool.store.service import INTERNAL_ERROR
+from kvpool.store.master.server import MasterServer, MasterServerConfig
+from kvpool.store.master.service import INTERNAL_ERROR
+from kvpool.store.wire.framing import FrameDecoder, encode_frame
+from kvpool.store.wire.protocol import Op, decode_reply, encode_request
 
 TOP = 1 << 64
 

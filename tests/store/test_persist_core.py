@@ -5,11 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvpool.clock import VirtualClock
-from kvpool.store.codes import ErrorCode as E
 from kvpool.store.config import MasterConfig, ReplicateConfig
-from kvpool.store.master_core import MasterCore
-from kvpool.store.persist import Journal, PersistConfig, load_state
-from kvpool.store.persist_records import DurableState, decode_frames, encode_record
+from kvpool.store.master.core import MasterCore
+from kvpool.store.master.persist import Journal, PersistConfig, load_state
+from kvpool.store.master.records import DurableState, decode_frames, encode_record
+from kvpool.store.wire.codes import ErrorCode as E
 
 KIB = 1024
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from kvpool.store.client import StoreClient
-from kvpool.store.client_config import ClientConfig
-from kvpool.store.codes import ErrorCode as E
+from kvpool.store.client.config import ClientConfig
+from kvpool.store.client.store_client import StoreClient
 from kvpool.store.config import ReplicateConfig
+from kvpool.store.wire.codes import ErrorCode as E
 from tests.store.cluster import Cluster, content, store_cluster
 
 

@@ -9,9 +9,9 @@ from hypothesis import strategies as st
 
 from kvpool.clock import VirtualClock
 from kvpool.errors import RemoteProtocolError
-from kvpool.store.codes import ErrorCode as E
-from kvpool.store.protocol import Op, decode_reply, decode_request, encode_request
-from kvpool.store.service import MasterService
+from kvpool.store.master.service import MasterService
+from kvpool.store.wire.codes import ErrorCode as E
+from kvpool.store.wire.protocol import Op, decode_reply, decode_request, encode_request
 from tests.store.conftest import make_core
 
 

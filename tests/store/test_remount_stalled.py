@@ -6,10 +6,10 @@ from __future__ import annotations
 import signal
 import time
 
-from kvpool.store.client import StoreClient
-from kvpool.store.client_config import ClientConfig
+from kvpool.store.client.config import ClientConfig
+from kvpool.store.client.store_client import StoreClient
 from kvpool.store.config import MasterConfig
-from kvpool.store.master import MasterServer, MasterServerConfig
+from kvpool.store.master.server import MasterServer, MasterServerConfig
 from tests.store.cluster import content
 from tests.support.net import free_port
 from tests.support.procs import running, spawn_python

@@ -12,10 +12,10 @@ from collections.abc import Iterator
 import pytest
 
 from kvpool.errors import AuthError, RpcError
-from kvpool.store.framing import FrameDecoder, encode_frame
-from kvpool.store.master import MasterServer, MasterServerConfig
-from kvpool.store.protocol import Op, decode_reply, encode_request
-from kvpool.store.rpc_auth import (
+from kvpool.store.client.rpc import RpcClient
+from kvpool.store.master.rpc_limits import RpcLimits
+from kvpool.store.master.server import MasterServer, MasterServerConfig
+from kvpool.store.wire.auth import (
     AUTH_MAGIC,
     Kind,
     ServerHandshake,
@@ -23,8 +23,8 @@ from kvpool.store.rpc_auth import (
     encode_message,
     proof,
 )
-from kvpool.store.rpc_client import RpcClient
-from kvpool.store.rpc_limits import RpcLimits
+from kvpool.store.wire.framing import FrameDecoder, encode_frame
+from kvpool.store.wire.protocol import Op, decode_reply, encode_request
 from tests.support.net import free_port, wait_port
 from tests.support.procs import running, spawn_kvpool
 
@@ -136,7 +136,7 @@ def test_the_token_never_crosses_the_wire() -> None:
 
 
 def decode_reply_bytes(request: bytes) -> bytes:
-    from kvpool.store.protocol import decode_request, encode_reply
+    from kvpool.store.wire.protocol import decode_request, encode_reply
     return encode_reply(decode_request(request).req_id, 0, "pong")
 
 

@@ -8,14 +8,14 @@ from collections.abc import Iterator
 import pytest
 
 from kvpool.errors import RpcError
-from kvpool.store.client import StoreClient
-from kvpool.store.client_config import ClientConfig
-from kvpool.store.codes import ErrorCode as E
+from kvpool.store.client.batches import RPC_BATCH_KEY_BYTES, key_chunks, refusal_code
+from kvpool.store.client.config import ClientConfig
+from kvpool.store.client.rpc import RpcClient
+from kvpool.store.client.store_client import StoreClient
 from kvpool.store.config import MasterConfig
-from kvpool.store.master import MasterServer, MasterServerConfig
-from kvpool.store.protocol import Op
-from kvpool.store.rpc_batches import RPC_BATCH_KEY_BYTES, key_chunks, refusal_code
-from kvpool.store.rpc_client import RpcClient
+from kvpool.store.master.server import MasterServer, MasterServerConfig
+from kvpool.store.wire.codes import ErrorCode as E
+from kvpool.store.wire.protocol import Op
 
 MIB = 1 << 20
 

@@ -13,9 +13,9 @@ from contextlib import contextmanager
 import pytest
 
 from kvpool.errors import RpcError, RpcTimeout
-from kvpool.store.framing import FrameDecoder, encode_frame
-from kvpool.store.protocol import Op, decode_request, encode_reply
-from kvpool.store.rpc_client import RpcClient, parse_address
+from kvpool.store.client.rpc import RpcClient, parse_address
+from kvpool.store.wire.framing import FrameDecoder, encode_frame
+from kvpool.store.wire.protocol import Op, decode_request, encode_reply
 
 Script = Callable[[socket.socket, int], None]
 

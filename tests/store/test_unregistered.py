@@ -9,11 +9,11 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from kvpool.store.client import StoreClient
-from kvpool.store.client_config import ClientConfig
-from kvpool.store.codes import ErrorCode as E
+from kvpool.store.client.config import ClientConfig
+from kvpool.store.client.store_client import StoreClient
 from kvpool.store.config import MasterConfig
-from kvpool.store.master import MasterServer, MasterServerConfig
+from kvpool.store.master.server import MasterServer, MasterServerConfig
+from kvpool.store.wire.codes import ErrorCode as E
 
 MIB = 1 << 20
 SIZE = 8192

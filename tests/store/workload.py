@@ -6,10 +6,10 @@ import json
 import random
 import sys
 
-from kvpool.store.client import StoreClient
-from kvpool.store.client_config import ClientConfig
-from kvpool.store.codes import ErrorCode as E
+from kvpool.store.client.config import ClientConfig
+from kvpool.store.client.store_client import StoreClient
 from kvpool.store.config import ReplicateConfig
+from kvpool.store.wire.codes import ErrorCode as E
 from tests.store.cluster import content
 
 

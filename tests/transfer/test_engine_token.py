@@ -7,7 +7,7 @@ import pytest
 
 from kvpool.errors import MetadataError
 from kvpool.metadata.server import MetadataServer
-from kvpool.store.client_config import ClientConfig
+from kvpool.store.client.config import ClientConfig
 from kvpool.transfer import TransferConfig, TransferEngine
 from kvpool.transfer.segment import segment_key
 

@@ -10,10 +10,10 @@ from tests.support.procs import python_env
 SCRIPT = """
 import numpy as np
 from kvpool.errors import KvpoolError
-from kvpool.store.client import StoreClient
-from kvpool.store.client_config import ClientConfig
+from kvpool.store.client.store_client import StoreClient
+from kvpool.store.client.config import ClientConfig
 from kvpool.store.config import MasterConfig, ReplicateConfig
-from kvpool.store.master import MasterServer, MasterServerConfig
+from kvpool.store.master.server import MasterServer, MasterServerConfig
 from kvpool.transfer import OpCode, TransferConfig, TransferEngine
 
 BOGUS = 0x10  # never mapped: a memmove to or from it is SIGSEGV

@@ -330,8 +330,8 @@ def _kv_load(model_dir: Path, master: str, prefix: list[int], tail: list[int],
     from kvpool.engine.kv_cache import KVCache
     from kvpool.engine.sequence import Sequence
     from kvpool.engine.worker.pool import PoolConnector
-    from kvpool.store.client import StoreClient
-    from kvpool.store.client_config import ClientConfig
+    from kvpool.store.client.config import ClientConfig
+    from kvpool.store.client.store_client import StoreClient
     cfg, root = read_model_config(model_dir), model_hash_for_dir(model_dir)
     object_bytes = 2 * 16 * cfg.num_kv_heads * cfg.head_dim * 4  # K and V of one block, float32
     keys = [block_key(h, layer) for h in prefix_block_hashes(prefix, 16, root)

@@ -72,7 +72,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     emit = _emitter(args.json)
     if args.master_only:
-        from kvpool.store.master_bench import bench_master
+        from kvpool.bench.store_master import bench_master
         for record in bench_master(args.seconds, args.clients):
             emit(record)
         return 0
@@ -215,9 +215,9 @@ def _kvpool_systems(stack: ExitStack, dram: int, lease_ms: int,
                     checksums: str = "both") -> list[tuple[str, _KvpoolAdapter]]:
     """A master and a store node; one client with checksums on ("kvpool") and/or one with
     them off ("kvpool-nosum"), both against the same node."""
-    from kvpool.store.client import StoreClient
-    from kvpool.store.client_config import ClientConfig
-    from kvpool.store.rpc_client import RpcClient
+    from kvpool.store.client.config import ClientConfig
+    from kvpool.store.client.rpc import RpcClient
+    from kvpool.store.client.store_client import StoreClient
     rpc, admin = free_port(), free_port()
     stack.enter_context(running([sys.executable, "-m", "kvpool", "master", "--rpc_port",
                                   str(rpc), "--metrics_port", str(admin),
@@ -228,7 +228,7 @@ def _kvpool_systems(stack: ExitStack, dram: int, lease_ms: int,
     stack.enter_context(running([sys.executable, "-m", "kvpool", "store-node", "--dram",
                                   str(dram), "--master", master], stderr=subprocess.DEVNULL))
     with RpcClient(master, "bench-probe") as probe:
-        from kvpool.store.protocol import Op
+        from kvpool.store.wire.protocol import Op
         _wait_until(lambda: len(probe.call(Op.SEGMENTS)) == 1, "the store node to mount")
     out = []
     for name, on in (("kvpool", True), ("kvpool-nosum", False)):

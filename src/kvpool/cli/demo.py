@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import numpy as np
 
-from kvpool.store.client import StoreClient
-from kvpool.store.client_config import ClientConfig
+from kvpool.store.client.config import ClientConfig
+from kvpool.store.client.store_client import StoreClient
 from kvpool.store.config import ReplicateConfig
 
 if TYPE_CHECKING:

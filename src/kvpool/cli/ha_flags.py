@@ -16,8 +16,8 @@ import threading
 from kvpool.errors import ConfigError, KvpoolError
 from kvpool.log import get_logger
 from kvpool.store.config import MasterConfig
-from kvpool.store.master import MasterServer, MasterServerConfig, tune_gc_for_master
-from kvpool.store.persist import FSYNC_POLICIES, PersistConfig
+from kvpool.store.master.persist import FSYNC_POLICIES, PersistConfig
+from kvpool.store.master.server import MasterServer, MasterServerConfig, tune_gc_for_master
 
 log = get_logger("cli.master")
 _P = PersistConfig("")
@@ -77,7 +77,7 @@ def run_persistent(args: argparse.Namespace, server_cfg: MasterServerConfig,
     try:
         persist = persist_config(args)
         if args.enable_ha:
-            from kvpool.store.ha_master import run_ha_master
+            from kvpool.store.master.ha import run_ha_master
             return run_ha_master(server_cfg, config, persist, args.etcd_endpoints,
                                  args.ha_lease_ttl, args.cluster_id, stop)
         master = MasterServer(server_cfg, config, persist=persist).start()

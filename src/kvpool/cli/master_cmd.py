@@ -21,7 +21,7 @@ from kvpool.cli.security import add_security_args, bind_refusal, is_loopback
 from kvpool.errors import ConfigError, KvpoolError
 from kvpool.log import get_logger
 from kvpool.store.config import MasterConfig
-from kvpool.store.master import MasterServer, MasterServerConfig, tune_gc_for_master
+from kvpool.store.master.server import MasterServer, MasterServerConfig, tune_gc_for_master
 
 log = get_logger("cli.master")
 _DEF = MasterConfig()

@@ -10,8 +10,8 @@ import threading
 from kvpool.cli.security import add_security_args, bind_refusal, export_token
 from kvpool.errors import KvpoolError
 from kvpool.log import get_logger
-from kvpool.store.client_config import ClientConfig
-from kvpool.store.node import run_store_node
+from kvpool.store.client.config import ClientConfig
+from kvpool.store.node.daemon import run_store_node
 from kvpool.units import parse_size
 
 log = get_logger("cli.store_node")

@@ -5,8 +5,9 @@ AsyncStoreClient for asyncio) put and get object bytes directly between processe
 transfer engine; `kvpool store-node` contributes DRAM. See docs/store.md.
 """
 
-from kvpool.store.client_config import ClientConfig
-from kvpool.store.codes import (
+from kvpool.store.client.config import ClientConfig
+from kvpool.store.config import MasterConfig, ReplicateConfig
+from kvpool.store.wire.codes import (
     ErrorCode,
     GetResult,
     LookupResult,
@@ -16,7 +17,6 @@ from kvpool.store.codes import (
     ReplicaState,
     Tier,
 )
-from kvpool.store.config import MasterConfig, ReplicateConfig
 
 __all__ = [
     "AsyncStoreClient",
@@ -40,10 +40,10 @@ __all__ = [
 def __getattr__(name: str) -> object:
     # Clients pull in the transfer engine and the master pulls in FastAPI: import on use.
     if name == "StoreClient":
-        from kvpool.store.client import StoreClient
+        from kvpool.store.client.store_client import StoreClient
         return StoreClient
     if name == "AsyncStoreClient":
-        from kvpool.store.aio import AsyncStoreClient
+        from kvpool.store.client.aio import AsyncStoreClient
         return AsyncStoreClient
     if name in ("MasterServer", "MasterServerConfig"):
         from kvpool.store import master

@@ -35,7 +35,7 @@ class MasterConfig:
     allocation_strategy: str = "random"
     """Replica placement: 'random' or 'free_ratio_first'."""
     eviction_policy: str = "lru"
-    """Name of the eviction policy in the registry of kvpool.store.eviction."""
+    """Name of the eviction policy in the registry of kvpool.store.master.eviction."""
     max_batch: int = 65536
     """Most keys in one batched request."""
     max_replicas: int = 8

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.errors import ConfigError
-from kvpool.store.client_config import ClientConfig
+from kvpool.store.client.config import ClientConfig
 from kvpool.units import parse_size
 
 DEFAULT_GLOBAL_SEGMENT_SIZE = 3355443200

@@ -34,7 +34,7 @@ from kvpool.compat.mooncake.types import (
     SoftPinAction,
 )
 from kvpool.errors import ConfigError
-from kvpool.store.codes import ErrorCode, LookupResult
+from kvpool.store.wire.codes import ErrorCode, LookupResult
 
 E = ErrorCode
 

@@ -14,9 +14,9 @@ from kvpool.compat.mooncake.lifecycle import attach_teardown
 from kvpool.compat.mooncake.types import ReplicateConfig
 from kvpool.errors import ConfigError, KvpoolError
 from kvpool.log import get_logger
-from kvpool.store.client import StoreClient
-from kvpool.store.codes import ErrorCode, PutResult
+from kvpool.store.client.store_client import StoreClient
 from kvpool.store.config import ReplicateConfig as NativeReplicateConfig
+from kvpool.store.wire.codes import ErrorCode, PutResult
 
 log = get_logger("compat.store")
 E = ErrorCode

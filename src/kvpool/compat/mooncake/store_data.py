@@ -24,7 +24,7 @@ from kvpool.compat.mooncake.store_base import (
 )
 from kvpool.compat.mooncake.types import BufferHandle, ReplicateConfig
 from kvpool.errors import KvpoolError
-from kvpool.store.codes import ErrorCode
+from kvpool.store.wire.codes import ErrorCode
 
 Parts = list[tuple[int, int]]
 

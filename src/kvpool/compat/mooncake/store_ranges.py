@@ -27,8 +27,8 @@ from typing import Any
 from kvpool.compat.mooncake.store_base import INVALID, needs_setup, per_key
 from kvpool.compat.mooncake.store_tensors import StoreTensors
 from kvpool.compat.mooncake.types import ReplicateConfig
-from kvpool.store.codes import ErrorCode, LookupResult
-from kvpool.store.plan import order_replicas
+from kvpool.store.client.plan import order_replicas
+from kvpool.store.wire.codes import ErrorCode, LookupResult
 from kvpool.transfer import OpCode
 
 E = ErrorCode

@@ -74,8 +74,8 @@ class Worker:
         self.http = httpx.AsyncClient(timeout=config.remote_timeout_s, headers=self._auth())
 
     def _connect(self) -> tuple[Any, Any]:
-        from kvpool.store.client import StoreClient
-        from kvpool.store.client_config import ClientConfig
+        from kvpool.store.client.config import ClientConfig
+        from kvpool.store.client.store_client import StoreClient
         from kvpool.transfer import TransferConfig, TransferEngine
         c = self.config
         if c.master is None:

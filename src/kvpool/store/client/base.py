@@ -1,0 +1,454 @@
+"""The machinery under StoreClient: transfer engine, master RPC, mounted segments,
+heartbeats, and the two data paths (write replicas, read the closest replica)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool.clock import SYSTEM_CLOCK, Clock
+from kvpool.errors import (
+    KvpoolError,
+    MemoryRegistrationError,
+    MetadataError,
+    RpcError,
+    RpcTimeout,
+    TransferError,
+)
+from kvpool.log import get_logger
+from kvpool.store.client.batches import key_chunks, lookup_items, refusal_code
+from kvpool.store.client.checksum import parts_checksum
+from kvpool.store.client.config import ClientConfig
+from kvpool.store.client.plan import Part, copies_for, order_replicas, parts_total, valid_parts
+from kvpool.store.client.rpc import RpcClient
+from kvpool.store.client.staging import StagingArea
+from kvpool.store.config import ReplicateConfig
+from kvpool.store.wire.codes import (
+    ErrorCode,
+    LookupResult,
+    PutResult,
+    ReadResult,
+    ReplicaDesc,
+    Tier,
+)
+from kvpool.store.wire.protocol import Op, replica_from_wire
+from kvpool.store.wire.validate import valid_key
+from kvpool.transfer import OpCode, TransferConfig, TransferEngine, TransferRequest
+
+E = ErrorCode
+log = get_logger("store.client")
+Copy = tuple[int, int, int, str, int]  # local addr, remote addr, length, endpoint, fence
+
+
+def new_fence() -> int:
+    """A fresh write fence for one mount: random, non-zero, 64 bits."""
+    return secrets.randbits(64) or 1
+
+
+_PUT_OK = PutResult(ErrorCode.OK)
+
+
+class RpcFailed(Exception):
+    def __init__(self, code: ErrorCode) -> None:
+        self.code = code
+
+
+@dataclass
+class ClientStats:
+    """Counters of one client (read them any time; they only grow)."""
+
+    checksum_mismatches: int = 0
+    """Replica reads whose bytes did not match the object's checksum (refused)."""
+    remounts: int = 0
+    """Times the master had forgotten this client and its segments were mounted again."""
+
+
+class ClientBase:
+    def __init__(self, config: ClientConfig, clock: Clock = SYSTEM_CLOCK) -> None:
+        self.config = config
+        self.clock = clock
+        self.engine = TransferEngine(TransferConfig(
+            host=config.local_hostname, port=config.te_port, metadata=config.metadata,
+            protocol=config.protocol, timeout_s=config.transfer_timeout_s,
+            token=config.token)).start()
+        try:
+            self.endpoint: str = self.engine.segment_name
+            self.host = self.endpoint.rsplit(":", 1)[0]
+            self.stats = ClientStats()
+            self.client_id = config.client_id or \
+                f"{self.endpoint}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+            self._rpc = RpcClient(config.master, self.client_id, config.rpc_timeout_s,
+                                  config.token)
+            self._hb_rpc = RpcClient(config.master, self.client_id, config.rpc_timeout_s,
+                                     config.token, on_late_reply=self._on_late_heartbeat)
+            self._segments: dict[str, Any] = {}  # segment id -> managed Buffer
+            self._forgotten = False
+            """The master answered UNKNOWN_CLIENT (maybe late): mount everything again."""
+            self._publish_due = False
+            """Mounted again, but the segment descriptor is not yet published again."""
+            self._staging = StagingArea(self.engine, config.local_buffer_size)
+        except BaseException:
+            self.engine.close()  # a bad master address must not leak the started engine
+            raise
+        self._stop = threading.Event()
+        self._hb = threading.Thread(target=self._heartbeat_loop, daemon=True,
+                                    name="kvpool-store-heartbeat")
+        self._hb.start()
+        if config.global_segment_size:
+            try:
+                self.mount(config.global_segment_size)
+            except BaseException:
+                self.close()
+                raise
+
+    # -- master RPC, segments, liveness ----------------------------------------------------
+
+    def _call(self, op: Op, *args: Any) -> Any:
+        """The result of `op`, or RpcFailed with the code users see: RPC_TIMEOUT, the status
+        of a reply that refused the whole request (a batch over the master's limit:
+        INVALID_PARAMS), RPC_FAIL for a broken connection."""
+        try:
+            return self._rpc.call(op, *args)
+        except RpcTimeout:
+            raise RpcFailed(E.RPC_TIMEOUT) from None
+        except RpcError as exc:
+            log.warning("%s failed: %s", op.name, exc)
+            raise RpcFailed(refusal_code(exc.status)) from None
+
+    def _call_keyed(self, op: Op, keys: Sequence[str], columns: Sequence[Sequence[Any]],
+                    rest: Sequence[Any], refused: Callable[[ErrorCode], Any],
+                    unpack: Callable[[Any], list[Any]] = list) -> list[Any]:
+        """Per-key results of `op` over `keys` (and the per-key `columns`, then the `rest` of
+        the arguments), one RPC per chunk of at most `rpc_batch_keys` keys and
+        RPC_BATCH_KEY_BYTES of keys, so no request exceeds the master's batch or frame limit.
+        `unpack` turns one reply into its per-key items. The keys of a chunk whose call failed
+        get `refused(code)`; the other chunks still run."""
+        out: list[Any] = []
+        for lo, hi in key_chunks(keys, self.config.rpc_batch_keys):
+            try:
+                out += unpack(self._call(op, list(keys[lo:hi]), *(c[lo:hi] for c in columns),
+                                         *rest))
+            except RpcFailed as exc:
+                out += [refused(exc.code)] * (hi - lo)
+        return out
+
+    def mount(self, size: int) -> str:
+        """Contribute `size` bytes of shared memory to the pool; returns the segment id. The
+        memory gets a fresh write fence, which the master hands out with every replica
+        there; transfers planned against another fence are refused."""
+        fence = new_fence()
+        buf = self.engine.allocate_managed(size, fence=fence)
+        if self.config.prefault:
+            buf.numpy()[::4096] = 0
+        try:
+            code, segment_id = self._rpc.call(Op.MOUNT, self.endpoint, buf.addr, size,
+                                              int(Tier.DRAM), fence)
+        except RpcError:
+            self.engine.free_managed(buf)
+            raise
+        if code != 0:
+            self.engine.free_managed(buf)
+            raise RpcError(f"master refused to mount {size} bytes: code {code}")
+        self._segments[segment_id] = buf
+        return str(segment_id)
+
+    def unmount(self, segment_id: str, timeout_s: float | None = None) -> ErrorCode:
+        """Withdraw a segment from the pool (the master drops the objects on it) and free its
+        memory. `timeout_s` bounds the master call (default: `rpc_timeout_s`); the memory is
+        freed whatever the master answers (RPC_FAIL or RPC_TIMEOUT: the master drops the
+        segment after client_ttl_s)."""
+        buf = self._segments.pop(segment_id, None)
+        if buf is None:
+            return E.SEGMENT_NOT_FOUND
+        try:
+            code = ErrorCode(self._rpc.call(Op.UNMOUNT, segment_id, timeout_s=timeout_s))
+        except RpcTimeout:
+            code = E.RPC_TIMEOUT
+        except RpcError:
+            code = E.RPC_FAIL
+        self._free_segment(segment_id, buf)
+        return code
+
+    def _free_segment(self, segment_id: str, buf: Any) -> None:
+        try:
+            self.engine.free_managed(buf)
+        except MetadataError as exc:  # freed; only the directory could not be told
+            log.warning("unmounted %s, but could not publish that: %s", segment_id, exc)
+
+    @property
+    def segment_ids(self) -> list[str]:
+        return list(self._segments)
+
+    def _heartbeat_loop(self) -> None:
+        while not self._stop.wait(self.config.heartbeat_interval_s):
+            try:
+                if self._hb_rpc.call(Op.HEARTBEAT) == E.UNKNOWN_CLIENT:
+                    self._forgotten = True
+            except RpcError as exc:
+                log.debug("heartbeat failed: %s", exc)
+            if self._forgotten and not self._stop.is_set():
+                self._forgotten = not self._remount() if self._segments else False
+            if self._publish_due and not self._forgotten:
+                self._publish_due = not self._publish()
+
+    def _on_late_heartbeat(self, reply: Any) -> None:
+        """A heartbeat answered after its call timed out (the master stalled, then forgot
+        us): UNKNOWN_CLIENT there means the same as on time."""
+        if reply.status == 0 and reply.result == E.UNKNOWN_CLIENT:
+            self._forgotten = True
+
+    def _remount(self) -> bool:
+        """Mount every segment again after the master forgot this client (it restarted, or
+        declared us dead), and publish the segment descriptor again (a restarted master's
+        embedded directory is empty). Each segment first gets a new fence, so writes
+        planned against the old mount (or the old master) are refused from then on; a
+        segment a stalled writer keeps from being re-fenced is replaced by fresh memory
+        (`TransferEngine.renew_managed`). False when the master could not take it yet; the
+        next heartbeat tries again."""
+        for segment_id, old in list(self._segments.items()):
+            log.warning("master forgot us; mounting %s again", segment_id)
+            fence = new_fence()
+            try:  # never mount under a fence the memory does not enforce
+                buf = self.engine.renew_managed(old, fence)
+            except KvpoolError as exc:  # no memory for a fresh buffer: the segment is gone
+                log.warning("cannot re-fence or replace %s (%s); dropping it", segment_id, exc)
+                del self._segments[segment_id]
+                continue
+            if buf is not old:
+                self._segments[segment_id] = buf
+                if self.config.prefault:
+                    buf.numpy()[::4096] = 0
+            try:
+                code, new_id = self._hb_rpc.call(Op.MOUNT, self.endpoint, buf.addr, buf.length,
+                                                 int(Tier.DRAM), fence)
+            except RpcError as exc:
+                log.warning("mounting %s again failed: %s", segment_id, exc)
+                return False
+            if code != 0:
+                log.warning("master refused to mount %s again: %s", segment_id,
+                            ErrorCode(code).name)
+                return False
+            if new_id != segment_id:
+                self._segments[str(new_id)] = self._segments.pop(segment_id)
+        self._publish_due = True
+        self.stats.remounts += 1
+        return True
+
+    def _publish(self) -> bool:
+        """Publish our segment descriptor in the directory again; False (retried at the next
+        heartbeat) while the directory cannot take it."""
+        try:
+            self.engine.publish()
+        except KvpoolError as exc:
+            log.warning("could not publish segment %s again: %s", self.endpoint, exc)
+            return False
+        return True
+
+    def close(self) -> None:
+        """Stop heartbeating, unmount every segment and release everything, within
+        `close_timeout_s` plus the engine's own shutdown: once the master has failed to answer
+        (it may be gone), the remaining segments are freed without asking it."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        deadline = time.monotonic() + self.config.close_timeout_s
+        self._hb.join(self.config.close_timeout_s)
+        master_answers = True
+        for segment_id in list(self._segments):
+            left = deadline - time.monotonic()
+            if master_answers and left > 0:
+                code = self.unmount(segment_id, timeout_s=left)
+                master_answers = code not in (E.RPC_FAIL, E.RPC_TIMEOUT)
+            else:
+                self._free_segment(segment_id, self._segments.pop(segment_id))
+        self._staging.close()
+        self._rpc.close()
+        self._hb_rpc.close()
+        self.engine.close()
+
+    # -- data paths ------------------------------------------------------------------------
+
+    def _own_buffer(self, addr: int, n: int) -> Any:
+        for b in list(self._segments.values()):
+            if b.addr <= addr and addr + n <= b.addr + b.length:
+                return b
+        return None
+
+    def _registered(self, parts: Sequence[Part], writable: bool) -> bool:
+        """Whether every part lies inside one buffer registered with the engine (writable,
+        for reads). The engine refuses anything else, so such an item is the caller's
+        INVALID_PARAMS on every route, found before a put starts."""
+        find = self.engine.registry.find
+        for addr, n in parts:
+            buf = find(addr, n) if addr + n < 1 << 64 else None
+            if buf is None or (writable and buf.readonly):
+                return False
+        return True
+
+    def _copy_own(self, op: OpCode, local: int, remote: int, n: int, fence: int) -> bool:
+        """memcpy to or from our own segment through the engine's checked copy, admitted by the
+        segment's fence like a peer's request (so a re-mount's set_fence waits for it). False
+        for a stale replica (no longer mounted, or fenced), and for local memory unregistered
+        since the caller checked it."""
+        if self._own_buffer(remote, n) is None:
+            return False
+        try:
+            self.engine.copy_local(op, local, remote, n, fence)
+        except (TransferError, MemoryRegistrationError):  # fenced, or unregistered meanwhile
+            return False
+        return True
+
+    def _run_copies(self, op: OpCode, copies: dict[int, list[Copy]]) -> set[int]:
+        """Run every copy; returns the indices whose copies did not all succeed."""
+        failed: set[int] = set()
+        requests: list[TransferRequest] = []
+        owners: list[int] = []
+        for idx, items in copies.items():
+            for local, remote, n, endpoint, fence in items:
+                if endpoint == self.endpoint:
+                    if not self._copy_own(op, local, remote, n, fence):
+                        failed.add(idx)      # a stale replica: never touch it
+                else:
+                    requests.append(TransferRequest(op, local, n, endpoint, remote, fence))
+                    owners.append(idx)
+        if requests:
+            for idx, status in zip(owners, self.engine.transfer_sync(requests), strict=True):
+                if not status.ok:
+                    failed.add(idx)
+        return failed
+
+    def _write(self, keys: Sequence[str], parts: Sequence[Sequence[Part]],
+               cfg: ReplicateConfig, upsert: bool) -> list[PutResult]:
+        """Two-phase put of each key from its local parts: start, write, end or revoke."""
+        results: list[PutResult | None] = [None] * len(keys)
+        todo = []
+        for i, (key, p) in enumerate(zip(keys, parts, strict=True)):
+            if valid_key(key) and valid_parts(p) and self._registered(p, writable=False):
+                todo.append(i)
+            else:
+                results[i] = PutResult(E.INVALID_PARAMS)
+        if todo:
+            try:
+                self._write_valid(todo, keys, parts, cfg, upsert, results)
+            except RpcFailed as exc:
+                results = [r or PutResult(exc.code) for r in results]
+        return [r or PutResult(E.RPC_FAIL) for r in results]
+
+    def _write_valid(self, todo: list[int], keys: Sequence[str], parts: Sequence[Sequence[Part]],
+                     cfg: ReplicateConfig, upsert: bool, results: list[PutResult | None]) -> None:
+        sizes = [parts_total(parts[i]) for i in todo]
+        preferred = ([cfg.preferred_segment] if cfg.preferred_segment else []) \
+            + list(cfg.preferred_segments)
+        started = self._call_keyed(
+            Op.PUT_START, [keys[i] for i in todo], [sizes],
+            (cfg.replica_num, cfg.with_hard_pin, cfg.with_soft_pin, preferred, upsert),
+            lambda code: (int(code), []))
+        copies: dict[int, list[Copy]] = {}
+        for i, size, (code, wire) in zip(todo, sizes, started, strict=True):
+            if code == E.OBJECT_ALREADY_EXISTS and not upsert:
+                results[i] = PutResult(E.OK, already_existed=True)
+            elif code != 0:
+                results[i] = PutResult(ErrorCode(code))
+            else:
+                copies[i] = self._copies_to(wire, parts[i], size)
+        failed = self._run_copies(OpCode.WRITE, copies)
+        ok = [i for i in copies if i not in failed]
+        if failed:
+            for i in failed:
+                results[i] = PutResult(E.TRANSFER_FAIL)
+            self._revoke([keys[i] for i in failed])
+        if ok:
+            size_of = dict(zip(todo, sizes, strict=True))
+            sums = [parts_checksum(parts[i], size_of[i]) if self.config.write_checksums
+                    else None for i in ok]
+            ended = self._call_keyed(Op.PUT_END, [keys[i] for i in ok], [sums], (), int)
+            for i, code in zip(ok, ended, strict=True):
+                results[i] = _PUT_OK if code == 0 else PutResult(ErrorCode(code))
+
+    @staticmethod
+    def _copies_to(wire: Sequence[Any], parts: Sequence[Part], size: int) -> list[Copy]:
+        """The copies writing `size` object bytes from `parts` to every replica of a
+        PUT_START answer."""
+        if len(parts) == 1 and len(wire) == 1:  # the common case: one piece, one copy
+            return [(parts[0][0], wire[0][2], size, wire[0][1], wire[0][6])]
+        return [(a, r, n, w[1], w[6]) for w in wire
+                for a, r, n in copies_for(parts, w[2], size)]
+
+    def _revoke(self, keys: list[str]) -> None:
+        """Give up puts whose copies failed. Best effort: if the master cannot be told, it
+        discards them after put_discard_timeout_s; the puts that were written still end."""
+        codes = self._call_keyed(Op.PUT_REVOKE, keys, (), (), RpcFailed)
+        failed = [c for c in codes if isinstance(c, RpcFailed)]
+        if failed:
+            log.warning("could not revoke %d failed puts (%s); the master will discard them",
+                        len(failed), failed[0].code.name)
+
+    def _lookup(self, keys: Sequence[str]) -> tuple[list[LookupResult], float]:
+        """Replica lookups (granting read leases) and the time they were asked for."""
+        t0 = self.clock.now()
+        valid = [i for i, k in enumerate(keys) if valid_key(k)]
+        out = [LookupResult(E.INVALID_PARAMS)] * len(keys)
+        if valid:
+            items = self._call_keyed(Op.GET_REPLICAS, [keys[i] for i in valid], (), (),
+                                     lambda code: (int(code), 0, [], 0.0, None),
+                                     unpack=lookup_items)
+            for i, (code, size, wire, lease_s, checksum) in zip(valid, items, strict=True):
+                reps = tuple(replica_from_wire(w) for w in wire)
+                out[i] = LookupResult(ErrorCode(code), size, reps, lease_s, checksum)
+        return out, t0
+
+    def _read(self, looks: Sequence[LookupResult], parts: Sequence[Sequence[Part] | None],
+              t0: float) -> list[ReadResult]:
+        """Read each found object into its parts from the closest replica, falling back to
+        the next replica on failure or on bytes that fail the checksum (CHECKSUM_MISMATCH
+        when no replica had the right bytes). LEASE_EXPIRED when the read outlived the
+        lease. On any failure the caller's parts hold undefined bytes."""
+        results: list[ReadResult] = []
+        queues: dict[int, list[ReplicaDesc]] = {}
+        mismatched: set[int] = set()
+        for i, (look, p) in enumerate(zip(looks, parts, strict=True)):
+            if look.code != E.OK:
+                results.append(ReadResult(look.code))
+            elif p is None or not valid_parts(p) or parts_total(p) < look.size \
+                    or not self._registered(p, writable=True):
+                results.append(ReadResult(E.INVALID_PARAMS))
+            else:
+                results.append(ReadResult(E.OK, look.size))
+                queues[i] = order_replicas(look.replicas, self.endpoint, self.host)
+        while queues:
+            copies = {i: [(a, r, n, q[0].endpoint, q[0].fence)
+                          for a, r, n in copies_for(parts[i] or (), q[0].addr, looks[i].size)]
+                      for i, q in queues.items()}
+            failed = self._run_copies(OpCode.READ, copies)
+            if self.config.verify_checksums:
+                bad = self._verify(looks, parts, [i for i in queues if i not in failed])
+                mismatched |= bad
+                failed |= bad
+            queues = {i: queues[i][1:] for i in failed}
+            for i in [i for i, q in queues.items() if not q]:
+                results[i] = ReadResult(E.CHECKSUM_MISMATCH if i in mismatched
+                                        else E.TRANSFER_FAIL)
+                del queues[i]
+        if looks and self.clock.now() > t0 + max(x.lease_ttl_s for x in looks):
+            results = [ReadResult(E.LEASE_EXPIRED) if r.ok else r for r in results]
+        return results
+
+    def _verify(self, looks: Sequence[LookupResult], parts: Sequence[Sequence[Part] | None],
+                read: list[int]) -> set[int]:
+        """Indices among `read` whose bytes do not hash to their object's checksum."""
+        bad = set()
+        for i in read:
+            want = looks[i].checksum
+            if want is not None and parts_checksum(parts[i] or (), looks[i].size) != want:
+                bad.add(i)
+        if bad:
+            self.stats.checksum_mismatches += len(bad)
+            log.warning("checksum mismatch on %d replica reads; trying other replicas",
+                        len(bad))
+        return bad

@@ -1,0 +1,251 @@
+"""A blocking RPC client of the master: one TCP connection, one call in flight.
+
+Frames are length-prefixed msgpack (framing.py). The connection is opened by the first call
+(so a client may be created before its master starts) and reopened by the next call after
+it broke; a call never hangs: it raises RpcTimeout when the master is unreachable or silent
+for its timeout, RpcError when the connection broke under it (the call may or may not have
+taken effect). Replies carry the request id, so a late reply to a call that already timed
+out is skipped. Thread-safe (calls are serialized); give each busy thread its own client for
+parallelism.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvpool.errors import LocalProtocolError, RemoteProtocolError, RpcError, RpcTimeout
+from kvpool.store.wire.auth import client_handshake
+from kvpool.store.wire.codes import ErrorCode
+from kvpool.store.wire.framing import FrameDecoder, encode_frame
+from kvpool.store.wire.protocol import Op, Reply, decode_reply, encode_request
+
+RECV_BYTES = 256 << 10
+CONNECT_RETRY_S = 0.05
+"""Pause between connection attempts while the master refuses (not started yet)."""
+
+
+def parse_address(address: str, default_port: int = 50051) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep:
+        return address, default_port
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise RpcError(f"bad master address {address!r}: expected HOST:PORT")
+    return host, int(port)
+
+
+def _leader_resolver(address: str) -> Callable[[], tuple[str, int] | None] | None:
+    if not address.startswith("etcd://"):
+        return None
+    from kvpool.store.wire.leader import leader_resolver  # HA only: imports etcd3gw
+    return leader_resolver(address)
+
+
+def _timeval(seconds: float) -> bytes:
+    micros = max(1000, int(seconds * 1e6))
+    return struct.pack("ll", micros // 1_000_000, micros % 1_000_000)
+
+
+class RpcClient:
+    def __init__(self, address: str, client_id: str, timeout_s: float = 5.0,
+                 token: str | None = None,
+                 on_late_reply: Callable[[Reply], None] | None = None) -> None:
+        self._resolve = _leader_resolver(address)
+        """With an 'etcd://...' address: looks the leader up before each connection attempt."""
+        self._host, self._port = parse_address(address) if self._resolve is None else ("", 0)
+        self.on_late_reply = on_late_reply
+        """Sees each reply to an earlier call that timed out (skipped otherwise): a late
+        answer can still carry news, such as the master not knowing this client."""
+        self._token = token
+        self.address = f"{self._host}:{self._port}" if self._resolve is None else address
+        self.client_id = client_id
+        self.timeout_s = timeout_s
+        self._sock: socket.socket | None = None
+        self._decoder = FrameDecoder()
+        self._frames: list[bytes] = []
+        self._sock_timeout = -1.0
+        self._ids = itertools.count(1)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def call(self, op: Op, *args: Any, timeout_s: float | None = None) -> Any:
+        """The result of `op`; RpcTimeout when no reply comes in time, RpcError when the
+        master refuses the request (the message says why, `status` carries the reply's code),
+        when the request is too large for a frame (status INVALID_PARAMS, nothing sent) or
+        when the connection broke (status None)."""
+        frame_id = next(self._ids)
+        try:
+            frame = encode_frame(encode_request(op, frame_id, self.client_id, *args))
+        except LocalProtocolError as exc:  # nothing was sent; the request is the caller's fault
+            raise RpcError(f"{op.name} request not sent: {exc}",
+                           status=int(ErrorCode.INVALID_PARAMS)) from None
+        with self._lock:
+            if self._closed:
+                raise RpcError("RPC client is closed")
+            timeout = timeout_s if timeout_s is not None else self.timeout_s
+            deadline = time.monotonic() + timeout
+            try:
+                sock = self._ready_socket(timeout, deadline)
+                self._send(sock, frame, timeout)
+            except RpcError:
+                self._disconnect()
+                raise
+            reply = self._wait(sock, frame_id, timeout, deadline)
+        if reply.status != 0:
+            raise RpcError(f"master refused {op.name} (code {reply.status}): {reply.result}",
+                           status=reply.status)
+        return reply.result
+
+    def _ready_socket(self, timeout_s: float, deadline: float) -> socket.socket:
+        """The open connection, checked for a close by the master since the last call (then,
+        and when there is none, a new one), with `timeout_s` as its send/recv timeout."""
+        sock = self._sock
+        if sock is not None and not self._still_open(sock):
+            self._disconnect()
+            sock = None
+        if sock is None:
+            sock = self._sock = self._connect(timeout_s, deadline)
+        if timeout_s != self._sock_timeout:  # kernel timeouts: no poll() per recv
+            tv = _timeval(timeout_s)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+            self._sock_timeout = timeout_s
+        return sock
+
+    def _still_open(self, sock: socket.socket) -> bool:
+        """False when the master closed or reset the connection while we were idle (so a
+        request was never sent on it and is safe to send on a new one). Late replies
+        waiting on it are decoded and kept for `_wait` to skip."""
+        try:
+            data = sock.recv(RECV_BYTES, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return True
+        except OSError:
+            return False
+        if not data:
+            return False
+        try:
+            self._frames += self._decoder.feed(data)
+        except RemoteProtocolError:
+            return False
+        return True
+
+    def _connect(self, timeout_s: float, deadline: float) -> socket.socket:
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                if self._resolve is not None:
+                    self._host, self._port = self._resolve() or ("", 0)
+                    if not self._port:
+                        raise OSError("no leader in etcd yet")
+                sock = socket.create_connection((self._host, self._port),
+                                                timeout=max(0.001, remaining))
+                break
+            except OSError as exc:
+                if time.monotonic() + CONNECT_RETRY_S >= deadline:
+                    raise RpcTimeout(f"master {self.address} is not reachable (no connection "
+                                     f"within {timeout_s}s: {exc})") from None
+                time.sleep(CONNECT_RETRY_S)
+        sock.settimeout(None)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if self._token is not None:  # the token's proof; it never crosses the wire
+            try:
+                client_handshake(sock, self._token, max(0.001, deadline - time.monotonic()),
+                                 self.address)
+            except BaseException:
+                sock.close()
+                raise
+        self._decoder = FrameDecoder()
+        self._frames = []
+        self._sock_timeout = -1.0
+        return sock
+
+    def _send(self, sock: socket.socket, frame: bytes, timeout_s: float) -> None:
+        try:
+            sock.sendall(frame)
+        except (BlockingIOError, TimeoutError):
+            raise RpcTimeout(f"master {self.address} did not take a request "
+                             f"within {timeout_s}s") from None
+        except OSError as exc:
+            raise RpcError(f"connection to master {self.address} lost: {exc}") from None
+
+    def _wait(self, sock: socket.socket, frame_id: int, timeout_s: float,
+              deadline: float) -> Reply:
+        """The reply to `frame_id`. On RpcTimeout the connection stays (its late reply will
+        be skipped); on any other RpcError it is closed."""
+        try:
+            return self._wait_on(sock, frame_id, timeout_s, deadline)
+        except RpcTimeout:
+            if self._leader_moved():  # a paused deposed leader: never wait on it again
+                self._disconnect()
+            raise
+        except RpcError:
+            self._disconnect()
+            raise
+
+    def _wait_on(self, sock: socket.socket, frame_id: int, timeout_s: float,
+                 deadline: float) -> Reply:
+        while True:
+            while self._frames:
+                reply = self._decode(self._frames.pop(0))
+                if reply.req_id == frame_id:
+                    return reply
+                if reply.req_id == 0 and reply.status != 0:  # the master refused the connection
+                    raise RpcError(f"master {self.address} refused the connection: {reply.result}")
+                if self.on_late_reply is not None:
+                    self.on_late_reply(reply)
+            if time.monotonic() > deadline:  # only late replies of earlier calls arrived
+                raise RpcTimeout(f"master {self.address} did not answer within {timeout_s}s")
+            self._frames = self._receive(sock, timeout_s)
+
+    def _receive(self, sock: socket.socket, timeout_s: float) -> list[bytes]:
+        try:
+            data = sock.recv(max(RECV_BYTES, self._decoder.pending_frame_bytes))
+        except (BlockingIOError, TimeoutError):
+            raise RpcTimeout(
+                f"master {self.address} did not answer within {timeout_s}s") from None
+        except OSError as exc:
+            raise RpcError(f"connection to master {self.address} lost: {exc}") from None
+        if not data:
+            raise RpcError(f"master {self.address} closed the connection")
+        try:
+            return self._decoder.feed(data)
+        except RemoteProtocolError as exc:
+            raise RpcError(f"malformed reply from {self.address}: {exc}") from None
+
+    def _leader_moved(self) -> bool:
+        """With an etcd:// address: whether etcd names another leader than the one we
+        are connected to."""
+        if self._resolve is None:
+            return False
+        leader = self._resolve()
+        return leader is not None and leader != (self._host, self._port)
+
+    def _decode(self, frame: bytes) -> Reply:
+        try:
+            return decode_reply(frame)
+        except RemoteProtocolError as exc:
+            raise RpcError(f"malformed reply from {self.address}: {exc}") from None
+
+    def _disconnect(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self._frames = []
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._disconnect()
+
+    def __enter__(self) -> RpcClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,67 @@
+"""The eviction mechanism of the master: walk the policy's victims, skip what must stay."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvpool.store.master.core import MasterCore
+    from kvpool.store.master.state import StoredObject
+
+
+
+FUTILE_EVICTION_S = 0.05
+
+
+def evict_for_allocation(core: MasterCore, size: int, count: int, now: float) -> bool:
+    """Evict after an allocation failure; whether anything was freed. A round that freed
+    nothing is not retried for FUTILE_EVICTION_S (with everything leased, every failing
+    put would otherwise walk all objects again), and a placement that no freeing can
+    satisfy (more replicas than big-enough segments) evicts nothing."""
+    if now < core._no_evict_until:
+        return False
+    big_enough = sum(1 for s in core.segments.values()
+                     if s.capacity >= s.allocator.rounded(size))
+    if big_enough < count:
+        return False
+    if evict(core, max(eviction_target(core), size * count)):
+        return True
+    core._no_evict_until = now + FUTILE_EVICTION_S
+    return False
+
+
+def eviction_target(core: MasterCore) -> int:
+    """Bytes one round frees: eviction_ratio of capacity, or enough to get back under the
+    high watermark, whichever is more."""
+    cfg = core.config
+    above = core.used_bytes - int(cfg.high_watermark * core._capacity)
+    return max(int(cfg.eviction_ratio * core._capacity), above, 1)
+
+
+def evict(core: MasterCore, num_bytes: int) -> bool:
+    """Free about `num_bytes` by dropping least valuable objects. Leased, hard-pinned and
+    pending objects are never evicted; soft-pinned ones only in a second pass. Returns
+    whether anything was freed."""
+    core.stats.eviction_rounds += 1
+    now = core.clock.now()
+    chosen: list[StoredObject] = []
+    freed = 0
+    for second_pass in (False, True):
+        # Walk the policy's order lazily (no copy of a million keys), remove afterwards.
+        for key in core.policy.victims():
+            if freed >= num_bytes:
+                break
+            obj = core.objects.get(key)
+            if obj is None or obj.hard_pinned or obj.lease_until > now:
+                continue
+            if (obj.soft_pin_until > now) != second_pass:
+                continue
+            freed += sum(r.segment.allocator.rounded(r.size) for r in obj.replicas)
+            chosen.append(obj)
+        if freed >= num_bytes:
+            break
+    for obj in chosen:
+        core._remove_object(obj, defer=False)
+    core.stats.evicted_objects += len(chosen)
+    core.stats.evicted_bytes += freed
+    return freed > 0

@@ -1,0 +1,99 @@
+"""Prometheus metrics of the master: request counters and latencies, plus a collector that
+reads the core's tables at scrape time (keys, bytes by segment and tier, evictions)."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import Counter as PromCounter
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvpool.store.master.core import MasterCore
+from kvpool.store.wire.codes import ErrorCode
+
+_LATENCY_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 0.1, 1.0)
+
+
+def _code_name(status: int) -> str:
+    try:
+        return ErrorCode(status).name
+    except ValueError:
+        return str(status)
+
+
+class _CoreCollector(Collector):
+    def __init__(self, core: MasterCore, lock: threading.Lock) -> None:
+        self.core = core
+        self.lock = lock
+        self.key_errors: Counter[tuple[str, str]] | None = None
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        with self.lock:
+            core = self.core
+            keys = GaugeMetricFamily("kvpool_master_keys", "complete objects stored")
+            keys.add_metric([], len(core.objects))
+            pending = GaugeMetricFamily("kvpool_master_pending_puts", "puts started, not ended")
+            pending.add_metric([], len(core.pending))
+            clients = GaugeMetricFamily("kvpool_master_clients", "live clients")
+            clients.add_metric([], len(core.clients))
+            used = GaugeMetricFamily("kvpool_master_used_bytes", "allocated bytes",
+                                     labels=["segment", "tier"])
+            cap = GaugeMetricFamily("kvpool_master_capacity_bytes", "mounted bytes",
+                                    labels=["segment", "tier"])
+            for info in core.segment_infos():
+                labels = [info.segment_id, info.tier.name]
+                used.add_metric(labels, info.used_bytes)
+                cap.add_metric(labels, info.capacity_bytes)
+            stats = core.stats
+            evicted = CounterMetricFamily("kvpool_master_evicted_objects", "objects evicted")
+            evicted.add_metric([], stats.evicted_objects)
+            evicted_b = CounterMetricFamily("kvpool_master_evicted_bytes", "bytes evicted")
+            evicted_b.add_metric([], stats.evicted_bytes)
+            rounds = CounterMetricFamily("kvpool_master_eviction_rounds", "eviction rounds")
+            rounds.add_metric([], stats.eviction_rounds)
+            discarded = CounterMetricFamily("kvpool_master_discarded_puts",
+                                            "pending puts discarded after the timeout")
+            discarded.add_metric([], stats.discarded_puts)
+            expired = CounterMetricFamily("kvpool_master_expired_clients",
+                                          "clients declared dead")
+            expired.add_metric([], stats.expired_clients)
+            stalls = CounterMetricFamily("kvpool_master_stalls_forgiven",
+                                         "own stalls longer than client_ttl/2 (deadlines moved)")
+            stalls.add_metric([], stats.stalls_forgiven)
+            per_key = CounterMetricFamily("kvpool_master_key_errors",
+                                          "per-key outcomes other than OK", labels=["op", "code"])
+            for (op, code), count in sorted((self.key_errors or {}).items()):
+                per_key.add_metric([op, code], count)
+        yield per_key
+        yield from (keys, pending, clients, used, cap, evicted, evicted_b, rounds, discarded,
+                    expired, stalls)
+
+
+class MasterMetrics:
+    def __init__(self, core: MasterCore, lock: threading.Lock) -> None:
+        self.registry = CollectorRegistry()
+        self.ops = PromCounter("kvpool_master_ops", "RPC requests by op", ["op"],
+                           registry=self.registry)
+        self.errors = PromCounter("kvpool_master_errors", "RPC requests refused, by op and code",
+                              ["op", "code"], registry=self.registry)
+        self.latency = Histogram("kvpool_master_rpc_seconds", "time to handle one request",
+                                 ["op"], buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self._collector = _CoreCollector(core, lock)
+        self.registry.register(self._collector)
+        self._children: dict[str, tuple[PromCounter, Histogram]] = {}
+
+    def watch_key_errors(self, key_errors: Counter[tuple[str, str]]) -> None:
+        self._collector.key_errors = key_errors
+
+    def observe(self, op: str, status: int, seconds: float) -> None:
+        pair = self._children.get(op)
+        if pair is None:
+            pair = self._children[op] = (self.ops.labels(op), self.latency.labels(op))
+        pair[0].inc()
+        pair[1].observe(seconds)
+        if status != 0:
+            self.errors.labels(op, _code_name(status)).inc()

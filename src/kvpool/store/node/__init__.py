@@ -1,0 +1,1 @@
+"""The store-node daemon: a process that contributes memory to the pool (`daemon`)."""

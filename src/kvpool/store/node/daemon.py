@@ -1,0 +1,41 @@
+"""The store-node daemon: a client that only contributes memory to the pool."""
+
+from __future__ import annotations
+
+import threading
+
+from kvpool.errors import MetadataError, RpcError
+from kvpool.log import get_logger
+from kvpool.store.client.config import ClientConfig
+from kvpool.store.client.store_client import StoreClient
+
+log = get_logger("store.node")
+
+
+def _connect(config: ClientConfig, stop: threading.Event,
+             retry_s: float) -> StoreClient | None:
+    """A client with its segment mounted; waits for an unreachable master (or segment
+    directory, often the master's) until `stop`."""
+    while not stop.is_set():
+        try:
+            return StoreClient(config)
+        except (RpcError, MetadataError) as exc:
+            log.warning("cannot mount at master %s yet (%s); retrying in %.0fs",
+                        config.master, exc, retry_s)
+            stop.wait(retry_s)
+    return None
+
+
+def run_store_node(config: ClientConfig, stop: threading.Event,
+                   retry_s: float = 2.0) -> None:
+    """Mount `config.global_segment_size` bytes and heartbeat until `stop` is set; then
+    unmount cleanly (the master drops the objects held here)."""
+    client = _connect(config, stop, retry_s)
+    if client is None:
+        return
+    with client:
+        log.info("store node %s contributes %d bytes as %s", client.endpoint,
+                 config.global_segment_size, ", ".join(client.segment_ids))
+        print(f"kvpool store-node ready: {client.endpoint} "
+              f"{' '.join(client.segment_ids)}", flush=True)
+        stop.wait()
