@@ -76,7 +76,9 @@ def test_master_flags_mooncake_spellings(tmp_path: Path) -> None:
                                       "--etcd_endpoints=h1:2379;h2:2379"])
     assert args.enable_ha is True and ha_flags.wants_persistence(args)
     assert parse_endpoints(args.etcd_endpoints) == [("h1", 2379), ("h2", 2379)]
-    with pytest.raises(ConfigError, match="--state-dir"):
+    assert ha_flags.persist_config(args) == PersistConfig("", etcd="h1:2379;h2:2379")
+    args = build_parser().parse_args(["master", "--enable_ha=true"])
+    with pytest.raises(ConfigError, match="--etcd_endpoints"):
         ha_flags.persist_config(args)
     args = build_parser().parse_args(["master", "--state-dir", str(tmp_path),
                                       "--persist-fsync", "interval"])

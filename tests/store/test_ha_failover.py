@@ -28,10 +28,13 @@ from tests.support.procs import running, spawn_kvpool
 TTL_S = 2
 
 
-def start_master(stack: ExitStack, etcd: str, state: Path) -> tuple[subprocess.Popen[bytes], int, int]:
+def start_master(stack: ExitStack, etcd: str,
+                 state: Path | None) -> tuple[subprocess.Popen[bytes], int, int]:
+    """An HA master journaling to the shared `state` directory, or to etcd when None."""
     rpc, admin = free_port(), free_port()
+    shared = ["--state-dir", str(state)] if state is not None else []
     proc = stack.enter_context(running(spawn_kvpool(
-        "master", "--enable_ha=true", f"--etcd_endpoints={etcd}", "--state-dir", str(state),
+        "master", "--enable_ha=true", f"--etcd_endpoints={etcd}", *shared,
         "--rpc_port", str(rpc), "--metrics_port", str(admin), "--no-http-metadata",
         "--ha-lease-ttl", str(TTL_S), "--recovery-grace", "20")))
     return proc, rpc, admin
@@ -85,13 +88,17 @@ def read_all(store: StoreClient, acked: dict[str, int], timeout_s: float = 20) -
     return time.monotonic() - t0
 
 
-def test_leader_sigkill_standby_serves_every_acknowledged_object(tmp_path: Path) -> None:
+@pytest.mark.parametrize("journal", ["dir", "etcd"])
+def test_leader_sigkill_standby_serves_every_acknowledged_object(tmp_path: Path,
+                                                                 journal: str) -> None:
+    """Masters sharing a state directory, or nothing but etcd (the journal lives there)."""
+    state = tmp_path if journal == "dir" else None
     with etcd_server() as ep, ExitStack() as stack:
         etcd = Etcd(parse_endpoints(ep))
         address = f"etcd://{ep}"
-        a = start_master(stack, ep, tmp_path)
+        a = start_master(stack, ep, state)
         first_addr, term1 = wait_leader(etcd)
-        b = start_master(stack, ep, tmp_path)
+        b = start_master(stack, ep, state)
         leader, standby = (a, b) if first_addr.endswith(f":{a[1]}") else (b, a)
         wait_port(standby[2])
         metrics = httpx.get(f"http://127.0.0.1:{standby[2]}/metrics").text
@@ -119,7 +126,7 @@ def test_leader_sigkill_standby_serves_every_acknowledged_object(tmp_path: Path)
         metrics = httpx.get(f"http://127.0.0.1:{standby[2]}/metrics").text
         assert 'kvpool_master_role{role="leader"} 1.0' in metrics
         assert f"kvpool_master_term {float(term2)}" in metrics
-        print(f"\nfailover: first acknowledged put {first_ok - killed:.2f}s after SIGKILL "
+        print(f"\nfailover ({journal} journal): first acknowledged put {first_ok - killed:.2f}s after SIGKILL "
               f"(lease ttl {TTL_S}s); all {len(acked)} acknowledged objects readable "
               f"{readable:.2f}s later; 0 lost")
 

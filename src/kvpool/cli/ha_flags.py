@@ -1,7 +1,7 @@
 """`kvpool master` flags for persistence and high availability, and the run loop they need.
 
     kvpool master --state-dir DIR [--persist-fsync always|interval|never]
-    kvpool master --enable_ha=true --etcd_endpoints='h1:2379;h2:2379' --state-dir SHARED_DIR
+    kvpool master --enable_ha=true --etcd_endpoints='h1:2379;h2:2379' [--state-dir SHARED_DIR]
 
 Without these flags `kvpool master` runs as before (master_cmd.run); with any of them,
 `run_persistent` takes over.
@@ -36,7 +36,8 @@ def add_ha_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("persistence and high availability")
     g.add_argument("--state-dir", "--state_dir", dest="state_dir", default=None,
                    help="keep a snapshot and log of every stored object here; a master "
-                        "restarted on it serves them again (shared by HA masters)")
+                        "restarted on it serves them again (with --enable_ha: shared by "
+                        "the masters; without it the journal is kept in etcd)")
     g.add_argument("--persist-fsync", dest="persist_fsync", choices=FSYNC_POLICIES,
                    default=_P.fsync, help="when logged records reach the disk "
                    "(default: before each reply)")
@@ -60,11 +61,13 @@ def wants_persistence(args: argparse.Namespace) -> bool:
 
 
 def persist_config(args: argparse.Namespace) -> PersistConfig:
-    if not args.state_dir:
-        raise ConfigError("--enable_ha needs --state-dir: a directory every master can read "
-                          "and the leader writes (the new leader replays it)")
-    return PersistConfig(args.state_dir, args.persist_fsync, args.persist_fsync_interval,
-                         recovery_grace_s=args.recovery_grace)
+    """A state directory when given; else (with --enable_ha) the journal lives in etcd."""
+    if args.enable_ha and not args.etcd_endpoints:
+        raise ConfigError("--enable_ha needs --etcd_endpoints host:port[;host:port...]")
+    etcd = "" if args.state_dir else args.etcd_endpoints
+    return PersistConfig(args.state_dir or "", args.persist_fsync,
+                         args.persist_fsync_interval, recovery_grace_s=args.recovery_grace,
+                         etcd=etcd, cluster_id=args.cluster_id)
 
 
 def run_persistent(args: argparse.Namespace, server_cfg: MasterServerConfig,

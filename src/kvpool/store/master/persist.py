@@ -1,18 +1,17 @@
-"""Single-master persistence: a snapshot plus an append-only log in a state directory.
+"""Master persistence: every acknowledged change is a record in a journal, replayed on start.
 
-    STATE_DIR/snapshot      H record, then S and P records: the state when it was written
-    STATE_DIR/log.<seq>     records appended since (seq >= the snapshot's next_log_seq)
-
-Opening a directory replays the snapshot and every newer log (a torn tail, detected by the
-frame checksum, is dropped with a warning), writes the result as a new snapshot (tmp file,
-fsync, rename, fsync of the directory), deletes the replayed logs and starts log.<next>.
-Compaction at run time does the same from the live tables once the log passes
-`compact_bytes` (under the master's lock; no request is served meanwhile).
+The journal's storage is a `LogStore`: a state directory (`log_files.FileLogStore`: a
+snapshot plus append-only logs) or etcd (`log_etcd.EtcdLogStore`, for HA masters that share
+nothing but etcd). Opening one replays the snapshot and every newer log record, writes the
+result as a new snapshot and starts an empty log. Compaction at run time does the same from
+the live tables once the log passes `compact_bytes` (under the master's lock; no request is
+served meanwhile).
 
 What is acknowledged is durable: the service writes the records a request produced to the
-log before its reply leaves (`PersistentService`); `fsync` says when they reach the disk:
-"always" before each reply (survives a machine crash), "interval" every fsync_interval_s
-(a process crash loses nothing, a power loss up to that interval), "never" (the OS decides).
+log before its reply leaves (`PersistentService`). For a directory, `fsync` says when they
+reach the disk: "always" before each reply (survives a machine crash), "interval" every
+fsync_interval_s (a process crash loses nothing, a power loss up to that interval), "never"
+(the OS decides). etcd acknowledges a write once its quorum has it on disk.
 
 A restarted master knows its objects but not their memory's owners: each recovered segment
 waits for its node to mount again (same client id, endpoint, base address and size; the
@@ -22,21 +21,14 @@ Segments not back within `recovery_grace_s` are dropped with their objects.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from kvpool.errors import ConfigError, RemoteProtocolError, StoreError
+from kvpool.errors import ConfigError
 from kvpool.log import get_logger
-from kvpool.store.master.records import (
-    DurableState,
-    ObjRec,
-    SegRec,
-    decode_frames,
-    encode_record,
-)
+from kvpool.store.master.log_files import FileLogStore, load_state
+from kvpool.store.master.records import DurableState, ObjRec, SegRec, encode_record
 from kvpool.store.master.service import INTERNAL_ERROR, MasterService
 from kvpool.store.master.state import Replica, Segment, StoredObject
 from kvpool.store.wire.protocol import encode_reply, peek_req_id
@@ -46,13 +38,38 @@ if TYPE_CHECKING:
 
 log = get_logger("store.persist")
 FSYNC_POLICIES = ("always", "interval", "never")
-SNAPSHOT = "snapshot"
+__all__ = ["FSYNC_POLICIES", "Journal", "LogStore", "PersistConfig", "PersistentService",
+           "load_state"]
+
+
+class LogStore(Protocol):
+    """Where a journal's snapshot and log live."""
+
+    durable_on_append: bool
+    """True when `append` returns only once the data is durable (no `sync` needed)."""
+
+    def where(self) -> str: ...
+
+    def load(self) -> DurableState:
+        """The state the snapshot and the logs after it add up to."""
+
+    def rotate(self, records: list[bytes], term: int) -> None:
+        """Make `records` (encoded) the state and start an empty log; raises StoreError
+        when a later term owns the store."""
+
+    def append(self, records: list[bytes]) -> bool:
+        """Add encoded records to the log; False when refused (closed, or fenced out by a
+        later term): the caller must not acknowledge them."""
+
+    def sync(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass(frozen=True)
 class PersistConfig:
     state_dir: str
-    """Directory of the snapshot and log (created if missing)."""
+    """Directory of the snapshot and log (created if missing); '' with `etcd`."""
     fsync: str = "always"
     """'always' (before each reply), 'interval' or 'never' (see the module docstring)."""
     fsync_interval_s: float = 1.0
@@ -60,6 +77,10 @@ class PersistConfig:
     """Log size that triggers a snapshot of the live tables."""
     recovery_grace_s: float = 30.0
     """How long recovered segments wait for their nodes to mount again."""
+    etcd: str = ""
+    """etcd endpoints ('h1:2379;h2:2379') to keep the journal in instead of a directory."""
+    cluster_id: str = "kvpool"
+    """Names the journal's keys in etcd (/kvpool/<cluster_id>/master/state/...)."""
 
     def __post_init__(self) -> None:
         if self.fsync not in FSYNC_POLICIES:
@@ -75,109 +96,41 @@ class PersistConfig:
                               f"{self.recovery_grace_s}")
 
 
-def _log_seq(path: Path) -> int | None:
-    prefix, _, seq = path.name.partition(".")
-    return int(seq) if prefix == "log" and seq.isdigit() else None
-
-
-def _replay_file(state: DurableState, path: Path) -> None:
-    data = path.read_bytes()
-    records, used = decode_frames(data)
-    for payload in records:
-        try:
-            state.apply(payload)
-        except RemoteProtocolError as exc:
-            log.warning("%s: stopping replay at a bad record: %s", path, exc)
-            return
-    if used != len(data):
-        log.warning("%s: dropped a torn tail of %d bytes after %d records", path,
-                    len(data) - used, len(records))
-
-
-def load_state(state_dir: Path) -> tuple[DurableState, list[Path]]:
-    """The state in `state_dir` and the log files it was read from."""
-    state = DurableState()
-    snap = state_dir / SNAPSHOT
-    if snap.exists():
-        _replay_file(state, snap)
-    logs = sorted((p for p in state_dir.iterdir() if _log_seq(p) is not None),
-                  key=lambda p: _log_seq(p) or 0)
-    replayed = []
-    for path in logs:
-        seq = _log_seq(path) or 0
-        if seq >= state.next_log_seq:
-            _replay_file(state, path)
-        replayed.append(path)
-    if logs:
-        state.next_log_seq = max(state.next_log_seq, (_log_seq(logs[-1]) or 0) + 1)
-    state.drop_orphans()
-    return state, replayed
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def open_log_store(config: PersistConfig, term: int) -> LogStore:
+    """The journal's storage: the state directory, or etcd when `config.etcd` is set."""
+    if config.etcd:
+        from kvpool.store.master.log_etcd import EtcdLogStore
+        return EtcdLogStore(config.etcd, config.cluster_id, term)
+    if not config.state_dir:
+        raise ConfigError("persistence needs a state directory or etcd endpoints")
+    return FileLogStore(config.state_dir)
 
 
 class Journal:
     """The log writer and recovery of one master; the core calls its `on_*` hooks."""
 
-    def __init__(self, config: PersistConfig, core: MasterCore, term: int = 0) -> None:
+    def __init__(self, config: PersistConfig, core: MasterCore, term: int = 0,
+                 store: LogStore | None = None) -> None:
         self.config = config
-        self.dir = Path(config.state_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        state, replayed = load_state(self.dir)
-        for leftover in self.dir.glob(SNAPSHOT + ".tmp*"):  # of a crash, or a deposed leader
-            leftover.unlink(missing_ok=True)
-        log.info("state %s: %d segments and %d objects recovered", self.dir,
+        self.store = store if store is not None else open_log_store(config, term)
+        state = self.store.load()
+        log.info("state %s: %d segments and %d objects recovered", self.store.where(),
                  len(state.segments), len(state.objects))
         self.recovery = Recovery(state, core.clock.now() + config.recovery_grace_s)
         self.term = term or state.term  # a single master keeps the term it found
-        self._seq = state.next_log_seq
-        self._fd = -1
+        self._open = True
         self._buf: list[bytes] = []
         self._log_bytes = 0
         self._last_sync = core.clock.now()
         self.fence: Callable[[], bool] | None = None
         """With HA: whether this master still leads; records are written only then."""
-        self._rotate(state.records(), replayed)
+        self._rotate(state.records())
 
-    def _rotate(self, records: list[list[Any]], old_logs: list[Path]) -> None:
-        """Write `records` as the snapshot, start log.<seq + 1>, delete `old_logs`."""
+    def _rotate(self, records: list[list[Any]]) -> None:
+        """Write `records` as the snapshot and start an empty log."""
         self.commit()
-        self._seq += 1
-        tmp = self.dir / f"{SNAPSHOT}.tmp.{self.term}"  # two terms never share a tmp file
-        with open(tmp, "wb") as f:
-            f.write(encode_record(["H", self._seq, self.term]))
-            f.write(b"".join(encode_record(r) for r in records))
-            f.flush()
-            os.fsync(f.fileno())
-        if self._newer_snapshot_term() > self.term:
-            tmp.unlink(missing_ok=True)
-            raise StoreError(f"{self.dir}: a master of a later term wrote the snapshot; this "
-                             f"one (term {self.term}) must stop writing")
-        os.replace(tmp, self.dir / SNAPSHOT)
-        if self._fd >= 0:
-            os.close(self._fd)
-        self._fd = os.open(self.dir / f"log.{self._seq}",
-                           os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
-        _fsync_dir(self.dir)
-        for path in old_logs:
-            path.unlink(missing_ok=True)
+        self.store.rotate([encode_record(r) for r in records], self.term)
         self._log_bytes = 0
-
-    def _newer_snapshot_term(self) -> int:
-        """The term in the current snapshot's header (0 when none)."""
-        try:
-            with open(self.dir / SNAPSHOT, "rb") as f:
-                head = f.read(256)
-        except FileNotFoundError:
-            return 0
-        records, _ = decode_frames(head)
-        return int(records[0][2]) if records and records[0][0] == "H" else 0
 
     # -- hooks called by the core (under the master's lock) ------------------------------
 
@@ -217,9 +170,9 @@ class Journal:
             self._append(["D", segment_id])
         self.commit()
         now = core.clock.now()
-        if self._fd >= 0 and self.config.fsync == "interval" and now - self._last_sync >= \
-                self.config.fsync_interval_s:
-            os.fsync(self._fd)
+        if self.config.fsync == "interval" and not self.store.durable_on_append and \
+                now - self._last_sync >= self.config.fsync_interval_s:
+            self.store.sync()
             self._last_sync = now
         if self._log_bytes > self.config.compact_bytes and self.recovery.done:
             self.compact(core)
@@ -234,17 +187,15 @@ class Journal:
         when they were dropped instead (this master no longer leads, or is closed)."""
         if not self._buf:
             return True
-        if self._fd < 0 or (self.fence is not None and not self.fence()):
+        if not self._open or (self.fence is not None and not self.fence()):
             self._buf.clear()
             return False
-        data = b"".join(self._buf)
-        self._buf.clear()
-        view = memoryview(data)
-        while view:
-            view = view[os.write(self._fd, view):]
-        self._log_bytes += len(data)
-        if self.config.fsync == "always":
-            os.fsync(self._fd)
+        records, self._buf = self._buf, []
+        if not self.store.append(records):
+            return False
+        self._log_bytes += sum(len(r) for r in records)
+        if self.config.fsync == "always" and not self.store.durable_on_append:
+            self.store.sync()
         return True
 
     def compact(self, core: MasterCore) -> None:
@@ -254,15 +205,14 @@ class Journal:
         records += [ObjRec(o.key, o.size, tuple((r.segment.segment_id, r.offset)
                                                 for r in o.replicas),
                            o.checksum, o.hard_pinned).record() for o in core.objects.values()]
-        self._rotate(records, [self.dir / f"log.{self._seq}"])
-        log.info("state %s compacted: %d records", self.dir, len(records))
+        self._rotate(records)
+        log.info("state %s compacted: %d records", self.store.where(), len(records))
 
     def close(self) -> None:
-        if self._fd >= 0:
+        if self._open:
             self.commit()
-            os.fsync(self._fd)
-            os.close(self._fd)
-            self._fd = -1
+            self._open = False
+            self.store.close()
 
 
 class Recovery:
