@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kvpool.clock import VirtualClock
 from kvpool.store.master.core import MasterCore
-from kvpool.store.master.tier_tasks import DELETE, LOAD, OFFLOAD, Task
+from kvpool.store.master.tier_tasks import DELETE, DONE, FAILED, FILE_BAD, LOAD, OFFLOAD, Task
 from kvpool.store.wire.codes import ErrorCode, Tier
 from tests.store.conftest import KIB, make_core
 
@@ -36,8 +36,8 @@ def tasks(core: MasterCore, ssd_id: str, clock: VirtualClock) -> list[Task]:
     return due
 
 
-def finish(core: MasterCore, ssd_id: str, due: list[Task], ok: bool = True) -> None:
-    assert core.tiering.report("c0", ssd_id, [(t.task_id, ok) for t in due]) == E.OK
+def finish(core: MasterCore, ssd_id: str, due: list[Task], status: int = DONE) -> None:
+    assert core.tiering.report("c0", ssd_id, [(t.task_id, status) for t in due]) == E.OK
     core.check_integrity()
 
 
@@ -127,9 +127,19 @@ def test_promotion_after_k_reads(vclock: VirtualClock) -> None:
 def test_a_failed_load_drops_the_bad_disk_copy(vclock: VirtualClock) -> None:
     core, ssd_id, key = offloaded(vclock)
     assert core.get_replicas([key])[0].code == E.REPLICA_IS_NOT_READY
-    finish(core, ssd_id, tasks(core, ssd_id, vclock), ok=False)
+    finish(core, ssd_id, tasks(core, ssd_id, vclock), status=FILE_BAD)
     assert key not in core.objects and core.tiering.stats.load_failures == 1
     assert [t.kind for t in tasks(core, ssd_id, vclock)] == [DELETE]
+
+
+def test_a_load_that_failed_for_other_reasons_keeps_the_disk_copy(
+        vclock: VirtualClock) -> None:
+    core, ssd_id, key = offloaded(vclock)
+    assert core.get_replicas([key])[0].code == E.REPLICA_IS_NOT_READY
+    finish(core, ssd_id, tasks(core, ssd_id, vclock), status=FAILED)
+    assert tiers(core, key) == [Tier.SSD]
+    load(core, ssd_id, key, vclock)      # the next read tries again
+    assert core.get_replicas([key])[0].code == E.OK
 
 
 def test_remove_deletes_the_file_and_a_removed_offload_is_undone(

@@ -2,7 +2,7 @@
 
 The master never calls a node: a node with a disk tier asks for its tasks (NODE_TASKS) and
 reports outcomes (NODE_REPORT). A task handed out and not reported within `redeliver_s` is
-handed out again; every task is idempotent on the node (rewrite the same file, copy the same
+handed out again; a node reports `[task_id, status]` (DONE, FAILED, FILE_BAD). Every task is idempotent on the node (rewrite the same file, copy the same
 bytes into the same range, delete a file of a given generation), so a lost reply costs time,
 never correctness. On the wire a task is
 
@@ -26,6 +26,12 @@ LOAD = 2
 """Copy the file of generation `gen`, verified, into the DRAM range."""
 DELETE = 3
 """Delete the key's file if it is of generation `gen`."""
+
+DONE = 0
+FAILED = 1
+"""The task could not be done (I/O or transfer error, a fence): nothing is known bad."""
+FILE_BAD = 2
+"""A load found the file missing, torn or corrupt (the node deleted it)."""
 
 
 @dataclass(eq=False, slots=True)

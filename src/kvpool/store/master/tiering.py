@@ -31,8 +31,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvpool.store.master.tier_tasks import DELETE, LOAD, OFFLOAD, SsdMount, Task, TierStats
 from kvpool.store.master.state import Replica, Segment, StoredObject
+from kvpool.store.master.tier_tasks import (
+    DELETE,
+    DONE,
+    FILE_BAD,
+    LOAD,
+    OFFLOAD,
+    SsdMount,
+    Task,
+    TierStats,
+)
 from kvpool.store.wire.codes import ErrorCode, LookupResult, Tier
 from kvpool.store.wire.validate import valid_key, valid_size
 
@@ -112,16 +121,18 @@ class Tiering:
                                self.config.max_tasks_per_poll)
 
     def report(self, client_id: str, segment_id: str,
-               outcomes: Sequence[tuple[int, bool]]) -> ErrorCode:
+               outcomes: Sequence[tuple[int, int]]) -> ErrorCode:
+        """Outcomes of tasks: (task_id, DONE | FAILED | FILE_BAD); unknown ids (reported
+        twice, or cancelled) are ignored."""
         mount = self._mount_of(client_id, segment_id)
         if mount is None:
             return E.SEGMENT_NOT_FOUND
-        for task_id, ok in outcomes:
+        for task_id, status in outcomes:
             task = mount.tasks.pop(task_id, None)
             if task is not None and task.kind == OFFLOAD:
-                self._offload_done(task, ok)
+                self._offload_done(task, status == DONE)
             elif task is not None and task.kind == LOAD:
-                self._load_done(task, ok)
+                self._load_done(task, status)
         return E.OK
 
     def _queue(self, mount: SsdMount, kind: int, key: str, obj: StoredObject | None,
@@ -337,7 +348,7 @@ class Tiering:
             found = core._try_allocate(size, 1, own)
         return found[0] if found else None
 
-    def _load_done(self, task: Task, ok: bool) -> None:
+    def _load_done(self, task: Task, status: int) -> None:
         obj, dram, ssd = task.obj, task.dram, task.ssd
         assert dram is not None and ssd is not None
         if self.loading.get(task.key) is task:
@@ -345,11 +356,11 @@ class Tiering:
         live = self.core.segments.get(dram.segment.segment_id) is dram.segment
         valid = live and obj is not None and self.core.objects.get(task.key) is obj \
             and ssd in obj.replicas
-        if not (ok and valid):
+        if not (status == DONE and valid):
             self.core._free(dram.segment, dram.offset)
-            if not ok:
+            if status != DONE:
                 self.stats.load_failures += 1
-            if not ok and valid and obj is not None:
+            if status == FILE_BAD and valid and obj is not None:
                 self._drop_disk_replica(obj, ssd)  # the node found the file bad: gone
             return
         assert obj is not None
