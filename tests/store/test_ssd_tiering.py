@@ -114,14 +114,36 @@ def test_a_disk_only_read_loads_a_transient_copy(vclock: VirtualClock) -> None:
 
 def test_promotion_after_k_reads(vclock: VirtualClock) -> None:
     core, ssd_id, key = offloaded(vclock, promote_after=2)
-    load(core, ssd_id, key, vclock)      # two lookups counted: promoted on arrival
+    load(core, ssd_id, key, vclock)      # read 1: a transient copy...
+    assert core.get_replicas([key])[0].lease_ttl_s == core.tiering.config.transient_lease_s
+    assert key in core.tiering.transient and core.tiering.stats.promotions == 0
+    vclock.advance(3.0)
+    core.tick()                          # ...gone with its lease
+    assert tiers(core, key) == [Tier.SSD]
+    load(core, ssd_id, key, vclock)      # read 2: promoted when it arrives
     assert key not in core.tiering.transient and core.tiering.stats.promotions == 1
-    vclock.advance(2.0)
+    vclock.advance(3.0)
     core.tick()
     assert tiers(core, key) == [Tier.DRAM, Tier.SSD]
     core.evict(64 * KIB)                 # evicting it again needs no copy
     assert tiers(core, key) == [Tier.SSD] and core.tiering.stats.dram_dropped >= 1
     core.check_integrity()
+
+
+def test_a_second_reader_of_a_transient_copy_promotes_it(vclock: VirtualClock) -> None:
+    core, ssd_id, key = offloaded(vclock, promote_after=2)
+    load(core, ssd_id, key, vclock)
+    assert core.get_replicas([key])[0].code == E.OK      # the first reader, again
+    assert key in core.tiering.transient
+    assert core.get_replicas([key])[0].code == E.OK      # someone else
+    assert key not in core.tiering.transient and core.tiering.stats.promotions == 1
+    core.check_integrity()
+
+
+def test_promote_after_one_keeps_every_load(vclock: VirtualClock) -> None:
+    core, ssd_id, key = offloaded(vclock, promote_after=1)
+    load(core, ssd_id, key, vclock)
+    assert core.tiering.stats.promotions == 1 and key not in core.tiering.transient
 
 
 def test_a_failed_load_drops_the_bad_disk_copy(vclock: VirtualClock) -> None:

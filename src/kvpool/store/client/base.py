@@ -403,9 +403,11 @@ class ClientBase:
         while waiting and self.clock.now() + pause < t0 + self.config.rpc_timeout_s:
             self.clock.sleep(pause)
             pause = min(pause * 2, NOT_READY_MAX_PAUSE_S)
+            since_t0 = self.clock.now() - t0  # leases count from t0 for the caller
             for i, r in zip(waiting, self._lookup_once([keys[i] for i in waiting]),
                             strict=True):
-                out[i] = r
+                out[i] = r._replace(lease_ttl_s=r.lease_ttl_s + since_t0) if r.code == E.OK \
+                    else r
             waiting = [i for i in waiting if out[i].code == E.REPLICA_IS_NOT_READY]
         return out, t0
 

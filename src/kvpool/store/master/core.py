@@ -352,14 +352,14 @@ class MasterCore:
                 out.append(LookupResult(E.INVALID_PARAMS if not valid_key(key)
                                         else E.OBJECT_NOT_FOUND))
                 continue
+            if key in tiered:  # on disk: the tier answers unless a plain DRAM copy exists
+                answer = self.tiering.on_lookup(obj)
+                if answer is not None:
+                    out.append(answer)
+                    continue
             if obj.lease_until < until:
                 obj.lease_until = until
             touch(key)
-            if key in tiered:
-                not_ready = self.tiering.on_lookup(obj)
-                if not_ready is not None:
-                    out.append(not_ready)
-                    continue
             descs = tuple([_new(ReplicaDesc, (r.segment.segment_id, r.segment.endpoint,
                                               r.segment.base_addr + r.offset, r.size,
                                               r.segment.tier, ReplicaState.COMPLETE,

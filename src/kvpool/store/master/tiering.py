@@ -64,6 +64,9 @@ class TierConfig:
     redeliver_s: float = 10.0
     """A task handed out and not reported for this long is handed out again."""
     max_tasks_per_poll: int = 64
+    transient_lease_s: float = 2.0
+    """Read lease of a lookup that finds a transient (loaded, not promoted) copy, or a load
+    under way; the copy is freed when it ends."""
 
 
 class Tiering:
@@ -83,6 +86,9 @@ class Tiering:
         self.reads: dict[str, int] = {}
         """Reads of an object since it went to disk (reset by promotion)."""
         self.transient: set[str] = set()
+        """Keys whose DRAM copy is a load not promoted (freed when its lease ends)."""
+        self.fresh: set[str] = set()
+        """Transient copies not looked up since their load completed."""
         self.failed: set[str] = set()
         """Keys whose offload failed: the next eviction drops them."""
         self.stats = TierStats()
@@ -226,6 +232,7 @@ class Tiering:
                 core._free(r.segment, r.offset)
         core.policy.on_remove(obj.key)
         self.transient.discard(obj.key)
+        self.fresh.discard(obj.key)
         self._journal(obj)
         return freed
 
@@ -294,21 +301,35 @@ class Tiering:
     # -- reads and promotion -------------------------------------------------------------
 
     def on_lookup(self, obj: StoredObject) -> LookupResult | None:
-        """A lookup of a key in `tiered` (its lease is already granted): None to answer as
-        usual (a DRAM replica exists), else REPLICA_IS_NOT_READY while a load runs."""
-        key = obj.key
+        """A lookup of a key in `tiered`: None to answer as usual (a promoted DRAM copy
+        exists), else the answer: REPLICA_IS_NOT_READY while a load runs, or the transient
+        copy under a short lease (`transient_lease_s`, so that reads of more cold data than
+        DRAM holds are not held up by leases). Reads are counted per load started and per
+        hit of a transient copy, except the first hit after the load (the reader that
+        asked for it, looking again)."""
+        key, cfg = obj.key, self.config
         self.lru.move_to_end(key)
         has_dram = any(r.segment.tier is Tier.DRAM for r in obj.replicas)
         if has_dram and key not in self.transient:
             return None
-        reads = self.reads[key] = self.reads.get(key, 0) + 1
-        if has_dram:
-            if reads >= self._promote_after(obj):
-                self._promote(obj)
+        until = self.core.clock.now() + cfg.transient_lease_s
+        obj.lease_until = max(obj.lease_until, until)
+        if not has_dram:
+            if key not in self.loading:
+                self._count_read(key)
+                self._start_load(obj)
+            return NOT_READY
+        if key in self.fresh:
+            self.fresh.discard(key)
+        elif self._count_read(key) >= self._promote_after(obj):
+            self._promote(obj)
             return None
-        if key not in self.loading:
-            self._start_load(obj)
-        return NOT_READY
+        descs = tuple(r.desc() for r in obj.replicas)
+        return LookupResult(E.OK, obj.size, descs, cfg.transient_lease_s, obj.checksum)
+
+    def _count_read(self, key: str) -> int:
+        reads = self.reads[key] = self.reads.get(key, 0) + 1
+        return reads
 
     def _promote_after(self, obj: StoredObject) -> int:
         for r in obj.replicas:
@@ -319,6 +340,7 @@ class Tiering:
 
     def _promote(self, obj: StoredObject) -> None:
         self.transient.discard(obj.key)
+        self.fresh.discard(obj.key)
         self.reads.pop(obj.key, None)
         self.core.policy.on_insert(obj.key)
         self.stats.promotions += 1
@@ -341,6 +363,7 @@ class Tiering:
         """A DRAM range for a loaded copy: the disk's own node first, then any segment."""
         from kvpool.store.master import evict as master_evict
         core = self.core
+        self._expire_transient()
         own = [s.segment_id for s in core.segment_list() if s.client_id == client_id]
         found = core._try_allocate(size, 1, own)
         if found is None and master_evict.evict_for_allocation(core, size, 1,
@@ -371,6 +394,7 @@ class Tiering:
             self._promote(obj)
         else:
             self.transient.add(task.key)
+            self.fresh.add(task.key)
 
     # -- removal, segments, time ---------------------------------------------------------
 
@@ -391,6 +415,7 @@ class Tiering:
                 self._forget_disk(key, r.segment)
         self._untier(key)
         self.transient.discard(key)
+        self.fresh.discard(key)
         self.failed.discard(key)
 
     def after_segment_dropped(self, seg: Segment) -> None:
@@ -435,17 +460,20 @@ class Tiering:
 
     def tick(self) -> None:
         """Free transient copies whose lease ended; evict disks above their watermark."""
-        now = self.core.clock.now()
-        for key in list(self.transient):
-            obj = self.core.objects.get(key)
-            if obj is not None and obj.lease_until <= now:
-                self._drop_dram(obj)
+        self._expire_transient()
         cfg = self.config
         for mount in list(self.mounts.values()):
             alloc = mount.segment.allocator
             if alloc.used_bytes > cfg.disk_high_watermark * alloc.capacity:
                 self.evict_disk(mount, alloc.used_bytes
                                 - int(cfg.disk_low_watermark * alloc.capacity))
+
+    def _expire_transient(self) -> None:
+        now = self.core.clock.now()
+        for key in list(self.transient):
+            obj = self.core.objects.get(key)
+            if obj is not None and obj.lease_until <= now:
+                self._drop_dram(obj)
 
     def held_ranges(self) -> list[tuple[Segment, int, int]]:
         """(segment, offset, size) of ranges tasks hold (for the integrity check)."""
