@@ -34,6 +34,20 @@ FILE_BAD = 2
 """A load found the file missing, torn or corrupt (the node deleted it)."""
 
 
+@dataclass(frozen=True)
+class TierConfig:
+    disk_high_watermark: float = 0.95
+    """Disk eviction starts above this share of a disk tier's capacity..."""
+    disk_low_watermark: float = 0.85
+    """...and frees down to this share."""
+    redeliver_s: float = 10.0
+    """A task handed out and not reported for this long is handed out again."""
+    max_tasks_per_poll: int = 64
+    transient_lease_s: float = 2.0
+    """Read lease of a lookup that finds a transient (loaded, not promoted) copy, or a load
+    under way; the copy is freed when it ends."""
+
+
 @dataclass(eq=False, slots=True)
 class Task:
     task_id: int

@@ -28,22 +28,21 @@ import itertools
 import random
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from kvpool.store.master import tier_reads
 from kvpool.store.master.state import Replica, Segment, StoredObject
 from kvpool.store.master.tier_tasks import (
     DELETE,
     DONE,
-    FILE_BAD,
     LOAD,
     OFFLOAD,
     SsdMount,
     Task,
+    TierConfig,
     TierStats,
 )
 from kvpool.store.wire.codes import ErrorCode, LookupResult, Tier
-from kvpool.store.wire.validate import valid_key, valid_size
 
 if TYPE_CHECKING:
     from kvpool.store.master.core import MasterCore
@@ -52,21 +51,6 @@ E = ErrorCode
 SSD_BASE_ADDR = 0
 """Base address of every SSD segment: disk ranges are accounting, not memory (a DRAM segment
 never starts at 0, so segment ids stay distinct)."""
-NOT_READY = LookupResult(E.REPLICA_IS_NOT_READY)
-
-
-@dataclass(frozen=True)
-class TierConfig:
-    disk_high_watermark: float = 0.95
-    """Disk eviction starts above this share of a disk tier's capacity..."""
-    disk_low_watermark: float = 0.85
-    """...and frees down to this share."""
-    redeliver_s: float = 10.0
-    """A task handed out and not reported for this long is handed out again."""
-    max_tasks_per_poll: int = 64
-    transient_lease_s: float = 2.0
-    """Read lease of a lookup that finds a transient (loaded, not promoted) copy, or a load
-    under way; the copy is freed when it ends."""
 
 
 class Tiering:
@@ -138,7 +122,7 @@ class Tiering:
             if task is not None and task.kind == OFFLOAD:
                 self._offload_done(task, status == DONE)
             elif task is not None and task.kind == LOAD:
-                self._load_done(task, status)
+                tier_reads.load_done(self, task, status)
         return E.OK
 
     def _queue(self, mount: SsdMount, kind: int, key: str, obj: StoredObject | None,
@@ -298,103 +282,17 @@ class Tiering:
         self.lru.pop(key, None)
         self.reads.pop(key, None)
 
-    # -- reads and promotion -------------------------------------------------------------
+    # -- reads (tier_reads.py) --------------------------------------------------------------
 
     def on_lookup(self, obj: StoredObject) -> LookupResult | None:
-        """A lookup of a key in `tiered`: None to answer as usual (a promoted DRAM copy
-        exists), else the answer: REPLICA_IS_NOT_READY while a load runs, or the transient
-        copy under a short lease (`transient_lease_s`, so that reads of more cold data than
-        DRAM holds are not held up by leases). Reads are counted per load started and per
-        hit of a transient copy, except the first hit after the load (the reader that
-        asked for it, looking again)."""
-        key, cfg = obj.key, self.config
-        self.lru.move_to_end(key)
-        has_dram = any(r.segment.tier is Tier.DRAM for r in obj.replicas)
-        if has_dram and key not in self.transient:
-            return None
-        until = self.core.clock.now() + cfg.transient_lease_s
-        obj.lease_until = max(obj.lease_until, until)
-        if not has_dram:
-            if key not in self.loading:
-                self._count_read(key)
-                self._start_load(obj)
-            return NOT_READY
-        if key in self.fresh:
-            self.fresh.discard(key)
-        elif self._count_read(key) >= self._promote_after(obj):
-            self._promote(obj)
-            return None
-        descs = tuple(r.desc() for r in obj.replicas)
-        return LookupResult(E.OK, obj.size, descs, cfg.transient_lease_s, obj.checksum)
+        """See tier_reads.on_lookup."""
+        return tier_reads.on_lookup(self, obj)
 
-    def _count_read(self, key: str) -> int:
-        reads = self.reads[key] = self.reads.get(key, 0) + 1
-        return reads
-
-    def _promote_after(self, obj: StoredObject) -> int:
-        for r in obj.replicas:
-            mount = self.mounts.get(r.segment.segment_id)
-            if mount is not None:
-                return mount.promote_after
-        return 1
-
-    def _promote(self, obj: StoredObject) -> None:
-        self.transient.discard(obj.key)
-        self.fresh.discard(obj.key)
-        self.reads.pop(obj.key, None)
-        self.core.policy.on_insert(obj.key)
-        self.stats.promotions += 1
-        self._journal(obj)
-
-    def _start_load(self, obj: StoredObject) -> None:
-        source = next((r for r in obj.replicas
-                       if self.mounts.get(r.segment.segment_id) is not None), None)
-        if source is None:
-            return
-        mount = self.mounts[source.segment.segment_id]
-        target = self._allocate_dram(mount.segment.client_id, obj.size)
-        if target is None:
-            return  # nothing free now: eviction is under way, the client asks again
-        gen = self.gens.get((source.segment.segment_id, obj.key), 0)
-        self.loading[obj.key] = self._queue(mount, LOAD, obj.key, obj, obj.size, gen,
-                                            target, source)
-
-    def _allocate_dram(self, client_id: str, size: int) -> Replica | None:
-        """A DRAM range for a loaded copy: the disk's own node first, then any segment."""
-        from kvpool.store.master import evict as master_evict
-        core = self.core
-        self._expire_transient()
-        own = [s.segment_id for s in core.segment_list() if s.client_id == client_id]
-        found = core._try_allocate(size, 1, own)
-        if found is None and master_evict.evict_for_allocation(core, size, 1,
-                                                               core.clock.now()):
-            found = core._try_allocate(size, 1, own)
-        return found[0] if found else None
-
-    def _load_done(self, task: Task, status: int) -> None:
-        obj, dram, ssd = task.obj, task.dram, task.ssd
-        assert dram is not None and ssd is not None
-        if self.loading.get(task.key) is task:
-            del self.loading[task.key]
-        live = self.core.segments.get(dram.segment.segment_id) is dram.segment
-        valid = live and obj is not None and self.core.objects.get(task.key) is obj \
-            and ssd in obj.replicas
-        if not (status == DONE and valid):
-            self.core._free(dram.segment, dram.offset)
-            if status != DONE:
-                self.stats.load_failures += 1
-            if status == FILE_BAD and valid and obj is not None:
-                self._drop_disk_replica(obj, ssd)  # the node found the file bad: gone
-            return
-        assert obj is not None
-        obj.replicas.append(dram)
-        dram.segment.keys.add(task.key)
-        self.stats.loads += 1
-        if self.reads.get(task.key, 0) >= self._promote_after(obj):
-            self._promote(obj)
-        else:
-            self.transient.add(task.key)
-            self.fresh.add(task.key)
+    def register(self, client_id: str, segment_id: str, keys: Sequence[str],
+                 sizes: Sequence[int], checksums: Sequence[int],
+                 gens: Sequence[int]) -> list[ErrorCode]:
+        """See tier_reads.register."""
+        return tier_reads.register(self, client_id, segment_id, keys, sizes, checksums, gens)
 
     # -- removal, segments, time ---------------------------------------------------------
 
@@ -495,49 +393,3 @@ class Tiering:
         for key, task in self.offloading.items():
             assert task.obj is core.objects.get(key), f"offload of {key!r} lost its object"
         assert self.offloading_bytes == sum(t.size for t in self.offloading.values())
-
-    # -- registration after a node restart --------------------------------------------------
-
-    def register(self, client_id: str, segment_id: str, keys: Sequence[str],
-                 sizes: Sequence[int], checksums: Sequence[int],
-                 gens: Sequence[int]) -> list[ErrorCode]:
-        """Objects found on a node's disk: OK (now known), OBJECT_ALREADY_EXISTS (another
-        object holds the key: the file is stale), NO_AVAILABLE_HANDLE (no room),
-        INVALID_PARAMS, SEGMENT_NOT_FOUND."""
-        mount = self._mount_of(client_id, segment_id)
-        if mount is None:
-            return [E.SEGMENT_NOT_FOUND] * len(keys)
-        if not len(keys) == len(sizes) == len(checksums) == len(gens):
-            return [E.INVALID_PARAMS] * len(keys)
-        out = [self._register_one(mount, *item)
-               for item in zip(keys, sizes, checksums, gens, strict=True)]
-        self.stats.registered += out.count(E.OK)
-        self.stats.register_refused += len(out) - out.count(E.OK)
-        return out
-
-    def _register_one(self, mount: SsdMount, key: str, size: int, checksum: int,
-                      gen: int) -> ErrorCode:
-        core, seg = self.core, mount.segment
-        if not (valid_key(key) and valid_size(size, core.config.max_object_bytes)
-                and type(checksum) is int and 0 <= checksum < 1 << 64
-                and type(gen) is int and 0 <= gen < 1 << 64):
-            return E.INVALID_PARAMS
-        obj = core.objects.get(key)
-        if key in core.pending or (obj is not None and (obj.size != size
-                                                        or obj.checksum != checksum)):
-            return E.OBJECT_ALREADY_EXISTS
-        if obj is not None and any(r.segment is seg for r in obj.replicas):
-            return E.OK if self.gens.get((seg.segment_id, key)) == gen \
-                else E.OBJECT_ALREADY_EXISTS
-        offset = seg.allocator.allocate(size)
-        if offset is None:
-            return E.NO_AVAILABLE_HANDLE
-        rep = Replica(seg, offset, size)
-        if obj is None:
-            obj = core.objects[key] = StoredObject(key, size, [rep], checksum=checksum)
-        else:
-            obj.replicas.append(rep)
-        seg.keys.add(key)
-        self._add_tiered(key, seg, gen)
-        self._journal(obj)
-        return E.OK
