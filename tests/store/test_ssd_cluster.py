@@ -169,3 +169,23 @@ def test_a_killed_node_comes_back_with_its_files_and_never_serves_bad_ones(
 def _name(key: str) -> str:
     from kvpool.store.node.ssd import file_name
     return file_name(key)
+
+
+def test_objects_on_disk_survive_a_master_restart(tmp_path: Path) -> None:
+    keys = [f"mr-{i}" for i in range(32)]
+    with ssd_cluster(tmp_path) as (cluster, client):
+        put_paced(client, keys)
+        wait_for("offloads", lambda: len(files(tmp_path)) >= 16)
+        time.sleep(0.5)
+        cluster.kill_master()                          # no --state-dir: DRAM objects go
+        on_disk = {key for key in keys if (tmp_path / _name(key)).exists()}
+        cluster.start_master()
+        wait_for("registration",
+                 lambda: metric(cluster, "kvpool_master_ssd_registered") >= len(on_disk))
+        for key in keys:
+            got = client.get(key)
+            if key in on_disk:
+                assert got.code == E.OK and got.data == content(key, SIZE), key
+            else:
+                assert got.code == E.OBJECT_NOT_FOUND, (key, got.code)
+        cluster.check_integrity()

@@ -64,8 +64,10 @@ def evict(core: MasterCore, num_bytes: int) -> bool:
                 continue
             if (obj.soft_pin_until > now) != second_pass:
                 continue
-            freed += _dram_bytes(obj)
-            chosen.append(obj)
+            dram = _dram_bytes(obj)
+            if dram:  # (an object only on disk has nothing to give)
+                freed += dram
+                chosen.append(obj)
         if freed >= num_bytes:
             break
     dropped, freed_now = tiering.take_victims(chosen) if tiering.mounts else (chosen, 0)

@@ -144,8 +144,10 @@ def _register_one(t: Tiering, mount: SsdMount, key: str, size: int, checksum: in
                                                     or obj.checksum != checksum)):
         return E.OBJECT_ALREADY_EXISTS
     if obj is not None and any(r.segment is seg for r in obj.replicas):
-        return E.OK if t.gens.get((seg.segment_id, key)) == gen \
-            else E.OBJECT_ALREADY_EXISTS
+        known = t.gens.get((seg.segment_id, key))
+        if known is None:  # re-attached from the master's state directory: adopt the file
+            t._add_tiered(key, seg, gen)
+        return E.OK if known in (None, gen) else E.OBJECT_ALREADY_EXISTS
     offset = seg.allocator.allocate(size)
     if offset is None:
         return E.NO_AVAILABLE_HANDLE

@@ -152,7 +152,7 @@ class Tiering:
     def _start_offload(self, obj: StoredObject) -> bool:
         for r in obj.replicas:
             mount = self._disk_of(r.segment.client_id)
-            if mount is None:
+            if mount is None or r.segment.tier is not Tier.DRAM:
                 continue
             ssd = self._allocate_disk(mount, obj.size)
             if ssd is None:
@@ -355,6 +355,9 @@ class Tiering:
                                        seg, task.dram.offset))
         if task.kind == OFFLOAD and task.ssd is not None:
             core._free(task.ssd.segment, task.ssd.offset)
+            mount = self.mounts.get(task.ssd.segment.segment_id)
+            if mount is not None:  # runs after the offload on the node, if it still does it
+                self._queue(mount, DELETE, task.key, None, 0, task.gen)
 
     def tick(self) -> None:
         """Free transient copies whose lease ended; evict disks above their watermark."""
