@@ -355,9 +355,9 @@ class Tiering:
                                        seg, task.dram.offset))
         if task.kind == OFFLOAD and task.ssd is not None:
             core._free(task.ssd.segment, task.ssd.offset)
-            mount = self.mounts.get(task.ssd.segment.segment_id)
-            if mount is not None:  # runs after the offload on the node, if it still does it
-                self._queue(mount, DELETE, task.key, None, 0, task.gen)
+            disk = self.mounts.get(task.ssd.segment.segment_id)
+            if disk is not None:  # runs after the offload on the node, if it still does it
+                self._queue(disk, DELETE, task.key, None, 0, task.gen)
 
     def tick(self) -> None:
         """Free transient copies whose lease ended; evict disks above their watermark."""
