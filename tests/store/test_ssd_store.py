@@ -80,3 +80,18 @@ def test_a_file_under_another_keys_name_is_discarded(tmp_path: Path) -> None:
     os.rename(store.path("a"), store.path("zzz"))
     scan = SsdStore(str(tmp_path)).scan()
     assert [e.key for e in scan.entries] == ["b"] and scan.num_discarded == 1
+
+
+def test_one_node_per_directory(tmp_path: Path) -> None:
+    import pytest
+
+    from kvpool.errors import ConfigError
+    from kvpool.store.node.ssd_worker import _lock_dir
+
+    fd = _lock_dir(str(tmp_path))
+    try:
+        with pytest.raises(ConfigError, match="in use"):
+            _lock_dir(str(tmp_path))
+    finally:
+        os.close(fd)
+    os.close(_lock_dir(str(tmp_path)))   # free again once the holder is gone
