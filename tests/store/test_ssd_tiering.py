@@ -235,3 +235,32 @@ def test_lost_task_replies_are_handed_out_again(vclock: VirtualClock) -> None:
     assert [t.task_id for t in tasks(core, ssd_id, vclock)] == [t.task_id for t in first]
     finish(core, ssd_id, first)
     finish(core, ssd_id, first)          # a duplicate report changes nothing
+
+
+def test_a_dram_segment_dropped_under_an_offload(vclock: VirtualClock) -> None:
+    core, ssd_id = tiered_core(vclock)
+    fill(core, 16)
+    core.tick()
+    due = tasks(core, ssd_id, vclock)
+    dram_id = next(s for s in core.segments if s != ssd_id)
+    assert core.unmount_segment("c0", dram_id) == E.OK   # the objects go with it
+    core.check_integrity()
+    assert not core.tiering.offloading and core.segments[ssd_id].allocator.used_bytes == 0
+    deletes = tasks(core, ssd_id, vclock)                # files the node may still write
+    assert {(t.kind, t.key) for t in deletes} == {(DELETE, t.key) for t in due}
+    finish(core, ssd_id, due + deletes)
+
+
+def test_a_load_target_dropped_holds_its_range(vclock: VirtualClock) -> None:
+    core, ssd_id, key = offloaded(vclock)
+    code, other = core.mount_segment("c1", "127.0.0.1:9001", 0x10000, 64 * KIB)
+    assert code == E.OK
+    assert core.get_replicas([key])[0].code == E.REPLICA_IS_NOT_READY
+    load_task = core.tiering.loading[key]
+    assert load_task.dram is not None
+    target = load_task.dram.segment
+    core._drop_segment(target)
+    core.check_integrity()
+    assert key not in core.tiering.loading and tiers(core, key) == [Tier.SSD]
+    finish(core, ssd_id, tasks(core, ssd_id, vclock))   # the late report changes nothing
+    assert tiers(core, key) == [Tier.SSD]

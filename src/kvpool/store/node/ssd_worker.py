@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -68,6 +69,10 @@ class SsdWorker:
         scan = self.store.scan()
         log.info("disk tier %s: %d objects, %d bad files discarded", config.root,
                  len(scan.entries), scan.num_discarded)
+        room = shutil.disk_usage(config.root).free + self.store.used_bytes
+        if room < config.size_bytes:  # offloads will fail (and objects be dropped) early
+            log.warning("--ssd-size %d exceeds the %d bytes %s can hold", config.size_bytes,
+                        room, config.root)
         cfg = client.config
         self._rpc = RpcClient(cfg.master, client.client_id, cfg.rpc_timeout_s, cfg.token)
         self.segment_id: str | None = None
