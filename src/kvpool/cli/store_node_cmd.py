@@ -8,10 +8,11 @@ import sys
 import threading
 
 from kvpool.cli.security import add_security_args, bind_refusal, export_token
-from kvpool.errors import KvpoolError
+from kvpool.errors import ConfigError, KvpoolError
 from kvpool.log import get_logger
 from kvpool.store.client.config import ClientConfig
 from kvpool.store.node.daemon import run_store_node
+from kvpool.store.node.ssd_worker import DEFAULT_PROMOTE_AFTER, SsdConfig
 from kvpool.units import parse_size
 
 log = get_logger("cli.store_node")
@@ -27,6 +28,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="P2PHANDSHAKE, http://HOST:PORT/metadata or etcd://HOST:PORT")
     p.add_argument("--protocol", default="auto", choices=("auto", "tcp", "shm"))
     p.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds")
+    p.add_argument("--ssd", default=None, metavar="DIR",
+                   help="keep objects evicted from DRAM in files under DIR (disk tier)")
+    p.add_argument("--ssd-size", default=None, help="disk space for the disk tier, e.g. 100GiB")
+    p.add_argument("--ssd-promote-after", type=int, default=DEFAULT_PROMOTE_AFTER,
+                   metavar="K", help="reads of an object on disk after which it stays in "
+                   f"DRAM again (default {DEFAULT_PROMOTE_AFTER})")
+    p.add_argument("--ssd-fsync", action="store_true",
+                   help="fsync every file (and the directory) so that it survives a power loss")
     add_security_args(p, "the master, the metadata server and peers' transfer engines "
                          "expect")
     p.set_defaults(func=run)
@@ -47,8 +56,19 @@ def run(args: argparse.Namespace) -> int:
                               global_segment_size=parse_size(args.dram), local_buffer_size=0,
                               heartbeat_interval_s=args.heartbeat_interval,
                               token=args.token or None)
-        run_store_node(config, stop)
+        run_store_node(config, stop, ssd=_ssd_config(args))
     except KvpoolError as exc:
         log.error("%s", exc)
         return 2
     return 0
+
+
+def _ssd_config(args: argparse.Namespace) -> SsdConfig | None:
+    if args.ssd is None:
+        if args.ssd_size is not None:
+            raise ConfigError("--ssd-size needs --ssd DIR")
+        return None
+    if args.ssd_size is None:
+        raise ConfigError("--ssd DIR needs --ssd-size, e.g. --ssd-size 100GiB")
+    return SsdConfig(args.ssd, parse_size(args.ssd_size), args.ssd_promote_after,
+                     args.ssd_fsync)

@@ -52,6 +52,9 @@ def new_fence() -> int:
 
 
 _PUT_OK = PutResult(ErrorCode.OK)
+NOT_READY_PAUSE_S = 0.002
+NOT_READY_MAX_PAUSE_S = 0.05
+"""Pauses between lookups of an object being loaded from disk (doubling up to the max)."""
 
 
 class RpcFailed(Exception):
@@ -390,8 +393,25 @@ class ClientBase:
                         len(failed), failed[0].code.name)
 
     def _lookup(self, keys: Sequence[str]) -> tuple[list[LookupResult], float]:
-        """Replica lookups (granting read leases) and the time they were asked for."""
+        """Replica lookups (granting read leases) and the time they were first asked for.
+        Objects the master is copying from disk into DRAM (REPLICA_IS_NOT_READY) are looked
+        up again, with a growing pause, for up to `rpc_timeout_s`."""
         t0 = self.clock.now()
+        out = self._lookup_once(keys)
+        pause = NOT_READY_PAUSE_S
+        waiting = [i for i, r in enumerate(out) if r.code == E.REPLICA_IS_NOT_READY]
+        while waiting and self.clock.now() + pause < t0 + self.config.rpc_timeout_s:
+            self.clock.sleep(pause)
+            pause = min(pause * 2, NOT_READY_MAX_PAUSE_S)
+            since_t0 = self.clock.now() - t0  # leases count from t0 for the caller
+            for i, r in zip(waiting, self._lookup_once([keys[i] for i in waiting]),
+                            strict=True):
+                out[i] = r._replace(lease_ttl_s=r.lease_ttl_s + since_t0) if r.code == E.OK \
+                    else r
+            waiting = [i for i in waiting if out[i].code == E.REPLICA_IS_NOT_READY]
+        return out, t0
+
+    def _lookup_once(self, keys: Sequence[str]) -> list[LookupResult]:
         valid = [i for i, k in enumerate(keys) if valid_key(k)]
         out = [LookupResult(E.INVALID_PARAMS)] * len(keys)
         if valid:
@@ -401,7 +421,7 @@ class ClientBase:
             for i, (code, size, wire, lease_s, checksum) in zip(valid, items, strict=True):
                 reps = tuple(replica_from_wire(w) for w in wire)
                 out[i] = LookupResult(ErrorCode(code), size, reps, lease_s, checksum)
-        return out, t0
+        return out
 
     def _read(self, looks: Sequence[LookupResult], parts: Sequence[Sequence[Part] | None],
               t0: float) -> list[ReadResult]:
@@ -420,7 +440,11 @@ class ClientBase:
                 results.append(ReadResult(E.INVALID_PARAMS))
             else:
                 results.append(ReadResult(E.OK, look.size))
-                queues[i] = order_replicas(look.replicas, self.endpoint, self.host)
+                queues[i] = order_replicas([r for r in look.replicas if r.tier is Tier.DRAM],
+                                           self.endpoint, self.host)
+                if not queues[i]:  # disk replicas are read through a load, never directly
+                    del queues[i]
+                    results[i] = ReadResult(E.TRANSFER_FAIL)
         while queues:
             copies = {i: [(a, r, n, q[0].endpoint, q[0].fence)
                           for a, r, n in copies_for(parts[i] or (), q[0].addr, looks[i].size)]

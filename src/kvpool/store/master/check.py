@@ -21,10 +21,12 @@ def check_master(core: MasterCore) -> None:
         _collect(core, key, put.replicas, expected)
         for r in put.replicas:
             assert key in r.segment.pending_keys, f"pending {key!r} not indexed"
+    for seg, offset, size in core.tiering.held_ranges():
+        assert offset not in expected[seg.segment_id], f"task range {offset} also used"
+        expected[seg.segment_id][offset] = size
     for _, seg, offset in core._deferred:
         if core.segments.get(seg.segment_id) is seg:
             expected[seg.segment_id][offset] = seg.allocator.rounded(1)  # size checked below
-    used = 0
     for sid, seg in core.segments.items():
         seg.allocator.check_integrity()
         ranges = seg.allocator.allocated_ranges()
@@ -33,10 +35,12 @@ def check_master(core: MasterCore) -> None:
             f"{sorted(expected[sid])}")
         for key in seg.keys:
             assert key in core.objects, f"{sid} lists removed key {key!r}"
-        used += seg.allocator.used_bytes
         assert seg.client_id in core.clients, f"{sid} belongs to unknown client"
+    dram = core.segment_list()
+    used = sum(s.allocator.used_bytes for s in dram)
     assert used == core.used_bytes, f"used {core.used_bytes} != sum of segments {used}"
-    assert sum(s.capacity for s in core.segments.values()) == core.capacity_bytes
+    assert sum(s.capacity for s in dram) == core.capacity_bytes
+    core.tiering.check_integrity()
 
 
 def _collect(core: MasterCore, key: str, replicas: list, expected: dict) -> None:  # type: ignore[type-arg]

@@ -20,6 +20,7 @@ from kvpool.store.master import evict as master_evict
 from kvpool.store.master.eviction import create_eviction_policy
 from kvpool.store.master.placement import create_placement, pick_segments
 from kvpool.store.master.state import ClientState, PendingPut, Replica, Segment, StoredObject
+from kvpool.store.master.tiering import Tiering
 from kvpool.store.wire.codes import (
     ErrorCode,
     LookupResult,
@@ -76,6 +77,8 @@ class MasterCore:
         self._last_tick = clock.now()
         self.journal: Journal | None = None
         """Persistence (persist.py): told of every durable change, and of each tick."""
+        self.tiering = Tiering(self)
+        """The disk tier (tiering.py): inert until a node attaches one."""
 
     # -- clients and segments -------------------------------------------------------------
 
@@ -120,7 +123,8 @@ class MasterCore:
         self.segments[segment_id] = seg
         self._segments_cache = None
         client.segment_ids.add(segment_id)
-        self._capacity += size
+        if tier is Tier.DRAM:  # capacity and watermarks count DRAM; disks have their own
+            self._capacity += size
         if self.journal is not None:
             self.journal.on_mount(self, seg)
         return E.OK, segment_id
@@ -155,7 +159,8 @@ class MasterCore:
         client = self.clients.get(seg.client_id)
         if client is not None:
             client.segment_ids.discard(seg.segment_id)
-        self._capacity -= seg.capacity
+        if seg.tier is Tier.DRAM:
+            self._capacity -= seg.capacity
         for key in list(seg.pending_keys):
             self._revoke(self.pending[key], by_master=True)
         for key in list(seg.keys):
@@ -169,6 +174,7 @@ class MasterCore:
         if held:
             self._quarantine[seg.segment_id] = (seg.fence, held)
         self._deferred = [d for d in self._deferred if d[1] is not seg]
+        self.tiering.after_segment_dropped(seg)
 
     def expire_clients(self) -> list[str]:
         """Declare dead every client silent for longer than client_ttl_s."""
@@ -229,7 +235,7 @@ class MasterCore:
         return _new(PutStartResult, (E.OK, tuple(descs)))
 
     def _try_allocate(self, size: int, count: int, preferred: list[str]) -> list[Replica] | None:
-        if len(self.segments) < count:
+        if len(self.segment_list()) < count:
             return None
         ordered = self.placement.order(self.segment_list(), size)
         if count == 1 and not preferred:  # the common case, without building a plan
@@ -249,8 +255,9 @@ class MasterCore:
         return replicas
 
     def segment_list(self) -> list[Segment]:
+        """The DRAM segments: where puts and loaded copies are placed."""
         if self._segments_cache is None:
-            self._segments_cache = list(self.segments.values())
+            self._segments_cache = [s for s in self.segments.values() if s.tier is Tier.DRAM]
         return self._segments_cache
 
     def put_end(self, client_id: str, keys: Sequence[str],
@@ -337,6 +344,7 @@ class MasterCore:
         ttl = self.config.lease_ttl_s
         until = self.clock.now() + ttl
         touch = self.policy.on_access
+        tiered = self.tiering.tiered
         out = []
         for key in keys:
             obj = self.objects.get(key) if type(key) is str else None
@@ -344,6 +352,11 @@ class MasterCore:
                 out.append(LookupResult(E.INVALID_PARAMS if not valid_key(key)
                                         else E.OBJECT_NOT_FOUND))
                 continue
+            if key in tiered:  # on disk: the tier answers unless a plain DRAM copy exists
+                answer = self.tiering.on_lookup(obj)
+                if answer is not None:
+                    out.append(answer)
+                    continue
             if obj.lease_until < until:
                 obj.lease_until = until
             touch(key)
@@ -398,6 +411,8 @@ class MasterCore:
     def _remove_object(self, obj: StoredObject, defer: bool) -> None:
         """Drop an object; with `defer`, memory a live lease may still be read from is
         freed only when the lease ends."""
+        if self.tiering.mounts:
+            self.tiering.on_remove(obj)  # may hold ranges a node task is using
         del self.objects[obj.key]
         self.policy.on_remove(obj.key)
         if self.journal is not None:
@@ -448,6 +463,7 @@ class MasterCore:
         self.expire_clients()
         self.discard_stale_puts()
         self.release_deferred()
+        self.tiering.tick()
         if self._capacity and self.used_bytes > self.config.high_watermark * self._capacity:
             self.evict(self._eviction_target())
         if self.journal is not None:
@@ -459,9 +475,9 @@ class MasterCore:
 
     @property
     def used_bytes(self) -> int:
-        """Allocated bytes over all segments (summed on demand: segments are few and the
+        """Allocated DRAM bytes over all segments (summed on demand: segments are few and the
         put path stays free of bookkeeping)."""
-        return sum(s.allocator.used_bytes for s in self.segments.values())
+        return sum(s.allocator.used_bytes for s in self.segment_list())
 
     def segment_infos(self) -> list[SegmentInfo]:
         return [s.info() for s in self.segments.values()]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from kvpool.store.wire.codes import Tier
+
 if TYPE_CHECKING:
     from kvpool.store.master.core import MasterCore
     from kvpool.store.master.state import StoredObject
@@ -20,7 +22,7 @@ def evict_for_allocation(core: MasterCore, size: int, count: int, now: float) ->
     satisfy (more replicas than big-enough segments) evicts nothing."""
     if now < core._no_evict_until:
         return False
-    big_enough = sum(1 for s in core.segments.values()
+    big_enough = sum(1 for s in core.segment_list()
                      if s.capacity >= s.allocator.rounded(size))
     if big_enough < count:
         return False
@@ -39,10 +41,15 @@ def eviction_target(core: MasterCore) -> int:
 
 
 def evict(core: MasterCore, num_bytes: int) -> bool:
-    """Free about `num_bytes` by dropping least valuable objects. Leased, hard-pinned and
-    pending objects are never evicted; soft-pinned ones only in a second pass. Returns
-    whether anything was freed."""
+    """Free about `num_bytes` of DRAM by dropping least valuable objects. Leased,
+    hard-pinned and pending objects are never evicted; soft-pinned ones only in a second
+    pass. Victims a disk tier takes (tiering.py) are offloaded instead, and bytes already
+    being offloaded count toward `num_bytes`. Returns whether anything was freed now."""
     core.stats.eviction_rounds += 1
+    tiering = core.tiering
+    num_bytes -= tiering.offloading_bytes
+    if num_bytes <= 0:
+        return False
     now = core.clock.now()
     chosen: list[StoredObject] = []
     freed = 0
@@ -52,16 +59,26 @@ def evict(core: MasterCore, num_bytes: int) -> bool:
             if freed >= num_bytes:
                 break
             obj = core.objects.get(key)
-            if obj is None or obj.hard_pinned or obj.lease_until > now:
+            if obj is None or obj.hard_pinned or obj.lease_until > now \
+                    or key in tiering.offloading:
                 continue
             if (obj.soft_pin_until > now) != second_pass:
                 continue
-            freed += sum(r.segment.allocator.rounded(r.size) for r in obj.replicas)
-            chosen.append(obj)
+            dram = _dram_bytes(obj)
+            if dram:  # (an object only on disk has nothing to give)
+                freed += dram
+                chosen.append(obj)
         if freed >= num_bytes:
             break
-    for obj in chosen:
+    dropped, freed_now = tiering.take_victims(chosen) if tiering.mounts else (chosen, 0)
+    for obj in dropped:
+        freed_now += _dram_bytes(obj)
         core._remove_object(obj, defer=False)
-    core.stats.evicted_objects += len(chosen)
-    core.stats.evicted_bytes += freed
-    return freed > 0
+    core.stats.evicted_objects += len(dropped)
+    core.stats.evicted_bytes += freed_now
+    return freed_now > 0
+
+
+def _dram_bytes(obj: StoredObject) -> int:
+    return sum(r.segment.allocator.rounded(r.size) for r in obj.replicas
+               if r.segment.tier is Tier.DRAM)

@@ -68,9 +68,42 @@ class _CoreCollector(Collector):
                                           "per-key outcomes other than OK", labels=["op", "code"])
             for (op, code), count in sorted((self.key_errors or {}).items()):
                 per_key.add_metric([op, code], count)
+            tier = _tier_families(core)
         yield per_key
         yield from (keys, pending, clients, used, cap, evicted, evicted_b, rounds, discarded,
-                    expired, stalls)
+                    expired, stalls, *tier)
+
+
+_TIER_COUNTERS = (
+    ("offloads", "objects copied from DRAM to a disk tier"),
+    ("offload_failures", "offloads a node could not do"),
+    ("loads", "objects copied from a disk tier into DRAM for a read"),
+    ("load_failures", "loads a node could not do (a bad file among them)"),
+    ("promotions", "loaded copies kept in DRAM after --ssd-promote-after reads"),
+    ("dram_dropped", "DRAM copies of objects already on disk freed by eviction"),
+    ("disk_evicted_objects", "disk replicas dropped at the disk watermark"),
+    ("disk_evicted_bytes", "bytes of disk replicas dropped at the disk watermark"),
+    ("registered", "objects a restarted node registered from its disk"),
+    ("register_refused", "files a restarted node offered that were refused"),
+)
+
+
+def _tier_families(core: MasterCore) -> list[GaugeMetricFamily | CounterMetricFamily]:
+    tiering = core.tiering
+    out: list[GaugeMetricFamily | CounterMetricFamily] = []
+    for name, doc in _TIER_COUNTERS:
+        family = CounterMetricFamily(f"kvpool_master_ssd_{name}", doc)
+        family.add_metric([], getattr(tiering.stats, name))
+        out.append(family)
+    for name, doc, value in (
+            ("disk_only_keys", "objects whose only copy is on disk",
+             sum(1 for k in tiering.tiered if len(core.objects[k].replicas) == 1)),
+            ("offloading_bytes", "bytes being copied to disk now", tiering.offloading_bytes),
+            ("loading", "loads under way", len(tiering.loading))):
+        gauge = GaugeMetricFamily(f"kvpool_master_ssd_{name}", doc)
+        gauge.add_metric([], value)
+        out.append(gauge)
+    return out
 
 
 class MasterMetrics:

@@ -15,6 +15,7 @@ from kvpool.errors import ConfigError, InvalidArgument, RemoteProtocolError
 from kvpool.log import get_logger
 from kvpool.store.config import ReplicateConfig
 from kvpool.store.master.core import MasterCore
+from kvpool.store.master.tier_service import tier_handlers
 from kvpool.store.wire.codes import ErrorCode, Tier
 from kvpool.store.wire.protocol import (
     Op,
@@ -59,6 +60,7 @@ class MasterService:
             Op.REMOVE_ALL: lambda r: core.remove_all(r.args[0]),
             Op.REMOVE_REGEX: lambda r: core.remove_regex(r.args[0], r.args[1]),
             Op.SEGMENTS: self._segments,
+            **tier_handlers(core),
         }
 
     def handle(self, frame: bytes) -> bytes:
@@ -106,6 +108,8 @@ class MasterService:
         """What makes a well-formed request unacceptable as a whole, or None."""
         if not valid_key(req.client_id):
             return "client_id must be 1..4096 bytes without whitespace or control characters"
+        if req.op is Op.SSD_REGISTER and len(req.args[1]) > self.core.config.max_batch:
+            return f"batch of {len(req.args[1])} keys exceeds {self.core.config.max_batch}"
         if req.op in _KEYED and len(req.args[0]) > self.core.config.max_batch:
             return f"batch of {len(req.args[0])} keys exceeds {self.core.config.max_batch}"
         if req.op is Op.PUT_START and len(req.args[5]) > MAX_PREFERRED:

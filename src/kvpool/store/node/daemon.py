@@ -8,6 +8,7 @@ from kvpool.errors import MetadataError, RpcError
 from kvpool.log import get_logger
 from kvpool.store.client.config import ClientConfig
 from kvpool.store.client.store_client import StoreClient
+from kvpool.store.node.ssd_worker import SsdConfig, SsdWorker
 
 log = get_logger("store.node")
 
@@ -27,15 +28,24 @@ def _connect(config: ClientConfig, stop: threading.Event,
 
 
 def run_store_node(config: ClientConfig, stop: threading.Event,
-                   retry_s: float = 2.0) -> None:
-    """Mount `config.global_segment_size` bytes and heartbeat until `stop` is set; then
-    unmount cleanly (the master drops the objects held here)."""
+                   retry_s: float = 2.0, ssd: SsdConfig | None = None) -> None:
+    """Mount `config.global_segment_size` bytes (and the disk tier `ssd`) and heartbeat
+    until `stop` is set; then unmount cleanly (the master drops the objects held here; the
+    files stay, and are registered again at the next start)."""
     client = _connect(config, stop, retry_s)
     if client is None:
         return
     with client:
+        worker = SsdWorker(client, ssd) if ssd is not None else None
+        thread = threading.Thread(target=worker.run, args=(stop,), daemon=True,
+                                  name="kvpool-ssd") if worker is not None else None
+        if thread is not None:
+            thread.start()
         log.info("store node %s contributes %d bytes as %s", client.endpoint,
                  config.global_segment_size, ", ".join(client.segment_ids))
         print(f"kvpool store-node ready: {client.endpoint} "
               f"{' '.join(client.segment_ids)}", flush=True)
         stop.wait()
+        if thread is not None and worker is not None:
+            thread.join(10.0)
+            worker.close()

@@ -18,6 +18,9 @@ class ErrorCode(enum.IntEnum):
     has the traceback)."""
     NO_AVAILABLE_HANDLE = -200
     INVALID_PARAMS = -600
+    REPLICA_IS_NOT_READY = -703
+    """The object is on disk only and is being copied into DRAM: look it up again shortly
+    (the client does, within its RPC timeout)."""
     OBJECT_NOT_FOUND = -704
     OBJECT_ALREADY_EXISTS = -705
     OBJECT_HAS_LEASE = -706

@@ -40,6 +40,10 @@ class Op(enum.IntEnum):
     REMOVE_ALL = 11
     REMOVE_REGEX = 12
     SEGMENTS = 13
+    SSD_MOUNT = 14
+    NODE_TASKS = 15
+    NODE_REPORT = 16
+    SSD_REGISTER = 17
 
 
 def _is_int(v: object) -> bool:
@@ -81,6 +85,13 @@ REQUESTS: dict[Op, tuple[tuple[str, Check], ...]] = {
     Op.REMOVE_ALL: (("force", _is_bool),),
     Op.REMOVE_REGEX: (("pattern", _is_str), ("force", _is_bool)),
     Op.SEGMENTS: (),
+    # The disk tier (store/master/tiering.py, store/node/ssd_worker.py): a node mounts its
+    # disk, polls its tasks, reports [[task_id, ok], ...] and registers files after a restart.
+    Op.SSD_MOUNT: (("endpoint", _is_str), ("size", _is_int), ("promote_after", _is_int)),
+    Op.NODE_TASKS: (("segment_id", _is_str),),
+    Op.NODE_REPORT: (("segment_id", _is_str), ("outcomes", _is_list)),
+    Op.SSD_REGISTER: (("segment_id", _is_str), ("keys", _is_list), ("sizes", _is_list),
+                      ("checksums", _is_list), ("gens", _is_list)),
 }
 
 

@@ -1,0 +1,162 @@
+"""Reads of objects on disk (load, transient copies, promotion) and the registration of a
+restarted node's files: the read side of tiering.py, as functions over its Tiering."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvpool.store.master.state import Replica, StoredObject
+from kvpool.store.master.tier_tasks import DONE, FILE_BAD, LOAD, SsdMount, Task
+from kvpool.store.wire.codes import ErrorCode, LookupResult, Tier
+from kvpool.store.wire.validate import valid_key, valid_size
+
+if TYPE_CHECKING:
+    from kvpool.store.master.tiering import Tiering
+
+E = ErrorCode
+NOT_READY = LookupResult(E.REPLICA_IS_NOT_READY)
+
+
+def on_lookup(t: Tiering, obj: StoredObject) -> LookupResult | None:
+    """A lookup of a key in `tiered`: None to answer as usual (a promoted DRAM copy
+    exists), else the answer: REPLICA_IS_NOT_READY while a load runs, or the transient
+    copy under a short lease (`transient_lease_s`, so that reads of more cold data than
+    DRAM holds are not held up by leases). Reads are counted per load started and per
+    hit of a transient copy, except the first hit after the load (the reader that
+    asked for it, looking again)."""
+    key, cfg = obj.key, t.config
+    t.lru.move_to_end(key)
+    has_dram = any(r.segment.tier is Tier.DRAM for r in obj.replicas)
+    if has_dram and key not in t.transient:
+        return None
+    until = t.core.clock.now() + cfg.transient_lease_s
+    obj.lease_until = max(obj.lease_until, until)
+    if not has_dram:
+        if key not in t.loading:
+            _count_read(t, key)
+            _start_load(t, obj)
+        return NOT_READY
+    if key in t.fresh:
+        t.fresh.discard(key)
+    elif _count_read(t, key) >= _promote_after(t, obj):
+        _promote(t, obj)
+        return None
+    descs = tuple(r.desc() for r in obj.replicas)
+    return LookupResult(E.OK, obj.size, descs, cfg.transient_lease_s, obj.checksum)
+
+def _count_read(t: Tiering, key: str) -> int:
+    reads = t.reads[key] = t.reads.get(key, 0) + 1
+    return reads
+
+def _promote_after(t: Tiering, obj: StoredObject) -> int:
+    for r in obj.replicas:
+        mount = t.mounts.get(r.segment.segment_id)
+        if mount is not None:
+            return mount.promote_after
+    return 1
+
+def _promote(t: Tiering, obj: StoredObject) -> None:
+    t.transient.discard(obj.key)
+    t.fresh.discard(obj.key)
+    t.reads.pop(obj.key, None)
+    t.core.policy.on_insert(obj.key)
+    t.stats.promotions += 1
+    t._journal(obj)
+
+def _start_load(t: Tiering, obj: StoredObject) -> None:
+    source = next((r for r in obj.replicas
+                   if t.mounts.get(r.segment.segment_id) is not None), None)
+    if source is None:
+        return
+    mount = t.mounts[source.segment.segment_id]
+    target = _allocate_dram(t, mount.segment.client_id, obj.size)
+    if target is None:
+        return  # nothing free now: eviction is under way, the client asks again
+    gen = t.gens.get((source.segment.segment_id, obj.key), 0)
+    t.loading[obj.key] = t._queue(mount, LOAD, obj.key, obj, obj.size, gen,
+                                        target, source)
+
+def _allocate_dram(t: Tiering, client_id: str, size: int) -> Replica | None:
+    """A DRAM range for a loaded copy: the disk's own node first, then any segment."""
+    from kvpool.store.master import evict as master_evict
+    core = t.core
+    t._expire_transient()
+    own = [s.segment_id for s in core.segment_list() if s.client_id == client_id]
+    found = core._try_allocate(size, 1, own)
+    if found is None and master_evict.evict_for_allocation(core, size, 1,
+                                                           core.clock.now()):
+        found = core._try_allocate(size, 1, own)
+    return found[0] if found else None
+
+def load_done(t: Tiering, task: Task, status: int) -> None:
+    obj, dram, ssd = task.obj, task.dram, task.ssd
+    assert dram is not None and ssd is not None
+    if t.loading.get(task.key) is task:
+        del t.loading[task.key]
+    live = t.core.segments.get(dram.segment.segment_id) is dram.segment
+    valid = live and obj is not None and t.core.objects.get(task.key) is obj \
+        and ssd in obj.replicas
+    if not (status == DONE and valid):
+        t.core._free(dram.segment, dram.offset)
+        if status != DONE:
+            t.stats.load_failures += 1
+        if status == FILE_BAD and valid and obj is not None:
+            t._drop_disk_replica(obj, ssd)  # the node found the file bad: gone
+        return
+    assert obj is not None
+    obj.replicas.append(dram)
+    dram.segment.keys.add(task.key)
+    t.stats.loads += 1
+    if t.reads.get(task.key, 0) >= _promote_after(t, obj):
+        _promote(t, obj)
+    else:
+        t.transient.add(task.key)
+        t.fresh.add(task.key)
+
+
+def register(t: Tiering, client_id: str, segment_id: str, keys: Sequence[str],
+             sizes: Sequence[int], checksums: Sequence[int],
+             gens: Sequence[int]) -> list[ErrorCode]:
+    """Objects found on a node's disk: OK (now known), OBJECT_ALREADY_EXISTS (another
+    object holds the key: the file is stale), NO_AVAILABLE_HANDLE (no room),
+    INVALID_PARAMS, SEGMENT_NOT_FOUND."""
+    mount = t._mount_of(client_id, segment_id)
+    if mount is None:
+        return [E.SEGMENT_NOT_FOUND] * len(keys)
+    if not len(keys) == len(sizes) == len(checksums) == len(gens):
+        return [E.INVALID_PARAMS] * len(keys)
+    out = [_register_one(t, mount, *item)
+           for item in zip(keys, sizes, checksums, gens, strict=True)]
+    t.stats.registered += out.count(E.OK)
+    t.stats.register_refused += len(out) - out.count(E.OK)
+    return out
+
+def _register_one(t: Tiering, mount: SsdMount, key: str, size: int, checksum: int,
+                  gen: int) -> ErrorCode:
+    core, seg = t.core, mount.segment
+    if not (valid_key(key) and valid_size(size, core.config.max_object_bytes)
+            and type(checksum) is int and 0 <= checksum < 1 << 64
+            and type(gen) is int and 0 <= gen < 1 << 64):
+        return E.INVALID_PARAMS
+    obj = core.objects.get(key)
+    if key in core.pending or (obj is not None and (obj.size != size
+                                                    or obj.checksum != checksum)):
+        return E.OBJECT_ALREADY_EXISTS
+    if obj is not None and any(r.segment is seg for r in obj.replicas):
+        known = t.gens.get((seg.segment_id, key))
+        if known is None:  # re-attached from the master's state directory: adopt the file
+            t._add_tiered(key, seg, gen)
+        return E.OK if known in (None, gen) else E.OBJECT_ALREADY_EXISTS
+    offset = seg.allocator.allocate(size)
+    if offset is None:
+        return E.NO_AVAILABLE_HANDLE
+    rep = Replica(seg, offset, size)
+    if obj is None:
+        obj = core.objects[key] = StoredObject(key, size, [rep], checksum=checksum)
+    else:
+        obj.replicas.append(rep)
+    seg.keys.add(key)
+    t._add_tiered(key, seg, gen)
+    t._journal(obj)
+    return E.OK

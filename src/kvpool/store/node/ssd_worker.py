@@ -1,0 +1,203 @@
+"""The store node's disk-tier driver: mounts the disk at the master, registers the files
+found there, then polls the master for tasks and runs them one at a time, in order.
+
+One thread, its own master connection (under the node's client id), never on the put path:
+the master hands out work (tiering.py), this loop does the disk I/O. Every byte it moves is
+checked: an offload hashes the DRAM bytes against the object's checksum before writing them
+(a range overwritten meanwhile is not written to disk), a load verifies the file before
+copying it into DRAM, and the reader verifies again.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from kvpool.errors import ConfigError, KvpoolError, RpcError
+from kvpool.log import get_logger
+from kvpool.store.client.rpc import RpcClient
+from kvpool.store.client.store_client import StoreClient
+from kvpool.store.node.ssd import SsdStore
+from kvpool.store.wire.codes import ErrorCode
+from kvpool.store.wire.protocol import Op
+from kvpool.transfer import OpCode, TransferRequest
+
+log = get_logger("store.ssd_worker")
+E = ErrorCode
+OFFLOAD, LOAD, DELETE = 1, 2, 3   # task kinds (store/master/tier_tasks.py)
+DONE, FAILED, FILE_BAD = 0, 1, 2  # task outcomes
+REGISTER_BATCH = 1024
+DEFAULT_PROMOTE_AFTER = 2
+
+
+@dataclass(frozen=True)
+class SsdConfig:
+    root: str
+    """Directory of the object files (created if missing; one node per directory)."""
+    size_bytes: int
+    """Disk space the master may fill (object bytes; each file adds ~48 bytes + the key)."""
+    promote_after: int = DEFAULT_PROMOTE_AFTER
+    """Reads of an object on disk after which its loaded copy stays in DRAM (1: always).
+    With 2, a single scan over cold data does not push hot objects out of DRAM."""
+    fsync: bool = False
+    """fsync each file before its rename and the directory after (survive power loss)."""
+    poll_s: float = 0.01
+    """Wait between task polls when there is nothing to do."""
+
+    def __post_init__(self) -> None:
+        if self.size_bytes <= 0:
+            raise ConfigError(f"--ssd-size must be > 0, got {self.size_bytes}")
+        if not 1 <= self.promote_after <= 1 << 20:
+            raise ConfigError(f"--ssd-promote-after must be >= 1, got {self.promote_after}")
+        if not 0 < self.poll_s <= 10:
+            raise ConfigError(f"poll_s must be in (0, 10], got {self.poll_s}")
+
+
+class SsdWorker:
+    def __init__(self, client: StoreClient, config: SsdConfig) -> None:
+        self.client = client
+        self.config = config
+        self.store = SsdStore(config.root, config.fsync)
+        self._lock_fd = _lock_dir(config.root)
+        scan = self.store.scan()
+        log.info("disk tier %s: %d objects, %d bad files discarded", config.root,
+                 len(scan.entries), scan.num_discarded)
+        room = shutil.disk_usage(config.root).free + self.store.used_bytes
+        if room < config.size_bytes:  # offloads will fail (and objects be dropped) early
+            log.warning("--ssd-size %d exceeds the %d bytes %s can hold", config.size_bytes,
+                        room, config.root)
+        cfg = client.config
+        self._rpc = RpcClient(cfg.master, client.client_id, cfg.rpc_timeout_s, cfg.token)
+        self.segment_id: str | None = None
+        self._scratch: np.ndarray | None = None
+        self._scratch_addr = 0
+
+    def run(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                busy = self._attach() if self.segment_id is None else self._poll()
+            except (RpcError, KvpoolError) as exc:
+                log.warning("disk tier: %s", exc)
+                busy = False
+                stop.wait(1.0)
+            if not busy:
+                stop.wait(self.config.poll_s)
+
+    def close(self) -> None:
+        self._rpc.close()
+        if self._scratch is not None:
+            self.client.engine.unregister(self._scratch_addr)
+            self._scratch = None
+        os.close(self._lock_fd)
+
+    # -- attach and register -------------------------------------------------------------
+
+    def _attach(self) -> bool:
+        """Mount the disk and register every file; False while the node's DRAM segment is
+        not mounted again yet (after the master forgot us, that goes first)."""
+        if self._rpc.call(Op.HEARTBEAT) == E.UNKNOWN_CLIENT:
+            self.client._forgotten = True  # the heartbeat thread mounts DRAM again
+        if self.client._forgotten:
+            return False
+        code, segment_id = self._rpc.call(Op.SSD_MOUNT, self.client.endpoint,
+                                          self.config.size_bytes, self.config.promote_after)
+        if code != E.OK:
+            raise RpcError(f"master refused the disk tier: {ErrorCode(code).name}")
+        entries = list(self.store.entries.values())
+        refused = 0
+        for lo in range(0, len(entries), REGISTER_BATCH):
+            chunk = entries[lo:lo + REGISTER_BATCH]
+            codes = self._rpc.call(Op.SSD_REGISTER, segment_id, [e.key for e in chunk],
+                                   [e.size for e in chunk], [e.checksum for e in chunk],
+                                   [e.gen for e in chunk])
+            for entry, c in zip(chunk, codes, strict=True):
+                if c != E.OK:
+                    refused += 1
+                    self.store.delete(entry.key, entry.gen)
+        self.segment_id = str(segment_id)
+        log.info("disk tier mounted as %s: %d objects registered, %d refused", segment_id,
+                 len(entries) - refused, refused)
+        return True
+
+    # -- tasks ---------------------------------------------------------------------------
+
+    def _poll(self) -> bool:
+        code, tasks = self._rpc.call(Op.NODE_TASKS, self.segment_id)
+        if code != E.OK:
+            log.warning("master does not know our disk tier (%s); mounting it again",
+                        ErrorCode(code).name)
+            self.segment_id = None
+            return True
+        if tasks:
+            outcomes = [[t[0], self._run(t)] for t in tasks]
+            self._rpc.call(Op.NODE_REPORT, self.segment_id, outcomes)
+        return bool(tasks)
+
+    def _run(self, task: list[Any]) -> int:
+        _, kind, key, endpoint, addr, size, checksum, gen, fence = task
+        try:
+            if kind == OFFLOAD:
+                return self._offload(key, addr, size, checksum, gen, fence)
+            if kind == LOAD:
+                return self._load(key, endpoint, addr, size, checksum, gen, fence)
+            if kind == DELETE:
+                self.store.delete(key, gen)
+                return DONE
+        except (OSError, KvpoolError) as exc:
+            log.warning("disk task %d on %r failed: %s", kind, key, exc)
+        return FAILED
+
+    def _offload(self, key: str, addr: int, size: int, checksum: int | None, gen: int,
+                 fence: int) -> int:
+        local, view = self._buffer(size)
+        self.client.engine.copy_local(OpCode.READ, local, addr, size, fence)
+        actual = xxhash.xxh3_64_intdigest(view)
+        if checksum is not None and actual != checksum:
+            log.warning("DRAM copy of %r does not match its checksum; not offloaded", key)
+            return FAILED
+        self.store.write(key, view, actual, gen)
+        return DONE
+
+    def _load(self, key: str, endpoint: str, addr: int, size: int, checksum: int | None,
+              gen: int, fence: int) -> int:
+        local, view = self._buffer(size)
+        entry = self.store.entries.get(key)
+        if entry is None or (checksum is not None and entry.checksum != checksum) \
+                or not self.store.read_into(key, gen, view):
+            return FILE_BAD
+        engine = self.client.engine
+        if endpoint == self.client.endpoint:
+            engine.copy_local(OpCode.WRITE, local, addr, size, fence)
+            return DONE
+        status = engine.transfer_sync([TransferRequest(OpCode.WRITE, local, size, endpoint,
+                                                       addr, fence)])[0]
+        return DONE if status.ok else FAILED
+
+    def _buffer(self, size: int) -> tuple[int, memoryview]:
+        """A registered scratch buffer of at least `size` bytes (grown, never shrunk)."""
+        if self._scratch is None or len(self._scratch) < size:
+            if self._scratch is not None:
+                self.client.engine.unregister(self._scratch_addr)
+            self._scratch = np.empty(max(size, 1 << 20), dtype=np.uint8)
+            self._scratch_addr = self.client.engine.register(self._scratch).addr
+        return self._scratch_addr, self._scratch.data[:size]
+
+
+def _lock_dir(root: str) -> int:
+    """An exclusive lock on `root` for this process (two nodes on one directory would
+    delete each other's files)."""
+    os.makedirs(root, exist_ok=True)
+    fd = os.open(os.path.join(root, ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise ConfigError(f"disk tier directory {root} is in use by another process") from None
+    return fd
