@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import statistics
 import tempfile
-import threading
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
@@ -20,6 +19,7 @@ from kvpool.bench.faults_procs import (
     EtcdProcess,
     HaPair,
     Ledger,
+    PutLoad,
     start_ha_pair,
     start_nodes,
     wait_until,
@@ -99,25 +99,6 @@ def bench_failover(etcd: EtcdProcess, trials: int) -> dict[str, Any]:
             "lease_ttl_s": HA_TTL_S}
 
 
-class _Load(threading.Thread):
-    """Puts and reads back fresh keys until stopped; times of every failure."""
-
-    def __init__(self, store: StoreClient, ledger: Ledger) -> None:
-        super().__init__(daemon=True, name="faults-load")
-        self.store, self.ledger = store, ledger
-        self.stop_event = threading.Event()
-        self.failures: list[float] = []
-        self.successes: list[float] = []
-
-    def run(self) -> None:
-        while not self.stop_event.is_set():
-            if self.ledger.put_one(self.store):
-                self.successes.append(time.monotonic())
-            else:
-                self.failures.append(time.monotonic())
-                time.sleep(0.01)
-
-
 def bench_etcd_restart(etcd: EtcdProcess, down_s: float) -> dict[str, Any]:
     """SIGKILL etcd under load, start it again after `down_s`: client errors, time until
     puts succeed again, and the leader's term before and after."""
@@ -130,7 +111,7 @@ def bench_etcd_restart(etcd: EtcdProcess, down_s: float) -> dict[str, Any]:
             wait_until(lambda: ledger.put_one(store), 60.0, 0.1)
             _, term1 = wait_leader(etcd, cluster_id)
             ledger.errors.clear()   # refusals while the nodes were still mounting
-            load = _Load(store, ledger)
+            load = PutLoad(store, ledger)
             load.start()
             time.sleep(1.0)
             killed = time.monotonic()

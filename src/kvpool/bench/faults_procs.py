@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
@@ -36,6 +37,8 @@ def spawn_kvpool(*args: str, quiet: bool = True) -> subprocess.Popen[bytes]:
     """`python -m kvpool args...` as its own process (stdout discarded when `quiet`)."""
     env = dict(os.environ)
     env.setdefault("KVPOOL_LOG_LEVEL", "ERROR")
+    here = str(Path(__file__).resolve().parents[2])   # children run this very kvpool
+    env["PYTHONPATH"] = here + os.pathsep + env.get("PYTHONPATH", "")
     out = subprocess.DEVNULL if quiet else None
     return subprocess.Popen([sys.executable, "-m", "kvpool", *args], env=env, stdout=out,
                             stderr=subprocess.DEVNULL if quiet else None)
@@ -162,6 +165,17 @@ class Ledger:
             self.note_error(f"get:{got.code.name}")
         return True
 
+    def get_one(self, store: StoreClient, n: int) -> bool:
+        """Read the n-th acknowledged object (modulo their number) and check its bytes."""
+        keys = list(self.acked)
+        key = keys[n % len(keys)]
+        got = store.get(key)
+        if not got.ok:
+            self.note_error(f"get:{got.code.name}")
+        elif got.data != content(key, self.acked[key]):
+            self.wrong_bytes += 1
+        return got.ok
+
     def put_until(self, store: StoreClient, count: int, timeout_s: float = 60.0,
                   replicas: int = 1) -> float | None:
         """Put until `count` more are acknowledged; monotonic time of the first one."""
@@ -202,3 +216,28 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, step_s: float = 
             return True
         time.sleep(step_s)
     return False
+
+
+class PutLoad(threading.Thread):
+    """Puts (and reads back) fresh keys on `ledger` until `stop_event`; once `max_objects`
+    are acknowledged it reads old ones instead (so the pool never evicts). The times of every
+    successful and every failed operation."""
+
+    def __init__(self, store: StoreClient, ledger: Ledger, max_objects: int = 1500) -> None:
+        super().__init__(daemon=True, name="faults-load")
+        self.store, self.ledger, self.max_objects = store, ledger, max_objects
+        self.stop_event = threading.Event()
+        self.failures: list[float] = []
+        self.successes: list[float] = []
+
+    def run(self) -> None:
+        n = 0
+        while not self.stop_event.is_set():
+            n += 1
+            if len(self.ledger.acked) < self.max_objects:
+                ok = self.ledger.put_one(self.store)
+            else:
+                ok = self.ledger.get_one(self.store, n)
+            (self.successes if ok else self.failures).append(time.monotonic())
+            if not ok:
+                time.sleep(0.01)
