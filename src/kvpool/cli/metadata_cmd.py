@@ -12,6 +12,7 @@ from kvpool.log import get_logger
 from kvpool.units import format_size, parse_size
 
 if TYPE_CHECKING:
+    from kvpool.metadata.memory import MemoryBackend
     from kvpool.metadata.server import MetadataServer
 
 _log = get_logger("cli.metadata")
@@ -44,6 +45,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--max-key-len", type=int, default=DEFAULT_MAX_KEY_LEN,
         help=f"longest key in characters (default {DEFAULT_MAX_KEY_LEN})",
     )
+    parser.add_argument(
+        "--state-file", default=None, metavar="PATH",
+        help="keep every key in this file (appended and fsynced before each reply, "
+        "compacted by write-then-rename): a restarted server forgets nothing")
     add_security_args(parser, "PUT and DELETE requests must carry (reads stay open)")
     parser.set_defaults(func=run)
 
@@ -58,12 +63,24 @@ def run(args: argparse.Namespace) -> int:
     try:
         limits = MetadataLimits(parse_size(args.max_value_size), args.max_key_len,
                                 parse_size(args.max_total_size))
-        server = MetadataServer(args.host, args.port, limits=limits, token=args.token or None)
-        server.serve_forever(on_ready=_announce)
+        backend = _backend(args.state_file)
+        server = MetadataServer(args.host, args.port, backend=backend, limits=limits,
+                                token=args.token or None)
+        try:
+            server.serve_forever(on_ready=_announce)
+        finally:
+            backend.close()
     except KvpoolError as exc:
         _log.error("%s", exc)
         return 1
     return 0
+
+
+def _backend(state_file: str | None) -> MemoryBackend:
+    from kvpool.metadata.durable import DurableBackend
+    from kvpool.metadata.memory import MemoryBackend
+
+    return DurableBackend(state_file) if state_file else MemoryBackend()
 
 
 def _announce(server: MetadataServer) -> None:
