@@ -14,7 +14,14 @@ from pathlib import Path
 import pytest
 
 from kvpool.bench.faults_ha import wait_leader
-from kvpool.bench.faults_procs import EtcdProcess, Ledger, PutLoad, start_ha_pair, start_nodes
+from kvpool.bench.faults_procs import (
+    EtcdProcess,
+    HaPair,
+    Ledger,
+    PutLoad,
+    start_ha_pair,
+    start_nodes,
+)
 from kvpool.errors import RpcError
 from kvpool.store.client.config import ClientConfig
 from kvpool.store.client.rpc import RpcClient
@@ -31,6 +38,17 @@ def answers_as_leader(port: int) -> bool:
         return False
     finally:
         probe.close()
+
+
+def watch_terms(pair: HaPair, etcd: EtcdProcess, term1: int, until: float) -> None:
+    """Until `until`: the leader's term never goes back and at most one master serves."""
+    terms = [term1]
+    while time.monotonic() < until:       # past any lease etcd restored
+        terms.append(wait_leader(etcd, pair.cluster_id)[1])
+        serving = [p for p in pair.rpc_ports if answers_as_leader(p)]
+        assert len(serving) <= 1, f"two masters serve at once: {serving}"
+        time.sleep(0.2)
+    assert terms == sorted(terms), f"terms went back: {terms}"
 
 
 @pytest.mark.parametrize("down_s", [0.5, 4.0])
@@ -52,13 +70,7 @@ def test_etcd_restart_keeps_one_leader_and_every_object(tmp_path: Path, down_s: 
             time.sleep(down_s)
             etcd.start()
             back = time.monotonic()
-            terms = [term1]
-            while time.monotonic() < back + 8:       # past any lease etcd restored
-                terms.append(wait_leader(etcd, pair.cluster_id)[1])
-                serving = [p for p in pair.rpc_ports if answers_as_leader(p)]
-                assert len(serving) <= 1, f"two masters serve at once: {serving}"
-                time.sleep(0.2)
-            assert terms == sorted(terms), f"terms went back: {terms}"
+            watch_terms(pair, etcd, term1, until=back + 8)
             new_addr, term2 = wait_leader(etcd, pair.cluster_id)
             done = len(load.successes)
             deadline = time.monotonic() + 20

@@ -120,6 +120,24 @@ def test_sigkilled_server_restarts_with_every_key(tmp_path: Path) -> None:
         proc.wait()
 
 
+def write_until_refused(url: str, w: int, acked: dict[str, bytes],
+                        last_sent: dict[str, bytes], lock: threading.Lock) -> None:
+    """Overwrite keys w{w}/0..19 with fresh values until the server stops answering."""
+    rng = random.Random(w)
+    with httpx.Client(timeout=5) as http:
+        for n in range(100_000):
+            key, value = f"w{w}/{rng.randrange(20)}", f"{w}-{n}-".encode() * rng.randrange(1, 300)
+            with lock:
+                last_sent[key] = value
+            try:
+                ok = http.put(url, params={"key": key}, content=value).status_code == 200
+            except httpx.HTTPError:
+                return
+            if ok:
+                with lock:
+                    acked[key] = value
+
+
 def test_sigkill_in_the_middle_of_writes_keeps_every_acknowledged_one(tmp_path: Path) -> None:
     """Four writers PUT and overwrite keys as fast as they can; the server is SIGKILLed
     under them. Every value acknowledged with 200 (the latest per key) is there after the
@@ -131,22 +149,8 @@ def test_sigkill_in_the_middle_of_writes_keeps_every_acknowledged_one(tmp_path: 
     last_sent: dict[str, bytes] = {}
     lock = threading.Lock()
 
-    def writer(w: int) -> None:
-        rng = random.Random(w)
-        with httpx.Client(timeout=5) as http:
-            for n in range(100_000):
-                key, value = f"w{w}/{rng.randrange(20)}", f"{w}-{n}-".encode() * rng.randrange(1, 300)
-                with lock:
-                    last_sent[key] = value
-                try:
-                    ok = http.put(url, params={"key": key}, content=value).status_code == 200
-                except httpx.HTTPError:
-                    return
-                if ok:
-                    with lock:
-                        acked[key] = value
-
-    threads = [threading.Thread(target=writer, args=(w,)) for w in range(4)]
+    threads = [threading.Thread(target=write_until_refused, args=(url, w, acked, last_sent, lock))
+               for w in range(4)]
     try:
         for t in threads:
             t.start()

@@ -104,15 +104,27 @@ def _kinds(errors: dict[str, int]) -> str:
 
 
 def format_table(report: Report) -> list[str]:
+    rows = [*_ha_rows(report), *_restart_rows(report), *_etcd_rows(report),
+            *_ssd_rows(report)]
+    width = max((len(k) for k, _ in rows), default=10)
+    return [f"{'figure':<{width}}  value", "-" * (width + 40),
+            *(f"{k:<{width}}  {v}" for k, v in rows)]
+
+
+def _ha_rows(report: Report) -> list[tuple[str, str]]:
+    if "ha" not in report:
+        return []
+    ha = report["ha"]
+    return [("HA leader SIGKILL -> first put on new leader (median)",
+             f"{ha['failover_median_s']:.2f} s  (trials {ha['failover_s']}, lease ttl "
+             f"{ha['lease_ttl_s']} s)"),
+            ("HA: acknowledged objects lost / wrong bytes served",
+             f"{ha['lost']} of {ha['acked']} / {ha['wrong']}"),
+            ("HA: client errors in the failover window", _kinds(ha["window_errors"]))]
+
+
+def _restart_rows(report: Report) -> list[tuple[str, str]]:
     rows: list[tuple[str, str]] = []
-    if "ha" in report:
-        ha = report["ha"]
-        rows += [("HA leader SIGKILL -> first put on new leader (median)",
-                  f"{ha['failover_median_s']:.2f} s  (trials {ha['failover_s']}, lease ttl "
-                  f"{ha['lease_ttl_s']} s)"),
-                 ("HA: acknowledged objects lost / wrong bytes served",
-                  f"{ha['lost']} of {ha['acked']} / {ha['wrong']}"),
-                 ("HA: client errors in the failover window", _kinds(ha["window_errors"]))]
     if "restart" in report:
         r = report["restart"]
         rows += [("single master --state-dir SIGKILL+restart: listening / all readable",
@@ -125,18 +137,19 @@ def format_table(report: Report) -> list[str]:
         rows += [("store node SIGKILL, replica_num=2: lost at once / after ttl",
                   f"{n['lost_at_once']} / {n['lost_after_ttl']} of {n['objects']} "
                   f"(wrong {n['wrong']}, puts resume: {n['puts_resume']})")]
-    if "etcd" in report:
-        e = report["etcd"]
-        rows += [(f"etcd SIGKILL under load, down {e['down_s']} s: client errors",
-                  f"{e['errors']} ({_kinds(e['error_kinds'])})"),
-                 ("etcd restart: recovery after etcd is back / terms",
-                  f"{e['recovery_s']:.2f} s / term {e['term_before']} -> {e['term_end']}, "
-                  f"master exit codes {e['master_exit_codes']} "
-                  f"(lost {e['lost']} of {e['acked']}, wrong {e['wrong']})")]
-    rows += _ssd_rows(report)
-    width = max((len(k) for k, _ in rows), default=10)
-    return [f"{'figure':<{width}}  value", "-" * (width + 40),
-            *(f"{k:<{width}}  {v}" for k, v in rows)]
+    return rows
+
+
+def _etcd_rows(report: Report) -> list[tuple[str, str]]:
+    if "etcd" not in report:
+        return []
+    e = report["etcd"]
+    return [(f"etcd SIGKILL under load, down {e['down_s']} s: client errors",
+             f"{e['errors']} ({_kinds(e['error_kinds'])})"),
+            ("etcd restart: recovery after etcd is back / terms",
+             f"{e['recovery_s']:.2f} s / term {e['term_before']} -> {e['term_end']}, "
+             f"master exit codes {e['master_exit_codes']} "
+             f"(lost {e['lost']} of {e['acked']}, wrong {e['wrong']})")]
 
 
 def _ssd_rows(report: Report) -> list[tuple[str, str]]:

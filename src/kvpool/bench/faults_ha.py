@@ -99,6 +99,20 @@ def bench_failover(etcd: EtcdProcess, trials: int) -> dict[str, Any]:
             "lease_ttl_s": HA_TTL_S}
 
 
+def _etcd_outage(etcd: EtcdProcess, load: PutLoad, down_s: float) -> tuple[float, float]:
+    """Kill etcd under `load`, start it after `down_s`, wait until the load has succeeded
+    again after its last failure; (time killed, time etcd was back)."""
+    time.sleep(1.0)
+    killed = time.monotonic()
+    etcd.kill()
+    time.sleep(down_s)
+    etcd.start()
+    back = time.monotonic()
+    wait_until(lambda: bool(load.successes) and load.successes[-1] > back + 0.5
+               and (not load.failures or load.successes[-1] > load.failures[-1]), 60.0, 0.1)
+    return killed, back
+
+
 def bench_etcd_restart(etcd: EtcdProcess, down_s: float) -> dict[str, Any]:
     """SIGKILL etcd under load, start it again after `down_s`: client errors, time until
     puts succeed again, and the leader's term before and after."""
@@ -113,16 +127,8 @@ def bench_etcd_restart(etcd: EtcdProcess, down_s: float) -> dict[str, Any]:
             ledger.errors.clear()   # refusals while the nodes were still mounting
             load = PutLoad(store, ledger)
             load.start()
-            time.sleep(1.0)
-            killed = time.monotonic()
-            etcd.kill()
-            time.sleep(down_s)
-            etcd.start()
-            back = time.monotonic()
+            killed, back = _etcd_outage(etcd, load, down_s)
             _, term2 = wait_leader(etcd, cluster_id)
-            wait_until(lambda: bool(load.successes) and load.successes[-1] > back + 0.5
-                       and (not load.failures or load.successes[-1] > load.failures[-1]),
-                       60.0, 0.1)
             time.sleep(HA_TTL_S + 1.0)   # a lease restored by etcd lapses by now
             _, term_end = wait_leader(etcd, cluster_id)
             load.stop_event.set()
