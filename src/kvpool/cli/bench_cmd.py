@@ -12,6 +12,7 @@ _BENCH_MODULES = (
     "kvpool.bench.serve",
     "kvpool.compat.bench",
     "kvpool.bench.engine",
+    "kvpool.bench.faults",
 )
 
 

@@ -66,6 +66,13 @@ class EtcdMetadataBackend(MetadataBackend):
     def _delete(self, key: str) -> bool:
         return bool(self._call("delete", key, lambda c: c.delete(key.encode())))
 
+    def items_with_prefix(self, prefix: str) -> dict[str, bytes]:
+        """Every key that starts with `prefix` (returned without it) and its value; one
+        range read, so a consistent snapshot."""
+        found = self._call("scan", prefix, lambda c: c.get_prefix(prefix.encode()))
+        return {bytes(meta["key"]).decode()[len(prefix):]: bytes(value)
+                for value, meta in found}
+
     def _release(self) -> None:
         for client in self._clients:
             client.session.close()

@@ -30,6 +30,7 @@ class MemoryBackend(MetadataBackend):
             total = self._total_bytes - (len(old) if old is not None else 0) + len(value)
             if total > max_total_bytes:
                 return False
+            self._journal_put(key, value)
             self._items[key], self._total_bytes = value, total
             return True
 
@@ -40,16 +41,24 @@ class MemoryBackend(MetadataBackend):
     def _put(self, key: str, value: bytes) -> None:
         with self._lock:
             old = self._items.get(key)
+            self._journal_put(key, value)
             self._total_bytes += len(value) - (len(old) if old is not None else 0)
             self._items[key] = value
 
     def _delete(self, key: str) -> bool:
         with self._lock:
-            old = self._items.pop(key, None)
-            if old is None:
+            if key not in self._items:
                 return False
-            self._total_bytes -= len(old)
+            self._journal_delete(key)
+            self._total_bytes -= len(self._items.pop(key))
             return True
+
+    def _journal_put(self, key: str, value: bytes) -> None:
+        """Called under the lock before a put changes anything (a durable subclass logs it
+        here; raising leaves the store unchanged)."""
+
+    def _journal_delete(self, key: str) -> None:
+        """Called under the lock before a delete of a present key changes anything."""
 
     def keys(self, prefix: str = "") -> list[str]:
         """Sorted keys that start with `prefix` (a snapshot)."""

@@ -4,6 +4,7 @@
     PUT    -> 200 (raw request body stored verbatim) | 413 value too large
               | 507 the values would exceed the total quota
     DELETE -> 200 | 404 absent
+    PUT, DELETE -> 503 when a durable store (--state-file) cannot log the change
     PUT, DELETE -> 401 without `Authorization: Bearer <token>` when the server has a token
     any    -> 400 when `key` is missing, blank, or longer than the limit
 
@@ -102,7 +103,11 @@ def create_metadata_app(
         key = _key_of(request, limit) if refusal is None else refusal
         if isinstance(key, Response):
             return key
-        if not store.delete(key):
+        try:
+            deleted = store.delete(key)
+        except MetadataError as exc:
+            return _text(503, f"metadata not deleted: {exc}")
+        if not deleted:
             return _text(404, f"metadata not found: {key!r}")
         return _text(200, "metadata deleted")
 
@@ -145,7 +150,11 @@ class _WriteBudget:
                     return self._over_quota()
                 held += len(chunk)
                 chunks.append(chunk)
-            if not self._store.put_within(key, b"".join(chunks), self._max_total_bytes):
+            try:
+                stored = self._store.put_within(key, b"".join(chunks), self._max_total_bytes)
+            except MetadataError as exc:   # a durable store could not log the change
+                return _text(503, f"metadata not stored: {exc}")
+            if not stored:
                 return self._over_quota()
             return _text(200, "metadata updated")
         finally:
