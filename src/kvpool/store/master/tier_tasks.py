@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvpool.store.master.state import Replica, Segment, StoredObject
+from kvpool.store.wire.messages import NodeTask
 
 OFFLOAD = 1
 """Copy the DRAM range into a file of generation `gen`."""
@@ -64,11 +64,11 @@ class Task:
     """Disk range: the offload's destination (held by the task), or the load's source."""
     sent_at: float | None = None
 
-    def wire(self) -> list[Any]:
+    def wire(self) -> NodeTask:
         seg = self.dram.segment if self.dram is not None else None
-        return [self.task_id, self.kind, self.key, seg.endpoint if seg else "",
-                seg.base_addr + self.dram.offset if seg and self.dram else 0, self.size,
-                self.checksum, self.gen, seg.fence if seg else 0]
+        return NodeTask(self.task_id, self.kind, self.key, seg.endpoint if seg else "",
+                        seg.base_addr + self.dram.offset if seg and self.dram else 0,
+                        self.size, self.checksum, self.gen, seg.fence if seg else 0)
 
 
 @dataclass(eq=False)

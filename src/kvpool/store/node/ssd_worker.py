@@ -15,7 +15,6 @@ import os
 import shutil
 import threading
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import xxhash
@@ -25,8 +24,8 @@ from kvpool.log import get_logger
 from kvpool.store.client.rpc import RpcClient
 from kvpool.store.client.store_client import StoreClient
 from kvpool.store.node.ssd import SsdStore
+from kvpool.store.wire import messages as m
 from kvpool.store.wire.codes import ErrorCode
-from kvpool.store.wire.protocol import Op
 from kvpool.transfer import OpCode, TransferRequest
 
 log = get_logger("store.ssd_worker")
@@ -102,21 +101,24 @@ class SsdWorker:
     def _attach(self) -> bool:
         """Mount the disk and register every file; False while the node's DRAM segment is
         not mounted again yet (after the master forgot us, that goes first)."""
-        if self._rpc.call(Op.HEARTBEAT) == E.UNKNOWN_CLIENT:
+        if self._rpc.call(m.HeartbeatMsg()) == E.UNKNOWN_CLIENT:
             self.client._forgotten = True  # the heartbeat thread mounts DRAM again
         if self.client._forgotten:
             return False
-        code, segment_id = self._rpc.call(Op.SSD_MOUNT, self.client.endpoint,
-                                          self.config.size_bytes, self.config.promote_after)
+        mounted = self._rpc.call(m.SsdMountMsg(
+            endpoint=self.client.endpoint, size=self.config.size_bytes,
+            promote_after=self.config.promote_after))
+        code, segment_id = mounted.code, mounted.segment_id
         if code != E.OK:
             raise RpcError(f"master refused the disk tier: {ErrorCode(code).name}")
         entries = list(self.store.entries.values())
         refused = 0
         for lo in range(0, len(entries), REGISTER_BATCH):
             chunk = entries[lo:lo + REGISTER_BATCH]
-            codes = self._rpc.call(Op.SSD_REGISTER, segment_id, [e.key for e in chunk],
-                                   [e.size for e in chunk], [e.checksum for e in chunk],
-                                   [e.gen for e in chunk])
+            codes = self._rpc.call(m.SsdRegisterMsg(
+                segment_id=segment_id, keys=[e.key for e in chunk],
+                sizes=[e.size for e in chunk], checksums=[e.checksum for e in chunk],
+                gens=[e.gen for e in chunk]))
             for entry, c in zip(chunk, codes, strict=True):
                 if c != E.OK:
                     refused += 1
@@ -129,18 +131,21 @@ class SsdWorker:
     # -- tasks ---------------------------------------------------------------------------
 
     def _poll(self) -> bool:
-        code, tasks = self._rpc.call(Op.NODE_TASKS, self.segment_id)
+        segment_id = self.segment_id
+        assert segment_id is not None, "polled before the disk was attached"
+        due = self._rpc.call(m.NodeTasksMsg(segment_id=segment_id))
+        code, tasks = due.code, due.tasks
         if code != E.OK:
             log.warning("master does not know our disk tier (%s); mounting it again",
                         ErrorCode(code).name)
             self.segment_id = None
             return True
         if tasks:
-            outcomes = [[t[0], self._run(t)] for t in tasks]
-            self._rpc.call(Op.NODE_REPORT, self.segment_id, outcomes)
+            outcomes = [(t.task_id, self._run(t)) for t in tasks]
+            self._rpc.call(m.NodeReportMsg(segment_id=segment_id, outcomes=outcomes))
         return bool(tasks)
 
-    def _run(self, task: list[Any]) -> int:
+    def _run(self, task: m.NodeTask) -> int:
         _, kind, key, endpoint, addr, size, checksum, gen, fence = task
         try:
             if kind == OFFLOAD:
