@@ -21,6 +21,9 @@ def check_master(core: MasterCore) -> None:
         _collect(core, key, put.replicas, expected)
         for r in put.replicas:
             assert key in r.segment.pending_keys, f"pending {key!r} not indexed"
+    core.drain.check()
+    for target in core.drain.target_ranges():
+        _collect(core, "a move", [target], expected)
     for _, seg, offset in core._deferred:
         if core.segments.get(seg.segment_id) is seg:
             expected[seg.segment_id][offset] = seg.allocator.rounded(1)  # size checked below

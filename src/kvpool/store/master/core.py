@@ -17,6 +17,7 @@ from kvpool.store.allocator import OffsetAllocator
 from kvpool.store.config import MasterConfig, ReplicateConfig
 from kvpool.store.master import batch as master_batch
 from kvpool.store.master import evict as master_evict
+from kvpool.store.master.drain import DrainManager
 from kvpool.store.master.eviction import create_eviction_policy
 from kvpool.store.master.placement import create_placement, pick_segments
 from kvpool.store.master.state import ClientState, PendingPut, Replica, Segment, StoredObject
@@ -76,6 +77,8 @@ class MasterCore:
         self._last_tick = clock.now()
         self.journal: Journal | None = None
         """Persistence (persist.py): told of every durable change, and of each tick."""
+        self.drain = DrainManager(self)
+        """Drains of store nodes and their moves in flight (drain.py)."""
 
     # -- clients and segments -------------------------------------------------------------
 
@@ -150,6 +153,7 @@ class MasterCore:
         and puts that were writing there are revoked."""
         del self.segments[seg.segment_id]
         self._segments_cache = None
+        self.drain.on_drop(seg)
         if self.journal is not None:
             self.journal.on_drop(seg.segment_id)
         client = self.clients.get(seg.client_id)
@@ -249,8 +253,9 @@ class MasterCore:
         return replicas
 
     def segment_list(self) -> list[Segment]:
+        """The segments that take new placements (all but draining ones)."""
         if self._segments_cache is None:
-            self._segments_cache = list(self.segments.values())
+            self._segments_cache = [s for s in self.segments.values() if not s.draining]
         return self._segments_cache
 
     def put_end(self, client_id: str, keys: Sequence[str],
@@ -320,6 +325,7 @@ class MasterCore:
             client.last_seen += gap_s
         for key, put in self.pending.items():
             self.pending[key] = put._replace(started=put.started + gap_s)
+        self.drain.forgive_stall(gap_s)
         self.stats.stalls_forgiven += 1
 
     def discard_stale_puts(self) -> int:
@@ -447,6 +453,7 @@ class MasterCore:
             self.forgive_stall(gap)
         self.expire_clients()
         self.discard_stale_puts()
+        self.drain.discard_stale()
         self.release_deferred()
         if self._capacity and self.used_bytes > self.config.high_watermark * self._capacity:
             self.evict(self._eviction_target())

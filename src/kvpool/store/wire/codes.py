@@ -133,6 +133,8 @@ class SegmentInfo:
     capacity_bytes: int
     used_bytes: int
     tier: Tier = Tier.DRAM
+    draining: bool = False
+    """Being drained: takes no new placements."""
 
 
 @dataclass(frozen=True, slots=True)
