@@ -149,10 +149,13 @@ def test_failed_copy_gives_the_range_back(vclock: VirtualClock) -> None:
     assert core.segments[f"{B}/10000"].allocator.used_bytes == used
     assert endpoints(core, "k") == [A]
     assert core.drain.end("d", ["k"], [0]) == [E.LEASE_EXPIRED]  # no such move any more
-    result = step(core)  # offered again
+    assert step(core).done  # not offered again in this drain: it stays where it is
+    core.drain.begin(A)  # beginning again retries it
+    result = step(core)
     assert [m.key for m in result.moves] == ["k"]
     assert core.drain.end("someone-else", ["k"], [0]) == [E.LEASE_EXPIRED]
     assert finish(core, result) == [E.OK]
+    assert endpoints(core, "k") == [B]
 
 
 def test_abandoned_moves_are_discarded_and_released_late(vclock: VirtualClock) -> None:

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from kvpool.store.master.core import MasterCore
 
 E = ErrorCode
+_CODES = {int(c): c for c in ErrorCode}
 
 
 class Move(NamedTuple):
@@ -207,7 +208,8 @@ class DrainManager:
             codes: Sequence[int]) -> list[ErrorCode]:
         """Finish moves: code 0 says the target holds the verified bytes (the new replica
         replaces the drained one: OK; or OBJECT_NOT_FOUND when the object was removed or
-        replaced meanwhile and the copy is dropped); any other code gives the move up (OK).
+        replaced meanwhile and the copy is dropped); any other code gives the move up (OK)
+        and leaves the object in place for the rest of this drain.
         LEASE_EXPIRED: no such move (discarded after put_discard_timeout_s, or its target
         segment left)."""
         if len(keys) != len(codes):
@@ -223,12 +225,21 @@ class DrainManager:
         del self.moves[move.key]
         if code != 0:
             self.core._free(move.target.segment, move.target.offset)
+            self._give_up(move, code)
             return E.OK
         if self.core.objects.get(move.key) is not move.obj:
             self.core._free(move.target.segment, move.target.offset)
             return E.OBJECT_NOT_FOUND
         self._commit(move)
         return E.OK
+
+    def _give_up(self, move: Move, code: int) -> None:
+        """The client could not copy the object (its sources unreadable, or no replica
+        matching its checksum): not offered again in this drain."""
+        reason = _CODES.get(code, E.TRANSFER_FAIL)
+        for drain in self.drains.values():
+            if drain.holds(move.source.segment):
+                drain.unplaced[move.key] = reason
 
     def _commit(self, move: Move) -> None:
         obj, target = move.obj, move.target

@@ -59,6 +59,10 @@ class MasterService:
             Op.REMOVE_ALL: lambda r: core.remove_all(r.args[0]),
             Op.REMOVE_REGEX: lambda r: core.remove_regex(r.args[0], r.args[1]),
             Op.SEGMENTS: self._segments,
+            Op.DRAIN_BEGIN: lambda r: core.drain.begin(*r.args),
+            Op.REPLICATE_START: lambda r: core.drain.start(r.client_id, *r.args),
+            Op.REPLICATE_END: lambda r: self._count(r, core.drain.end(r.client_id, *r.args)),
+            Op.DRAIN_END: lambda r: int(core.drain.cancel(r.args[0])),
         }
 
     def handle(self, frame: bytes) -> bytes:
@@ -112,6 +116,9 @@ class MasterService:
             return f"more than {MAX_PREFERRED} preferred segments"
         if req.op is Op.REMOVE_REGEX and len(req.args[0]) > MAX_PATTERN:
             return f"pattern longer than {MAX_PATTERN} characters"
+        if req.op is Op.REPLICATE_START and not (
+                0 < req.args[1] <= self.core.config.max_batch and 0 < req.args[2] < 1 << 63):
+            return f"max_keys must be in 1..{self.core.config.max_batch}, max_bytes > 0"
         if req.op is Op.MOUNT and req.args[3] not in TIER_VALUES:
             return f"unknown tier {req.args[3]}: expected one of {sorted(TIER_VALUES)}"
         return None
@@ -157,4 +164,5 @@ class MasterService:
                  s.used_bytes, int(s.tier)] for s in self.core.segment_infos()]
 
 
-_KEYED = {Op.PUT_START, Op.PUT_END, Op.PUT_REVOKE, Op.GET_REPLICAS, Op.EXISTS, Op.REMOVE}
+_KEYED = {Op.PUT_START, Op.PUT_END, Op.PUT_REVOKE, Op.GET_REPLICAS, Op.EXISTS, Op.REMOVE,
+          Op.REPLICATE_END}

@@ -40,6 +40,10 @@ class Op(enum.IntEnum):
     REMOVE_ALL = 11
     REMOVE_REGEX = 12
     SEGMENTS = 13
+    DRAIN_BEGIN = 14
+    REPLICATE_START = 15
+    REPLICATE_END = 16
+    DRAIN_END = 17
 
 
 def _is_int(v: object) -> bool:
@@ -81,6 +85,10 @@ REQUESTS: dict[Op, tuple[tuple[str, Check], ...]] = {
     Op.REMOVE_ALL: (("force", _is_bool),),
     Op.REMOVE_REGEX: (("pattern", _is_str), ("force", _is_bool)),
     Op.SEGMENTS: (),
+    Op.DRAIN_BEGIN: (("address", _is_str), ("dry_run", _is_bool)),
+    Op.REPLICATE_START: (("address", _is_str), ("max_keys", _is_int), ("max_bytes", _is_int)),
+    Op.REPLICATE_END: (("keys", _is_list), ("codes", _is_list)),
+    Op.DRAIN_END: (("address", _is_str),),
 }
 
 
