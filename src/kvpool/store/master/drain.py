@@ -184,7 +184,6 @@ class DrainManager:
             return None
         self.moves[key] = Move(key, obj, source, target, client_id, now)
         obj.lease_until = max(obj.lease_until, now + self.core.config.lease_ttl_s)
-        self.core.policy.on_access(key)
         return ReplicaMove(key, obj.size, obj.checksum, self.core.config.lease_ttl_s,
                            tuple(r.desc() for r in obj.replicas),
                            target.desc(ReplicaState.PENDING))
