@@ -197,3 +197,33 @@ def test_store_node_without_dram_is_refused(unused: None) -> None:
     out = subprocess.run([sys.executable, "-m", "kvpool", "store-node"], env=python_env(),
                          capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 2 and "--dram" in out.stderr
+
+
+def test_drain_killed_midway_then_run_again() -> None:
+    """kill -9 of the drain command after its first batch: nothing is lost, the node stays
+    draining, and the next run (once the dead run's moves are discarded) finishes."""
+    with store_cluster(2, "64MiB", "--client_ttl", "2", "--put_start_discard_timeout_sec",
+                       "2") as cluster, client(cluster) as store:
+        addr, proc = node_of(cluster, 0)
+        expected = {}
+        for i in range(400):
+            key = f"m{i}"
+            expected[key] = content(key, 64 * KIB)
+            assert store.put(key, expected[key],
+                             ReplicateConfig(preferred_segments=(addr,))).ok
+        cli = subprocess.Popen([sys.executable, "-m", "kvpool", "store-node", "drain", addr,
+                                "--master", cluster.address, "--batch-keys", "4"],
+                               env=python_env(), stdout=subprocess.PIPE, text=True)
+        assert cli.stdout is not None
+        assert cli.stdout.readline().startswith("draining")
+        assert cli.stdout.readline().startswith("moved 4/400")
+        cli.kill()
+        cli.wait()
+        assert segment_of(cluster, addr)["draining"] is True
+        verify(store, expected)
+        cluster.check_integrity()
+        out = drain_cli(cluster.address, addr)
+        assert out.returncode == 0, out.stdout + out.stderr
+        kill_and_wait_gone(cluster, proc, 1)
+        verify(store, expected)
+        cluster.check_integrity()

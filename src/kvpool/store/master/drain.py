@@ -216,9 +216,9 @@ class DrainManager:
         return [self._end_one(client_id, k, c) for k, c in zip(keys, codes, strict=True)]
 
     def _end_one(self, client_id: str, key: object, code: object) -> ErrorCode:
-        if type(code) is not int:
+        if type(code) is not int or type(key) is not str:
             return E.INVALID_PARAMS
-        move = self.moves.get(key) if type(key) is str else None
+        move = self.moves.get(key)
         if move is None or move.client_id != client_id:
             return E.LEASE_EXPIRED
         del self.moves[move.key]
