@@ -11,8 +11,6 @@ import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-import pytest
-
 from kvpool.store.client.config import ClientConfig
 from kvpool.store.client.store_client import StoreClient
 from kvpool.store.config import ReplicateConfig
@@ -192,8 +190,7 @@ def test_unknown_address_and_wrong_token() -> None:
                 os.environ["KVPOOL_TOKEN"] = env_token
 
 
-@pytest.mark.parametrize("unused", [None])
-def test_store_node_without_dram_is_refused(unused: None) -> None:
+def test_store_node_without_dram_is_refused() -> None:
     out = subprocess.run([sys.executable, "-m", "kvpool", "store-node"], env=python_env(),
                          capture_output=True, text=True, timeout=60, check=False)
     assert out.returncode == 2 and "--dram" in out.stderr

@@ -52,6 +52,10 @@ def run_drain(args: argparse.Namespace) -> int:
     try:
         with NodeDrainer(config) as drainer:
             return _drain(drainer, args.address, args.dry_run, max(1, args.batch_keys))
+    except KeyboardInterrupt:
+        print("kvpool store-node drain: interrupted; what moved stays moved, and the node "
+              "takes placements again", file=sys.stderr)
+        return 130
     except (KvpoolError, RpcFailed) as exc:
         detail = exc.code.name if isinstance(exc, RpcFailed) else str(exc)
         print(f"kvpool store-node drain: the master at {args.master} did not answer ({detail})",
