@@ -198,7 +198,8 @@ def test_store_node_without_dram_is_refused() -> None:
 
 def test_drain_killed_midway_then_run_again() -> None:
     """kill -9 of the drain command after its first batch: nothing is lost, the node stays
-    draining, and the next run (once the dead run's moves are discarded) finishes."""
+    draining until `--cancel`, and the next run (once the dead run's moves are discarded)
+    finishes."""
     with store_cluster(2, "64MiB", "--client_ttl", "2", "--put_start_discard_timeout_sec",
                        "2") as cluster, client(cluster) as store:
         addr, proc = node_of(cluster, 0)
@@ -219,6 +220,10 @@ def test_drain_killed_midway_then_run_again() -> None:
         assert segment_of(cluster, addr)["draining"] is True
         verify(store, expected)
         cluster.check_integrity()
+        out = drain_cli(cluster.address, addr, "--cancel")
+        assert out.returncode == 0 and "cancelled" in out.stdout, out.stderr
+        assert segment_of(cluster, addr)["draining"] is False
+        assert drain_cli(cluster.address, addr, "--cancel").returncode == 2
         out = drain_cli(cluster.address, addr)
         assert out.returncode == 0, out.stdout + out.stderr
         kill_and_wait_gone(cluster, proc, 1)

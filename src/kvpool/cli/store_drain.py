@@ -1,10 +1,11 @@
 """`kvpool store-node drain ADDR --master HOST:PORT`: move a store node's objects to the
-other nodes before it leaves (`--dry-run`: only say what would move).
+other nodes before it leaves (`--dry-run`: only say what would move; `--cancel`: end a
+drain, so the node takes placements again).
 
 Exit codes: 0 when everything that had somewhere to go moved (the node then holds nothing,
 takes no new placements and can be stopped); 1 when some objects could not be placed (they
 stay on the node, which takes placements again); 2 when the drain could not start (no such
-node, the master unreachable or refusing our token).
+node or no such drain, the master unreachable or refusing our token).
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ def add_drain_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("address", nargs="?", metavar="ADDR",
                    help="drain: the node's transfer-engine endpoint host:port")
     p.add_argument("--dry-run", action="store_true", help="drain: only report what would move")
+    p.add_argument("--cancel", action="store_true",
+                   help="drain: end a drain (one whose command died): the node takes "
+                        "placements again")
     p.add_argument("--batch-keys", type=int, default=256, help="drain: objects per batch")
 
 
@@ -51,6 +55,8 @@ def run_drain(args: argparse.Namespace) -> int:
                           token=args.token or None)
     try:
         with NodeDrainer(config) as drainer:
+            if args.cancel:
+                return _cancel(drainer, args.address)
             return _drain(drainer, args.address, args.dry_run, max(1, args.batch_keys))
     except KeyboardInterrupt:
         print("kvpool store-node drain: interrupted; what moved stays moved, and the node "
@@ -82,6 +88,19 @@ def _drain(drainer: NodeDrainer, address: str, dry_run: bool, batch_keys: int) -
         drainer.cancel(address)
     print(_summary(address, report), flush=True)
     return 0 if report.ok else 1
+
+
+def _cancel(drainer: NodeDrainer, address: str) -> int:
+    code = drainer.cancel(address)
+    if code == ErrorCode.OK:
+        print(f"drain of {address} cancelled: the node takes placements again", flush=True)
+        return 0
+    if code == ErrorCode.SEGMENT_NOT_FOUND:
+        print(f"kvpool store-node drain: {address} is not being drained", file=sys.stderr)
+    else:
+        print(f"kvpool store-node drain: the master did not answer ({code.name})",
+              file=sys.stderr)
+    return 2
 
 
 def _plan_line(address: str, plan: DrainPlan, dry_run: bool) -> str:
