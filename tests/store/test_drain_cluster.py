@@ -8,8 +8,10 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from kvpool.store.client.config import ClientConfig
 from kvpool.store.client.store_client import StoreClient
@@ -70,6 +72,13 @@ def verify(store: StoreClient, expected: dict[str, bytes]) -> None:
             assert got.data == expected[key], key
 
 
+def wait_for(condition: Callable[[], bool], timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
 def kill_and_wait_gone(cluster: Cluster, proc: subprocess.Popen[bytes], left: int) -> None:
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -101,13 +110,13 @@ def test_drain_then_kill_loses_nothing() -> None:
         cluster.check_integrity()
 
 
-def _churn(store: StoreClient, stop: threading.Event, expected: dict[str, bytes],
-           errors: list[str]) -> None:
-    """Upsert and remove keys until `stop`; `expected` holds what each acknowledged key
-    must read back as (absent: removed)."""
+def _churn(store: StoreClient, keys: list[str], stop: threading.Event,
+           expected: dict[str, bytes], errors: list[str]) -> None:
+    """Upsert and remove `keys` (at least 100 times, then until `stop`); `expected` holds
+    what each acknowledged key must read back as (absent: removed)."""
     i = 0
-    while not stop.is_set() or i < 60:
-        key = f"k{(i * 7) % 150}"
+    while not stop.is_set() or i < 100:
+        key = keys[(i * 7) % len(keys)]
         if i % 5 == 4:
             code = store.remove(key, force=True)
             if code == E.OK:
@@ -115,7 +124,7 @@ def _churn(store: StoreClient, stop: threading.Event, expected: dict[str, bytes]
             elif code != E.OBJECT_NOT_FOUND:
                 errors.append(f"remove {key}: {code.name}")
         else:
-            value = content(f"{key}/v{i}", 3000 + i)
+            value = content(f"{key}/v{i}", 20 * KIB + i)
             if store.upsert(key, value).ok:
                 expected[key] = value
             else:
@@ -123,23 +132,37 @@ def _churn(store: StoreClient, stop: threading.Event, expected: dict[str, bytes]
         i += 1
 
 
-def test_drain_under_concurrent_upserts_and_removes() -> None:
+def test_drain_under_concurrent_upserts_and_removes(tmp_path: Path) -> None:
+    """A writer upserts and removes the drained node's keys while the drain runs (in small
+    batches): no acknowledged object is lost or read back with other bytes."""
     with store_cluster(3, "32MiB", "--client_ttl", "2") as cluster, client(cluster) as store:
-        expected = {k: content(k, n) for k, n in fill(store, 150).items()}
         addr, proc = node_of(cluster, 1)
+        expected = {}
+        for i in range(300):
+            key, two = f"c{i}", i % 4 == 0
+            expected[key] = content(key, 40 * KIB + i)
+            assert store.put(key, expected[key], ReplicateConfig(
+                replica_num=2 if two else 1, preferred_segments=(addr,))).ok
         stop, errors = threading.Event(), []  # type: ignore[var-annotated]
+        log = tmp_path / "drain.out"
+        with log.open("w") as sink:
+            cli = subprocess.Popen([sys.executable, "-m", "kvpool", "store-node", "drain",
+                                    addr, "--master", cluster.address, "--batch-keys", "2"],
+                                   env=python_env(), stdout=sink, text=True)
+        wait_for(lambda: log.read_text().startswith("draining"))
         with client(cluster) as writer:
-            churn = threading.Thread(target=_churn, args=(writer, stop, expected, errors))
+            churn = threading.Thread(target=_churn,
+                                     args=(writer, sorted(expected), stop, expected, errors))
             churn.start()
-            out = drain_cli(cluster.address, addr, "--batch-keys", "8")
+            cli.wait(120)
             stop.set()
             churn.join(120)
         assert not errors, errors[:5]
-        assert out.returncode == 0, out.stdout + out.stderr
+        assert cli.returncode == 0, log.read_text()
         cluster.check_integrity()
         kill_and_wait_gone(cluster, proc, 2)
         verify(store, expected)
-        gone = {f"k{i}" for i in range(150)} - set(expected)
+        gone = {f"c{i}" for i in range(300)} - set(expected)
         assert gone and all(store.get(k).code == E.OBJECT_NOT_FOUND for k in gone)
         cluster.check_integrity()
 
