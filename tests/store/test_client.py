@@ -275,7 +275,8 @@ def test_late_replies_reach_the_heartbeat_hook() -> None:
 
     from kvpool.store.client.rpc import RpcClient
     from kvpool.store.wire.framing import FrameDecoder, encode_frame
-    from kvpool.store.wire.protocol import decode_request, encode_reply
+    from kvpool.store.wire.messages import decode_msg
+    from kvpool.store.wire.protocol import encode_reply
     listener = socket.create_server(("127.0.0.1", 0))
     late: list[object] = []
 
@@ -283,17 +284,17 @@ def test_late_replies_reach_the_heartbeat_hook() -> None:
         conn, _ = listener.accept()
         decoder, reqs = FrameDecoder(), []
         while len(reqs) < 2:
-            reqs += [decode_request(f) for f in decoder.feed(conn.recv(4096))]
+            reqs += [decode_msg(f) for f in decoder.feed(conn.recv(4096))]
         conn.sendall(encode_frame(encode_reply(reqs[0].req_id, 0, int(E.UNKNOWN_CLIENT))) +
                      encode_frame(encode_reply(reqs[1].req_id, 0, 0)))
         conn.recv(1)
     threading.Thread(target=serve, daemon=True).start()
     from kvpool.errors import RpcTimeout
-    from kvpool.store.wire.protocol import Op
+    from kvpool.store.wire.messages import HeartbeatMsg
     rpc = RpcClient(f"127.0.0.1:{listener.getsockname()[1]}", "c", 0.2, None, late.append)
     with pytest.raises(RpcTimeout):
-        rpc.call(Op.HEARTBEAT)
-    assert rpc.call(Op.HEARTBEAT) == 0
+        rpc.call(HeartbeatMsg())
+    assert rpc.call(HeartbeatMsg()) == 0
     assert [(r.req_id, r.result) for r in late] == [(1, int(E.UNKNOWN_CLIENT))]  # type: ignore[attr-defined]
     rpc.close()
     listener.close()
@@ -302,17 +303,17 @@ def test_late_replies_reach_the_heartbeat_hook() -> None:
 def test_a_failed_revoke_still_ends_the_puts_that_were_written(
         store: StoreClient, monkeypatch: pytest.MonkeyPatch) -> None:
     from kvpool.store.client.base import RpcFailed
-    from kvpool.store.wire.protocol import Op
+    from kvpool.store.wire.messages import Msg, PutRevokeMsg
     real_run, real_call = store._run_copies, store._call
 
     def first_copy_fails(op: object, copies: dict) -> set[int]:  # type: ignore[type-arg]
         real_run(op, copies)  # type: ignore[arg-type]
         return {min(copies)}
 
-    def revoke_unreachable(op: Op, *args: object) -> object:
-        if op is Op.PUT_REVOKE:
+    def revoke_unreachable(msg: Msg) -> object:
+        if isinstance(msg, PutRevokeMsg):
             raise RpcFailed(E.RPC_TIMEOUT)
-        return real_call(op, *args)
+        return real_call(msg)
     monkeypatch.setattr(store, "_run_copies", first_copy_fails)
     monkeypatch.setattr(store, "_call", revoke_unreachable)
     assert [r.code for r in store.put_batch(["bad", "good"], [b"1" * 100, b"2" * 100])] == [

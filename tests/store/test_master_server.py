@@ -78,7 +78,7 @@ def _at_eof(sock: socket.socket) -> bool:
         return True
 
 
-BAD_FRAMES = (b"\x00garbage", msgpack.packb([int(Op.GET_REPLICAS), 4, "c", [1, 2]]), b"")
+BAD_FRAMES = (b"\x00garbage", msgpack.packb([int(Op.GET_REPLICAS), 4, "c", ["", "a b"]]), b"")
 
 
 def test_garbage_over_the_socket_then_service_continues(master: MasterServer) -> None:
@@ -101,7 +101,7 @@ def test_garbage_over_the_socket_then_service_continues(master: MasterServer) ->
     truncated.sendall(encode_frame(BAD_FRAMES[1])[:9])
     truncated.close()
     with RpcClient(master.address, "w") as w:
-        assert w.call(Op.GET_REPLICAS, [1, "x"]) == [10.0, [[-600, 0, [], 0.0, None],
+        assert w.call(Op.GET_REPLICAS, ["", "x"]) == [10.0, [[-600, 0, [], 0.0, None],
                                                             [-704, 0, [], 0.0, None]]]
         with pytest.raises(RpcError, match="code -600"):
             w.call(Op.MOUNT, "x", 0, 1)   # wrong arity

@@ -10,8 +10,11 @@ from hypothesis import strategies as st
 from kvpool.clock import VirtualClock
 from kvpool.errors import RemoteProtocolError
 from kvpool.store.master.service import MasterService
+from kvpool.store.wire import messages as m
 from kvpool.store.wire.codes import ErrorCode as E
-from kvpool.store.wire.protocol import Op, decode_reply, decode_request, encode_request
+from kvpool.store.wire.codes import Tier
+from kvpool.store.wire.messages import decode_msg
+from kvpool.store.wire.protocol import Op, decode_reply, decode_reply_head, encode_request
 from tests.store.conftest import make_core
 
 
@@ -60,10 +63,10 @@ def test_malformed_frames_get_invalid_params(frame: bytes) -> None:
 
 def test_bad_values_inside_well_formed_requests() -> None:
     svc = service()
-    keys = ["", "a" * 5000, 17, None, "ok"]
-    _, status, result = call(svc, encode_request(Op.PUT_START, 1, "c", keys, [1] * 5, 1, False,
+    keys = ["", "a" * 5000, "ok"]
+    _, status, result = call(svc, encode_request(Op.PUT_START, 1, "c", keys, [1] * 3, 1, False,
                                                  False, [], False))
-    assert status == 0 and [r[0] for r in result] == [-600, -600, -600, -600, 0]  # type: ignore
+    assert status == 0 and [r[0] for r in result] == [-600, -600, 0]  # type: ignore
     _, status, result = call(svc, encode_request(Op.PUT_START, 2, "c", ["x", "y"], [1], 1,
                                                  False, False, [], False))
     assert status == 0 and [r[0] for r in result] == [-600, -600]  # type: ignore[union-attr]
@@ -78,7 +81,10 @@ def test_bad_values_inside_well_formed_requests() -> None:
                                  ["s"] * 65, False),
                   encode_request(Op.REMOVE_REGEX, 6, "c", "a" * 1025, False)):
         assert call(svc, frame)[:2] == (6, E.INVALID_PARAMS)
-    assert svc.key_errors[("PUT_START", "INVALID_PARAMS")] == 4 + 2 + 1
+    for keys in (["ok", 17], ["ok", None]):  # a key that is no str: the whole request
+        assert call(svc, encode_request(Op.PUT_START, 7, "c", keys, [1, 1], 1, False, False,
+                                        [], False))[:2] == (7, E.INVALID_PARAMS)
+    assert svc.key_errors[("PUT_START", "INVALID_PARAMS")] == 2 + 2 + 1
     svc.core.check_integrity()
 
 
@@ -87,7 +93,7 @@ def test_truncated_frames_byte_by_byte() -> None:
     frame = encode_request(Op.PUT_START, 3, "w", ["key"], [64], 1, False, False, [], False)
     for cut in range(len(frame)):
         with pytest.raises(RemoteProtocolError):
-            decode_request(frame[:cut])
+            decode_msg(frame[:cut])
         assert call(svc, frame[:cut])[1] == E.INVALID_PARAMS
     assert call(svc, frame)[1] == 0
     assert svc.core.pending.keys() == {"key"}
@@ -103,16 +109,18 @@ def test_fuzz_never_crashes(data: bytes) -> None:
 
 
 def test_trailing_arguments_of_older_clients_take_their_defaults() -> None:
-    assert decode_request(encode_request(Op.MOUNT, 1, "c", "h:1", 4096, 10, 1)).args == (
-        "h:1", 4096, 10, 1, 0)
-    assert decode_request(encode_request(Op.MOUNT, 1, "c", "h:1", 4096, 10, 1, 7)).args[4] == 7
-    assert decode_request(encode_request(Op.PUT_END, 1, "c", ["k"])).args == (["k"], None)
+    assert decode_msg(encode_request(Op.MOUNT, 1, "c", "h:1", 4096, 10, 1)) == m.MountMsg(
+        1, "c", endpoint="h:1", base_addr=4096, size=10, tier=1, fence=0)
+    mount = decode_msg(encode_request(Op.MOUNT, 1, "c", "h:1", 4096, 10, 1, 7))
+    assert isinstance(mount, m.MountMsg) and mount.fence == 7
+    assert decode_msg(encode_request(Op.PUT_END, 1, "c", ["k"])) == m.PutEndMsg(
+        1, "c", keys=["k"], checksums=None)
     for frame in (encode_request(Op.MOUNT, 1, "c", "h:1", 4096, 10),
                   encode_request(Op.PUT_END, 1, "c"),
                   encode_request(Op.PUT_END, 1, "c", ["k"], [1], [2]),
                   encode_request(Op.MOUNT, 1, "c", "h:1", 4096, 10, 1, "x")):
         with pytest.raises(RemoteProtocolError):
-            decode_request(frame)
+            decode_msg(frame)
     svc = service()
     _, _, (code, sid) = call(svc, encode_request(Op.MOUNT, 2, "n", "h:2", 4096, 4096, 1,
                                                  (1 << 64) - 1))  # type: ignore[misc]
@@ -120,3 +128,75 @@ def test_trailing_arguments_of_older_clients_take_their_defaults() -> None:
     svc.core.put_start("w", ["k"], [10])
     assert call(svc, encode_request(Op.PUT_END, 3, "w", ["k"], [(1 << 64) - 1])) == (3, 0, [0])
     assert svc.core.get_replicas(["k"])[0].checksum == (1 << 64) - 1
+
+
+TYPED = [
+    m.PingMsg(), m.HeartbeatMsg(),
+    m.MountMsg(endpoint="h:1", base_addr=4096, size=1 << 20, tier=1, fence=(1 << 64) - 1),
+    m.UnmountMsg(segment_id="s"),
+    m.PutStartMsg(keys=["a", "b"], sizes=[1, 2], replica_num=2, hard_pin=True, soft_pin=True,
+                  preferred=["s"], upsert=True),
+    m.PutEndMsg(keys=["a"], checksums=[None]), m.PutEndMsg(keys=["a"], checksums=[7]),
+    m.PutRevokeMsg(keys=["a"]), m.GetReplicasMsg(keys=["a"]), m.ExistsMsg(keys=[]),
+    m.RemoveMsg(keys=["a"], force=True), m.RemoveAllMsg(force=True),
+    m.RemoveRegexMsg(pattern="a.*"), m.SegmentsMsg(),
+    m.DrainBeginMsg(address="h:1", dry_run=True),
+    m.ReplicateStartMsg(address="h:1", max_keys=8, max_bytes=1 << 20),
+    m.ReplicateEndMsg(keys=["a"], codes=[0]), m.DrainEndMsg(address="h:1"),
+]
+
+
+@pytest.mark.parametrize("msg", TYPED, ids=lambda msg: type(msg).__name__)
+def test_every_message_round_trips_and_truncations_are_refused(msg: m.Msg) -> None:
+    msg.req_id, msg.client_id = 11, "w"
+    frame = m.encode_msg(msg)
+    assert decode_msg(frame) == msg and msg.op is m.MESSAGES[msg.op].op
+    assert frame == encode_request(msg.op, 11, "w", *(getattr(msg, f) for f in
+                                                      msg.__struct_fields__[2:]))
+    for cut in range(len(frame)):
+        with pytest.raises(RemoteProtocolError):
+            decode_msg(frame[:cut])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(list(Op)), st.lists(st.one_of(
+    st.none(), st.booleans(), st.integers(-(1 << 63), (1 << 64) - 1), st.floats(),
+    st.text(max_size=4), st.lists(st.one_of(st.text(max_size=3), st.integers(0, 9),
+                                            st.none()), max_size=3)), max_size=9))
+def test_fuzz_typed_fields_either_decode_or_get_invalid_params(op: Op, args: list) -> None:  # type: ignore[type-arg]
+    """Well-framed requests with random field values: a decoded message has exactly the
+    declared types, anything else is INVALID_PARAMS; the core stays consistent."""
+    frame = encode_request(op, 3, "c", *args)
+    try:
+        msg = decode_msg(frame)
+    except RemoteProtocolError:
+        msg = None
+    if msg is not None:
+        assert type(msg) is m.MESSAGES[op] and msg.op is op
+        assert m.encode_msg(msg) == msgpack.packb([int(op), 3, "c", *args]) or \
+            len(args) < len(msg.__struct_fields__) - 2  # trailing defaults filled in
+    svc = service()
+    req_id, status, _ = call(svc, frame)
+    assert req_id == 3 and (msg is not None or status == E.INVALID_PARAMS)
+    svc.core.check_integrity()
+
+
+def test_typed_results_are_checked_against_the_reply_type() -> None:
+    svc = service()
+    segment = next(iter(svc.core.segments.values()))
+    for msg in (m.PutStartMsg(keys=["k"], sizes=[10]), m.PutEndMsg(keys=["k"], checksums=[5]),
+                m.GetReplicasMsg(keys=["k", "x"]), m.SegmentsMsg()):
+        msg.req_id, msg.client_id = 1, "w"
+        head = decode_reply_head(svc.handle(m.encode_msg(msg)))
+        result = m.decode_result(type(msg), head.result)
+        if isinstance(msg, m.PutStartMsg):
+            assert result[0].code is E.OK and result[0].replicas[0].addr >= segment.base_addr
+        elif isinstance(msg, m.GetReplicasMsg):
+            assert [x.code for x in result.items] == [E.OK, E.OBJECT_NOT_FOUND]
+            assert result.items[0].checksum == 5 and result.items[0].replicas[0].tier is Tier.DRAM
+        elif isinstance(msg, m.SegmentsMsg):
+            assert result[0].segment_id == segment.segment_id
+    for cls, bad in ((m.PutEndMsg, [99]), (m.PutStartMsg, [[0, [["s", "h:1", 1, 2, 9, 1, 0]]]]),
+                     (m.GetReplicasMsg, [1.0]), (m.MountMsg, [0]), (m.PingMsg, 1)):
+        with pytest.raises(RemoteProtocolError):
+            m.decode_result(cls, msgpack.packb(bad))

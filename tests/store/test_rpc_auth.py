@@ -24,6 +24,7 @@ from kvpool.store.wire.auth import (
     proof,
 )
 from kvpool.store.wire.framing import FrameDecoder, encode_frame
+from kvpool.store.wire.messages import PingMsg, decode_msg
 from kvpool.store.wire.protocol import Op, decode_reply, encode_request
 from tests.support.net import free_port, wait_port
 from tests.support.procs import running, spawn_kvpool
@@ -93,17 +94,17 @@ def test_server_handshake_accepts_only_the_right_proof() -> None:
 
 def test_right_token_is_served(guarded: MasterServer) -> None:
     with RpcClient(guarded.address, "ok", token=TOKEN) as client:
-        assert client.call(Op.PING) == "pong"
-        assert client.call(Op.PING) == "pong"
+        assert client.call(PingMsg()) == "pong"
+        assert client.call(PingMsg()) == "pong"
 
 
 @pytest.mark.parametrize("token", ["wrong", None])
 def test_wrong_or_missing_token_is_refused(guarded: MasterServer, token: str | None) -> None:
     with RpcClient(guarded.address, "bad", timeout_s=3, token=token) as client:
         with pytest.raises(RpcError, match="authentication failed"):
-            client.call(Op.PING)
+            client.call(PingMsg())
     with RpcClient(guarded.address, "ok", token=TOKEN) as client:  # others still served
-        assert client.call(Op.PING) == "pong"
+        assert client.call(PingMsg()) == "pong"
 
 
 def test_the_token_never_crosses_the_wire() -> None:
@@ -129,15 +130,15 @@ def test_the_token_never_crosses_the_wire() -> None:
     thread = threading.Thread(target=fake_master, daemon=True)
     thread.start()
     with RpcClient(f"127.0.0.1:{listener.getsockname()[1]}", "c", token=TOKEN) as client:
-        assert client.call(Op.PING) == "pong"
+        assert client.call(PingMsg()) == "pong"
     thread.join(5)
     listener.close()
     assert received and TOKEN.encode() not in bytes(received)
 
 
 def decode_reply_bytes(request: bytes) -> bytes:
-    from kvpool.store.wire.protocol import decode_request, encode_reply
-    return encode_reply(decode_request(request).req_id, 0, "pong")
+    from kvpool.store.wire.protocol import encode_reply
+    return encode_reply(decode_msg(request).req_id, 0, "pong")
 
 
 def test_old_style_token_frame_is_refused(guarded: MasterServer) -> None:
@@ -177,7 +178,7 @@ def test_handshake_deadline_closes_silent_and_slow_peers(guarded: MasterServer) 
     assert time.monotonic() - start < 3
     silent.close(), slow.close()
     with RpcClient(guarded.address, "ok", token=TOKEN) as client:
-        assert client.call(Op.PING) == "pong"
+        assert client.call(PingMsg()) == "pong"
 
 
 def test_connections_in_the_handshake_are_capped(guarded: MasterServer) -> None:
@@ -189,7 +190,7 @@ def test_connections_in_the_handshake_are_capped(guarded: MasterServer) -> None:
         sock.close()
     time.sleep(0.2)
     with RpcClient(guarded.address, "ok", token=TOKEN) as client:
-        assert client.call(Op.PING) == "pong"
+        assert client.call(PingMsg()) == "pong"
 
 
 def test_slow_handshakes_cannot_lock_clients_out(guarded: MasterServer) -> None:
@@ -199,7 +200,7 @@ def test_slow_handshakes_cannot_lock_clients_out(guarded: MasterServer) -> None:
         for _ in range(3):
             slow += [_raw(guarded) for _ in range(6)]   # more than the 4 slots, again and again
             time.sleep(0.05)
-            assert client.call(Op.PING) == "pong"       # a new connection each time
+            assert client.call(PingMsg()) == "pong"       # a new connection each time
             client._disconnect()
     for sock in slow:
         sock.close()
@@ -210,11 +211,11 @@ def test_connections_are_capped() -> None:
     on its next call; idle connections cannot lock clients out."""
     with _master(None, max_connections=3, max_handshakes=3) as master:
         clients = [RpcClient(master.address, f"c{i}") for i in range(3)]
-        assert [c.call(Op.PING) for c in clients] == ["pong"] * 3
+        assert [c.call(PingMsg()) for c in clients] == ["pong"] * 3
         hogs = [_raw(master) for _ in range(3)]
         time.sleep(0.2)
         assert master._rpc is not None and master._rpc.num_connections == 3
-        assert [c.call(Op.PING) for c in clients] == ["pong"] * 3
+        assert [c.call(PingMsg()) for c in clients] == ["pong"] * 3
         assert all(_closed_within(h, 2) for h in hogs)
         for client in clients:
             client.close()
@@ -225,16 +226,16 @@ def test_connections_are_capped() -> None:
 def test_idle_connections_are_closed_and_clients_reconnect() -> None:
     with _master(TOKEN, idle_timeout_s=0.3) as master:
         with RpcClient(master.address, "c", token=TOKEN) as client:
-            assert client.call(Op.PING) == "pong"
+            assert client.call(PingMsg()) == "pong"
             assert master._rpc is not None and master._rpc.num_connections == 1
             time.sleep(0.8)
             assert master._rpc.num_connections == 0
-            assert client.call(Op.PING) == "pong"   # a new connection, a new handshake
+            assert client.call(PingMsg()) == "pong"   # a new connection, a new handshake
 
 
 def test_master_without_token_answers_the_handshake() -> None:
     with _master(None) as master, RpcClient(master.address, "c", token="any") as client:
-        assert client.call(Op.PING) == "pong"
+        assert client.call(PingMsg()) == "pong"
 
 
 def _rss_bytes(pid: int) -> int:
@@ -264,4 +265,4 @@ def test_unauthenticated_floods_do_not_grow_the_master() -> None:
         for sock in socks:
             sock.close()
         with RpcClient(f"127.0.0.1:{rpc}", "ok", token=TOKEN) as client:
-            assert client.call(Op.PING) == "pong"
+            assert client.call(PingMsg()) == "pong"

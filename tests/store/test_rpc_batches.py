@@ -15,7 +15,7 @@ from kvpool.store.client.store_client import StoreClient
 from kvpool.store.config import MasterConfig
 from kvpool.store.master.server import MasterServer, MasterServerConfig
 from kvpool.store.wire.codes import ErrorCode as E
-from kvpool.store.wire.protocol import Op
+from kvpool.store.wire.messages import ExistsMsg, PingMsg
 
 MIB = 1 << 20
 
@@ -50,9 +50,9 @@ def test_refusal_codes() -> None:
 def test_a_whole_request_refusal_carries_the_masters_code(master: MasterServer) -> None:
     with RpcClient(master.address, "w") as rpc:
         with pytest.raises(RpcError, match="exceeds 4") as info:
-            rpc.call(Op.EXISTS, ["a", "b", "c", "d", "e"])
+            rpc.call(ExistsMsg(keys=["a", "b", "c", "d", "e"]))
         assert info.value.status == E.INVALID_PARAMS
-        assert rpc.call(Op.PING) == "pong"
+        assert rpc.call(PingMsg()) == "pong"
 
 
 def test_a_batch_over_max_batch_is_invalid_params_per_key(master: MasterServer) -> None:
@@ -76,9 +76,9 @@ def test_large_batches_are_split_transparently(master: MasterServer) -> None:
 def test_a_request_too_large_for_a_frame_is_not_sent(master: MasterServer) -> None:
     with RpcClient(master.address, "w") as rpc:
         with pytest.raises(RpcError, match="not sent") as info:
-            rpc.call(Op.EXISTS, ["k" * 4096] * (17 << 10))
+            rpc.call(ExistsMsg(keys=["k" * 4096] * (17 << 10)))
         assert info.value.status == E.INVALID_PARAMS
-        assert rpc.call(Op.PING) == "pong"
+        assert rpc.call(PingMsg()) == "pong"
 
 
 def test_keys_beyond_a_frame_are_split_by_bytes() -> None:

@@ -15,7 +15,8 @@ import pytest
 from kvpool.errors import RpcError, RpcTimeout
 from kvpool.store.client.rpc import RpcClient, parse_address
 from kvpool.store.wire.framing import FrameDecoder, encode_frame
-from kvpool.store.wire.protocol import Op, decode_request, encode_reply
+from kvpool.store.wire.messages import PingMsg, decode_msg
+from kvpool.store.wire.protocol import encode_reply
 
 Script = Callable[[socket.socket, int], None]
 
@@ -55,7 +56,7 @@ def read_request_ids(conn: socket.socket, count: int) -> list[int]:
         data = conn.recv(65536)
         if not data:
             break
-        ids += [decode_request(f).req_id for f in decoder.feed(data)]
+        ids += [decode_msg(f).req_id for f in decoder.feed(data)]
     return ids
 
 
@@ -74,9 +75,9 @@ def test_late_reply_of_a_timed_out_call_is_skipped() -> None:
         with RpcClient(address, "c", timeout_s=0.3) as client:
             t0 = time.monotonic()
             with pytest.raises(RpcTimeout, match=r"did not answer within 0.3s"):
-                client.call(Op.PING)
+                client.call(PingMsg())
             assert 0.25 < time.monotonic() - t0 < 2
-            assert client.call(Op.PING) == "second"
+            assert client.call(PingMsg()) == "second"
         assert accepted == [0]                        # the same connection throughout
 
 
@@ -90,9 +91,9 @@ def test_connection_closed_mid_call_fails_that_call_then_reconnects() -> None:
         with RpcClient(address, "c", timeout_s=5) as client:
             t0 = time.monotonic()
             with pytest.raises(RpcError, match="closed the connection"):
-                client.call(Op.PING)
+                client.call(PingMsg())
             assert time.monotonic() - t0 < 2                 # not a timeout: no hang
-            assert client.call(Op.PING) == "pong"
+            assert client.call(PingMsg()) == "pong"
         assert accepted == [0, 1]
 
 
@@ -104,9 +105,9 @@ def test_idle_connection_closed_by_the_master_is_replaced_silently() -> None:
             read_request_ids(conn, 1)
     with scripted_server(script) as (address, accepted):
         with RpcClient(address, "c") as client:
-            assert client.call(Op.PING) == "conn0"
+            assert client.call(PingMsg()) == "conn0"
             time.sleep(0.2)                                   # the server has closed it
-            assert client.call(Op.PING) == "conn1"
+            assert client.call(PingMsg()) == "conn1"
         assert accepted == [0, 1]
 
 
@@ -121,8 +122,8 @@ def test_oversized_reply_is_an_error_and_the_next_call_reconnects() -> None:
     with scripted_server(script) as (address, accepted):
         with RpcClient(address, "c") as client:
             with pytest.raises(RpcError, match="malformed reply .* exceeds"):
-                client.call(Op.PING)
-            assert client.call(Op.PING) == "pong"
+                client.call(PingMsg())
+            assert client.call(PingMsg()) == "pong"
         assert accepted == [0, 1]
 
 
@@ -134,7 +135,7 @@ def test_undecodable_reply_is_an_error() -> None:
     with scripted_server(script) as (address, _):
         with RpcClient(address, "c") as client:
             with pytest.raises(RpcError, match="malformed reply"):
-                client.call(Op.PING)
+                client.call(PingMsg())
 
 
 def test_master_refusal_and_closed_client() -> None:
@@ -145,10 +146,10 @@ def test_master_refusal_and_closed_client() -> None:
     with scripted_server(script) as (address, _):
         client = RpcClient(address, "c")
         with pytest.raises(RpcError, match=r"master refused PING \(code -600\): bad arguments"):
-            client.call(Op.PING)
+            client.call(PingMsg())
         client.close()
         with pytest.raises(RpcError, match="RPC client is closed"):
-            client.call(Op.PING)
+            client.call(PingMsg())
 
 
 def test_unreachable_master_times_out_at_the_call_timeout() -> None:
@@ -157,7 +158,7 @@ def test_unreachable_master_times_out_at_the_call_timeout() -> None:
         with RpcClient(f"127.0.0.1:{holder.getsockname()[1]}", "c", timeout_s=5) as client:
             t0 = time.monotonic()
             with pytest.raises(RpcTimeout, match=r"not reachable \(no connection within 0.3s"):
-                client.call(Op.PING, timeout_s=0.3)
+                client.call(PingMsg(), timeout_s=0.3)
             assert 0.2 < time.monotonic() - t0 < 2
 
 

@@ -228,8 +228,8 @@ def _kvpool_systems(stack: ExitStack, dram: int, lease_ms: int,
     stack.enter_context(running([sys.executable, "-m", "kvpool", "store-node", "--dram",
                                   str(dram), "--master", master], stderr=subprocess.DEVNULL))
     with RpcClient(master, "bench-probe") as probe:
-        from kvpool.store.wire.protocol import Op
-        _wait_until(lambda: len(probe.call(Op.SEGMENTS)) == 1, "the store node to mount")
+        from kvpool.store.wire.messages import SegmentsMsg
+        _wait_until(lambda: len(probe.call(SegmentsMsg())) == 1, "the store node to mount")
     out = []
     for name, on in (("kvpool", True), ("kvpool-nosum", False)):
         if checksums == "both" or (checksums == "on") == on:

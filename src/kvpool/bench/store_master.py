@@ -24,32 +24,32 @@ from kvpool.store.client.rpc import RpcClient
 from kvpool.store.master.core import MasterCore
 from kvpool.store.master.metrics import MasterMetrics
 from kvpool.store.master.service import MasterService
-from kvpool.store.wire.protocol import Op, encode_request
+from kvpool.store.wire import messages as m
 
 BATCH = 128
 SIZE = 4096
 Call = Callable[..., Any]
 
 
-def _requests(keys: list[str]) -> list[tuple[str, tuple[Any, ...]]]:
-    """(name, (op, args...)) of the five measured requests for one group of keys."""
+def _requests(keys: list[str]) -> list[tuple[str, m.Msg]]:
+    """(name, request) of the five measured requests for one group of keys."""
     return [
-        ("put_start", (Op.PUT_START, keys, [SIZE] * len(keys), 1, False, False, [], False)),
-        ("put_end", (Op.PUT_END, keys)),
-        ("get_replicas", (Op.GET_REPLICAS, keys)),
-        ("exists", (Op.EXISTS, keys)),
-        ("remove", (Op.REMOVE, keys, True)),
+        ("put_start", m.PutStartMsg(keys=keys, sizes=[SIZE] * len(keys))),
+        ("put_end", m.PutEndMsg(keys=keys)),
+        ("get_replicas", m.GetReplicasMsg(keys=keys)),
+        ("exists", m.ExistsMsg(keys=keys)),
+        ("remove", m.RemoveMsg(keys=keys, force=True)),
     ]
 
 
 def _run(system: str, call: Call, seconds: float, prefix: str,
-         prepare: Callable[[tuple[Any, ...]], Any] | None = None,
+         prepare: Callable[[m.Msg], Any] | None = None,
          execute: Callable[[Any], Any] | None = None) -> Iterator[dict[str, Any]]:
-    """Time each op over groups of keys. `prepare` turns (op, args...) into what `execute`
+    """Time each op over groups of keys. `prepare` turns a request into what `execute`
     takes, outside the timed loop (the service bench pre-encodes its frames)."""
     prepare = prepare or (lambda request: request)
-    execute = execute or (lambda request: call(*request))
-    call(Op.MOUNT, "127.0.0.1:1", 4096, 1 << 44, 1)
+    execute = execute or call
+    call(m.MountMsg(endpoint="127.0.0.1:1", base_addr=4096, size=1 << 44, tier=1))
     for mode, per_call in (("single", 1), (f"batch{BATCH}", BATCH)):
         count = _calibrate(call, per_call, seconds, f"{prefix}-cal-{mode}")
         groups = [[f"{prefix}-{mode}-{i}-{j}" for j in range(per_call)] for i in range(count)]
@@ -70,7 +70,7 @@ def _calibrate(call: Call, per_call: int, seconds: float, prefix: str) -> int:
     t0 = time.perf_counter()
     n = 0
     while time.perf_counter() - t0 < 0.1:
-        call(Op.EXISTS, [f"{prefix}-{n}-{j}" for j in range(per_call)])
+        call(m.ExistsMsg(keys=[f"{prefix}-{n}-{j}" for j in range(per_call)]))
         n += 1
     return max(10, int(n * (seconds / 5) / 0.1))
 
@@ -94,11 +94,11 @@ def _service_bench_tuned(seconds: float) -> Iterator[dict[str, Any]]:
     core = MasterCore()
     service = MasterService(core, MasterMetrics(core, threading.Lock()).observe)
 
-    def call(op: Op, *args: Any) -> Any:
-        return service.handle(encode_request(op, 1, "bench", *args))
-    yield from _run("master-service", call, seconds, "svc",
-                    prepare=lambda request: encode_request(request[0], 1, "bench", *request[1:]),
-                    execute=service.handle)
+    def encode(msg: m.Msg) -> bytes:
+        msg.req_id, msg.client_id = 1, "bench"
+        return m.encode_msg(msg)
+    yield from _run("master-service", lambda msg: service.handle(encode(msg)), seconds, "svc",
+                    prepare=encode, execute=service.handle)
     core.check_integrity()
 
 
@@ -126,14 +126,15 @@ print(client_loop(sys.argv[1], sys.argv[2], float(sys.argv[3])))
 def client_loop(address: str, name: str, seconds: float) -> float:
     """Single-key put_start, put_end and lookup in a loop; returns requests per second."""
     with RpcClient(address, name) as client:
-        client.call(Op.MOUNT, f"127.0.0.1:{name}", 4096, 1 << 40, 1)
+        client.call(m.MountMsg(endpoint=f"127.0.0.1:{name}", base_addr=4096, size=1 << 40,
+                               tier=1))
         n = 0
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < seconds:
             key = [f"{name}-{n}"]
-            client.call(Op.PUT_START, key, [SIZE], 1, False, False, [], False)
-            client.call(Op.PUT_END, key)
-            client.call(Op.GET_REPLICAS, key)
+            client.call(m.PutStartMsg(keys=key, sizes=[SIZE]))
+            client.call(m.PutEndMsg(keys=key))
+            client.call(m.GetReplicasMsg(keys=key))
             n += 3
         return n / (time.perf_counter() - t0)
 

@@ -22,22 +22,24 @@ from kvpool.errors import (
     TransferError,
 )
 from kvpool.log import get_logger
-from kvpool.store.client.batches import key_chunks, lookup_items, refusal_code
+from kvpool.store.client.batches import key_chunks, refusal_code
 from kvpool.store.client.checksum import parts_checksum
 from kvpool.store.client.config import ClientConfig
 from kvpool.store.client.plan import Part, copies_for, order_replicas, parts_total, valid_parts
 from kvpool.store.client.rpc import RpcClient
 from kvpool.store.client.staging import StagingArea
 from kvpool.store.config import ReplicateConfig
+from kvpool.store.wire import messages as m
 from kvpool.store.wire.codes import (
     ErrorCode,
     LookupResult,
     PutResult,
+    PutStartResult,
     ReadResult,
     ReplicaDesc,
     Tier,
 )
-from kvpool.store.wire.protocol import Op, replica_from_wire
+from kvpool.store.wire.protocol import Op
 from kvpool.store.wire.validate import valid_key
 from kvpool.transfer import OpCode, TransferConfig, TransferEngine, TransferRequest
 
@@ -109,31 +111,31 @@ class ClientBase:
 
     # -- master RPC, segments, liveness ----------------------------------------------------
 
-    def _call(self, op: Op, *args: Any) -> Any:
-        """The result of `op`, or RpcFailed with the code users see: RPC_TIMEOUT, the status
-        of a reply that refused the whole request (a batch over the master's limit:
-        INVALID_PARAMS), RPC_FAIL for a broken connection."""
+    def _call(self, msg: m.Msg | Op, *args: Any) -> Any:
+        """The result of `msg` (typed: `msg.Reply`), or RpcFailed with the code users see:
+        RPC_TIMEOUT, the status of a reply that refused the whole request (a batch over the
+        master's limit: INVALID_PARAMS), RPC_FAIL for a broken connection. (An Op with
+        positional fields: see RpcClient.call.)"""
         try:
-            return self._rpc.call(op, *args)
+            return self._rpc.call(msg, *args)
         except RpcTimeout:
             raise RpcFailed(E.RPC_TIMEOUT) from None
         except RpcError as exc:
-            log.warning("%s failed: %s", op.name, exc)
+            log.warning("%s failed: %s", (msg.op if isinstance(msg, m.Msg) else msg).name, exc)
             raise RpcFailed(refusal_code(exc.status)) from None
 
-    def _call_keyed(self, op: Op, keys: Sequence[str], columns: Sequence[Sequence[Any]],
-                    rest: Sequence[Any], refused: Callable[[ErrorCode], Any],
+    def _call_keyed(self, keys: Sequence[str], make: Callable[[list[str], int, int], m.Msg],
+                    refused: Callable[[ErrorCode], Any],
                     unpack: Callable[[Any], list[Any]] = list) -> list[Any]:
-        """Per-key results of `op` over `keys` (and the per-key `columns`, then the `rest` of
-        the arguments), one RPC per chunk of at most `rpc_batch_keys` keys and
-        RPC_BATCH_KEY_BYTES of keys, so no request exceeds the master's batch or frame limit.
-        `unpack` turns one reply into its per-key items. The keys of a chunk whose call failed
-        get `refused(code)`; the other chunks still run."""
+        """Per-key results over `keys`, one RPC per chunk of at most `rpc_batch_keys` keys
+        and RPC_BATCH_KEY_BYTES of keys, so no request exceeds the master's batch or frame
+        limit. `make(chunk_keys, lo, hi)` builds the request of keys[lo:hi] (slicing any
+        per-key columns alike); `unpack` turns one result into its per-key items. The keys
+        of a chunk whose call failed get `refused(code)`; the other chunks still run."""
         out: list[Any] = []
         for lo, hi in key_chunks(keys, self.config.rpc_batch_keys):
             try:
-                out += unpack(self._call(op, list(keys[lo:hi]), *(c[lo:hi] for c in columns),
-                                         *rest))
+                out += unpack(self._call(make(list(keys[lo:hi]), lo, hi)))
             except RpcFailed as exc:
                 out += [refused(exc.code)] * (hi - lo)
         return out
@@ -147,16 +149,17 @@ class ClientBase:
         if self.config.prefault:
             buf.numpy()[::4096] = 0
         try:
-            code, segment_id = self._rpc.call(Op.MOUNT, self.endpoint, buf.addr, size,
-                                              int(Tier.DRAM), fence)
+            reply = self._rpc.call(m.MountMsg(
+                endpoint=self.endpoint, base_addr=buf.addr, size=size, tier=int(Tier.DRAM),
+                fence=fence))
         except RpcError:
             self.engine.free_managed(buf)
             raise
-        if code != 0:
+        if reply.code != 0:
             self.engine.free_managed(buf)
-            raise RpcError(f"master refused to mount {size} bytes: code {code}")
-        self._segments[segment_id] = buf
-        return str(segment_id)
+            raise RpcError(f"master refused to mount {size} bytes: code {reply.code}")
+        self._segments[reply.segment_id] = buf
+        return str(reply.segment_id)
 
     def unmount(self, segment_id: str, timeout_s: float | None = None) -> ErrorCode:
         """Withdraw a segment from the pool (the master drops the objects on it) and free its
@@ -167,7 +170,8 @@ class ClientBase:
         if buf is None:
             return E.SEGMENT_NOT_FOUND
         try:
-            code = ErrorCode(self._rpc.call(Op.UNMOUNT, segment_id, timeout_s=timeout_s))
+            code = ErrorCode(self._rpc.call(m.UnmountMsg(segment_id=segment_id),
+                                            timeout_s=timeout_s))
         except RpcTimeout:
             code = E.RPC_TIMEOUT
         except RpcError:
@@ -188,7 +192,7 @@ class ClientBase:
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.config.heartbeat_interval_s):
             try:
-                if self._hb_rpc.call(Op.HEARTBEAT) == E.UNKNOWN_CLIENT:
+                if self._hb_rpc.call(m.HeartbeatMsg()) == E.UNKNOWN_CLIENT:
                     self._forgotten = True
             except RpcError as exc:
                 log.debug("heartbeat failed: %s", exc)
@@ -225,17 +229,18 @@ class ClientBase:
                 if self.config.prefault:
                     buf.numpy()[::4096] = 0
             try:
-                code, new_id = self._hb_rpc.call(Op.MOUNT, self.endpoint, buf.addr, buf.length,
-                                                 int(Tier.DRAM), fence)
+                reply = self._hb_rpc.call(m.MountMsg(
+                    endpoint=self.endpoint, base_addr=buf.addr, size=buf.length,
+                    tier=int(Tier.DRAM), fence=fence))
             except RpcError as exc:
                 log.warning("mounting %s again failed: %s", segment_id, exc)
                 return False
-            if code != 0:
-                log.warning("master refused to mount %s again: %s", segment_id,
-                            ErrorCode(code).name)
+            if reply.code != 0:
+                log.warning("master refused to mount %s again: code %d", segment_id,
+                            reply.code)
                 return False
-            if new_id != segment_id:
-                self._segments[str(new_id)] = self._segments.pop(segment_id)
+            if reply.segment_id != segment_id:
+                self._segments[reply.segment_id] = self._segments.pop(segment_id)
         self._publish_due = True
         self.stats.remounts += 1
         return True
@@ -346,17 +351,20 @@ class ClientBase:
         preferred = ([cfg.preferred_segment] if cfg.preferred_segment else []) \
             + list(cfg.preferred_segments)
         started = self._call_keyed(
-            Op.PUT_START, [keys[i] for i in todo], [sizes],
-            (cfg.replica_num, cfg.with_hard_pin, cfg.with_soft_pin, preferred, upsert),
-            lambda code: (int(code), []))
+            [keys[i] for i in todo],
+            lambda chunk, lo, hi: m.PutStartMsg(
+                keys=chunk, sizes=sizes[lo:hi], replica_num=cfg.replica_num,
+                hard_pin=cfg.with_hard_pin, soft_pin=cfg.with_soft_pin, preferred=preferred,
+                upsert=upsert),
+            PutStartResult)
         copies: dict[int, list[Copy]] = {}
-        for i, size, (code, wire) in zip(todo, sizes, started, strict=True):
+        for i, size, (code, replicas) in zip(todo, sizes, started, strict=True):
             if code == E.OBJECT_ALREADY_EXISTS and not upsert:
                 results[i] = PutResult(E.OK, already_existed=True)
             elif code != 0:
-                results[i] = PutResult(ErrorCode(code))
+                results[i] = PutResult(code)
             else:
-                copies[i] = self._copies_to(wire, parts[i], size)
+                copies[i] = self._copies_to(replicas, parts[i], size)
         failed = self._run_copies(OpCode.WRITE, copies)
         ok = [i for i in copies if i not in failed]
         if failed:
@@ -367,23 +375,30 @@ class ClientBase:
             size_of = dict(zip(todo, sizes, strict=True))
             sums = [parts_checksum(parts[i], size_of[i]) if self.config.write_checksums
                     else None for i in ok]
-            ended = self._call_keyed(Op.PUT_END, [keys[i] for i in ok], [sums], (), int)
+            ended = self._call_keyed(
+                [keys[i] for i in ok],
+                lambda chunk, lo, hi: m.PutEndMsg(keys=chunk, checksums=sums[lo:hi]),
+                lambda code: code)
             for i, code in zip(ok, ended, strict=True):
-                results[i] = _PUT_OK if code == 0 else PutResult(ErrorCode(code))
+                results[i] = _PUT_OK if code == 0 else PutResult(code)
 
     @staticmethod
-    def _copies_to(wire: Sequence[Any], parts: Sequence[Part], size: int) -> list[Copy]:
+    def _copies_to(replicas: Sequence[ReplicaDesc], parts: Sequence[Part],
+                   size: int) -> list[Copy]:
         """The copies writing `size` object bytes from `parts` to every replica of a
-        PUT_START answer."""
-        if len(parts) == 1 and len(wire) == 1:  # the common case: one piece, one copy
-            return [(parts[0][0], wire[0][2], size, wire[0][1], wire[0][6])]
-        return [(a, r, n, w[1], w[6]) for w in wire
-                for a, r, n in copies_for(parts, w[2], size)]
+        PUT_START answer. (Indexed, so the plain arrays of a raw reply work as well:
+        [2] is the address, [1] the endpoint, [6] the fence.)"""
+        if len(parts) == 1 and len(replicas) == 1:  # the common case: one piece, one copy
+            r = replicas[0]
+            return [(parts[0][0], r[2], size, r[1], r[6])]
+        return [(a, addr, n, r[1], r[6]) for r in replicas
+                for a, addr, n in copies_for(parts, r[2], size)]
 
     def _revoke(self, keys: list[str]) -> None:
         """Give up puts whose copies failed. Best effort: if the master cannot be told, it
         discards them after put_discard_timeout_s; the puts that were written still end."""
-        codes = self._call_keyed(Op.PUT_REVOKE, keys, (), (), RpcFailed)
+        codes = self._call_keyed(keys, lambda chunk, lo, hi: m.PutRevokeMsg(keys=chunk),
+                                 RpcFailed)
         failed = [c for c in codes if isinstance(c, RpcFailed)]
         if failed:
             log.warning("could not revoke %d failed puts (%s); the master will discard them",
@@ -395,12 +410,11 @@ class ClientBase:
         valid = [i for i, k in enumerate(keys) if valid_key(k)]
         out = [LookupResult(E.INVALID_PARAMS)] * len(keys)
         if valid:
-            items = self._call_keyed(Op.GET_REPLICAS, [keys[i] for i in valid], (), (),
-                                     lambda code: (int(code), 0, [], 0.0, None),
-                                     unpack=lookup_items)
-            for i, (code, size, wire, lease_s, checksum) in zip(valid, items, strict=True):
-                reps = tuple(replica_from_wire(w) for w in wire)
-                out[i] = LookupResult(ErrorCode(code), size, reps, lease_s, checksum)
+            items = self._call_keyed([keys[i] for i in valid],
+                                     lambda chunk, lo, hi: m.GetReplicasMsg(keys=chunk),
+                                     LookupResult, unpack=lambda reply: reply.items)
+            for i, look in zip(valid, items, strict=True):
+                out[i] = look
         return out, t0
 
     def _read(self, looks: Sequence[LookupResult], parts: Sequence[Sequence[Part] | None],

@@ -4,7 +4,6 @@ functions, no I/O."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from kvpool.store.wire.codes import ErrorCode
 
@@ -34,8 +33,3 @@ def refusal_code(status: int | None) -> ErrorCode:
         return ErrorCode.RPC_FAIL
     return ErrorCode(status)
 
-
-def lookup_items(reply: Any) -> list[Any]:
-    """GET_REPLICAS answers [lease_s, items]: the items, each carrying that lease."""
-    lease_s, items = reply
-    return [(code, size, wire, lease_s, checksum) for code, size, wire, _, checksum in items]

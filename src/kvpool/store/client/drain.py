@@ -18,15 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.store.client.base import ClientBase, RpcFailed
+from kvpool.store.wire import messages as m
 from kvpool.store.wire.codes import ErrorCode, LookupResult
-from kvpool.store.wire.drain import (
-    DrainPlan,
-    DrainStep,
-    ReplicaMove,
-    plan_from_wire,
-    step_from_wire,
-)
-from kvpool.store.wire.protocol import Op
+from kvpool.store.wire.drain import DrainPlan, DrainStep, ReplicaMove
 from kvpool.transfer import OpCode
 
 E = ErrorCode
@@ -69,12 +63,13 @@ class NodeDrainer(ClientBase):
         """The drain's plan (SEGMENT_NOT_FOUND: no such node); without `dry_run` the node's
         segments take no new placements from now on. RpcFailed when the master cannot be
         asked."""
-        return plan_from_wire(self._call(Op.DRAIN_BEGIN, address, dry_run))
+        plan: DrainPlan = self._call(m.DrainBeginMsg(address=address, dry_run=dry_run))
+        return plan
 
     def cancel(self, address: str) -> ErrorCode:
         """Let the node take placements again (objects moved so far stay moved)."""
         try:
-            return ErrorCode(self._call(Op.DRAIN_END, address))
+            return ErrorCode(self._call(m.DrainEndMsg(address=address)))
         except RpcFailed as exc:
             return exc.code
 
@@ -89,8 +84,8 @@ class NodeDrainer(ClientBase):
         max_bytes = max(1, self.config.local_buffer_size // 2)
         while time.monotonic() - start < timeout_s:
             t0 = self.clock.now()  # the leases of this batch's objects start after this
-            step = step_from_wire(self._call(Op.REPLICATE_START, address, batch_keys,
-                                             max_bytes))
+            step: DrainStep = self._call(m.ReplicateStartMsg(
+                address=address, max_keys=batch_keys, max_bytes=max_bytes))
             if step.code != E.OK:
                 break
             self._account(report, step)
@@ -118,22 +113,22 @@ class NodeDrainer(ClientBase):
     def _move(self, report: DrainReport, moves: Sequence[ReplicaMove], t0: float) -> None:
         """Copy one batch through the staging buffer and report each outcome to the
         master."""
-        looks = [LookupResult(E.OK, m.size, m.sources, m.lease_ttl_s, m.checksum)
-                 for m in moves]
-        staged = [self._staging.acquire(m.size) for m in moves]
+        looks = [LookupResult(E.OK, mv.size, mv.sources, mv.lease_ttl_s, mv.checksum)
+                 for mv in moves]
+        staged = [self._staging.acquire(mv.size) for mv in moves]
         try:
-            reads = self._read(looks, [[(addr, m.size)] for (addr, _, _), m
+            reads = self._read(looks, [[(addr, mv.size)] for (addr, _, _), mv
                                        in zip(staged, moves, strict=True)], t0)
-            copies = {i: [(staged[i][0], m.target.addr, m.size, m.target.endpoint,
-                           m.target.fence)]
-                      for i, (m, r) in enumerate(zip(moves, reads, strict=True)) if r.ok}
+            copies = {i: [(staged[i][0], mv.target.addr, mv.size, mv.target.endpoint,
+                           mv.target.fence)]
+                      for i, (mv, r) in enumerate(zip(moves, reads, strict=True)) if r.ok}
             failed = self._run_copies(OpCode.WRITE, copies)
         finally:
             for _, _, token in staged:
                 self._staging.release(token)
         codes = [int(E.TRANSFER_FAIL) if i in failed else int(r.code)
                  for i, r in enumerate(reads)]
-        ended = self._call(Op.REPLICATE_END, [m.key for m in moves], codes)
+        ended = self._call(m.ReplicateEndMsg(keys=[mv.key for mv in moves], codes=codes))
         for move, code, answer in zip(moves, codes, ended, strict=True):
             self._tally(report, move, code, answer)
 

@@ -1,6 +1,8 @@
 """A blocking RPC client of the master: one TCP connection, one call in flight.
 
-Frames are length-prefixed msgpack (framing.py). The connection is opened by the first call
+Frames are length-prefixed msgpack (framing.py); requests are the typed messages of
+messages.py, and each call returns its result decoded and checked against the message's
+`Reply` type. The connection is opened by the first call
 (so a client may be created before its master starts) and reopened by the next call after
 it broke; a call never hangs: it raises RpcTimeout when the master is unreachable or silent
 for its timeout, RpcError when the connection broke under it (the call may or may not have
@@ -23,7 +25,8 @@ from kvpool.errors import LocalProtocolError, RemoteProtocolError, RpcError, Rpc
 from kvpool.store.wire.auth import client_handshake
 from kvpool.store.wire.codes import ErrorCode
 from kvpool.store.wire.framing import FrameDecoder, encode_frame
-from kvpool.store.wire.protocol import Op, Reply, decode_reply, encode_request
+from kvpool.store.wire.messages import Msg, decode_result, encode_msg
+from kvpool.store.wire.protocol import Op, Reply, ReplyHead, decode_reply_head, encode_request
 
 RECV_BYTES = 256 << 10
 CONNECT_RETRY_S = 0.05
@@ -73,17 +76,37 @@ class RpcClient:
         self._lock = threading.Lock()
         self._closed = False
 
-    def call(self, op: Op, *args: Any, timeout_s: float | None = None) -> Any:
-        """The result of `op`; RpcTimeout when no reply comes in time, RpcError when the
-        master refuses the request (the message says why, `status` carries the reply's code),
-        when the request is too large for a frame (status INVALID_PARAMS, nothing sent) or
-        when the connection broke (status None)."""
+    def call(self, msg: Msg | Op, *args: Any, timeout_s: float | None = None) -> Any:
+        """The result of request `msg` (typed: `msg.Reply`). RpcTimeout when no reply comes
+        in time, RpcError when the master refuses the request (the message says why,
+        `status` carries the reply's code), when the request is too large for a frame
+        (status INVALID_PARAMS, nothing sent), when the reply does not fit `msg.Reply`, or
+        when the connection broke (status None). Stamps `msg` with this client's header.
+
+        Tests and tools may pass an Op and its fields positionally instead: sent unchecked,
+        and the result comes back as plain msgpack values."""
         frame_id = next(self._ids)
+        op = msg.op if isinstance(msg, Msg) else msg
         try:
-            frame = encode_frame(encode_request(op, frame_id, self.client_id, *args))
+            if isinstance(msg, Msg):
+                msg.req_id, msg.client_id = frame_id, self.client_id
+                payload = encode_msg(msg)
+            else:
+                payload = encode_request(msg, frame_id, self.client_id, *args)
+            frame = encode_frame(payload)
         except LocalProtocolError as exc:  # nothing was sent; the request is the caller's fault
             raise RpcError(f"{op.name} request not sent: {exc}",
                            status=int(ErrorCode.INVALID_PARAMS)) from None
+        head = self._exchange(frame, frame_id, timeout_s)
+        if head.status != 0:
+            raise RpcError(f"master refused {op.name} (code {head.status}): "
+                           f"{_plain(head.result)}", status=head.status)
+        try:
+            return decode_result(type(msg) if isinstance(msg, Msg) else Msg, head.result)
+        except RemoteProtocolError as exc:
+            raise RpcError(f"malformed reply from {self.address}: {exc}") from None
+
+    def _exchange(self, frame: bytes, frame_id: int, timeout_s: float | None) -> ReplyHead:
         with self._lock:
             if self._closed:
                 raise RpcError("RPC client is closed")
@@ -95,11 +118,7 @@ class RpcClient:
             except RpcError:
                 self._disconnect()
                 raise
-            reply = self._wait(sock, frame_id, timeout, deadline)
-        if reply.status != 0:
-            raise RpcError(f"master refused {op.name} (code {reply.status}): {reply.result}",
-                           status=reply.status)
-        return reply.result
+            return self._wait(sock, frame_id, timeout, deadline)
 
     def _ready_socket(self, timeout_s: float, deadline: float) -> socket.socket:
         """The open connection, checked for a close by the master since the last call (then,
@@ -175,7 +194,7 @@ class RpcClient:
             raise RpcError(f"connection to master {self.address} lost: {exc}") from None
 
     def _wait(self, sock: socket.socket, frame_id: int, timeout_s: float,
-              deadline: float) -> Reply:
+              deadline: float) -> ReplyHead:
         """The reply to `frame_id`. On RpcTimeout the connection stays (its late reply will
         be skipped); on any other RpcError it is closed."""
         try:
@@ -189,16 +208,17 @@ class RpcClient:
             raise
 
     def _wait_on(self, sock: socket.socket, frame_id: int, timeout_s: float,
-                 deadline: float) -> Reply:
+                 deadline: float) -> ReplyHead:
         while True:
             while self._frames:
                 reply = self._decode(self._frames.pop(0))
                 if reply.req_id == frame_id:
                     return reply
                 if reply.req_id == 0 and reply.status != 0:  # the master refused the connection
-                    raise RpcError(f"master {self.address} refused the connection: {reply.result}")
+                    raise RpcError(f"master {self.address} refused the connection: "
+                                   f"{_plain(reply.result)}")
                 if self.on_late_reply is not None:
-                    self.on_late_reply(reply)
+                    self.on_late_reply(Reply(reply.req_id, reply.status, _plain(reply.result)))
             if time.monotonic() > deadline:  # only late replies of earlier calls arrived
                 raise RpcTimeout(f"master {self.address} did not answer within {timeout_s}s")
             self._frames = self._receive(sock, timeout_s)
@@ -226,9 +246,9 @@ class RpcClient:
         leader = self._resolve()
         return leader is not None and leader != (self._host, self._port)
 
-    def _decode(self, frame: bytes) -> Reply:
+    def _decode(self, frame: bytes) -> ReplyHead:
         try:
-            return decode_reply(frame)
+            return decode_reply_head(frame)
         except RemoteProtocolError as exc:
             raise RpcError(f"malformed reply from {self.address}: {exc}") from None
 
@@ -249,3 +269,11 @@ class RpcClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _plain(raw: Any) -> Any:
+    """An undecoded result as plain msgpack values (an error message, a late reply)."""
+    try:
+        return decode_result(Msg, raw)
+    except RemoteProtocolError:
+        return "<undecodable>"

@@ -14,15 +14,15 @@ Thread-safe: calls are serialized on one master connection.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvpool.store.client.base import ClientBase, RpcFailed
 from kvpool.store.client.plan import Part
 from kvpool.store.config import ReplicateConfig
+from kvpool.store.wire import messages as m
 from kvpool.store.wire.codes import ErrorCode, GetResult, LookupResult, PutResult, ReadResult
-from kvpool.store.wire.protocol import Op
 from kvpool.store.wire.validate import valid_key
 
 E = ErrorCode
@@ -149,7 +149,7 @@ class StoreClient(ClientBase):
         return self.batch_exists([key])[0]
 
     def batch_exists(self, keys: Sequence[str]) -> list[ErrorCode]:
-        return self._keyed(Op.EXISTS, keys)
+        return self._keyed(keys, lambda chunk: m.ExistsMsg(keys=chunk))
 
     def size(self, key: str) -> SizeResult:
         return self.batch_size([key])[0]
@@ -169,28 +169,32 @@ class StoreClient(ClientBase):
         return self.batch_remove([key], force)[0]
 
     def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[ErrorCode]:
-        return self._keyed(Op.REMOVE, keys, force)
+        return self._keyed(keys, lambda chunk: m.RemoveMsg(keys=chunk, force=force))
 
     def remove_all(self, force: bool = False) -> int:
         """Number of objects removed, or a negative ErrorCode."""
         try:
-            return int(self._call(Op.REMOVE_ALL, force))
+            return int(self._call(m.RemoveAllMsg(force=force)))
         except RpcFailed as exc:
             return int(exc.code)
 
     def remove_regex(self, pattern: str, force: bool = False) -> int:
         try:
-            return int(self._call(Op.REMOVE_REGEX, pattern, force))
+            return int(self._call(m.RemoveRegexMsg(pattern=pattern, force=force)))
         except RpcFailed as exc:
             return int(exc.code)
 
-    def _keyed(self, op: Op, keys: Sequence[str], *args: Any) -> list[ErrorCode]:
+    def _keyed(self, keys: Sequence[str],
+               make: Callable[[list[str]], m.Msg]) -> list[ErrorCode]:
+        """Per-key codes of a keyed request (`make(chunk)` builds it); invalid keys are
+        INVALID_PARAMS without asking."""
         out = [E.INVALID_PARAMS] * len(keys)
         valid = [i for i, k in enumerate(keys) if valid_key(k)]
         if valid:
-            codes = self._call_keyed(op, [keys[i] for i in valid], (), args, lambda c: c)
+            codes = self._call_keyed([keys[i] for i in valid],
+                                     lambda chunk, lo, hi: make(chunk), lambda c: c)
             for i, code in zip(valid, codes, strict=True):
-                out[i] = ErrorCode(code)
+                out[i] = code
         return out
 
     def __enter__(self) -> StoreClient:

@@ -1,7 +1,8 @@
 """Dispatch of decoded requests to the master core, and the wire shape of results.
 
 Still sans-I/O: bytes in, bytes out. The RPC server feeds it frames; tests feed it frames
-directly, byte by byte.
+directly, byte by byte. Requests arrive as the typed messages of wire/messages.py; each has
+one handler here, registered in `MasterService._handlers` by message class.
 """
 
 from __future__ import annotations
@@ -15,14 +16,9 @@ from kvpool.errors import ConfigError, InvalidArgument, RemoteProtocolError
 from kvpool.log import get_logger
 from kvpool.store.config import ReplicateConfig
 from kvpool.store.master.core import MasterCore
+from kvpool.store.wire import messages as m
 from kvpool.store.wire.codes import ErrorCode, Tier
-from kvpool.store.wire.protocol import (
-    Op,
-    Request,
-    decode_request,
-    encode_reply,
-    peek_req_id,
-)
+from kvpool.store.wire.protocol import encode_reply, peek_req_id
 from kvpool.store.wire.validate import TIER_VALUES, mount_problem, valid_key
 
 E = ErrorCode
@@ -32,6 +28,8 @@ _ARGUMENT_ERRORS = (InvalidArgument, ConfigError)
 log = get_logger("store.service")
 MAX_PREFERRED = 64
 MAX_PATTERN = 1024
+_KEYED = (m.PutStartMsg, m.PutEndMsg, m.PutRevokeMsg, m.GetReplicasMsg, m.ExistsMsg,
+          m.RemoveMsg, m.ReplicateEndMsg)
 
 
 class MasterService:
@@ -45,24 +43,27 @@ class MasterService:
         """Per-key outcomes other than OK, by (op, code name)."""
         self._t0 = 0.0
         self._on_result = on_result
-        self._handlers: dict[Op, Callable[[Request], Any]] = {
-            Op.PING: lambda r: "pong",
-            Op.HEARTBEAT: lambda r: int(core.heartbeat(r.client_id)),
-            Op.MOUNT: self._mount,
-            Op.UNMOUNT: lambda r: int(core.unmount_segment(r.client_id, r.args[0])),
-            Op.PUT_START: self._put_start,
-            Op.PUT_END: lambda r: self._count(r, core.put_end(r.client_id, *r.args)),
-            Op.PUT_REVOKE: lambda r: self._count(r, core.put_revoke(r.client_id, r.args[0])),
-            Op.GET_REPLICAS: self._get_replicas,
-            Op.EXISTS: lambda r: core.exists(r.args[0]),
-            Op.REMOVE: lambda r: self._count(r, core.remove(r.args[0], r.args[1])),
-            Op.REMOVE_ALL: lambda r: core.remove_all(r.args[0]),
-            Op.REMOVE_REGEX: lambda r: core.remove_regex(r.args[0], r.args[1]),
-            Op.SEGMENTS: self._segments,
-            Op.DRAIN_BEGIN: lambda r: core.drain.begin(*r.args),
-            Op.REPLICATE_START: lambda r: core.drain.start(r.client_id, *r.args),
-            Op.REPLICATE_END: lambda r: self._count(r, core.drain.end(r.client_id, *r.args)),
-            Op.DRAIN_END: lambda r: int(core.drain.cancel(r.args[0])),
+        self._handlers: dict[type[m.Msg], Callable[[Any], Any]] = {
+            m.PingMsg: lambda r: "pong",
+            m.HeartbeatMsg: lambda r: core.heartbeat(r.client_id),
+            m.MountMsg: self._mount,
+            m.UnmountMsg: lambda r: core.unmount_segment(r.client_id, r.segment_id),
+            m.PutStartMsg: self._put_start,
+            m.PutEndMsg: lambda r: self._count(r, core.put_end(r.client_id, r.keys,
+                                                               r.checksums)),
+            m.PutRevokeMsg: lambda r: self._count(r, core.put_revoke(r.client_id, r.keys)),
+            m.GetReplicasMsg: self._get_replicas,
+            m.ExistsMsg: lambda r: core.exists(r.keys),
+            m.RemoveMsg: lambda r: self._count(r, core.remove(r.keys, r.force)),
+            m.RemoveAllMsg: lambda r: core.remove_all(r.force),
+            m.RemoveRegexMsg: lambda r: core.remove_regex(r.pattern, r.force),
+            m.SegmentsMsg: self._segments,
+            m.DrainBeginMsg: lambda r: core.drain.begin(r.address, r.dry_run),
+            m.ReplicateStartMsg: lambda r: core.drain.start(r.client_id, r.address,
+                                                            r.max_keys, r.max_bytes),
+            m.ReplicateEndMsg: lambda r: self._count(r, core.drain.end(r.client_id, r.keys,
+                                                                       r.codes)),
+            m.DrainEndMsg: lambda r: core.drain.cancel(r.address),
         }
 
     def handle(self, frame: bytes) -> bytes:
@@ -71,7 +72,7 @@ class MasterService:
         a log line with the traceback."""
         self._t0 = time.perf_counter()
         try:
-            req = decode_request(frame)
+            req = m.decode_msg(frame)
         except RemoteProtocolError as exc:
             self._observe("malformed", int(E.INVALID_PARAMS))
             return encode_reply(peek_req_id(frame), int(E.INVALID_PARAMS), str(exc))
@@ -86,10 +87,10 @@ class MasterService:
             req.req_id, INTERNAL_ERROR, f"{req.op.name}: internal error: the reply could "
             "not be encoded (see the master's log)")
 
-    def _run(self, req: Request) -> tuple[int, Any]:
+    def _run(self, req: m.Msg) -> tuple[int, Any]:
         """(status, result) of one valid request."""
         try:
-            return 0, self._handlers[req.op](req)
+            return 0, self._handlers[type(req)](req)
         except _ARGUMENT_ERRORS as exc:  # raised on purpose for a value the checks let by
             return int(E.INVALID_PARAMS), f"{req.op.name}: {exc}"
         except Exception:
@@ -98,7 +99,7 @@ class MasterService:
             return INTERNAL_ERROR, f"{req.op.name}: internal error in the master (see its log)"
 
     @staticmethod
-    def _encode(req: Request, status: int, result: Any) -> bytes | None:
+    def _encode(req: m.Msg, status: int, result: Any) -> bytes | None:
         try:
             return encode_reply(req.req_id, status, result)
         except Exception:
@@ -106,24 +107,24 @@ class MasterService:
                           req.client_id)
             return None
 
-    def _request_problem(self, req: Request) -> str | None:
+    def _request_problem(self, req: m.Msg) -> str | None:
         """What makes a well-formed request unacceptable as a whole, or None."""
         if not valid_key(req.client_id):
             return "client_id must be 1..4096 bytes without whitespace or control characters"
-        if req.op in _KEYED and len(req.args[0]) > self.core.config.max_batch:
-            return f"batch of {len(req.args[0])} keys exceeds {self.core.config.max_batch}"
-        if req.op is Op.PUT_START and len(req.args[5]) > MAX_PREFERRED:
+        if isinstance(req, _KEYED) and len(req.keys) > self.core.config.max_batch:
+            return f"batch of {len(req.keys)} keys exceeds {self.core.config.max_batch}"
+        if isinstance(req, m.PutStartMsg) and len(req.preferred) > MAX_PREFERRED:
             return f"more than {MAX_PREFERRED} preferred segments"
-        if req.op is Op.REMOVE_REGEX and len(req.args[0]) > MAX_PATTERN:
+        if isinstance(req, m.RemoveRegexMsg) and len(req.pattern) > MAX_PATTERN:
             return f"pattern longer than {MAX_PATTERN} characters"
-        if req.op is Op.REPLICATE_START and not (
-                0 < req.args[1] <= self.core.config.max_batch and 0 < req.args[2] < 1 << 63):
+        if isinstance(req, m.ReplicateStartMsg) and not (
+                0 < req.max_keys <= self.core.config.max_batch and 0 < req.max_bytes < 1 << 63):
             return f"max_keys must be in 1..{self.core.config.max_batch}, max_bytes > 0"
-        if req.op is Op.MOUNT and req.args[3] not in TIER_VALUES:
-            return f"unknown tier {req.args[3]}: expected one of {sorted(TIER_VALUES)}"
+        if isinstance(req, m.MountMsg) and req.tier not in TIER_VALUES:
+            return f"unknown tier {req.tier}: expected one of {sorted(TIER_VALUES)}"
         return None
 
-    def _count(self, r: Request, codes: list[ErrorCode]) -> list[ErrorCode]:
+    def _count(self, r: m.Msg, codes: list[ErrorCode]) -> list[ErrorCode]:
         """Count per-key failures by op and code (for metrics); returns `codes`."""
         for code in codes:
             if code:
@@ -134,35 +135,31 @@ class MasterService:
         if self._on_result is not None:
             self._on_result(op, status, time.perf_counter() - self._t0)
 
-    def _mount(self, r: Request) -> list[Any]:
-        endpoint, base_addr, size, tier, fence = r.args
-        problem = mount_problem(endpoint, base_addr, size, fence)
+    def _mount(self, r: m.MountMsg) -> m.MountReply:
+        problem = mount_problem(r.endpoint, r.base_addr, r.size, r.fence)
         if problem is not None:  # answered like the core's own refusals: [code, ""]
             log.info("refusing a MOUNT from client %r: %s", r.client_id, problem)
-            return [int(E.INVALID_PARAMS), ""]
-        code, segment_id = self.core.mount_segment(r.client_id, endpoint, base_addr, size,
-                                                   Tier(tier), fence)
-        return [int(code), segment_id]
+            return m.MountReply(int(E.INVALID_PARAMS), "")
+        code, segment_id = self.core.mount_segment(r.client_id, r.endpoint, r.base_addr,
+                                                   r.size, Tier(r.tier), r.fence)
+        return m.MountReply(int(code), segment_id)
 
-    def _put_start(self, r: Request) -> list[Any]:
-        keys, sizes, replica_num, hard, soft, preferred, upsert = r.args
-        if not 1 <= replica_num <= self.core.config.max_replicas or len(keys) != len(sizes):
-            self._count(r, [E.INVALID_PARAMS] * len(keys))
-            return [[int(E.INVALID_PARAMS), []] for _ in keys]
-        cfg = ReplicateConfig(replica_num, hard, soft, "", tuple(preferred))
-        results = self.core.put_start(r.client_id, keys, sizes, cfg, upsert)
+    def _put_start(self, r: m.PutStartMsg) -> list[Any]:
+        if not 1 <= r.replica_num <= self.core.config.max_replicas \
+                or len(r.keys) != len(r.sizes):
+            self._count(r, [E.INVALID_PARAMS] * len(r.keys))
+            return [(E.INVALID_PARAMS, ()) for _ in r.keys]
+        cfg = ReplicateConfig(r.replica_num, r.hard_pin, r.soft_pin, "", tuple(r.preferred))
+        results = self.core.put_start(r.client_id, r.keys, r.sizes, cfg, r.upsert)
         self._count(r, [x.code for x in results])
         return results
 
-    def _get_replicas(self, r: Request) -> list[Any]:
-        results = self.core.get_replicas(r.args[0])
+    def _get_replicas(self, r: m.GetReplicasMsg) -> m.GetReplicasReply:
+        results = self.core.get_replicas(r.keys)
         self._count(r, [x.code for x in results])
-        return [self.core.config.lease_ttl_s, results]
+        return m.GetReplicasReply(self.core.config.lease_ttl_s, results)
 
-    def _segments(self, r: Request) -> list[Any]:
-        return [[s.segment_id, s.client_id, s.endpoint, s.base_addr, s.capacity_bytes,
-                 s.used_bytes, int(s.tier)] for s in self.core.segment_infos()]
-
-
-_KEYED = {Op.PUT_START, Op.PUT_END, Op.PUT_REVOKE, Op.GET_REPLICAS, Op.EXISTS, Op.REMOVE,
-          Op.REPLICATE_END}
+    def _segments(self, r: m.SegmentsMsg) -> list[m.SegmentRow]:
+        return [m.SegmentRow(s.segment_id, s.client_id, s.endpoint, s.base_addr,
+                             s.capacity_bytes, s.used_bytes, int(s.tier))
+                for s in self.core.segment_infos()]

@@ -1,8 +1,7 @@
 """Typed results of the drain ops (DRAIN_BEGIN, REPLICATE_START, REPLICATE_END, DRAIN_END).
 
-Named tuples, like ReplicaDesc: the master hands them to msgpack as arrays, and the client
-turns a decoded array back into the tuple with the `*_from_wire` functions here (both sides
-import this module; the client never imports master code).
+Named tuples, like ReplicaDesc: they travel as arrays, and the client decodes a reply
+straight into them (the `Reply` of the messages in messages.py), types checked.
 
 A drain, seen from the client that runs it (`kvpool store-node drain ADDR`):
 
@@ -17,10 +16,9 @@ A drain, seen from the client that runs it (`kvpool store-node drain ADDR`):
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from kvpool.store.wire.codes import ErrorCode, ReplicaDesc
-from kvpool.store.wire.protocol import replica_from_wire
 
 
 class DrainPlan(NamedTuple):
@@ -76,18 +74,3 @@ class DrainStep(NamedTuple):
     """Puts and moves still in flight on the drained segments."""
     done: bool = False
     """Nothing is left on the drained segments but the unplaced objects of this drain."""
-
-
-_CODES = {int(c): c for c in ErrorCode}
-
-
-def plan_from_wire(w: list[Any]) -> DrainPlan:
-    return DrainPlan(_CODES[w[0]], tuple(w[1]), *w[2:7])
-
-
-def step_from_wire(w: list[Any]) -> DrainStep:
-    moves = tuple(ReplicaMove(m[0], m[1], m[2], m[3],
-                              tuple(replica_from_wire(s) for s in m[4]),
-                              replica_from_wire(m[5])) for m in w[1])
-    unplaced = tuple(Unplaced(u[0], u[1], _CODES[u[2]]) for u in w[4])
-    return DrainStep(_CODES[w[0]], moves, w[2], w[3], unplaced, w[5], bool(w[6]))
