@@ -43,7 +43,7 @@ def test_rpc_and_admin_in_process(master: MasterServer) -> None:
     segs = httpx.get(f"{base}/segments").json()
     assert segs == [{"segment_id": sid, "client_id": "node", "endpoint": "127.0.0.1:7000",
                      "base_addr": 4096, "capacity_bytes": 1 << 20, "used_bytes": 5120,
-                     "tier": "DRAM"}]
+                     "tier": "DRAM", "draining": False}]
     q = httpx.get(f"{base}/query_key", params={"key": "k2"}).json()
     assert q["size"] == 5000 and q["replicas"][0]["addr"] == 4160
     assert httpx.get(f"{base}/query_key", params={"key": "zz"}).status_code == 404

@@ -140,6 +140,9 @@ TYPED = [
     m.PutRevokeMsg(keys=["a"]), m.GetReplicasMsg(keys=["a"]), m.ExistsMsg(keys=[]),
     m.RemoveMsg(keys=["a"], force=True), m.RemoveAllMsg(force=True),
     m.RemoveRegexMsg(pattern="a.*"), m.SegmentsMsg(),
+    m.DrainBeginMsg(address="h:1", dry_run=True),
+    m.ReplicateStartMsg(address="h:1", max_keys=8, max_bytes=1 << 20),
+    m.ReplicateEndMsg(keys=["a"], codes=[0]), m.DrainEndMsg(address="h:1"),
 ]
 
 

@@ -189,3 +189,35 @@ def test_objects_on_disk_survive_a_master_restart(tmp_path: Path) -> None:
             else:
                 assert got.code == E.OBJECT_NOT_FOUND, (key, got.code)
         cluster.check_integrity()
+
+
+def test_draining_a_disk_node_moves_its_disk_only_objects(tmp_path: Path) -> None:
+    """`kvpool store-node drain` of a node with a disk tier: objects that live only on its
+    disk are loaded into another node's DRAM and moved; after kill -9 every one reads back."""
+    import subprocess
+    import sys
+
+    from tests.support.procs import python_env
+
+    keys = [f"drain-{i}" for i in range(24)]              # 6 MiB through 4 MiB of DRAM
+    with ssd_cluster(tmp_path) as (cluster, client):
+        put_paced(client, keys)
+        wait_for("offloads", lambda: metric(cluster, "kvpool_master_ssd_offloads") >= 8)
+        disk_only = [k for k in keys if [r["tier"] for r in cluster.admin(
+            "/query_key", key=k).json()["replicas"]] == ["SSD"]]
+        assert disk_only  # the admin view does not load them, as a get would
+        cluster.add_node("64MiB")
+        cluster.wait_segments(3)
+        node = cluster.nodes[0]
+        (ssd,) = [s for s in cluster.segments() if s["tier"] == "SSD"]
+        done = subprocess.run([sys.executable, "-m", "kvpool", "store-node", "drain",
+                               str(ssd["endpoint"]), "--master", cluster.address],
+                              env=python_env(), capture_output=True, text=True, timeout=120,
+                              check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
+        node.kill()
+        node.wait()
+        for key in keys:
+            got = client.get(key)
+            assert got.code == E.OK and got.data == content(key, SIZE), key
+        assert client.stats.checksum_mismatches == 0

@@ -1,4 +1,6 @@
-"""`kvpool store-node --dram 8GiB --master HOST:PORT`: contribute DRAM to the KVCache pool."""
+"""`kvpool store-node --dram 8GiB --master HOST:PORT`: contribute DRAM to the KVCache pool.
+
+`kvpool store-node drain ADDR --master HOST:PORT`: move a node's objects away (store_drain.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import sys
 import threading
 
 from kvpool.cli.security import add_security_args, bind_refusal, export_token
+from kvpool.cli.store_drain import add_drain_args, run_drain
 from kvpool.errors import ConfigError, KvpoolError
 from kvpool.log import get_logger
 from kvpool.store.client.config import ClientConfig
@@ -20,7 +23,7 @@ log = get_logger("cli.store_node")
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("store-node", help="contribute DRAM to the KVCache pool")
-    p.add_argument("--dram", required=True, help="memory to contribute, e.g. 8GiB")
+    p.add_argument("--dram", help="memory to contribute, e.g. 8GiB (required but for drain)")
     p.add_argument("--master", default="127.0.0.1:50051", help="master RPC HOST:PORT")
     p.add_argument("--host", default="127.0.0.1", help="transfer-engine listen address")
     p.add_argument("--port", type=int, default=0, help="transfer-engine port (0 = free)")
@@ -38,10 +41,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="fsync every file (and the directory) so that it survives a power loss")
     add_security_args(p, "the master, the metadata server and peers' transfer engines "
                          "expect")
+    add_drain_args(p)
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.action == "drain":
+        return run_drain(args)
+    if args.dram is None:
+        print("kvpool store-node: the following arguments are required: --dram",
+              file=sys.stderr)
+        return 2
     refusal = bind_refusal("store-node", args.host, args.token, args.insecure)
     if refusal is not None:
         print(refusal, file=sys.stderr)

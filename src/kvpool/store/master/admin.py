@@ -85,7 +85,8 @@ def _check(core: MasterCore) -> dict[str, Any]:
 def _segment_json(core: MasterCore) -> list[dict[str, Any]]:
     return [{"segment_id": s.segment_id, "client_id": s.client_id, "endpoint": s.endpoint,
              "base_addr": s.base_addr, "capacity_bytes": s.capacity_bytes,
-             "used_bytes": s.used_bytes, "tier": s.tier.name} for s in core.segment_infos()]
+             "used_bytes": s.used_bytes, "tier": s.tier.name, "draining": s.draining}
+            for s in core.segment_infos()]
 
 
 def mooncake_segment_names(core: MasterCore) -> list[str]:

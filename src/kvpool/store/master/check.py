@@ -24,6 +24,9 @@ def check_master(core: MasterCore) -> None:
     for seg, offset, size in core.tiering.held_ranges():
         assert offset not in expected[seg.segment_id], f"task range {offset} also used"
         expected[seg.segment_id][offset] = size
+    core.drain.check()
+    for target in core.drain.target_ranges():
+        _collect(core, "a move", [target], expected)
     for _, seg, offset in core._deferred:
         if core.segments.get(seg.segment_id) is seg:
             expected[seg.segment_id][offset] = seg.allocator.rounded(1)  # size checked below
@@ -36,7 +39,7 @@ def check_master(core: MasterCore) -> None:
         for key in seg.keys:
             assert key in core.objects, f"{sid} lists removed key {key!r}"
         assert seg.client_id in core.clients, f"{sid} belongs to unknown client"
-    dram = core.segment_list()
+    dram = core.dram_segments()
     used = sum(s.allocator.used_bytes for s in dram)
     assert used == core.used_bytes, f"used {core.used_bytes} != sum of segments {used}"
     assert sum(s.capacity for s in dram) == core.capacity_bytes

@@ -17,6 +17,7 @@ from kvpool.store.allocator import OffsetAllocator
 from kvpool.store.config import MasterConfig, ReplicateConfig
 from kvpool.store.master import batch as master_batch
 from kvpool.store.master import evict as master_evict
+from kvpool.store.master.drain import DrainManager
 from kvpool.store.master.eviction import create_eviction_policy
 from kvpool.store.master.placement import create_placement, pick_segments
 from kvpool.store.master.state import ClientState, PendingPut, Replica, Segment, StoredObject
@@ -79,6 +80,8 @@ class MasterCore:
         """Persistence (persist.py): told of every durable change, and of each tick."""
         self.tiering = Tiering(self)
         """The disk tier (tiering.py): inert until a node attaches one."""
+        self.drain = DrainManager(self)
+        """Drains of store nodes and their moves in flight (drain.py)."""
 
     # -- clients and segments -------------------------------------------------------------
 
@@ -154,6 +157,7 @@ class MasterCore:
         and puts that were writing there are revoked."""
         del self.segments[seg.segment_id]
         self._segments_cache = None
+        self.drain.on_drop(seg)
         if self.journal is not None:
             self.journal.on_drop(seg.segment_id)
         client = self.clients.get(seg.client_id)
@@ -255,9 +259,11 @@ class MasterCore:
         return replicas
 
     def segment_list(self) -> list[Segment]:
-        """The DRAM segments: where puts and loaded copies are placed."""
+        """The segments that take new placements: DRAM ones that are not draining (puts and
+        loaded copies go there)."""
         if self._segments_cache is None:
-            self._segments_cache = [s for s in self.segments.values() if s.tier is Tier.DRAM]
+            self._segments_cache = [s for s in self.segments.values()
+                                    if s.tier is Tier.DRAM and not s.draining]
         return self._segments_cache
 
     def put_end(self, client_id: str, keys: Sequence[str],
@@ -327,6 +333,7 @@ class MasterCore:
             client.last_seen += gap_s
         for key, put in self.pending.items():
             self.pending[key] = put._replace(started=put.started + gap_s)
+        self.drain.forgive_stall(gap_s)
         self.stats.stalls_forgiven += 1
 
     def discard_stale_puts(self) -> int:
@@ -462,6 +469,7 @@ class MasterCore:
             self.forgive_stall(gap)
         self.expire_clients()
         self.discard_stale_puts()
+        self.drain.discard_stale()
         self.release_deferred()
         self.tiering.tick()
         if self._capacity and self.used_bytes > self.config.high_watermark * self._capacity:
@@ -477,7 +485,12 @@ class MasterCore:
     def used_bytes(self) -> int:
         """Allocated DRAM bytes over all segments (summed on demand: segments are few and the
         put path stays free of bookkeeping)."""
-        return sum(s.allocator.used_bytes for s in self.segment_list())
+        return sum(s.allocator.used_bytes for s in self.dram_segments())
+
+    def dram_segments(self) -> list[Segment]:
+        """Every DRAM segment, draining ones included: what capacity and the eviction
+        watermark count (`segment_list` is the subset that takes placements)."""
+        return [s for s in self.segments.values() if s.tier is Tier.DRAM]
 
     def segment_infos(self) -> list[SegmentInfo]:
         return [s.info() for s in self.segments.values()]

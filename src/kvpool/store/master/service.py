@@ -30,8 +30,7 @@ log = get_logger("store.service")
 MAX_PREFERRED = 64
 MAX_PATTERN = 1024
 _KEYED = (m.PutStartMsg, m.PutEndMsg, m.PutRevokeMsg, m.GetReplicasMsg, m.ExistsMsg,
-          m.SsdRegisterMsg,
-          m.RemoveMsg)
+          m.SsdRegisterMsg, m.RemoveMsg, m.ReplicateEndMsg)
 
 
 class MasterService:
@@ -61,6 +60,12 @@ class MasterService:
             m.RemoveRegexMsg: lambda r: core.remove_regex(r.pattern, r.force),
             m.SegmentsMsg: self._segments,
             **tier_handlers(core),
+            m.DrainBeginMsg: lambda r: core.drain.begin(r.address, r.dry_run),
+            m.ReplicateStartMsg: lambda r: core.drain.start(r.client_id, r.address,
+                                                            r.max_keys, r.max_bytes),
+            m.ReplicateEndMsg: lambda r: self._count(r, core.drain.end(r.client_id, r.keys,
+                                                                       r.codes)),
+            m.DrainEndMsg: lambda r: core.drain.cancel(r.address),
         }
 
     def handle(self, frame: bytes) -> bytes:
@@ -114,6 +119,9 @@ class MasterService:
             return f"more than {MAX_PREFERRED} preferred segments"
         if isinstance(req, m.RemoveRegexMsg) and len(req.pattern) > MAX_PATTERN:
             return f"pattern longer than {MAX_PATTERN} characters"
+        if isinstance(req, m.ReplicateStartMsg) and not (
+                0 < req.max_keys <= self.core.config.max_batch and 0 < req.max_bytes < 1 << 63):
+            return f"max_keys must be in 1..{self.core.config.max_batch}, max_bytes > 0"
         if isinstance(req, m.MountMsg) and req.tier not in TIER_VALUES:
             return f"unknown tier {req.tier}: expected one of {sorted(TIER_VALUES)}"
         return None

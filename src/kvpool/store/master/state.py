@@ -24,6 +24,8 @@ class Segment:
     keys: set[str] = field(default_factory=set)
     """Keys of complete objects with a replica here."""
     pending_keys: set[str] = field(default_factory=set)
+    draining: bool = False
+    """Being drained (drain.py): placement skips it; its objects move elsewhere."""
 
     @property
     def capacity(self) -> int:
@@ -31,7 +33,8 @@ class Segment:
 
     def info(self) -> SegmentInfo:
         return SegmentInfo(self.segment_id, self.client_id, self.endpoint, self.base_addr,
-                           self.capacity, self.allocator.used_bytes, self.tier)
+                           self.capacity, self.allocator.used_bytes, self.tier,
+                           self.draining)
 
 
 class Replica(NamedTuple):

@@ -136,6 +136,8 @@ class SegmentInfo:
     capacity_bytes: int
     used_bytes: int
     tier: Tier = Tier.DRAM
+    draining: bool = False
+    """Being drained: takes no new placements."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,6 +31,7 @@ import msgspec
 
 from kvpool.errors import RemoteProtocolError
 from kvpool.store.wire.codes import ErrorCode, LookupResult, PutStartResult
+from kvpool.store.wire.drain import DrainPlan, DrainStep
 from kvpool.store.wire.protocol import MAX_FRAME_BYTES, Op
 
 
@@ -205,10 +206,44 @@ class SsdRegisterMsg(Msg, tag=int(Op.SSD_REGISTER), kw_only=True):
     Reply: ClassVar[Any] = list[ErrorCode]
 
 
+class DrainBeginMsg(Msg, tag=int(Op.DRAIN_BEGIN), kw_only=True):
+    """Mark the segments of `address` (an endpoint or a segment id) draining and plan; with
+    `dry_run` only plan (store/wire/drain.py)."""
+
+    address: str
+    dry_run: bool = False
+    Reply: ClassVar[Any] = DrainPlan
+
+
+class ReplicateStartMsg(Msg, tag=int(Op.REPLICATE_START), kw_only=True):
+    """The next batch of moves of a drain: at most `max_keys` objects, `max_bytes` bytes."""
+
+    address: str
+    max_keys: int
+    max_bytes: int
+    Reply: ClassVar[Any] = DrainStep
+
+
+class ReplicateEndMsg(Msg, tag=int(Op.REPLICATE_END), kw_only=True):
+    """Per key, 0: the target holds the verified bytes; else why the copy failed."""
+
+    keys: list[str]
+    codes: list[int]
+    Reply: ClassVar[Any] = list[ErrorCode]
+
+
+class DrainEndMsg(Msg, tag=int(Op.DRAIN_END), kw_only=True):
+    """Stop draining `address` (its segments take placements again)."""
+
+    address: str
+    Reply: ClassVar[Any] = int
+
+
 _CLASSES: tuple[type[Msg], ...] = (
     PingMsg, HeartbeatMsg, MountMsg, UnmountMsg, PutStartMsg, PutEndMsg, PutRevokeMsg,
     GetReplicasMsg, ExistsMsg, RemoveMsg, RemoveAllMsg, RemoveRegexMsg, SegmentsMsg,
-    SsdMountMsg, NodeTasksMsg, NodeReportMsg, SsdRegisterMsg)
+    SsdMountMsg, NodeTasksMsg, NodeReportMsg, SsdRegisterMsg,
+    DrainBeginMsg, ReplicateStartMsg, ReplicateEndMsg, DrainEndMsg)
 MESSAGES: dict[Op, type[Msg]] = {Op(int(c.__struct_config__.tag or 0)): c for c in _CLASSES}
 """Every request class by op (a new op must be listed here)."""
 for _op, _cls in MESSAGES.items():

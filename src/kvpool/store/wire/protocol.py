@@ -44,6 +44,10 @@ class Op(enum.IntEnum):
     NODE_TASKS = 15
     NODE_REPORT = 16
     SSD_REGISTER = 17
+    DRAIN_BEGIN = 18
+    REPLICATE_START = 19
+    REPLICATE_END = 20
+    DRAIN_END = 21
 
 
 @dataclass(frozen=True, slots=True)
