@@ -284,8 +284,11 @@ class TransferEngine:
         """Run requests to completion; returns per-request status, never raises for peer failures."""
         if not requests:
             return []
+        router = self._started_router()
+        if len(requests) == 1 and (status := router.run_one(requests[0])) is not None:
+            return [status]
         batch = Batch(len(requests))
-        self._started_router().dispatch(batch, requests, inline=True)
+        router.dispatch(batch, requests, inline=True)
         return self._finish(batch, timeout_s)
 
     async def async_transfer(self, requests: list[TransferRequest]) -> list[RequestStatus]:

@@ -83,7 +83,12 @@ class Frame:
         self.batch.complete([i for i, s in zip(self.indices, statuses, strict=True) if s == Status.OK])
         for index, status in zip(self.indices, statuses, strict=True):
             if status != Status.OK:
-                self.batch.complete([index], _FAILURE_TEXT.get(status, f"remote status {status}"))
+                self.batch.complete([index], failure_text(status))
+
+
+def failure_text(status: Status) -> str:
+    """Why a descriptor the target refused failed, in words."""
+    return _FAILURE_TEXT.get(status, f"remote status {status}")
 
 
 def open_connection(host: str, port: int, config: TransferConfig, me: str) -> tuple[socket.socket, dict[str, Any]]:
@@ -213,17 +218,26 @@ class PeerLink:
             self._run(frame)
 
     def _run(self, frame: Frame) -> None:
+        outcome = self.exchange(frame.op, frame.addrs, frame.lengths, frame.views, frame.fences)
+        if isinstance(outcome, str):
+            frame.fail(outcome)
+        else:
+            frame.finish(outcome)
+
+    def exchange(self, op: OpCode, addrs: list[int], lengths: list[int], views: list[memoryview],
+                 fences: list[int] | None) -> list[Status] | str:
+        """Run one frame in the calling thread: the target's per-descriptor statuses, or why
+        the whole frame failed (then no descriptor counts as done)."""
         conn: Connection | None = None
         try:
             conn = self._checkout()
-            statuses = _run_frame(conn, frame)
+            statuses = _run_frame(conn, op, addrs, lengths, views, fences)
         except Exception as exc:  # whatever happens, the frame ends and the worker lives
             if conn is not None:
                 conn.close()
-            frame.fail(f"{self.host}:{self.port}: {_describe(exc)}")
-            return
+            return f"{self.host}:{self.port}: {_describe(exc)}"
         self._checkin(conn)
-        frame.finish(statuses)
+        return statuses
 
     def _checkout(self) -> Connection:
         with self._lock:
@@ -261,28 +275,28 @@ def _describe(exc: BaseException) -> str:
     return str(exc) or type(exc).__name__
 
 
-def _run_frame(conn: Connection, frame: Frame) -> list[Status]:
+def _run_frame(conn: Connection, op: OpCode, addrs: list[int], lengths: list[int],
+               views: list[memoryview], fences: list[int] | None) -> list[Status]:
     """Send one frame and receive its reply through the connection's frame decoder; returns
     the statuses. A READ's data goes from the socket straight into the OK descriptors' views
     (a small one comes in the reply's first recv and is copied from there)."""
     rid = next(_request_ids)
-    count = len(frame.indices)
-    desc = encode_descriptors(frame.addrs, frame.lengths, frame.fences)
+    count = len(addrs)
+    desc = encode_descriptors(addrs, lengths, fences)
     reply_prefix = HEADER_BYTES + count
-    if frame.op == OpCode.WRITE:
-        head = encode_header(FrameType.WRITE, count, rid, sum(frame.lengths))
-        send_views(conn.sock, [head, desc, *frame.views])
+    if op == OpCode.WRITE:
+        head = encode_header(FrameType.WRITE, count, rid, sum(lengths))
+        send_views(conn.sock, [head, desc, *views])
         reply = _expect(conn.reader, FrameType.WRITE_ACK, rid, count, reply_prefix)
         conn.reader.finish_frame([])
         return reply.statuses
     send_views(conn.sock, [encode_header(FrameType.READ, count, rid, 0) + desc])
-    payload = sum(frame.lengths)
-    whole = reply_prefix + payload  # the reply when every descriptor is OK
+    whole = reply_prefix + sum(lengths)  # the reply when every descriptor is OK
     reply = _expect(conn.reader, FrameType.READ_RESP, rid, count,
                     whole if whole <= SCRATCH_BYTES else reply_prefix)
     statuses = reply.statuses
-    ok_views = frame.views if statuses.count(Status.OK) == count else \
-        [v for v, s in zip(frame.views, statuses, strict=True) if s == Status.OK]
+    ok_views = views if statuses.count(Status.OK) == count else \
+        [v for v, s in zip(views, statuses, strict=True) if s == Status.OK]
     if reply.payload_bytes != sum(v.nbytes for v in ok_views):
         raise RemoteProtocolError("READ_RESP length does not match its OK descriptors")
     conn.reader.finish_frame(ok_views)
