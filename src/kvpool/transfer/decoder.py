@@ -116,23 +116,20 @@ class FrameDecoder:
         self._payload_left -= n
 
     def next_event(self) -> Event:
+        if self._in_payload:  # no parsing there, so nothing that could fail
+            return self._payload_event()
         if self._dead:
             raise RemoteProtocolError("decoder already failed; drop the connection")
         try:
-            return self._step()
+            if self._header is None:
+                if len(self._buf) < HEADER_BYTES:
+                    return NEED_DATA
+                self._header = decode_header(self._buf[:HEADER_BYTES])
+                del self._buf[:HEADER_BYTES]
+            return self._body_event(self._header)
         except RemoteProtocolError:
             self._dead = True
             raise
-
-    def _step(self) -> Event:
-        if self._in_payload:
-            return self._payload_event()
-        if self._header is None:
-            if len(self._buf) < HEADER_BYTES:
-                return NEED_DATA
-            self._header = decode_header(self._buf[:HEADER_BYTES])
-            del self._buf[:HEADER_BYTES]
-        return self._body_event(self._header)
 
     def _body_event(self, header: Header) -> Event:
         need = _prefix_bytes(header)
@@ -144,12 +141,11 @@ class FrameDecoder:
             self._header = None
             return Control(header, decode_control(header, prefix))
         if header.type in REPLY_TYPES:
-            start = FrameStart(header, [], [], [], decode_statuses(prefix))
-        else:
-            addrs, lengths, fences = decode_descriptors(prefix, header) if need else ([], [], [])
-            start = FrameStart(header, addrs, lengths, fences, [])
-        self._in_payload, self._payload_left = True, start.payload_bytes
-        return start
+            self._in_payload, self._payload_left = True, header.payload_len - need
+            return FrameStart(header, [], [], [], decode_statuses(prefix))
+        addrs, lengths, fences = decode_descriptors(prefix, header) if need else ([], [], [])
+        self._in_payload, self._payload_left = True, header.payload_len
+        return FrameStart(header, addrs, lengths, fences, [])
 
     def _payload_event(self) -> Event:
         assert self._header is not None

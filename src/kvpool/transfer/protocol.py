@@ -134,6 +134,18 @@ def _check_header(h: Header) -> None:
         raise RemoteProtocolError("READ_RESP payload shorter than its status bytes")
 
 
+_HEAD_AND_ONE = struct.Struct("<4sBBHIQQ" + "QQQ")
+
+
+def encode_single(ftype: FrameType, request_id: int, addr: int, length: int, fence: int) -> bytes:
+    """The header and descriptor of a one-descriptor WRITE/READ frame, in one pack: the same
+    bytes as `encode_header` + `encode_descriptors`, for the one-request path."""
+    if not 0 <= length <= MAX_PAYLOAD_BYTES:
+        raise LocalProtocolError(f"length {length} outside 0..{MAX_PAYLOAD_BYTES}")
+    payload_len = length if ftype == FrameType.WRITE else 0
+    return _HEAD_AND_ONE.pack(MAGIC, ftype, 0, 0, 1, request_id, payload_len, addr, length, fence)
+
+
 _SMALL = 8  # below this many descriptors, struct beats numpy
 
 

@@ -37,6 +37,7 @@ from kvpool.transfer.protocol import (
     encode_control,
     encode_descriptors,
     encode_header,
+    encode_single,
 )
 from kvpool.transfer.segment import readable_now
 from kvpool.transfer.wire import (
@@ -44,7 +45,6 @@ from kvpool.transfer.wire import (
     FrameReader,
     recv_control,
     send_views,
-    use_kernel_timeouts,
 )
 
 _request_ids = itertools.count(1)
@@ -150,8 +150,7 @@ class Connection:
     @classmethod
     def open(cls, host: str, port: int, config: TransferConfig, me: str) -> Connection:
         sock, _ = open_connection(host, port, config, me)
-        use_kernel_timeouts(sock, config.timeout_s, config.timeout_s)
-        # a reply is due: no idle wait between frames on this side
+        # a reply is due whenever this side reads: no idle wait between frames here
         return cls(sock, FrameReader(sock, config.timeout_s, idle_timeout_s=config.timeout_s))
 
     def close(self) -> None:
@@ -282,22 +281,29 @@ def _run_frame(conn: Connection, op: OpCode, addrs: list[int], lengths: list[int
     (a small one comes in the reply's first recv and is copied from there)."""
     rid = next(_request_ids)
     count = len(addrs)
-    desc = encode_descriptors(addrs, lengths, fences)
+    ftype = FrameType.WRITE if op == OpCode.WRITE else FrameType.READ
+    if count == 1:
+        head = encode_single(ftype, rid, addrs[0], lengths[0], fences[0] if fences else 0)
+    else:
+        payload_len = sum(lengths) if op == OpCode.WRITE else 0
+        head = encode_header(ftype, count, rid, payload_len) + encode_descriptors(addrs, lengths, fences)
     reply_prefix = HEADER_BYTES + count
     if op == OpCode.WRITE:
-        head = encode_header(FrameType.WRITE, count, rid, sum(lengths))
-        send_views(conn.sock, [head, desc, *views])
+        send_views(conn.sock, [head, *views], len(head) + sum(lengths))
         reply = _expect(conn.reader, FrameType.WRITE_ACK, rid, count, reply_prefix)
         conn.reader.finish_frame([])
         return reply.statuses
-    send_views(conn.sock, [encode_header(FrameType.READ, count, rid, 0) + desc])
-    whole = reply_prefix + sum(lengths)  # the reply when every descriptor is OK
+    send_views(conn.sock, [head], len(head))
+    payload = sum(lengths)
+    whole = reply_prefix + payload  # the reply when every descriptor is OK
     reply = _expect(conn.reader, FrameType.READ_RESP, rid, count,
                     whole if whole <= SCRATCH_BYTES else reply_prefix)
     statuses = reply.statuses
-    ok_views = views if statuses.count(Status.OK) == count else \
-        [v for v, s in zip(views, statuses, strict=True) if s == Status.OK]
-    if reply.payload_bytes != sum(v.nbytes for v in ok_views):
+    ok_views = views
+    if statuses.count(Status.OK) != count:
+        ok_views = [v for v, s in zip(views, statuses, strict=True) if s == Status.OK]
+        payload = sum(v.nbytes for v in ok_views)
+    if reply.payload_bytes != payload:
         raise RemoteProtocolError("READ_RESP length does not match its OK descriptors")
     conn.reader.finish_frame(ok_views)
     return statuses

@@ -31,13 +31,12 @@ from kvpool.transfer.config import TransferConfig
 from kvpool.transfer.decoder import Control, FrameStart
 from kvpool.transfer.fence import Fence
 from kvpool.transfer.memory import Buffer, MemoryRegistry
-from kvpool.transfer.protocol import FrameType, Status, encode_control, encode_header
+from kvpool.transfer.protocol import HEADER_BYTES, FrameType, Status, encode_control, encode_header
 from kvpool.transfer.wire import (
     SCRATCH_BYTES,
     FrameReader,
     recv_control,
     send_views,
-    use_kernel_timeouts,
 )
 
 log = get_logger("transfer.tcp")
@@ -147,8 +146,8 @@ class TcpTarget:
     def _set_phase(self, conn: socket.socket, phase: str) -> None:
         with self._lock:
             entry = self._phase.get(conn)
-            if entry is not None and entry[0] != _EVICTED:
-                self._phase[conn] = (phase, time.monotonic(), entry[2])
+            if entry is not None and entry[0] != _EVICTED:  # only idle ones need the time
+                self._phase[conn] = (phase, time.monotonic() if phase != _BUSY else 0.0, entry[2])
 
     def _release(self, conn: socket.socket, address: str) -> None:
         with self._lock:
@@ -179,11 +178,9 @@ class TcpTarget:
             self._release(conn, address)
 
     def _reader(self, conn: socket.socket) -> FrameReader:
-        """Frames are read under kernel timeouts (see kvpool.transfer.wire); the receive timeout
-        is a tick no longer than either limit, and the reader tells the two apart."""
-        timeout_s, idle_s = self._config.timeout_s, self._config.idle_timeout_s
-        use_kernel_timeouts(conn, min(timeout_s, idle_s or timeout_s), timeout_s)
-        return FrameReader(conn, timeout_s, idle_s)
+        """Frames are read under kernel timeouts (see kvpool.transfer.wire); the reader tells
+        a stalled frame (timeout_s) from an idle connection (idle_timeout_s)."""
+        return FrameReader(conn, self._config.timeout_s, self._config.idle_timeout_s)
 
     def _handshake(self, conn: socket.socket) -> bool:
         """The whole handshake (kvpool.transfer.auth) must end within handshake_timeout_s; the
@@ -248,7 +245,7 @@ class TcpTarget:
             for region, token in admitted:
                 region.leave(token)
         send_views(conn, [encode_header(FrameType.WRITE_ACK, header.count, header.request_id,
-                                        header.count), statuses])
+                                        header.count), statuses], HEADER_BYTES + header.count)
 
     def _serve_read(self, conn: socket.socket, reader: FrameReader, start: FrameStart) -> None:
         header, addrs, lengths, fences = start.header, start.addrs, start.lengths, start.fences
@@ -256,14 +253,15 @@ class TcpTarget:
         statuses = bytearray(header.count)
         views: list[bytes | bytearray | memoryview] = []
         cache: list[Buffer | None] = [None]
+        total = header.count
         for i, (addr, length, fence) in enumerate(zip(addrs, lengths, fences, strict=True)):
             status, view = self._resolve(addr, length, fence, None, cache)
             statuses[i] = status
             if view is not None:
                 views.append(view)
-        total = header.count + sum(v.nbytes for v in views if isinstance(v, memoryview))
+                total += length
         head = encode_header(FrameType.READ_RESP, header.count, header.request_id, total)
-        send_views(conn, [head, statuses, *views])
+        send_views(conn, [head, statuses, *views], HEADER_BYTES + total)
 
     def _resolve(self, addr: int, length: int, fence: int, admitted: list[tuple[Fence, int]] | None,
                  cache: list[Buffer | None]) -> tuple[int, memoryview | None]:

@@ -9,9 +9,11 @@ before every call on a socket with a timeout, and that poll was a third of the s
 
 from __future__ import annotations
 
+import functools
 import socket
 import struct
 import time
+from collections.abc import Callable
 
 from kvpool.errors import LocalProtocolError, PeerUnavailable, RemoteProtocolError, TransferTimeout
 from kvpool.transfer.decoder import (
@@ -57,10 +59,14 @@ class FrameReader:
 
     def __init__(self, sock: socket.socket, frame_timeout_s: float,
                  idle_timeout_s: float | None) -> None:
+        """Puts `sock` under kernel timeouts: the receive tick is the shorter limit, a send
+        may wait `frame_timeout_s`."""
         self.sock = sock
         self.decoder = FrameDecoder()
         self._frame_timeout_s = frame_timeout_s
         self._idle_timeout_s = idle_timeout_s
+        self._tick_s = min(frame_timeout_s, idle_timeout_s or frame_timeout_s)
+        use_kernel_timeouts(sock, self._tick_s, frame_timeout_s)
         self._scratch = bytearray(SCRATCH_BYTES)
         self._view = memoryview(self._scratch)
 
@@ -70,12 +76,17 @@ class FrameReader:
         needs more; only safe where the peer sends nothing after the frame unasked."""
         decoder = self.decoder
         while (event := decoder.next_event()) is NEED_DATA:
-            got = self._recv_into(self._view[: min(max(decoder.bytes_wanted(), greedy), SCRATCH_BYTES)])
+            wanted = decoder.bytes_wanted()
+            view = self._view[: min(wanted if wanted > greedy else greedy, SCRATCH_BYTES)]
+            try:
+                got = self.sock.recv_into(view)
+            except BlockingIOError:  # a tick of SO_RCVTIMEO passed
+                got = self._wait(functools.partial(self.sock.recv_into, view))
             if not got:
                 if decoder.at_boundary:
                     return None
                 raise PeerUnavailable("peer closed the connection mid-frame")
-            decoder.receive_data(self._view[:got])
+            decoder.receive_data(view[:got])
         return event
 
     def finish_frame(self, views: list[memoryview], deadline: float | None = None) -> FrameEnd:
@@ -83,47 +94,48 @@ class FrameReader:
         it): first what the decoder already holds, then the rest straight from the socket.
         With a `deadline` (time.monotonic()), TransferTimeout once it passed between two
         reads, so a peer trickling bytes cannot stretch a frame forever."""
-        pending = [v for v in views if v.nbytes]
+        pending = views
         decoder = self.decoder
         while True:
             event = decoder.next_event()
-            if isinstance(event, Data):
-                pending = _fill(pending, event.data)
-            elif isinstance(event, FrameEnd):
+            if type(event) is FrameEnd:
                 return event
+            if type(event) is Data:
+                pending = _fill(pending, event.data)
             elif event is NEED_DATA:
-                if not pending:
-                    raise LocalProtocolError("payload views are shorter than the frame's payload")
-                if deadline is not None and time.monotonic() > deadline:
-                    raise TransferTimeout("frame payload not received in time (too slow a peer)")
-                got = self._recvmsg_into(pending[:IOV_MAX])
-                if got == 0:
-                    raise PeerUnavailable("peer closed the connection mid-frame")
-                decoder.payload_received(got)
-                pending = _advance(pending, got)
+                pending = self._payload_into(pending, deadline)
             else:
                 raise RemoteProtocolError("frame did not end where its header said")
 
-    def _recv_into(self, view: memoryview) -> int:
-        since = time.monotonic()
-        while True:
-            try:
-                return self.sock.recv_into(view)
-            except BlockingIOError:  # a tick of SO_RCVTIMEO passed
-                self._check_waited(since)
+    def _payload_into(self, pending: list[memoryview], deadline: float | None) -> list[memoryview]:
+        """One scatter read of payload bytes straight into `pending`; the views left."""
+        pending = [v for v in pending if v.nbytes]
+        if not pending:
+            raise LocalProtocolError("payload views are shorter than the frame's payload")
+        if deadline is not None and time.monotonic() > deadline:
+            raise TransferTimeout("frame payload not received in time (too slow a peer)")
+        chunk = pending[:IOV_MAX]
+        try:
+            got = self.sock.recvmsg_into(chunk)[0]
+        except BlockingIOError:
+            got = self._wait(lambda: self.sock.recvmsg_into(chunk)[0])
+        if got == 0:
+            raise PeerUnavailable("peer closed the connection mid-frame")
+        self.decoder.payload_received(got)
+        return _advance(pending, got)
 
-    def _recvmsg_into(self, views: list[memoryview]) -> int:
-        since = time.monotonic()
-        while True:
-            try:
-                return self.sock.recvmsg_into(views)[0]
-            except BlockingIOError:
-                self._check_waited(since)
-
-    def _check_waited(self, since: float) -> None:
+    def _wait(self, read: Callable[[], int]) -> int:
+        """Retry `read` after SO_RCVTIMEO ticks until it returns, or raise TimeoutError once
+        the applicable limit passed (counted from the start of the tick that just ran out)."""
+        since = time.monotonic() - self._tick_s
         limit = self._idle_timeout_s if self.decoder.at_boundary else self._frame_timeout_s
-        if limit is not None and time.monotonic() - since >= limit:
-            raise TimeoutError(f"peer sent nothing for {limit:g}s")
+        while True:
+            if limit is not None and time.monotonic() - since >= limit:
+                raise TimeoutError(f"peer sent nothing for {limit:g}s")
+            try:
+                return read()
+            except BlockingIOError:
+                continue
 
 
 def _fill(views: list[memoryview], data: bytes) -> list[memoryview]:
@@ -156,16 +168,23 @@ def recv_into_views(sock: socket.socket, views: list[memoryview],
         pending = _advance(pending, got)
 
 
-def send_views(sock: socket.socket, views: list[bytes | bytearray | memoryview]) -> None:
-    """Send every view completely (gather write, `sendmsg`). On a socket with kernel
-    timeouts a send that made no progress for SO_SNDTIMEO raises TimeoutError."""
-    pending = [v if isinstance(v, memoryview) else memoryview(v) for v in views if len(v)]
-    while pending:
-        try:
+def send_views(sock: socket.socket, views: list[bytes | bytearray | memoryview],
+               total: int | None = None) -> None:
+    """Send every view completely (gather write, `sendmsg`). A caller that knows the `total`
+    byte count lets the usual single sendmsg go without wrapping each view first. On a socket
+    with kernel timeouts a send that made no progress for SO_SNDTIMEO raises TimeoutError."""
+    try:
+        if total is not None and len(views) <= IOV_MAX:
+            sent = sock.sendmsg(views)
+            if sent == total:
+                return
+            views = _advance([memoryview(v) for v in views], sent)  # type: ignore[assignment]
+        pending = [v if isinstance(v, memoryview) else memoryview(v) for v in views if len(v)]
+        while pending:
             sent = sock.sendmsg(pending[:IOV_MAX] if len(pending) > IOV_MAX else pending)
-        except BlockingIOError:
-            raise TimeoutError("peer took nothing within the send timeout") from None
-        pending = _advance(pending, sent)
+            pending = _advance(pending, sent)
+    except BlockingIOError:
+        raise TimeoutError("peer took nothing within the send timeout") from None
 
 
 def _advance(views: list[memoryview], n: int) -> list[memoryview]:
