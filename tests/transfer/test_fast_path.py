@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from kvpool.transfer import OpCode, RequestState, TransferEngine, TransferRequest
+from kvpool.transfer import OpCode, RequestState, TransferConfig, TransferEngine, TransferRequest
 from kvpool.transfer.decoder import FrameEnd, FrameStart
 from kvpool.transfer.protocol import FENCED_REASON, FrameType, encode_descriptors, encode_header
 from kvpool.transfer.routing import Router
@@ -37,7 +37,7 @@ def _one(engine: TransferEngine, op: OpCode, local: np.ndarray, target: Target, 
     return status.state, status.reason
 
 
-@pytest.mark.parametrize("size", [1, 4096, SCRATCH_BYTES + 1, 1 << 20])
+@pytest.mark.parametrize("size", [1, 4096, SCRATCH_BYTES + 1, TransferConfig().slice_bytes])
 def test_single_requests_move_the_right_bytes(engine: TransferEngine, target: Target, transport: str,
                                               size: int) -> None:
     base = remote_base(target, transport)
@@ -87,6 +87,25 @@ def test_fast_path_refuses_unregistered_target_ranges(engine: TransferEngine, ta
         state, reason = _one(engine, op, buf, target, beyond, 4096)
         assert state == RequestState.FAILED and reason
     assert (back == 0xCD).all()
+
+
+def test_large_requests_go_through_shm_whole_and_over_tcp_in_slices(engine: TransferEngine,
+                                                                    target: Target, transport: str) -> None:
+    size = 3 * TransferConfig().slice_bytes + 4096
+    base = remote_base(target, transport)
+    local = _pattern(engine, size, seed=9)
+    engine.write(target.segment, local.ctypes.data, base, 16)  # cache the peer
+    calls: list[int] = []
+    dispatch = Router.dispatch
+
+    def counted(self: Router, batch: object, requests: list[TransferRequest], inline: bool = False) -> None:
+        calls.append(len(requests))
+        dispatch(self, batch, requests, inline)  # type: ignore[arg-type]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Router, "dispatch", counted)
+        assert _one(engine, OpCode.WRITE, local, target, base, size) == (RequestState.DONE, None)
+    assert target.digest(base, size) == sha(local)
+    assert calls == ([1] if transport == "tcp" else [])
 
 
 def test_unregistered_local_memory_is_refused(engine: TransferEngine, target: Target,

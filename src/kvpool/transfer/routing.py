@@ -67,11 +67,11 @@ class Router:
         """Run one request to a peer in the calling thread, without a batch: the fixed cost of
         a batch, a plan and a frame object was half the time of a 4 KiB round trip
         (docs/perf.md). The same checks as `dispatch`, the same transports, the same wire. None
-        when the request needs the general path: our own segment, several slices, nothing
+        when the request needs the general path: our own segment, several tcp slices, nothing
         cached about the peer yet, or any failure before the transport (so it is reported in
         the general path's words)."""
         if req.target == self._me or not (0 <= req.target_addr < _ADDR_LIMIT and
-                                          0 < req.length <= self._config.slice_bytes and
+                                          0 < req.length < _ADDR_LIMIT and
                                           0 <= req.fence < _ADDR_LIMIT):
             return None
         descriptor = self._peers.cached(req.target)
@@ -85,7 +85,7 @@ class Router:
         if remote is not None:
             reason = copy_one(req.op, (0, local, remote[0], remote[1], req.fence))
             return DONE if reason is None else RequestStatus(RequestState.FAILED, reason)
-        if self._config.protocol == "shm":
+        if self._config.protocol == "shm" or req.length > self._config.slice_bytes:
             return None
         outcome = self._link(req.target, descriptor).exchange(
             req.op, [req.target_addr], [req.length], [local], [req.fence])
