@@ -186,7 +186,17 @@ def decode_descriptors(data: bytes | bytearray | memoryview, header: Header) -> 
 _STATUS_VALUES = frozenset(int(s) for s in Status)
 
 
+_ONE_DESCRIPTOR = struct.Struct("<3Q")
+
+
 def _decode_small(data: bytes | bytearray | memoryview, header: Header) -> Descriptors:
+    if header.count == 1:  # the one-request path: a compiled Struct, no format string
+        addr, length, fence = _ONE_DESCRIPTOR.unpack(data)
+        if length > MAX_PAYLOAD_BYTES:
+            raise RemoteProtocolError("a descriptor length exceeds the payload limit")
+        if header.type == FrameType.WRITE and length != header.payload_len:
+            raise RemoteProtocolError(f"WRITE descriptors sum to {length} bytes but payload_len is {header.payload_len}")
+        return [addr], [length], [fence]
     flat = struct.unpack(f"<{3 * header.count}Q", data)
     addrs, lengths, fences = list(flat[0::3]), list(flat[1::3]), list(flat[2::3])
     if any(n > MAX_PAYLOAD_BYTES for n in lengths):

@@ -76,8 +76,11 @@ class FrameReader:
         needs more; only safe where the peer sends nothing after the frame unasked."""
         decoder = self.decoder
         while (event := decoder.next_event()) is NEED_DATA:
-            wanted = decoder.bytes_wanted()
-            view = self._view[: min(wanted if wanted > greedy else greedy, SCRATCH_BYTES)]
+            if greedy >= SCRATCH_BYTES:
+                view = self._view
+            else:
+                wanted = decoder.bytes_wanted()
+                view = self._view[: min(wanted if wanted > greedy else greedy, SCRATCH_BYTES)]
             try:
                 got = self.sock.recv_into(view)
             except BlockingIOError:  # a tick of SO_RCVTIMEO passed
@@ -142,6 +145,9 @@ class FrameReader:
 
 def _fill(views: list[memoryview], data: bytes) -> list[memoryview]:
     """Copy `data` into the front of `views`; the views still to fill."""
+    if len(views) == 1 and views[0].nbytes == len(data):  # a small frame's whole payload
+        views[0][:] = data
+        return []
     source, offset = memoryview(data), 0
     for view in views:
         if offset == len(data):
