@@ -284,7 +284,7 @@ class TransferEngine:
         """Run requests to completion; returns per-request status, never raises for peer failures."""
         if not requests:
             return []
-        router = self._started_router()
+        router = self._router or self._started_router()
         if len(requests) == 1 and (status := router.run_one(requests[0])) is not None:
             return [status]
         batch = Batch(len(requests))

@@ -80,7 +80,7 @@ class Router:
             return None
         start = req.local_addr - buf.addr
         local = buf.view[start : start + req.length]
-        shm_peer = self._shm_peer_for(req.target, descriptor)
+        shm_peer = self._shm_peer_for(req.target, descriptor) if self._config.protocol != "tcp" else None
         remote = shm_peer.resolve(req.target_addr, req.length) if shm_peer else None
         if remote is not None:
             reason = copy_one(req.op, (0, local, remote[0], remote[1], req.fence))

@@ -293,7 +293,7 @@ def _run_frame(conn: Connection, op: OpCode, addrs: list[int], lengths: list[int
         reply = _expect(conn.reader, FrameType.WRITE_ACK, rid, count, reply_prefix)
         conn.reader.finish_frame([])
         return reply.statuses
-    send_views(conn.sock, [head], len(head))
+    conn.sock.sendall(head)  # a header and descriptors: small; a stall raises BlockingIOError
     payload = sum(lengths)
     whole = reply_prefix + payload  # the reply when every descriptor is OK
     reply = _expect(conn.reader, FrameType.READ_RESP, rid, count,

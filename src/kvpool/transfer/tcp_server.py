@@ -47,6 +47,7 @@ _BACKOFF_S = 0.1
 MIN_PAYLOAD_BYTES_PER_S = 1 << 20
 """A write frame's payload must arrive within timeout_s plus its size at this rate, so a peer
 cannot hold a write admitted under a fence (and a thread) by trickling it."""
+_STATUS_BYTE = {int(status): bytes([status]) for status in Status}
 _HANDSHAKE, _IDLE, _BUSY, _EVICTED = "handshake", "idle", "busy", "evicted"
 _WARN_INTERVAL_S = 10.0
 
@@ -250,6 +251,13 @@ class TcpTarget:
     def _serve_read(self, conn: socket.socket, reader: FrameReader, start: FrameStart) -> None:
         header, addrs, lengths, fences = start.header, start.addrs, start.lengths, start.fences
         reader.finish_frame([])
+        if header.count == 1:  # the one-request path: no loop, one reply buffer
+            status, view = self._resolve(addrs[0], lengths[0], fences[0], None, [None])
+            payload = lengths[0] if view is not None else 0
+            head = encode_header(FrameType.READ_RESP, 1, header.request_id, 1 + payload)
+            send_views(conn, [head + _STATUS_BYTE[status], view] if view is not None else
+                       [head + _STATUS_BYTE[status]], HEADER_BYTES + 1 + payload)
+            return
         statuses = bytearray(header.count)
         views: list[bytes | bytearray | memoryview] = []
         cache: list[Buffer | None] = [None]
