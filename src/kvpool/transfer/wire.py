@@ -160,22 +160,6 @@ def _fill(views: list[memoryview], data: bytes) -> list[memoryview]:
     return _advance(views, offset)
 
 
-def recv_into_views(sock: socket.socket, views: list[memoryview],
-                    deadline: float | None = None) -> None:
-    """Fill every view completely from the socket (scatter read, `recvmsg_into`). With a
-    `deadline` (time.monotonic()), TransferTimeout once it passed between two reads, so a
-    peer trickling bytes just inside the socket timeout cannot stretch a frame forever."""
-    pending = [v for v in views if v.nbytes]
-    while pending:
-        if deadline is not None and time.monotonic() > deadline:
-            raise TransferTimeout("frame payload not received in time (too slow a peer)")
-        chunk = pending[:IOV_MAX]
-        got = sock.recvmsg_into(chunk)[0]
-        if got == 0:
-            raise PeerUnavailable("peer closed the connection mid-frame")
-        pending = _advance(pending, got)
-
-
 def send_views(sock: socket.socket, views: list[bytes | bytearray | memoryview],
                total: int | None = None) -> None:
     """Send every view completely (gather write, `sendmsg`). A caller that knows the `total`
