@@ -128,6 +128,8 @@ def _check_header(h: Header) -> None:
         raise RemoteProtocolError(f"{h.type.name} payload of {h.payload_len} bytes is too large")
     if h.type == FrameType.READ and h.payload_len != 0:
         raise RemoteProtocolError("READ frames carry no payload")
+    if h.type == FrameType.WRITE and h.count == 0 and h.payload_len != 0:
+        raise RemoteProtocolError("a WRITE frame without descriptors carries no payload")
     if h.type == FrameType.WRITE_ACK and h.payload_len != h.count:
         raise RemoteProtocolError("WRITE_ACK payload must be one status byte per descriptor")
     if h.type == FrameType.READ_RESP and h.payload_len < h.count:
