@@ -5,7 +5,7 @@ from __future__ import annotations
 import struct
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from kvpool.errors import LocalProtocolError, RemoteProtocolError
@@ -171,6 +171,9 @@ def test_fuzzed_valid_frames_round_trip_in_any_chunking(items: list[tuple[bytes,
 
 @settings(max_examples=200, deadline=None)
 @given(st.lists(st.binary(max_size=40), min_size=1, max_size=8), st.integers(0, 400), st.integers(0, 255))
+@example([b"ab"], 8, 0)  # count 0 with a payload: refused
+@example([b"a", b"b"], 4, FrameType.WRITE_ACK)  # a WRITE turned into a valid WRITE_ACK
+@example([b"", b""], 4, FrameType.READ)  # ... or into a valid READ
 def test_fuzzed_mutations_of_valid_frames(payloads: list[bytes], position: int, value: int) -> None:
     frame = bytearray(write_frame(list(range(len(payloads))), payloads, fences=[3] * len(payloads)))
     frame[position % len(frame)] = value
@@ -181,8 +184,14 @@ def test_fuzzed_mutations_of_valid_frames(payloads: list[bytes], position: int, 
     except RemoteProtocolError:
         return
     for event in events:  # whatever decodes is self-consistent
-        if isinstance(event, FrameStart):
+        if not isinstance(event, FrameStart):
+            continue
+        if event.header.type == FrameType.WRITE:
             assert sum(event.lengths) == event.header.payload_len
+        elif event.header.type == FrameType.READ:
+            assert len(event.lengths) == event.header.count and event.header.payload_len == 0
+        else:  # a reply: one status per descriptor, then data
+            assert len(event.statuses) == event.header.count <= event.header.payload_len
 
 
 def _read_resp(statuses: list[int], payloads: list[bytes], rid: int = 4) -> bytes:

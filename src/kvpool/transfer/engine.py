@@ -22,7 +22,7 @@ from kvpool.errors import (
 )
 from kvpool.log import get_logger
 from kvpool.metadata import MetadataBackend, connect_metadata
-from kvpool.transfer.batch import Batch, OpCode, RequestStatus, TransferRequest
+from kvpool.transfer.batch import Batch, OpCode, RequestState, RequestStatus, TransferRequest
 from kvpool.transfer.config import TransferConfig
 from kvpool.transfer.fence import Fence, check_fence
 from kvpool.transfer.memory import (
@@ -284,8 +284,11 @@ class TransferEngine:
         """Run requests to completion; returns per-request status, never raises for peer failures."""
         if not requests:
             return []
+        router = self._router or self._started_router()
+        if len(requests) == 1 and (status := router.run_one(requests[0])) is not None:
+            return [status]
         batch = Batch(len(requests))
-        self._started_router().dispatch(batch, requests, inline=True)
+        router.dispatch(batch, requests, inline=True)
         return self._finish(batch, timeout_s)
 
     async def async_transfer(self, requests: list[TransferRequest]) -> list[RequestStatus]:
@@ -303,10 +306,12 @@ class TransferEngine:
         return batch.status()
 
     def write(self, target: str, local_addr: int, target_addr: int, length: int, fence: int = 0) -> None:
-        self.batch_write(target, [(local_addr, target_addr, length)], fence)
+        self._raise_failed(self.transfer_sync(
+            [TransferRequest(OpCode.WRITE, local_addr, length, target, target_addr, fence)]))
 
     def read(self, target: str, local_addr: int, target_addr: int, length: int, fence: int = 0) -> None:
-        self.batch_read(target, [(local_addr, target_addr, length)], fence)
+        self._raise_failed(self.transfer_sync(
+            [TransferRequest(OpCode.READ, local_addr, length, target, target_addr, fence)]))
 
     def batch_write(self, target: str, items: list[tuple[int, int, int]], fence: int = 0) -> None:
         """items: (local_addr, target_addr, length), all planned against `fence`. Raises
@@ -328,6 +333,8 @@ class TransferEngine:
 
     @staticmethod
     def _raise_failed(statuses: list[RequestStatus]) -> None:
+        if len(statuses) == 1 and statuses[0].state == RequestState.DONE:
+            return
         failed = [(i, s.reason) for i, s in enumerate(statuses) if not s.ok]
         if failed:
             first, reason = failed[0]

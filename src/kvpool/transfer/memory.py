@@ -160,6 +160,12 @@ FENCE_WORD = 1  # index of the fence among the header's u64 words
 _LOCK_POLL_S = 0.0005
 
 
+_POPULATED = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+"""Managed buffers are mapped populated: the pages exist (zeroed) when `allocate` returns,
+instead of being faulted in, 4 KiB at a time, by the first transfer into them (which made the
+first reads into a fresh buffer several times slower than the next ones; docs/perf.md)."""
+
+
 class SharedMemoryArena:
     """Managed buffers backed by files in /dev/shm, so same-host peers can map and memcpy them."""
 
@@ -178,7 +184,7 @@ class SharedMemoryArena:
         fd = os.open(f"/dev/shm/{name}", os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.ftruncate(fd, SHM_HEADER_BYTES + length)
-            mem = mmap.mmap(fd, SHM_HEADER_BYTES + length)
+            mem = mmap.mmap(fd, SHM_HEADER_BYTES + length, flags=_POPULATED)
         except BaseException:
             _unlink(name)
             os.close(fd)

@@ -32,6 +32,10 @@ class PeerDirectory:
             return found
         return self._fetch(name)
 
+    def cached(self, name: str) -> SegmentDescriptor | None:
+        """The descriptor of `name` if one is cached; never asks anyone."""
+        return self._cache.get(name)
+
     def refresh(self, name: str) -> SegmentDescriptor | None:
         """Fetch again if the cached copy is old enough; None when rate-limited."""
         if time.monotonic() - self._fetched_at.get(name, 0.0) < _REFRESH_MIN_S:

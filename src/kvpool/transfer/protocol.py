@@ -33,8 +33,7 @@ from __future__ import annotations
 import enum
 import json
 import struct
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -75,14 +74,17 @@ class Status(enum.IntEnum):
 FENCED_REASON = "stale fence: region re-registered (the request's fence no longer matches)"
 
 
+_FRAME_TYPES = {int(t): t for t in FrameType}
 CONTROL_TYPES = frozenset({FrameType.HELLO, FrameType.HELLO_OK, FrameType.ERROR,
                            FrameType.CHALLENGE, FrameType.AUTH})
 
 
-@dataclass(frozen=True, slots=True)
-class Header:
+class Header(NamedTuple):
+    """A decoded frame header. A NamedTuple, not a frozen dataclass: one is built per frame
+    on each side, and construction costs a third (0.5 vs 1.6 us on the 2-core bench host)."""
+
     type: FrameType
-    count: int
+    count: int  # type: ignore[assignment]  # shadows tuple.count, which nothing here calls
     request_id: int
     payload_len: int
 
@@ -91,12 +93,15 @@ class Header:
         return self.count * DESCRIPTOR_BYTES if self.type in (FrameType.WRITE, FrameType.READ) else 0
 
 
+_PACK_HEADER = HEADER.pack
+
+
 def encode_header(ftype: FrameType, count: int, request_id: int, payload_len: int) -> bytes:
     if not 0 <= count <= MAX_DESCRIPTORS:
         raise LocalProtocolError(f"count {count} outside 0..{MAX_DESCRIPTORS}")
     if not 0 <= payload_len <= MAX_PAYLOAD_BYTES:
         raise LocalProtocolError(f"payload_len {payload_len} outside 0..{MAX_PAYLOAD_BYTES}")
-    return HEADER.pack(MAGIC, int(ftype), 0, 0, count, request_id, payload_len)
+    return _PACK_HEADER(MAGIC, ftype, 0, 0, count, request_id, payload_len)
 
 
 def decode_header(data: bytes | bytearray | memoryview) -> Header:
@@ -106,10 +111,9 @@ def decode_header(data: bytes | bytearray | memoryview) -> Header:
     magic, raw_type, _flags, _rsvd, count, request_id, payload_len = HEADER.unpack(data)
     if magic != MAGIC:
         raise RemoteProtocolError(f"bad magic {bytes(magic)!r}: not a kvpool transfer peer")
-    try:
-        ftype = FrameType(raw_type)
-    except ValueError:
-        raise RemoteProtocolError(f"unknown frame type {raw_type}") from None
+    ftype = _FRAME_TYPES.get(raw_type)  # a dict, not FrameType(raw): 40 ns vs 800 ns
+    if ftype is None:
+        raise RemoteProtocolError(f"unknown frame type {raw_type}")
     header = Header(ftype, count, request_id, payload_len)
     _check_header(header)
     return header
@@ -124,10 +128,24 @@ def _check_header(h: Header) -> None:
         raise RemoteProtocolError(f"{h.type.name} payload of {h.payload_len} bytes is too large")
     if h.type == FrameType.READ and h.payload_len != 0:
         raise RemoteProtocolError("READ frames carry no payload")
+    if h.type == FrameType.WRITE and h.count == 0 and h.payload_len != 0:
+        raise RemoteProtocolError("a WRITE frame without descriptors carries no payload")
     if h.type == FrameType.WRITE_ACK and h.payload_len != h.count:
         raise RemoteProtocolError("WRITE_ACK payload must be one status byte per descriptor")
     if h.type == FrameType.READ_RESP and h.payload_len < h.count:
         raise RemoteProtocolError("READ_RESP payload shorter than its status bytes")
+
+
+_HEAD_AND_ONE = struct.Struct("<4sBBHIQQ" + "QQQ")
+
+
+def encode_single(ftype: FrameType, request_id: int, addr: int, length: int, fence: int) -> bytes:
+    """The header and descriptor of a one-descriptor WRITE/READ frame, in one pack: the same
+    bytes as `encode_header` + `encode_descriptors`, for the one-request path."""
+    if not 0 <= length <= MAX_PAYLOAD_BYTES:
+        raise LocalProtocolError(f"length {length} outside 0..{MAX_PAYLOAD_BYTES}")
+    payload_len = length if ftype == FrameType.WRITE else 0
+    return _HEAD_AND_ONE.pack(MAGIC, ftype, 0, 0, 1, request_id, payload_len, addr, length, fence)
 
 
 _SMALL = 8  # below this many descriptors, struct beats numpy
@@ -170,7 +188,17 @@ def decode_descriptors(data: bytes | bytearray | memoryview, header: Header) -> 
 _STATUS_VALUES = frozenset(int(s) for s in Status)
 
 
+_ONE_DESCRIPTOR = struct.Struct("<3Q")
+
+
 def _decode_small(data: bytes | bytearray | memoryview, header: Header) -> Descriptors:
+    if header.count == 1:  # the one-request path: a compiled Struct, no format string
+        addr, length, fence = _ONE_DESCRIPTOR.unpack(data)
+        if length > MAX_PAYLOAD_BYTES:
+            raise RemoteProtocolError("a descriptor length exceeds the payload limit")
+        if header.type == FrameType.WRITE and length != header.payload_len:
+            raise RemoteProtocolError(f"WRITE descriptors sum to {length} bytes but payload_len is {header.payload_len}")
+        return [addr], [length], [fence]
     flat = struct.unpack(f"<{3 * header.count}Q", data)
     addrs, lengths, fences = list(flat[0::3]), list(flat[1::3]), list(flat[2::3])
     if any(n > MAX_PAYLOAD_BYTES for n in lengths):

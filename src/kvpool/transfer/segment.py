@@ -112,8 +112,10 @@ class ProcessWatch:
     def __init__(self, pid: int) -> None:
         self.pid = pid
         self._lock = threading.Lock()
+        self._poller = select.poll()  # kept: asking it again is one syscall, no allocation
         try:
             self._fd: int | None = os.pidfd_open(pid)
+            self._poller.register(self._fd, select.POLLIN)
         except (OSError, AttributeError):
             self._fd = None
         self._dead = self._fd is None and not pid_exists(pid)
@@ -126,8 +128,9 @@ class ProcessWatch:
                 return False
             if self._fd is None:
                 return pid_exists(self.pid)
-            if readable_now(self._fd):
+            if self._poller.poll(0):
                 self._dead = True
+                self._poller.unregister(self._fd)
                 os.close(self._fd)
                 self._fd = None
             return not self._dead

@@ -158,7 +158,7 @@ def _copy_all(op: OpCode, batch: Batch, items: list[ShmItem], peer: ShmPeer | No
         return
     done: list[int] = []
     for item in items:
-        reason = _copy_one(op, item)
+        reason = copy_one(op, item)
         if reason is None:
             done.append(item[0])
         else:
@@ -166,7 +166,7 @@ def _copy_all(op: OpCode, batch: Batch, items: list[ShmItem], peer: ShmPeer | No
     batch.complete(done, whole=True)
 
 
-def _copy_one(op: OpCode, item: ShmItem) -> str | None:
+def copy_one(op: OpCode, item: ShmItem) -> str | None:
     """Copy one item under its guard; None on success, else the reason it failed."""
     _, local, remote, guard, fence = item
     write = op == OpCode.WRITE

@@ -27,20 +27,31 @@ from kvpool.transfer.auth import (
 )
 from kvpool.transfer.batch import Batch, OpCode
 from kvpool.transfer.config import TransferConfig
-from kvpool.transfer.decoder import Control, FrameDecoder, FrameEnd, FrameStart
+from kvpool.transfer.decoder import Control, FrameStart
 from kvpool.transfer.protocol import (
     FENCED_REASON,
+    HEADER_BYTES,
     FrameType,
     Header,
     Status,
     encode_control,
     encode_descriptors,
     encode_header,
+    encode_single,
 )
 from kvpool.transfer.segment import readable_now
-from kvpool.transfer.wire import receive_event, recv_control, recv_into_views, send_views
+from kvpool.transfer.wire import (
+    SCRATCH_BYTES,
+    FrameReader,
+    recv_control,
+    send_views,
+)
 
 _request_ids = itertools.count(1)
+_TRUST_IDLE_S = 0.01
+"""A pooled connection used again within this long is not polled for a peer's close first
+(one syscall per frame saved); a peer that closes it in that window fails one frame, as a
+close between the poll and the send always could."""
 _FAILURE_TEXT = {
     Status.OUT_OF_RANGE: "target range is not inside a buffer registered at the target",
     Status.READ_ONLY: "target buffer is registered read-only",
@@ -72,7 +83,12 @@ class Frame:
         self.batch.complete([i for i, s in zip(self.indices, statuses, strict=True) if s == Status.OK])
         for index, status in zip(self.indices, statuses, strict=True):
             if status != Status.OK:
-                self.batch.complete([index], _FAILURE_TEXT.get(status, f"remote status {status}"))
+                self.batch.complete([index], failure_text(status))
+
+
+def failure_text(status: Status) -> str:
+    """Why a descriptor the target refused failed, in words."""
+    return _FAILURE_TEXT.get(status, f"remote status {status}")
 
 
 def open_connection(host: str, port: int, config: TransferConfig, me: str) -> tuple[socket.socket, dict[str, Any]]:
@@ -123,6 +139,24 @@ def _handshake(sock: socket.socket, name: str, config: TransferConfig, me: str) 
     return body
 
 
+@dataclass(slots=True, eq=False)
+class Connection:
+    """One pooled connection to a peer, with the frame reader that owns its decoder."""
+
+    sock: socket.socket
+    reader: FrameReader
+    idle_since: float = 0.0
+
+    @classmethod
+    def open(cls, host: str, port: int, config: TransferConfig, me: str) -> Connection:
+        sock, _ = open_connection(host, port, config, me)
+        # a reply is due whenever this side reads: no idle wait between frames here
+        return cls(sock, FrameReader(sock, config.timeout_s, idle_timeout_s=config.timeout_s))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
 class PeerLink:
     """Connections to one peer segment.
 
@@ -136,7 +170,7 @@ class PeerLink:
         self._me = me
         self._queue: queue.SimpleQueue[Frame | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
-        self._idle: list[socket.socket] = []
+        self._idle: list[Connection] = []
         self._lock = threading.Lock()
         self._closed = False
 
@@ -155,7 +189,8 @@ class PeerLink:
 
     def run_inline(self, frames: list[Frame]) -> None:
         """Run frames in the calling thread (the first one), the rest on workers."""
-        self.send(frames[1:])
+        if len(frames) > 1:
+            self.send(frames[1:])
         if frames:
             self._run(frames[0])
 
@@ -174,44 +209,54 @@ class PeerLink:
             self._queue.put(None)
         for thread in threads:
             thread.join(timeout=self._config.timeout_s)
-        for sock in idle:
-            sock.close()
+        for conn in idle:
+            conn.close()
 
     def _worker(self) -> None:
         while (frame := self._queue.get()) is not None:
             self._run(frame)
 
     def _run(self, frame: Frame) -> None:
-        sock: socket.socket | None = None
-        try:
-            sock = self._checkout()
-            statuses = _run_frame(sock, frame)
-        except Exception as exc:  # whatever happens, the frame ends and the worker lives
-            if sock is not None:
-                sock.close()
-            frame.fail(f"{self.host}:{self.port}: {_describe(exc)}")
-            return
-        self._checkin(sock)
-        frame.finish(statuses)
+        outcome = self.exchange(frame.op, frame.addrs, frame.lengths, frame.views, frame.fences)
+        if isinstance(outcome, str):
+            frame.fail(outcome)
+        else:
+            frame.finish(outcome)
 
-    def _checkout(self) -> socket.socket:
+    def exchange(self, op: OpCode, addrs: list[int], lengths: list[int], views: list[memoryview],
+                 fences: list[int] | None) -> list[Status] | str:
+        """Run one frame in the calling thread: the target's per-descriptor statuses, or why
+        the whole frame failed (then no descriptor counts as done)."""
+        conn: Connection | None = None
+        try:
+            conn = self._checkout()
+            statuses = _run_frame(conn, op, addrs, lengths, views, fences)
+        except Exception as exc:  # whatever happens, the frame ends and the worker lives
+            if conn is not None:
+                conn.close()
+            return f"{self.host}:{self.port}: {_describe(exc)}"
+        self._checkin(conn)
+        return statuses
+
+    def _checkout(self) -> Connection:
         with self._lock:
             if self._closed:
                 raise PeerUnavailable("transfer engine is closed")
             idle = self._idle.pop() if self._idle else None
-        if idle is not None and _still_open(idle):
+        if idle is not None and (time.monotonic() - idle.idle_since < _TRUST_IDLE_S
+                                 or _still_open(idle.sock)):
             return idle
         if idle is not None:
             idle.close()  # the peer closed it while idle (e.g. it restarted)
-        sock, _ = open_connection(self.host, self.port, self._config, self._me)
-        return sock
+        return Connection.open(self.host, self.port, self._config, self._me)
 
-    def _checkin(self, sock: socket.socket) -> None:
+    def _checkin(self, conn: Connection) -> None:
+        conn.idle_since = time.monotonic()
         with self._lock:
             if not self._closed and len(self._idle) < self._config.connections_per_peer:
-                self._idle.append(sock)
+                self._idle.append(conn)
                 return
-        sock.close()
+        conn.close()
 
 
 def _still_open(sock: socket.socket) -> bool:
@@ -224,43 +269,57 @@ def _still_open(sock: socket.socket) -> bool:
 
 
 def _describe(exc: BaseException) -> str:
-    if isinstance(exc, TimeoutError | socket.timeout):
+    if isinstance(exc, TimeoutError | socket.timeout | BlockingIOError):
         return "peer did not answer within the timeout"
     return str(exc) or type(exc).__name__
 
 
-def _run_frame(sock: socket.socket, frame: Frame) -> list[Status]:
-    """Send one frame and receive its reply through the frame decoder; returns the statuses.
-    A READ's data goes from the socket straight into the OK descriptors' views."""
+def _run_frame(conn: Connection, op: OpCode, addrs: list[int], lengths: list[int],
+               views: list[memoryview], fences: list[int] | None) -> list[Status]:
+    """Send one frame and receive its reply through the connection's frame decoder; returns
+    the statuses. A READ's data goes from the socket straight into the OK descriptors' views
+    (a small one comes in the reply's first recv and is copied from there)."""
     rid = next(_request_ids)
-    count = len(frame.indices)
-    desc = encode_descriptors(frame.addrs, frame.lengths, frame.fences)
-    decoder = FrameDecoder()
-    if frame.op == OpCode.WRITE:
-        head = encode_header(FrameType.WRITE, count, rid, sum(frame.lengths))
-        send_views(sock, [head, desc, *frame.views])
-        reply = _expect(sock, decoder, FrameType.WRITE_ACK, rid, count)
+    count = len(addrs)
+    ftype = FrameType.WRITE if op == OpCode.WRITE else FrameType.READ
+    if count == 1:
+        head = encode_single(ftype, rid, addrs[0], lengths[0], fences[0] if fences else 0)
     else:
-        send_views(sock, [encode_header(FrameType.READ, count, rid, 0), desc])
-        reply = _expect(sock, decoder, FrameType.READ_RESP, rid, count)
-        ok_views = [v for v, s in zip(frame.views, reply.statuses, strict=True) if s == Status.OK]
-        if reply.payload_bytes != sum(v.nbytes for v in ok_views):
-            raise RemoteProtocolError("READ_RESP length does not match its OK descriptors")
-        recv_into_views(sock, ok_views)
-        decoder.payload_received(reply.payload_bytes)
-    if not isinstance(receive_event(sock, decoder), FrameEnd):
-        raise RemoteProtocolError("reply frame did not end where its header said")
-    return reply.statuses
+        payload_len = sum(lengths) if op == OpCode.WRITE else 0
+        head = encode_header(ftype, count, rid, payload_len) + encode_descriptors(addrs, lengths, fences)
+    reply_prefix = HEADER_BYTES + count
+    if op == OpCode.WRITE:
+        send_views(conn.sock, [head, *views], len(head) + sum(lengths))
+        reply = _expect(conn.reader, FrameType.WRITE_ACK, rid, count, reply_prefix)
+        conn.reader.finish_frame([])
+        return reply.statuses
+    conn.sock.sendall(head)  # a header and descriptors: small; a stall raises BlockingIOError
+    payload = sum(lengths)
+    whole = reply_prefix + payload  # the reply when every descriptor is OK
+    reply = _expect(conn.reader, FrameType.READ_RESP, rid, count,
+                    whole if whole <= SCRATCH_BYTES else reply_prefix)
+    statuses = reply.statuses
+    ok_views = views
+    if statuses.count(Status.OK) != count:
+        ok_views = [v for v, s in zip(views, statuses, strict=True) if s == Status.OK]
+        payload = sum(v.nbytes for v in ok_views)
+    if reply.payload_bytes != payload:
+        raise RemoteProtocolError("READ_RESP length does not match its OK descriptors")
+    conn.reader.finish_frame(ok_views)
+    return statuses
 
 
-def _expect(sock: socket.socket, decoder: FrameDecoder, ftype: FrameType, rid: int,
-            count: int) -> FrameStart:
-    event = receive_event(sock, decoder)
+def _expect(reader: FrameReader, ftype: FrameType, rid: int, count: int,
+            reply_bytes: int) -> FrameStart:
+    """The reply's FrameStart, reading up to `reply_bytes` at once: never more than the
+    reply we expect, so nothing of a later frame is read ahead."""
+    event = reader.next_event(reply_bytes)
     if event is None:
         raise PeerUnavailable("peer closed the connection before replying")
     if isinstance(event, Control):
         raise PeerUnavailable(f"peer reported: {event.body}")
-    assert isinstance(event, FrameStart)  # a decoder's first event of a frame
+    if not isinstance(event, FrameStart):
+        raise RemoteProtocolError(f"expected {ftype.name} #{rid}, got {type(event).__name__}")
     header = event.header
     if header.type != ftype or header.request_id != rid or header.count != count:
         raise RemoteProtocolError(f"expected {ftype.name} #{rid} x{count}, got {header.type.name} "

@@ -28,11 +28,16 @@ from kvpool.errors import KvpoolError, ProtocolError, RemoteProtocolError
 from kvpool.log import RateLimitedLog, get_logger
 from kvpool.transfer.auth import INITIATOR, TARGET, check_proof, new_nonce, nonce_of, proof
 from kvpool.transfer.config import TransferConfig
-from kvpool.transfer.decoder import Control, FrameDecoder, FrameEnd, FrameStart
+from kvpool.transfer.decoder import Control, FrameStart
 from kvpool.transfer.fence import Fence
 from kvpool.transfer.memory import Buffer, MemoryRegistry
-from kvpool.transfer.protocol import FrameType, Status, encode_control, encode_header
-from kvpool.transfer.wire import receive_event, recv_control, recv_into_views, send_views
+from kvpool.transfer.protocol import HEADER_BYTES, FrameType, Status, encode_control, encode_header
+from kvpool.transfer.wire import (
+    SCRATCH_BYTES,
+    FrameReader,
+    recv_control,
+    send_views,
+)
 
 log = get_logger("transfer.tcp")
 _DISCARD = memoryview(bytearray(1 << 20))
@@ -42,6 +47,7 @@ _BACKOFF_S = 0.1
 MIN_PAYLOAD_BYTES_PER_S = 1 << 20
 """A write frame's payload must arrive within timeout_s plus its size at this rate, so a peer
 cannot hold a write admitted under a fence (and a thread) by trickling it."""
+_STATUS_BYTE = {int(status): bytes([status]) for status in Status}
 _HANDSHAKE, _IDLE, _BUSY, _EVICTED = "handshake", "idle", "busy", "evicted"
 _WARN_INTERVAL_S = 10.0
 
@@ -141,8 +147,8 @@ class TcpTarget:
     def _set_phase(self, conn: socket.socket, phase: str) -> None:
         with self._lock:
             entry = self._phase.get(conn)
-            if entry is not None and entry[0] != _EVICTED:
-                self._phase[conn] = (phase, time.monotonic(), entry[2])
+            if entry is not None and entry[0] != _EVICTED:  # only idle ones need the time
+                self._phase[conn] = (phase, time.monotonic() if phase != _BUSY else 0.0, entry[2])
 
     def _release(self, conn: socket.socket, address: str) -> None:
         with self._lock:
@@ -159,8 +165,8 @@ class TcpTarget:
         try:
             if self._handshake(conn):
                 self._set_phase(conn, _IDLE)
-                decoder = FrameDecoder()
-                while self._serve_frame(conn, decoder):
+                reader = self._reader(conn)
+                while self._serve_frame(conn, reader):
                     self._set_phase(conn, _IDLE)
         except ProtocolError as exc:
             log.warning("dropping peer after protocol error: %s", exc)
@@ -171,6 +177,11 @@ class TcpTarget:
             log.exception("dropping peer after an unexpected error")
         finally:
             self._release(conn, address)
+
+    def _reader(self, conn: socket.socket) -> FrameReader:
+        """Frames are read under kernel timeouts (see kvpool.transfer.wire); the reader tells
+        a stalled frame (timeout_s) from an idle connection (idle_timeout_s)."""
+        return FrameReader(conn, self._config.timeout_s, self._config.idle_timeout_s)
 
     def _handshake(self, conn: socket.socket) -> bool:
         """The whole handshake (kvpool.transfer.auth) must end within handshake_timeout_s; the
@@ -199,27 +210,26 @@ class TcpTarget:
         presented = auth.body.get("proof") if isinstance(auth.body, dict) else None
         return check_proof(self._token, INITIATOR, nonce, own_nonce, self.name, presented)
 
-    def _serve_frame(self, conn: socket.socket, decoder: FrameDecoder) -> bool:
+    def _serve_frame(self, conn: socket.socket, reader: FrameReader) -> bool:
         """Serve one frame; False when the initiator closed the connection between frames.
         Once a frame has begun every read and write times out after timeout_s, so a stalled
-        peer cannot hold a fence (or this thread) forever; between frames idle_timeout_s."""
-        timeout_s = self._config.timeout_s
-        start = receive_event(conn, decoder, frame_timeout_s=timeout_s,
-                              idle_timeout_s=self._config.idle_timeout_s)
+        peer cannot hold a fence (or this thread) forever; between frames idle_timeout_s.
+        The first read takes what is there (an initiator sends nothing more until it has the
+        reply): header, descriptors and a small payload in one recv."""
+        start = reader.next_event(SCRATCH_BYTES)
         if start is None:
             return False
         if not isinstance(start, FrameStart) or start.header.type not in (FrameType.WRITE, FrameType.READ):
             kind = start.header.type.name if isinstance(start, FrameStart | Control) else "data"
             raise RemoteProtocolError(f"unexpected {kind} frame from an initiator")
         self._set_phase(conn, _BUSY)
-        conn.settimeout(timeout_s)
         if start.header.type == FrameType.WRITE:
-            self._serve_write(conn, decoder, start)
+            self._serve_write(conn, reader, start)
         else:
-            self._serve_read(conn, decoder, start)
+            self._serve_read(conn, reader, start)
         return True
 
-    def _serve_write(self, conn: socket.socket, decoder: FrameDecoder, start: FrameStart) -> None:
+    def _serve_write(self, conn: socket.socket, reader: FrameReader, start: FrameStart) -> None:
         header, addrs, lengths, fences = start.header, start.addrs, start.lengths, start.fences
         statuses = bytearray(header.count)
         views: list[memoryview] = []
@@ -230,30 +240,36 @@ class TcpTarget:
                 status, view = self._resolve(addr, length, fence, admitted, cache)
                 statuses[i] = status
                 views.extend([view] if view is not None else _discard_views(length))
-            recv_into_views(conn, views, time.monotonic() + self._config.timeout_s
-                            + start.payload_bytes / MIN_PAYLOAD_BYTES_PER_S)
-            decoder.payload_received(start.payload_bytes)
+            reader.finish_frame(views, time.monotonic() + self._config.timeout_s
+                                + start.payload_bytes / MIN_PAYLOAD_BYTES_PER_S)
         finally:
             for region, token in admitted:
                 region.leave(token)
-        _expect_end(conn, decoder)
         send_views(conn, [encode_header(FrameType.WRITE_ACK, header.count, header.request_id,
-                                        header.count), statuses])
+                                        header.count), statuses], HEADER_BYTES + header.count)
 
-    def _serve_read(self, conn: socket.socket, decoder: FrameDecoder, start: FrameStart) -> None:
+    def _serve_read(self, conn: socket.socket, reader: FrameReader, start: FrameStart) -> None:
         header, addrs, lengths, fences = start.header, start.addrs, start.lengths, start.fences
-        _expect_end(conn, decoder)
+        reader.finish_frame([])
+        if header.count == 1:  # the one-request path: no loop, one reply buffer
+            status, view = self._resolve(addrs[0], lengths[0], fences[0], None, [None])
+            payload = lengths[0] if view is not None else 0
+            head = encode_header(FrameType.READ_RESP, 1, header.request_id, 1 + payload)
+            send_views(conn, [head + _STATUS_BYTE[status], view] if view is not None else
+                       [head + _STATUS_BYTE[status]], HEADER_BYTES + 1 + payload)
+            return
         statuses = bytearray(header.count)
         views: list[bytes | bytearray | memoryview] = []
         cache: list[Buffer | None] = [None]
+        total = header.count
         for i, (addr, length, fence) in enumerate(zip(addrs, lengths, fences, strict=True)):
             status, view = self._resolve(addr, length, fence, None, cache)
             statuses[i] = status
             if view is not None:
                 views.append(view)
-        total = header.count + sum(v.nbytes for v in views if isinstance(v, memoryview))
+                total += length
         head = encode_header(FrameType.READ_RESP, header.count, header.request_id, total)
-        send_views(conn, [head, statuses, *views])
+        send_views(conn, [head, statuses, *views], HEADER_BYTES + total)
 
     def _resolve(self, addr: int, length: int, fence: int, admitted: list[tuple[Fence, int]] | None,
                  cache: list[Buffer | None]) -> tuple[int, memoryview | None]:
@@ -273,11 +289,6 @@ class TcpTarget:
             admitted.append((buf.fence, token))
         start = addr - buf.addr
         return Status.OK, buf.view[start : start + length]
-
-
-def _expect_end(conn: socket.socket, decoder: FrameDecoder) -> None:
-    if not isinstance(receive_event(conn, decoder), FrameEnd):
-        raise RemoteProtocolError("frame did not end where its header said")
 
 
 def _discard_views(length: int) -> list[memoryview]:

@@ -1,38 +1,182 @@
-"""Socket driver helpers: feeding the frame decoder, and scatter/gather I/O without copies."""
+"""Socket driver helpers: feeding the frame decoder, and scatter/gather I/O without copies.
+
+Two ways to read a connection. The handshake uses `receive_event`/`recv_control` with Python
+socket timeouts and one deadline. Once a connection carries frames, `FrameReader` drives it:
+the socket is blocking with kernel timeouts (`use_kernel_timeouts`), because CPython polls
+before every call on a socket with a timeout, and that poll was a third of the syscalls of a
+4 KiB round trip (docs/perf.md).
+"""
 
 from __future__ import annotations
 
+import functools
 import socket
+import struct
 import time
+from collections.abc import Callable
 
-from kvpool.errors import PeerUnavailable, RemoteProtocolError, TransferTimeout
-from kvpool.transfer.decoder import NEED_DATA, Control, Event, FrameDecoder, FrameStart
+from kvpool.errors import LocalProtocolError, PeerUnavailable, RemoteProtocolError, TransferTimeout
+from kvpool.transfer.decoder import (
+    NEED_DATA,
+    Control,
+    Data,
+    Event,
+    FrameDecoder,
+    FrameEnd,
+    FrameStart,
+)
 
 IOV_MAX = 1024
+SCRATCH_BYTES = 16 << 10
+"""What a reader may take from the socket in one call beyond what the decoder asked for:
+a frame's header, its descriptors and a small payload arrive in one recv instead of three."""
+_TIMEVAL = struct.Struct("@ll")
 
 
-def recv_into_views(sock: socket.socket, views: list[memoryview],
-                    deadline: float | None = None) -> None:
-    """Fill every view completely from the socket (scatter read, `recvmsg_into`). With a
-    `deadline` (time.monotonic()), TransferTimeout once it passed between two reads, so a
-    peer trickling bytes just inside the socket timeout cannot stretch a frame forever."""
-    pending = [v for v in views if v.nbytes]
-    while pending:
+def use_kernel_timeouts(sock: socket.socket, recv_tick_s: float, send_timeout_s: float) -> None:
+    """Blocking mode, with SO_RCVTIMEO / SO_SNDTIMEO doing the timing: a recv or send that
+    waits that long raises BlockingIOError (EAGAIN) and costs nothing extra until then."""
+    sock.settimeout(None)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(recv_tick_s))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(send_timeout_s))
+
+
+def _timeval(seconds: float) -> bytes:
+    micros = max(1, round(seconds * 1e6))  # a zero timeval would mean "never time out"
+    return _TIMEVAL.pack(*divmod(micros, 1_000_000))
+
+
+class FrameReader:
+    """Feeds one connection's `FrameDecoder`, for frames (after the handshake).
+
+    A read takes what the decoder asked for plus, when the caller allows it (`greedy`),
+    whatever else is already there up to SCRATCH_BYTES; payload bytes taken that way come back
+    as Data events and are copied, the rest of a payload goes straight from the socket into
+    the caller's views (`finish_frame`). Timeouts: the socket's SO_RCVTIMEO is a tick; a read
+    that waited `frame_timeout_s` inside a frame (or `idle_timeout_s` between frames, None:
+    for ever) raises TimeoutError.
+    """
+
+    def __init__(self, sock: socket.socket, frame_timeout_s: float,
+                 idle_timeout_s: float | None) -> None:
+        """Puts `sock` under kernel timeouts: the receive tick is the shorter limit, a send
+        may wait `frame_timeout_s`."""
+        self.sock = sock
+        self.decoder = FrameDecoder()
+        self._frame_timeout_s = frame_timeout_s
+        self._idle_timeout_s = idle_timeout_s
+        self._tick_s = min(frame_timeout_s, idle_timeout_s or frame_timeout_s)
+        use_kernel_timeouts(sock, self._tick_s, frame_timeout_s)
+        self._scratch = bytearray(SCRATCH_BYTES)
+        self._view = memoryview(self._scratch)
+
+    def next_event(self, greedy: int = 0) -> Event | None:
+        """The decoder's next event; None when the peer closed the connection between frames.
+        `greedy`: read up to this many bytes at once (at most SCRATCH_BYTES) when the decoder
+        needs more; only safe where the peer sends nothing after the frame unasked."""
+        decoder = self.decoder
+        while (event := decoder.next_event()) is NEED_DATA:
+            if greedy >= SCRATCH_BYTES:
+                view = self._view
+            else:
+                wanted = decoder.bytes_wanted()
+                view = self._view[: min(wanted if wanted > greedy else greedy, SCRATCH_BYTES)]
+            try:
+                got = self.sock.recv_into(view)
+            except BlockingIOError:  # a tick of SO_RCVTIMEO passed
+                got = self._wait(functools.partial(self.sock.recv_into, view))
+            if not got:
+                if decoder.at_boundary:
+                    return None
+                raise PeerUnavailable("peer closed the connection mid-frame")
+            decoder.receive_data(view[:got])
+        return event
+
+    def finish_frame(self, views: list[memoryview], deadline: float | None = None) -> FrameEnd:
+        """Move the payload of the frame just started into `views` (their sizes must add up to
+        it): first what the decoder already holds, then the rest straight from the socket.
+        With a `deadline` (time.monotonic()), TransferTimeout once it passed between two
+        reads, so a peer trickling bytes cannot stretch a frame forever."""
+        pending = views
+        decoder = self.decoder
+        while True:
+            event = decoder.next_event()
+            if type(event) is FrameEnd:
+                return event
+            if type(event) is Data:
+                pending = _fill(pending, event.data)
+            elif event is NEED_DATA:
+                pending = self._payload_into(pending, deadline)
+            else:
+                raise RemoteProtocolError("frame did not end where its header said")
+
+    def _payload_into(self, pending: list[memoryview], deadline: float | None) -> list[memoryview]:
+        """One scatter read of payload bytes straight into `pending`; the views left."""
+        pending = [v for v in pending if v.nbytes]
+        if not pending:
+            raise LocalProtocolError("payload views are shorter than the frame's payload")
         if deadline is not None and time.monotonic() > deadline:
             raise TransferTimeout("frame payload not received in time (too slow a peer)")
         chunk = pending[:IOV_MAX]
-        got = sock.recvmsg_into(chunk)[0]
+        # MSG_WAITALL: the kernel keeps filling until the views are full or a tick ran out,
+        # instead of one return to Python per arriving segment (a large write took ~16)
+        try:
+            got = self.sock.recvmsg_into(chunk, 0, socket.MSG_WAITALL)[0]
+        except BlockingIOError:
+            got = self._wait(lambda: self.sock.recvmsg_into(chunk, 0, socket.MSG_WAITALL)[0])
         if got == 0:
             raise PeerUnavailable("peer closed the connection mid-frame")
-        pending = _advance(pending, got)
+        self.decoder.payload_received(got)
+        return _advance(pending, got)
+
+    def _wait(self, read: Callable[[], int]) -> int:
+        """Retry `read` after SO_RCVTIMEO ticks until it returns, or raise TimeoutError once
+        the applicable limit passed (counted from the start of the tick that just ran out)."""
+        since = time.monotonic() - self._tick_s
+        limit = self._idle_timeout_s if self.decoder.at_boundary else self._frame_timeout_s
+        while True:
+            if limit is not None and time.monotonic() - since >= limit:
+                raise TimeoutError(f"peer sent nothing for {limit:g}s")
+            try:
+                return read()
+            except BlockingIOError:
+                continue
 
 
-def send_views(sock: socket.socket, views: list[bytes | bytearray | memoryview]) -> None:
-    """Send every view completely (gather write, `sendmsg`)."""
-    pending = [memoryview(v) for v in views if len(v)]
-    while pending:
-        sent = sock.sendmsg(pending[:IOV_MAX])
-        pending = _advance(pending, sent)
+def _fill(views: list[memoryview], data: bytes) -> list[memoryview]:
+    """Copy `data` into the front of `views`; the views still to fill."""
+    if len(views) == 1 and views[0].nbytes == len(data):  # a small frame's whole payload
+        views[0][:] = data
+        return []
+    source, offset = memoryview(data), 0
+    for view in views:
+        if offset == len(data):
+            break
+        n = min(view.nbytes, len(data) - offset)
+        view[:n] = source[offset : offset + n]
+        offset += n
+    if offset < len(data):
+        raise LocalProtocolError("payload views are shorter than the frame's payload")
+    return _advance(views, offset)
+
+
+def send_views(sock: socket.socket, views: list[bytes | bytearray | memoryview],
+               total: int | None = None) -> None:
+    """Send every view completely (gather write, `sendmsg`). A caller that knows the `total`
+    byte count lets the usual single sendmsg go without wrapping each view first. On a socket
+    with kernel timeouts a send that made no progress for SO_SNDTIMEO raises TimeoutError."""
+    try:
+        if total is not None and len(views) <= IOV_MAX:
+            sent = sock.sendmsg(views)
+            if sent == total:
+                return
+            views = _advance([memoryview(v) for v in views], sent)  # type: ignore[assignment]
+        pending = [v if isinstance(v, memoryview) else memoryview(v) for v in views if len(v)]
+        while pending:
+            sent = sock.sendmsg(pending[:IOV_MAX] if len(pending) > IOV_MAX else pending)
+            pending = _advance(pending, sent)
+    except BlockingIOError:
+        raise TimeoutError("peer took nothing within the send timeout") from None
 
 
 def _advance(views: list[memoryview], n: int) -> list[memoryview]:
@@ -47,24 +191,15 @@ def _advance(views: list[memoryview], n: int) -> list[memoryview]:
     return rest
 
 
-def receive_event(sock: socket.socket, decoder: FrameDecoder, deadline: float | None = None,
-                  frame_timeout_s: float | None = None, idle_timeout_s: float | None = None) -> Event | None:
-    """The decoder's next event, reading from `sock` only the bytes it wants (so payloads stay
-    in the socket for `recv_into`). None when the peer closed the connection between frames.
-
-    `deadline` (time.monotonic()) bounds the whole call however the peer spaces its bytes
-    (TimeoutError after it). Otherwise, with `frame_timeout_s`, a read inside a frame times out
-    after that long while between frames the peer may stay silent for `idle_timeout_s` (None:
-    for ever); without either the socket's own timeout applies.
-    """
+def receive_event(sock: socket.socket, decoder: FrameDecoder, deadline: float) -> Event | None:
+    """The decoder's next event before `deadline` (time.monotonic(); TimeoutError after it,
+    however the peer spaces its bytes), reading only the bytes the decoder wants. None when
+    the peer closed the connection between frames. For the handshake (Python timeouts)."""
     while (event := decoder.next_event()) is NEED_DATA:
-        if deadline is not None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError("deadline passed before the frame was complete")
-            sock.settimeout(left)
-        elif frame_timeout_s is not None:
-            sock.settimeout(idle_timeout_s if decoder.at_boundary else frame_timeout_s)
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("deadline passed before the frame was complete")
+        sock.settimeout(left)
         data = sock.recv(decoder.bytes_wanted(), socket.MSG_WAITALL)
         if not data:
             if decoder.at_boundary:

@@ -1,0 +1,199 @@
+"""The one-request fast path (Router.run_one) and the frame reader it drives: the bytes served
+must be the bytes registered, and fences and unregistered ranges are refused as on the batch
+path, leaving the local buffer untouched."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvpool.transfer import OpCode, RequestState, TransferConfig, TransferEngine, TransferRequest
+from kvpool.transfer.decoder import FrameEnd, FrameStart
+from kvpool.transfer.protocol import FENCED_REASON, FrameType, encode_descriptors, encode_header
+from kvpool.transfer.routing import Router
+from kvpool.transfer.wire import SCRATCH_BYTES, FrameReader
+from tests.transfer.conftest import Target, remote_base, sha
+
+
+def _refuse(*args: object, **kwargs: object) -> None:
+    raise AssertionError("a single request took the batch path")
+
+
+def _pattern(engine: TransferEngine, size: int, seed: int) -> np.ndarray:
+    buf = engine.allocate_managed(size).numpy()
+    buf[:] = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+    return buf
+
+
+def _one(engine: TransferEngine, op: OpCode, local: np.ndarray, target: Target, addr: int,
+         size: int, fence: int = 0) -> tuple[RequestState, str | None]:
+    status = engine.transfer_sync([TransferRequest(op, local.ctypes.data, size, target.segment,
+                                                   addr, fence)])[0]
+    return status.state, status.reason
+
+
+@pytest.mark.parametrize("size", [1, 4096, SCRATCH_BYTES + 1, TransferConfig().slice_bytes])
+def test_single_requests_move_the_right_bytes(engine: TransferEngine, target: Target, transport: str,
+                                              size: int) -> None:
+    base = remote_base(target, transport)
+    local = _pattern(engine, size, seed=size)
+    engine.write(target.segment, local.ctypes.data, base, size)  # first contact: batch path
+    assert target.digest(base, size) == sha(local)
+    target.fill(base, size, seed=size + 1)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Router, "dispatch", _refuse)
+        back = engine.allocate_managed(size).numpy()
+        assert _one(engine, OpCode.READ, back, target, base, size) == (RequestState.DONE, None)
+        assert sha(back) == target.digest(base, size)
+        assert _one(engine, OpCode.WRITE, local, target, base, size) == (RequestState.DONE, None)
+    assert target.digest(base, size) == sha(local)
+
+
+def test_fast_path_refuses_a_stale_fence_and_touches_nothing(engine: TransferEngine, target: Target,
+                                                             transport: str) -> None:
+    base = remote_base(target, transport)
+    local = _pattern(engine, 4096, seed=1)
+    engine.write(target.segment, local.ctypes.data, base, 4096)  # cache the peer
+    target.set_fence(base, 7)
+    back = engine.allocate_managed(4096).numpy()
+    back[:] = 0xAB
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Router, "dispatch", _refuse)
+        assert _one(engine, OpCode.READ, back, target, base, 4096, fence=6) == \
+            (RequestState.FAILED, FENCED_REASON)
+        assert (back == 0xAB).all()
+        other = _pattern(engine, 4096, seed=2)
+        assert _one(engine, OpCode.WRITE, other, target, base, 4096, fence=6) == \
+            (RequestState.FAILED, FENCED_REASON)
+        assert target.digest(base, 4096) == sha(local)
+        assert _one(engine, OpCode.READ, back, target, base, 4096, fence=7)[0] == RequestState.DONE
+    assert sha(back) == sha(local)
+
+
+def test_fast_path_refuses_unregistered_target_ranges(engine: TransferEngine, target: Target,
+                                                      transport: str) -> None:
+    base = remote_base(target, transport)
+    local = _pattern(engine, 4096, seed=3)
+    engine.write(target.segment, local.ctypes.data, base, 4096)
+    back = engine.allocate_managed(4096).numpy()
+    back[:] = 0xCD
+    beyond = base + target.size - 100  # runs past the end of the registered buffer
+    for op, buf in ((OpCode.READ, back), (OpCode.WRITE, local)):
+        state, reason = _one(engine, op, buf, target, beyond, 4096)
+        assert state == RequestState.FAILED and reason
+    assert (back == 0xCD).all()
+
+
+def test_large_requests_go_through_shm_whole_and_over_tcp_in_slices(engine: TransferEngine,
+                                                                    target: Target, transport: str) -> None:
+    size = 3 * TransferConfig().slice_bytes + 4096
+    base = remote_base(target, transport)
+    local = _pattern(engine, size, seed=9)
+    engine.write(target.segment, local.ctypes.data, base, 16)  # cache the peer
+    calls: list[int] = []
+    dispatch = Router.dispatch
+
+    def counted(self: Router, batch: object, requests: list[TransferRequest], inline: bool = False) -> None:
+        calls.append(len(requests))
+        dispatch(self, batch, requests, inline)  # type: ignore[arg-type]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Router, "dispatch", counted)
+        assert _one(engine, OpCode.WRITE, local, target, base, size) == (RequestState.DONE, None)
+    assert target.digest(base, size) == sha(local)
+    assert calls == ([1] if transport == "tcp" else [])
+
+
+def test_unregistered_local_memory_is_refused(engine: TransferEngine, target: Target,
+                                              transport: str) -> None:
+    stray = np.zeros(4096, dtype=np.uint8)  # never registered
+    engine.write(target.segment, _pattern(engine, 16, 4).ctypes.data, remote_base(target, transport), 16)
+    state, reason = _one(engine, OpCode.READ, stray, target, remote_base(target, transport), 4096)
+    assert state == RequestState.FAILED and "not registered" in (reason or "")
+
+
+def test_small_frame_with_refused_descriptors_fills_only_the_ok_views(engine: TransferEngine,
+                                                                      target: Target) -> None:
+    """One frame, read in one recv, whose reply carries fewer payload bytes than asked."""
+    base = target.plain
+    target.fill(base, 8 << 10, seed=5)
+    target.set_fence(base, 3)
+    back = engine.allocate_managed(8 << 10).numpy()
+    back[:] = 0xEE
+    reqs = [TransferRequest(OpCode.READ, back.ctypes.data + i * 1024, 1024, target.segment,
+                            base + i * 1024, 3 if i % 2 else 2) for i in range(8)]
+    statuses = engine.transfer_sync(reqs)
+    assert [s.ok for s in statuses] == [False, True] * 4
+    for i in range(8):
+        chunk = back[i * 1024 : (i + 1) * 1024]
+        if i % 2:
+            assert sha(chunk) == target.digest(base + i * 1024, 1024)
+        else:
+            assert (chunk == 0xEE).all()
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    a, b = socket.socketpair()
+    yield a, b
+    a.close()
+    b.close()
+
+
+def _write_frame(payload: bytes, rid: int = 1) -> bytes:
+    return (encode_header(FrameType.WRITE, 1, rid, len(payload))
+            + encode_descriptors([0x1000], [len(payload)]) + payload)
+
+
+@pytest.mark.parametrize("size", [0, 10, SCRATCH_BYTES, 3 * SCRATCH_BYTES + 7])
+def test_reader_moves_a_payload_into_views(pair: tuple[socket.socket, socket.socket], size: int) -> None:
+    a, b = pair
+    payload = bytes(np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8))
+    sender = threading.Thread(target=a.sendall, args=(_write_frame(payload) + _write_frame(b"xy", 2),))
+    sender.start()
+    reader = FrameReader(b, 5.0, None)
+    start = reader.next_event(SCRATCH_BYTES)
+    assert isinstance(start, FrameStart) and start.lengths == [size]
+    halves = [memoryview(bytearray(size // 2)), memoryview(bytearray(size - size // 2))]
+    assert isinstance(reader.finish_frame(halves), FrameEnd)
+    assert b"".join(bytes(h) for h in halves) == payload
+    second = reader.next_event(SCRATCH_BYTES)  # may already be buffered by the greedy read
+    assert isinstance(second, FrameStart) and second.header.request_id == 2
+    tail = memoryview(bytearray(2))
+    reader.finish_frame([tail])
+    assert bytes(tail) == b"xy"
+    sender.join()
+
+
+def test_reader_never_reads_past_the_bytes_it_may_take(pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    frame = _write_frame(b"abc")
+    a.sendall(frame + b"NEXT")
+    reader = FrameReader(b, 5.0, None)
+    start = reader.next_event(len(frame))
+    assert isinstance(start, FrameStart)
+    out = memoryview(bytearray(3))
+    reader.finish_frame([out])
+    assert bytes(out) == b"abc"
+    assert b.recv(16) == b"NEXT"
+
+
+def test_kernel_timeouts_tell_idle_from_a_stalled_frame(pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    reader = FrameReader(b, 0.2, None)  # idle for ever, 0.2 s inside a frame (ticks of 0.2 s)
+    threading.Timer(0.5, a.sendall, args=(_write_frame(b"z" * 10)[:-4],)).start()
+    start = reader.next_event(SCRATCH_BYTES)  # waited 2 ticks between frames: fine
+    assert isinstance(start, FrameStart)
+    began = time.monotonic()
+    with pytest.raises(TimeoutError):
+        reader.finish_frame([memoryview(bytearray(10))])  # 4 bytes never come
+    assert 0.15 < time.monotonic() - began < 1.0
+    idle = FrameReader(a, 1.0, 0.1)
+    began = time.monotonic()
+    with pytest.raises(TimeoutError):
+        idle.next_event()
+    assert time.monotonic() - began < 0.5
