@@ -21,6 +21,7 @@ from kvpool.store.master.drain import DrainManager
 from kvpool.store.master.eviction import create_eviction_policy
 from kvpool.store.master.placement import create_placement, pick_segments
 from kvpool.store.master.state import ClientState, PendingPut, Replica, Segment, StoredObject
+from kvpool.store.master.tables import ObjectTable, SegmentTable
 from kvpool.store.master.tiering import Tiering
 from kvpool.store.wire.codes import (
     ErrorCode,
@@ -60,11 +61,11 @@ class MasterCore:
     def __init__(self, config: MasterConfig | None = None, clock: Clock = SYSTEM_CLOCK) -> None:
         self.config = config or MasterConfig()
         self.clock = clock
-        self.objects: dict[str, StoredObject] = {}
-        self.pending: dict[str, PendingPut] = {}
-        self.segments: dict[str, Segment] = {}
-        self.clients: dict[str, ClientState] = {}
         self.policy = create_eviction_policy(self.config.eviction_policy)
+        self.objects = ObjectTable(self.policy)
+        self.pending: dict[str, PendingPut] = {}
+        self.segments = SegmentTable()
+        self.clients: dict[str, ClientState] = {}
         self.placement = create_placement(self.config.allocation_strategy, self.config.seed)
         self.stats = MasterStats()
         self._deferred: list[tuple[float, Segment, int]] = []  # (free at, segment, offset)
@@ -72,8 +73,6 @@ class MasterCore:
         """Dropped segment id -> (its fence, [(free at, offset, size)]): ranges a late
         writer or reader may still touch, held again if the same memory comes back under
         the same fence (with a new fence the owner refuses those transfers itself)."""
-        self._capacity = 0
-        self._segments_cache: list[Segment] | None = None
         self._no_evict_until = 0.0
         self._last_tick = clock.now()
         self.journal: Journal | None = None
@@ -123,11 +122,8 @@ class MasterCore:
         seg = Segment(segment_id, client_id, endpoint, base_addr,
                       OffsetAllocator(size, self.config.alignment), tier, fence)
         self._hold_quarantined(seg)
-        self.segments[segment_id] = seg
-        self._segments_cache = None
+        self.segments.add(seg)
         client.segment_ids.add(segment_id)
-        if tier is Tier.DRAM:  # capacity and watermarks count DRAM; disks have their own
-            self._capacity += size
         if self.journal is not None:
             self.journal.on_mount(self, seg)
         return E.OK, segment_id
@@ -155,24 +151,16 @@ class MasterCore:
     def _drop_segment(self, seg: Segment) -> None:
         """Forget a segment: replicas there vanish, objects left without one are removed,
         and puts that were writing there are revoked."""
-        del self.segments[seg.segment_id]
-        self._segments_cache = None
+        self.segments.remove(seg)
         self.drain.on_drop(seg)
         if self.journal is not None:
             self.journal.on_drop(seg.segment_id)
         client = self.clients.get(seg.client_id)
         if client is not None:
             client.segment_ids.discard(seg.segment_id)
-        if seg.tier is Tier.DRAM:
-            self._capacity -= seg.capacity
         for key in list(seg.pending_keys):
             self._revoke(self.pending[key], by_master=True)
-        for key in list(seg.keys):
-            obj = self.objects[key]
-            obj.replicas = [r for r in obj.replicas if r.segment is not seg]
-            if not obj.replicas:
-                del self.objects[key]
-                self.policy.on_remove(key)
+        self.objects.drop_segment(seg)
         held = [(at, offset, seg.allocator.allocated_ranges()[offset])
                 for at, s, offset in self._deferred if s is seg]
         if held:
@@ -261,10 +249,7 @@ class MasterCore:
     def segment_list(self) -> list[Segment]:
         """The segments that take new placements: DRAM ones that are not draining (puts and
         loaded copies go there)."""
-        if self._segments_cache is None:
-            self._segments_cache = [s for s in self.segments.values()
-                                    if s.tier is Tier.DRAM and not s.draining]
-        return self._segments_cache
+        return self.segments.placeable()
 
     def put_end(self, client_id: str, keys: Sequence[str],
                 checksums: Sequence[int | None] | None = None) -> list[ErrorCode]:
@@ -291,12 +276,10 @@ class MasterCore:
             self._remove_object(old, defer=True)
         now = self.clock.now()
         soft_until = now + self.config.soft_pin_ttl_s if put.soft_pinned else 0.0
-        self.objects[key] = StoredObject(key, put.size, put.replicas, 0.0, put.hard_pinned,
-                                         soft_until, checksum)
         for r in put.replicas:
             r.segment.pending_keys.discard(key)
-            r.segment.keys.add(key)
-        self.policy.on_insert(key)
+        self.objects.insert(StoredObject(key, put.size, put.replicas, 0.0, put.hard_pinned,
+                                         soft_until, checksum))
         if self.journal is not None:
             self.journal.on_put(self.objects[key])
         return E.OK
@@ -420,13 +403,11 @@ class MasterCore:
         freed only when the lease ends."""
         if self.tiering.mounts:
             self.tiering.on_remove(obj)  # may hold ranges a node task is using
-        del self.objects[obj.key]
-        self.policy.on_remove(obj.key)
+        self.objects.remove(obj)
         if self.journal is not None:
             self.journal.on_remove(obj.key)
         leased = defer and obj.lease_until > self.clock.now()
         for r in obj.replicas:
-            r.segment.keys.discard(obj.key)
             if leased:
                 self._deferred.append((obj.lease_until, r.segment, r.offset))
             else:
@@ -472,25 +453,26 @@ class MasterCore:
         self.drain.discard_stale()
         self.release_deferred()
         self.tiering.tick()
-        if self._capacity and self.used_bytes > self.config.high_watermark * self._capacity:
+        capacity = self.segments.dram_capacity
+        if capacity and self.used_bytes > self.config.high_watermark * capacity:
             self.evict(self._eviction_target())
         if self.journal is not None:
             self.journal.on_tick(self)
 
     @property
     def capacity_bytes(self) -> int:
-        return self._capacity
+        return self.segments.dram_capacity
 
     @property
     def used_bytes(self) -> int:
         """Allocated DRAM bytes over all segments (summed on demand: segments are few and the
         put path stays free of bookkeeping)."""
-        return sum(s.allocator.used_bytes for s in self.dram_segments())
+        return sum(s.allocator.used_bytes for s in self.segments.dram())
 
     def dram_segments(self) -> list[Segment]:
         """Every DRAM segment, draining ones included: what capacity and the eviction
         watermark count (`segment_list` is the subset that takes placements)."""
-        return [s for s in self.segments.values() if s.tier is Tier.DRAM]
+        return self.segments.dram()
 
     def segment_infos(self) -> list[SegmentInfo]:
         return [s.info() for s in self.segments.values()]

@@ -112,8 +112,7 @@ class DrainManager:
             return plan
         segs = self.matching(address)
         for seg in segs:
-            seg.draining = True
-        self.core._segments_cache = None
+            self.core.segments.set_draining(seg, True)
         self.drains[address] = Drain(address, segs)
         return plan
 
@@ -124,8 +123,7 @@ class DrainManager:
         if drain is None:
             return E.SEGMENT_NOT_FOUND
         for seg in drain.segments:
-            seg.draining = any(d.holds(seg) for d in self.drains.values())
-        self.core._segments_cache = None
+            self.core.segments.set_draining(seg, any(d.holds(seg) for d in self.drains.values()))
         return E.OK
 
     def start(self, client_id: str, address: str, max_keys: int,
@@ -242,8 +240,7 @@ class DrainManager:
 
     def _commit(self, move: Move) -> None:
         obj, target = move.obj, move.target
-        obj.replicas.append(target)
-        target.segment.keys.add(obj.key)
+        self.core.objects.add_replica(obj, target)
         if move.source in obj.replicas:
             self._drop_replica(obj, move.source)  # journals the object
         elif self.core.journal is not None:
@@ -252,8 +249,7 @@ class DrainManager:
     def _drop_replica(self, obj: StoredObject, replica: Replica) -> None:
         """Take one replica out of an object that keeps another; its range is freed when
         the object's read lease ends (a reader may be copying from it)."""
-        obj.replicas.remove(replica)
-        replica.segment.keys.discard(obj.key)
+        self.core.objects.drop_replica(obj, replica)
         if obj.lease_until > self.core.clock.now():
             self.core._deferred.append((obj.lease_until, replica.segment, replica.offset))
         else:

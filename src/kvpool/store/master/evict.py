@@ -36,8 +36,9 @@ def eviction_target(core: MasterCore) -> int:
     """Bytes one round frees: eviction_ratio of capacity, or enough to get back under the
     high watermark, whichever is more."""
     cfg = core.config
-    above = core.used_bytes - int(cfg.high_watermark * core._capacity)
-    return max(int(cfg.eviction_ratio * core._capacity), above, 1)
+    capacity = core.capacity_bytes
+    above = core.used_bytes - int(cfg.high_watermark * capacity)
+    return max(int(cfg.eviction_ratio * capacity), above, 1)
 
 
 def evict(core: MasterCore, num_bytes: int) -> bool:

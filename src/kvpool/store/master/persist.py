@@ -268,11 +268,10 @@ class Recovery:
         if obj is None:
             obj = StoredObject(rec.key, rec.size, [replica], 0.0, rec.hard_pinned, 0.0,
                                rec.checksum)
-            core.objects[rec.key] = self._attached[rec.key] = obj
-            core.policy.on_insert(rec.key)
+            core.objects.insert(obj)
+            self._attached[rec.key] = obj
         else:
-            obj.replicas.append(replica)
-        seg.keys.add(rec.key)
+            core.objects.add_replica(obj, replica)
 
     def forget(self, key: str) -> bool:
         """Drop a recovered object not yet back (a remove during recovery); whether it

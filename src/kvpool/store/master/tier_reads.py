@@ -60,7 +60,7 @@ def _promote(t: Tiering, obj: StoredObject) -> None:
     t.transient.discard(obj.key)
     t.fresh.discard(obj.key)
     t.reads.pop(obj.key, None)
-    t.core.policy.on_insert(obj.key)
+    t.core.objects.set_evictable(obj.key, True)
     t.stats.promotions += 1
     t._journal(obj)
 
@@ -105,8 +105,7 @@ def load_done(t: Tiering, task: Task, status: int) -> None:
             t._drop_disk_replica(obj, ssd)  # the node found the file bad: gone
         return
     assert obj is not None
-    obj.replicas.append(dram)
-    dram.segment.keys.add(task.key)
+    t.core.objects.add_replica(obj, dram)
     t.stats.loads += 1
     if t.reads.get(task.key, 0) >= _promote_after(t, obj):
         _promote(t, obj)
@@ -153,10 +152,10 @@ def _register_one(t: Tiering, mount: SsdMount, key: str, size: int, checksum: in
         return E.NO_AVAILABLE_HANDLE
     rep = Replica(seg, offset, size)
     if obj is None:
-        obj = core.objects[key] = StoredObject(key, size, [rep], checksum=checksum)
+        obj = StoredObject(key, size, [rep], checksum=checksum)
+        core.objects.insert(obj, evictable=False)  # only on disk: not DRAM's to evict
     else:
-        obj.replicas.append(rep)
-    seg.keys.add(key)
+        core.objects.add_replica(obj, rep)
     t._add_tiered(key, seg, gen)
     t._journal(obj)
     return E.OK

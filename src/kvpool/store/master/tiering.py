@@ -189,8 +189,7 @@ class Tiering:
                 self.stats.offload_failures += 1
             return
         assert obj is not None
-        obj.replicas.append(ssd)
-        ssd.segment.keys.add(task.key)
+        self.core.objects.add_replica(obj, ssd)
         self._add_tiered(task.key, ssd.segment, task.gen)
         self._drop_dram(obj)
         self.stats.offloads += 1
@@ -207,14 +206,13 @@ class Tiering:
         core, freed = self.core, 0
         leased = obj.lease_until > core.clock.now()
         for r in [r for r in obj.replicas if r.segment.tier is Tier.DRAM]:
-            obj.replicas.remove(r)
-            r.segment.keys.discard(obj.key)
+            core.objects.drop_replica(obj, r)
             freed += r.segment.allocator.rounded(r.size)
             if leased:
                 core._deferred.append((obj.lease_until, r.segment, r.offset))
             else:
                 core._free(r.segment, r.offset)
-        core.policy.on_remove(obj.key)
+        core.objects.set_evictable(obj.key, False)
         self.transient.discard(obj.key)
         self.fresh.discard(obj.key)
         self._journal(obj)
@@ -261,13 +259,12 @@ class Tiering:
         if len(obj.replicas) == 1:
             self.core._remove_object(obj, defer=False)  # on_remove queues the DELETE
             return
-        obj.replicas.remove(rep)
-        rep.segment.keys.discard(obj.key)
+        self.core.objects.drop_replica(obj, rep)
         self.core._free(rep.segment, rep.offset)
         self._forget_disk(obj.key, rep.segment)
         if not any(r.segment.tier is Tier.SSD for r in obj.replicas):
             self._untier(obj.key)  # back to a plain DRAM object (a transient copy stays)
-            self.core.policy.on_insert(obj.key)
+            self.core.objects.set_evictable(obj.key, True)
             self.transient.discard(obj.key)
         self._journal(obj)
 
@@ -328,7 +325,7 @@ class Tiering:
             obj = self.core.objects.get(key)
             self._untier(key)
             if obj is not None and key not in self.transient:
-                self.core.policy.on_insert(key)
+                self.core.objects.set_evictable(key, True)
             self.transient.discard(key)
         for gk in [gk for gk in self.gens if gk[0] == seg.segment_id]:
             del self.gens[gk]
