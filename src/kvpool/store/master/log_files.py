@@ -17,6 +17,7 @@ from pathlib import Path
 
 from kvpool.errors import RemoteProtocolError, StoreError
 from kvpool.log import get_logger
+from kvpool.metadata.durable import fsync_dir
 from kvpool.store.master.records import DurableState, decode_frames, encode_record
 
 log = get_logger("store.persist")
@@ -62,14 +63,6 @@ def load_state(state_dir: Path) -> tuple[DurableState, list[Path]]:
     return state, replayed
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class FileLogStore:
     """The journal's storage in a directory (see the module docstring)."""
 
@@ -111,7 +104,7 @@ class FileLogStore:
             os.close(self._fd)
         current = self.dir / f"log.{self._seq}"
         self._fd = os.open(current, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
         for path in self._old_logs:
             path.unlink(missing_ok=True)
         self._old_logs = [current]
