@@ -29,8 +29,9 @@ from kvpool.errors import ConfigError
 from kvpool.log import get_logger
 from kvpool.store.master.log_files import FileLogStore, load_state
 from kvpool.store.master.records import DurableState, ObjRec, SegRec, encode_record
-from kvpool.store.master.service import INTERNAL_ERROR, MasterService
+from kvpool.store.master.service import MasterService
 from kvpool.store.master.state import Replica, Segment, StoredObject
+from kvpool.store.wire.codes import ErrorCode
 from kvpool.store.wire.protocol import encode_reply, peek_req_id
 
 if TYPE_CHECKING:
@@ -312,5 +313,7 @@ class PersistentService(MasterService):
 
 
 def _not_leader(frame: bytes) -> bytes:
-    return encode_reply(peek_req_id(frame), INTERNAL_ERROR,
+    """RPC_FAIL: the request was not served and may be sent again (to the leader etcd names
+    by then); nothing in it was acknowledged."""
+    return encode_reply(peek_req_id(frame), int(ErrorCode.RPC_FAIL),
                         "this master is not the leader (its lease lapsed); ask etcd again")
