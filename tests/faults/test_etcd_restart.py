@@ -55,7 +55,7 @@ def watch_terms(pair: HaPair, etcd: EtcdProcess, term1: int, until: float) -> No
 def test_etcd_restart_keeps_one_leader_and_every_object(tmp_path: Path, down_s: float) -> None:
     with ExitStack() as stack:
         etcd = EtcdProcess(stack).start()
-        pair = start_ha_pair(stack, etcd, tmp_path, "etcd-restart", ttl_s=2)
+        pair = start_ha_pair(stack, etcd, None, "etcd-restart", ttl_s=2)  # journal in etcd
         leader_addr, term1 = wait_leader(etcd, pair.cluster_id)
         leader = pair.index_of(leader_addr)
         start_nodes(stack, pair.address, 2)

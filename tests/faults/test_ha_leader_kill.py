@@ -18,7 +18,7 @@ from kvpool.store.client.store_client import StoreClient
 def test_leader_sigkill_under_a_running_workload(tmp_path: Path) -> None:
     with ExitStack() as stack:
         etcd = EtcdProcess(stack).start()
-        pair = start_ha_pair(stack, etcd, tmp_path, "kill-under-load", ttl_s=2)
+        pair = start_ha_pair(stack, etcd, None, "kill-under-load", ttl_s=2)  # journal in etcd
         leader_addr, term1 = wait_leader(etcd, pair.cluster_id)
         leader = pair.index_of(leader_addr)
         start_nodes(stack, pair.address, 2)

@@ -8,11 +8,9 @@ state directory per trial), so trials do not see each other's objects.
 from __future__ import annotations
 
 import statistics
-import tempfile
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from kvpool.bench.faults_procs import (
@@ -56,9 +54,9 @@ def wait_leader(etcd: EtcdProcess, cluster_id: str, not_term: int = 0,
 
 
 def _ha_cluster(stack: ExitStack, etcd: EtcdProcess, cluster_id: str) -> tuple[HaPair, int]:
-    """An HA pair and two store nodes, all nodes mounted; (pair, leader's index)."""
-    state = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvp-ha-")))
-    pair = start_ha_pair(stack, etcd, state, cluster_id, HA_TTL_S)
+    """An HA pair keeping its journal in etcd (the default) and two store nodes, all nodes
+    mounted; (pair, leader's index)."""
+    pair = start_ha_pair(stack, etcd, None, cluster_id, HA_TTL_S)
     leader_addr, _ = wait_leader(etcd, cluster_id)
     start_nodes(stack, pair.address, 2)
     return pair, pair.index_of(leader_addr)

@@ -103,14 +103,16 @@ class HaPair:
         return next(i for i, p in enumerate(self.rpc_ports) if leader_address.endswith(f":{p}"))
 
 
-def start_ha_pair(stack: ExitStack, etcd: EtcdProcess, state_dir: Path, cluster_id: str,
+def start_ha_pair(stack: ExitStack, etcd: EtcdProcess, state_dir: Path | None, cluster_id: str,
                   ttl_s: int = 2) -> HaPair:
+    """Two HA masters journaling to `state_dir`, or to etcd itself when None."""
     pair = HaPair(etcd, [], [], [], cluster_id)
+    shared = ["--state-dir", str(state_dir)] if state_dir is not None else []
     for _ in range(2):
         rpc, admin = free_port(), free_port()
         pair.masters.append(owned(stack, spawn_kvpool(
             "master", "--enable_ha=true", f"--etcd_endpoints={etcd.endpoint}",
-            "--cluster_id", cluster_id, "--state-dir", str(state_dir),
+            "--cluster_id", cluster_id, *shared,
             "--rpc_port", str(rpc), "--metrics_port", str(admin), "--no-http-metadata",
             "--ha-lease-ttl", str(ttl_s), "--recovery-grace", "20")))
         pair.rpc_ports.append(rpc)
