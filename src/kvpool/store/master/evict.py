@@ -72,6 +72,8 @@ def evict(core: MasterCore, num_bytes: int) -> bool:
         if freed >= num_bytes:
             break
     dropped, freed_now = tiering.take_victims(chosen) if tiering.mounts else (chosen, 0)
+    if tiering.mounts:
+        tiering.after_eviction()
     for obj in dropped:
         freed_now += _dram_bytes(obj)
         core._remove_object(obj, defer=False)

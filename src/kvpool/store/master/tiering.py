@@ -130,8 +130,8 @@ class Tiering:
                 self._offload_done(task, status == DONE)
             elif task is not None and task.kind == LOAD:
                 tier_reads.load_done(self, task, status)
-        if outcomes and self.core.clock.now() >= self.clean_due:
-            tier_clean.clean_ahead(self)
+        if outcomes:
+            self.after_eviction()
         return E.OK
 
     def _queue(self, mount: SsdMount, kind: int, key: str, obj: StoredObject | None,
@@ -160,6 +160,11 @@ class Tiering:
                 self.failed.discard(obj.key)
                 drop.append(obj)
         return drop, freed
+
+    def after_eviction(self) -> None:
+        """Eviction took clean objects: copy the next ones ahead (rate-limited)."""
+        if self.core.clock.now() >= self.clean_due:
+            tier_clean.clean_ahead(self)
 
     def evicting(self, key: str) -> bool:
         """Whether an offload under way frees `key`'s DRAM when done."""
