@@ -8,7 +8,9 @@ SSD (`attach`); that segment's allocator is the master's account of the disk. Th
   DRAM meanwhile. On the node's report the object gets its SSD replica and its DRAM ranges
   are freed (after the read lease, if leased). Puts never wait for it: bytes in flight count
   toward the eviction target, and an allocation that finds nothing free right now fails.
-  An object already on disk loses its DRAM copy at once (no copy needed).
+  An object already on disk loses its DRAM copy at once (no copy needed); so that this is
+  the common case, the coldest `clean_share` of DRAM is copied ahead of eviction
+  (tier_offload.py).
 - **Load.** A lookup of a disk-only object answers REPLICA_IS_NOT_READY while a DRAM range is
   reserved (placement as for a put, the disk's own node first) and LOAD is queued; the
   client looks again shortly. The loaded copy is transient (freed when the read lease ends)
@@ -30,7 +32,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvpool.store.master import tier_clean, tier_reads
+from kvpool.store.master import tier_offload, tier_reads
 from kvpool.store.master.state import Replica, Segment, StoredObject
 from kvpool.store.master.tier_tasks import (
     DELETE,
@@ -127,7 +129,7 @@ class Tiering:
         for task_id, status in outcomes:
             task = mount.tasks.pop(task_id, None)
             if task is not None and task.kind == OFFLOAD:
-                self._offload_done(task, status == DONE)
+                tier_offload.offload_done(self, task, status == DONE)
             elif task is not None and task.kind == LOAD:
                 tier_reads.load_done(self, task, status)
         if outcomes:
@@ -142,56 +144,21 @@ class Tiering:
         mount.tasks[task.task_id] = task
         return task
 
-    # -- offload ---------------------------------------------------------------------------
+    # -- offload (tier_offload.py) ----------------------------------------------------------
 
     def take_victims(self, victims: list[StoredObject]) -> tuple[list[StoredObject], int]:
-        """Handle DRAM eviction victims: (the ones to drop as before, DRAM bytes freed
-        here). Objects on disk lose their DRAM copy; others are offloaded where a disk
-        tier has room."""
-        drop, freed = [], 0
-        for obj in victims:
-            copying = self.offloading.get(obj.key)
-            if obj.key in self.tiered:
-                freed += self._drop_dram(obj)
-                self.stats.dram_dropped += 1
-            elif copying is not None:
-                tier_clean.evict_when_copied(self, copying)
-            elif obj.key in self.failed or not self._start_offload(obj):
-                self.failed.discard(obj.key)
-                drop.append(obj)
-        return drop, freed
+        """See tier_offload.take_victims."""
+        return tier_offload.take_victims(self, victims)
 
     def after_eviction(self) -> None:
         """Eviction took clean objects: copy the next ones ahead (rate-limited)."""
         if self.core.clock.now() >= self.clean_due:
-            tier_clean.clean_ahead(self)
+            tier_offload.clean_ahead(self)
 
     def evicting(self, key: str) -> bool:
         """Whether an offload under way frees `key`'s DRAM when done."""
         task = self.offloading.get(key)
         return task is not None and task.evict
-
-    def _start_offload(self, obj: StoredObject, evict: bool = True) -> bool:
-        """Queue OFFLOAD of `obj`'s DRAM replica on a node with a disk tier. A copy ahead of
-        eviction (`evict` False) takes only free disk space, never evicts disk replicas."""
-        for r in obj.replicas:
-            mount = self._disk_of(r.segment.client_id)
-            if mount is None or r.segment.tier is not Tier.DRAM:
-                continue
-            ssd = self._allocate_disk(mount, obj.size) if evict else \
-                self._free_disk(mount, obj.size)
-            if ssd is None:
-                return False
-            gen = self._rng.getrandbits(64)
-            task = self._queue(mount, OFFLOAD, obj.key, obj, obj.size, gen, r, ssd)
-            task.evict = evict
-            self.offloading[obj.key] = task
-            if evict:
-                self.offloading_bytes += obj.size
-            else:
-                self.num_cleaning += 1
-            return True
-        return False
 
     def _untrack_offload(self, task: Task) -> None:
         """Forget `task` as an offload under way (if it still is)."""
@@ -207,33 +174,6 @@ class Tiering:
             if mount.segment.client_id == client_id:
                 return mount
         return None
-
-    def _offload_done(self, task: Task, ok: bool) -> None:
-        obj, ssd = task.obj, task.ssd
-        assert ssd is not None
-        self._untrack_offload(task)
-        live = self.core.segments.get(ssd.segment.segment_id) is ssd.segment
-        valid = ok and live and obj is not None and self.core.objects.get(task.key) is obj \
-            and task.dram in obj.replicas
-        if not valid:
-            self.core._free(ssd.segment, ssd.offset)
-            if ok and live:
-                self._queue(self.mounts[ssd.segment.segment_id], DELETE, task.key, None, 0,
-                            task.gen)
-            if not ok and obj is not None:
-                self.failed.add(task.key)
-                self.stats.offload_failures += 1
-            return
-        assert obj is not None
-        obj.replicas.append(ssd)
-        ssd.segment.keys.add(task.key)
-        self._add_tiered(task.key, ssd.segment, task.gen)
-        self.stats.offloads += 1
-        if task.evict:
-            self._drop_dram(obj)
-        else:
-            self.stats.copied_ahead += 1
-            self._journal(obj)
 
     def _add_tiered(self, key: str, seg: Segment, gen: int) -> None:
         self.gens[(seg.segment_id, key)] = gen
@@ -408,7 +348,7 @@ class Tiering:
         """Free transient copies whose lease ended; evict disks above their watermark;
         copy the cold end of DRAM ahead of eviction."""
         self._expire_transient()
-        tier_clean.clean_ahead(self)
+        tier_offload.clean_ahead(self)
         cfg = self.config
         for mount in list(self.mounts.values()):
             alloc = mount.segment.allocator
