@@ -102,16 +102,17 @@ def hit_rate_rows(limit: int | None, with_ssd: bool) -> dict[str, Any]:
 def ssd_read_rows(with_ssd: bool, object_bytes: int = 1 << 20,
                   dram_bytes: int = 64 << 20) -> dict[str, Any]:
     """Read GB/s of a working set that fits DRAM (half of it), beside one four times DRAM
-    on DRAM+SSD, both read the same way: two passes in key order, `READ_BATCH_BYTES` per
+    on DRAM+SSD, both read the same way: passes in key order, `READ_BATCH_BYTES` per
     get_batch (a batch that fits DRAM; one batch of the whole set could never be in DRAM
-    at once). In the SSD run every read of the first pass finds its object on disk only
+    at once), the same number of bytes in both runs (two passes over the large set, 16
+    over the small one). In the SSD run every read of the first pass finds its object on disk only
     (the last quarter put was pushed out by the loads before it), and so does the second
     (the set is 4x DRAM), which promotes (`--ssd-promote-after 2`). Promotions per second
     are the master's counter over both passes; `loaded_share` is loads per read."""
     if not with_ssd:
         return {"dram_read_gb_s": NA, "ssd_read_gb_s": NA, "promotions_per_s": NA}
-    dram = _read_rate(dram_bytes, dram_bytes // 2, object_bytes, 0)
-    ssd = _read_rate(dram_bytes, dram_bytes * 4, object_bytes, dram_bytes * 8)
+    dram = _read_rate(dram_bytes, dram_bytes // 2, object_bytes, 0, READ_PASSES * 8)
+    ssd = _read_rate(dram_bytes, dram_bytes * 4, object_bytes, dram_bytes * 8, READ_PASSES)
     return {"dram_read_gb_s": dram["gb_s"], "ssd_read_gb_s": ssd["gb_s"],
             "promotions_per_s": ssd["promotions_per_s"], "dram": dram, "ssd": ssd}
 
@@ -120,7 +121,8 @@ READ_BATCH_BYTES = 8 << 20
 READ_PASSES = 2
 
 
-def _read_rate(dram: int, working_set: int, object_bytes: int, ssd: int) -> dict[str, Any]:
+def _read_rate(dram: int, working_set: int, object_bytes: int, ssd: int,
+               passes: int) -> dict[str, Any]:
     with ExitStack() as stack:
         _, address, argv = start_master(stack, "--lease-ttl-ms", "500")
         metrics = f"http://127.0.0.1:{argv[argv.index('--metrics_port') + 1]}/metrics"
@@ -138,7 +140,7 @@ def _read_rate(dram: int, working_set: int, object_bytes: int, ssd: int) -> dict
             t0 = time.monotonic()
             good = wrong = 0
             per_batch = max(1, READ_BATCH_BYTES // object_bytes)
-            for _ in range(READ_PASSES):
+            for _ in range(passes):
                 for lo in range(0, len(keys), per_batch):
                     chunk = keys[lo:lo + per_batch]
                     for key, got in zip(chunk, store.get_batch(chunk), strict=True):
@@ -148,7 +150,7 @@ def _read_rate(dram: int, working_set: int, object_bytes: int, ssd: int) -> dict
             elapsed = time.monotonic() - t0
             after = _counters(metrics)
         delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-        reads = READ_PASSES * len(keys)
+        reads = passes * len(keys)
         return {"gb_s": round(good * object_bytes / elapsed / 1e9, 3),
                 "promotions_per_s": round(delta.get("promotions", 0.0) / elapsed, 1),
                 "promotions": int(delta.get("promotions", 0)), "reads": reads,

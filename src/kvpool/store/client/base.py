@@ -55,7 +55,7 @@ def new_fence() -> int:
 
 _PUT_OK = PutResult(ErrorCode.OK)
 NOT_READY_PAUSE_S = 0.002
-NOT_READY_MAX_PAUSE_S = 0.01
+NOT_READY_MAX_PAUSE_S = 0.05
 """Pauses between lookups of an object being loaded from disk (doubling up to the max)."""
 
 

@@ -33,6 +33,7 @@ def take_victims(t: Tiering, victims: list[StoredObject]) -> tuple[list[StoredOb
     Objects on disk (clean) lose their DRAM copy at once; one whose copy ahead is under way
     is freed when it lands; others are offloaded where a disk tier has room."""
     drop, freed = [], 0
+    t.clean_wanted = t.clean_wanted or bool(victims)
     for obj in victims:
         copying = t.offloading.get(obj.key)
         if obj.key in t.tiered:
@@ -105,19 +106,22 @@ def clean_ahead(t: Tiering) -> int:
     t.clean_due = core.clock.now() + cfg.clean_interval_s
     target = int(cfg.clean_share * core.capacity_bytes)
     budget = cfg.max_cleaning - t.num_cleaning
+    t.clean_wanted = budget <= 0  # at the cap: walk again when copies land
     if not t.mounts or target <= 0 or budget <= 0:
         return 0
     covered = queued = 0
+    objects, tiered, offloading, failed = core.objects, t.tiered, t.offloading, t.failed
     for key in core.policy.victims():
         if covered >= target or queued >= budget:
             break
-        obj = core.objects.get(key)
+        obj = objects.get(key)
         if obj is None or obj.hard_pinned:
             continue
-        covered += sum(r.size for r in obj.replicas if r.segment.tier is Tier.DRAM)
-        if key in t.tiered or key in t.offloading or key in t.failed:
+        covered += obj.size  # (its DRAM bytes, unless it has more than one replica)
+        if key in tiered or key in offloading or key in failed:
             continue
         queued += start_offload(t, obj, evict=False)  # False: no disk (room) for it
+    t.clean_wanted = queued >= budget
     return queued
 
 

@@ -74,6 +74,9 @@ class Tiering:
         """Copies ahead of eviction under way."""
         self.clean_due = 0.0
         """Clock time before which the copy-ahead walk is not run again (outside ticks)."""
+        self.clean_wanted = True
+        """Eviction took from the clean share, or the last walk stopped at the in-flight
+        cap: walk again after the next eviction round or report (ticks always walk)."""
         self.loading: dict[str, Task] = {}
         self.reads: dict[str, int] = {}
         """Reads of an object since it went to disk (reset by promotion)."""
@@ -152,7 +155,7 @@ class Tiering:
 
     def after_eviction(self) -> None:
         """Eviction took clean objects: copy the next ones ahead (rate-limited)."""
-        if self.core.clock.now() >= self.clean_due:
+        if self.clean_wanted and self.core.clock.now() >= self.clean_due:
             tier_offload.clean_ahead(self)
 
     def evicting(self, key: str) -> bool:
