@@ -83,6 +83,8 @@ class SsdWorker:
         cfg = client.config
         self._rpc = RpcClient(cfg.master, client.client_id, cfg.rpc_timeout_s, cfg.token)
         self.segment_id: str | None = None
+        self._outcomes: list[tuple[int, int]] = []
+        """Outcomes of the last batch, sent with the next poll."""
         self._scratch: np.ndarray | None = None
         self._scratch_addr = 0
 
@@ -101,6 +103,18 @@ class SsdWorker:
             else:
                 stop.wait(cfg.busy_poll_s if now - last_busy < cfg.busy_linger_s
                           else cfg.poll_s)
+        self._flush()
+
+    def _flush(self) -> None:
+        """Report outcomes not sent yet (best effort: unreported tasks are handed out
+        again after redeliver_s, and redoing one is harmless)."""
+        if self._outcomes and self.segment_id is not None:
+            try:
+                self._rpc.call(m.NodeReportMsg(segment_id=self.segment_id,
+                                               outcomes=self._outcomes))
+                self._outcomes = []
+            except (RpcError, KvpoolError) as exc:
+                log.warning("disk tier: last outcomes not reported: %s", exc)
 
     def close(self) -> None:
         self._rpc.close()
@@ -146,19 +160,21 @@ class SsdWorker:
     def _poll(self) -> bool:
         segment_id = self.segment_id
         assert segment_id is not None, "polled before the disk was attached"
-        due = self._rpc.call(m.NodeTasksMsg(segment_id=segment_id))
+        due = self._rpc.call(m.NodeTasksMsg(segment_id=segment_id, outcomes=self._outcomes))
+        self._outcomes = []  # the master has them (on an error they go with the next poll)
         code, tasks = due.code, due.tasks
         if code != E.OK:
             log.warning("master does not know our disk tier (%s); mounting it again",
                         ErrorCode(code).name)
             self.segment_id = None
             return True
-        loads = [t for t in tasks if t.kind == LOAD]  # readers wait: report them first
-        for batch in (loads, [t for t in tasks if t.kind != LOAD]):
-            if batch:
-                outcomes = [(t.task_id, self._run(t)) for t in batch]
-                self._rpc.call(m.NodeReportMsg(segment_id=segment_id, outcomes=outcomes))
-        return bool(tasks)
+        loads = [(t.task_id, self._run(t)) for t in tasks if t.kind == LOAD]
+        others = [t for t in tasks if t.kind != LOAD]
+        if loads and others:  # readers wait for loads: report them before the rest
+            self._rpc.call(m.NodeReportMsg(segment_id=segment_id, outcomes=loads))
+            loads = []
+        self._outcomes = loads + [(t.task_id, self._run(t)) for t in others]
+        return bool(tasks)  # busy: the next poll, at once, carries the outcomes
 
     def _run(self, task: m.NodeTask) -> int:
         _, kind, key, endpoint, addr, size, checksum, gen, fence = task
