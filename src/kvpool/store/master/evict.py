@@ -73,7 +73,7 @@ def evict(core: MasterCore, num_bytes: int) -> bool:
             break
     dropped, freed_now = tiering.take_victims(chosen) if tiering.mounts else (chosen, 0)
     if tiering.mounts:
-        tiering.after_eviction()
+        tiering.clean_if_wanted()
     for obj in dropped:
         freed_now += _dram_bytes(obj)
         core._remove_object(obj, defer=False)

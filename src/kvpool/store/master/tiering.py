@@ -136,7 +136,7 @@ class Tiering:
             elif task is not None and task.kind == LOAD:
                 tier_reads.load_done(self, task, status)
         if outcomes:
-            self.after_eviction()
+            self.clean_if_wanted()
         return E.OK
 
     def _queue(self, mount: SsdMount, kind: int, key: str, obj: StoredObject | None,
@@ -153,8 +153,9 @@ class Tiering:
         """See tier_offload.take_victims."""
         return tier_offload.take_victims(self, victims)
 
-    def after_eviction(self) -> None:
-        """Eviction took clean objects: copy the next ones ahead (rate-limited)."""
+    def clean_if_wanted(self) -> None:
+        """After an eviction round or a report: when eviction took from the clean share (or
+        the last walk stopped at its cap), copy the next objects ahead (rate-limited)."""
         if self.clean_wanted and self.core.clock.now() >= self.clean_due:
             tier_offload.clean_ahead(self)
 
