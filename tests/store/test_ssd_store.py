@@ -95,3 +95,24 @@ def test_one_node_per_directory(tmp_path: Path) -> None:
     finally:
         os.close(fd)
     os.close(_lock_dir(str(tmp_path)))   # free again once the holder is gone
+
+
+def test_fsync_mode_round_trips_through_a_temporary_file(tmp_path: Path) -> None:
+    store = SsdStore(str(tmp_path), fsync=True)
+    data = PAYLOAD + b"f"
+    store.write("f", memoryview(data), xxhash.xxh3_64_intdigest(data), gen=7)
+    assert sorted(os.listdir(tmp_path)) == [file_name("f")]    # no temporary left
+    assert read(store, "f", 7) is not None
+    store.check_integrity()
+
+
+def test_an_overwrite_in_place_replaces_the_older_generation(tmp_path: Path) -> None:
+    store = stored(tmp_path)
+    data = PAYLOAD[::-1] + b"a"
+    store.write("a", memoryview(data), xxhash.xxh3_64_intdigest(data), gen=555)
+    assert read(store, "a", 100) is None                         # the old generation: gone
+    out = bytearray(len(data))
+    assert store.read_into("a", 555, memoryview(out)) and bytes(out) == data
+    store.check_integrity()
+    os.truncate(tmp_path / file_name("a"), HEADER_BYTES + 1 + 10)  # torn by a crash
+    assert SsdStore(str(tmp_path)).scan().num_discarded == 1

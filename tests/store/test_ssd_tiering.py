@@ -3,6 +3,8 @@ eviction, registration, removal and dead nodes, with the integrity check after e
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from kvpool.clock import VirtualClock
 from kvpool.store.master.core import MasterCore
 from kvpool.store.master.tier_tasks import DELETE, DONE, FAILED, FILE_BAD, LOAD, OFFLOAD, Task
@@ -13,10 +15,12 @@ E = ErrorCode
 OBJ = 4 * KIB
 
 
-def tiered_core(clock: VirtualClock, promote_after: int = 2,
-                disk: int = 64 * KIB) -> tuple[MasterCore, str]:
-    """One node c0 with 64 KiB of DRAM and `disk` bytes of disk; lease 1 s."""
+def tiered_core(clock: VirtualClock, promote_after: int = 2, disk: int = 64 * KIB,
+                clean_share: float = 0.0) -> tuple[MasterCore, str]:
+    """One node c0 with 64 KiB of DRAM and `disk` bytes of disk; lease 1 s. Copies ahead of
+    eviction are off unless `clean_share` says otherwise (test_ssd_clean.py covers them)."""
     core = make_core(clock, num_segments=1, lease_ttl_s=1.0)
+    core.tiering.config = replace(core.tiering.config, clean_share=clean_share)
     code, ssd_id = core.tiering.attach("c0", "127.0.0.1:9000", disk, promote_after)
     assert code == E.OK and ssd_id == "127.0.0.1:9000/0"
     core.check_integrity()

@@ -156,13 +156,17 @@ def _ssd_rows(report: Report) -> list[tuple[str, str]]:
     rows: list[tuple[str, str]] = []
     if "ssd" in report:
         s = report["ssd"]
+        loaded = (f" ({s['ssd']['loaded_share']:.0%} of reads loaded from disk, "
+                  f"wrong {s['ssd']['wrong']})" if "ssd" in s else "")
         rows += [("read GB/s: DRAM / DRAM+SSD (working set 4x DRAM)",
-                  f"{s['dram_read_gb_s']} / {s['ssd_read_gb_s']}"),
+                  f"{s['dram_read_gb_s']} / {s['ssd_read_gb_s']}{loaded}"),
                  ("SSD -> DRAM promotions per second", f"{s['promotions_per_s']}")]
     if "hitrate" in report:
         h = report["hitrate"]
         dram, ssd = h["dram"], h["dram_ssd"]
-        ssd_text = ssd if isinstance(ssd, str) else f"{ssd['hit_rate']:.4f}"
+        ssd_text = ssd if isinstance(ssd, str) else (
+            f"{ssd['hit_rate']:.4f} ({ssd['seconds']} s, wrong {ssd['wrong']}, "
+            f"failed puts {ssd['failed_puts']})")
         rows += [(f"trace hit rate, DRAM = 10% of {h['distinct_blocks']} blocks "
                   f"({h['requests']} requests)",
                   f"pool {dram['hit_rate']:.4f} (sim LRU {h['sim_lru_hit_rate']:.4f}, "

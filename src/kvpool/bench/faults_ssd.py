@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Sequence
 from contextlib import ExitStack
 from typing import Any
@@ -25,7 +26,7 @@ from kvpool.sim.cache import hit_rate
 from kvpool.sim.trace import load_trace
 from kvpool.store.client.config import ClientConfig
 from kvpool.store.client.store_client import StoreClient
-from kvpool.store.wire.codes import ErrorCode, Tier
+from kvpool.store.wire.codes import ErrorCode
 
 NA = "n/a (no SSD tier)"
 BLOCK_BYTES = 64
@@ -100,19 +101,31 @@ def hit_rate_rows(limit: int | None, with_ssd: bool) -> dict[str, Any]:
 
 def ssd_read_rows(with_ssd: bool, object_bytes: int = 1 << 20,
                   dram_bytes: int = 64 << 20) -> dict[str, Any]:
-    """Read GB/s of a working set that fits DRAM, beside one four times DRAM on DRAM+SSD;
-    objects that reads moved back to DRAM per second (from the master's /segments tiers)."""
+    """Read GB/s of a working set that fits DRAM (half of it), beside one four times DRAM
+    on DRAM+SSD, both read the same way: passes in key order, `READ_BATCH_BYTES` per
+    get_batch (a batch that fits DRAM; one batch of the whole set could never be in DRAM
+    at once), the same number of bytes in both runs (two passes over the large set, 16
+    over the small one). In the SSD run every read of the first pass finds its object on disk only
+    (the last quarter put was pushed out by the loads before it), and so does the second
+    (the set is 4x DRAM), which promotes (`--ssd-promote-after 2`). Promotions per second
+    are the master's counter over both passes; `loaded_share` is loads per read."""
     if not with_ssd:
         return {"dram_read_gb_s": NA, "ssd_read_gb_s": NA, "promotions_per_s": NA}
-    dram = _read_rate(dram_bytes, dram_bytes // 2, object_bytes, 0)
-    ssd = _read_rate(dram_bytes, dram_bytes * 4, object_bytes, dram_bytes * 8)
+    dram = _read_rate(dram_bytes, dram_bytes // 2, object_bytes, 0, READ_PASSES * 8)
+    ssd = _read_rate(dram_bytes, dram_bytes * 4, object_bytes, dram_bytes * 8, READ_PASSES)
     return {"dram_read_gb_s": dram["gb_s"], "ssd_read_gb_s": ssd["gb_s"],
-            "promotions_per_s": ssd["promotions_per_s"]}
+            "promotions_per_s": ssd["promotions_per_s"], "dram": dram, "ssd": ssd}
 
 
-def _read_rate(dram: int, working_set: int, object_bytes: int, ssd: int) -> dict[str, Any]:
+READ_BATCH_BYTES = 8 << 20
+READ_PASSES = 2
+
+
+def _read_rate(dram: int, working_set: int, object_bytes: int, ssd: int,
+               passes: int) -> dict[str, Any]:
     with ExitStack() as stack:
-        _, address, _ = start_master(stack, "--lease-ttl-ms", "500")
+        _, address, argv = start_master(stack, "--lease-ttl-ms", "500")
+        metrics = f"http://127.0.0.1:{argv[argv.index('--metrics_port') + 1]}/metrics"
         extra: tuple[str, ...] = ()
         if ssd:
             ssd_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvp-ssd-"))
@@ -121,21 +134,48 @@ def _read_rate(dram: int, working_set: int, object_bytes: int, ssd: int) -> dict
         keys = [f"r{i}" for i in range(working_set // object_bytes)]
         with StoreClient(ClientConfig(master=address, local_buffer_size=64 << 20)) as store:
             wait_until(lambda: store.put(keys[0], content(keys[0], object_bytes)).ok, 60.0)
-            for key in keys[1:]:
-                store.put(key, content(key, object_bytes))
-            before = _dram_objects(store, keys)
+            failed_puts = sum(not _put_patiently(store, k, content(k, object_bytes))
+                              for k in keys[1:])
+            before = _counters(metrics)
             t0 = time.monotonic()
-            got = store.get_batch(keys)
+            good = wrong = 0
+            per_batch = max(1, READ_BATCH_BYTES // object_bytes)
+            for _ in range(passes):
+                for lo in range(0, len(keys), per_batch):
+                    chunk = keys[lo:lo + per_batch]
+                    for key, got in zip(chunk, store.get_batch(chunk), strict=True):
+                        right = got.ok and got.data == content(key, object_bytes)
+                        good += right
+                        wrong += got.ok and not right
             elapsed = time.monotonic() - t0
-            moved = max(0, _dram_objects(store, keys) - before)
-        good = sum(1 for k, g in zip(keys, got, strict=True)
-                   if g.ok and g.data == content(k, object_bytes))
+            after = _counters(metrics)
+        delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+        reads = passes * len(keys)
         return {"gb_s": round(good * object_bytes / elapsed / 1e9, 3),
-                "promotions_per_s": round(moved / elapsed, 1)}
+                "promotions_per_s": round(delta.get("promotions", 0.0) / elapsed, 1),
+                "promotions": int(delta.get("promotions", 0)), "reads": reads,
+                "good_reads": good, "wrong": wrong, "failed_puts": failed_puts,
+                "loaded_share": round(delta.get("loads", 0.0) / reads, 3),
+                "seconds": round(elapsed, 2)}
 
 
-def _dram_objects(store: StoreClient, keys: Sequence[str]) -> int:
-    """Objects with a replica on a DRAM segment."""
-    found = store.replica_desc_batch(list(keys))
-    return sum(1 for r in found if r.code == ErrorCode.OK
-               and any(d.tier == Tier.DRAM for d in r.replicas))
+def _put_patiently(store: StoreClient, key: str, value: bytes, timeout_s: float = 30.0) -> bool:
+    """Put, retrying NO_AVAILABLE_HANDLE (DRAM full while the disk catches up) as a writer
+    that must not lose the object would."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        code = store.put(key, value).code
+        if code != ErrorCode.NO_AVAILABLE_HANDLE or time.monotonic() > deadline:
+            return code == ErrorCode.OK
+        time.sleep(0.002)
+
+
+def _counters(url: str) -> dict[str, float]:
+    """The master's kvpool_master_ssd_* counters, by short name (loads, promotions, ...)."""
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("kvpool_master_ssd_") and line.split()[0].endswith("_total"):
+            name, value = line.split()[:2]
+            out[name[len("kvpool_master_ssd_"):-len("_total")]] = float(value)
+    return out

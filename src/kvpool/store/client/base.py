@@ -410,9 +410,12 @@ class ClientBase:
     def _lookup(self, keys: Sequence[str]) -> tuple[list[LookupResult], float]:
         """Replica lookups (granting read leases) and the time they were first asked for.
         Objects the master is copying from disk into DRAM (REPLICA_IS_NOT_READY) are looked
-        up again, with a growing pause, for up to `rpc_timeout_s`."""
+        up again, with a growing pause, for up to `rpc_timeout_s`; so are objects found
+        while others were still loading once more than half their lease passed (a loaded
+        copy's lease is short, and the read starts only when the last one is in)."""
         t0 = self.clock.now()
         out = self._lookup_once(keys)
+        granted = [0.0] * len(keys)  # when each lease began, seconds after t0
         pause = NOT_READY_PAUSE_S
         waiting = [i for i, r in enumerate(out) if r.code == E.REPLICA_IS_NOT_READY]
         while waiting and self.clock.now() + pause < t0 + self.config.rpc_timeout_s:
@@ -423,7 +426,14 @@ class ClientBase:
                             strict=True):
                 out[i] = r._replace(lease_ttl_s=r.lease_ttl_s + since_t0) if r.code == E.OK \
                     else r
-            waiting = [i for i in waiting if out[i].code == E.REPLICA_IS_NOT_READY]
+                granted[i] = since_t0
+            waiting = [i for i, r in enumerate(out) if r.code == E.REPLICA_IS_NOT_READY]
+            if not waiting:  # all in: renew (once) leases more than half used meanwhile
+                now = self.clock.now() - t0
+                waiting = [i for i, r in enumerate(out) if r.code == E.OK
+                           and granted[i] < since_t0
+                           and now - granted[i] > (r.lease_ttl_s - granted[i]) / 2]
+                pause = 0.0 if waiting else pause
         return out, t0
 
     def _lookup_once(self, keys: Sequence[str]) -> list[LookupResult]:

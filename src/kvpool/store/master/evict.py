@@ -44,8 +44,9 @@ def eviction_target(core: MasterCore) -> int:
 def evict(core: MasterCore, num_bytes: int) -> bool:
     """Free about `num_bytes` of DRAM by dropping least valuable objects. Leased,
     hard-pinned and pending objects are never evicted; soft-pinned ones only in a second
-    pass. Victims a disk tier takes (tiering.py) are offloaded instead, and bytes already
-    being offloaded count toward `num_bytes`. Returns whether anything was freed now."""
+    pass. Victims a disk tier takes (tiering.py) are offloaded instead (or, already copied
+    ahead, freed at once), and bytes already being offloaded count toward `num_bytes`.
+    Returns whether anything was freed now."""
     core.stats.eviction_rounds += 1
     tiering = core.tiering
     num_bytes -= tiering.offloading_bytes
@@ -61,7 +62,7 @@ def evict(core: MasterCore, num_bytes: int) -> bool:
                 break
             obj = core.objects.get(key)
             if obj is None or obj.hard_pinned or obj.lease_until > now \
-                    or key in tiering.offloading:
+                    or tiering.evicting(key):
                 continue
             if (obj.soft_pin_until > now) != second_pass:
                 continue
@@ -72,6 +73,8 @@ def evict(core: MasterCore, num_bytes: int) -> bool:
         if freed >= num_bytes:
             break
     dropped, freed_now = tiering.take_victims(chosen) if tiering.mounts else (chosen, 0)
+    if tiering.mounts:
+        tiering.clean_if_wanted()
     for obj in dropped:
         freed_now += _dram_bytes(obj)
         core._remove_object(obj, defer=False)

@@ -80,6 +80,7 @@ _TIER_COUNTERS = (
     ("loads", "objects copied from a disk tier into DRAM for a read"),
     ("load_failures", "loads a node could not do (a bad file among them)"),
     ("promotions", "loaded copies kept in DRAM after --ssd-promote-after reads"),
+    ("copied_ahead", "DRAM objects copied to disk ahead of their eviction"),
     ("dram_dropped", "DRAM copies of objects already on disk freed by eviction"),
     ("disk_evicted_objects", "disk replicas dropped at the disk watermark"),
     ("disk_evicted_bytes", "bytes of disk replicas dropped at the disk watermark"),

@@ -24,18 +24,18 @@ def on_lookup(t: Tiering, obj: StoredObject) -> LookupResult | None:
     copy under a short lease (`transient_lease_s`, so that reads of more cold data than
     DRAM holds are not held up by leases). Reads are counted per load started and per
     hit of a transient copy, except the first hit after the load (the reader that
-    asked for it, looking again)."""
+    asked for it, looking again), which gets the short lease even when the load promoted
+    the copy."""
     key, cfg = obj.key, t.config
     t.lru.move_to_end(key)
     has_dram = any(r.segment.tier is Tier.DRAM for r in obj.replicas)
-    if has_dram and key not in t.transient:
+    if has_dram and key not in t.transient and key not in t.fresh:
         return None
     until = t.core.clock.now() + cfg.transient_lease_s
     obj.lease_until = max(obj.lease_until, until)
     if not has_dram:
-        if key not in t.loading:
+        if key not in t.loading and _start_load(t, obj):
             _count_read(t, key)
-            _start_load(t, obj)
         return NOT_READY
     if key in t.fresh:
         t.fresh.discard(key)
@@ -58,24 +58,26 @@ def _promote_after(t: Tiering, obj: StoredObject) -> int:
 
 def _promote(t: Tiering, obj: StoredObject) -> None:
     t.transient.discard(obj.key)
-    t.fresh.discard(obj.key)
     t.reads.pop(obj.key, None)
     t.core.objects.set_evictable(obj.key, True)
     t.stats.promotions += 1
     t._journal(obj)
 
-def _start_load(t: Tiering, obj: StoredObject) -> None:
+def _start_load(t: Tiering, obj: StoredObject) -> bool:
+    """Queue LOAD of `obj` into a fresh DRAM range; False when no DRAM is free now
+    (eviction is under way: the client asks again)."""
     source = next((r for r in obj.replicas
                    if t.mounts.get(r.segment.segment_id) is not None), None)
     if source is None:
-        return
+        return False
     mount = t.mounts[source.segment.segment_id]
     target = _allocate_dram(t, mount.segment.client_id, obj.size)
     if target is None:
-        return  # nothing free now: eviction is under way, the client asks again
+        return False
     gen = t.gens.get((source.segment.segment_id, obj.key), 0)
     t.loading[obj.key] = t._queue(mount, LOAD, obj.key, obj, obj.size, gen,
-                                        target, source)
+                                  target, source)
+    return True
 
 def _allocate_dram(t: Tiering, client_id: str, size: int) -> Replica | None:
     """A DRAM range for a loaded copy: the disk's own node first, then any segment."""
@@ -107,11 +109,11 @@ def load_done(t: Tiering, task: Task, status: int) -> None:
     assert obj is not None
     t.core.objects.add_replica(obj, dram)
     t.stats.loads += 1
+    t.fresh.add(task.key)
     if t.reads.get(task.key, 0) >= _promote_after(t, obj):
         _promote(t, obj)
     else:
         t.transient.add(task.key)
-        t.fresh.add(task.key)
 
 
 def register(t: Tiering, client_id: str, segment_id: str, keys: Sequence[str],

@@ -24,14 +24,19 @@ def tier_handlers(core: MasterCore) -> dict[type[m.Msg], Callable[[Any], Any]]:
         code, segment_id = tiering.attach(r.client_id, r.endpoint, r.size, r.promote_after)
         return m.MountReply(int(code), segment_id)
 
+    def report(client_id: str, segment_id: str, outcomes: list[tuple[int, int]]) -> int:
+        if len(outcomes) > MAX_OUTCOMES:
+            raise InvalidArgument(f"at most {MAX_OUTCOMES} outcomes per report")
+        return int(tiering.report(client_id, segment_id, outcomes))
+
     def node_tasks(r: m.NodeTasksMsg) -> m.NodeTasksReply:
+        if r.outcomes:
+            report(r.client_id, r.segment_id, r.outcomes)
         code, due = tiering.next_tasks(r.client_id, r.segment_id)
         return m.NodeTasksReply(int(code), [t.wire() for t in due])
 
     def node_report(r: m.NodeReportMsg) -> int:
-        if len(r.outcomes) > MAX_OUTCOMES:
-            raise InvalidArgument(f"at most {MAX_OUTCOMES} outcomes per report")
-        return int(tiering.report(r.client_id, r.segment_id, r.outcomes))
+        return report(r.client_id, r.segment_id, r.outcomes)
 
     def ssd_register(r: m.SsdRegisterMsg) -> list[int]:
         return [int(c) for c in tiering.register(r.client_id, r.segment_id, r.keys, r.sizes,

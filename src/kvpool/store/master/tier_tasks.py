@@ -42,10 +42,23 @@ class TierConfig:
     """...and frees down to this share."""
     redeliver_s: float = 10.0
     """A task handed out and not reported for this long is handed out again."""
-    max_tasks_per_poll: int = 64
-    transient_lease_s: float = 2.0
+    max_tasks_per_poll: int = 256
+    max_task_bytes_per_poll: int = 32 << 20
+    """One poll hands out at most this many object bytes (at least one task), so a node
+    reports (and frees DRAM) every few tens of MiB."""
+    transient_lease_s: float = 0.25
     """Read lease of a lookup that finds a transient (loaded, not promoted) copy, or a load
-    under way; the copy is freed when it ends."""
+    under way; the copy is freed when it ends. It bounds how fast disk-only data can be
+    read: at most DRAM capacity per lease."""
+    clean_share: float = 0.2
+    """Share of DRAM capacity, at the cold end of the eviction order, kept on disk as well
+    ("clean"): eviction then frees DRAM at once instead of waiting for an offload. 0: copy
+    only when evicting."""
+    max_cleaning: int = 1024
+    """At most this many copy-ahead offloads in flight per disk."""
+    clean_interval_s: float = 0.005
+    """The copy-ahead walk runs at most this often outside ticks (it walks the clean
+    share of the eviction order)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -63,6 +76,9 @@ class Task:
     ssd: Replica | None = None
     """Disk range: the offload's destination (held by the task), or the load's source."""
     sent_at: float | None = None
+    evict: bool = True
+    """An offload that frees the object's DRAM when done (eviction), or False: a copy
+    ahead of eviction that leaves DRAM as it is (the object becomes clean)."""
 
     def wire(self) -> NodeTask:
         seg = self.dram.segment if self.dram is not None else None
@@ -80,16 +96,23 @@ class SsdMount:
     promote_after: int
     tasks: OrderedDict[int, Task] = field(default_factory=OrderedDict)
 
-    def due(self, now: float, redeliver_s: float, limit: int) -> list[Task]:
-        """Tasks never handed out, or handed out longer than `redeliver_s` ago; marks them
-        handed out now."""
-        out = []
-        for task in self.tasks.values():
-            if task.sent_at is None or now - task.sent_at >= redeliver_s:
-                task.sent_at = now
-                out.append(task)
-                if len(out) >= limit:
-                    break
+    def due(self, now: float, redeliver_s: float, limit: int,
+            limit_bytes: int = 1 << 62) -> list[Task]:
+        """Tasks never handed out, or handed out longer than `redeliver_s` ago, loads first
+        (a reader waits for them), at most `limit` of them and about `limit_bytes` of
+        objects; marks them handed out now."""
+        out: list[Task] = []
+        budget = [limit, limit_bytes]
+        for loads in (True, False):
+            for task in self.tasks.values():
+                if budget[0] <= 0 or budget[1] <= 0:
+                    return out
+                if (task.kind == LOAD) == loads and \
+                        (task.sent_at is None or now - task.sent_at >= redeliver_s):
+                    task.sent_at = now
+                    out.append(task)
+                    budget[0] -= 1
+                    budget[1] -= task.size
         return out
 
 
@@ -100,6 +123,8 @@ class TierStats:
     loads: int = 0
     load_failures: int = 0
     promotions: int = 0
+    copied_ahead: int = 0
+    """Offloads done ahead of eviction (the object stayed in DRAM, now clean)."""
     dram_dropped: int = 0
     """DRAM copies of objects already on disk freed by eviction (no copy needed)."""
     disk_evicted_objects: int = 0

@@ -8,7 +8,9 @@ SSD (`attach`); that segment's allocator is the master's account of the disk. Th
   DRAM meanwhile. On the node's report the object gets its SSD replica and its DRAM ranges
   are freed (after the read lease, if leased). Puts never wait for it: bytes in flight count
   toward the eviction target, and an allocation that finds nothing free right now fails.
-  An object already on disk loses its DRAM copy at once (no copy needed).
+  An object already on disk loses its DRAM copy at once (no copy needed); so that this is
+  the common case, the coldest `clean_share` of DRAM is copied ahead of eviction
+  (tier_offload.py).
 - **Load.** A lookup of a disk-only object answers REPLICA_IS_NOT_READY while a DRAM range is
   reserved (placement as for a put, the disk's own node first) and LOAD is queued; the
   client looks again shortly. The loaded copy is transient (freed when the read lease ends)
@@ -30,7 +32,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from kvpool.store.master import tier_reads
+from kvpool.store.master import tier_offload, tier_reads
 from kvpool.store.master.state import Replica, Segment, StoredObject
 from kvpool.store.master.tier_tasks import (
     DELETE,
@@ -65,7 +67,16 @@ class Tiering:
         """(SSD segment id, key) -> generation of the file that holds the replica."""
         self.lru: OrderedDict[str, None] = OrderedDict()
         self.offloading: dict[str, Task] = {}
+        """Offloads under way: evictions and copies ahead of eviction (Task.evict)."""
         self.offloading_bytes = 0
+        """Bytes of the evicting offloads under way (they free DRAM when done)."""
+        self.num_cleaning = 0
+        """Copies ahead of eviction under way."""
+        self.clean_due = 0.0
+        """Clock time before which the copy-ahead walk is not run again (outside ticks)."""
+        self.clean_wanted = True
+        """Eviction took from the clean share, or the last walk stopped at the in-flight
+        cap: walk again after the next eviction round or report (ticks always walk)."""
         self.loading: dict[str, Task] = {}
         self.reads: dict[str, int] = {}
         """Reads of an object since it went to disk (reset by promotion)."""
@@ -107,8 +118,9 @@ class Tiering:
         if mount is None:
             return E.SEGMENT_NOT_FOUND, []
         self.core._touch_client(client_id)
-        return E.OK, mount.due(self.core.clock.now(), self.config.redeliver_s,
-                               self.config.max_tasks_per_poll)
+        cfg = self.config
+        return E.OK, mount.due(self.core.clock.now(), cfg.redeliver_s,
+                               cfg.max_tasks_per_poll, cfg.max_task_bytes_per_poll)
 
     def report(self, client_id: str, segment_id: str,
                outcomes: Sequence[tuple[int, int]]) -> ErrorCode:
@@ -120,9 +132,11 @@ class Tiering:
         for task_id, status in outcomes:
             task = mount.tasks.pop(task_id, None)
             if task is not None and task.kind == OFFLOAD:
-                self._offload_done(task, status == DONE)
+                tier_offload.offload_done(self, task, status == DONE)
             elif task is not None and task.kind == LOAD:
                 tier_reads.load_done(self, task, status)
+        if outcomes:
+            self.clean_if_wanted()
         return E.OK
 
     def _queue(self, mount: SsdMount, kind: int, key: str, obj: StoredObject | None,
@@ -133,66 +147,37 @@ class Tiering:
         mount.tasks[task.task_id] = task
         return task
 
-    # -- offload ---------------------------------------------------------------------------
+    # -- offload (tier_offload.py) ----------------------------------------------------------
 
     def take_victims(self, victims: list[StoredObject]) -> tuple[list[StoredObject], int]:
-        """Handle DRAM eviction victims: (the ones to drop as before, DRAM bytes freed
-        here). Objects on disk lose their DRAM copy; others are offloaded where a disk
-        tier has room."""
-        drop, freed = [], 0
-        for obj in victims:
-            if obj.key in self.tiered:
-                freed += self._drop_dram(obj)
-                self.stats.dram_dropped += 1
-            elif obj.key in self.failed or not self._start_offload(obj):
-                self.failed.discard(obj.key)
-                drop.append(obj)
-        return drop, freed
+        """See tier_offload.take_victims."""
+        return tier_offload.take_victims(self, victims)
 
-    def _start_offload(self, obj: StoredObject) -> bool:
-        for r in obj.replicas:
-            mount = self._disk_of(r.segment.client_id)
-            if mount is None or r.segment.tier is not Tier.DRAM:
-                continue
-            ssd = self._allocate_disk(mount, obj.size)
-            if ssd is None:
-                return False
-            gen = self._rng.getrandbits(64)
-            self.offloading[obj.key] = self._queue(mount, OFFLOAD, obj.key, obj, obj.size,
-                                                   gen, r, ssd)
-            self.offloading_bytes += obj.size
-            return True
-        return False
+    def clean_if_wanted(self) -> None:
+        """After an eviction round or a report: when eviction took from the clean share (or
+        the last walk stopped at its cap), copy the next objects ahead (rate-limited)."""
+        if self.clean_wanted and self.core.clock.now() >= self.clean_due:
+            tier_offload.clean_ahead(self)
+
+    def evicting(self, key: str) -> bool:
+        """Whether an offload under way frees `key`'s DRAM when done."""
+        task = self.offloading.get(key)
+        return task is not None and task.evict
+
+    def _untrack_offload(self, task: Task) -> None:
+        """Forget `task` as an offload under way (if it still is)."""
+        if self.offloading.get(task.key) is task:
+            del self.offloading[task.key]
+            if task.evict:
+                self.offloading_bytes -= task.size
+            else:
+                self.num_cleaning -= 1
 
     def _disk_of(self, client_id: str) -> SsdMount | None:
         for mount in self.mounts.values():
             if mount.segment.client_id == client_id:
                 return mount
         return None
-
-    def _offload_done(self, task: Task, ok: bool) -> None:
-        obj, ssd = task.obj, task.ssd
-        assert ssd is not None
-        if self.offloading.get(task.key) is task:
-            del self.offloading[task.key]
-            self.offloading_bytes -= task.size
-        live = self.core.segments.get(ssd.segment.segment_id) is ssd.segment
-        valid = ok and live and obj is not None and self.core.objects.get(task.key) is obj \
-            and task.dram in obj.replicas
-        if not valid:
-            self.core._free(ssd.segment, ssd.offset)
-            if ok and live:
-                self._queue(self.mounts[ssd.segment.segment_id], DELETE, task.key, None, 0,
-                            task.gen)
-            if not ok and obj is not None:
-                self.failed.add(task.key)
-                self.stats.offload_failures += 1
-            return
-        assert obj is not None
-        self.core.objects.add_replica(obj, ssd)
-        self._add_tiered(task.key, ssd.segment, task.gen)
-        self._drop_dram(obj)
-        self.stats.offloads += 1
 
     def _add_tiered(self, key: str, seg: Segment, gen: int) -> None:
         self.gens[(seg.segment_id, key)] = gen
@@ -231,6 +216,11 @@ class Tiering:
             self.evict_disk(mount, max(alloc.rounded(size),
                                        int(self.core.config.eviction_ratio * alloc.capacity)))
             offset = alloc.allocate(size)
+        return None if offset is None else Replica(mount.segment, offset, size)
+
+    @staticmethod
+    def _free_disk(mount: SsdMount, size: int) -> Replica | None:
+        offset = mount.segment.allocator.allocate(size)
         return None if offset is None else Replica(mount.segment, offset, size)
 
     def evict_disk(self, mount: SsdMount, num_bytes: int) -> int:
@@ -276,6 +266,7 @@ class Tiering:
 
     def _untier(self, key: str) -> None:
         self.tiered.discard(key)
+        self.fresh.discard(key)
         self.lru.pop(key, None)
         self.reads.pop(key, None)
 
@@ -296,10 +287,10 @@ class Tiering:
     def on_remove(self, obj: StoredObject) -> None:
         """`obj` is being removed (core._remove_object, before its ranges are freed)."""
         key = obj.key
-        offload = self.offloading.pop(key, None)
+        offload = self.offloading.get(key)
         if offload is not None:  # the node may be reading the DRAM range: hold it
+            self._untrack_offload(offload)
             offload.obj = None
-            self.offloading_bytes -= offload.size
             obj.lease_until = max(obj.lease_until,
                                   self.core.clock.now() + self.config.redeliver_s)
         load = self.loading.pop(key, None)
@@ -337,11 +328,10 @@ class Tiering:
     def _cancel(self, task: Task) -> None:
         """Forget a task whose disk or DRAM segment went away. A load's DRAM range is held
         for put_release_timeout_s: the node may still be writing it."""
-        table = self.offloading if task.kind == OFFLOAD else self.loading
-        if table.get(task.key) is task:
-            del table[task.key]
-            if task.kind == OFFLOAD:
-                self.offloading_bytes -= task.size
+        if task.kind == OFFLOAD:
+            self._untrack_offload(task)
+        elif self.loading.get(task.key) is task:
+            del self.loading[task.key]
         for mount in self.mounts.values():
             mount.tasks.pop(task.task_id, None)
         core = self.core
@@ -357,8 +347,10 @@ class Tiering:
                 self._queue(disk, DELETE, task.key, None, 0, task.gen)
 
     def tick(self) -> None:
-        """Free transient copies whose lease ended; evict disks above their watermark."""
+        """Free transient copies whose lease ended; evict disks above their watermark;
+        copy the cold end of DRAM ahead of eviction."""
         self._expire_transient()
+        tier_offload.clean_ahead(self)
         cfg = self.config
         for mount in list(self.mounts.values()):
             alloc = mount.segment.allocator
@@ -388,8 +380,10 @@ class Tiering:
         core = self.core
         for key in self.tiered:
             assert self._disk_replicas(key) > 0, f"tiered {key!r} has no disk replica"
-        for key in self.transient:
+        for key in self.transient | self.fresh:
             assert key in self.tiered, f"transient {key!r} is not on disk"
         for key, task in self.offloading.items():
             assert task.obj is core.objects.get(key), f"offload of {key!r} lost its object"
-        assert self.offloading_bytes == sum(t.size for t in self.offloading.values())
+        assert self.offloading_bytes == sum(t.size for t in self.offloading.values()
+                                            if t.evict)
+        assert self.num_cleaning == sum(not t.evict for t in self.offloading.values())

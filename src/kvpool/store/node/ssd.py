@@ -12,11 +12,12 @@ hand out a byte it cannot prove. File layout (little endian):
 `meta` covers the header and the key, so a flipped bit in the key or the size is caught
 before the payload is trusted; `checksum` is the object's xxh3_64, the same value readers
 verify. `gen` names one offload (the master's generation), so a late DELETE or LOAD of an
-older copy of the same key is told apart. A file is written under a temporary name and
-renamed into place, so a crash leaves either the old file, the new one, or a temporary
-(deleted at the next scan); with `fsync` the file is flushed before the rename and the
-directory after it (survives a power loss), without it a crash of the machine can leave a
-torn file, which the checksums catch.
+older copy of the same key is told apart. With `fsync` a file is written under a temporary
+name, flushed, renamed into place and the directory flushed, so a crash (even a power loss)
+leaves either the old file, the new one, or a temporary (deleted at the next scan).
+Without it (a cache) the file is written in place, one directory operation instead of
+three (file creation is what limits small offloads): a crash can leave a torn file, which
+the size and checksum checks catch.
 """
 
 from __future__ import annotations
@@ -85,22 +86,26 @@ class SsdStore:
     def write(self, key: str, payload: memoryview, checksum: int, gen: int) -> SsdEntry:
         """Store `payload` as `key`'s file (replacing any older one). The caller has checked
         that `checksum` is the payload's xxh3_64. Raises OSError (disk full, I/O error);
-        a failed write leaves no file under the final name."""
+        a failed write leaves no file of `key` (the older one is gone too)."""
         final = self.path(key)
-        tmp = f"{final}{TMP_MARK}{os.getpid()}"
-        try:
-            with open(tmp, "wb") as f:
-                f.write(encode_header(key, len(payload), checksum, gen))
-                f.write(payload)
-                if self.fsync:
-                    f.flush()
-                    os.fsync(f.fileno())
-            os.replace(tmp, final)
-        except BaseException:
-            _unlink(tmp)
-            raise
-        if self.fsync:
+        self.entries.pop(key, None)
+        if self.fsync:  # survive power loss: the old file or the new one, whole
+            tmp = f"{final}{TMP_MARK}{os.getpid()}"
+            try:
+                _write_file(tmp, encode_header(key, len(payload), checksum, gen), payload,
+                            sync=True)
+                os.replace(tmp, final)
+            except BaseException:
+                _unlink(tmp)
+                raise
             self._sync_dir()
+        else:  # in place (one directory operation): a torn file fails its checks
+            try:
+                _write_file(final, encode_header(key, len(payload), checksum, gen), payload,
+                            sync=False)
+            except BaseException:
+                _unlink(final)
+                raise
         entry = SsdEntry(key, len(payload), checksum, gen)
         self.entries[key] = entry
         return entry
@@ -218,6 +223,19 @@ class SsdStore:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _write_file(path: str, header: bytes, payload: memoryview, sync: bool) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        done = os.writev(fd, [header, payload])
+        want = len(header) + len(payload)
+        while done < want:  # short writes: rare, but allowed
+            done += os.write(fd, (header + bytes(payload))[done:])
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _chunks(view: memoryview) -> Iterator[memoryview]:

@@ -14,6 +14,7 @@ import fcntl
 import os
 import shutil
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,7 +49,11 @@ class SsdConfig:
     fsync: bool = False
     """fsync each file before its rename and the directory after (survive power loss)."""
     poll_s: float = 0.01
-    """Wait between task polls when there is nothing to do."""
+    """Wait between task polls when there has been nothing to do for `busy_linger_s`."""
+    busy_poll_s: float = 0.001
+    """Wait between task polls within `busy_linger_s` of the last task (reads come in
+    bursts: a get_batch's loads arrive one lookup after another)."""
+    busy_linger_s: float = 0.25
 
     def __post_init__(self) -> None:
         if self.size_bytes <= 0:
@@ -57,6 +62,9 @@ class SsdConfig:
             raise ConfigError(f"--ssd-promote-after must be >= 1, got {self.promote_after}")
         if not 0 < self.poll_s <= 10:
             raise ConfigError(f"poll_s must be in (0, 10], got {self.poll_s}")
+        if not 0 < self.busy_poll_s <= self.poll_s or not 0 <= self.busy_linger_s <= 60:
+            raise ConfigError(f"need 0 < busy_poll_s <= poll_s and busy_linger_s in [0, 60], "
+                              f"got {self.busy_poll_s}, {self.busy_linger_s}")
 
 
 class SsdWorker:
@@ -75,10 +83,13 @@ class SsdWorker:
         cfg = client.config
         self._rpc = RpcClient(cfg.master, client.client_id, cfg.rpc_timeout_s, cfg.token)
         self.segment_id: str | None = None
+        self._outcomes: list[tuple[int, int]] = []
+        """Outcomes of the last batch, sent with the next poll."""
         self._scratch: np.ndarray | None = None
         self._scratch_addr = 0
 
     def run(self, stop: threading.Event) -> None:
+        cfg, last_busy = self.config, -1e9
         while not stop.is_set():
             try:
                 busy = self._attach() if self.segment_id is None else self._poll()
@@ -86,8 +97,24 @@ class SsdWorker:
                 log.warning("disk tier: %s", exc)
                 busy = False
                 stop.wait(1.0)
-            if not busy:
-                stop.wait(self.config.poll_s)
+            now = time.monotonic()
+            if busy:
+                last_busy = now
+            else:
+                stop.wait(cfg.busy_poll_s if now - last_busy < cfg.busy_linger_s
+                          else cfg.poll_s)
+        self._flush()
+
+    def _flush(self) -> None:
+        """Report outcomes not sent yet (best effort: unreported tasks are handed out
+        again after redeliver_s, and redoing one is harmless)."""
+        if self._outcomes and self.segment_id is not None:
+            try:
+                self._rpc.call(m.NodeReportMsg(segment_id=self.segment_id,
+                                               outcomes=self._outcomes))
+                self._outcomes = []
+            except (RpcError, KvpoolError) as exc:
+                log.warning("disk tier: last outcomes not reported: %s", exc)
 
     def close(self) -> None:
         self._rpc.close()
@@ -133,17 +160,21 @@ class SsdWorker:
     def _poll(self) -> bool:
         segment_id = self.segment_id
         assert segment_id is not None, "polled before the disk was attached"
-        due = self._rpc.call(m.NodeTasksMsg(segment_id=segment_id))
+        due = self._rpc.call(m.NodeTasksMsg(segment_id=segment_id, outcomes=self._outcomes))
+        self._outcomes = []  # the master has them (on an error they go with the next poll)
         code, tasks = due.code, due.tasks
         if code != E.OK:
             log.warning("master does not know our disk tier (%s); mounting it again",
                         ErrorCode(code).name)
             self.segment_id = None
             return True
-        if tasks:
-            outcomes = [(t.task_id, self._run(t)) for t in tasks]
-            self._rpc.call(m.NodeReportMsg(segment_id=segment_id, outcomes=outcomes))
-        return bool(tasks)
+        loads = [(t.task_id, self._run(t)) for t in tasks if t.kind == LOAD]
+        others = [t for t in tasks if t.kind != LOAD]
+        if loads and others:  # readers wait for loads: report them before the rest
+            self._rpc.call(m.NodeReportMsg(segment_id=segment_id, outcomes=loads))
+            loads = []
+        self._outcomes = loads + [(t.task_id, self._run(t)) for t in others]
+        return bool(tasks)  # busy: the next poll, at once, carries the outcomes
 
     def _run(self, task: m.NodeTask) -> int:
         _, kind, key, endpoint, addr, size, checksum, gen, fence = task

@@ -181,9 +181,11 @@ class SsdMountMsg(Msg, tag=int(Op.SSD_MOUNT), kw_only=True):
 
 
 class NodeTasksMsg(Msg, tag=int(Op.NODE_TASKS), kw_only=True):
-    """The tasks due for the disk tier `segment_id` (polled by its node)."""
+    """The tasks due for the disk tier `segment_id` (polled by its node), after applying
+    `outcomes` of earlier ones as NodeReportMsg does (one round trip per batch)."""
 
     segment_id: str
+    outcomes: list[tuple[int, int]] = []
     Reply: ClassVar[Any] = NodeTasksReply
 
 

@@ -1,0 +1,133 @@
+"""Offload: DRAM objects to disk, at eviction or ahead of it; the write side of tiering.py,
+as functions over its Tiering.
+
+Eviction must never wait for the disk (a put that finds DRAM full is answered at once), yet
+an object evicted while no disk copy exists can only be dropped or copied first. So the
+master keeps the cold end of each DRAM eviction order *clean*: the objects that eviction
+would take next, up to `clean_share` of DRAM capacity, get a disk replica while they stay
+in DRAM (an OFFLOAD task with `evict` False). Eviction then frees their DRAM at once (no
+copy needed), and a victim whose copy is still under way is marked to be freed when it
+lands. The walk runs at every tick and, at most every `clean_interval_s`, after an
+eviction round or a node's report: as fast as the node writes, never faster than it
+reports.
+
+    eviction order:  [ cold ............................................. hot ]
+                     |<-- clean_share x capacity -->|
+                       on disk too, or being copied
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvpool.store.master.tier_tasks import DELETE, OFFLOAD, Task
+from kvpool.store.wire.codes import Tier
+
+if TYPE_CHECKING:
+    from kvpool.store.master.state import StoredObject
+    from kvpool.store.master.tiering import Tiering
+
+
+def take_victims(t: Tiering, victims: list[StoredObject]) -> tuple[list[StoredObject], int]:
+    """Handle DRAM eviction victims: (the ones to drop as before, DRAM bytes freed here).
+    Objects on disk (clean) lose their DRAM copy at once; one whose copy ahead is under way
+    is freed when it lands; others are offloaded where a disk tier has room."""
+    drop, freed = [], 0
+    t.clean_wanted = t.clean_wanted or bool(victims)
+    for obj in victims:
+        copying = t.offloading.get(obj.key)
+        if obj.key in t.tiered:
+            freed += t._drop_dram(obj)
+            t.stats.dram_dropped += 1
+        elif copying is not None:
+            evict_when_copied(t, copying)
+        elif obj.key in t.failed or not start_offload(t, obj):
+            t.failed.discard(obj.key)
+            drop.append(obj)
+    return drop, freed
+
+
+def start_offload(t: Tiering, obj: StoredObject, evict: bool = True) -> bool:
+    """Queue OFFLOAD of `obj`'s DRAM replica on a node with a disk tier. A copy ahead of
+    eviction (`evict` False) takes only free disk space, never evicts disk replicas."""
+    for r in obj.replicas:
+        mount = t._disk_of(r.segment.client_id)
+        if mount is None or r.segment.tier is not Tier.DRAM:
+            continue
+        ssd = t._allocate_disk(mount, obj.size) if evict else t._free_disk(mount, obj.size)
+        if ssd is None:
+            return False
+        gen = t._rng.getrandbits(64)
+        task = t._queue(mount, OFFLOAD, obj.key, obj, obj.size, gen, r, ssd)
+        task.evict = evict
+        t.offloading[obj.key] = task
+        if evict:
+            t.offloading_bytes += obj.size
+        else:
+            t.num_cleaning += 1
+        return True
+    return False
+
+
+def offload_done(t: Tiering, task: Task, ok: bool) -> None:
+    """The node's outcome of an OFFLOAD: the object gains its disk replica (and, for an
+    eviction, loses its DRAM ones), unless it changed meanwhile or the copy failed."""
+    obj, ssd = task.obj, task.ssd
+    assert ssd is not None
+    t._untrack_offload(task)
+    live = t.core.segments.get(ssd.segment.segment_id) is ssd.segment
+    valid = ok and live and obj is not None and t.core.objects.get(task.key) is obj \
+        and task.dram in obj.replicas
+    if not valid:
+        t.core._free(ssd.segment, ssd.offset)
+        if ok and live:
+            t._queue(t.mounts[ssd.segment.segment_id], DELETE, task.key, None, 0, task.gen)
+        if not ok and obj is not None:
+            t.failed.add(task.key)
+            t.stats.offload_failures += 1
+        return
+    assert obj is not None
+    t.core.objects.add_replica(obj, ssd)
+    t._add_tiered(task.key, ssd.segment, task.gen)
+    t.stats.offloads += 1
+    if task.evict:
+        t._drop_dram(obj)
+    else:
+        t.stats.copied_ahead += 1
+        t._journal(obj)
+
+
+def clean_ahead(t: Tiering) -> int:
+    """Queue copies of the coldest DRAM objects that have no disk replica, until the clean
+    share of DRAM capacity is covered or the in-flight cap is reached (objects no disk
+    has free space for are left to eviction); returns the number queued."""
+    core, cfg = t.core, t.config
+    t.clean_due = core.clock.now() + cfg.clean_interval_s
+    target = int(cfg.clean_share * core.capacity_bytes)
+    budget = cfg.max_cleaning - t.num_cleaning
+    t.clean_wanted = budget <= 0  # at the cap: walk again when copies land
+    if not t.mounts or target <= 0 or budget <= 0:
+        return 0
+    covered = queued = 0
+    objects, tiered, offloading, failed = core.objects, t.tiered, t.offloading, t.failed
+    for key in core.policy.victims():
+        if covered >= target or queued >= budget:
+            break
+        obj = objects.get(key)
+        if obj is None or obj.hard_pinned:
+            continue
+        covered += obj.size  # (its DRAM bytes, unless it has more than one replica)
+        if key in tiered or key in offloading or key in failed:
+            continue
+        queued += start_offload(t, obj, evict=False)  # False: no disk (room) for it
+    t.clean_wanted = queued >= budget
+    return queued
+
+
+def evict_when_copied(t: Tiering, task: Task) -> None:
+    """Eviction chose an object whose copy ahead is under way: free its DRAM when the copy
+    lands (its bytes now count as being offloaded)."""
+    if not task.evict:
+        task.evict = True
+        t.num_cleaning -= 1
+        t.offloading_bytes += task.size
