@@ -222,7 +222,11 @@ def _client(impl: str, master: str, protocol: str, buffer_bytes: int) -> Iterato
             line = proc.stdout.readline()
             if not line:
                 raise RuntimeError(f"{impl} ({protocol}) client died during a round")
-            return [Measurement(**row) for row in json.loads(line)]
+            rows = [Measurement(**row) for row in json.loads(line)]
+            if protocol != "tcp":  # kvpool-shm: a name of its own beside kvpool over tcp
+                for m in rows:
+                    m.impl = f"{impl}-{protocol}"
+            return rows
         yield one_round
 
 

@@ -9,6 +9,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,7 @@ from kvpool.errors import (
 )
 from kvpool.log import get_logger
 from kvpool.store.client.batches import key_chunks, refusal_code
-from kvpool.store.client.checksum import parts_checksum
+from kvpool.store.client.checksum import Hasher
 from kvpool.store.client.config import ClientConfig
 from kvpool.store.client.plan import Part, copies_for, order_replicas, parts_total, valid_parts
 from kvpool.store.client.rpc import RpcClient
@@ -95,6 +96,7 @@ class ClientBase:
             self._publish_due = False
             """Mounted again, but the segment descriptor is not yet published again."""
             self._staging = StagingArea(self.engine, config.local_buffer_size)
+            self._hasher = Hasher()
         except BaseException:
             self.engine.close()  # a bad master address must not leak the started engine
             raise
@@ -273,6 +275,7 @@ class ClientBase:
             else:
                 self._free_segment(segment_id, self._segments.pop(segment_id))
         self._staging.close()
+        self._hasher.close()
         self._rpc.close()
         self._hb_rpc.close()
         self.engine.close()
@@ -348,6 +351,19 @@ class ClientBase:
     def _write_valid(self, todo: list[int], keys: Sequence[str], parts: Sequence[Sequence[Part]],
                      cfg: ReplicateConfig, upsert: bool, results: list[PutResult | None]) -> None:
         sizes = [parts_total(parts[i]) for i in todo]
+        hashes = self._hasher.start([(parts[i], n) for i, n in zip(todo, sizes, strict=True)]
+                                    ) if self.config.write_checksums else None
+        try:
+            self._start_copy_end(todo, keys, parts, sizes, cfg, upsert, results, hashes)
+        finally:
+            if hashes is not None:
+                hashes.exception()  # the parts stay alive until the hashing is over
+
+    def _start_copy_end(self, todo: list[int], keys: Sequence[str],
+                        parts: Sequence[Sequence[Part]], sizes: list[int], cfg: ReplicateConfig,
+                        upsert: bool, results: list[PutResult | None],
+                        hashes: Future[list[int]] | None) -> None:
+        """PUT_START, the copies, then PUT_END with the checksums (computed meanwhile)."""
         preferred = ([cfg.preferred_segment] if cfg.preferred_segment else []) \
             + list(cfg.preferred_segments)
         started = self._call_keyed(
@@ -372,9 +388,8 @@ class ClientBase:
                 results[i] = PutResult(E.TRANSFER_FAIL)
             self._revoke([keys[i] for i in failed])
         if ok:
-            size_of = dict(zip(todo, sizes, strict=True))
-            sums = [parts_checksum(parts[i], size_of[i]) if self.config.write_checksums
-                    else None for i in ok]
+            sum_of = dict(zip(todo, hashes.result(), strict=True)) if hashes else {}
+            sums = [sum_of.get(i) for i in ok]
             ended = self._call_keyed(
                 [keys[i] for i in ok],
                 lambda chunk, lo, hi: m.PutEndMsg(keys=chunk, checksums=sums[lo:hi]),
@@ -456,11 +471,9 @@ class ClientBase:
     def _verify(self, looks: Sequence[LookupResult], parts: Sequence[Sequence[Part] | None],
                 read: list[int]) -> set[int]:
         """Indices among `read` whose bytes do not hash to their object's checksum."""
-        bad = set()
-        for i in read:
-            want = looks[i].checksum
-            if want is not None and parts_checksum(parts[i] or (), looks[i].size) != want:
-                bad.add(i)
+        checked = [i for i in read if looks[i].checksum is not None]
+        got = self._hasher.many([(parts[i] or (), looks[i].size) for i in checked])
+        bad = {i for i, h in zip(checked, got, strict=True) if h != looks[i].checksum}
         if bad:
             self.stats.checksum_mismatches += len(bad)
             log.warning("checksum mismatch on %d replica reads; trying other replicas",
