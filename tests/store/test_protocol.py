@@ -140,6 +140,8 @@ TYPED = [
     m.PutRevokeMsg(keys=["a"]), m.GetReplicasMsg(keys=["a"]), m.ExistsMsg(keys=[]),
     m.RemoveMsg(keys=["a"], force=True), m.RemoveAllMsg(force=True),
     m.RemoveRegexMsg(pattern="a.*"), m.SegmentsMsg(),
+    m.PutCommitMsg(keys=["a"], tokens=["\x00t:1"], checksums=[None], upsert=True,
+                   reserve_sizes=[4096]),
 ]
 
 

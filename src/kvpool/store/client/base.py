@@ -23,10 +23,11 @@ from kvpool.errors import (
     TransferError,
 )
 from kvpool.log import get_logger
-from kvpool.store.client.batches import key_chunks, refusal_code
+from kvpool.store.client.batches import RpcFailed, key_chunks, refusal_code
 from kvpool.store.client.checksum import Hasher
 from kvpool.store.client.config import ClientConfig
 from kvpool.store.client.plan import Part, copies_for, order_replicas, parts_total, valid_parts
+from kvpool.store.client.reserved import RESERVE_MAX_BYTES, ReservedPuts
 from kvpool.store.client.rpc import RpcClient
 from kvpool.store.client.staging import StagingArea
 from kvpool.store.config import ReplicateConfig
@@ -55,11 +56,7 @@ def new_fence() -> int:
 
 
 _PUT_OK = PutResult(ErrorCode.OK)
-
-
-class RpcFailed(Exception):
-    def __init__(self, code: ErrorCode) -> None:
-        self.code = code
+_DEFAULT_CFG = ReplicateConfig()
 
 
 @dataclass
@@ -97,6 +94,9 @@ class ClientBase:
             """Mounted again, but the segment descriptor is not yet published again."""
             self._staging = StagingArea(self.engine, config.local_buffer_size)
             self._hasher = Hasher()
+            self._reserved = ReservedPuts(self._call, self._run_copies, self._copies_to,
+                                          config.write_checksums)
+            self._reserved.enabled = config.reserved_puts
         except BaseException:
             self.engine.close()  # a bad master address must not leak the started engine
             raise
@@ -202,6 +202,18 @@ class ClientBase:
                 self._forgotten = not self._remount() if self._segments else False
             if self._publish_due and not self._forgotten:
                 self._publish_due = not self._publish()
+            self._revoke_reservations(self._hb_rpc, self._reserved.take_stale(), None)
+
+    @staticmethod
+    def _revoke_reservations(rpc: RpcClient, tokens: list[str],
+                             timeout_s: float | None) -> None:
+        """Best effort: reservations the master is not told about are discarded by it after
+        put_discard_timeout_s."""
+        if tokens:
+            try:
+                rpc.call(m.PutRevokeMsg(keys=tokens), timeout_s=timeout_s)
+            except RpcError as exc:
+                log.debug("could not give back %d reservations: %s", len(tokens), exc)
 
     def _on_late_heartbeat(self, reply: Any) -> None:
         """A heartbeat answered after its call timed out (the master stalled, then forgot
@@ -266,6 +278,8 @@ class ClientBase:
         self._stop.set()
         deadline = time.monotonic() + self.config.close_timeout_s
         self._hb.join(self.config.close_timeout_s)
+        self._revoke_reservations(self._rpc, self._reserved.take_stale(0.0),
+                                  max(0.001, deadline - time.monotonic()))
         master_answers = True
         for segment_id in list(self._segments):
             left = deadline - time.monotonic()
@@ -343,10 +357,25 @@ class ClientBase:
                 results[i] = PutResult(E.INVALID_PARAMS)
         if todo:
             try:
-                self._write_valid(todo, keys, parts, cfg, upsert, results)
+                if not self._write_reserved(todo, keys, parts, cfg, upsert, results):
+                    self._write_valid(todo, keys, parts, cfg, upsert, results)
             except RpcFailed as exc:
                 results = [r or PutResult(exc.code) for r in results]
         return [r or PutResult(E.RPC_FAIL) for r in results]
+
+    def _write_reserved(self, todo: list[int], keys: Sequence[str],
+                        parts: Sequence[Sequence[Part]], cfg: ReplicateConfig, upsert: bool,
+                        results: list[PutResult | None]) -> bool:
+        """A single-key put through a reservation (client/reserved.py); False when it
+        takes the two-phase path instead."""
+        if len(todo) != 1 or not self._reserved.enabled or cfg != _DEFAULT_CFG:
+            return False
+        i = todo[0]
+        size = parts_total(parts[i])
+        done = self._reserved.put(keys[i], parts[i], size, upsert) \
+            if size <= RESERVE_MAX_BYTES else None
+        results[i] = done
+        return done is not None
 
     def _write_valid(self, todo: list[int], keys: Sequence[str], parts: Sequence[Sequence[Part]],
                      cfg: ReplicateConfig, upsert: bool, results: list[PutResult | None]) -> None:

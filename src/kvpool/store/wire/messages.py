@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Union
 import msgspec
 
 from kvpool.errors import RemoteProtocolError
-from kvpool.store.wire.codes import ErrorCode, LookupResult, PutStartResult
+from kvpool.store.wire.codes import ErrorCode, LookupResult, PutStartResult, Reservation
 from kvpool.store.wire.protocol import MAX_FRAME_BYTES, Op
 
 
@@ -53,6 +53,13 @@ class MountReply(msgspec.Struct, array_like=True, frozen=True, gc=False):
 class GetReplicasReply(msgspec.Struct, array_like=True, frozen=True, gc=False):
     lease_ttl_s: float
     items: list[LookupResult]
+
+
+class PutCommitReply(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    codes: list[ErrorCode]
+    """Per key of the commit."""
+    reserved: list[Reservation]
+    """Per size asked for, the space held for a next put."""
 
 
 class SegmentRow(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -146,9 +153,23 @@ class SegmentsMsg(Msg, tag=int(Op.SEGMENTS), kw_only=True):
     Reply: ClassVar[Any] = list[SegmentRow]
 
 
+class PutCommitMsg(Msg, tag=int(Op.PUT_COMMIT), kw_only=True):
+    """Publish puts written to reserved space (key i from reservation tokens[i], checksum
+    i), then reserve space for the next puts of `reserve_sizes` (master/reserve.py). With
+    no keys, only reserves."""
+
+    keys: list[str]
+    tokens: list[str]
+    checksums: list[int | None]
+    upsert: bool = False
+    reserve_sizes: list[int] = msgspec.field(default_factory=list)
+    Reply: ClassVar[Any] = PutCommitReply
+
+
 _CLASSES: tuple[type[Msg], ...] = (
     PingMsg, HeartbeatMsg, MountMsg, UnmountMsg, PutStartMsg, PutEndMsg, PutRevokeMsg,
-    GetReplicasMsg, ExistsMsg, RemoveMsg, RemoveAllMsg, RemoveRegexMsg, SegmentsMsg)
+    GetReplicasMsg, ExistsMsg, RemoveMsg, RemoveAllMsg, RemoveRegexMsg, SegmentsMsg,
+    PutCommitMsg)
 MESSAGES: dict[Op, type[Msg]] = {Op(int(c.__struct_config__.tag or 0)): c for c in _CLASSES}
 """Every request class by op (a new op must be listed here)."""
 for _op, _cls in MESSAGES.items():

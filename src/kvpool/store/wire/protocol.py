@@ -40,6 +40,7 @@ class Op(enum.IntEnum):
     REMOVE_ALL = 11
     REMOVE_REGEX = 12
     SEGMENTS = 13
+    PUT_COMMIT = 24
 
 
 @dataclass(frozen=True, slots=True)
