@@ -78,7 +78,7 @@ class Workload:
             out += self._single(size, r.single_ops, f"{r.tag}-s{size}")
         for size in r.batch_sizes:
             out += self._batched(size, r.batch, r.phase_bytes, f"{r.tag}-b{size}")
-        if r.transfer_s > 0:
+        if r.transfer_s > 0 and self.protocol == "tcp":  # the engine phase runs over tcp
             for size in r.batch_sizes:
                 out += _transfer_phase(self.engine_mod, self.impl, size, r.batch, r.transfer_s)
         return out
