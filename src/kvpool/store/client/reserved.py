@@ -3,8 +3,11 @@
 A single-key put of a size seen before writes into space the master reserved for it ahead,
 then publishes with one PUT_COMMIT, which reserves again for the next put of that size:
 
-    put k1 (size s):  PUT_COMMIT [reserve s] -> token t1;  write t1;  PUT_COMMIT [k1 <- t1, reserve s] -> t2
-    put k2 (size s):  write t2;  PUT_COMMIT [k2 <- t2, reserve s] -> t3
+    put k1 (size s):  PUT_COMMIT [reserve s] -> token t1
+                      write to t1
+                      PUT_COMMIT [k1 <- t1, reserve s] -> t2
+    put k2 (size s):  write to t2
+                      PUT_COMMIT [k2 <- t2, reserve s] -> t3
 
 so after the first put of a size each put is one transfer and one master round trip. The
 object is visible to every client when PUT_COMMIT answers, as after PUT_END. A reservation

@@ -56,6 +56,7 @@ class Reservations:
         OBJECT_ALREADY_EXISTS (plain put of a stored key): nothing changes and the
         reservation stays the client's."""
         core = self.core
+        core._touch_client(client_id)
         put = core.pending.get(token) if token.startswith(TOKEN_PREFIX) else None
         if put is None or put.client_id != client_id:
             return E.OBJECT_NOT_FOUND
