@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -10,27 +11,43 @@ from kvpool.bench.common import Measurement
 from kvpool.compat import bench
 
 
-def m(impl: str, op: str, gbps: float, reqs: float) -> Measurement:
-    return Measurement("mooncake-api-store", impl, "tcp", op, "batched", 4096, gbps, reqs)
+def m(impl: str, op: str, gbps: float, reqs: float, mode: str = "batched") -> Measurement:
+    return Measurement("mooncake-api-store", impl, "tcp", op, mode, 4096, gbps, reqs)
 
 
 def test_ratios_are_kvpool_over_mooncake() -> None:
     rows = [m("kvpool", "put", 2.0, 10), m("mooncake", "put", 1.0, 5),
-            m("kvpool", "exist", 0.0, 300), m("mooncake", "exist", 0.0, 100),
-            m("kvpool", "get", 1.0, 1)]
+            m("kvpool", "is_exist", 0.0, 300), m("mooncake", "is_exist", 0.0, 100),
+            m("kvpool", "get", 1.0, 1), m("kvpool-shm", "put", 4.0, 20),
+            m("kvpool", "put", 0.1, 30, "single")]
     bench.add_ratios(rows)
-    assert [(r.ratio, r.anchor) for r in rows] == [(2.0, "mooncake"), (None, None),
-                                                   (3.0, "mooncake"), (None, None),
-                                                   (None, None)]
+    assert [(r.ratio, r.anchor) for r in rows] == [
+        (2.0, "mooncake"), (None, None), (3.0, "mooncake"), (None, None), (None, None),
+        (4.0, "mooncake"), (None, None)]
+
+
+def test_medians_of_rounds() -> None:
+    rows = [m("kvpool", "put", g, r) for g, r in ((1.0, 5), (3.0, 1), (2.0, 9))]
+    assert [(x.gb_per_s, x.req_per_s) for x in bench.medians(rows)] == [(2.0, 5)]
 
 
 def test_kvpool_only_run(capsys: pytest.CaptureFixture[str]) -> None:
     parser = argparse.ArgumentParser()
     bench.register(parser.add_subparsers())
     args = parser.parse_args(["mooncake-api", "--impl", "kvpool", "--sizes", "4KiB",
-                              "--batch", "4", "--phase-bytes", "64KiB", "--dram", "16MiB",
-                              "--seconds", "0.05"])
+                              "--ops", "20", "--batch-sizes", "64KiB", "--batch", "4",
+                              "--phase-bytes", "256KiB", "--dram", "16MiB", "--rounds", "2",
+                              "--seconds", "0.05", "--shm", "--json"])
     assert args.func(args) == 0
-    lines = capsys.readouterr().out.splitlines()
-    assert [line.split()[2] for line in lines] == ["put", "get", "exist", "write", "read"]
-    assert all(line.startswith("kvpool") for line in lines)
+    rows = [Measurement(**json.loads(line)) for line in capsys.readouterr().out.splitlines()]
+    ours = [(r.op, r.mode, r.size_bytes) for r in rows if r.impl == "kvpool"]
+    assert ours == [(op, "single", 4096) for op in ("put_from", "get_into", "put", "get",
+                                                     "is_exist")] + [
+        (op, "batched", 65536) for op in ("put_from", "get_into", "is_exist", "write",
+                                           "read")]
+    shm = [(r.op, r.mode) for r in rows if r.impl == "kvpool-shm"]
+    assert shm == [(op, mode) for op, mode, _ in ours[:8]]  # the engine phase: tcp only
+    anchors = {(r.impl, r.op, r.mode) for r in rows if r.impl in ("raw-socket", "memcpy")}
+    assert anchors == {("raw-socket", "round_trip", "single"),
+                       ("raw-socket", "stream", "batched"), ("memcpy", "copy", "batched")}
+    assert all(r.req_per_s > 0 for r in rows)

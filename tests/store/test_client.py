@@ -321,3 +321,20 @@ def test_a_failed_revoke_still_ends_the_puts_that_were_written(
     monkeypatch.undo()
     assert store.get("good").data == b"2" * 100
     assert store.get("bad").code == E.OBJECT_NOT_FOUND
+
+
+def test_hasher_matches_the_inline_checksum_on_every_path() -> None:
+    from kvpool.store.client.checksum import SPLIT_BYTES, Hasher, parts_checksum
+    data = np.random.default_rng(1).integers(0, 255, 2 * SPLIT_BYTES, dtype=np.uint8)
+    addr = data.ctypes.data
+    small = [([(addr + i * 100, 100)], 100) for i in range(5)]
+    large = [([(addr, SPLIT_BYTES // 2), (addr + SPLIT_BYTES, SPLIT_BYTES // 2)], SPLIT_BYTES)]
+    large += [([(addr + i * MIB, MIB)], MIB) for i in range(8)]
+    hasher = Hasher()
+    try:
+        for items in (small, large):
+            want = [parts_checksum(parts, n) for parts, n in items]
+            assert hasher.many(items) == want
+            assert hasher.start(items).result() == want
+    finally:
+        hasher.close()

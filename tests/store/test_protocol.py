@@ -143,6 +143,8 @@ TYPED = [
     m.DrainBeginMsg(address="h:1", dry_run=True),
     m.ReplicateStartMsg(address="h:1", max_keys=8, max_bytes=1 << 20),
     m.ReplicateEndMsg(keys=["a"], codes=[0]), m.DrainEndMsg(address="h:1"),
+    m.PutCommitMsg(keys=["a"], tokens=["\x00t:1"], checksums=[None], upsert=True,
+                   reserve_sizes=[4096]),
 ]
 
 

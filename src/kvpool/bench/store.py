@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from kvpool.bench import anchors
 from kvpool.procs import free_port, running, wait_port
 from kvpool.units import format_size, parse_size
 
@@ -52,7 +53,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "is reused when it ends (Mooncake runs with its default)")
     p.add_argument("--only", choices=("kvpool", "mooncake"), default=None,
                    help="run one system only")
-    p.add_argument("--repeat", type=int, default=3, help="timed passes; the best is reported")
+    p.add_argument("--repeat", type=int, default=3,
+                   help="timed rounds (systems and anchors alternate); medians reported")
     p.add_argument("--max-ops", type=int, default=2000, help="cap on objects per measurement")
     p.add_argument("--dram", default="1GiB", help="memory of the store node")
     p.add_argument("--protocol", default="auto", choices=("auto", "tcp", "shm"),
@@ -78,22 +80,24 @@ def run(args: argparse.Namespace) -> int:
         return 0
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     systems: list[tuple[str, Callable[[ExitStack, int, int], Any]]] = [
-        ("kvpool", functools.partial(_kvpool_systems, checksums=args.checksums))]
+        ("kvpool", functools.partial(_kvpool_systems, checksums=args.checksums,
+                                     protocol=args.protocol))]
     if not args.no_mooncake and _mooncake_available():
         systems.append(("mooncake", _mooncake_system))
     elif not args.no_mooncake:
         print("mooncake.store is not importable: kvpool only", file=sys.stderr)
     results: list[Record] = []
-    for name, factory in systems:
-        if args.only and name != args.only:
-            continue
-        with ExitStack() as stack:
-            found = factory(stack, parse_size(args.dram), args.lease_ms)
-            named = found if isinstance(found, list) else [(name, found)]
-            for record in _workload(named, sizes, args.batch, parse_size(args.phase_bytes),
-                                    args.max_ops, args.repeat):
-                results.append(record)
-                emit(record)
+    with ExitStack() as stack:
+        named: list[tuple[str, Any]] = []
+        for name, factory in systems:
+            if not args.only or name == args.only:
+                found = factory(stack, parse_size(args.dram), args.lease_ms)
+                named += found if isinstance(found, list) else [(name, found)]
+        raw = stack.enter_context(anchors.raw_socket())
+        for record in _workload(named, sizes, args.batch, parse_size(args.phase_bytes),
+                                args.max_ops, args.repeat, raw):
+            results.append(record)
+            emit(record)
     if not args.json:
         _print_ratios(results)
         _print_checksum_cost(results)
@@ -103,27 +107,61 @@ def run(args: argparse.Namespace) -> int:
 # -- workload ---------------------------------------------------------------------------------
 
 def _workload(systems: list[tuple[str, Any]], sizes: Sequence[int], batch: int,
-              phase_bytes: int, max_ops: int, repeat: int) -> Iterator[Record]:
-    """For each size: one untimed warm pass, then `repeat` timed passes; the best pass of
-    each measurement is reported (this machine's load varies between passes). Several
-    systems (kvpool with checksums on and off) take turns pass by pass, so load changes
-    hit them alike."""
+              phase_bytes: int, max_ops: int, rounds: int,
+              raw: anchors.RawSocket) -> Iterator[Record]:
+    """For each size: one untimed warm round, then `rounds` timed rounds in which every
+    system (kvpool with checksums on and off, Mooncake) and the anchors (raw socket, memcpy)
+    take their turn, in an order rotating from round to round so load changes on this
+    machine hit them alike. Each measurement reports its median round; kvpool's records
+    carry the anchors of the same shape (`raw_socket_*`, `memcpy_gb_per_s`)."""
     largest = max(sizes) * batch
     src = np.random.default_rng(0).integers(0, 255, largest, dtype=np.uint8)
     dst = np.zeros(largest, dtype=np.uint8)
-    addrs = [(system.register(src), system.register(dst)) for _, system in systems]
+    addrs = {name: (system.register(src), system.register(dst)) for name, system in systems}
     for size in sizes:
         count = max(1, min(max_ops, phase_bytes // size))
-        best: dict[tuple[str, str, str], Record] = {}
-        for attempt in range(repeat + 1):
-            for (name, system), (src_addr, dst_addr) in zip(systems, addrs, strict=True):
-                for rec in _pass(name, system, size, count, batch, src, dst, src_addr,
-                                 dst_addr, attempt):
-                    slot = (name, rec["op"], rec["mode"])
-                    if attempt and (slot not in best
-                                    or rec["ops_per_s"] > best[slot]["ops_per_s"]):
-                        best[slot] = rec | {"passes": repeat}
-        yield from best.values()
+        samples: dict[tuple[str, str, str], list[Record]] = {}
+        turns = [*systems, ("anchors", None)]
+        for attempt in range(rounds + 1):
+            shift = attempt % len(turns)
+            for name, system in turns[shift:] + turns[:shift]:
+                recs = _anchor_pass(raw, size, count, batch) if system is None else _pass(
+                    name, system, size, count, batch, src, dst, *addrs[name], attempt)
+                for rec in recs if attempt else ():
+                    samples.setdefault((rec["system"], rec["op"], rec["mode"]), []).append(rec)
+        yield from _medians(samples, rounds)
+
+
+def _medians(samples: dict[tuple[str, str, str], list[Record]],
+             rounds: int) -> Iterator[Record]:
+    """The median round of each measurement, anchors folded into kvpool's records."""
+    med = {slot: sorted(recs, key=lambda r: r["ops_per_s"])[len(recs) // 2] | {
+        "rounds": rounds} for slot, recs in samples.items()}
+    for (system, _, mode), rec in med.items():
+        if system in ("raw-socket", "memcpy"):
+            continue
+        raw = med.get(("raw-socket", "round_trip" if mode == "single" else "stream", mode))
+        cpy = med.get(("memcpy", "copy", mode))
+        if raw is not None:
+            rec = rec | {"raw_socket_ops_per_s": raw["ops_per_s"],
+                         "raw_socket_gb_per_s": raw["gb_per_s"]}
+        if cpy is not None:
+            rec = rec | {"memcpy_gb_per_s": cpy["gb_per_s"]}
+        yield rec
+
+
+def _anchor_pass(raw: anchors.RawSocket, size: int, count: int, batch: int) -> list[Record]:
+    """A raw loopback socket and memcpy moving the same bytes as one pass."""
+    groups = max(1, count // batch)
+    _, reqs = raw.round_trips(size, count)
+    out = [_record("raw-socket", "round_trip", "single", size, count, count / reqs)]
+    _, reqs = raw.stream(size, batch, groups)
+    out.append(_record("raw-socket", "stream", f"batch{batch}", size, groups * batch,
+                       groups * batch / reqs))
+    _, reqs = anchors.memcpy(size, batch, groups)
+    out.append(_record("memcpy", "copy", f"batch{batch}", size, groups * batch,
+                       groups * batch / reqs))
+    return out
 
 
 def _pass(name: str, system: Any, size: int, count: int, batch: int, src: np.ndarray,
@@ -211,8 +249,8 @@ def _check(code: int, key: str) -> None:
         raise RuntimeError(f"operation on {key!r} failed with code {int(code)}")
 
 
-def _kvpool_systems(stack: ExitStack, dram: int, lease_ms: int,
-                    checksums: str = "both") -> list[tuple[str, _KvpoolAdapter]]:
+def _kvpool_systems(stack: ExitStack, dram: int, lease_ms: int, checksums: str = "both",
+                    protocol: str = "auto") -> list[tuple[str, _KvpoolAdapter]]:
     """A master and a store node; one client with checksums on ("kvpool") and/or one with
     them off ("kvpool-nosum"), both against the same node."""
     from kvpool.store.client.config import ClientConfig
@@ -234,7 +272,8 @@ def _kvpool_systems(stack: ExitStack, dram: int, lease_ms: int,
     for name, on in (("kvpool", True), ("kvpool-nosum", False)):
         if checksums == "both" or (checksums == "on") == on:
             client = StoreClient(ClientConfig(master=master, local_buffer_size=0,
-                                              write_checksums=on, verify_checksums=on))
+                                              write_checksums=on, verify_checksums=on,
+                                              protocol=protocol))
             stack.callback(client.close)
             out.append((name, _KvpoolAdapter(client, lease_ms)))
     return out
@@ -332,15 +371,25 @@ def _emitter(as_json: bool) -> Callable[[Record], None]:
 
 
 def _print_ratios(results: list[Record]) -> None:
+    """kvpool beside Mooncake and the anchors measured in the same rounds (ops/s; GB/s)."""
     ours = {(r["op"], r["mode"], r["size"]): r for r in results if r["system"] == "kvpool"}
     theirs = {(r["op"], r["mode"], r["size"]): r for r in results if r["system"] == "mooncake"}
-    if not theirs:
-        return
-    print("\nkvpool / mooncake")
+    print("\nmedians of alternating rounds: kvpool, mooncake, raw socket, memcpy "
+          "(ops/s, GB/s)")
     for key, r in ours.items():
-        if key in theirs:
-            ratio_ops = r["ops_per_s"] / theirs[key]["ops_per_s"]
-            print(f"  {key[0]:4} {key[1]:8} {format_size(key[2]):>8}  x{ratio_ops:.2f}")
+        mc = theirs.get(key)
+        raw_ops, raw_gb = r.get("raw_socket_ops_per_s"), r.get("raw_socket_gb_per_s")
+        line = f"  {key[0]:4} {key[1]:8} {format_size(key[2]):>8}  kvpool " \
+            f"{r['ops_per_s']:>9.0f} {r['gb_per_s']:6.2f}"
+        if mc is not None:
+            line += f"  mooncake {mc['ops_per_s']:>9.0f} {mc['gb_per_s']:6.2f}  " \
+                f"x{r['ops_per_s'] / mc['ops_per_s']:.2f}"
+        if raw_ops:
+            line += f"  raw {raw_ops:>9.0f} {raw_gb:6.2f} x{r['ops_per_s'] / raw_ops:.2f}"
+        if r.get("memcpy_gb_per_s"):
+            line += f"  memcpy {r['memcpy_gb_per_s']:6.2f} " \
+                f"x{r['gb_per_s'] / r['memcpy_gb_per_s']:.2f}"
+        print(line)
 
 
 def _print_checksum_cost(results: list[Record]) -> None:

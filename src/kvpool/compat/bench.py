@@ -1,10 +1,14 @@
-"""`kvpool bench mooncake-api`: the store and transfer benchmarks through Mooncake's Python
+"""`kvpool bench mooncake-api`: the store (and transfer) benchmarks through Mooncake's Python
 API, for kvpool (kvpool.compat over `kvpool master`) and for the real Mooncake wheel (over its
 `mooncake_master`) in one run, with identical client code (kvpool.compat.bench_client).
 
 Each implementation gets its own master (started with the same Mooncake flags), a memory node
-process and a pure-client process; the client measures batched put/get/exist through the store
-and batched write/read through TransferEngine (tcp, loopback). Ratios are kvpool / Mooncake.
+process and a long-lived pure-client process (kvpool over tcp, and with `--shm` a second
+kvpool client over shared memory). The run is `--rounds` rounds; in each, every client runs the
+whole workload in turn, and so do the anchors (a raw loopback TCP socket to an echo process,
+and memcpy), in an order that rotates from round to round, so load changes on the machine hit
+all alike. Reported: the median of the rounds. Ratios are kvpool / Mooncake, kvpool / raw socket
+and kvpool-shm / memcpy, each from the same run.
 """
 
 from __future__ import annotations
@@ -12,28 +16,37 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
+import statistics
 import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvpool.bench.common import Measurement, emit
+from kvpool.bench import anchors
+from kvpool.bench.common import Measurement
 from kvpool.procs import free_port, stop, wait_port
-from kvpool.units import parse_size
+from kvpool.units import format_size, parse_size
 
 _CLIENT = "kvpool.compat.bench_client"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("mooncake-api", help="store and transfer through Mooncake's API: "
-                              "kvpool vs the real Mooncake")
-    p.add_argument("--sizes", default="64KiB,1MiB", help="object / request sizes")
-    p.add_argument("--batch", type=int, default=16, help="keys or requests per call")
-    p.add_argument("--phase-bytes", default="128MiB", help="bytes put per store measurement")
-    p.add_argument("--dram", default="512MiB", help="memory of the store node")
-    p.add_argument("--seconds", type=float, default=1.0, help="time per transfer measurement")
+                              "kvpool vs the real Mooncake, alternating rounds")
+    p.add_argument("--sizes", default="4KiB,64KiB", help="single-key object sizes")
+    p.add_argument("--ops", type=int, default=400, help="single-key operations per measurement")
+    p.add_argument("--batch-sizes", default="1MiB,4MiB", help="object sizes of batched calls")
+    p.add_argument("--batch", type=int, default=16, help="keys per batched call")
+    p.add_argument("--phase-bytes", default="64MiB", help="bytes put per batched measurement")
+    p.add_argument("--rounds", type=int, default=5, help="alternating rounds; medians reported")
+    p.add_argument("--dram", default="1GiB", help="memory of each store node")
+    p.add_argument("--seconds", type=float, default=0.0,
+                   help="time per TransferEngine measurement (0: skip the transfer phase)")
+    p.add_argument("--shm", action="store_true", help="also a kvpool client over shm")
     p.add_argument("--impl", choices=("both", "kvpool", "mooncake"), default="both")
     p.add_argument("--json", action="store_true", help="one JSON object per measurement")
     p.set_defaults(func=run)
@@ -56,30 +69,124 @@ def run(args: argparse.Namespace) -> int:
         impls.remove("mooncake")
     if not impls:
         return 1
-    sizes = ",".join(str(parse_size(s)) for s in args.sizes.split(","))
-    results: list[Measurement] = []
-    for impl in impls:
-        with ExitStack() as stack:
-            master = stack.enter_context(_master(impl))
-            stack.enter_context(_node(impl, master, parse_size(args.dram)))
-            results += _client(impl, master, sizes, args.batch, parse_size(args.phase_bytes),
-                               args.seconds)
+    single = [parse_size(s) for s in args.sizes.split(",") if s]
+    batched = [parse_size(s) for s in args.batch_sizes.split(",") if s]
+    command = {"single_sizes": single, "single_ops": args.ops, "batch_sizes": batched,
+               "batch": args.batch, "phase_bytes": parse_size(args.phase_bytes),
+               "transfer_s": args.seconds}
+    buffer_bytes = max([*batched, 0]) * args.batch + 2 * max([*single, 0]) + 4096
+    rows: list[Measurement] = []
+    with ExitStack() as stack:
+        clients = _start(stack, impls, args.shm, parse_size(args.dram), buffer_bytes)
+        raw = stack.enter_context(anchors.raw_socket())
+        for r in range(args.rounds):
+            order = [*clients, "anchors"]
+            shift = r % len(order)
+            for name in order[shift:] + order[:shift]:
+                cmd = command | {"tag": f"r{r}"}
+                rows += _anchors(raw, cmd) if name == "anchors" else clients[name](cmd)
+    results = medians(rows)
     add_ratios(results)
-    emit(results, args.json)
+    if args.json:
+        for m in results:
+            print(json.dumps(asdict(m)), flush=True)
+    else:
+        print_table(results, args.rounds)
     return 0
 
 
+def _start(stack: ExitStack, impls: list[str], shm: bool, dram: int,
+           buffer_bytes: int) -> dict[str, Any]:
+    """Per client name, a function running one round on it."""
+    clients = {}
+    for impl in impls:
+        master = stack.enter_context(_master(impl))
+        stack.enter_context(_node(impl, master, dram))
+        clients[impl] = stack.enter_context(_client(impl, master, "tcp", buffer_bytes))
+        if shm and impl == "kvpool":
+            clients["kvpool-shm"] = stack.enter_context(
+                _client(impl, master, "shm", buffer_bytes))
+    return clients
+
+
+def _anchors(raw: anchors.RawSocket, cmd: dict[str, Any]) -> list[Measurement]:
+    out = []
+    for size in cmd["single_sizes"]:
+        gbps, reqs = raw.round_trips(size, cmd["single_ops"])
+        out.append(Measurement("mooncake-api-store", "raw-socket", "tcp", "round_trip",
+                               "single", size, gbps, reqs))
+    for size in cmd["batch_sizes"]:
+        count = max(3, cmd["phase_bytes"] // (size * cmd["batch"]))
+        gbps, reqs = raw.stream(size, cmd["batch"], count)
+        out.append(Measurement("mooncake-api-store", "raw-socket", "tcp", "stream", "batched",
+                               size, gbps, reqs))
+        gbps, reqs = anchors.memcpy(size, cmd["batch"], count)
+        out.append(Measurement("mooncake-api-store", "memcpy", "mem", "copy", "batched", size,
+                               gbps, reqs))
+    return out
+
+
+def medians(rows: list[Measurement]) -> list[Measurement]:
+    """One row per (bench, impl, transport, op, mode, size): the median of its rounds."""
+    groups: dict[tuple[Any, ...], list[Measurement]] = {}
+    for m in rows:
+        groups.setdefault((m.bench, m.impl, m.transport, m.op, m.mode, m.size_bytes),
+                          []).append(m)
+    return [Measurement(bench, impl, transport, op, mode, size,
+                        statistics.median(m.gb_per_s for m in ms),
+                        statistics.median(m.req_per_s for m in ms))
+            for (bench, impl, transport, op, mode, size), ms in groups.items()]
+
+
 def add_ratios(results: list[Measurement]) -> None:
-    """Set kvpool rows' ratio to kvpool / Mooncake (GB/s, or req/s for exist)."""
-    anchors = {(m.bench, m.op, m.size_bytes): m for m in results if m.impl == "mooncake"}
+    """Set kvpool rows' ratio to kvpool / Mooncake (GB/s, or req/s where no bytes move)."""
+    anchors_ = {(m.bench, m.op, m.mode, m.size_bytes): m for m in results
+                if m.impl == "mooncake"}
     for m in results:
-        anchor = anchors.get((m.bench, m.op, m.size_bytes))
-        if m.impl != "kvpool" or anchor is None:
+        anchor = anchors_.get((m.bench, m.op, m.mode, m.size_bytes))
+        if not m.impl.startswith("kvpool") or anchor is None:
             continue
-        mine, theirs = (m.req_per_s, anchor.req_per_s) if m.op == "exist" else \
-            (m.gb_per_s, anchor.gb_per_s)
+        mine, theirs = (m.gb_per_s, anchor.gb_per_s) if m.gb_per_s > 0 else \
+            (m.req_per_s, anchor.req_per_s)
         if theirs > 0:
             m.anchor, m.ratio = "mooncake", mine / theirs
+
+
+def print_table(results: list[Measurement], rounds: int) -> None:
+    """kvpool beside Mooncake and the anchors, with the ratios (medians of `rounds`)."""
+    by = {(m.impl, m.op, m.mode, m.size_bytes): m for m in results
+          if m.bench == "mooncake-api-store"}
+    print(f"median of {rounds} alternating rounds; ops/s (GB/s for batched)")
+    print(f"{'op':9} {'mode':8} {'size':>6} {'kvpool':>9} {'mooncake':>9} {'raw sock':>9} "
+          f"{'memcpy':>8} {'kv/mc':>6} {'kv/raw':>6} {'shm':>9} {'shm/cpy':>7}")
+    for (impl, op, mode, size), m in by.items():
+        if impl != "kvpool":
+            continue
+        anchor = "round_trip" if mode == "single" else "stream"
+        mc, raw = by.get(("mooncake", op, mode, size)), by.get(("raw-socket", anchor, mode, size))
+        cpy, shm = by.get(("memcpy", "copy", mode, size)), by.get(("kvpool-shm", op, mode, size))
+        if op == "is_exist":
+            raw = cpy = None
+        print(f"{op:9} {mode:8} {format_size(size):>6} {_v(m, mode)} {_v(mc, mode)} "
+              f"{_v(raw, mode)} {_v(cpy, mode, 8)} {_r(m, mc, mode)} {_r(m, raw, mode)} "
+              f"{_v(shm, mode)} {_r(shm, cpy, mode, 7)}")
+
+
+def _value(m: Measurement, mode: str) -> float:
+    return m.gb_per_s if mode == "batched" and m.gb_per_s > 0 else m.req_per_s
+
+
+def _v(m: Measurement | None, mode: str, width: int = 9) -> str:
+    if m is None:
+        return " " * width
+    return f"{_value(m, mode):{width}.2f}" if mode == "batched" and m.gb_per_s > 0 \
+        else f"{m.req_per_s:{width},.0f}"
+
+
+def _r(a: Measurement | None, b: Measurement | None, mode: str, width: int = 6) -> str:
+    if a is None or b is None or _value(b, mode) <= 0:
+        return " " * width
+    return f"{_value(a, mode) / _value(b, mode):{width}.2f}"
 
 
 @contextmanager
@@ -100,30 +207,42 @@ def _master(impl: str) -> Iterator[str]:
 
 @contextmanager
 def _node(impl: str, master: str, dram: int) -> Iterator[None]:
-    proc = subprocess.Popen([sys.executable, "-m", _CLIENT, "node", impl, master, str(dram)],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
+    with _child([_CLIENT, "node", impl, master, str(dram)], f"{impl} store node"):
+        yield
+
+
+@contextmanager
+def _client(impl: str, master: str, protocol: str, buffer_bytes: int) -> Iterator[Any]:
+    args = [_CLIENT, "serve", impl, master, protocol, str(buffer_bytes)]
+    with _child(args, f"{impl} client") as proc:
+        def one_round(command: dict[str, Any]) -> list[Measurement]:
+            assert proc.stdin is not None and proc.stdout is not None
+            proc.stdin.write(json.dumps(command) + "\n")
+            proc.stdin.flush()
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError(f"{impl} ({protocol}) client died during a round")
+            rows = [Measurement(**row) for row in json.loads(line)]
+            if protocol != "tcp":  # kvpool-shm: a name of its own beside kvpool over tcp
+                for m in rows:
+                    m.impl = f"{impl}-{protocol}"
+            return rows
+        yield one_round
+
+
+@contextmanager
+def _child(args: list[str], what: str) -> Iterator[subprocess.Popen[str]]:
+    proc = subprocess.Popen([sys.executable, "-m", *args], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True,
+                            stderr=None if os.environ.get("KVPOOL_BENCH_STDERR") else
+                            subprocess.DEVNULL)
     try:
         assert proc.stdout is not None
         announced = json.loads(proc.stdout.readline() or "{}")
         if not announced.get("ready"):
-            raise RuntimeError(f"{impl} store node did not start: {announced}")
-        yield
+            raise RuntimeError(f"{what} did not start: {announced}")
+        yield proc
     finally:
         if proc.stdin:
             proc.stdin.close()
         stop(proc, 10)
-
-
-def _client(impl: str, master: str, sizes: str, batch: int, phase_bytes: int,
-            seconds: float) -> list[Measurement]:
-    done = subprocess.run([sys.executable, "-m", _CLIENT, "client", impl, master, sizes,
-                           str(batch), str(phase_bytes), str(seconds)],
-                          capture_output=True, text=True, timeout=600)
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("[")]
-    if done.returncode != 0 or not lines:
-        raise RuntimeError(f"{impl} client failed: {done.stderr[-2000:]}")
-    rows: list[dict[str, Any]] = json.loads(lines[-1])
-    return [Measurement(**row) for row in rows]
-
-

@@ -3,10 +3,12 @@ Python API, run unchanged on either implementation (`mooncake` = the real wheel,
 kvpool.compat). Started as a child process by kvpool.compat.bench:
 
     python -m kvpool.compat.bench_client node IMPL MASTER DRAM_BYTES
-    python -m kvpool.compat.bench_client client IMPL MASTER SIZES BATCH PHASE_BYTES MIN_TIME_S
+    python -m kvpool.compat.bench_client serve IMPL MASTER PROTOCOL
 
-`node` contributes memory and waits for stdin to close; `client` prints one JSON line with the
-measurements (a pure client: every byte crosses to the node process over tcp).
+`node` contributes memory and waits for stdin to close. `serve` is a pure client (every byte
+crosses to the node process, over `PROTOCOL`): it announces itself with one JSON line, then
+runs one round of the workload per JSON command read from stdin and answers each with one
+JSON line of measurements, so the parent can interleave the implementations round by round.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import importlib
 import json
 import sys
 import time
-from dataclasses import asdict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -23,6 +26,22 @@ import numpy as np
 from kvpool.bench.common import Measurement, rate
 
 _MODULES = {"mooncake": "mooncake", "kvpool": "kvpool.compat.mooncake"}
+RELEASE_S = 0.25
+"""Pause after remove_all, outside the timing: kvpool reuses force-removed memory once the
+read leases (200 ms in this bench) end."""
+
+
+@dataclass(frozen=True)
+class Round:
+    """One round of the workload (a command on stdin)."""
+
+    tag: str
+    single_sizes: list[int]
+    single_ops: int
+    batch_sizes: list[int]
+    batch: int
+    phase_bytes: int
+    transfer_s: float = 0.0
 
 
 def load(impl: str) -> tuple[Any, Any]:
@@ -40,28 +59,90 @@ def node(impl: str, master: str, dram: int) -> None:
     store.close()
 
 
-def _store_phase(store: Any, impl: str, size: int, batch: int, phase_bytes: int,
-                 ptr: int, tag: str) -> list[Measurement]:
-    iters = max(3, phase_bytes // (size * batch))
-    keys = [[f"{tag}-{size}-{i}-{j}" for j in range(batch)] for i in range(iters)]
-    ptrs = [ptr + j * size for j in range(batch)]
-    sizes = [size] * batch
-    out = []
-    for op, call in (("put", lambda k: store.batch_put_from(k, ptrs, sizes)),
-                     ("get", lambda k: store.batch_get_into(k, ptrs, sizes)),
-                     ("exist", lambda k: store.batch_is_exist(k))):
+class Workload:
+    def __init__(self, impl: str, master: str, protocol: str, buffer_bytes: int) -> None:
+        self.impl, self.protocol = impl, protocol
+        self.store_mod, self.engine_mod = load(impl)
+        self.store = self.store_mod.MooncakeDistributedStore()
+        if self.store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, protocol, "",
+                            master) != 0:
+            raise RuntimeError(f"{impl} store setup failed")
+        self.buf = np.random.default_rng(0).integers(0, 255, buffer_bytes, dtype=np.uint8)
+        self.ptr = int(self.buf.ctypes.data)
+        self.store.register_buffer(self.ptr, self.buf.nbytes)
+        self.values = {size: self.buf[:size].tobytes() for size in (4096, 65536)}
+
+    def run(self, r: Round) -> list[Measurement]:
+        out: list[Measurement] = []
+        for size in r.single_sizes:
+            out += self._single(size, r.single_ops, f"{r.tag}-s{size}")
+        for size in r.batch_sizes:
+            out += self._batched(size, r.batch, r.phase_bytes, f"{r.tag}-b{size}")
+        if r.transfer_s > 0 and self.protocol == "tcp":  # the engine phase runs over tcp
+            for size in r.batch_sizes:
+                out += _transfer_phase(self.engine_mod, self.impl, size, r.batch, r.transfer_s)
+        return out
+
+    def _measure(self, op: str, mode: str, size: int, keys: list[Any],
+                 call: Callable[[Any], Any], per_call: int, moved: int) -> list[Measurement]:
+        """Run `call` on each of `keys` (a key or a batch), which answers True or what went
+        wrong. A failure is reported on stderr and the measurement left out of this round."""
         start = time.perf_counter()
         for k in keys:
-            results = call(k)
-            expected = 1 if op == "exist" else (0 if op == "put" else size)
-            if any(r != expected for r in results):
-                raise RuntimeError(f"{impl} {op} failed: {results[:4]}")
+            got = call(k)
+            if got is not True:
+                print(f"{self.impl} {op} {mode} {size} failed on {str(k)[:80]}: "
+                      f"{str(got)[:200]}", file=sys.stderr, flush=True)
+                return []
         elapsed = time.perf_counter() - start
-        moved = 0 if op == "exist" else size * batch * iters
-        out.append(Measurement("mooncake-api-store", impl, "tcp", op, "batched", size,
-                               moved / elapsed / 1e9, batch * iters / elapsed))
-    store.remove_all(True)
-    return out
+        return [Measurement("mooncake-api-store", self.impl, self.protocol, op, mode, size,
+                           moved * len(keys) / elapsed / 1e9, per_call * len(keys) / elapsed)]
+
+    def _single(self, size: int, ops: int, tag: str) -> list[Measurement]:
+        s, ptr, dst = self.store, self.ptr, self.ptr + size
+        value = self.values.get(size) or self.buf[:size].tobytes()
+        zc = [f"{tag}-z{i}" for i in range(ops)]
+        by = [f"{tag}-v{i}" for i in range(ops)]
+        out = [
+            *self._measure("put_from", "single", size, zc,
+                          lambda k: s.put_from(k, ptr, size) == 0, 1, size),
+            *self._measure("get_into", "single", size, zc,
+                          lambda k: s.get_into(k, dst, size) == size, 1, size),
+            *self._measure("put", "single", size, by, lambda k: s.put(k, value) == 0, 1, size),
+            *self._measure("get", "single", size, by, lambda k: len(s.get(k)) == size, 1, size),
+            *self._measure("is_exist", "single", size, zc, lambda k: s.is_exist(k) == 1, 1, 0),
+        ]
+        self._clear()
+        return out
+
+    def _batched(self, size: int, batch: int, phase_bytes: int, tag: str) -> list[Measurement]:
+        s = self.store
+        iters = max(3, phase_bytes // (size * batch))
+        keys = [[f"{tag}-{i}-{j}" for j in range(batch)] for i in range(iters)]
+        ptrs = [self.ptr + j * size for j in range(batch)]
+        sizes = [size] * batch
+        out = [
+            *self._measure("put_from", "batched", size, keys, lambda k: _all(
+                s.batch_put_from(k, ptrs, sizes), 0), batch, size * batch),
+            *self._measure("get_into", "batched", size, keys, lambda k: _all(
+                s.batch_get_into(k, ptrs, sizes), size), batch, size * batch),
+            *self._measure("is_exist", "batched", size, keys, lambda k: _all(
+                s.batch_is_exist(k), 1), batch, 0),
+        ]
+        self._clear()
+        return out
+
+    def _clear(self) -> None:
+        self.store.remove_all(True)
+        time.sleep(RELEASE_S)
+
+    def close(self) -> None:
+        self.store.close()
+
+
+def _all(results: list[int], want: int) -> Any:
+    """True when every result is `want`, else the results."""
+    return True if all(r == want for r in results) else results
 
 
 def _transfer_phase(engine_mod: Any, impl: str, size: int, batch: int,
@@ -90,31 +171,21 @@ def _transfer_phase(engine_mod: Any, impl: str, size: int, batch: int,
     return out
 
 
-def client(impl: str, master: str, sizes: list[int], batch: int, phase_bytes: int,
-           min_time_s: float) -> list[Measurement]:
-    store_mod, engine_mod = load(impl)
-    store = store_mod.MooncakeDistributedStore()
-    if store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", master) != 0:
-        raise RuntimeError(f"{impl} store setup failed")
-    buf = np.random.default_rng(0).integers(0, 255, max(sizes) * batch, dtype=np.uint8)
-    store.register_buffer(buf.ctypes.data, buf.nbytes)
-    results: list[Measurement] = []
-    for size in sizes:
-        results += _store_phase(store, impl, size, batch, phase_bytes, buf.ctypes.data, "k")
-    store.close()
-    for size in sizes:
-        results += _transfer_phase(engine_mod, impl, size, batch, min_time_s)
-    return results
+def serve(impl: str, master: str, protocol: str, buffer_bytes: int) -> None:
+    work = Workload(impl, master, protocol, buffer_bytes)
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        found = work.run(Round(**json.loads(line)))
+        print(json.dumps([asdict(m) for m in found]), flush=True)
+    work.close()
 
 
 def main(argv: list[str]) -> int:
     role, impl, master = argv[:3]
     if role == "node":
         node(impl, master, int(argv[3]))
-        return 0
-    sizes = [int(s) for s in argv[3].split(",")]
-    found = client(impl, master, sizes, int(argv[4]), int(argv[5]), float(argv[6]))
-    print(json.dumps([asdict(m) for m in found]), flush=True)
+    else:
+        serve(impl, master, argv[3], int(argv[4]))
     return 0
 
 

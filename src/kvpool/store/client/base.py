@@ -9,6 +9,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,10 +23,11 @@ from kvpool.errors import (
     TransferError,
 )
 from kvpool.log import get_logger
-from kvpool.store.client.batches import key_chunks, refusal_code
-from kvpool.store.client.checksum import parts_checksum
+from kvpool.store.client.batches import RpcFailed, key_chunks, refusal_code
+from kvpool.store.client.checksum import Hasher
 from kvpool.store.client.config import ClientConfig
 from kvpool.store.client.plan import Part, copies_for, order_replicas, parts_total, valid_parts
+from kvpool.store.client.reserved import RESERVE_MAX_BYTES, ReservedPuts
 from kvpool.store.client.rpc import RpcClient
 from kvpool.store.client.staging import StagingArea
 from kvpool.store.config import ReplicateConfig
@@ -54,14 +56,10 @@ def new_fence() -> int:
 
 
 _PUT_OK = PutResult(ErrorCode.OK)
+_DEFAULT_CFG = ReplicateConfig()
 NOT_READY_PAUSE_S = 0.002
 NOT_READY_MAX_PAUSE_S = 0.05
 """Pauses between lookups of an object being loaded from disk (doubling up to the max)."""
-
-
-class RpcFailed(Exception):
-    def __init__(self, code: ErrorCode) -> None:
-        self.code = code
 
 
 @dataclass
@@ -98,6 +96,10 @@ class ClientBase:
             self._publish_due = False
             """Mounted again, but the segment descriptor is not yet published again."""
             self._staging = StagingArea(self.engine, config.local_buffer_size)
+            self._hasher = Hasher()
+            self._reserved = ReservedPuts(self._call, self._run_copies, self._copies_to,
+                                          config.write_checksums)
+            self._reserved.enabled = config.reserved_puts
         except BaseException:
             self.engine.close()  # a bad master address must not leak the started engine
             raise
@@ -203,6 +205,18 @@ class ClientBase:
                 self._forgotten = not self._remount() if self._segments else False
             if self._publish_due and not self._forgotten:
                 self._publish_due = not self._publish()
+            self._revoke_reservations(self._hb_rpc, self._reserved.take_stale(), None)
+
+    @staticmethod
+    def _revoke_reservations(rpc: RpcClient, tokens: list[str],
+                             timeout_s: float | None) -> None:
+        """Best effort: reservations the master is not told about are discarded by it after
+        put_discard_timeout_s."""
+        if tokens:
+            try:
+                rpc.call(m.PutRevokeMsg(keys=tokens), timeout_s=timeout_s)
+            except RpcError as exc:
+                log.debug("could not give back %d reservations: %s", len(tokens), exc)
 
     def _on_late_heartbeat(self, reply: Any) -> None:
         """A heartbeat answered after its call timed out (the master stalled, then forgot
@@ -267,6 +281,8 @@ class ClientBase:
         self._stop.set()
         deadline = time.monotonic() + self.config.close_timeout_s
         self._hb.join(self.config.close_timeout_s)
+        self._revoke_reservations(self._rpc, self._reserved.take_stale(0.0),
+                                  max(0.001, deadline - time.monotonic()))
         master_answers = True
         for segment_id in list(self._segments):
             left = deadline - time.monotonic()
@@ -276,6 +292,7 @@ class ClientBase:
             else:
                 self._free_segment(segment_id, self._segments.pop(segment_id))
         self._staging.close()
+        self._hasher.close()
         self._rpc.close()
         self._hb_rpc.close()
         self.engine.close()
@@ -343,14 +360,42 @@ class ClientBase:
                 results[i] = PutResult(E.INVALID_PARAMS)
         if todo:
             try:
-                self._write_valid(todo, keys, parts, cfg, upsert, results)
+                if not self._write_reserved(todo, keys, parts, cfg, upsert, results):
+                    self._write_valid(todo, keys, parts, cfg, upsert, results)
             except RpcFailed as exc:
                 results = [r or PutResult(exc.code) for r in results]
         return [r or PutResult(E.RPC_FAIL) for r in results]
 
+    def _write_reserved(self, todo: list[int], keys: Sequence[str],
+                        parts: Sequence[Sequence[Part]], cfg: ReplicateConfig, upsert: bool,
+                        results: list[PutResult | None]) -> bool:
+        """A single-key put through a reservation (client/reserved.py); False when it
+        takes the two-phase path instead."""
+        if len(todo) != 1 or not self._reserved.enabled or cfg != _DEFAULT_CFG:
+            return False
+        i = todo[0]
+        size = parts_total(parts[i])
+        done = self._reserved.put(keys[i], parts[i], size, upsert) \
+            if size <= RESERVE_MAX_BYTES else None
+        results[i] = done
+        return done is not None
+
     def _write_valid(self, todo: list[int], keys: Sequence[str], parts: Sequence[Sequence[Part]],
                      cfg: ReplicateConfig, upsert: bool, results: list[PutResult | None]) -> None:
         sizes = [parts_total(parts[i]) for i in todo]
+        hashes = self._hasher.start([(parts[i], n) for i, n in zip(todo, sizes, strict=True)]
+                                    ) if self.config.write_checksums else None
+        try:
+            self._start_copy_end(todo, keys, parts, sizes, cfg, upsert, results, hashes)
+        finally:
+            if hashes is not None:
+                hashes.exception()  # the parts stay alive until the hashing is over
+
+    def _start_copy_end(self, todo: list[int], keys: Sequence[str],
+                        parts: Sequence[Sequence[Part]], sizes: list[int], cfg: ReplicateConfig,
+                        upsert: bool, results: list[PutResult | None],
+                        hashes: Future[list[int]] | None) -> None:
+        """PUT_START, the copies, then PUT_END with the checksums (computed meanwhile)."""
         preferred = ([cfg.preferred_segment] if cfg.preferred_segment else []) \
             + list(cfg.preferred_segments)
         started = self._call_keyed(
@@ -375,9 +420,8 @@ class ClientBase:
                 results[i] = PutResult(E.TRANSFER_FAIL)
             self._revoke([keys[i] for i in failed])
         if ok:
-            size_of = dict(zip(todo, sizes, strict=True))
-            sums = [parts_checksum(parts[i], size_of[i]) if self.config.write_checksums
-                    else None for i in ok]
+            sum_of = dict(zip(todo, hashes.result(), strict=True)) if hashes else {}
+            sums = [sum_of.get(i) for i in ok]
             ended = self._call_keyed(
                 [keys[i] for i in ok],
                 lambda chunk, lo, hi: m.PutEndMsg(keys=chunk, checksums=sums[lo:hi]),
@@ -490,11 +534,9 @@ class ClientBase:
     def _verify(self, looks: Sequence[LookupResult], parts: Sequence[Sequence[Part] | None],
                 read: list[int]) -> set[int]:
         """Indices among `read` whose bytes do not hash to their object's checksum."""
-        bad = set()
-        for i in read:
-            want = looks[i].checksum
-            if want is not None and parts_checksum(parts[i] or (), looks[i].size) != want:
-                bad.add(i)
+        checked = [i for i in read if looks[i].checksum is not None]
+        got = self._hasher.many([(parts[i] or (), looks[i].size) for i in checked])
+        bad = {i for i, h in zip(checked, got, strict=True) if h != looks[i].checksum}
         if bad:
             self.stats.checksum_mismatches += len(bad)
             log.warning("checksum mismatch on %d replica reads; trying other replicas",

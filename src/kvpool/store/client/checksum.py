@@ -8,7 +8,9 @@ core here), so the check costs a fraction of the copy it guards.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import xxhash
 
@@ -32,3 +34,66 @@ def parts_checksum(parts: Sequence[Part], num_bytes: int) -> int:
             h.update(view_at(addr, n))
         left -= n
     return h.intdigest()
+
+
+OVERLAP_BYTES = 1 << 20
+"""A put hashes fewer bytes inline: xxh3 does about 25 GB/s here, so below this the hand-off
+to the helper thread (tens of us on a busy machine) costs more than the overlap saves."""
+SPLIT_BYTES = 8 << 20
+"""A batch read verifies fewer bytes on the caller's thread alone (16 x 1 MiB: 0.45 ms split
+against 0.6 ms inline; 4 x 1 MiB: 0.2 against 0.15)."""
+Item = tuple[Sequence[Part], int]
+"""(parts, object bytes) of one object to hash."""
+
+
+class Hasher:
+    """xxh3_64 of many objects, using one helper thread for large ones. xxhash releases the
+    GIL, so a put's hashing overlaps its PUT_START round trip and its transfer, and a batch
+    read is verified on two cores. The parts must stay alive until the hashes are taken."""
+
+    def __init__(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
+
+    def _executor(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvpool-store-hash")
+            return self._pool
+
+    def start(self, items: Sequence[Item]) -> Future[list[int]]:
+        """The hashes of `items`, computed meanwhile (inline when small). Callers must take
+        the result (or wait) before the parts may be freed."""
+        if sum(n for _, n in items) < OVERLAP_BYTES:
+            done: Future[list[int]] = Future()
+            done.set_result(_hash_all(items))
+            return done
+        return self._executor().submit(_hash_all, items)
+
+    def many(self, items: Sequence[Item]) -> list[int]:
+        """The hashes of `items`; a large batch is split by bytes between the caller and the
+        helper thread."""
+        total = sum(n for _, n in items)
+        if total < SPLIT_BYTES or len(items) < 2:
+            return _hash_all(items)
+        cut, acc = 0, 0
+        while cut < len(items) - 1 and acc + items[cut][1] <= total // 2:
+            acc += items[cut][1]
+            cut += 1
+        cut = max(cut, 1)
+        first = self._executor().submit(_hash_all, items[:cut])
+        try:
+            rest = _hash_all(items[cut:])
+        finally:
+            head = first.result()
+        return head + rest
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=True)
+                self._pool = None
+
+
+def _hash_all(items: Sequence[Item]) -> list[int]:
+    return [parts_checksum(parts, n) for parts, n in items]

@@ -49,6 +49,10 @@ class ClientConfig:
     rpc_batch_keys: int = 4096
     """Keys per master RPC: larger batches are split into several calls (keep it at or
     below the master's max_batch)."""
+    reserved_puts: bool = True
+    """Single-key puts of up to RESERVE_MAX_BYTES with the default ReplicateConfig write
+    into space reserved ahead and publish with one PUT_COMMIT (which also reserves for the
+    next put of that size): one master round trip per put instead of two."""
 
     def __post_init__(self) -> None:
         if self.global_segment_size < 0 or self.local_buffer_size < 0:

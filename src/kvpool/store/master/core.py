@@ -203,8 +203,10 @@ class MasterCore:
                 for k, s in zip(keys, sizes, strict=True)]
 
     def _put_start_one(self, client_id: str, key: str, size: int, config: ReplicateConfig,
-                       upsert: bool, preferred: list[str], now: float) -> PutStartResult:
-        if not valid_key(key) or not valid_size(size, self.config.max_object_bytes):
+                       upsert: bool, preferred: list[str], now: float,
+                       reserved: bool = False) -> PutStartResult:
+        """`reserved`: `key` is a reservation token (master/reserve.py), not a user key."""
+        if not (reserved or valid_key(key)) or not valid_size(size, self.config.max_object_bytes):
             return PutStartResult(E.INVALID_PARAMS)
         if key in self.pending or (not upsert and key in self.objects):
             return PutStartResult(E.OBJECT_ALREADY_EXISTS)

@@ -4,8 +4,8 @@ reads the core's tables at scrape time (keys, bytes by segment and tier, evictio
 from __future__ import annotations
 
 import threading
-from collections import Counter
-from collections.abc import Iterator
+from collections import Counter, deque
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client import Counter as PromCounter
@@ -107,9 +107,29 @@ def _tier_families(core: MasterCore) -> list[GaugeMetricFamily | CounterMetricFa
     return out
 
 
+class _Flush(Collector):
+    """Registered first: a scrape folds the observations still queued into the counters
+    before they are read."""
+
+    def __init__(self, flush: Callable[[], None]) -> None:
+        self.flush = flush
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        self.flush()
+        return iter(())
+
+
 class MasterMetrics:
+    """Request counters and latencies. `observe` (on the RPC thread, once per request) only
+    queues; the queue is folded into the Prometheus objects every FLUSH_EVERY requests and at
+    each scrape (about 2 us per request less than updating them in place)."""
+
+    FLUSH_EVERY = 512
+
     def __init__(self, core: MasterCore, lock: threading.Lock) -> None:
         self.registry = CollectorRegistry()
+        self._queue: deque[tuple[str, int, float]] = deque()
+        self.registry.register(_Flush(self.flush))
         self.ops = PromCounter("kvpool_master_ops", "RPC requests by op", ["op"],
                            registry=self.registry)
         self.errors = PromCounter("kvpool_master_errors", "RPC requests refused, by op and code",
@@ -124,10 +144,23 @@ class MasterMetrics:
         self._collector.key_errors = key_errors
 
     def observe(self, op: str, status: int, seconds: float) -> None:
-        pair = self._children.get(op)
-        if pair is None:
-            pair = self._children[op] = (self.ops.labels(op), self.latency.labels(op))
-        pair[0].inc()
-        pair[1].observe(seconds)
-        if status != 0:
-            self.errors.labels(op, _code_name(status)).inc()
+        queue = self._queue
+        queue.append((op, status, seconds))
+        if len(queue) >= self.FLUSH_EVERY:
+            self.flush()
+
+    def flush(self) -> None:
+        """Fold the queued observations in (thread-safe: deque pops are atomic)."""
+        queue, children = self._queue, self._children
+        while True:
+            try:
+                op, status, seconds = queue.popleft()
+            except IndexError:
+                return
+            pair = children.get(op)
+            if pair is None:
+                pair = children[op] = (self.ops.labels(op), self.latency.labels(op))
+            pair[0].inc()
+            pair[1].observe(seconds)
+            if status != 0:
+                self.errors.labels(op, _code_name(status)).inc()

@@ -16,6 +16,7 @@ from kvpool.errors import ConfigError, InvalidArgument, RemoteProtocolError
 from kvpool.log import get_logger
 from kvpool.store.config import ReplicateConfig
 from kvpool.store.master.core import MasterCore
+from kvpool.store.master.reserve import Reservations
 from kvpool.store.master.tier_service import tier_handlers
 from kvpool.store.wire import messages as m
 from kvpool.store.wire.codes import ErrorCode, Tier
@@ -30,7 +31,9 @@ log = get_logger("store.service")
 MAX_PREFERRED = 64
 MAX_PATTERN = 1024
 _KEYED = (m.PutStartMsg, m.PutEndMsg, m.PutRevokeMsg, m.GetReplicasMsg, m.ExistsMsg,
-          m.SsdRegisterMsg, m.RemoveMsg, m.ReplicateEndMsg)
+          m.SsdRegisterMsg, m.RemoveMsg, m.ReplicateEndMsg, m.PutCommitMsg)
+MAX_RESERVE = 16
+"""Reservations one PUT_COMMIT may ask for."""
 
 
 class MasterService:
@@ -66,7 +69,9 @@ class MasterService:
             m.ReplicateEndMsg: lambda r: self._count(r, core.drain.end(r.client_id, r.keys,
                                                                        r.codes)),
             m.DrainEndMsg: lambda r: core.drain.cancel(r.address),
+            m.PutCommitMsg: self._put_commit,
         }
+        self.reservations = Reservations(core)
 
     def handle(self, frame: bytes) -> bytes:
         """One reply frame for one request frame; never raises. Bad arguments are answered
@@ -115,6 +120,8 @@ class MasterService:
             return "client_id must be 1..4096 bytes without whitespace or control characters"
         if isinstance(req, _KEYED) and len(req.keys) > self.core.config.max_batch:
             return f"batch of {len(req.keys)} keys exceeds {self.core.config.max_batch}"
+        if isinstance(req, m.PutCommitMsg) and len(req.reserve_sizes) > MAX_RESERVE:
+            return f"more than {MAX_RESERVE} reservations"
         if isinstance(req, m.PutStartMsg) and len(req.preferred) > MAX_PREFERRED:
             return f"more than {MAX_PREFERRED} preferred segments"
         if isinstance(req, m.RemoveRegexMsg) and len(req.pattern) > MAX_PATTERN:
@@ -160,6 +167,18 @@ class MasterService:
         results = self.core.get_replicas(r.keys)
         self._count(r, [x.code for x in results])
         return m.GetReplicasReply(self.core.config.lease_ttl_s, results)
+
+    def _put_commit(self, r: m.PutCommitMsg) -> m.PutCommitReply:
+        n = len(r.keys)
+        if len(r.tokens) != n or len(r.checksums) != n:
+            codes = [E.INVALID_PARAMS] * n
+        else:
+            commit = self.reservations.commit
+            codes = [commit(r.client_id, token, key, checksum, r.upsert)
+                     for key, token, checksum in zip(r.keys, r.tokens, r.checksums, strict=True)]
+        self._count(r, codes)
+        reserved = [self.reservations.reserve(r.client_id, size) for size in r.reserve_sizes]
+        return m.PutCommitReply(codes, reserved)
 
     def _segments(self, r: m.SegmentsMsg) -> list[m.SegmentRow]:
         return [m.SegmentRow(s.segment_id, s.client_id, s.endpoint, s.base_addr,

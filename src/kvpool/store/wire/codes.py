@@ -75,6 +75,15 @@ class PutStartResult(NamedTuple):
     replicas: tuple[ReplicaDesc, ...] = ()
 
 
+class Reservation(NamedTuple):
+    """Space held for a client's next put (master/reserve.py); `token` names it in
+    PUT_COMMIT."""
+
+    code: ErrorCode
+    token: str = ""
+    replicas: tuple[ReplicaDesc, ...] = ()
+
+
 class LookupResult(NamedTuple):
     """The answer to a replica lookup; `lease_ttl_s` is how long the read lease lasts."""
 

@@ -30,7 +30,7 @@ from typing import Any, ClassVar, NamedTuple, Union
 import msgspec
 
 from kvpool.errors import RemoteProtocolError
-from kvpool.store.wire.codes import ErrorCode, LookupResult, PutStartResult
+from kvpool.store.wire.codes import ErrorCode, LookupResult, PutStartResult, Reservation
 from kvpool.store.wire.drain import DrainPlan, DrainStep
 from kvpool.store.wire.protocol import MAX_FRAME_BYTES, Op
 
@@ -54,6 +54,13 @@ class MountReply(msgspec.Struct, array_like=True, frozen=True, gc=False):
 class GetReplicasReply(msgspec.Struct, array_like=True, frozen=True, gc=False):
     lease_ttl_s: float
     items: list[LookupResult]
+
+
+class PutCommitReply(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    codes: list[ErrorCode]
+    """Per key of the commit."""
+    reserved: list[Reservation]
+    """Per size asked for, the space held for a next put."""
 
 
 class SegmentRow(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -241,11 +248,24 @@ class DrainEndMsg(Msg, tag=int(Op.DRAIN_END), kw_only=True):
     Reply: ClassVar[Any] = int
 
 
+class PutCommitMsg(Msg, tag=int(Op.PUT_COMMIT), kw_only=True):
+    """Publish puts written to reserved space (key i from reservation tokens[i], checksum
+    i), then reserve space for the next puts of `reserve_sizes` (master/reserve.py). With
+    no keys, only reserves."""
+
+    keys: list[str]
+    tokens: list[str]
+    checksums: list[int | None]
+    upsert: bool = False
+    reserve_sizes: list[int] = msgspec.field(default_factory=list)
+    Reply: ClassVar[Any] = PutCommitReply
+
+
 _CLASSES: tuple[type[Msg], ...] = (
     PingMsg, HeartbeatMsg, MountMsg, UnmountMsg, PutStartMsg, PutEndMsg, PutRevokeMsg,
     GetReplicasMsg, ExistsMsg, RemoveMsg, RemoveAllMsg, RemoveRegexMsg, SegmentsMsg,
     SsdMountMsg, NodeTasksMsg, NodeReportMsg, SsdRegisterMsg,
-    DrainBeginMsg, ReplicateStartMsg, ReplicateEndMsg, DrainEndMsg)
+    DrainBeginMsg, ReplicateStartMsg, ReplicateEndMsg, DrainEndMsg, PutCommitMsg)
 MESSAGES: dict[Op, type[Msg]] = {Op(int(c.__struct_config__.tag or 0)): c for c in _CLASSES}
 """Every request class by op (a new op must be listed here)."""
 for _op, _cls in MESSAGES.items():

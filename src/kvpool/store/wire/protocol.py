@@ -48,6 +48,7 @@ class Op(enum.IntEnum):
     REPLICATE_START = 19
     REPLICATE_END = 20
     DRAIN_END = 21
+    PUT_COMMIT = 24
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,115 @@
+"""Anchors measured beside the store benchmarks, in the same run: what a raw loopback TCP
+socket and a plain memcpy do with the same sizes, so a ratio against Mooncake can be read
+against the machine's floor.
+
+The raw socket runs between this process and an echo process (blocking sockets, TCP_NODELAY):
+
+    request: [payload_len: u32 LE][reply_len: u32 LE][payload]  ->  reply: reply_len bytes
+
+`raw_round_trips(size)` sends `size` bytes and takes an 8-byte answer (a put's shape; a get's
+is the mirror image and costs the same on loopback); `raw_stream(size, batch)` moves batch x size
+bytes per request with one small answer. Both return (GB/s, requests/s).
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+
+_HEADER = struct.Struct("<II")
+_ECHO = r"""
+import socket, struct, sys
+lst = socket.create_server(("127.0.0.1", 0))
+print(lst.getsockname()[1], flush=True)
+while True:
+    conn, _ = lst.accept()
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf = bytearray(64 << 20)
+    view = memoryview(buf)
+    try:
+        while True:
+            head = conn.recv(8, socket.MSG_WAITALL)
+            if len(head) < 8:
+                break
+            n, reply = struct.unpack("<II", head)
+            got = 0
+            while got < n:
+                got += conn.recv_into(view[got:n])
+            conn.sendall(bytes(reply))
+    finally:
+        conn.close()
+"""
+
+
+class RawSocket:
+    """A connection to the echo process (see the module docstring)."""
+
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._buf = bytearray(64 << 20)
+
+    def _request(self, payload: memoryview, reply_len: int) -> None:
+        self.sock.sendall(_HEADER.pack(len(payload), reply_len))
+        self.sock.sendall(payload)
+        view, got = memoryview(self._buf), 0
+        while got < reply_len:
+            got += self.sock.recv_into(view[got:reply_len])
+
+    def round_trips(self, size: int, count: int) -> tuple[float, float]:
+        """`count` requests of `size` bytes, each answered with 8 bytes."""
+        payload = memoryview(bytes(size))
+        self._request(payload, 8)
+        t0 = time.perf_counter()
+        for _ in range(count):
+            self._request(payload, 8)
+        elapsed = time.perf_counter() - t0
+        return size * count / elapsed / 1e9, count / elapsed
+
+    def stream(self, size: int, batch: int, count: int) -> tuple[float, float]:
+        """`count` requests of batch x size bytes, one small answer each."""
+        payload = memoryview(bytes(size * batch))
+        self._request(payload, 8)
+        t0 = time.perf_counter()
+        for _ in range(count):
+            self._request(payload, 8)
+        elapsed = time.perf_counter() - t0
+        return size * batch * count / elapsed / 1e9, batch * count / elapsed
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@contextmanager
+def raw_socket() -> Iterator[RawSocket]:
+    """An echo process and a connection to it, both gone on exit."""
+    proc = subprocess.Popen([sys.executable, "-c", _ECHO], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        raw = RawSocket(int(proc.stdout.readline()))
+        try:
+            yield raw
+        finally:
+            raw.close()
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def memcpy(size: int, batch: int, count: int) -> tuple[float, float]:
+    """numpy copies of batch x size bytes between two buffers: (GB/s, objects/s)."""
+    src = np.ones(size * batch, np.uint8)
+    dst = np.zeros(size * batch, np.uint8)
+    np.copyto(dst, src)
+    t0 = time.perf_counter()
+    for _ in range(count):
+        np.copyto(dst, src)
+    elapsed = time.perf_counter() - t0
+    return size * batch * count / elapsed / 1e9, batch * count / elapsed
