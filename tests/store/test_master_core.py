@@ -133,10 +133,10 @@ def test_full_pool_gives_no_space_when_nothing_evictable(vclock: VirtualClock) -
     assert core.put_start("w", ["y"], [8 * KIB])[0].code == E.NO_AVAILABLE_HANDLE
     assert core.stats.no_space == 2
     assert len(core.objects) == 4
-    assert core.stats.eviction_rounds == 1      # a futile round is not repeated at once
+    assert core.evictor.stats.rounds == 1      # a futile round is not repeated at once
     vclock.advance(0.06)
     assert core.put_start("w", ["z"], [KIB])[0].code == E.NO_AVAILABLE_HANDLE
-    assert core.stats.eviction_rounds == 2
+    assert core.evictor.stats.rounds == 2
 
 
 def test_allocation_failure_evicts_lru(vclock: VirtualClock) -> None:
@@ -148,7 +148,7 @@ def test_allocation_failure_evicts_lru(vclock: VirtualClock) -> None:
     core.get_replicas(["k0"])            # k0 becomes most recent (and leased)
     assert put(core, "new", KIB) == E.OK
     assert sorted(core.objects) == ["k0", "k2", "k3", "new"]
-    assert core.stats.evicted_objects == 1
+    assert core.evictor.stats.objects == 1
 
 
 def test_watermark_eviction_order_and_pins(vclock: VirtualClock) -> None:
@@ -196,7 +196,7 @@ def test_impossible_placement_is_no_space_and_evicts_nothing(core: MasterCore) -
     assert core.put_start("w", ["k"], [64], ReplicateConfig(replica_num=3))[0].code \
         == E.NO_AVAILABLE_HANDLE
     assert core.put_start("w", ["big"], [65 * KIB])[0].code == E.NO_AVAILABLE_HANDLE
-    assert len(core.objects) == 60 and core.stats.evicted_objects == 0
+    assert len(core.objects) == 60 and core.evictor.stats.objects == 0
 
 
 def test_remove_all_and_regex(core: MasterCore) -> None:

@@ -89,7 +89,7 @@ def test_nothing_is_lost_through_five_times_dram_with_an_ample_disk(
             run_node(core, ssd_id, vclock)
             core.tick()
         vclock.advance(0.05)
-    assert core.stats.evicted_objects == 0 and core.tiering.stats.disk_evicted_objects == 0
+    assert core.evictor.stats.objects == 0 and core.tiering.stats.disk_evicted_objects == 0
     looked = core.get_replicas(keys)
     assert [r.code for r in looked].count(E.OBJECT_NOT_FOUND) == 0
     assert {r.code for r in looked} <= {E.OK, E.REPLICA_IS_NOT_READY}

@@ -16,8 +16,8 @@ from kvpool.clock import SYSTEM_CLOCK, Clock
 from kvpool.store.allocator import OffsetAllocator
 from kvpool.store.config import MasterConfig, ReplicateConfig
 from kvpool.store.master import batch as master_batch
-from kvpool.store.master import evict as master_evict
 from kvpool.store.master.drain import DrainManager
+from kvpool.store.master.evict import Evictor
 from kvpool.store.master.eviction import create_eviction_policy
 from kvpool.store.master.placement import create_placement, pick_segments
 from kvpool.store.master.state import ClientState, PendingPut, Replica, Segment, StoredObject
@@ -48,9 +48,6 @@ deadline moves by the gap instead of everyone being declared dead."""
 
 @dataclass
 class MasterStats:
-    evicted_objects: int = 0
-    evicted_bytes: int = 0
-    eviction_rounds: int = 0
     discarded_puts: int = 0
     expired_clients: int = 0
     no_space: int = 0
@@ -63,6 +60,7 @@ class MasterCore:
         self.clock = clock
         self.policy = create_eviction_policy(self.config.eviction_policy)
         self.objects = ObjectTable(self.policy)
+        self.evictor = Evictor(self)
         self.pending: dict[str, PendingPut] = {}
         self.segments = SegmentTable()
         self.clients: dict[str, ClientState] = {}
@@ -73,7 +71,6 @@ class MasterCore:
         """Dropped segment id -> (its fence, [(free at, offset, size)]): ranges a late
         writer or reader may still touch, held again if the same memory comes back under
         the same fence (with a new fence the owner refuses those transfers itself)."""
-        self._no_evict_until = 0.0
         self._last_tick = clock.now()
         self.journal: Journal | None = None
         """Persistence (persist.py): told of every durable change, and of each tick."""
@@ -211,7 +208,7 @@ class MasterCore:
         if key in self.pending or (not upsert and key in self.objects):
             return PutStartResult(E.OBJECT_ALREADY_EXISTS)
         replicas = self._try_allocate(size, config.replica_num, preferred)
-        if replicas is None and master_evict.evict_for_allocation(self, size,
+        if replicas is None and self.evictor.for_allocation(size,
                                                                   config.replica_num, now):
             replicas = self._try_allocate(size, config.replica_num, preferred)
         if replicas is None:
@@ -437,11 +434,11 @@ class MasterCore:
     # -- housekeeping and inspection ------------------------------------------------------
 
     def evict(self, num_bytes: int) -> bool:
-        """Free about `num_bytes` (see master_evict.evict); whether anything was freed."""
-        return master_evict.evict(self, num_bytes)
+        """Free about `num_bytes` (see evict.evict); whether anything was freed."""
+        return self.evictor.evict(num_bytes)
 
     def _eviction_target(self) -> int:
-        return master_evict.eviction_target(self)
+        return self.evictor.target()
 
     def tick(self) -> None:
         """Run every timeout that is due, then evict if above the high watermark. A long

@@ -1,7 +1,12 @@
-"""The eviction mechanism of the master: walk the policy's victims, skip what must stay."""
+"""The eviction mechanism of the master: walk the policy's victims, skip what must stay.
+
+`Evictor` holds eviction's own state (the back-off after a futile round, the counters); the
+policy (eviction.py) only orders keys, and the tables change only through their methods.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvpool.store.wire.codes import Tier
@@ -15,21 +20,44 @@ if TYPE_CHECKING:
 FUTILE_EVICTION_S = 0.05
 
 
-def evict_for_allocation(core: MasterCore, size: int, count: int, now: float) -> bool:
-    """Evict after an allocation failure; whether anything was freed. A round that freed
-    nothing is not retried for FUTILE_EVICTION_S (with everything leased, every failing
-    put would otherwise walk all objects again), and a placement that no freeing can
-    satisfy (more replicas than big-enough segments) evicts nothing."""
-    if now < core._no_evict_until:
+@dataclass
+class EvictionStats:
+    objects: int = 0
+    bytes: int = 0
+    rounds: int = 0
+
+
+class Evictor:
+    """Eviction of one master core, with its own state."""
+
+    def __init__(self, core: MasterCore) -> None:
+        self.core = core
+        self.stats = EvictionStats()
+        self._idle_until = 0.0
+        """No round after an allocation failure before this (the last one freed nothing)."""
+
+    def target(self) -> int:
+        return eviction_target(self.core)
+
+    def evict(self, num_bytes: int) -> bool:
+        """Free about `num_bytes` of DRAM (see `evict`); whether anything was freed now."""
+        return evict(self.core, num_bytes, self.stats)
+
+    def for_allocation(self, size: int, count: int, now: float) -> bool:
+        """Evict after an allocation failure; whether anything was freed. A round that
+        freed nothing is not retried for FUTILE_EVICTION_S (with everything leased, every
+        failing put would otherwise walk all objects again), and a placement that no
+        freeing can satisfy (more replicas than big-enough segments) evicts nothing."""
+        if now < self._idle_until:
+            return False
+        big_enough = sum(1 for s in self.core.segment_list()
+                         if s.capacity >= s.allocator.rounded(size))
+        if big_enough < count:
+            return False
+        if self.evict(max(self.target(), size * count)):
+            return True
+        self._idle_until = now + FUTILE_EVICTION_S
         return False
-    big_enough = sum(1 for s in core.segment_list()
-                     if s.capacity >= s.allocator.rounded(size))
-    if big_enough < count:
-        return False
-    if evict(core, max(eviction_target(core), size * count)):
-        return True
-    core._no_evict_until = now + FUTILE_EVICTION_S
-    return False
 
 
 def eviction_target(core: MasterCore) -> int:
@@ -41,13 +69,13 @@ def eviction_target(core: MasterCore) -> int:
     return max(int(cfg.eviction_ratio * capacity), above, 1)
 
 
-def evict(core: MasterCore, num_bytes: int) -> bool:
+def evict(core: MasterCore, num_bytes: int, stats: EvictionStats) -> bool:
     """Free about `num_bytes` of DRAM by dropping least valuable objects. Leased,
     hard-pinned and pending objects are never evicted; soft-pinned ones only in a second
     pass. Victims a disk tier takes (tiering.py) are offloaded instead (or, already copied
     ahead, freed at once), and bytes already being offloaded count toward `num_bytes`.
     Returns whether anything was freed now."""
-    core.stats.eviction_rounds += 1
+    stats.rounds += 1
     tiering = core.tiering
     num_bytes -= tiering.offloading_bytes
     if num_bytes <= 0:
@@ -78,8 +106,8 @@ def evict(core: MasterCore, num_bytes: int) -> bool:
     for obj in dropped:
         freed_now += _dram_bytes(obj)
         core._remove_object(obj, defer=False)
-    core.stats.evicted_objects += len(dropped)
-    core.stats.evicted_bytes += freed_now
+    stats.objects += len(dropped)
+    stats.bytes += freed_now
     return freed_now > 0
 
 

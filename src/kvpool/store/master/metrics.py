@@ -50,11 +50,11 @@ class _CoreCollector(Collector):
                 cap.add_metric(labels, info.capacity_bytes)
             stats = core.stats
             evicted = CounterMetricFamily("kvpool_master_evicted_objects", "objects evicted")
-            evicted.add_metric([], stats.evicted_objects)
+            evicted.add_metric([], core.evictor.stats.objects)
             evicted_b = CounterMetricFamily("kvpool_master_evicted_bytes", "bytes evicted")
-            evicted_b.add_metric([], stats.evicted_bytes)
+            evicted_b.add_metric([], core.evictor.stats.bytes)
             rounds = CounterMetricFamily("kvpool_master_eviction_rounds", "eviction rounds")
-            rounds.add_metric([], stats.eviction_rounds)
+            rounds.add_metric([], core.evictor.stats.rounds)
             discarded = CounterMetricFamily("kvpool_master_discarded_puts",
                                             "pending puts discarded after the timeout")
             discarded.add_metric([], stats.discarded_puts)

@@ -81,13 +81,11 @@ def _start_load(t: Tiering, obj: StoredObject) -> bool:
 
 def _allocate_dram(t: Tiering, client_id: str, size: int) -> Replica | None:
     """A DRAM range for a loaded copy: the disk's own node first, then any segment."""
-    from kvpool.store.master import evict as master_evict
     core = t.core
     t._expire_transient()
     own = [s.segment_id for s in core.segment_list() if s.client_id == client_id]
     found = core._try_allocate(size, 1, own)
-    if found is None and master_evict.evict_for_allocation(core, size, 1,
-                                                           core.clock.now()):
+    if found is None and core.evictor.for_allocation(size, 1, core.clock.now()):
         found = core._try_allocate(size, 1, own)
     return found[0] if found else None
 
