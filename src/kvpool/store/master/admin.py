@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from kvpool.metadata.http_serving import bearer_matches
 from kvpool.store.master.core import MasterCore
 from kvpool.store.master.metrics import MasterMetrics
-from kvpool.store.master.views import list_keys, object_info
+from kvpool.store.master.views import MasterSnapshot, list_keys, object_info, snapshot
 
 LOCK_WAIT_S = 1.0
 """How long /health waits for the master lock before it reports the master stuck."""
@@ -82,11 +82,11 @@ def _check(core: MasterCore) -> dict[str, Any]:
     return {"status": "ok", "keys": len(core.objects), "pending": len(core.pending)}
 
 
-def _segment_json(core: MasterCore) -> list[dict[str, Any]]:
+def _segment_json(snap: MasterSnapshot) -> list[dict[str, Any]]:
     return [{"segment_id": s.segment_id, "client_id": s.client_id, "endpoint": s.endpoint,
              "base_addr": s.base_addr, "capacity_bytes": s.capacity_bytes,
              "used_bytes": s.used_bytes, "tier": s.tier.name, "draining": s.draining}
-            for s in core.segment_infos()]
+            for s in snap.segments]
 
 
 def mooncake_segment_names(core: MasterCore) -> list[str]:
@@ -114,12 +114,13 @@ def create_admin_app(core: MasterCore, lock: threading.Lock, metrics: MasterMetr
             problem = f"the master lock has been held for over {LOCK_WAIT_S}s"
         elif problem is None:
             try:
-                body = {"status": "ok", "keys": len(core.objects),
-                        "segments": len(core.segments), "clients": len(core.clients),
-                        "capacity_bytes": core.capacity_bytes, "used_bytes": core.used_bytes}
+                snap = snapshot(core)
             finally:
                 lock.release()
-            return JSONResponse(body)
+            return JSONResponse({"status": "ok", "keys": snap.keys,
+                                 "segments": len(snap.segments), "clients": snap.clients,
+                                 "capacity_bytes": snap.capacity_bytes,
+                                 "used_bytes": snap.used_bytes})
         return JSONResponse({"status": "unhealthy", "reason": problem}, status_code=503)
 
     @app.get("/metrics")
@@ -129,7 +130,8 @@ def create_admin_app(core: MasterCore, lock: threading.Lock, metrics: MasterMetr
     @app.get("/segments", dependencies=guarded)
     def segments() -> list[dict[str, Any]]:
         with lock:
-            return _segment_json(core)
+            snap = snapshot(core)
+        return _segment_json(snap)
 
     @app.get("/get_all_segments", dependencies=guarded)
     def mooncake_segments() -> Response:

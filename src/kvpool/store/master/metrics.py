@@ -13,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvpool.store.master.core import MasterCore
+from kvpool.store.master.views import MasterSnapshot, snapshot
 from kvpool.store.wire.codes import ErrorCode
 
 _LATENCY_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 0.1, 1.0)
@@ -33,45 +34,53 @@ class _CoreCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         with self.lock:
-            core = self.core
-            keys = GaugeMetricFamily("kvpool_master_keys", "complete objects stored")
-            keys.add_metric([], len(core.objects))
-            pending = GaugeMetricFamily("kvpool_master_pending_puts", "puts started, not ended")
-            pending.add_metric([], len(core.pending))
-            clients = GaugeMetricFamily("kvpool_master_clients", "live clients")
-            clients.add_metric([], len(core.clients))
-            used = GaugeMetricFamily("kvpool_master_used_bytes", "allocated bytes",
-                                     labels=["segment", "tier"])
-            cap = GaugeMetricFamily("kvpool_master_capacity_bytes", "mounted bytes",
-                                    labels=["segment", "tier"])
-            for info in core.segment_infos():
-                labels = [info.segment_id, info.tier.name]
-                used.add_metric(labels, info.used_bytes)
-                cap.add_metric(labels, info.capacity_bytes)
-            stats = core.stats
-            evicted = CounterMetricFamily("kvpool_master_evicted_objects", "objects evicted")
-            evicted.add_metric([], core.evictor.stats.objects)
-            evicted_b = CounterMetricFamily("kvpool_master_evicted_bytes", "bytes evicted")
-            evicted_b.add_metric([], core.evictor.stats.bytes)
-            rounds = CounterMetricFamily("kvpool_master_eviction_rounds", "eviction rounds")
-            rounds.add_metric([], core.evictor.stats.rounds)
-            discarded = CounterMetricFamily("kvpool_master_discarded_puts",
-                                            "pending puts discarded after the timeout")
-            discarded.add_metric([], stats.discarded_puts)
-            expired = CounterMetricFamily("kvpool_master_expired_clients",
-                                          "clients declared dead")
-            expired.add_metric([], stats.expired_clients)
-            stalls = CounterMetricFamily("kvpool_master_stalls_forgiven",
-                                         "own stalls longer than client_ttl/2 (deadlines moved)")
-            stalls.add_metric([], stats.stalls_forgiven)
-            per_key = CounterMetricFamily("kvpool_master_key_errors",
-                                          "per-key outcomes other than OK", labels=["op", "code"])
-            for (op, code), count in sorted((self.key_errors or {}).items()):
-                per_key.add_metric([op, code], count)
-            tier = _tier_families(core)
+            snap = snapshot(self.core)
+            key_errors = sorted((self.key_errors or {}).items())
+        per_key = CounterMetricFamily("kvpool_master_key_errors",
+                                      "per-key outcomes other than OK", labels=["op", "code"])
+        for (op, code), count in key_errors:
+            per_key.add_metric([op, code], count)
         yield per_key
-        yield from (keys, pending, clients, used, cap, evicted, evicted_b, rounds, discarded,
-                    expired, stalls, *tier)
+        yield from _table_families(snap)
+        yield from _tier_families(snap)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, doc)
+    family.add_metric([], value)
+    return family
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, doc)
+    family.add_metric([], value)
+    return family
+
+
+def _table_families(snap: MasterSnapshot) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    yield _gauge("kvpool_master_keys", "complete objects stored", snap.keys)
+    yield _gauge("kvpool_master_pending_puts", "puts started, not ended", snap.pending)
+    yield _gauge("kvpool_master_clients", "live clients", snap.clients)
+    used = GaugeMetricFamily("kvpool_master_used_bytes", "allocated bytes",
+                             labels=["segment", "tier"])
+    cap = GaugeMetricFamily("kvpool_master_capacity_bytes", "mounted bytes",
+                            labels=["segment", "tier"])
+    for info in snap.segments:
+        labels = [info.segment_id, info.tier.name]
+        used.add_metric(labels, info.used_bytes)
+        cap.add_metric(labels, info.capacity_bytes)
+    yield used
+    yield cap
+    yield _counter("kvpool_master_evicted_objects", "objects evicted", snap.eviction.objects)
+    yield _counter("kvpool_master_evicted_bytes", "bytes evicted", snap.eviction.bytes)
+    yield _counter("kvpool_master_eviction_rounds", "eviction rounds", snap.eviction.rounds)
+    yield _counter("kvpool_master_discarded_puts", "pending puts discarded after the timeout",
+                   snap.stats.discarded_puts)
+    yield _counter("kvpool_master_expired_clients", "clients declared dead",
+                   snap.stats.expired_clients)
+    yield _counter("kvpool_master_stalls_forgiven",
+                   "own stalls longer than client_ttl/2 (deadlines moved)",
+                   snap.stats.stalls_forgiven)
 
 
 _TIER_COUNTERS = (
@@ -89,21 +98,15 @@ _TIER_COUNTERS = (
 )
 
 
-def _tier_families(core: MasterCore) -> list[GaugeMetricFamily | CounterMetricFamily]:
-    tiering = core.tiering
-    out: list[GaugeMetricFamily | CounterMetricFamily] = []
-    for name, doc in _TIER_COUNTERS:
-        family = CounterMetricFamily(f"kvpool_master_ssd_{name}", doc)
-        family.add_metric([], getattr(tiering.stats, name))
-        out.append(family)
-    for name, doc, value in (
-            ("disk_only_keys", "objects whose only copy is on disk",
-             sum(1 for k in tiering.tiered if len(core.objects[k].replicas) == 1)),
-            ("offloading_bytes", "bytes being copied to disk now", tiering.offloading_bytes),
-            ("loading", "loads under way", len(tiering.loading))):
-        gauge = GaugeMetricFamily(f"kvpool_master_ssd_{name}", doc)
-        gauge.add_metric([], value)
-        out.append(gauge)
+def _tier_families(snap: MasterSnapshot) -> list[GaugeMetricFamily | CounterMetricFamily]:
+    out: list[GaugeMetricFamily | CounterMetricFamily] = [
+        _counter(f"kvpool_master_ssd_{name}", doc, getattr(snap.tier, name))
+        for name, doc in _TIER_COUNTERS]
+    out += [_gauge("kvpool_master_ssd_disk_only_keys", "objects whose only copy is on disk",
+                   snap.disk_only_keys),
+            _gauge("kvpool_master_ssd_offloading_bytes", "bytes being copied to disk now",
+                   snap.offloading_bytes),
+            _gauge("kvpool_master_ssd_loading", "loads under way", snap.loading)]
     return out
 
 
