@@ -26,10 +26,11 @@ main(sys.argv[1:])
 """
 
 
-def start_workers(cluster: Cluster, num: int, num_ops: int,
-                  replicas: int) -> list[subprocess.Popen[bytes]]:
-    procs = [spawn_python(WORKER, cluster.address, str(w), str(num_ops), str(replicas))
-             for w in range(num)]
+def start_workers(cluster: Cluster, num: int, num_ops: int, replicas: int,
+                  seconds: float = 0.0) -> list[subprocess.Popen[bytes]]:
+    """Workload processes doing `num_ops` operations each, or running for `seconds`."""
+    procs = [spawn_python(WORKER, cluster.address, str(w), str(num_ops), str(replicas),
+                          str(seconds)) for w in range(num)]
     for p in procs:
         assert p.stdout is not None and p.stdout.readline().strip() == b"ready"
     for p in procs:
@@ -120,7 +121,7 @@ def test_kill_store_node_replicated_survive_unreplicated_vanish() -> None:
 
 def test_kill_store_node_mid_workload() -> None:
     with store_cluster(2, "64MiB", "--client_ttl", "1") as cluster:
-        procs = start_workers(cluster, 3, 1000, 2)
+        procs = start_workers(cluster, 3, 0, 2, seconds=4.0)
         time.sleep(0.5)
         assert all(p.poll() is None for p in procs), "workers finished before the kill"
         cluster.nodes[0].send_signal(signal.SIGKILL)

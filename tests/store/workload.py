@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import sys
+import time
 
 from kvpool.store.client.config import ClientConfig
 from kvpool.store.client.store_client import StoreClient
@@ -15,6 +17,8 @@ from tests.store.cluster import content
 
 def main(argv: list[str]) -> None:
     master, worker, num_ops, replicas = argv[0], int(argv[1]), int(argv[2]), int(argv[3])
+    # With `seconds`, run for that long whatever the op count (a fault must land mid-run).
+    seconds = float(argv[4]) if len(argv) > 4 else 0.0
     rng = random.Random(worker)
     acked: dict[str, int] = {}
     stats = {"bad_reads": 0, "lost_own": 0, "ops": 0}
@@ -24,7 +28,10 @@ def main(argv: list[str]) -> None:
                                   transfer_timeout_s=3.0)) as store:
         print("ready", flush=True)
         sys.stdin.readline()  # "go": every worker starts at once
-        for n in range(num_ops):
+        t0 = time.monotonic()
+        for n in itertools.count():
+            if (time.monotonic() - t0 > seconds) if seconds else n >= num_ops:
+                break
             op = rng.random()
             if op < 0.4 or not acked:
                 key, size = f"w{worker}-{n}", rng.randint(1, 8192)
