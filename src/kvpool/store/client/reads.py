@@ -1,0 +1,138 @@
+"""The read path of the store client: look objects up (waiting out loads from a disk tier),
+read each from its closest DRAM replica, verify the checksum, fall back to the next replica.
+
+A mixin of ClientBase (base.py), which provides the RPC, the copies and the registry."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from kvpool.clock import Clock
+from kvpool.log import get_logger
+from kvpool.store.client.checksum import Hasher
+from kvpool.store.client.config import ClientConfig
+from kvpool.store.client.plan import Part, copies_for, order_replicas, parts_total, valid_parts
+from kvpool.store.wire import messages as m
+from kvpool.store.wire.codes import ErrorCode, LookupResult, ReadResult, ReplicaDesc, Tier
+from kvpool.store.wire.validate import valid_key
+from kvpool.transfer import OpCode
+
+if TYPE_CHECKING:
+    from kvpool.store.client.base import ClientStats, Copy
+
+E = ErrorCode
+log = get_logger("store.client")
+NOT_READY_PAUSE_S = 0.002
+NOT_READY_MAX_PAUSE_S = 0.05
+"""Pauses between lookups of an object being loaded from disk (doubling up to the max)."""
+
+
+class ReadPath:
+    clock: Clock
+    config: ClientConfig
+    endpoint: str
+    host: str
+    stats: ClientStats
+    _hasher: Hasher
+
+    if TYPE_CHECKING:
+        def _call_keyed(self, keys: Sequence[str],
+                        make: Callable[[list[str], int, int], m.Msg], refused: Any,
+                        unpack: Callable[[Any], Any] = ...) -> list[Any]: ...
+
+        def _registered(self, parts: Sequence[Part], writable: bool) -> bool: ...
+
+        def _run_copies(self, op: OpCode, copies: dict[int, list[Copy]]) -> set[int]: ...
+
+    def _lookup(self, keys: Sequence[str]) -> tuple[list[LookupResult], float]:
+        """Replica lookups (granting read leases) and the time they were first asked for.
+        Objects the master is copying from disk into DRAM (REPLICA_IS_NOT_READY) are looked
+        up again, with a growing pause, for up to `rpc_timeout_s`; so are objects found
+        while others were still loading once more than half their lease passed (a loaded
+        copy's lease is short, and the read starts only when the last one is in)."""
+        t0 = self.clock.now()
+        out = self._lookup_once(keys)
+        granted = [0.0] * len(keys)  # when each lease began, seconds after t0
+        pause = NOT_READY_PAUSE_S
+        waiting = [i for i, r in enumerate(out) if r.code == E.REPLICA_IS_NOT_READY]
+        while waiting and self.clock.now() + pause < t0 + self.config.rpc_timeout_s:
+            self.clock.sleep(pause)
+            pause = min(pause * 2, NOT_READY_MAX_PAUSE_S)
+            since_t0 = self.clock.now() - t0  # leases count from t0 for the caller
+            for i, r in zip(waiting, self._lookup_once([keys[i] for i in waiting]),
+                            strict=True):
+                out[i] = r._replace(lease_ttl_s=r.lease_ttl_s + since_t0) if r.code == E.OK \
+                    else r
+                granted[i] = since_t0
+            waiting = [i for i, r in enumerate(out) if r.code == E.REPLICA_IS_NOT_READY]
+            if not waiting:  # all in: renew (once) leases more than half used meanwhile
+                now = self.clock.now() - t0
+                waiting = [i for i, r in enumerate(out) if r.code == E.OK
+                           and granted[i] < since_t0
+                           and now - granted[i] > (r.lease_ttl_s - granted[i]) / 2]
+                pause = 0.0 if waiting else pause
+        return out, t0
+
+    def _lookup_once(self, keys: Sequence[str]) -> list[LookupResult]:
+        valid = [i for i, k in enumerate(keys) if valid_key(k)]
+        out = [LookupResult(E.INVALID_PARAMS)] * len(keys)
+        if valid:
+            items = self._call_keyed([keys[i] for i in valid],
+                                     lambda chunk, lo, hi: m.GetReplicasMsg(keys=chunk),
+                                     LookupResult, unpack=lambda reply: reply.items)
+            for i, look in zip(valid, items, strict=True):
+                out[i] = look
+        return out
+
+    def _read(self, looks: Sequence[LookupResult], parts: Sequence[Sequence[Part] | None],
+              t0: float) -> list[ReadResult]:
+        """Read each found object into its parts from the closest replica, falling back to
+        the next replica on failure or on bytes that fail the checksum (CHECKSUM_MISMATCH
+        when no replica had the right bytes). LEASE_EXPIRED when the read outlived the
+        lease. On any failure the caller's parts hold undefined bytes."""
+        results: list[ReadResult] = []
+        queues: dict[int, list[ReplicaDesc]] = {}
+        mismatched: set[int] = set()
+        for i, (look, p) in enumerate(zip(looks, parts, strict=True)):
+            if look.code != E.OK:
+                results.append(ReadResult(look.code))
+            elif p is None or not valid_parts(p) or parts_total(p) < look.size \
+                    or not self._registered(p, writable=True):
+                results.append(ReadResult(E.INVALID_PARAMS))
+            else:
+                results.append(ReadResult(E.OK, look.size))
+                queues[i] = order_replicas([r for r in look.replicas if r.tier is Tier.DRAM],
+                                           self.endpoint, self.host)
+                if not queues[i]:  # disk replicas are read through a load, never directly
+                    del queues[i]
+                    results[i] = ReadResult(E.TRANSFER_FAIL)
+        while queues:
+            copies = {i: [(a, r, n, q[0].endpoint, q[0].fence)
+                          for a, r, n in copies_for(parts[i] or (), q[0].addr, looks[i].size)]
+                      for i, q in queues.items()}
+            failed = self._run_copies(OpCode.READ, copies)
+            if self.config.verify_checksums:
+                bad = self._verify(looks, parts, [i for i in queues if i not in failed])
+                mismatched |= bad
+                failed |= bad
+            queues = {i: queues[i][1:] for i in failed}
+            for i in [i for i, q in queues.items() if not q]:
+                results[i] = ReadResult(E.CHECKSUM_MISMATCH if i in mismatched
+                                        else E.TRANSFER_FAIL)
+                del queues[i]
+        if looks and self.clock.now() > t0 + max(x.lease_ttl_s for x in looks):
+            results = [ReadResult(E.LEASE_EXPIRED) if r.ok else r for r in results]
+        return results
+
+    def _verify(self, looks: Sequence[LookupResult], parts: Sequence[Sequence[Part] | None],
+                read: list[int]) -> set[int]:
+        """Indices among `read` whose bytes do not hash to their object's checksum."""
+        checked = [i for i in read if looks[i].checksum is not None]
+        got = self._hasher.many([(parts[i] or (), looks[i].size) for i in checked])
+        bad = {i for i, h in zip(checked, got, strict=True) if h != looks[i].checksum}
+        if bad:
+            self.stats.checksum_mismatches += len(bad)
+            log.warning("checksum mismatch on %d replica reads; trying other replicas",
+                        len(bad))
+        return bad
