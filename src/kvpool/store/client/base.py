@@ -1,5 +1,6 @@
 """The machinery under StoreClient: transfer engine, master RPC, mounted segments,
 heartbeats, and the write path (the read path is its ReadPath mixin, reads.py)."""
+
 from __future__ import annotations
 
 import os
