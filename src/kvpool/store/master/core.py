@@ -405,12 +405,16 @@ class MasterCore:
         self.objects.remove(obj)
         if self.journal is not None:
             self.journal.on_remove(obj.key)
-        leased = defer and obj.lease_until > self.clock.now()
         for r in obj.replicas:
-            if leased:
-                self._deferred.append((obj.lease_until, r.segment, r.offset))
-            else:
-                self._free(r.segment, r.offset)
+            self.free_after(r, obj.lease_until if defer else 0.0)
+
+    def free_after(self, replica: Replica, lease_until: float) -> None:
+        """Free a replica's range now, or when `lease_until` passes if it is still ahead (a
+        reader holding the lease may be copying from it)."""
+        if lease_until > self.clock.now():
+            self._deferred.append((lease_until, replica.segment, replica.offset))
+        else:
+            self._free(replica.segment, replica.offset)
 
     def _free(self, seg: Segment, offset: int) -> None:
         if self.segments.get(seg.segment_id) is seg:

@@ -250,10 +250,7 @@ class DrainManager:
         """Take one replica out of an object that keeps another; its range is freed when
         the object's read lease ends (a reader may be copying from it)."""
         self.core.objects.drop_replica(obj, replica)
-        if obj.lease_until > self.core.clock.now():
-            self.core._deferred.append((obj.lease_until, replica.segment, replica.offset))
-        else:
-            self.core._free(replica.segment, replica.offset)
+        self.core.free_after(replica, obj.lease_until)
         if self.core.journal is not None:
             self.core.journal.on_put(obj)
 

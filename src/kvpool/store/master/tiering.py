@@ -189,14 +189,10 @@ class Tiering:
     def _drop_dram(self, obj: StoredObject) -> int:
         """Free every DRAM replica of an object that has a disk one (after its lease)."""
         core, freed = self.core, 0
-        leased = obj.lease_until > core.clock.now()
         for r in [r for r in obj.replicas if r.segment.tier is Tier.DRAM]:
             core.objects.drop_replica(obj, r)
             freed += r.segment.allocator.rounded(r.size)
-            if leased:
-                core._deferred.append((obj.lease_until, r.segment, r.offset))
-            else:
-                core._free(r.segment, r.offset)
+            core.free_after(r, obj.lease_until)
         core.objects.set_evictable(obj.key, False)
         self.transient.discard(obj.key)
         self.fresh.discard(obj.key)
