@@ -13,17 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.bench.faults_ha import wait_leader
+from kvpool.bench.faults_ha import ha_cluster, wait_leader
 from kvpool.bench.faults_procs import (
     EtcdProcess,
     HaPair,
     Ledger,
     PutLoad,
-    start_ha_pair,
-    start_nodes,
 )
 from kvpool.errors import RpcError
-from kvpool.store.client.config import ClientConfig
 from kvpool.store.client.rpc import RpcClient
 from kvpool.store.client.store_client import StoreClient
 from kvpool.store.wire.protocol import Op
@@ -55,13 +52,9 @@ def watch_terms(pair: HaPair, etcd: EtcdProcess, term1: int, until: float) -> No
 def test_etcd_restart_keeps_one_leader_and_every_object(tmp_path: Path, down_s: float) -> None:
     with ExitStack() as stack:
         etcd = EtcdProcess(stack).start()
-        pair = start_ha_pair(stack, etcd, None, "etcd-restart", ttl_s=2)  # journal in etcd
-        leader_addr, term1 = wait_leader(etcd, pair.cluster_id)
-        leader = pair.index_of(leader_addr)
-        start_nodes(stack, pair.address, 2)
+        pair, leader, term1 = ha_cluster(stack, etcd, "etcd-restart", ttl_s=2)  # journal in etcd
         ledger = Ledger("er")
-        config = ClientConfig(master=pair.address, rpc_timeout_s=1.0, transfer_timeout_s=3.0)
-        with StoreClient(config) as store:
+        with StoreClient(pair.client_config()) as store:
             assert ledger.put_until(store, 20, timeout_s=40) is not None
             load = PutLoad(store, ledger)
             load.start()
@@ -82,7 +75,7 @@ def test_etcd_restart_keeps_one_leader_and_every_object(tmp_path: Path, down_s: 
             lost, wrong = ledger.check_all(store)
         assert (lost, wrong, ledger.wrong_bytes) == (0, 0, 0)
         if term2 == term1:
-            assert pair.masters[leader].poll() is None and new_addr == leader_addr
+            assert pair.masters[leader].poll() is None and pair.index_of(new_addr) == leader
         else:   # the old leader fenced itself, exited, and refuses everything
             assert term2 == term1 + 1
             assert pair.masters[leader].wait(15) == 3

@@ -9,22 +9,17 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from kvpool.bench.faults_ha import wait_leader
-from kvpool.bench.faults_procs import EtcdProcess, Ledger, PutLoad, start_ha_pair, start_nodes
-from kvpool.store.client.config import ClientConfig
+from kvpool.bench.faults_ha import ha_cluster, wait_leader
+from kvpool.bench.faults_procs import EtcdProcess, Ledger, PutLoad
 from kvpool.store.client.store_client import StoreClient
 
 
 def test_leader_sigkill_under_a_running_workload(tmp_path: Path) -> None:
     with ExitStack() as stack:
         etcd = EtcdProcess(stack).start()
-        pair = start_ha_pair(stack, etcd, None, "kill-under-load", ttl_s=2)  # journal in etcd
-        leader_addr, term1 = wait_leader(etcd, pair.cluster_id)
-        leader = pair.index_of(leader_addr)
-        start_nodes(stack, pair.address, 2)
+        pair, leader, term1 = ha_cluster(stack, etcd, "kill-under-load", ttl_s=2)  # journal in etcd
         ledger = Ledger("hk")
-        config = ClientConfig(master=pair.address, rpc_timeout_s=1.0, transfer_timeout_s=3.0)
-        with StoreClient(config) as store:
+        with StoreClient(pair.client_config()) as store:
             assert ledger.put_until(store, 20, timeout_s=40) is not None
             load = PutLoad(store, ledger, max_objects=600)
             load.start()

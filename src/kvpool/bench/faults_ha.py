@@ -22,7 +22,6 @@ from kvpool.bench.faults_procs import (
     start_nodes,
     wait_until,
 )
-from kvpool.store.client.config import ClientConfig
 from kvpool.store.client.store_client import StoreClient
 from kvpool.store.wire.leader import Etcd, parse_endpoints, read_leader
 
@@ -53,22 +52,22 @@ def wait_leader(etcd: EtcdProcess, cluster_id: str, not_term: int = 0,
     raise TimeoutError(f"no leader for {cluster_id} within {timeout_s}s")
 
 
-def _ha_cluster(stack: ExitStack, etcd: EtcdProcess, cluster_id: str) -> tuple[HaPair, int]:
-    """An HA pair keeping its journal in etcd (the default) and two store nodes, all nodes
-    mounted; (pair, leader's index)."""
-    pair = start_ha_pair(stack, etcd, None, cluster_id, HA_TTL_S)
-    leader_addr, _ = wait_leader(etcd, cluster_id)
+def ha_cluster(stack: ExitStack, etcd: EtcdProcess, cluster_id: str,
+               ttl_s: int = HA_TTL_S) -> tuple[HaPair, int, int]:
+    """An HA pair keeping its journal in etcd (the default) and two store nodes started;
+    (pair, leader's index, leader's term)."""
+    pair = start_ha_pair(stack, etcd, None, cluster_id, ttl_s)
+    leader_addr, term = wait_leader(etcd, cluster_id)
     start_nodes(stack, pair.address, 2)
-    return pair, pair.index_of(leader_addr)
+    return pair, pair.index_of(leader_addr), term
 
 
 def failover_trial(etcd: EtcdProcess, cluster_id: str, num_before: int = 100,
                    num_after: int = 50) -> FailoverTrial:
     with ExitStack() as stack:
-        pair, leader = _ha_cluster(stack, etcd, cluster_id)
+        pair, leader, _ = ha_cluster(stack, etcd, cluster_id)
         ledger = Ledger(cluster_id)
-        config = ClientConfig(master=pair.address, rpc_timeout_s=1.0, transfer_timeout_s=3.0)
-        with StoreClient(config) as store:
+        with StoreClient(pair.client_config()) as store:
             wait_until(lambda: ledger.put_one(store), 60.0, 0.1)
             ledger.put_until(store, num_before - 1)
             before = dict(ledger.errors)
@@ -116,10 +115,9 @@ def bench_etcd_restart(etcd: EtcdProcess, down_s: float) -> dict[str, Any]:
     puts succeed again, and the leader's term before and after."""
     cluster_id = f"etcd-{int(time.time())}"
     with ExitStack() as stack:
-        pair, _ = _ha_cluster(stack, etcd, cluster_id)
+        pair, _, _ = ha_cluster(stack, etcd, cluster_id)
         ledger = Ledger(cluster_id)
-        config = ClientConfig(master=pair.address, rpc_timeout_s=1.0, transfer_timeout_s=3.0)
-        with StoreClient(config) as store:
+        with StoreClient(pair.client_config()) as store:
             wait_until(lambda: ledger.put_one(store), 60.0, 0.1)
             _, term1 = wait_leader(etcd, cluster_id)
             ledger.errors.clear()   # refusals while the nodes were still mounting

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvpool.procs import free_port, stop, wait_port
+from kvpool.store.client.config import ClientConfig
 from kvpool.store.client.store_client import StoreClient
 from kvpool.store.config import ReplicateConfig
 from kvpool.store.wire.codes import ErrorCode as E
@@ -87,7 +88,7 @@ class EtcdProcess:
 
 @dataclass
 class HaPair:
-    """Two HA masters on one etcd and one shared state directory."""
+    """Two HA masters on one etcd (journaling there, or to one shared state directory)."""
 
     etcd: EtcdProcess
     masters: list[subprocess.Popen[bytes]]
@@ -98,6 +99,10 @@ class HaPair:
     @property
     def address(self) -> str:
         return f"etcd://{self.etcd.endpoint}/{self.cluster_id}"
+
+    def client_config(self) -> ClientConfig:
+        """A client that follows the leader through etcd and gives up on a dead one fast."""
+        return ClientConfig(master=self.address, rpc_timeout_s=1.0, transfer_timeout_s=3.0)
 
     def index_of(self, leader_address: str) -> int:
         return next(i for i, p in enumerate(self.rpc_ports) if leader_address.endswith(f":{p}"))
