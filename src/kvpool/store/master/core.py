@@ -472,11 +472,6 @@ class MasterCore:
         put path stays free of bookkeeping)."""
         return sum(s.allocator.used_bytes for s in self.segments.dram())
 
-    def dram_segments(self) -> list[Segment]:
-        """Every DRAM segment, draining ones included: what capacity and the eviction
-        watermark count (`segment_list` is the subset that takes placements)."""
-        return self.segments.dram()
-
     def segment_infos(self) -> list[SegmentInfo]:
         return [s.info() for s in self.segments.values()]
 
