@@ -87,6 +87,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--allocation-strategy", "--allocation_strategy", dest="strategy",
                    choices=("random", "free_ratio_first"), default=_DEF.allocation_strategy)
     p.add_argument("--eviction-policy", default=_DEF.eviction_policy, help="lru or fifo")
+    p.add_argument("--request-poll-us", type=int, default=_SRV.request_poll_us,
+                   help="poll for the next request this long before blocking while requests "
+                   f"come that fast; 0 always blocks (default {_SRV.request_poll_us})")
     add_security_args(p, "RPC clients must prove, and that metadata writes and admin "
                          "listings must carry")
     ha_flags.add_ha_args(p)
@@ -115,7 +118,8 @@ def build_configs(args: argparse.Namespace) -> tuple[MasterServerConfig, MasterC
     port = args.kvpool_metadata_port if args.kvpool_metadata_port is not None \
         else args.metadata_port
     server = MasterServerConfig(bind_host(args), args.rpc_port, args.admin_port, port,
-                                _metadata_enabled(args), token=args.token or None)
+                                _metadata_enabled(args), token=args.token or None,
+                                request_poll_us=args.request_poll_us)
     config = MasterConfig(lease_ttl_s=args.lease_ttl_ms / 1000,
                           soft_pin_ttl_s=args.soft_pin_ttl_ms / 1000,
                           high_watermark=args.watermark, eviction_ratio=args.eviction_ratio,

@@ -31,6 +31,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="P2PHANDSHAKE, http://HOST:PORT/metadata or etcd://HOST:PORT")
     p.add_argument("--protocol", default="auto", choices=("auto", "tcp", "shm"))
     p.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds")
+    p.add_argument("--request-poll-us", type=int, default=ClientConfig.request_poll_us,
+                   help="a busy transfer connection polls for its next request this long "
+                   "before blocking; 0 always blocks (default %(default)s)")
     p.add_argument("--ssd", default=None, metavar="DIR",
                    help="keep objects evicted from DRAM in files under DIR (disk tier)")
     p.add_argument("--ssd-size", default=None, help="disk space for the disk tier, e.g. 100GiB")
@@ -65,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
                               metadata=args.metadata, protocol=args.protocol,
                               global_segment_size=parse_size(args.dram), local_buffer_size=0,
                               heartbeat_interval_s=args.heartbeat_interval,
-                              token=args.token or None)
+                              request_poll_us=args.request_poll_us, token=args.token or None)
         run_store_node(config, stop, ssd=_ssd_config(args))
     except KvpoolError as exc:
         log.error("%s", exc)

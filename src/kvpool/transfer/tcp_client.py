@@ -151,7 +151,8 @@ class Connection:
     def open(cls, host: str, port: int, config: TransferConfig, me: str) -> Connection:
         sock, _ = open_connection(host, port, config, me)
         # a reply is due whenever this side reads: no idle wait between frames here
-        return cls(sock, FrameReader(sock, config.timeout_s, idle_timeout_s=config.timeout_s))
+        return cls(sock, FrameReader(sock, config.timeout_s, idle_timeout_s=config.timeout_s,
+                                     poll_us=config.reply_poll_us))
 
     def close(self) -> None:
         self.sock.close()

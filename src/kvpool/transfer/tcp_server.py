@@ -181,7 +181,8 @@ class TcpTarget:
     def _reader(self, conn: socket.socket) -> FrameReader:
         """Frames are read under kernel timeouts (see kvpool.transfer.wire); the reader tells
         a stalled frame (timeout_s) from an idle connection (idle_timeout_s)."""
-        return FrameReader(conn, self._config.timeout_s, self._config.idle_timeout_s)
+        return FrameReader(conn, self._config.timeout_s, self._config.idle_timeout_s,
+                           self._config.request_poll_us)
 
     def _handshake(self, conn: socket.socket) -> bool:
         """The whole handshake (kvpool.transfer.auth) must end within handshake_timeout_s; the

@@ -15,6 +15,7 @@ import struct
 import time
 from collections.abc import Callable
 
+from kvpool.busypoll import PollWindow, recv_into_polling
 from kvpool.errors import LocalProtocolError, PeerUnavailable, RemoteProtocolError, TransferTimeout
 from kvpool.transfer.decoder import (
     NEED_DATA,
@@ -58,10 +59,12 @@ class FrameReader:
     """
 
     def __init__(self, sock: socket.socket, frame_timeout_s: float,
-                 idle_timeout_s: float | None) -> None:
+                 idle_timeout_s: float | None, poll_us: int = 0) -> None:
         """Puts `sock` under kernel timeouts: the receive tick is the shorter limit, a send
-        may wait `frame_timeout_s`."""
+        may wait `frame_timeout_s`. `poll_us`: how long the wait for a frame's first bytes
+        polls before blocking while frames come soon (kvpool.busypoll)."""
         self.sock = sock
+        self._poll = PollWindow(poll_us)
         self.decoder = FrameDecoder()
         self._frame_timeout_s = frame_timeout_s
         self._idle_timeout_s = idle_timeout_s
@@ -82,7 +85,7 @@ class FrameReader:
                 wanted = decoder.bytes_wanted()
                 view = self._view[: min(wanted if wanted > greedy else greedy, SCRATCH_BYTES)]
             try:
-                got = self.sock.recv_into(view)
+                got = recv_into_polling(self.sock, view, self._poll)
             except BlockingIOError:  # a tick of SO_RCVTIMEO passed
                 got = self._wait(functools.partial(self.sock.recv_into, view))
             if not got:

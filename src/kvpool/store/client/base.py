@@ -75,7 +75,8 @@ class ClientBase(ReadPath):
         self.engine = TransferEngine(TransferConfig(
             host=config.local_hostname, port=config.te_port, metadata=config.metadata,
             protocol=config.protocol, timeout_s=config.transfer_timeout_s,
-            token=config.token)).start()
+            token=config.token, reply_poll_us=config.reply_poll_us,
+            request_poll_us=config.request_poll_us)).start()
         try:
             self.endpoint: str = self.engine.segment_name
             self.host = self.endpoint.rsplit(":", 1)[0]
@@ -83,7 +84,7 @@ class ClientBase(ReadPath):
             self.client_id = config.client_id or \
                 f"{self.endpoint}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
             self._rpc = RpcClient(config.master, self.client_id, config.rpc_timeout_s,
-                                  config.token)
+                                  config.token, poll_us=config.reply_poll_us)
             self._hb_rpc = RpcClient(config.master, self.client_id, config.rpc_timeout_s,
                                      config.token, on_late_reply=self._on_late_heartbeat)
             self._segments: dict[str, Any] = {}  # segment id -> managed Buffer

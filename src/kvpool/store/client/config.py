@@ -27,6 +27,14 @@ class ClientConfig:
     local_buffer_size: int = DEFAULT_LOCAL_BUFFER
     """Staging buffer for the bytes API (put/get of Python bytes)."""
     rpc_timeout_s: float = 5.0
+    reply_poll_us: int = 200
+    """A wait for a reply (the master's, or a node's in a transfer) polls this long before
+    blocking, while replies come that fast (kvpool.busypoll: a blocked process costs a
+    wake-up, ~35 us per hop on a VM); 0 always blocks."""
+    request_poll_us: int = 300
+    """With memory in the pool: the transfer listener's thread for a connection polls this
+    long for the next request before blocking, while requests on it come that fast (a get's
+    read follows its master lookup by ~100-200 us); an idle connection never polls."""
     heartbeat_interval_s: float = 1.0
     transfer_timeout_s: float = 10.0
     close_timeout_s: float = 3.0
@@ -60,6 +68,9 @@ class ClientConfig:
                               f"{self.global_segment_size} and {self.local_buffer_size}")
         if not 1 <= self.rpc_batch_keys <= 1 << 20:
             raise ConfigError(f"rpc_batch_keys must be in [1, 2**20], got {self.rpc_batch_keys}")
+        for name in ("reply_poll_us", "request_poll_us"):
+            if not 0 <= getattr(self, name) <= 100_000:
+                raise ConfigError(f"{name} must be in [0, 100000], got {getattr(self, name)}")
         if not 0 <= self.te_port <= 65535:
             raise ConfigError(f"te_port must be in 0..65535, got {self.te_port}")
         for name in ("rpc_timeout_s", "heartbeat_interval_s", "transfer_timeout_s",

@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from kvpool.busypoll import PollWindow, select_polling
 from kvpool.errors import AuthError, LocalProtocolError, RemoteProtocolError, StoreError
 from kvpool.log import RateLimitedLog, get_logger
 from kvpool.store.master.rpc_limits import RpcLimits
@@ -70,7 +71,8 @@ class RpcServer:
 
     def __init__(self, service: MasterService, host: str, port: int,
                  lock: threading.Lock, tick_interval_s: float = 0.1,
-                 token: str | None = None, limits: RpcLimits | None = None) -> None:
+                 token: str | None = None, limits: RpcLimits | None = None,
+                 poll_us: int = 0) -> None:
         self.service = service
         self.token = token
         self.lock = lock
@@ -89,6 +91,8 @@ class RpcServer:
         self._stop = threading.Event()
         self._next_tick = self._last_turn_s = time.monotonic()
         self._errors = RateLimitedLog(log, ERROR_LOG_INTERVAL_S)
+        self._poll = PollWindow(poll_us)
+        """Polls for the next request while requests come back to back (kvpool.busypoll)."""
         self._refusals = RateLimitedLog(log, ERROR_LOG_INTERVAL_S)
         self._accept_log = RateLimitedLog(log, ERROR_LOG_INTERVAL_S)
         self._thread = threading.Thread(target=self._run, name="kvpool-master-rpc", daemon=True)
@@ -141,7 +145,8 @@ class RpcServer:
 
     def _turn(self) -> None:
         now = time.monotonic()
-        for key, events in self._sel.select(max(0.0, self._next_tick - now)):
+        for key, events in select_polling(self._sel, max(0.0, self._next_tick - now),
+                                          self._poll):
             if key.data is not None:
                 self._serve_event(key.data, events)
             elif key.fileobj is self._listener:
