@@ -83,7 +83,8 @@ class Router:
         shm_peer = self._shm_peer_for(req.target, descriptor) if self._config.protocol != "tcp" else None
         remote = shm_peer.resolve(req.target_addr, req.length) if shm_peer else None
         if remote is not None:
-            reason = copy_one(req.op, (0, local, remote[0], remote[1], req.fence))
+            reason = copy_one(req.op, (0, local, remote[0], remote[1], req.fence),
+                              self._shm.pool)
             return DONE if reason is None else RequestStatus(RequestState.FAILED, reason)
         if self._config.protocol == "shm" or req.length > self._config.slice_bytes:
             return None

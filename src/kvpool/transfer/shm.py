@@ -29,6 +29,9 @@ from kvpool.transfer.segment import ProcessWatch, SegmentDescriptor
 
 _NUMPY_COPY_BYTES = 64 << 10
 _INLINE_BYTES = 256 << 10
+SPLIT_BYTES = 2 << 20
+"""Copies of at least this many bytes in all are shared by two threads: on the bench host
+two threads copy 16 MiB to or from /dev/shm at 1.6-1.9x the rate of one (docs/perf.md)."""
 
 
 class Guard(Protocol):
@@ -49,6 +52,18 @@ def copy_bytes(dst: memoryview, src: memoryview) -> None:
         np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
     else:
         dst[:] = src
+
+
+def _copy_in_two(dst: memoryview, src: memoryview, helper: ThreadPoolExecutor) -> None:
+    """copy_bytes, the second half (from a page boundary) on `helper`, the first here."""
+    if dst.nbytes != src.nbytes:
+        raise ValueError(f"copy of {src.nbytes} bytes into {dst.nbytes}")
+    half = (dst.nbytes // 2) & ~4095
+    second = helper.submit(copy_bytes, dst[half:], src[half:])
+    try:
+        copy_bytes(dst[:half], src[:half])
+    finally:
+        second.result()
 
 
 class ShmGuard:
@@ -140,25 +155,50 @@ class ShmTransport:
     def run(self, op: OpCode, batch: Batch, items: list[ShmItem], peer: ShmPeer | None,
             inline: bool = False) -> None:
         """Small copies (all copies when `inline`) run in the caller's thread; large async
-        ones on the pool."""
+        ones on the pool. From SPLIT_BYTES on, the copies are cut in two halves by bytes,
+        one of them on the pool (an `inline` caller copies the other, or the half of a lone
+        request, itself)."""
         total = sum(item[1].nbytes for item in items)
+        if total >= SPLIT_BYTES and len(items) > 1:
+            first, second = _halves(items, total)
+            self._pool.submit(_copy_all, op, batch, second, peer)
+            items = first
+        elif total >= SPLIT_BYTES and inline:
+            _copy_all(op, batch, items, peer, self._pool)
+            return
         if inline or total <= _INLINE_BYTES:
             _copy_all(op, batch, items, peer)
         else:
             self._pool.submit(_copy_all, op, batch, items, peer)
 
+    @property
+    def pool(self) -> ThreadPoolExecutor:
+        """The copy threads; a caller's thread may hand them half of a large copy."""
+        return self._pool
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
 
-def _copy_all(op: OpCode, batch: Batch, items: list[ShmItem], peer: ShmPeer | None) -> None:
+def _halves(items: list[ShmItem], total: int) -> tuple[list[ShmItem], list[ShmItem]]:
+    """The items cut where the first part's bytes reach half the total (both non-empty)."""
+    seen = 0
+    for cut, item in enumerate(items[:-1], 1):
+        seen += item[1].nbytes
+        if 2 * seen >= total:
+            return items[:cut], items[cut:]
+    return items[:-1], items[-1:]
+
+
+def _copy_all(op: OpCode, batch: Batch, items: list[ShmItem], peer: ShmPeer | None,
+              helper: ThreadPoolExecutor | None = None) -> None:
     if peer is not None and not peer.watch.alive():
         batch.complete([item[0] for item in items],
                        f"peer process {peer.watch.pid} ({peer.descriptor.name}) is gone")
         return
     done: list[int] = []
     for item in items:
-        reason = copy_one(op, item)
+        reason = copy_one(op, item, helper)
         if reason is None:
             done.append(item[0])
         else:
@@ -166,8 +206,10 @@ def _copy_all(op: OpCode, batch: Batch, items: list[ShmItem], peer: ShmPeer | No
     batch.complete(done, whole=True)
 
 
-def copy_one(op: OpCode, item: ShmItem) -> str | None:
-    """Copy one item under its guard; None on success, else the reason it failed."""
+def copy_one(op: OpCode, item: ShmItem, helper: ThreadPoolExecutor | None = None) -> str | None:
+    """Copy one item under its guard; None on success, else the reason it failed. With a
+    `helper` (never from one of its own threads), a copy of SPLIT_BYTES or more gives it
+    half of the bytes."""
     _, local, remote, guard, fence = item
     write = op == OpCode.WRITE
     try:
@@ -176,11 +218,12 @@ def copy_one(op: OpCode, item: ShmItem) -> str | None:
         return f"shm copy failed: {exc}"
     if token is None:
         return FENCED_REASON
+    dst, src = (remote, local) if write else (local, remote)
     try:
-        if write:
-            copy_bytes(remote, local)
+        if helper is not None and dst.nbytes >= SPLIT_BYTES:
+            _copy_in_two(dst, src, helper)
         else:
-            copy_bytes(local, remote)
+            copy_bytes(dst, src)
     except (ValueError, TypeError, OSError) as exc:
         return f"shm copy failed: {exc}"
     finally:
