@@ -34,11 +34,11 @@ class TransferConfig:
     """Bound on establishing a connection to a peer."""
     connections_per_peer: int = 4
     """Size of the TCP connection pool to each peer; large requests are spread across it."""
-    slice_bytes: int = 512 << 10
+    slice_bytes: int = 1 << 20
     """Requests larger than this are cut into slices that travel on different connections.
-    512 KiB rather than 4 MiB: on loopback a single 1 MiB request moved at 0.9-1.7 GB/s as one
-    frame and at 2.0-2.4 GB/s as two slices on two connections, 8 MiB ones no slower
-    (alternating rounds, docs/perf.md)."""
+    1 MiB: with busy polling a 1 MiB request moves faster as one frame in the caller's thread
+    (3.1-3.4 GB/s) than as two 512 KiB slices (2.1-3.8 GB/s), and 8 MiB ones are no slower;
+    before busy polling two slices won (alternating rounds, docs/perf.md)."""
     frame_bytes: int = 1 << 20
     """Small requests to one peer are coalesced into frames of up to this many payload bytes."""
     frame_requests: int = 512
