@@ -13,8 +13,8 @@ runnable on the same CPU (often the very peer that must answer) runs first, and 
 attempt is a syscall, so other threads of the process get the GIL.
 
 Policy: `PollWindow` decides how long to poll. Mechanism: `recv_polling`,
-`recv_into_polling` and `select_polling` poll for that long, then block as before, and tell
-the window how long the wait was.
+`recv_into_polling`, `select_polling` and the general `polled` poll for that long, then
+block as before, and tell the window how long the wait was.
 """
 
 from __future__ import annotations
@@ -62,16 +62,18 @@ NEVER = PollWindow(0)
 def recv_polling(sock: socket.socket, nbytes: int, window: PollWindow) -> bytes:
     """`sock.recv(nbytes)`, polled for the window's budget first. Raises what recv raises
     (BlockingIOError when a blocking socket's SO_RCVTIMEO ran out)."""
-    return _polled(lambda: sock.recv(nbytes, _DONTWAIT), lambda: sock.recv(nbytes), window)
+    return polled(lambda: sock.recv(nbytes, _DONTWAIT), lambda: sock.recv(nbytes), window)
 
 
 def recv_into_polling(sock: socket.socket, view: memoryview, window: PollWindow) -> int:
     """`sock.recv_into(view)`, polled for the window's budget first; as recv_polling."""
-    return _polled(lambda: sock.recv_into(view, 0, _DONTWAIT), lambda: sock.recv_into(view),
+    return polled(lambda: sock.recv_into(view, 0, _DONTWAIT), lambda: sock.recv_into(view),
                    window)
 
 
-def _polled(attempt: Callable[[], T], block: Callable[[], T], window: PollWindow) -> T:
+def polled(attempt: Callable[[], T], block: Callable[[], T], window: PollWindow) -> T:
+    """`attempt()` (a read without waiting, raising BlockingIOError while there is nothing)
+    again and again for the window's budget, then `block()`."""
     budget = window.budget_s()
     start = _clock()
     if budget:

@@ -15,7 +15,7 @@ import struct
 import time
 from collections.abc import Callable
 
-from kvpool.busypoll import PollWindow, recv_into_polling
+from kvpool.busypoll import PollWindow, polled, recv_into_polling
 from kvpool.errors import LocalProtocolError, PeerUnavailable, RemoteProtocolError, TransferTimeout
 from kvpool.transfer.decoder import (
     NEED_DATA,
@@ -31,6 +31,9 @@ IOV_MAX = 1024
 SCRATCH_BYTES = 16 << 10
 """What a reader may take from the socket in one call beyond what the decoder asked for:
 a frame's header, its descriptors and a small payload arrive in one recv instead of three."""
+POLL_PAYLOAD_BYTES = 256 << 10
+"""A payload with at most this much left to come is polled for (kvpool.busypoll); a larger
+one waits in one MSG_WAITALL read."""
 _TIMEVAL = struct.Struct("@ll")
 
 
@@ -122,9 +125,15 @@ class FrameReader:
             raise TransferTimeout("frame payload not received in time (too slow a peer)")
         chunk = pending[:IOV_MAX]
         # MSG_WAITALL: the kernel keeps filling until the views are full or a tick ran out,
-        # instead of one return to Python per arriving segment (a large write took ~16)
+        # instead of one return to Python per arriving segment (a large write took ~16);
+        # the end of a payload is polled for first, as the start of a frame is
         try:
-            got = self.sock.recvmsg_into(chunk, 0, socket.MSG_WAITALL)[0]
+            if sum(v.nbytes for v in chunk) <= POLL_PAYLOAD_BYTES:
+                got = polled(lambda: self.sock.recvmsg_into(chunk, 0, socket.MSG_DONTWAIT)[0],
+                             lambda: self.sock.recvmsg_into(chunk, 0, socket.MSG_WAITALL)[0],
+                             self._poll)
+            else:
+                got = self.sock.recvmsg_into(chunk, 0, socket.MSG_WAITALL)[0]
         except BlockingIOError:
             got = self._wait(lambda: self.sock.recvmsg_into(chunk, 0, socket.MSG_WAITALL)[0])
         if got == 0:
