@@ -112,3 +112,28 @@ def test_select_polling_sees_a_ready_socket_and_an_idle_timeout_cools_the_window
         window.observe(0.0)
         assert select_polling(sel, 0.0, window) == []  # a due tick says nothing of idleness
         assert window.budget_s() == pytest.approx(0.02)
+
+
+def test_only_half_the_cpus_worth_of_threads_poll_at_once_the_others_block(
+        pair, monkeypatch) -> None:
+    from kvpool import busypoll
+    a, b = pair
+    polls: list[int] = []
+    monkeypatch.setattr(busypoll, "_yield", lambda: polls.append(1))
+    sender = _send_later(b, b"x", 0.01)
+    assert recv_polling(a, 10, PollWindow(50_000)) == b"x"
+    sender.join()
+    assert polls  # with a slot free, the wait polled
+    polls.clear()
+    held = [slot for slot in busypoll._SLOTS if slot.acquire(False)]
+    try:
+        sender = _send_later(b, b"y", 0.01)
+        assert recv_polling(a, 10, PollWindow(50_000)) == b"y"  # blocked, still got its bytes
+        sender.join()
+        assert not polls
+    finally:
+        for slot in held:
+            slot.release()
+    assert all(slot.acquire(False) for slot in busypoll._SLOTS)  # every slot was given back
+    for slot in busypoll._SLOTS:
+        slot.release()

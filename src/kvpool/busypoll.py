@@ -9,8 +9,9 @@ is two such round trips (master, then the node holding the bytes), so this is mo
 latency. On bare metal the gain is smaller; polling never adds latency.
 
 Polling is polite: between attempts the thread calls sched_yield(), so a process that is
-runnable on the same CPU (often the very peer that must answer) runs first, and each
-attempt is a syscall, so other threads of the process get the GIL.
+runnable on the same CPU (often the very peer that must answer) runs first; each attempt
+is a syscall, so other threads of the process get the GIL; and at most half the CPUs'
+worth of a process's threads poll at once.
 
 Policy: `PollWindow` decides how long to poll. Mechanism: `recv_polling`,
 `recv_into_polling`, `select_polling` and the general `polled` poll for that long, then
@@ -22,6 +23,7 @@ from __future__ import annotations
 import os
 import selectors
 import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -30,6 +32,11 @@ _DONTWAIT = socket.MSG_DONTWAIT
 _clock = time.perf_counter
 _yield = os.sched_yield
 T = TypeVar("T")
+_NOTHING = object()
+_SLOTS = tuple(threading.Lock() for _ in range(max(1, (os.cpu_count() or 2) // 2)))
+"""At most this many threads of a process poll at once (half the CPUs): a target with many
+busy connections has a thread per connection, and more pollers than that would take the
+CPUs their peers need. A thread that finds every slot taken blocks at once."""
 
 
 class PollWindow:
@@ -76,21 +83,33 @@ def polled(attempt: Callable[[], T], block: Callable[[], T], window: PollWindow)
     again and again for the window's budget, then `block()`."""
     budget = window.budget_s()
     start = _clock()
-    if budget:
-        end = start + budget
-        while True:
-            try:
-                got = attempt()
-                break
-            except BlockingIOError:
-                if _clock() > end:
-                    got = block()
+    slot = _free_slot() if budget else None
+    got = _NOTHING
+    if slot is not None:
+        try:
+            end = start + budget
+            while True:
+                try:
+                    got = attempt()
                     break
-                _yield()
-    else:
+                except BlockingIOError:
+                    if _clock() > end:
+                        break
+                    _yield()
+        finally:
+            slot.release()
+    if got is _NOTHING:
         got = block()
     window.observe(_clock() - start)
-    return got
+    return got  # type: ignore[return-value]
+
+
+def _free_slot() -> threading.Lock | None:
+    """A polling slot now held by this thread, or None when all are taken."""
+    for slot in _SLOTS:
+        if slot.acquire(False):
+            return slot
+    return None
 
 
 def select_polling(sel: selectors.BaseSelector, timeout_s: float,
@@ -99,15 +118,17 @@ def select_polling(sel: selectors.BaseSelector, timeout_s: float,
     A wait that ends with nothing ready after at least the window cools it."""
     budget = min(window.budget_s(), timeout_s)
     start = _clock()
-    if budget:
-        end = start + budget
-        while not (ready := sel.select(0)):
-            if _clock() > end:
-                ready = sel.select(max(0.0, timeout_s - (_clock() - start)))
-                break
-            _yield()
-    else:
-        ready = sel.select(timeout_s)
+    slot = _free_slot() if budget else None
+    ready = []
+    if slot is not None:
+        try:
+            end = start + budget
+            while not (ready := sel.select(0)) and _clock() <= end:
+                _yield()
+        finally:
+            slot.release()
+    if not ready:
+        ready = sel.select(max(0.0, timeout_s - (_clock() - start)))
     if ready:
         window.observe(_clock() - start)
     elif timeout_s >= window.window_s:  # idle for longer than the window
