@@ -11,6 +11,7 @@ _BENCH_MODULES = (
     "kvpool.bench.conductor",
     "kvpool.bench.serve",
     "kvpool.compat.bench",
+    "kvpool.compat.bench_cpu",
     "kvpool.bench.engine",
     "kvpool.bench.faults",
 )

@@ -100,8 +100,8 @@ def _start(stack: ExitStack, impls: list[str], shm: bool, dram: int,
     """Per client name, a function running one round on it."""
     clients = {}
     for impl in impls:
-        master = stack.enter_context(_master(impl))
-        stack.enter_context(_node(impl, master, dram))
+        master, _ = stack.enter_context(master_process(impl))
+        stack.enter_context(node_process(impl, master, dram))
         clients[impl] = stack.enter_context(_client(impl, master, "tcp", buffer_bytes))
         if shm and impl == "kvpool":
             clients["kvpool-shm"] = stack.enter_context(
@@ -190,7 +190,8 @@ def _r(a: Measurement | None, b: Measurement | None, mode: str, width: int = 6) 
 
 
 @contextmanager
-def _master(impl: str) -> Iterator[str]:
+def master_process(impl: str) -> Iterator[tuple[str, int]]:
+    """The implementation's master, started with the same Mooncake flags: (address, pid)."""
     rpc = free_port()
     flags = [f"--rpc_port={rpc}", f"--metrics_port={free_port()}",
              "--enable_http_metadata_server=false", "--default_kv_lease_ttl=200"]
@@ -200,15 +201,16 @@ def _master(impl: str) -> Iterator[str]:
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_port(rpc)
-        yield f"127.0.0.1:{rpc}"
+        yield f"127.0.0.1:{rpc}", proc.pid
     finally:
         stop(proc, 5.0)
 
 
 @contextmanager
-def _node(impl: str, master: str, dram: int) -> Iterator[None]:
-    with _child([_CLIENT, "node", impl, master, str(dram)], f"{impl} store node"):
-        yield
+def node_process(impl: str, master: str, dram: int) -> Iterator[int]:
+    """A process giving `dram` bytes to the implementation's pool: its pid."""
+    with _child([_CLIENT, "node", impl, master, str(dram)], f"{impl} store node") as proc:
+        yield proc.pid
 
 
 @contextmanager
