@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 import pytest
 
@@ -51,3 +52,21 @@ def test_kvpool_only_run(capsys: pytest.CaptureFixture[str]) -> None:
     assert anchors == {("raw-socket", "round_trip", "single"),
                        ("raw-socket", "stream", "batched"), ("memcpy", "copy", "batched")}
     assert all(r.req_per_s > 0 for r in rows)
+
+
+def test_cpu_bench_reports_each_op_with_every_process_cpu(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from kvpool.compat import bench_cpu
+    parser = argparse.ArgumentParser()
+    bench_cpu.register(parser.add_subparsers())
+    args = parser.parse_args(["mooncake-cpu", "--impl", "kvpool", "--ops", "50"])
+    assert args.func(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:6] == ["impl", "op", "wall", "us", "client", "master"]
+    rows = [line.split() for line in lines[1:]]
+    assert [r[:2] for r in rows] == [["kvpool", op] for op in
+                                     ("is_exist", "get", "put", "get_into", "put_from")]
+    for row in rows:
+        assert float(row[2]) > 0
+        assert all(len(col.split("/")) == 2 for col in row[3:6])
+    assert bench_cpu.cpu_times(os.getpid())[0] > 0

@@ -35,8 +35,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     impls = ["kvpool", "mooncake"] if args.impl == "both" else [args.impl]
-    print(f"{'impl':9}{'op':10}{'wall us':>9}  user/sys CPU us per op: "
-          f"{'client':>9}{'master':>9}{'node':>9}")
+    print(f"{'impl':9}{'op':10}{'wall us':>9}  {'client':>9}{'master':>9}{'node':>9}"
+          "   (CPU us per op, user/system)")
     for impl in impls:
         for line in measure(impl, args.ops):
             print(line, flush=True)
@@ -88,8 +88,8 @@ def _one(impl: str, op: str, call: Callable[[int], Any], ops: int, master_pid: i
     wall = time.perf_counter() - t0
     used = [tuple((b - a) / ops * 1e6 for a, b in zip(x, y, strict=True))
             for x, y in zip(before, [cpu_times(p) for p in pids], strict=True)]
-    cols = "".join(f"{u:5.0f}/{s:<3.0f}" for u, s in used)
-    return f"{impl:9}{op:10}{wall / ops * 1e6:9.1f}  {'':24}{cols}"
+    cols = "".join(f"{f'{u:.0f}/{s:.0f}':>9}" for u, s in used)
+    return f"{impl:9}{op:10}{wall / ops * 1e6:9.1f}  {cols}"
 
 
 def cpu_times(pid: int) -> tuple[float, float]:
