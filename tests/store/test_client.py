@@ -306,8 +306,9 @@ def test_a_failed_revoke_still_ends_the_puts_that_were_written(
     from kvpool.store.wire.messages import Msg, PutRevokeMsg
     real_run, real_call = store._run_copies, store._call
 
-    def first_copy_fails(op: object, copies: dict) -> set[int]:  # type: ignore[type-arg]
-        real_run(op, copies)  # type: ignore[arg-type]
+    def first_copy_fails(op: object, copies: dict, arrivals: object = None  # type: ignore[type-arg]
+                         ) -> set[int]:
+        real_run(op, copies, arrivals)  # type: ignore[arg-type]
         return {min(copies)}
 
     def revoke_unreachable(msg: Msg) -> object:
@@ -324,7 +325,7 @@ def test_a_failed_revoke_still_ends_the_puts_that_were_written(
 
 
 def test_hasher_matches_the_inline_checksum_on_every_path() -> None:
-    from kvpool.store.client.checksum import SPLIT_BYTES, Hasher, parts_checksum
+    from kvpool.store.client.checksum import SPLIT_BYTES, Hasher, HashOnArrival, parts_checksum
     data = np.random.default_rng(1).integers(0, 255, 2 * SPLIT_BYTES, dtype=np.uint8)
     addr = data.ctypes.data
     small = [([(addr + i * 100, 100)], 100) for i in range(5)]
@@ -335,6 +336,13 @@ def test_hasher_matches_the_inline_checksum_on_every_path() -> None:
         for items in (small, large):
             want = [parts_checksum(parts, n) for parts, n in items]
             assert hasher.many(items) == want
-            assert hasher.start(items).result() == want
+            arrivals = HashOnArrival(dict(enumerate(items)))
+            arrivals.expect([0, 0, 1] + list(range(2, len(items))))  # object 0: two requests
+            arrivals.request_done(0)
+            assert 0 not in arrivals.hashes  # its second request is still due
+            for request in (3, 1):
+                arrivals.request_done(request)
+            assert arrivals.hashes == {0: want[0], 2: want[2]}  # hashed on arrival
+            assert arrivals.complete(range(len(items)), hasher) == dict(enumerate(want))
     finally:
         hasher.close()

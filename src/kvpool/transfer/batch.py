@@ -56,10 +56,16 @@ class Batch:
 
     A request may travel as several slices; it is DONE only when every slice succeeded, and
     FAILED (with the first reason) as soon as one failed: partial success is never success.
+
+    `on_done(index)` is called as each request becomes DONE, in the thread that moved its
+    last bytes (which are then warm in that CPU's cache: hashing them there costs about a
+    third of a later pass, and threads hash in parallel), before the batch can count as
+    finished: a waiter sees every call made. An exception in it is logged and ignored.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, on_done: Callable[[int], None] | None = None) -> None:
         self.capacity = capacity
+        self.on_done = on_done
         self._cond = threading.Condition()
         self._remaining: list[int] = []
         self._status: list[RequestStatus] = []
@@ -86,32 +92,50 @@ class Batch:
         A None reason means success.
         """
         with self._cond:
+            done = []
             for index in indices:
                 if whole and reason is None:
                     self._remaining[index] = 1
-                self._complete_one(index, reason)
-            if self._open == 0:
-                self._cond.notify_all()
-                callbacks, self._callbacks = self._callbacks, []
-            else:
-                callbacks = []
+                if self._complete_one(index, reason):
+                    done.append(index)
+            if self.on_done is None:
+                callbacks = self._count_finished(len(done))
+        if self.on_done is not None:
+            for index in done:
+                notify_done(self.on_done, index)
+            with self._cond:
+                callbacks = self._count_finished(len(done))
         for callback in callbacks:
             try:
                 callback()
             except Exception:  # a waiter that went away must not break the reporting thread
                 log.debug("batch completion callback failed", exc_info=True)
 
-    def _complete_one(self, index: int, reason: str | None) -> None:
+    def _complete_one(self, index: int, reason: str | None) -> bool:
+        """One slice's outcome; True when the request just became DONE (the caller counts it
+        finished, after on_done)."""
         if self._status[index].state != RequestState.PENDING:
-            return
+            return False
         if reason is not None:
             self._status[index] = RequestStatus(RequestState.FAILED, reason)
             self._open -= 1
-            return
+            return False
         self._remaining[index] -= 1
         if self._remaining[index] == 0:
             self._status[index] = DONE
-            self._open -= 1
+            return True
+        return False
+
+    def _count_finished(self, count: int) -> list[Callable[[], None]]:
+        """Count `count` more requests finished (under the lock); once none is open, wake
+        the waiters and hand back the on_finish callbacks to call."""
+        self._open -= count
+        if self._open:
+            return []
+        self._cond.notify_all()
+        callbacks, self._callbacks = self._callbacks, []
+        return callbacks
+
 
     def fail_open(self, reason: str) -> None:
         """Mark every still-pending request failed (used on timeout and engine close)."""
@@ -139,3 +163,12 @@ class Batch:
                 self._callbacks.append(callback)
                 return
         callback()
+
+
+def notify_done(on_done: Callable[[int], None], index: int) -> None:
+    """Call a batch's on_done hook; a failure in it is logged, never raised into the
+    transport thread."""
+    try:
+        on_done(index)
+    except Exception:
+        log.warning("a transfer's on_done hook failed", exc_info=True)

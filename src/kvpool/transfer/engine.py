@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from kvpool.errors import (
@@ -22,7 +23,14 @@ from kvpool.errors import (
 )
 from kvpool.log import get_logger
 from kvpool.metadata import MetadataBackend, connect_metadata
-from kvpool.transfer.batch import Batch, OpCode, RequestState, RequestStatus, TransferRequest
+from kvpool.transfer.batch import (
+    Batch,
+    OpCode,
+    RequestState,
+    RequestStatus,
+    TransferRequest,
+    notify_done,
+)
 from kvpool.transfer.config import TransferConfig
 from kvpool.transfer.fence import Fence, check_fence
 from kvpool.transfer.memory import (
@@ -280,14 +288,19 @@ class TransferEngine:
 
     # -- sync and asyncio helpers ------------------------------------------------------------
 
-    def transfer_sync(self, requests: list[TransferRequest], timeout_s: float | None = None) -> list[RequestStatus]:
-        """Run requests to completion; returns per-request status, never raises for peer failures."""
+    def transfer_sync(self, requests: list[TransferRequest], timeout_s: float | None = None,
+                      on_done: Callable[[int], None] | None = None) -> list[RequestStatus]:
+        """Run requests to completion; returns per-request status, never raises for peer
+        failures. `on_done(index)`: called for each request that succeeded, as soon as it
+        did, in the thread that moved its bytes (see Batch), before this returns."""
         if not requests:
             return []
         router = self._router or self._started_router()
         if len(requests) == 1 and (status := router.run_one(requests[0])) is not None:
+            if on_done is not None and status.ok:
+                notify_done(on_done, 0)
             return [status]
-        batch = Batch(len(requests))
+        batch = Batch(len(requests), on_done)
         router.dispatch(batch, requests, inline=True)
         return self._finish(batch, timeout_s)
 

@@ -9,7 +9,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +23,7 @@ from kvpool.errors import (
 )
 from kvpool.log import get_logger
 from kvpool.store.client.batches import RpcFailed, key_chunks, refusal_code
-from kvpool.store.client.checksum import Hasher
+from kvpool.store.client.checksum import Hasher, HashOnArrival
 from kvpool.store.client.config import ClientConfig
 from kvpool.store.client.plan import Part, copies_for, parts_total, valid_parts
 from kvpool.store.client.reads import ReadPath
@@ -326,8 +325,10 @@ class ClientBase(ReadPath):
             return False
         return True
 
-    def _run_copies(self, op: OpCode, copies: dict[int, list[Copy]]) -> set[int]:
-        """Run every copy; returns the indices whose copies did not all succeed."""
+    def _run_copies(self, op: OpCode, copies: dict[int, list[Copy]],
+                    arrivals: HashOnArrival | None = None) -> set[int]:
+        """Run every copy; returns the indices whose copies did not all succeed. With
+        `arrivals`, objects are hashed as their transfers complete."""
         failed: set[int] = set()
         requests: list[TransferRequest] = []
         owners: list[int] = []
@@ -340,7 +341,11 @@ class ClientBase(ReadPath):
                     requests.append(TransferRequest(op, local, n, endpoint, remote, fence))
                     owners.append(idx)
         if requests:
-            for idx, status in zip(owners, self.engine.transfer_sync(requests), strict=True):
+            if arrivals is not None:
+                arrivals.expect(owners)
+            statuses = self.engine.transfer_sync(
+                requests, on_done=arrivals.request_done if arrivals is not None else None)
+            for idx, status in zip(owners, statuses, strict=True):
                 if not status.ok:
                     failed.add(idx)
         return failed
@@ -380,19 +385,16 @@ class ClientBase(ReadPath):
     def _write_valid(self, todo: list[int], keys: Sequence[str], parts: Sequence[Sequence[Part]],
                      cfg: ReplicateConfig, upsert: bool, results: list[PutResult | None]) -> None:
         sizes = [parts_total(parts[i]) for i in todo]
-        hashes = self._hasher.start([(parts[i], n) for i, n in zip(todo, sizes, strict=True)]
-                                    ) if self.config.write_checksums else None
-        try:
-            self._start_copy_end(todo, keys, parts, sizes, cfg, upsert, results, hashes)
-        finally:
-            if hashes is not None:
-                hashes.exception()  # the parts stay alive until the hashing is over
+        arrivals = HashOnArrival({i: (parts[i], n) for i, n in zip(todo, sizes, strict=True)}
+                                 ) if self.config.write_checksums else None
+        self._start_copy_end(todo, keys, parts, sizes, cfg, upsert, results, arrivals)
 
     def _start_copy_end(self, todo: list[int], keys: Sequence[str],
                         parts: Sequence[Sequence[Part]], sizes: list[int], cfg: ReplicateConfig,
                         upsert: bool, results: list[PutResult | None],
-                        hashes: Future[list[int]] | None) -> None:
-        """PUT_START, the copies, then PUT_END with the checksums (computed meanwhile)."""
+                        arrivals: HashOnArrival | None) -> None:
+        """PUT_START, the copies, then PUT_END with the checksums (each object hashed as its
+        copies complete)."""
         preferred = ([cfg.preferred_segment] if cfg.preferred_segment else []) \
             + list(cfg.preferred_segments)
         started = self._call_keyed(
@@ -410,14 +412,14 @@ class ClientBase(ReadPath):
                 results[i] = PutResult(code)
             else:
                 copies[i] = self._copies_to(replicas, parts[i], size)
-        failed = self._run_copies(OpCode.WRITE, copies)
+        failed = self._run_copies(OpCode.WRITE, copies, arrivals)
         ok = [i for i in copies if i not in failed]
         if failed:
             for i in failed:
                 results[i] = PutResult(E.TRANSFER_FAIL)
             self._revoke([keys[i] for i in failed])
         if ok:
-            sum_of = dict(zip(todo, hashes.result(), strict=True)) if hashes else {}
+            sum_of = arrivals.complete(ok, self._hasher) if arrivals else {}
             sums = [sum_of.get(i) for i in ok]
             ended = self._call_keyed(
                 [keys[i] for i in ok],

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpool.clock import Clock
 from kvpool.log import get_logger
-from kvpool.store.client.checksum import Hasher
+from kvpool.store.client.checksum import Hasher, HashOnArrival
 from kvpool.store.client.config import ClientConfig
 from kvpool.store.client.plan import Part, copies_for, order_replicas, parts_total, valid_parts
 from kvpool.store.wire import messages as m
@@ -43,7 +43,8 @@ class ReadPath:
 
         def _registered(self, parts: Sequence[Part], writable: bool) -> bool: ...
 
-        def _run_copies(self, op: OpCode, copies: dict[int, list[Copy]]) -> set[int]: ...
+        def _run_copies(self, op: OpCode, copies: dict[int, list[Copy]],
+                        arrivals: HashOnArrival | None = None) -> set[int]: ...
 
     def _lookup(self, keys: Sequence[str]) -> tuple[list[LookupResult], float]:
         """Replica lookups (granting read leases) and the time they were first asked for.
@@ -111,9 +112,12 @@ class ReadPath:
             copies = {i: [(a, r, n, q[0].endpoint, q[0].fence)
                           for a, r, n in copies_for(parts[i] or (), q[0].addr, looks[i].size)]
                       for i, q in queues.items()}
-            failed = self._run_copies(OpCode.READ, copies)
-            if self.config.verify_checksums:
-                bad = self._verify(looks, parts, [i for i in queues if i not in failed])
+            arrivals = HashOnArrival({i: (parts[i] or (), looks[i].size) for i in queues
+                                      if looks[i].checksum is not None}
+                                     ) if self.config.verify_checksums else None
+            failed = self._run_copies(OpCode.READ, copies, arrivals)
+            if arrivals is not None:
+                bad = self._verify(looks, [i for i in queues if i not in failed], arrivals)
                 mismatched |= bad
                 failed |= bad
             queues = {i: queues[i][1:] for i in failed}
@@ -125,12 +129,12 @@ class ReadPath:
             results = [ReadResult(E.LEASE_EXPIRED) if r.ok else r for r in results]
         return results
 
-    def _verify(self, looks: Sequence[LookupResult], parts: Sequence[Sequence[Part] | None],
-                read: list[int]) -> set[int]:
+    def _verify(self, looks: Sequence[LookupResult], read: list[int],
+                arrivals: HashOnArrival) -> set[int]:
         """Indices among `read` whose bytes do not hash to their object's checksum."""
-        checked = [i for i in read if looks[i].checksum is not None]
-        got = self._hasher.many([(parts[i] or (), looks[i].size) for i in checked])
-        bad = {i for i, h in zip(checked, got, strict=True) if h != looks[i].checksum}
+        got = arrivals.complete([i for i in read if looks[i].checksum is not None],
+                                self._hasher)
+        bad = {i for i, h in got.items() if h != looks[i].checksum}
         if bad:
             self.stats.checksum_mismatches += len(bad)
             log.warning("checksum mismatch on %d replica reads; trying other replicas",
