@@ -197,3 +197,40 @@ def test_kernel_timeouts_tell_idle_from_a_stalled_frame(pair: tuple[socket.socke
     with pytest.raises(TimeoutError):
         idle.next_event()
     assert time.monotonic() - began < 0.5
+
+
+@pytest.mark.parametrize("count,size", [(1, 4096), (8, 4096), (3, (2 << 20) + 4096)])
+def test_on_done_reports_each_request_that_succeeded_before_transfer_sync_returns(
+        engine: TransferEngine, target: Target, transport: str, count: int, size: int) -> None:
+    base = remote_base(target, transport)
+    local = _pattern(engine, count * size, seed=7)
+    engine.write(target.segment, local.ctypes.data, base, size)  # cache the peer
+    target.set_fence(base, 7)
+    requests = [TransferRequest(OpCode.WRITE, local.ctypes.data + i * size, size,
+                                target.segment, base + i * size, 7) for i in range(count)]
+    requests.append(TransferRequest(OpCode.WRITE, local.ctypes.data, size, target.segment,
+                                    base, fence=6))  # a stale fence: fails, not reported
+    seen: list[tuple[int, str]] = []
+    one_command = threading.Lock()  # hooks run on several threads; the target's pipe is one
+
+    def landed(i: int) -> None:
+        with one_command:
+            seen.append((i, target.digest(base + i * size, size)))
+    statuses = engine.transfer_sync(requests, on_done=landed)
+    assert [s.ok for s in statuses] == [True] * count + [False]
+    assert sorted(i for i, _ in seen) == list(range(count))  # each once, the failure never
+    for i, digest in seen:  # the bytes had landed when it was told
+        assert digest == sha(local[i * size:(i + 1) * size])
+
+
+def test_a_failing_on_done_hook_is_logged_and_the_transfer_still_succeeds(
+        engine: TransferEngine, target: Target, transport: str) -> None:
+    base = remote_base(target, transport)
+    local = _pattern(engine, 2 * 4096, seed=8)
+    requests = [TransferRequest(OpCode.WRITE, local.ctypes.data + i * 4096, 4096,
+                                target.segment, base + i * 4096) for i in range(2)]
+
+    def broken(index: int) -> None:
+        raise RuntimeError("hook bug")
+    assert all(s.ok for s in engine.transfer_sync(requests, on_done=broken))
+    assert target.digest(base, 2 * 4096) == sha(local)
