@@ -63,7 +63,8 @@ def test_cpu_bench_reports_each_op_with_every_process_cpu(
     assert args.func(args) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split()[:6] == ["impl", "op", "wall", "us", "client", "master"]
-    rows = [line.split() for line in lines[1:]]
+    assert lines[-1].startswith("raw-tcp")
+    rows = [line.split() for line in lines[1:-1]]
     assert [r[:2] for r in rows] == [["kvpool", op] for op in
                                      ("is_exist", "get", "put", "get_into", "put_from")]
     for row in rows:

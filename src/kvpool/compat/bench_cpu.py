@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from kvpool.bench.anchors import raw_socket
 from kvpool.compat.bench import master_process, node_process
 from kvpool.compat.bench_client import load
 
@@ -40,6 +41,10 @@ def run(args: argparse.Namespace) -> int:
     for impl in impls:
         for line in measure(impl, args.ops):
             print(line, flush=True)
+    with raw_socket() as raw:
+        _, rate = raw.round_trips(64, args.ops)
+    print(f"{'raw-tcp':9}{'64 B rtt':10}{1e6 / rate:9.1f}  (a blocking Python socket "
+          "round trip between two processes, the anchor)")
     return 0
 
 
