@@ -58,9 +58,10 @@ class Batch:
     FAILED (with the first reason) as soon as one failed: partial success is never success.
 
     `on_done(index)` is called as each request becomes DONE, in the thread that moved its
-    last bytes (which are then warm in that CPU's cache: hashing them there costs about a
-    third of a later pass, and threads hash in parallel), before the batch can count as
-    finished: a waiter sees every call made. An exception in it is logged and ignored.
+    last bytes (which are then warm in that CPU's cache, and threads that moved bytes in
+    parallel also work on them in parallel: the store client hashes objects there), before
+    the batch can count as finished: a waiter sees every call made. An exception in it is
+    logged and ignored.
     """
 
     def __init__(self, capacity: int, on_done: Callable[[int], None] | None = None) -> None:
