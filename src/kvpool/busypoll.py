@@ -28,6 +28,8 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from kvpool.errors import ConfigError
+
 _DONTWAIT = socket.MSG_DONTWAIT
 _clock = time.perf_counter
 _yield = os.sched_yield
@@ -49,7 +51,7 @@ class PollWindow:
 
     def __init__(self, window_us: int) -> None:
         if not 0 <= window_us <= 100_000:
-            raise ValueError(f"a poll window must be in [0, 100000] us, got {window_us}")
+            raise ConfigError(f"a poll window must be in [0, 100000] us, got {window_us}")
         self.window_s = window_us / 1e6
         self._hot = window_us > 0
 
