@@ -41,6 +41,15 @@ busy connections has a thread per connection, and more pollers than that would t
 CPUs their peers need. A thread that finds every slot taken blocks at once."""
 
 
+MAX_WINDOW_US = 100_000
+
+
+def check_window_us(name: str, window_us: int) -> None:
+    """ConfigError unless `window_us` is a poll window (0..MAX_WINDOW_US microseconds)."""
+    if not 0 <= window_us <= MAX_WINDOW_US:
+        raise ConfigError(f"{name} must be in [0, {MAX_WINDOW_US}] us, got {window_us}")
+
+
 class PollWindow:
     """How long to poll before blocking, learned from the waits seen on one connection (or
     loop): the window while waits end within it (a busy stream of requests or replies), none
@@ -50,8 +59,7 @@ class PollWindow:
     __slots__ = ("window_s", "_hot")
 
     def __init__(self, window_us: int) -> None:
-        if not 0 <= window_us <= 100_000:
-            raise ConfigError(f"a poll window must be in [0, 100000] us, got {window_us}")
+        check_window_us("a poll window", window_us)
         self.window_s = window_us / 1e6
         self._hot = window_us > 0
 

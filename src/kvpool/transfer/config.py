@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from kvpool.busypoll import check_window_us
 from kvpool.errors import ConfigError
 
 PROTOCOLS = ("auto", "tcp", "shm")
@@ -77,8 +78,7 @@ class TransferConfig:
         if self.idle_timeout_s is not None and self.idle_timeout_s <= 0:
             raise ConfigError(f"idle_timeout_s must be > 0 or None, got {self.idle_timeout_s}")
         for name in ("reply_poll_us", "request_poll_us"):
-            if not 0 <= getattr(self, name) <= 100_000:
-                raise ConfigError(f"{name} must be in [0, 100000], got {getattr(self, name)}")
+            check_window_us(name, getattr(self, name))
         if self.handshake_timeout_s <= 0:
             raise ConfigError(f"handshake_timeout_s must be > 0, got {self.handshake_timeout_s}")
         if not 1 <= self.max_connections_per_address <= 65536:

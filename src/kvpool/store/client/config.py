@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from kvpool.busypoll import check_window_us
 from kvpool.errors import ConfigError
 
 DEFAULT_LOCAL_BUFFER = 64 << 20
@@ -69,8 +70,7 @@ class ClientConfig:
         if not 1 <= self.rpc_batch_keys <= 1 << 20:
             raise ConfigError(f"rpc_batch_keys must be in [1, 2**20], got {self.rpc_batch_keys}")
         for name in ("reply_poll_us", "request_poll_us"):
-            if not 0 <= getattr(self, name) <= 100_000:
-                raise ConfigError(f"{name} must be in [0, 100000], got {getattr(self, name)}")
+            check_window_us(name, getattr(self, name))
         if not 0 <= self.te_port <= 65535:
             raise ConfigError(f"te_port must be in 0..65535, got {self.te_port}")
         for name in ("rpc_timeout_s", "heartbeat_interval_s", "transfer_timeout_s",

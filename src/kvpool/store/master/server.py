@@ -9,6 +9,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpool.busypoll import check_window_us
 from kvpool.clock import SYSTEM_CLOCK, Clock
 from kvpool.errors import ConfigError
 from kvpool.log import get_logger
@@ -61,9 +62,7 @@ class MasterServerConfig:
         if not 0.001 <= self.tick_interval_s <= 10:
             raise ConfigError(f"tick_interval_s must be in [0.001, 10], got "
                               f"{self.tick_interval_s}")
-        if not 0 <= self.request_poll_us <= 100_000:
-            raise ConfigError(f"request_poll_us must be in [0, 100000], got "
-                              f"{self.request_poll_us}")
+        check_window_us("request_poll_us", self.request_poll_us)
         if not self.tick_interval_s < self.health_stall_s <= 3600:
             raise ConfigError(f"health_stall_s must be in (tick_interval_s, 3600], got "
                               f"{self.health_stall_s}")
