@@ -9,6 +9,7 @@ core here), so the check costs a fraction of the copy it guards.
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -99,16 +100,14 @@ class HashOnArrival:
         self._items = items
         """Object index -> (parts, bytes) to hash once its copies are done."""
         self._owners: list[int] = []
-        self._left: dict[int, int] = {}
+        self._left: Counter[int] = Counter()
         self._lock = threading.Lock()
         self.hashes: dict[int, int] = {}
 
     def expect(self, owners: list[int]) -> None:
         """The object index of each transfer request, in request order (before the run)."""
         self._owners = owners
-        self._left = {}
-        for obj in owners:
-            self._left[obj] = self._left.get(obj, 0) + 1
+        self._left = Counter(owners)
 
     def request_done(self, request: int) -> None:
         obj = self._owners[request]
