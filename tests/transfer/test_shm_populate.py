@@ -1,14 +1,20 @@
-"""Managed buffers are mapped populated: the first transfer into a fresh one takes no page
-faults (a fault per 4 KiB page made first reads several times slower than later ones)."""
+"""Managed buffers are mapped populated and writable: the first transfer into a fresh one takes
+no page faults (a fault per 4 KiB page made first reads several times slower than later ones),
+and a buffer that /dev/shm cannot hold is refused when it is allocated."""
 
 from __future__ import annotations
 
 import mmap
+import os
 import resource
+import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
+from kvpool.transfer import memory
 from kvpool.transfer.memory import SharedMemoryArena, shm_prefix
 
 SIZE = 16 << 20
@@ -31,3 +37,47 @@ def test_first_write_into_a_fresh_managed_buffer_takes_no_page_faults() -> None:
         assert int(buf.numpy().sum()) == SIZE
     finally:
         arena.close()
+
+
+def test_kernels_without_populate_write_fall_back_to_map_populate(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """An advice the kernel does not know gets EINVAL, as MADV_POPULATE_WRITE does before 5.14."""
+    monkeypatch.setattr(memory, "MADV_POPULATE_WRITE", 0x7FFF)
+    arena = SharedMemoryArena(shm_prefix(0x5EEE))
+    try:
+        buf = arena.allocate(1 << 20)
+        buf.numpy()[:] = 7
+        assert int(buf.numpy().sum()) == 7 << 20
+    finally:
+        arena.close()
+
+
+_TOO_BIG = """
+import os, sys
+from kvpool.errors import MemoryRegistrationError
+from kvpool.transfer.memory import SharedMemoryArena
+arena = SharedMemoryArena(f"kvpool-{os.getpid()}-cafe")
+try:
+    arena.allocate(64 << 20)
+except MemoryRegistrationError as e:
+    print("refused:", e)
+print("left:", os.listdir("/dev/shm"))
+small = arena.allocate(8 << 20)
+small.numpy()[:] = 1
+print("small:", int(small.numpy().sum()))
+"""
+
+
+def test_a_buffer_dev_shm_cannot_hold_is_refused_at_allocation_not_sigbus_later() -> None:
+    """In a mount namespace with a 32 MiB /dev/shm, a 64 MiB managed buffer is a clear error
+    (before, MAP_POPULATE ignored the shortage and the first copy past it killed the process)."""
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.skip("needs root and unshare(1) for a private tmpfs")
+    script = f"mount -t tmpfs -o size=32m tmpfs /dev/shm && exec {sys.executable} -c '{_TOO_BIG}'"
+    done = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True,
+                          timeout=60)
+    if done.returncode != 0 and "mount" in done.stderr:
+        pytest.skip(f"cannot mount a private tmpfs here: {done.stderr.strip()}")
+    assert done.returncode == 0, done.stderr
+    assert "refused: cannot back a 67108864-byte managed buffer in /dev/shm" in done.stdout
+    assert "left: []" in done.stdout
+    assert f"small: {8 << 20}" in done.stdout
