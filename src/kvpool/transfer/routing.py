@@ -18,7 +18,7 @@ from kvpool.transfer.peers import PeerDirectory
 from kvpool.transfer.planner import Pieces, count_slices, plan_frames
 from kvpool.transfer.protocol import Status
 from kvpool.transfer.segment import SegmentDescriptor
-from kvpool.transfer.shm import ShmItem, ShmPeer, ShmTransport, copy_one
+from kvpool.transfer.shm import Checked, ShmItem, ShmPeer, ShmTransport, copy_one
 from kvpool.transfer.tcp_client import PeerLink, failure_text
 
 _ADDR_LIMIT = 1 << 64
@@ -109,11 +109,12 @@ class Router:
         shm_items: list[ShmItem] = []
         pieces = Pieces()
         cache: list[Buffer | None] = [None]
+        checked: Checked = {}
         for index, req in items:
             local = self._local_view(batch, index, req, op, cache)
             if local is None:
                 continue
-            remote = shm_peer.resolve(req.target_addr, req.length) if shm_peer else None
+            remote = shm_peer.resolve(req.target_addr, req.length, checked) if shm_peer else None
             if remote is not None:
                 shm_items.append((index, local, remote[0], remote[1], req.fence))
             elif self._config.protocol == "shm":

@@ -101,6 +101,10 @@ class ShmGuard:
                 fcntl.flock(self._mapping.fd, fcntl.LOCK_UN)
 
 
+Checked = dict[str, "tuple[PeerMapping, ShmGuard] | None"]
+"""Region name -> its mapping as checked once for a batch (ShmPeer.resolve)."""
+
+
 class ShmPeer:
     """The shared regions of one same-host peer, mapped on first use.
 
@@ -116,10 +120,20 @@ class ShmPeer:
         self._maps: dict[str, tuple[PeerMapping, ShmGuard]] = {}
         self._lock = threading.Lock()
 
-    def resolve(self, addr: int, length: int) -> tuple[memoryview, Guard] | None:
+    def resolve(self, addr: int, length: int, checked: Checked | None = None,
+                ) -> tuple[memoryview, Guard] | None:
+        """The mapped view of [addr, addr+length) and its guard, or None (not in a region,
+        or the region's file is gone). `checked`, shared by the requests of one batch,
+        remembers each region's mapping once it was checked, so a batch pays the check
+        (an fstat) once per region instead of once per request."""
         for region in self.descriptor.shm_regions:
             if region.addr <= addr and addr + length <= region.addr + region.length:
-                entry = self._map(region.name, region.length)
+                if checked is None:
+                    entry = self._map(region.name, region.length)
+                elif region.name in checked:
+                    entry = checked[region.name]
+                else:
+                    entry = checked[region.name] = self._map(region.name, region.length)
                 if entry is None:
                     return None
                 start = addr - region.addr
