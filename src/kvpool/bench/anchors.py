@@ -23,6 +23,8 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from kvpool.bench.common import warm_up
+
 _HEADER = struct.Struct("<II")
 _ECHO = r"""
 import socket, struct, sys
@@ -66,7 +68,7 @@ class RawSocket:
     def round_trips(self, size: int, count: int) -> tuple[float, float]:
         """`count` requests of `size` bytes, each answered with 8 bytes."""
         payload = memoryview(bytes(size))
-        self._request(payload, 8)
+        warm_up(lambda: self._request(payload, 8))
         t0 = time.perf_counter()
         for _ in range(count):
             self._request(payload, 8)
@@ -76,7 +78,7 @@ class RawSocket:
     def stream(self, size: int, batch: int, count: int) -> tuple[float, float]:
         """`count` requests of batch x size bytes, one small answer each."""
         payload = memoryview(bytes(size * batch))
-        self._request(payload, 8)
+        warm_up(lambda: self._request(payload, 8))
         t0 = time.perf_counter()
         for _ in range(count):
             self._request(payload, 8)
@@ -107,7 +109,7 @@ def memcpy(size: int, batch: int, count: int) -> tuple[float, float]:
     """numpy copies of batch x size bytes between two buffers: (GB/s, objects/s)."""
     src = np.ones(size * batch, np.uint8)
     dst = np.zeros(size * batch, np.uint8)
-    np.copyto(dst, src)
+    warm_up(lambda: np.copyto(dst, src))
     t0 = time.perf_counter()
     for _ in range(count):
         np.copyto(dst, src)

@@ -37,9 +37,24 @@ class Measurement:
                 f"{self.req_per_s:11,.0f} req/s  {ratio}")
 
 
-def time_calls(fn: Callable[[], object], min_time_s: float, min_calls: int = 3) -> tuple[int, float]:
-    """Call fn repeatedly (after one warm-up) for at least min_time_s; (calls, seconds)."""
+WARM_UP_S = 0.05
+"""Untimed calls before each timed loop. On the bench VM a CPU that sat idle for a while runs
+the next 20-50 ms of work up to twice as slowly (its clock and the host's scheduling ramp up
+again): a timed loop of a few milliseconds right after a pause measured that ramp, not the
+code (docs/perf.md)."""
+
+
+def warm_up(fn: Callable[[], object], seconds: float = WARM_UP_S) -> None:
+    """Call fn at least once and until `seconds` have passed, untimed."""
+    end = time.perf_counter() + seconds
     fn()
+    while time.perf_counter() < end:
+        fn()
+
+
+def time_calls(fn: Callable[[], object], min_time_s: float, min_calls: int = 3) -> tuple[int, float]:
+    """Call fn repeatedly (after warm_up) for at least min_time_s; (calls, seconds)."""
+    warm_up(fn)
     calls, start = 0, time.perf_counter()
     while True:
         fn()

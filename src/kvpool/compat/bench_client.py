@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.bench.common import Measurement, rate
+from kvpool.bench.common import Measurement, rate, warm_up
 
 _MODULES = {"mooncake": "mooncake", "kvpool": "kvpool.compat.mooncake"}
 RELEASE_S = 0.25
@@ -84,9 +84,12 @@ class Workload:
         return out
 
     def _measure(self, op: str, mode: str, size: int, keys: list[Any],
-                 call: Callable[[Any], Any], per_call: int, moved: int) -> list[Measurement]:
+                 call: Callable[[Any], Any], per_call: int, moved: int,
+                 warm: Callable[[], object]) -> list[Measurement]:
         """Run `call` on each of `keys` (a key or a batch), which answers True or what went
-        wrong. A failure is reported on stderr and the measurement left out of this round."""
+        wrong, after `warm` ran untimed (common.warm_up). A failure is reported on stderr and
+        the measurement left out of this round."""
+        warm_up(warm)
         start = time.perf_counter()
         for k in keys:
             got = call(k)
@@ -103,14 +106,21 @@ class Workload:
         value = self.values.get(size) or self.buf[:size].tobytes()
         zc = [f"{tag}-z{i}" for i in range(ops)]
         by = [f"{tag}-v{i}" for i in range(ops)]
+        s.put_from(f"{tag}-warm", ptr, size)
+
+        def warm() -> object:
+            return s.get_into(f"{tag}-warm", dst, size)
         out = [
             *self._measure("put_from", "single", size, zc,
-                          lambda k: s.put_from(k, ptr, size) == 0, 1, size),
+                          lambda k: s.put_from(k, ptr, size) == 0, 1, size, warm),
             *self._measure("get_into", "single", size, zc,
-                          lambda k: s.get_into(k, dst, size) == size, 1, size),
-            *self._measure("put", "single", size, by, lambda k: s.put(k, value) == 0, 1, size),
-            *self._measure("get", "single", size, by, lambda k: len(s.get(k)) == size, 1, size),
-            *self._measure("is_exist", "single", size, zc, lambda k: s.is_exist(k) == 1, 1, 0),
+                          lambda k: s.get_into(k, dst, size) == size, 1, size, warm),
+            *self._measure("put", "single", size, by, lambda k: s.put(k, value) == 0, 1, size,
+                           warm),
+            *self._measure("get", "single", size, by, lambda k: len(s.get(k)) == size, 1, size,
+                           warm),
+            *self._measure("is_exist", "single", size, zc, lambda k: s.is_exist(k) == 1, 1, 0,
+                           warm),
         ]
         self._clear()
         return out
@@ -121,13 +131,18 @@ class Workload:
         keys = [[f"{tag}-{i}-{j}" for j in range(batch)] for i in range(iters)]
         ptrs = [self.ptr + j * size for j in range(batch)]
         sizes = [size] * batch
+        warm_keys = [f"{tag}-warm-{j}" for j in range(batch)]
+        s.batch_put_from(warm_keys, ptrs, sizes)
+
+        def warm() -> object:
+            return s.batch_get_into(warm_keys, ptrs, sizes)
         out = [
             *self._measure("put_from", "batched", size, keys, lambda k: _all(
-                s.batch_put_from(k, ptrs, sizes), 0), batch, size * batch),
+                s.batch_put_from(k, ptrs, sizes), 0), batch, size * batch, warm),
             *self._measure("get_into", "batched", size, keys, lambda k: _all(
-                s.batch_get_into(k, ptrs, sizes), size), batch, size * batch),
+                s.batch_get_into(k, ptrs, sizes), size), batch, size * batch, warm),
             *self._measure("is_exist", "batched", size, keys, lambda k: _all(
-                s.batch_is_exist(k), 1), batch, 0),
+                s.batch_is_exist(k), 1), batch, 0, warm),
         ]
         self._clear()
         return out
