@@ -289,15 +289,50 @@ def shm_prefix(tag: int) -> str:
     return f"kvpool-{os.getpid()}-{pid_namespace():x}-{tag & 0xFFFFFF:x}"
 
 
+PEER_CHUNK_BYTES = 2 << 20
+"""A peer's buffer is made present here one chunk at a time, where transfers use it."""
+
+
 @dataclass(frozen=True, eq=False)
 class PeerMapping:
     """A same-host peer's managed buffer mapped here: its data view, header words, and an
-    open fd (for the file lock and to notice an unlink), closed when the mapping is dropped."""
+    open fd (for the file lock and to notice an unlink), closed when the mapping is dropped.
+
+    The mapping starts empty and `prepare` populates each PEER_CHUNK_BYTES chunk, writable,
+    the first time a transfer touches it (`map_populated` says why writable). Populating a
+    whole segment at first contact stalled that first transfer for 70 ms per GiB of the
+    peer's memory and gave every client page tables for all of it (2 MiB per GiB)."""
 
     view: memoryview
     words: np.ndarray
     fd: int
     size: int
+    mem: mmap.mmap
+    ready: bytearray
+    """One flag per chunk of the data area: populated."""
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def prepare(self, start: int, length: int) -> None:
+        """Populate the chunks of data bytes [start, start+length) not populated yet."""
+        first, last = start // PEER_CHUNK_BYTES, (start + max(length, 1) - 1) // PEER_CHUNK_BYTES
+        if self.ready.find(0, first, last + 1) < 0:
+            return
+        with self.lock:
+            for chunk in range(first, last + 1):
+                if not self.ready[chunk]:
+                    self.ready[chunk] = _populate(self.mem, SHM_HEADER_BYTES + chunk * PEER_CHUNK_BYTES,
+                                                  PEER_CHUNK_BYTES)
+
+
+def _populate(mem: mmap.mmap, offset: int, length: int) -> bool:
+    """MADV_POPULATE_WRITE on [offset, offset+length) of `mem` (clipped to its end). False
+    when it failed (the copy then faults the pages in itself), except on kernels without it,
+    where there is nothing to retry."""
+    try:
+        mem.madvise(MADV_POPULATE_WRITE, offset, min(length, len(mem) - offset))
+    except OSError as e:
+        return e.errno == errno.EINVAL
+    return True
 
 
 def map_peer_shm(name: str, length: int, pid: int) -> PeerMapping:
@@ -305,8 +340,7 @@ def map_peer_shm(name: str, length: int, pid: int) -> PeerMapping:
     file of process `pid`: a regular file in /dev/shm owned by us, exactly one header page plus
     `length` bytes long (a shorter file would SIGBUS a copy past its end), with the header magic.
 
-    The mapping is populated up front (`map_populated`): one pass over the page tables at first
-    contact instead of a fault on every first write inside transfers.
+    The pages are populated where transfers use them (`PeerMapping.prepare`).
     """
     match = SHM_NAME.match(name)
     if match is None or int(match.group(1)) != pid:
@@ -317,11 +351,13 @@ def map_peer_shm(name: str, length: int, pid: int) -> PeerMapping:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_size != size:
             raise OSError(f"/dev/shm/{name} is not a regular file of ours of {size} bytes")
-        mem = map_populated(fd, size)
+        mem = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
         if mem[: len(SHM_MAGIC)] != SHM_MAGIC:
             mem.close()
             raise OSError(f"/dev/shm/{name} has no managed-buffer header")
-        mapping = PeerMapping(memoryview(mem).cast("B")[SHM_HEADER_BYTES:], header_words(mem), fd, size)
+        chunks = -(-length // PEER_CHUNK_BYTES)
+        mapping = PeerMapping(memoryview(mem).cast("B")[SHM_HEADER_BYTES:], header_words(mem), fd,
+                              size, mem, bytearray(chunks))
         weakref.finalize(mapping, os.close, fd)  # when no copy can use it any more
         return mapping
     except BaseException:
