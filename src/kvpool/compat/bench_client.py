@@ -30,6 +30,10 @@ RELEASE_S = 0.25
 """Pause after remove_all, outside the timing: kvpool reuses force-removed memory once the
 read leases (200 ms in this bench) end."""
 
+EXIST_CALLS = 200
+"""Batched is_exist calls per measurement (the phase's batches again and again): a phase of
+3 or 4 batches took well under a millisecond, too short to time."""
+
 
 @dataclass(frozen=True)
 class Round:
@@ -141,8 +145,8 @@ class Workload:
                 s.batch_put_from(k, ptrs, sizes), 0), batch, size * batch, warm),
             *self._measure("get_into", "batched", size, keys, lambda k: _all(
                 s.batch_get_into(k, ptrs, sizes), size), batch, size * batch, warm),
-            *self._measure("is_exist", "batched", size, keys, lambda k: _all(
-                s.batch_is_exist(k), 1), batch, 0, warm),
+            *self._measure("is_exist", "batched", size, keys * -(-EXIST_CALLS // iters),
+                           lambda k: _all(s.batch_is_exist(k), 1), batch, 0, warm),
         ]
         self._clear()
         return out
