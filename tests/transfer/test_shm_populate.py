@@ -10,11 +10,13 @@ import resource
 import shutil
 import subprocess
 import sys
+import threading
+import time
 
 import numpy as np
 import pytest
 
-from kvpool.transfer import memory
+from kvpool.transfer import memory, populate
 from kvpool.transfer.memory import SharedMemoryArena, shm_prefix
 
 SIZE = 16 << 20
@@ -41,7 +43,7 @@ def test_first_write_into_a_fresh_managed_buffer_takes_no_page_faults() -> None:
 
 def test_kernels_without_populate_write_fall_back_to_map_populate(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """An advice the kernel does not know gets EINVAL, as MADV_POPULATE_WRITE does before 5.14."""
-    monkeypatch.setattr(memory, "MADV_POPULATE_WRITE", 0x7FFF)
+    monkeypatch.setattr(populate, "MADV_POPULATE_WRITE", 0x7FFF)
     arena = SharedMemoryArena(shm_prefix(0x5EEE))
     try:
         buf = arena.allocate(1 << 20)
@@ -97,9 +99,12 @@ def _rss_kib(start: int) -> int:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs /proc/self/smaps")
-def test_a_peer_mapping_is_populated_where_transfers_use_it_not_at_first_contact() -> None:
-    """Mapping a peer's whole buffer populated cost 70 ms per GiB at first contact and page
-    tables for all of it; now each 2 MiB chunk is populated when a transfer first uses it."""
+def test_a_peer_mapping_is_populated_where_transfers_use_it_not_at_first_contact(
+        monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Mapping a peer's whole buffer populated cost 70 ms per GiB at first contact; now each
+    2 MiB chunk is populated when a transfer first uses it (and the rest in the background,
+    held back here)."""
+    monkeypatch.setattr(memory, "fill_in_background", lambda chunks: None)
     arena = SharedMemoryArena(shm_prefix(0x5EEF))
     try:
         buf = arena.allocate(64 << 20)
@@ -108,13 +113,51 @@ def test_a_peer_mapping_is_populated_where_transfers_use_it_not_at_first_contact
         start = np.frombuffer(peer.view, dtype=np.uint8).ctypes.data - memory.SHM_HEADER_BYTES
         header = _rss_kib(start)  # the header page read, with the kernel's fault-around
         assert header <= 64
-        peer.prepare(3 << 20, 1 << 20)  # inside the second 2 MiB chunk
+        peer.chunks.prepare(3 << 20, 1 << 20)  # inside the second 2 MiB chunk
         assert _rss_kib(start) == header + 2048
-        peer.prepare(2 << 20, 2 << 20)  # the same chunk: nothing more
+        peer.chunks.prepare(2 << 20, 2 << 20)  # the same chunk: nothing more
         assert _rss_kib(start) == header + 2048
         peer.view[3 << 20 : 4 << 20] = b"\x07" * (1 << 20)
         assert int(buf.numpy()[3 << 20 : 4 << 20].sum()) == 7 << 20
-        peer.prepare((64 << 20) - 1, 1)  # the last chunk
+        peer.chunks.prepare((64 << 20) - 1, 1)  # the last chunk
         assert _rss_kib(start) == header + 4096
     finally:
         arena.close()
+
+
+def test_the_rest_of_a_peer_mapping_is_populated_in_the_background() -> None:
+    arena = SharedMemoryArena(shm_prefix(0x5EF0))
+    try:
+        buf = arena.allocate(64 << 20)
+        assert buf.shm_name is not None
+        peer = memory.map_peer_shm(buf.shm_name, buf.length, os.getpid())
+        start = np.frombuffer(peer.view, dtype=np.uint8).ctypes.data - memory.SHM_HEADER_BYTES
+        deadline = time.monotonic() + 10
+        while _rss_kib(start) < 64 << 10 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _rss_kib(start) >= 64 << 10
+    finally:
+        arena.close()
+
+
+def test_a_background_fill_stops_once_its_mapping_is_dropped() -> None:
+    """The filler holds the chunks (and so the mapping) only while populating one chunk."""
+    calls: list[int] = []
+    gate = threading.Event()
+
+    class Gated(populate.Chunks):
+        def populate(self, chunk: int) -> None:
+            calls.append(chunk)
+            gate.wait(10)
+            super().populate(chunk)
+
+    chunks = Gated(mmap.mmap(-1, 64 << 20), 0, 64 << 20)  # 32 chunks
+    thread = populate.fill_in_background(chunks)
+    deadline = time.monotonic() + 10
+    while not calls and time.monotonic() < deadline:
+        time.sleep(0.001)
+    del chunks
+    gate.set()
+    thread.join(10)
+    assert not thread.is_alive()
+    assert calls == [0]

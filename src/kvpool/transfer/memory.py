@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import bisect
 import ctypes
-import errno
 import fcntl
 import mmap
 import os
@@ -39,6 +38,7 @@ import numpy as np
 
 from kvpool.errors import MemoryRegistrationError, TransferTimeout
 from kvpool.transfer.fence import Fence
+from kvpool.transfer.populate import Chunks, fill_in_background, map_populated
 
 
 @dataclass(frozen=True, eq=False)
@@ -161,29 +161,6 @@ FENCE_WORD = 1  # index of the fence among the header's u64 words
 _LOCK_POLL_S = 0.0005
 
 
-MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
-
-
-def map_populated(fd: int, size: int) -> mmap.mmap:
-    """Map `size` bytes of a shared-memory file with every page present and writable.
-
-    Without this a transfer pays a fault on each first touch of a page. MAP_POPULATE is not
-    enough for a shared mapping: it installs the pages read-only, and each page's first write
-    still traps (measured here: 380 ns per 4 KiB page, which halved the rate of copies into
-    pool memory). MADV_POPULATE_WRITE maps them writable in one pass, for the same cost as
-    MAP_POPULATE; kernels older than 5.14 get MAP_POPULATE (docs/perf.md).
-    """
-    mem = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
-    try:
-        mem.madvise(MADV_POPULATE_WRITE)
-    except OSError as e:
-        mem.close()
-        if e.errno != errno.EINVAL:  # EFAULT/ENOMEM: /dev/shm cannot hold it (a copy would SIGBUS)
-            raise
-        mem = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-    return mem
-
-
 class SharedMemoryArena:
     """Managed buffers backed by files in /dev/shm, so same-host peers can map and memcpy them."""
 
@@ -289,50 +266,18 @@ def shm_prefix(tag: int) -> str:
     return f"kvpool-{os.getpid()}-{pid_namespace():x}-{tag & 0xFFFFFF:x}"
 
 
-PEER_CHUNK_BYTES = 2 << 20
-"""A peer's buffer is made present here one chunk at a time, where transfers use it."""
-
-
 @dataclass(frozen=True, eq=False)
 class PeerMapping:
     """A same-host peer's managed buffer mapped here: its data view, header words, and an
     open fd (for the file lock and to notice an unlink), closed when the mapping is dropped.
-
-    The mapping starts empty and `prepare` populates each PEER_CHUNK_BYTES chunk, writable,
-    the first time a transfer touches it (`map_populated` says why writable). Populating a
-    whole segment at first contact stalled that first transfer for 70 ms per GiB of the
-    peer's memory and gave every client page tables for all of it (2 MiB per GiB)."""
+    `chunks` populates the data area where transfers use it, and the rest in the background
+    (kvpool.transfer.populate)."""
 
     view: memoryview
     words: np.ndarray
     fd: int
     size: int
-    mem: mmap.mmap
-    ready: bytearray
-    """One flag per chunk of the data area: populated."""
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def prepare(self, start: int, length: int) -> None:
-        """Populate the chunks of data bytes [start, start+length) not populated yet."""
-        first, last = start // PEER_CHUNK_BYTES, (start + max(length, 1) - 1) // PEER_CHUNK_BYTES
-        if self.ready.find(0, first, last + 1) < 0:
-            return
-        with self.lock:
-            for chunk in range(first, last + 1):
-                if not self.ready[chunk]:
-                    self.ready[chunk] = _populate(self.mem, SHM_HEADER_BYTES + chunk * PEER_CHUNK_BYTES,
-                                                  PEER_CHUNK_BYTES)
-
-
-def _populate(mem: mmap.mmap, offset: int, length: int) -> bool:
-    """MADV_POPULATE_WRITE on [offset, offset+length) of `mem` (clipped to its end). False
-    when it failed (the copy then faults the pages in itself), except on kernels without it,
-    where there is nothing to retry."""
-    try:
-        mem.madvise(MADV_POPULATE_WRITE, offset, min(length, len(mem) - offset))
-    except OSError as e:
-        return e.errno == errno.EINVAL
-    return True
+    chunks: Chunks
 
 
 def map_peer_shm(name: str, length: int, pid: int) -> PeerMapping:
@@ -340,7 +285,8 @@ def map_peer_shm(name: str, length: int, pid: int) -> PeerMapping:
     file of process `pid`: a regular file in /dev/shm owned by us, exactly one header page plus
     `length` bytes long (a shorter file would SIGBUS a copy past its end), with the header magic.
 
-    The pages are populated where transfers use them (`PeerMapping.prepare`).
+    The pages are populated where transfers use them first and in the background (`Chunks`),
+    not all before this returns.
     """
     match = SHM_NAME.match(name)
     if match is None or int(match.group(1)) != pid:
@@ -355,9 +301,10 @@ def map_peer_shm(name: str, length: int, pid: int) -> PeerMapping:
         if mem[: len(SHM_MAGIC)] != SHM_MAGIC:
             mem.close()
             raise OSError(f"/dev/shm/{name} has no managed-buffer header")
-        chunks = -(-length // PEER_CHUNK_BYTES)
+        chunks = Chunks(mem, SHM_HEADER_BYTES, length)
         mapping = PeerMapping(memoryview(mem).cast("B")[SHM_HEADER_BYTES:], header_words(mem), fd,
-                              size, mem, bytearray(chunks))
+                              size, chunks)
+        fill_in_background(chunks)
         weakref.finalize(mapping, os.close, fd)  # when no copy can use it any more
         return mapping
     except BaseException:

@@ -137,7 +137,7 @@ class ShmPeer:
                 if entry is None:
                     return None
                 start = addr - region.addr
-                entry[0].prepare(start, length)
+                entry[0].chunks.prepare(start, length)
                 return entry[0].view[start : start + length], entry[1]
         return None
 
