@@ -1,6 +1,7 @@
 """Managed buffers are mapped populated and writable: the first transfer into a fresh one takes
 no page faults (a fault per 4 KiB page made first reads several times slower than later ones),
-and a buffer that /dev/shm cannot hold is refused when it is allocated."""
+and a buffer that /dev/shm cannot hold is refused when it is allocated. A peer's mapping of a
+buffer is populated chunk by chunk where transfers use it, and the rest in the background."""
 
 from __future__ import annotations
 
@@ -12,12 +13,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
 
 from kvpool.transfer import memory, populate
-from kvpool.transfer.memory import SharedMemoryArena, shm_prefix
+from kvpool.transfer.memory import Buffer, SharedMemoryArena, shm_prefix
 
 SIZE = 16 << 20
 
@@ -98,19 +101,30 @@ def _rss_kib(start: int) -> int:
     raise AssertionError(f"no mapping at {start:#x}")
 
 
-@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs /proc/self/smaps")
+@contextmanager
+def _mapped_as_peer(tag: int, length: int) -> Iterator[tuple[Buffer, memory.PeerMapping, int]]:
+    """A fresh managed buffer, this process's peer mapping of it, and where that starts."""
+    arena = SharedMemoryArena(shm_prefix(tag))
+    try:
+        buf = arena.allocate(length)
+        assert buf.shm_name is not None
+        peer = memory.map_peer_shm(buf.shm_name, buf.length, os.getpid())
+        yield buf, peer, np.frombuffer(peer.view, dtype=np.uint8).ctypes.data - memory.SHM_HEADER_BYTES
+    finally:
+        arena.close()
+
+
+_SMAPS = pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs /proc/self/smaps")
+
+
+@_SMAPS
 def test_a_peer_mapping_is_populated_where_transfers_use_it_not_at_first_contact(
         monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Mapping a peer's whole buffer populated cost 70 ms per GiB at first contact; now each
     2 MiB chunk is populated when a transfer first uses it (and the rest in the background,
     held back here)."""
     monkeypatch.setattr(memory, "fill_in_background", lambda chunks: None)
-    arena = SharedMemoryArena(shm_prefix(0x5EEF))
-    try:
-        buf = arena.allocate(64 << 20)
-        assert buf.shm_name is not None
-        peer = memory.map_peer_shm(buf.shm_name, buf.length, os.getpid())
-        start = np.frombuffer(peer.view, dtype=np.uint8).ctypes.data - memory.SHM_HEADER_BYTES
+    with _mapped_as_peer(0x5EEF, 64 << 20) as (buf, peer, start):
         header = _rss_kib(start)  # the header page read, with the kernel's fault-around
         assert header <= 64
         peer.chunks.prepare(3 << 20, 1 << 20)  # inside the second 2 MiB chunk
@@ -121,23 +135,15 @@ def test_a_peer_mapping_is_populated_where_transfers_use_it_not_at_first_contact
         assert int(buf.numpy()[3 << 20 : 4 << 20].sum()) == 7 << 20
         peer.chunks.prepare((64 << 20) - 1, 1)  # the last chunk
         assert _rss_kib(start) == header + 4096
-    finally:
-        arena.close()
 
 
+@_SMAPS
 def test_the_rest_of_a_peer_mapping_is_populated_in_the_background() -> None:
-    arena = SharedMemoryArena(shm_prefix(0x5EF0))
-    try:
-        buf = arena.allocate(64 << 20)
-        assert buf.shm_name is not None
-        peer = memory.map_peer_shm(buf.shm_name, buf.length, os.getpid())
-        start = np.frombuffer(peer.view, dtype=np.uint8).ctypes.data - memory.SHM_HEADER_BYTES
+    with _mapped_as_peer(0x5EF0, 64 << 20) as (_, _peer, start):
         deadline = time.monotonic() + 10
         while _rss_kib(start) < 64 << 10 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert _rss_kib(start) >= 64 << 10
-    finally:
-        arena.close()
 
 
 def test_a_background_fill_stops_once_its_mapping_is_dropped() -> None:
