@@ -45,7 +45,8 @@ def map_populated(fd: int, size: int) -> mmap.mmap:
     """Map `size` bytes of a shared-memory file with every page present and writable. Raises
     OSError (EFAULT or ENOMEM) when /dev/shm cannot hold them, where MAP_POPULATE would have
     mapped them anyway and the first copy past the shortage would have died of SIGBUS.
-    Kernels before 5.14 get MAP_POPULATE."""
+    Kernels before 5.14 get MAP_POPULATE and a write to every page (which, there, dies of
+    SIGBUS on such a shortage)."""
     mem = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
     code = madvise(address_of(mem), size, MADV_POPULATE_WRITE)
     if code == 0:
@@ -53,7 +54,10 @@ def map_populated(fd: int, size: int) -> mmap.mmap:
     mem.close()
     if code != errno.EINVAL:
         raise OSError(code, os.strerror(code))
-    return mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    mem = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    with memoryview(mem) as view:  # a fresh file: its pages are all zero
+        view[:: mmap.PAGESIZE] = bytes(-(-size // mmap.PAGESIZE))
+    return mem
 
 
 def address_of(mem: mmap.mmap) -> int:

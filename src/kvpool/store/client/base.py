@@ -147,8 +147,6 @@ class ClientBase(ReadPath):
         there; transfers planned against another fence are refused."""
         fence = new_fence()
         buf = self.engine.allocate_managed(size, fence=fence)
-        if self.config.prefault:
-            buf.numpy()[::4096] = 0
         try:
             reply = self._rpc.call(m.MountMsg(
                 endpoint=self.endpoint, base_addr=buf.addr, size=size, tier=int(Tier.DRAM),
@@ -239,8 +237,6 @@ class ClientBase(ReadPath):
                 continue
             if buf is not old:
                 self._segments[segment_id] = buf
-                if self.config.prefault:
-                    buf.numpy()[::4096] = 0
             try:
                 reply = self._hb_rpc.call(m.MountMsg(
                     endpoint=self.endpoint, base_addr=buf.addr, size=buf.length,

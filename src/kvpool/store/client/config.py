@@ -41,9 +41,6 @@ class ClientConfig:
     close_timeout_s: float = 3.0
     """Upper bound on `close()`: unmounting is given up once this has passed, or at the first
     failure to reach the master (it drops our segments when our heartbeats stop anyway)."""
-    prefault: bool = True
-    """Touch every page of a mounted segment up front, so the first puts into it do not pay
-    for page allocation (fresh shared-memory pages cost ~10x a copy on first write)."""
     token: str | None = field(default_factory=lambda: os.environ.get("KVPOOL_TOKEN") or None,
                                repr=False)
     """Shared secret for the master's RPC and the transfer engine (default: $KVPOOL_TOKEN)."""
