@@ -2,20 +2,47 @@
 
 from __future__ import annotations
 
+import random
 import signal
 import socket
 import subprocess
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
+
+_PICK = random.SystemRandom()  # forked processes must not pick the same sequence
+_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+PICK_SPAN = 8192
+"""free_port picks among this many ports just below the kernel's ephemeral range."""
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port the kernel considers free right now (another process may still take it)."""
-    with socket.socket() as sock:
+    """A port nothing is bound to right now, picked at random just below the kernel's
+    ephemeral range: every outgoing connection takes its local port from that range, so a
+    port picked inside it can be taken by one before the caller binds it (seen in the test
+    suite as EADDRINUSE). Another caller of free_port still can take it, with odds of about
+    one in PICK_SPAN."""
+    low = _ephemeral_low()
+    for _ in range(64):
+        port = _PICK.randrange(max(1024, low - PICK_SPAN), low)
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as sock:  # that span is crowded: any port the kernel gives
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(_RANGE_FILE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def wait_port(port: int, host: str = "127.0.0.1", timeout_s: float = 20.0) -> None:

@@ -5,12 +5,9 @@ from __future__ import annotations
 import socket
 import time
 
+from kvpool.procs import free_port
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+__all__ = ["free_port", "wait_port"]
 
 
 def wait_port(port: int, host: str = "127.0.0.1", timeout_s: float = 15.0) -> None:
