@@ -9,7 +9,6 @@ core here), so the check costs a fraction of the copy it guards.
 from __future__ import annotations
 
 import threading
-from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -100,21 +99,24 @@ class HashOnArrival:
         self._items = items
         """Object index -> (parts, bytes) to hash once its copies are done."""
         self._owners: list[int] = []
-        self._left: Counter[int] = Counter()
+        self._left: dict[int, int] = {}
         self._lock = threading.Lock()
         self.hashes: dict[int, int] = {}
 
     def expect(self, owners: list[int]) -> None:
         """The object index of each transfer request, in request order (before the run)."""
         self._owners = owners
-        self._left = Counter(owners)
+        left: dict[int, int] = {}
+        for obj in owners:
+            left[obj] = left.get(obj, 0) + 1
+        self._left = left
 
     def request_done(self, request: int) -> None:
         obj = self._owners[request]
         with self._lock:
-            self._left[obj] -= 1
-            if self._left[obj]:
-                return
+            left = self._left[obj] = self._left[obj] - 1
+        if left:
+            return
         item = self._items.get(obj)
         if item is not None:
             self.hashes[obj] = parts_checksum(*item)

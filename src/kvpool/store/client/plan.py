@@ -54,6 +54,9 @@ def copies_for(parts: Sequence[Part], remote_addr: int, num_bytes: int) -> list[
 def order_replicas(replicas: Sequence[ReplicaDesc], own_endpoint: str,
                    own_host: str) -> list[ReplicaDesc]:
     """Closest first: our own segment (memcpy), then same host (shm), then the rest (tcp)."""
+    if len(replicas) < 2:
+        return list(replicas)
+
     def distance(r: ReplicaDesc) -> int:
         if r.endpoint == own_endpoint:
             return 0

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 E = ErrorCode
 log = get_logger("store.client")
+_OK, _DRAM = E.OK, Tier.DRAM
 NOT_READY_PAUSE_S = 0.002
 NOT_READY_MAX_PAUSE_S = 0.05
 """Pauses between lookups of an object being loaded from disk (doubling up to the max)."""
@@ -96,25 +97,24 @@ class ReadPath:
         queues: dict[int, list[ReplicaDesc]] = {}
         mismatched: set[int] = set()
         for i, (look, p) in enumerate(zip(looks, parts, strict=True)):
-            if look.code != E.OK:
+            if look.code is not _OK:
                 results.append(ReadResult(look.code))
             elif p is None or not valid_parts(p) or parts_total(p) < look.size \
                     or not self._registered(p, writable=True):
                 results.append(ReadResult(E.INVALID_PARAMS))
-            else:
-                results.append(ReadResult(E.OK, look.size))
-                queues[i] = order_replicas([r for r in look.replicas if r.tier is Tier.DRAM],
-                                           self.endpoint, self.host)
-                if not queues[i]:  # disk replicas are read through a load, never directly
-                    del queues[i]
-                    results[i] = ReadResult(E.TRANSFER_FAIL)
+            elif queue := order_replicas([r for r in look.replicas if r.tier is _DRAM],
+                                         self.endpoint, self.host):
+                results.append(ReadResult(_OK, look.size))
+                queues[i] = queue
+            else:  # disk replicas are read through a load, never directly
+                results.append(ReadResult(E.TRANSFER_FAIL))
+        verify = self.config.verify_checksums
         while queues:
             copies = {i: [(a, r, n, q[0].endpoint, q[0].fence)
                           for a, r, n in copies_for(parts[i] or (), q[0].addr, looks[i].size)]
                       for i, q in queues.items()}
             arrivals = HashOnArrival({i: (parts[i] or (), looks[i].size) for i in queues
-                                      if looks[i].checksum is not None}
-                                     ) if self.config.verify_checksums else None
+                                      if looks[i].checksum is not None}) if verify else None
             failed = self._run_copies(OpCode.READ, copies, arrivals)
             if arrivals is not None:
                 bad = self._verify(looks, [i for i in queues if i not in failed], arrivals)
@@ -125,7 +125,7 @@ class ReadPath:
                 results[i] = ReadResult(E.CHECKSUM_MISMATCH if i in mismatched
                                         else E.TRANSFER_FAIL)
                 del queues[i]
-        if looks and self.clock.now() > t0 + max(x.lease_ttl_s for x in looks):
+        if looks and self.clock.now() > t0 + max([x.lease_ttl_s for x in looks]):
             results = [ReadResult(E.LEASE_EXPIRED) if r.ok else r for r in results]
         return results
 
