@@ -32,6 +32,21 @@ def test_medians_of_rounds() -> None:
     assert [(x.gb_per_s, x.req_per_s) for x in bench.medians(rows)] == [(2.0, 5)]
 
 
+def test_ratios_within_each_round(capsys: pytest.CaptureFixture[str]) -> None:
+    rounds = [[m("kvpool", "put", 2.0, 10), m("mooncake", "put", 1.0, 5),
+               m("kvpool", "is_exist", 0.0, 300), m("mooncake", "is_exist", 0.0, 100),
+               m("kvpool-shm", "put", 9.0, 10), m("raw-socket", "put", 3.0, 1)],
+              [m("kvpool", "put", 3.0, 10), m("mooncake", "put", 4.0, 5),
+               m("kvpool", "is_exist", 0.0, 200), m("mooncake", "is_exist", 0.0, 100)],
+              [m("kvpool", "put", 1.0, 10), m("mooncake", "put", 1.0, 5)]]
+    ratios = bench.round_ratios(rounds)
+    assert ratios == {("put", "batched", 4096): [2.0, 0.75, 1.0],
+                      ("is_exist", "batched", 4096): [3.0, 2.0]}
+    bench.print_spread(ratios)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2].split() == ["put", "batched", "4", "KiB", "0.75", "1.00", "2.00"]
+
+
 def test_kvpool_only_run(capsys: pytest.CaptureFixture[str]) -> None:
     parser = argparse.ArgumentParser()
     bench.register(parser.add_subparsers())

@@ -75,23 +75,25 @@ def run(args: argparse.Namespace) -> int:
                "batch": args.batch, "phase_bytes": parse_size(args.phase_bytes),
                "transfer_s": args.seconds}
     buffer_bytes = max([*batched, 0]) * args.batch + 2 * max([*single, 0]) + 4096
-    rows: list[Measurement] = []
+    rounds: list[list[Measurement]] = []
     with ExitStack() as stack:
         clients = _start(stack, impls, args.shm, parse_size(args.dram), buffer_bytes)
         raw = stack.enter_context(anchors.raw_socket())
         for r in range(args.rounds):
             order = [*clients, "anchors"]
             shift = r % len(order)
+            rounds.append([])
             for name in order[shift:] + order[:shift]:
                 cmd = command | {"tag": f"r{r}"}
-                rows += _anchors(raw, cmd) if name == "anchors" else clients[name](cmd)
-    results = medians(rows)
+                rounds[-1] += _anchors(raw, cmd) if name == "anchors" else clients[name](cmd)
+    results = medians([m for rows in rounds for m in rows])
     add_ratios(results)
     if args.json:
         for m in results:
             print(json.dumps(asdict(m)), flush=True)
     else:
         print_table(results, args.rounds)
+        print_spread(round_ratios(rounds))
     return 0
 
 
@@ -150,6 +152,31 @@ def add_ratios(results: list[Measurement]) -> None:
             (m.req_per_s, anchor.req_per_s)
         if theirs > 0:
             m.anchor, m.ratio = "mooncake", mine / theirs
+
+
+def round_ratios(rounds: list[list[Measurement]]) -> dict[tuple[str, str, int], list[float]]:
+    """kvpool / Mooncake within each round, by (op, mode, size): the two were measured
+    moments apart, so these ratios show how far the machine's noise moves the median's."""
+    out: dict[tuple[str, str, int], list[float]] = {}
+    for rows in rounds:
+        by = {(m.impl, m.op, m.mode, m.size_bytes): m for m in rows
+              if m.bench == "mooncake-api-store"}
+        for (impl, op, mode, size), m in by.items():
+            theirs = by.get(("mooncake", op, mode, size))
+            if impl == "kvpool" and theirs is not None and _value(theirs, mode) > 0:
+                out.setdefault((op, mode, size), []).append(
+                    _value(m, mode) / _value(theirs, mode))
+    return out
+
+
+def print_spread(ratios: dict[tuple[str, str, int], list[float]]) -> None:
+    """Per case, the lowest, median and highest kvpool / Mooncake ratio of the rounds."""
+    if not ratios:
+        return
+    print("\nkv/mc within each round: lowest, median, highest")
+    for (op, mode, size), values in ratios.items():
+        print(f"{op:9} {mode:8} {format_size(size):>6} {min(values):6.2f} "
+              f"{statistics.median(values):6.2f} {max(values):6.2f}")
 
 
 def print_table(results: list[Measurement], rounds: int) -> None:
