@@ -10,6 +10,7 @@ from kvpool.errors import ConfigError
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 DTYPES = ("float32", "bfloat16", "float16")
+PREFILL_MODES = ("chunked", "whole")
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,16 @@ class EngineConfig:
     max_model_len: int = 2048
     dtype: str = "float32"
     device: str = "cpu"
+    prefill_mode: str = "chunked"
+    """chunked: every step carries the running decodes plus prompt chunks (up to
+    `max_prefill_chunk` tokens); whole: vLLM's old default scheduler, where a step of whole
+    prompts (up to `max_prefill_chunk` tokens, at least one prompt) pauses every decode."""
+    enable_prefix_caching: bool = True
+    """Reuse full blocks still held in the local cache (off: every prompt is computed or
+    loaded from the pool from its first block)."""
+    max_prefill_seqs: int = 0
+    """Prompts computed in one step at most (0: no limit; 1: one prompt at a time, as a
+    disaggregated prefill instance runs them)."""
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_prefill_chunk",
@@ -108,6 +119,11 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.prefill_mode not in PREFILL_MODES:
+            raise ConfigError(f"prefill_mode must be one of {PREFILL_MODES}, "
+                              f"got {self.prefill_mode!r}")
+        if self.max_prefill_seqs < 0:
+            raise ConfigError(f"max_prefill_seqs must be >= 0, got {self.max_prefill_seqs}")
 
     @property
     def kv_capacity_tokens(self) -> int:

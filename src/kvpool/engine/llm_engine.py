@@ -1,54 +1,43 @@
-"""LLMEngine: requests in, tokens out, one `step()` at a time.
+"""LLMEngine: the reference engine's torch half, over `core.EngineCore`.
 
     engine = LLMEngine.from_dir("path/to/model", EngineConfig())
     engine.add_request("r1", prompt_ids, SamplingParams(max_tokens=8))
     while engine.has_work:
         for out in engine.step(): ...          # StepOutput per new token / finish
 
-`step()` is schedule -> run the model -> postprocess. The engine is single-threaded: callers
-that serve several clients (the workers) drive it from one thread.
+`run(batch)` is one forward of the model over the batch's tokens, writing their KV into the
+paged tensor cache, and sampling where a sequence's last token was computed.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from kvpool.engine.block_manager import BlockManager
 from kvpool.engine.blocks import model_hash_for_dir
 from kvpool.engine.checkpoint import DTYPES, load_model
-from kvpool.engine.config import EngineConfig, SamplingParams
-from kvpool.engine.connector import KVConnector, NullConnector
+from kvpool.engine.config import EngineConfig
+from kvpool.engine.connector import KVConnector
+from kvpool.engine.core import EngineCore, StepOutput
 from kvpool.engine.kv_cache import KVCache
 from kvpool.engine.model import AttentionBatch, CausalLM, DecodeGroup, SeqSlice
 from kvpool.engine.sampler import sample
-from kvpool.engine.scheduler import ScheduledBatch, Scheduler
-from kvpool.engine.sequence import KVSource, SeqStatus, Sequence
-from kvpool.errors import InvalidArgument
+from kvpool.engine.scheduler import ScheduledBatch
+from kvpool.engine.sequence import Sequence
+
+__all__ = ["LLMEngine", "StepOutput"]
 
 
-@dataclass(frozen=True)
-class StepOutput:
-    request_id: str
-    token_id: int | None = None
-    finish_reason: str | None = None
-    error: str | None = None
-    stats: dict[str, float] = field(default_factory=dict)
+class LLMEngine(EngineCore):
+    cache: KVCache
 
-
-class LLMEngine:
     def __init__(self, model: CausalLM, config: EngineConfig, root_hash: int = 0,
                  connector: KVConnector | None = None) -> None:
-        self.model, self.config, self.root_hash = model, config, root_hash
+        cache = KVCache(model.config, config, DTYPES[config.dtype], config.device)
+        super().__init__(config, cache, root_hash, connector, model.config.eos_token_ids)
+        self.model = model
         self.model_config = model.config
-        self.cache = KVCache(model.config, config, DTYPES[config.dtype], config.device)
-        self.blocks = BlockManager(config.num_blocks, config.block_size)
-        self.scheduler = Scheduler(config, self.blocks)
-        self.connector = connector or NullConnector()
-        self.eos_ids = set(model.config.eos_token_ids)
-        self._finished: list[StepOutput] = []
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, config: EngineConfig | None = None,
@@ -56,57 +45,6 @@ class LLMEngine:
         config = config or EngineConfig()
         model = load_model(model_dir, config.dtype, config.device)
         return cls(model, config, model_hash_for_dir(model_dir), connector)
-
-    # -- requests --------------------------------------------------------------------------
-
-    def new_sequence(self, request_id: str, prompt: list[int], sampling: SamplingParams,
-                     **kw: object) -> Sequence:
-        if not prompt:
-            raise InvalidArgument(f"request {request_id}: empty prompt")
-        if len(prompt) + sampling.max_tokens > self.config.max_model_len:
-            raise InvalidArgument(f"request {request_id}: {len(prompt)} prompt tokens + "
-                                  f"max_tokens {sampling.max_tokens} exceed max_model_len "
-                                  f"{self.config.max_model_len}")
-        if -(-len(prompt) // self.config.block_size) + 1 > self.config.num_blocks:
-            raise InvalidArgument(f"request {request_id}: {len(prompt)} tokens do not fit in "
-                                  f"{self.config.kv_capacity_tokens} tokens of KV cache")
-        return Sequence(request_id, list(prompt), len(prompt), sampling,
-                        self.config.block_size, self.root_hash, **kw)  # type: ignore[arg-type]
-
-    def add_request(self, request_id: str, prompt: list[int], sampling: SamplingParams,
-                    **kw: object) -> Sequence:
-        self._check_new_id(request_id)
-        seq = self.new_sequence(request_id, prompt, sampling, **kw)
-        self.scheduler.add(seq)
-        return seq
-
-    def _check_new_id(self, request_id: str) -> None:
-        if self.scheduler.find(request_id) is not None:
-            raise InvalidArgument(f"request {request_id} is already running here")
-
-    def abort(self, request_id: str, reason: str = "aborted") -> bool:
-        seq = self.scheduler.find(request_id)
-        if seq is None:
-            return False
-        self._finish(seq, None, reason)
-        return True
-
-    @property
-    def has_work(self) -> bool:
-        return self.scheduler.has_work or bool(self._finished)
-
-    # -- the loop --------------------------------------------------------------------------
-
-    def step(self) -> list[StepOutput]:
-        self.connector.before_step()
-        batch = self.scheduler.schedule(self._admit)
-        sampled = self.run(batch) if batch else {}
-        return self.postprocess(batch, sampled)
-
-    def _admit(self, seq: Sequence) -> None:
-        error = self.connector.load(seq)
-        if error is not None:
-            self._finish(seq, None, error)
 
     def run(self, batch: ScheduledBatch) -> dict[Sequence, int]:
         """One forward over the batch; returns the token sampled for each sequence whose
@@ -160,92 +98,3 @@ class LLMEngine:
             mask = (keys[None, :] < torch.tensor(lens)[:, None])[:, None, None, :].to(dev)
         return DecodeGroup(torch.tensor([s.start for s in ones], device=dev), tables.to(dev),
                            max_len, mask)
-
-    def postprocess(self, batch: ScheduledBatch, sampled: dict[Sequence, int]) -> list[StepOutput]:
-        outputs, self._finished = self._finished, []
-        for seq, n in batch:
-            seq.num_computed_tokens += n
-            self.blocks.commit(seq)
-            if seq not in sampled:
-                continue
-            token = sampled[seq]
-            seq.append(token)
-            outputs.append(StepOutput(seq.request_id, token))
-            reason = self._stop_reason(seq, token)
-            if reason is not None:
-                self._finish(seq, reason)
-        outputs, self._finished = outputs + self._finished, []
-        return outputs
-
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        params = seq.sampling
-        if token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos):
-            return "stop"
-        if seq.prefill_only or len(seq.output_ids) >= params.max_tokens:
-            return "length"
-        if len(seq) >= self.config.max_model_len:
-            return "length"
-        return None
-
-    def _finish(self, seq: Sequence, reason: str | None, error: str | None = None) -> None:
-        if seq.status is SeqStatus.FINISHED:
-            return
-        self.connector.before_step()  # no put may still read blocks that are freed below
-        if error is None and seq.block_table:
-            error = self.connector.on_finish(seq)
-        if error is not None:
-            self.connector.on_abort(seq)
-        seq.finish_reason, seq.error = (None, error) if error else (reason, None)
-        self.scheduler.finish(seq)
-        self._finished.append(StepOutput(seq.request_id, None, seq.finish_reason, seq.error,
-                                         self.stats(seq)))
-
-    @staticmethod
-    def stats(seq: Sequence) -> dict[str, float]:
-        return {"num_prompt_tokens": seq.num_prompt_tokens,
-                "num_cached_tokens": seq.num_cached_tokens,
-                "num_pool_tokens": seq.num_pool_tokens,
-                "pool_load_s": seq.pool_load_s,
-                "num_output_tokens": len(seq.output_ids)}
-
-    # -- pushed KV ---------------------------------------------------------------------------
-
-    def reserve_blocks(self, num_tokens: int) -> list[int] | None:
-        """Fresh blocks for `num_tokens` of KV that another worker will write; None if the
-        cache has no room. Give them back with `blocks.release`, or to `start_pushed`."""
-        self.connector.before_step()
-        needed = -(-num_tokens // self.config.block_size) + 1
-        if needed > self.blocks.num_free_blocks:
-            return None
-        return self.blocks.allocate_blocks(needed - 1)
-
-    def start_pushed(self, request_id: str, prompt: list[int], first_token: int,
-                     sampling: SamplingParams, block_ids: list[int]) -> Sequence:
-        """Continue a request whose prompt KV was written into `block_ids`."""
-        self._check_new_id(request_id)
-        seq = self.new_sequence(request_id, prompt, sampling, kv_source=KVSource.PUSH)
-        seq.block_table = list(block_ids)
-        seq.num_computed_tokens = len(prompt)
-        self.blocks.commit(seq)
-        self.scheduler.add_running(seq)
-        self.continue_with(seq, first_token)
-        return seq
-
-    def continue_with(self, seq: Sequence, first_token: int) -> None:
-        """Append the first token a prefill worker sampled; it is this leg's first output."""
-        seq.append(first_token)
-        self._finished.append(StepOutput(seq.request_id, first_token))
-        reason = self._stop_reason(seq, first_token)
-        if reason is not None:
-            self._finish(seq, reason)
-
-    # -- offline use -------------------------------------------------------------------------
-
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams) -> list[list[int]]:
-        ids = [f"gen-{i}" for i in range(len(prompts))]
-        seqs = [self.add_request(rid, p, sampling) for rid, p in zip(ids, prompts, strict=True)]
-        while self.has_work:
-            for out in self.step():
-                if out.error:
-                    raise InvalidArgument(f"{out.request_id}: {out.error}")
-        return [s.output_ids for s in seqs]

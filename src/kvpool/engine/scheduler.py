@@ -5,6 +5,11 @@ last), a prompt has many. One step computes one token of every decoding sequence
 chunks of at most `max_prefill_chunk` tokens in all; new sequences are admitted while there is
 room in the batch and in the KV cache. When a decoding sequence needs a block and none is free,
 the most recently admitted sequence is preempted (its blocks freed; it recomputes later).
+
+With `prefill_mode="whole"` (vLLM's old default scheduler) a step is either whole prompts
+(admitted while they fit `max_prefill_chunk` tokens, at least one) or the decodes: waiting
+prompts go first, and every running decode waits for their step. `max_prefill_seqs` caps the
+prompts one step computes; `enable_prefix_caching=False` ignores the local cache's hits.
 """
 
 from __future__ import annotations
@@ -40,33 +45,70 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self, on_admit: AdmitHook) -> ScheduledBatch:
+        if self.config.prefill_mode == "whole":
+            return self._whole_prompts(on_admit) or self._decodes()
         budget = self.config.max_prefill_chunk
         batch: ScheduledBatch = []
+        prompts = 0
         for seq in list(self.running):
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted while making room for an earlier one
             if seq.num_uncomputed == 1:
                 if self._make_room(seq):
                     batch.append((seq, 1))
-            elif budget > 0:
+            elif budget > 0 and self._prompt_room(prompts):
                 n = min(seq.num_uncomputed, budget)
-                budget -= n
+                budget, prompts = budget - n, prompts + 1
                 batch.append((seq, n))
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            hits = self.blocks.match_prefix(seq)
-            if not self.blocks.can_allocate(seq, hits):
-                break
-            self.waiting.popleft()
-            self.blocks.allocate(seq, hits)
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
-            on_admit(seq)
+        while budget > 0 and self._prompt_room(prompts) and (seq := self._admit_next(on_admit)):
             if seq.status is SeqStatus.FINISHED or seq.num_uncomputed == 0:
                 continue
             n = min(seq.num_uncomputed, budget)
-            budget -= n
+            budget, prompts = budget - n, prompts + 1
             batch.append((seq, n))
+        return batch
+
+    def _prompt_room(self, prompts: int) -> bool:
+        return not self.config.max_prefill_seqs or prompts < self.config.max_prefill_seqs
+
+    def _admit_next(self, on_admit: AdmitHook, max_tokens: int | None = None) -> Sequence | None:
+        """Admit the first waiting sequence if the batch and the cache have room for it (and,
+        with `max_tokens`, its tokens to compute fit); None otherwise."""
+        if not self.waiting or len(self.running) >= self.config.max_num_seqs:
+            return None
+        seq = self.waiting[0]
+        hits = self.blocks.match_prefix(seq) if self.config.enable_prefix_caching else []
+        if not self.blocks.can_allocate(seq, hits):
+            return None
+        if max_tokens is not None and len(seq) - len(hits) * self.blocks.block_size > max_tokens:
+            return None
+        self.waiting.popleft()
+        self.blocks.allocate(seq, hits)
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+        on_admit(seq)
+        return seq
+
+    def _whole_prompts(self, on_admit: AdmitHook) -> ScheduledBatch:
+        """A step of whole prompts: the first that fits the cache, then more while their
+        tokens stay within the budget."""
+        batch: ScheduledBatch = []
+        budget = self.config.max_prefill_chunk
+        while self._prompt_room(len(batch)):
+            seq = self._admit_next(on_admit, budget if batch else None)
+            if seq is None:
+                break
+            if seq.status is SeqStatus.FINISHED or seq.num_uncomputed == 0:
+                continue
+            budget -= seq.num_uncomputed
+            batch.append((seq, seq.num_uncomputed))
+        return batch
+
+    def _decodes(self) -> ScheduledBatch:
+        batch: ScheduledBatch = []
+        for seq in list(self.running):
+            if seq.status is SeqStatus.RUNNING and seq.num_uncomputed == 1 and self._make_room(seq):
+                batch.append((seq, 1))
         return batch
 
     def _make_room(self, seq: Sequence) -> bool:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvpool.engine.blocks import chain_hash, prefix_block_hashes
 from kvpool.engine.config import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 class SeqStatus(enum.Enum):
@@ -46,12 +48,11 @@ class Sequence:
     error: str | None = None
     block_hashes: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    """Made on first use, for sampling at temperature > 0 (the emulated engine never needs
+    torch)."""
 
     def __post_init__(self) -> None:
         self.block_hashes = prefix_block_hashes(self.token_ids, self.block_size, self.root_hash)
-        if self.sampling.temperature > 0:
-            self.generator = torch.Generator()
-            self.generator.seed()
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -72,7 +73,14 @@ class Sequence:
         """The generator for the next token. With a seed, each output position gets its own
         stream (seed, position), so a request split across a prefill and a decode worker
         samples exactly what it would on one."""
-        if self.generator is not None and self.sampling.seed is not None:
+        if self.sampling.temperature == 0:
+            return None
+        if self.generator is None:
+            import torch
+
+            self.generator = torch.Generator()
+            self.generator.seed()
+        if self.sampling.seed is not None:
             self.generator.manual_seed(self.sampling.seed * 1_000_003 + len(self.output_ids))
         return self.generator
 

@@ -169,7 +169,7 @@ async def ndjson(outputs: AsyncIterator[Any]) -> AsyncIterator[bytes]:
         async for out in outputs:
             if out.token_id is not None:
                 num_tokens += 1
-                yield _line({"token_id": out.token_id})
+                yield _line({"token_id": out.token_id, "t": out.time_s})
             if out.finish_reason is not None:
                 yield _line({"finish_reason": out.finish_reason, "num_output_tokens": num_tokens,
                              **_reuse(out.stats)})

@@ -1,4 +1,4 @@
-"""The engine's own thread: it alone touches the LLMEngine. Other threads (the HTTP server's
+"""The engine's own thread: it alone touches the EngineCore. Other threads (the HTTP server's
 event loop) hand it functions with `call` and hear about their requests through `subscribe`."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from kvpool.engine.llm_engine import LLMEngine, StepOutput
+from kvpool.engine.core import EngineCore, StepOutput
 from kvpool.log import get_logger
 
 log = get_logger("engine.loop")
@@ -21,10 +21,10 @@ class ShuttingDown(Exception):
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, idle_tick_s: float = 0.5,
+    def __init__(self, engine: EngineCore, idle_tick_s: float = 0.5,
                  on_idle: Callable[[], None] | None = None) -> None:
         self.engine = engine
-        self._commands: queue.Queue[tuple[Callable[[LLMEngine], Any], Future[Any]]] = queue.Queue()
+        self._commands: queue.Queue[tuple[Callable[[EngineCore], Any], Future[Any]]] = queue.Queue()
         self._listeners: dict[str, Listener] = {}
         self._idle_tick_s, self._on_idle = idle_tick_s, on_idle
         self._stop = threading.Event()
@@ -39,7 +39,7 @@ class EngineLoop:
         self._commands.put((lambda e: None, Future()))
         self._thread.join(timeout=10)
 
-    def call(self, fn: Callable[[LLMEngine], Any]) -> Future[Any]:
+    def call(self, fn: Callable[[EngineCore], Any]) -> Future[Any]:
         """Run `fn(engine)` on the engine thread between steps; its result or exception comes
         back through the future."""
         future: Future[Any] = Future()

@@ -25,7 +25,7 @@ from typing import Any
 
 from kvpool.engine.blocks import block_key, request_key
 from kvpool.engine.connector import KVConnector
-from kvpool.engine.kv_cache import KVCache
+from kvpool.engine.kv_layout import KVLayout
 from kvpool.engine.scheduler import ScheduledBatch
 from kvpool.engine.sequence import KVSource, Sequence
 from kvpool.errors import KvpoolError
@@ -48,7 +48,7 @@ class PushPlan:
     regions: list[Part]  # (addr, bytes), in `push_parts` order
 
 
-def push_parts(cache: KVCache, block_ids: list[int]) -> list[Part]:
+def push_parts(cache: KVLayout, block_ids: list[int]) -> list[Part]:
     """Every block's K and V for every layer: block-major, then layer, then K, V."""
     return [part for b in block_ids for part in cache.block_parts(b)]
 
@@ -56,7 +56,7 @@ def push_parts(cache: KVCache, block_ids: list[int]) -> list[Part]:
 class LayerSaver:
     """A thread that puts (layer, blocks) objects in the pool as the forward hands them over."""
 
-    def __init__(self, store: Any, cache: KVCache) -> None:
+    def __init__(self, store: Any, cache: KVLayout) -> None:
         self.store, self.cache = store, cache
         self._queue: queue.Queue[tuple[int, list[tuple[int, int]]] | None] = queue.Queue()
         self._failures: list[str] = []
@@ -102,7 +102,7 @@ class LayerSaver:
 class PoolConnector(KVConnector):
     """`store` is a StoreClient (or None: no pool); `transfer` the TransferEngine pushes use."""
 
-    def __init__(self, cache: KVCache, store: Any | None, transfer: Any,
+    def __init__(self, cache: KVLayout, store: Any | None, transfer: Any,
                  save_blocks: bool) -> None:
         self.cache, self.transfer = cache, transfer
         self.store: Any = store

@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 
 from kvpool.engine.config import EngineConfig, SamplingParams
-from kvpool.engine.llm_engine import LLMEngine, StepOutput
+from kvpool.engine.core import EngineCore, StepOutput
 from kvpool.engine.sequence import KVSource
 from kvpool.engine.worker.loop import EngineLoop
 from kvpool.engine.worker.pool import PoolConnector, PoolPlan, PushPlan, push_parts
@@ -23,6 +23,7 @@ from kvpool.metadata.http_serving import bearer_header
 
 log = get_logger("engine.worker")
 ROLES = ("prefill", "decode", "both")
+ENGINES = ("torch", "emulated")
 
 
 @dataclass(frozen=True)
@@ -45,15 +46,39 @@ class WorkerConfig:
     """A request that produces nothing for this long ends with an error."""
     reserve_ttl_s: float = 60.0
     """Reserved blocks no /generate claimed within this long are given back."""
+    engine_kind: str = "torch"
+    """torch: the reference model computes; emulated: a profile's step times (docs/serve.md)."""
+    profile: str = "llama70b-8xa800"
+    """emulated: a profile file or the name of a shipped one."""
+    kv_scale: float = 1 / 1024
+    """emulated: the share of the profile's KV bytes per token actually written and moved."""
+    speed_up: float = 1.0
+    """emulated: every step time is divided by this."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ConfigError(f"role must be one of {ROLES}, got {self.role!r}")
+        if self.engine_kind not in ENGINES:
+            raise ConfigError(f"engine must be one of {ENGINES}, got {self.engine_kind!r}")
         if self.engine.device != "cpu":
             raise ConfigError(f"workers keep their KV in CPU memory registered with the transfer "
                               f"engine; device {self.engine.device!r} is for the engine alone")
         if self.kv_transfer not in ("pool", "push"):
             raise ConfigError(f"kv_transfer must be pool or push, got {self.kv_transfer!r}")
+
+
+def make_engine(config: WorkerConfig) -> EngineCore:
+    """The torch engine over the checkpoint, or the emulated one over its profile (the model
+    folder then only gives the vocabulary and identity; the proxy serves its tokenizer)."""
+    if config.engine_kind == "emulated":
+        from kvpool.engine.emulated.engine import EmulatedEngine
+        from kvpool.engine.emulated.profile import load_profile
+
+        return EmulatedEngine.from_dir(config.model_dir, load_profile(config.profile),
+                                       config.engine, config.kv_scale, config.speed_up)
+    from kvpool.engine.llm_engine import LLMEngine
+
+    return LLMEngine.from_dir(config.model_dir, config.engine)
 
 
 class RequestFailed(Exception):
@@ -64,7 +89,7 @@ class Worker:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
         self.store, self.transfer = self._connect()
-        self.engine = LLMEngine.from_dir(config.model_dir, config.engine)
+        self.engine = make_engine(config)
         self.transfer.register(self.engine.cache.kv)
         self.connector = PoolConnector(self.engine.cache, self.store, self.transfer,
                                        save_blocks=config.role == "prefill")
@@ -108,7 +133,18 @@ class Worker:
                 "model_hash": e.root_hash, "block_size": e.config.block_size,
                 "max_model_len": e.config.max_model_len,
                 "kv_capacity_tokens": e.config.kv_capacity_tokens,
-                "segment": self.transfer.segment_name}
+                "segment": self.transfer.segment_name, "engine": self._engine_facts()}
+
+    def _engine_facts(self) -> dict[str, Any]:
+        from kvpool.engine.emulated.engine import EmulatedEngine
+
+        e = self.engine
+        if not isinstance(e, EmulatedEngine):
+            return {"kind": "torch"}
+        return {"kind": "emulated", "profile": e.profile.name, "kv_scale": e.kv_scale,
+                "speed_up": e.speed_up, "kv_layers": e.cache.num_layers,
+                "row_bytes": e.cache.row_bytes, "prefill_mode": e.config.prefill_mode,
+                "enable_prefix_caching": e.config.enable_prefix_caching}
 
     async def load(self) -> dict[str, Any]:
         return await self._on_engine(_load_report)
@@ -129,7 +165,7 @@ class Worker:
         elif mode != "pool":
             raise InvalidArgument(f"kv_transfer mode must be pool or push, got {mode!r}")
         try:
-            first, stats = await self._run_prefill(request_id, prompt, sampling, plan)
+            first, stats, first_t = await self._run_prefill(request_id, prompt, sampling, plan)
         except (RequestFailed, KvpoolError):
             if decode_url:
                 await self._quietly_abort(decode_url, request_id)
@@ -141,7 +177,7 @@ class Worker:
             moved += sum(n for _, n in plan.regions)
         else:
             moved += num_computed * self._token_bytes  # written to the pool
-        return {"request_id": request_id, "first_token_id": first,
+        return {"request_id": request_id, "first_token_id": first, "first_token_t": first_t,
                 "num_prompt_tokens": len(prompt), "num_cached_tokens": num_cached,
                 "num_pool_tokens": num_pool,
                 "num_computed_tokens": num_computed,
@@ -150,21 +186,22 @@ class Worker:
 
     @property
     def _token_bytes(self) -> int:
-        c = self.engine.cache
-        return 2 * c.num_layers * c.block_bytes // c.block_size
+        return self.engine.cache.token_bytes
 
     async def _run_prefill(self, request_id: str, prompt: list[int], sampling: SamplingParams,
-                           plan: PoolPlan | PushPlan) -> tuple[int, dict[str, float]]:
-        def add(engine: LLMEngine) -> None:
+                           plan: PoolPlan | PushPlan) -> tuple[int, dict[str, float], float]:
+        """The first token, the finish stats, and the engine's stamp of the first token."""
+        def add(engine: EngineCore) -> None:
             engine.add_request(request_id, prompt, sampling, prefill_only=True)
             self.connector.plans[request_id] = plan  # read when the request finishes
         first: int | None = None
+        first_t = 0.0
         async for out in self._follow(request_id, add):
             if out.token_id is not None:
-                first = out.token_id
+                first, first_t = out.token_id, out.time_s
             if out.finish_reason is not None:
                 assert first is not None
-                return first, out.stats
+                return first, out.stats, first_t
         raise RequestFailed(f"request {request_id} ended without a token")
 
     async def _reserve(self, decode_url: str, request_id: str, num_tokens: int) -> PushPlan:
@@ -188,7 +225,7 @@ class Worker:
     # -- decode leg --------------------------------------------------------------------------
 
     async def reserve(self, request_id: str, num_tokens: int) -> dict[str, Any] | None:
-        def reserve(engine: LLMEngine) -> dict[str, Any] | None:
+        def reserve(engine: EngineCore) -> dict[str, Any] | None:
             if request_id in self._reserved:
                 raise InvalidArgument(f"request {request_id} already holds a reservation")
             blocks = engine.reserve_blocks(num_tokens)
@@ -207,7 +244,7 @@ class Worker:
             raise InvalidArgument(f"kv_source {kv_source} needs the first_token_id")
         self.engine.new_sequence(request_id, prompt, sampling)  # validate before streaming
 
-        def add(engine: LLMEngine) -> None:
+        def add(engine: EngineCore) -> None:
             if source is KVSource.PUSH:
                 reserved = self._reserved.pop(request_id, None)
                 if reserved is None:
@@ -224,7 +261,7 @@ class Worker:
         return self._follow(request_id, add)
 
     async def abort(self, request_id: str) -> bool:
-        def abort(engine: LLMEngine) -> bool:
+        def abort(engine: EngineCore) -> bool:
             reserved = self._reserved.pop(request_id, None)
             if reserved is not None:
                 engine.blocks.release(reserved[0])
@@ -253,7 +290,7 @@ class Worker:
         def listen(out: StepOutput) -> None:
             loop.call_soon_threadsafe(outputs.put_nowait, out)
 
-        def start(engine: LLMEngine) -> None:
+        def start(engine: EngineCore) -> None:
             self.loop.subscribe(request_id, listen)
             try:
                 add(engine)
@@ -277,12 +314,12 @@ class Worker:
             if not finished:
                 self.loop.call(lambda e: self._drop(e, request_id))
 
-    def _drop(self, engine: LLMEngine, request_id: str) -> None:
+    def _drop(self, engine: EngineCore, request_id: str) -> None:
         self.loop.unsubscribe(request_id)
         engine.abort(request_id, "client went away")
 
 
-def _load_report(engine: LLMEngine) -> dict[str, Any]:
+def _load_report(engine: EngineCore) -> dict[str, Any]:
     s, bs = engine.scheduler, engine.config.block_size
     return {"num_waiting": len(s.waiting), "num_running": len(s.running),
             "queued_prefill_tokens": sum(q.num_uncomputed for q in (*s.waiting, *s.running)

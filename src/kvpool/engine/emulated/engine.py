@@ -1,0 +1,162 @@
+"""EmulatedEngine: `EngineCore` with a profile's step times and the emulated model's KV bytes.
+
+One step, as the torch engine's forward, layer by layer:
+
+    rows of every token computed now  (kvbytes.rows_for; the same for every layer but a constant)
+    for each layer: write its K and V rows into the cache, on_layer(i) (the pool connector puts
+                    that layer's finished blocks meanwhile), sleep to the layer's share of
+                    profile.step_s(...) / speed_up
+    sample: a sequence whose last token was computed now gets output token j of the digest of
+            its prompt's KV as its cache holds it (computed once per prompt completion)
+
+Time spent writing bytes counts toward the step's emulated time, so a worker costs little CPU
+beyond the bytes. Stamps (`StepOutput.time_s`) are the real clock at the step's end; multiply
+durations by `speed_up` to read them in the profile's time.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from kvpool.clock import SYSTEM_CLOCK, Clock
+from kvpool.engine.blocks import model_hash, model_hash_for_dir
+from kvpool.engine.config import EngineConfig
+from kvpool.engine.connector import KVConnector
+from kvpool.engine.core import EngineCore
+from kvpool.engine.emulated import kvbytes
+from kvpool.engine.emulated.cache import ByteKVCache
+from kvpool.engine.emulated.profile import EngineProfile, PromptChunk
+from kvpool.engine.scheduler import ScheduledBatch
+from kvpool.engine.sequence import Sequence
+from kvpool.errors import ConfigError
+
+KV_FORMAT = 1
+"""Version of the emulated KV bytes (kvbytes); part of the model identity."""
+
+
+def row_bytes_for(profile: EngineProfile, kv_scale: float) -> int:
+    """Bytes of one token's K (or V) in one emulated layer: the profile's KV bytes per token
+    times `kv_scale`, shared by 2 * kv_layers rows, in whole 8-byte words (at least one)."""
+    if not 0 < kv_scale <= 1:
+        raise ConfigError(f"kv_scale must be in (0, 1], got {kv_scale}")
+    share = profile.cost.kv_bytes_per_token * kv_scale / (2 * profile.kv_layers)
+    return max(8, int(share) // 8 * 8)
+
+
+class EmulatedEngine(EngineCore):
+    cache: ByteKVCache
+
+    def __init__(self, profile: EngineProfile, config: EngineConfig, vocab: range,
+                 root_hash: int, eos_ids: tuple[int, ...] = (), kv_scale: float = 1 / 1024,
+                 speed_up: float = 1.0, connector: KVConnector | None = None,
+                 clock: Clock = SYSTEM_CLOCK) -> None:
+        if speed_up <= 0:
+            raise ConfigError(f"speed_up must be > 0, got {speed_up}")
+        row_bytes = row_bytes_for(profile, kv_scale)
+        cache = ByteKVCache(profile.kv_layers, config.num_blocks, config.block_size, row_bytes)
+        super().__init__(config, cache, root_hash, connector, eos_ids, clock)
+        self.profile, self.vocab, self.speed_up = profile, vocab, speed_up
+        self.kv_scale = 2 * profile.kv_layers * row_bytes / profile.cost.kv_bytes_per_token
+        """The scale actually used (row bytes are whole words)."""
+        self._constants = [[kvbytes.layer_constant(layer, kind, row_bytes) for kind in (0, 1)]
+                           for layer in range(profile.kv_layers)]
+        self._digests: dict[Sequence, int] = {}
+        self.emulated_s = 0.0
+        """Profile seconds of every step so far (before the speed-up)."""
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, profile: EngineProfile, config: EngineConfig,
+                 kv_scale: float = 1 / 1024, speed_up: float = 1.0) -> EmulatedEngine:
+        """The vocabulary and EOS ids from a model folder's config.json (the proxy serves its
+        tokenizer); the identity covers the folder, the profile and the KV format."""
+        hf = json.loads((Path(model_dir) / "config.json").read_text())
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        row_bytes = row_bytes_for(profile, kv_scale)
+        root = model_hash(json.dumps({"model": model_hash_for_dir(model_dir),
+                                      "profile": profile.to_dict(), "row_bytes": row_bytes,
+                                      "kv_format": KV_FORMAT}, sort_keys=True))
+        return cls(profile, config, kvbytes.ordinary_vocab(int(hf["vocab_size"])), root,
+                   eos_ids, kv_scale, speed_up)
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def step_s(self, batch: ScheduledBatch) -> float:
+        """Profile seconds of `batch`."""
+        chunks: list[PromptChunk] = []
+        num_decodes = context = 0
+        for seq, n in batch:
+            start = seq.num_computed_tokens
+            if n == 1 and start == len(seq) - 1 and start >= seq.num_prompt_tokens:
+                num_decodes += 1
+                context += len(seq)
+            else:
+                reused = seq.num_cached_tokens + seq.num_pool_tokens
+                chunks.append(PromptChunk(start, n, first=start <= reused))
+        return self.profile.step_s(chunks, num_decodes, context)
+
+    def run(self, batch: ScheduledBatch) -> dict[Sequence, int]:
+        t0 = self.clock.now()
+        step = self.step_s(batch)
+        self.emulated_s += step
+        wall = step / self.speed_up
+        rows = [self._base_rows(seq, n) for seq, n in batch]
+        self.connector.before_forward(batch)
+        layers = self.cache.num_layers
+        for layer in range(layers):
+            for (seq, n), base in zip(batch, rows, strict=True):
+                self._write(seq, seq.num_computed_tokens, n, base, layer)
+            self.connector.on_layer(layer)
+            self.clock.sleep(t0 + wall * (layer + 1) / layers - self.clock.now())
+        self.connector.after_forward()
+        return {seq: self._sample(seq, n) for seq, n in batch
+                if seq.num_computed_tokens + n == len(seq)}
+
+    def _base_rows(self, seq: Sequence, n: int) -> np.ndarray:
+        start = seq.num_computed_tokens
+        return kvbytes.rows_for(seq.token_ids, start, start + n, self.config.block_size,
+                                seq.block_hashes, self.root_hash, self.cache.row_bytes)
+
+    def _write(self, seq: Sequence, start: int, n: int, base: np.ndarray, layer: int) -> None:
+        bs = self.config.block_size
+        pos = start
+        while pos < start + n:
+            block, offset = divmod(pos, bs)
+            take = min(bs - offset, start + n - pos)
+            part = base[pos - start:pos - start + take]
+            for kind in (0, 1):
+                self.cache.write(layer, kind, seq.block_table[block], offset,
+                                 part ^ self._constants[layer][kind])
+            pos += take
+
+    def _sample(self, seq: Sequence, n: int) -> int:
+        """Output token j of the prompt's KV digest; the digest is read from the cache when
+        the prompt (or its recomputation) completes, or when this engine first samples for
+        the sequence (its prompt KV was loaded or pushed)."""
+        if n > 1 or seq.num_computed_tokens < seq.num_prompt_tokens or seq not in self._digests:
+            self._digests[seq] = self._prompt_digest(seq)
+        digest = self._digests[seq]
+        return kvbytes.output_tokens(digest, len(seq.output_ids), 1, self.vocab)[0]
+
+    def _prompt_digest(self, seq: Sequence) -> int:
+        bs, n = self.config.block_size, seq.num_prompt_tokens
+        parts = []
+        for layer in range(self.cache.num_layers):
+            for kind in (0, 1):
+                parts += [self.cache.rows(layer, kind, seq.block_table[b // bs], min(bs, n - b))
+                          for b in range(0, n, bs)]
+        return kvbytes.digest_rows(parts)
+
+    def forget(self, seq: Sequence) -> None:
+        self._digests.pop(seq, None)
+
+    # -- facts ----------------------------------------------------------------------------------
+
+    def expected_output(self, prompt: list[int], num_tokens: int) -> list[int]:
+        """What this engine must answer, from the tokens alone (kvbytes.expected_output)."""
+        return kvbytes.expected_output(prompt, num_tokens, self.config.block_size,
+                                       self.root_hash, self.cache.num_layers,
+                                       self.cache.row_bytes, self.vocab)

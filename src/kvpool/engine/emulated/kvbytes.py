@@ -1,0 +1,103 @@
+"""The emulated model: KV bytes as a function of the tokens, and tokens as a function of KV.
+
+    row(p)   = W words of splitmix64(seed(p) + k * GOLDEN), k < W     one token's K (or V) of
+    seed(p)  = mix(parent hash of p's block, p, token p)              one layer, XORed with a
+                                                                      (layer, kind) constant
+    digest   = xxh3_64 over the prompt's rows, layer by layer, K then V, block by block
+    output j = ordinary token number splitmix64(digest + j)
+
+So a block's KV depends on the prefix before it (its parent's chained hash, which covers the
+model identity) and its own tokens, like a transformer's; and every output token depends on
+every byte of the prompt's KV. An engine derives its tokens from the bytes in its own cache
+(computed, loaded from the pool or pushed), while `expected_output` derives them from the tokens
+alone: any KV that came from the wrong place, or was damaged on the way, changes the output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import xxhash
+
+from kvpool.engine.blocks import prefix_block_hashes
+
+GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def splitmix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser over a uint64 array (wrapping arithmetic)."""
+    z = x + GOLDEN
+    z = (z ^ (z >> np.uint64(30))) * _M1
+    z = (z ^ (z >> np.uint64(27))) * _M2
+    return z ^ (z >> np.uint64(31))
+
+
+def ordinary_vocab(vocab_size: int) -> range:
+    """Token ids an emulated model emits: the vocabulary past its first 16 (the specials of
+    kvpool's tiny tokenizer sit there)."""
+    return range(min(16, vocab_size // 2), vocab_size)
+
+
+def token_rows(parents: np.ndarray, positions: np.ndarray, tokens: np.ndarray,
+               row_bytes: int) -> np.ndarray:
+    """[n, row_bytes] uint8: the base rows of n tokens (before the layer/kind constant)."""
+    with np.errstate(over="ignore"):
+        seeds = splitmix(parents ^ splitmix((positions << np.uint64(32)) ^ tokens))
+        words = np.arange(row_bytes // 8, dtype=np.uint64) * GOLDEN
+        rows = splitmix(seeds[:, None] + words[None, :])
+    return rows.view(np.uint8).reshape(len(tokens), row_bytes)
+
+
+def layer_constant(layer: int, kind: int, row_bytes: int) -> np.ndarray:
+    """[row_bytes] uint8 XORed onto the base rows of one layer's K (kind 0) or V (kind 1)."""
+    with np.errstate(over="ignore"):
+        word = splitmix(np.array([layer * 2 + kind + 1], dtype=np.uint64))
+    return np.tile(word.view(np.uint8), row_bytes // 8)
+
+
+def rows_for(token_ids: Sequence[int], start: int, stop: int, block_size: int,
+             block_hashes: Sequence[int], root_hash: int, row_bytes: int) -> np.ndarray:
+    """Base rows of positions start..stop-1 of a sequence whose full blocks hash to
+    `block_hashes` (those before `stop` must be known)."""
+    positions = np.arange(start, stop, dtype=np.uint64)
+    blocks = np.arange(start, stop) // block_size
+    chain = np.array([root_hash, *block_hashes], dtype=np.uint64)
+    parents = chain[np.minimum(blocks, len(chain) - 1)]
+    tokens = np.asarray(token_ids[start:stop], dtype=np.int64).astype(np.uint64)
+    return token_rows(parents, positions, tokens, row_bytes)
+
+
+def output_tokens(digest: int, first: int, count: int, vocab: range) -> list[int]:
+    """Output tokens first..first+count-1 of a prompt whose KV digests to `digest`."""
+    with np.errstate(over="ignore"):
+        x = splitmix(np.uint64(digest) + np.arange(first, first + count, dtype=np.uint64))
+    return [vocab.start + int(v) % len(vocab) for v in x]
+
+
+def digest_rows(chunks: Sequence[np.ndarray]) -> int:
+    h = xxhash.xxh3_64()
+    for chunk in chunks:
+        h.update(chunk)
+    return h.intdigest()
+
+
+def expected_digest(prompt: Sequence[int], block_size: int, root_hash: int, num_layers: int,
+                    row_bytes: int) -> int:
+    """The digest an engine's cache must hold for `prompt`, from the tokens alone."""
+    hashes = prefix_block_hashes(prompt, block_size, root_hash)
+    base = rows_for(prompt, 0, len(prompt), block_size, hashes, root_hash, row_bytes)
+    parts = []
+    for layer in range(num_layers):
+        for kind in (0, 1):
+            rows = base ^ layer_constant(layer, kind, row_bytes)
+            parts += [rows[b:b + block_size] for b in range(0, len(prompt), block_size)]
+    return digest_rows(parts)
+
+
+def expected_output(prompt: Sequence[int], num_tokens: int, block_size: int, root_hash: int,
+                    num_layers: int, row_bytes: int, vocab: range) -> list[int]:
+    """What an emulated engine must answer to `prompt` (greedy, EOS ignored)."""
+    digest = expected_digest(prompt, block_size, root_hash, num_layers, row_bytes)
+    return output_tokens(digest, 0, num_tokens, vocab)

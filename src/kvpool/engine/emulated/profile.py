@@ -1,0 +1,120 @@
+"""An accelerator profile: the cost model's terms and the KV layout an emulated engine runs on,
+as data (a JSON file), so the emulated and the real engine are described the same way.
+
+    {"name": "...", "description": "...",
+     "cost": {CostModel fields},           the step times (kvpool.conductor.cost)
+     "chunk_overhead_s": 0.0225,           extra time of a step mixing prompt chunks and decodes
+     "kv_capacity_tokens": 1000000,        KV that fits beside the weights (sets --num-blocks)
+     "kv_layers": 2}                       layers the emulated KV bytes are split into
+
+`step_s` is the one place that turns a step's work into seconds, used by the emulated engine;
+the simulator prices the same work with the same CostModel.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from kvpool.conductor.cost import CostModel
+from kvpool.errors import ConfigError, KvpoolError
+
+PROFILES_DIR = Path(__file__).resolve().parents[2] / "data" / "profiles"
+DEFAULT_PROFILE = "llama70b-8xa800"
+
+
+@dataclass(frozen=True)
+class PromptChunk:
+    """Prompt tokens [start, start + num_tokens) computed in one step; `first` when the chunk
+    begins the prompt's compute (after the prefix found in the cache or the pool)."""
+
+    start: int
+    num_tokens: int
+    first: bool
+
+
+@dataclass(frozen=True)
+class EngineProfile:
+    name: str
+    cost: CostModel = field(default_factory=CostModel)
+    description: str = ""
+    chunk_overhead_s: float = 0.0225
+    """Extra seconds of a step that carries prompt chunks beside running decodes (the
+    simulator's vLLM chunked-prefill overhead, sim/vllm.py)."""
+    kv_capacity_tokens: int = 1_000_000
+    """KV tokens one instance holds beside its weights."""
+    kv_layers: int = 2
+    """Layers the emulated KV is written and saved in (layer-wise saving overlaps the step)."""
+
+    def __post_init__(self) -> None:
+        if self.chunk_overhead_s < 0:
+            raise ConfigError(f"profile {self.name}: chunk_overhead_s must be >= 0, "
+                              f"got {self.chunk_overhead_s}")
+        for name in ("kv_capacity_tokens", "kv_layers"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"profile {self.name}: {name} must be > 0, "
+                                  f"got {getattr(self, name)}")
+
+    def step_s(self, chunks: list[PromptChunk], num_decodes: int, decode_context: int) -> float:
+        """Seconds of one step: its prompt chunks (the fixed prefill cost once per prompt, at
+        its first chunk; a prompt done in one chunk overlaps loading its prefix, as
+        `CostModel.prefill_with_load_s`), plus the decode step of the running batch and the
+        mixing overhead when both share the step."""
+        c = self.cost
+        prefill = 0.0
+        for ch in chunks:
+            end = ch.start + ch.num_tokens
+            compute = (c.prefill_linear_s * ch.num_tokens
+                       + c.prefill_quadratic_s * (end * end - ch.start * ch.start))
+            if ch.first:
+                compute = max(compute + c.prefill_base_s, ch.start * c.load_s_per_token)
+            prefill += compute
+        if not num_decodes:
+            return prefill
+        decode = c.decode_step_s(num_decodes, decode_context)
+        return decode + (prefill + self.chunk_overhead_s if chunks else 0.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "profile") -> EngineProfile:
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: a profile is a JSON object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"{source}: unknown profile fields {unknown}; known: {sorted(known)}")
+        if "name" not in data:
+            raise ConfigError(f"{source}: the profile has no 'name'")
+        kw = dict(data)
+        try:
+            kw["cost"] = CostModel.from_dict(data.get("cost") or {})
+            return cls(**kw)
+        except KvpoolError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+        except TypeError as exc:
+            raise ConfigError(f"{source}: a field has the wrong type: {exc}") from None
+
+
+def load_profile(name_or_path: str | Path) -> EngineProfile:
+    """A profile by file path, or by the name of one shipped in kvpool/data/profiles."""
+    path = Path(name_or_path)
+    if not path.is_file():
+        shipped = PROFILES_DIR / f"{name_or_path}.json"
+        if not shipped.is_file():
+            names = sorted(p.stem for p in PROFILES_DIR.glob("*.json"))
+            raise ConfigError(f"profile {name_or_path!r} is neither a file nor a shipped "
+                              f"profile ({', '.join(names)})")
+        path = shipped
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read the profile {path}: {exc}") from None
+    return EngineProfile.from_dict(data, str(path))
+
+
+def write_profile(profile: EngineProfile, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(profile.to_dict(), indent=1) + "\n")
