@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import argparse
 
+from kvpool.engine.config import PREFILL_MODES
+from kvpool.engine.emulated.profile import DEFAULT_PROFILE
+from kvpool.engine.worker.runtime import ENGINES
 from kvpool.errors import KvpoolError
 from kvpool.log import get_logger
 from kvpool.procs import free_port
@@ -24,15 +27,42 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="how a prefill worker hands KV over when the request does not say")
     p.add_argument("--token", default=None, help="shared bearer token (default $KVPOOL_TOKEN)")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=1024)
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV blocks (default 1024; emulated: the profile's KV capacity)")
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-prefill-chunk", type=int, default=512)
     p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--prefill-mode", choices=PREFILL_MODES, default="chunked",
+                   help="chunked: decodes ride with prompt chunks; whole: vLLM's old default, "
+                        "a step of whole prompts pauses every decode")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="ignore the local cache's prefix hits")
+    p.add_argument("--max-prefill-seqs", type=int, default=0,
+                   help="prompts computed per step at most (0 = no limit)")
+    p.add_argument("--engine", choices=ENGINES, default="torch",
+                   help="torch: the reference model; emulated: an accelerator profile's step "
+                        "times, real KV bytes (docs/serve.md)")
+    p.add_argument("--profile", default=DEFAULT_PROFILE,
+                   help="--engine emulated: a profile JSON or a shipped profile's name")
+    p.add_argument("--kv-scale", type=float, default=1 / 1024,
+                   help="--engine emulated: share of the profile's KV bytes actually moved")
+    p.add_argument("--speed-up", type=float, default=1.0,
+                   help="--engine emulated: divide every step time by this")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dram", default="0", help="DRAM to contribute to the pool, e.g. 1GiB")
     p.add_argument("--remote-timeout", type=float, default=10.0, help="seconds")
     p.set_defaults(func=run)
+
+
+def _num_blocks(args: argparse.Namespace) -> int:
+    if args.num_blocks is not None:
+        return int(args.num_blocks)
+    if args.engine == "emulated":
+        from kvpool.engine.emulated.profile import load_profile
+
+        return max(2, load_profile(args.profile).kv_capacity_tokens // args.block_size)
+    return 1024
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,12 +78,16 @@ def run(args: argparse.Namespace) -> int:
             model_dir=args.model, role=args.role, master=args.master, host=args.host,
             port=args.port or free_port(args.host), kv_transfer=args.kv_transfer,
             token=args.token or os.environ.get("KVPOOL_TOKEN") or None,
-            engine=EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks,
+            engine=EngineConfig(block_size=args.block_size, num_blocks=_num_blocks(args),
                                 max_num_seqs=args.max_num_seqs,
                                 max_prefill_chunk=args.max_prefill_chunk,
                                 max_model_len=args.max_model_len, dtype=args.dtype,
-                                device=args.device),
-            dram_bytes=parse_size(args.dram), remote_timeout_s=args.remote_timeout)
+                                device=args.device, prefill_mode=args.prefill_mode,
+                                enable_prefix_caching=not args.no_prefix_caching,
+                                max_prefill_seqs=args.max_prefill_seqs),
+            dram_bytes=parse_size(args.dram), remote_timeout_s=args.remote_timeout,
+            engine_kind=args.engine, profile=args.profile, kv_scale=args.kv_scale,
+            speed_up=args.speed_up)
         worker = Worker(config)
     except KvpoolError as exc:
         log.error("%s", exc)

@@ -76,13 +76,16 @@ class Proxy:
         return min(self.cluster.max_model_len or self.context_len, self.context_len)
 
     async def serve(self, request: Request, kind: str) -> Response:
-        arrival_s = time.perf_counter()
+        arrival_s, received_t = time.perf_counter(), time.monotonic()
         endpoint = "completions" if kind == "completion" else "chat"
         try:
             parsed = await _parse(request, CompletionRequest if kind == "completion" else ChatRequest)
             prep = prepare(parsed, kind, self)  # type: ignore[arg-type]
+            decide_t = time.perf_counter()
             booking = self.dispatcher.schedule(prep.prompt_ids, prep.max_tokens)
             run = self.dispatcher.run(booking, prep.request_id, prep.prompt_ids, prep.sampling)
+            run.received_t, run.decision_s = received_t, time.perf_counter() - decide_t
+            self.metrics.decision.observe(run.decision_s)
             tokens = run.tokens()
             try:
                 first = await anext(tokens)

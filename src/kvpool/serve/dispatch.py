@@ -155,6 +155,13 @@ class Run:
         self.prompt_ids = prompt_ids
         self.sampling = sampling
         self.finish_reason: str | None = None
+        self.received_t = 0.0
+        """CLOCK_MONOTONIC when the proxy received the request (set by the app)."""
+        self.decision_s = 0.0
+        """How long scheduling took (set by the app)."""
+        self.token_ids: list[int] = []
+        self.token_t: list[float] = []
+        """The worker's stamp of each output token (the end of the step that made it)."""
         self.cached_len = 0
         """Prompt tokens whose KV was reused (local cache + pool), as the prefill worker says."""
 
@@ -190,6 +197,7 @@ class Run:
             self.cached_len = int(reply.get("num_cached_tokens", 0)) + int(
                 reply.get("num_pool_tokens", 0))
             first = int(reply["first_token_id"])
+            self._record(first, float(reply.get("first_token_t") or 0.0))
         except (KeyError, TypeError, ValueError):
             raise WorkerCallError(self.b.prefill.url, "/prefill",
                                   f"reply without first_token_id: {reply!r}") from None
@@ -225,12 +233,17 @@ class Run:
                 if skip_echo:  # the first token came from the prefill leg already
                     skip_echo = False
                     continue
+                self._record(tok, float(obj.get("t") or 0.0))
                 if kv_source == "none" and self.b.prefill_pending:
                     self._colocated_first_token()
                 last_s = self._decode_gap(last_s)
                 yield tok
         finally:
             await lines.aclose()
+
+    def _record(self, token: int, stamp: float) -> None:
+        self.token_ids.append(token)
+        self.token_t.append(stamp)
 
     def _decode_gap(self, last_s: float | None) -> float:
         """Record the gap since the previous decode-leg token with the decode worker's batch."""

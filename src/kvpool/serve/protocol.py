@@ -36,6 +36,10 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1)
     """Only one choice per request."""
+    kvpool_trace: bool = False
+    """kvpool's extension for benchmarks: the last chunk (or the body) carries `kvpool_trace`,
+    the output token ids with the worker's clock stamp of the step that made each
+    (`trace_of`)."""
 
     @property
     def stop_list(self) -> list[str]:
@@ -123,6 +127,15 @@ def chunk(kind: Kind, rid: str, model: str, text: str | None, finish: str | None
         obj = "chat.completion.chunk"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model,
             "choices": [choice]}
+
+
+def trace_of(received_t: float, decision_s: float, token_ids: list[int],
+             token_t: list[float]) -> dict[str, Any]:
+    """The `kvpool_trace` object: when the proxy received the request and how long the
+    conductor took (CLOCK_MONOTONIC seconds, comparable across the processes of one host), and
+    each output token's id and stamp (the end of the engine step that made it)."""
+    return {"received_t": received_t, "decision_s": decision_s, "token_ids": token_ids,
+            "token_t": token_t}
 
 
 def usage_chunk(kind: Kind, rid: str, model: str, use: dict[str, Any]) -> dict[str, Any]:

@@ -24,6 +24,8 @@ class PreparedRequest:
     stop: list[str]
     stream: bool
     include_usage: bool
+    trace: bool = False
+    """Return the `kvpool_trace` extension (token ids and stamps)."""
 
 
 _ids = itertools.count(1)
@@ -49,7 +51,7 @@ def prepare(req: CompletionRequest | ChatRequest, kind: Kind, proxy: Proxy) -> P
                           f"context of {limit} tokens; lower max_tokens", param="max_tokens")
     return PreparedRequest(kind, new_id(kind, next(_ids)), ids, max_tokens,
                            req.sampling(max_tokens), req.stop_list, req.stream,
-                           req.include_usage)
+                           req.include_usage, req.kvpool_trace)
 
 
 def _completion_ids(req: CompletionRequest, proxy: Proxy) -> list[int]:

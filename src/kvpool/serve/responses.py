@@ -12,7 +12,15 @@ from typing import TYPE_CHECKING, Any
 
 from kvpool.serve.dispatch import Run
 from kvpool.serve.errors import ApiError
-from kvpool.serve.protocol import SSE_DONE, chunk, full_response, sse, usage, usage_chunk
+from kvpool.serve.protocol import (
+    SSE_DONE,
+    chunk,
+    full_response,
+    sse,
+    trace_of,
+    usage,
+    usage_chunk,
+)
 from kvpool.serve.requests import PreparedRequest
 from kvpool.serve.text import TextStream
 from kvpool.serve.worker_client import WorkerCallError
@@ -59,8 +67,15 @@ async def full_body(proxy: Proxy, prep: PreparedRequest, run: Run, first: int,
     async for piece, reason in _deltas(proxy, prep, run, first, tokens, text):
         parts.append(piece)
         finish = reason or finish
-    return full_response(prep.kind, prep.request_id, proxy.model_name, "".join(parts), finish,
+    body = full_response(prep.kind, prep.request_id, proxy.model_name, "".join(parts), finish,
                          _usage(prep, run, text))
+    return body | _trace(prep, run)
+
+
+def _trace(prep: PreparedRequest, run: Run) -> dict[str, Any]:
+    if not prep.trace:
+        return {}
+    return {"kvpool_trace": trace_of(run.received_t, run.decision_s, run.token_ids, run.token_t)}
 
 
 async def sse_stream(proxy: Proxy, prep: PreparedRequest, run: Run, first: int,
@@ -79,6 +94,6 @@ async def sse_stream(proxy: Proxy, prep: PreparedRequest, run: Run, first: int,
         yield ApiError(502, str(exc), "worker_error", "worker_failed").sse()
         yield SSE_DONE
         return
-    if prep.include_usage:
-        yield sse(usage_chunk(kind, rid, model, _usage(prep, run, text)))
+    if prep.include_usage or prep.trace:
+        yield sse(usage_chunk(kind, rid, model, _usage(prep, run, text)) | _trace(prep, run))
     yield SSE_DONE
