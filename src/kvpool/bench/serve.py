@@ -53,7 +53,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="--matrix: model folder (default: tiny)")
     p.add_argument("--trace", type=Path, default=None, help="Mooncake JSONL (default: packaged)")
     p.add_argument("--limit", type=int, default=40, help="requests replayed (default 40)")
-    p.add_argument("--speed-up", type=float, default=4.0, help="replay this many times faster")
+    p.add_argument("--engine", choices=("torch", "emulated"), default="torch",
+                   help="emulated: the full-length trace on emulated-accelerator workers "
+                        "(kvpool.bench.serve_emulated)")
+    p.add_argument("--speed-up", type=float, default=None,
+                   help="replay this many times faster (default 4; emulated: 1)")
     p.add_argument("--block-tokens", type=int, default=16, help="tokens per trace block")
     p.add_argument("--max-output", type=int, default=16, help="cap on output tokens")
     p.add_argument("--ttft-slo", type=float, default=2.0, help="--matrix: proxies' TTFT SLO, s")
@@ -64,6 +68,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="requests sent one at a time before the replay, so the simulator's "
                         "cost model is fitted to clean prefill times (default 8; 0 = none)")
     p.add_argument("--json", action="store_true", help="one JSON object per run")
+    from kvpool.bench.serve_emulated import add_arguments
+
+    add_arguments(p)
     p.set_defaults(func=_main)
 
 
@@ -313,6 +320,12 @@ def _main(args: argparse.Namespace) -> int:
     from kvpool.errors import KvpoolError
 
     try:
+        if args.engine == "emulated":
+            from kvpool.bench.serve_emulated import run_emulated
+
+            args.speed_up = args.speed_up or 1.0
+            return run_emulated(args)
+        args.speed_up = args.speed_up or 4.0
         if args.url is None or args.matrix:
             return _run_matrix(args)
         return _run_url(args)

@@ -5,14 +5,23 @@ A full, computed block is registered under its chained prefix hash (`blocks.py`)
 user lets go it stays in the free list with its hash, so a later prompt with the same prefix
 takes it back (tokens are compared on a hit, so a hash collision is a miss, never wrong KV).
 Free blocks are reused least recently freed first; reusing one drops its hash.
+
+Every change of the hashed set is an event `(hash, stored)` with a sequence number, so a reader
+(the proxy's prefix index) follows the set by deltas (`events_since`) and resyncs from
+`cached_hashes` when it fell behind the bounded log.
 """
+
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import itertools
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from kvpool.engine.sequence import Sequence
+
+MAX_EVENTS = 200_000
+"""Events kept for readers that poll; one who fell further behind reads the whole set."""
 
 
 @dataclass
@@ -29,6 +38,9 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._by_hash: dict[int, int] = {}
+        self._events: deque[tuple[int, bool]] = deque(maxlen=MAX_EVENTS)
+        self.num_events = 0
+        """Events ever recorded: the sequence number of the next one."""
 
     # -- questions -------------------------------------------------------------------------
 
@@ -38,6 +50,18 @@ class BlockManager:
 
     def cached_hashes(self) -> list[int]:
         return list(self._by_hash)
+
+    def events_since(self, seq: int) -> list[tuple[int, bool]] | None:
+        """(hash, stored) events from number `seq` on, in order; None when they are no longer
+        all kept (or `seq` is from the future): read `cached_hashes` instead."""
+        first = self.num_events - len(self._events)
+        if not first <= seq <= self.num_events:
+            return None
+        return list(itertools.islice(self._events, seq - first, None))
+
+    def _log(self, block_hash: int, stored: bool) -> None:
+        self._events.append((block_hash, stored))
+        self.num_events += 1
 
     def match_prefix(self, seq: Sequence) -> list[int]:
         """Leading blocks of `seq` held here, leaving at least one token to compute."""
@@ -86,6 +110,7 @@ class BlockManager:
             if seq.block_hashes[i] not in self._by_hash:
                 block.hash, block.token_ids = seq.block_hashes[i], tuple(seq.block_tokens(i))
                 self._by_hash[block.hash] = block.block_id
+                self._log(block.hash, True)
         seq.num_committed_blocks = max(seq.num_committed_blocks, full)
 
     def free(self, seq: Sequence) -> None:
@@ -112,6 +137,7 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.hash is not None:
             del self._by_hash[block.hash]
+            self._log(block.hash, False)
             block.hash, block.token_ids = None, ()
         block.ref_count = 1
         return block_id

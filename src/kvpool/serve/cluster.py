@@ -86,7 +86,10 @@ class WorkerState:
     """Refused polls in a row."""
     last_ok_s: float = 0.0
     load: WorkerLoad = field(default_factory=WorkerLoad)
-    blocks: frozenset[int] = frozenset()
+    blocks: set[int] = field(default_factory=set)
+    epoch: str = ""
+    """The worker's block-event numbering and how far it was read (`/load?epoch=&since=`)."""
+    events_to: int = 0
     prefill_load: PrefillLoad | None = None
     decode_load: DecodeLoad | None = None
     shift_s: float = 0.0
@@ -177,7 +180,7 @@ class LiveCluster:
         if not w.alive or (w.failures < self.dead_after_failures and not silent):
             return False
         w.alive = False
-        w.blocks = frozenset()
+        w.blocks, w.epoch, w.events_to = set(), "", 0
         w.down.set()
         self._rebuild()
         log.warning("worker %s left the rotation after %d failed polls", url, w.failures)
@@ -208,16 +211,24 @@ class LiveCluster:
         w = self.workers[url]
         w.failures, w.last_ok_s = 0, now
         w.load = WorkerLoad.from_json(obj)
-        blocks = frozenset(int(h) for h in obj.get("block_hashes", ()))
-        if w.alive and w.prefill_load is not None:
-            i = w.prefill_load.instance_id
-            for h in blocks - w.blocks:
-                self.view.index.add(i, h)
-            for h in w.blocks - blocks:
-                self.view.index.remove(i, h)
+        if "block_hashes" in obj:
+            blocks = {int(h) for h in obj["block_hashes"]}
+            events = [(h, True) for h in blocks - w.blocks] + [(h, False) for h in w.blocks - blocks]
+        else:
+            events = [(int(h), bool(stored)) for h, stored in obj.get("block_events", ())]
+        index = self.view.index if w.alive and w.prefill_load is not None else None
+        for h, stored in events:
+            if stored and h not in w.blocks:
+                w.blocks.add(h)
+                if index is not None:
+                    index.add(w.prefill_load.instance_id, h)  # type: ignore[union-attr]
+            elif h in w.blocks:
+                w.blocks.discard(h)
+                if index is not None:
+                    index.remove(w.prefill_load.instance_id, h)  # type: ignore[union-attr]
+        w.epoch, w.events_to = str(obj.get("epoch", "")), int(obj.get("events_to", 0))
         if w.decode_load is not None and w.load.kv_capacity_tokens > 0:
             w.decode_load.kv_capacity_tokens = w.load.kv_capacity_tokens
-        w.blocks = blocks
 
     # -- bookings ---------------------------------------------------------------------------
 

@@ -162,6 +162,8 @@ class Run:
         self.token_ids: list[int] = []
         self.token_t: list[float] = []
         """The worker's stamp of each output token (the end of the step that made it)."""
+        self.kv_bytes_moved = 0
+        """KV bytes the prefill leg read from the pool and wrote to it (or pushed)."""
         self.cached_len = 0
         """Prompt tokens whose KV was reused (local cache + pool), as the prefill worker says."""
 
@@ -198,6 +200,7 @@ class Run:
                 reply.get("num_pool_tokens", 0))
             first = int(reply["first_token_id"])
             self._record(first, float(reply.get("first_token_t") or 0.0))
+            self.kv_bytes_moved = int(reply.get("kv_bytes_moved") or 0)
         except (KeyError, TypeError, ValueError):
             raise WorkerCallError(self.b.prefill.url, "/prefill",
                                   f"reply without first_token_id: {reply!r}") from None

@@ -70,6 +70,28 @@ def wait_http(url: str, procs: list[subprocess.Popen[bytes]], what: str,
     raise TimeoutError(f"{what}: {url} did not answer within {timeout_s:.0f} s")
 
 
+def wait_segments(admin_url: str, count: int, procs: list[subprocess.Popen[bytes]],
+                  timeout_s: float = 120.0) -> None:
+    """Until the master has `count` mounted segments (a large store node takes seconds to map
+    its memory; a put before that finds no space)."""
+    from kvpool.metadata.http_serving import bearer_header
+
+    headers = bearer_header(os.environ.get("KVPOOL_TOKEN") or None)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for p in procs:
+            if p.poll() is not None:
+                raise KvpoolError(f"the store: process {p.pid} exited with code {p.returncode}")
+        try:
+            reply = httpx.get(f"{admin_url}/segments", headers=headers, timeout=2.0)
+            if reply.status_code == 200 and len(reply.json()) >= count:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"the store: {count} segments not mounted within {timeout_s:.0f} s")
+
+
 def default_model_dir() -> Path:
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(cache) / "kvpool" / "models" / "tiny"
@@ -93,6 +115,23 @@ def ensure_tiny_model(folder: Path) -> Path:
     return folder
 
 
+def ensure_emulated_model(tiny: Path, folder: Path, max_model_len: int) -> Path:
+    """A model folder for emulated workers: the tiny model's tokenizer (the proxy serves it)
+    and its config with `max_model_len` positions; no weights (an emulated engine computes
+    nothing)."""
+    import json
+    import shutil
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (tiny / name).is_file():
+            shutil.copyfile(tiny / name, folder / name)
+    config = json.loads((tiny / "config.json").read_text())
+    config["max_position_embeddings"] = max_model_len
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    return folder
+
+
 @dataclass
 class ServingCluster:
     host: str
@@ -101,6 +140,7 @@ class ServingCluster:
     model_name: str
     master_address: str = ""
     metadata_url: str = ""
+    admin_url: str = ""
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     worker_urls: dict[str, list[str]] = field(default_factory=dict)
 
@@ -141,9 +181,11 @@ def serving_cluster(spec: ServingSpec) -> Iterator[ServingCluster]:
         wait_http(f"http://{host}:{admin}/health", [master], "master")
         master_addr, metadata = f"{host}:{rpc}", f"http://{host}:{meta}/metadata"
         cluster.master_address, cluster.metadata_url = master_addr, metadata
+        cluster.admin_url = f"http://{host}:{admin}"
         for i in range(spec.num_store_nodes):
             start(f"store-node-{i}", "store-node", "--dram", spec.dram, "--master", master_addr,
                   "--host", host, "--metadata", metadata)
+        wait_segments(cluster.admin_url, spec.num_store_nodes, list(cluster.procs.values()))
         roles = (["prefill"] * spec.num_prefill + ["decode"] * spec.num_decode
                  + ["both"] * spec.num_colocated)
         for i, role in enumerate(roles):

@@ -41,7 +41,8 @@ class Poller:
             if not w.alive:
                 info = WorkerInfo.from_json(await self.client.get_json(url, "/info", timeout_s))
                 self.cluster.join(url, info)
-            load = await self.client.get_json(url, "/load", timeout_s)
+            path = f"/load?epoch={w.epoch}&since={w.events_to}" if w.epoch else "/load"
+            load = await self.client.get_json(url, path, timeout_s)
             self.cluster.apply_load(url, load, self.cluster.clock_now())
         except WorkerCallError as exc:
             refused = exc.status is None and "Timeout" not in str(exc)

@@ -113,8 +113,8 @@ def create_app(worker: Worker) -> FastAPI:
         return worker.info()
 
     @app.get("/load")
-    async def load() -> dict[str, Any]:
-        return await worker.load()
+    async def load(epoch: str = "", since: int | None = None) -> dict[str, Any]:
+        return await worker.load(epoch, since)
 
     @app.post("/prefill")
     async def prefill(body: PrefillBody) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -95,6 +96,8 @@ class Worker:
                                        save_blocks=config.role == "prefill")
         self.engine.connector = self.connector
         self._reserved: dict[str, tuple[list[int], float]] = {}
+        self.epoch = uuid.uuid4().hex
+        """Names this process's block-event numbering (a restarted worker starts anew)."""
         self.loop = EngineLoop(self.engine, on_idle=self._expire).start()
         self.http = httpx.AsyncClient(timeout=config.remote_timeout_s, headers=self._auth())
 
@@ -146,8 +149,20 @@ class Worker:
                 "row_bytes": e.cache.row_bytes, "prefill_mode": e.config.prefill_mode,
                 "enable_prefix_caching": e.config.enable_prefix_caching}
 
-    async def load(self) -> dict[str, Any]:
-        return await self._on_engine(_load_report)
+    async def load(self, epoch: str = "", since: int | None = None) -> dict[str, Any]:
+        """The load report; with this worker's `epoch` and an event number `since`, the cached
+        block hashes come as the events after it (`block_events`), else whole."""
+        def report(engine: EngineCore) -> dict[str, Any]:
+            out = _load_report(engine)
+            events = (engine.blocks.events_since(since)
+                      if since is not None and epoch == self.epoch else None)
+            if events is None:
+                out["block_hashes"] = engine.blocks.cached_hashes()
+            else:
+                out["block_events"] = [[h, int(stored)] for h, stored in events]
+            out["epoch"], out["events_to"] = self.epoch, engine.blocks.num_events
+            return out
+        return await self._on_engine(report)
 
     # -- prefill leg -------------------------------------------------------------------------
 
@@ -326,5 +341,4 @@ def _load_report(engine: EngineCore) -> dict[str, Any]:
                                          if q.num_uncomputed > 1),
             "running_tokens": sum(len(q) for q in s.running),
             "free_kv_tokens": engine.blocks.num_free_blocks * bs,
-            "kv_capacity_tokens": engine.config.kv_capacity_tokens,
-            "block_hashes": engine.blocks.cached_hashes()}
+            "kv_capacity_tokens": engine.config.kv_capacity_tokens}

@@ -1,0 +1,375 @@
+"""`kvpool bench serve --engine emulated`: the conversation trace at full length, replayed live
+through the real proxy, conductor, pool and KV bytes, on workers whose compute is emulated
+from an accelerator profile, beside the simulator's prediction of the same run.
+
+    trace window --> prompts (512 tokens per hash id, the trace's lengths and outputs)
+                 --> one cluster per configuration: 8P8D with the pool (kvcache_centric,
+                     load_balance, random; admission none / early / predicted) and 16
+                     colocated baselines (vLLM's whole-prompt scheduler without prefix caching,
+                     chunked prefill with prefix caching)
+                 --> each request's worker-stamped tokens --> TTFT, TBT, SLO shares, mismatches
+    the same window --> DisaggSim / ColocatedSim on the profile's cost model --> prediction
+
+What is real: processes, HTTP, scheduling, the block managers, the pool and every KV byte
+(at `--kv-scale` of the profile's size). What is emulated: the accelerator's step time.
+Every duration is divided by `--speed-up` (workers, arrivals, SLOs, the proxy's cost model);
+figures are printed in the profile's time (measured x speed-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvpool.bench.serve import TRACE_BLOCK_TOKENS, block_ids, pct
+from kvpool.engine.emulated.kvbytes import expected_output, ordinary_vocab
+from kvpool.engine.emulated.profile import EngineProfile, load_profile
+from kvpool.sim.record import top_share_mean
+from kvpool.sim.trace import TraceRequest, load_trace
+
+TTFT_SLO_S = 30.0
+TBT_SLOS_S = (0.1, 0.2, 0.3)
+MAX_MODEL_LEN = 131_072 + 4096
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    label: str
+    num_prefill: int
+    num_decode: int
+    num_colocated: int
+    policy: str
+    admission: str
+    baseline: str = ""
+    """Colocated only: vllm (whole prompts, no prefix caching) or vllm_chunked_prefix."""
+
+
+def default_runs(num_p: int, num_d: int, num_c: int) -> list[RunSpec]:
+    pd = f"{num_p}P{num_d}D"
+    return [RunSpec(f"{pd} kvcache_centric none", num_p, num_d, 0, "kvcache_centric", "none"),
+            RunSpec(f"{pd} load_balance none", num_p, num_d, 0, "load_balance", "none"),
+            RunSpec(f"{pd} random none", num_p, num_d, 0, "random", "none"),
+            RunSpec(f"{pd} kvcache_centric early_rejection", num_p, num_d, 0, "kvcache_centric",
+                    "early_rejection"),
+            RunSpec(f"{pd} kvcache_centric early_rejection_predicted", num_p, num_d, 0,
+                    "kvcache_centric", "early_rejection_predicted"),
+            RunSpec(f"{num_c}M vllm", 0, 0, num_c, "load_balance", "none", "vllm"),
+            RunSpec(f"{num_c}M vllm_chunked_prefix", 0, 0, num_c, "load_balance", "none",
+                    "vllm_chunked_prefix")]
+
+
+@dataclass
+class Sent:
+    """One request as replayed: its prompt, the answer's trace and the client's clock."""
+
+    trace: TraceRequest
+    prompt: list[int]
+    arrival_t: float = 0.0
+    status: int = 0
+    reason: str = ""
+    body: dict[str, Any] = field(default_factory=dict)
+    done_t: float = 0.0
+
+
+def window(trace: list[TraceRequest], start_s: float, length_s: float | None) -> list[TraceRequest]:
+    """Requests arriving in [start, start + length), their arrivals moved to start at 0."""
+    end = float("inf") if length_s is None else start_s + length_s
+    return [replace(r, arrival_s=r.arrival_s - start_s) for r in trace
+            if start_s <= r.arrival_s < end]
+
+
+def prompt_of(r: TraceRequest, vocab: range) -> list[int]:
+    """512 tokens per hash id (seeded by it), so prompts share tokens exactly where their hash
+    ids do, cut or padded with tokens of this request alone to the trace's length."""
+    ids: list[int] = []
+    for h in r.block_hashes:
+        if len(ids) >= r.input_len:
+            break
+        ids += block_ids(h, TRACE_BLOCK_TOKENS, vocab)
+    tail = max(0, r.input_len - len(ids))
+    return (ids + block_ids(-1 - r.request_id, tail, vocab))[:r.input_len]
+
+
+async def _send(client: Any, url: str, model: str, s: Sent, start_t: float, speed_up: float) -> None:
+    import httpx
+
+    s.arrival_t = start_t + s.trace.arrival_s / speed_up
+    await asyncio.sleep(max(0.0, s.arrival_t - time.monotonic()))
+    body = {"model": model, "prompt": s.prompt, "max_tokens": s.trace.output_len,
+            "temperature": 0, "ignore_eos": True, "kvpool_trace": True}
+    try:
+        resp = await client.post(url + "/v1/completions", json=body)
+    except httpx.HTTPError as exc:
+        s.status, s.reason = -1, type(exc).__name__
+        return
+    s.done_t = time.monotonic()
+    s.status = resp.status_code
+    s.body = resp.json()
+    if resp.status_code == 429:
+        s.reason = str(s.body.get("error", {}).get("code") or "").removeprefix("rejected_")
+
+
+async def replay(url: str, model: str, sent: list[Sent], speed_up: float) -> float:
+    import httpx
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+    async with httpx.AsyncClient(timeout=3600, limits=limits) as client:
+        start_t = time.monotonic() + 0.5
+        await asyncio.gather(*(_send(client, url, model, s, start_t, speed_up) for s in sent))
+        return time.monotonic() - start_t
+
+
+@dataclass(frozen=True)
+class WorkerFacts:
+    block_size: int
+    model_hash: int
+    kv_layers: int
+    row_bytes: int
+    vocab: range
+
+    @property
+    def token_bytes(self) -> int:
+        return 2 * self.kv_layers * self.row_bytes
+
+    def expected(self, prompt: list[int], n: int) -> list[int]:
+        return expected_output(prompt, n, self.block_size, self.model_hash, self.kv_layers,
+                               self.row_bytes, self.vocab)
+
+
+def summarise(sent: list[Sent], facts: WorkerFacts, speed_up: float, disagg: bool) -> dict[str, Any]:
+    """The measured row, in profile seconds. TBT of a request is the mean of its longest 10% of
+    token gaps ([F] 5.1); shares count every request (rejected or failed ones miss)."""
+    ok = [s for s in sent if s.status == 200]
+    ttft, tbt, lag, decision, mismatches, moved = [], [], [], [], 0, 0
+    for s in ok:
+        tr = s.body["kvpool_trace"]
+        stamps = tr["token_t"]
+        ttft.append((stamps[0] - s.arrival_t) * speed_up)
+        gaps = [(b - a) * speed_up for a, b in zip(stamps, stamps[1:], strict=False)]
+        tbt.append(top_share_mean((g, 1) for g in gaps) if gaps else 0.0)
+        lag.append((s.done_t - stamps[-1]) * 1e3)
+        decision.append(tr["decision_s"] * 1e3)
+        mismatches += tr["token_ids"] != facts.expected(s.prompt, s.trace.output_len)
+        moved += int(tr["kv_bytes_moved"]) + (len(s.prompt) * facts.token_bytes if disagg else 0)
+    prompt = sum(len(s.prompt) for s in ok)
+    cached = sum(s.body["usage"]["prompt_tokens_details"]["cached_tokens"] for s in ok)
+    row: dict[str, Any] = {
+        "requests": len(sent), "ok": len(ok), "rejected": sum(s.status == 429 for s in sent),
+        "failed": sum(s.status not in (200, 429) for s in sent),
+        "output_mismatches": mismatches, "prefix_hit_rate": round(cached / prompt, 4) if prompt else 0.0,
+        "kv_bytes_moved": moved}
+    for name, values in (("ttft", ttft), ("tbt", tbt)):
+        for q in (50, 90, 99):
+            row[f"{name}_p{q}_ms"] = round(pct(values, q) * 1e3, 1)
+    row["ttft_mean_ms"] = round(float(np.mean(ttft)) * 1e3, 1) if ttft else 0.0
+    for slo in TBT_SLOS_S:
+        met = sum(t <= TTFT_SLO_S and b <= slo for t, b in zip(ttft, tbt, strict=True))
+        row[f"share_tbt_{int(slo * 1e3)}ms"] = round(met / len(sent), 4) if sent else 0.0
+    row["wasted_prefill_requests"] = sum(
+        t > TTFT_SLO_S or b > TBT_SLOS_S[0] for t, b in zip(ttft, tbt, strict=True))
+    row["decision_p50_ms"], row["decision_p99_ms"] = (round(pct(decision, q), 3) for q in (50, 99))
+    row["lag_p50_ms"], row["lag_p99_ms"] = (round(pct(lag, q), 2) for q in (50, 99))
+    return row
+
+
+def simulate(spec: RunSpec, reqs: list[TraceRequest], profile: EngineProfile,
+             chunk_tokens: int) -> dict[str, Any]:
+    """The simulator's row for the same window, on the profile's cost model."""
+    from kvpool.conductor import Conductor, ConductorConfig
+    from kvpool.sim.colocated import ColocatedConfig, ColocatedSim, VllmConfig
+    from kvpool.sim.disagg import DisaggConfig, DisaggSim
+    from kvpool.sim.engine import EngineConfig
+
+    eng = EngineConfig(kv_capacity_tokens=profile.kv_capacity_tokens)
+    if spec.num_colocated:
+        chunked = spec.baseline == "vllm_chunked_prefix"
+        eng = replace(eng, chunk_tokens=chunk_tokens if chunked else 0,
+                      prefix_cache_blocks=profile.kv_capacity_tokens // 512 if chunked else 0)
+        vllm = VllmConfig(chunk_overhead_s=profile.chunk_overhead_s)
+        result = ColocatedSim(profile.cost, ColocatedConfig(spec.num_colocated, eng,
+                                                            "least_loaded", vllm=vllm)).run(reqs)
+    else:
+        conductor = Conductor(ConductorConfig(prefill_policy=spec.policy,
+                                              admission=spec.admission), profile.cost)
+        result = DisaggSim(conductor, DisaggConfig(spec.num_prefill, spec.num_decode,
+                                                   engine=eng)).run(reqs)
+    ttft, tbt = result.ttfts(), result.tbts()
+    row: dict[str, Any] = {"rejected": result.rejected(), "prefix_hit_rate": round(result.hit_rate(), 4)}
+    for name, values in (("ttft", ttft), ("tbt", tbt)):
+        for q in (50, 90, 99):
+            row[f"{name}_p{q}_ms"] = round(float(np.percentile(values, q)) * 1e3, 1) if values.size else 0.0
+    row["ttft_mean_ms"] = round(float(np.mean(ttft)) * 1e3, 1) if ttft.size else 0.0
+    for slo in TBT_SLOS_S:
+        row[f"share_tbt_{int(slo * 1e3)}ms"] = round(result.attainment(TTFT_SLO_S, slo), 4)
+    return row
+
+
+# -- the live runs ---------------------------------------------------------------------------------
+
+def scaled_cost_file(profile: EngineProfile, speed_up: float, folder: Path) -> Path:
+    """The profile's cost model with every duration divided by `speed_up`, for the proxy."""
+    c = profile.cost
+    fast = replace(c, **{name: getattr(c, name) / speed_up for name in (
+        "prefill_base_s", "prefill_linear_s", "prefill_quadratic_s", "decode_base_s",
+        "decode_per_seq_s", "decode_per_token_s", "transfer_latency_s", "load_s_per_token")},
+        bandwidth_gbps=c.bandwidth_gbps * speed_up)
+    path = folder / "cost.json"
+    path.write_text(json.dumps(fast.to_dict()))
+    return path
+
+
+def worker_args(spec: RunSpec, args: argparse.Namespace) -> tuple[str, ...]:
+    common = ("--engine", "emulated", "--profile", args.profile, "--speed-up", str(args.speed_up),
+              "--kv-scale", str(args.kv_scale), "--block-size", str(TRACE_BLOCK_TOKENS),
+              "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "256")
+    if spec.baseline == "vllm":
+        return (*common, "--prefill-mode", "whole", "--max-prefill-chunk", str(MAX_MODEL_LEN),
+                "--no-prefix-caching")
+    if spec.baseline == "vllm_chunked_prefix":
+        return (*common, "--max-prefill-chunk", str(args.chunk_tokens))
+    return (*common, "--max-prefill-chunk", str(MAX_MODEL_LEN), "--max-prefill-seqs", "1")
+
+
+def proxy_args(spec: RunSpec, args: argparse.Namespace, cost: Path) -> tuple[str, ...]:
+    s = args.speed_up
+    return ("--prefill-policy", spec.policy, "--admission", spec.admission,
+            "--ttft-slo", str(TTFT_SLO_S / s), "--tbt-slo", str(TBT_SLOS_S[0] / s),
+            "--decode-horizon", str(10.0 / s), "--cost", str(cost))
+
+
+def _facts(url: str) -> WorkerFacts:
+    import httpx
+
+    info = httpx.get(url + "/info", timeout=10).json()
+    vocab = int(json.loads((Path(info["model"]) / "config.json").read_text())["vocab_size"])
+    e = info["engine"]
+    return WorkerFacts(int(info["block_size"]), int(info["model_hash"]), int(e["kv_layers"]),
+                       int(e["row_bytes"]), ordinary_vocab(vocab))
+
+
+def leftovers(cluster: Any) -> list[str]:
+    """What a finished run left behind: workers whose KV blocks are not all free again, and
+    pool objects of requests (`kvreq/`) nobody collected."""
+    import httpx
+
+    found = []
+    for urls in cluster.worker_urls.values():
+        for url in urls:
+            load = httpx.get(url + "/load", timeout=10).json()
+            if load["free_kv_tokens"] != load["kv_capacity_tokens"] or load["num_running"]:
+                found.append(f"{url}: {load['free_kv_tokens']} of {load['kv_capacity_tokens']} "
+                             f"KV tokens free, {load['num_running']} running")
+    keys = httpx.get(f"{cluster.admin_url}/keys", params={"prefix": "kvreq/"}, timeout=10).json()
+    if keys["count"]:
+        found.append(f"{keys['count']} request KV objects left in the pool")
+    return found
+
+
+def live_run(spec: RunSpec, args: argparse.Namespace, reqs: list[TraceRequest],
+             model: Path, cost: Path) -> dict[str, Any]:
+    from kvpool.serve.launch import ServingSpec, free_port, serving_cluster
+
+    serving = ServingSpec(model, port=free_port(), num_prefill=spec.num_prefill,
+                          num_decode=spec.num_decode, num_colocated=spec.num_colocated,
+                          dram=args.pool_dram, worker_args=worker_args(spec, args),
+                          proxy_args=proxy_args(spec, args, cost))
+    with serving_cluster(serving) as cluster:
+        any_worker = next(iter(cluster.worker_urls.values()))[0]
+        facts = _facts(any_worker)
+        sent = [Sent(r, prompt_of(r, facts.vocab)) for r in reqs]
+        wall = asyncio.run(replay(cluster.proxy_url, cluster.model_name, sent, args.speed_up))
+        time.sleep(0.5)
+        left = leftovers(cluster)
+    row = summarise(sent, facts, args.speed_up, disagg=not spec.num_colocated)
+    row["failed_by"] = sorted({f"{s.status} {str(s.body.get('error', s.reason))[:120]}"
+                               for s in sent if s.status not in (200, 429)})[:3]
+    row["wall_s"] = round(wall, 1)
+    row["leftovers"] = left
+    row["valid"] = row["lag_p50_ms"] * args.speed_up <= 0.1 * TBT_SLOS_S[0] * 1e3
+    return row
+
+
+# -- the command -------------------------------------------------------------------------------------
+
+COMPARED = ("ttft_mean_ms", "ttft_p50_ms", "ttft_p90_ms", "tbt_p50_ms", "tbt_p90_ms",
+            "share_tbt_100ms", "share_tbt_200ms", "share_tbt_300ms", "rejected",
+            "prefix_hit_rate")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("--engine emulated")
+    g.add_argument("--profile", default="llama70b-8xa800", help="accelerator profile")
+    g.add_argument("--kv-scale", type=float, default=1 / 1024,
+                   help="share of the profile's KV bytes written and moved (default 1/1024)")
+    g.add_argument("--window-start", type=float, default=0.0, help="trace seconds skipped")
+    g.add_argument("--window", type=float, default=60.0,
+                   help="trace seconds replayed (default 60; --full: the whole hour)")
+    g.add_argument("--full", action="store_true", help="replay the whole trace")
+    g.add_argument("--prefill", type=int, default=8)
+    g.add_argument("--decode", type=int, default=8)
+    g.add_argument("--colocated", type=int, default=16)
+    g.add_argument("--chunk-tokens", type=int, default=512,
+                   help="chunked-prefill budget of the vllm_chunked_prefix baseline")
+    g.add_argument("--pool-dram", default="4GiB", help="the store node's DRAM")
+    g.add_argument("--runs", default="",
+                   help="comma-separated run numbers (1-based) of the default list")
+
+
+def header(args: argparse.Namespace, profile: EngineProfile, reqs: list[TraceRequest]) -> str:
+    return (f"kvpool bench serve --engine emulated: {len(reqs)} requests of the conversation "
+            f"trace (t = {args.window_start:.0f} s + {'all' if args.full else f'{args.window:.0f} s'}),"
+            f" full-length prompts, profile {profile.name}, speed-up {args.speed_up:g}, "
+            f"KV bytes at scale {args.kv_scale:.6g}\n"
+            "Real: processes, HTTP, the proxy's conductor, block managers, the pool and every KV "
+            "byte. Emulated: the accelerator's step time (profile). Figures in profile time; "
+            "'sim' = the simulator on the same window and profile.")
+
+
+def _format(label: str, live: dict[str, Any], sim: dict[str, Any]) -> list[str]:
+    head = (f"{label}: ok {live['ok']}/{live['requests']} rejected {live['rejected']} failed "
+            f"{live['failed']} mismatches {live['output_mismatches']} KV moved "
+            f"{live['kv_bytes_moved'] / 2**20:.1f} MiB  decision p50/p99 "
+            f"{live['decision_p50_ms']}/{live['decision_p99_ms']} ms  lag p50/p99 "
+            f"{live['lag_p50_ms']}/{live['lag_p99_ms']} ms"
+            f"{'' if live['valid'] else '  INVALID: lag over 10% of the TBT SLO'}"
+            f"{'  LEFTOVERS: ' + '; '.join(live['leftovers']) if live['leftovers'] else ''}"
+            f"{'  FAILURES: ' + ' | '.join(live['failed_by']) if live['failed_by'] else ''}")
+    lines = [head, "    " + "".join(f"{k:>16}" for k in ("", *COMPARED))]
+    for name, row in (("live", live), ("sim", sim)):
+        lines.append("    " + f"{name:>16}" + "".join(f"{row[k]:>16}" for k in COMPARED))
+    return lines
+
+
+def run_emulated(args: argparse.Namespace) -> int:
+    from kvpool.serve.launch import default_model_dir, ensure_emulated_model, ensure_tiny_model
+
+    profile = load_profile(args.profile)
+    trace = load_trace(args.trace)
+    reqs = window(trace, args.window_start, None if args.full else args.window)
+    specs = default_runs(args.prefill, args.decode, args.colocated)
+    if args.runs:
+        specs = [specs[int(i) - 1] for i in args.runs.split(",")]
+    tiny = Path(args.model) if args.model else ensure_tiny_model(default_model_dir())
+    if not args.json:
+        print(header(args, profile, reqs), flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        model = ensure_emulated_model(tiny, Path(tmp) / "emulated", MAX_MODEL_LEN)
+        cost = scaled_cost_file(profile, args.speed_up, Path(tmp))
+        for spec in specs:
+            sim = simulate(spec, reqs, profile, args.chunk_tokens)
+            live = live_run(spec, args, reqs, model, cost)
+            if args.json:
+                print(json.dumps({"config": spec.label, "speed_up": args.speed_up,
+                                  "kv_scale": args.kv_scale, "profile": profile.name,
+                                  **live, "sim": sim}), flush=True)
+            else:
+                print("\n".join(_format(spec.label, live, sim)), flush=True)
+    return 0
