@@ -14,6 +14,7 @@ one thread. No torch here.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 from kvpool.clock import SYSTEM_CLOCK, Clock
@@ -48,6 +49,9 @@ class EngineCore:
         self.connector = connector or NullConnector()
         self.eos_ids = set(eos_ids)
         self._finished: list[StepOutput] = []
+        self.state_lock = threading.Lock()
+        """Held by the thread that drives the engine while it changes state; an engine whose
+        step waits without computing (the emulated one) lets readers in meanwhile."""
 
     # -- requests --------------------------------------------------------------------------
 
@@ -107,7 +111,7 @@ class EngineCore:
 
     def postprocess(self, batch: ScheduledBatch, sampled: dict[Sequence, int]) -> list[StepOutput]:
         outputs, self._finished = self._finished, []
-        now = self.clock.now()
+        now = self.step_end_s()
         for seq, n in batch:
             seq.num_computed_tokens += n
             self.blocks.commit(seq)
@@ -121,6 +125,10 @@ class EngineCore:
                 self._finish(seq, reason)
         outputs, self._finished = outputs + self._finished, []
         return outputs
+
+    def step_end_s(self) -> float:
+        """The stamp of the outputs of the step that just ran."""
+        return self.clock.now()
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.sampling

@@ -268,7 +268,7 @@ class Run:
     def _release(self) -> None:
         b = self.b
         if self.finish_reason is None:
-            if b.prefill_pending and not b.colocated:
+            if not b.colocated:  # before or after its reply: it may hold KV for this run
                 self.d.abort_later(b.prefill.url, self.request_id)
             self.d.abort_later(b.decode.url, self.request_id)
         self.d.cluster.finish(b, self.d.clock.now())

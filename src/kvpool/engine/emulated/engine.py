@@ -35,6 +35,11 @@ from kvpool.errors import ConfigError
 
 KV_FORMAT = 1
 """Version of the emulated KV bytes (kvbytes); part of the model identity."""
+CATCH_UP_S = 0.005
+"""A step that starts at most this long after the previous one ended starts, on the emulated
+timeline, where that one ended: the loop's own work between steps (scheduling, delivery, a
+late wake-up) is absorbed as long as the machine keeps up. Later than this, the time is lost
+and shows in the stamps."""
 
 
 def row_bytes_for(profile: EngineProfile, kv_scale: float) -> int:
@@ -66,6 +71,11 @@ class EmulatedEngine(EngineCore):
         self._digests: dict[Sequence, int] = {}
         self.emulated_s = 0.0
         """Profile seconds of every step so far (before the speed-up)."""
+        self._timeline = float("-inf")
+        """Where the last step ended on the emulated timeline (real clock)."""
+        self.num_late_steps = 0
+        """Steps that started more than CATCH_UP_S after the previous one ended while work
+        was waiting (the machine did not keep up)."""
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, profile: EngineProfile, config: EngineConfig,
@@ -98,11 +108,36 @@ class EmulatedEngine(EngineCore):
                 chunks.append(PromptChunk(start, n, first=start <= reused))
         return self.profile.step_s(chunks, num_decodes, context)
 
+    def _start(self, now: float) -> float:
+        if now - self._timeline <= CATCH_UP_S:
+            return self._timeline
+        if now - self._timeline < 1.0 and self._timeline > 0:
+            self.num_late_steps += 1
+        return now
+
+    def step_end_s(self) -> float:
+        return self._timeline
+
+    def _wait(self, until: float) -> None:
+        """Sleep to `until`, letting readers of the engine's state in meanwhile."""
+        delay = until - self.clock.now()
+        if delay <= 0:
+            return
+        if not self.state_lock.locked():  # driven directly (offline), not by a worker's loop
+            self.clock.sleep(delay)
+            return
+        self.state_lock.release()
+        try:
+            self.clock.sleep(delay)
+        finally:
+            self.state_lock.acquire()
+
     def run(self, batch: ScheduledBatch) -> dict[Sequence, int]:
-        t0 = self.clock.now()
+        t0 = self._start(self.clock.now())
         step = self.step_s(batch)
         self.emulated_s += step
         wall = step / self.speed_up
+        self._timeline = t0 + wall
         rows = [self._base_rows(seq, n) for seq, n in batch]
         self.connector.before_forward(batch)
         layers = self.cache.num_layers
@@ -110,7 +145,7 @@ class EmulatedEngine(EngineCore):
             for (seq, n), base in zip(batch, rows, strict=True):
                 self._write(seq, seq.num_computed_tokens, n, base, layer)
             self.connector.on_layer(layer)
-            self.clock.sleep(t0 + wall * (layer + 1) / layers - self.clock.now())
+            self._wait(t0 + wall * (layer + 1) / layers)
         self.connector.after_forward()
         return {seq: self._sample(seq, n) for seq, n in batch
                 if seq.num_computed_tokens + n == len(seq)}

@@ -61,7 +61,8 @@ class EngineLoop:
             self._drain(block=not self.engine.has_work)
             if self.engine.has_work:
                 try:
-                    outputs = self.engine.step()
+                    with self.engine.state_lock:
+                        outputs = self.engine.step()
                 except Exception:
                     log.exception("engine step failed; aborting every request")
                     outputs = self._abort_all()
@@ -78,7 +79,9 @@ class EngineLoop:
             fn, future = item
             if future.set_running_or_notify_cancel():
                 try:
-                    future.set_result(fn(self.engine))
+                    with self.engine.state_lock:
+                        result = fn(self.engine)
+                    future.set_result(result)
                 except Exception as exc:
                     future.set_exception(exc)
             try:

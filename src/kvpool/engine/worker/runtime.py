@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 
+from kvpool.engine.blocks import request_key
 from kvpool.engine.config import EngineConfig, SamplingParams
 from kvpool.engine.core import EngineCore, StepOutput
 from kvpool.engine.sequence import KVSource
@@ -162,7 +163,13 @@ class Worker:
                 out["block_events"] = [[h, int(stored)] for h, stored in events]
             out["epoch"], out["events_to"] = self.epoch, engine.blocks.num_events
             return out
-        return await self._on_engine(report)
+
+        def locked() -> dict[str, Any]:
+            with self.engine.state_lock:
+                return report(self.engine)
+        # Not queued behind the engine's commands: a long step that waits without computing
+        # (the emulated engine) answers polls while it waits.
+        return await asyncio.to_thread(locked)
 
     # -- prefill leg -------------------------------------------------------------------------
 
@@ -276,12 +283,17 @@ class Worker:
         return self._follow(request_id, add)
 
     async def abort(self, request_id: str) -> bool:
+        """Stop the request here; a prefill worker also drops the last block it left in the
+        pool for a decode leg that will not read it now."""
         def abort(engine: EngineCore) -> bool:
             reserved = self._reserved.pop(request_id, None)
             if reserved is not None:
                 engine.blocks.release(reserved[0])
             return engine.abort(request_id) or reserved is not None
-        return bool(await self._on_engine(abort))
+        found = bool(await self._on_engine(abort))
+        if self.store is not None and self.config.role == "prefill":
+            await asyncio.to_thread(self.store.remove, request_key(request_id), True)
+        return found
 
     def _expire(self) -> None:
         now = time.monotonic()

@@ -1,0 +1,161 @@
+"""The emulated engine offline: profiles (round trip, errors naming the field), the step-time
+arithmetic against hand-computed values, outputs equal to the tokens' expected function in
+every scheduling mode, a wrong KV byte changing the output, and the block-event log."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvpool.clock import VirtualClock
+from kvpool.conductor.cost import CostModel
+from kvpool.engine.block_manager import BlockManager
+from kvpool.engine.config import EngineConfig, SamplingParams
+from kvpool.engine.emulated.engine import EmulatedEngine
+from kvpool.engine.emulated.kvbytes import ordinary_vocab
+from kvpool.engine.emulated.profile import (
+    EngineProfile,
+    PromptChunk,
+    load_profile,
+    write_profile,
+)
+from kvpool.errors import ConfigError
+
+PROFILE = load_profile("llama70b-8xa800")
+
+
+def engine(clock: VirtualClock | None = None, **kw: object) -> EmulatedEngine:
+    cfg = EngineConfig(block_size=16, num_blocks=kw.pop("num_blocks", 64),  # type: ignore[arg-type]
+                       max_prefill_chunk=64, max_model_len=1024, **kw)  # type: ignore[arg-type]
+    return EmulatedEngine(PROFILE, cfg, ordinary_vocab(512), root_hash=12345,
+                          clock=clock or VirtualClock())
+
+
+PROMPTS = [[20 + i % 50 for i in range(100)], [30 + i % 40 for i in range(37)],
+           [20 + i % 50 for i in range(100)] + [99] * 5]
+
+
+def test_the_shipped_profile_is_the_conductors_default_cost_model() -> None:
+    assert PROFILE.cost == CostModel()
+
+
+def test_a_profile_round_trips(tmp_path: Path) -> None:
+    path = tmp_path / "p.json"
+    write_profile(PROFILE, path)
+    assert load_profile(path) == PROFILE
+
+
+@pytest.mark.parametrize(("data", "named"), [
+    ({"name": "x", "cost": {"decode_base_s": -1}}, "decode_base_s"),
+    ({"name": "x", "kv_layers": 0}, "kv_layers"),
+    ({"name": "x", "chunk_overhead_s": -0.1}, "chunk_overhead_s"),
+    ({"name": "x", "colour": 1}, "colour"),
+    ({"cost": {}}, "name"),
+    ({"name": "x", "cost": {"prefil_base_s": 1}}, "prefil_base_s"),
+])
+def test_a_bad_profile_is_an_error_naming_the_field(tmp_path: Path, data: dict[str, object],
+                                                    named: str) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=named):
+        load_profile(path)
+
+
+def test_a_profile_that_does_not_parse_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "broken.json"
+    path.write_text("{not json")
+    with pytest.raises(ConfigError, match="broken.json"):
+        load_profile(path)
+    with pytest.raises(ConfigError, match="neither a file nor a shipped profile"):
+        load_profile("no-such-profile")
+
+
+def test_step_times_by_hand() -> None:
+    c = CostModel()
+    p = EngineProfile("hand", c, chunk_overhead_s=0.02)
+    whole = c.prefill_base_s + c.prefill_linear_s * 1000 + c.prefill_quadratic_s * 1000**2
+    assert p.step_s([PromptChunk(0, 1000, True)], 0, 0) == pytest.approx(whole)
+    # a prompt with a 4000-token prefix: compute on the rest, overlapped with loading it
+    rest = c.prefill_base_s + c.prefill_linear_s * 1000 + c.prefill_quadratic_s * (5000**2 - 4000**2)
+    assert p.step_s([PromptChunk(4000, 1000, True)], 0, 0) == pytest.approx(
+        max(rest, 4000 * c.load_s_per_token))
+    later = c.prefill_linear_s * 64 + c.prefill_quadratic_s * (128**2 - 64**2)  # no base again
+    decode = c.decode_base_s + c.decode_per_seq_s * 3 + c.decode_per_token_s * 900
+    assert p.step_s([PromptChunk(64, 64, False)], 3, 900) == pytest.approx(later + decode + 0.02)
+    assert p.step_s([], 3, 900) == pytest.approx(decode)
+
+
+@pytest.mark.parametrize("kw", [{}, {"prefill_mode": "whole"}, {"enable_prefix_caching": False},
+                                {"max_prefill_seqs": 1}, {"num_blocks": 12}])
+def test_outputs_are_the_prompts_expected_function(kw: dict[str, object]) -> None:
+    e = engine(**kw)
+    outs = e.generate(PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True))
+    assert outs == [e.expected_output(p, 24) for p in PROMPTS]
+    e.blocks.check_integrity()
+    assert e.blocks.num_free_blocks == e.config.num_blocks
+
+
+def test_prefix_caching_reuses_the_shared_prompt_and_whole_mode_pauses_decodes() -> None:
+    e = engine()
+    e.generate([PROMPTS[0]], SamplingParams(max_tokens=2, ignore_eos=True))
+    seq = e.add_request("again", PROMPTS[2], SamplingParams(max_tokens=2, ignore_eos=True))
+    while e.has_work:
+        e.step()
+    assert seq.num_cached_tokens == 96  # six full blocks of the shared 100 tokens
+    w = engine(prefill_mode="whole")
+    w.add_request("a", PROMPTS[0], SamplingParams(max_tokens=8, ignore_eos=True))
+    w.step()  # a's prompt, whole
+    w.add_request("b", PROMPTS[1], SamplingParams(max_tokens=8, ignore_eos=True))
+    batch = w.scheduler.schedule(lambda s: None)
+    assert [(s.request_id, n) for s, n in batch] == [("b", 37)]  # a's decode waits
+
+
+def test_steps_take_the_profiles_time_on_the_clock() -> None:
+    clock = VirtualClock()
+    e = engine(clock, prefill_mode="whole")
+    e.generate([PROMPTS[1]], SamplingParams(max_tokens=3, ignore_eos=True))
+    c = PROFILE.cost
+    expected = (c.prefill_s(37) + c.decode_step_s(1, 38) + c.decode_step_s(1, 39))
+    assert clock.now() == pytest.approx(expected)
+    assert e.emulated_s == pytest.approx(expected)
+
+
+def test_a_wrong_kv_byte_changes_the_output() -> None:
+    e = engine()
+    seq = e.add_request("r", PROMPTS[0], SamplingParams(max_tokens=4, ignore_eos=True))
+    e.step()  # the first chunk (64 tokens) is in the cache now
+    e.cache.kv[1, seq.block_table[0], 1, 3, 5] ^= np.uint8(1)
+    while e.has_work:
+        e.step()
+    assert seq.output_ids != e.expected_output(PROMPTS[0], 4)
+
+
+def test_the_emulated_engine_needs_no_torch() -> None:
+    import subprocess
+
+    code = ("import sys; import kvpool.engine.worker.runtime, kvpool.engine.emulated.engine; "
+            "sys.exit('torch' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_block_events_follow_the_hashed_set() -> None:
+    bm = BlockManager(4, 2)
+    assert bm.events_since(0) == [] and bm.events_since(1) is None
+    e = engine(num_blocks=8)
+    e.generate([PROMPTS[0][:50]], SamplingParams(max_tokens=1, ignore_eos=True))
+    events = e.blocks.events_since(0)
+    assert events is not None and [s for _, s in events] == [True] * 3
+    assert {h for h, _ in events} == set(e.blocks.cached_hashes())
+    other = [200 + i for i in range(100)]
+    e.generate([other], SamplingParams(max_tokens=1, ignore_eos=True))  # reuses hashed blocks
+    later = e.blocks.events_since(0) or []
+    assert any(not stored for _, stored in later)
+    held: set[int] = set()
+    for h, stored in later:
+        (held.add if stored else held.discard)(h)
+    assert held == set(e.blocks.cached_hashes())
+    assert e.blocks.events_since(e.blocks.num_events) == []

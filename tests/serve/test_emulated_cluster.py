@@ -1,0 +1,152 @@
+"""A 2P2D emulated cluster in real processes (master, workers, proxy; the test process
+contributes the pool's only memory, so it can damage a stored byte): outputs equal their
+expected function of the prompt through the pool and by push, a prefix one prefill worker
+stored is used by the other, a damaged KV byte in the pool is refused (checksum) and never
+becomes output, and the proxy's view of cached blocks follows the workers by events."""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from kvpool.engine.blocks import block_key, prefix_block_hashes
+from kvpool.engine.emulated.kvbytes import expected_output, ordinary_vocab
+from kvpool.serve.launch import ServingCluster, ServingSpec, ensure_emulated_model, serving_cluster
+from kvpool.procs import free_port
+
+BLOCK = 16
+WORKER_ARGS = ("--engine", "emulated", "--speed-up", "20", "--block-size", str(BLOCK),
+               "--max-model-len", "8192", "--max-prefill-chunk", "8192", "--num-blocks", "512")
+
+
+@pytest.fixture(scope="module")
+def emulated_model(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ensure_emulated_model(tiny_model, tmp_path_factory.mktemp("emu") / "m", 8192)
+
+
+@pytest.fixture(scope="module")
+def pool(emulated_model: Path) -> Iterator[tuple[ServingCluster, Any]]:
+    from kvpool.store.client.config import ClientConfig
+    from kvpool.store.client.store_client import StoreClient
+
+    spec = ServingSpec(emulated_model, port=free_port(), num_prefill=2, num_decode=2,
+                       num_store_nodes=0, worker_args=WORKER_ARGS,
+                       proxy_args=("--prefill-policy", "kvcache_centric", "--admission", "none"))
+    with serving_cluster(spec) as cluster:
+        with StoreClient(ClientConfig(master=cluster.master_address,
+                                      global_segment_size=64 << 20)) as store:
+            yield cluster, store
+
+
+def facts(url: str) -> dict[str, Any]:
+    return httpx.get(url + "/info", timeout=10).json()
+
+
+def expected(info: dict[str, Any], prompt: list[int], n: int) -> list[int]:
+    e = info["engine"]
+    return expected_output(prompt, n, info["block_size"], info["model_hash"], e["kv_layers"],
+                           e["row_bytes"], ordinary_vocab(512))
+
+
+def complete(url: str, model: str, prompt: list[int], n: int, **extra: Any) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", timeout=60, json={
+        "model": model, "prompt": prompt, "max_tokens": n, "temperature": 0,
+        "ignore_eos": True, "kvpool_trace": True, **extra})
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return [16 + (seed * 7919 + i * 104729) % 496 for i in range(n)]
+
+
+def test_outputs_through_the_pool_and_by_push(pool: tuple[ServingCluster, Any],
+                                              emulated_model: Path) -> None:
+    cluster, _ = pool
+    info = facts(cluster.worker_urls["prefill"][0])
+    assert info["engine"]["kind"] == "emulated"
+    for i, length in enumerate((17, 100, 333)):
+        p = prompt(i, length)
+        r = complete(cluster.proxy_url, cluster.model_name, p, 12)
+        assert r.status_code == 200, r.text
+        assert r.json()["kvpool_trace"]["token_ids"] == expected(info, p, 12)
+
+
+def test_push_mode(pool: tuple[ServingCluster, Any], emulated_model: Path) -> None:
+    from tests.serve.conftest import start_proxy
+
+    cluster, _ = pool
+    info = facts(cluster.worker_urls["prefill"][0])
+    flags = [f for role, urls in cluster.worker_urls.items() for u in urls
+             for f in ("--decode" if role == "decode" else "--prefill", u)]
+    proc, url = start_proxy(emulated_model, *flags, "--kv-transfer", "push", "--admission", "none")
+    try:
+        for i, length in enumerate((40, 257)):
+            p = prompt(100 + i, length)
+            r = complete(url, cluster.model_name, p, 9)
+            assert r.status_code == 200, r.text
+            assert r.json()["kvpool_trace"]["token_ids"] == expected(info, p, 9)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def test_a_prefix_stored_by_one_prefill_worker_is_used_by_the_other(
+        pool: tuple[ServingCluster, Any]) -> None:
+    cluster, _ = pool
+    a, b = cluster.worker_urls["prefill"]
+    info = facts(a)
+    shared = prompt(7, 160)
+    first = {"request_id": "px-1", "prompt_token_ids": shared + [20, 21],
+             "sampling": {"max_tokens": 1}, "kv_transfer": {"mode": "pool"}}
+    assert httpx.post(a + "/prefill", json=first, timeout=30).status_code == 200
+    second = {"request_id": "px-2", "prompt_token_ids": shared + [30, 31, 32],
+              "sampling": {"max_tokens": 1}, "kv_transfer": {"mode": "pool"}}
+    reply = httpx.post(b + "/prefill", json=second, timeout=30).json()
+    assert reply["num_pool_tokens"] == 160 and reply["num_cached_tokens"] == 0
+    assert reply["first_token_id"] == expected(info, shared + [30, 31, 32], 1)[0]
+
+
+def test_a_damaged_kv_byte_in_the_pool_never_becomes_output(
+        pool: tuple[ServingCluster, Any]) -> None:
+    cluster, store = pool
+    a, b = cluster.worker_urls["prefill"]
+    info = facts(a)
+    p = prompt(11, 5 * BLOCK + 3)
+    body = {"request_id": "dmg-1", "prompt_token_ids": p, "sampling": {"max_tokens": 1},
+            "kv_transfer": {"mode": "pool"}}
+    first = httpx.post(a + "/prefill", json=body, timeout=30).json()
+    assert first["first_token_id"] == expected(info, p, 1)[0]
+    h = prefix_block_hashes(p, BLOCK, info["model_hash"])[2]
+    (replica,) = store.replica_desc(block_key(h, 1)).replicas  # the test holds the only memory
+    ctypes.c_ubyte.from_address(replica.addr + 100).value ^= 0x40
+    # another prefill worker takes blocks 0 and 1 from the pool and computes the rest itself
+    other = httpx.post(b + "/prefill", json=body | {"request_id": "dmg-2"}, timeout=30).json()
+    assert other["num_pool_tokens"] == 2 * BLOCK
+    assert other["first_token_id"] == expected(info, p, 1)[0]
+    # a decode leg that must read the whole prompt from the pool fails, and says why
+    decode = cluster.worker_urls["decode"][0]
+    gen = {"request_id": "dmg-1", "prompt_token_ids": p, "sampling": {"max_tokens": 4},
+           "first_token_id": first["first_token_id"], "kv_source": "pool"}
+    lines = httpx.post(decode + "/generate", json=gen, timeout=30).text.splitlines()
+    assert "CHECKSUM_MISMATCH" in lines[-1] and "error" in lines[-1], lines
+    assert not any('"token_id"' in line for line in lines[1:]), lines
+
+
+def test_the_proxys_block_view_follows_the_workers_by_events(
+        pool: tuple[ServingCluster, Any]) -> None:
+    cluster, _ = pool
+    url = cluster.worker_urls["prefill"][0]
+    full = httpx.get(url + "/load", timeout=10).json()
+    assert "block_hashes" in full and full["events_to"] >= len(full["block_hashes"])
+    same = httpx.get(url + "/load", params={"epoch": full["epoch"], "since": full["events_to"]},
+                     timeout=10).json()
+    assert same["block_events"] == [] and "block_hashes" not in same
+    stale = httpx.get(url + "/load", params={"epoch": "another-worker", "since": 0}).json()
+    assert sorted(stale["block_hashes"]) == sorted(full["block_hashes"])  # a resync
+    ahead = httpx.get(url + "/load", params={"epoch": full["epoch"],
+                                             "since": full["events_to"] + 5}).json()
+    assert "block_hashes" in ahead
