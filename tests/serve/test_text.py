@@ -57,3 +57,18 @@ def test_unfinished_utf8_waits_for_its_next_token() -> None:
 def test_stop_at_the_very_start_and_empty_stops_ignored() -> None:
     s = TextStream(decode, stop=["", "EN"])
     assert feed(s, [7]) == [""] and s.stopped and s.text == ""
+
+
+def test_incremental_text_equals_decoding_the_whole_output(tiny_model: object) -> None:
+    """Against the real byte-level tokenizer: pieces joined == one decode of all ids."""
+    import random
+
+    from kvpool.serve.tokenizer import ModelTokenizer
+
+    tok = ModelTokenizer(str(tiny_model))
+    rng = random.Random(5)
+    for _ in range(20):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 120))]
+        s = TextStream(tok.decode)
+        text = "".join(s.push(i).text for i in ids) + s.flush()
+        assert text == tok.decode(ids) == s.text

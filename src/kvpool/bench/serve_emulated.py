@@ -148,13 +148,14 @@ def summarise(sent: list[Sent], facts: WorkerFacts, speed_up: float, disagg: boo
     """The measured row, in profile seconds. TBT of a request is the mean of its longest 10% of
     token gaps ([F] 5.1); shares count every request (rejected or failed ones miss)."""
     ok = [s for s in sent if s.status == 200]
-    ttft, tbt, lag, decision, mismatches, moved = [], [], [], [], 0, 0
+    ttft, tbt, first_gap, lag, decision, mismatches, moved = [], [], [], [], [], 0, 0
     for s in ok:
         tr = s.body["kvpool_trace"]
         stamps = tr["token_t"]
         ttft.append((stamps[0] - s.arrival_t) * speed_up)
         gaps = [(b - a) * speed_up for a, b in zip(stamps, stamps[1:], strict=False)]
         tbt.append(top_share_mean((g, 1) for g in gaps) if gaps else 0.0)
+        first_gap += gaps[:1]
         lag.append((s.done_t - stamps[-1]) * 1e3)
         decision.append(tr["decision_s"] * 1e3)
         mismatches += tr["token_ids"] != facts.expected(s.prompt, s.trace.output_len)
@@ -166,7 +167,7 @@ def summarise(sent: list[Sent], facts: WorkerFacts, speed_up: float, disagg: boo
         "failed": sum(s.status not in (200, 429) for s in sent),
         "output_mismatches": mismatches, "prefix_hit_rate": round(cached / prompt, 4) if prompt else 0.0,
         "kv_bytes_moved": moved}
-    for name, values in (("ttft", ttft), ("tbt", tbt)):
+    for name, values in (("ttft", ttft), ("tbt", tbt), ("first_gap", first_gap)):
         for q in (50, 90, 99):
             row[f"{name}_p{q}_ms"] = round(pct(values, q) * 1e3, 1)
     row["ttft_mean_ms"] = round(float(np.mean(ttft)) * 1e3, 1) if ttft else 0.0
@@ -241,6 +242,7 @@ def worker_args(spec: RunSpec, args: argparse.Namespace) -> tuple[str, ...]:
 def proxy_args(spec: RunSpec, args: argparse.Namespace, cost: Path) -> tuple[str, ...]:
     s = args.speed_up
     return ("--prefill-policy", spec.policy, "--admission", spec.admission,
+            "--poll-interval", str(args.poll_interval),
             "--ttft-slo", str(TTFT_SLO_S / s), "--tbt-slo", str(TBT_SLOS_S[0] / s),
             "--decode-horizon", str(10.0 / s), "--cost", str(cost))
 
@@ -269,7 +271,8 @@ def leftovers(cluster: Any) -> list[str]:
                              f"KV tokens free, {load['num_running']} running")
     keys = httpx.get(f"{cluster.admin_url}/keys", params={"prefix": "kvreq/"}, timeout=10).json()
     if keys["count"]:
-        found.append(f"{keys['count']} request KV objects left in the pool")
+        found.append(f"{keys['count']} request KV objects left in the pool "
+                     f"({', '.join(keys['keys'][:3])})")
     return found
 
 
@@ -319,6 +322,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chunk-tokens", type=int, default=512,
                    help="chunked-prefill budget of the vllm_chunked_prefix baseline")
     g.add_argument("--pool-dram", default="4GiB", help="the store node's DRAM")
+    g.add_argument("--poll-interval", type=float, default=0.5,
+                   help="seconds between the proxy's /load polls of each worker (default 0.5)")
     g.add_argument("--runs", default="",
                    help="comma-separated run numbers (1-based) of the default list")
 
@@ -338,7 +343,8 @@ def _format(label: str, live: dict[str, Any], sim: dict[str, Any]) -> list[str]:
             f"{live['failed']} mismatches {live['output_mismatches']} KV moved "
             f"{live['kv_bytes_moved'] / 2**20:.1f} MiB  decision p50/p99 "
             f"{live['decision_p50_ms']}/{live['decision_p99_ms']} ms  lag p50/p99 "
-            f"{live['lag_p50_ms']}/{live['lag_p99_ms']} ms"
+            f"{live['lag_p50_ms']}/{live['lag_p99_ms']} ms  first gap p50/p90 "
+            f"{live['first_gap_p50_ms']}/{live['first_gap_p90_ms']} ms"
             f"{'' if live['valid'] else '  INVALID: lag over 10% of the TBT SLO'}"
             f"{'  LEFTOVERS: ' + '; '.join(live['leftovers']) if live['leftovers'] else ''}"
             f"{'  FAILURES: ' + ' | '.join(live['failed_by']) if live['failed_by'] else ''}")

@@ -1,10 +1,16 @@
 """Output ids -> text deltas, with stop strings applied (sans-I/O: no tokenizer calls beyond
 `decode`, no sockets). The proxy owns stop strings because only it sees text.
 
-The whole output is decoded again after each token (the tiny models served here emit hundreds
-of tokens, not tens of thousands), and two things are held back from the client:
+Decoding is incremental, as vLLM's detokenizer does it: only the tokens since the last emitted
+piece are decoded, together with the piece before them (so a tokenizer that drops a leading
+space does so inside that context, not in the new text), which keeps a long output linear:
 
-    emitted | held                      held = a trailing U+FFFD (an unfinished UTF-8 sequence)
+    ids  ... | prefix | read ... new |     text(new) = decode(prefix..new) - decode(prefix..read)
+                                          (empty while it ends in U+FFFD: a partial character)
+
+Two things are held back from the client:
+
+    emitted | held                      held = an unfinished UTF-8 sequence (above)
     --------+-----                             or the longest tail that begins a stop string
 """
 
@@ -29,6 +35,10 @@ class TextStream:
         self._decode = decode
         self._stop = [s for s in stop if s]
         self._ids: list[int] = []
+        self._prefix = self._read = 0
+        """Token offsets: `_prefix.._read` decoded to the context of the next piece."""
+        self._full = ""
+        """The output's text up to `_read` (complete characters only)."""
         self._emitted = 0
         self.text = ""
         """Everything emitted so far."""
@@ -43,7 +53,11 @@ class TextStream:
         if self.stopped:
             return TextDelta("", True)
         self._ids.append(token_id)
-        full = self._decode(self._ids)
+        piece = self._pending()
+        if not piece.endswith(_PARTIAL):
+            self._full += piece
+            self._prefix, self._read = self._read, len(self._ids)
+        full = self._full
         hit = self._find_stop(full)
         if hit is not None:
             self.stopped = True
@@ -55,8 +69,13 @@ class TextStream:
         """The held-back tail, once the output has ended without a stop string."""
         if self.stopped:
             return ""
-        full = self._decode(self._ids)
+        full = self._full + self._pending()
         return self._emit(full, len(full)).text
+
+    def _pending(self) -> str:
+        """Text of the tokens after `_read`, decoded in the context of `_prefix.._read`."""
+        context = self._decode(self._ids[self._prefix:self._read]) if self._read > self._prefix else ""
+        return self._decode(self._ids[self._prefix:])[len(context):]
 
     def _emit(self, full: str, end: int) -> TextDelta:
         piece = full[self._emitted:end]
@@ -71,8 +90,6 @@ class TextStream:
         return min(hits) if hits else None
 
     def _held(self, full: str) -> int:
-        if full.endswith(_PARTIAL):
-            return len(full) - len(full.rstrip(_PARTIAL))
         for n in range(min(len(full), max((len(s) for s in self._stop), default=0)), 0, -1):
             if any(s.startswith(full[-n:]) for s in self._stop):
                 return n
