@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvpool.engine.blocks import block_key, prefix_block_hashes
+from kvpool.engine.blocks import block_key, prefix_block_hashes, request_key
 from kvpool.engine.emulated.kvbytes import expected_output, ordinary_vocab
 from kvpool.serve.launch import ServingCluster, ServingSpec, ensure_emulated_model, serving_cluster
 from kvpool.procs import free_port
@@ -150,3 +150,21 @@ def test_the_proxys_block_view_follows_the_workers_by_events(
     ahead = httpx.get(url + "/load", params={"epoch": full["epoch"],
                                              "since": full["events_to"] + 5}).json()
     assert "block_hashes" in ahead
+
+
+def test_runs_leave_no_request_kv_in_the_pool(pool: tuple[ServingCluster, Any]) -> None:
+    """A one-token request ends at the prefill's token, and an aborted one never reaches its
+    decode leg: neither leaves its last block behind."""
+    cluster, _ = pool
+    ids = ["orphan"]
+    for i in range(3):
+        r = complete(cluster.proxy_url, cluster.model_name, prompt(300 + i, 3 * BLOCK + 5), 1)
+        assert r.status_code == 200, r.text
+        ids.append(r.json()["id"])
+    a = cluster.worker_urls["prefill"][0]
+    body = {"request_id": "orphan", "prompt_token_ids": prompt(400, 2 * BLOCK + 1),
+            "sampling": {"max_tokens": 4}, "kv_transfer": {"mode": "pool"}}
+    assert httpx.post(a + "/prefill", json=body, timeout=30).status_code == 200
+    assert httpx.post(a + "/abort", json={"request_id": "orphan"}, timeout=30).status_code == 200
+    keys = httpx.get(cluster.admin_url + "/keys", params={"prefix": "kvreq/"}, timeout=10).json()
+    assert not {request_key(i) for i in ids} & set(keys["keys"]), keys

@@ -16,7 +16,7 @@ import httpx
 from kvpool.engine.blocks import request_key
 from kvpool.engine.config import EngineConfig, SamplingParams
 from kvpool.engine.core import EngineCore, StepOutput
-from kvpool.engine.sequence import KVSource
+from kvpool.engine.sequence import KVSource, SeqStatus
 from kvpool.engine.worker.loop import EngineLoop
 from kvpool.engine.worker.pool import PoolConnector, PoolPlan, PushPlan, push_parts
 from kvpool.errors import ConfigError, InvalidArgument, KvpoolError
@@ -280,6 +280,9 @@ class Worker:
             seq = engine.add_request(request_id, prompt, sampling, kv_source=source)
             if first_token is not None:
                 engine.continue_with(seq, first_token)
+            if seq.status is SeqStatus.FINISHED and source is KVSource.POOL and self.store:
+                # done with the prefill's token alone: nobody will read its last block
+                self.store.remove(request_key(request_id), True)
         return self._follow(request_id, add)
 
     async def abort(self, request_id: str) -> bool:
