@@ -159,3 +159,28 @@ def test_block_events_follow_the_hashed_set() -> None:
         (held.add if stored else held.discard)(h)
     assert held == set(e.blocks.cached_hashes())
     assert e.blocks.events_since(e.blocks.num_events) == []
+
+
+def test_bench_engine_writes_a_profile_of_the_real_engine(tmp_path: Path) -> None:
+    """`kvpool bench engine --write-profile`: the torch engine's measured step times, in the
+    form the emulated engine and the simulator read."""
+    import subprocess
+
+    from kvpool.engine.llm_engine import LLMEngine
+    from kvpool.engine.tiny import make_tiny
+
+    model = make_tiny(tmp_path / "tiny")
+    out = tmp_path / "here.json"
+    done = subprocess.run([sys.executable, "-m", "kvpool", "bench", "engine", "--model",
+                           str(model), "--quick", "--repeats", "1", "--write-profile", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    profile = load_profile(out)
+    c = profile.cost
+    assert c.kv_bytes_per_token == LLMEngine.from_dir(model).cache.token_bytes
+    assert c.decode_base_s + c.decode_per_seq_s + c.decode_per_token_s > 0
+    assert c.prefill_base_s + c.prefill_linear_s + c.prefill_quadratic_s > 0
+    assert profile.cost.prefill_s(512) < 5.0  # seconds, a tiny model on a CPU
+    engine = EmulatedEngine(profile, EngineConfig(block_size=16, num_blocks=64),
+                            ordinary_vocab(512), root_hash=1, kv_scale=1.0)
+    assert engine.cache.token_bytes == c.kv_bytes_per_token  # full scale: the real layout size

@@ -16,8 +16,8 @@ import pytest
 
 from kvpool.engine.blocks import block_key, prefix_block_hashes, request_key
 from kvpool.engine.emulated.kvbytes import expected_output, ordinary_vocab
-from kvpool.serve.launch import ServingCluster, ServingSpec, ensure_emulated_model, serving_cluster
 from kvpool.procs import free_port
+from kvpool.serve.launch import ServingCluster, ServingSpec, ensure_emulated_model, serving_cluster
 
 BLOCK = 16
 WORKER_ARGS = ("--engine", "emulated", "--speed-up", "20", "--block-size", str(BLOCK),

@@ -54,3 +54,43 @@ def test_up_demo_streams_and_shows_prefix_reuse(cache_home: Path) -> None:
     assert "demo: done" in out
     assert "curl http://127.0.0.1:" in out
     assert wait_gone(marker) == []
+
+
+def test_up_runs_an_emulated_fleet(cache_home: Path, tmp_path: Path) -> None:
+    """`kvpool up --engine emulated`: every worker emulated from the shipped profile, the
+    proxy's SLOs and cost model on the sped-up clock; the answer is the prompt's expected
+    function of its KV."""
+    from kvpool.engine.emulated.kvbytes import expected_output, ordinary_vocab
+
+    marker = f"up-{uuid.uuid4().hex}"
+    port = free_port()
+    log = tmp_path / "up.log"
+    with log.open("w") as out:
+        proc = kvpool_up(marker, cache_home, "--port", str(port), "--engine", "emulated",
+                         "--speed-up", "20", "--prefill", "2", "--decode", "2",
+                         "--admission", "none", stdout=out)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(proc, url, log)
+        workers = re.findall(r"prefill\s+workers\s+(\S+)", log.read_text())
+        info = httpx.get(workers[0] + "/info", timeout=10).json()
+        assert info["engine"]["kind"] == "emulated" and info["engine"]["speed_up"] == 20
+        prompt = [16 + i * 31 % 400 for i in range(2000)]
+        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        reply = httpx.post(url + "/v1/completions", timeout=60, json={
+            "model": model, "prompt": prompt, "max_tokens": 8, "ignore_eos": True,
+            "temperature": 0, "kvpool_trace": True}).json()
+        e = info["engine"]
+        assert reply["kvpool_trace"]["token_ids"] == expected_output(
+            prompt, 8, info["block_size"], info["model_hash"], e["kv_layers"], e["row_bytes"],
+            ordinary_vocab(512))
+        trace = reply["kvpool_trace"]
+        ttft = (trace["token_t"][0] - trace["received_t"]) * 20  # in the profile's seconds
+        assert 0.3 < ttft < 3.0  # LLaMA-70B's 2,000-token prefill: ~0.37 s
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert wait_gone(marker) == []

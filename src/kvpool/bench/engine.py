@@ -76,6 +76,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads for both engines (1 is steadiest on a shared VM)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--write-profile", type=Path, default=None, metavar="FILE",
+                   help="measure this engine's step times and write them as an accelerator "
+                        "profile (for --engine emulated and the simulator), then stop")
     p.set_defaults(func=_main)
 
 
@@ -90,6 +93,8 @@ def _main(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         from kvpool.engine.checkpoint import read_model_config
         model_dir = args.model or _random_llama(Path(tmp) / "model", args.quick)
+        if args.write_profile is not None:
+            return _write_profile(model_dir, args)
         vocab = read_model_config(model_dir).vocab_size
         rows: list[dict[str, Any]] = []
         for batch in (int(b) for b in args.batches.split(",")):
@@ -102,6 +107,21 @@ def _main(args: argparse.Namespace) -> int:
         if not args.no_ttft:
             _print(_ttft(model_dir, ttft_len, args.ttft_prefix or ttft_len * 3 // 4, vocab,
                          args.repeats), args.json)
+    return 0
+
+
+def _write_profile(model_dir: Path, args: argparse.Namespace) -> int:
+    from kvpool.bench.engine_profile import measure_profile
+    from kvpool.engine.emulated.profile import write_profile
+
+    profile = measure_profile(model_dir, args.quick, args.repeats)
+    write_profile(profile, args.write_profile)
+    c = profile.cost
+    print(f"wrote {args.write_profile}: prefill {c.prefill_base_s * 1e3:.2f} ms + "
+          f"{c.prefill_linear_s * 1e6:.2f} us/token + {c.prefill_quadratic_s * 1e9:.3f} ns/pair; "
+          f"decode {c.decode_base_s * 1e3:.2f} ms + {c.decode_per_seq_s * 1e6:.1f} us/seq + "
+          f"{c.decode_per_token_s * 1e9:.2f} ns/context token; "
+          f"{c.kv_bytes_per_token} KV bytes/token", flush=True)
     return 0
 
 

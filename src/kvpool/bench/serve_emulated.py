@@ -30,10 +30,12 @@ from typing import Any
 import numpy as np
 
 from kvpool.bench.serve import TRACE_BLOCK_TOKENS, block_ids, pct
+from kvpool.conductor.cost import CostModel
 from kvpool.engine.emulated.kvbytes import expected_output, ordinary_vocab
-from kvpool.engine.emulated.profile import EngineProfile, load_profile
+from kvpool.engine.emulated.profile import EngineProfile, load_profile, scaled_cost
 from kvpool.sim.record import top_share_mean
 from kvpool.sim.trace import TraceRequest, load_trace
+from kvpool.sim.trace import speed_up as compress_arrivals
 
 TTFT_SLO_S = 30.0
 TBT_SLOS_S = (0.1, 0.2, 0.3)
@@ -50,17 +52,23 @@ class RunSpec:
     admission: str
     baseline: str = ""
     """Colocated only: vllm (whole prompts, no prefix caching) or vllm_chunked_prefix."""
+    load: float = 1.0
+    """Arrival rate as a multiple of the trace's (the overload runs compress the arrivals)."""
 
 
-def default_runs(num_p: int, num_d: int, num_c: int) -> list[RunSpec]:
-    pd = f"{num_p}P{num_d}D"
+def default_runs(num_p: int, num_d: int, num_c: int, overload: float) -> list[RunSpec]:
+    """Placement at the trace's rate; admission at `overload` times it; the colocated
+    baselines at the trace's rate."""
+    pd, x = f"{num_p}P{num_d}D", f"x{overload:g}"
     return [RunSpec(f"{pd} kvcache_centric none", num_p, num_d, 0, "kvcache_centric", "none"),
             RunSpec(f"{pd} load_balance none", num_p, num_d, 0, "load_balance", "none"),
             RunSpec(f"{pd} random none", num_p, num_d, 0, "random", "none"),
-            RunSpec(f"{pd} kvcache_centric early_rejection", num_p, num_d, 0, "kvcache_centric",
-                    "early_rejection"),
-            RunSpec(f"{pd} kvcache_centric early_rejection_predicted", num_p, num_d, 0,
-                    "kvcache_centric", "early_rejection_predicted"),
+            RunSpec(f"{pd} kvcache_centric none {x}", num_p, num_d, 0, "kvcache_centric", "none",
+                    load=overload),
+            RunSpec(f"{pd} kvcache_centric early_rejection {x}", num_p, num_d, 0,
+                    "kvcache_centric", "early_rejection", load=overload),
+            RunSpec(f"{pd} kvcache_centric early_rejection_predicted {x}", num_p, num_d, 0,
+                    "kvcache_centric", "early_rejection_predicted", load=overload),
             RunSpec(f"{num_c}M vllm", 0, 0, num_c, "load_balance", "none", "vllm"),
             RunSpec(f"{num_c}M vllm_chunked_prefix", 0, 0, num_c, "load_balance", "none",
                     "vllm_chunked_prefix")]
@@ -144,11 +152,13 @@ class WorkerFacts:
                                self.row_bytes, self.vocab)
 
 
-def summarise(sent: list[Sent], facts: WorkerFacts, speed_up: float, disagg: bool) -> dict[str, Any]:
+def summarise(sent: list[Sent], facts: WorkerFacts, speed_up: float, disagg: bool,
+              cost: CostModel) -> dict[str, Any]:
     """The measured row, in profile seconds. TBT of a request is the mean of its longest 10% of
     token gaps ([F] 5.1); shares count every request (rejected or failed ones miss)."""
     ok = [s for s in sent if s.status == 200]
     ttft, tbt, first_gap, lag, decision, mismatches, moved = [], [], [], [], [], 0, 0
+    wasted_s = 0.0
     for s in ok:
         tr = s.body["kvpool_trace"]
         stamps = tr["token_t"]
@@ -156,6 +166,9 @@ def summarise(sent: list[Sent], facts: WorkerFacts, speed_up: float, disagg: boo
         gaps = [(b - a) * speed_up for a, b in zip(stamps, stamps[1:], strict=False)]
         tbt.append(top_share_mean((g, 1) for g in gaps) if gaps else 0.0)
         first_gap += gaps[:1]
+        if ttft[-1] > TTFT_SLO_S or tbt[-1] > TBT_SLOS_S[0]:  # served, and its prefill wasted
+            reused = s.body["usage"]["prompt_tokens_details"]["cached_tokens"]
+            wasted_s += cost.prefill_s(len(s.prompt), min(reused, len(s.prompt)))
         lag.append((s.done_t - stamps[-1]) * 1e3)
         decision.append(tr["decision_s"] * 1e3)
         mismatches += tr["token_ids"] != facts.expected(s.prompt, s.trace.output_len)
@@ -176,6 +189,7 @@ def summarise(sent: list[Sent], facts: WorkerFacts, speed_up: float, disagg: boo
         row[f"share_tbt_{int(slo * 1e3)}ms"] = round(met / len(sent), 4) if sent else 0.0
     row["wasted_prefill_requests"] = sum(
         t > TTFT_SLO_S or b > TBT_SLOS_S[0] for t, b in zip(ttft, tbt, strict=True))
+    row["wasted_prefill_s"] = round(wasted_s, 1)
     row["decision_p50_ms"], row["decision_p99_ms"] = (round(pct(decision, q), 3) for q in (50, 99))
     row["lag_p50_ms"], row["lag_p99_ms"] = (round(pct(lag, q), 2) for q in (50, 99))
     return row
@@ -204,6 +218,9 @@ def simulate(spec: RunSpec, reqs: list[TraceRequest], profile: EngineProfile,
                                                    engine=eng)).run(reqs)
     ttft, tbt = result.ttfts(), result.tbts()
     row: dict[str, Any] = {"rejected": result.rejected(), "prefix_hit_rate": round(result.hit_rate(), 4)}
+    missed = [r for r in result.records if r.completed and not r.meets(TTFT_SLO_S, TBT_SLOS_S[0])]
+    row["wasted_prefill_requests"] = len(missed)
+    row["wasted_prefill_s"] = round(sum(r.prefill_gpu_s for r in missed), 1)
     for name, values in (("ttft", ttft), ("tbt", tbt)):
         for q in (50, 90, 99):
             row[f"{name}_p{q}_ms"] = round(float(np.percentile(values, q)) * 1e3, 1) if values.size else 0.0
@@ -217,13 +234,8 @@ def simulate(spec: RunSpec, reqs: list[TraceRequest], profile: EngineProfile,
 
 def scaled_cost_file(profile: EngineProfile, speed_up: float, folder: Path) -> Path:
     """The profile's cost model with every duration divided by `speed_up`, for the proxy."""
-    c = profile.cost
-    fast = replace(c, **{name: getattr(c, name) / speed_up for name in (
-        "prefill_base_s", "prefill_linear_s", "prefill_quadratic_s", "decode_base_s",
-        "decode_per_seq_s", "decode_per_token_s", "transfer_latency_s", "load_s_per_token")},
-        bandwidth_gbps=c.bandwidth_gbps * speed_up)
     path = folder / "cost.json"
-    path.write_text(json.dumps(fast.to_dict()))
+    path.write_text(json.dumps(scaled_cost(profile.cost, speed_up).to_dict()))
     return path
 
 
@@ -257,15 +269,17 @@ def _facts(url: str) -> WorkerFacts:
                        int(e["row_bytes"]), ordinary_vocab(vocab))
 
 
-def leftovers(cluster: Any) -> list[str]:
+def leftovers(cluster: Any) -> tuple[list[str], float]:
     """What a finished run left behind: workers whose KV blocks are not all free again, and
-    pool objects of requests (`kvreq/`) nobody collected."""
+    pool objects of requests (`kvreq/`) nobody collected; and the seconds the workers' steps
+    started late (`engine_lost_s`, summed)."""
     import httpx
 
-    found = []
+    found, lost_s = [], 0.0
     for urls in cluster.worker_urls.values():
         for url in urls:
             load = httpx.get(url + "/load", timeout=10).json()
+            lost_s += float(load.get("engine_lost_s", 0.0))
             if load["free_kv_tokens"] != load["kv_capacity_tokens"] or load["num_running"]:
                 found.append(f"{url}: {load['free_kv_tokens']} of {load['kv_capacity_tokens']} "
                              f"KV tokens free, {load['num_running']} running")
@@ -273,11 +287,24 @@ def leftovers(cluster: Any) -> list[str]:
     if keys["count"]:
         found.append(f"{keys['count']} request KV objects left in the pool "
                      f"({', '.join(keys['keys'][:3])})")
-    return found
+    return found, lost_s
+
+
+def wait_rotation(url: str, num_workers: int, timeout_s: float = 120.0) -> None:
+    """Until the proxy has every worker in rotation."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        s = httpx.get(url + "/stats/samples", timeout=10).json()
+        if sum(s[f"num_{r}_workers"] for r in ("prefill", "decode", "colocated")) >= num_workers:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"the proxy did not take all {num_workers} workers in {timeout_s:.0f} s")
 
 
 def live_run(spec: RunSpec, args: argparse.Namespace, reqs: list[TraceRequest],
-             model: Path, cost: Path) -> dict[str, Any]:
+             model: Path, cost: Path, profile: EngineProfile) -> dict[str, Any]:
     from kvpool.serve.launch import ServingSpec, free_port, serving_cluster
 
     serving = ServingSpec(model, port=free_port(), num_prefill=spec.num_prefill,
@@ -287,11 +314,14 @@ def live_run(spec: RunSpec, args: argparse.Namespace, reqs: list[TraceRequest],
     with serving_cluster(serving) as cluster:
         any_worker = next(iter(cluster.worker_urls.values()))[0]
         facts = _facts(any_worker)
+        wait_rotation(cluster.proxy_url, spec.num_prefill + spec.num_decode + spec.num_colocated)
         sent = [Sent(r, prompt_of(r, facts.vocab)) for r in reqs]
-        wall = asyncio.run(replay(cluster.proxy_url, cluster.model_name, sent, args.speed_up))
+        wall = asyncio.run(replay(cluster.proxy_url, cluster.model_name, sent,
+                                  args.speed_up * spec.load))
         time.sleep(0.5)
-        left = leftovers(cluster)
-    row = summarise(sent, facts, args.speed_up, disagg=not spec.num_colocated)
+        left, lost_s = leftovers(cluster)
+    row = summarise(sent, facts, args.speed_up, not spec.num_colocated, profile.cost)
+    row["engine_lost_s"] = round(lost_s * args.speed_up, 2)
     row["failed_by"] = sorted({f"{s.status} {str(s.body.get('error', s.reason))[:120]}"
                                for s in sent if s.status not in (200, 429)})[:3]
     row["wall_s"] = round(wall, 1)
@@ -304,7 +334,7 @@ def live_run(spec: RunSpec, args: argparse.Namespace, reqs: list[TraceRequest],
 
 COMPARED = ("ttft_mean_ms", "ttft_p50_ms", "ttft_p90_ms", "tbt_p50_ms", "tbt_p90_ms",
             "share_tbt_100ms", "share_tbt_200ms", "share_tbt_300ms", "rejected",
-            "prefix_hit_rate")
+            "wasted_prefill_s", "prefix_hit_rate")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -321,7 +351,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--colocated", type=int, default=16)
     g.add_argument("--chunk-tokens", type=int, default=512,
                    help="chunked-prefill budget of the vllm_chunked_prefix baseline")
-    g.add_argument("--pool-dram", default="4GiB", help="the store node's DRAM")
+    g.add_argument("--pool-dram", default="3GiB", help="the store node's DRAM")
+    g.add_argument("--overload", type=float, default=2.5,
+                   help="arrival rate of the admission runs, x the trace's (default 2.5)")
     g.add_argument("--poll-interval", type=float, default=0.5,
                    help="seconds between the proxy's /load polls of each worker (default 0.5)")
     g.add_argument("--runs", default="",
@@ -344,7 +376,8 @@ def _format(label: str, live: dict[str, Any], sim: dict[str, Any]) -> list[str]:
             f"{live['kv_bytes_moved'] / 2**20:.1f} MiB  decision p50/p99 "
             f"{live['decision_p50_ms']}/{live['decision_p99_ms']} ms  lag p50/p99 "
             f"{live['lag_p50_ms']}/{live['lag_p99_ms']} ms  first gap p50/p90 "
-            f"{live['first_gap_p50_ms']}/{live['first_gap_p90_ms']} ms"
+            f"{live['first_gap_p50_ms']}/{live['first_gap_p90_ms']} ms  steps late "
+            f"{live['engine_lost_s']} s"
             f"{'' if live['valid'] else '  INVALID: lag over 10% of the TBT SLO'}"
             f"{'  LEFTOVERS: ' + '; '.join(live['leftovers']) if live['leftovers'] else ''}"
             f"{'  FAILURES: ' + ' | '.join(live['failed_by']) if live['failed_by'] else ''}")
@@ -360,7 +393,7 @@ def run_emulated(args: argparse.Namespace) -> int:
     profile = load_profile(args.profile)
     trace = load_trace(args.trace)
     reqs = window(trace, args.window_start, None if args.full else args.window)
-    specs = default_runs(args.prefill, args.decode, args.colocated)
+    specs = default_runs(args.prefill, args.decode, args.colocated, args.overload)
     if args.runs:
         specs = [specs[int(i) - 1] for i in args.runs.split(",")]
     tiny = Path(args.model) if args.model else ensure_tiny_model(default_model_dir())
@@ -370,8 +403,9 @@ def run_emulated(args: argparse.Namespace) -> int:
         model = ensure_emulated_model(tiny, Path(tmp) / "emulated", MAX_MODEL_LEN)
         cost = scaled_cost_file(profile, args.speed_up, Path(tmp))
         for spec in specs:
-            sim = simulate(spec, reqs, profile, args.chunk_tokens)
-            live = live_run(spec, args, reqs, model, cost)
+            sim = simulate(spec, compress_arrivals(reqs, spec.load), profile,
+                           args.chunk_tokens)
+            live = live_run(spec, args, reqs, model, cost, profile)
             if args.json:
                 print(json.dumps({"config": spec.label, "speed_up": args.speed_up,
                                   "kv_scale": args.kv_scale, "profile": profile.name,

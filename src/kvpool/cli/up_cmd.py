@@ -86,6 +86,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--rpc-port", type=int, default=0, help="--store-only: master RPC port")
     p.add_argument("--admin-port", type=int, default=0, help="--store-only: master admin port")
     p.add_argument("--metadata-port", type=int, default=0, help="--store-only: metadata port")
+    p.add_argument("--engine", choices=("torch", "emulated"), default="torch",
+                   help="emulated: workers whose accelerator is emulated from --profile (real "
+                        "scheduling, pool and KV bytes; docs/serve.md)")
+    p.add_argument("--profile", default="llama70b-8xa800",
+                   help="--engine emulated: a profile JSON or a shipped profile's name")
+    p.add_argument("--speed-up", type=float, default=1.0,
+                   help="--engine emulated: run the profile's time this many times faster "
+                        "(the proxy's cost model and SLOs are scaled alike)")
+    p.add_argument("--kv-scale", type=float, default=1 / 1024,
+                   help="--engine emulated: share of the profile's KV bytes moved")
     p.add_argument("--demo", action="store_true", help="run the demo workload, then shut down")
     p.add_argument("--no-bench", action="store_true",
                    help="--store-only --demo: skip the transfer benchmark")
@@ -137,10 +147,17 @@ def _run_serving(args: argparse.Namespace) -> int:
         return 2
     try:
         model = Path(args.model) if args.model else ensure_tiny_model(default_model_dir())
+        proxy_args: tuple[str, ...] = ("--prefill-policy", args.prefill_policy, "--admission",
+                                       args.admission, "--kv-transfer", args.kv_transfer)
+        worker_args: tuple[str, ...] = ()
+        if args.engine == "emulated":
+            model, extra, worker_args = _emulated(args, model)
+            proxy_args += extra
+        else:
+            proxy_args += ("--fit-cost",)
         spec = ServingSpec(model, args.host, args.port, args.prefill, args.decode,
-                           args.colocated, args.dram, args.store_nodes or 1,
-                           ("--prefill-policy", args.prefill_policy, "--admission", args.admission,
-                            "--kv-transfer", args.kv_transfer, "--fit-cost"))
+                           args.colocated, args.dram, args.store_nodes or 1, proxy_args,
+                           worker_args)
         with serving_cluster(spec) as cluster:
             _print_serving(cluster)
             if args.demo:
@@ -154,6 +171,32 @@ def _run_serving(args: argparse.Namespace) -> int:
     except (KvpoolError, OSError, TimeoutError, subprocess.CalledProcessError) as exc:
         print(f"kvpool up: {exc}", file=sys.stderr)
         return 1
+
+
+EMULATED_MAX_MODEL_LEN = 131_072 + 4096
+"""Room for the conversation trace's longest prompts (126k tokens) and their outputs."""
+
+
+def _emulated(args: argparse.Namespace,
+              tiny: Path) -> tuple[Path, tuple[str, ...], tuple[str, ...]]:
+    """The model folder (the tiny tokenizer, long context), the proxy's flags (the profile's
+    cost model and the SLOs on the sped-up clock) and the workers' flags."""
+    import json
+
+    from kvpool.engine.emulated.profile import load_profile, scaled_cost
+    from kvpool.serve.launch import default_model_dir, ensure_emulated_model
+
+    s, profile = args.speed_up, load_profile(args.profile)
+    folder = default_model_dir().parent / f"emulated-{tiny.resolve().name}"
+    model = ensure_emulated_model(tiny, folder, EMULATED_MAX_MODEL_LEN)
+    cost = folder / f"cost-{profile.name}-x{s:g}.json"
+    cost.write_text(json.dumps(scaled_cost(profile.cost, s).to_dict()))
+    proxy = ("--cost", str(cost), "--ttft-slo", str(30.0 / s), "--tbt-slo", str(0.1 / s),
+             "--decode-horizon", str(10.0 / s))
+    workers = ("--engine", "emulated", "--profile", args.profile, "--speed-up", str(s),
+               "--kv-scale", str(args.kv_scale), "--max-model-len", str(EMULATED_MAX_MODEL_LEN),
+               "--max-prefill-chunk", str(EMULATED_MAX_MODEL_LEN), "--max-prefill-seqs", "1")
+    return model, proxy, workers
 
 
 def _print_serving(cluster: ServingCluster) -> None:

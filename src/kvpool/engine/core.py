@@ -49,6 +49,9 @@ class EngineCore:
         self.connector = connector or NullConnector()
         self.eos_ids = set(eos_ids)
         self._finished: list[StepOutput] = []
+        self.lost_s = 0.0
+        """Seconds steps started late while work waited (the emulated engine measures it:
+        its machine did not keep up with the emulated accelerator)."""
         self.state_lock = threading.Lock()
         """Held by the thread that drives the engine while it changes state; an engine whose
         step waits without computing (the emulated one) lets readers in meanwhile."""

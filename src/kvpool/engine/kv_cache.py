@@ -14,12 +14,14 @@ from __future__ import annotations
 import torch
 
 from kvpool.engine.config import EngineConfig, ModelConfig
-from kvpool.engine.kv_layout import K, V, KVLayout
+from kvpool.engine.kv_layout import K, KVLayout, V
 
 __all__ = ["K", "V", "KVCache"]
 
 
 class KVCache(KVLayout):
+    kv: torch.Tensor
+
     def __init__(self, model: ModelConfig, engine: EngineConfig, dtype: torch.dtype,
                  device: str) -> None:
         self.num_layers = model.num_layers

@@ -60,12 +60,12 @@ class Scheduler:
                 n = min(seq.num_uncomputed, budget)
                 budget, prompts = budget - n, prompts + 1
                 batch.append((seq, n))
-        while budget > 0 and self._prompt_room(prompts) and (seq := self._admit_next(on_admit)):
-            if seq.status is SeqStatus.FINISHED or seq.num_uncomputed == 0:
+        while budget > 0 and self._prompt_room(prompts) and (new := self._admit_next(on_admit)):
+            if new.status is SeqStatus.FINISHED or new.num_uncomputed == 0:
                 continue
-            n = min(seq.num_uncomputed, budget)
+            n = min(new.num_uncomputed, budget)
             budget, prompts = budget - n, prompts + 1
-            batch.append((seq, n))
+            batch.append((new, n))
         return batch
 
     def _prompt_room(self, prompts: int) -> bool:

@@ -194,6 +194,10 @@ def serving_cluster(spec: ServingSpec) -> Iterator[ServingCluster]:
                   "--host", host, "--port", str(port), "--master", master_addr,
                   *spec.worker_args)
             cluster.worker_urls.setdefault(role, []).append(f"http://{host}:{port}")
+        for urls in cluster.worker_urls.values():
+            for url in urls:
+                wait_http(url + "/health", list(cluster.procs.values()), "a worker",
+                          timeout_s=120)
         flags = [f for role, urls in cluster.worker_urls.items() for u in urls
                  for f in ("--decode" if role == "decode" else "--prefill", u)]
         start("proxy", "proxy", "--model", str(spec.model_dir), "--host", host,

@@ -15,6 +15,8 @@ from kvpool.engine.kv_layout import KVLayout
 
 
 class ByteKVCache(KVLayout):
+    kv: np.ndarray
+
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, row_bytes: int) -> None:
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.row_bytes = row_bytes

@@ -25,7 +25,7 @@ from kvpool.clock import SYSTEM_CLOCK, Clock
 from kvpool.engine.blocks import model_hash, model_hash_for_dir
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.connector import KVConnector
-from kvpool.engine.core import EngineCore
+from kvpool.engine.core import EngineCore, StepOutput
 from kvpool.engine.emulated import kvbytes
 from kvpool.engine.emulated.cache import ByteKVCache
 from kvpool.engine.emulated.profile import EngineProfile, PromptChunk
@@ -73,9 +73,8 @@ class EmulatedEngine(EngineCore):
         """Profile seconds of every step so far (before the speed-up)."""
         self._timeline = float("-inf")
         """Where the last step ended on the emulated timeline (real clock)."""
-        self.num_late_steps = 0
-        """Steps that started more than CATCH_UP_S after the previous one ended while work
-        was waiting (the machine did not keep up)."""
+        self._busy = False
+        """Work was left when the last step ended (the next one follows it at once)."""
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, profile: EngineProfile, config: EngineConfig,
@@ -108,11 +107,19 @@ class EmulatedEngine(EngineCore):
                 chunks.append(PromptChunk(start, n, first=start <= reused))
         return self.profile.step_s(chunks, num_decodes, context)
 
+    def step(self) -> list[StepOutput]:
+        outputs = super().step()
+        self._busy = self.scheduler.has_work
+        return outputs
+
     def _start(self, now: float) -> float:
-        if now - self._timeline <= CATCH_UP_S:
+        """Where this step starts on the emulated timeline (see CATCH_UP_S); a step that
+        follows a busy one late adds the delay to `lost_s`."""
+        gap = now - self._timeline
+        if gap <= CATCH_UP_S:
             return self._timeline
-        if now - self._timeline < 1.0 and self._timeline > 0:
-            self.num_late_steps += 1
+        if self._busy:
+            self.lost_s += gap
         return now
 
     def step_end_s(self) -> float:

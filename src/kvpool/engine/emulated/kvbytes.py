@@ -79,7 +79,7 @@ def output_tokens(digest: int, first: int, count: int, vocab: range) -> list[int
 def digest_rows(chunks: Sequence[np.ndarray]) -> int:
     h = xxhash.xxh3_64()
     for chunk in chunks:
-        h.update(chunk)
+        h.update(np.ascontiguousarray(chunk).data)
     return h.intdigest()
 
 

@@ -14,7 +14,7 @@ the simulator prices the same work with the same CostModel.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +97,19 @@ class EngineProfile:
             raise ConfigError(f"{source}: {exc}") from None
         except TypeError as exc:
             raise ConfigError(f"{source}: a field has the wrong type: {exc}") from None
+
+
+TIME_TERMS = ("prefill_base_s", "prefill_linear_s", "prefill_quadratic_s", "decode_base_s",
+              "decode_per_seq_s", "decode_per_token_s", "transfer_latency_s", "load_s_per_token")
+
+
+def scaled_cost(cost: CostModel, speed_up: float) -> CostModel:
+    """`cost` on a clock `speed_up` times faster: every duration divided, bandwidth multiplied
+    (what the proxy's conductor must predict for workers run with that speed-up)."""
+    if speed_up <= 0:
+        raise ConfigError(f"speed_up must be > 0, got {speed_up}")
+    return replace(cost, bandwidth_gbps=cost.bandwidth_gbps * speed_up,
+                   **{name: getattr(cost, name) / speed_up for name in TIME_TERMS})
 
 
 def load_profile(name_or_path: str | Path) -> EngineProfile:

@@ -39,6 +39,10 @@ class EngineLoop:
         self._commands.put((lambda e: None, Future()))
         self._thread.join(timeout=10)
 
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
     def call(self, fn: Callable[[EngineCore], Any]) -> Future[Any]:
         """Run `fn(engine)` on the engine thread between steps; its result or exception comes
         back through the future."""

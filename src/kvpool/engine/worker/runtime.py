@@ -17,7 +17,7 @@ from kvpool.engine.blocks import request_key
 from kvpool.engine.config import EngineConfig, SamplingParams
 from kvpool.engine.core import EngineCore, StepOutput
 from kvpool.engine.sequence import KVSource, SeqStatus
-from kvpool.engine.worker.loop import EngineLoop
+from kvpool.engine.worker.loop import EngineLoop, ShuttingDown
 from kvpool.engine.worker.pool import PoolConnector, PoolPlan, PushPlan, push_parts
 from kvpool.errors import ConfigError, InvalidArgument, KvpoolError
 from kvpool.log import get_logger
@@ -163,6 +163,9 @@ class Worker:
                 out["block_events"] = [[h, int(stored)] for h, stored in events]
             out["epoch"], out["events_to"] = self.epoch, engine.blocks.num_events
             return out
+
+        if self.loop.stopped:
+            raise ShuttingDown("the worker is shutting down")
 
         def locked() -> dict[str, Any]:
             with self.engine.state_lock:
@@ -356,4 +359,5 @@ def _load_report(engine: EngineCore) -> dict[str, Any]:
                                          if q.num_uncomputed > 1),
             "running_tokens": sum(len(q) for q in s.running),
             "free_kv_tokens": engine.blocks.num_free_blocks * bs,
-            "kv_capacity_tokens": engine.config.kv_capacity_tokens}
+            "kv_capacity_tokens": engine.config.kv_capacity_tokens,
+            "engine_lost_s": round(engine.lost_s, 6)}
