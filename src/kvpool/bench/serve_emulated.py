@@ -69,8 +69,8 @@ def default_runs(num_p: int, num_d: int, num_c: int, overload: float) -> list[Ru
                     "kvcache_centric", "early_rejection", load=overload),
             RunSpec(f"{pd} kvcache_centric early_rejection_predicted {x}", num_p, num_d, 0,
                     "kvcache_centric", "early_rejection_predicted", load=overload),
-            RunSpec(f"{num_c}M vllm", 0, 0, num_c, "load_balance", "none", "vllm"),
-            RunSpec(f"{num_c}M vllm_chunked_prefix", 0, 0, num_c, "load_balance", "none",
+            RunSpec(f"{num_c}M vllm", 0, 0, num_c, "round_robin", "none", "vllm"),
+            RunSpec(f"{num_c}M vllm_chunked_prefix", 0, 0, num_c, "round_robin", "none",
                     "vllm_chunked_prefix")]
 
 
@@ -210,7 +210,7 @@ def simulate(spec: RunSpec, reqs: list[TraceRequest], profile: EngineProfile,
                       prefix_cache_blocks=profile.kv_capacity_tokens // 512 if chunked else 0)
         vllm = VllmConfig(chunk_overhead_s=profile.chunk_overhead_s)
         result = ColocatedSim(profile.cost, ColocatedConfig(spec.num_colocated, eng,
-                                                            "least_loaded", vllm=vllm)).run(reqs)
+                                                            "round_robin", vllm=vllm)).run(reqs)
     else:
         conductor = Conductor(ConductorConfig(prefill_policy=spec.policy,
                                               admission=spec.admission), profile.cost)
@@ -290,6 +290,14 @@ def leftovers(cluster: Any) -> tuple[list[str], float]:
     return found, lost_s
 
 
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` so far (/proc/PID/stat)."""
+    import os
+
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def wait_rotation(url: str, num_workers: int, timeout_s: float = 120.0) -> None:
     """Until the proxy has every worker in rotation."""
     import httpx
@@ -316,12 +324,15 @@ def live_run(spec: RunSpec, args: argparse.Namespace, reqs: list[TraceRequest],
         facts = _facts(any_worker)
         wait_rotation(cluster.proxy_url, spec.num_prefill + spec.num_decode + spec.num_colocated)
         sent = [Sent(r, prompt_of(r, facts.vocab)) for r in reqs]
+        proxy_cpu = cpu_s(cluster.procs["proxy"].pid)
         wall = asyncio.run(replay(cluster.proxy_url, cluster.model_name, sent,
                                   args.speed_up * spec.load))
+        proxy_cpu = cpu_s(cluster.procs["proxy"].pid) - proxy_cpu
         time.sleep(0.5)
         left, lost_s = leftovers(cluster)
     row = summarise(sent, facts, args.speed_up, not spec.num_colocated, profile.cost)
     row["engine_lost_s"] = round(lost_s * args.speed_up, 2)
+    row["proxy_cpu_ms_per_request"] = round(proxy_cpu * 1e3 / max(1, len(sent)), 1)
     row["failed_by"] = sorted({f"{s.status} {str(s.body.get('error', s.reason))[:120]}"
                                for s in sent if s.status not in (200, 429)})[:3]
     row["wall_s"] = round(wall, 1)
@@ -352,8 +363,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--chunk-tokens", type=int, default=512,
                    help="chunked-prefill budget of the vllm_chunked_prefix baseline")
     g.add_argument("--pool-dram", default="3GiB", help="the store node's DRAM")
-    g.add_argument("--overload", type=float, default=2.5,
-                   help="arrival rate of the admission runs, x the trace's (default 2.5)")
+    g.add_argument("--overload", type=float, default=4.0,
+                   help="arrival rate of the admission runs, x the trace's (default 4)")
     g.add_argument("--poll-interval", type=float, default=0.5,
                    help="seconds between the proxy's /load polls of each worker (default 0.5)")
     g.add_argument("--runs", default="",
@@ -377,13 +388,13 @@ def _format(label: str, live: dict[str, Any], sim: dict[str, Any]) -> list[str]:
             f"{live['decision_p50_ms']}/{live['decision_p99_ms']} ms  lag p50/p99 "
             f"{live['lag_p50_ms']}/{live['lag_p99_ms']} ms  first gap p50/p90 "
             f"{live['first_gap_p50_ms']}/{live['first_gap_p90_ms']} ms  steps late "
-            f"{live['engine_lost_s']} s"
+            f"{live['engine_lost_s']} s  proxy CPU {live['proxy_cpu_ms_per_request']} ms/request"
             f"{'' if live['valid'] else '  INVALID: lag over 10% of the TBT SLO'}"
             f"{'  LEFTOVERS: ' + '; '.join(live['leftovers']) if live['leftovers'] else ''}"
             f"{'  FAILURES: ' + ' | '.join(live['failed_by']) if live['failed_by'] else ''}")
-    lines = [head, "    " + "".join(f"{k:>16}" for k in ("", *COMPARED))]
+    lines = [head, "    " + "".join(f"{k:>17}" for k in ("", *COMPARED))]
     for name, row in (("live", live), ("sim", sim)):
-        lines.append("    " + f"{name:>16}" + "".join(f"{row[k]:>16}" for k in COMPARED))
+        lines.append("    " + f"{name:>17}" + "".join(f"{row[k]:>17}" for k in COMPARED))
     return lines
 
 

@@ -94,5 +94,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     print(f"kvpool worker ({config.role}) on http://{config.host}:{config.port} "
           f"segment {worker.transfer.segment_name}", flush=True)
-    uvicorn.run(create_app(worker), host=config.host, port=config.port, log_level="warning")
+    # Keep idle connections longer than clients do (CLIENT_KEEPALIVE_S), so a client never
+    # reuses one the worker is closing.
+    uvicorn.run(create_app(worker), host=config.host, port=config.port, log_level="warning",
+                timeout_keep_alive=30)
     return 0

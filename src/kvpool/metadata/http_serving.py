@@ -146,6 +146,12 @@ def uvicorn_config(app: Any, limits: HttpLimits, **overrides: Any) -> uvicorn.Co
     return uvicorn.Config(app, **options)
 
 
+CLIENT_KEEPALIVE_S = 2.0
+"""kvpool's HTTP clients drop idle connections after this long, well before the servers close
+them (uvicorn: 5 s by default, 30 s for kvpool workers): a request sent on a connection the
+server is closing at that moment fails (ReadError) though nothing was wrong."""
+
+
 def bearer_header(token: str | None) -> dict[str, str]:
     """The Authorization header that carries `token`; none without a token."""
     return {"Authorization": f"Bearer {token}"} if token else {}

@@ -12,7 +12,7 @@ import httpx
 
 from kvpool.errors import KvpoolError
 from kvpool.log import get_logger
-from kvpool.metadata.http_serving import bearer_header
+from kvpool.metadata.http_serving import CLIENT_KEEPALIVE_S, bearer_header
 
 log = get_logger("serve.worker_client")
 
@@ -38,7 +38,8 @@ class WorkerClient:
     def __init__(self, timeout_s: float, token: str | None = None) -> None:
         self.http = httpx.AsyncClient(
             headers=bearer_header(token), timeout=httpx.Timeout(timeout_s, connect=5.0),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64,
+                                keepalive_expiry=CLIENT_KEEPALIVE_S))
 
     async def aclose(self) -> None:
         await self.http.aclose()

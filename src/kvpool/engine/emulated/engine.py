@@ -105,7 +105,8 @@ class EmulatedEngine(EngineCore):
             else:
                 reused = seq.num_cached_tokens + seq.num_pool_tokens
                 chunks.append(PromptChunk(start, n, first=start <= reused))
-        return self.profile.step_s(chunks, num_decodes, context)
+        whole = self.config.prefill_mode == "whole"
+        return self.profile.step_s(chunks, num_decodes, context, shared_base=whole)
 
     def step(self) -> list[StepOutput]:
         outputs = super().step()

@@ -57,19 +57,22 @@ class EngineProfile:
                 raise ConfigError(f"profile {self.name}: {name} must be > 0, "
                                   f"got {getattr(self, name)}")
 
-    def step_s(self, chunks: list[PromptChunk], num_decodes: int, decode_context: int) -> float:
+    def step_s(self, chunks: list[PromptChunk], num_decodes: int, decode_context: int,
+               shared_base: bool = False) -> float:
         """Seconds of one step: its prompt chunks (the fixed prefill cost once per prompt, at
-        its first chunk; a prompt done in one chunk overlaps loading its prefix, as
+        its first chunk, or once for the whole step with `shared_base`, as a batch of whole
+        prompts pays it; a prompt's first chunk overlaps loading its prefix, as
         `CostModel.prefill_with_load_s`), plus the decode step of the running batch and the
         mixing overhead when both share the step."""
         c = self.cost
-        prefill = 0.0
+        prefill = c.prefill_base_s if shared_base and chunks else 0.0
         for ch in chunks:
             end = ch.start + ch.num_tokens
             compute = (c.prefill_linear_s * ch.num_tokens
                        + c.prefill_quadratic_s * (end * end - ch.start * ch.start))
             if ch.first:
-                compute = max(compute + c.prefill_base_s, ch.start * c.load_s_per_token)
+                base = 0.0 if shared_base else c.prefill_base_s
+                compute = max(compute + base, ch.start * c.load_s_per_token)
             prefill += compute
         if not num_decodes:
             return prefill

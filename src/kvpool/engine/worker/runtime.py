@@ -21,7 +21,7 @@ from kvpool.engine.worker.loop import EngineLoop, ShuttingDown
 from kvpool.engine.worker.pool import PoolConnector, PoolPlan, PushPlan, push_parts
 from kvpool.errors import ConfigError, InvalidArgument, KvpoolError
 from kvpool.log import get_logger
-from kvpool.metadata.http_serving import bearer_header
+from kvpool.metadata.http_serving import CLIENT_KEEPALIVE_S, bearer_header
 
 log = get_logger("engine.worker")
 ROLES = ("prefill", "decode", "both")
@@ -100,7 +100,8 @@ class Worker:
         self.epoch = uuid.uuid4().hex
         """Names this process's block-event numbering (a restarted worker starts anew)."""
         self.loop = EngineLoop(self.engine, on_idle=self._expire).start()
-        self.http = httpx.AsyncClient(timeout=config.remote_timeout_s, headers=self._auth())
+        self.http = httpx.AsyncClient(timeout=config.remote_timeout_s, headers=self._auth(),
+                                      limits=httpx.Limits(keepalive_expiry=CLIENT_KEEPALIVE_S))
 
     def _connect(self) -> tuple[Any, Any]:
         from kvpool.store.client.config import ClientConfig
