@@ -70,9 +70,12 @@ def test_sim_run_json_and_bad_trace(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 
 def test_bench_conductor_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["bench", "conductor", "--limit", "300", "--decisions", "50", "--json"]) == 0
+    assert main(["bench", "conductor", "--limit", "300", "--decisions", "50", "--view-blocks",
+                 "2000", "--json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
-    assert [r["name"] for r in rows] == ["trace_replay", "decision"]
+    assert [r["name"] for r in rows] == ["trace_replay", "decision", "view_sync"]
+    view = rows[2]
+    assert view["indexed_blocks"] == 16 * 2000 and view["events_ms"] < view["full_list_ms"]
     assert rows[0]["requests"] == 300 and rows[1]["decisions"] == 50
     assert rows[1]["unit"] == "us" and rows[1]["value"] > 0
 

@@ -24,6 +24,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="Mooncake JSONL (default: conversation)")
     p.add_argument("--limit", type=int, default=None, help="replay only the first N requests")
     p.add_argument("--decisions", type=int, default=2000, help="decisions to time")
+    p.add_argument("--view-blocks", type=int, default=100_000,
+                   help="cached blocks per worker in the view-sync measurement (16 workers)")
     p.add_argument("--json", action="store_true", help="one JSON object per measurement")
     p.set_defaults(func=_main)
 
@@ -104,11 +106,13 @@ def measure_view_sync(num_workers: int = 16, num_blocks: int = 100_000,
     url, hashes = urls[0], sets[urls[0]]
     changed = changes_per_poll
     full_ms, events_ms = [], []
-    for i in range(3):
-        new = [rng.getrandbits(63) for _ in range(changed)]
-        hashes = hashes[changed:] + new
+    for i in range(3):  # the same kind of change (oldest blocks out, new ones in) both ways
+        hashes = hashes[changed:] + [rng.getrandbits(63) for _ in range(changed)]
         full_ms.append(_poll_ms(cluster, url, {"block_hashes": hashes}, 1))
-        events = [[h, 0] for h in hashes[:changed]] + [[h, 1] for h in new]
+        gone, hashes = hashes[:changed], hashes[changed:]
+        fresh = [rng.getrandbits(63) for _ in range(changed)]
+        hashes += fresh
+        events = [[h, 0] for h in gone] + [[h, 1] for h in fresh]
         events_ms.append(_poll_ms(cluster, url, {"block_events": events, "epoch": "e",
                                                  "events_to": i}, 1))
     polls_per_s = num_workers / poll_s
@@ -128,7 +132,8 @@ def _main(args: argparse.Namespace) -> int:
 
     try:
         rows = [measure_replay(args.trace, args.limit),
-                measure_decision(args.trace, args.decisions), measure_view_sync()]
+                measure_decision(args.trace, args.decisions),
+                measure_view_sync(num_blocks=args.view_blocks)]
     except KvpoolError as exc:
         print(f"kvpool bench conductor: {exc}", file=sys.stderr)
         return 2

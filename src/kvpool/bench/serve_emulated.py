@@ -158,6 +158,7 @@ def summarise(sent: list[Sent], facts: WorkerFacts, speed_up: float, disagg: boo
     token gaps ([F] 5.1); shares count every request (rejected or failed ones miss)."""
     ok = [s for s in sent if s.status == 200]
     ttft, tbt, first_gap, lag, decision, mismatches, moved = [], [], [], [], [], 0, 0
+    client_lag: list[float] = []
     wasted_s = 0.0
     for s in ok:
         tr = s.body["kvpool_trace"]
@@ -169,7 +170,8 @@ def summarise(sent: list[Sent], facts: WorkerFacts, speed_up: float, disagg: boo
         if ttft[-1] > TTFT_SLO_S or tbt[-1] > TBT_SLOS_S[0]:  # served, and its prefill wasted
             reused = s.body["usage"]["prompt_tokens_details"]["cached_tokens"]
             wasted_s += cost.prefill_s(len(s.prompt), min(reused, len(s.prompt)))
-        lag.append((s.done_t - stamps[-1]) * 1e3)
+        lag += [(r - t) * 1e3 for r, t in zip(tr["recv_t"], stamps, strict=True)]
+        client_lag.append((s.done_t - tr["recv_t"][-1]) * 1e3)
         decision.append(tr["decision_s"] * 1e3)
         mismatches += tr["token_ids"] != facts.expected(s.prompt, s.trace.output_len)
         moved += int(tr["kv_bytes_moved"]) + (len(s.prompt) * facts.token_bytes if disagg else 0)
@@ -192,6 +194,7 @@ def summarise(sent: list[Sent], facts: WorkerFacts, speed_up: float, disagg: boo
     row["wasted_prefill_s"] = round(wasted_s, 1)
     row["decision_p50_ms"], row["decision_p99_ms"] = (round(pct(decision, q), 3) for q in (50, 99))
     row["lag_p50_ms"], row["lag_p99_ms"] = (round(pct(lag, q), 2) for q in (50, 99))
+    row["client_lag_p50_ms"] = round(pct(client_lag, 50), 2)
     return row
 
 

@@ -162,6 +162,8 @@ class Run:
         self.token_ids: list[int] = []
         self.token_t: list[float] = []
         """The worker's stamp of each output token (the end of the step that made it)."""
+        self.recv_t: list[float] = []
+        """When the proxy received each output token (its clock)."""
         self.kv_bytes_moved = 0
         """KV bytes the prefill leg read from the pool and wrote to it (or pushed)."""
         self.cached_len = 0
@@ -247,6 +249,7 @@ class Run:
     def _record(self, token: int, stamp: float) -> None:
         self.token_ids.append(token)
         self.token_t.append(stamp)
+        self.recv_t.append(self.d.clock.now())
 
     def _decode_gap(self, last_s: float | None) -> float:
         """Record the gap since the previous decode-leg token with the decode worker's batch."""

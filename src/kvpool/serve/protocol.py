@@ -130,13 +130,14 @@ def chunk(kind: Kind, rid: str, model: str, text: str | None, finish: str | None
 
 
 def trace_of(received_t: float, decision_s: float, token_ids: list[int],
-             token_t: list[float], kv_bytes_moved: int) -> dict[str, Any]:
+             token_t: list[float], recv_t: list[float], kv_bytes_moved: int) -> dict[str, Any]:
     """The `kvpool_trace` object: when the proxy received the request and how long the
     conductor took (CLOCK_MONOTONIC seconds, comparable across the processes of one host), and
-    each output token's id and stamp (the end of the engine step that made it), and the KV
-    bytes the prefill leg moved (pool reads and writes, or the push)."""
+    each output token's id, stamp (the end of the engine step that made it) and arrival at the
+    proxy (`recv_t`), and the KV bytes the prefill leg moved (pool reads and writes, or the
+    push)."""
     return {"received_t": received_t, "decision_s": decision_s, "token_ids": token_ids,
-            "token_t": token_t, "kv_bytes_moved": kv_bytes_moved}
+            "token_t": token_t, "recv_t": recv_t, "kv_bytes_moved": kv_bytes_moved}
 
 
 def usage_chunk(kind: Kind, rid: str, model: str, use: dict[str, Any]) -> dict[str, Any]:

@@ -76,7 +76,7 @@ def _trace(prep: PreparedRequest, run: Run) -> dict[str, Any]:
     if not prep.trace:
         return {}
     return {"kvpool_trace": trace_of(run.received_t, run.decision_s, run.token_ids, run.token_t,
-                                     run.kv_bytes_moved)}
+                                     run.recv_t, run.kv_bytes_moved)}
 
 
 async def sse_stream(proxy: Proxy, prep: PreparedRequest, run: Run, first: int,

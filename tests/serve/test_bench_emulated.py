@@ -1,0 +1,31 @@
+"""`kvpool bench serve --engine emulated` from the command line, reduced (2P2D and 2 colocated
+workers, 20 s of the trace at 4x): every answer equals its prompt's expected output, nothing is
+left behind, and the live figures stand beside the simulator's of the same run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.support.procs import python_env
+
+
+@pytest.mark.slow
+def test_the_emulated_fleet_bench_runs_and_loses_nothing() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvpool", "bench", "serve", "--engine", "emulated", "--json",
+         "--window", "20", "--speed-up", "4", "--prefill", "2", "--decode", "2",
+         "--colocated", "2", "--runs", "1,7", "--pool-dram", "512MiB"],
+        capture_output=True, text=True, timeout=600, env=python_env())
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    assert [r["config"] for r in rows] == ["2P2D kvcache_centric none", "2M vllm"]
+    for r in rows:
+        assert r["requests"] > 40 and r["ok"] + r["rejected"] == r["requests"], r
+        assert r["output_mismatches"] == 0 and r["leftovers"] == [], r
+        assert abs(r["prefix_hit_rate"] - r["sim"]["prefix_hit_rate"]) <= 0.02, r
+        assert r["speed_up"] == 4 and 0 < r["kv_scale"] <= 1
+    assert rows[0]["kv_bytes_moved"] > 0 and rows[1]["kv_bytes_moved"] == 0
