@@ -357,8 +357,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-scale", type=float, default=1 / 1024,
                    help="share of the profile's KV bytes written and moved (default 1/1024)")
     g.add_argument("--window-start", type=float, default=0.0, help="trace seconds skipped")
-    g.add_argument("--window", type=float, default=60.0,
-                   help="trace seconds replayed (default 60; --full: the whole hour)")
+    g.add_argument("--window", type=float, default=50.0,
+                   help="trace seconds replayed (default 50; --full: the whole hour)")
     g.add_argument("--full", action="store_true", help="replay the whole trace")
     g.add_argument("--prefill", type=int, default=8)
     g.add_argument("--decode", type=int, default=8)
