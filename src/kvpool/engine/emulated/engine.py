@@ -9,8 +9,9 @@ One step, as the torch engine's forward, layer by layer:
     sample: a sequence whose last token was computed now gets output token j of the digest of
             its prompt's KV as its cache holds it (computed once per prompt completion)
 
-Time spent writing bytes counts toward the step's emulated time, so a worker costs little CPU
-beyond the bytes. Stamps (`StepOutput.time_s`) are the real clock at the step's end; multiply
+The step's emulated time starts before it is scheduled, so the work of scheduling it (loading a
+joining request's KV from the pool, as the accelerator's transfer engine does beside the
+compute) and of writing its bytes counts toward it: a worker costs little CPU beyond the bytes. Stamps (`StepOutput.time_s`) are the real clock at the step's end; multiply
 durations by `speed_up` to read them in the profile's time.
 """
 
@@ -75,6 +76,8 @@ class EmulatedEngine(EngineCore):
         """Where the last step ended on the emulated timeline (real clock)."""
         self._busy = False
         """Work was left when the last step ended (the next one follows it at once)."""
+        self._step_t0 = 0.0
+        """Where the current step started on the emulated timeline."""
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, profile: EngineProfile, config: EngineConfig,
@@ -109,6 +112,7 @@ class EmulatedEngine(EngineCore):
         return self.profile.step_s(chunks, num_decodes, context, shared_base=whole)
 
     def step(self) -> list[StepOutput]:
+        self._step_t0 = self._start(self.clock.now())
         outputs = super().step()
         self._busy = self.scheduler.has_work
         return outputs
@@ -141,7 +145,7 @@ class EmulatedEngine(EngineCore):
             self.state_lock.acquire()
 
     def run(self, batch: ScheduledBatch) -> dict[Sequence, int]:
-        t0 = self._start(self.clock.now())
+        t0 = self._step_t0
         step = self.step_s(batch)
         self.emulated_s += step
         wall = step / self.speed_up
