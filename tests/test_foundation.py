@@ -59,3 +59,11 @@ def test_free_ports_lie_below_the_ephemeral_range_and_are_free() -> None:
     assert len(set(ports)) > 40                      # picked at random, not in sequence
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", ports[0]))           # and nothing held on to it
+
+
+def test_free_port_never_hands_out_a_port_twice_in_one_process() -> None:
+    """A launcher picks every child's port before any child binds one."""
+    from kvpool.procs import free_port
+
+    ports = [free_port() for _ in range(300)]
+    assert len(set(ports)) == len(ports)

@@ -14,6 +14,8 @@ from typing import Any
 
 _PICK = random.SystemRandom()  # forked processes must not pick the same sequence
 _RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_HANDED_OUT: set[int] = set()
+"""Ports free_port returned in this process."""
 PICK_SPAN = 8192
 """free_port picks among this many ports just below the kernel's ephemeral range."""
 
@@ -22,16 +24,20 @@ def free_port(host: str = "127.0.0.1") -> int:
     """A port nothing is bound to right now, picked at random just below the kernel's
     ephemeral range: every outgoing connection takes its local port from that range, so a
     port picked inside it can be taken by one before the caller binds it (seen in the test
-    suite as EADDRINUSE). Another caller of free_port still can take it, with odds of about
-    one in PICK_SPAN."""
+    suite as EADDRINUSE). Another process calling free_port still can take it, with odds of
+    about one in PICK_SPAN; this process never gets the same port twice (a launcher picks
+    every child's port before any child binds it)."""
     low = _ephemeral_low()
     for _ in range(64):
         port = _PICK.randrange(max(1024, low - PICK_SPAN), low)
+        if port in _HANDED_OUT:
+            continue
         with socket.socket() as sock:
             try:
                 sock.bind((host, port))
             except OSError:
                 continue
+            _HANDED_OUT.add(port)
             return port
     with socket.socket() as sock:  # that span is crowded: any port the kernel gives
         sock.bind((host, 0))

@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 
 import httpx
+import pytest
 
 from kvpool.serve.launch import free_port
 from tests.serve.conftest import kvpool_up, marked_pids, wait_gone, wait_ready
@@ -56,6 +57,7 @@ def test_up_demo_streams_and_shows_prefix_reuse(cache_home: Path) -> None:
     assert wait_gone(marker) == []
 
 
+@pytest.mark.slow
 def test_up_runs_an_emulated_fleet(cache_home: Path, tmp_path: Path) -> None:
     """`kvpool up --engine emulated`: every worker emulated from the shipped profile, the
     proxy's SLOs and cost model on the sped-up clock; the answer is the prompt's expected
