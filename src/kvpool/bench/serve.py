@@ -15,15 +15,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-TRACE_BLOCK_TOKENS = 512
+from kvpool.bench.trace_prompts import TRACE_BLOCK_TOKENS, block_ids, pct
+
+__all__ = ["TRACE_BLOCK_TOKENS", "BenchRequest", "BenchResult", "block_ids", "pct"]
 
 
 @dataclass(frozen=True)
@@ -72,11 +72,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     add_arguments(p)
     p.set_defaults(func=_main)
-
-
-def block_ids(hash_id: int, block_tokens: int, vocab: range) -> list[int]:
-    rng = random.Random(hash_id)
-    return [rng.randrange(vocab.start, vocab.stop) for _ in range(block_tokens)]
 
 
 def synthesise(trace: list[Any], block_tokens: int, vocab: range, max_model_len: int,
@@ -175,14 +170,6 @@ async def calibrate(url: str, model: str,
             if res.status == 200 and res.ttft_s > 0:
                 out.append((res.prompt_tokens, res.cached_tokens, res.ttft_s))
     return out
-
-
-def pct(values: list[float], q: int) -> float:
-    if not values:
-        return 0.0
-    if len(values) == 1:
-        return values[0]
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1]
 
 
 def summarise(results: list[BenchResult], wall_s: float) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.bench.serve import TRACE_BLOCK_TOKENS, block_ids, pct
+from kvpool.bench.trace_prompts import TRACE_BLOCK_TOKENS, block_ids, pct
 from kvpool.conductor.cost import CostModel
 from kvpool.engine.emulated.kvbytes import expected_output, ordinary_vocab
 from kvpool.engine.emulated.profile import EngineProfile, load_profile, scaled_cost

@@ -11,8 +11,9 @@ One step, as the torch engine's forward, layer by layer:
 
 The step's emulated time starts before it is scheduled, so the work of scheduling it (loading a
 joining request's KV from the pool, as the accelerator's transfer engine does beside the
-compute) and of writing its bytes counts toward it: a worker costs little CPU beyond the bytes. Stamps (`StepOutput.time_s`) are the real clock at the step's end; multiply
-durations by `speed_up` to read them in the profile's time.
+compute) and of writing its bytes counts toward it: a worker costs little CPU beyond the
+bytes. Stamps (`StepOutput.time_s`) are where the step ends on the emulated timeline (real
+clock seconds); multiply durations by `speed_up` to read them in the profile's time.
 """
 
 from __future__ import annotations
@@ -76,8 +77,8 @@ class EmulatedEngine(EngineCore):
         """Where the last step ended on the emulated timeline (real clock)."""
         self._busy = False
         """Work was left when the last step ended (the next one follows it at once)."""
-        self._step_t0 = 0.0
-        """Where the current step started on the emulated timeline."""
+        self._step_called_s = 0.0
+        """The clock when the current step was called (before scheduling)."""
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, profile: EngineProfile, config: EngineConfig,
@@ -112,7 +113,7 @@ class EmulatedEngine(EngineCore):
         return self.profile.step_s(chunks, num_decodes, context, shared_base=whole)
 
     def step(self) -> list[StepOutput]:
-        self._step_t0 = self._start(self.clock.now())
+        self._step_called_s = self.clock.now()
         outputs = super().step()
         self._busy = self.scheduler.has_work
         return outputs
@@ -145,7 +146,7 @@ class EmulatedEngine(EngineCore):
             self.state_lock.acquire()
 
     def run(self, batch: ScheduledBatch) -> dict[Sequence, int]:
-        t0 = self._step_t0
+        t0 = self._start(self._step_called_s)
         step = self.step_s(batch)
         self.emulated_s += step
         wall = step / self.speed_up
