@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import signal
+import subprocess
 import uuid
 from pathlib import Path
 
@@ -15,6 +16,14 @@ import pytest
 
 from kvpool.serve.launch import free_port
 from tests.serve.conftest import kvpool_up, marked_pids, wait_gone, wait_ready
+
+
+def reap(proc: subprocess.Popen[str], marker: str) -> None:
+    """Kill `kvpool up` if it is still running; none of its children may be left."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    assert wait_gone(marker) == []
 
 
 def test_up_serves_and_sigterm_stops_everything(cache_home: Path, tmp_path: Path) -> None:
@@ -33,10 +42,7 @@ def test_up_serves_and_sigterm_stops_everything(cache_home: Path, tmp_path: Path
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert wait_gone(marker) == []
+        reap(proc, marker)
 
 
 def test_up_demo_streams_and_shows_prefix_reuse(cache_home: Path) -> None:
@@ -92,7 +98,4 @@ def test_up_runs_an_emulated_fleet(cache_home: Path, tmp_path: Path) -> None:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert wait_gone(marker) == []
+        reap(proc, marker)

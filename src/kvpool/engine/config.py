@@ -51,7 +51,6 @@ class ModelConfig:
             raise ConfigError(f"unknown architecture {archs or hf.get('model_type')!r}; "
                               f"supported: {', '.join(ARCHITECTURES)}")
         heads = int(hf["num_attention_heads"])
-        eos = hf.get("eos_token_id")
         return cls(
             architecture=arch, vocab_size=int(hf["vocab_size"]),
             hidden_size=int(hf["hidden_size"]), intermediate_size=int(hf["intermediate_size"]),
@@ -64,8 +63,14 @@ class ModelConfig:
             attention_bias=ARCHITECTURES[arch] == "qwen2" or bool(hf.get("attention_bias")),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+            eos_token_ids=eos_token_ids(hf),
         )
+
+
+def eos_token_ids(hf: dict[str, Any]) -> tuple[int, ...]:
+    """A config.json's `eos_token_id`: one id, a list of them, or none."""
+    eos = hf.get("eos_token_id")
+    return tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
 
 def _rope_theta(hf: dict[str, Any]) -> float:

@@ -25,7 +25,7 @@ import numpy as np
 
 from kvpool.clock import SYSTEM_CLOCK, Clock
 from kvpool.engine.blocks import model_hash, model_hash_for_dir
-from kvpool.engine.config import EngineConfig
+from kvpool.engine.config import EngineConfig, eos_token_ids
 from kvpool.engine.connector import KVConnector
 from kvpool.engine.core import EngineCore, StepOutput
 from kvpool.engine.emulated import kvbytes
@@ -86,14 +86,12 @@ class EmulatedEngine(EngineCore):
         """The vocabulary and EOS ids from a model folder's config.json (the proxy serves its
         tokenizer); the identity covers the folder, the profile and the KV format."""
         hf = json.loads((Path(model_dir) / "config.json").read_text())
-        eos = hf.get("eos_token_id")
-        eos_ids = tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
         row_bytes = row_bytes_for(profile, kv_scale)
         root = model_hash(json.dumps({"model": model_hash_for_dir(model_dir),
                                       "profile": profile.to_dict(), "row_bytes": row_bytes,
                                       "kv_format": KV_FORMAT}, sort_keys=True))
         return cls(profile, config, kvbytes.ordinary_vocab(int(hf["vocab_size"])), root,
-                   eos_ids, kv_scale, speed_up)
+                   eos_token_ids(hf), kv_scale, speed_up)
 
     # -- one step ------------------------------------------------------------------------------
 

@@ -153,27 +153,25 @@ class Worker:
 
     async def load(self, epoch: str = "", since: int | None = None) -> dict[str, Any]:
         """The load report; with this worker's `epoch` and an event number `since`, the cached
-        block hashes come as the events after it (`block_events`), else whole."""
-        def report(engine: EngineCore) -> dict[str, Any]:
-            out = _load_report(engine)
-            events = (engine.blocks.events_since(since)
-                      if since is not None and epoch == self.epoch else None)
-            if events is None:
-                out["block_hashes"] = engine.blocks.cached_hashes()
-            else:
-                out["block_events"] = [[h, int(stored)] for h, stored in events]
-            out["epoch"], out["events_to"] = self.epoch, engine.blocks.num_events
-            return out
-
+        block hashes come as the events after it (`block_events`), else whole. Not queued
+        behind the engine's commands: a step that waits without computing (the emulated
+        engine) answers polls while it waits."""
         if self.loop.stopped:
             raise ShuttingDown("the worker is shutting down")
 
-        def locked() -> dict[str, Any]:
+        def report() -> dict[str, Any]:
             with self.engine.state_lock:
-                return report(self.engine)
-        # Not queued behind the engine's commands: a long step that waits without computing
-        # (the emulated engine) answers polls while it waits.
-        return await asyncio.to_thread(locked)
+                out = _load_report(self.engine)
+                blocks = self.engine.blocks
+                events = blocks.events_since(since) if epoch == self.epoch and since is not None \
+                    else None
+                if events is None:
+                    out["block_hashes"] = blocks.cached_hashes()
+                else:
+                    out["block_events"] = [[h, int(stored)] for h, stored in events]
+                out["epoch"], out["events_to"] = self.epoch, blocks.num_events
+            return out
+        return await asyncio.to_thread(report)
 
     # -- prefill leg -------------------------------------------------------------------------
 
@@ -284,9 +282,8 @@ class Worker:
             seq = engine.add_request(request_id, prompt, sampling, kv_source=source)
             if first_token is not None:
                 engine.continue_with(seq, first_token)
-            if seq.status is SeqStatus.FINISHED and source is KVSource.POOL and self.store:
-                # done with the prefill's token alone: nobody will read its last block
-                self.store.remove(request_key(request_id), True)
+            if seq.status is SeqStatus.FINISHED and source is KVSource.POOL:
+                self._drop_partial(request_id)  # done with the prefill's token: nobody reads it
         return self._follow(request_id, add)
 
     async def abort(self, request_id: str) -> bool:
@@ -298,9 +295,15 @@ class Worker:
                 engine.blocks.release(reserved[0])
             return engine.abort(request_id) or reserved is not None
         found = bool(await self._on_engine(abort))
-        if self.store is not None and self.config.role == "prefill":
-            await asyncio.to_thread(self.store.remove, request_key(request_id), True)
+        if self.config.role == "prefill":
+            await asyncio.to_thread(self._drop_partial, request_id)
         return found
+
+    def _drop_partial(self, request_id: str) -> None:
+        """Remove the request's last, partial block from the pool (written by a prefill leg
+        for its decode leg), if there is a pool and it is there."""
+        if self.store is not None:
+            self.store.remove(request_key(request_id), True)
 
     def _expire(self) -> None:
         now = time.monotonic()
