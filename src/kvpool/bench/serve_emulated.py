@@ -33,13 +33,13 @@ from kvpool.bench.trace_prompts import TRACE_BLOCK_TOKENS, block_ids, pct
 from kvpool.conductor.cost import CostModel
 from kvpool.engine.emulated.kvbytes import expected_output, ordinary_vocab
 from kvpool.engine.emulated.profile import EngineProfile, load_profile, scaled_cost
+from kvpool.serve.launch import EMULATED_MAX_MODEL_LEN
 from kvpool.sim.record import top_share_mean
 from kvpool.sim.trace import TraceRequest, load_trace
 from kvpool.sim.trace import speed_up as compress_arrivals
 
 TTFT_SLO_S = 30.0
 TBT_SLOS_S = (0.1, 0.2, 0.3)
-MAX_MODEL_LEN = 131_072 + 4096
 
 
 @dataclass(frozen=True)
@@ -245,13 +245,13 @@ def scaled_cost_file(profile: EngineProfile, speed_up: float, folder: Path) -> P
 def worker_args(spec: RunSpec, args: argparse.Namespace) -> tuple[str, ...]:
     common = ("--engine", "emulated", "--profile", args.profile, "--speed-up", str(args.speed_up),
               "--kv-scale", str(args.kv_scale), "--block-size", str(TRACE_BLOCK_TOKENS),
-              "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "256")
+              "--max-model-len", str(EMULATED_MAX_MODEL_LEN), "--max-num-seqs", "256")
     if spec.baseline == "vllm":
-        return (*common, "--prefill-mode", "whole", "--max-prefill-chunk", str(MAX_MODEL_LEN),
+        return (*common, "--prefill-mode", "whole", "--max-prefill-chunk", str(EMULATED_MAX_MODEL_LEN),
                 "--no-prefix-caching")
     if spec.baseline == "vllm_chunked_prefix":
         return (*common, "--max-prefill-chunk", str(args.chunk_tokens))
-    return (*common, "--max-prefill-chunk", str(MAX_MODEL_LEN), "--max-prefill-seqs", "1")
+    return (*common, "--max-prefill-chunk", str(EMULATED_MAX_MODEL_LEN), "--max-prefill-seqs", "1")
 
 
 def proxy_args(spec: RunSpec, args: argparse.Namespace, cost: Path) -> tuple[str, ...]:
@@ -414,7 +414,7 @@ def run_emulated(args: argparse.Namespace) -> int:
     if not args.json:
         print(header(args, profile, reqs), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
-        model = ensure_emulated_model(tiny, Path(tmp) / "emulated", MAX_MODEL_LEN)
+        model = ensure_emulated_model(tiny, Path(tmp) / "emulated", EMULATED_MAX_MODEL_LEN)
         cost = scaled_cost_file(profile, args.speed_up, Path(tmp))
         for spec in specs:
             sim = simulate(spec, compress_arrivals(reqs, spec.load), profile,

@@ -173,10 +173,6 @@ def _run_serving(args: argparse.Namespace) -> int:
         return 1
 
 
-EMULATED_MAX_MODEL_LEN = 131_072 + 4096
-"""Room for the conversation trace's longest prompts (126k tokens) and their outputs."""
-
-
 def _emulated(args: argparse.Namespace,
               tiny: Path) -> tuple[Path, tuple[str, ...], tuple[str, ...]]:
     """The model folder (the tiny tokenizer, long context), the proxy's flags (the profile's
@@ -184,7 +180,11 @@ def _emulated(args: argparse.Namespace,
     import json
 
     from kvpool.engine.emulated.profile import load_profile, scaled_cost
-    from kvpool.serve.launch import default_model_dir, ensure_emulated_model
+    from kvpool.serve.launch import (
+        EMULATED_MAX_MODEL_LEN,
+        default_model_dir,
+        ensure_emulated_model,
+    )
 
     s, profile = args.speed_up, load_profile(args.profile)
     folder = default_model_dir().parent / f"emulated-{tiny.resolve().name}"

@@ -115,6 +115,11 @@ def ensure_tiny_model(folder: Path) -> Path:
     return folder
 
 
+EMULATED_MAX_MODEL_LEN = 131_072 + 4096
+"""Context of emulated fleets: room for the conversation trace's longest prompts (126k tokens)
+and their outputs."""
+
+
 def ensure_emulated_model(tiny: Path, folder: Path, max_model_len: int) -> Path:
     """A model folder for emulated workers: the tiny model's tokenizer (the proxy serves it)
     and its config with `max_model_len` positions; no weights (an emulated engine computes
