@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvpool.cli.sim_calibrate import add_calibrate
 from kvpool.errors import KvpoolError
 
 
@@ -18,6 +19,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_run(sub)
     _add_experiment(sub)
     _add_fit(sub)
+    add_calibrate(sub)
     parser.set_defaults(func=lambda args: (parser.print_help(), 2)[1])
 
 
@@ -28,8 +30,11 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speed", type=float, default=None, help="replay speed-up factor (e.g. 2)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--profile", default=None,
+                   help="accelerator profile, a shipped name or a file (default: "
+                        "llama70b-8xa800-conversation, fitted by `kvpool sim calibrate`)")
     p.add_argument("--cost", type=Path, default=None,
-                   help="cost model JSON (from `kvpool sim fit`); default: calibrated to [F]")
+                   help="cost model JSON (from `kvpool sim fit`) replacing the profile's")
 
 
 def _add_experiment(sub: argparse._SubParsersAction) -> None:
@@ -49,7 +54,7 @@ def _experiment(args: argparse.Namespace) -> int:
 
     try:
         opts = ExperimentOptions(args.trace, args.limit, args.out, not args.no_progress,
-                                 args.speed, _cost(args))
+                                 args.speed, _profile(args))
         result = EXPERIMENTS[args.name](opts)
     except KvpoolError as exc:
         print(f"kvpool sim: {exc}", file=sys.stderr)
@@ -109,10 +114,16 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cost(args: argparse.Namespace) -> Any:
-    from kvpool.conductor.cost import CostModel, load_cost_model
+def _profile(args: argparse.Namespace) -> Any:
+    """The profile of `--profile` (default: the experiments'), with `--cost` as its cost."""
+    from dataclasses import replace
 
-    return load_cost_model(args.cost) if args.cost is not None else CostModel()
+    from kvpool.conductor.cost import load_cost_model
+    from kvpool.engine.emulated.profile import load_profile
+    from kvpool.sim.experiments.common import SIM_PROFILE
+
+    profile = load_profile(args.profile or SIM_PROFILE)
+    return profile if args.cost is None else replace(profile, cost=load_cost_model(args.cost))
 
 
 def _add_fit(sub: argparse._SubParsersAction) -> None:
@@ -178,15 +189,19 @@ def _simulate(args: argparse.Namespace) -> dict[str, Any]:
     from kvpool.sim.colocated import ColocatedConfig, ColocatedSim
     from kvpool.sim.disagg import DisaggConfig, DisaggSim
     from kvpool.sim.engine import EngineConfig
+    from kvpool.sim.systems import disagg_config
+    from kvpool.sim.vllm import VllmConfig
 
     reqs = _requests(args)
-    cost = _cost(args).with_bandwidth(args.bandwidth_gbps)
+    profile = _profile(args)
+    cost = profile.cost.with_bandwidth(args.bandwidth_gbps)
     progress = not args.no_progress
     if args.mode == "colocated":
         engine = EngineConfig(chunk_tokens=args.chunk_tokens,
                               prefix_cache_blocks=args.prefix_cache_blocks)
-        sim = ColocatedSim(cost, ColocatedConfig(args.instances, engine), args.ttft_slo,
-                           args.tbt_slo)
+        vllm = VllmConfig(chunk_overhead_s=profile.chunk_overhead_s)
+        sim = ColocatedSim(cost, ColocatedConfig(args.instances, engine, vllm=vllm),
+                           args.ttft_slo, args.tbt_slo)
         return sim.run(reqs, progress).summary()
     config = ConductorConfig(args.prefill_policy, args.admission, args.ttft_slo, args.tbt_slo,
                              args.threshold, decode_horizon_s=args.decode_horizon,
@@ -194,8 +209,9 @@ def _simulate(args: argparse.Namespace) -> dict[str, Any]:
     per_instance = args.cache_blocks or None
     if args.pool_blocks is not None:
         per_instance = max(1, args.pool_blocks // args.num_prefill)
-    disagg = DisaggConfig(args.num_prefill, args.num_decode, per_instance, args.eviction,
-                          prefill_noise=args.prefill_noise, seed=args.seed)
+    disagg = disagg_config(profile, DisaggConfig(
+        args.num_prefill, args.num_decode, per_instance, args.eviction,
+        prefill_noise=args.prefill_noise, seed=args.seed))
     result = DisaggSim(Conductor(config, cost), disagg).run(reqs, progress)
     if args.load_csv is not None:
         _write_load(args.load_csv, result.load)

@@ -39,12 +39,18 @@ class EngineConfig:
     """Chunked prefill token budget per step (0 = prefill whole, stalling decodes)."""
     prefix_cache_blocks: int = 0
     """Colocated baseline's GPU prefix cache in blocks (0 = prefix caching off)."""
+    join_s: float = 0.0
+    """Extra seconds of a step in which a request joins the batch, per joining request: a
+    disaggregated decode instance takes in KV that arrived from elsewhere (calibrated on
+    Mooncake's own TBT curve, docs/sim.md). 0 where the KV was computed in place."""
 
     def __post_init__(self) -> None:
         if self.kv_capacity_tokens <= 0:
             raise ConfigError(f"kv_capacity_tokens must be > 0, got {self.kv_capacity_tokens}")
         if self.chunk_tokens < 0 or self.prefix_cache_blocks < 0:
             raise ConfigError("chunk_tokens and prefix_cache_blocks must be >= 0")
+        if self.join_s < 0:
+            raise ConfigError(f"join_s must be >= 0, got {self.join_s}")
 
 
 class BatchEngine:
@@ -75,6 +81,8 @@ class BatchEngine:
         self._stall = False
         """The current step is a whole prefill: running requests get no token from it."""
         self._version = 0
+        self._joined = 0
+        """Requests that joined the batch at the current boundary."""
         self.prefill_gpu_s = 0.0
         self.peak_kv_reserved = 0
         """Most KV tokens ever reserved at once (input + output of the running requests)."""
@@ -184,6 +192,7 @@ class BatchEngine:
         self.peak_kv_reserved = max(self.peak_kv_reserved, self.kv_reserved)
         self._in_sum += sr.req.input_len + sr.decoded
         self._join_sum += self.steps_done
+        self._joined += 1
         self.running[sr.req.request_id] = sr
         heapq.heappush(self._finish_heap, (sr.finish_step, sr.req.request_id))
 
@@ -200,10 +209,13 @@ class BatchEngine:
             self.busy = True
             self._dt = self.cost.decode_step_s(len(self.running), self.context_tokens)
             k = self._decode_steps()
+            if self._joined and self.config.join_s:
+                self._dt, k = self._dt + self.config.join_s * self._joined, 1
             self._schedule(now + k * self._dt, k)
         else:
             self.busy = False
             self._version += 1
+        self._joined = 0
 
     def _decode_steps(self) -> int:
         """Decode steps until the batch next changes by itself (the first finish)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +45,18 @@ class SimResult:
     def rejected(self, stage: str | None = None) -> int:
         return sum(1 for r in self.records
                    if r.rejected_stage is not None and (stage is None or r.rejected_stage == stage))
+
+    def share_at_ms(self, thresholds_ms: Sequence[int], ttft_slo_s: float) -> dict[str, float]:
+        """Percent of all requests within `ttft_slo_s` and each TBT threshold, keyed by the
+        threshold in ms as a string (the JSON form of the paper's curves)."""
+        return {str(ms): 100.0 * self.attainment(ttft_slo_s, ms / 1000) for ms in thresholds_ms}
+
+    def tbt_percentiles_ms(self, pcts: Sequence[int] = (10, 50, 90)) -> dict[str, float]:
+        """p10/p50/p90 (by default) of the completed requests' TBT, in ms."""
+        tbt = self.tbts()
+        if not tbt.size:
+            return {}
+        return {f"p{q}": float(np.percentile(tbt, q)) * 1000 for q in pcts}
 
     def hit_rate(self) -> float:
         """Share of prefilled prompt tokens whose KV was reused instead of computed."""

@@ -35,7 +35,8 @@ def print_result(result: ExperimentResult, stream: TextIO, as_json: bool) -> Non
         for row in result.rows:
             stream.write(json.dumps({"experiment": result.name, **row}) + "\n")
         return
-    stream.write(f"{result.title}\n\n{format_table(result.columns, result.rows)}\n")
+    table = result.rows if result.table_rows is None else result.table_rows
+    stream.write(f"{result.title}\n\n{format_table(result.columns, table)}\n")
     for note in result.notes:
         stream.write(f"  note: {note}\n")
 

@@ -5,7 +5,11 @@ as data (a JSON file), so the emulated and the real engine are described the sam
      "cost": {CostModel fields},           the step times (kvpool.conductor.cost)
      "chunk_overhead_s": 0.0225,           extra time of a step mixing prompt chunks and decodes
      "kv_capacity_tokens": 1000000,        KV that fits beside the weights (sets --num-blocks)
-     "kv_layers": 2}                       layers the emulated KV bytes are split into
+     "kv_layers": 2,                       layers the emulated KV bytes are split into
+     "decode_join_s": 0.0,                 extra step time per request joining a decode batch
+                                           with KV that arrived from a prefill instance
+     "chunk_tokens": 512,                  chunked-prefill token budget of a step
+     "calibration": {...}}                 how the decode terms were fitted (or absent)
 
 `step_s` is the one place that turns a step's work into seconds, used by the emulated engine;
 the simulator prices the same work with the same CostModel.
@@ -36,6 +40,30 @@ class PromptChunk:
 
 
 @dataclass(frozen=True)
+class DecodeCalibration:
+    """How a profile's decode terms were fitted to a paper's measurement of Mooncake
+    (`kvpool sim calibrate`, kvpool.sim.calibrate): the record, not an input."""
+
+    figure: str
+    """The paper figure fitted, a key of mooncake_tbt_curves.json (e.g. fig1_conversation)."""
+    trace: str
+    """File name of the trace replayed."""
+    base_profile: str
+    """The profile whose decode terms were scaled."""
+    decode_factor: float
+    """Multiplier applied to the base profile's three decode-step terms."""
+    decode_join_s: float
+    share_rms_pp: float
+    """Root mean square of (simulated - paper) share within each TBT threshold, in points."""
+    share_at_ms: dict[str, float] = field(default_factory=dict)
+    """Simulated Mooncake's share (percent) within each threshold, beside `paper_share_at_ms`."""
+    paper_share_at_ms: dict[str, float] = field(default_factory=dict)
+    tbt_ms: dict[str, float] = field(default_factory=dict)
+    """Simulated p10/p50/p90 of the per-request TBT, beside `paper_tbt_ms` (when published)."""
+    paper_tbt_ms: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class EngineProfile:
     name: str
     cost: CostModel = field(default_factory=CostModel)
@@ -47,12 +75,19 @@ class EngineProfile:
     """KV tokens one instance holds beside its weights."""
     kv_layers: int = 2
     """Layers the emulated KV is written and saved in (layer-wise saving overlaps the step)."""
+    decode_join_s: float = 0.0
+    """Extra seconds of a decode step per request that joins the batch with KV transferred
+    from a prefill instance (fitted by `kvpool sim calibrate`; 0 in a measured profile)."""
+    chunk_tokens: int = 512
+    """Token budget of a chunked-prefill step (vLLM v0.5's default)."""
+    calibration: DecodeCalibration | None = None
 
     def __post_init__(self) -> None:
-        if self.chunk_overhead_s < 0:
-            raise ConfigError(f"profile {self.name}: chunk_overhead_s must be >= 0, "
-                              f"got {self.chunk_overhead_s}")
-        for name in ("kv_capacity_tokens", "kv_layers"):
+        for name in ("chunk_overhead_s", "decode_join_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"profile {self.name}: {name} must be >= 0, "
+                                  f"got {getattr(self, name)}")
+        for name in ("kv_capacity_tokens", "kv_layers", "chunk_tokens"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"profile {self.name}: {name} must be > 0, "
                                   f"got {getattr(self, name)}")
@@ -95,6 +130,8 @@ class EngineProfile:
         kw = dict(data)
         try:
             kw["cost"] = CostModel.from_dict(data.get("cost") or {})
+            if kw.get("calibration") is not None:
+                kw["calibration"] = DecodeCalibration(**kw["calibration"])
             return cls(**kw)
         except KvpoolError as exc:
             raise ConfigError(f"{source}: {exc}") from None

@@ -1,8 +1,11 @@
 """Experiment `capacity`: effective request capacity against vLLM-like baselines ([F] Fig.1,
-Fig.6) and prefill GPU time per request ([F] Fig.8), 16 nodes, conversation trace.
+Fig.6, Fig.7) and prefill GPU time per request ([F] Fig.8), 16 nodes, on one profile.
 
 Effective request capacity = share of all requests with TTFT <= 30 s and TBT <= threshold
-(TBT = mean of the request's longest 10% of inter-token gaps).
+(TBT = mean of the request's longest 10% of inter-token gaps). Every system runs on the same
+profile (by default the one `kvpool sim calibrate` fitted on Mooncake's Fig.1 curve), so the
+baselines' curves are predictions. The paper's columns are those of the trace's workload
+(`--trace`), or none for a trace that is not one of the paper's.
 """
 
 from __future__ import annotations
@@ -10,104 +13,124 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from kvpool.sim.colocated import ColocatedConfig, ColocatedSim
-from kvpool.sim.engine import EngineConfig
+from kvpool.sim.calibrate import THRESHOLDS_MS, PaperCurve, curve_for
 from kvpool.sim.experiments.common import (
     ExperimentOptions,
     ExperimentResult,
     pct_change,
     rnd,
-    run_disagg,
     runs,
 )
 from kvpool.sim.metrics import SimResult
+from kvpool.sim.systems import SYSTEM_NAMES, TTFT_LIMIT_S, run_system
 
-THRESHOLDS_MS = (100, 200, 300)
-TTFT_LIMIT_S = 30.0
-VLLM_CHUNK_TOKENS = 512
-"""vLLM v0.5's default token budget per step with chunked prefill enabled."""
-VLLM_PREFIX_BLOCKS = 2539
-"""vLLM's GPU prefix cache: the whole VRAM KV capacity (1.3M tokens) in 512-token blocks."""
-# [F] Fig.1/6 (eye): share of requests within the thresholds
-PAPER_EFFECTIVE = {"mooncake": {100: 0.96, 200: 1.00, 300: 1.00},
-                   "best_vllm": {100: 0.16, 200: 0.39, 300: 0.63}}
-PAPER_GAIN_PCT = {100: 498, 200: 157, 300: 59}
-PAPER_PREFILL_RATIO = {"mooncake": 1.0, "vllm": 1.56, "vllm_prefix": 1.43, "vllm_chunked": 1.90}
-
-SYSTEMS: dict[str, ColocatedConfig | None] = {
-    "mooncake": None,
-    "vllm": ColocatedConfig(),
-    "vllm_prefix": ColocatedConfig(engine=EngineConfig(prefix_cache_blocks=VLLM_PREFIX_BLOCKS)),
-    "vllm_chunked": ColocatedConfig(engine=EngineConfig(chunk_tokens=VLLM_CHUNK_TOKENS)),
-}
+GAIN_THRESHOLDS_MS = (100, 200, 300)
+"""[F] Thresholds I, II and III."""
+PAPER_BEST_VLLM = {"fig1_conversation": {"100": 16.0, "200": 39.0, "300": 63.0}}
+"""The best baseline's share (percent, eye) where PAPER.md gives it."""
+PAPER_GAIN_PCT = {"fig1_conversation": {"100": 498, "200": 157, "300": 59},
+                  "fig6_toolagent": {"100": 64, "200": 42, "300": 22},
+                  "fig7_synthetic": {"100": 62, "200": 40, "300": 28}}
+PAPER_PREFILL_RATIO = {
+    "fig1_conversation": {"vllm": 1.56, "vllm_prefix": 1.43, "vllm_chunked": 1.90},
+    "fig6_toolagent": {"vllm": 2.12, "vllm_prefix": 1.40, "vllm_chunked": 2.68},
+    "fig7_synthetic": {"vllm": 2.76, "vllm_prefix": 2.59, "vllm_chunked": 3.33}}
 
 
 def run(opts: ExperimentOptions) -> ExperimentResult:
     reqs = opts.requests()
+    curve = curve_for(opts.trace)
     results: dict[str, SimResult] = {}
     peak_kv: dict[str, tuple[float, int]] = {}
-    for name in runs(list(SYSTEMS), opts.progress, "capacity"):
-        cfg = SYSTEMS[name]
-        if cfg is None:
-            results[name] = run_disagg(reqs, opts.cost, admission="early_rejection",
-                                       ttft_slo_s=TTFT_LIMIT_S)
-            continue
-        sim = ColocatedSim(opts.cost, cfg)
-        results[name] = sim.run(reqs)
-        peak_kv[name] = (sim.peak_kv_share(), sim.num_preempted())
-    rows = _rows(results, peak_kv)
+    for name in runs(list(SYSTEM_NAMES), opts.progress, "capacity"):
+        results[name], sim = run_system(name, reqs, opts.profile)
+        if sim is not None:
+            peak_kv[name] = (sim.peak_kv_share(), sim.num_preempted())
+    trace = opts.trace.name if opts.trace else "conversation_trace.jsonl"
+    rows = [_row(name, res, results, peak_kv.get(name), curve, trace)
+            for name, res in results.items()]
+    figure = curve.figure if curve else None
     return ExperimentResult(
-        "capacity", "Effective request capacity, 16 nodes: Mooncake 8P8D vs vLLM v0.5.1-like 16x "
-        "colocated ([F] Fig.1, Fig.8)",
-        ["system", "tbt_threshold_ms", "effective", "paper_effective", "gain_pct",
-         "paper_gain_pct", "mean_ttft_s", "prefill_gpu_s", "prefill_ratio",
-         "paper_prefill_ratio", "peak_kv_share", "preemptions"],
+        "capacity", f"Effective request capacity, 16 nodes, profile {opts.profile.name}: "
+        "Mooncake 8P8D vs vLLM v0.5.1-like 16x colocated ([F] Figs.1/6/7, Fig.8); shares in %",
+        ["system", *(f"s{t}" for t in THRESHOLDS_MS), "p10_ms", "p50_ms", "p90_ms",
+         *(f"gain{t}" for t in GAIN_THRESHOLDS_MS), "mean_ttft_s", "prefill_ratio",
+         "paper_prefill_ratio"],
         rows,
-        notes=["gain_pct: Mooncake over the best vLLM variant at that threshold.",
-               "paper_effective for vLLM rows is the best baseline's share (eye).",
-               "vllm_chunked's prefill_ratio is calibrated to the paper's 1.90 "
-               "(colocated.CHUNK_OVERHEAD_S).",
-               "peak_kv_share: most VRAM KV held at once on one instance (KV allocated on "
-               "demand); preemptions: requests preempted by recomputation when it ran out."],
-        plot=lambda out: _plot(rows, out))
+        notes=[f"paper figure: {figure or 'none (not one of the paper workloads)'}; "
+               "sNN: share within TBT NN ms; gainNN: Mooncake over the best vLLM variant.",
+               "paper rows: Mooncake's measured curve; best vLLM by eye where published.",
+               "vllm_chunked's prefill_ratio rests on the profile's chunk_overhead_s, calibrated "
+               "on [F] Fig.8's 1.90 (docs/sim.md)."],
+        plot=lambda out: _plot(rows, curve, out),
+        table_rows=_table(rows, curve))
 
 
-def _rows(results: dict[str, SimResult],
-          peak_kv: dict[str, tuple[float, int]]) -> list[dict[str, Any]]:
-    base_gpu = results["mooncake"].prefill_gpu_s()
-    rows = []
-    for th in THRESHOLDS_MS:
-        eff = {n: r.attainment(TTFT_LIMIT_S, th / 1000) for n, r in results.items()}
-        best = max(v for n, v in eff.items() if n != "mooncake")
-        for name, res in results.items():
-            moon = name == "mooncake"
-            rows.append({
-                "system": name, "tbt_threshold_ms": th, "effective": rnd(eff[name]),
-                "paper_effective": PAPER_EFFECTIVE["mooncake" if moon else "best_vllm"][th],
-                "gain_pct": rnd(pct_change(eff[name], best), 1) if moon else None,
-                "paper_gain_pct": PAPER_GAIN_PCT[th] if moon else None,
-                "mean_ttft_s": rnd(res.summary()["mean_ttft_s"]),
-                "prefill_gpu_s": rnd(res.prefill_gpu_s()),
-                "prefill_ratio": rnd(res.prefill_gpu_s() / base_gpu, 2),
-                "paper_prefill_ratio": PAPER_PREFILL_RATIO[name],
-                "peak_kv_share": rnd(peak_kv[name][0], 2) if name in peak_kv else None,
-                "preemptions": peak_kv[name][1] if name in peak_kv else None})
-    return rows
+def _row(name: str, res: SimResult, results: dict[str, SimResult],
+         peak: tuple[float, int] | None, curve: PaperCurve | None, trace: str) -> dict[str, Any]:
+    share = {k: rnd(v, 2) for k, v in res.share_at_ms(THRESHOLDS_MS, TTFT_LIMIT_S).items()}
+    row: dict[str, Any] = {
+        "trace": trace, "system": name, "share_at_ms": share,
+        "tbt_ms": {k: rnd(v, 1) for k, v in res.tbt_percentiles_ms().items()},
+        "mean_ttft_s": rnd(res.summary()["mean_ttft_s"]),
+        "prefill_gpu_s": rnd(res.prefill_gpu_s()),
+        "prefill_ratio": rnd(res.prefill_gpu_s() / results["mooncake"].prefill_gpu_s(), 2)}
+    fig = curve.figure if curve else ""
+    if name == "mooncake":
+        best = {str(t): max(r.attainment(TTFT_LIMIT_S, t / 1000)
+                            for n, r in results.items() if n != "mooncake")
+                for t in GAIN_THRESHOLDS_MS}
+        row["gain_pct_at_ms"] = {k: rnd(pct_change(res.attainment(TTFT_LIMIT_S, int(k) / 1000),
+                                                   v), 1) for k, v in best.items()}
+        row["paper_share_at_ms"] = dict(curve.share_at_ms) if curve else None
+        row["paper_tbt_ms"] = dict(curve.tbt_ms) if curve and curve.tbt_ms else None
+        row["paper_gain_pct_at_ms"] = PAPER_GAIN_PCT.get(fig)
+    else:
+        row["paper_best_vllm_share_at_ms"] = PAPER_BEST_VLLM.get(fig)
+        row["paper_prefill_ratio"] = PAPER_PREFILL_RATIO.get(fig, {}).get(name)
+        row["peak_kv_share"] = rnd(peak[0], 2) if peak else None
+        row["preemptions"] = peak[1] if peak else None
+    return row
 
 
-def _plot(rows: list[dict[str, Any]], out: Path) -> Path:
+def _flat(system: str, share: dict[str, Any] | None, tbt: dict[str, Any] | None,
+          gain: dict[str, Any] | None = None, **extra: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"system": system, **extra}
+    out.update({f"s{k}": v for k, v in (share or {}).items()})
+    out.update({f"{k}_ms": v for k, v in (tbt or {}).items()})
+    out.update({f"gain{k}": v for k, v in (gain or {}).items()})
+    return out
+
+
+def _table(rows: list[dict[str, Any]], curve: PaperCurve | None) -> list[dict[str, Any]]:
+    out = [_flat(r["system"], r["share_at_ms"], r["tbt_ms"], r.get("gain_pct_at_ms"),
+                 mean_ttft_s=r["mean_ttft_s"], prefill_ratio=r["prefill_ratio"],
+                 paper_prefill_ratio=r.get("paper_prefill_ratio")) for r in rows]
+    if curve is None:
+        return out
+    moon = rows[0]
+    out.append(_flat("paper mooncake", curve.share_at_ms, curve.tbt_ms,
+                     moon.get("paper_gain_pct_at_ms")))
+    if curve.figure in PAPER_BEST_VLLM:
+        out.append(_flat("paper best vllm", PAPER_BEST_VLLM[curve.figure], None))
+    return out
+
+
+def _plot(rows: list[dict[str, Any]], curve: PaperCurve | None, out: Path) -> Path:
     from kvpool.sim.report import new_figure, save
 
     fig, ax = new_figure()
-    for name in SYSTEMS:
-        pts = [r for r in rows if r["system"] == name]
-        ax.plot([r["tbt_threshold_ms"] for r in pts], [r["effective"] for r in pts],
-                marker="o", label=name)
-    ax.plot(THRESHOLDS_MS, [PAPER_EFFECTIVE["mooncake"][t] for t in THRESHOLDS_MS], "k--",
-            label="paper Mooncake")
-    ax.plot(THRESHOLDS_MS, [PAPER_EFFECTIVE["best_vllm"][t] for t in THRESHOLDS_MS], "k:",
-            label="paper best vLLM")
+    xs = list(THRESHOLDS_MS)
+    for r in rows:
+        ax.plot(xs, [r["share_at_ms"][str(t)] for t in xs], marker="o", label=r["system"])
+    if curve is not None:
+        ax.plot([int(k) for k in curve.share_at_ms], list(curve.share_at_ms.values()), "k--",
+                label="paper Mooncake")
+        best = PAPER_BEST_VLLM.get(curve.figure)
+        if best:
+            ax.plot([int(k) for k in best], list(best.values()), "k:", label="paper best vLLM")
+    ax.set_xscale("log")
     ax.set_xlabel("TBT threshold (ms)")
-    ax.set_ylabel("share of requests within SLOs")
+    ax.set_ylabel("% of requests within TTFT 30 s and the TBT threshold")
     ax.legend()
     return save(fig, out / "capacity.png")

@@ -10,13 +10,17 @@ from typing import Any, TypeVar
 from tqdm import tqdm
 
 from kvpool.conductor import Conductor, ConductorConfig, CostModel
-from kvpool.sim.colocated import ColocatedConfig, ColocatedSim
+from kvpool.engine.emulated.profile import EngineProfile, load_profile
 from kvpool.sim.disagg import DisaggConfig, DisaggSim
 from kvpool.sim.metrics import SimResult
+from kvpool.sim.systems import disagg_config
 from kvpool.sim.trace import TraceRequest, load_trace, speed_up
 
 T = TypeVar("T")
 
+SIM_PROFILE = "llama70b-8xa800-conversation"
+"""The experiments' default profile: the papers' cost model with its decode terms fitted on
+Mooncake's Fig.1 curve (`kvpool sim calibrate`, docs/sim.md)."""
 NO_SLO_S = 1e9
 """A TTFT limit that never rejects: experiments that measure latency serve every request."""
 
@@ -31,8 +35,19 @@ class ExperimentOptions:
     progress: bool = True
     speed: float | None = None
     """Replay speed-up; None = the experiment's own default."""
-    cost: CostModel = field(default_factory=CostModel)
-    """Cost model of every run (the calibrated defaults, or one fitted with `fit_prefill`)."""
+    profile: EngineProfile = field(default_factory=lambda: load_profile(SIM_PROFILE))
+    """Cost model and engine terms of every run (`--profile`; `--cost` replaces its cost)."""
+
+    @property
+    def cost(self) -> CostModel:
+        return self.profile.cost
+
+    def run_disagg(self, reqs: Sequence[TraceRequest], config: DisaggConfig | None = None,
+                   cost: CostModel | None = None, **conductor: Any) -> SimResult:
+        """One disaggregated run on the profile (its cost unless `cost` is given, its decode
+        join cost); keyword arguments go to ConductorConfig."""
+        return DisaggSim(Conductor(ConductorConfig(**conductor), cost or self.cost),
+                         disagg_config(self.profile, config)).run(reqs)
 
     def requests(self, default_speed: float = 1.0) -> list[TraceRequest]:
         reqs = load_trace(self.trace, self.limit)
@@ -49,22 +64,13 @@ class ExperimentResult:
     notes: list[str] = field(default_factory=list)
     plot: Callable[[Path], Path] | None = None
     """Writes the experiment's PNG into the given directory and returns its path."""
+    table_rows: list[dict[str, Any]] | None = None
+    """Rows of the printed table when they differ from the JSON rows (flattened, with the
+    paper's rows added); None = `rows`."""
 
 
 def runs(items: Sequence[T], progress: bool, desc: str) -> Iterable[T]:
     return tqdm(items, desc=desc, unit="run", disable=not progress, leave=False)
-
-
-def run_disagg(reqs: Sequence[TraceRequest], cost: CostModel | None = None,
-               config: DisaggConfig | None = None, **conductor: Any) -> SimResult:
-    """One disaggregated run; keyword arguments go to ConductorConfig."""
-    return DisaggSim(Conductor(ConductorConfig(**conductor), cost or CostModel()),
-                     config).run(reqs)
-
-
-def run_colocated(reqs: Sequence[TraceRequest], config: ColocatedConfig,
-                  cost: CostModel | None = None) -> SimResult:
-    return ColocatedSim(cost or CostModel(), config).run(reqs)
 
 
 def pct_change(ours: float, base: float) -> float | None:

@@ -22,7 +22,6 @@ from kvpool.sim.experiments.common import (
     ExperimentResult,
     pct_change,
     rnd,
-    run_disagg,
     runs,
 )
 from kvpool.sim.metrics import SimResult
@@ -67,7 +66,7 @@ def run(opts: ExperimentOptions) -> ExperimentResult:
     rows: list[dict[str, Any]] = []
     loads: dict[tuple[str, str], SimResult] = {}
     for reg, admission in runs(grid, opts.progress, "overload"):
-        res = run_disagg(speed_up(reqs, reg.speed), reg.cost, admission=admission,
+        res = opts.run_disagg(speed_up(reqs, reg.speed), cost=reg.cost, admission=admission,
                          ttft_slo_s=reg.ttft_slo_s, tbt_slo_s=reg.tbt_slo_s,
                          decode_horizon_s=reg.decode_horizon_s)
         loads[(reg.name, admission)] = res

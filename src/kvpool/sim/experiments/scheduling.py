@@ -16,7 +16,6 @@ from kvpool.sim.experiments.common import (
     ExperimentOptions,
     ExperimentResult,
     rnd,
-    run_disagg,
     runs,
 )
 
@@ -33,7 +32,7 @@ def run(opts: ExperimentOptions) -> ExperimentResult:
     grid = [(s, p) for s in SPLITS for p in POLICIES]
     rows: list[dict[str, Any]] = []
     for (num_p, num_d), policy in runs(grid, opts.progress, "scheduling"):
-        res = run_disagg(reqs, opts.cost, config=DisaggConfig(num_prefill=num_p, num_decode=num_d),
+        res = opts.run_disagg(reqs, config=DisaggConfig(num_prefill=num_p, num_decode=num_d),
                          prefill_policy=policy, admission="none", ttft_slo_s=NO_SLO_S)
         s = res.summary()
         rows.append({"split": f"{num_p}P{num_d}D", "policy": policy,

@@ -17,7 +17,6 @@ from kvpool.sim.experiments.common import (
     ExperimentOptions,
     ExperimentResult,
     rnd,
-    run_disagg,
     runs,
 )
 from kvpool.sim.trace import force_output_len
@@ -37,7 +36,7 @@ def run_pd_ratio(opts: ExperimentOptions) -> ExperimentResult:
     reqs = opts.requests(default_speed=PD_SPEED)
     rows: list[dict[str, Any]] = []
     for num_p in runs(list(PAPER_PD), opts.progress, "pd-ratio"):
-        res = run_disagg(reqs, opts.cost, config=DisaggConfig(num_prefill=num_p, num_decode=16 - num_p),
+        res = opts.run_disagg(reqs, config=DisaggConfig(num_prefill=num_p, num_decode=16 - num_p),
                          admission="early_rejection", ttft_slo_s=PD_TTFT_S, tbt_slo_s=PD_TBT_S)
         s = res.summary()
         eff, ttft, tbt = PAPER_PD[num_p]
@@ -106,7 +105,7 @@ def run_bandwidth(opts: ExperimentOptions) -> ExperimentResult:
     reqs = opts.requests()
     rows: list[dict[str, Any]] = []
     for gbps in runs(list(PAPER_BW), opts.progress, "bandwidth"):
-        res = run_disagg(reqs, opts.cost.with_bandwidth(gbps), admission="none",
+        res = opts.run_disagg(reqs, cost=opts.cost.with_bandwidth(gbps), admission="none",
                          ttft_slo_s=NO_SLO_S)
         moved = [r.transfer_s for r in res.records if r.transfer_s > 0]
         ttft, xfer = PAPER_BW[gbps]
@@ -114,7 +113,7 @@ def run_bandwidth(opts: ExperimentOptions) -> ExperimentResult:
                      "paper_mean_ttft_s": ttft,
                      "mean_transfer_s": rnd(float(np.mean(moved)) if moved else 0.0),
                      "paper_transfer_s": xfer, "fetched_share": rnd(len(moved) / len(reqs))})
-    local = run_disagg(reqs, opts.cost, admission="none", ttft_slo_s=NO_SLO_S,
+    local = opts.run_disagg(reqs, admission="none", ttft_slo_s=NO_SLO_S,
                        prefill_policy="cache_aware")
     rows.append({"bandwidth_gbps": "recompute", "mean_ttft_s":
                  rnd(local.summary()["mean_ttft_s"]), "paper_mean_ttft_s": PAPER_RECOMPUTE_TTFT_S,
