@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -81,3 +82,21 @@ def test_baseline_rejects_at_decode_after_prefill(tmp_path: Path) -> None:
     assert res.records[1].rejected_reason is None
     # early rejection lets it wait for VRAM instead: it joins when the first one leaves
     assert res.records[1].finish_s == pytest.approx(3.034)
+
+
+def test_a_join_lengthens_the_step_it_joins_on_disaggregated_decode_only(tmp_path: Path) -> None:
+    cost = replace(SIMPLE_COST, decode_join_s=0.005)
+    rows = [(0.0, 1024, 4, [1, 2]),   # prefill 1.024 s, joins at 1.024: steps 15, 10, 10 ms
+            (0.0, 1024, 3, [3, 4])]   # queued until 1.024, prefill to 2.048: steps 15, 10 ms
+    reqs = trace_of(tmp_path, rows)
+    sim = DisaggSim(Conductor(ConductorConfig(admission="none"), cost),
+                    DisaggConfig(num_prefill=1, num_decode=1))
+    res = sim.run(reqs)
+    assert [r.finish_s for r in res.records] == pytest.approx([1.059, 2.073])
+    assert [r.tbt_s for r in res.records] == pytest.approx([0.015, 0.015])  # the join step
+    free = DisaggSim(Conductor(ConductorConfig(admission="none"), SIMPLE_COST),
+                     DisaggConfig(num_prefill=1, num_decode=1)).run(reqs)
+    assert [r.tbt_s for r in free.records] == pytest.approx([0.01, 0.01])
+    # colocated instances compute their KV in place: no join cost
+    colo = ColocatedSim(cost, ColocatedConfig(num_instances=1, vllm=OFF)).run(reqs[:1])
+    assert colo.records[0].tbt_s == pytest.approx(0.01)

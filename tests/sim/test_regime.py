@@ -30,17 +30,6 @@ def test_matched_speed_and_slos() -> None:
     assert regime.matched_slos(load, SIMPLE_COST) == pytest.approx((10.24, 0.05))
 
 
-def test_balanced_factor_equalises_the_two_utilisations() -> None:
-    load = regime.trace_load(REQS, COST)
-    # 1 prefill, 1 decode, speed 1: prefill utilisation 0.1536; decode rate 3 tok/s, limit 0.1 s
-    # target batch 3 * 0.1 / 0.1536; factor = 0.1 / (0.01 + 0.001 * batch)
-    factor = regime.balanced_decode_factor(load, COST, 1, 1, 1.0, 0.1)
-    assert factor == pytest.approx(0.1 / (0.01 + 0.001 * 0.3 / 0.1536))
-    scaled = regime.scaled_decode(COST, factor)
-    assert regime.decode_utilisation(load, scaled, 1, 1.0, 0.1) == pytest.approx(
-        regime.prefill_utilisation(load, 1, 1.0))
-
-
 def test_decode_horizon_is_mean_output_times_the_operating_step() -> None:
     load = regime.trace_load(REQS, COST)
     # batch b = rate * step(b): b = 3 * 0.01 / (1 - 3 * 0.001); t_d = 16 * step(b)
@@ -54,8 +43,6 @@ def test_impossible_inputs_are_refused() -> None:
         regime.trace_load(REQS[:1], SIMPLE_COST)
     with pytest.raises(InvalidArgument):
         regime.trace_load([REQS[0], replace(REQS[1], arrival_s=0.0)], SIMPLE_COST)
-    with pytest.raises(InvalidArgument):
-        regime.scaled_decode(COST, 0.0)
     load = regime.trace_load(REQS, COST)
     with pytest.raises(InvalidArgument):  # 2000 tok/s at 1 ms per sequence: never sustainable
         regime.decode_horizon_s(load, COST, 1, 1000.0)

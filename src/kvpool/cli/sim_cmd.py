@@ -189,7 +189,6 @@ def _simulate(args: argparse.Namespace) -> dict[str, Any]:
     from kvpool.sim.colocated import ColocatedConfig, ColocatedSim
     from kvpool.sim.disagg import DisaggConfig, DisaggSim
     from kvpool.sim.engine import EngineConfig
-    from kvpool.sim.systems import disagg_config
     from kvpool.sim.vllm import VllmConfig
 
     reqs = _requests(args)
@@ -209,9 +208,8 @@ def _simulate(args: argparse.Namespace) -> dict[str, Any]:
     per_instance = args.cache_blocks or None
     if args.pool_blocks is not None:
         per_instance = max(1, args.pool_blocks // args.num_prefill)
-    disagg = disagg_config(profile, DisaggConfig(
-        args.num_prefill, args.num_decode, per_instance, args.eviction,
-        prefill_noise=args.prefill_noise, seed=args.seed))
+    disagg = DisaggConfig(args.num_prefill, args.num_decode, per_instance, args.eviction,
+                          prefill_noise=args.prefill_noise, seed=args.seed)
     result = DisaggSim(Conductor(config, cost), disagg).run(reqs, progress)
     if args.load_csv is not None:
         _write_load(args.load_csv, result.load)

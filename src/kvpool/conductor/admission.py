@@ -1,8 +1,10 @@
 """Admission policies ([A] section 7), swapped by name through ADMISSION_POLICIES.
 
 Load is predicted time over its limit: prefill load = predicted TTFT / l_ttft, decode load =
-max(predicted TBT / l_tbt, KV tokens / decode VRAM capacity). A request is refused when a load
-exceeds 1.
+max(predicted TBT / l_tbt, KV tokens / decode VRAM capacity). The predicted TBT is the
+statistic the SLO is judged on (the mean of the request's longest 10% of gaps,
+`tbt_statistic_s`): the step of the batch it joins, plus the join stalls it will live through.
+A request is refused when a load exceeds 1.
 
 - `none`: the baseline. At arrival only the prefill stage checks its own load; the decode stage
   checks its load when the KV arrives (`at_decode`) and may refuse after the prefill was spent.
@@ -18,7 +20,7 @@ from typing import Protocol
 
 from kvpool.conductor.config import ConductorConfig
 from kvpool.conductor.cost import CostModel
-from kvpool.conductor.decode import active_tbt_s, predicted_at
+from kvpool.conductor.decode import active_tbt_s, predicted_at, tbt_statistic_s
 from kvpool.conductor.types import DecodeChoice, PrefillChoice, Rejected, RequestInfo
 from kvpool.conductor.view import ClusterView, DecodeLoad
 from kvpool.registry import lookup
@@ -65,7 +67,8 @@ class NoAdmission(_Base):
                   running_tokens: int) -> Rejected | None:
         """The decode stage's own check when the KV arrives: the batch with this request."""
         tokens = running_tokens + req.input_len
-        tbt = self.cost.decode_step_s(num_running + 1, tokens)
+        tbt = tbt_statistic_s(self.cost, self.cost.decode_step_s(num_running + 1, tokens),
+                              req.output_len, d.join_rate())
         load = self.decode_load(tbt, tokens, d.kv_capacity_tokens)
         if load <= 1.0:
             return None
@@ -82,12 +85,13 @@ class _EarlyBase(_Base):
         if decode is None:
             return self._verdict(prefill, 0.0, p_load, 0.0)
         d = view.decode[decode.instance_id]
-        tbt, tokens = self.decode_estimate(req, d, prefill, now)
+        step, tokens = self.decode_estimate(req, d, prefill, now)
+        tbt = tbt_statistic_s(self.cost, step, req.output_len, d.join_rate())
         return self._verdict(prefill, tbt, p_load, self.decode_load(tbt, tokens, d.kv_capacity_tokens))
 
     def decode_estimate(self, req: RequestInfo, d: DecodeLoad, prefill: PrefillChoice,
                         now: float) -> tuple[float, int]:
-        """(TBT s, KV tokens) of decode instance `d` once it holds `req`."""
+        """(step s, KV tokens) of decode instance `d` once it holds `req`."""
         raise NotImplementedError
 
 

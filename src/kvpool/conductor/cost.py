@@ -48,11 +48,14 @@ class CostModel:
     """Fixed cost of one transfer (connection setup, metadata lookup)."""
     load_s_per_token: float = 3.5e-6
     """DRAM -> GPU load of a cached token; half of [F] Fig.14's 7 us/token transfer+load."""
+    decode_join_s: float = 0.0
+    """Extra time of a decode step per request joining the batch with KV transferred from a
+    prefill instance (0 in the papers' microbenchmarks; fitted by `kvpool sim calibrate`)."""
 
     def __post_init__(self) -> None:
         for name in ("prefill_base_s", "prefill_linear_s", "prefill_quadratic_s",
                      "decode_base_s", "decode_per_seq_s", "decode_per_token_s",
-                     "transfer_latency_s", "load_s_per_token"):
+                     "transfer_latency_s", "load_s_per_token", "decode_join_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"CostModel.{name} must be >= 0, got {getattr(self, name)}")
         if self.kv_bytes_per_token <= 0:

@@ -1,4 +1,5 @@
-"""Decode instance selection: the instance with the lowest predicted TBT once the request joins.
+"""Decode instance selection: the instance with the lowest predicted TBT once the request joins,
+and the prediction of the TBT statistic the SLO is judged on.
 
 The prediction counts every request already assigned to the instance (running, waiting for
 VRAM, or still in prefill), so a burst of arrivals spreads over the pool instead of piling onto
@@ -7,9 +8,14 @@ the instance that looks idle now.
 
 from __future__ import annotations
 
+import math
+
 from kvpool.conductor.cost import CostModel
 from kvpool.conductor.types import DecodeChoice, RequestInfo
 from kvpool.conductor.view import ClusterView, DecodeLoad
+
+TBT_TOP_SHARE = 0.10
+"""[F] 5.1: a request's TBT is the mean of its longest 10% of inter-token gaps."""
 
 
 def assigned_tbt_s(cost: CostModel, d: DecodeLoad, req: RequestInfo) -> float:
@@ -18,6 +24,22 @@ def assigned_tbt_s(cost: CostModel, d: DecodeLoad, req: RequestInfo) -> float:
 
 def active_tbt_s(cost: CostModel, d: DecodeLoad, req: RequestInfo) -> float:
     return cost.decode_step_s(d.num_active + 1, d.active_tokens + req.input_len)
+
+
+def tbt_statistic_s(cost: CostModel, step_s: float, output_len: int, join_rate: float) -> float:
+    """Predicted TBT statistic of a request ([F] 5.1: the mean of its longest 10% of gaps) on a
+    batch whose step takes `step_s` and that `join_rate` requests per second join.
+
+    Each join lengthens one step by `cost.decode_join_s`; those steps are the request's longest
+    gaps, so with N joins expected over its life (output_len steps) and m = 10% of its gaps,
+    the statistic is step + join cost x min(N, m) / m. Equal to `step_s` when joins are free.
+    """
+    if not cost.decode_join_s:
+        return step_s
+    gaps = max(1, output_len - 1)
+    top = math.ceil(TBT_TOP_SHARE * gaps - 1e-9)
+    joins = join_rate * gaps * step_s
+    return step_s + cost.decode_join_s * min(joins, top) / top
 
 
 def predicted_at(d: DecodeLoad, at_s: float, horizon_s: float) -> tuple[int, int]:

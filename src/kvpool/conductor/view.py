@@ -7,6 +7,7 @@ finishes. The conductor only reads it.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -14,6 +15,8 @@ from kvpool.conductor.types import Accepted, RequestInfo
 from kvpool.errors import InvalidArgument
 
 _EMPTY: frozenset[int] = frozenset()
+JOIN_WINDOW_S = 60.0
+"""Window over which a decode instance's join rate is measured."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +104,13 @@ class DecodeLoad:
     assigned_tokens: int = 0
     planned: dict[int, tuple[float, int]] = field(default_factory=dict)
     """request id -> (decode start, context tokens), predicted until the request starts."""
+    recent_starts: deque[float] = field(default_factory=deque)
+    """Decode starts of the last JOIN_WINDOW_S seconds (the join rate the TBT prediction
+    needs, kvpool.conductor.decode.tbt_statistic_s)."""
+
+    def join_rate(self) -> float:
+        """Requests joining this instance's batch per second, over the recent window."""
+        return len(self.recent_starts) / JOIN_WINDOW_S
 
 
 @dataclass(slots=True)
@@ -140,6 +150,9 @@ class ClusterView:
         d.num_active += 1
         d.active_tokens += req.input_len
         d.planned[req.request_id] = (now, req.input_len)
+        d.recent_starts.append(now)
+        while d.recent_starts and d.recent_starts[0] < now - JOIN_WINDOW_S:
+            d.recent_starts.popleft()
 
     def record_decode_end(self, decode_id: int, req: RequestInfo, started: bool) -> None:
         """The request left decode instance `decode_id` (finished, or rejected/failed before)."""

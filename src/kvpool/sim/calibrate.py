@@ -112,7 +112,7 @@ def with_decode_terms(base: EngineProfile, factor: float, join_s: float) -> Engi
     if factor <= 0 or join_s < 0:
         raise InvalidArgument(f"need decode_factor > 0 and decode_join_s >= 0, got {factor}, "
                               f"{join_s}")
-    return replace(base, cost=scale_decode(base.cost, factor), decode_join_s=join_s,
+    return replace(base, cost=replace(scale_decode(base.cost, factor), decode_join_s=join_s),
                    calibration=None)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from tqdm import tqdm
 
@@ -63,7 +63,8 @@ class DisaggSim:
         self.view = ClusterView.create(cfg.num_prefill, cfg.num_decode,
                                        cfg.engine.kv_capacity_tokens)
         self.caches = [self._make_cache(i) for i in range(cfg.num_prefill)]
-        self.decoders = [BatchEngine(i, self.cost, cfg.engine, self.loop, self._finished)
+        decode = replace(cfg.engine, remote_kv=True)
+        self.decoders = [BatchEngine(i, self.cost, decode, self.loop, self._finished)
                          for i in range(cfg.num_decode)]
         self.load: list[LoadSample] = []
         self._rng = random.Random(cfg.seed)

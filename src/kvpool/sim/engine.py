@@ -39,18 +39,16 @@ class EngineConfig:
     """Chunked prefill token budget per step (0 = prefill whole, stalling decodes)."""
     prefix_cache_blocks: int = 0
     """Colocated baseline's GPU prefix cache in blocks (0 = prefix caching off)."""
-    join_s: float = 0.0
-    """Extra seconds of a step in which a request joins the batch, per joining request: a
-    disaggregated decode instance takes in KV that arrived from elsewhere (calibrated on
-    Mooncake's own TBT curve, docs/sim.md). 0 where the KV was computed in place."""
+    remote_kv: bool = False
+    """Requests join with KV transferred from a prefill instance (disaggregated decode): the
+    step in which they join takes `CostModel.decode_join_s` longer per joining request. Off
+    where the KV was computed in place (the colocated baseline)."""
 
     def __post_init__(self) -> None:
         if self.kv_capacity_tokens <= 0:
             raise ConfigError(f"kv_capacity_tokens must be > 0, got {self.kv_capacity_tokens}")
         if self.chunk_tokens < 0 or self.prefix_cache_blocks < 0:
             raise ConfigError("chunk_tokens and prefix_cache_blocks must be >= 0")
-        if self.join_s < 0:
-            raise ConfigError(f"join_s must be >= 0, got {self.join_s}")
 
 
 class BatchEngine:
@@ -209,8 +207,8 @@ class BatchEngine:
             self.busy = True
             self._dt = self.cost.decode_step_s(len(self.running), self.context_tokens)
             k = self._decode_steps()
-            if self._joined and self.config.join_s:
-                self._dt, k = self._dt + self.config.join_s * self._joined, 1
+            if self._joined and self.config.remote_kv and self.cost.decode_join_s:
+                self._dt, k = self._dt + self.cost.decode_join_s * self._joined, 1
             self._schedule(now + k * self._dt, k)
         else:
             self.busy = False

@@ -6,10 +6,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from kvpool.conductor.decode import TBT_TOP_SHARE
 from kvpool.sim.trace import TraceRequest
-
-TBT_TOP_SHARE = 0.10
-"""[F] 5.1: a request's TBT is the mean of its longest 10% of inter-token intervals."""
 
 
 @dataclass(slots=True)

@@ -3,15 +3,14 @@ that every system runs on the same terms ([F] 5.2: Mooncake 8P8D against 16 colo
 v0.5.1 instances, plain, with prefix caching, and with chunked prefill).
 
 The profile's decode terms (fitted on Mooncake's own curve by `kvpool sim calibrate`) price
-every system's decode steps; `decode_join_s` applies only where KV arrives from another
-instance (Mooncake's decode pool); `chunk_tokens` and `chunk_overhead_s` only to chunked
-prefill.
+every system's decode steps; `CostModel.decode_join_s` applies only where KV arrives from
+another instance (Mooncake's decode pool, sim/engine.py `remote_kv`); `chunk_tokens` and
+`chunk_overhead_s` only to chunked prefill.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 from kvpool.conductor import Conductor, ConductorConfig
@@ -34,12 +33,6 @@ VLLM_PREFIX_BLOCKS = 2539
 """vLLM's GPU prefix cache: the whole VRAM KV capacity (1.3M tokens) in 512-token blocks."""
 
 
-def disagg_config(profile: EngineProfile, config: DisaggConfig | None = None) -> DisaggConfig:
-    """`config` (default: 8P8D) with decode instances that pay the profile's join cost."""
-    config = config or DisaggConfig()
-    return replace(config, engine=replace(config.engine, join_s=profile.decode_join_s))
-
-
 def colocated_config(name: str, profile: EngineProfile) -> ColocatedConfig:
     """The vLLM variant `name` (vllm, vllm_prefix, vllm_chunked) on `profile`'s terms."""
     vllm = VllmConfig(chunk_overhead_s=profile.chunk_overhead_s)
@@ -59,8 +52,7 @@ def run_mooncake(reqs: Sequence[TraceRequest], profile: EngineProfile,
     30 s TTFT limit (keyword arguments override ConductorConfig fields)."""
     settings: dict[str, Any] = {"admission": "early_rejection", "ttft_slo_s": TTFT_LIMIT_S,
                                 "tbt_slo_s": ADMISSION_TBT_S, **conductor}
-    return DisaggSim(Conductor(ConductorConfig(**settings), profile.cost),
-                     disagg_config(profile, config)).run(reqs)
+    return DisaggSim(Conductor(ConductorConfig(**settings), profile.cost), config).run(reqs)
 
 
 def run_system(name: str, reqs: Sequence[TraceRequest],

@@ -6,8 +6,6 @@ as data (a JSON file), so the emulated and the real engine are described the sam
      "chunk_overhead_s": 0.0225,           extra time of a step mixing prompt chunks and decodes
      "kv_capacity_tokens": 1000000,        KV that fits beside the weights (sets --num-blocks)
      "kv_layers": 2,                       layers the emulated KV bytes are split into
-     "decode_join_s": 0.0,                 extra step time per request joining a decode batch
-                                           with KV that arrived from a prefill instance
      "chunk_tokens": 512,                  chunked-prefill token budget of a step
      "calibration": {...}}                 how the decode terms were fitted (or absent)
 
@@ -75,18 +73,14 @@ class EngineProfile:
     """KV tokens one instance holds beside its weights."""
     kv_layers: int = 2
     """Layers the emulated KV is written and saved in (layer-wise saving overlaps the step)."""
-    decode_join_s: float = 0.0
-    """Extra seconds of a decode step per request that joins the batch with KV transferred
-    from a prefill instance (fitted by `kvpool sim calibrate`; 0 in a measured profile)."""
     chunk_tokens: int = 512
     """Token budget of a chunked-prefill step (vLLM v0.5's default)."""
     calibration: DecodeCalibration | None = None
 
     def __post_init__(self) -> None:
-        for name in ("chunk_overhead_s", "decode_join_s"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"profile {self.name}: {name} must be >= 0, "
-                                  f"got {getattr(self, name)}")
+        if self.chunk_overhead_s < 0:
+            raise ConfigError(f"profile {self.name}: chunk_overhead_s must be >= 0, "
+                              f"got {self.chunk_overhead_s}")
         for name in ("kv_capacity_tokens", "kv_layers", "chunk_tokens"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"profile {self.name}: {name} must be > 0, "
@@ -140,7 +134,8 @@ class EngineProfile:
 
 
 TIME_TERMS = ("prefill_base_s", "prefill_linear_s", "prefill_quadratic_s", "decode_base_s",
-              "decode_per_seq_s", "decode_per_token_s", "transfer_latency_s", "load_s_per_token")
+              "decode_per_seq_s", "decode_per_token_s", "transfer_latency_s", "load_s_per_token",
+              "decode_join_s")
 
 
 def scaled_cost(cost: CostModel, speed_up: float) -> CostModel:

@@ -13,7 +13,6 @@ from kvpool.conductor import Conductor, ConductorConfig, CostModel
 from kvpool.engine.emulated.profile import EngineProfile, load_profile
 from kvpool.sim.disagg import DisaggConfig, DisaggSim
 from kvpool.sim.metrics import SimResult
-from kvpool.sim.systems import disagg_config
 from kvpool.sim.trace import TraceRequest, load_trace, speed_up
 
 T = TypeVar("T")
@@ -44,10 +43,10 @@ class ExperimentOptions:
 
     def run_disagg(self, reqs: Sequence[TraceRequest], config: DisaggConfig | None = None,
                    cost: CostModel | None = None, **conductor: Any) -> SimResult:
-        """One disaggregated run on the profile (its cost unless `cost` is given, its decode
-        join cost); keyword arguments go to ConductorConfig."""
+        """One disaggregated run on the profile's cost (or `cost`); keyword arguments go to
+        ConductorConfig."""
         return DisaggSim(Conductor(ConductorConfig(**conductor), cost or self.cost),
-                         disagg_config(self.profile, config)).run(reqs)
+                         config).run(reqs)
 
     def requests(self, default_speed: float = 1.0) -> list[TraceRequest]:
         reqs = load_trace(self.trace, self.limit)

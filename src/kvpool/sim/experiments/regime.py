@@ -7,16 +7,13 @@ numbers, the trace and the cost model:
   as many output tokens per second as [A]'s trace did at its 2x replay;
 - SLO-matched limits ([A] section 2): l_ttft = 10x and l_tbt = 5x the latency of the trace's
   mean request served alone;
-- stage-balanced decode factor: the decode-cost multiplier at which the decode pool's offered
-  utilisation equals the prefill pool's, the state of [A] Fig.9, where both loads swing over
-  the same range;
 - t_d of [A] 7.4: the mean output length times the step time at the offered decode rate.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from kvpool.conductor import CostModel
 from kvpool.errors import InvalidArgument
@@ -84,37 +81,6 @@ def matched_slos(load: TraceLoad, cost: CostModel) -> tuple[float, float]:
 
 def _per_seq_s(cost: CostModel, context: float) -> float:
     return cost.decode_per_seq_s + cost.decode_per_token_s * context
-
-
-def prefill_utilisation(load: TraceLoad, num_prefill: int, speed: float) -> float:
-    return load.prefill_s_per_s * speed / num_prefill
-
-
-def decode_utilisation(load: TraceLoad, cost: CostModel, num_decode: int, speed: float,
-                       tbt_slo_s: float) -> float:
-    """Offered output rate over the rate one instance sustains with its step at l_tbt."""
-    per_seq = _per_seq_s(cost, load.mean_context)
-    max_batch = (tbt_slo_s - cost.decode_base_s) / per_seq
-    if max_batch <= 0:
-        return float("inf")
-    return load.output_tokens_per_s * speed / num_decode / (max_batch / tbt_slo_s)
-
-
-def balanced_decode_factor(load: TraceLoad, cost: CostModel, num_prefill: int, num_decode: int,
-                           speed: float, tbt_slo_s: float) -> float:
-    """Decode-cost multiplier f at which decode utilisation equals prefill utilisation."""
-    rho = prefill_utilisation(load, num_prefill, speed)
-    rate = load.output_tokens_per_s * speed / num_decode
-    target_batch = rate * tbt_slo_s / rho  # batch at the limit that makes utilisation rho
-    return tbt_slo_s / (cost.decode_base_s + _per_seq_s(cost, load.mean_context) * target_batch)
-
-
-def scaled_decode(cost: CostModel, factor: float) -> CostModel:
-    if factor <= 0:
-        raise InvalidArgument(f"decode factor must be > 0, got {factor}")
-    return replace(cost, decode_base_s=cost.decode_base_s * factor,
-                   decode_per_seq_s=cost.decode_per_seq_s * factor,
-                   decode_per_token_s=cost.decode_per_token_s * factor)
 
 
 def decode_horizon_s(load: TraceLoad, cost: CostModel, num_decode: int, speed: float) -> float:
