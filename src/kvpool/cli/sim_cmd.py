@@ -32,7 +32,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--profile", default=None,
                    help="accelerator profile, a shipped name or a file (default: "
-                        "llama70b-8xa800-conversation, fitted by `kvpool sim calibrate`)")
+                        "llama70b-8xa800-conversation, fitted by `kvpool sim calibrate`; "
+                        "llama70b-8xa800 for the arXiv report's experiments)")
     p.add_argument("--cost", type=Path, default=None,
                    help="cost model JSON (from `kvpool sim fit`) replacing the profile's")
 
@@ -49,12 +50,12 @@ def _add_experiment(sub: argparse._SubParsersAction) -> None:
 
 
 def _experiment(args: argparse.Namespace) -> int:
-    from kvpool.sim.experiments import EXPERIMENTS, ExperimentOptions
+    from kvpool.sim.experiments import EXPERIMENTS, ExperimentOptions, default_profile
     from kvpool.sim.report import print_result
 
     try:
         opts = ExperimentOptions(args.trace, args.limit, args.out, not args.no_progress,
-                                 args.speed, _profile(args))
+                                 args.speed, _profile(args, default_profile(args.name)))
         result = EXPERIMENTS[args.name](opts)
     except KvpoolError as exc:
         print(f"kvpool sim: {exc}", file=sys.stderr)
@@ -114,15 +115,16 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _profile(args: argparse.Namespace) -> Any:
-    """The profile of `--profile` (default: the experiments'), with `--cost` as its cost."""
+def _profile(args: argparse.Namespace, default: str | None = None) -> Any:
+    """The profile of `--profile` (else `default`, else the experiments' SIM_PROFILE), with
+    `--cost` as its cost."""
     from dataclasses import replace
 
     from kvpool.conductor.cost import load_cost_model
     from kvpool.engine.emulated.profile import load_profile
     from kvpool.sim.experiments.common import SIM_PROFILE
 
-    profile = load_profile(args.profile or SIM_PROFILE)
+    profile = load_profile(args.profile or default or SIM_PROFILE)
     return profile if args.cost is None else replace(profile, cost=load_cost_model(args.cost))
 
 

@@ -5,6 +5,8 @@ marked with a `VllmConfig` field can be switched off):
 - default scheduler (no chunked prefill): waiting prompts have priority; several of them are
   batched into one prefill step up to `max_num_batched_tokens` (`batch_prefills`), and every
   running request's next token waits for the whole prefill step;
+- no prompt starts while `max_num_seqs` sequences are running or starting (1 = one request
+  at a time: the next prompt waits until the running request has finished decoding);
 - chunked prefill: each step carries the running decodes plus up to `chunk_tokens` prompt
   tokens (minus one per running sequence), filled from the prompt in progress and then from
   the next waiting ones (`batch_prefills`); every step that carries a chunk also pays
@@ -89,9 +91,9 @@ class ColocatedEngine(BatchEngine):
     def _whole_work(self) -> Work:
         work: Work = []
         tokens = pending = 0
-        while self.prefill_queue:
+        while self.prefill_queue and self._seq_room():
             sr = self.prefill_queue[0]
-            if work and not self._fits_batch(len(work), tokens + _prompt_len(sr)):
+            if work and not self._fits_batch(tokens + _prompt_len(sr)):
                 break
             if not self._kv_fits(sr, pending, bool(work)):
                 break
@@ -101,10 +103,15 @@ class ColocatedEngine(BatchEngine):
             pending += self._hold(sr)
         return work
 
-    def _fits_batch(self, num_prompts: int, tokens: int) -> bool:
+    def _fits_batch(self, tokens: int) -> bool:
         v = self.vllm
-        return (v.batch_prefills and tokens <= v.max_num_batched_tokens
-                and len(self.running) + num_prompts < v.max_num_seqs)
+        return v.batch_prefills and tokens <= v.max_num_batched_tokens
+
+    def _seq_room(self) -> bool:
+        """Another prompt may start: the running, joining and prefilling sequences stay
+        within `max_num_seqs` (vLLM's limit on the sequences it runs at once)."""
+        held = len(self.running) + len(self.waiting) + len(self._prefilling)
+        return held < self.vllm.max_num_seqs
 
     def _chunk_work(self) -> Work:
         if self.running:
@@ -118,7 +125,8 @@ class ColocatedEngine(BatchEngine):
             take = min(budget, _prompt_len(sr) - sr.prefilled_tokens)
             work.append((sr, take))
             budget -= take
-        while budget > 0 and self.prefill_queue and (self.vllm.batch_prefills or not work):
+        while (budget > 0 and self.prefill_queue and self._seq_room()
+               and (self.vllm.batch_prefills or not work)):
             sr = self.prefill_queue[0]
             if not self._kv_fits(sr, pending, bool(work or self._prefilling)):
                 break

@@ -31,16 +31,18 @@ class SimResult:
     def ttfts(self) -> np.ndarray:
         return np.array([r.ttft_s for r in self.records if r.completed], dtype=np.float64)
 
-    def tbts(self) -> np.ndarray:
-        return np.array([r.tbt_s for r in self.records if r.completed], dtype=np.float64)
+    def tbts(self, stat: str = "top10") -> np.ndarray:
+        """Completed requests' TBT by `stat` (record.TBT_STATS)."""
+        return np.array([r.tbt(stat) for r in self.records if r.completed], dtype=np.float64)
 
-    def attainment(self, ttft_slo_s: float | None = None, tbt_slo_s: float | None = None) -> float:
+    def attainment(self, ttft_slo_s: float | None = None, tbt_slo_s: float | None = None,
+                   stat: str = "top10") -> float:
         """Share of all requests (rejected ones count as misses) within both limits."""
         ttft = self.ttft_slo_s if ttft_slo_s is None else ttft_slo_s
         tbt = self.tbt_slo_s if tbt_slo_s is None else tbt_slo_s
         if not self.records:
             return 0.0
-        return sum(r.meets(ttft, tbt) for r in self.records) / len(self.records)
+        return sum(r.meets(ttft, tbt, stat) for r in self.records) / len(self.records)
 
     def rejected(self, stage: str | None = None) -> int:
         return sum(1 for r in self.records

@@ -28,7 +28,9 @@ class VllmConfig:
     """Token budget of one prefill step without chunked prefill: vLLM's default
     max(max_model_len, 2048), with max_model_len 128k to serve the trace's 126k prompts."""
     max_num_seqs: int = 256
-    """vLLM's default limit on sequences in one step."""
+    """vLLM's default limit on the sequences an instance runs at once: a prompt starts only
+    while the running, joining and prefilling ones are fewer (1 = one request at a time: the
+    next prompt waits until the running request has finished decoding)."""
     chunk_overhead_s: float = CHUNK_OVERHEAD_S
     """Fixed cost of every step that carries prefill chunks (chunked prefill only): mixed
     steps run eagerly (CUDA graphs cover decode-only batches) with less efficient kernels."""
