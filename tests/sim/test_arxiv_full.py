@@ -54,6 +54,7 @@ def test_real_workload_mooncake_keeps_more_requests_within_both_slos() -> None:
     moon, vllm = rows("real-workload", 4000)
     assert moon["system"] == "mooncake_10p10d" and vllm["system"] == "vllm_20m"
     assert moon["both_ok_pct"] > vllm["both_ok_pct"] and moon["more_requests_pct"] > 0
-    assert vllm["ttft_ok_pct"] > 95 and moon["both_top10_ok_pct"] > 95
+    assert vllm["ttft_ok_pct"] > 95 and moon["both_top10_ok_pct"] > 85
     # vLLM misses on TBT: its longest gaps are the prefill stalls (paper: 57% within)
-    assert vllm["tbt_top10_ok_pct"] < 80 and moon["more_requests_top10_pct"] > 20
+    assert vllm["tbt_top10_ok_pct"] < 60 and moon["more_requests_top10_pct"] > 50
+    assert vllm["tbt_ok_pct"] > 80  # by the mean gap, most of vLLM's requests meet 0.1 s

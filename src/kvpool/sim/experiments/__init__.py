@@ -30,13 +30,12 @@ EXPERIMENTS: dict[str, Callable[[ExperimentOptions], ExperimentResult]] = {
     "real-workload": realworld.run,
 }
 
-A_PROFILE = "llama70b-8xa800"
-DEFAULT_PROFILES = {"long-context": A_PROFILE, "public-datasets": A_PROFILE,
-                    "real-workload": A_PROFILE}
-"""Experiments whose default profile is not SIM_PROFILE. [A]'s experiments ran on the cluster
-of [A]'s own microbenchmarks (Fig.2) and publish no measurement of Mooncake's TBT to fit, so
-they run on the papers' microbenchmark costs; the Fig.1 fit (SIM_PROFILE) describes [F]'s
-end-to-end cluster (docs/sim.md, section 6)."""
+BASE_PROFILE = "llama70b-8xa800"
+DEFAULT_PROFILES = {"long-context": BASE_PROFILE, "public-datasets": BASE_PROFILE}
+"""Experiments whose default profile is not SIM_PROFILE. A calibration belongs to its
+workload: every experiment that replays the conversation trace runs on its fit (SIM_PROFILE);
+the synthetic workloads of [A] 8.1 have no measurement of Mooncake's TBT to fit, so they run on
+the papers' microbenchmark costs (docs/sim.md, section 6)."""
 
 
 def default_profile(name: str) -> str:
