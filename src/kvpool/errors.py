@@ -16,6 +16,11 @@ class ConfigError(KvpoolError, ValueError):
     """A configuration value is out of bounds or malformed (raised at construction)."""
 
 
+class CheckpointError(ConfigError):
+    """A model checkpoint (folder or GGUF file) is missing, incomplete or does not match its
+    config."""
+
+
 class InvalidArgument(KvpoolError, ValueError):
     """A call got an argument it cannot accept (wrong size, unknown name, bad key)."""
 

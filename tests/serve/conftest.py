@@ -175,7 +175,9 @@ def wait_gone(marker: str, timeout_s: float = 30.0) -> list[int]:
 
 def kvpool_up(marker: str, cache_home: Path, *args: str,
               stdout: Any = subprocess.PIPE) -> subprocess.Popen[str]:
-    """`kvpool up ARGS` with `marker` in its environment (inherited by every child)."""
+    """`kvpool up ARGS` with `marker` in its environment (inherited by every child), on the
+    tiny model unless ARGS name one."""
     env = python_env() | {"KVPOOL_TEST_MARKER": marker, "XDG_CACHE_HOME": str(cache_home)}
-    return subprocess.Popen([sys.executable, "-m", "kvpool", "up", *args], env=env,
+    model = () if "--model" in args else ("--model", "tiny")
+    return subprocess.Popen([sys.executable, "-m", "kvpool", "up", *model, *args], env=env,
                             stdout=stdout, stderr=subprocess.STDOUT, text=True)

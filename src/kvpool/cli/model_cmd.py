@@ -1,4 +1,6 @@
-"""`kvpool model make-tiny DIR`: write a small random checkpoint in the Hugging Face layout."""
+"""`kvpool model make-tiny DIR`: write a small random checkpoint in the Hugging Face layout;
+`kvpool model import FILE.gguf DIR`: a GGUF file as a Hugging Face folder
+(kvpool.engine.gguf_checkpoint)."""
 
 from __future__ import annotations
 
@@ -6,8 +8,12 @@ import argparse
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("model", help="model checkpoints (make-tiny)")
+    parser = subparsers.add_parser("model", help="model checkpoints (make-tiny, import)")
     sub = parser.add_subparsers(dest="model_command", metavar="ACTION")
+    imp = sub.add_parser("import", help="write a GGUF file (llama) as a Hugging Face folder")
+    imp.add_argument("gguf", help="the .gguf file")
+    imp.add_argument("dir", help="output folder (created)")
+    imp.set_defaults(func=import_cmd)
     p = sub.add_parser("make-tiny", help="write a small random Llama/Qwen2 checkpoint")
     p.add_argument("dir", help="output folder (created)")
     p.add_argument("--arch", choices=("llama", "qwen2"), default="llama")
@@ -19,6 +25,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--tie-embeddings", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=make_tiny_cmd)
+
+
+def import_cmd(args: argparse.Namespace) -> int:
+    import sys
+
+    from kvpool.engine.gguf_checkpoint import import_gguf
+    from kvpool.errors import KvpoolError
+
+    try:
+        print(import_gguf(args.gguf, args.dir))
+    except KvpoolError as exc:
+        print(f"kvpool model import: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def make_tiny_cmd(args: argparse.Namespace) -> int:

@@ -14,7 +14,8 @@ _D = ProxyConfig(model_dir="")
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("proxy", help="OpenAI-compatible proxy scheduling over workers")
-    p.add_argument("--model", required=True, help="model folder (tokenizer.json, config.json)")
+    p.add_argument("--model", required=True,
+                   help="model folder (tokenizer.json, config.json), GGUF file, smollm2 or tiny")
     p.add_argument("--model-name", default="", help="name served in /v1/models (default: folder name)")
     p.add_argument("--host", default=_D.host)
     p.add_argument("--port", type=int, default=_D.port)
@@ -43,8 +44,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
     import os
 
+    from kvpool.serve.models import resolve_model
+
     return ProxyConfig(
-        model_dir=args.model, model_name=args.model_name, host=args.host, port=args.port,
+        model_dir=str(resolve_model(args.model)), model_name=args.model_name, host=args.host, port=args.port,
         prefill_urls=tuple(args.prefill), decode_urls=tuple(args.decode),
         prefill_policy=args.prefill_policy, admission=args.admission,
         ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,

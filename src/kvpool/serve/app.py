@@ -25,6 +25,7 @@ from pydantic import BaseModel, ValidationError
 from kvpool.clock import Clock, MonotonicClock
 from kvpool.conductor import load_cost_model
 from kvpool.conductor.cost import CostModel
+from kvpool.engine.gguf_checkpoint import served_name
 from kvpool.log import get_logger
 from kvpool.serve.cluster import DECODE_ROLES, PREFILL_ROLES, LiveCluster
 from kvpool.serve.config import ProxyConfig
@@ -47,7 +48,7 @@ class Proxy:
     def __init__(self, config: ProxyConfig, clock: Clock | None = None) -> None:
         self.config = config
         self.clock = clock or MonotonicClock()
-        self.model_name = config.model_name or Path(config.model_dir).resolve().name
+        self.model_name = config.model_name or served_name(Path(config.model_dir))
         self.tokenizer = ModelTokenizer(config.model_dir)
         self.context_len = _config_context_len(Path(config.model_dir))
         cost = load_cost_model(config.cost_path) if config.cost_path else CostModel()

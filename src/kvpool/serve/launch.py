@@ -21,6 +21,7 @@ from pathlib import Path
 
 import httpx
 
+from kvpool.engine.gguf_checkpoint import served_name
 from kvpool.errors import KvpoolError
 from kvpool.procs import free_port, stop
 
@@ -173,7 +174,7 @@ def serving_cluster(spec: ServingSpec) -> Iterator[ServingCluster]:
     host = spec.host
     rpc, admin, meta = free_port(host), free_port(host), free_port(host)
     cluster = ServingCluster(host, f"http://{host}:{spec.port}", spec.model_dir,
-                             spec.model_dir.resolve().name)
+                             served_name(spec.model_dir))
     with ExitStack() as stack:
         def start(name: str, *args: str) -> subprocess.Popen[bytes]:
             proc = spawn(*args)

@@ -1,14 +1,20 @@
 """The model's tokenizer and chat template, read from its folder (`tokenizer.json`,
-`tokenizer_config.json`) with `tokenizers` and a sandboxed jinja2 environment."""
+`tokenizer_config.json`, `chat_template.jinja`) with `tokenizers` and a sandboxed jinja2
+environment. A folder without a chat template gets plain `role: content` lines, with a
+warning that says so."""
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvpool.engine.chat_template import read_chat_template
 from kvpool.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 _FALLBACK_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -38,10 +44,10 @@ class ModelTokenizer:
         cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
-        template = cfg.get("chat_template")
-        if isinstance(template, list):  # [{"name": "default", "template": ...}, ...]
-            named = {t.get("name"): t.get("template") for t in template}
-            template = named.get("default") or next(iter(named.values()), None)
+        template, self.chat_template_source = read_chat_template(folder)
+        if template is None:
+            log.warning("%s has no chat template (chat_template.jinja or tokenizer_config.json); "
+                        "chats are rendered as plain 'role: content' lines", folder)
         self.chat_template: str = template or _FALLBACK_TEMPLATE
         self._template = _compile(self.chat_template)
 

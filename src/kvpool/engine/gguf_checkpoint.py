@@ -1,0 +1,265 @@
+"""GGUF checkpoints: a Llama-architecture GGUF file (llama.cpp's format: tensors, possibly
+quantized, and the model's metadata, tokenizer and chat template in one file) turned into the
+Hugging Face folder the engine loads (`config.json`, `model.safetensors`, `tokenizer.json`,
+`tokenizer_config.json`, `chat_template.jinja`, `generation_config.json`).
+
+- Tensors are dequantized to float32 with the `gguf` package and renamed to the Hugging Face
+  names (`TENSOR_NAMES`). llama.cpp stores the Q and K projections with the rows of each head
+  interleaved for its rotary kernel; `_unpermute` restores Hugging Face's order.
+- The tokenizer is rebuilt from the file's vocabulary and merges as a byte-level BPE
+  (`tokenizer.ggml.model` = "gpt2"); tokens of type control are special tokens.
+- `import_gguf` writes the folder; `cached_import` imports once per file into a cache folder
+  keyed by the file's size and modification time, so `--model FILE.gguf` works directly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvpool.errors import CheckpointError
+
+TENSOR_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+TOKEN_TYPE_CONTROL = 3
+CACHE_ENV = "KVPOOL_MODEL_CACHE"
+IMPORT_MARKER = "kvpool_gguf.json"
+"""Written last by `import_gguf`: the folder is complete."""
+
+
+@dataclass(frozen=True)
+class GgufFile:
+    path: Path
+    metadata: dict[str, Any]
+    tensors: dict[str, np.ndarray]
+    """Hugging Face name -> float32 array in Hugging Face's layout."""
+
+
+def _reader(path: Path) -> Any:
+    try:
+        from gguf import GGUFReader
+    except ImportError:
+        raise CheckpointError("reading GGUF needs the `gguf` package (pip install gguf)") from None
+    if not path.is_file():
+        raise CheckpointError(f"GGUF file not found: {path}")
+    try:
+        return GGUFReader(str(path))
+    except (ValueError, OSError) as exc:
+        raise CheckpointError(f"{path} is not a GGUF file: {exc}") from None
+
+
+def _value(field: Any) -> Any:
+    """A metadata field's value: a string, a number, or a list of either."""
+    from gguf import GGUFValueType
+
+    kind = field.types[0]
+    if kind == GGUFValueType.ARRAY:
+        item = field.types[-1]
+        return [_scalar(field.parts[i], item) for i in field.data]
+    return _scalar(field.parts[field.data[0]], kind)
+
+
+def _scalar(part: np.ndarray, kind: Any) -> Any:
+    from gguf import GGUFValueType
+
+    if kind == GGUFValueType.STRING:
+        return bytes(part).decode("utf-8")
+    return part.tolist()[0]
+
+
+def read_gguf(path: str | Path) -> GgufFile:
+    """The metadata and the float32 tensors (Hugging Face names and layout) of a GGUF file."""
+    from gguf.quants import dequantize
+
+    file = Path(path)
+    reader = _reader(file)
+    meta = {name: _value(field) for name, field in reader.fields.items()}
+    arch = meta.get("general.architecture")
+    if arch != "llama":
+        raise CheckpointError(f"{file}: architecture {arch!r}; kvpool imports GGUF llama models")
+    heads = int(meta["llama.attention.head_count"])
+    kv_heads = int(meta.get("llama.attention.head_count_kv", heads))
+    tensors: dict[str, np.ndarray] = {}
+    for t in reader.tensors:
+        name = hf_name(t.name)
+        data = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        data = data.reshape([int(d) for d in reversed(t.shape.tolist())])
+        if t.name.endswith("attn_q.weight"):
+            data = _unpermute(data, heads)
+        elif t.name.endswith("attn_k.weight"):
+            data = _unpermute(data, kv_heads)
+        tensors[name] = data
+    return GgufFile(file, meta, tensors)
+
+
+def hf_name(name: str) -> str:
+    """The Hugging Face name of a GGUF tensor (`blk.3.attn_q.weight` ->
+    `model.layers.3.self_attn.q_proj.weight`)."""
+    if name in TENSOR_NAMES:
+        return TENSOR_NAMES[name]
+    parts = name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}"
+    raise CheckpointError(f"unknown GGUF tensor {name!r}")
+
+
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's per-head row interleaving of a Q or K projection: its rows are, per
+    head, the pairs (i, i + d/2) side by side; Hugging Face keeps the two halves apart."""
+    rows = w.shape[0]
+    return (w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2)
+            .reshape(w.shape))
+
+
+def hf_config(meta: dict[str, Any], tied: bool) -> dict[str, Any]:
+    """config.json for the file's Llama model."""
+    heads = int(meta["llama.attention.head_count"])
+    hidden = int(meta["llama.embedding_length"])
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": int(meta.get("llama.vocab_size") or len(meta["tokenizer.ggml.tokens"])),
+        "hidden_size": hidden, "intermediate_size": int(meta["llama.feed_forward_length"]),
+        "num_hidden_layers": int(meta["llama.block_count"]), "num_attention_heads": heads,
+        "num_key_value_heads": int(meta.get("llama.attention.head_count_kv", heads)),
+        "head_dim": int(meta.get("llama.rope.dimension_count", hidden // heads)),
+        "max_position_embeddings": int(meta.get("llama.context_length", 4096)),
+        "rms_norm_eps": _f32(meta["llama.attention.layer_norm_rms_epsilon"]),
+        "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
+        "tie_word_embeddings": tied, "torch_dtype": "float32",
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+    }
+
+
+PRE_TOKENIZERS = {"smollm": True, "gpt2": False, "default": False}
+"""`tokenizer.ggml.pre` -> whether digits are split one by one before the byte-level regex
+(llama.cpp's pre-tokenizer types for byte-level BPE vocabularies)."""
+
+
+def build_tokenizer(meta: dict[str, Any]) -> Any:
+    """A `tokenizers.Tokenizer` from the file's byte-level BPE vocabulary and merges."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "default")
+    if kind != "gpt2" or pre not in PRE_TOKENIZERS:
+        raise CheckpointError(f"GGUF tokenizer {kind!r} / pre-tokenizer {pre!r} is not supported "
+                              f"(byte-level BPE with {', '.join(PRE_TOKENIZERS)})")
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                  byte_level])
+                         if PRE_TOKENIZERS[pre] else byte_level)
+    tok.decoder = decoders.ByteLevel()
+    types = meta.get("tokenizer.ggml.token_type") or []
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, kind_ in zip(tokens, types, strict=False)
+                            if kind_ == TOKEN_TYPE_CONTROL])
+    return tok
+
+
+def _f32(value: float) -> float:
+    """A float32 metadata value as the decimal it was written from (1e-05, not 9.99e-06)."""
+    return float(f"{float(value):.7g}")
+
+
+def _token(meta: dict[str, Any], key: str) -> str | None:
+    idx = meta.get(f"tokenizer.ggml.{key}_token_id")
+    return None if idx is None else meta["tokenizer.ggml.tokens"][int(idx)]
+
+
+def import_gguf(path: str | Path, out_dir: str | Path) -> Path:
+    """Write the Hugging Face folder of a GGUF file into `out_dir` (created); returns it."""
+    from safetensors.numpy import save_file
+
+    gg = read_gguf(path)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tied = "lm_head.weight" not in gg.tensors
+    config = hf_config(gg.metadata, tied)
+    _write_json(out / "config.json", config)
+    _write_json(out / "generation_config.json", {"eos_token_id": config["eos_token_id"],
+                                                 "bos_token_id": config["bos_token_id"]})
+    build_tokenizer(gg.metadata).save(str(out / "tokenizer.json"))
+    template = gg.metadata.get("tokenizer.chat_template")
+    tok_cfg = {"bos_token": _token(gg.metadata, "bos"), "eos_token": _token(gg.metadata, "eos"),
+               "model_max_length": config["max_position_embeddings"],
+               "add_bos_token": bool(gg.metadata.get("tokenizer.ggml.add_bos_token", False))}
+    if template:
+        tok_cfg["chat_template"] = template
+        (out / "chat_template.jinja").write_text(template)
+    _write_json(out / "tokenizer_config.json", tok_cfg)
+    save_file({k: np.ascontiguousarray(v) for k, v in gg.tensors.items()},
+              str(out / "model.safetensors"), metadata={"format": "pt"})
+    _write_json(out / IMPORT_MARKER, {"source": str(gg.path.resolve()),
+                                       "name": gg.metadata.get("general.name"),
+                                       "served_name": gg.path.name.split(".")[0]})
+    return out
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=1) + "\n")
+
+
+def served_name(model_dir: Path) -> str:
+    """The name /v1/models gives a model folder: a GGUF import's file name without its
+    suffixes (SmolLM2-135M-Instruct), else the folder's name."""
+    marker = model_dir / IMPORT_MARKER
+    if marker.is_file():
+        name = json.loads(marker.read_text()).get("served_name")
+        if isinstance(name, str) and name:
+            return name
+    return model_dir.resolve().name
+
+
+def cache_dir() -> Path:
+    """Where imported GGUF models live: `$KVPOOL_MODEL_CACHE`, else kvpool/models under
+    `$XDG_CACHE_HOME` (default ~/.cache), beside the tiny model."""
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env)
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "kvpool" / "models"
+
+
+def cached_import(path: str | Path) -> Path:
+    """The imported folder of GGUF file `path`, importing it on first use into `cache_dir()`
+    (keyed by the file's name, size and modification time). The import is written to a
+    temporary folder and renamed, so an interrupted one is never used."""
+    file = Path(path)
+    if not file.is_file():
+        raise CheckpointError(f"GGUF file not found: {file}")
+    st = file.stat()
+    target = cache_dir() / f"{file.stem}-{st.st_size}-{int(st.st_mtime)}"
+    if (target / IMPORT_MARKER).is_file():
+        return target
+    tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
+    import_gguf(file, tmp)
+    try:
+        os.replace(tmp, target)
+    except OSError:  # another process finished the same import first
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / IMPORT_MARKER).is_file():
+            raise
+    return target

@@ -1,0 +1,148 @@
+"""GGUF import: a GGUF file written here from a Hugging Face checkpoint (with llama.cpp's Q/K
+row order, by its documented rule, and the checkpoint's own vocabulary and merges) imports
+back to the same tensors, config, tokenizer and greedy tokens; bad input gets a clear error;
+`--model` resolution. The real SmolLM2 file against transformers is in the slow job."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from kvpool.engine.checkpoint import CheckpointError, load_tokenizer, read_model_config
+from kvpool.engine.config import EngineConfig, SamplingParams
+
+gguf = pytest.importorskip("gguf")
+
+from kvpool.engine.gguf_checkpoint import cached_import, hf_name, import_gguf  # noqa: E402
+from kvpool.serve.models import checked_folder, resolve_model  # noqa: E402
+
+GGUF_NAMES = {"model.embed_tokens.weight": "token_embd.weight",
+              "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+         "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+         "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate",
+         "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
+
+
+def gguf_name(name: str) -> str:
+    if name in GGUF_NAMES:
+        return GGUF_NAMES[name]
+    _, _, layer, rest = name.split(".", 3)
+    module = rest.removesuffix(".weight")
+    return f"blk.{layer}.{LAYER[module]}.weight"
+
+
+def llama_cpp_order(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's conversion of a Q/K projection (its convert script's permute)."""
+    return (w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2)
+            .reshape(w.shape))
+
+
+def write_gguf(model_dir: Path, path: Path) -> Path:
+    cfg = json.loads((model_dir / "config.json").read_text())
+    tok = json.loads((model_dir / "tokenizer.json").read_text())
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    specials = {a["content"] for a in tok.get("added_tokens", []) if a.get("special")}
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_freq_base(cfg["rope_theta"])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([3 if t in specials else 1 for t, _ in vocab])
+    w.add_token_merges(merges)
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    w.add_chat_template(TEMPLATE)
+    for name, arr in load_file(str(model_dir / "model.safetensors")).items():
+        if name.endswith("q_proj.weight"):
+            arr = llama_cpp_order(arr, cfg["num_attention_heads"])
+        elif name.endswith("k_proj.weight"):
+            arr = llama_cpp_order(arr, cfg["num_key_value_heads"])
+        w.add_tensor(gguf_name(name), arr.astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def imported(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    tmp = tmp_path_factory.mktemp("gguf")
+    return tiny_llama, import_gguf(write_gguf(tiny_llama, tmp / "tiny.gguf"), tmp / "hf")
+
+
+def test_tensors_and_config_come_back(imported: tuple[Path, Path]) -> None:
+    original, folder = imported
+    want, got = load_file(str(original / "model.safetensors")), load_file(
+        str(folder / "model.safetensors"))
+    assert set(got) == set(want)
+    for name, arr in want.items():
+        np.testing.assert_array_equal(got[name], arr, err_msg=name)
+    a, b = read_model_config(original), read_model_config(folder)
+    assert (b.num_layers, b.num_heads, b.num_kv_heads, b.hidden_size, b.rms_norm_eps,
+            b.rope_theta, b.tie_word_embeddings) == (a.num_layers, a.num_heads, a.num_kv_heads,
+                                                     a.hidden_size, a.rms_norm_eps,
+                                                     a.rope_theta, False)
+
+
+def test_tokenizer_template_and_greedy_tokens_match(imported: tuple[Path, Path]) -> None:
+    from kvpool.engine.llm_engine import LLMEngine
+
+    original, folder = imported
+    text = "the quick brown fox, 42 times"
+    ours, theirs = load_tokenizer(folder), load_tokenizer(original)
+    assert ours.encode(text) == theirs.encode(text) and ours.decode(ours.encode(text)) == text
+    assert (folder / "chat_template.jinja").read_text() == TEMPLATE
+    assert ours.chat_template == TEMPLATE
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    prompt = theirs.encode(text)
+    want = LLMEngine.from_dir(original, EngineConfig(block_size=8)).generate([prompt], params)
+    assert LLMEngine.from_dir(folder, EngineConfig(block_size=8)).generate([prompt], params) == want
+
+
+def test_bad_files_get_clear_errors(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="not found"):
+        import_gguf(tmp_path / "nope.gguf", tmp_path / "out")
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a gguf at all" * 10)
+    with pytest.raises(CheckpointError, match="not a GGUF file"):
+        import_gguf(junk, tmp_path / "out")
+    with pytest.raises(CheckpointError, match="unknown GGUF tensor"):
+        hf_name("blk.0.attn_qkv.weight")
+    assert hf_name("blk.7.ffn_down.weight") == "model.layers.7.mlp.down_proj.weight"
+
+
+def test_model_resolution(imported: tuple[Path, Path], tmp_path: Path,
+                          monkeypatch: pytest.MonkeyPatch) -> None:
+    original, folder = imported
+    monkeypatch.setenv("KVPOOL_MODEL_CACHE", str(tmp_path / "cache"))
+    src = write_gguf(original, tmp_path / "m.gguf")
+    first = resolve_model(str(src))
+    assert first.parent == tmp_path / "cache" and (first / "kvpool_gguf.json").is_file()
+    assert cached_import(src) == first  # imported once
+    assert checked_folder(folder) == folder
+    with pytest.raises(CheckpointError, match="no such file"):
+        resolve_model(str(tmp_path / "missing"))
+    holder = tmp_path / "holder"
+    holder.mkdir()
+    (holder / "x.gguf").write_bytes(src.read_bytes())
+    with pytest.raises(CheckpointError, match="holds a GGUF file"):
+        resolve_model(str(holder))
+    with pytest.raises(CheckpointError, match="tokenizer.json not found"):
+        (tmp_path / "half").mkdir()
+        (tmp_path / "half" / "config.json").write_text("{}")
+        resolve_model(str(tmp_path / "half"))
