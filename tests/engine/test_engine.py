@@ -11,7 +11,7 @@ import torch
 from kvpool.engine.checkpoint import load_model
 from kvpool.engine.config import EngineConfig, SamplingParams
 from kvpool.engine.llm_engine import LLMEngine
-from kvpool.errors import InvalidArgument
+from kvpool.errors import ConfigError, InvalidArgument
 from tests.engine.helpers import full_logits
 
 transformers = pytest.importorskip("transformers")
@@ -123,3 +123,15 @@ def test_abort_frees_blocks(tiny_llama: Path) -> None:
     assert eng.abort("r")
     assert eng.blocks.num_free_blocks == 64
     eng.blocks.check_integrity()
+
+
+def test_any_64_bit_seed_samples(tiny_llama: Path) -> None:
+    """Per-position seeds are taken modulo 2^64: a seed of 10^15 (x 1,000,003 is beyond
+    torch's seed range) samples, and the same seed gives the same tokens."""
+    engine = LLMEngine.from_dir(tiny_llama, EngineConfig(block_size=8))
+    outs = [engine.generate([[5, 6, 7]], SamplingParams(max_tokens=6, temperature=1.0,
+                                                        seed=seed, ignore_eos=True))
+            for seed in (10**15, 10**15, 2**64 - 1, -(2**63))]
+    assert outs[0] == outs[1] and all(len(o[0]) == 6 for o in outs)
+    with pytest.raises(ConfigError):
+        SamplingParams(seed=2**64)

@@ -83,3 +83,27 @@ def test_error_as_sse_event() -> None:
     raw = ApiError(502, "worker gone", "worker_error", "worker_failed").sse()
     assert raw.startswith(b"data: ") and raw.endswith(b"\n\n")
     assert json.loads(raw[6:])["error"]["message"] == "worker gone"
+
+
+@pytest.mark.parametrize("body", [
+    {"model": "m", "prompt": "x", "seed": 2**64},
+    {"model": "m", "prompt": "x", "seed": -(2**63) - 1},
+    {"model": "m", "prompt": "a\ud800"},
+    {"model": "m", "prompt": ["ok", "\udfff"]},
+    {"model": "m", "prompt": "x", "stop": "\ud800"},
+])
+def test_out_of_range_seeds_and_broken_text_are_refused(body: dict[str, object]) -> None:
+    with pytest.raises(ValidationError):
+        CompletionRequest.model_validate(body)
+    assert CompletionRequest.model_validate({"model": "m", "prompt": "x", "seed": 2**64 - 1})
+
+
+@pytest.mark.parametrize("content", [
+    [{"type": "text", "text": 5}],
+    [{"type": "image_url", "image_url": {"url": "http://x"}}],
+    [{"text": "no type"}],
+    "bad \ud800",
+])
+def test_chat_content_parts_are_text(content: object) -> None:
+    with pytest.raises(ValidationError):
+        ChatRequest.model_validate({"model": "m", "messages": [{"role": "u", "content": content}]})

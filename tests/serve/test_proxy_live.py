@@ -157,10 +157,18 @@ def test_the_conductor_sends_a_prefix_to_the_worker_that_holds_it(
     (json.dumps({"model": "tiny", "prompt": "x"}).encode(), 400, "messages"),  # to /chat
     (json.dumps({"model": "tiny", "prompt": "cache " * 3000}).encode(), 400, "prompt"),
     (json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 5000}).encode(), 400, "max_tokens"),
+    (json.dumps({"model": "tiny", "prompt": "x", "seed": 2**70}).encode(), 400, "seed"),
+    (json.dumps({"model": "tiny", "prompt": "a\ud800b"}).encode(), 400, "prompt"),
+    (json.dumps({"model": "tiny", "prompt": "x", "stop": ["\udc00"]}).encode(), 400, "stop"),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": 5}]}]}).encode(), 400, "messages"),
+    (json.dumps({"model": "tiny", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "x"}}]}]}).encode(), 400, "messages"),
 ])
 def test_bad_input_is_a_clear_4xx(cluster: ServingCluster, body: bytes, status: int,
                                   param: str | None) -> None:
-    path = "/v1/chat/completions" if param == "messages" else "/v1/completions"
+    path = "/v1/chat/completions" if b'"messages"' in body or param == "messages" \
+        else "/v1/completions"
     body = body.replace(b'"tiny"', json.dumps(cluster.model_name).encode())
     resp = httpx.post(cluster.proxy_url + path, content=body, timeout=30,
                       headers={"Content-Type": "application/json"})
@@ -192,6 +200,35 @@ def test_bad_input_does_not_disturb_a_stream_in_flight(cluster: ServingCluster) 
     assert codes == [400, 404, 400]
     assert lines[-1] == "data: [DONE]" and len(lines) >= 2
     assert not any('"error"' in str(line) for line in lines)
+
+
+def test_a_huge_seed_fails_nobody(cluster: ServingCluster) -> None:
+    """A 64-bit seed far above the generator's per-position range samples (it used to overflow
+    inside the engine step and abort every request the worker held)."""
+    async def main() -> tuple[list[str], list[int]]:
+        async with httpx.AsyncClient(base_url=cluster.proxy_url, timeout=120) as http:
+            async def victim() -> list[str]:
+                body = {"model": cluster.model_name, "prompt": PROMPT, "max_tokens": 48,
+                        "stream": True, "ignore_eos": True}
+                async with http.stream("POST", "/v1/completions", json=body) as resp:
+                    return [line async for line in resp.aiter_lines() if line.startswith("data")]
+
+            async def seeded() -> list[int]:
+                codes = []
+                for seed in (10**15, 2**64 - 1, -(2**63)):
+                    r = await http.post("/v1/completions", json={
+                        "model": cluster.model_name, "prompt": "hello", "max_tokens": 8,
+                        "temperature": 1.0, "seed": seed})
+                    codes.append(r.status_code)
+                return codes
+
+            lines, codes = await asyncio.gather(victim(), seeded())
+            return list(lines), codes
+
+    lines, codes = asyncio.run(main())
+    assert codes == [200, 200, 200]
+    assert lines[-1] == "data: [DONE]" and not any('"error"' in line for line in lines)
+    assert len(lines) >= 48  # every one of the victim's tokens arrived
 
 
 def test_models_health_and_metrics(cluster: ServingCluster) -> None:

@@ -155,6 +155,8 @@ class SamplingParams:
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             raise ConfigError(f"need temperature >= 0, 0 < top_p <= 1, top_k >= 0; got "
                               f"{self.temperature}, {self.top_p}, {self.top_k}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise ConfigError(f"seed must be a 64-bit integer, got {self.seed}")
 
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> SamplingParams:

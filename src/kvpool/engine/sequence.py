@@ -9,6 +9,10 @@ from typing import TYPE_CHECKING
 from kvpool.engine.blocks import chain_hash, prefix_block_hashes
 from kvpool.engine.config import SamplingParams
 
+SEED_SPACE = 1 << 64
+"""torch generators take seeds in [0, 2^64): a request's per-position seed is taken modulo it,
+so any 64-bit request seed is valid at every position."""
+
 if TYPE_CHECKING:
     import torch
 
@@ -81,7 +85,8 @@ class Sequence:
             self.generator = torch.Generator()
             self.generator.seed()
         if self.sampling.seed is not None:
-            self.generator.manual_seed(self.sampling.seed * 1_000_003 + len(self.output_ids))
+            position_seed = self.sampling.seed * 1_000_003 + len(self.output_ids)
+            self.generator.manual_seed(position_seed % SEED_SPACE)  # any int64 seed
         return self.generator
 
     def append(self, token_id: int) -> None:

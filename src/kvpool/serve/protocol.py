@@ -7,9 +7,23 @@ import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 SSE_DONE = b"data: [DONE]\n\n"
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+"""A seed is a 64-bit integer (signed or not), as OpenAI's and vLLM's are."""
+
+
+def utf8(value: Any) -> Any:
+    """`value` (a string, or a list that may hold strings) if every string is valid UTF-8; a
+    lone surrogate (which JSON's \\ud800 escapes can carry) is a ValueError, a 400."""
+    for s in [value] if isinstance(value, str) else value if isinstance(value, list) else []:
+        if isinstance(s, str):
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("text must be valid UTF-8 (it holds a lone surrogate)") from None
+    return value
 
 
 def sse(obj: dict[str, Any]) -> bytes:
@@ -28,7 +42,7 @@ class _Sampling(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=-1, ge=-1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -40,6 +54,8 @@ class _Sampling(BaseModel):
     """kvpool's extension for benchmarks: the last chunk (or the body) carries `kvpool_trace`,
     the output token ids with the worker's clock stamp of the step that made each
     (`trace_of`)."""
+
+    _utf8_stop = field_validator("stop")(utf8)
 
     @property
     def stop_list(self) -> list[str]:
@@ -61,20 +77,35 @@ class _Sampling(BaseModel):
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str]
 
+    _utf8 = field_validator("prompt")(utf8)
+
     def default_max_tokens(self) -> int | None:
         return 16  # OpenAI's default for /v1/completions
+
+
+class ContentPart(BaseModel):
+    """One part of a chat message's content; only text parts are served."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text"]
+    text: str
+
+    _utf8 = field_validator("text")(utf8)
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
+
+    _utf8 = field_validator("content")(utf8)
 
     def text(self) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+        return "".join(p.text for p in self.content)
 
 
 class ChatRequest(_Sampling):
