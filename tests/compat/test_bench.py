@@ -9,7 +9,7 @@ import os
 import pytest
 
 from kvpool.bench.common import Measurement
-from kvpool.compat import bench
+from kvpool.bench import mooncake_api as bench
 
 
 def m(impl: str, op: str, gbps: float, reqs: float, mode: str = "batched") -> Measurement:
@@ -71,7 +71,7 @@ def test_kvpool_only_run(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_cpu_bench_reports_each_op_with_every_process_cpu(
         capsys: pytest.CaptureFixture[str]) -> None:
-    from kvpool.compat import bench_cpu
+    from kvpool.bench import mooncake_cpu as bench_cpu
     parser = argparse.ArgumentParser()
     bench_cpu.register(parser.add_subparsers())
     args = parser.parse_args(["mooncake-cpu", "--impl", "kvpool", "--ops", "50"])

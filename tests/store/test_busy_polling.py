@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from kvpool.compat.bench_cpu import cpu_times
+from kvpool.bench.mooncake_cpu import cpu_times
 from kvpool.store.client.config import ClientConfig
 from kvpool.store.client.store_client import StoreClient
 from tests.store.cluster import store_cluster

@@ -21,16 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpool.bench.trace_prompts import TRACE_BLOCK_TOKENS, block_ids, pct
+from kvpool.bench.trace_prompts import TRACE_BLOCK_TOKENS, BenchRequest, block_ids, pct
 
 __all__ = ["TRACE_BLOCK_TOKENS", "BenchRequest", "BenchResult", "block_ids", "pct"]
-
-
-@dataclass(frozen=True)
-class BenchRequest:
-    arrival_s: float
-    prompt_ids: list[int]
-    max_tokens: int
 
 
 @dataclass

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.bench.serve import BenchRequest, pct
+from kvpool.bench.trace_prompts import BenchRequest, pct
 from kvpool.conductor.cost import CostModel, fit_prefill
 from kvpool.engine.blocks import prefix_block_hashes
 from kvpool.errors import InvalidArgument

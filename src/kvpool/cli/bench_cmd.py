@@ -10,8 +10,8 @@ _BENCH_MODULES = (
     "kvpool.bench.store",
     "kvpool.bench.conductor",
     "kvpool.bench.serve",
-    "kvpool.compat.bench",
-    "kvpool.compat.bench_cpu",
+    "kvpool.bench.mooncake_api",
+    "kvpool.bench.mooncake_cpu",
     "kvpool.bench.engine",
     "kvpool.bench.faults",
 )

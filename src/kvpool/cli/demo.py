@@ -18,7 +18,7 @@ from kvpool.store.client.store_client import StoreClient
 from kvpool.store.config import ReplicateConfig
 
 if TYPE_CHECKING:
-    from kvpool.cli.up_cmd import LocalCluster
+    from kvpool.cli.local_cluster import LocalCluster
     from kvpool.serve.launch import ServingCluster
 
 NUM_OBJECTS = 64

@@ -21,12 +21,12 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
 
+from kvpool.cli.local_cluster import LocalCluster
 from kvpool.cli.security import add_security_args, bind_refusal, export_token
 from kvpool.conductor import ADMISSION_POLICIES, PREFILL_POLICIES
 from kvpool.errors import KvpoolError
@@ -34,30 +34,6 @@ from kvpool.serve.launch import free_port, spawn, stop
 
 if TYPE_CHECKING:
     from kvpool.serve.launch import ServingCluster
-
-
-@dataclass
-class LocalCluster:
-    host: str
-    rpc_port: int
-    admin_port: int
-    metadata_port: int
-    master: subprocess.Popen[bytes]
-    nodes: list[subprocess.Popen[bytes]] = field(default_factory=list)
-    token: str | None = None
-
-    @property
-    def master_address(self) -> str:
-        return f"{self.host}:{self.rpc_port}"
-
-    @property
-    def metadata_url(self) -> str:
-        return f"http://{self.host}:{self.metadata_port}/metadata"
-
-    def admin(self, path: str) -> httpx.Response:
-        headers = {"authorization": f"Bearer {self.token}"} if self.token else None
-        return httpx.get(f"http://{self.host}:{self.admin_port}{path}", timeout=10,
-                         headers=headers)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -5,13 +5,24 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from kvpool.serve.errors import ApiError, bad_request
+from kvpool.serve.metrics import ProxyMetrics
 from kvpool.serve.protocol import ChatRequest, CompletionRequest, Kind, new_id
+from kvpool.serve.tokenizer import ModelTokenizer
 
-if TYPE_CHECKING:
-    from kvpool.serve.app import Proxy
+
+class Proxy(Protocol):
+    """What preparing a request and building its response read of the proxy
+    (kvpool.serve.app.Proxy)."""
+
+    model_name: str
+    tokenizer: ModelTokenizer
+    metrics: ProxyMetrics
+
+    @property
+    def max_model_len(self) -> int: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvpool.serve.dispatch import Run
 from kvpool.serve.errors import ApiError
@@ -21,12 +21,9 @@ from kvpool.serve.protocol import (
     usage,
     usage_chunk,
 )
-from kvpool.serve.requests import PreparedRequest
+from kvpool.serve.requests import PreparedRequest, Proxy
 from kvpool.serve.text import TextStream
 from kvpool.serve.worker_client import WorkerCallError
-
-if TYPE_CHECKING:
-    from kvpool.serve.app import Proxy
 
 
 async def _deltas(proxy: Proxy, prep: PreparedRequest, run: Run, first: int,

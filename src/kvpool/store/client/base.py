@@ -9,7 +9,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from kvpool.clock import SYSTEM_CLOCK, Clock
@@ -30,6 +29,7 @@ from kvpool.store.client.reads import ReadPath
 from kvpool.store.client.reserved import RESERVE_MAX_BYTES, ReservedPuts
 from kvpool.store.client.rpc import RpcClient
 from kvpool.store.client.staging import StagingArea
+from kvpool.store.client.types import ClientStats, Copy
 from kvpool.store.config import ReplicateConfig
 from kvpool.store.wire import messages as m
 from kvpool.store.wire.codes import (
@@ -45,7 +45,6 @@ from kvpool.transfer import OpCode, TransferConfig, TransferEngine, TransferRequ
 
 E = ErrorCode
 log = get_logger("store.client")
-Copy = tuple[int, int, int, str, int]  # local addr, remote addr, length, endpoint, fence
 
 
 def new_fence() -> int:
@@ -55,16 +54,6 @@ def new_fence() -> int:
 
 _PUT_OK = PutResult(ErrorCode.OK)
 _DEFAULT_CFG = ReplicateConfig()
-
-
-@dataclass
-class ClientStats:
-    """Counters of one client (read them any time; they only grow)."""
-
-    checksum_mismatches: int = 0
-    """Replica reads whose bytes did not match the object's checksum (refused)."""
-    remounts: int = 0
-    """Times the master had forgotten this client and its segments were mounted again."""
 
 
 class ClientBase(ReadPath):

@@ -13,13 +13,11 @@ from kvpool.log import get_logger
 from kvpool.store.client.checksum import Hasher, HashOnArrival
 from kvpool.store.client.config import ClientConfig
 from kvpool.store.client.plan import Part, copies_for, order_replicas, parts_total, valid_parts
+from kvpool.store.client.types import ClientStats, Copy
 from kvpool.store.wire import messages as m
 from kvpool.store.wire.codes import ErrorCode, LookupResult, ReadResult, ReplicaDesc, Tier
 from kvpool.store.wire.validate import valid_key
 from kvpool.transfer import OpCode
-
-if TYPE_CHECKING:
-    from kvpool.store.client.base import ClientStats, Copy
 
 E = ErrorCode
 log = get_logger("store.client")

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from kvpool.bench.anchors import raw_socket
-from kvpool.compat.bench import master_process, node_process
-from kvpool.compat.bench_client import load
+from kvpool.bench.mooncake_api import master_process, node_process
+from kvpool.bench.mooncake_client import load
 
 _TICKS = os.sysconf("SC_CLK_TCK")
 VALUE_BYTES = 4096

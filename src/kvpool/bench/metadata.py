@@ -1,4 +1,4 @@
-"""Latency and throughput of metadata backends: `python -m kvpool.metadata.bench`.
+"""Latency and throughput of metadata backends: `python -m kvpool.bench.metadata`.
 
 Measures put/get/delete of a segment-descriptor-sized value (1 KiB by default) against an
 in-process MemoryBackend, the HTTP server on a loopback port, and (with --etcd) a real etcd;

@@ -1,6 +1,6 @@
 """`kvpool bench mooncake-api`: the store (and transfer) benchmarks through Mooncake's Python
 API, for kvpool (kvpool.compat over `kvpool master`) and for the real Mooncake wheel (over its
-`mooncake_master`) in one run, with identical client code (kvpool.compat.bench_client).
+`mooncake_master`) in one run, with identical client code (kvpool.bench.mooncake_client).
 
 Each implementation gets its own master (started with the same Mooncake flags), a memory node
 process and a long-lived pure-client process (kvpool over tcp, and with `--shm` a second
@@ -31,7 +31,7 @@ from kvpool.bench.common import Measurement
 from kvpool.procs import free_port, stop, wait_port
 from kvpool.units import format_size, parse_size
 
-_CLIENT = "kvpool.compat.bench_client"
+_CLIENT = "kvpool.bench.mooncake_client"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -1,9 +1,9 @@
 """The client side of `kvpool bench mooncake-api`: one workload written against Mooncake's
 Python API, run unchanged on either implementation (`mooncake` = the real wheel, `kvpool` =
-kvpool.compat). Started as a child process by kvpool.compat.bench:
+kvpool.compat). Started as a child process by kvpool.bench.mooncake_api:
 
-    python -m kvpool.compat.bench_client node IMPL MASTER DRAM_BYTES
-    python -m kvpool.compat.bench_client serve IMPL MASTER PROTOCOL
+    python -m kvpool.bench.mooncake_client node IMPL MASTER DRAM_BYTES
+    python -m kvpool.bench.mooncake_client serve IMPL MASTER PROTOCOL
 
 `node` contributes memory and waits for stdin to close. `serve` is a pure client (every byte
 crosses to the node process, over `PROTOCOL`): it announces itself with one JSON line, then

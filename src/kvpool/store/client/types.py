@@ -1,0 +1,20 @@
+"""Types the store client's base and its read path share (kept apart so that neither module
+imports the other)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+Copy = tuple[int, int, int, str, int]
+"""One transfer of a read or write: local address, remote address, length, the remote
+segment's endpoint, the write fence."""
+
+
+@dataclass
+class ClientStats:
+    """Counters of one client (read them any time; they only grow)."""
+
+    checksum_mismatches: int = 0
+    """Replica reads whose bytes did not match the object's checksum (refused)."""
+    remounts: int = 0
+    """Times the master had forgotten this client and its segments were mounted again."""
