@@ -5,9 +5,10 @@ decode worker (or `--both URL` for a colocated worker), printed as it streams. W
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import uuid
+
+from kvpool.token import env_token
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -23,7 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--token", default=os.environ.get("KVPOOL_TOKEN"))
+    p.add_argument("--token", default=env_token())
     p.set_defaults(func=run)
 
 

@@ -8,6 +8,7 @@ import sys
 from kvpool.conductor import ADMISSION_POLICIES, PREFILL_POLICIES
 from kvpool.errors import KvpoolError
 from kvpool.serve.config import KV_TRANSFER_MODES, ProxyConfig
+from kvpool.token import env_token
 
 _D = ProxyConfig(model_dir="")
 
@@ -42,7 +43,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
-    import os
 
     from kvpool.serve.models import resolve_model
 
@@ -53,7 +53,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
         decode_horizon_s=args.decode_horizon, cost_path=args.cost, fit_cost=args.fit_cost,
         kv_transfer=args.kv_transfer, poll_interval_s=args.poll_interval,
-        token=args.token or os.environ.get("KVPOOL_TOKEN"))
+        token=args.token or env_token())
 
 
 def run(args: argparse.Namespace) -> int:

@@ -7,12 +7,12 @@ import argparse
 import ipaddress
 import os
 
-TOKEN_ENV = "KVPOOL_TOKEN"
+from kvpool.token import TOKEN_ENV, env_token
 
 
 def add_security_args(parser: argparse.ArgumentParser, protects: str) -> None:
     parser.add_argument(
-        "--token", default=os.environ.get(TOKEN_ENV) or None,
+        "--token", default=env_token(),
         help=f"shared secret that {protects} (default: ${TOKEN_ENV})")
     parser.add_argument(
         "--insecure", action="store_true",

@@ -11,6 +11,7 @@ from kvpool.engine.worker.runtime import ENGINES
 from kvpool.errors import KvpoolError
 from kvpool.log import get_logger
 from kvpool.procs import free_port
+from kvpool.token import env_token
 from kvpool.units import parse_size
 
 log = get_logger("cli.worker")
@@ -67,7 +68,6 @@ def _num_blocks(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    import os
 
     import uvicorn
 
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         config = WorkerConfig(
             model_dir=str(resolve_model(args.model)), role=args.role, master=args.master, host=args.host,
             port=args.port or free_port(args.host), kv_transfer=args.kv_transfer,
-            token=args.token or os.environ.get("KVPOOL_TOKEN") or None,
+            token=args.token or env_token(),
             engine=EngineConfig(block_size=args.block_size, num_blocks=_num_blocks(args),
                                 max_num_seqs=args.max_num_seqs,
                                 max_prefill_chunk=args.max_prefill_chunk,

@@ -16,7 +16,7 @@ from kvpool.conductor.config import ConductorConfig
 from kvpool.conductor.cost import CostModel
 from kvpool.conductor.decode import select_decode
 from kvpool.conductor.prefill import PrefillPolicy, create_prefill_policy
-from kvpool.conductor.types import Accepted, Decision, Rejected, RequestInfo
+from kvpool.conductor.types import Accepted, Decision, RequestInfo
 from kvpool.conductor.view import ClusterView
 from kvpool.errors import InvalidArgument
 
@@ -56,6 +56,3 @@ class Conductor:
             raise InvalidArgument("the cluster view has no decode instance")
         return Accepted(prefill, decode)
 
-
-def is_rejected(decision: Decision) -> bool:
-    return isinstance(decision, Rejected)

@@ -6,13 +6,13 @@ opaque `bytes` values. The caller chooses the key layout; backends never rewrite
 
 from __future__ import annotations
 
-import os
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from types import TracebackType
 
 from kvpool.errors import ConfigError, InvalidArgument, MetadataError
+from kvpool.token import env_token
 
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_MAX_KEY_LEN = 1024
@@ -29,7 +29,7 @@ class MetadataClientConfig:
     (times the number of etcd endpoints tried)."""
     max_connections: int = 16
     """Size of the HTTP connection pool shared by all threads using one backend."""
-    token: str | None = field(default_factory=lambda: os.environ.get("KVPOOL_TOKEN") or None,
+    token: str | None = field(default_factory=env_token,
                               repr=False)
     """Shared secret sent with writes to an HTTP metadata server (default: $KVPOOL_TOKEN)."""
 

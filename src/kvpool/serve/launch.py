@@ -24,6 +24,7 @@ import httpx
 from kvpool.engine.gguf_checkpoint import served_name
 from kvpool.errors import KvpoolError
 from kvpool.procs import free_port, stop
+from kvpool.token import env_token
 
 _PR_SET_PDEATHSIG = 1
 
@@ -77,7 +78,7 @@ def wait_segments(admin_url: str, count: int, procs: list[subprocess.Popen[bytes
     its memory; a put before that finds no space)."""
     from kvpool.metadata.http_serving import bearer_header
 
-    headers = bearer_header(os.environ.get("KVPOOL_TOKEN") or None)
+    headers = bearer_header(env_token())
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for p in procs:

@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 from kvpool.busypoll import check_window_us
 from kvpool.errors import ConfigError
+from kvpool.token import env_token
 
 PROTOCOLS = ("auto", "tcp", "shm")
-
-
-def _env_token() -> str | None:
-    return os.environ.get("KVPOOL_TOKEN") or None
 
 
 @dataclass(frozen=True)
@@ -27,7 +23,7 @@ class TransferConfig:
     """"auto" uses shm for same-host peers' shared buffers and tcp otherwise; "tcp" never uses shm;
     "shm" never moves data over tcp: a request that cannot go through shm fails (peers are still
     looked up, and P2P handshakes made, over tcp)."""
-    token: str | None = field(default_factory=_env_token, repr=False)
+    token: str | None = field(default_factory=env_token, repr=False)
     """Shared secret checked at the connection handshake (default: $KVPOOL_TOKEN)."""
     timeout_s: float = 10.0
     """A request to a peer that does not answer fails after this long (never hangs)."""

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 from kvpool.busypoll import check_window_us
 from kvpool.errors import ConfigError
+from kvpool.token import env_token
 
 DEFAULT_LOCAL_BUFFER = 64 << 20
 
@@ -41,7 +41,7 @@ class ClientConfig:
     close_timeout_s: float = 3.0
     """Upper bound on `close()`: unmounting is given up once this has passed, or at the first
     failure to reach the master (it drops our segments when our heartbeats stop anyway)."""
-    token: str | None = field(default_factory=lambda: os.environ.get("KVPOOL_TOKEN") or None,
+    token: str | None = field(default_factory=env_token,
                                repr=False)
     """Shared secret for the master's RPC and the transfer engine (default: $KVPOOL_TOKEN)."""
     verify_checksums: bool = True

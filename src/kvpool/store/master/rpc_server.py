@@ -120,12 +120,6 @@ class RpcServer:
             sock.close()
         self._sel.close()
 
-    @property
-    def last_turn_s(self) -> float:
-        """Monotonic time at which the loop last began a turn (it turns at least every
-        `tick_interval_s` while alive)."""
-        return self._last_turn_s
-
     def stall_problem(self, max_stall_s: float) -> str | None:
         """Why the loop is not serving (stopped, or no turn for `max_stall_s`), or None."""
         if not self._thread.is_alive():

@@ -4,7 +4,6 @@ server around one MasterCore."""
 from __future__ import annotations
 
 import gc
-import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +22,7 @@ from kvpool.store.master.persist import Journal, PersistConfig, PersistentServic
 from kvpool.store.master.rpc_limits import RpcLimits
 from kvpool.store.master.rpc_server import RpcServer
 from kvpool.store.master.service import MasterService
+from kvpool.token import env_token
 
 log = get_logger("store.master")
 
@@ -39,7 +39,7 @@ class MasterServerConfig:
     enable_http_metadata: bool = True
     tick_interval_s: float = 0.1
     """How often timeouts and watermark eviction are checked."""
-    token: str | None = field(default_factory=lambda: os.environ.get("KVPOOL_TOKEN") or None,
+    token: str | None = field(default_factory=env_token,
                               repr=False)
     """Shared secret (default: $KVPOOL_TOKEN): RPC connections prove they know it, metadata
     writes and admin listings must carry it."""
