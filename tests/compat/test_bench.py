@@ -8,8 +8,8 @@ import os
 
 import pytest
 
-from kvpool.bench.common import Measurement
 from kvpool.bench import mooncake_api as bench
+from kvpool.bench.common import Measurement
 
 
 def m(impl: str, op: str, gbps: float, reqs: float, mode: str = "batched") -> Measurement:
