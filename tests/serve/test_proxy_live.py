@@ -7,6 +7,7 @@ import asyncio
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -177,26 +178,36 @@ def test_bad_input_is_a_clear_4xx(cluster: ServingCluster, body: bytes, status: 
     assert err["message"] and err["param"] == param and err["type"] == "invalid_request_error"
 
 
-def test_bad_input_does_not_disturb_a_stream_in_flight(cluster: ServingCluster) -> None:
-    async def main() -> tuple[list[object], list[int]]:
+def beside_a_stream(cluster: ServingCluster, max_tokens: int,
+                    bodies: list[dict[str, Any] | bytes]) -> tuple[list[str], list[int]]:
+    """The SSE data lines of a victim's streamed completion, and the status of each body
+    posted one after another while it streams."""
+    async def main() -> tuple[list[str], list[int]]:
         async with httpx.AsyncClient(base_url=cluster.proxy_url, timeout=120) as http:
-            async def stream() -> list[object]:
-                body = {"model": cluster.model_name, "prompt": PROMPT, "max_tokens": 64,
+            async def victim() -> list[str]:
+                body = {"model": cluster.model_name, "prompt": PROMPT, "max_tokens": max_tokens,
                         "stream": True, "ignore_eos": True}
                 async with http.stream("POST", "/v1/completions", json=body) as resp:
                     return [line async for line in resp.aiter_lines() if line.startswith("data")]
 
-            async def bad() -> list[int]:
+            async def others() -> list[int]:
                 codes = []
-                for raw in (b"{", b'{"model": "x", "prompt": "y"}', b'{"prompt": 5}'):
-                    r = await http.post("/v1/completions", content=raw)
+                for body in bodies:
+                    r = await (http.post("/v1/completions", content=body)
+                               if isinstance(body, bytes) else
+                               http.post("/v1/completions", json=body))
                     codes.append(r.status_code)
                 return codes
 
-            lines, codes = await asyncio.gather(stream(), bad())
+            lines, codes = await asyncio.gather(victim(), others())
             return list(lines), codes
 
-    lines, codes = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_bad_input_does_not_disturb_a_stream_in_flight(cluster: ServingCluster) -> None:
+    lines, codes = beside_a_stream(cluster, 64, [b"{", b'{"model": "x", "prompt": "y"}',
+                                                 b'{"prompt": 5}'])
     assert codes == [400, 404, 400]
     assert lines[-1] == "data: [DONE]" and len(lines) >= 2
     assert not any('"error"' in str(line) for line in lines)
@@ -205,27 +216,10 @@ def test_bad_input_does_not_disturb_a_stream_in_flight(cluster: ServingCluster) 
 def test_a_huge_seed_fails_nobody(cluster: ServingCluster) -> None:
     """A 64-bit seed far above the generator's per-position range samples (it used to overflow
     inside the engine step and abort every request the worker held)."""
-    async def main() -> tuple[list[str], list[int]]:
-        async with httpx.AsyncClient(base_url=cluster.proxy_url, timeout=120) as http:
-            async def victim() -> list[str]:
-                body = {"model": cluster.model_name, "prompt": PROMPT, "max_tokens": 48,
-                        "stream": True, "ignore_eos": True}
-                async with http.stream("POST", "/v1/completions", json=body) as resp:
-                    return [line async for line in resp.aiter_lines() if line.startswith("data")]
-
-            async def seeded() -> list[int]:
-                codes = []
-                for seed in (10**15, 2**64 - 1, -(2**63)):
-                    r = await http.post("/v1/completions", json={
-                        "model": cluster.model_name, "prompt": "hello", "max_tokens": 8,
-                        "temperature": 1.0, "seed": seed})
-                    codes.append(r.status_code)
-                return codes
-
-            lines, codes = await asyncio.gather(victim(), seeded())
-            return list(lines), codes
-
-    lines, codes = asyncio.run(main())
+    seeded: list[dict[str, Any] | bytes] = [
+        {"model": cluster.model_name, "prompt": "hello", "max_tokens": 8, "temperature": 1.0,
+         "seed": seed} for seed in (10**15, 2**64 - 1, -(2**63))]
+    lines, codes = beside_a_stream(cluster, 48, seeded)
     assert codes == [200, 200, 200]
     assert lines[-1] == "data: [DONE]" and not any('"error"' in line for line in lines)
     assert len(lines) >= 48  # every one of the victim's tokens arrived
