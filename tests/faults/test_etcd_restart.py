@@ -48,7 +48,7 @@ def watch_terms(pair: HaPair, etcd: EtcdProcess, term1: int, until: float) -> No
     assert terms == sorted(terms), f"terms went back: {terms}"
 
 
-@pytest.mark.parametrize("down_s", [0.5, 4.0])
+@pytest.mark.parametrize("down_s", [0.5, pytest.param(4.0, marks=pytest.mark.slow)])
 def test_etcd_restart_keeps_one_leader_and_every_object(tmp_path: Path, down_s: float) -> None:
     with ExitStack() as stack:
         etcd = EtcdProcess(stack).start()

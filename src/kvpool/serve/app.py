@@ -165,8 +165,10 @@ async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
         return model.model_validate(obj)
     except ValidationError as exc:
         err = exc.errors()[0]
-        param = ".".join(str(p) for p in err["loc"])
-        raise bad_request(f"invalid '{param}': {err['msg']}", param=param) from None
+        path = ".".join(str(p) for p in err["loc"])  # with pydantic's union branch tags
+        # `param` names the top-level parameter, as OpenAI's errors do; the message the path
+        raise bad_request(f"invalid '{path}': {err['msg']}",
+                          param=str(err["loc"][0]) if err["loc"] else None) from None
 
 
 def _config_context_len(folder: Path) -> int:
