@@ -26,6 +26,12 @@ def active_tbt_s(cost: CostModel, d: DecodeLoad, req: RequestInfo) -> float:
     return cost.decode_step_s(d.num_active + 1, d.active_tokens + req.input_len)
 
 
+def top_gaps(num_gaps: int, share: float = TBT_TOP_SHARE) -> int:
+    """How many of a request's `num_gaps` inter-token gaps its TBT statistic averages: the
+    longest ceil(share x n), at least one."""
+    return max(1, math.ceil(share * num_gaps - 1e-9))
+
+
 def tbt_statistic_s(cost: CostModel, step_s: float, output_len: int, join_rate: float) -> float:
     """Predicted TBT statistic of a request ([F] 5.1: the mean of its longest 10% of gaps) on a
     batch whose step takes `step_s` and that `join_rate` requests per second join.
@@ -37,7 +43,7 @@ def tbt_statistic_s(cost: CostModel, step_s: float, output_len: int, join_rate: 
     if not cost.decode_join_s:
         return step_s
     gaps = max(1, output_len - 1)
-    top = math.ceil(TBT_TOP_SHARE * gaps - 1e-9)
+    top = top_gaps(gaps)
     joins = join_rate * gaps * step_s
     return step_s + cost.decode_join_s * min(joins, top) / top
 

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kvpool.conductor.decode import TBT_TOP_SHARE
+from kvpool.conductor.decode import TBT_TOP_SHARE, top_gaps
 from kvpool.errors import InvalidArgument
 from kvpool.sim.trace import TraceRequest
 
@@ -80,7 +79,7 @@ def top_share_mean(gaps: Iterable[tuple[float, int]], share: float = TBT_TOP_SHA
     total = sum(c for _, c in runs)
     if total == 0:
         return 0.0
-    want = max(1, math.ceil(share * total - 1e-9))
+    want = top_gaps(total, share)
     taken = 0
     acc = 0.0
     for value, count in runs:

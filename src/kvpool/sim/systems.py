@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from kvpool.conductor import Conductor, ConductorConfig
+from kvpool.conductor import Conductor, ConductorConfig, CostModel
 from kvpool.engine.emulated.profile import EngineProfile
 from kvpool.errors import InvalidArgument
 from kvpool.sim.colocated import ColocatedConfig, ColocatedSim
@@ -46,13 +46,19 @@ def colocated_config(name: str, profile: EngineProfile) -> ColocatedConfig:
     raise InvalidArgument(f"unknown system {name!r}; known: {', '.join(SYSTEM_NAMES)}")
 
 
+def run_disagg(reqs: Sequence[TraceRequest], cost: CostModel,
+               config: DisaggConfig | None = None, **conductor: Any) -> SimResult:
+    """One disaggregated run on `cost`; keyword arguments go to ConductorConfig."""
+    return DisaggSim(Conductor(ConductorConfig(**conductor), cost), config).run(reqs)
+
+
 def run_mooncake(reqs: Sequence[TraceRequest], profile: EngineProfile,
                  config: DisaggConfig | None = None, **conductor: Any) -> SimResult:
     """Mooncake as the capacity figures run it: 8P8D, kvcache_centric, early rejection on the
     30 s TTFT limit (keyword arguments override ConductorConfig fields)."""
     settings: dict[str, Any] = {"admission": "early_rejection", "ttft_slo_s": TTFT_LIMIT_S,
                                 "tbt_slo_s": ADMISSION_TBT_S, **conductor}
-    return DisaggSim(Conductor(ConductorConfig(**settings), profile.cost), config).run(reqs)
+    return run_disagg(reqs, profile.cost, config, **settings)
 
 
 def run_system(name: str, reqs: Sequence[TraceRequest],

@@ -9,10 +9,11 @@ from typing import Any, TypeVar
 
 from tqdm import tqdm
 
-from kvpool.conductor import Conductor, ConductorConfig, CostModel
+from kvpool.conductor import CostModel
 from kvpool.engine.emulated.profile import EngineProfile, load_profile
-from kvpool.sim.disagg import DisaggConfig, DisaggSim
+from kvpool.sim.disagg import DisaggConfig
 from kvpool.sim.metrics import SimResult
+from kvpool.sim.systems import run_disagg
 from kvpool.sim.trace import TraceRequest, load_trace, speed_up
 
 T = TypeVar("T")
@@ -45,8 +46,7 @@ class ExperimentOptions:
                    cost: CostModel | None = None, **conductor: Any) -> SimResult:
         """One disaggregated run on the profile's cost (or `cost`); keyword arguments go to
         ConductorConfig."""
-        return DisaggSim(Conductor(ConductorConfig(**conductor), cost or self.cost),
-                         config).run(reqs)
+        return run_disagg(reqs, cost or self.cost, config, **conductor)
 
     def requests(self, default_speed: float = 1.0) -> list[TraceRequest]:
         reqs = load_trace(self.trace, self.limit)

@@ -29,9 +29,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvpool.conductor import CostModel
+from kvpool.conductor.decode import top_gaps
 from kvpool.errors import InvalidArgument
 from kvpool.sim.metrics import SimResult
-from kvpool.sim.record import TBT_STATS, TBT_TOP_SHARE
+from kvpool.sim.record import TBT_STATS
 from kvpool.sim.synth import with_rate
 from kvpool.sim.trace import TraceRequest
 
@@ -57,7 +58,7 @@ def lone_limits(cost: CostModel, input_len: int, output_len: int,
         raise InvalidArgument(f"need input_len >= 1, output_len >= 2 and a statistic in "
                               f"{TBT_STATS}, got {input_len}, {output_len}, {stat!r}")
     gaps = output_len - 1
-    spread = gaps if stat == "mean" else max(1, math.ceil(TBT_TOP_SHARE * gaps - 1e-9))
+    spread = gaps if stat == "mean" else top_gaps(gaps)
     tbt = cost.decode_step_s(1, input_len) + cost.decode_join_s / spread
     return SloLimits(TTFT_FACTOR * cost.prefill_s(input_len), TBT_FACTOR * tbt, stat)
 
