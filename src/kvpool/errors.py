@@ -84,3 +84,20 @@ class MetadataUnavailable(MetadataError):
 
 class RpcTimeout(RpcError):
     """The master did not answer a control-plane RPC within its deadline."""
+
+
+class WorkerCallError(KvpoolError):
+    """A call to a worker failed: unreachable, an error status, a malformed reply, or an error
+    line in its stream. `status` is the worker's HTTP status, if it answered."""
+
+    def __init__(self, url: str, call: str, message: str, status: int | None = None) -> None:
+        super().__init__(f"worker {url} {call}: {message}")
+        self.status = status
+
+
+class RequestFailed(KvpoolError):
+    """A request ended on a worker with an error (the message says why)."""
+
+
+class ShuttingDown(KvpoolError):
+    """The worker's engine thread has stopped; nothing more can be submitted."""

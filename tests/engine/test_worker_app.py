@@ -58,8 +58,19 @@ def test_colocated_stream(client: TestClient) -> None:
     with client.stream("POST", "/generate", json=body, headers=AUTH) as reply:
         assert reply.headers["content-type"] == "application/x-ndjson"
         lines = [line for line in reply.iter_lines() if line]
-    assert len(lines) == 4 and lines[-1] == ('{"finish_reason": "length", "num_output_tokens": 3, '
-                                             '"num_cached_tokens": 0, "num_pool_tokens": 0}')
+    assert len(lines) == 4 and all(json.loads(t)["type"] == "token" for t in lines[:3])
+    assert lines[-1] == ('{"type":"finish","finish_reason":"length","num_output_tokens":3,'
+                         '"num_cached_tokens":0,"num_pool_tokens":0}')
+
+
+def test_misspelt_and_out_of_range_fields_are_400(client: TestClient) -> None:
+    base = {"request_id": "m", "prompt_token_ids": [5, 6]}
+    typo = client.post("/generate", json=base | {"sampling": {"max_token": 3}}, headers=AUTH)
+    assert typo.status_code == 400 and "max_token" in typo.json()["error"]["message"]
+    extra = client.post("/generate", json=base | {"prompt": "x"}, headers=AUTH)
+    assert extra.status_code == 400 and "prompt" in extra.json()["error"]["message"]
+    bad = client.post("/generate", json=base | {"sampling": {"logprobs": 99}}, headers=AUTH)
+    assert bad.status_code == 400 and "logprobs must be in 0..20" in bad.json()["error"]["message"]
 
 
 def test_colocated_finish_line_reports_reuse(client: TestClient) -> None:

@@ -20,13 +20,37 @@ from kvpool.engine.blocks import block_key, model_hash_for_dir, prefix_block_has
 from kvpool.engine.checkpoint import load_model
 from kvpool.engine.config import EngineConfig, SamplingParams
 from kvpool.engine.llm_engine import LLMEngine
-from kvpool.engine.worker.client import WorkerCallFailed, generate, prefill, stream
+from kvpool.engine.worker.client import generate, prefill, stream
+from kvpool.engine.worker.messages import (
+    FinishLine,
+    GenerateRequest,
+    KVMode,
+    KVSourceName,
+    KVTransfer,
+    PrefillReply,
+    PrefillRequest,
+    TokenLine,
+)
+from kvpool.errors import WorkerCallError
 from tests.engine.helpers import full_logits
 from tests.support.net import free_port, wait_port
 from tests.support.procs import running, spawn_kvpool
 
 BS = 8
-SAMPLING = {"max_tokens": 10, "ignore_eos": True}
+SAMPLING = SamplingParams(max_tokens=10, ignore_eos=True)
+ONE = SamplingParams(max_tokens=1)
+
+
+def pre(url: str, rid: str, p: list[int], sampling: SamplingParams = SAMPLING,
+        mode: KVMode = "pool", decode_url: str | None = None) -> PrefillReply:
+    return prefill(url, PrefillRequest(request_id=rid, prompt_token_ids=p, sampling=sampling,
+                                       kv_transfer=KVTransfer(mode=mode, decode_url=decode_url)))
+
+
+def lines(url: str, rid: str, p: list[int], first: int | None,
+          source: KVSourceName) -> list[TokenLine | FinishLine]:
+    return list(stream(url, GenerateRequest(request_id=rid, prompt_token_ids=p, sampling=SAMPLING,
+                                            first_token_id=first, kv_source=source)))
 
 
 @dataclass
@@ -96,8 +120,8 @@ def test_every_path_gives_the_same_tokens(workers: Workers) -> None:
 
 def test_seeded_sampling_is_the_same_split_or_colocated(workers: Workers) -> None:
     p = prompt(11, 4)
-    sampling = {"max_tokens": 10, "ignore_eos": True, "temperature": 0.8, "top_p": 0.95,
-                "seed": 77}
+    sampling = SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.8, top_p=0.95,
+                              seed=77)
     both = generate(p, sampling, decode_url=workers.d)
     split = generate(p, sampling, prefill_url=workers.p1, decode_url=workers.d, mode="pool")
     assert both.token_ids == split.token_ids and len(both.token_ids) == 10
@@ -119,14 +143,14 @@ def test_prefix_from_the_pool_written_by_another_prefill_worker(workers: Workers
     first, second = shared + prompt(5, 11), shared + prompt(7, 12)
     want = reference(workers.model_dir, [first, second])
     a = generate(first, SAMPLING, prefill_url=workers.p1, decode_url=workers.d, mode="pool")
-    assert a.prefill["num_pool_tokens"] == 0 and a.prefill["num_computed_tokens"] == len(first)
+    assert a.prefill is not None and a.prefill.num_pool_tokens == 0 and a.prefill.num_computed_tokens == len(first)
     b = generate(second, SAMPLING, prefill_url=workers.p2, decode_url=workers.d, mode="push")
-    assert b.prefill["num_pool_tokens"] == 32 and b.prefill["num_cached_tokens"] == 0
-    assert b.prefill["num_computed_tokens"] == len(second) - 32
+    assert b.prefill is not None and b.prefill.num_pool_tokens == 32 and b.prefill.num_cached_tokens == 0
+    assert b.prefill.num_computed_tokens == len(second) - 32
     assert [a.token_ids, b.token_ids] == want
     c = generate(second, SAMPLING, prefill_url=workers.p2, decode_url=workers.d, mode="pool",
                  request_id="third")
-    assert c.prefill["num_cached_tokens"] == 32 and c.token_ids == want[1]
+    assert c.prefill is not None and c.prefill.num_cached_tokens == 32 and c.token_ids == want[1]
     from kvpool.store import ClientConfig, StoreClient
     with StoreClient(ClientConfig(master=workers.master)) as store:
         assert not store.exists(request_key("third")).ok  # the decode worker took it
@@ -135,7 +159,7 @@ def test_prefix_from_the_pool_written_by_another_prefill_worker(workers: Workers
 def test_pool_kv_equals_recomputed_bit_for_bit(workers: Workers) -> None:
     from kvpool.store import ClientConfig, StoreClient
     p = prompt(27, 20)
-    prefill(workers.p1, "kv-check", p, {"max_tokens": 1}, {"mode": "pool"})
+    pre(workers.p1, "kv-check", p, ONE)
     engine = LLMEngine.from_dir(workers.model_dir, EngineConfig(block_size=BS, num_blocks=16))
     seq = engine.add_request("local", p, SamplingParams(max_tokens=2))
     engine.step()  # the whole prompt in one pass, as the worker did
@@ -154,7 +178,7 @@ def test_pool_kv_equals_recomputed_bit_for_bit(workers: Workers) -> None:
 
 def test_load_reports_held_blocks(workers: Workers) -> None:
     p = prompt(17, 30)
-    prefill(workers.p1, "load-check", p, {"max_tokens": 1}, {"mode": "pool"})
+    pre(workers.p1, "load-check", p, ONE)
     load = httpx.get(f"{workers.p1}/load", timeout=10).json()
     hashes = prefix_block_hashes(p, BS, model_hash_for_dir(workers.model_dir))
     assert set(hashes) <= set(load["block_hashes"])
@@ -167,14 +191,14 @@ def test_load_reports_held_blocks(workers: Workers) -> None:
 def test_errors_are_lines_not_hangs(workers: Workers) -> None:
     p = prompt(12, 40)
     dead = f"http://127.0.0.1:{free_port()}"
-    with pytest.raises(WorkerCallFailed, match="unreachable"):
-        prefill(workers.p1, "to-dead", p, SAMPLING, {"mode": "push", "decode_url": dead})
-    with pytest.raises(WorkerCallFailed, match="could not be read from the pool .OBJECT_NOT_FOUND"):
-        list(stream(workers.d, "never-prefilled", prompt(30, 41), SAMPLING, 7, "pool"))
-    with pytest.raises(WorkerCallFailed, match="no reservation"):
-        list(stream(workers.d, "never-pushed", p, SAMPLING, 7, "push"))
-    with pytest.raises(WorkerCallFailed, match="400.*prefill worker"):
-        list(stream(workers.p1, "wrong-role", p, SAMPLING, None, "none"))
+    with pytest.raises(WorkerCallError, match="unreachable"):
+        pre(workers.p1, "to-dead", p, mode="push", decode_url=dead)
+    with pytest.raises(WorkerCallError, match="could not be read from the pool .OBJECT_NOT_FOUND"):
+        lines(workers.d, "never-prefilled", prompt(30, 41), 7, "pool")
+    with pytest.raises(WorkerCallError, match="no reservation"):
+        lines(workers.d, "never-pushed", p, 7, "push")
+    with pytest.raises(WorkerCallError, match="400.*prefill worker"):
+        lines(workers.p1, "wrong-role", p, None, "none")
 
 
 def test_a_dead_decode_worker_fails_the_push(workers: Workers, tiny_llama: Path) -> None:
@@ -188,9 +212,8 @@ def test_a_dead_decode_worker_fails_the_push(workers: Workers, tiny_llama: Path)
                              timeout=10).json()
         assert reserve["ok"] and len(reserve["regions"]) == 3 * 2 * 2  # blocks x layers x K,V
         assert httpx.post(f"{url}/abort", json={"request_id": "r"}, timeout=10).json()["ok"]
-    with pytest.raises(WorkerCallFailed, match="unreachable"):
-        prefill(workers.p2, "dead-decode", prompt(20, 50), SAMPLING,
-                {"mode": "push", "decode_url": url})
+    with pytest.raises(WorkerCallError, match="unreachable"):
+        pre(workers.p2, "dead-decode", prompt(20, 50), mode="push", decode_url=url)
 
 
 def test_generate_command(workers: Workers, capsys: pytest.CaptureFixture[str]) -> None:
@@ -208,12 +231,12 @@ def test_generate_command(workers: Workers, capsys: pytest.CaptureFixture[str]) 
 def test_a_dead_store_node_ends_requests_with_errors(workers: Workers) -> None:
     """Runs last: it kills the module's store node."""
     p = prompt(20, 60)
-    info = prefill(workers.p1, "before-death", p, SAMPLING, {"mode": "pool"})
+    info = pre(workers.p1, "before-death", p)
     workers.node.send_signal(signal.SIGKILL)
     workers.node.wait()
     t0 = time.monotonic()
-    with pytest.raises(WorkerCallFailed, match="could not be read from the pool"):
-        list(stream(workers.d, "before-death", p, SAMPLING, info["first_token_id"], "pool"))
-    with pytest.raises(WorkerCallFailed, match="502.*pool failed"):
-        prefill(workers.p2, "after-death", prompt(20, 61), SAMPLING, {"mode": "pool"})
+    with pytest.raises(WorkerCallError, match="could not be read from the pool"):
+        lines(workers.d, "before-death", p, info.first_token_id, "pool")
+    with pytest.raises(WorkerCallError, match="502.*pool failed"):
+        pre(workers.p2, "after-death", prompt(20, 61))
     assert time.monotonic() - t0 < 30

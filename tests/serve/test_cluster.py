@@ -6,23 +6,24 @@ import pytest
 
 from kvpool.clock import VirtualClock
 from kvpool.conductor import Accepted, Conductor, ConductorConfig, RequestInfo
+from kvpool.engine.worker.messages import InfoReply, LoadReply, parse
 from kvpool.errors import InvalidArgument
-from kvpool.serve.cluster import LiveCluster, WorkerInfo
+from kvpool.serve.cluster import LiveCluster
 from tests.conductor.conftest import SIMPLE_COST
 
 P1, P2, D1 = "http://p1", "http://p2", "http://d1"
 
 
-def info(role: str, model_hash: int = 7, block_size: int = 4) -> WorkerInfo:
-    return WorkerInfo.from_json({"role": role, "model": "tiny", "model_hash": model_hash,
+def info(role: str, model_hash: int = 7, block_size: int = 4) -> InfoReply:
+    return parse(InfoReply, {"role": role, "model": "tiny", "model_hash": model_hash,
                                  "block_size": block_size, "max_model_len": 256,
-                                 "kv_capacity_tokens": 1000, "segment": "127.0.0.1:1"})
+                                 "kv_capacity_tokens": 1000, "segment": "127.0.0.1:1"}, "/info")
 
 
-def load(blocks: list[int], queued: int = 0) -> dict[str, object]:
-    return {"num_waiting": 0, "num_running": 0, "queued_prefill_tokens": queued,
-            "running_tokens": 0, "free_kv_tokens": 900, "kv_capacity_tokens": 1000,
-            "block_hashes": blocks}
+def load(blocks: list[int], queued: int = 0) -> LoadReply:
+    return LoadReply(num_waiting=0, num_running=0, queued_prefill_tokens=queued,
+                     running_tokens=0, free_kv_tokens=900, kv_capacity_tokens=1000,
+                     block_hashes=blocks)
 
 
 @pytest.fixture
@@ -143,8 +144,13 @@ def test_both_role_worker_decodes_what_it_prefilled(vclock: VirtualClock) -> Non
 
 
 def test_malformed_reports_are_invalid_arguments() -> None:
-    with pytest.raises(InvalidArgument, match="malformed /info"):
-        WorkerInfo.from_json({"role": "prefill"})
-    with pytest.raises(InvalidArgument, match="bad role"):
-        WorkerInfo.from_json({"role": "chef", "model_hash": 1, "block_size": 4,
-                              "max_model_len": 8, "kv_capacity_tokens": 8})
+    with pytest.raises(InvalidArgument, match="malformed /info: model_hash: Field required"):
+        parse(InfoReply, {"role": "prefill"}, "/info")
+    with pytest.raises(InvalidArgument, match="malformed /info: role: Input should be"):
+        parse(InfoReply, {"role": "chef", "model_hash": 1, "block_size": 4,
+                          "max_model_len": 8, "kv_capacity_tokens": 8}, "/info")
+    with pytest.raises(InvalidArgument, match="block_size: Input should be greater than 0"):
+        parse(InfoReply, {"role": "decode", "model_hash": 1, "block_size": 0,
+                          "max_model_len": 8, "kv_capacity_tokens": 8}, "/info")
+    with pytest.raises(InvalidArgument, match="malformed /load: block_events.0"):
+        parse(LoadReply, {"block_events": [[1]]}, "/load")

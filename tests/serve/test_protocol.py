@@ -7,14 +7,17 @@ import json
 import pytest
 from pydantic import ValidationError
 
+from kvpool.engine.config import SamplingParams
 from kvpool.serve.errors import ApiError, rejected
 from kvpool.serve.protocol import (
     SSE_DONE,
     ChatRequest,
     CompletionRequest,
+    choice_body,
     chunk,
     full_response,
     sse,
+    unsupported,
     usage,
     usage_chunk,
 )
@@ -29,19 +32,36 @@ def test_sampling_defaults_and_worker_object() -> None:
     req = CompletionRequest.model_validate({"model": "m", "prompt": "hi", "stop": "\n",
                                             "temperature": 0, "seed": 3})
     assert req.stop_list == ["\n"] and req.default_max_tokens() == 16
-    assert req.sampling(5) == {"max_tokens": 5, "temperature": 0.0, "top_p": 1.0, "top_k": 0,
-                               "seed": 3, "stop_token_ids": [], "ignore_eos": False}
+    assert req.sampling(5, req.seed) == SamplingParams(max_tokens=5, temperature=0.0, seed=3)
+    full = CompletionRequest.model_validate({
+        "model": "m", "prompt": [[1, 2], [3]], "logprobs": 2, "echo": True, "min_tokens": 9,
+        "presence_penalty": 0.5, "frequency_penalty": -1, "repetition_penalty": 1.2,
+        "logit_bias": {"7": -100, "8": 2.5}, "n": 3, "top_k": 5})
+    assert full.sampling(4, None) == SamplingParams(
+        max_tokens=4, temperature=1.0, top_k=5, min_tokens=4, presence_penalty=0.5,
+        frequency_penalty=-1, repetition_penalty=1.2, logit_bias={7: -100, 8: 2.5}, logprobs=2)
     chat = ChatRequest.model_validate({"model": "m", "messages": [
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
         "stream": True, "stream_options": {"include_usage": True}, "max_completion_tokens": 7})
     assert chat.messages[0].text() == "ab" and chat.include_usage
     assert chat.default_max_tokens() == 7
+    assert chat.output_logprobs() is None
+    lp = ChatRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "a"}],
+                                     "logprobs": True, "top_logprobs": 3})
+    assert lp.output_logprobs() == 3 and lp.sampling(2, None).logprobs == 3
 
 
 @pytest.mark.parametrize("body", [
     {"model": "m", "prompt": "x", "max_tokens": -1},
     {"model": "m", "prompt": "x", "max_tokens": 0},
-    {"model": "m", "prompt": "x", "n": 2},
+    {"model": "m", "prompt": "x", "n": 0},
+    {"model": "m", "prompt": "x", "n": 65},
+    {"model": "m", "prompt": "x", "logprobs": 21},
+    {"model": "m", "prompt": "x", "presence_penalty": 2.5},
+    {"model": "m", "prompt": "x", "repetition_penalty": 0},
+    {"model": "m", "prompt": "x", "logit_bias": {"5": 101}},
+    {"model": "m", "prompt": "x", "logit_bias": {"a": 1}},
+    {"model": "m", "prompt": "x", "min_tokens": -1},
     {"model": "m", "prompt": "x", "temperature": -0.5},
     {"prompt": "x"},
 ])
@@ -53,16 +73,33 @@ def test_bad_completion_bodies_fail_validation(body: dict[str, object]) -> None:
 def test_chat_needs_messages() -> None:
     with pytest.raises(ValidationError):
         ChatRequest.model_validate({"model": "m", "messages": []})
+    with pytest.raises(ValidationError, match="top_logprobs needs logprobs"):
+        ChatRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "a"}],
+                                    "top_logprobs": 2})
+
+
+@pytest.mark.parametrize(("body", "name"), [
+    ({"tools": [{"type": "function"}]}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"best_of": 3}, "best_of"),
+    ({"suffix": "end"}, "suffix"),
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"tools": [], "response_format": {"type": "text"}, "best_of": 1, "suffix": None}, None),
+])
+def test_unsupported_parameters_are_named(body: dict[str, object], name: str | None) -> None:
+    assert unsupported(body) == name
 
 
 def test_response_shapes_match_openai() -> None:
     use = usage(5, 2, 4)
     assert use == {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7,
                    "prompt_tokens_details": {"cached_tokens": 4}}
-    c = full_response("completion", "cmpl-1", "m", "ab", "length", use)
+    c = full_response("completion", "cmpl-1", "m", [choice_body("completion", 0, "ab", "length")],
+                      use)
     assert c["object"] == "text_completion" and c["choices"][0]["text"] == "ab"
-    ch = full_response("chat", "chatcmpl-1", "m", "ab", "stop", use)
+    ch = full_response("chat", "chatcmpl-1", "m", [choice_body("chat", 1, "ab", "stop")], use)
     assert ch["choices"][0]["message"] == {"role": "assistant", "content": "ab"}
+    assert ch["choices"][0]["index"] == 1
     first = chunk("chat", "x", "m", "", None, first=True)
     assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     end = chunk("chat", "x", "m", None, "stop")

@@ -153,7 +153,9 @@ def test_the_conductor_sends_a_prefix_to_the_worker_that_holds_it(
     (b'["not", "an", "object"]', 400, None),
     (json.dumps({"model": "nope", "prompt": "x"}).encode(), 404, "model"),
     (json.dumps({"model": "tiny", "prompt": "x", "max_tokens": -3}).encode(), 400, "max_tokens"),
-    (json.dumps({"model": "tiny", "prompt": "x", "n": 2}).encode(), 400, "n"),
+    (json.dumps({"model": "tiny", "prompt": "x", "n": 0}).encode(), 400, "n"),
+    (json.dumps({"model": "tiny", "prompt": ["a", "b"], "n": 40, "max_tokens": 1}).encode(),
+     400, "n"),
     (json.dumps({"model": "tiny", "prompt": [1, 99999]}).encode(), 400, "prompt"),
     (json.dumps({"model": "tiny", "prompt": "x"}).encode(), 400, "messages"),  # to /chat
     (json.dumps({"model": "tiny", "prompt": "cache " * 3000}).encode(), 400, "prompt"),

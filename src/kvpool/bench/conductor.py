@@ -71,11 +71,13 @@ def measure_decision(trace: Path | None, num_decisions: int) -> dict[str, Any]:
 
 
 def _poll_ms(cluster: Any, url: str, body: dict[str, Any], repeats: int) -> float:
-    """Median ms of encoding `body` (the worker), decoding it and applying it (the proxy)."""
+    """Median ms of encoding `body` (the worker), decoding it as the typed reply and applying
+    it (the proxy)."""
+    from kvpool.engine.worker.messages import LoadReply
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        cluster.apply_load(url, json.loads(json.dumps(body)), 0.0)
+        cluster.apply_load(url, LoadReply.model_validate_json(json.dumps(body)), 0.0)
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
@@ -91,18 +93,20 @@ def measure_view_sync(num_workers: int = 16, num_blocks: int = 100_000,
 
     from kvpool.clock import VirtualClock
     from kvpool.conductor import CostModel
-    from kvpool.serve.cluster import LiveCluster, WorkerInfo
+    from kvpool.engine.worker.messages import InfoReply, LoadReply
+    from kvpool.serve.cluster import LiveCluster
 
     rng = random.Random(0)
     cluster = LiveCluster(CostModel(), VirtualClock())
-    info = WorkerInfo("prefill", "m", 1, 512, 4096, 10**6)
+    info = InfoReply(role="prefill", model="m", model_hash=1, block_size=512,
+                     max_model_len=4096, kv_capacity_tokens=10**6)
     urls = [f"http://w{i}" for i in range(num_workers)]
     sets = {}
     for url in urls:
         cluster.add(url)
         cluster.join(url, info)
         sets[url] = [rng.getrandbits(63) for _ in range(num_blocks)]
-        cluster.apply_load(url, {"block_hashes": sets[url], "epoch": "e", "events_to": 0}, 0.0)
+        cluster.apply_load(url, LoadReply(block_hashes=sets[url], epoch="e", events_to=0), 0.0)
     url, hashes = urls[0], sets[urls[0]]
     changed = changes_per_poll
     full_ms, events_ms = [], []

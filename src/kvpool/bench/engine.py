@@ -27,9 +27,12 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvpool.procs import free_port, running, wait_port
+
+if TYPE_CHECKING:
+    from kvpool.engine.worker.messages import PrefillReply
 
 STREAM_FACTOR = 3  # requests per running slot in the stream rows
 
@@ -304,32 +307,36 @@ def _ttft(model_dir: Path, length: int, prefix_len: int, vocab: int,
     """Per repeat, a new prefix: cold prefill on P1 (its blocks go to the pool), then the same
     prefix plus a new tail on P2, which loads the prefix from the pool, then P2 again with
     another tail (local cache). Medians over the repeats."""
+    from kvpool.engine.config import SamplingParams
     from kvpool.engine.worker.client import prefill
+    from kvpool.engine.worker.messages import PrefillRequest
+
+    def once(url: str, rid: str, prompt: list[int]) -> PrefillReply:
+        return prefill(url, PrefillRequest(request_id=rid, prompt_token_ids=prompt,
+                                           sampling=SamplingParams(max_tokens=1)))
     phases = (("cold", 0), ("prefix from pool", 1), ("prefix in local cache", 1))
-    runs: list[list[tuple[float, dict[str, Any]]]] = [[], [], []]
+    runs: list[list[tuple[float, PrefillReply]]] = [[], [], []]
     with _cluster(model_dir, length) as (master, p1, p2):
         urls = (p1, p2)
         for url in urls:  # first requests pay one-time costs (connections, allocator)
-            prefill(url, f"warm-{url}", _prompts(1, 64, vocab, shift=9)[0], {"max_tokens": 1},
-                    {"mode": "pool"})
+            once(url, f"warm-{url}", _prompts(1, 64, vocab, shift=9)[0])
         for rep in range(repeats):
             shared = _prompts(1, prefix_len, vocab, shift=20 + rep)[0]
             tails = _prompts(3, length - prefix_len, vocab, shift=40 + rep)
             for i, (_, worker) in enumerate(phases):
                 t0 = time.perf_counter()
-                info = prefill(urls[worker], f"ttft-{rep}-{i}", shared + tails[i],
-                               {"max_tokens": 1}, {"mode": "pool"})
+                info = once(urls[worker], f"ttft-{rep}-{i}", shared + tails[i])
                 runs[i].append(((time.perf_counter() - t0) * 1e3, info))
         fresh_tail = _prompts(1, length - prefix_len, vocab, shift=11)[0]
         loads = _kv_load(model_dir, master, shared, fresh_tail, [info for _, info in runs[1]])
-    rows = []
+    rows: list[dict[str, Any]] = []
     for (name, _), timed in zip(phases, runs, strict=True):
         info = timed[-1][1]
         rows.append({"impl": "kvpool worker", "phase": f"TTFT {name}",
                      "value": statistics.median(ms for ms, _ in timed), "unit": "ms",
-                     "prompt_len": length, "pool_tokens": info["num_pool_tokens"],
-                     "cached_tokens": info["num_cached_tokens"],
-                     "computed_tokens": info["num_computed_tokens"],
+                     "prompt_len": length, "pool_tokens": info.num_pool_tokens,
+                     "cached_tokens": info.num_cached_tokens,
+                     "computed_tokens": info.num_computed_tokens,
                      "runs_ms": [round(ms) for ms, _ in timed]})
         if rows[0] is not rows[-1]:
             rows[-1]["vs_cold"] = round(rows[-1]["value"] / rows[0]["value"], 3)
@@ -337,7 +344,7 @@ def _ttft(model_dir: Path, length: int, prefix_len: int, vocab: int,
 
 
 def _kv_load(model_dir: Path, master: str, prefix: list[int], tail: list[int],
-             infos: list[dict[str, Any]]) -> list[dict[str, Any]]:
+             infos: list[PrefillReply]) -> list[dict[str, Any]]:
     """GB/s of the KV load path: the worker's own loads above (median; each the first touch of
     those pool pages by that worker), then the same `PoolConnector.load` in this process into
     an engine-sized cache, alternating with one raw `batch_get_into` of the same objects into a
@@ -357,8 +364,8 @@ def _kv_load(model_dir: Path, master: str, prefix: list[int], tail: list[int],
     keys = [block_key(h, layer) for h in prefix_block_hashes(prefix, 16, root)
             for layer in range(cfg.num_layers)]
     total = len(keys) * object_bytes
-    load_s = statistics.median(info["pool_load_s"] for info in infos)
-    worker = infos[-1]["num_pool_tokens"] // 16 * cfg.num_layers * object_bytes / load_s
+    load_s = statistics.median(info.pool_load_s for info in infos)
+    worker = infos[-1].num_pool_tokens // 16 * cfg.num_layers * object_bytes / load_s
     prompt = prefix + tail
     cache = KVCache(cfg, EngineConfig(num_blocks=-(-len(prompt) // 16)), torch.float32, "cpu")
     buf = torch.zeros(total, dtype=torch.uint8)

@@ -32,7 +32,15 @@ def run(args: argparse.Namespace) -> int:
     import httpx
 
     from kvpool.engine.checkpoint import load_tokenizer
-    from kvpool.engine.worker.client import WorkerCallFailed, prefill, stream
+    from kvpool.engine.config import SamplingParams
+    from kvpool.engine.worker.client import prefill, stream
+    from kvpool.engine.worker.messages import (
+        GenerateRequest,
+        KVTransfer,
+        PrefillRequest,
+        TokenLine,
+    )
+    from kvpool.errors import WorkerCallError
     decode_url = args.both or args.decode
     if decode_url is None and args.prefill is None and args.model:
         return _in_process(args)
@@ -42,36 +50,45 @@ def run(args: argparse.Namespace) -> int:
     headers = {"Authorization": f"Bearer {args.token}"} if args.token else {}
     try:
         model = args.model or _model_of(decode_url, headers)
-    except (httpx.HTTPError, WorkerCallFailed) as exc:
+    except (httpx.HTTPError, WorkerCallError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     tok = load_tokenizer(model)
     text = tok.render_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     ids = tok.encode(text)
-    sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature,
-                "seed": args.seed, "stop_token_ids": list(tok.eos_token_ids)}
+    try:
+        sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                                  seed=args.seed, stop_token_ids=tuple(tok.eos_token_ids))
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     rid = uuid.uuid4().hex
     try:
-        first, source = None, "none"
+        first = None
         if args.both is None:
-            transfer = {"mode": args.kv_transfer, "decode_url": decode_url}
-            info = prefill(args.prefill, rid, ids, sampling, transfer, args.token)
-            first, source = info["first_token_id"], args.kv_transfer
-            print(f"[prefill: {info['num_prompt_tokens']} tokens, {info['num_cached_tokens']} "
-                  f"cached, {info['num_pool_tokens']} from the pool, {info['prefill_s']:.3f}s]",
+            transfer = KVTransfer(mode=args.kv_transfer, decode_url=decode_url)
+            info = prefill(args.prefill, PrefillRequest(
+                request_id=rid, prompt_token_ids=ids, sampling=sampling, kv_transfer=transfer),
+                args.token)
+            first = info.first_token_id
+            print(f"[prefill: {info.num_prompt_tokens} tokens, {info.num_cached_tokens} "
+                  f"cached, {info.num_pool_tokens} from the pool, {info.prefill_s:.3f}s]",
                   file=sys.stderr)
         out: list[int] = []
         printed = ""
-        for msg in stream(decode_url, rid, ids, sampling, first, source, args.token):
-            if "token_id" in msg:
-                out.append(msg["token_id"])
+        req = GenerateRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling,
+                              first_token_id=first,
+                              kv_source=args.kv_transfer if first is not None else "none")
+        for msg in stream(decode_url, req, args.token):
+            if isinstance(msg, TokenLine):
+                out.append(msg.token_id)
                 text_now = tok.decode(out)
                 print(text_now[len(printed):], end="", flush=True)
                 printed = text_now
             else:
-                print(f"\n[{msg['finish_reason']}, {msg['num_output_tokens']} tokens]",
+                print(f"\n[{msg.finish_reason}, {msg.num_output_tokens} tokens]",
                       file=sys.stderr)
-    except (WorkerCallFailed, httpx.HTTPError) as exc:
+    except (WorkerCallError, httpx.HTTPError) as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
         return 1
     return 0
@@ -80,11 +97,16 @@ def run(args: argparse.Namespace) -> int:
 def _model_of(url: str, headers: dict[str, str]) -> str:
     import httpx
 
-    from kvpool.engine.worker.client import WorkerCallFailed
+    from kvpool.engine.worker.messages import InfoReply, parse
+    from kvpool.errors import InvalidArgument, WorkerCallError
     reply = httpx.get(f"{url}/info", headers=headers, timeout=10)
     if reply.status_code != 200:
-        raise WorkerCallFailed(f"{url}/info: {reply.status_code} {reply.text}")
-    return str(reply.json()["model"])
+        raise WorkerCallError(url, "/info", f"{reply.status_code} {reply.text}",
+                              reply.status_code)
+    try:
+        return parse(InfoReply, reply.json(), "/info reply").model
+    except (ValueError, InvalidArgument) as exc:
+        raise WorkerCallError(url, "/info", str(exc)) from None
 
 
 def _in_process(args: argparse.Namespace) -> int:

@@ -17,7 +17,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("proxy", help="OpenAI-compatible proxy scheduling over workers")
     p.add_argument("--model", required=True,
                    help="model folder (tokenizer.json, config.json), GGUF file, smollm2 or tiny")
-    p.add_argument("--model-name", default="", help="name served in /v1/models (default: folder name)")
+    p.add_argument("--served-model-name", "--model-name", dest="model_name", default="",
+                   help="name served in /v1/models (default: the model's own name)")
     p.add_argument("--host", default=_D.host)
     p.add_argument("--port", type=int, default=_D.port)
     p.add_argument("--prefill", action="append", default=[], metavar="URL",
@@ -26,8 +27,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="a decode worker; repeat for more")
     p.add_argument("--prefill-policy", default=_D.prefill_policy, choices=sorted(PREFILL_POLICIES))
     p.add_argument("--admission", default=_D.admission, choices=sorted(ADMISSION_POLICIES))
-    p.add_argument("--ttft-slo", type=float, default=_D.ttft_slo_s, help="TTFT objective, seconds")
-    p.add_argument("--tbt-slo", type=float, default=_D.tbt_slo_s, help="TBT objective, seconds")
+    add_slo_args(p, _D.ttft_slo_s, _D.tbt_slo_s)
     p.add_argument("--decode-horizon", type=float, default=_D.decode_horizon_s,
                    help="seconds a request is assumed to decode (predicted early rejection)")
     p.add_argument("--cost", default=None, metavar="JSON",
@@ -40,6 +40,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="seconds between /load polls of each worker")
     p.add_argument("--token", default=None, help="bearer token for the workers (or KVPOOL_TOKEN)")
     p.set_defaults(func=run)
+
+
+def add_slo_args(p: argparse.ArgumentParser, ttft_s: float, tbt_s: float) -> None:
+    p.add_argument("--ttft-slo-s", "--ttft-slo", dest="ttft_slo", type=float, default=ttft_s,
+                   help=f"TTFT objective, seconds (default {ttft_s:g})")
+    p.add_argument("--tbt-slo-s", "--tbt-slo", dest="tbt_slo", type=float, default=tbt_s,
+                   help=f"TBT objective, seconds (default {tbt_s:g})")
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:

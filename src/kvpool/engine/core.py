@@ -23,7 +23,7 @@ from kvpool.engine.config import EngineConfig, SamplingParams
 from kvpool.engine.connector import KVConnector, NullConnector
 from kvpool.engine.kv_layout import KVLayout
 from kvpool.engine.scheduler import ScheduledBatch, Scheduler
-from kvpool.engine.sequence import KVSource, SeqStatus, Sequence
+from kvpool.engine.sequence import KVSource, Sampled, SeqStatus, Sequence, TokenLogprob
 from kvpool.errors import InvalidArgument
 
 
@@ -37,6 +37,10 @@ class StepOutput:
     time_s: float = 0.0
     """The engine clock when the step that made this output ended (0 for outputs made between
     steps): TTFT and TBT are measured on these stamps, not on delivery."""
+    logprob: TokenLogprob | None = None
+    """The token's logprob, if the request asks (`SamplingParams.logprobs`)."""
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    """With the first output of a request that asks (`SamplingParams.prompt_logprobs`)."""
 
 
 class EngineCore:
@@ -107,12 +111,13 @@ class EngineCore:
         if error is not None:
             self._finish(seq, None, error)
 
-    def run(self, batch: ScheduledBatch) -> dict[Sequence, int]:
+    def run(self, batch: ScheduledBatch) -> dict[Sequence, Sampled]:
         """Compute the batch's KV; return the token sampled for each sequence whose last
         token was computed now."""
         raise NotImplementedError
 
-    def postprocess(self, batch: ScheduledBatch, sampled: dict[Sequence, int]) -> list[StepOutput]:
+    def postprocess(self, batch: ScheduledBatch,
+                    sampled: dict[Sequence, Sampled]) -> list[StepOutput]:
         outputs, self._finished = self._finished, []
         now = self.step_end_s()
         for seq, n in batch:
@@ -120,14 +125,24 @@ class EngineCore:
             self.blocks.commit(seq)
             if seq not in sampled:
                 continue
-            token = sampled[seq]
+            choice = sampled[seq]
+            token = choice.token_id
             seq.append(token)
-            outputs.append(StepOutput(seq.request_id, token, time_s=now))
+            outputs.append(StepOutput(seq.request_id, token, time_s=now, logprob=choice.logprob,
+                                      prompt_logprobs=self._take_prompt_logprobs(seq)))
             reason = self._stop_reason(seq, token)
             if reason is not None:
                 self._finish(seq, reason)
         outputs, self._finished = outputs + self._finished, []
         return outputs
+
+    @staticmethod
+    def _take_prompt_logprobs(seq: Sequence) -> tuple[TokenLogprob | None, ...] | None:
+        """The prompt logprobs, once, with the first output of a request that asks."""
+        if not seq.wants_prompt_logprobs:
+            return None
+        seq.prompt_logprobs_sent = True
+        return tuple(seq.prompt_logprobs)
 
     def step_end_s(self) -> float:
         """The stamp of the outputs of the step that just ran."""
@@ -135,7 +150,8 @@ class EngineCore:
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.sampling
-        if token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos):
+        stops = token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos)
+        if stops and len(seq.output_ids) > params.min_tokens:
             return "stop"
         if seq.prefill_only or len(seq.output_ids) >= params.max_tokens:
             return "length"

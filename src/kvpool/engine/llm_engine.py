@@ -22,9 +22,9 @@ from kvpool.engine.connector import KVConnector
 from kvpool.engine.core import EngineCore, StepOutput
 from kvpool.engine.kv_cache import KVCache
 from kvpool.engine.model import AttentionBatch, CausalLM, DecodeGroup, SeqSlice
-from kvpool.engine.sampler import sample
+from kvpool.engine.sampler import PROMPT_ROWS, choose, logprobs_of
 from kvpool.engine.scheduler import ScheduledBatch
-from kvpool.engine.sequence import Sequence
+from kvpool.engine.sequence import Sampled, Sequence
 
 __all__ = ["LLMEngine", "StepOutput"]
 
@@ -46,20 +46,35 @@ class LLMEngine(EngineCore):
         model = load_model(model_dir, config.dtype, config.device)
         return cls(model, config, model_hash_for_dir(model_dir), connector)
 
-    def run(self, batch: ScheduledBatch) -> dict[Sequence, int]:
+    def run(self, batch: ScheduledBatch) -> dict[Sequence, Sampled]:
         """One forward over the batch; returns the token sampled for each sequence whose
-        last token was computed now."""
+        last token was computed now (and adds the prompt logprobs of those that ask)."""
         ids, positions, attn, slices = self._prepare(batch)
         self.connector.before_forward(batch)
         hidden = self.model(ids, positions, attn, self.cache.kv, self.connector.on_layer)
         self.connector.after_forward()
+        for (seq, n), s in zip(batch, slices, strict=True):
+            if seq.wants_prompt_logprobs:
+                self._prompt_logprobs(seq, hidden[s.start:s.start + n])
         last = [(seq, s.start + n - 1) for (seq, n), s in zip(batch, slices, strict=True)
                 if seq.num_computed_tokens + n == len(seq)]
         if not last:
             return {}
         logits = self.model.logits(hidden[[row for _, row in last]])  # [N, vocab]
-        return {seq: sample(logits[i], seq.sampling, seq.sampling_generator())
-                for i, (seq, _) in enumerate(last)}
+        return {seq: choose(logits[i], seq, self.eos_ids) for i, (seq, _) in enumerate(last)}
+
+    def _prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor) -> None:
+        """Logprobs of the prompt tokens these rows predict (row at position p predicts the
+        token at p + 1), appended to `seq.prompt_logprobs`."""
+        start = seq.num_computed_tokens
+        if start == 0:
+            seq.prompt_logprobs.append(None)
+        end = min(start + len(hidden), seq.num_prompt_tokens - 1)  # positions with a target
+        k = seq.sampling.prompt_logprobs or 0
+        for lo in range(start, end, PROMPT_ROWS):
+            hi = min(lo + PROMPT_ROWS, end)
+            logits = self.model.logits(hidden[lo - start:hi - start])
+            seq.prompt_logprobs += logprobs_of(logits, seq.token_ids[lo + 1:hi + 1], k)
 
     def _prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor,
                                                        AttentionBatch, list[SeqSlice]]:

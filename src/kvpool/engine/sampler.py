@@ -1,11 +1,64 @@
-"""Next-token choice per sequence: greedy at temperature 0, else temperature, top-k and top-p
-with the sequence's own seeded generator (so a seed gives the same tokens in any batch)."""
+"""Next-token choice per sequence, and the logprobs a request asks for.
+
+    raw logits -> logit_bias, min_tokens, penalties -> greedy (temperature 0) or
+                  temperature, top-k, top-p with the sequence's own seeded generator
+                  (so a seed gives the same tokens in any batch)
+    raw logits -> log-softmax -> the chosen token's logprob and the top alternatives
+
+Logprobs come from the raw logits (before the processors), as vLLM reports them by default.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Collection
 
 import torch
 
 from kvpool.engine.config import SamplingParams
+from kvpool.engine.sequence import Sampled, Sequence, TokenLogprob
+
+PROMPT_ROWS = 256
+"""Prompt positions turned into logprobs at a time (bounds the [rows, vocab] buffer)."""
+
+
+def choose(logits: torch.Tensor, seq: Sequence, eos_ids: Collection[int]) -> Sampled:
+    """logits [vocab] float32 of `seq`'s last token -> its next token (and logprob)."""
+    params = seq.sampling
+    scores = processed(logits, seq, eos_ids)
+    token = sample(scores, params, seq.sampling_generator())
+    if params.logprobs is None:
+        return Sampled(token)
+    return Sampled(token, logprobs_of(logits[None, :], [token], params.logprobs)[0])
+
+
+def processed(logits: torch.Tensor, seq: Sequence, eos_ids: Collection[int]) -> torch.Tensor:
+    """The logits after logit_bias, min_tokens and the penalties (`logits` itself if none
+    applies)."""
+    p = seq.sampling
+    out = logits
+    if p.logit_bias:
+        out = out.clone()
+        ids = [t for t in p.logit_bias if t < out.numel()]
+        out[ids] += torch.tensor([p.logit_bias[t] for t in ids], dtype=out.dtype)
+    if len(seq.output_ids) < p.min_tokens:
+        banned = {*p.stop_token_ids, *([] if p.ignore_eos else eos_ids)}
+        out = out.clone() if out is logits else out
+        out[[t for t in banned if t < out.numel()]] = float("-inf")
+    if p.repetition_penalty != 1.0:
+        out = _repetition(out, seq.token_ids, p.repetition_penalty)
+    if (p.presence_penalty or p.frequency_penalty) and seq.output_ids:
+        counts = torch.bincount(torch.tensor(seq.output_ids), minlength=out.numel())[:out.numel()]
+        out = out - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
+    return out
+
+
+def _repetition(scores: torch.Tensor, token_ids: list[int], penalty: float) -> torch.Tensor:
+    seen = torch.unique(torch.tensor(token_ids))
+    seen = seen[seen < scores.numel()]
+    vals = scores[seen]
+    out = scores.clone()
+    out[seen] = torch.where(vals > 0, vals / penalty, vals * penalty)
+    return out
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
@@ -23,3 +76,15 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         sorted_probs[before >= params.top_p] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def logprobs_of(logits: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprob]:
+    """logits [n, vocab] and the token at each row -> that token's logprob and the top `k`."""
+    lsm = torch.log_softmax(logits.float(), dim=-1)
+    chosen = lsm.gather(1, torch.tensor(tokens, device=lsm.device)[:, None])[:, 0].tolist()
+    if k == 0:
+        return [TokenLogprob(t, lp) for t, lp in zip(tokens, chosen, strict=True)]
+    top = torch.topk(lsm, k, dim=-1)
+    values, ids = top.values.tolist(), top.indices.tolist()
+    return [TokenLogprob(t, lp, tuple(zip(ids[i], values[i], strict=True)))
+            for i, (t, lp) in enumerate(zip(tokens, chosen, strict=True))]

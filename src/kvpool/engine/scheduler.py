@@ -77,7 +77,8 @@ class Scheduler:
         if not self.waiting or len(self.running) >= self.config.max_num_seqs:
             return None
         seq = self.waiting[0]
-        hits = self.blocks.match_prefix(seq) if self.config.enable_prefix_caching else []
+        reuse = self.config.enable_prefix_caching and seq.reuses_kv
+        hits = self.blocks.match_prefix(seq) if reuse else []
         if not self.blocks.can_allocate(seq, hits):
             return None
         if max_tokens is not None and len(seq) - len(hits) * self.blocks.block_size > max_tokens:
@@ -124,6 +125,8 @@ class Scheduler:
         self.running.remove(seq)
         self.blocks.free(seq)
         seq.status, seq.num_computed_tokens = SeqStatus.WAITING, 0
+        if not seq.prompt_logprobs_sent:
+            seq.prompt_logprobs.clear()
         seq.kv_source = KVSource.COMPUTE
         self.waiting.appendleft(seq)
 

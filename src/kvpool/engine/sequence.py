@@ -23,6 +23,24 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One position's logprob: its token's, and the best alternatives, best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+    """(token id, logprob) of the most likely tokens there."""
+
+
+@dataclass(frozen=True, slots=True)
+class Sampled:
+    """The token an engine step chose for a sequence, with its logprob if the request asks."""
+
+    token_id: int
+    logprob: TokenLogprob | None = None
+
+
 class KVSource(enum.Enum):
     COMPUTE = "none"   # compute whatever the local cache (and the pool, if any) lacks
     POOL = "pool"      # the whole prompt's KV must come from the pool
@@ -51,6 +69,11 @@ class Sequence:
     finish_reason: str | None = None
     error: str | None = None
     block_hashes: list[int] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    """With `sampling.prompt_logprobs`: one entry per prompt token computed so far (the first
+    token's is None: nothing predicts it)."""
+    prompt_logprobs_sent: bool = False
+    """They went out with the first output; a recompute after preemption does not redo them."""
     generator: torch.Generator | None = None
     """Made on first use, for sampling at temperature > 0 (the emulated engine never needs
     torch)."""
@@ -64,6 +87,16 @@ class Sequence:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def reuses_kv(self) -> bool:
+        """Whether cached or pooled KV may stand in for computing the prompt: not when the
+        prompt's own logprobs are wanted (a reused token has no logits)."""
+        return self.sampling.prompt_logprobs is None
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling.prompt_logprobs is not None and not self.prompt_logprobs_sent
 
     @property
     def num_uncomputed(self) -> int:

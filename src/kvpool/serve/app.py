@@ -11,10 +11,11 @@ first token is a 502 JSON error, after it an SSE error event followed by `[DONE]
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from kvpool.clock import Clock, MonotonicClock
 from kvpool.conductor import load_cost_model
 from kvpool.conductor.cost import CostModel
 from kvpool.engine.gguf_checkpoint import served_name
+from kvpool.errors import WorkerCallError
 from kvpool.log import get_logger
 from kvpool.serve.cluster import DECODE_ROLES, PREFILL_ROLES, LiveCluster
 from kvpool.serve.config import ProxyConfig
@@ -33,11 +35,12 @@ from kvpool.serve.dispatch import Dispatcher, Run
 from kvpool.serve.errors import ApiError, bad_request
 from kvpool.serve.metrics import ProxyMetrics
 from kvpool.serve.poller import Poller
-from kvpool.serve.protocol import ChatRequest, CompletionRequest
+from kvpool.serve.protocol import ChatRequest, CompletionRequest, unsupported
 from kvpool.serve.requests import PreparedRequest, prepare
-from kvpool.serve.responses import full_body, sse_stream
+from kvpool.serve.responses import Choice, full_body, sse_stream
+from kvpool.serve.text import TextStream
 from kvpool.serve.tokenizer import ModelTokenizer
-from kvpool.serve.worker_client import WorkerCallError, WorkerClient
+from kvpool.serve.worker_client import WorkerClient
 
 log = get_logger("serve.app")
 
@@ -82,17 +85,7 @@ class Proxy:
         try:
             parsed = await _parse(request, CompletionRequest if kind == "completion" else ChatRequest)
             prep = prepare(parsed, kind, self)  # type: ignore[arg-type]
-            decide_t = time.perf_counter()
-            booking = self.dispatcher.schedule(prep.prompt_ids, prep.max_tokens)
-            run = self.dispatcher.run(booking, prep.request_id, prep.prompt_ids, prep.sampling)
-            run.received_t, run.decision_s = received_t, time.perf_counter() - decide_t
-            self.metrics.decision.observe(run.decision_s)
-            tokens = run.tokens()
-            try:
-                first = await anext(tokens)
-            except BaseException:
-                await tokens.aclose()
-                raise
+            choices = await self._start(prep, received_t)
             self.metrics.ttft.observe(time.perf_counter() - arrival_s)
         except WorkerCallError as exc:
             return self._error(endpoint, ApiError(502, str(exc), "worker_error", "worker_failed"))
@@ -103,15 +96,42 @@ class Proxy:
             return self._error(endpoint, exc)
         self.metrics.requests.labels(endpoint, "200").inc()
         if prep.stream:
-            return StreamingResponse(sse_stream(self, prep, run, first, tokens),
+            return StreamingResponse(sse_stream(self, prep, choices),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await self._collect(endpoint, prep, run, first, tokens)
+        return await self._collect(endpoint, prep, choices)
 
-    async def _collect(self, endpoint: str, prep: PreparedRequest, run: Run, first: int,
-                       tokens: AsyncGenerator[int]) -> Response:
+    async def _start(self, prep: PreparedRequest, received_t: float) -> list[Choice]:
+        """Schedule every choice, then wait for each one's first token (a failure of any ends
+        them all and is raised)."""
+        runs: list[Run] = []
         try:
-            body = await full_body(self, prep, run, first, tokens)
+            for job in prep.jobs:
+                decide_t = time.perf_counter()
+                booking = self.dispatcher.schedule(job.prompt_ids, job.sampling.max_tokens)
+                rid = prep.request_id if len(prep.jobs) == 1 else f"{prep.request_id}-{job.index}"
+                run = self.dispatcher.run(booking, rid, job.prompt_ids, job.sampling)
+                run.received_t, run.decision_s = received_t, time.perf_counter() - decide_t
+                self.metrics.decision.observe(run.decision_s)
+                runs.append(run)
+        except BaseException:
+            for r in runs:
+                r.discard()
+            raise
+        streams = [r.tokens() for r in runs]
+        firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+        failure = next((f for f in firsts if isinstance(f, BaseException)), None)
+        if failure is not None:
+            await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+            raise failure
+        return [Choice(job, run, int(first), s,  # type: ignore[arg-type]  # no failure here
+                       TextStream(self.tokenizer.decode, prep.stop))
+                for job, run, first, s in zip(prep.jobs, runs, firsts, streams, strict=True)]
+
+    async def _collect(self, endpoint: str, prep: PreparedRequest,
+                       choices: list[Choice]) -> Response:
+        try:
+            body = await full_body(self, prep, choices)
         except WorkerCallError as exc:
             return self._error(endpoint, ApiError(502, str(exc), "worker_error", "worker_failed"))
         return JSONResponse(body)
@@ -161,6 +181,13 @@ async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
         raise bad_request(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise bad_request("the request body must be a JSON object")
+    name = unsupported(obj)
+    if name is not None:
+        raise bad_request(f"'{name}' is not supported by this server (got {obj[name]!r:.100})",
+                          param=name)
+    ignored = sorted(set(obj) - set(model.model_fields))
+    if ignored:
+        log.debug("ignored request fields: %s", ", ".join(ignored))
     try:
         return model.model_validate(obj)
     except ValidationError as exc:

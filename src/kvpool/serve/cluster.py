@@ -10,9 +10,7 @@ and books through them only while they are still in the view.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
 from kvpool.clock import Clock
 from kvpool.conductor import (
@@ -25,6 +23,7 @@ from kvpool.conductor import (
     PrefixIndex,
     RequestInfo,
 )
+from kvpool.engine.worker.messages import InfoReply, LoadReply
 from kvpool.errors import InvalidArgument
 from kvpool.log import get_logger
 
@@ -34,58 +33,15 @@ PREFILL_ROLES = ("prefill", "both")
 DECODE_ROLES = ("decode", "both")
 
 
-@dataclass(frozen=True, slots=True)
-class WorkerInfo:
-    """A worker's `/info` reply."""
-
-    role: str
-    model: str
-    model_hash: int
-    block_size: int
-    max_model_len: int
-    kv_capacity_tokens: int
-
-    @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> WorkerInfo:
-        try:
-            info = cls(str(obj["role"]), str(obj.get("model", "")), int(obj["model_hash"]),
-                       int(obj["block_size"]), int(obj["max_model_len"]),
-                       int(obj["kv_capacity_tokens"]))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise InvalidArgument(f"malformed /info reply {dict(obj)!r}: {exc!r}") from None
-        if info.role not in ("prefill", "decode", "both") or info.block_size <= 0:
-            raise InvalidArgument(f"/info: bad role or block_size in {dict(obj)!r}")
-        return info
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerLoad:
-    """A worker's `/load` reply, minus the block list."""
-
-    num_waiting: int = 0
-    num_running: int = 0
-    queued_prefill_tokens: int = 0
-    running_tokens: int = 0
-    free_kv_tokens: int = 0
-    kv_capacity_tokens: int = 0
-
-    @classmethod
-    def from_json(cls, obj: Mapping[str, Any]) -> WorkerLoad:
-        try:
-            return cls(**{k: int(obj.get(k, 0)) for k in cls.__dataclass_fields__})
-        except (TypeError, ValueError) as exc:
-            raise InvalidArgument(f"malformed /load reply: {exc!r}") from None
-
-
 @dataclass
 class WorkerState:
     url: str
-    info: WorkerInfo | None = None
+    info: InfoReply | None = None
     alive: bool = False
     failures: int = 0
     """Refused polls in a row."""
     last_ok_s: float = 0.0
-    load: WorkerLoad = field(default_factory=WorkerLoad)
+    load: LoadReply = field(default_factory=LoadReply)
     blocks: set[int] = field(default_factory=set)
     epoch: str = ""
     """The worker's block-event numbering and how far it was read (`/load?epoch=&since=`)."""
@@ -145,11 +101,11 @@ class LiveCluster:
         return self.workers.setdefault(url.rstrip("/"), WorkerState(url.rstrip("/")))
 
     @property
-    def reference(self) -> WorkerInfo | None:
+    def reference(self) -> InfoReply | None:
         """The first joined worker's info: every other worker must share model and block size."""
         return next((w.info for w in self.workers.values() if w.info is not None), None)
 
-    def join(self, url: str, info: WorkerInfo) -> None:
+    def join(self, url: str, info: InfoReply) -> None:
         """Put the worker into rotation. Raises InvalidArgument when it serves another model
         (its block hashes would never match) or another block size."""
         w = self.workers[url]
@@ -204,18 +160,18 @@ class LiveCluster:
 
     # -- load reports -----------------------------------------------------------------------
 
-    def apply_load(self, url: str, obj: Mapping[str, Any], now: float) -> None:
+    def apply_load(self, url: str, load: LoadReply, now: float) -> None:
         """Fold one /load reply in: the worker's cached blocks into the prefix index. (Queues
         are the conductor's own predictions, corrected as each prefill ends, as in the
         simulator; the reported queue is kept for /metrics.)"""
         w = self.workers[url]
         w.failures, w.last_ok_s = 0, now
-        w.load = WorkerLoad.from_json(obj)
-        if "block_hashes" in obj:
-            blocks = {int(h) for h in obj["block_hashes"]}
+        w.load = load
+        if load.block_hashes is not None:
+            blocks = set(load.block_hashes)
             events = [(h, True) for h in blocks - w.blocks] + [(h, False) for h in w.blocks - blocks]
         else:
-            events = [(int(h), bool(stored)) for h, stored in obj.get("block_events", ())]
+            events = list(load.block_events or ())
         index = self.view.index if w.alive and w.prefill_load is not None else None
         for h, stored in events:
             if stored and h not in w.blocks:
@@ -226,7 +182,7 @@ class LiveCluster:
                 w.blocks.discard(h)
                 if index is not None:
                     index.remove(w.prefill_load.instance_id, h)  # type: ignore[union-attr]
-        w.epoch, w.events_to = str(obj.get("epoch", "")), int(obj.get("events_to", 0))
+        w.epoch, w.events_to = load.epoch, load.events_to
         if w.decode_load is not None and w.load.kv_capacity_tokens > 0:
             w.decode_load.kv_capacity_tokens = w.load.kv_capacity_tokens
 

@@ -18,7 +18,7 @@ import math
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from kvpool.clock import Clock
 from kvpool.conductor import (
@@ -30,12 +30,23 @@ from kvpool.conductor import (
     fit_prefill,
 )
 from kvpool.engine.blocks import prefix_block_hashes
+from kvpool.engine.config import SamplingParams
+from kvpool.engine.sequence import TokenLogprob
+from kvpool.engine.worker.messages import (
+    FinishLine,
+    GenerateRequest,
+    KVMode,
+    KVSourceName,
+    KVTransfer,
+    PrefillRequest,
+)
+from kvpool.errors import WorkerCallError
 from kvpool.serve.cluster import Booking, LiveCluster, WorkerState
 from kvpool.serve.config import ProxyConfig
 from kvpool.serve.errors import no_workers, rejected
 from kvpool.serve.metrics import ProxyMetrics
 from kvpool.serve.samples import MeasuredSamples
-from kvpool.serve.worker_client import WorkerCallError, WorkerClient
+from kvpool.serve.worker_client import WorkerClient
 
 T = TypeVar("T")
 
@@ -118,7 +129,7 @@ class Dispatcher:
         self.conductor = Conductor(self.conductor.config, self.cost, self.clock)
 
     def run(self, booking: Booking, request_id: str, prompt_ids: list[int],
-            sampling: dict[str, Any]) -> Run:
+            sampling: SamplingParams) -> Run:
         return Run(self, booking, request_id, prompt_ids, sampling)
 
     def abort_later(self, url: str, request_id: str) -> None:
@@ -148,7 +159,7 @@ async def guarded(aw: Awaitable[T], worker: WorkerState, call: str) -> T:
 
 class Run:
     def __init__(self, dispatcher: Dispatcher, booking: Booking, request_id: str,
-                 prompt_ids: list[int], sampling: dict[str, Any]) -> None:
+                 prompt_ids: list[int], sampling: SamplingParams) -> None:
         self.d = dispatcher
         self.b = booking
         self.request_id = request_id
@@ -160,6 +171,10 @@ class Run:
         self.decision_s = 0.0
         """How long scheduling took (set by the app)."""
         self.token_ids: list[int] = []
+        self.logprobs: list[TokenLogprob | None] = []
+        """Each output token's logprob (None unless the request asks)."""
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        """The prompt's, once the leg that computed the prompt reports them (if asked)."""
         self.token_t: list[float] = []
         """The worker's stamp of each output token (the end of the step that made it)."""
         self.recv_t: list[float] = []
@@ -170,8 +185,8 @@ class Run:
         """Prompt tokens whose KV was reused (local cache + pool), as the prefill worker says."""
 
     @property
-    def _mode(self) -> str:
-        return self.d.config.kv_transfer
+    def _mode(self) -> KVMode:
+        return self.d.config.kv_transfer  # type: ignore[return-value]  # checked by ProxyConfig
 
     async def tokens(self) -> AsyncGenerator[int]:
         """Output token ids in order. Always close it (aclosing): that releases the booking and
@@ -189,65 +204,62 @@ class Run:
             self._release()
 
     async def _prefill_leg(self) -> int:
-        kv: dict[str, Any] = {"mode": self._mode}
-        if self._mode == "push":
-            kv["decode_url"] = self.b.decode.url
-        body = {"request_id": self.request_id, "prompt_token_ids": self.prompt_ids,
-                "sampling": self.sampling, "kv_transfer": kv}
-        reply = await guarded(self.d.client.prefill(self.b.prefill.url, body), self.b.prefill,
+        mode = self._mode
+        kv = KVTransfer(mode=mode, decode_url=self.b.decode.url if mode == "push" else None)
+        req = PrefillRequest(request_id=self.request_id, prompt_token_ids=self.prompt_ids,
+                             sampling=self.sampling, kv_transfer=kv)
+        reply = await guarded(self.d.client.prefill(self.b.prefill.url, req), self.b.prefill,
                               "/prefill")
         self.d.cluster.prefill_done(self.b, self.d.clock.now())
-        try:
-            self.cached_len = int(reply.get("num_cached_tokens", 0)) + int(
-                reply.get("num_pool_tokens", 0))
-            first = int(reply["first_token_id"])
-            self._record(first, float(reply.get("first_token_t") or 0.0))
-            self.kv_bytes_moved = int(reply.get("kv_bytes_moved") or 0)
-        except (KeyError, TypeError, ValueError):
-            raise WorkerCallError(self.b.prefill.url, "/prefill",
-                                  f"reply without first_token_id: {reply!r}") from None
+        self.cached_len = reply.num_cached_tokens + reply.num_pool_tokens
+        self.prompt_logprobs = reply.prompt_logprobs
+        self._record(reply.first_token_id, reply.first_token_t, reply.first_logprob)
+        self.kv_bytes_moved = reply.kv_bytes_moved
         self.d.metrics.prompt_tokens.inc(len(self.prompt_ids))
         self.d.metrics.prefix_hit_tokens.inc(self.cached_len)
-        self.d.learn(self.b, self.cached_len, float(reply.get("prefill_s") or 0.0))
+        self.d.learn(self.b, self.cached_len, reply.prefill_s)
         self.d.check_decode(self.b)
-        return first
+        return reply.first_token_id
 
-    async def _decode_leg(self, first: int | None, kv_source: str) -> AsyncIterator[int]:
-        body = {"request_id": self.request_id, "prompt_token_ids": self.prompt_ids,
-                "sampling": self.sampling, "first_token_id": first, "kv_source": kv_source}
+    async def _decode_leg(self, first: int | None, kv_source: KVSourceName) -> AsyncIterator[int]:
+        # the prompt's logprobs come from the leg that computes it: not this one if it has one
+        sampling = self.sampling if first is None else replace(self.sampling,
+                                                               prompt_logprobs=None)
+        req = GenerateRequest(request_id=self.request_id, prompt_token_ids=self.prompt_ids,
+                              sampling=sampling, first_token_id=first, kv_source=kv_source)
         worker = self.b.decode
-        lines = self.d.client.generate(worker.url, body)
+        lines = self.d.client.generate(worker.url, req)
         skip_echo = first is not None
         last_s: float | None = None
         try:
             while True:
                 try:
-                    obj = await guarded(anext(lines), worker, "/generate")
+                    line = await guarded(anext(lines), worker, "/generate")
                 except StopAsyncIteration:
                     raise WorkerCallError(worker.url, "/generate",
                                           "stream ended without a finish_reason") from None
                 self.d.cluster.decode_start(self.b, self.d.clock.now())
-                if "finish_reason" in obj:
-                    self.finish_reason = str(obj["finish_reason"])
+                if isinstance(line, FinishLine):
+                    self.finish_reason = line.finish_reason
                     if kv_source == "none":  # colocated: the prefill's reuse, if reported
-                        self._colocated_reuse(obj)
+                        self._colocated_reuse(line)
                     return
-                if not isinstance(obj.get("token_id"), int):
-                    raise WorkerCallError(worker.url, "/generate", f"unexpected line {obj!r}")
-                tok = int(obj["token_id"])
                 if skip_echo:  # the first token came from the prefill leg already
                     skip_echo = False
                     continue
-                self._record(tok, float(obj.get("t") or 0.0))
+                if line.prompt_logprobs is not None:
+                    self.prompt_logprobs = line.prompt_logprobs
+                self._record(line.token_id, line.t, line.logprob)
                 if kv_source == "none" and self.b.prefill_pending:
                     self._colocated_first_token()
                 last_s = self._decode_gap(last_s)
-                yield tok
+                yield line.token_id
         finally:
             await lines.aclose()
 
-    def _record(self, token: int, stamp: float) -> None:
+    def _record(self, token: int, stamp: float, logprob: TokenLogprob | None) -> None:
         self.token_ids.append(token)
+        self.logprobs.append(logprob)
         self.token_t.append(stamp)
         self.recv_t.append(self.d.clock.now())
 
@@ -259,14 +271,18 @@ class Run:
             self.d.measured.add_decode(d.num_active, d.active_tokens, now - last_s)
         return now
 
-    def _colocated_reuse(self, finish: dict[str, Any]) -> None:
-        reused = int(finish.get("num_cached_tokens") or 0) + int(finish.get("num_pool_tokens") or 0)
+    def _colocated_reuse(self, finish: FinishLine) -> None:
+        reused = finish.num_cached_tokens + finish.num_pool_tokens
         self.cached_len = reused
         self.d.metrics.prefix_hit_tokens.inc(reused)
 
     def _colocated_first_token(self) -> None:
         self.d.cluster.prefill_done(self.b, self.d.clock.now())
         self.d.metrics.prompt_tokens.inc(len(self.prompt_ids))
+
+    def discard(self) -> None:
+        """Release the booking of a run whose `tokens()` was never started."""
+        self.d.cluster.finish(self.b, self.d.clock.now())
 
     def _release(self) -> None:
         b = self.b

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import asyncio
 
-from kvpool.errors import InvalidArgument
+from kvpool.errors import InvalidArgument, WorkerCallError
 from kvpool.log import get_logger
-from kvpool.serve.cluster import LiveCluster, WorkerInfo
-from kvpool.serve.worker_client import WorkerCallError, WorkerClient
+from kvpool.serve.cluster import LiveCluster
+from kvpool.serve.worker_client import WorkerClient
 
 log = get_logger("serve.poller")
 
@@ -39,10 +39,9 @@ class Poller:
         timeout_s = max(1.0, 4 * self.interval_s)
         try:
             if not w.alive:
-                info = WorkerInfo.from_json(await self.client.get_json(url, "/info", timeout_s))
-                self.cluster.join(url, info)
+                self.cluster.join(url, await self.client.info(url, timeout_s))
             path = f"/load?epoch={w.epoch}&since={w.events_to}" if w.epoch else "/load"
-            load = await self.client.get_json(url, path, timeout_s)
+            load = await self.client.load(url, path, timeout_s)
             self.cluster.apply_load(url, load, self.cluster.clock_now())
         except WorkerCallError as exc:
             refused = exc.status is None and "Timeout" not in str(exc)

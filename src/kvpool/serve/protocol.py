@@ -7,7 +7,9 @@ import json
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from kvpool.engine.config import MAX_LOGPROBS, SamplingParams
 
 SSE_DONE = b"data: [DONE]\n\n"
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
@@ -34,6 +36,27 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+MAX_CHOICES = 64
+"""The most choices one request may ask for (n, times the prompts of a completion)."""
+
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []),
+    "function_call": (None, "none"), "parallel_tool_calls": (None,),
+    "response_format": (None, {"type": "text"}), "best_of": (None, 1), "suffix": (None, ""),
+    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
+    "use_beam_search": (None, False), "guided_json": (None,), "guided_regex": (None,),
+    "guided_choice": (None,), "guided_grammar": (None,), "structured_outputs": (None,),
+    "prompt_logprobs": (None,), "web_search_options": (None,),
+}
+"""Parameters kvpool does not implement, with the values that mean "not used": any other
+value is a 400 naming the parameter, never a silent 200."""
+
+
+def unsupported(body: dict[str, Any]) -> str | None:
+    """The first parameter of `body` that asks for something kvpool does not do."""
+    return next((k for k, ok in UNSUPPORTED.items() if k in body and body[k] not in ok), None)
+
+
 class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -46,16 +69,29 @@ class _Sampling(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    logit_bias: dict[int, float] | None = None
+    """Token id (a string key in JSON) -> bias in -100..100."""
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1, le=1)
-    """Only one choice per request."""
+    n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     kvpool_trace: bool = False
     """kvpool's extension for benchmarks: the last chunk (or the body) carries `kvpool_trace`,
     the output token ids with the worker's clock stamp of the step that made each
-    (`trace_of`)."""
+    (`trace_of`); for one choice only."""
 
     _utf8_stop = field_validator("stop")(utf8)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_range(cls, v: dict[int, float] | None) -> dict[int, float] | None:
+        bad = [k for k, b in (v or {}).items() if k < 0 or not -100 <= b <= 100]
+        if bad:
+            raise ValueError(f"needs token ids >= 0 and biases in -100..100 (token {bad[0]})")
+        return v
 
     @property
     def stop_list(self) -> list[str]:
@@ -67,20 +103,34 @@ class _Sampling(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling(self, max_tokens: int) -> dict[str, Any]:
-        """The `sampling` object of the worker API."""
-        return {"max_tokens": max_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                "top_k": max(0, self.top_k), "seed": self.seed,
-                "stop_token_ids": self.stop_token_ids or [], "ignore_eos": self.ignore_eos}
+    def output_logprobs(self) -> int | None:
+        """Top alternatives per output token (None: no logprobs)."""
+        return None
+
+    def sampling(self, max_tokens: int, seed: int | None) -> SamplingParams:
+        """The engine's parameters for one choice."""
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+            top_k=max(0, self.top_k), seed=seed, stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos, min_tokens=min(self.min_tokens, max_tokens),
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty, logit_bias=dict(self.logit_bias or {}),
+            logprobs=self.output_logprobs())
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str]
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    """Return the prompt before the completion (with its logprobs, if asked)."""
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     _utf8 = field_validator("prompt")(utf8)
 
     def default_max_tokens(self) -> int | None:
         return 16  # OpenAI's default for /v1/completions
+
+    def output_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class ContentPart(BaseModel):
@@ -111,9 +161,20 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
     def default_max_tokens(self) -> int | None:
         return self.max_completion_tokens  # None: up to the context length
+
+    def output_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 Kind = Literal["completion", "chat"]
@@ -129,32 +190,35 @@ def usage(prompt_len: int, output_len: int, cached_len: int) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": cached_len}}
 
 
-def full_response(kind: Kind, rid: str, model: str, text: str, finish: str,
-                  use: dict[str, Any]) -> dict[str, Any]:
+def choice_body(kind: Kind, index: int, text: str, finish: str,
+                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One choice of a whole (non-streamed) response."""
     if kind == "completion":
-        choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": None,
-                                  "finish_reason": finish}
-        obj = "text_completion"
-    else:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": None, "finish_reason": finish}
-        obj = "chat.completion"
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+    return {"index": index, "message": {"role": "assistant", "content": text},
+            "logprobs": logprobs, "finish_reason": finish}
+
+
+def full_response(kind: Kind, rid: str, model: str, choices: list[dict[str, Any]],
+                  use: dict[str, Any]) -> dict[str, Any]:
+    obj = "text_completion" if kind == "completion" else "chat.completion"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model,
-            "choices": [choice], "usage": use}
+            "choices": choices, "usage": use}
 
 
 def chunk(kind: Kind, rid: str, model: str, text: str | None, finish: str | None,
-          first: bool = False) -> dict[str, Any]:
+          first: bool = False, index: int = 0,
+          logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     """One streamed choice; `text` None with `first` opens a chat stream with the role."""
     if kind == "completion":
-        choice: dict[str, Any] = {"index": 0, "text": text or "", "logprobs": None,
+        choice: dict[str, Any] = {"index": index, "text": text or "", "logprobs": logprobs,
                                   "finish_reason": finish}
         obj = "text_completion"
     else:
         delta: dict[str, Any] = {"role": "assistant"} if first else {}
         if text is not None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         obj = "chat.completion.chunk"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model,
             "choices": [choice]}

@@ -1,15 +1,17 @@
-"""A parsed OpenAI request -> what the dispatcher needs: prompt ids, the output budget and the
-worker's sampling object. Every check a client can fail is here, as a 4xx ApiError."""
+"""A parsed OpenAI request -> what the dispatcher needs: one `ChoiceJob` per choice (each
+prompt of a completion, n times), with its prompt ids and the engine's sampling parameters.
+Every check a client can fail is here, as a 4xx ApiError."""
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
-from typing import Any, Protocol
+from dataclasses import dataclass, replace
+from typing import Protocol
 
+from kvpool.engine.config import SamplingParams
 from kvpool.serve.errors import ApiError, bad_request
 from kvpool.serve.metrics import ProxyMetrics
-from kvpool.serve.protocol import ChatRequest, CompletionRequest, Kind, new_id
+from kvpool.serve.protocol import MAX_CHOICES, ChatRequest, CompletionRequest, Kind, new_id
 from kvpool.serve.tokenizer import ModelTokenizer
 
 
@@ -25,16 +27,33 @@ class Proxy(Protocol):
     def max_model_len(self) -> int: ...
 
 
+SEED_STEP = 0x9E3779B97F4A7C15
+"""Choice j > 0 of a seeded request samples with seed + j * SEED_STEP (mod 2^64): choice 0 keeps
+the request's seed, so n = 1 is unchanged, and the n choices differ."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceJob:
+    index: int
+    """The choice's index in the response (prompt-major, then the n choices)."""
+    prompt_index: int
+    prompt_ids: list[int]
+    sampling: SamplingParams
+
+
 @dataclass(frozen=True, slots=True)
 class PreparedRequest:
     kind: Kind
     request_id: str
-    prompt_ids: list[int]
-    max_tokens: int
-    sampling: dict[str, Any]
+    prompts: list[list[int]]
+    jobs: list[ChoiceJob]
     stop: list[str]
     stream: bool
     include_usage: bool
+    echo: bool = False
+    """Completions: the prompt's text (and logprobs) come before the output's."""
+    logprobs: int | None = None
+    """Top alternatives per token in the response (None: no logprobs)."""
     trace: bool = False
     """Return the `kvpool_trace` extension (token ids and stamps)."""
 
@@ -46,13 +65,35 @@ def prepare(req: CompletionRequest | ChatRequest, kind: Kind, proxy: Proxy) -> P
     if req.model != proxy.model_name:
         raise ApiError(404, f"model {req.model!r} does not exist; this proxy serves "
                        f"{proxy.model_name!r}", code="model_not_found", param="model")
-    if isinstance(req, ChatRequest):
-        ids = _chat_ids(req, proxy)
-    else:
-        ids = _completion_ids(req, proxy)
+    prompts = [_chat_ids(req, proxy)] if isinstance(req, ChatRequest) else _completion_ids(req, proxy)
+    if len(prompts) * req.n > MAX_CHOICES:
+        raise bad_request(f"{len(prompts)} prompts x n={req.n} choices is more than "
+                          f"{MAX_CHOICES} per request", param="n")
+    if req.kvpool_trace and len(prompts) * req.n > 1:
+        raise bad_request("kvpool_trace needs a single choice", param="kvpool_trace")
+    _check_vocab(req, proxy)
+    echo = isinstance(req, CompletionRequest) and req.echo
+    jobs: list[ChoiceJob] = []
+    for i, ids in enumerate(prompts):
+        sampling = _sampling(req, ids, proxy.max_model_len, echo)
+        for j in range(req.n):
+            jobs.append(ChoiceJob(len(jobs), i, ids,
+                                  replace(sampling, seed=choice_seed(req.seed, j))))
+    return PreparedRequest(kind, new_id(kind, next(_ids)), prompts, jobs, req.stop_list,
+                           req.stream, req.include_usage, echo, req.output_logprobs(),
+                           req.kvpool_trace)
+
+
+def choice_seed(seed: int | None, j: int) -> int | None:
+    if seed is None or j == 0:
+        return seed
+    return (seed + j * SEED_STEP) % 2**64
+
+
+def _sampling(req: CompletionRequest | ChatRequest, ids: list[int], limit: int,
+              echo: bool) -> SamplingParams:
     if not ids:
         raise bad_request("the prompt is empty", param="prompt")
-    limit = proxy.max_model_len
     if len(ids) >= limit:
         raise bad_request(f"the prompt is {len(ids)} tokens; this model's context is {limit} "
                           "tokens, including at least one output token", param="prompt")
@@ -60,20 +101,35 @@ def prepare(req: CompletionRequest | ChatRequest, kind: Kind, proxy: Proxy) -> P
     if len(ids) + max_tokens > limit:
         raise bad_request(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
                           f"context of {limit} tokens; lower max_tokens", param="max_tokens")
-    return PreparedRequest(kind, new_id(kind, next(_ids)), ids, max_tokens,
-                           req.sampling(max_tokens), req.stop_list, req.stream,
-                           req.include_usage, req.kvpool_trace)
+    sampling = req.sampling(max_tokens, req.seed)
+    if echo and sampling.logprobs is not None:
+        sampling = replace(sampling, prompt_logprobs=sampling.logprobs)
+    return sampling
 
 
-def _completion_ids(req: CompletionRequest, proxy: Proxy) -> list[int]:
+def _check_vocab(req: CompletionRequest | ChatRequest, proxy: Proxy) -> None:
+    vocab = proxy.tokenizer.vocab_size
+    for name, ids in (("logit_bias", list(req.logit_bias or ())),
+                      ("stop_token_ids", req.stop_token_ids or [])):
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"{name}: token ids {bad[:5]} are outside the vocabulary "
+                              f"(0..{vocab - 1})", param=name)
+
+
+def _completion_ids(req: CompletionRequest, proxy: Proxy) -> list[list[int]]:
+    """Each prompt's ids: a string, a list of strings, a list of ids, or a list of lists."""
     prompt = req.prompt
     if isinstance(prompt, str):
-        return proxy.tokenizer.encode(prompt)
+        return [proxy.tokenizer.encode(prompt)]
     if prompt and all(isinstance(p, str) for p in prompt):
-        if len(prompt) != 1:
-            raise bad_request("one prompt per request (got a list of "
-                              f"{len(prompt)} strings)", param="prompt")
-        return proxy.tokenizer.encode(str(prompt[0]))
+        return [proxy.tokenizer.encode(str(p)) for p in prompt]
+    if prompt and all(isinstance(p, list) for p in prompt):
+        return [_token_ids(p, proxy) for p in prompt]  # type: ignore[arg-type]
+    return [_token_ids(prompt, proxy)]  # type: ignore[arg-type]
+
+
+def _token_ids(prompt: list[int], proxy: Proxy) -> list[int]:
     ids = [int(t) for t in prompt]
     vocab = proxy.tokenizer.vocab_size
     bad = [t for t in ids if not 0 <= t < vocab]

@@ -1,19 +1,27 @@
-"""Output ids -> an OpenAI response: one JSON body, or SSE chunks ending in `[DONE]`.
+"""Output ids -> an OpenAI response: one JSON body, or SSE chunks ending in `[DONE]`, over one
+or more running choices (a list of prompts, `n`).
 
-Both read the same delta stream, which applies stop strings, records TBT and output tokens,
-and closes the token stream (releasing the request on the workers) however it ends."""
+Every choice reads its own delta stream, which applies stop strings, records TBT and output
+tokens, and closes its token stream (releasing the request on the workers) however it ends.
+A choice that fails fails the response (a 502 body, or an SSE error event) and ends the
+others."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
+from kvpool.errors import WorkerCallError
 from kvpool.serve.dispatch import Run
 from kvpool.serve.errors import ApiError
+from kvpool.serve.logprobs import chat_logprobs, completion_logprobs, merge_completion
 from kvpool.serve.protocol import (
     SSE_DONE,
+    choice_body,
     chunk,
     full_response,
     sse,
@@ -21,18 +29,34 @@ from kvpool.serve.protocol import (
     usage,
     usage_chunk,
 )
-from kvpool.serve.requests import PreparedRequest, Proxy
+from kvpool.serve.requests import ChoiceJob, PreparedRequest, Proxy
 from kvpool.serve.text import TextStream
-from kvpool.serve.worker_client import WorkerCallError
+
+T = TypeVar("T")
 
 
-async def _deltas(proxy: Proxy, prep: PreparedRequest, run: Run, first: int,
-                  tokens: AsyncGenerator[int], text: TextStream
-                  ) -> AsyncIterator[tuple[str, str | None]]:
+@dataclass
+class Choice:
+    """One running choice: its job, its run, and its token stream past the first token."""
+
+    job: ChoiceJob
+    run: Run
+    first: int
+    tokens: AsyncGenerator[int]
+    text: TextStream
+    sent: int = 0
+    """Output tokens whose logprobs went out already."""
+    offset: int = 0
+    """Characters of the token texts before the next logprobs (completions' text_offset)."""
+    finish: str = "stop"
+    parts: list[str] = field(default_factory=list)
+
+
+async def _deltas(proxy: Proxy, c: Choice) -> AsyncIterator[tuple[str, str | None]]:
     """(new text, finish reason or None); the finish reason comes with the last delta."""
-    m = proxy.metrics
-    async with contextlib.aclosing(tokens):
-        tok, last = first, time.perf_counter()
+    m, text = proxy.metrics, c.text
+    async with contextlib.aclosing(c.tokens):
+        tok, last = c.first, time.perf_counter()
         while True:
             delta = text.push(tok)
             m.output_tokens.inc()
@@ -42,56 +66,141 @@ async def _deltas(proxy: Proxy, prep: PreparedRequest, run: Run, first: int,
             if delta.text:
                 yield delta.text, None
             try:
-                tok = await anext(tokens)
+                tok = await anext(c.tokens)
             except StopAsyncIteration:
                 break
             now = time.perf_counter()
             m.tbt.observe(now - last)
             last = now
-    yield text.flush(), run.finish_reason or "stop"
+    yield text.flush(), c.run.finish_reason or "stop"
 
 
-def _usage(prep: PreparedRequest, run: Run, text: TextStream) -> dict[str, Any]:
-    return usage(len(prep.prompt_ids), text.num_tokens, run.cached_len)
+def _usage(prep: PreparedRequest, choices: list[Choice]) -> dict[str, Any]:
+    """Prompt tokens once per prompt (its first choice's reuse), output tokens of every
+    choice."""
+    cached = {c.job.prompt_index: c.run.cached_len for c in reversed(choices)}
+    outputs = sum(c.text.num_tokens for c in choices)
+    return usage(sum(len(p) for p in prep.prompts), outputs, sum(cached.values()))
 
 
-async def full_body(proxy: Proxy, prep: PreparedRequest, run: Run, first: int,
-                    tokens: AsyncGenerator[int]) -> dict[str, Any]:
+def _logprobs(proxy: Proxy, prep: PreparedRequest, c: Choice, upto: int,
+              with_prompt: bool) -> dict[str, Any] | None:
+    """The logprobs of output tokens `c.sent..upto` (after the echoed prompt's, if
+    `with_prompt`), which then count as sent."""
+    if prep.logprobs is None:
+        return None
+    decode, run = proxy.tokenizer.decode, c.run
+    ids, entries = run.token_ids[c.sent:upto], run.logprobs[c.sent:upto]
+    c.sent = upto
+    if prep.kind == "chat":
+        return chat_logprobs(decode, entries)
+    parts = []
+    if with_prompt:
+        prompt = c.job.prompt_ids
+        parts.append(completion_logprobs(decode, prompt,
+                                         run.prompt_logprobs or [None] * len(prompt)))
+        c.offset = sum(len(t) for t in parts[0]["tokens"])
+    parts.append(completion_logprobs(decode, ids, entries, c.offset))
+    c.offset += sum(len(t) for t in parts[-1]["tokens"])
+    return merge_completion(parts)
+
+
+async def full_body(proxy: Proxy, prep: PreparedRequest, choices: list[Choice]) -> dict[str, Any]:
     """Raises WorkerCallError if a leg fails before the end."""
-    text = TextStream(proxy.tokenizer.decode, prep.stop)
-    parts: list[str] = []
-    finish = "stop"
-    async for piece, reason in _deltas(proxy, prep, run, first, tokens, text):
-        parts.append(piece)
-        finish = reason or finish
-    body = full_response(prep.kind, prep.request_id, proxy.model_name, "".join(parts), finish,
-                         _usage(prep, run, text))
-    return body | _trace(prep, run)
+    await _all(_collect(proxy, c) for c in choices)
+    bodies = []
+    for c in choices:
+        echo = proxy.tokenizer.decode(c.job.prompt_ids) if prep.echo else ""
+        lp = _logprobs(proxy, prep, c, c.text.num_tokens, prep.echo)
+        bodies.append(choice_body(prep.kind, c.job.index, echo + "".join(c.parts), c.finish, lp))
+    body = full_response(prep.kind, prep.request_id, proxy.model_name, bodies,
+                         _usage(prep, choices))
+    return body | _trace(prep, choices)
 
 
-def _trace(prep: PreparedRequest, run: Run) -> dict[str, Any]:
+async def _collect(proxy: Proxy, c: Choice) -> None:
+    async for piece, reason in _deltas(proxy, c):
+        c.parts.append(piece)
+        c.finish = reason or c.finish
+
+
+async def _all(aws: Iterable[Awaitable[T]]) -> list[T]:
+    """Await them together; the first failure cancels the rest (which closes their streams)
+    and is raised."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _trace(prep: PreparedRequest, choices: list[Choice]) -> dict[str, Any]:
     if not prep.trace:
         return {}
+    run = choices[0].run
     return {"kvpool_trace": trace_of(run.received_t, run.decision_s, run.token_ids, run.token_t,
                                      run.recv_t, run.kv_bytes_moved)}
 
 
-async def sse_stream(proxy: Proxy, prep: PreparedRequest, run: Run, first: int,
-                     tokens: AsyncGenerator[int]) -> AsyncIterator[bytes]:
-    kind, rid, model = prep.kind, prep.request_id, proxy.model_name
-    text = TextStream(proxy.tokenizer.decode, prep.stop)
-    if kind == "chat":
-        yield sse(chunk(kind, rid, model, "", None, first=True))
+async def sse_stream(proxy: Proxy, prep: PreparedRequest,
+                     choices: list[Choice]) -> AsyncIterator[bytes]:
     try:
-        async for piece, finish in _deltas(proxy, prep, run, first, tokens, text):
-            if piece:
-                yield sse(chunk(kind, rid, model, piece, None))
-            if finish is not None:
-                yield sse(chunk(kind, rid, model, None, finish))
+        async for event in _merged([_choice_events(proxy, prep, c) for c in choices]):
+            yield event
     except WorkerCallError as exc:
         yield ApiError(502, str(exc), "worker_error", "worker_failed").sse()
         yield SSE_DONE
         return
     if prep.include_usage or prep.trace:
-        yield sse(usage_chunk(kind, rid, model, _usage(prep, run, text)) | _trace(prep, run))
+        yield sse(usage_chunk(prep.kind, prep.request_id, proxy.model_name,
+                              _usage(prep, choices)) | _trace(prep, choices))
     yield SSE_DONE
+
+
+async def _choice_events(proxy: Proxy, prep: PreparedRequest,
+                         c: Choice) -> AsyncIterator[bytes]:
+    kind, rid, model, i = prep.kind, prep.request_id, proxy.model_name, c.job.index
+    if kind == "chat":
+        yield sse(chunk(kind, rid, model, "", None, first=True, index=i))
+    elif prep.echo:
+        prompt_text = proxy.tokenizer.decode(c.job.prompt_ids)
+        lp = _logprobs(proxy, prep, c, 0, True)
+        yield sse(chunk(kind, rid, model, prompt_text, None, index=i, logprobs=lp))
+    async for piece, finish in _deltas(proxy, c):
+        upto = c.text.num_tokens
+        if piece or (finish is not None and upto > c.sent):
+            lp = _logprobs(proxy, prep, c, upto, False)
+            yield sse(chunk(kind, rid, model, piece, None, index=i, logprobs=lp))
+        if finish is not None:
+            yield sse(chunk(kind, rid, model, None, finish, index=i))
+
+
+async def _merged(streams: list[AsyncIterator[bytes]]) -> AsyncIterator[bytes]:
+    """The items of every stream as they come; the first failure is raised and the other
+    streams closed (as they are when the consumer stops early)."""
+    if len(streams) == 1:
+        async for one in streams[0]:
+            yield one
+        return
+    queue: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue()
+
+    async def pump(s: AsyncIterator[bytes]) -> None:
+        try:
+            async for item in s:
+                await queue.put(item)
+            await queue.put(None)
+        except Exception as exc:
+            await queue.put(exc)
+    tasks = [asyncio.ensure_future(pump(s)) for s in streams]
+    try:
+        for _ in range(len(tasks)):
+            while (item := await queue.get()) is not None:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

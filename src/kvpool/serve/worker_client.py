@@ -1,29 +1,35 @@
 """HTTP calls from the proxy to one worker (docs/worker-api.md), over one shared
-`httpx.AsyncClient`. Every failure is raised as `WorkerCallError` naming the worker and the call;
-an abort is best-effort and never raises."""
+`httpx.AsyncClient`, in the worker API's typed messages (engine.worker.messages). Every failure
+is raised as `WorkerCallError` naming the worker and the call (a reply that does not parse
+included); an abort is best-effort and never raises."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import AsyncGenerator
-from typing import Any
+from typing import TypeVar
 
 import httpx
 
-from kvpool.errors import KvpoolError
+from kvpool.engine.worker.messages import (
+    GENERATE_LINE,
+    AbortRequest,
+    ErrorLine,
+    FinishLine,
+    GenerateRequest,
+    InfoReply,
+    LoadReply,
+    PrefillReply,
+    PrefillRequest,
+    TokenLine,
+    parse,
+)
+from kvpool.errors import WorkerCallError
 from kvpool.log import get_logger
 from kvpool.metadata.http_serving import CLIENT_KEEPALIVE_S, bearer_header
 
 log = get_logger("serve.worker_client")
-
-
-class WorkerCallError(KvpoolError):
-    """A worker call failed: unreachable, an error status, a malformed reply, or an
-    `{"error": ...}` line in a stream. `status` is the worker's HTTP status, if it answered."""
-
-    def __init__(self, url: str, call: str, message: str, status: int | None = None) -> None:
-        super().__init__(f"worker {url} {call}: {message}")
-        self.status = status
+M = TypeVar("M", InfoReply, LoadReply, PrefillReply)
 
 
 def _error_text(resp: httpx.Response, body: bytes) -> str:
@@ -44,54 +50,72 @@ class WorkerClient:
     async def aclose(self) -> None:
         await self.http.aclose()
 
-    async def get_json(self, url: str, path: str, timeout_s: float) -> dict[str, Any]:
+    async def info(self, url: str, timeout_s: float) -> InfoReply:
+        return await self._get(url, "/info", InfoReply, timeout_s)
+
+    async def load(self, url: str, path: str, timeout_s: float) -> LoadReply:
+        """`path`: /load with its query (the event numbering to continue from)."""
+        return await self._get(url, path, LoadReply, timeout_s)
+
+    async def _get(self, url: str, path: str, model: type[M], timeout_s: float) -> M:
         try:
             resp = await self.http.get(url + path, timeout=timeout_s)
         except httpx.HTTPError as exc:
             raise WorkerCallError(url, path, repr(exc)) from None
         if resp.status_code != 200:
             raise WorkerCallError(url, path, _error_text(resp, resp.content), resp.status_code)
-        return _json_object(url, path, resp.content)
+        return _reply(url, path, model, resp.content)
 
-    async def prefill(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    async def prefill(self, url: str, req: PrefillRequest) -> PrefillReply:
         try:
-            resp = await self.http.post(url + "/prefill", json=body)
+            resp = await self.http.post(url + "/prefill", content=req.model_dump_json(),
+                                        headers=JSON)
         except httpx.HTTPError as exc:
             raise WorkerCallError(url, "/prefill", repr(exc)) from None
         if resp.status_code != 200:
             raise WorkerCallError(url, "/prefill", _error_text(resp, resp.content),
                                   resp.status_code)
-        return _json_object(url, "/prefill", resp.content)
+        return _reply(url, "/prefill", PrefillReply, resp.content)
 
-    async def generate(self, url: str, body: dict[str, Any]) -> AsyncGenerator[dict[str, Any]]:
-        """The NDJSON lines of /generate; an `{"error"}` line or a broken stream raises."""
+    async def generate(self, url: str,
+                       req: GenerateRequest) -> AsyncGenerator[TokenLine | FinishLine]:
+        """The lines of /generate; an error line, a malformed line or a broken stream
+        raises."""
         try:
-            async with self.http.stream("POST", url + "/generate", json=body) as resp:
+            async with self.http.stream("POST", url + "/generate", content=req.model_dump_json(),
+                                        headers=JSON) as resp:
                 if resp.status_code != 200:
                     raise WorkerCallError(url, "/generate",
                                           _error_text(resp, await resp.aread()), resp.status_code)
                 async for line in resp.aiter_lines():
-                    if not line.strip():
-                        continue
-                    obj = _json_object(url, "/generate", line.encode())
-                    if "error" in obj:
-                        raise WorkerCallError(url, "/generate", str(obj["error"]))
-                    yield obj
+                    if line.strip():
+                        yield _line(url, line)
         except httpx.HTTPError as exc:
             raise WorkerCallError(url, "/generate", repr(exc)) from None
 
     async def abort(self, url: str, request_id: str) -> None:
         try:
-            await self.http.post(url + "/abort", json={"request_id": request_id}, timeout=2.0)
+            await self.http.post(url + "/abort", content=AbortRequest(
+                request_id=request_id).model_dump_json(), headers=JSON, timeout=2.0)
         except httpx.HTTPError as exc:
             log.debug("abort of %s on %s failed: %r", request_id, url, exc)
 
 
-def _json_object(url: str, call: str, raw: bytes) -> dict[str, Any]:
+JSON = {"Content-Type": "application/json"}
+
+
+def _reply(url: str, call: str, model: type[M], raw: bytes) -> M:
     try:
-        obj = json.loads(raw)
+        return parse(model, json.loads(raw), f"{call} reply")
+    except ValueError as exc:  # not JSON, or InvalidArgument
+        raise WorkerCallError(url, call, f"{exc} (reply {raw[:200]!r})") from None
+
+
+def _line(url: str, line: str) -> TokenLine | FinishLine:
+    try:
+        msg = GENERATE_LINE.validate_json(line)
     except ValueError:
-        raise WorkerCallError(url, call, f"reply is not JSON: {raw[:200]!r}") from None
-    if not isinstance(obj, dict):
-        raise WorkerCallError(url, call, f"reply is not a JSON object: {raw[:200]!r}")
-    return obj
+        raise WorkerCallError(url, "/generate", f"malformed line {line[:200]!r}") from None
+    if isinstance(msg, ErrorLine):
+        raise WorkerCallError(url, "/generate", msg.error)
+    return msg

@@ -25,15 +25,15 @@ import numpy as np
 
 from kvpool.clock import SYSTEM_CLOCK, Clock
 from kvpool.engine.blocks import model_hash, model_hash_for_dir
-from kvpool.engine.config import EngineConfig, eos_token_ids
+from kvpool.engine.config import EngineConfig, SamplingParams, eos_token_ids
 from kvpool.engine.connector import KVConnector
 from kvpool.engine.core import EngineCore, StepOutput
 from kvpool.engine.emulated import kvbytes
 from kvpool.engine.emulated.cache import ByteKVCache
 from kvpool.engine.emulated.profile import EngineProfile, PromptChunk
 from kvpool.engine.scheduler import ScheduledBatch
-from kvpool.engine.sequence import Sequence
-from kvpool.errors import ConfigError
+from kvpool.engine.sequence import Sampled, Sequence
+from kvpool.errors import ConfigError, InvalidArgument
 
 KV_FORMAT = 1
 """Version of the emulated KV bytes (kvbytes); part of the model identity."""
@@ -143,7 +143,7 @@ class EmulatedEngine(EngineCore):
         finally:
             self.state_lock.acquire()
 
-    def run(self, batch: ScheduledBatch) -> dict[Sequence, int]:
+    def run(self, batch: ScheduledBatch) -> dict[Sequence, Sampled]:
         t0 = self._start(self._step_called_s)
         step = self.step_s(batch)
         self.emulated_s += step
@@ -158,8 +158,16 @@ class EmulatedEngine(EngineCore):
             self.connector.on_layer(layer)
             self._wait(t0 + wall * (layer + 1) / layers)
         self.connector.after_forward()
-        return {seq: self._sample(seq, n) for seq, n in batch
+        return {seq: Sampled(self._sample(seq, n)) for seq, n in batch
                 if seq.num_computed_tokens + n == len(seq)}
+
+    def new_sequence(self, request_id: str, prompt: list[int], sampling: SamplingParams,
+                     **kw: object) -> Sequence:
+        if sampling.needs_logits:
+            raise InvalidArgument(f"request {request_id}: the emulated engine computes no "
+                                  "logits, so logprobs, penalties and logit_bias need the "
+                                  "torch engine")
+        return super().new_sequence(request_id, prompt, sampling, **kw)
 
     def _base_rows(self, seq: Sequence, n: int) -> np.ndarray:
         start = seq.num_computed_tokens

@@ -2,58 +2,36 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, Literal
+from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
-from kvpool.engine.config import SamplingParams
-from kvpool.engine.worker.loop import ShuttingDown
-from kvpool.engine.worker.runtime import RequestFailed, Worker
-from kvpool.errors import KvpoolError
+from kvpool.engine.core import StepOutput
+from kvpool.engine.worker.messages import (
+    AbortReply,
+    AbortRequest,
+    ErrorLine,
+    FinishLine,
+    GenerateRequest,
+    InfoReply,
+    LoadReply,
+    PrefillReply,
+    PrefillRequest,
+    ReserveReply,
+    ReserveRequest,
+    TokenLine,
+)
+from kvpool.engine.worker.runtime import Worker
+from kvpool.errors import KvpoolError, RequestFailed, ShuttingDown
 from kvpool.log import get_logger
 from kvpool.metadata.http_serving import bearer_matches
 
 log = get_logger("engine.worker.http")
-
-
-class Sampling(BaseModel):
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool | None = None
-
-
-class PrefillBody(BaseModel):
-    request_id: str = Field(min_length=1, max_length=512)
-    prompt_token_ids: list[int] = Field(min_length=1)
-    sampling: Sampling = Sampling()
-    kv_transfer: dict[str, Any] = Field(default_factory=dict)
-
-
-class GenerateBody(BaseModel):
-    request_id: str = Field(min_length=1, max_length=512)
-    prompt_token_ids: list[int] = Field(min_length=1)
-    sampling: Sampling = Sampling()
-    first_token_id: int | None = None
-    kv_source: Literal["pool", "push", "none"] = "none"
-
-
-class ReserveBody(BaseModel):
-    request_id: str = Field(min_length=1, max_length=512)
-    num_tokens: int = Field(ge=1)
-
-
-class AbortBody(BaseModel):
-    request_id: str
 
 
 def error(status: int, message: str, kind: str) -> JSONResponse:
@@ -109,38 +87,35 @@ def create_app(worker: Worker) -> FastAPI:
         return {"ok": True, "role": role}
 
     @app.get("/info")
-    async def info() -> dict[str, Any]:
+    async def info() -> InfoReply:
         return worker.info()
 
-    @app.get("/load")
-    async def load(epoch: str = "", since: int | None = None) -> dict[str, Any]:
+    @app.get("/load", response_model_exclude_none=True)  # block_hashes or block_events
+    async def load(epoch: str = "", since: int | None = None) -> LoadReply:
         return await worker.load(epoch, since)
 
     @app.post("/prefill")
-    async def prefill(body: PrefillBody) -> dict[str, Any]:
+    async def prefill(body: PrefillRequest) -> PrefillReply:
         needs("prefill", "both")
-        return await worker.prefill(body.request_id, body.prompt_token_ids,
-                                    sampling_params(body.sampling), body.kv_transfer)
+        return await worker.prefill(body)
 
     @app.post("/generate")
-    async def generate(body: GenerateBody) -> StreamingResponse:
+    async def generate(body: GenerateRequest) -> StreamingResponse:
         needs("decode", "both")
-        outputs = worker.generate(body.request_id, body.prompt_token_ids,
-                                  sampling_params(body.sampling), body.first_token_id,
-                                  body.kv_source)
-        return StreamingResponse(ndjson(outputs), media_type="application/x-ndjson")
+        return StreamingResponse(ndjson(worker.generate(body)),
+                                 media_type="application/x-ndjson")
 
     @app.post("/kv/reserve", response_model=None)
-    async def reserve(body: ReserveBody) -> dict[str, Any] | JSONResponse:
+    async def reserve(body: ReserveRequest) -> ReserveReply | JSONResponse:
         needs("decode", "both")
-        reply = await worker.reserve(body.request_id, body.num_tokens)
+        reply = await worker.reserve(body)
         if reply is None:
             return error(503, f"no room for {body.num_tokens} tokens of KV", "out_of_kv_space")
         return reply
 
     @app.post("/abort")
-    async def abort(body: AbortBody) -> dict[str, bool]:
-        return {"ok": await worker.abort(body.request_id)}
+    async def abort(body: AbortRequest) -> AbortReply:
+        return AbortReply(ok=await worker.abort(body.request_id))
 
     return app
 
@@ -153,32 +128,31 @@ class _WrongRole(Exception):
     pass
 
 
-def sampling_params(s: Sampling) -> SamplingParams:
-    return SamplingParams.from_json(s.model_dump())
+def _finish_line(out: StepOutput, num_tokens: int) -> FinishLine:
+    assert out.finish_reason is not None
+    return FinishLine(finish_reason=out.finish_reason, num_output_tokens=num_tokens,
+                      num_cached_tokens=int(out.stats.get("num_cached_tokens", 0)),
+                      num_pool_tokens=int(out.stats.get("num_pool_tokens", 0)))
 
 
-def _reuse(stats: dict[str, float]) -> dict[str, int]:
-    """Prompt tokens this worker did not compute (its cache, the pool), for the proxy's metrics."""
-    return {k: int(stats[k]) for k in ("num_cached_tokens", "num_pool_tokens") if k in stats}
-
-
-async def ndjson(outputs: AsyncIterator[Any]) -> AsyncIterator[bytes]:
-    """One JSON line per token, then the finish line; an error ends the stream with its line."""
+async def ndjson(outputs: AsyncIterator[StepOutput]) -> AsyncIterator[bytes]:
+    """One line per token, then the finish line; an error ends the stream with its line."""
     num_tokens = 0
     try:
         async for out in outputs:
             if out.token_id is not None:
                 num_tokens += 1
-                yield _line({"token_id": out.token_id, "t": out.time_s})
+                prompt = None if out.prompt_logprobs is None else list(out.prompt_logprobs)
+                yield _line(TokenLine(token_id=out.token_id, t=out.time_s, logprob=out.logprob,
+                                      prompt_logprobs=prompt))
             if out.finish_reason is not None:
-                yield _line({"finish_reason": out.finish_reason, "num_output_tokens": num_tokens,
-                             **_reuse(out.stats)})
-    except (RequestFailed, KvpoolError, ShuttingDown) as exc:
-        yield _line({"error": str(exc)})
+                yield _line(_finish_line(out, num_tokens))
+    except KvpoolError as exc:
+        yield _line(ErrorLine(error=str(exc)))
     except Exception as exc:
         log.exception("generate failed")
-        yield _line({"error": f"{type(exc).__name__}: {exc}"})
+        yield _line(ErrorLine(error=f"{type(exc).__name__}: {exc}"))
 
 
-def _line(obj: dict[str, Any]) -> bytes:
-    return json.dumps(obj).encode() + b"\n"
+def _line(msg: BaseModel) -> bytes:
+    return msg.model_dump_json(exclude_none=True).encode() + b"\n"

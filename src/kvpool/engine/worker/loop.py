@@ -10,14 +10,13 @@ from concurrent.futures import Future
 from typing import Any
 
 from kvpool.engine.core import EngineCore, StepOutput
+from kvpool.errors import ShuttingDown
 from kvpool.log import get_logger
 
 log = get_logger("engine.loop")
 Listener = Callable[[StepOutput], None]
 
 
-class ShuttingDown(Exception):
-    """The engine thread has stopped; nothing more can be submitted."""
 
 
 class EngineLoop:

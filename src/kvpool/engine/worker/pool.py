@@ -118,6 +118,8 @@ class PoolConnector(KVConnector):
     # -- loading at admission ----------------------------------------------------------------
 
     def load(self, seq: Sequence) -> str | None:
+        if seq.kv_source is KVSource.COMPUTE and not seq.reuses_kv:
+            return None
         limit = (len(seq) - 1) // self.bs  # full blocks that may be loaded
         first = seq.num_computed_tokens // self.bs
         t0 = time.perf_counter()

@@ -17,9 +17,20 @@ from kvpool.engine.blocks import request_key
 from kvpool.engine.config import EngineConfig, SamplingParams
 from kvpool.engine.core import EngineCore, StepOutput
 from kvpool.engine.sequence import KVSource, SeqStatus
-from kvpool.engine.worker.loop import EngineLoop, ShuttingDown
+from kvpool.engine.worker.loop import EngineLoop
+from kvpool.engine.worker.messages import (
+    AbortRequest,
+    GenerateRequest,
+    InfoReply,
+    LoadReply,
+    PrefillReply,
+    PrefillRequest,
+    ReserveReply,
+    ReserveRequest,
+    parse,
+)
 from kvpool.engine.worker.pool import PoolConnector, PoolPlan, PushPlan, push_parts
-from kvpool.errors import ConfigError, InvalidArgument, KvpoolError
+from kvpool.errors import ConfigError, InvalidArgument, KvpoolError, RequestFailed, ShuttingDown
 from kvpool.log import get_logger
 from kvpool.metadata.http_serving import CLIENT_KEEPALIVE_S, bearer_header
 
@@ -83,10 +94,6 @@ def make_engine(config: WorkerConfig) -> EngineCore:
     return LLMEngine.from_dir(config.model_dir, config.engine)
 
 
-class RequestFailed(Exception):
-    """A request ended with an error (the message says why)."""
-
-
 class Worker:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
@@ -132,13 +139,13 @@ class Worker:
 
     # -- facts -------------------------------------------------------------------------------
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> InfoReply:
         e = self.engine
-        return {"role": self.config.role, "model": str(Path(self.config.model_dir)),
-                "model_hash": e.root_hash, "block_size": e.config.block_size,
-                "max_model_len": e.config.max_model_len,
-                "kv_capacity_tokens": e.config.kv_capacity_tokens,
-                "segment": self.transfer.segment_name, "engine": self._engine_facts()}
+        return InfoReply(role=self.config.role,  # type: ignore[arg-type]  # checked in config
+                         model=str(Path(self.config.model_dir)), model_hash=e.root_hash,
+                         block_size=e.config.block_size, max_model_len=e.config.max_model_len,
+                         kv_capacity_tokens=e.config.kv_capacity_tokens,
+                         segment=self.transfer.segment_name, engine=self._engine_facts())
 
     def _engine_facts(self) -> dict[str, Any]:
         from kvpool.engine.emulated.engine import EmulatedEngine
@@ -151,7 +158,7 @@ class Worker:
                 "row_bytes": e.cache.row_bytes, "prefill_mode": e.config.prefill_mode,
                 "enable_prefix_caching": e.config.enable_prefix_caching}
 
-    async def load(self, epoch: str = "", since: int | None = None) -> dict[str, Any]:
+    async def load(self, epoch: str = "", since: int | None = None) -> LoadReply:
         """The load report; with this worker's `epoch` and an event number `since`, the cached
         block hashes come as the events after it (`block_events`), else whole. Not queued
         behind the engine's commands: a step that waits without computing (the emulated
@@ -159,41 +166,37 @@ class Worker:
         if self.loop.stopped:
             raise ShuttingDown("the worker is shutting down")
 
-        def report() -> dict[str, Any]:
+        def report() -> LoadReply:
             with self.engine.state_lock:
-                out = _load_report(self.engine)
                 blocks = self.engine.blocks
                 events = blocks.events_since(since) if epoch == self.epoch and since is not None \
                     else None
-                if events is None:
-                    out["block_hashes"] = blocks.cached_hashes()
-                else:
-                    out["block_events"] = [[h, int(stored)] for h, stored in events]
-                out["epoch"], out["events_to"] = self.epoch, blocks.num_events
-            return out
+                changes = {"block_hashes": blocks.cached_hashes()} if events is None else {
+                    "block_events": [(h, bool(stored)) for h, stored in events]}
+                return LoadReply(**_load_report(self.engine), **changes, epoch=self.epoch,
+                                 events_to=blocks.num_events)
         return await asyncio.to_thread(report)
 
     # -- prefill leg -------------------------------------------------------------------------
 
-    async def prefill(self, request_id: str, prompt: list[int], sampling: SamplingParams,
-                      kv_transfer: dict[str, Any]) -> dict[str, Any]:
+    async def prefill(self, req: PrefillRequest) -> PrefillReply:
         t0 = time.monotonic()
-        self.engine.new_sequence(request_id, prompt, sampling)  # validate before reserving
-        mode = kv_transfer.get("mode", self.config.kv_transfer)
+        rid, prompt, sampling = req.request_id, req.prompt_token_ids, req.sampling
+        self.engine.new_sequence(rid, prompt, sampling)  # validate before reserving
+        mode = req.kv_transfer.mode or self.config.kv_transfer
         plan: PoolPlan | PushPlan = PoolPlan()
-        decode_url = kv_transfer.get("decode_url")
+        decode_url = req.kv_transfer.decode_url
         if mode == "push":
             if not decode_url:
                 raise InvalidArgument("kv_transfer push needs a decode_url")
-            plan = await self._reserve(decode_url, request_id, len(prompt))
-        elif mode != "pool":
-            raise InvalidArgument(f"kv_transfer mode must be pool or push, got {mode!r}")
+            plan = await self._reserve(decode_url, rid, len(prompt))
         try:
-            first, stats, first_t = await self._run_prefill(request_id, prompt, sampling, plan)
+            first, end = await self._run_prefill(rid, prompt, sampling, plan)
         except (RequestFailed, KvpoolError):
             if decode_url:
-                await self._quietly_abort(decode_url, request_id)
+                await self._quietly_abort(decode_url, rid)
             raise
+        stats = end.stats
         num_pool, num_cached = int(stats["num_pool_tokens"]), int(stats["num_cached_tokens"])
         num_computed = len(prompt) - num_cached - num_pool
         moved = num_pool * self._token_bytes  # read from the pool
@@ -201,71 +204,84 @@ class Worker:
             moved += sum(n for _, n in plan.regions)
         else:
             moved += num_computed * self._token_bytes  # written to the pool
-        return {"request_id": request_id, "first_token_id": first, "first_token_t": first_t,
-                "num_prompt_tokens": len(prompt), "num_cached_tokens": num_cached,
-                "num_pool_tokens": num_pool,
-                "num_computed_tokens": num_computed,
-                "prefill_s": round(time.monotonic() - t0, 6),
-                "pool_load_s": round(stats["pool_load_s"], 6), "kv_bytes_moved": moved}
+        assert first.token_id is not None
+        return PrefillReply(
+            request_id=rid, first_token_id=first.token_id, first_token_t=first.time_s,
+            num_prompt_tokens=len(prompt), num_cached_tokens=num_cached,
+            num_pool_tokens=num_pool, num_computed_tokens=num_computed,
+            prefill_s=round(time.monotonic() - t0, 6),
+            pool_load_s=round(stats["pool_load_s"], 6), kv_bytes_moved=moved,
+            first_logprob=first.logprob,
+            prompt_logprobs=None if first.prompt_logprobs is None else list(first.prompt_logprobs))
 
     @property
     def _token_bytes(self) -> int:
         return self.engine.cache.token_bytes
 
     async def _run_prefill(self, request_id: str, prompt: list[int], sampling: SamplingParams,
-                           plan: PoolPlan | PushPlan) -> tuple[int, dict[str, float], float]:
-        """The first token, the finish stats, and the engine's stamp of the first token."""
+                           plan: PoolPlan | PushPlan) -> tuple[StepOutput, StepOutput]:
+        """The first token's output and the finish output."""
         def add(engine: EngineCore) -> None:
             engine.add_request(request_id, prompt, sampling, prefill_only=True)
             self.connector.plans[request_id] = plan  # read when the request finishes
-        first: int | None = None
-        first_t = 0.0
+        first: StepOutput | None = None
         async for out in self._follow(request_id, add):
             if out.token_id is not None:
-                first, first_t = out.token_id, out.time_s
+                first = out
             if out.finish_reason is not None:
                 assert first is not None
-                return first, out.stats, first_t
+                return first, out
         raise RequestFailed(f"request {request_id} ended without a token")
 
     async def _reserve(self, decode_url: str, request_id: str, num_tokens: int) -> PushPlan:
+        body = ReserveRequest(request_id=request_id, num_tokens=num_tokens).model_dump()
         try:
-            reply = await self.http.post(f"{decode_url.rstrip('/')}/kv/reserve",
-                                         json={"request_id": request_id, "num_tokens": num_tokens})
+            reply = await self.http.post(f"{decode_url.rstrip('/')}/kv/reserve", json=body)
         except httpx.HTTPError as exc:
-            raise RequestFailed(f"decode worker {decode_url} unreachable: {type(exc).__name__}: {exc}") from exc
-        body = reply.json() if reply.headers.get("content-type", "").startswith("application/json") else {}
-        if reply.status_code != 200 or not body.get("ok"):
+            raise RequestFailed(f"decode worker {decode_url} unreachable: "
+                                f"{type(exc).__name__}: {exc}") from exc
+        if reply.status_code != 200:
             raise RequestFailed(f"decode worker {decode_url} refused to reserve KV for "
-                                f"{num_tokens} tokens: {reply.status_code} {body or reply.text}")
-        return PushPlan(body["segment"], [(int(a), int(n)) for a, n in body["regions"]])
+                                f"{num_tokens} tokens: {reply.status_code} {reply.text[:300]}")
+        try:
+            got = parse(ReserveReply, reply.json(), "/kv/reserve reply")
+        except ValueError as exc:  # InvalidArgument, or a body that is not JSON
+            raise RequestFailed(f"decode worker {decode_url}: {exc}") from None
+        if not got.ok:
+            raise RequestFailed(f"decode worker {decode_url} refused to reserve KV for "
+                                f"{num_tokens} tokens: {reply.text[:300]}")
+        return PushPlan(got.segment, list(got.regions))
 
     async def _quietly_abort(self, url: str, request_id: str) -> None:
         try:
-            await self.http.post(f"{url.rstrip('/')}/abort", json={"request_id": request_id})
+            await self.http.post(f"{url.rstrip('/')}/abort",
+                                 json=AbortRequest(request_id=request_id).model_dump())
         except httpx.HTTPError:
             pass
 
     # -- decode leg --------------------------------------------------------------------------
 
-    async def reserve(self, request_id: str, num_tokens: int) -> dict[str, Any] | None:
-        def reserve(engine: EngineCore) -> dict[str, Any] | None:
+    async def reserve(self, req: ReserveRequest) -> ReserveReply | None:
+        request_id, num_tokens = req.request_id, req.num_tokens
+
+        def reserve(engine: EngineCore) -> ReserveReply | None:
             if request_id in self._reserved:
                 raise InvalidArgument(f"request {request_id} already holds a reservation")
             blocks = engine.reserve_blocks(num_tokens)
             if blocks is None:
                 return None
             self._reserved[request_id] = (blocks, time.monotonic() + self.config.reserve_ttl_s)
-            return {"ok": True, "segment": self.transfer.segment_name,
-                    "block_bytes": engine.cache.block_bytes,
-                    "regions": [list(p) for p in push_parts(engine.cache, blocks)]}
-        return await self._on_engine(reserve)
+            return ReserveReply(ok=True, segment=self.transfer.segment_name,
+                                block_bytes=engine.cache.block_bytes,
+                                regions=push_parts(engine.cache, blocks))
+        reply: ReserveReply | None = await self._on_engine(reserve)
+        return reply
 
-    def generate(self, request_id: str, prompt: list[int], sampling: SamplingParams,
-                 first_token: int | None, kv_source: str) -> AsyncIterator[StepOutput]:
-        source = KVSource(kv_source)
+    def generate(self, req: GenerateRequest) -> AsyncIterator[StepOutput]:
+        request_id, prompt, sampling = req.request_id, req.prompt_token_ids, req.sampling
+        first_token, source = req.first_token_id, KVSource(req.kv_source)
         if source is not KVSource.COMPUTE and first_token is None:
-            raise InvalidArgument(f"kv_source {kv_source} needs the first_token_id")
+            raise InvalidArgument(f"kv_source {req.kv_source} needs the first_token_id")
         self.engine.new_sequence(request_id, prompt, sampling)  # validate before streaming
 
         def add(engine: EngineCore) -> None:
@@ -357,6 +373,7 @@ class Worker:
 
 
 def _load_report(engine: EngineCore) -> dict[str, Any]:
+    """The queue and cache fields of `LoadReply`."""
     s, bs = engine.scheduler, engine.config.block_size
     return {"num_waiting": len(s.waiting), "num_running": len(s.running),
             "queued_prefill_tokens": sum(q.num_uncomputed for q in (*s.waiting, *s.running)

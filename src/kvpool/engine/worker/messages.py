@@ -1,0 +1,168 @@
+"""The worker API's messages (docs/worker-api.md): one pydantic model per request and reply,
+the one definition that the workers, the proxy and the worker clients all import.
+
+    POST /prefill     PrefillRequest  -> PrefillReply
+    POST /generate    GenerateRequest -> NDJSON lines: TokenLine ... FinishLine | ErrorLine
+    POST /kv/reserve  ReserveRequest  -> ReserveReply        (503 when there is no room)
+    POST /abort       AbortRequest    -> AbortReply
+    GET  /info        InfoReply;  GET /load  LoadReply
+
+Sampling parameters travel as the engine's own `SamplingParams` (validated on arrival, so a
+bad value is a 400, not a failed request). Requests refuse unknown fields: a misspelt field is
+an error, never silently dropped. Replies ignore them (a newer worker may add some). NDJSON
+lines carry their `type`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from kvpool.engine.config import SamplingParams
+from kvpool.engine.sequence import TokenLogprob
+from kvpool.errors import InvalidArgument
+
+RequestId = Annotated[str, Field(min_length=1, max_length=512)]
+KVMode = Literal["pool", "push"]
+KVSourceName = Literal["pool", "push", "none"]
+"""Where a decode leg's prompt KV comes from (none: computed there, colocated)."""
+Role = Literal["prefill", "decode", "both"]
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _Reply(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class KVTransfer(_Request):
+    mode: KVMode | None = None
+    """None: the worker's default (--kv-transfer)."""
+    decode_url: str | None = None
+    """The decode worker to push to (push only)."""
+
+
+class PrefillRequest(_Request):
+    request_id: RequestId
+    prompt_token_ids: list[int] = Field(min_length=1)
+    sampling: SamplingParams = SamplingParams()
+    kv_transfer: KVTransfer = KVTransfer()
+
+
+class PrefillReply(_Reply):
+    request_id: str
+    first_token_id: int
+    first_token_t: float = 0.0
+    """The engine's stamp of the step that made the first token."""
+    num_prompt_tokens: int
+    num_cached_tokens: int = 0
+    num_pool_tokens: int = 0
+    num_computed_tokens: int = 0
+    prefill_s: float = 0.0
+    pool_load_s: float = 0.0
+    kv_bytes_moved: int = 0
+    """Pool reads and writes, or the push."""
+    first_logprob: TokenLogprob | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+
+class GenerateRequest(_Request):
+    request_id: RequestId
+    prompt_token_ids: list[int] = Field(min_length=1)
+    sampling: SamplingParams = SamplingParams()
+    first_token_id: int | None = None
+    """The prefill leg's token (needed unless kv_source is none)."""
+    kv_source: KVSourceName = "none"
+
+
+class TokenLine(_Reply):
+    type: Literal["token"] = "token"
+    token_id: int
+    t: float = 0.0
+    """The engine's stamp of the step that made it (0 for the prefill leg's token)."""
+    logprob: TokenLogprob | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """With the first token of a colocated request that asks for them."""
+
+
+class FinishLine(_Reply):
+    type: Literal["finish"] = "finish"
+    finish_reason: str
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_pool_tokens: int = 0
+    """Prompt tokens this worker did not compute (its cache, the pool)."""
+
+
+class ErrorLine(_Reply):
+    type: Literal["error"] = "error"
+    error: str
+
+
+GenerateLine = Annotated[TokenLine | FinishLine | ErrorLine, Field(discriminator="type")]
+GENERATE_LINE: TypeAdapter[TokenLine | FinishLine | ErrorLine] = TypeAdapter(GenerateLine)
+
+
+class ReserveRequest(_Request):
+    request_id: RequestId
+    num_tokens: int = Field(ge=1)
+
+
+class ReserveReply(_Reply):
+    ok: bool
+    segment: str
+    block_bytes: int
+    regions: list[tuple[int, int]]
+    """(address, length) of each reserved region in `segment`."""
+
+
+class AbortRequest(_Request):
+    request_id: str
+
+
+class AbortReply(_Reply):
+    ok: bool
+
+
+class InfoReply(_Reply):
+    role: Role
+    model: str = ""
+    model_hash: int
+    block_size: int = Field(gt=0)
+    max_model_len: int
+    kv_capacity_tokens: int
+    segment: str = ""
+    engine: dict[str, Any] = Field(default_factory=dict)
+    """The engine's facts (kind; for the emulated one its profile and scales)."""
+
+
+class LoadReply(_Reply):
+    num_waiting: int = 0
+    num_running: int = 0
+    queued_prefill_tokens: int = 0
+    running_tokens: int = 0
+    free_kv_tokens: int = 0
+    kv_capacity_tokens: int = 0
+    engine_lost_s: float = 0.0
+    block_hashes: list[int] | None = None
+    """Every cached block hash (a full report) ..."""
+    block_events: list[tuple[int, bool]] | None = None
+    """... or what changed since `since`: (hash, stored) in order."""
+    epoch: str = ""
+    events_to: int = 0
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def parse(model: type[M], obj: Any, what: str) -> M:
+    """`obj` (decoded JSON) as `model`; InvalidArgument naming `what` and the first problem."""
+    try:
+        return model.model_validate(obj)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "body"
+        raise InvalidArgument(f"malformed {what}: {where}: {err['msg']}") from None
