@@ -39,6 +39,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--poll-interval", type=float, default=_D.poll_interval_s,
                    help="seconds between /load polls of each worker")
     p.add_argument("--token", default=None, help="bearer token for the workers (or KVPOOL_TOKEN)")
+    p.add_argument("--no-access-log", dest="access_log", action="store_false",
+                   help="no access-log line per request")
     p.set_defaults(func=run)
 
 
@@ -60,7 +62,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
         decode_horizon_s=args.decode_horizon, cost_path=args.cost, fit_cost=args.fit_cost,
         kv_transfer=args.kv_transfer, poll_interval_s=args.poll_interval,
-        token=args.token or env_token())
+        token=args.token or env_token(), access_log=args.access_log)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -143,6 +143,8 @@ def _run_serving(args: argparse.Namespace) -> int:
         else:
             proxy_args += ("--fit-cost",)
         proxy_args += _given(args, "served_model_name", "ttft_slo", "tbt_slo")
+        if args.demo:
+            proxy_args += ("--no-access-log",)  # the demo prints its own lines
         worker_args += _given(args, "dtype", "max_model_len", "num_blocks", "block_size")
         spec = ServingSpec(model, args.host, args.port, args.prefill, args.decode,
                            args.colocated, args.dram, args.store_nodes or 1, proxy_args,

@@ -17,32 +17,45 @@ import json
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvpool import __version__
 from kvpool.clock import Clock, MonotonicClock
 from kvpool.conductor import load_cost_model
 from kvpool.conductor.cost import CostModel
 from kvpool.engine.gguf_checkpoint import served_name
 from kvpool.errors import WorkerCallError
 from kvpool.log import get_logger
+from kvpool.serve import access
+from kvpool.serve.access import Access
 from kvpool.serve.cluster import DECODE_ROLES, PREFILL_ROLES, LiveCluster
 from kvpool.serve.config import ProxyConfig
 from kvpool.serve.dispatch import Dispatcher, Run
-from kvpool.serve.errors import ApiError, bad_request
+from kvpool.serve.errors import ApiError, bad_request, model_not_found, not_found, worker_failed
 from kvpool.serve.metrics import ProxyMetrics
 from kvpool.serve.poller import Poller
-from kvpool.serve.protocol import ChatRequest, CompletionRequest, unsupported
+from kvpool.serve.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    unsupported,
+)
 from kvpool.serve.requests import PreparedRequest, prepare
-from kvpool.serve.responses import Choice, full_body, sse_stream
+from kvpool.serve.responses import Choice, full_body, sse_stream, usage_of
 from kvpool.serve.text import TextStream
+from kvpool.serve.tokenize import detokenize, tokenize
 from kvpool.serve.tokenizer import ModelTokenizer
 from kvpool.serve.worker_client import WorkerClient
 
 log = get_logger("serve.app")
+M = TypeVar("M", bound=BaseModel)
 
 
 class Proxy:
@@ -51,6 +64,7 @@ class Proxy:
     def __init__(self, config: ProxyConfig, clock: Clock | None = None) -> None:
         self.config = config
         self.clock = clock or MonotonicClock()
+        access.enable(config.access_log)
         self.model_name = config.model_name or served_name(Path(config.model_dir))
         self.tokenizer = ModelTokenizer(config.model_dir)
         self.context_len = _config_context_len(Path(config.model_dir))
@@ -82,24 +96,45 @@ class Proxy:
     async def serve(self, request: Request, kind: str) -> Response:
         arrival_s, received_t = time.perf_counter(), time.monotonic()
         endpoint = "completions" if kind == "completion" else "chat"
+        acc = Access("POST", request.url.path, arrival_s)
         try:
             parsed = await _parse(request, CompletionRequest if kind == "completion" else ChatRequest)
             prep = prepare(parsed, kind, self)  # type: ignore[arg-type]
             choices = await self._start(prep, received_t)
-            self.metrics.ttft.observe(time.perf_counter() - arrival_s)
+            acc.ttft_s = time.perf_counter() - arrival_s
+            self.metrics.ttft.observe(acc.ttft_s)
         except WorkerCallError as exc:
-            return self._error(endpoint, ApiError(502, str(exc), "worker_error", "worker_failed"))
+            return self._error(endpoint, worker_failed(str(exc)), acc)
         except StopAsyncIteration:
-            return self._error(endpoint, ApiError(502, "the worker produced no token",
-                                                  "worker_error", "worker_failed"))
+            return self._error(endpoint, worker_failed("the worker produced no token"), acc)
         except ApiError as exc:
-            return self._error(endpoint, exc)
+            return self._error(endpoint, exc, acc)
         self.metrics.requests.labels(endpoint, "200").inc()
         if prep.stream:
-            return StreamingResponse(sse_stream(self, prep, choices),
+            return StreamingResponse(self._logged(sse_stream(self, prep, choices, acc), acc,
+                                                  prep, choices),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await self._collect(endpoint, prep, choices)
+        return await self._collect(endpoint, prep, choices, acc)
+
+    async def _logged(self, events: AsyncIterator[bytes], acc: Access, prep: PreparedRequest,
+                      choices: list[Choice]) -> AsyncIterator[bytes]:
+        """`events`, then the access line, however the stream ends (a client that goes away
+        is one line too, not a traceback)."""
+        try:
+            async for event in events:
+                yield event
+        except (asyncio.CancelledError, GeneratorExit):
+            acc.note = acc.note or "client gone"
+            raise
+        finally:
+            self._account(acc, prep, choices)
+
+    def _account(self, acc: Access, prep: PreparedRequest, choices: list[Choice]) -> None:
+        use = usage_of(prep, choices)
+        acc.prompt_tokens, acc.output_tokens = use["prompt_tokens"], use["completion_tokens"]
+        acc.cached_tokens = use["prompt_tokens_details"]["cached_tokens"]
+        acc.done(time.perf_counter())
 
     async def _start(self, prep: PreparedRequest, received_t: float) -> list[Choice]:
         """Schedule every choice, then wait for each one's first token (a failure of any ends
@@ -122,22 +157,31 @@ class Proxy:
         firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
         failure = next((f for f in firsts if isinstance(f, BaseException)), None)
         if failure is not None:
-            await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+            with anyio.CancelScope(shield=True):
+                await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
             raise failure
         return [Choice(job, run, int(first), s,  # type: ignore[arg-type]  # no failure here
                        TextStream(self.tokenizer.decode, prep.stop))
                 for job, run, first, s in zip(prep.jobs, runs, firsts, streams, strict=True)]
 
-    async def _collect(self, endpoint: str, prep: PreparedRequest,
-                       choices: list[Choice]) -> Response:
+    async def _collect(self, endpoint: str, prep: PreparedRequest, choices: list[Choice],
+                       acc: Access) -> Response:
         try:
             body = await full_body(self, prep, choices)
         except WorkerCallError as exc:
-            return self._error(endpoint, ApiError(502, str(exc), "worker_error", "worker_failed"))
+            return self._error(endpoint, worker_failed(str(exc)), acc)
+        except asyncio.CancelledError:  # the client went away: its choices are closed
+            acc.note = "client gone"
+            self._account(acc, prep, choices)
+            raise
+        self._account(acc, prep, choices)
         return JSONResponse(body)
 
-    def _error(self, endpoint: str, exc: ApiError) -> JSONResponse:
+    def _error(self, endpoint: str, exc: ApiError, acc: Access | None = None) -> JSONResponse:
         self.metrics.requests.labels(endpoint, str(exc.status)).inc()
+        if acc is not None:
+            acc.status, acc.note = exc.status, exc.code or exc.type
+            acc.done(time.perf_counter())
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     def models(self) -> dict[str, Any]:
@@ -173,7 +217,7 @@ class Proxy:
                 "cost": self.dispatcher.cost.to_dict()}
 
 
-async def _parse(request: Request, model: type[BaseModel]) -> BaseModel:
+async def _parse(request: Request, model: type[M]) -> M:
     raw = await request.body()
     try:
         obj = json.loads(raw)
@@ -206,6 +250,44 @@ def _config_context_len(folder: Path) -> int:
     return int(cfg.get("max_position_embeddings") or cfg.get("n_positions") or 2048)
 
 
+def _vllm_routes(app: FastAPI, proxy: Proxy) -> None:
+    """Where vLLM's server answers and tools look: one model, the version, the tokenizer;
+    every unknown route is an OpenAI-shaped error."""
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> JSONResponse:
+        if model_id != proxy.model_name:
+            return _json_error(model_not_found(model_id, proxy.model_name))
+        return JSONResponse(proxy.models()["data"][0])
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> JSONResponse:
+        try:
+            return JSONResponse(tokenize(proxy, await _parse(request, TokenizeRequest)))
+        except ApiError as exc:
+            return _json_error(exc)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> JSONResponse:
+        try:
+            return JSONResponse(detokenize(proxy, await _parse(request, DetokenizeRequest)))
+        except ApiError as exc:
+            return _json_error(exc)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code in (404, 405):
+            return _json_error(not_found(request.method, request.url.path, exc.status_code))
+        return _json_error(ApiError(exc.status_code, str(exc.detail)))
+
+
+def _json_error(exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
 def create_app(config: ProxyConfig, clock: Clock | None = None) -> FastAPI:
     proxy = Proxy(config, clock)
     app = FastAPI(title="kvpool proxy", lifespan=proxy.lifespan)
@@ -222,6 +304,8 @@ def create_app(config: ProxyConfig, clock: Clock | None = None) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return proxy.models()
+
+    _vllm_routes(app, proxy)
 
     @app.get("/health")
     async def health() -> JSONResponse:

@@ -47,6 +47,8 @@ class ProxyConfig:
     """Backstop on one worker call; a dead worker is detected by polling long before."""
     token: str | None = None
     """Bearer token sent to workers (their --token / KVPOOL_TOKEN)."""
+    access_log: bool = True
+    """One line per request on the `kvpool.serve.access` logger (serve/access.py)."""
 
     def __post_init__(self) -> None:
         if self.kv_transfer not in KV_TRANSFER_MODES:

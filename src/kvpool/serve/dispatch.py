@@ -41,6 +41,7 @@ from kvpool.engine.worker.messages import (
     PrefillRequest,
 )
 from kvpool.errors import WorkerCallError
+from kvpool.serve.cancel import cancel_and_wait
 from kvpool.serve.cluster import Booking, LiveCluster, WorkerState
 from kvpool.serve.config import ProxyConfig
 from kvpool.serve.errors import no_workers, rejected
@@ -139,21 +140,22 @@ class Dispatcher:
 
 
 async def guarded(aw: Awaitable[T], worker: WorkerState, call: str) -> T:
-    """`await aw`, unless `worker` leaves the rotation first (WorkerCallError)."""
+    """`await aw`, unless `worker` leaves the rotation first (WorkerCallError). However this
+    ends (a client gone included), `aw` has ended too."""
     task = asyncio.ensure_future(aw)
     if worker.down.is_set():
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await cancel_and_wait(task)
         raise WorkerCallError(worker.url, call, "worker is out of rotation")
     down = asyncio.ensure_future(worker.down.wait())
     try:
         await asyncio.wait({task, down}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        down.cancel()
+    except BaseException:
+        await cancel_and_wait(task, down)
+        raise
+    down.cancel()
     if task.done():
         return task.result()
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
+    await cancel_and_wait(task)
     raise WorkerCallError(worker.url, call, "worker stopped answering its health checks")
 
 

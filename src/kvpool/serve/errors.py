@@ -34,6 +34,18 @@ def bad_request(message: str, param: str | None = None) -> ApiError:
     return ApiError(400, message, param=param)
 
 
+def model_not_found(asked: str, served: str) -> ApiError:
+    return ApiError(404, f"model {asked!r} does not exist; this proxy serves {served!r}",
+                    code="model_not_found", param="model")
+
+
+def not_found(method: str, path: str, status: int = 404) -> ApiError:
+    """An unknown route (or a known one with another method: 405), in OpenAI's shape."""
+    what = "no such route" if status == 404 else "method not allowed"
+    return ApiError(status, f"{what}: {method} {path}", type="invalid_request_error",
+                    code="not_found" if status == 404 else "method_not_allowed")
+
+
 def worker_failed(message: str) -> ApiError:
     return ApiError(502, message, type="worker_error", code="worker_failed")
 

@@ -177,6 +177,33 @@ class ChatRequest(_Sampling):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+class TokenizeRequest(BaseModel):
+    """vLLM's /tokenize body: a prompt, or chat messages rendered with the chat template."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    """For a prompt (a chat template writes its own)."""
+
+    _utf8 = field_validator("prompt")(utf8)
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    tokens: list[int]
+
+
 Kind = Literal["completion", "chat"]
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from typing import Protocol
 
 from kvpool.engine.config import SamplingParams
-from kvpool.serve.errors import ApiError, bad_request
+from kvpool.serve.errors import bad_request, model_not_found
 from kvpool.serve.metrics import ProxyMetrics
 from kvpool.serve.protocol import MAX_CHOICES, ChatRequest, CompletionRequest, Kind, new_id
 from kvpool.serve.tokenizer import ModelTokenizer
@@ -63,8 +63,7 @@ _ids = itertools.count(1)
 
 def prepare(req: CompletionRequest | ChatRequest, kind: Kind, proxy: Proxy) -> PreparedRequest:
     if req.model != proxy.model_name:
-        raise ApiError(404, f"model {req.model!r} does not exist; this proxy serves "
-                       f"{proxy.model_name!r}", code="model_not_found", param="model")
+        raise model_not_found(req.model, proxy.model_name)
     prompts = [_chat_ids(req, proxy)] if isinstance(req, ChatRequest) else _completion_ids(req, proxy)
     if len(prompts) * req.n > MAX_CHOICES:
         raise bad_request(f"{len(prompts)} prompts x n={req.n} choices is more than "

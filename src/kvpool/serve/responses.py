@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kvpool.errors import WorkerCallError
+from kvpool.serve.access import Access
+from kvpool.serve.cancel import cancel_and_wait
 from kvpool.serve.dispatch import Run
-from kvpool.serve.errors import ApiError
+from kvpool.serve.errors import worker_failed
 from kvpool.serve.logprobs import chat_logprobs, completion_logprobs, merge_completion
 from kvpool.serve.protocol import (
     SSE_DONE,
@@ -75,7 +77,7 @@ async def _deltas(proxy: Proxy, c: Choice) -> AsyncIterator[tuple[str, str | Non
     yield text.flush(), c.run.finish_reason or "stop"
 
 
-def _usage(prep: PreparedRequest, choices: list[Choice]) -> dict[str, Any]:
+def usage_of(prep: PreparedRequest, choices: list[Choice]) -> dict[str, Any]:
     """Prompt tokens once per prompt (its first choice's reuse), output tokens of every
     choice."""
     cached = {c.job.prompt_index: c.run.cached_len for c in reversed(choices)}
@@ -114,7 +116,7 @@ async def full_body(proxy: Proxy, prep: PreparedRequest, choices: list[Choice]) 
         lp = _logprobs(proxy, prep, c, c.text.num_tokens, prep.echo)
         bodies.append(choice_body(prep.kind, c.job.index, echo + "".join(c.parts), c.finish, lp))
     body = full_response(prep.kind, prep.request_id, proxy.model_name, bodies,
-                         _usage(prep, choices))
+                         usage_of(prep, choices))
     return body | _trace(prep, choices)
 
 
@@ -131,9 +133,7 @@ async def _all(aws: Iterable[Awaitable[T]]) -> list[T]:
     try:
         return list(await asyncio.gather(*tasks))
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(*tasks)
 
 
 def _trace(prep: PreparedRequest, choices: list[Choice]) -> dict[str, Any]:
@@ -144,18 +144,20 @@ def _trace(prep: PreparedRequest, choices: list[Choice]) -> dict[str, Any]:
                                      run.recv_t, run.kv_bytes_moved)}
 
 
-async def sse_stream(proxy: Proxy, prep: PreparedRequest,
-                     choices: list[Choice]) -> AsyncIterator[bytes]:
+async def sse_stream(proxy: Proxy, prep: PreparedRequest, choices: list[Choice],
+                     acc: Access | None = None) -> AsyncIterator[bytes]:
     try:
         async for event in _merged([_choice_events(proxy, prep, c) for c in choices]):
             yield event
     except WorkerCallError as exc:
-        yield ApiError(502, str(exc), "worker_error", "worker_failed").sse()
+        if acc is not None:
+            acc.note = "worker_failed"
+        yield worker_failed(str(exc)).sse()
         yield SSE_DONE
         return
     if prep.include_usage or prep.trace:
         yield sse(usage_chunk(prep.kind, prep.request_id, proxy.model_name,
-                              _usage(prep, choices)) | _trace(prep, choices))
+                              usage_of(prep, choices)) | _trace(prep, choices))
     yield SSE_DONE
 
 
@@ -201,6 +203,4 @@ async def _merged(streams: list[AsyncIterator[bytes]]) -> AsyncIterator[bytes]:
                     raise item
                 yield item
     finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_and_wait(*tasks)

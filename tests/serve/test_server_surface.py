@@ -1,0 +1,109 @@
+"""vLLM's server surface on the proxy (/tokenize, /detokenize, /v1/models/{id}, /version),
+OpenAI-shaped errors on every route, the access log, and a client that goes away mid-stream:
+one log line, no traceback. A second real proxy over the session's workers, its stderr kept."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from kvpool.serve.launch import ServingCluster
+from kvpool.serve.tokenizer import ModelTokenizer
+from tests.serve.test_proxy_live import client
+from tests.support.net import free_port
+from tests.support.procs import python_env, stop
+
+
+@pytest.fixture(scope="module")
+def proxy(cluster: ServingCluster, tmp_path_factory: pytest.TempPathFactory
+          ) -> Iterator[tuple[str, Path]]:
+    log = tmp_path_factory.mktemp("proxy") / "stderr.log"
+    port = free_port()
+    args = [sys.executable, "-m", "kvpool", "--log-level", "WARNING", "proxy", "--model",
+            str(cluster.model_dir), "--port", str(port), "--served-model-name", "served-name",
+            "--prefill", cluster.worker_urls["prefill"][0],
+            "--decode", cluster.worker_urls["decode"][0]]
+    with log.open("wb") as err:
+        proc = subprocess.Popen(args, stderr=err, env=python_env())
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        yield url, log
+    finally:
+        stop(proc)
+
+
+def test_tokenize_and_detokenize(proxy: tuple[str, Path], cluster: ServingCluster) -> None:
+    url, _ = proxy
+    tok = ModelTokenizer(cluster.model_dir)
+    got = httpx.post(url + "/tokenize", json={"prompt": "the pool"}).json()
+    assert got["tokens"] == tok.encode("the pool") and got["count"] == len(got["tokens"])
+    assert got["max_model_len"] > 0
+    chat = httpx.post(url + "/tokenize", json={"model": "served-name", "messages": [
+        {"role": "user", "content": "hi"}]}).json()
+    assert chat["tokens"] == tok.encode_chat([{"role": "user", "content": "hi"}])
+    back = httpx.post(url + "/detokenize", json={"tokens": got["tokens"]}).json()
+    assert back == {"prompt": tok.decode(got["tokens"])}
+    both = httpx.post(url + "/tokenize", json={"prompt": "a", "messages": []})
+    assert both.status_code == 400 and "exactly one" in both.json()["error"]["message"]
+    bad = httpx.post(url + "/detokenize", json={"tokens": [10**9]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    other = httpx.post(url + "/tokenize", json={"model": "nope", "prompt": "a"})
+    assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
+
+
+def test_models_version_and_errors_in_openai_shape(proxy: tuple[str, Path]) -> None:
+    url, _ = proxy
+    one = client(url).models.retrieve("served-name")
+    assert one.id == "served-name" and one.object == "model"
+    with pytest.raises(openai.NotFoundError):
+        client(url).models.retrieve("another")
+    assert httpx.get(url + "/version").json()["version"]
+    for method, path, status in (("GET", "/v1/nothing", 404), ("GET", "/v1/completions", 405)):
+        r = httpx.request(method, url + path)
+        err = r.json()["error"]
+        assert r.status_code == status and path in err["message"] and err["type"], r.text
+    out = client(url).completions.create(model="served-name", prompt="x", max_tokens=2)
+    assert out.model == "served-name"
+
+
+def test_access_log_and_a_client_that_goes_away(proxy: tuple[str, Path],
+                                                cluster: ServingCluster) -> None:
+    url, log = proxy
+    client(url).completions.create(model="served-name", prompt="the pool", max_tokens=3,
+                                   temperature=0, extra_body={"ignore_eos": True})
+    httpx.post(url + "/v1/completions", json={"model": "served-name", "prompt": "x", "n": 0})
+    body = {"model": "served-name", "prompt": "a long one", "max_tokens": 400, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i >= 4:
+                break  # and close the connection mid-stream
+    deadline = time.monotonic() + 20
+    while "client gone" not in log.read_text():
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.2)
+    text = log.read_text()
+    assert "POST /v1/completions 200 prompt=" in text and "output=3" in text
+    assert "POST /v1/completions 400 prompt=0" in text
+    assert "Traceback" not in text, text
+    # the abandoned request is not decoding on: the decode worker drains
+    decode = cluster.worker_urls["decode"][0]
+    while httpx.get(decode + "/load", timeout=10).json()["num_running"]:
+        assert time.monotonic() < deadline + 20, "the abandoned request kept decoding"
+        time.sleep(0.1)
