@@ -184,3 +184,24 @@ def test_bench_engine_writes_a_profile_of_the_real_engine(tmp_path: Path) -> Non
     engine = EmulatedEngine(profile, EngineConfig(block_size=16, num_blocks=64),
                             ordinary_vocab(512), root_hash=1, kv_scale=1.0)
     assert engine.cache.token_bytes == c.kv_bytes_per_token  # full scale: the real layout size
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(logprobs=0), SamplingParams(prompt_logprobs=1),
+    SamplingParams(logit_bias={5: 1.0}), SamplingParams(presence_penalty=0.5),
+    SamplingParams(repetition_penalty=1.1)])
+def test_what_needs_logits_is_refused_not_ignored(params: SamplingParams) -> None:
+    from kvpool.errors import InvalidArgument
+    with pytest.raises(InvalidArgument, match="emulated engine computes no logits"):
+        engine().add_request("r", PROMPTS[1], params)
+
+
+def test_min_tokens_holds_off_eos() -> None:
+    e = engine()
+    first = e.generate([PROMPTS[1]], SamplingParams(max_tokens=1, ignore_eos=True))[0][0]
+    e2 = engine()
+    stopped = e2.generate([PROMPTS[1]], SamplingParams(max_tokens=6, stop_token_ids=(first,)))
+    assert stopped[0] == [first]
+    held = engine().generate([PROMPTS[1]], SamplingParams(max_tokens=6, min_tokens=3,
+                                                          stop_token_ids=(first,)))
+    assert len(held[0]) >= 3

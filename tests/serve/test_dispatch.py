@@ -80,3 +80,24 @@ def test_the_none_baseline_can_refuse_at_decode(vclock: VirtualClock) -> None:
     early = dispatcher(vclock, tbt_slo_s=0.01)
     with pytest.raises(ApiError, match="TBT objective"):
         early.schedule(list(range(8)), 2)  # early rejection refuses before any work
+
+
+def test_a_request_no_wait_can_help_is_a_400_without_retry_after(vclock: VirtualClock) -> None:
+    d = dispatcher(vclock, ttft_slo_s=0.1)  # a prefill alone is predicted at 0.2 s
+    with pytest.raises(ApiError) as exc:
+        d.schedule(list(range(8)), 4)  # on an idle cluster
+    assert exc.value.status == 400 and exc.value.code == "slo_unreachable"
+    assert not exc.value.headers and "0.200 s" in exc.value.message
+
+
+def test_the_relative_slo_holds_each_request_to_its_own_unloaded_ttft(
+        vclock: VirtualClock) -> None:
+    d = dispatcher(vclock, ttft_slo_s=0.1, ttft_slo_relative=2.5)  # 2.5 x 0.2 s = 0.5 s
+    first = d.schedule(list(range(8)), 4)  # alone: 0.2 s <= 0.5 s, whatever ttft_slo_s says
+    second = d.schedule(list(range(8)), 4)  # behind one: 0.4 s
+    assert first.alone and not second.alone
+    with pytest.raises(ApiError) as exc:
+        d.schedule(list(range(8)), 4)  # behind two: 0.6 s > 0.5 s, and waiting helps
+    assert exc.value.status == 429 and exc.value.headers == {"Retry-After": "1"}
+    with pytest.raises(ValueError, match="ttft_slo_relative must be > 1"):
+        dispatcher(vclock, ttft_slo_relative=0.5)

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.bench.trace_prompts import TRACE_BLOCK_TOKENS, BenchRequest, block_ids, pct
+from kvpool.serve.errors import REJECTED, refusal_reason
 
 __all__ = ["TRACE_BLOCK_TOKENS", "BenchRequest", "BenchResult", "block_ids", "pct"]
 
@@ -96,9 +97,9 @@ async def _one(client: Any, url: str, model: str, req: BenchRequest) -> BenchRes
         res.status = resp.status_code
         if resp.status_code != 200:
             raw = await resp.aread()
-            if resp.status_code == 429:
-                code = str(json.loads(raw)["error"].get("code") or "")
-                res.reason = code.removeprefix("rejected_")
+            reason = refusal_reason(resp.status_code, json.loads(raw))
+            if reason is not None:  # counted as rejected, as the simulator counts it
+                res.status, res.reason = REJECTED, reason
             return res
         async for line in resp.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":

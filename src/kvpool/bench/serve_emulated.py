@@ -33,6 +33,7 @@ from kvpool.bench.trace_prompts import TRACE_BLOCK_TOKENS, block_ids, pct
 from kvpool.conductor.cost import CostModel
 from kvpool.engine.emulated.kvbytes import expected_output, ordinary_vocab
 from kvpool.engine.emulated.profile import EngineProfile, load_profile, scaled_cost
+from kvpool.serve.errors import REJECTED, refusal_reason
 from kvpool.serve.launch import EMULATED_MAX_MODEL_LEN
 from kvpool.sim.record import top_share_mean
 from kvpool.sim.trace import TraceRequest, load_trace
@@ -121,8 +122,9 @@ async def _send(client: Any, url: str, model: str, s: Sent, start_t: float, spee
     s.done_t = time.monotonic()
     s.status = resp.status_code
     s.body = resp.json()
-    if resp.status_code == 429:
-        s.reason = str(s.body.get("error", {}).get("code") or "").removeprefix("rejected_")
+    reason = refusal_reason(resp.status_code, s.body)
+    if reason is not None:  # counted as rejected, as the simulator counts it
+        s.status, s.reason = REJECTED, reason
 
 
 async def replay(url: str, model: str, sent: list[Sent], speed_up: float) -> float:

@@ -49,6 +49,9 @@ def add_slo_args(p: argparse.ArgumentParser, ttft_s: float, tbt_s: float) -> Non
                    help=f"TTFT objective, seconds (default {ttft_s:g})")
     p.add_argument("--tbt-slo-s", "--tbt-slo", dest="tbt_slo", type=float, default=tbt_s,
                    help=f"TBT objective, seconds (default {tbt_s:g})")
+    p.add_argument("--ttft-slo-relative", type=float, default=None, metavar="K",
+                   help="each request's TTFT limit is K x its own unloaded TTFT (instead of "
+                        "--ttft-slo-s)")
 
 
 def config_from_args(args: argparse.Namespace) -> ProxyConfig:
@@ -60,6 +63,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         prefill_urls=tuple(args.prefill), decode_urls=tuple(args.decode),
         prefill_policy=args.prefill_policy, admission=args.admission,
         ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
+        ttft_slo_relative=args.ttft_slo_relative,
         decode_horizon_s=args.decode_horizon, cost_path=args.cost, fit_cost=args.fit_cost,
         kv_transfer=args.kv_transfer, poll_interval_s=args.poll_interval,
         token=args.token or env_token(), access_log=args.access_log)

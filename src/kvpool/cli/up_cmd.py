@@ -60,6 +60,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="the proxy's TTFT objective, seconds (default: kvpool proxy's)")
     p.add_argument("--tbt-slo-s", dest="tbt_slo", type=float, default=None,
                    help="the proxy's TBT objective, seconds (default: kvpool proxy's)")
+    p.add_argument("--ttft-slo-relative", type=float, default=None, metavar="K",
+                   help="each request's TTFT limit is K x its own unloaded TTFT")
     p.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
     p.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
     p.add_argument("--colocated", type=int, default=0,
@@ -142,7 +144,8 @@ def _run_serving(args: argparse.Namespace) -> int:
             proxy_args += extra
         else:
             proxy_args += ("--fit-cost",)
-        proxy_args += _given(args, "served_model_name", "ttft_slo", "tbt_slo")
+        proxy_args += _given(args, "served_model_name", "ttft_slo", "tbt_slo",
+                             "ttft_slo_relative")
         if args.demo:
             proxy_args += ("--no-access-log",)  # the demo prints its own lines
         worker_args += _given(args, "dtype", "max_model_len", "num_blocks", "block_size")

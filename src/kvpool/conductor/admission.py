@@ -39,6 +39,14 @@ class _Base:
         self.cost = cost
         self.config = config
 
+    def ttft_limit_s(self, prefill: PrefillChoice) -> float:
+        k = self.config.ttft_slo_relative
+        return self.config.ttft_slo_s if k is None else k * prefill.unloaded_ttft_s
+
+    def prefill_load(self, prefill: PrefillChoice) -> float:
+        limit = self.ttft_limit_s(prefill)
+        return prefill.ttft_s / limit if limit > 0 else 0.0
+
     def decode_load(self, tbt_s: float, tokens: int, capacity: int) -> float:
         return max(tbt_s / self.config.tbt_slo_s, tokens / capacity if capacity else 0.0)
 
@@ -50,7 +58,8 @@ class _Base:
             reason = "ttft"
         else:
             reason = "tbt" if tbt_s > self.config.tbt_slo_s else "kv_capacity"
-        return Rejected(reason, stage, prefill.ttft_s, tbt_s, p_load, d_load)
+        return Rejected(reason, stage, prefill.ttft_s, tbt_s, p_load, d_load,
+                        prefill.unloaded_ttft_s, self.ttft_limit_s(prefill))
 
     def at_decode(self, req: RequestInfo, d: DecodeLoad, num_running: int,
                   running_tokens: int) -> Rejected | None:
@@ -61,7 +70,7 @@ class NoAdmission(_Base):
     def at_arrival(self, req: RequestInfo, prefill: PrefillChoice, decode: DecodeChoice | None,
                    view: ClusterView, now: float) -> Rejected | None:
         tbt = decode.tbt_s if decode is not None else 0.0
-        return self._verdict(prefill, tbt, prefill.ttft_s / self.config.ttft_slo_s, 0.0)
+        return self._verdict(prefill, tbt, self.prefill_load(prefill), 0.0)
 
     def at_decode(self, req: RequestInfo, d: DecodeLoad, num_running: int,
                   running_tokens: int) -> Rejected | None:
@@ -81,7 +90,7 @@ class _EarlyBase(_Base):
 
     def at_arrival(self, req: RequestInfo, prefill: PrefillChoice, decode: DecodeChoice | None,
                    view: ClusterView, now: float) -> Rejected | None:
-        p_load = prefill.ttft_s / self.config.ttft_slo_s
+        p_load = self.prefill_load(prefill)
         if decode is None:
             return self._verdict(prefill, 0.0, p_load, 0.0)
         d = view.decode[decode.instance_id]

@@ -15,6 +15,10 @@ class ConductorConfig:
     admission: str = "early_rejection"
     """Name in ADMISSION_POLICIES: none, early_rejection, early_rejection_predicted."""
     ttft_slo_s: float = 30.0
+    ttft_slo_relative: float | None = None
+    """With a value k: each request's TTFT limit is k x its own unloaded TTFT (its transfer and
+    prefill with no queue; the relative SLO of the arXiv paper, section 2) instead of
+    `ttft_slo_s`, so a long prompt is never refused for its own length."""
     """TTFT limit l_ttft ([F] 5.1: 30 s)."""
     tbt_slo_s: float = 0.1
     """TBT limit l_tbt ([F] Threshold I: 100 ms)."""
@@ -30,6 +34,8 @@ class ConductorConfig:
     """Seed of the random policy."""
 
     def __post_init__(self) -> None:
+        if self.ttft_slo_relative is not None and self.ttft_slo_relative <= 1:
+            raise ConfigError(f"ttft_slo_relative must be > 1, got {self.ttft_slo_relative}")
         if self.ttft_slo_s <= 0 or self.tbt_slo_s <= 0:
             raise ConfigError(
                 f"SLOs must be > 0, got ttft_slo_s={self.ttft_slo_s} tbt_slo_s={self.tbt_slo_s}")

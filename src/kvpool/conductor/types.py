@@ -36,6 +36,11 @@ class PrefillChoice:
         return self.queue_s + self.transfer_s + self.prefill_s
 
     @property
+    def unloaded_ttft_s(self) -> float:
+        """The TTFT without the queue."""
+        return self.transfer_s + self.prefill_s
+
+    @property
     def transfer_len(self) -> int:
         return self.prefix_len - self.local_prefix_len
 
@@ -76,6 +81,11 @@ class Rejected:
     predicted_tbt_s: float
     prefill_load: float
     decode_load: float
+    unloaded_ttft_s: float = 0.0
+    """The request's own TTFT on an idle instance (transfer + prefill): above the TTFT limit,
+    no wait helps."""
+    ttft_limit_s: float = 0.0
+    """The TTFT limit it was held to (the absolute SLO, or the relative one's value)."""
 
 
 Decision = Accepted | Rejected

@@ -26,6 +26,8 @@ class ProxyConfig:
     admission: str = "early_rejection_predicted"
     """A name in kvpool.conductor.ADMISSION_POLICIES."""
     ttft_slo_s: float = 30.0
+    ttft_slo_relative: float | None = None
+    """k: each request's TTFT limit is k x its own unloaded TTFT instead of ttft_slo_s."""
     tbt_slo_s: float = 0.1
     decode_horizon_s: float = 10.0
     """t_d of predicted early rejection: how long a request is assumed to decode. The

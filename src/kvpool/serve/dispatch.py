@@ -44,7 +44,7 @@ from kvpool.errors import WorkerCallError
 from kvpool.serve.cancel import cancel_and_wait
 from kvpool.serve.cluster import Booking, LiveCluster, WorkerState
 from kvpool.serve.config import ProxyConfig
-from kvpool.serve.errors import no_workers, rejected
+from kvpool.serve.errors import no_workers, rejected, slo_unreachable
 from kvpool.serve.metrics import ProxyMetrics
 from kvpool.serve.samples import MeasuredSamples
 from kvpool.serve.worker_client import WorkerClient
@@ -67,6 +67,7 @@ class Dispatcher:
         self.conductor_config = ConductorConfig(
             prefill_policy=config.prefill_policy, admission=config.admission,
             ttft_slo_s=config.ttft_slo_s, tbt_slo_s=config.tbt_slo_s,
+            ttft_slo_relative=config.ttft_slo_relative,
             decode_horizon_s=config.decode_horizon_s)
         self.conductor = Conductor(self.conductor_config, cost, clock)  # checks the names now
         self._ids = itertools.count(1)
@@ -93,6 +94,8 @@ class Dispatcher:
         decision = self._conductor_for(ref.block_size).schedule(req, view, now)
         if isinstance(decision, Rejected):
             self.metrics.rejections.labels(decision.reason, decision.stage).inc()
+            if decision.reason == "ttft" and decision.unloaded_ttft_s > decision.ttft_limit_s:
+                raise slo_unreachable(decision.unloaded_ttft_s, decision.ttft_limit_s)
             raise rejected(decision.reason, decision.predicted_ttft_s, decision.predicted_tbt_s,
                            self._retry_after_s(decision))
         return self.cluster.book(req, self.cluster.colocate(decision), now)
@@ -108,7 +111,7 @@ class Dispatcher:
 
     def _retry_after_s(self, r: Rejected) -> int:
         if r.reason == "ttft":
-            return max(1, min(60, math.ceil(r.predicted_ttft_s - self.config.ttft_slo_s)))
+            return max(1, min(60, math.ceil(r.predicted_ttft_s - r.ttft_limit_s)))
         return 1
 
     def learn(self, booking: Booking, prefix_len: int, prefill_s: float) -> None:

@@ -65,3 +65,29 @@ def rejected(reason: str, predicted_ttft_s: float, predicted_tbt_s: float,
         f"retry after {retry_after_s} s",
         type="rate_limit_exceeded", code=f"rejected_{reason}",
         headers={"Retry-After": str(retry_after_s)})
+
+
+def slo_unreachable(unloaded_ttft_s: float, limit_s: float) -> ApiError:
+    """The request alone, on an idle prefill worker, would miss the TTFT objective: waiting
+    cannot help, so no Retry-After (a 400, not a 429)."""
+    return ApiError(
+        400, f"this request cannot meet the TTFT objective on this cluster: its prefill alone "
+        f"is predicted to take {unloaded_ttft_s:.3f} s, over the {limit_s:.3f} s limit; send a "
+        "shorter prompt, or run the proxy with a larger --ttft-slo-s or a relative "
+        "--ttft-slo-relative", code="slo_unreachable", param="messages")
+
+
+REJECTED = 429
+"""How the benchmarks file an admission refusal, whichever status it came with."""
+
+
+def refusal_reason(status: int, body: object) -> str | None:
+    """The admission's reason (ttft, tbt, kv_capacity) if a reply is an admission refusal: a
+    429 `rejected_<reason>`, or the 400 `slo_unreachable` (a TTFT refusal no wait helps)."""
+    err = body.get("error") if isinstance(body, dict) else None
+    code = str(err.get("code") or "") if isinstance(err, dict) else ""
+    if status == 429 and code.startswith("rejected_"):
+        return code.removeprefix("rejected_")
+    if status == 400 and code == "slo_unreachable":
+        return "ttft"
+    return None
