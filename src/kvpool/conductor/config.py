@@ -15,10 +15,6 @@ class ConductorConfig:
     admission: str = "early_rejection"
     """Name in ADMISSION_POLICIES: none, early_rejection, early_rejection_predicted."""
     ttft_slo_s: float = 30.0
-    ttft_slo_relative: float | None = None
-    """With a value k: each request's TTFT limit is k x its own unloaded TTFT (its transfer and
-    prefill with no queue; the relative SLO of the arXiv paper, section 2) instead of
-    `ttft_slo_s`, so a long prompt is never refused for its own length."""
     """TTFT limit l_ttft ([F] 5.1: 30 s)."""
     tbt_slo_s: float = 0.1
     """TBT limit l_tbt ([F] Threshold I: 100 ms)."""
@@ -32,6 +28,10 @@ class ConductorConfig:
     the conversation trace's mean output (343 tokens) at ~30 ms per step."""
     seed: int = 0
     """Seed of the random policy."""
+    ttft_slo_relative: float | None = None
+    """With a value k: each request's TTFT limit is k x its own unloaded TTFT (its transfer and
+    prefill with no queue; the relative SLO of the arXiv paper, section 2) instead of
+    `ttft_slo_s`, so a long prompt is never refused for its own length."""
 
     def __post_init__(self) -> None:
         if self.ttft_slo_relative is not None and self.ttft_slo_relative <= 1:

@@ -26,8 +26,6 @@ class ProxyConfig:
     admission: str = "early_rejection_predicted"
     """A name in kvpool.conductor.ADMISSION_POLICIES."""
     ttft_slo_s: float = 30.0
-    ttft_slo_relative: float | None = None
-    """k: each request's TTFT limit is k x its own unloaded TTFT instead of ttft_slo_s."""
     tbt_slo_s: float = 0.1
     decode_horizon_s: float = 10.0
     """t_d of predicted early rejection: how long a request is assumed to decode. The
@@ -51,6 +49,8 @@ class ProxyConfig:
     """Bearer token sent to workers (their --token / KVPOOL_TOKEN)."""
     access_log: bool = True
     """One line per request on the `kvpool.serve.access` logger (serve/access.py)."""
+    ttft_slo_relative: float | None = None
+    """k: each request's TTFT limit is k x its own unloaded TTFT instead of ttft_slo_s."""
 
     def __post_init__(self) -> None:
         if self.kv_transfer not in KV_TRANSFER_MODES:
