@@ -42,7 +42,7 @@ def test_revoke_frees_space(core: MasterCore) -> None:
     assert core.used_bytes == 5056
     assert core.put_revoke("w", ["k"]) == [E.OK]
     assert core.put_revoke("w", ["k"]) == [E.OBJECT_NOT_FOUND]
-    assert core.used_bytes == 0 and core.pending == {}
+    assert core.used_bytes == 0 and len(core.pending) == 0
     core.check_integrity()
 
 
@@ -93,7 +93,7 @@ def test_stale_pending_put_is_discarded(core: MasterCore, vclock: VirtualClock) 
     live_for(core, vclock, 29)
     assert "k" in core.pending
     live_for(core, vclock, 2)
-    assert core.pending == {} and core.stats.discarded_puts == 1
+    assert len(core.pending) == 0 and core.stats.discarded_puts == 1
     assert core.put_end("w", ["k"]) == [E.OBJECT_NOT_FOUND]
     assert core.used_bytes == 64          # its writer may still be copying: not reused yet
     core.check_integrity()
@@ -282,7 +282,7 @@ def test_ranges_a_late_writer_may_hold_survive_a_remount(vclock: VirtualClock) -
     (started,) = core.put_start("w", ["a"], [KIB])
     assert put(core, "b", KIB) == E.OK
     live_for(core, vclock, 11, ("w",))             # c0 (the node) stalls and is expired
-    assert len(core.segments) == 0 and core.pending == {}
+    assert len(core.segments) == 0 and len(core.pending) == 0
     code, sid = core.mount_segment("c0", "127.0.0.1:9000", 0x10000, 4 * KIB)
     assert code == E.OK
     assert core.used_bytes == KIB                  # a's range is still held, b's is free
@@ -290,7 +290,7 @@ def test_ranges_a_late_writer_may_hold_survive_a_remount(vclock: VirtualClock) -
     assert again.code == E.OK and started.replicas[0].addr not in {r.addr for r in again.replicas}
     core.check_integrity()
     live_for(core, vclock, 600, ("w", "c0"))
-    assert core.used_bytes == 3 * KIB and core._quarantine == {}
+    assert core.used_bytes == 3 * KIB and core.space.num_quarantined() == 0
     core.check_integrity()
 
 
@@ -306,6 +306,6 @@ def test_a_new_fence_starts_the_memory_empty(vclock: VirtualClock) -> None:
     assert core.get_replicas(["b"])[0].code == E.OK           # the same mount: idempotent
     assert core.mount_segment("n", "127.0.0.1:9000", 0x10000, 4 * KIB, fence=12)[0] == E.OK
     assert core.get_replicas(["b"])[0].code == E.OBJECT_NOT_FOUND
-    assert core.pending == {} and core.used_bytes == 0         # old writers are fenced out
+    assert len(core.pending) == 0 and core.used_bytes == 0         # old writers are fenced out
     assert core.mount_segment("n", "h:1", 0, KIB, fence=1 << 64)[0] == E.INVALID_PARAMS
     core.check_integrity()

@@ -15,12 +15,12 @@ from kvpool.store.wire.codes import ErrorCode, PutStartResult, ReplicaDesc, Repl
 from kvpool.store.wire.validate import valid_key, valid_size
 
 if TYPE_CHECKING:
-    from kvpool.store.master.core import MasterCore
+    from kvpool.store.master.core_api import CoreApi
 
 _new = tuple.__new__
 
 
-def put_start_run(core: MasterCore, client_id: str, keys: Sequence[str],
+def put_start_run(core: CoreApi, client_id: str, keys: Sequence[str],
                   sizes: Sequence[int], config: ReplicateConfig, upsert: bool,
                   now: float) -> list[PutStartResult] | None:
     """Fast path of a single-replica batch: every new key in one contiguous run on one
@@ -42,9 +42,8 @@ def put_start_run(core: MasterCore, client_id: str, keys: Sequence[str],
     out = []
     for key, size, offset in zip(keys, sizes, offsets, strict=True):
         replicas = [_new(Replica, (seg, offset, size))]
-        core.pending[key] = _new(PendingPut, (key, size, replicas, client_id, now, upsert,
-                                              config.with_hard_pin, config.with_soft_pin))
-        seg.pending_keys.add(key)
+        core.pending.add(_new(PendingPut, (key, size, replicas, client_id, now, upsert,
+                                           config.with_hard_pin, config.with_soft_pin)))
         desc = _new(ReplicaDesc, (seg.segment_id, seg.endpoint, seg.base_addr + offset,
                                   size, seg.tier, ReplicaState.PENDING, seg.fence))
         out.append(_new(PutStartResult, (ErrorCode.OK, (desc,))))

@@ -1,16 +1,22 @@
-"""The master's integrity check: every table agrees with the others and the allocators."""
+"""The master's integrity check: every table checks itself, then all of them are checked
+against each other and against the allocators."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvpool.store.master.core import MasterCore
+    from kvpool.store.master.core_api import CoreApi
+    from kvpool.store.master.drain import DrainManager
+    from kvpool.store.master.state import Replica
+    from kvpool.store.master.tier_state import TierState
 
 
-def check_master(core: MasterCore) -> None:
+def check_master(core: CoreApi, tiering: TierState, drain: DrainManager) -> None:
     core.objects.check_integrity()
     core.segments.check_integrity()
+    core.pending.check_integrity()
+    core.space.check_integrity()
     expected: dict[str, dict[int, int]] = {sid: {} for sid in core.segments}
     for key, obj in core.objects.items():
         assert key not in core.pending or core.pending[key].upsert, \
@@ -18,15 +24,13 @@ def check_master(core: MasterCore) -> None:
         _collect(core, key, obj.replicas, expected)
     for key, put in core.pending.items():
         _collect(core, key, put.replicas, expected)
-        for r in put.replicas:
-            assert key in r.segment.pending_keys, f"pending {key!r} not indexed"
-    for seg, offset, size in core.tiering.held_ranges():
+    for seg, offset, size in tiering.held_ranges():
         assert offset not in expected[seg.segment_id], f"task range {offset} also used"
         expected[seg.segment_id][offset] = size
-    core.drain.check()
-    for target in core.drain.target_ranges():
+    drain.check()
+    for target in drain.target_ranges():
         _collect(core, "a move", [target], expected)
-    for _, seg, offset in core._deferred:
+    for seg, offset in core.space.deferred_ranges():
         if core.segments.get(seg.segment_id) is seg:
             expected[seg.segment_id][offset] = seg.allocator.rounded(1)  # size checked below
     for sid, seg in core.segments.items():
@@ -37,11 +41,14 @@ def check_master(core: MasterCore) -> None:
             f"{sorted(expected[sid])}")
         for key in seg.keys:
             assert key in core.objects, f"{sid} lists removed key {key!r}"
+        for key in seg.pending_keys:
+            assert key in core.pending, f"{sid} lists ended put {key!r}"
         assert seg.client_id in core.clients, f"{sid} belongs to unknown client"
-    core.tiering.check_integrity()
+    tiering.check_integrity()
 
 
-def _collect(core: MasterCore, key: str, replicas: list, expected: dict) -> None:  # type: ignore[type-arg]
+def _collect(core: CoreApi, key: str, replicas: list[Replica],
+             expected: dict[str, dict[int, int]]) -> None:
     seen = set()
     for r in replicas:
         sid = r.segment.segment_id

@@ -19,7 +19,9 @@ from kvpool.store.master import batch as master_batch
 from kvpool.store.master.drain import DrainManager
 from kvpool.store.master.evict import Evictor
 from kvpool.store.master.eviction import create_eviction_policy
+from kvpool.store.master.pending import PendingPuts
 from kvpool.store.master.placement import create_placement, pick_segments
+from kvpool.store.master.space import FreeSpace
 from kvpool.store.master.state import ClientState, PendingPut, Replica, Segment, StoredObject
 from kvpool.store.master.tables import ObjectTable, SegmentTable
 from kvpool.store.master.tiering import Tiering
@@ -35,7 +37,7 @@ from kvpool.store.wire.codes import (
 from kvpool.store.wire.validate import valid_key, valid_size
 
 if TYPE_CHECKING:
-    from kvpool.store.master.persist import Journal
+    from kvpool.store.master.core_api import JournalHooks
 
 E = ErrorCode
 _new = tuple.__new__  # builds a NamedTuple without its Python-level __new__ (hot paths)
@@ -60,22 +62,19 @@ class MasterCore:
         self.clock = clock
         self.policy = create_eviction_policy(self.config.eviction_policy)
         self.objects = ObjectTable(self.policy)
-        self.evictor = Evictor(self)
-        self.pending: dict[str, PendingPut] = {}
+        self.pending = PendingPuts()
         self.segments = SegmentTable()
+        self.space = FreeSpace(self.segments, clock)
+        """Deferred releases and the quarantine of dropped segments (space.py)."""
         self.clients: dict[str, ClientState] = {}
         self.placement = create_placement(self.config.allocation_strategy, self.config.seed)
         self.stats = MasterStats()
-        self._deferred: list[tuple[float, Segment, int]] = []  # (free at, segment, offset)
-        self._quarantine: dict[str, tuple[int, list[tuple[float, int, int]]]] = {}
-        """Dropped segment id -> (its fence, [(free at, offset, size)]): ranges a late
-        writer or reader may still touch, held again if the same memory comes back under
-        the same fence (with a new fence the owner refuses those transfers itself)."""
         self._last_tick = clock.now()
-        self.journal: Journal | None = None
+        self.journal: JournalHooks | None = None
         """Persistence (persist.py): told of every durable change, and of each tick."""
         self.tiering = Tiering(self)
         """The disk tier (tiering.py): inert until a node attaches one."""
+        self.evictor = Evictor(self, self.tiering)
         self.drain = DrainManager(self)
         """Drains of store nodes and their moves in flight (drain.py)."""
 
@@ -91,7 +90,8 @@ class MasterCore:
         client.last_seen = self.clock.now()
         return E.OK
 
-    def _touch_client(self, client_id: str) -> ClientState:
+    def touch_client(self, client_id: str) -> ClientState:
+        """The client's state (registered now if unknown), marked alive now."""
         client = self.clients.get(client_id)
         if client is None:
             client = self.clients[client_id] = ClientState(client_id, self.clock.now())
@@ -115,26 +115,15 @@ class MasterCore:
                     and existing.fence == fence:
                 return E.OK, segment_id
             self._drop_segment(existing)  # a restarted process, or a new fence: start empty
-        client = self._touch_client(client_id)
+        client = self.touch_client(client_id)
         seg = Segment(segment_id, client_id, endpoint, base_addr,
                       OffsetAllocator(size, self.config.alignment), tier, fence)
-        self._hold_quarantined(seg)
+        self.space.hold_quarantined(seg)
         self.segments.add(seg)
         client.segment_ids.add(segment_id)
         if self.journal is not None:
             self.journal.on_mount(self, seg)
         return E.OK, segment_id
-
-    def _hold_quarantined(self, seg: Segment) -> None:
-        """Keep ranges of the dropped mount of the same memory allocated until their
-        release time, unless the owner changed its fence (then nobody can write them)."""
-        fence, ranges = self._quarantine.pop(seg.segment_id, (0, []))
-        if fence != seg.fence and fence and seg.fence:
-            return
-        now = self.clock.now()
-        for release_at, offset, size in ranges:
-            if release_at > now and seg.allocator.reserve(offset, size):
-                self._deferred.append((release_at, seg, offset))
 
     def unmount_segment(self, client_id: str, segment_id: str) -> ErrorCode:
         seg = self.segments.get(segment_id)
@@ -158,11 +147,7 @@ class MasterCore:
         for key in list(seg.pending_keys):
             self._revoke(self.pending[key], by_master=True)
         self.objects.drop_segment(seg)
-        held = [(at, offset, seg.allocator.allocated_ranges()[offset])
-                for at, s, offset in self._deferred if s is seg]
-        if held:
-            self._quarantine[seg.segment_id] = (seg.fence, held)
-        self._deferred = [d for d in self._deferred if d[1] is not seg]
+        self.space.quarantine(seg)
         self.tiering.after_segment_dropped(seg)
 
     def expire_clients(self) -> list[str]:
@@ -172,7 +157,7 @@ class MasterCore:
         for client in dead:
             for segment_id in list(client.segment_ids):
                 self._drop_segment(self.segments[segment_id])
-            for put in [p for p in self.pending.values() if p.client_id == client.client_id]:
+            for put in self.pending.of_client(client.client_id):
                 self._revoke(put, by_master=True)
             del self.clients[client.client_id]
         self.stats.expired_clients += len(dead)
@@ -188,7 +173,7 @@ class MasterCore:
         and changes nothing."""
         if len(keys) != len(sizes) or config.replica_num > self.config.max_replicas:
             return [PutStartResult(E.INVALID_PARAMS)] * len(keys)
-        self._touch_client(client_id)
+        self.touch_client(client_id)
         preferred = ([config.preferred_segment] if config.preferred_segment else []) \
             + list(config.preferred_segments)
         now = self.clock.now()
@@ -196,36 +181,42 @@ class MasterCore:
             run = master_batch.put_start_run(self, client_id, keys, sizes, config, upsert, now)
             if run is not None:
                 return run
-        return [self._put_start_one(client_id, k, s, config, upsert, preferred, now)
+        return [self.put_start_one(client_id, k, s, config, upsert, preferred, now)
                 for k, s in zip(keys, sizes, strict=True)]
 
-    def _put_start_one(self, client_id: str, key: str, size: int, config: ReplicateConfig,
-                       upsert: bool, preferred: list[str], now: float,
-                       reserved: bool = False) -> PutStartResult:
-        """`reserved`: `key` is a reservation token (master/reserve.py), not a user key."""
+    def put_start_one(self, client_id: str, key: str, size: int, config: ReplicateConfig,
+                      upsert: bool, preferred: list[str], now: float,
+                      reserved: bool = False) -> PutStartResult:
+        """put_start of one key. `reserved`: `key` is a reservation token
+        (master/reserve.py), not a user key."""
         if not (reserved or valid_key(key)) or not valid_size(size, self.config.max_object_bytes):
             return PutStartResult(E.INVALID_PARAMS)
         if key in self.pending or (not upsert and key in self.objects):
             return PutStartResult(E.OBJECT_ALREADY_EXISTS)
-        replicas = self._try_allocate(size, config.replica_num, preferred)
-        if replicas is None and self.evictor.for_allocation(size,
-                                                                  config.replica_num, now):
-            replicas = self._try_allocate(size, config.replica_num, preferred)
+        replicas = self.allocate(size, config.replica_num, preferred, now)
         if replicas is None:
             self.stats.no_space += 1
             return PutStartResult(E.NO_AVAILABLE_HANDLE)
-        self.pending[key] = _new(PendingPut, (key, size, replicas, client_id, now, upsert,
-                                              config.with_hard_pin, config.with_soft_pin))
+        self.pending.add(_new(PendingPut, (key, size, replicas, client_id, now, upsert,
+                                           config.with_hard_pin, config.with_soft_pin)))
         descs = []
         for r in replicas:
             seg = r.segment
-            seg.pending_keys.add(key)
             descs.append(_new(ReplicaDesc, (seg.segment_id, seg.endpoint,
                                             seg.base_addr + r.offset, size, seg.tier,
                                             ReplicaState.PENDING, seg.fence)))
         return _new(PutStartResult, (E.OK, tuple(descs)))
 
-    def _try_allocate(self, size: int, count: int, preferred: list[str]) -> list[Replica] | None:
+    def allocate(self, size: int, count: int, preferred: list[str],
+                 now: float) -> list[Replica] | None:
+        """`count` ranges of `size` bytes on distinct placeable segments (`preferred` ones
+        first), evicting once when none are free; None when there is still no room."""
+        replicas = self._place(size, count, preferred)
+        if replicas is None and self.evictor.for_allocation(size, count, now):
+            replicas = self._place(size, count, preferred)
+        return replicas
+
+    def _place(self, size: int, count: int, preferred: list[str]) -> list[Replica] | None:
         if len(self.segment_list()) < count:
             return None
         ordered = self.placement.order(self.segment_list(), size)
@@ -255,28 +246,27 @@ class MasterCore:
         """Publish written objects, each with the xxh3_64 of its bytes that readers verify
         (None: no checksum). OBJECT_NOT_FOUND: the put was discarded meanwhile (timeout, a
         target segment died) and the object is not stored."""
-        self._touch_client(client_id)
+        self.touch_client(client_id)
         if checksums is None:
             checksums = [None] * len(keys)
         elif len(checksums) != len(keys):
             return [E.INVALID_PARAMS] * len(keys)
-        return [self._put_end_one(client_id, key, checksum)
+        return [self.put_end_one(client_id, key, checksum)
                 for key, checksum in zip(keys, checksums, strict=True)]
 
-    def _put_end_one(self, client_id: str, key: str, checksum: int | None) -> ErrorCode:
+    def put_end_one(self, client_id: str, key: str, checksum: int | None) -> ErrorCode:
+        """put_end of one key (see put_end)."""
         if checksum is not None and not (type(checksum) is int and 0 <= checksum < 1 << 64):
             return E.INVALID_PARAMS
         put = self.pending.get(key) if type(key) is str else None
         if put is None or put.client_id != client_id:
             return E.OBJECT_NOT_FOUND
-        del self.pending[key]
+        self.pending.pop(key)
         old = self.objects.get(key)
         if old is not None:
-            self._remove_object(old, defer=True)
+            self.remove_object(old, defer=True)
         now = self.clock.now()
         soft_until = now + self.config.soft_pin_ttl_s if put.soft_pinned else 0.0
-        for r in put.replicas:
-            r.segment.pending_keys.discard(key)
         self.objects.insert(StoredObject(key, put.size, put.replicas, 0.0, put.hard_pinned,
                                          soft_until, checksum))
         if self.journal is not None:
@@ -284,7 +274,7 @@ class MasterCore:
         return E.OK
 
     def put_revoke(self, client_id: str, keys: Sequence[str]) -> list[ErrorCode]:
-        self._touch_client(client_id)
+        self.touch_client(client_id)
         out = []
         for key in keys:
             put = self.pending.get(key) if type(key) is str else None
@@ -299,28 +289,26 @@ class MasterCore:
         """Forget a pending put. Revoked by its client, the memory is free at once; revoked
         by the master (timeout, dead client or segment), the writer may still be copying, so
         the memory is reused only after put_release_timeout_s."""
-        del self.pending[put.key]
+        self.pending.pop(put.key)
         release_at = self.clock.now() + self.config.put_release_timeout_s
         for r in put.replicas:
-            r.segment.pending_keys.discard(put.key)
             if by_master:
-                self._deferred.append((release_at, r.segment, r.offset))
+                self.space.release_at(release_at, r.segment, r.offset)
             else:
-                self._free(r.segment, r.offset)
+                self.space.free(r.segment, r.offset)
 
     def forgive_stall(self, gap_s: float) -> None:
         """Move every liveness and put deadline `gap_s` later: time the master spent stopped
         is no client's silence, and heartbeats sent meanwhile are still queued unread."""
         for client in self.clients.values():
             client.last_seen += gap_s
-        for key, put in self.pending.items():
-            self.pending[key] = put._replace(started=put.started + gap_s)
+        self.pending.shift(gap_s)
         self.drain.forgive_stall(gap_s)
         self.stats.stalls_forgiven += 1
 
     def discard_stale_puts(self) -> int:
         horizon = self.clock.now() - self.config.put_discard_timeout_s
-        stale = [p for p in self.pending.values() if p.started < horizon]
+        stale = self.pending.started_before(horizon)
         for put in stale:
             self._revoke(put, by_master=True)
         self.stats.discarded_puts += len(stale)
@@ -374,7 +362,7 @@ class MasterCore:
             elif obj.lease_until > now and not force:
                 out.append(E.OBJECT_HAS_LEASE)
             else:
-                self._remove_object(obj, defer=True)
+                self.remove_object(obj, defer=True)
                 out.append(E.OK)
         return out
 
@@ -394,10 +382,10 @@ class MasterCore:
         victims = [o for o in self.objects.values()
                    if (force or o.lease_until <= now) and match(o.key)]  # type: ignore[operator]
         for obj in victims:
-            self._remove_object(obj, defer=True)
+            self.remove_object(obj, defer=True)
         return len(victims)
 
-    def _remove_object(self, obj: StoredObject, defer: bool) -> None:
+    def remove_object(self, obj: StoredObject, defer: bool) -> None:
         """Drop an object; with `defer`, memory a live lease may still be read from is
         freed only when the lease ends."""
         if self.tiering.mounts:
@@ -406,34 +394,11 @@ class MasterCore:
         if self.journal is not None:
             self.journal.on_remove(obj.key)
         for r in obj.replicas:
-            self.free_after(r, obj.lease_until if defer else 0.0)
-
-    def free_after(self, replica: Replica, lease_until: float) -> None:
-        """Free a replica's range now, or when `lease_until` passes if it is still ahead (a
-        reader holding the lease may be copying from it)."""
-        if lease_until > self.clock.now():
-            self._deferred.append((lease_until, replica.segment, replica.offset))
-        else:
-            self._free(replica.segment, replica.offset)
-
-    def _free(self, seg: Segment, offset: int) -> None:
-        if self.segments.get(seg.segment_id) is seg:
-            seg.allocator.free(offset)
+            self.space.free_after(r, obj.lease_until if defer else 0.0)
 
     def release_deferred(self) -> int:
-        now = self.clock.now()
-        for sid, (fence, ranges) in list(self._quarantine.items()):
-            ranges = [r for r in ranges if r[0] > now]
-            if ranges:
-                self._quarantine[sid] = (fence, ranges)
-            else:
-                del self._quarantine[sid]
-        due = [d for d in self._deferred if d[0] <= now]
-        if due:
-            self._deferred = [d for d in self._deferred if d[0] > now]
-            for _, seg, offset in due:
-                self._free(seg, offset)
-        return len(due)
+        """Free the ranges whose release time has come (see space.FreeSpace)."""
+        return self.space.release_due()
 
     # -- housekeeping and inspection ------------------------------------------------------
 
@@ -478,4 +443,4 @@ class MasterCore:
     def check_integrity(self) -> None:
         """AssertionError unless every table agrees with every other and with the allocators."""
         from kvpool.store.master.check import check_master
-        check_master(self)
+        check_master(self, self.tiering, self.drain)

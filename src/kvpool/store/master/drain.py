@@ -26,7 +26,7 @@ from kvpool.store.wire.codes import ErrorCode, ReplicaState
 from kvpool.store.wire.drain import DrainPlan, DrainStep, ReplicaMove, Unplaced
 
 if TYPE_CHECKING:
-    from kvpool.store.master.core import MasterCore
+    from kvpool.store.master.core_api import CoreApi
 
 E = ErrorCode
 _CODES = {int(c): c for c in ErrorCode}
@@ -60,7 +60,7 @@ class Drain:
 class DrainManager:
     """The master's drains and in-flight moves (only writer of both)."""
 
-    def __init__(self, core: MasterCore) -> None:
+    def __init__(self, core: CoreApi) -> None:
         self.core = core
         self.drains: dict[str, Drain] = {}
         self.moves: dict[str, Move] = {}
@@ -221,11 +221,11 @@ class DrainManager:
             return E.LEASE_EXPIRED
         del self.moves[move.key]
         if code != 0:
-            self.core._free(move.target.segment, move.target.offset)
+            self.core.space.free(move.target.segment, move.target.offset)
             self._give_up(move, code)
             return E.OK
         if self.core.objects.get(move.key) is not move.obj:
-            self.core._free(move.target.segment, move.target.offset)
+            self.core.space.free(move.target.segment, move.target.offset)
             return E.OBJECT_NOT_FOUND
         self._commit(move)
         return E.OK
@@ -250,7 +250,7 @@ class DrainManager:
         """Take one replica out of an object that keeps another; its range is freed when
         the object's read lease ends (a reader may be copying from it)."""
         self.core.objects.drop_replica(obj, replica)
-        self.core.free_after(replica, obj.lease_until)
+        self.core.space.free_after(replica, obj.lease_until)
         if self.core.journal is not None:
             self.core.journal.on_put(obj)
 
@@ -274,8 +274,8 @@ class DrainManager:
         stale = [m for m in self.moves.values() if m.started < now - cfg.put_discard_timeout_s]
         for move in stale:
             del self.moves[move.key]
-            self.core._deferred.append((now + cfg.put_release_timeout_s, move.target.segment,
-                                        move.target.offset))
+            self.core.space.release_at(now + cfg.put_release_timeout_s, move.target.segment,
+                                       move.target.offset)
         return len(stale)
 
     def forgive_stall(self, gap_s: float) -> None:

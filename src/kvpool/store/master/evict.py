@@ -2,6 +2,7 @@
 
 `Evictor` holds eviction's own state (the back-off after a futile round, the counters); the
 policy (eviction.py) only orders keys, and the tables change only through their methods.
+It is handed the core (through its CoreApi) and the disk tier it offloads victims to.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from typing import TYPE_CHECKING
 from kvpool.store.wire.codes import Tier
 
 if TYPE_CHECKING:
-    from kvpool.store.master.core import MasterCore
+    from kvpool.store.master.core_api import CoreApi
     from kvpool.store.master.state import StoredObject
-
+    from kvpool.store.master.tiering import Tiering
 
 
 FUTILE_EVICTION_S = 0.05
@@ -30,8 +31,9 @@ class EvictionStats:
 class Evictor:
     """Eviction of one master core, with its own state."""
 
-    def __init__(self, core: MasterCore) -> None:
+    def __init__(self, core: CoreApi, tiering: Tiering) -> None:
         self.core = core
+        self.tiering = tiering
         self.stats = EvictionStats()
         self._idle_until = 0.0
         """No round after an allocation failure before this (the last one freed nothing)."""
@@ -41,7 +43,7 @@ class Evictor:
 
     def evict(self, num_bytes: int) -> bool:
         """Free about `num_bytes` of DRAM (see `evict`); whether anything was freed now."""
-        return evict(self.core, num_bytes, self.stats)
+        return evict(self.core, self.tiering, num_bytes, self.stats)
 
     def for_allocation(self, size: int, count: int, now: float) -> bool:
         """Evict after an allocation failure; whether anything was freed. A round that
@@ -60,7 +62,7 @@ class Evictor:
         return False
 
 
-def eviction_target(core: MasterCore) -> int:
+def eviction_target(core: CoreApi) -> int:
     """Bytes one round frees: eviction_ratio of capacity, or enough to get back under the
     high watermark, whichever is more."""
     cfg = core.config
@@ -69,14 +71,13 @@ def eviction_target(core: MasterCore) -> int:
     return max(int(cfg.eviction_ratio * capacity), above, 1)
 
 
-def evict(core: MasterCore, num_bytes: int, stats: EvictionStats) -> bool:
+def evict(core: CoreApi, tiering: Tiering, num_bytes: int, stats: EvictionStats) -> bool:
     """Free about `num_bytes` of DRAM by dropping least valuable objects. Leased,
     hard-pinned and pending objects are never evicted; soft-pinned ones only in a second
     pass. Victims a disk tier takes (tiering.py) are offloaded instead (or, already copied
     ahead, freed at once), and bytes already being offloaded count toward `num_bytes`.
     Returns whether anything was freed now."""
     stats.rounds += 1
-    tiering = core.tiering
     num_bytes -= tiering.offloading_bytes
     if num_bytes <= 0:
         return False
@@ -105,7 +106,7 @@ def evict(core: MasterCore, num_bytes: int, stats: EvictionStats) -> bool:
         tiering.clean_if_wanted()
     for obj in dropped:
         freed_now += _dram_bytes(obj)
-        core._remove_object(obj, defer=False)
+        core.remove_object(obj, defer=False)
     stats.objects += len(dropped)
     stats.bytes += freed_now
     return freed_now > 0

@@ -36,6 +36,7 @@ from kvpool.store.wire.protocol import encode_reply, peek_req_id
 
 if TYPE_CHECKING:
     from kvpool.store.master.core import MasterCore
+    from kvpool.store.master.core_api import CoreApi
 
 log = get_logger("store.persist")
 FSYNC_POLICIES = ("always", "interval", "never")
@@ -110,7 +111,7 @@ def open_log_store(config: PersistConfig, term: int) -> LogStore:
 class Journal:
     """The log writer and recovery of one master; the core calls its `on_*` hooks."""
 
-    def __init__(self, config: PersistConfig, core: MasterCore, term: int = 0,
+    def __init__(self, config: PersistConfig, core: CoreApi, term: int = 0,
                  store: LogStore | None = None) -> None:
         self.config = config
         self.store = store if store is not None else open_log_store(config, term)
@@ -135,7 +136,7 @@ class Journal:
 
     # -- hooks called by the core (under the master's lock) ------------------------------
 
-    def on_mount(self, core: MasterCore, seg: Segment) -> None:
+    def on_mount(self, core: CoreApi, seg: Segment) -> None:
         if not self.recovery.matches(seg):
             if self.recovery.give_up(seg.segment_id):
                 self._append(["D", seg.segment_id])
@@ -163,7 +164,7 @@ class Journal:
         self._append(["R", key])
         return True
 
-    def on_tick(self, core: MasterCore) -> None:
+    def on_tick(self, core: CoreApi) -> None:
         if self.fence is not None and not self.fence():
             self._buf.clear()
             return
@@ -199,7 +200,7 @@ class Journal:
             self.store.sync()
         return True
 
-    def compact(self, core: MasterCore) -> None:
+    def compact(self, core: CoreApi) -> None:
         """Snapshot the live tables and start a new log."""
         records = [SegRec(s.segment_id, s.client_id, s.endpoint, s.base_addr, s.capacity,
                           int(s.tier), s.fence).record() for s in core.segments.values()]
@@ -242,7 +243,7 @@ class Recovery:
         self._by_segment.pop(segment_id, None)
         return self.segments.pop(segment_id, None) is not None
 
-    def reattach(self, core: MasterCore, seg: Segment) -> list[str]:
+    def reattach(self, core: CoreApi, seg: Segment) -> list[str]:
         """Put back the objects of a recovered segment its node mounted again; returns the
         keys dropped instead (a put of the same key is in flight: the old value is gone)."""
         if not self.matches(seg):
@@ -263,7 +264,7 @@ class Recovery:
         log.info("segment %s mounted again: %d objects back", seg.segment_id, attached)
         return dropped
 
-    def _attach(self, core: MasterCore, seg: Segment, rec: ObjRec, offset: int,
+    def _attach(self, core: CoreApi, seg: Segment, rec: ObjRec, offset: int,
                 obj: StoredObject | None) -> None:
         replica = Replica(seg, offset, rec.size)
         if obj is None:

@@ -23,7 +23,7 @@ from kvpool.store.wire.codes import ErrorCode, Reservation
 from kvpool.store.wire.validate import valid_key
 
 if TYPE_CHECKING:
-    from kvpool.store.master.core import MasterCore
+    from kvpool.store.master.core_api import CoreApi
 
 E = ErrorCode
 TOKEN_PREFIX = "\x00"
@@ -33,7 +33,7 @@ _DEFAULT = ReplicateConfig()
 class Reservations:
     """Issues reservation tokens and turns reservations into objects, on one core."""
 
-    def __init__(self, core: MasterCore) -> None:
+    def __init__(self, core: CoreApi) -> None:
         self.core = core
         self._prefix = f"{TOKEN_PREFIX}{secrets.token_hex(8)}:"
         self._ids = itertools.count(1)
@@ -41,10 +41,10 @@ class Reservations:
     def reserve(self, client_id: str, size: int) -> Reservation:
         """Space for one future single-replica put of exactly `size` bytes."""
         core = self.core
-        core._touch_client(client_id)
+        core.touch_client(client_id)
         token = f"{self._prefix}{next(self._ids)}"
-        started = core._put_start_one(client_id, token, size, _DEFAULT, False, [],
-                                      core.clock.now(), reserved=True)
+        started = core.put_start_one(client_id, token, size, _DEFAULT, False, [],
+                                     core.clock.now(), reserved=True)
         if started.code is not E.OK:
             return Reservation(started.code)
         return Reservation(E.OK, token, started.replicas)
@@ -56,7 +56,7 @@ class Reservations:
         OBJECT_ALREADY_EXISTS (plain put of a stored key): nothing changes and the
         reservation stays the client's."""
         core = self.core
-        core._touch_client(client_id)
+        core.touch_client(client_id)
         put = core.pending.get(token) if token.startswith(TOKEN_PREFIX) else None
         if put is None or put.client_id != client_id:
             return E.OBJECT_NOT_FOUND
@@ -66,9 +66,5 @@ class Reservations:
             return E.OBJECT_ALREADY_EXISTS
         if checksum is not None and not 0 <= checksum < 1 << 64:
             return E.INVALID_PARAMS
-        del core.pending[token]
-        core.pending[key] = put._replace(key=key, upsert=upsert)
-        for r in put.replicas:
-            r.segment.pending_keys.discard(token)
-            r.segment.pending_keys.add(key)
-        return core._put_end_one(client_id, key, checksum)
+        core.pending.rename(token, key, upsert)
+        return core.put_end_one(client_id, key, checksum)

@@ -5,6 +5,8 @@ with it. Everything else reads them like mappings and changes them through these
   there), and the eviction policy's order (objects with a DRAM copy that eviction may drop).
 - `SegmentTable`: mounted segments by id, the subset that takes placements (DRAM, not
   draining; cached: puts ask for it on every allocation) and the DRAM capacity.
+
+The pending puts (pending.py) and the deferred releases (space.py) are tables of their own.
 """
 
 from __future__ import annotations

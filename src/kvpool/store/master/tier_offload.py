@@ -1,5 +1,5 @@
 """Offload: DRAM objects to disk, at eviction or ahead of it; the write side of tiering.py,
-as functions over its Tiering.
+as functions over the tier's state (tier_state.py).
 
 Eviction must never wait for the disk (a put that finds DRAM full is answered at once), yet
 an object evicted while no disk copy exists can only be dropped or copied first. So the
@@ -25,10 +25,10 @@ from kvpool.store.wire.codes import Tier
 
 if TYPE_CHECKING:
     from kvpool.store.master.state import StoredObject
-    from kvpool.store.master.tiering import Tiering
+    from kvpool.store.master.tier_state import TierState
 
 
-def take_victims(t: Tiering, victims: list[StoredObject]) -> tuple[list[StoredObject], int]:
+def take_victims(t: TierState, victims: list[StoredObject]) -> tuple[list[StoredObject], int]:
     """Handle DRAM eviction victims: (the ones to drop as before, DRAM bytes freed here).
     Objects on disk (clean) lose their DRAM copy at once; one whose copy ahead is under way
     is freed when it lands; others are offloaded where a disk tier has room."""
@@ -37,7 +37,7 @@ def take_victims(t: Tiering, victims: list[StoredObject]) -> tuple[list[StoredOb
     for obj in victims:
         copying = t.offloading.get(obj.key)
         if obj.key in t.tiered:
-            freed += t._drop_dram(obj)
+            freed += t.drop_dram(obj)
             t.stats.dram_dropped += 1
         elif copying is not None:
             evict_when_copied(t, copying)
@@ -47,18 +47,18 @@ def take_victims(t: Tiering, victims: list[StoredObject]) -> tuple[list[StoredOb
     return drop, freed
 
 
-def start_offload(t: Tiering, obj: StoredObject, evict: bool = True) -> bool:
+def start_offload(t: TierState, obj: StoredObject, evict: bool = True) -> bool:
     """Queue OFFLOAD of `obj`'s DRAM replica on a node with a disk tier. A copy ahead of
     eviction (`evict` False) takes only free disk space, never evicts disk replicas."""
     for r in obj.replicas:
-        mount = t._disk_of(r.segment.client_id)
+        mount = t.disk_of(r.segment.client_id)
         if mount is None or r.segment.tier is not Tier.DRAM:
             continue
-        ssd = t._allocate_disk(mount, obj.size) if evict else t._free_disk(mount, obj.size)
+        ssd = t.allocate_disk(mount, obj.size) if evict else t.free_disk(mount, obj.size)
         if ssd is None:
             return False
-        gen = t._rng.getrandbits(64)
-        task = t._queue(mount, OFFLOAD, obj.key, obj, obj.size, gen, r, ssd)
+        gen = t.new_gen()
+        task = t.queue(mount, OFFLOAD, obj.key, obj, obj.size, gen, r, ssd)
         task.evict = evict
         t.offloading[obj.key] = task
         if evict:
@@ -69,35 +69,35 @@ def start_offload(t: Tiering, obj: StoredObject, evict: bool = True) -> bool:
     return False
 
 
-def offload_done(t: Tiering, task: Task, ok: bool) -> None:
+def offload_done(t: TierState, task: Task, ok: bool) -> None:
     """The node's outcome of an OFFLOAD: the object gains its disk replica (and, for an
     eviction, loses its DRAM ones), unless it changed meanwhile or the copy failed."""
     obj, ssd = task.obj, task.ssd
     assert ssd is not None
-    t._untrack_offload(task)
+    t.untrack_offload(task)
     live = t.core.segments.get(ssd.segment.segment_id) is ssd.segment
     valid = ok and live and obj is not None and t.core.objects.get(task.key) is obj \
         and task.dram in obj.replicas
     if not valid:
-        t.core._free(ssd.segment, ssd.offset)
+        t.core.space.free(ssd.segment, ssd.offset)
         if ok and live:
-            t._queue(t.mounts[ssd.segment.segment_id], DELETE, task.key, None, 0, task.gen)
+            t.queue(t.mounts[ssd.segment.segment_id], DELETE, task.key, None, 0, task.gen)
         if not ok and obj is not None:
             t.failed.add(task.key)
             t.stats.offload_failures += 1
         return
     assert obj is not None
     t.core.objects.add_replica(obj, ssd)
-    t._add_tiered(task.key, ssd.segment, task.gen)
+    t.add_tiered(task.key, ssd.segment, task.gen)
     t.stats.offloads += 1
     if task.evict:
-        t._drop_dram(obj)
+        t.drop_dram(obj)
     else:
         t.stats.copied_ahead += 1
-        t._journal(obj)
+        t.journal_put(obj)
 
 
-def clean_ahead(t: Tiering) -> int:
+def clean_ahead(t: TierState) -> int:
     """Queue copies of the coldest DRAM objects that have no disk replica, until the clean
     share of DRAM capacity is covered or the in-flight cap is reached (objects no disk
     has free space for are left to eviction); returns the number queued."""
@@ -124,7 +124,7 @@ def clean_ahead(t: Tiering) -> int:
     return queued
 
 
-def evict_when_copied(t: Tiering, task: Task) -> None:
+def evict_when_copied(t: TierState, task: Task) -> None:
     """Eviction chose an object whose copy ahead is under way: free its DRAM when the copy
     lands (its bytes now count as being offloaded)."""
     if not task.evict:

@@ -1,5 +1,6 @@
 """Reads of objects on disk (load, transient copies, promotion) and the registration of a
-restarted node's files: the read side of tiering.py, as functions over its Tiering."""
+restarted node's files: the read side of tiering.py, as functions over the tier's state
+(tier_state.py)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,13 @@ from kvpool.store.wire.codes import ErrorCode, LookupResult, Tier
 from kvpool.store.wire.validate import valid_key, valid_size
 
 if TYPE_CHECKING:
-    from kvpool.store.master.tiering import Tiering
+    from kvpool.store.master.tier_state import TierState
 
 E = ErrorCode
 NOT_READY = LookupResult(E.REPLICA_IS_NOT_READY)
 
 
-def on_lookup(t: Tiering, obj: StoredObject) -> LookupResult | None:
+def on_lookup(t: TierState, obj: StoredObject) -> LookupResult | None:
     """A lookup of a key in `tiered`: None to answer as usual (a promoted DRAM copy
     exists), else the answer: REPLICA_IS_NOT_READY while a load runs, or the transient
     copy under a short lease (`transient_lease_s`, so that reads of more cold data than
@@ -45,25 +46,25 @@ def on_lookup(t: Tiering, obj: StoredObject) -> LookupResult | None:
     descs = tuple(r.desc() for r in obj.replicas)
     return LookupResult(E.OK, obj.size, descs, cfg.transient_lease_s, obj.checksum)
 
-def _count_read(t: Tiering, key: str) -> int:
+def _count_read(t: TierState, key: str) -> int:
     reads = t.reads[key] = t.reads.get(key, 0) + 1
     return reads
 
-def _promote_after(t: Tiering, obj: StoredObject) -> int:
+def _promote_after(t: TierState, obj: StoredObject) -> int:
     for r in obj.replicas:
         mount = t.mounts.get(r.segment.segment_id)
         if mount is not None:
             return mount.promote_after
     return 1
 
-def _promote(t: Tiering, obj: StoredObject) -> None:
+def _promote(t: TierState, obj: StoredObject) -> None:
     t.transient.discard(obj.key)
     t.reads.pop(obj.key, None)
     t.core.objects.set_evictable(obj.key, True)
     t.stats.promotions += 1
-    t._journal(obj)
+    t.journal_put(obj)
 
-def _start_load(t: Tiering, obj: StoredObject) -> bool:
+def _start_load(t: TierState, obj: StoredObject) -> bool:
     """Queue LOAD of `obj` into a fresh DRAM range; False when no DRAM is free now
     (eviction is under way: the client asks again)."""
     source = next((r for r in obj.replicas
@@ -75,21 +76,19 @@ def _start_load(t: Tiering, obj: StoredObject) -> bool:
     if target is None:
         return False
     gen = t.gens.get((source.segment.segment_id, obj.key), 0)
-    t.loading[obj.key] = t._queue(mount, LOAD, obj.key, obj, obj.size, gen,
+    t.loading[obj.key] = t.queue(mount, LOAD, obj.key, obj, obj.size, gen,
                                   target, source)
     return True
 
-def _allocate_dram(t: Tiering, client_id: str, size: int) -> Replica | None:
+def _allocate_dram(t: TierState, client_id: str, size: int) -> Replica | None:
     """A DRAM range for a loaded copy: the disk's own node first, then any segment."""
     core = t.core
-    t._expire_transient()
+    t.expire_transient()
     own = [s.segment_id for s in core.segment_list() if s.client_id == client_id]
-    found = core._try_allocate(size, 1, own)
-    if found is None and core.evictor.for_allocation(size, 1, core.clock.now()):
-        found = core._try_allocate(size, 1, own)
+    found = core.allocate(size, 1, own, core.clock.now())
     return found[0] if found else None
 
-def load_done(t: Tiering, task: Task, status: int) -> None:
+def load_done(t: TierState, task: Task, status: int) -> None:
     obj, dram, ssd = task.obj, task.dram, task.ssd
     assert dram is not None and ssd is not None
     if t.loading.get(task.key) is task:
@@ -98,11 +97,11 @@ def load_done(t: Tiering, task: Task, status: int) -> None:
     valid = live and obj is not None and t.core.objects.get(task.key) is obj \
         and ssd in obj.replicas
     if not (status == DONE and valid):
-        t.core._free(dram.segment, dram.offset)
+        t.core.space.free(dram.segment, dram.offset)
         if status != DONE:
             t.stats.load_failures += 1
         if status == FILE_BAD and valid and obj is not None:
-            t._drop_disk_replica(obj, ssd)  # the node found the file bad: gone
+            t.drop_disk_replica(obj, ssd)  # the node found the file bad: gone
         return
     assert obj is not None
     t.core.objects.add_replica(obj, dram)
@@ -114,13 +113,13 @@ def load_done(t: Tiering, task: Task, status: int) -> None:
         t.transient.add(task.key)
 
 
-def register(t: Tiering, client_id: str, segment_id: str, keys: Sequence[str],
+def register(t: TierState, client_id: str, segment_id: str, keys: Sequence[str],
              sizes: Sequence[int], checksums: Sequence[int],
              gens: Sequence[int]) -> list[ErrorCode]:
     """Objects found on a node's disk: OK (now known), OBJECT_ALREADY_EXISTS (another
     object holds the key: the file is stale), NO_AVAILABLE_HANDLE (no room),
     INVALID_PARAMS, SEGMENT_NOT_FOUND."""
-    mount = t._mount_of(client_id, segment_id)
+    mount = t.mount_of(client_id, segment_id)
     if mount is None:
         return [E.SEGMENT_NOT_FOUND] * len(keys)
     if not len(keys) == len(sizes) == len(checksums) == len(gens):
@@ -131,7 +130,7 @@ def register(t: Tiering, client_id: str, segment_id: str, keys: Sequence[str],
     t.stats.register_refused += len(out) - out.count(E.OK)
     return out
 
-def _register_one(t: Tiering, mount: SsdMount, key: str, size: int, checksum: int,
+def _register_one(t: TierState, mount: SsdMount, key: str, size: int, checksum: int,
                   gen: int) -> ErrorCode:
     core, seg = t.core, mount.segment
     if not (valid_key(key) and valid_size(size, core.config.max_object_bytes)
@@ -145,7 +144,7 @@ def _register_one(t: Tiering, mount: SsdMount, key: str, size: int, checksum: in
     if obj is not None and any(r.segment is seg for r in obj.replicas):
         known = t.gens.get((seg.segment_id, key))
         if known is None:  # re-attached from the master's state directory: adopt the file
-            t._add_tiered(key, seg, gen)
+            t.add_tiered(key, seg, gen)
         return E.OK if known in (None, gen) else E.OBJECT_ALREADY_EXISTS
     offset = seg.allocator.allocate(size)
     if offset is None:
@@ -156,6 +155,6 @@ def _register_one(t: Tiering, mount: SsdMount, key: str, size: int, checksum: in
         core.objects.insert(obj, evictable=False)  # only on disk: not DRAM's to evict
     else:
         core.objects.add_replica(obj, rep)
-    t._add_tiered(key, seg, gen)
-    t._journal(obj)
+    t.add_tiered(key, seg, gen)
+    t.journal_put(obj)
     return E.OK

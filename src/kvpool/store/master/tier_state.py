@@ -1,0 +1,318 @@
+"""The state of the master's disk tier and the actions on it that its two halves share:
+nodes and their task queues, offloads and loads under way, which keys are on disk, disk
+space and disk eviction. `Tiering` (tiering.py) adds the requests and hooks that run the
+offload side (tier_offload.py) and the read side (tier_reads.py) over this state; those
+two modules import this one, never tiering.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+from kvpool.store.master.state import Replica, Segment, StoredObject
+from kvpool.store.master.tier_tasks import (
+    DELETE,
+    LOAD,
+    OFFLOAD,
+    SsdMount,
+    Task,
+    TierConfig,
+    TierStats,
+)
+from kvpool.store.wire.codes import ErrorCode, Tier
+
+if TYPE_CHECKING:
+    from kvpool.store.master.core_api import CoreApi
+
+E = ErrorCode
+SSD_BASE_ADDR = 0
+"""Base address of every SSD segment: disk ranges are accounting, not memory (a DRAM segment
+never starts at 0, so segment ids stay distinct)."""
+
+
+class TierState:
+    """The disk tier's tables (the only writer of them) and its shared actions."""
+
+    def __init__(self, core: CoreApi, config: TierConfig | None = None) -> None:
+        self.core = core
+        self.config = config or TierConfig()
+        self.mounts: dict[str, SsdMount] = {}
+        """SSD segment id -> the node's disk tier."""
+        self.tiered: set[str] = set()
+        """Keys with a disk replica (the lookup's one-set-probe test)."""
+        self.gens: dict[tuple[str, str], int] = {}
+        """(SSD segment id, key) -> generation of the file that holds the replica."""
+        self.lru: OrderedDict[str, None] = OrderedDict()
+        self.offloading: dict[str, Task] = {}
+        """Offloads under way: evictions and copies ahead of eviction (Task.evict)."""
+        self.offloading_bytes = 0
+        """Bytes of the evicting offloads under way (they free DRAM when done)."""
+        self.num_cleaning = 0
+        """Copies ahead of eviction under way."""
+        self.clean_due = 0.0
+        """Clock time before which the copy-ahead walk is not run again (outside ticks)."""
+        self.clean_wanted = True
+        """Eviction took from the clean share, or the last walk stopped at the in-flight
+        cap: walk again after the next eviction round or report (ticks always walk)."""
+        self.loading: dict[str, Task] = {}
+        self.reads: dict[str, int] = {}
+        """Reads of an object since it went to disk (reset by promotion)."""
+        self.transient: set[str] = set()
+        """Keys whose DRAM copy is a load not promoted (freed when its lease ends)."""
+        self.fresh: set[str] = set()
+        """Transient copies not looked up since their load completed."""
+        self.failed: set[str] = set()
+        """Keys whose offload failed: the next eviction drops them."""
+        self.stats = TierStats()
+        self._ids = itertools.count(1)
+        self._rng = random.Random()
+
+    # -- nodes -----------------------------------------------------------------------------
+
+    def attach(self, client_id: str, endpoint: str, size: int,
+               promote_after: int) -> tuple[ErrorCode, str]:
+        """Mount (or keep) `client_id`'s disk tier of `size` bytes."""
+        if type(promote_after) is not int or not 1 <= promote_after <= 1 << 20:
+            return E.INVALID_PARAMS, ""
+        code, segment_id = self.core.mount_segment(client_id, endpoint, SSD_BASE_ADDR, size,
+                                                   Tier.SSD, 0)
+        if code != E.OK:
+            return code, ""
+        seg = self.core.segments[segment_id]
+        mount = self.mounts.get(segment_id)
+        if mount is None or mount.segment is not seg:
+            mount = self.mounts[segment_id] = SsdMount(seg, promote_after)
+        mount.promote_after = promote_after
+        return E.OK, segment_id
+
+    def mount_of(self, client_id: str, segment_id: str) -> SsdMount | None:
+        mount = self.mounts.get(segment_id)
+        return mount if mount is not None and mount.segment.client_id == client_id else None
+
+    def next_tasks(self, client_id: str, segment_id: str) -> tuple[ErrorCode, list[Task]]:
+        """Tasks due for the node (SEGMENT_NOT_FOUND: attach again)."""
+        mount = self.mount_of(client_id, segment_id)
+        if mount is None:
+            return E.SEGMENT_NOT_FOUND, []
+        self.core.touch_client(client_id)
+        cfg = self.config
+        return E.OK, mount.due(self.core.clock.now(), cfg.redeliver_s,
+                               cfg.max_tasks_per_poll, cfg.max_task_bytes_per_poll)
+
+    def new_gen(self) -> int:
+        """A random generation for a new disk file."""
+        return self._rng.getrandbits(64)
+
+    def queue(self, mount: SsdMount, kind: int, key: str, obj: StoredObject | None,
+               size: int, gen: int, dram: Replica | None = None,
+               ssd: Replica | None = None) -> Task:
+        checksum = obj.checksum if obj is not None else None
+        task = Task(next(self._ids), kind, key, obj, size, checksum, gen, dram, ssd)
+        mount.tasks[task.task_id] = task
+        return task
+
+    # -- offload (tier_offload.py) ----------------------------------------------------------
+
+    def evicting(self, key: str) -> bool:
+        """Whether an offload under way frees `key`'s DRAM when done."""
+        task = self.offloading.get(key)
+        return task is not None and task.evict
+
+    def untrack_offload(self, task: Task) -> None:
+        """Forget `task` as an offload under way (if it still is)."""
+        if self.offloading.get(task.key) is task:
+            del self.offloading[task.key]
+            if task.evict:
+                self.offloading_bytes -= task.size
+            else:
+                self.num_cleaning -= 1
+
+    def disk_of(self, client_id: str) -> SsdMount | None:
+        for mount in self.mounts.values():
+            if mount.segment.client_id == client_id:
+                return mount
+        return None
+
+    def add_tiered(self, key: str, seg: Segment, gen: int) -> None:
+        self.gens[(seg.segment_id, key)] = gen
+        self.tiered.add(key)
+        self.lru[key] = None
+        self.lru.move_to_end(key)
+        self.reads.pop(key, None)
+
+    def drop_dram(self, obj: StoredObject) -> int:
+        """Free every DRAM replica of an object that has a disk one (after its lease)."""
+        core, freed = self.core, 0
+        for r in [r for r in obj.replicas if r.segment.tier is Tier.DRAM]:
+            core.objects.drop_replica(obj, r)
+            freed += r.segment.allocator.rounded(r.size)
+            core.space.free_after(r, obj.lease_until)
+        core.objects.set_evictable(obj.key, False)
+        self.transient.discard(obj.key)
+        self.fresh.discard(obj.key)
+        self.journal_put(obj)
+        return freed
+
+    def journal_put(self, obj: StoredObject) -> None:
+        if self.core.journal is not None:
+            self.core.journal.on_put(obj)
+
+    # -- disk space --------------------------------------------------------------------
+
+    def allocate_disk(self, mount: SsdMount, size: int) -> Replica | None:
+        alloc = mount.segment.allocator
+        offset = alloc.allocate(size)
+        if offset is None:
+            self.evict_disk(mount, max(alloc.rounded(size),
+                                       int(self.core.config.eviction_ratio * alloc.capacity)))
+            offset = alloc.allocate(size)
+        return None if offset is None else Replica(mount.segment, offset, size)
+
+    @staticmethod
+    def free_disk(mount: SsdMount, size: int) -> Replica | None:
+        offset = mount.segment.allocator.allocate(size)
+        return None if offset is None else Replica(mount.segment, offset, size)
+
+    def evict_disk(self, mount: SsdMount, num_bytes: int) -> int:
+        """Drop least recently used disk replicas on `mount` of unleased, unpinned objects
+        that no task is using, until `num_bytes` are freed; returns the bytes freed."""
+        now, seg, freed = self.core.clock.now(), mount.segment, 0
+        chosen = []
+        for key in self.lru:
+            if freed >= num_bytes:
+                break
+            obj = self.core.objects.get(key)
+            if obj is None or obj.hard_pinned or obj.lease_until > now \
+                    or key in self.loading or key in self.offloading:
+                continue
+            rep = next((r for r in obj.replicas if r.segment is seg), None)
+            if rep is not None:
+                chosen.append((obj, rep))
+                freed += seg.allocator.rounded(rep.size)
+        for obj, rep in chosen:
+            self.drop_disk_replica(obj, rep)
+        self.stats.disk_evicted_objects += len(chosen)
+        self.stats.disk_evicted_bytes += freed
+        return freed
+
+    def drop_disk_replica(self, obj: StoredObject, rep: Replica) -> None:
+        if len(obj.replicas) == 1:
+            self.core.remove_object(obj, defer=False)  # on_remove queues the DELETE
+            return
+        self.core.objects.drop_replica(obj, rep)
+        self.core.space.free(rep.segment, rep.offset)
+        self._forget_disk(obj.key, rep.segment)
+        if not any(r.segment.tier is Tier.SSD for r in obj.replicas):
+            self._untier(obj.key)  # back to a plain DRAM object (a transient copy stays)
+            self.core.objects.set_evictable(obj.key, True)
+            self.transient.discard(obj.key)
+        self.journal_put(obj)
+
+    def _forget_disk(self, key: str, seg: Segment) -> None:
+        gen = self.gens.pop((seg.segment_id, key), None)
+        mount = self.mounts.get(seg.segment_id)
+        if gen is not None and mount is not None and mount.segment is seg:
+            self.queue(mount, DELETE, key, None, 0, gen)
+
+    def _untier(self, key: str) -> None:
+        self.tiered.discard(key)
+        self.fresh.discard(key)
+        self.lru.pop(key, None)
+        self.reads.pop(key, None)
+
+    # -- removal, segments, time ---------------------------------------------------------
+
+    def on_remove(self, obj: StoredObject) -> None:
+        """`obj` is being removed (core.remove_object, before its ranges are freed)."""
+        key = obj.key
+        offload = self.offloading.get(key)
+        if offload is not None:  # the node may be reading the DRAM range: hold it
+            self.untrack_offload(offload)
+            offload.obj = None
+            obj.lease_until = max(obj.lease_until,
+                                  self.core.clock.now() + self.config.redeliver_s)
+        load = self.loading.pop(key, None)
+        if load is not None:
+            load.obj = None
+        for r in obj.replicas:
+            if r.segment.tier is Tier.SSD:
+                self._forget_disk(key, r.segment)
+        self._untier(key)
+        self.transient.discard(key)
+        self.fresh.discard(key)
+        self.failed.discard(key)
+
+    def after_segment_dropped(self, seg: Segment) -> None:
+        """`seg` is gone (and objects left without a replica with it)."""
+        mount = self.mounts.pop(seg.segment_id, None)
+        for task in list(mount.tasks.values()) if mount is not None else []:
+            self._cancel(task)
+        for table in (self.offloading, self.loading):
+            for task in [t for t in table.values() if t.dram and t.dram.segment is seg]:
+                self._cancel(task)
+        for key in [k for k in self.tiered if self._disk_replicas(k) == 0]:
+            obj = self.core.objects.get(key)
+            self._untier(key)
+            if obj is not None and key not in self.transient:
+                self.core.objects.set_evictable(key, True)
+            self.transient.discard(key)
+        for gk in [gk for gk in self.gens if gk[0] == seg.segment_id]:
+            del self.gens[gk]
+
+    def _disk_replicas(self, key: str) -> int:
+        obj = self.core.objects.get(key)
+        return 0 if obj is None else sum(r.segment.tier is Tier.SSD for r in obj.replicas)
+
+    def _cancel(self, task: Task) -> None:
+        """Forget a task whose disk or DRAM segment went away. A load's DRAM range is held
+        for put_release_timeout_s: the node may still be writing it."""
+        if task.kind == OFFLOAD:
+            self.untrack_offload(task)
+        elif self.loading.get(task.key) is task:
+            del self.loading[task.key]
+        for mount in self.mounts.values():
+            mount.tasks.pop(task.task_id, None)
+        core = self.core
+        if task.kind == LOAD and task.dram is not None:
+            seg = task.dram.segment
+            if core.segments.get(seg.segment_id) is seg:
+                core.space.release_at(core.clock.now() + core.config.put_release_timeout_s,
+                                      seg, task.dram.offset)
+        if task.kind == OFFLOAD and task.ssd is not None:
+            core.space.free(task.ssd.segment, task.ssd.offset)
+            disk = self.mounts.get(task.ssd.segment.segment_id)
+            if disk is not None:  # runs after the offload on the node, if it still does it
+                self.queue(disk, DELETE, task.key, None, 0, task.gen)
+
+    def expire_transient(self) -> None:
+        now = self.core.clock.now()
+        for key in list(self.transient):
+            obj = self.core.objects.get(key)
+            if obj is not None and obj.lease_until <= now:
+                self.drop_dram(obj)
+
+    def held_ranges(self) -> list[tuple[Segment, int, int]]:
+        """(segment, offset, size) of ranges tasks hold (for the integrity check)."""
+        out = [(t.ssd.segment, t.ssd.offset, t.size) for t in self.offloading.values()
+               if t.ssd is not None]
+        out += [(t.dram.segment, t.dram.offset, t.size) for m in self.mounts.values()
+                for t in m.tasks.values() if t.kind == LOAD and t.dram is not None]
+        out += [(t.ssd.segment, t.ssd.offset, t.size) for m in self.mounts.values()
+                for t in m.tasks.values() if t.kind == OFFLOAD and t.obj is None
+                and t.ssd is not None]
+        return out
+
+    def check_integrity(self) -> None:
+        core = self.core
+        for key in self.tiered:
+            assert self._disk_replicas(key) > 0, f"tiered {key!r} has no disk replica"
+        for key in self.transient | self.fresh:
+            assert key in self.tiered, f"transient {key!r} is not on disk"
+        for key, task in self.offloading.items():
+            assert task.obj is core.objects.get(key), f"offload of {key!r} lost its object"
+        assert self.offloading_bytes == sum(t.size for t in self.offloading.values()
+                                            if t.evict)
+        assert self.num_cleaning == sum(not t.evict for t in self.offloading.values())
