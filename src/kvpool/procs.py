@@ -44,6 +44,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+def port_taken(host: str, port: int) -> str | None:
+    """Why (host, port) cannot be bound now (another server holds it), or None if it can."""
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            return exc.strerror or str(exc)
+    return None
+
+
 def _ephemeral_low() -> int:
     try:
         return int(_RANGE_FILE.read_text().split()[0])

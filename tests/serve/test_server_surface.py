@@ -107,3 +107,21 @@ def test_access_log_and_a_client_that_goes_away(proxy: tuple[str, Path],
     while httpx.get(decode + "/load", timeout=10).json()["num_running"]:
         assert time.monotonic() < deadline + 20, "the abandoned request kept decoding"
         time.sleep(0.1)
+
+
+def test_a_dropped_non_streaming_request_stops_decoding(proxy: tuple[str, Path],
+                                                        cluster: ServingCluster) -> None:
+    url, log = proxy
+    # the whole context (some thousand tokens) takes the tiny model well over 5 s: a request
+    # left running shows below
+    limit = httpx.get(url + "/v1/models").json()["data"][0]["max_model_len"]
+    body = {"model": "served-name", "prompt": "the pool", "max_tokens": limit - 8,
+            "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(url + "/v1/completions", json=body, timeout=1.5)
+    decode = cluster.worker_urls["decode"][0]
+    deadline = time.monotonic() + 3
+    while httpx.get(decode + "/load", timeout=10).json()["num_running"]:
+        assert time.monotonic() < deadline, "the abandoned request kept decoding"
+        time.sleep(0.1)
+    assert log.read_text().count("client gone") >= 1 and "Traceback" not in log.read_text()

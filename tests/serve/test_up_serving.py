@@ -127,3 +127,19 @@ def test_up_serves_the_default_model_and_it_answers_in_english(cache_home: Path,
         assert "Paris" in reply.json()["choices"][0]["message"]["content"]
     finally:
         reap(proc, marker)
+
+
+def test_a_taken_port_fails_before_any_process_starts(cache_home: Path) -> None:
+    """Another server on the proxy's port (a running cluster): `kvpool up` says so and exits
+    non-zero, never printing that other cluster's banner as its own."""
+    import socket
+    marker = f"up-{uuid.uuid4().hex}"
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        proc = kvpool_up(marker, cache_home, "--port", str(port))
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode != 0 and f"127.0.0.1:{port} is in use" in out, out
+    assert "cluster up" not in out and "Traceback" not in out
+    assert wait_gone(marker) == []

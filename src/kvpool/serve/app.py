@@ -34,6 +34,7 @@ from kvpool.errors import WorkerCallError
 from kvpool.log import get_logger
 from kvpool.serve import access
 from kvpool.serve.access import Access
+from kvpool.serve.cancel import cancel_and_wait
 from kvpool.serve.cluster import DECODE_ROLES, PREFILL_ROLES, LiveCluster
 from kvpool.serve.config import ProxyConfig
 from kvpool.serve.dispatch import Dispatcher, Run
@@ -115,7 +116,7 @@ class Proxy:
                                                   prep, choices),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await self._collect(endpoint, prep, choices, acc)
+        return await self._collect(endpoint, prep, choices, acc, request)
 
     async def _logged(self, events: AsyncIterator[bytes], acc: Access, prep: PreparedRequest,
                       choices: list[Choice]) -> AsyncIterator[bytes]:
@@ -165,17 +166,28 @@ class Proxy:
                 for job, run, first, s in zip(prep.jobs, runs, firsts, streams, strict=True)]
 
     async def _collect(self, endpoint: str, prep: PreparedRequest, choices: list[Choice],
-                       acc: Access) -> Response:
+                       acc: Access, request: Request) -> Response:
+        """The whole body; a client that goes away meanwhile ends the choices (and their
+        work on the workers) at once instead of after the last token."""
+        body = asyncio.ensure_future(full_body(self, prep, choices))
+        gone = asyncio.ensure_future(_disconnected(request))
         try:
-            body = await full_body(self, prep, choices)
-        except WorkerCallError as exc:
-            return self._error(endpoint, worker_failed(str(exc)), acc)
-        except asyncio.CancelledError:  # the client went away: its choices are closed
-            acc.note = "client gone"
+            await asyncio.wait({body, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not body.done():
+                acc.note = "client gone"
+                await cancel_and_wait(body)
+            await cancel_and_wait(gone)
+        if body.cancelled():
             self._account(acc, prep, choices)
-            raise
+            return Response(status_code=499)  # nobody reads it
+        failure = body.exception()
+        if isinstance(failure, WorkerCallError):
+            return self._error(endpoint, worker_failed(str(failure)), acc)
+        if failure is not None:
+            raise failure
         self._account(acc, prep, choices)
-        return JSONResponse(body)
+        return JSONResponse(body.result())
 
     def _error(self, endpoint: str, exc: ApiError, acc: Access | None = None) -> JSONResponse:
         self.metrics.requests.labels(endpoint, str(exc.status)).inc()
@@ -240,6 +252,13 @@ async def _parse(request: Request, model: type[M]) -> M:
         # `param` names the top-level parameter, as OpenAI's errors do; the message the path
         raise bad_request(f"invalid '{path}': {err['msg']}",
                           param=str(err["loc"][0]) if err["loc"] else None) from None
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client has closed the connection (the body was read already, so the
+    next ASGI message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _config_context_len(folder: Path) -> int:
