@@ -78,8 +78,8 @@ class FreeSpace:
 
     def quarantine(self, seg: Segment) -> None:
         """`seg` was dropped: move its deferred ranges into quarantine."""
-        held = [(at, offset, seg.allocator.allocated_ranges()[offset])
-                for at, s, offset in self._deferred if s is seg]
+        ranges = seg.allocator.allocated_ranges()
+        held = [(at, offset, ranges[offset]) for at, s, offset in self._deferred if s is seg]
         if held:
             self._quarantine[seg.segment_id] = (seg.fence, held)
         self._deferred = [d for d in self._deferred if d[1] is not seg]
@@ -100,10 +100,14 @@ class FreeSpace:
         """AssertionError unless every deferred range of a mounted segment is allocated
         there once, and no mounted segment has ranges in quarantine."""
         seen: set[tuple[int, int]] = set()
+        used: dict[int, dict[int, int]] = {}  # id(segment) -> its ranges, read once
         for _, seg, offset in self._deferred:
             if self.segments.get(seg.segment_id) is not seg:
                 continue
-            assert offset in seg.allocator.allocated_ranges(), \
+            ranges = used.get(id(seg))
+            if ranges is None:
+                ranges = used[id(seg)] = seg.allocator.allocated_ranges()
+            assert offset in ranges, \
                 f"deferred range {offset} of {seg.segment_id} is not allocated"
             assert (id(seg), offset) not in seen, \
                 f"range {offset} of {seg.segment_id} deferred twice"
