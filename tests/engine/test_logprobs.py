@@ -115,3 +115,30 @@ def test_logit_bias_and_min_tokens(tiny_llama: Path) -> None:
         SamplingParams(max_tokens=2, min_tokens=3)
     with pytest.raises(ConfigError, match="logit_bias"):
         SamplingParams(logit_bias={5: 200.0})
+
+
+def test_one_request_failing_in_the_step_fails_alone(tiny_llama: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvpool.engine.llm_engine as llm
+
+    real = llm.choose
+
+    def flaky(logits: torch.Tensor, seq: object, eos: object) -> object:
+        if getattr(seq, "request_id", "") == "bad" and len(seq.output_ids) == 2:  # type: ignore[attr-defined]
+            raise RuntimeError("boom")
+        return real(logits, seq, eos)  # type: ignore[arg-type]
+    monkeypatch.setattr(llm, "choose", flaky)
+    eng = engine(tiny_llama)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    eng.add_request("good", prompt(11, 5), params)
+    eng.add_request("bad", prompt(13, 6), params)
+    outs: list[StepOutput] = []
+    while eng.has_work:
+        outs += eng.step()
+    bad = [o for o in outs if o.request_id == "bad"]
+    good = [o for o in outs if o.request_id == "good"]
+    assert bad[-1].error is not None and "boom" in bad[-1].error
+    assert len([o for o in bad if o.token_id is not None]) == 2
+    assert good[-1].finish_reason == "length" and good[-1].error is None
+    assert len([o for o in good if o.token_id is not None]) == 8
+    assert eng.blocks.num_free_blocks == eng.config.num_blocks  # the failed one let go too

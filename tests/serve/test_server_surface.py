@@ -125,3 +125,49 @@ def test_a_dropped_non_streaming_request_stops_decoding(proxy: tuple[str, Path],
         assert time.monotonic() < deadline, "the abandoned request kept decoding"
         time.sleep(0.1)
     assert log.read_text().count("client gone") >= 1 and "Traceback" not in log.read_text()
+
+
+@pytest.mark.parametrize("command", ["proxy", "worker"])
+def test_no_public_bind_without_a_token(command: str, cluster: ServingCluster) -> None:
+    env = python_env()
+    env.pop("KVPOOL_TOKEN", None)
+    run = subprocess.run([sys.executable, "-m", "kvpool", command, "--model",
+                          str(cluster.model_dir), "--host", "0.0.0.0", "--port",
+                          str(free_port())], capture_output=True, text=True, env=env, timeout=60)
+    assert run.returncode == 2 and "refusing to listen on 0.0.0.0 without a token" in run.stderr
+
+
+def test_admin_endpoints_need_the_token(cluster: ServingCluster) -> None:
+    """An impostor worker cannot register itself (it would get the token and the prompts), and
+    the proxy's measurements are not open."""
+    from tests.serve.conftest import start_proxy
+    proc, url = start_proxy(cluster.model_dir, "--token", "s3cret", ready="/v1/models")
+    try:
+        fake = {"url": "http://127.0.0.1:9"}
+        bad = httpx.post(url + "/workers/register", json=fake)
+        assert bad.status_code == 401 and bad.json()["error"]["type"] == "authentication_error"
+        wrong = httpx.post(url + "/workers/register", json=fake,
+                           headers={"Authorization": "Bearer nope"})
+        assert wrong.status_code == 401
+        assert httpx.get(url + "/stats/samples").status_code == 401
+        auth = {"Authorization": "Bearer s3cret"}
+        assert httpx.get(url + "/stats/samples", headers=auth).status_code == 200
+        assert httpx.post(url + "/workers/register", json=fake, headers=auth).status_code == 200
+        assert httpx.get(url + "/v1/models").status_code == 200  # the API itself stays open
+    finally:
+        stop(proc)
+
+
+def test_bounded_work_per_request(proxy: tuple[str, Path]) -> None:
+    url, _ = proxy
+    huge = b'{"model": "served-name", "prompt": "' + b"a" * (5 << 20) + b'"}'
+    t0 = time.monotonic()
+    r = httpx.post(url + "/v1/completions", content=huge, timeout=60,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert time.monotonic() - t0 < 10
+    stops = {"model": "served-name", "prompt": "x", "stop": ["s" * 10] * 17}
+    r = httpx.post(url + "/v1/completions", json=stops)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
+    long_stop = {"model": "served-name", "prompt": "x", "stop": "s" * 600}
+    assert httpx.post(url + "/v1/completions", json=long_stop).status_code == 400

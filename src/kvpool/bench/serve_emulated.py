@@ -305,11 +305,11 @@ def cpu_s(pid: int) -> float:
 
 def wait_rotation(url: str, num_workers: int, timeout_s: float = 120.0) -> None:
     """Until the proxy has every worker in rotation."""
-    import httpx
+    from kvpool.bench.serve_sim import fetch_stats
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        s = httpx.get(url + "/stats/samples", timeout=10).json()
+        s = fetch_stats(url)
         if sum(s[f"num_{r}_workers"] for r in ("prefill", "decode", "colocated")) >= num_workers:
             return
         time.sleep(0.2)

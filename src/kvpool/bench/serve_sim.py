@@ -245,10 +245,13 @@ class Comparison:
 
 
 def fetch_stats(url: str) -> dict[str, Any]:
-    """The proxy's `GET /stats/samples` (raises httpx.HTTPError)."""
+    """The proxy's `GET /stats/samples` (raises httpx.HTTPError), with the cluster's token."""
     import httpx
 
-    resp = httpx.get(url + "/stats/samples", timeout=30)
+    from kvpool.metadata.http_serving import bearer_header
+    from kvpool.token import env_token
+
+    resp = httpx.get(url + "/stats/samples", timeout=30, headers=bearer_header(env_token()))
     resp.raise_for_status()
     return dict(resp.json())
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvpool.cli.security import add_security_args, bind_refusal
 from kvpool.conductor import ADMISSION_POLICIES, PREFILL_POLICIES
 from kvpool.errors import KvpoolError
 from kvpool.serve.config import KV_TRANSFER_MODES, ProxyConfig
@@ -38,7 +39,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="prefill -> decode KV handoff: through the pool, or pushed")
     p.add_argument("--poll-interval", type=float, default=_D.poll_interval_s,
                    help="seconds between /load polls of each worker")
-    p.add_argument("--token", default=None, help="bearer token for the workers (or KVPOOL_TOKEN)")
+    add_security_args(p, "the workers and the proxy's own admin endpoints (/workers/register, "
+                      "/stats/samples) require")
+    p.add_argument("--max-body-bytes", type=int, default=_D.max_body_bytes,
+                   help=f"largest request body (default {_D.max_body_bytes}; 413 beyond)")
     p.add_argument("--no-access-log", dest="access_log", action="store_false",
                    help="no access-log line per request")
     p.set_defaults(func=run)
@@ -66,7 +70,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         ttft_slo_relative=args.ttft_slo_relative,
         decode_horizon_s=args.decode_horizon, cost_path=args.cost, fit_cost=args.fit_cost,
         kv_transfer=args.kv_transfer, poll_interval_s=args.poll_interval,
-        token=args.token or env_token(), access_log=args.access_log)
+        token=args.token or env_token(), access_log=args.access_log,
+        max_body_bytes=args.max_body_bytes)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -74,6 +79,10 @@ def run(args: argparse.Namespace) -> int:
 
     from kvpool.serve.app import create_app
 
+    refusal = bind_refusal("proxy", args.host, args.token or env_token(), args.insecure)
+    if refusal is not None:
+        print(refusal, file=sys.stderr)
+        return 2
     try:
         config = config_from_args(args)
         app = create_app(config)

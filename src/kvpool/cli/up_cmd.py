@@ -151,7 +151,7 @@ def _run_serving(args: argparse.Namespace) -> int:
         worker_args += _given(args, "dtype", "max_model_len", "num_blocks", "block_size")
         spec = ServingSpec(model, args.host, args.port, args.prefill, args.decode,
                            args.colocated, args.dram, args.store_nodes or 1, proxy_args,
-                           worker_args)
+                           worker_args, insecure=args.insecure)
         with serving_cluster(spec) as cluster:
             _print_serving(cluster)
             if args.demo:

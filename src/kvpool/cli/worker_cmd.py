@@ -4,7 +4,9 @@ engine over HTTP (docs/worker-api.md), with KV through the pool or pushed to dec
 from __future__ import annotations
 
 import argparse
+import sys
 
+from kvpool.cli.security import add_security_args, bind_refusal
 from kvpool.engine.config import PREFILL_MODES
 from kvpool.engine.emulated.profile import DEFAULT_PROFILE
 from kvpool.engine.worker.runtime import ENGINES
@@ -27,7 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=0, help="HTTP port (0 = a free one, printed)")
     p.add_argument("--kv-transfer", choices=("pool", "push"), default="pool",
                    help="how a prefill worker hands KV over when the request does not say")
-    p.add_argument("--token", default=None, help="shared bearer token (default $KVPOOL_TOKEN)")
+    add_security_args(p, "every call to the worker (and its transfer engine) must carry")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV blocks (default 1024; emulated: the profile's KV capacity)")
@@ -68,13 +70,16 @@ def _num_blocks(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-
     import uvicorn
 
     from kvpool.engine.config import EngineConfig
     from kvpool.engine.worker.app import create_app
     from kvpool.engine.worker.runtime import Worker, WorkerConfig
     from kvpool.serve.models import resolve_model
+    refusal = bind_refusal("worker", args.host, args.token or env_token(), args.insecure)
+    if refusal is not None:
+        print(refusal, file=sys.stderr)
+        return 2
     try:
         config = WorkerConfig(
             model_dir=str(resolve_model(args.model)), role=args.role, master=args.master, host=args.host,

@@ -15,7 +15,9 @@ one thread. No torch here.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from kvpool.clock import SYSTEM_CLOCK, Clock
 from kvpool.engine.block_manager import BlockManager
@@ -25,6 +27,8 @@ from kvpool.engine.kv_layout import KVLayout
 from kvpool.engine.scheduler import ScheduledBatch, Scheduler
 from kvpool.engine.sequence import KVSource, Sampled, SeqStatus, Sequence, TokenLogprob
 from kvpool.errors import InvalidArgument
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -56,6 +60,9 @@ class EngineCore:
         self.lost_s = 0.0
         """Seconds steps started late while work waited (the emulated engine measures it:
         its machine did not keep up with the emulated accelerator)."""
+        self._failed: dict[Sequence, str] = {}
+        """Sequences whose own work raised during this step (`isolated`): they end with the
+        error, the rest of the batch goes on."""
         self.state_lock = threading.Lock()
         """Held by the thread that drives the engine while it changes state; an engine whose
         step waits without computing (the emulated one) lets readers in meanwhile."""
@@ -116,6 +123,19 @@ class EngineCore:
         token was computed now."""
         raise NotImplementedError
 
+    def isolated(self, seq: Sequence, fn: Callable[..., T], *args: object) -> T | None:
+        """`fn(*args)`, work of `seq` alone: if it raises, `seq` ends with the error after this
+        step and None is returned, so one request's failure (its sampling, its logprobs)
+        cannot fail the others in the batch."""
+        try:
+            return fn(*args)
+        except Exception as exc:
+            self._failed[seq] = f"request {seq.request_id} failed in the engine: {exc!r}"
+            return None
+
+    def has_failed(self, seq: Sequence) -> bool:
+        return seq in self._failed
+
     def postprocess(self, batch: ScheduledBatch,
                     sampled: dict[Sequence, Sampled]) -> list[StepOutput]:
         outputs, self._finished = self._finished, []
@@ -133,6 +153,9 @@ class EngineCore:
             reason = self._stop_reason(seq, token)
             if reason is not None:
                 self._finish(seq, reason)
+        failed, self._failed = self._failed, {}
+        for seq, why in failed.items():
+            self._finish(seq, None, why)
         outputs, self._finished = outputs + self._finished, []
         return outputs
 

@@ -55,13 +55,15 @@ class LLMEngine(EngineCore):
         self.connector.after_forward()
         for (seq, n), s in zip(batch, slices, strict=True):
             if seq.wants_prompt_logprobs:
-                self._prompt_logprobs(seq, hidden[s.start:s.start + n])
+                self.isolated(seq, self._prompt_logprobs, seq, hidden[s.start:s.start + n])
         last = [(seq, s.start + n - 1) for (seq, n), s in zip(batch, slices, strict=True)
-                if seq.num_computed_tokens + n == len(seq)]
+                if seq.num_computed_tokens + n == len(seq) and not self.has_failed(seq)]
         if not last:
             return {}
         logits = self.model.logits(hidden[[row for _, row in last]])  # [N, vocab]
-        return {seq: choose(logits[i], seq, self.eos_ids) for i, (seq, _) in enumerate(last)}
+        picks = {seq: self.isolated(seq, choose, logits[i], seq, self.eos_ids)
+                 for i, (seq, _) in enumerate(last)}
+        return {seq: pick for seq, pick in picks.items() if pick is not None}
 
     def _prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor) -> None:
         """Logprobs of the prompt tokens these rows predict (row at position p predicts the

@@ -32,13 +32,22 @@ from kvpool.conductor.cost import CostModel
 from kvpool.engine.gguf_checkpoint import served_name
 from kvpool.errors import WorkerCallError
 from kvpool.log import get_logger
+from kvpool.metadata.http_serving import bearer_matches
 from kvpool.serve import access
 from kvpool.serve.access import Access
 from kvpool.serve.cancel import cancel_and_wait
 from kvpool.serve.cluster import DECODE_ROLES, PREFILL_ROLES, LiveCluster
 from kvpool.serve.config import ProxyConfig
 from kvpool.serve.dispatch import Dispatcher, Run
-from kvpool.serve.errors import ApiError, bad_request, model_not_found, not_found, worker_failed
+from kvpool.serve.errors import (
+    ApiError,
+    bad_request,
+    model_not_found,
+    not_found,
+    too_large,
+    unauthorized,
+    worker_failed,
+)
 from kvpool.serve.metrics import ProxyMetrics
 from kvpool.serve.poller import Poller
 from kvpool.serve.protocol import (
@@ -99,8 +108,11 @@ class Proxy:
         endpoint = "completions" if kind == "completion" else "chat"
         acc = Access("POST", request.url.path, arrival_s)
         try:
-            parsed = await _parse(request, CompletionRequest if kind == "completion" else ChatRequest)
-            prep = prepare(parsed, kind, self)  # type: ignore[arg-type]
+            parsed = await _parse(request, CompletionRequest if kind == "completion" else ChatRequest,
+                                  self.config.max_body_bytes)
+            # tokenizing (and rendering the chat template) off the event loop: a big prompt
+            # does not stall the other streams
+            prep = await asyncio.to_thread(prepare, parsed, kind, self)  # type: ignore[arg-type]
             choices = await self._start(prep, received_t)
             acc.ttft_s = time.perf_counter() - arrival_s
             self.metrics.ttft.observe(acc.ttft_s)
@@ -201,6 +213,12 @@ class Proxy:
             "id": self.model_name, "object": "model", "created": 0, "owned_by": "kvpool",
             "max_model_len": self.max_model_len}]}
 
+    def authorized(self, request: Request) -> bool:
+        """Whether `request` may use the admin endpoints: it carries the cluster's bearer
+        token, when there is one."""
+        token = self.config.token
+        return not token or bearer_matches(request.headers.get("authorization"), token)
+
     def health(self) -> JSONResponse:
         num_p = len(self.cluster.alive(PREFILL_ROLES))
         num_d = len(self.cluster.alive(DECODE_ROLES))
@@ -229,8 +247,23 @@ class Proxy:
                 "cost": self.dispatcher.cost.to_dict()}
 
 
-async def _parse(request: Request, model: type[M]) -> M:
-    raw = await request.body()
+async def _body(request: Request, limit: int) -> bytes:
+    """The request body, or a 413 as soon as it is known to exceed `limit` bytes (from its
+    Content-Length, or while it arrives): an oversized body is never read whole."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large(int(declared), limit)
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise too_large(size, limit)
+        parts.append(part)
+    return b"".join(parts)
+
+
+async def _parse(request: Request, model: type[M], limit: int) -> M:
+    raw = await _body(request, limit)
     try:
         obj = json.loads(raw)
     except ValueError as exc:
@@ -285,14 +318,16 @@ def _vllm_routes(app: FastAPI, proxy: Proxy) -> None:
     @app.post("/tokenize")
     async def tokenize_route(request: Request) -> JSONResponse:
         try:
-            return JSONResponse(tokenize(proxy, await _parse(request, TokenizeRequest)))
+            return JSONResponse(tokenize(proxy, await _parse(request, TokenizeRequest,
+                                                                  proxy.config.max_body_bytes)))
         except ApiError as exc:
             return _json_error(exc)
 
     @app.post("/detokenize")
     async def detokenize_route(request: Request) -> JSONResponse:
         try:
-            return JSONResponse(detokenize(proxy, await _parse(request, DetokenizeRequest)))
+            return JSONResponse(detokenize(proxy, await _parse(request, DetokenizeRequest,
+                                                                      proxy.config.max_body_bytes)))
         except ApiError as exc:
             return _json_error(exc)
 
@@ -335,11 +370,15 @@ def create_app(config: ProxyConfig, clock: Clock | None = None) -> FastAPI:
         return Response(proxy.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/stats/samples")
-    async def samples() -> dict[str, Any]:
-        return proxy.samples()
+    async def samples(request: Request) -> JSONResponse:
+        if not proxy.authorized(request):
+            return _json_error(unauthorized())
+        return JSONResponse(proxy.samples())
 
     @app.post("/workers/register")
     async def register_worker(request: Request) -> JSONResponse:
+        if not proxy.authorized(request):  # an impostor would get the token and the prompts
+            return _json_error(unauthorized())
         try:
             obj = json.loads(await request.body())
             url = str(obj["url"])

@@ -47,6 +47,8 @@ class ProxyConfig:
     """Backstop on one worker call; a dead worker is detected by polling long before."""
     token: str | None = None
     """Bearer token sent to workers (their --token / KVPOOL_TOKEN)."""
+    max_body_bytes: int = 4 << 20
+    """A request body over this is a 413, refused before it is read whole."""
     access_log: bool = True
     """One line per request on the `kvpool.serve.access` logger (serve/access.py)."""
     ttft_slo_relative: float | None = None

@@ -46,6 +46,16 @@ def not_found(method: str, path: str, status: int = 404) -> ApiError:
                     code="not_found" if status == 404 else "method_not_allowed")
 
 
+def too_large(size: int, limit: int) -> ApiError:
+    return ApiError(413, f"the request body is {size} bytes, over this server's limit of {limit} "
+                    "(kvpool proxy --max-body-bytes)", code="request_too_large")
+
+
+def unauthorized() -> ApiError:
+    return ApiError(401, "missing or wrong bearer token", type="authentication_error",
+                    code="invalid_token")
+
+
 def worker_failed(message: str) -> ApiError:
     return ApiError(502, message, type="worker_error", code="worker_failed")
 

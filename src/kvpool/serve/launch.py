@@ -167,6 +167,8 @@ class ServingSpec:
     num_store_nodes: int = 1
     proxy_args: tuple[str, ...] = ()
     worker_args: tuple[str, ...] = ()
+    insecure: bool = False
+    """Pass --insecure to every child (a non-loopback host without a token)."""
 
 
 @contextmanager
@@ -184,7 +186,7 @@ def serving_cluster(spec: ServingSpec) -> Iterator[ServingCluster]:
                              served_name(spec.model_dir))
     with ExitStack() as stack:
         def start(name: str, *args: str) -> subprocess.Popen[bytes]:
-            proc = spawn(*args)
+            proc = spawn(*args, *(("--insecure",) if spec.insecure else ()))
             stack.callback(stop, proc)
             cluster.procs[name] = proc
             return proc

@@ -36,6 +36,9 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+MAX_STOPS, MAX_STOP_CHARS = 16, 512
+"""Stop strings per request and characters per stop string (each costs work per output token
+on the proxy)."""
 MAX_CHOICES = 64
 """The most choices one request may ask for (n, times the prompts of a completion)."""
 
@@ -84,6 +87,15 @@ class _Sampling(BaseModel):
     (`trace_of`); for one choice only."""
 
     _utf8_stop = field_validator("stop")(utf8)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_caps(cls, v: str | list[str] | None) -> str | list[str] | None:
+        stops = [v] if isinstance(v, str) else list(v or [])
+        if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} "
+                             "characters each")
+        return v
 
     @field_validator("logit_bias")
     @classmethod
