@@ -109,6 +109,7 @@ def test_access_log_and_a_client_that_goes_away(proxy: tuple[str, Path],
         time.sleep(0.1)
 
 
+@pytest.mark.slow
 def test_a_dropped_non_streaming_request_stops_decoding(proxy: tuple[str, Path],
                                                         cluster: ServingCluster) -> None:
     url, log = proxy
@@ -158,6 +159,7 @@ def test_admin_endpoints_need_the_token(cluster: ServingCluster) -> None:
         stop(proc)
 
 
+@pytest.mark.slow
 def test_bounded_work_per_request(proxy: tuple[str, Path]) -> None:
     url, _ = proxy
     huge = b'{"model": "served-name", "prompt": "' + b"a" * (5 << 20) + b'"}'

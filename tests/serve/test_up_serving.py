@@ -46,6 +46,7 @@ def test_up_serves_and_sigterm_stops_everything(cache_home: Path, tmp_path: Path
         reap(proc, marker)
 
 
+@pytest.mark.slow  # the default suite keeps `kvpool up` serving and stopping; the demo is ~17 s
 def test_up_demo_streams_and_shows_prefix_reuse(cache_home: Path) -> None:
     marker = f"up-{uuid.uuid4().hex}"
     proc = kvpool_up(marker, cache_home, "--port", str(free_port()), "--demo")

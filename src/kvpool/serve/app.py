@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -315,21 +315,21 @@ def _vllm_routes(app: FastAPI, proxy: Proxy) -> None:
     async def version() -> dict[str, str]:
         return {"version": __version__}
 
-    @app.post("/tokenize")
-    async def tokenize_route(request: Request) -> JSONResponse:
+    async def answer(request: Request, model: type[M],
+                     fn: Callable[[Proxy, M], dict[str, Any]]) -> JSONResponse:
         try:
-            return JSONResponse(tokenize(proxy, await _parse(request, TokenizeRequest,
-                                                                  proxy.config.max_body_bytes)))
+            return JSONResponse(fn(proxy, await _parse(request, model,
+                                                       proxy.config.max_body_bytes)))
         except ApiError as exc:
             return _json_error(exc)
 
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> JSONResponse:
+        return await answer(request, TokenizeRequest, tokenize)
+
     @app.post("/detokenize")
     async def detokenize_route(request: Request) -> JSONResponse:
-        try:
-            return JSONResponse(detokenize(proxy, await _parse(request, DetokenizeRequest,
-                                                                      proxy.config.max_body_bytes)))
-        except ApiError as exc:
-            return _json_error(exc)
+        return await answer(request, DetokenizeRequest, detokenize)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -6,12 +6,11 @@ A reservation (reserve.py) is a pending put filed under its token until it is co
 
 from __future__ import annotations
 
-from collections.abc import Iterator, KeysView, ValuesView
-
+from kvpool.store.master.keyed import KeyedReads
 from kvpool.store.master.state import PendingPut
 
 
-class PendingPuts:
+class PendingPuts(KeyedReads[PendingPut]):
     def __init__(self) -> None:
         self._by_key: dict[str, PendingPut] = {}
 
@@ -19,27 +18,6 @@ class PendingPuts:
 
     def get(self, key: str) -> PendingPut | None:
         return self._by_key.get(key)
-
-    def __getitem__(self, key: str) -> PendingPut:
-        return self._by_key[key]
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._by_key
-
-    def __len__(self) -> int:
-        return len(self._by_key)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._by_key)
-
-    def keys(self) -> KeysView[str]:
-        return self._by_key.keys()
-
-    def values(self) -> ValuesView[PendingPut]:
-        return self._by_key.values()
-
-    def items(self) -> Iterator[tuple[str, PendingPut]]:
-        return iter(self._by_key.items())
 
     def of_client(self, client_id: str) -> list[PendingPut]:
         return [p for p in self._by_key.values() if p.client_id == client_id]

@@ -11,9 +11,10 @@ The pending puts (pending.py) and the deferred releases (space.py) are tables of
 
 from __future__ import annotations
 
-from collections.abc import Iterator, KeysView, ValuesView
+from collections.abc import Iterator, ValuesView
 from typing import TYPE_CHECKING, overload
 
+from kvpool.store.master.keyed import KeyedReads
 from kvpool.store.master.state import Replica, Segment, StoredObject
 from kvpool.store.wire.codes import Tier
 
@@ -21,7 +22,7 @@ if TYPE_CHECKING:
     from kvpool.store.master.eviction import EvictionPolicy
 
 
-class ObjectTable:
+class ObjectTable(KeyedReads[StoredObject]):
     def __init__(self, policy: EvictionPolicy) -> None:
         self._by_key: dict[str, StoredObject] = {}
         self.policy = policy
@@ -36,27 +37,6 @@ class ObjectTable:
 
     def get(self, key: str, default: StoredObject | None = None) -> StoredObject | None:
         return self._by_key.get(key, default)
-
-    def __getitem__(self, key: str) -> StoredObject:
-        return self._by_key[key]
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._by_key
-
-    def __len__(self) -> int:
-        return len(self._by_key)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._by_key)
-
-    def keys(self) -> KeysView[str]:
-        return self._by_key.keys()
-
-    def values(self) -> ValuesView[StoredObject]:
-        return self._by_key.values()
-
-    def items(self) -> Iterator[tuple[str, StoredObject]]:
-        return iter(self._by_key.items())
 
     # -- actions ---------------------------------------------------------------------------
 
