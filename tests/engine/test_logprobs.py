@@ -142,3 +142,37 @@ def test_one_request_failing_in_the_step_fails_alone(tiny_llama: Path,
     assert good[-1].finish_reason == "length" and good[-1].error is None
     assert len([o for o in good if o.token_id is not None]) == 8
     assert eng.blocks.num_free_blocks == eng.config.num_blocks  # the failed one let go too
+
+
+def test_readers_get_in_while_the_forward_runs(tiny_llama: Path) -> None:
+    """A worker answers /load under the engine's state lock: a long forward must not hold it
+    (a prefill longer than the proxy's silent_dead_s took its own worker out of rotation)."""
+    import threading
+    import time
+
+    eng = engine(tiny_llama)
+    started = threading.Event()
+    model = eng.model
+
+    class Slow:
+        def __call__(self, *args: object) -> torch.Tensor:
+            started.set()
+            time.sleep(0.5)
+            return model(*args)  # type: ignore[arg-type]
+
+        def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+            return model.logits(hidden)
+    eng.model = Slow()  # type: ignore[assignment]
+    eng.add_request("r", prompt(9, 7), SamplingParams(max_tokens=1))
+
+    def drive() -> None:
+        with eng.state_lock:  # as the worker's engine loop does
+            eng.step()
+    t = threading.Thread(target=drive)
+    t.start()
+    assert started.wait(5)
+    got = eng.state_lock.acquire(timeout=0.3)  # well inside the 0.5 s forward
+    if got:
+        eng.state_lock.release()
+    t.join(5)
+    assert got, "the forward held the state lock"

@@ -15,7 +15,8 @@ one thread. No torch here.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -132,6 +133,20 @@ class EngineCore:
         except Exception as exc:
             self._failed[seq] = f"request {seq.request_id} failed in the engine: {exc!r}"
             return None
+
+    @contextmanager
+    def readers_in(self) -> Iterator[None]:
+        """While the step computes or waits without changing the engine's state: let readers
+        of it (a worker's /load) in, so a long step does not look like a dead worker. A no-op
+        when the engine is driven directly (offline), without the lock held."""
+        if not self.state_lock.locked():
+            yield
+            return
+        self.state_lock.release()
+        try:
+            yield
+        finally:
+            self.state_lock.acquire()
 
     def has_failed(self, seq: Sequence) -> bool:
         return seq in self._failed

@@ -51,7 +51,8 @@ class LLMEngine(EngineCore):
         last token was computed now (and adds the prompt logprobs of those that ask)."""
         ids, positions, attn, slices = self._prepare(batch)
         self.connector.before_forward(batch)
-        hidden = self.model(ids, positions, attn, self.cache.kv, self.connector.on_layer)
+        with self.readers_in():  # the forward changes no engine state, only the KV tensors
+            hidden = self.model(ids, positions, attn, self.cache.kv, self.connector.on_layer)
         self.connector.after_forward()
         for (seq, n), s in zip(batch, slices, strict=True):
             if seq.wants_prompt_logprobs:

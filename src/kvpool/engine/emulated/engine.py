@@ -134,14 +134,8 @@ class EmulatedEngine(EngineCore):
         delay = until - self.clock.now()
         if delay <= 0:
             return
-        if not self.state_lock.locked():  # driven directly (offline), not by a worker's loop
+        with self.readers_in():
             self.clock.sleep(delay)
-            return
-        self.state_lock.release()
-        try:
-            self.clock.sleep(delay)
-        finally:
-            self.state_lock.acquire()
 
     def run(self, batch: ScheduledBatch) -> dict[Sequence, Sampled]:
         t0 = self._start(self._step_called_s)
