@@ -7,8 +7,12 @@ from __future__ import annotations
 import argparse
 import sys
 import uuid
+from typing import TYPE_CHECKING, Any
 
 from kvpool.token import env_token
+
+if TYPE_CHECKING:
+    from kvpool.engine.config import SamplingParams
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -33,13 +37,6 @@ def run(args: argparse.Namespace) -> int:
 
     from kvpool.engine.checkpoint import load_tokenizer
     from kvpool.engine.config import SamplingParams
-    from kvpool.engine.worker.client import prefill, stream
-    from kvpool.engine.worker.messages import (
-        GenerateRequest,
-        KVTransfer,
-        PrefillRequest,
-        TokenLine,
-    )
     from kvpool.errors import WorkerCallError
     decode_url = args.both or args.decode
     if decode_url is None and args.prefill is None and args.model:
@@ -55,58 +52,66 @@ def run(args: argparse.Namespace) -> int:
         return 1
     tok = load_tokenizer(model)
     text = tok.render_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
-    ids = tok.encode(text)
     try:
         sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                   seed=args.seed, stop_token_ids=tuple(tok.eos_token_ids))
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    rid = uuid.uuid4().hex
     try:
-        first = None
-        if args.both is None:
-            transfer = KVTransfer(mode=args.kv_transfer, decode_url=decode_url)
-            info = prefill(args.prefill, PrefillRequest(
-                request_id=rid, prompt_token_ids=ids, sampling=sampling, kv_transfer=transfer),
-                args.token)
-            first = info.first_token_id
-            print(f"[prefill: {info.num_prompt_tokens} tokens, {info.num_cached_tokens} "
-                  f"cached, {info.num_pool_tokens} from the pool, {info.prefill_s:.3f}s]",
-                  file=sys.stderr)
-        out: list[int] = []
-        printed = ""
-        req = GenerateRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling,
-                              first_token_id=first,
-                              kv_source=args.kv_transfer if first is not None else "none")
-        for msg in stream(decode_url, req, args.token):
-            if isinstance(msg, TokenLine):
-                out.append(msg.token_id)
-                text_now = tok.decode(out)
-                print(text_now[len(printed):], end="", flush=True)
-                printed = text_now
-            else:
-                print(f"\n[{msg.finish_reason}, {msg.num_output_tokens} tokens]",
-                      file=sys.stderr)
+        _drive(args, decode_url, tok, tok.encode(text), sampling)
     except (WorkerCallError, httpx.HTTPError) as exc:
         print(f"\nerror: {exc}", file=sys.stderr)
         return 1
     return 0
 
 
+def _drive(args: argparse.Namespace, decode_url: str, tok: Any, ids: list[int],
+           sampling: SamplingParams) -> None:
+    """The prefill leg (unless colocated) and the decode leg, the text printed as it comes."""
+    from kvpool.engine.worker.client import prefill, stream
+    from kvpool.engine.worker.messages import (
+        GenerateRequest,
+        KVTransfer,
+        PrefillRequest,
+        TokenLine,
+    )
+    rid = uuid.uuid4().hex
+    first = None
+    if args.both is None:
+        transfer = KVTransfer(mode=args.kv_transfer, decode_url=decode_url)
+        info = prefill(args.prefill, PrefillRequest(
+            request_id=rid, prompt_token_ids=ids, sampling=sampling, kv_transfer=transfer),
+            args.token)
+        first = info.first_token_id
+        print(f"[prefill: {info.num_prompt_tokens} tokens, {info.num_cached_tokens} "
+              f"cached, {info.num_pool_tokens} from the pool, {info.prefill_s:.3f}s]",
+              file=sys.stderr)
+    out: list[int] = []
+    printed = ""
+    req = GenerateRequest(request_id=rid, prompt_token_ids=ids, sampling=sampling,
+                          first_token_id=first,
+                          kv_source=args.kv_transfer if first is not None else "none")
+    for msg in stream(decode_url, req, args.token):
+        if isinstance(msg, TokenLine):
+            out.append(msg.token_id)
+            text_now = tok.decode(out)
+            print(text_now[len(printed):], end="", flush=True)
+            printed = text_now
+        else:
+            print(f"\n[{msg.finish_reason}, {msg.num_output_tokens} tokens]", file=sys.stderr)
+
+
 def _model_of(url: str, headers: dict[str, str]) -> str:
     import httpx
 
-    from kvpool.engine.worker.messages import InfoReply, parse
-    from kvpool.errors import InvalidArgument, WorkerCallError
+    from kvpool.engine.worker.messages import InfoReply, reply_from
+    from kvpool.errors import WorkerCallError
     reply = httpx.get(f"{url}/info", headers=headers, timeout=10)
     if reply.status_code != 200:
         raise WorkerCallError(url, "/info", f"{reply.status_code} {reply.text}",
                               reply.status_code)
-    try:
-        return parse(InfoReply, reply.json(), "/info reply").model
-    except (ValueError, InvalidArgument) as exc:
-        raise WorkerCallError(url, "/info", str(exc)) from None
+    return reply_from(url, "/info", InfoReply, reply.content).model
 
 
 def _in_process(args: argparse.Namespace) -> int:

@@ -39,7 +39,8 @@ def processed(logits: torch.Tensor, seq: Sequence, eos_ids: Collection[int]) -> 
     if p.logit_bias:
         out = out.clone()
         ids = [t for t in p.logit_bias if t < out.numel()]
-        out[ids] += torch.tensor([p.logit_bias[t] for t in ids], dtype=out.dtype)
+        out[ids] += torch.tensor([p.logit_bias[t] for t in ids], dtype=out.dtype,
+                                 device=out.device)
     if len(seq.output_ids) < p.min_tokens:
         banned = {*p.stop_token_ids, *([] if p.ignore_eos else eos_ids)}
         out = out.clone() if out is logits else out
@@ -47,13 +48,14 @@ def processed(logits: torch.Tensor, seq: Sequence, eos_ids: Collection[int]) -> 
     if p.repetition_penalty != 1.0:
         out = _repetition(out, seq.token_ids, p.repetition_penalty)
     if (p.presence_penalty or p.frequency_penalty) and seq.output_ids:
-        counts = torch.bincount(torch.tensor(seq.output_ids), minlength=out.numel())[:out.numel()]
+        outs = torch.tensor(seq.output_ids, device=out.device)
+        counts = torch.bincount(outs, minlength=out.numel())[:out.numel()]
         out = out - p.frequency_penalty * counts - p.presence_penalty * (counts > 0)
     return out
 
 
 def _repetition(scores: torch.Tensor, token_ids: list[int], penalty: float) -> torch.Tensor:
-    seen = torch.unique(torch.tensor(token_ids))
+    seen = torch.unique(torch.tensor(token_ids, device=scores.device))
     seen = seen[seen < scores.numel()]
     vals = scores[seen]
     out = scores.clone()

@@ -19,7 +19,6 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
@@ -35,7 +34,7 @@ from kvpool.log import get_logger
 from kvpool.metadata.http_serving import bearer_matches
 from kvpool.serve import access
 from kvpool.serve.access import Access
-from kvpool.serve.cancel import cancel_and_wait
+from kvpool.serve.cancel import cancel_and_wait, close_all
 from kvpool.serve.cluster import DECODE_ROLES, PREFILL_ROLES, LiveCluster
 from kvpool.serve.config import ProxyConfig
 from kvpool.serve.dispatch import Dispatcher, Run
@@ -170,8 +169,7 @@ class Proxy:
         firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
         failure = next((f for f in firsts if isinstance(f, BaseException)), None)
         if failure is not None:
-            with anyio.CancelScope(shield=True):
-                await asyncio.gather(*(s.aclose() for s in streams), return_exceptions=True)
+            await close_all(*streams)
             raise failure
         return [Choice(job, run, int(first), s,  # type: ignore[arg-type]  # no failure here
                        TextStream(self.tokenizer.decode, prep.stop))
@@ -206,7 +204,7 @@ class Proxy:
         if acc is not None:
             acc.status, acc.note = exc.status, exc.code or exc.type
             acc.done(time.perf_counter())
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        return _json_error(exc)
 
     def models(self) -> dict[str, Any]:
         return {"object": "list", "data": [{
@@ -383,10 +381,9 @@ def create_app(config: ProxyConfig, clock: Clock | None = None) -> FastAPI:
             obj = json.loads(await request.body())
             url = str(obj["url"])
         except (ValueError, KeyError, TypeError):
-            return JSONResponse(bad_request('body must be {"url": "http://host:port"}').body(),
-                                status_code=400)
+            return _json_error(bad_request('body must be {"url": "http://host:port"}'))
         if not url.startswith(("http://", "https://")):
-            return JSONResponse(bad_request(f"not an http URL: {url!r}").body(), status_code=400)
+            return _json_error(bad_request(f"not an http URL: {url!r}"))
         proxy.poller.watch(url)
         return JSONResponse({"ok": True, "url": url.rstrip("/")})
 

@@ -8,6 +8,7 @@ the request then closes ("aclose(): asynchronous generator is already running").
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import anyio
@@ -20,3 +21,10 @@ async def cancel_and_wait(*tasks: asyncio.Future[Any]) -> None:
         task.cancel()
     with anyio.CancelScope(shield=True):
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def close_all(*gens: AsyncGenerator[Any]) -> None:
+    """Close async generators (each releasing what it holds in its `finally`), even while the
+    caller is being cancelled; their exceptions are consumed."""
+    with anyio.CancelScope(shield=True):
+        await asyncio.gather(*(g.aclose() for g in gens), return_exceptions=True)

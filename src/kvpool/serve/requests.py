@@ -5,13 +5,21 @@ Every check a client can fail is here, as a 4xx ApiError."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Protocol
 
 from kvpool.engine.config import SamplingParams
 from kvpool.serve.errors import bad_request, model_not_found
 from kvpool.serve.metrics import ProxyMetrics
-from kvpool.serve.protocol import MAX_CHOICES, ChatRequest, CompletionRequest, Kind, new_id
+from kvpool.serve.protocol import (
+    MAX_CHOICES,
+    ChatMessage,
+    ChatRequest,
+    CompletionRequest,
+    Kind,
+    new_id,
+)
 from kvpool.serve.tokenizer import ModelTokenizer
 
 
@@ -64,7 +72,8 @@ _ids = itertools.count(1)
 def prepare(req: CompletionRequest | ChatRequest, kind: Kind, proxy: Proxy) -> PreparedRequest:
     if req.model != proxy.model_name:
         raise model_not_found(req.model, proxy.model_name)
-    prompts = [_chat_ids(req, proxy)] if isinstance(req, ChatRequest) else _completion_ids(req, proxy)
+    prompts = ([chat_ids(req.messages, proxy)] if isinstance(req, ChatRequest)
+               else _completion_ids(req, proxy))
     if len(prompts) * req.n > MAX_CHOICES:
         raise bad_request(f"{len(prompts)} prompts x n={req.n} choices is more than "
                           f"{MAX_CHOICES} per request", param="n")
@@ -107,13 +116,18 @@ def _sampling(req: CompletionRequest | ChatRequest, ids: list[int], limit: int,
 
 
 def _check_vocab(req: CompletionRequest | ChatRequest, proxy: Proxy) -> None:
+    check_token_ids(list(req.logit_bias or ()), proxy, "logit_bias")
+    check_token_ids(req.stop_token_ids or [], proxy, "stop_token_ids")
+
+
+def check_token_ids(ids: list[int], proxy: Proxy, param: str) -> list[int]:
+    """`ids`, if every one is in the model's vocabulary; else a 400 naming `param`."""
     vocab = proxy.tokenizer.vocab_size
-    for name, ids in (("logit_bias", list(req.logit_bias or ())),
-                      ("stop_token_ids", req.stop_token_ids or [])):
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise bad_request(f"{name}: token ids {bad[:5]} are outside the vocabulary "
-                              f"(0..{vocab - 1})", param=name)
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise bad_request(f"{param}: token ids {bad[:5]} are outside the vocabulary "
+                          f"(0..{vocab - 1})", param=param)
+    return ids
 
 
 def _completion_ids(req: CompletionRequest, proxy: Proxy) -> list[list[int]]:
@@ -124,24 +138,16 @@ def _completion_ids(req: CompletionRequest, proxy: Proxy) -> list[list[int]]:
     if prompt and all(isinstance(p, str) for p in prompt):
         return [proxy.tokenizer.encode(str(p)) for p in prompt]
     if prompt and all(isinstance(p, list) for p in prompt):
-        return [_token_ids(p, proxy) for p in prompt]  # type: ignore[arg-type]
-    return [_token_ids(prompt, proxy)]  # type: ignore[arg-type]
+        return [check_token_ids(p, proxy, "prompt") for p in prompt]  # type: ignore[arg-type]
+    return [check_token_ids(prompt, proxy, "prompt")]  # type: ignore[arg-type]
 
 
-def _token_ids(prompt: list[int], proxy: Proxy) -> list[int]:
-    ids = [int(t) for t in prompt]
-    vocab = proxy.tokenizer.vocab_size
-    bad = [t for t in ids if not 0 <= t < vocab]
-    if bad:
-        raise bad_request(f"token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})",
-                          param="prompt")
-    return ids
-
-
-def _chat_ids(req: ChatRequest, proxy: Proxy) -> list[int]:
+def chat_ids(chat: Sequence[ChatMessage], proxy: Proxy) -> list[int]:
+    """The messages rendered with the chat template and tokenized; a 400 if the template
+    refuses them."""
     from jinja2.exceptions import TemplateError
 
-    messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+    messages = [{"role": m.role, "content": m.text()} for m in chat]
     try:
         return proxy.tokenizer.encode_chat(messages)
     except TemplateError as exc:

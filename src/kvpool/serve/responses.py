@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvpool.errors import WorkerCallError
@@ -51,7 +51,6 @@ class Choice:
     offset: int = 0
     """Characters of the token texts before the next logprobs (completions' text_offset)."""
     finish: str = "stop"
-    parts: list[str] = field(default_factory=list)
 
 
 async def _deltas(proxy: Proxy, c: Choice) -> AsyncIterator[tuple[str, str | None]]:
@@ -114,15 +113,14 @@ async def full_body(proxy: Proxy, prep: PreparedRequest, choices: list[Choice]) 
     for c in choices:
         echo = proxy.tokenizer.decode(c.job.prompt_ids) if prep.echo else ""
         lp = _logprobs(proxy, prep, c, c.text.num_tokens, prep.echo)
-        bodies.append(choice_body(prep.kind, c.job.index, echo + "".join(c.parts), c.finish, lp))
+        bodies.append(choice_body(prep.kind, c.job.index, echo + c.text.text, c.finish, lp))
     body = full_response(prep.kind, prep.request_id, proxy.model_name, bodies,
                          usage_of(prep, choices))
     return body | _trace(prep, choices)
 
 
 async def _collect(proxy: Proxy, c: Choice) -> None:
-    async for piece, reason in _deltas(proxy, c):
-        c.parts.append(piece)
+    async for _, reason in _deltas(proxy, c):  # the text accumulates in c.text
         c.finish = reason or c.finish
 
 

@@ -9,16 +9,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvpool.serve.errors import bad_request, model_not_found
+from kvpool.serve.errors import model_not_found
 from kvpool.serve.protocol import DetokenizeRequest, TokenizeRequest
-from kvpool.serve.requests import Proxy
+from kvpool.serve.requests import Proxy, chat_ids, check_token_ids
 
 
 def tokenize(proxy: Proxy, req: TokenizeRequest) -> dict[str, Any]:
     _check_model(proxy, req.model)
     if req.messages is not None:
-        ids = proxy.tokenizer.encode_chat([{"role": m.role, "content": m.text()}
-                                           for m in req.messages])
+        ids = chat_ids(req.messages, proxy)
     else:
         ids = proxy.tokenizer.encode(req.prompt or "", req.add_special_tokens)
     return {"count": len(ids), "max_model_len": proxy.max_model_len, "tokens": ids}
@@ -26,12 +25,7 @@ def tokenize(proxy: Proxy, req: TokenizeRequest) -> dict[str, Any]:
 
 def detokenize(proxy: Proxy, req: DetokenizeRequest) -> dict[str, Any]:
     _check_model(proxy, req.model)
-    vocab = proxy.tokenizer.vocab_size
-    bad = [t for t in req.tokens if not 0 <= t < vocab]
-    if bad:
-        raise bad_request(f"token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})",
-                          param="tokens")
-    return {"prompt": proxy.tokenizer.decode(req.tokens)}
+    return {"prompt": proxy.tokenizer.decode(check_token_ids(req.tokens, proxy, "tokens"))}
 
 
 def _check_model(proxy: Proxy, model: str | None) -> None:

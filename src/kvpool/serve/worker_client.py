@@ -12,9 +12,7 @@ from typing import TypeVar
 import httpx
 
 from kvpool.engine.worker.messages import (
-    GENERATE_LINE,
     AbortRequest,
-    ErrorLine,
     FinishLine,
     GenerateRequest,
     InfoReply,
@@ -22,7 +20,8 @@ from kvpool.engine.worker.messages import (
     PrefillReply,
     PrefillRequest,
     TokenLine,
-    parse,
+    generate_line,
+    reply_from,
 )
 from kvpool.errors import WorkerCallError
 from kvpool.log import get_logger
@@ -64,7 +63,7 @@ class WorkerClient:
             raise WorkerCallError(url, path, repr(exc)) from None
         if resp.status_code != 200:
             raise WorkerCallError(url, path, _error_text(resp, resp.content), resp.status_code)
-        return _reply(url, path, model, resp.content)
+        return reply_from(url, path, model, resp.content)
 
     async def prefill(self, url: str, req: PrefillRequest) -> PrefillReply:
         try:
@@ -75,7 +74,7 @@ class WorkerClient:
         if resp.status_code != 200:
             raise WorkerCallError(url, "/prefill", _error_text(resp, resp.content),
                                   resp.status_code)
-        return _reply(url, "/prefill", PrefillReply, resp.content)
+        return reply_from(url, "/prefill", PrefillReply, resp.content)
 
     async def generate(self, url: str,
                        req: GenerateRequest) -> AsyncGenerator[TokenLine | FinishLine]:
@@ -89,7 +88,7 @@ class WorkerClient:
                                           _error_text(resp, await resp.aread()), resp.status_code)
                 async for line in resp.aiter_lines():
                     if line.strip():
-                        yield _line(url, line)
+                        yield generate_line(url, line)
         except httpx.HTTPError as exc:
             raise WorkerCallError(url, "/generate", repr(exc)) from None
 
@@ -102,20 +101,3 @@ class WorkerClient:
 
 
 JSON = {"Content-Type": "application/json"}
-
-
-def _reply(url: str, call: str, model: type[M], raw: bytes) -> M:
-    try:
-        return parse(model, json.loads(raw), f"{call} reply")
-    except ValueError as exc:  # not JSON, or InvalidArgument
-        raise WorkerCallError(url, call, f"{exc} (reply {raw[:200]!r})") from None
-
-
-def _line(url: str, line: str) -> TokenLine | FinishLine:
-    try:
-        msg = GENERATE_LINE.validate_json(line)
-    except ValueError:
-        raise WorkerCallError(url, "/generate", f"malformed line {line[:200]!r}") from None
-    if isinstance(msg, ErrorLine):
-        raise WorkerCallError(url, "/generate", msg.error)
-    return msg

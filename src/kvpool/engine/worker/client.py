@@ -11,8 +11,6 @@ import httpx
 
 from kvpool.engine.config import SamplingParams
 from kvpool.engine.worker.messages import (
-    GENERATE_LINE,
-    ErrorLine,
     FinishLine,
     GenerateRequest,
     KVMode,
@@ -20,7 +18,8 @@ from kvpool.engine.worker.messages import (
     PrefillReply,
     PrefillRequest,
     TokenLine,
-    parse,
+    generate_line,
+    reply_from,
 )
 from kvpool.errors import WorkerCallError
 from kvpool.metadata.http_serving import bearer_header
@@ -40,10 +39,7 @@ def prefill(url: str, req: PrefillRequest, token: str | None = None,
     if reply.status_code != 200:
         raise WorkerCallError(url, "/prefill", f"{reply.status_code} {reply.text}",
                               reply.status_code)
-    try:
-        return parse(PrefillReply, reply.json(), "/prefill reply")
-    except ValueError as exc:
-        raise WorkerCallError(url, "/prefill", str(exc)) from None
+    return reply_from(url, "/prefill", PrefillReply, reply.content)
 
 
 def stream(url: str, req: GenerateRequest, token: str | None = None,
@@ -56,16 +52,8 @@ def stream(url: str, req: GenerateRequest, token: str | None = None,
                                   f"{reply.status_code} {reply.read().decode()}",
                                   reply.status_code)
         for line in reply.iter_lines():
-            if not line:
-                continue
-            try:
-                msg = GENERATE_LINE.validate_json(line)
-            except ValueError as exc:
-                raise WorkerCallError(url, "/generate", f"malformed line {line[:200]!r}: "
-                                      f"{exc}") from None
-            if isinstance(msg, ErrorLine):
-                raise WorkerCallError(url, "/generate", msg.error)
-            yield msg
+            if line:
+                yield generate_line(url, line)
 
 
 def generate(prompt: list[int], sampling: SamplingParams, *, decode_url: str,

@@ -17,8 +17,6 @@ log = get_logger("engine.loop")
 Listener = Callable[[StepOutput], None]
 
 
-
-
 class EngineLoop:
     def __init__(self, engine: EngineCore, idle_tick_s: float = 0.5,
                  on_idle: Callable[[], None] | None = None) -> None:

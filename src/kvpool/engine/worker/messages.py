@@ -15,13 +15,14 @@ lines carry their `type`.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from kvpool.engine.config import SamplingParams
 from kvpool.engine.sequence import TokenLogprob
-from kvpool.errors import InvalidArgument
+from kvpool.errors import InvalidArgument, WorkerCallError
 
 RequestId = Annotated[str, Field(min_length=1, max_length=512)]
 KVMode = Literal["pool", "push"]
@@ -166,3 +167,23 @@ def parse(model: type[M], obj: Any, what: str) -> M:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"]) or "body"
         raise InvalidArgument(f"malformed {what}: {where}: {err['msg']}") from None
+
+
+def reply_from(url: str, call: str, model: type[M], raw: bytes) -> M:
+    """A worker's reply body as `model`; WorkerCallError (naming the worker and the call) if
+    it is not JSON or not that message. Both worker clients read replies with it."""
+    try:
+        return parse(model, json.loads(raw), f"{call} reply")
+    except ValueError as exc:  # not JSON, or InvalidArgument
+        raise WorkerCallError(url, call, f"{exc} (reply {raw[:200]!r})") from None
+
+
+def generate_line(url: str, line: str | bytes) -> TokenLine | FinishLine:
+    """One /generate line; WorkerCallError for a malformed line or an error line."""
+    try:
+        msg = GENERATE_LINE.validate_json(line)
+    except ValueError:
+        raise WorkerCallError(url, "/generate", f"malformed line {line[:200]!r}") from None
+    if isinstance(msg, ErrorLine):
+        raise WorkerCallError(url, "/generate", msg.error)
+    return msg

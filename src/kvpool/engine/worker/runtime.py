@@ -192,7 +192,7 @@ class Worker:
             plan = await self._reserve(decode_url, rid, len(prompt))
         try:
             first, end = await self._run_prefill(rid, prompt, sampling, plan)
-        except (RequestFailed, KvpoolError):
+        except KvpoolError:  # RequestFailed included
             if decode_url:
                 await self._quietly_abort(decode_url, rid)
             raise
