@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import random
 import signal
 import socket
@@ -44,15 +45,27 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
-def port_taken(host: str, port: int) -> str | None:
-    """Why (host, port) cannot be bound now (another server holds it), or None if it can."""
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            return exc.strerror or str(exc)
-    return None
+def check_ports(host: str, ports: dict[str, int]) -> None:
+    """KvpoolError naming the first of `ports` (flag -> port; 0 = any) that cannot be bound on
+    `host`: taken by another server (another cluster, whose servers would answer this one's
+    readiness checks), or a host this machine does not have."""
+    from kvpool.errors import KvpoolError
+
+    for flag, port in ports.items():
+        if not port:
+            continue
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind((host, port))
+            except OSError as exc:
+                why = exc.strerror or str(exc)
+                if exc.errno == errno.EADDRINUSE:
+                    raise KvpoolError(f"{host}:{port} is in use ({why}): is another kvpool up "
+                                      f"running? Stop it, or choose another port with {flag}"
+                                      ) from exc
+                raise KvpoolError(f"cannot listen on {host}:{port} ({why}): check --host "
+                                  f"and {flag}") from exc
 
 
 def _ephemeral_low() -> int:

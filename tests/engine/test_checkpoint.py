@@ -10,7 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvpool.engine.checkpoint import CheckpointError, load_model, load_tokenizer
+from kvpool.engine.checkpoint import (
+    CheckpointError,
+    check_checkpoint,
+    load_model,
+    load_tokenizer,
+)
 from kvpool.engine.tiny import TinySpec, make_tiny
 from kvpool.errors import KvpoolError
 from tests.engine.helpers import full_logits
@@ -27,22 +32,25 @@ def edit_weights(src: Path, dst: Path, edit) -> Path:  # type: ignore[no-untyped
 def test_missing_tensor_is_named(tiny_llama: Path, tmp_path: Path) -> None:
     bad = edit_weights(tiny_llama, tmp_path / "m",
                        lambda w: w.pop("model.layers.1.mlp.up_proj.weight"))
-    with pytest.raises(CheckpointError, match=r"missing tensor 'model.layers.1.mlp.up_proj.weight'"):
-        load_model(bad)
+    for load in (load_model, check_checkpoint):  # the start-up check finds it too
+        with pytest.raises(CheckpointError, match=r"missing tensor 'model.layers.1.mlp.up_proj.weight'"):
+            load(bad)
 
 
 def test_unexpected_tensor_is_named(tiny_llama: Path, tmp_path: Path) -> None:
     bad = edit_weights(tiny_llama, tmp_path / "m",
                        lambda w: w.__setitem__("model.layers.9.extra", torch.zeros(2)))
-    with pytest.raises(CheckpointError, match=r"unexpected tensor 'model.layers.9.extra'"):
-        load_model(bad)
+    for load in (load_model, check_checkpoint):  # the start-up check finds it too
+        with pytest.raises(CheckpointError, match=r"unexpected tensor 'model.layers.9.extra'"):
+            load(bad)
 
 
 def test_wrong_shape_is_named(tiny_llama: Path, tmp_path: Path) -> None:
     bad = edit_weights(tiny_llama, tmp_path / "m",
                        lambda w: w.__setitem__("model.norm.weight", torch.ones(63)))
-    with pytest.raises(CheckpointError, match=r"'model.norm.weight'.*\(63,\).*\(64,\)"):
-        load_model(bad)
+    for load in (load_model, check_checkpoint):  # the start-up check finds it too
+        with pytest.raises(CheckpointError, match=r"'model.norm.weight'.*\(63,\).*\(64,\)"):
+            load(bad)
 
 
 def test_unknown_architecture(tiny_llama: Path, tmp_path: Path) -> None:
@@ -99,3 +107,24 @@ def test_derived_tensors_are_ignored_and_generation_eos_is_read(tiny_llama: Path
 def test_lazy_package_names() -> None:
     import kvpool.engine as engine
     assert engine.LLMEngine.__name__ == "LLMEngine" and engine.SamplingParams().max_tokens == 16
+
+
+def test_start_up_check_reads_no_weight_but_finds_what_loading_would(tiny_llama: Path,
+                                                                     tmp_path: Path) -> None:
+    check_checkpoint(tiny_llama)  # a good folder passes
+    torn = tmp_path / "torn"
+    shutil.copytree(tiny_llama, torn)
+    data = (torn / "model.safetensors").read_bytes()
+    (torn / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="not a readable safetensors file"):
+        check_checkpoint(torn)
+    no_tok = tmp_path / "no_tok"
+    shutil.copytree(tiny_llama, no_tok)
+    (no_tok / "tokenizer.json").unlink()
+    with pytest.raises(CheckpointError, match="tokenizer.json not found"):
+        check_checkpoint(no_tok)
+    no_weights = tmp_path / "no_weights"
+    shutil.copytree(tiny_llama, no_weights)
+    (no_weights / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="no \\*.safetensors"):
+        check_checkpoint(no_weights)

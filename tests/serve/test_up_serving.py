@@ -144,3 +144,28 @@ def test_a_taken_port_fails_before_any_process_starts(cache_home: Path) -> None:
     assert proc.returncode != 0 and f"127.0.0.1:{port} is in use" in out, out
     assert "cluster up" not in out and "Traceback" not in out
     assert wait_gone(marker) == []
+
+
+def test_a_broken_model_or_taken_store_port_fails_before_any_process_starts(
+        cache_home: Path, tiny_model: Path, tmp_path: Path) -> None:
+    """A torn weights file is found by the start-up check (no worker is started to find it),
+    and so is a taken --rpc-port of the store-only cluster: one line, a non-zero exit."""
+    import shutil
+    import socket
+    torn = tmp_path / "torn"
+    shutil.copytree(tiny_model, torn)
+    data = (torn / "model.safetensors").read_bytes()
+    (torn / "model.safetensors").write_bytes(data[:100])
+    marker = f"up-{uuid.uuid4().hex}"
+    proc = kvpool_up(marker, cache_home, "--model", str(torn))
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and "not a readable safetensors file" in out, out
+    assert "cluster up" not in out and "Traceback" not in out
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        proc = kvpool_up(marker, cache_home, "--store-only", "--rpc-port", str(port))
+        out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and f"127.0.0.1:{port} is in use" in out and "--rpc-port" in out
+    assert wait_gone(marker) == []

@@ -31,6 +31,7 @@ from kvpool.cli.security import add_security_args, bind_refusal, export_token
 from kvpool.conductor import ADMISSION_POLICIES, PREFILL_POLICIES
 from kvpool.engine.config import DTYPES
 from kvpool.errors import KvpoolError
+from kvpool.procs import check_ports
 from kvpool.serve.launch import free_port, spawn, stop
 
 if TYPE_CHECKING:
@@ -122,6 +123,7 @@ def _secure_or_refuse(args: argparse.Namespace) -> bool:
 
 
 def _run_serving(args: argparse.Namespace) -> int:
+    from kvpool.engine.checkpoint import check_checkpoint
     from kvpool.serve.launch import ServingSpec, serving_cluster
     from kvpool.serve.models import resolve_model
 
@@ -136,6 +138,7 @@ def _run_serving(args: argparse.Namespace) -> int:
         return 2
     try:
         model = resolve_model(args.model or ("tiny" if args.engine == "emulated" else None))
+        check_checkpoint(model)  # before any process starts: one line, not a worker's traceback
         proxy_args: tuple[str, ...] = ("--prefill-policy", args.prefill_policy, "--admission",
                                        args.admission, "--kv-transfer", args.kv_transfer)
         worker_args: tuple[str, ...] = ()
@@ -252,6 +255,8 @@ def _run_store_only(args: argparse.Namespace) -> int:
 def local_cluster(host: str, num_nodes: int, dram: str, rpc_port: int = 0, admin_port: int = 0,
                   metadata_port: int = 0, token: str | None = None,
                   insecure: bool = False) -> Iterator[LocalCluster]:
+    check_ports(host, {"--rpc-port": rpc_port, "--admin-port": admin_port,
+                       "--metadata-port": metadata_port})
     rpc, admin, meta = (p or free_port(host) for p in (rpc_port, admin_port, metadata_port))
     security = (["--token", token] if token else []) + (["--insecure"] if insecure else [])
     with ExitStack() as stack:

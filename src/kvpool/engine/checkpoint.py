@@ -14,14 +14,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from kvpool.engine.chat_template import read_chat_template
 from kvpool.engine.config import ModelConfig
 from kvpool.engine.model import CausalLM, rope_inv_freq
 from kvpool.errors import CheckpointError
 
-__all__ = ["CheckpointError", "Tokenizer", "load_model", "load_tokenizer", "read_model_config"]
+__all__ = ["CheckpointError", "Tokenizer", "check_checkpoint", "load_model", "load_tokenizer",
+           "read_model_config"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -58,9 +59,49 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
         raise CheckpointError(f"no *.safetensors in {model_dir}")
     out: dict[str, Path] = {}
     for file in files:
-        with safe_open(str(file), "pt") as f:
-            out.update(dict.fromkeys(f.keys(), file))
+        try:
+            with safe_open(str(file), "pt") as f:
+                out.update(dict.fromkeys(f.keys(), file))
+        except SafetensorError as exc:
+            raise CheckpointError(f"{file}: not a readable safetensors file ({exc})") from exc
     return out
+
+
+def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the model for `config` loads, and its shape (built on the meta device)."""
+    with torch.device("meta"):
+        model = CausalLM(config)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+    return expected
+
+
+def check_checkpoint(model_dir: str | Path) -> None:
+    """What `load_model` would refuse, found without reading a weight: the config, every
+    tensor's name and shape (from the safetensors headers) and the tokenizer.
+    CheckpointError names the first problem."""
+    folder = Path(model_dir)
+    expected = _expected_shapes(read_model_config(folder))
+    files = weight_files(folder)
+    _check_names(folder, files, expected)
+    for file in sorted(set(files.values())):
+        if not file.is_file():
+            raise CheckpointError(f"{file} not found (named by {folder.name}'s weight index)")
+        try:
+            with safe_open(str(file), "pt") as f:
+                for name in f.keys():
+                    _check_shape(file, name, tuple(f.get_slice(name).get_shape()), expected)
+        except (OSError, SafetensorError) as exc:
+            raise CheckpointError(f"{file}: not a readable safetensors file ({exc})") from exc
+    load_tokenizer(folder)
+
+
+def _check_shape(file: Path, name: str, shape: tuple[int, ...],
+                 expected: dict[str, tuple[int, ...]]) -> None:
+    if name in expected and shape != expected[name]:
+        raise CheckpointError(f"tensor {name!r} in {file.name} has shape {shape}, the config "
+                              f"needs {expected[name]}")
 
 
 def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu") -> CausalLM:
@@ -69,9 +110,7 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
     config = read_model_config(folder)
     with torch.device("meta"):
         model = CausalLM(config)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    if config.tie_word_embeddings:
-        expected.pop("lm_head.weight")
+    expected = _expected_shapes(config)
     state = _read_tensors(folder, expected, DTYPES[dtype], device)
     model.load_state_dict(state, strict=False, assign=True)
     if config.tie_word_embeddings:
@@ -83,15 +122,7 @@ def load_model(model_dir: str | Path, dtype: str = "float32", device: str = "cpu
 def _read_tensors(folder: Path, expected: dict[str, tuple[int, ...]], dtype: torch.dtype,
                   device: str) -> dict[str, torch.Tensor]:
     files = weight_files(folder)
-    unexpected = sorted(n for n in set(files) - set(expected) if not _ignorable(n))
-    if unexpected:
-        raise CheckpointError(f"unexpected tensor {unexpected[0]!r} in {files[unexpected[0]].name}"
-                              f" ({len(unexpected)} unexpected in all) for "
-                              f"{folder / 'config.json'}")
-    missing = sorted(set(expected) - set(files))
-    if missing:
-        raise CheckpointError(f"missing tensor {missing[0]!r} ({len(missing)} missing in all) "
-                              f"in {folder}")
+    _check_names(folder, files, expected)
     state: dict[str, torch.Tensor] = {}
     by_file: dict[Path, list[str]] = {}
     for name in expected:
@@ -106,6 +137,19 @@ def _read_tensors(folder: Path, expected: dict[str, tuple[int, ...]], dtype: tor
                                           f"{expected[name]}")
                 state[name] = tensor.to(device=device, dtype=dtype)
     return state
+
+
+def _check_names(folder: Path, files: dict[str, Path],
+                 expected: dict[str, tuple[int, ...]]) -> None:
+    unexpected = sorted(n for n in set(files) - set(expected) if not _ignorable(n))
+    if unexpected:
+        raise CheckpointError(f"unexpected tensor {unexpected[0]!r} in {files[unexpected[0]].name}"
+                              f" ({len(unexpected)} unexpected in all) for "
+                              f"{folder / 'config.json'}")
+    missing = sorted(set(expected) - set(files))
+    if missing:
+        raise CheckpointError(f"missing tensor {missing[0]!r} ({len(missing)} missing in all) "
+                              f"in {folder}")
 
 
 def _ignorable(name: str) -> bool:

@@ -23,7 +23,7 @@ import httpx
 
 from kvpool.engine.gguf_checkpoint import served_name
 from kvpool.errors import KvpoolError
-from kvpool.procs import free_port, port_taken, stop
+from kvpool.procs import check_ports, free_port, stop
 from kvpool.token import env_token
 
 _PR_SET_PDEATHSIG = 1
@@ -177,10 +177,7 @@ def serving_cluster(spec: ServingSpec) -> Iterator[ServingCluster]:
     KvpoolError before any process starts when the proxy's port is taken (by another cluster,
     whose proxy would otherwise answer the readiness checks of this one)."""
     host = spec.host
-    taken = port_taken(host, spec.port)
-    if taken is not None:
-        raise KvpoolError(f"{host}:{spec.port} is in use ({taken}): is another kvpool up "
-                          "running? Stop it, or choose another port with --port")
+    check_ports(host, {"--port": spec.port})
     rpc, admin, meta = free_port(host), free_port(host), free_port(host)
     cluster = ServingCluster(host, f"http://{host}:{spec.port}", spec.model_dir,
                              served_name(spec.model_dir))
