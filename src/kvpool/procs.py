@@ -7,6 +7,7 @@ import random
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -98,6 +99,11 @@ def stop(proc: subprocess.Popen[Any], timeout_s: float = 10.0,
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def kvpool_argv(*args: str) -> list[str]:
+    """The command line of `python -m kvpool ARGS` in this interpreter, warnings and up only."""
+    return [sys.executable, "-m", "kvpool", "--log-level", "WARNING", *args]
 
 
 @contextmanager

@@ -9,6 +9,9 @@ continuous batch (a row leaves when its output is done). Only useful tokens coun
 tokens for prefill, generated tokens after the first for decode. The two engines alternate,
 --repeats times (3), on fresh prompts each time; the rows give medians.
 
+Disaggregation: a cold prompt's TTFT on a colocated worker beside a prefill worker that hands
+its KV to the pool or pushes it to a decode worker (bench/engine_disagg.py).
+
 Pool: the prefill worker's KV load (bytes of the prefix it read from the pool / the time of that
 batch get) beside the raw store's `batch_get_into` of the same objects from this process.
 """
@@ -19,7 +22,6 @@ import argparse
 import json
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 import warnings
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvpool.procs import free_port, running, wait_port
+from kvpool.procs import free_port, kvpool_argv, running, wait_port
 
 if TYPE_CHECKING:
     from kvpool.engine.worker.messages import PrefillReply
@@ -72,6 +74,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ttft-len", type=int, default=None, help="TTFT prompt (default 4096)")
     p.add_argument("--ttft-prefix", type=int, default=None,
                    help="its tokens another worker left in the pool (default 3/4 of it)")
+    p.add_argument("--penalty-len", type=int, default=None,
+                   help="the prefill-penalty rows' cold prompt (default half the TTFT prompt)")
     p.add_argument("--repeats", type=int, default=3,
                    help="alternations of the two engines per throughput row (median)")
     p.add_argument("--no-hf", action="store_true", help="skip transformers")
@@ -110,6 +114,9 @@ def _main(args: argparse.Namespace) -> int:
         if not args.no_ttft:
             _print(_ttft(model_dir, ttft_len, args.ttft_prefix or ttft_len * 3 // 4, vocab,
                          args.repeats), args.json)
+            from kvpool.bench.engine_disagg import prefill_penalty
+            _print(prefill_penalty(model_dir, args.penalty_len or ttft_len // 2, vocab,
+                                   args.repeats), args.json)
     return 0
 
 
@@ -423,4 +430,4 @@ def _cluster(model_dir: Path, length: int) -> Iterator[tuple[str, str, str]]:
 
 
 def _proc(*args: str) -> AbstractContextManager[subprocess.Popen[bytes]]:
-    return running([sys.executable, "-m", "kvpool", "--log-level", "WARNING", *args])
+    return running(kvpool_argv(*args))

@@ -28,7 +28,7 @@ from typing import Any
 
 from kvpool.bench import anchors
 from kvpool.bench.common import Measurement
-from kvpool.procs import free_port, stop, wait_port
+from kvpool.procs import free_port, kvpool_argv, stop, wait_port
 from kvpool.units import format_size, parse_size
 
 _CLIENT = "kvpool.bench.mooncake_client"
@@ -224,7 +224,7 @@ def master_process(impl: str) -> Iterator[tuple[str, int]]:
              "--enable_http_metadata_server=false", "--default_kv_lease_ttl=200"]
     binary = mooncake_master_binary()
     command = [str(binary), *flags] if impl == "mooncake" and binary else \
-        [sys.executable, "-m", "kvpool", "--log-level", "WARNING", "master", *flags]
+        kvpool_argv("master", *flags)
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_port(rpc)

@@ -23,7 +23,7 @@ import httpx
 
 from kvpool.engine.gguf_checkpoint import served_name
 from kvpool.errors import KvpoolError
-from kvpool.procs import check_ports, free_port, stop
+from kvpool.procs import check_ports, free_port, kvpool_argv, stop
 from kvpool.token import env_token
 
 _PR_SET_PDEATHSIG = 1
@@ -49,7 +49,7 @@ def spawn(*args: str, quiet: bool = True) -> subprocess.Popen[bytes]:
     """`python -m kvpool ARGS` as a child that dies with this process, in a session of its own
     (a terminal's Ctrl-C reaches only this process, which stops the children in order). A
     store node whose master died at the same moment still stops within its close_timeout_s."""
-    cmd = [sys.executable, "-m", "kvpool", "--log-level", "WARNING", *args]
+    cmd = kvpool_argv(*args)
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL if quiet else None,
                             preexec_fn=die_with_parent(os.getpid()), start_new_session=True)
 
