@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from dataclasses import replace
 
 from kvpool.cli.security import add_security_args, bind_refusal
 from kvpool.conductor import ADMISSION_POLICIES, PREFILL_POLICIES
@@ -12,6 +14,7 @@ from kvpool.serve.config import KV_TRANSFER_MODES, ProxyConfig
 from kvpool.token import env_token
 
 _D = ProxyConfig(model_dir="")
+API_KEY_ENV = "KVPOOL_API_KEY"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -45,7 +48,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help=f"largest request body (default {_D.max_body_bytes}; 413 beyond)")
     p.add_argument("--no-access-log", dest="access_log", action="store_false",
                    help="no access-log line per request")
+    add_api_key_args(p)
+    p.add_argument("--max-connections", type=int, default=_D.http_limits.max_concurrency,
+                   help="open connections and streams at once (the idlest is closed for a "
+                        f"new one; 503 beyond; default {_D.http_limits.max_concurrency})")
     p.set_defaults(func=run)
+
+
+def add_api_key_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                   help="the OpenAI API needs `Authorization: Bearer KEY` (repeat for several "
+                        f"keys; also ${API_KEY_ENV}, comma-separated)")
+    p.add_argument("--salt-per-api-key", action="store_true",
+                   help="each API key's requests reuse only each other's prefixes (and see "
+                        "only their own cached_tokens)")
+
+
+def api_keys_from(args: argparse.Namespace) -> tuple[str, ...]:
+    """--api-key values, else those of $KVPOOL_API_KEY."""
+    keys = args.api_key or [k for k in os.environ.get(API_KEY_ENV, "").split(",")]
+    return tuple(k.strip() for k in keys if k.strip())
 
 
 def add_slo_args(p: argparse.ArgumentParser, ttft_s: float, tbt_s: float) -> None:
@@ -71,12 +93,13 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         decode_horizon_s=args.decode_horizon, cost_path=args.cost, fit_cost=args.fit_cost,
         kv_transfer=args.kv_transfer, poll_interval_s=args.poll_interval,
         token=args.token or env_token(), access_log=args.access_log,
-        max_body_bytes=args.max_body_bytes)
+        max_body_bytes=args.max_body_bytes, api_keys=api_keys_from(args),
+        salt_per_api_key=args.salt_per_api_key,
+        http_limits=replace(_D.http_limits, max_concurrency=args.max_connections))
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
+    from kvpool.metadata.http_serving import serve
     from kvpool.serve.app import create_app
 
     refusal = bind_refusal("proxy", args.host, args.token or env_token(), args.insecure)
@@ -89,6 +112,5 @@ def run(args: argparse.Namespace) -> int:
     except (KvpoolError, OSError) as exc:
         print(f"kvpool proxy: {exc}", file=sys.stderr)
         return 2
-    uvicorn.run(app, host=config.host, port=config.port, log_level="warning",
-                timeout_graceful_shutdown=5)
+    serve(app, config.host, config.port, config.http_limits, timeout_graceful_shutdown=5)
     return 0

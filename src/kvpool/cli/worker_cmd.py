@@ -70,11 +70,10 @@ def _num_blocks(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
     from kvpool.engine.config import EngineConfig
     from kvpool.engine.worker.app import create_app
     from kvpool.engine.worker.runtime import Worker, WorkerConfig
+    from kvpool.metadata.http_serving import HttpLimits, serve
     from kvpool.serve.models import resolve_model
     refusal = bind_refusal("worker", args.host, args.token or env_token(), args.insecure)
     if refusal is not None:
@@ -102,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"kvpool worker ({config.role}) on http://{config.host}:{config.port} "
           f"segment {worker.transfer.segment_name}", flush=True)
     # Keep idle connections longer than clients do (CLIENT_KEEPALIVE_S), so a client never
-    # reuses one the worker is closing.
-    uvicorn.run(create_app(worker), host=config.host, port=config.port, log_level="warning",
-                timeout_keep_alive=30)
+    # reuses one the worker is closing; a proxy holds one connection per stream.
+    limits = HttpLimits(max_concurrency=1024, idle_timeout_s=30.0)
+    serve(create_app(worker), config.host, config.port, limits)
     return 0

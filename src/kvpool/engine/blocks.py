@@ -40,6 +40,17 @@ def model_hash_for_dir(model_dir: str | Path) -> int:
     return model_hash(json.dumps({"config": config, "weights": weights}, sort_keys=True))
 
 
+def salted_root(root: int, salt: str | None) -> int:
+    """The chain root of a request with a cache salt: its blocks' hashes (and so its pool
+    keys and prefix hits) are shared only with requests of the same model and salt."""
+    if not salt:
+        return root
+    h = hashlib.blake2b(digest_size=8, person=b"kvpool-salt")
+    h.update((root & _MASK).to_bytes(8, "little"))
+    h.update(salt.encode("utf-8", "surrogatepass"))
+    return int.from_bytes(h.digest(), "little")
+
+
 def chain_hash(parent: int, tokens: Sequence[int]) -> int:
     """The hash of one full block given its parent's hash."""
     h = hashlib.blake2b(digest_size=8, person=b"kvpool-block")

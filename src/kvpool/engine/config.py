@@ -139,6 +139,10 @@ MAX_LOGPROBS = 20
 """The most alternatives a request may ask for at each position (vLLM's default limit)."""
 
 
+MAX_SALT_CHARS = 512
+"""The longest cache_salt the engine takes (a request's own, within its tenant's: half each)."""
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request picks its tokens; the one definition, used by the engine and carried
@@ -171,6 +175,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     """Report each prompt token's logprob and this many top alternatives (None: none). The
     prompt is then computed whole (no prefix reuse: cached tokens have no logits)."""
+    cache_salt: str | None = None
+    """The request's KV is reused only by requests with the same salt (blocks.salted_root);
+    None: by every request of the model."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -178,6 +185,8 @@ class SamplingParams:
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             raise ConfigError(f"need temperature >= 0, 0 < top_p <= 1, top_k >= 0; got "
                               f"{self.temperature}, {self.top_p}, {self.top_k}")
+        if self.cache_salt is not None and not 0 < len(self.cache_salt) <= MAX_SALT_CHARS:
+            raise ConfigError(f"cache_salt must be 1..{MAX_SALT_CHARS} characters")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
             raise ConfigError(f"seed must be a 64-bit integer, got {self.seed}")
         self._check_processors()

@@ -22,6 +22,7 @@ from typing import TypeVar
 
 from kvpool.clock import SYSTEM_CLOCK, Clock
 from kvpool.engine.block_manager import BlockManager
+from kvpool.engine.blocks import salted_root
 from kvpool.engine.config import EngineConfig, SamplingParams
 from kvpool.engine.connector import KVConnector, NullConnector
 from kvpool.engine.kv_layout import KVLayout
@@ -81,8 +82,9 @@ class EngineCore:
         if -(-len(prompt) // self.config.block_size) + 1 > self.config.num_blocks:
             raise InvalidArgument(f"request {request_id}: {len(prompt)} tokens do not fit in "
                                   f"{self.config.kv_capacity_tokens} tokens of KV cache")
+        root = salted_root(self.root_hash, sampling.cache_salt)
         return Sequence(request_id, list(prompt), len(prompt), sampling,
-                        self.config.block_size, self.root_hash, **kw)  # type: ignore[arg-type]
+                        self.config.block_size, root, **kw)  # type: ignore[arg-type]
 
     def add_request(self, request_id: str, prompt: list[int], sampling: SamplingParams,
                     **kw: object) -> Sequence:

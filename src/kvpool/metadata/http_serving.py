@@ -25,7 +25,7 @@ from typing import Any
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from kvpool.errors import ConfigError
+from kvpool.errors import ConfigError, InvalidArgument
 from kvpool.log import RateLimitedLog, get_logger
 
 LOG_INTERVAL_S = 5.0
@@ -144,6 +144,49 @@ def uvicorn_config(app: Any, limits: HttpLimits, **overrides: Any) -> uvicorn.Co
         backlog=limits.backlog)
     options.update(overrides)
     return uvicorn.Config(app, **options)
+
+
+def raise_open_files_limit() -> int:
+    """Lift this process's soft limit on open descriptors to the hard one (a server holds one
+    per connection; the usual soft default of 1024 is a few hundred clients); the new limit."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        return int(hard)
+    return int(soft)
+
+
+def serve(app: Any, host: str, port: int, limits: HttpLimits, **overrides: Any) -> None:
+    """Run `app` on host:port until stopped (SIGINT/SIGTERM), defended by `limits`, with its
+    lifespan: the way kvpool's long-running HTTP commands (proxy, worker) serve."""
+    raise_open_files_limit()
+    options = {"lifespan": "on", "host": host, "port": port, **overrides}
+    QuietServer(uvicorn_config(app, limits, **options)).run()
+
+
+class BodyTooLarge(InvalidArgument):
+    def __init__(self, size: int, limit: int) -> None:
+        super().__init__(f"the request body is {size} bytes, over the limit of {limit}")
+        self.size, self.limit = size, limit
+
+
+async def read_body(request: Any, limit: int, deadline_s: float) -> bytes:
+    """A Starlette request's body: BodyTooLarge as soon as it is known to exceed `limit`
+    bytes (from its Content-Length, or while it arrives; never read whole), TimeoutError if
+    it is not all in within `deadline_s` (a body that trickles in holds no worker for long)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(int(declared), limit)
+    parts, size = [], 0
+    async with asyncio.timeout(deadline_s):
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                raise BodyTooLarge(size, limit)
+            parts.append(part)
+    return b"".join(parts)
 
 
 CLIENT_KEEPALIVE_S = 2.0

@@ -31,9 +31,10 @@ from kvpool.conductor.cost import CostModel
 from kvpool.engine.gguf_checkpoint import served_name
 from kvpool.errors import WorkerCallError
 from kvpool.log import get_logger
-from kvpool.metadata.http_serving import bearer_matches
+from kvpool.metadata.http_serving import BodyTooLarge, bearer_matches, read_body
 from kvpool.serve import access
 from kvpool.serve.access import Access
+from kvpool.serve.auth import TENANT_KEY, ApiKeyGate
 from kvpool.serve.cancel import cancel_and_wait, close_all
 from kvpool.serve.cluster import DECODE_ROLES, PREFILL_ROLES, LiveCluster
 from kvpool.serve.config import ProxyConfig
@@ -65,6 +66,8 @@ from kvpool.serve.worker_client import WorkerClient
 
 log = get_logger("serve.app")
 M = TypeVar("M", bound=BaseModel)
+BODY_DEADLINE_S = 30.0
+"""A request body must be in within this long of its head (a 408 after)."""
 
 
 class Proxy:
@@ -111,7 +114,9 @@ class Proxy:
                                   self.config.max_body_bytes)
             # tokenizing (and rendering the chat template) off the event loop: a big prompt
             # does not stall the other streams
-            prep = await asyncio.to_thread(prepare, parsed, kind, self)  # type: ignore[arg-type]
+            tenant = getattr(request.state, TENANT_KEY, None)
+            prep = await asyncio.to_thread(prepare, parsed, kind, self,  # type: ignore[arg-type]
+                                           tenant)
             choices = await self._start(prep, received_t)
             acc.ttft_s = time.perf_counter() - arrival_s
             self.metrics.ttft.observe(acc.ttft_s)
@@ -155,7 +160,8 @@ class Proxy:
         try:
             for job in prep.jobs:
                 decide_t = time.perf_counter()
-                booking = self.dispatcher.schedule(job.prompt_ids, job.sampling.max_tokens)
+                booking = self.dispatcher.schedule(job.prompt_ids, job.sampling.max_tokens,
+                                                   job.sampling.cache_salt)
                 rid = prep.request_id if len(prep.jobs) == 1 else f"{prep.request_id}-{job.index}"
                 run = self.dispatcher.run(booking, rid, job.prompt_ids, job.sampling)
                 run.received_t, run.decision_s = received_t, time.perf_counter() - decide_t
@@ -246,18 +252,15 @@ class Proxy:
 
 
 async def _body(request: Request, limit: int) -> bytes:
-    """The request body, or a 413 as soon as it is known to exceed `limit` bytes (from its
-    Content-Length, or while it arrives): an oversized body is never read whole."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise too_large(int(declared), limit)
-    parts, size = [], 0
-    async for part in request.stream():
-        size += len(part)
-        if size > limit:
-            raise too_large(size, limit)
-        parts.append(part)
-    return b"".join(parts)
+    """The request body (http_serving.read_body): a 413 over `limit`, a 408 when it takes
+    longer than BODY_DEADLINE_S to arrive."""
+    try:
+        return await read_body(request, limit, BODY_DEADLINE_S)
+    except BodyTooLarge as exc:
+        raise too_large(exc.size, exc.limit) from None
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {BODY_DEADLINE_S:g} s",
+                       code="request_timeout") from None
 
 
 async def _parse(request: Request, model: type[M], limit: int) -> M:
@@ -344,6 +347,8 @@ def create_app(config: ProxyConfig, clock: Clock | None = None) -> FastAPI:
     proxy = Proxy(config, clock)
     app = FastAPI(title="kvpool proxy", lifespan=proxy.lifespan)
     app.state.proxy = proxy
+    app.add_middleware(ApiKeyGate, keys=config.api_keys,  # type: ignore[arg-type]
+                       salt_per_api_key=config.salt_per_api_key)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -364,7 +369,9 @@ def create_app(config: ProxyConfig, clock: Clock | None = None) -> FastAPI:
         return proxy.health()
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        if not proxy.authorized(request):
+            return _json_error(unauthorized())
         return Response(proxy.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/stats/samples")

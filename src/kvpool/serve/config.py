@@ -3,9 +3,10 @@ these defaults."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvpool.errors import ConfigError
+from kvpool.metadata.http_serving import HttpLimits
 
 KV_TRANSFER_MODES = ("pool", "push")
 
@@ -53,6 +54,14 @@ class ProxyConfig:
     """One line per request on the `kvpool.serve.access` logger (serve/access.py)."""
     ttft_slo_relative: float | None = None
     """k: each request's TTFT limit is k x its own unloaded TTFT instead of ttft_slo_s."""
+    http_limits: HttpLimits = field(default_factory=lambda: HttpLimits(
+        max_concurrency=1024, idle_timeout_s=15.0))
+    """Connections (streams included) and the deadlines of a connection's request head."""
+    api_keys: tuple[str, ...] = ()
+    """Bearer keys the OpenAI API requires (any one of them); none = an open API."""
+    salt_per_api_key: bool = False
+    """Salt every request's cache with its API key: prefixes are reused (and cached_tokens
+    reported) only among requests made with the same key (docs/serve.md, cache isolation)."""
 
     def __post_init__(self) -> None:
         if self.kv_transfer not in KV_TRANSFER_MODES:

@@ -29,7 +29,7 @@ from kvpool.conductor import (
     RequestInfo,
     fit_prefill,
 )
-from kvpool.engine.blocks import prefix_block_hashes
+from kvpool.engine.blocks import prefix_block_hashes, salted_root
 from kvpool.engine.config import SamplingParams
 from kvpool.engine.sequence import TokenLogprob
 from kvpool.engine.worker.messages import (
@@ -82,13 +82,15 @@ class Dispatcher:
                                        self.cost, self.clock)
         return self.conductor
 
-    def schedule(self, prompt_ids: Sequence[int], max_tokens: int) -> Booking:
+    def schedule(self, prompt_ids: Sequence[int], max_tokens: int,
+                 cache_salt: str | None = None) -> Booking:
         ref = self.cluster.reference
         view = self.cluster.view
         if ref is None or not view.prefill or not view.decode:
             raise no_workers(f"no worker in rotation (prefill: {len(view.prefill)}, "
                              f"decode: {len(view.decode)}); retry when workers are up")
-        hashes = prefix_block_hashes(prompt_ids, ref.block_size, ref.model_hash)
+        root = salted_root(ref.model_hash, cache_salt)
+        hashes = prefix_block_hashes(prompt_ids, ref.block_size, root)
         req = RequestInfo(next(self._ids), len(prompt_ids), max_tokens, tuple(hashes))
         now = self.clock.now()
         decision = self._conductor_for(ref.block_size).schedule(req, view, now)

@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from kvpool.engine.config import MAX_LOGPROBS, SamplingParams
+from kvpool.engine.config import MAX_LOGPROBS, MAX_SALT_CHARS, SamplingParams
 
 SSE_DONE = b"data: [DONE]\n\n"
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
@@ -81,12 +81,15 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_SALT_CHARS // 2)
+    """vLLM's field: prefixes are reused (and cached_tokens counted) only among requests
+    with the same salt."""
     kvpool_trace: bool = False
     """kvpool's extension for benchmarks: the last chunk (or the body) carries `kvpool_trace`,
     the output token ids with the worker's clock stamp of the step that made each
     (`trace_of`); for one choice only."""
 
-    _utf8_stop = field_validator("stop")(utf8)
+    _utf8_stop = field_validator("stop", "cache_salt")(utf8)
 
     @field_validator("stop")
     @classmethod
@@ -119,15 +122,16 @@ class _Sampling(BaseModel):
         """Top alternatives per output token (None: no logprobs)."""
         return None
 
-    def sampling(self, max_tokens: int, seed: int | None) -> SamplingParams:
-        """The engine's parameters for one choice."""
+    def sampling(self, max_tokens: int, seed: int | None,
+                 cache_salt: str | None = None) -> SamplingParams:
+        """The engine's parameters for one choice (`cache_salt`: the one it caches under)."""
         return SamplingParams(
             max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
             top_k=max(0, self.top_k), seed=seed, stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos, min_tokens=min(self.min_tokens, max_tokens),
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty, logit_bias=dict(self.logit_bias or {}),
-            logprobs=self.output_logprobs())
+            logprobs=self.output_logprobs(), cache_salt=cache_salt)
 
 
 class CompletionRequest(_Sampling):

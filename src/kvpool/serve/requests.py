@@ -69,7 +69,9 @@ class PreparedRequest:
 _ids = itertools.count(1)
 
 
-def prepare(req: CompletionRequest | ChatRequest, kind: Kind, proxy: Proxy) -> PreparedRequest:
+def prepare(req: CompletionRequest | ChatRequest, kind: Kind, proxy: Proxy,
+            tenant: str | None = None) -> PreparedRequest:
+    """`tenant`: the cache salt of the request's API key (None: no per-key salt)."""
     if req.model != proxy.model_name:
         raise model_not_found(req.model, proxy.model_name)
     prompts = ([chat_ids(req.messages, proxy)] if isinstance(req, ChatRequest)
@@ -83,7 +85,7 @@ def prepare(req: CompletionRequest | ChatRequest, kind: Kind, proxy: Proxy) -> P
     echo = isinstance(req, CompletionRequest) and req.echo
     jobs: list[ChoiceJob] = []
     for i, ids in enumerate(prompts):
-        sampling = _sampling(req, ids, proxy.max_model_len, echo)
+        sampling = _sampling(req, ids, proxy.max_model_len, echo, tenant)
         for j in range(req.n):
             jobs.append(ChoiceJob(len(jobs), i, ids,
                                   replace(sampling, seed=choice_seed(req.seed, j))))
@@ -98,8 +100,16 @@ def choice_seed(seed: int | None, j: int) -> int | None:
     return (seed + j * SEED_STEP) % 2**64
 
 
+def cache_salt(tenant: str | None, salt: str | None) -> str | None:
+    """The salt a request caches under: its own `cache_salt`, within its tenant's if any
+    (two tenants never share a salt, whatever salts they choose)."""
+    if tenant is None:
+        return salt
+    return f"{tenant}/{salt or ''}"
+
+
 def _sampling(req: CompletionRequest | ChatRequest, ids: list[int], limit: int,
-              echo: bool) -> SamplingParams:
+              echo: bool, tenant: str | None) -> SamplingParams:
     if not ids:
         raise bad_request("the prompt is empty", param="prompt")
     if len(ids) >= limit:
@@ -109,7 +119,7 @@ def _sampling(req: CompletionRequest | ChatRequest, ids: list[int], limit: int,
     if len(ids) + max_tokens > limit:
         raise bad_request(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
                           f"context of {limit} tokens; lower max_tokens", param="max_tokens")
-    sampling = req.sampling(max_tokens, req.seed)
+    sampling = req.sampling(max_tokens, req.seed, cache_salt(tenant, req.cache_salt))
     if echo and sampling.logprobs is not None:
         sampling = replace(sampling, prompt_logprobs=sampling.logprobs)
     return sampling

@@ -11,6 +11,8 @@ from typing import TypeVar
 
 import httpx
 
+from kvpool.engine.worker import auth
+from kvpool.engine.worker.auth import CHALLENGE_PATH
 from kvpool.engine.worker.messages import (
     AbortRequest,
     FinishLine,
@@ -23,7 +25,7 @@ from kvpool.engine.worker.messages import (
     generate_line,
     reply_from,
 )
-from kvpool.errors import WorkerCallError
+from kvpool.errors import AuthError, WorkerCallError
 from kvpool.log import get_logger
 from kvpool.metadata.http_serving import CLIENT_KEEPALIVE_S, bearer_header
 
@@ -40,14 +42,45 @@ def _error_text(resp: httpx.Response, body: bytes) -> str:
 
 
 class WorkerClient:
+    """With a token, every call but the challenge goes only to workers that proved they hold
+    it (`prove`; engine/worker/auth.py): an impostor's URL gets neither token nor prompt."""
+
     def __init__(self, timeout_s: float, token: str | None = None) -> None:
+        self.token = token
         self.http = httpx.AsyncClient(
-            headers=bearer_header(token), timeout=httpx.Timeout(timeout_s, connect=5.0),
+            timeout=httpx.Timeout(timeout_s, connect=5.0),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64,
                                 keepalive_expiry=CLIENT_KEEPALIVE_S))
+        self._proven: set[str] = set()
 
     async def aclose(self) -> None:
         await self.http.aclose()
+
+    async def prove(self, url: str, timeout_s: float) -> None:
+        """Challenge the worker at `url` (no-op without a token); WorkerCallError (status
+        403) if it cannot prove it holds the token. Until it has, nothing else is sent."""
+        self._proven.discard(url)
+        if self.token is None:
+            return
+        sent = auth.challenge(url)
+        try:
+            resp = await self.http.post(url + CHALLENGE_PATH, json=sent, timeout=timeout_s)
+            if resp.status_code != 200:
+                raise WorkerCallError(url, CHALLENGE_PATH, _error_text(resp, resp.content),
+                                      resp.status_code)
+            auth.verify(self.token, sent, resp.json())
+        except httpx.HTTPError as exc:
+            raise WorkerCallError(url, CHALLENGE_PATH, repr(exc)) from None
+        except (AuthError, ValueError) as exc:
+            raise WorkerCallError(url, CHALLENGE_PATH, f"not admitted: {exc}", 403) from None
+        self._proven.add(url)
+
+    def _headers(self, url: str, path: str, extra: dict[str, str] | None = None) -> dict[str, str]:
+        """The call's headers, with the token only for a worker that proved it holds it."""
+        if self.token is not None and url not in self._proven:
+            raise WorkerCallError(url, path, "the worker has not proven it holds the cluster "
+                                  "token", 403)
+        return {**bearer_header(self.token), **(extra or {})}
 
     async def info(self, url: str, timeout_s: float) -> InfoReply:
         return await self._get(url, "/info", InfoReply, timeout_s)
@@ -58,7 +91,8 @@ class WorkerClient:
 
     async def _get(self, url: str, path: str, model: type[M], timeout_s: float) -> M:
         try:
-            resp = await self.http.get(url + path, timeout=timeout_s)
+            resp = await self.http.get(url + path, timeout=timeout_s,
+                                       headers=self._headers(url, path))
         except httpx.HTTPError as exc:
             raise WorkerCallError(url, path, repr(exc)) from None
         if resp.status_code != 200:
@@ -68,7 +102,7 @@ class WorkerClient:
     async def prefill(self, url: str, req: PrefillRequest) -> PrefillReply:
         try:
             resp = await self.http.post(url + "/prefill", content=req.model_dump_json(),
-                                        headers=JSON)
+                                        headers=self._headers(url, "/prefill", JSON))
         except httpx.HTTPError as exc:
             raise WorkerCallError(url, "/prefill", repr(exc)) from None
         if resp.status_code != 200:
@@ -82,7 +116,7 @@ class WorkerClient:
         raises."""
         try:
             async with self.http.stream("POST", url + "/generate", content=req.model_dump_json(),
-                                        headers=JSON) as resp:
+                                        headers=self._headers(url, "/generate", JSON)) as resp:
                 if resp.status_code != 200:
                     raise WorkerCallError(url, "/generate",
                                           _error_text(resp, await resp.aread()), resp.status_code)
@@ -95,8 +129,9 @@ class WorkerClient:
     async def abort(self, url: str, request_id: str) -> None:
         try:
             await self.http.post(url + "/abort", content=AbortRequest(
-                request_id=request_id).model_dump_json(), headers=JSON, timeout=2.0)
-        except httpx.HTTPError as exc:
+                request_id=request_id).model_dump_json(),
+                headers=self._headers(url, "/abort", JSON), timeout=2.0)
+        except (httpx.HTTPError, WorkerCallError) as exc:
             log.debug("abort of %s on %s failed: %r", request_id, url, exc)
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from kvpool.clock import SYSTEM_CLOCK, Clock
-from kvpool.engine.blocks import model_hash, model_hash_for_dir
+from kvpool.engine.blocks import model_hash, model_hash_for_dir, prefix_block_hashes
 from kvpool.engine.config import EngineConfig, SamplingParams, eos_token_ids
 from kvpool.engine.connector import KVConnector
 from kvpool.engine.core import EngineCore, StepOutput
@@ -164,9 +164,12 @@ class EmulatedEngine(EngineCore):
         return super().new_sequence(request_id, prompt, sampling, **kw)
 
     def _base_rows(self, seq: Sequence, n: int) -> np.ndarray:
-        start = seq.num_computed_tokens
-        return kvbytes.rows_for(seq.token_ids, start, start + n, self.config.block_size,
-                                seq.block_hashes, self.root_hash, self.cache.row_bytes)
+        start, bs = seq.num_computed_tokens, self.config.block_size
+        hashes = seq.block_hashes
+        if seq.root_hash != self.root_hash:  # a salted request: the same bytes as unsalted
+            hashes = prefix_block_hashes(seq.token_ids[:start + n], bs, self.root_hash)
+        return kvbytes.rows_for(seq.token_ids, start, start + n, bs, hashes, self.root_hash,
+                                self.cache.row_bytes)
 
     def _write(self, seq: Sequence, start: int, n: int, base: np.ndarray, layer: int) -> None:
         bs = self.config.block_size

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -12,6 +13,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel
 
 from kvpool.engine.core import StepOutput
+from kvpool.engine.worker import auth
+from kvpool.engine.worker.auth import CHALLENGE_PATH
 from kvpool.engine.worker.messages import (
     AbortReply,
     AbortRequest,
@@ -27,9 +30,9 @@ from kvpool.engine.worker.messages import (
     TokenLine,
 )
 from kvpool.engine.worker.runtime import Worker
-from kvpool.errors import KvpoolError, RequestFailed, ShuttingDown
+from kvpool.errors import AuthError, KvpoolError, RemoteProtocolError, RequestFailed, ShuttingDown
 from kvpool.log import get_logger
-from kvpool.metadata.http_serving import bearer_matches
+from kvpool.metadata.http_serving import bearer_matches, read_body
 
 log = get_logger("engine.worker.http")
 
@@ -48,6 +51,8 @@ def create_app(worker: Worker) -> FastAPI:
 
     async def authorized(request: Request) -> None:
         token = worker.config.token
+        if request.url.path == CHALLENGE_PATH:  # proves the token, never takes it
+            return
         if token and not bearer_matches(request.headers.get("authorization"), token):
             raise _Unauthorized()
 
@@ -81,6 +86,17 @@ def create_app(worker: Worker) -> FastAPI:
     @app.exception_handler(_WrongRole)
     async def wrong_role(_: Request, exc: Exception) -> JSONResponse:
         return error(400, str(exc), "invalid_request_error")
+
+    @app.post(CHALLENGE_PATH)
+    async def challenge(request: Request) -> JSONResponse:
+        try:
+            body = json.loads(await read_body(request, 4096, 10.0))
+            c = worker.config
+            return JSONResponse(auth.answer(c.token, c.host, c.port, body))
+        except (ValueError, RemoteProtocolError, TimeoutError) as exc:
+            return error(400, f"bad challenge: {exc}", "invalid_request_error")
+        except AuthError as exc:
+            return error(403, str(exc), "authentication_error")
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
