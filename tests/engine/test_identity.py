@@ -139,3 +139,22 @@ def test_gguf_files_are_hashed_by_contents_and_keep_their_neighbours(tmp_path: P
 def test_a_folder_without_config_is_a_checkpoint_error(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="config.json not found"):
         identity_for_dir(tmp_path, EngineConfig())
+
+
+def test_the_emulated_engine_has_a_namespace_of_its_own(seeds: dict[str, Path]) -> None:
+    from kvpool.engine.emulated.engine import EmulatedEngine, emulated_identity
+    from kvpool.engine.emulated.profile import load_profile
+
+    profile = load_profile("llama70b-8xa800")
+
+    def emulated_root(folder: Path, **engine: object) -> int:
+        cfg = EngineConfig(**engine)  # type: ignore[arg-type]
+        return EmulatedEngine.from_dir(folder, profile, cfg).root_hash
+
+    a = seeds["a"]
+    roots = {emulated_root(a), emulated_root(seeds["b"]), emulated_root(a, dtype="bfloat16"),
+             emulated_root(a, block_size=8), root(a)}
+    assert len(roots) == 5 and emulated_root(seeds["a_copy"]) == emulated_root(a)
+    ident = emulated_identity(a, profile, EngineConfig(), 64)
+    assert ident.kv_format == "emulated/1" and ident.kv.num_layers == profile.kv_layers
+    assert json.loads(ident.extra)["row_bytes"] == 64
