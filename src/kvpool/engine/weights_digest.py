@@ -31,6 +31,9 @@ CACHE_VERSION = 1
 CHUNK_BYTES = 4 << 20
 """Bytes read per update: large enough that hashing runs at the digest's speed."""
 
+LOUD_BYTES = 256 << 20
+"""Hashing a file this large is logged: it explains a slow first start."""
+
 log = get_logger(__name__)
 _warned: set[Path] = set()
 """Folders whose read-only cache was already logged."""
@@ -75,6 +78,9 @@ def file_digests(folder: Path, names: Sequence[str],
         if entry is not None and _matches(entry, stamp):
             out[name], keep[name] = entry["blake2b"], entry
             continue
+        if stamp.size >= LOUD_BYTES:
+            log.info("hashing %s (%.1f GB) for the model's KV identity", folder / name,
+                     stamp.size / 1e9)
         out[name] = hasher(folder / name)
         if FileStamp.of(folder / name) == stamp:
             keep[name] = {"size": stamp.size, "mtime_ns": stamp.mtime_ns, "blake2b": out[name]}
