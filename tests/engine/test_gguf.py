@@ -146,3 +146,26 @@ def test_model_resolution(imported: tuple[Path, Path], tmp_path: Path,
         (tmp_path / "half").mkdir()
         (tmp_path / "half" / "config.json").write_text("{}")
         resolve_model(str(tmp_path / "half"))
+
+
+def test_a_gguf_rewritten_in_place_is_imported_again(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same name, size and mtime (to the second), other weights: another import and another
+    KV identity."""
+    import os
+
+    from kvpool.engine.identity import identity_for_dir
+    from kvpool.engine.tiny import TinySpec, make_tiny
+
+    monkeypatch.setenv("KVPOOL_MODEL_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "m.gguf"
+    write_gguf(make_tiny(tmp_path / "s0", TinySpec(seed=0)), path)
+    st = path.stat()
+    first = cached_import(path)
+    write_gguf(make_tiny(tmp_path / "s7", TinySpec(seed=7)), path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1))
+    assert path.stat().st_size == st.st_size
+    second = cached_import(path)
+    assert second != first and cached_import(path) == second
+    roots = {identity_for_dir(f, EngineConfig()).root for f in (first, second)}
+    assert len(roots) == 2

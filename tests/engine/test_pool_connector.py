@@ -6,12 +6,14 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
+import pytest
 import torch
 
 from kvpool.engine.blocks import block_key, request_key
 from kvpool.engine.config import EngineConfig, SamplingParams
 from kvpool.engine.llm_engine import LLMEngine, StepOutput
 from kvpool.engine.sequence import KVSource
+from kvpool.engine.tiny import TinySpec, make_tiny
 from kvpool.engine.worker.pool import PoolConnector, PoolPlan, PushPlan, push_parts
 from kvpool.errors import TransferError
 from kvpool.store import ErrorCode, PutResult, ReadResult
@@ -72,9 +74,9 @@ class Memcpy:
 
 
 def make(model_dir: Path, store: MemoryStore | None, save: bool,
-         transfer: Memcpy | None = None) -> tuple[LLMEngine, PoolConnector]:
+         transfer: Memcpy | None = None, dtype: str = "float32") -> tuple[LLMEngine, PoolConnector]:
     engine = LLMEngine.from_dir(model_dir, EngineConfig(block_size=BS, num_blocks=32,
-                                                        max_prefill_chunk=12))
+                                                        max_prefill_chunk=12, dtype=dtype))
     conn = PoolConnector(engine.cache, store, transfer or Memcpy(), save_blocks=save)
     engine.connector = conn
     return engine, conn
@@ -185,3 +187,45 @@ def test_a_full_pool_fails_a_pool_prefill(tiny_llama: Path) -> None:
     assert outs[-1].error is not None
     assert outs[-1].error.startswith("storing KV in the pool failed: put kv/")
     assert "NO_AVAILABLE_HANDLE" in outs[-1].error and not conn.plans
+
+
+@pytest.fixture(scope="module")
+def seed0_and_seed7(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Two checkpoints of one shape (config.json and file sizes alike), other weights."""
+    base = tmp_path_factory.mktemp("seeds")
+    return make_tiny(base / "s0", TinySpec(seed=0)), make_tiny(base / "s7", TinySpec(seed=7))
+
+
+def test_other_weights_never_read_each_others_blocks(seed0_and_seed7: tuple[Path, Path]) -> None:
+    s0, s7 = seed0_and_seed7
+    store = MemoryStore()
+    shared = prompt(24, 8)
+    a, conn_a = make(s0, store, save=True)
+    a.add_request("a", shared + [1, 2], GREEDY, prefill_only=True)
+    drain(a)
+    conn_a.saver.flush()  # type: ignore[union-attr]
+    assert len(store.objects) == 3 * 2  # 3 full blocks x 2 layers
+    b, _ = make(s7, store, save=True)
+    seq = b.add_request("b", shared + [3, 4, 5], GREEDY)
+    drain(b)
+    assert seq.num_pool_tokens == 0 and seq.num_cached_tokens == 0
+    solo = LLMEngine.from_dir(s7, EngineConfig(block_size=BS))
+    assert seq.output_ids == solo.generate([shared + [3, 4, 5]], GREEDY)[0]
+    again, _ = make(s0, store, save=False)  # the same checkpoint still finds them
+    hit = again.add_request("c", shared + [3, 4, 5], GREEDY)
+    drain(again)
+    assert hit.num_pool_tokens == 24
+
+
+def test_another_dtype_never_reads_the_blocks(seed0_and_seed7: tuple[Path, Path]) -> None:
+    s0, _ = seed0_and_seed7
+    store = MemoryStore()
+    shared = prompt(16, 9)
+    a, conn_a = make(s0, store, save=True)
+    a.add_request("a", shared + [1], GREEDY, prefill_only=True)
+    drain(a)
+    conn_a.saver.flush()  # type: ignore[union-attr]
+    b, _ = make(s0, store, save=False, dtype="bfloat16")
+    seq = b.add_request("b", shared + [2, 3], GREEDY)
+    drain(b)
+    assert seq.num_pool_tokens == 0 and len(seq.output_ids) == GREEDY.max_tokens

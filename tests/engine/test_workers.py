@@ -16,10 +16,12 @@ import httpx
 import pytest
 import torch
 
-from kvpool.engine.blocks import block_key, model_hash_for_dir, prefix_block_hashes, request_key
+from kvpool.engine.blocks import block_key, prefix_block_hashes, request_key
 from kvpool.engine.checkpoint import load_model
 from kvpool.engine.config import EngineConfig, SamplingParams
+from kvpool.engine.identity import identity_for_dir
 from kvpool.engine.llm_engine import LLMEngine
+from kvpool.engine.tiny import TinySpec, make_tiny
 from kvpool.engine.worker.client import generate, prefill, stream
 from kvpool.engine.worker.messages import (
     FinishLine,
@@ -103,6 +105,11 @@ def reference(model_dir: Path, prompts: list[list[int]]) -> list[list[int]]:
     return out
 
 
+def root_of(model_dir: Path) -> int:
+    """The chain root of the module's workers (float32, block size BS)."""
+    return identity_for_dir(model_dir, EngineConfig(block_size=BS)).root
+
+
 def prompt(n: int, seed: int) -> list[int]:
     return torch.randint(2, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
@@ -156,6 +163,25 @@ def test_prefix_from_the_pool_written_by_another_prefill_worker(workers: Workers
         assert not store.exists(request_key("third")).ok  # the decode worker took it
 
 
+def test_a_worker_of_other_weights_gets_no_pool_hits(workers: Workers, tmp_path: Path) -> None:
+    """A checkpoint of the same shape (config.json and file sizes alike) and other weights
+    shares the pool with the module's workers but none of its keys."""
+    other = make_tiny(tmp_path / "seed7", TinySpec(arch="llama", seed=7))
+    shared = prompt(32, 13)
+    first, second = shared + prompt(5, 14), shared + prompt(6, 15)
+    pre(workers.p1, "seed1-writes", first, ONE)
+    assert pre(workers.p2, "seed1-reads", second, ONE).num_pool_tokens == 32
+    with ExitStack() as stack:
+        url, port = spawn_worker(stack, other, "prefill", "--master", workers.master)
+        wait_port(port, timeout_s=60)
+        info = httpx.get(f"{url}/info", timeout=10).json()
+        b = pre(url, "seed7-reads", second, ONE)
+    assert info["model_hash"] == root_of(other) != root_of(workers.model_dir)
+    assert b.num_pool_tokens == 0 and b.num_cached_tokens == 0
+    assert b.num_computed_tokens == len(second)
+    assert b.first_token_id == reference(other, [second])[0][0]
+
+
 def test_pool_kv_equals_recomputed_bit_for_bit(workers: Workers) -> None:
     from kvpool.store import ClientConfig, StoreClient
     p = prompt(27, 20)
@@ -163,7 +189,7 @@ def test_pool_kv_equals_recomputed_bit_for_bit(workers: Workers) -> None:
     engine = LLMEngine.from_dir(workers.model_dir, EngineConfig(block_size=BS, num_blocks=16))
     seq = engine.add_request("local", p, SamplingParams(max_tokens=2))
     engine.step()  # the whole prompt in one pass, as the worker did
-    hashes = prefix_block_hashes(p, BS, model_hash_for_dir(workers.model_dir))
+    hashes = prefix_block_hashes(p, BS, root_of(workers.model_dir))
     assert len(hashes) == 3
     with StoreClient(ClientConfig(master=workers.master)) as store:
         assert store.exists(request_key("kv-check")).ok  # the partial block, for a decode leg
@@ -180,12 +206,12 @@ def test_load_reports_held_blocks(workers: Workers) -> None:
     p = prompt(17, 30)
     pre(workers.p1, "load-check", p, ONE)
     load = httpx.get(f"{workers.p1}/load", timeout=10).json()
-    hashes = prefix_block_hashes(p, BS, model_hash_for_dir(workers.model_dir))
+    hashes = prefix_block_hashes(p, BS, root_of(workers.model_dir))
     assert set(hashes) <= set(load["block_hashes"])
     assert load["kv_capacity_tokens"] == 128 * BS and load["num_running"] == 0
     info = httpx.get(f"{workers.d}/info", timeout=10).json()
     assert info["role"] == "both" and info["block_size"] == BS
-    assert info["model_hash"] == model_hash_for_dir(workers.model_dir) and ":" in info["segment"]
+    assert info["model_hash"] == root_of(workers.model_dir) and ":" in info["segment"]
 
 
 def test_errors_are_lines_not_hangs(workers: Workers) -> None:

@@ -358,15 +358,17 @@ def _kv_load(model_dir: Path, master: str, prefix: list[int], tail: list[int],
     plain buffer; medians."""
     import torch
 
-    from kvpool.engine.blocks import block_key, model_hash_for_dir, prefix_block_hashes
+    from kvpool.engine.blocks import block_key, prefix_block_hashes
     from kvpool.engine.checkpoint import read_model_config
     from kvpool.engine.config import EngineConfig, SamplingParams
+    from kvpool.engine.identity import checkpoint_digest, torch_identity
     from kvpool.engine.kv_cache import KVCache
     from kvpool.engine.sequence import Sequence
     from kvpool.engine.worker.pool import PoolConnector
     from kvpool.store.client.config import ClientConfig
     from kvpool.store.client.store_client import StoreClient
-    cfg, root = read_model_config(model_dir), model_hash_for_dir(model_dir)
+    cfg = read_model_config(model_dir)
+    root = torch_identity(checkpoint_digest(model_dir), cfg, EngineConfig()).root  # the workers'
     object_bytes = 2 * 16 * cfg.num_kv_heads * cfg.head_dim * 4  # K and V of one block, float32
     keys = [block_key(h, layer) for h in prefix_block_hashes(prefix, 16, root)
             for layer in range(cfg.num_layers)]

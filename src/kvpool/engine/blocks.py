@@ -3,20 +3,19 @@
 A prompt is cut into full blocks of `block_size` tokens; a trailing partial block has no hash.
 The hash of block i covers the model's identity and every token of blocks 0..i:
 
-    h[-1] = model_hash
+    h[-1] = root                                     (identity.ModelIdentity.root)
     h[i]  = H(h[i-1] || tokens[i*B:(i+1)*B])        H = blake2b, 8-byte digest
 
 so two prompts share h[i] exactly when they share their first (i+1)*B tokens (up to a 2**-64
-collision), and two models never share a key. The conductor's `PrefixIndex` takes these ints as
+collision), and two engines whose KV bytes differ (checkpoint contents, dtype, KV layout; the
+root digests all of them) never share a key. The conductor's `PrefixIndex` takes these ints as
 they are; the store keys an object by `block_key(h)`.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 
@@ -26,18 +25,10 @@ _MASK = (1 << 64) - 1
 
 
 def model_hash(identity: str) -> int:
-    """The root of every chain for one model (its name, config and weights' fingerprint)."""
+    """A chain root from a canonical description of what decides the KV bytes
+    (`identity.ModelIdentity.root` passes its JSON)."""
     digest = hashlib.blake2b(identity.encode(), digest_size=8, person=b"kvpool-model").digest()
     return int.from_bytes(digest, "little")
-
-
-def model_hash_for_dir(model_dir: str | Path) -> int:
-    """The root hash of a checkpoint folder: its config.json and the names and sizes of its
-    weight files (cheap to compute, and changes whenever the weights are replaced)."""
-    folder = Path(model_dir)
-    config = json.loads((folder / "config.json").read_text())
-    weights = sorted((p.name, p.stat().st_size) for p in folder.glob("*.safetensors"))
-    return model_hash(json.dumps({"config": config, "weights": weights}, sort_keys=True))
 
 
 def salted_root(root: int, salt: str | None) -> int:

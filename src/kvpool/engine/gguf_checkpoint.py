@@ -9,7 +9,8 @@ Hugging Face folder the engine loads (`config.json`, `model.safetensors`, `token
 - The tokenizer is rebuilt from the file's vocabulary and merges as a byte-level BPE
   (`tokenizer.ggml.model` = "gpt2"); tokens of type control are special tokens.
 - `import_gguf` writes the folder; `cached_import` imports once per file into a cache folder
-  keyed by the file's size and modification time, so `--model FILE.gguf` works directly.
+  keyed by the digest of the file's contents, so `--model FILE.gguf` works directly. The
+  engine's KV identity then covers the imported folder's weights (`identity`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from kvpool.engine.weights_digest import file_digests
 from kvpool.errors import CheckpointError
 
 TENSOR_NAMES = {
@@ -243,15 +245,23 @@ def cache_dir() -> Path:
     return Path(cache) / "kvpool" / "models"
 
 
+def gguf_digest(file: Path) -> str:
+    """The content digest of a GGUF file (cached beside it where its folder is writable)."""
+    try:
+        return file_digests(file.parent, [file.name])[file.name]
+    except OSError as exc:
+        raise CheckpointError(f"cannot read GGUF file {file}: {exc}") from exc
+
+
 def cached_import(path: str | Path) -> Path:
     """The imported folder of GGUF file `path`, importing it on first use into `cache_dir()`
-    (keyed by the file's name, size and modification time). The import is written to a
+    (keyed by the file's name and the digest of its contents, kept beside it by
+    `weights_digest`: a file rewritten in place is imported again). The import is written to a
     temporary folder and renamed, so an interrupted one is never used."""
     file = Path(path)
     if not file.is_file():
         raise CheckpointError(f"GGUF file not found: {file}")
-    st = file.stat()
-    target = cache_dir() / f"{file.stem}-{st.st_size}-{int(st.st_mtime)}"
+    target = cache_dir() / f"{file.stem}-{gguf_digest(file)[:16]}"
     if (target / IMPORT_MARKER).is_file():
         return target
     tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")

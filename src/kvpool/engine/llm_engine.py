@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 
-from kvpool.engine.blocks import model_hash_for_dir
 from kvpool.engine.checkpoint import DTYPES, load_model
 from kvpool.engine.config import EngineConfig
 from kvpool.engine.connector import KVConnector
 from kvpool.engine.core import EngineCore, StepOutput
+from kvpool.engine.identity import checkpoint_digest, torch_identity
 from kvpool.engine.kv_cache import KVCache
 from kvpool.engine.model import AttentionBatch, CausalLM, DecodeGroup, SeqSlice
 from kvpool.engine.sampler import PROMPT_ROWS, choose, logprobs_of
@@ -42,9 +42,12 @@ class LLMEngine(EngineCore):
     @classmethod
     def from_dir(cls, model_dir: str | Path, config: EngineConfig | None = None,
                  connector: KVConnector | None = None) -> LLMEngine:
+        """The engine over a model folder; its chains' root is the identity of the folder's
+        contents with `config`'s dtype and block size (identity.torch_identity)."""
         config = config or EngineConfig()
         model = load_model(model_dir, config.dtype, config.device)
-        return cls(model, config, model_hash_for_dir(model_dir), connector)
+        identity = torch_identity(checkpoint_digest(model_dir), model.config, config)
+        return cls(model, config, identity.root, connector)
 
     def run(self, batch: ScheduledBatch) -> dict[Sequence, Sampled]:
         """One forward over the batch; returns the token sampled for each sequence whose

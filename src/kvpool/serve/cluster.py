@@ -107,13 +107,16 @@ class LiveCluster:
 
     def join(self, url: str, info: InfoReply) -> None:
         """Put the worker into rotation. Raises InvalidArgument when it serves another model
-        (its block hashes would never match) or another block size."""
+        identity (other weights, dtype or KV layout: its block hashes would never match) or
+        another block size."""
         w = self.workers[url]
         ref = self.reference if w.info is None else w.info
         if ref is not None and (ref.model_hash, ref.block_size) != (info.model_hash, info.block_size):
             raise InvalidArgument(
                 f"worker {url} serves model hash {info.model_hash:x} with block size "
-                f"{info.block_size}, the cluster {ref.model_hash:x} / {ref.block_size}")
+                f"{info.block_size}, the cluster {ref.model_hash:x} / {ref.block_size} (the "
+                f"hash covers the weights' contents, the dtype and the KV layout: start every "
+                f"worker on the same checkpoint with the same --dtype and --block-size)")
         w.info, w.alive, w.failures, w.last_ok_s = info, True, 0, self.clock.now()
         w.down = asyncio.Event()
         w.prefill_load = PrefillLoad(0) if info.role in PREFILL_ROLES else None

@@ -24,13 +24,14 @@ from pathlib import Path
 import numpy as np
 
 from kvpool.clock import SYSTEM_CLOCK, Clock
-from kvpool.engine.blocks import model_hash, model_hash_for_dir, prefix_block_hashes
+from kvpool.engine.blocks import prefix_block_hashes
 from kvpool.engine.config import EngineConfig, SamplingParams, eos_token_ids
 from kvpool.engine.connector import KVConnector
 from kvpool.engine.core import EngineCore, StepOutput
 from kvpool.engine.emulated import kvbytes
 from kvpool.engine.emulated.cache import ByteKVCache
 from kvpool.engine.emulated.profile import EngineProfile, PromptChunk
+from kvpool.engine.identity import KVShape, ModelIdentity, checkpoint_digest
 from kvpool.engine.scheduler import ScheduledBatch
 from kvpool.engine.sequence import Sampled, Sequence
 from kvpool.errors import ConfigError, InvalidArgument
@@ -51,6 +52,16 @@ def row_bytes_for(profile: EngineProfile, kv_scale: float) -> int:
         raise ConfigError(f"kv_scale must be in (0, 1], got {kv_scale}")
     share = profile.cost.kv_bytes_per_token * kv_scale / (2 * profile.kv_layers)
     return max(8, int(share) // 8 * 8)
+
+
+def emulated_identity(model_dir: str | Path, profile: EngineProfile, config: EngineConfig,
+                      row_bytes: int) -> ModelIdentity:
+    """The emulated engine's identity: the model folder's contents, the dtype and block size,
+    and, since its bytes are a function of the profile's layers and row bytes, those too."""
+    extra = json.dumps({"profile": profile.to_dict(), "row_bytes": row_bytes}, sort_keys=True)
+    return ModelIdentity(checkpoint_digest(model_dir), config.dtype,
+                         KVShape(config.block_size, profile.kv_layers, 0, 0),
+                         f"emulated/{KV_FORMAT}", extra)
 
 
 class EmulatedEngine(EngineCore):
@@ -84,12 +95,10 @@ class EmulatedEngine(EngineCore):
     def from_dir(cls, model_dir: str | Path, profile: EngineProfile, config: EngineConfig,
                  kv_scale: float = 1 / 1024, speed_up: float = 1.0) -> EmulatedEngine:
         """The vocabulary and EOS ids from a model folder's config.json (the proxy serves its
-        tokenizer); the identity covers the folder, the profile and the KV format."""
+        tokenizer); the identity covers the folder, the profile and the KV format
+        (`emulated_identity`)."""
         hf = json.loads((Path(model_dir) / "config.json").read_text())
-        row_bytes = row_bytes_for(profile, kv_scale)
-        root = model_hash(json.dumps({"model": model_hash_for_dir(model_dir),
-                                      "profile": profile.to_dict(), "row_bytes": row_bytes,
-                                      "kv_format": KV_FORMAT}, sort_keys=True))
+        root = emulated_identity(model_dir, profile, config, row_bytes_for(profile, kv_scale)).root
         return cls(profile, config, kvbytes.ordinary_vocab(int(hf["vocab_size"])), root,
                    eos_token_ids(hf), kv_scale, speed_up)
 

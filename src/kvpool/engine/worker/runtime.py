@@ -152,7 +152,7 @@ class Worker:
 
         e = self.engine
         if not isinstance(e, EmulatedEngine):
-            return {"kind": "torch"}
+            return {"kind": "torch", "dtype": e.config.dtype}
         return {"kind": "emulated", "profile": e.profile.name, "kv_scale": e.kv_scale,
                 "speed_up": e.speed_up, "kv_layers": e.cache.num_layers,
                 "row_bytes": e.cache.row_bytes, "prefill_mode": e.config.prefill_mode,
