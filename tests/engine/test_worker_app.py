@@ -27,7 +27,8 @@ def client(tiny_llama: Path) -> Iterator[TestClient]:
 
 
 def test_token_is_required(client: TestClient) -> None:
-    assert client.get("/health").status_code == 401
+    assert client.get("/health").json() == {"ok": True, "role": "decode"}  # the probe is open
+    assert client.get("/info").status_code == 401
     bad = client.get("/load", headers={"Authorization": "Bearer nope"})
     assert bad.status_code == 401 and bad.json()["error"]["type"] == "authentication_error"
     assert client.get("/health", headers=AUTH).json() == {"ok": True, "role": "decode"}

@@ -52,8 +52,10 @@ def cluster(tiny_model: Path, cache_home: Path,
     port = free_port()
     log = tmp_path_factory.mktemp("up") / "up.log"
     with log.open("w") as out:
+        # token-less, so that tests can call its workers directly (the token kvpool up makes
+        # by default is tested in test_up_serving.py)
         proc = kvpool_up(marker, cache_home, "--port", str(port), "--dram", "64MiB",
-                         "--prefill", "2", stdout=out)
+                         "--prefill", "2", "--no-token", stdout=out)
     try:
         wait_ready(proc, f"http://127.0.0.1:{port}", log)
         yield parse_up_output(log.read_text(), tiny_model)

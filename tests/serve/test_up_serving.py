@@ -40,10 +40,30 @@ def test_up_serves_and_sigterm_stops_everything(cache_home: Path, tmp_path: Path
         reply = httpx.post(url + "/v1/completions", timeout=60,
                            json={"model": "tiny", "prompt": "hello", "max_tokens": 4})
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] >= 1
+        token_file = _check_default_token(log.read_text(), url)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
+        assert not token_file.exists()  # the token was this run's only
     finally:
         reap(proc, marker)
+
+
+def _check_default_token(text: str, proxy_url: str) -> Path:
+    """A `kvpool up` given no token made one: a 0600 file named in its ready line, which
+    every worker and the proxy's admin endpoints require (the OpenAI API itself is open)."""
+    found = re.search(r"export KVPOOL_TOKEN=\$\(cat (\S+)\)", text)
+    assert found, text
+    path = Path(found.group(1))
+    assert path.stat().st_mode & 0o777 == 0o600
+    token = path.read_text().strip()
+    assert len(token) >= 32
+    worker = re.search(r"^\s+decode\s+workers\s+(\S+)", text, re.M)
+    assert worker, text
+    for endpoint in (worker.group(1) + "/info", proxy_url + "/metrics"):
+        assert httpx.get(endpoint, timeout=10).status_code == 401, endpoint
+        ok = httpx.get(endpoint, timeout=10, headers={"Authorization": f"Bearer {token}"})
+        assert ok.status_code == 200, endpoint
+    return path
 
 
 @pytest.mark.slow  # the default suite keeps `kvpool up` serving and stopping; the demo is ~17 s

@@ -13,9 +13,11 @@ from typing import TYPE_CHECKING, Any
 import httpx
 import numpy as np
 
+from kvpool.metadata.http_serving import bearer_header
 from kvpool.store.client.config import ClientConfig
 from kvpool.store.client.store_client import StoreClient
 from kvpool.store.config import ReplicateConfig
+from kvpool.token import env_token
 
 if TYPE_CHECKING:
     from kvpool.cli.local_cluster import LocalCluster
@@ -46,7 +48,8 @@ def run_serving_demo(cluster: ServingCluster) -> int:
             "messages": [{"role": "user", "content": "What is a KV cache?"}]})
         max_len = int(http.get("/models").json()["data"][0]["max_model_len"])
         _long_prompt_ttft(http, model, max_len)
-    metrics = httpx.get(cluster.proxy_url + "/metrics", timeout=10).text.splitlines()
+    metrics = httpx.get(cluster.proxy_url + "/metrics", timeout=10,
+                        headers=bearer_header(env_token())).text.splitlines()
     for line in metrics:
         if line.startswith(("kvpool_proxy_prefix_hit_tokens_total", "kvpool_proxy_prompt_tokens_total",
                             "kvpool_proxy_ttft_seconds_count", "kvpool_proxy_rejections_total")):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import secrets
+from pathlib import Path
 
 from kvpool.token import TOKEN_ENV, env_token
 
@@ -43,3 +45,25 @@ def export_token(token: str | None) -> None:
     reads ${TOKEN_ENV}, e.g. the metadata client inside a transfer engine."""
     if token:
         os.environ[TOKEN_ENV] = token
+
+
+def token_file(port: int) -> Path:
+    """Where `kvpool up` on `port` keeps the cluster token it made: the user's runtime
+    directory (or cache), readable by the user alone."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or os.environ.get("XDG_CACHE_HOME") \
+        or str(Path.home() / ".cache")
+    return Path(base) / "kvpool" / f"up-{port}.token"
+
+
+def new_token_file(path: Path) -> str:
+    """A fresh random token written to `path` with mode 0600 (created so from the start,
+    never readable by others); the token."""
+    token = secrets.token_urlsafe(32)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, token.encode() + b"\n")
+    finally:
+        os.close(fd)
+    return token

@@ -27,7 +27,13 @@ from typing import TYPE_CHECKING
 import httpx
 
 from kvpool.cli.local_cluster import LocalCluster
-from kvpool.cli.security import add_security_args, bind_refusal, export_token
+from kvpool.cli.security import (
+    add_security_args,
+    bind_refusal,
+    export_token,
+    new_token_file,
+    token_file,
+)
 from kvpool.conductor import ADMISSION_POLICIES, PREFILL_POLICIES
 from kvpool.engine.config import DTYPES
 from kvpool.errors import KvpoolError
@@ -93,7 +99,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--demo", action="store_true", help="run the demo workload, then shut down")
     p.add_argument("--no-bench", action="store_true",
                    help="--store-only --demo: skip the transfer benchmark")
-    add_security_args(p, "every process of the cluster requires")
+    add_security_args(p, "every process of the cluster requires (default: a random one "
+                      "made at start, except with --store-only)")
+    p.add_argument("--no-token", action="store_true",
+                   help="serve without a token, as Mooncake does (its engines' connectors "
+                        "carry none): any local process can then read and overwrite the pool")
     p.set_defaults(func=run)
 
 
@@ -114,6 +124,8 @@ def _terminate_on_sigterm() -> None:
 
 def _secure_or_refuse(args: argparse.Namespace) -> bool:
     """Refuse a public bind without a token; export the token for the children and clients."""
+    if args.no_token:
+        args.token = None
     refusal = bind_refusal("up", args.host, args.token, args.insecure)
     if refusal is not None:
         print(refusal, file=sys.stderr)
@@ -134,6 +146,9 @@ def _run_serving(args: argparse.Namespace) -> int:
         print("kvpool up: need at least one prefill and one decode worker "
               "(--prefill/--decode, or --colocated)", file=sys.stderr)
         return 2
+    if not args.token and not args.no_token:  # every child of the cluster runs with one
+        args.token_file = token_file(args.port)
+        args.token = new_token_file(args.token_file)
     if not _secure_or_refuse(args):
         return 2
     try:
@@ -156,7 +171,7 @@ def _run_serving(args: argparse.Namespace) -> int:
                            args.colocated, args.dram, args.store_nodes or 1, proxy_args,
                            worker_args, insecure=args.insecure)
         with serving_cluster(spec) as cluster:
-            _print_serving(cluster)
+            _print_serving(cluster, _token_line(args))
             if args.demo:
                 from kvpool.cli.demo import run_serving_demo
 
@@ -168,6 +183,21 @@ def _run_serving(args: argparse.Namespace) -> int:
     except (KvpoolError, OSError, TimeoutError, subprocess.CalledProcessError) as exc:
         print(f"kvpool up: {exc}", file=sys.stderr)
         return 1
+    finally:
+        if getattr(args, "token_file", None) is not None:
+            args.token_file.unlink(missing_ok=True)
+
+
+def _token_line(args: argparse.Namespace) -> str:
+    """How clients of the cluster's own endpoints get its token (the OpenAI API takes none
+    unless the proxy has --api-key), or that there is none."""
+    if getattr(args, "token_file", None) is not None:
+        return (f"  cluster token     export KVPOOL_TOKEN=$(cat {args.token_file})  (made for "
+                "this run; workers, store and the proxy's admin endpoints require it)")
+    if args.token:
+        return "  cluster token     the one given (--token / $KVPOOL_TOKEN)"
+    return ("  cluster token     none (Mooncake drop-in mode, whose engines' connectors carry "
+            "none): any local process can read and overwrite the pool")
 
 
 def _given(args: argparse.Namespace, *names: str) -> tuple[str, ...]:
@@ -205,12 +235,13 @@ def _emulated(args: argparse.Namespace,
     return model, proxy, workers
 
 
-def _print_serving(cluster: ServingCluster) -> None:
+def _print_serving(cluster: ServingCluster, token_line: str) -> None:
     print(f"kvpool serving cluster up (pid {os.getpid()}), model {cluster.model_dir}:")
     print(f"  store master      {cluster.master_address}  (metadata {cluster.metadata_url})")
     for role, urls in cluster.worker_urls.items():
         print(f"  {role:8} workers  {' '.join(urls)}")
     print(f"  OpenAI API        {cluster.proxy_url}/v1  (metrics: {cluster.proxy_url}/metrics)")
+    print(token_line)
     print(f"  try: curl {cluster.proxy_url}/v1/completions -H 'Content-Type: application/json' "
           f"-d '{{\"model\": \"{cluster.model_name}\", \"prompt\": \"hello\", "
           f"\"max_tokens\": 16}}'", flush=True)
@@ -238,6 +269,7 @@ def _run_store_only(args: argparse.Namespace) -> int:
                            args.admin_port, args.metadata_port, args.token,
                            args.insecure) as cluster:
             _print_endpoints(cluster)
+            print(_token_line(args), flush=True)
             if args.demo:
                 from kvpool.cli.demo import run_demo
 

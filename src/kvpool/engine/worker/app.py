@@ -37,6 +37,11 @@ from kvpool.metadata.http_serving import bearer_matches, read_body
 log = get_logger("engine.worker.http")
 
 
+OPEN_PATHS = (CHALLENGE_PATH, "/health")
+"""Answered without the token: the challenge (proves the token, never takes it) and the
+liveness probe (a role, nothing else)."""
+
+
 def error(status: int, message: str, kind: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status)
 
@@ -51,7 +56,7 @@ def create_app(worker: Worker) -> FastAPI:
 
     async def authorized(request: Request) -> None:
         token = worker.config.token
-        if request.url.path == CHALLENGE_PATH:  # proves the token, never takes it
+        if request.url.path in OPEN_PATHS:
             return
         if token and not bearer_matches(request.headers.get("authorization"), token):
             raise _Unauthorized()

@@ -1,0 +1,40 @@
+"""The worker's challenge-response (engine/worker/auth.py): only a worker that holds the token
+proves it, only for a name it listens on, and a proof never verifies for another challenge."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpool.engine.worker import auth
+from kvpool.errors import AuthError
+
+
+def test_a_token_holder_proves_it_and_nobody_else_does() -> None:
+    sent = auth.challenge("http://127.0.0.1:8123")
+    assert sent["name"] == "127.0.0.1:8123"
+    reply = auth.answer("s3cret", "127.0.0.1", 8123, sent)
+    auth.verify("s3cret", sent, reply)
+    with pytest.raises(AuthError, match="proof is wrong"):
+        auth.verify("another", sent, reply)
+    with pytest.raises(AuthError, match="proof is wrong"):  # not replayable: a fresh nonce
+        auth.verify("s3cret", auth.challenge("http://127.0.0.1:8123"), reply)
+    with pytest.raises(AuthError, match="holds no cluster token"):
+        auth.verify("s3cret", sent, auth.answer(None, "127.0.0.1", 8123, sent))
+    for bad in ({}, {"proof": "x"}, {"nonce": "zz", "proof": "x"}, "text"):
+        with pytest.raises(AuthError):
+            auth.verify("s3cret", sent, bad)
+
+
+def test_a_relayed_challenge_gets_no_proof_for_the_impostors_name() -> None:
+    """An impostor at 127.0.0.1:9000 relays the proxy's challenge (naming 127.0.0.1:9000) to
+    the real worker at 127.0.0.1:8123: the worker refuses a name that is not its own."""
+    relayed = auth.challenge("http://127.0.0.1:9000")
+    with pytest.raises(AuthError, match="not '127.0.0.1:9000'"):
+        auth.answer("s3cret", "127.0.0.1", 8123, relayed)
+    other_host = auth.challenge("http://127.0.0.2:8123")  # loopback, but not its address
+    with pytest.raises(AuthError):
+        auth.answer("s3cret", "127.0.0.1", 8123, other_host)
+    assert auth.is_own_name("localhost:8123", "127.0.0.1", 8123)
+    assert auth.is_own_name("127.0.0.2:8123", "0.0.0.0", 8123)  # every interface: any local
+    assert not auth.is_own_name("192.0.2.1:8123", "0.0.0.0", 8123)  # TEST-NET: not this host
+    assert not auth.is_own_name("nonsense", "127.0.0.1", 8123)
