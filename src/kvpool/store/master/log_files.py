@@ -54,10 +54,10 @@ def load_state(state_dir: Path, recover_partial: bool = False,
     state = DurableState()
     snap = state_dir / SNAPSHOT
     data = snap.read_bytes() if snap.exists() else b""
-    scan = replay_frames(state, data, str(snap), report, last=False) if data else None
+    scan = replay_frames(state, data, str(snap), report, last=False) if snap.exists() \
+        else None
     logs = _logs(state_dir)
-    problem = snapshot_problem(data, scan if snap.exists() else None, state,
-                               [seq for seq, _ in logs])
+    problem = snapshot_problem(data, scan, state, [seq for seq, _ in logs])
     if problem is not None:
         _damaged(f"{snap} {problem}", recover_partial, report)
     live = [(seq, path) for seq, path in logs if seq >= state.next_log_seq]
