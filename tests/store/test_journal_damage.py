@@ -5,6 +5,7 @@ whose write failed is ever visible."""
 
 from __future__ import annotations
 
+import errno
 import random
 from pathlib import Path
 
@@ -256,3 +257,30 @@ def test_a_missing_snapshot_is_fine_for_the_first_log(tmp_path: Path) -> None:
     expected = _history(clock, tmp_path, 10)
     (tmp_path / SNAPSHOT).unlink()  # log.1 follows an empty snapshot: nothing is lost
     assert tables(reopen(clock, tmp_path)) == expected
+
+
+def test_a_failed_fsync_cuts_the_append_and_takes_the_put_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """EIO from fsync (the 'always' policy): the record stays out of the log, the put out
+    of the tables; the next put is written whole after the last good record."""
+    clock = VirtualClock()
+    core = open_core(clock, tmp_path)
+    mount(core)
+    assert put(core, "a")
+    import kvpool.store.master.log_files as log_files
+    real_fsync, calls = log_files.os.fsync, []
+
+    def failing_fsync(fd: int) -> None:
+        calls.append(fd)
+        if len(calls) == 1:
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync(fd)
+
+    monkeypatch.setattr(log_files.os, "fsync", failing_fsync)
+    assert not put(core, "lost")
+    assert core.get_replicas(["lost"])[0].code == E.OBJECT_NOT_FOUND
+    assert put(core, "b")
+    monkeypatch.undo()
+    records = scan_frames(_log_file(tmp_path).read_bytes()).records
+    assert [r[1] for r in records if r[0] == "P"] == ["a", "b"]
+    assert sorted(reopen(clock, tmp_path).objects) == ["a", "b"]

@@ -9,9 +9,11 @@ the logs depend on stops the load with StateDamaged unless `recover_partial`). `
 writes a new snapshot (tmp file, fsync), creates log.<seq + 1>, renames the snapshot into
 place, fsyncs the directory and deletes the logs it replaces.
 
-A failed append or sync (ENOSPC, EIO) truncates the log back to the end of the last record
-written whole before it raises JournalWriteError, so the records written after the disk has
-room again are not swallowed by a partial one at replay.
+A failed append (ENOSPC, EIO; with `fsync_appends`, its fsync included) truncates the log
+back to where that append began before it raises JournalWriteError, so the records written
+after the disk has room again are not swallowed by a partial one at replay. A failed `sync`
+(the 'interval' policy) raises and cuts nothing: the records it covers were acknowledged
+already and stay in the file for a process crash to find.
 
 Several HA masters may share the directory; only the leader writes, and a snapshot written
 by a later term stops an older one (`StoreError`).
@@ -80,10 +82,11 @@ def _damaged(problem: str, recover_partial: bool, report: ReplayReport) -> None:
 class FileLogStore:
     """The journal's storage in a directory (see the module docstring)."""
 
-    durable_on_append = False
-    """Appends reach the page cache; `sync` makes them durable."""
-
-    def __init__(self, state_dir: str, recover_partial: bool = False) -> None:
+    def __init__(self, state_dir: str, recover_partial: bool = False,
+                 fsync_appends: bool = False) -> None:
+        """`fsync_appends`: each append is fsynced before it returns (the 'always' policy);
+        otherwise appends reach the page cache and `sync` makes them durable."""
+        self.durable_on_append = fsync_appends
         self.dir = Path(state_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.recover_partial = recover_partial
@@ -94,8 +97,6 @@ class FileLogStore:
         self._old_logs: list[Path] = []
         self._size = 0
         """End of the last record written whole to the current log."""
-        self._synced = 0
-        """End of the last record `sync` made durable."""
         self._dirty = False
         """A failed write left bytes after `_size` that a truncate has not removed yet."""
 
@@ -136,7 +137,7 @@ class FileLogStore:
         os.replace(tmp, self.dir / SNAPSHOT)
         if self._fd >= 0:
             os.close(self._fd)
-        self._fd, self._seq, self._size, self._synced, self._dirty = fd, seq, 0, 0, False
+        self._fd, self._seq, self._size, self._dirty = fd, seq, 0, False
         fsync_dir(self.dir)
         for path in self._old_logs:
             if path != current:
@@ -164,26 +165,26 @@ class FileLogStore:
             if self._dirty:
                 self._truncate(self._size)
             _write_all(self._fd, data)
+            if self.durable_on_append:
+                os.fsync(self._fd)
         except OSError as exc:
             self._restore(self._size, exc)
         self._size += len(data)
         return True
 
     def sync(self) -> None:
-        """Make the appended records durable; JournalWriteError when that fails (the log
-        is then cut back to what the previous sync made durable)."""
+        """Make the appended records durable; JournalWriteError when that fails."""
         if self._fd < 0:
             return
         try:
             os.fsync(self._fd)
         except OSError as exc:
-            self._restore(self._synced, exc)
-        self._synced = self._size
+            raise JournalWriteError(f"{self.dir}/log.{self._seq}: fsync failed ({exc})") \
+                from exc
 
     def _restore(self, offset: int, exc: OSError) -> NoReturn:
         """Cut the log back to the record boundary `offset`, then raise."""
         self._dirty = True
-        self._size, self._synced = offset, min(offset, self._synced)
         try:
             self._truncate(offset)
         except OSError:

@@ -63,7 +63,7 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
 
 def _journal_families(stats: JournalStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
     yield _counter("kvpool_master_journal_write_failures",
-                   "journal writes that failed (their requests got RPC_FAIL)",
+                   "journal appends (their requests got RPC_FAIL) and fsyncs that failed",
                    stats.num_write_failures)
     yield _gauge("kvpool_master_journal_carried_records",
                  "records of failed journal writes waiting to be written",

@@ -120,7 +120,7 @@ def open_log_store(config: PersistConfig, term: int) -> LogStore:
         return EtcdLogStore(config.etcd, config.cluster_id, term)
     if not config.state_dir:
         raise ConfigError("persistence needs a state directory or etcd endpoints")
-    return FileLogStore(config.state_dir, config.recover_partial)
+    return FileLogStore(config.state_dir, config.recover_partial, config.fsync == "always")
 
 
 class Journal:
@@ -201,7 +201,7 @@ class Journal:
 
     def on_tick(self, core: CoreApi) -> None:
         if self.fence is not None and not self.fence():
-            self._buf.clear()
+            self._write()  # refused: drops the buffer, takes back what it published
             return
         for segment_id in self.recovery.expire(core.clock.now()):
             self._append(["D", segment_id])
@@ -210,8 +210,7 @@ class Journal:
         now = core.clock.now()
         if self.config.fsync == "interval" and not self.store.durable_on_append and \
                 now - self._last_sync >= self.config.fsync_interval_s:
-            self.store.sync()
-            self._last_sync = now
+            self._sync(now)
         if self._log_bytes > self.config.compact_bytes and self.recovery.done:
             try:
                 self.compact(core)
@@ -273,12 +272,22 @@ class Journal:
         self._carry = []
         self._log_bytes += sum(len(r) for r in records)
 
+    def _sync(self, now: float) -> None:
+        try:
+            self.store.sync()
+        except JournalWriteError as exc:  # acknowledged already: counted, retried next time
+            self.num_write_failures += 1
+            self._failures.warn("journal fsync failed: %s", exc)
+            return
+        self._last_sync = now
+
     def stats(self) -> JournalStats:
         return JournalStats(self.store.report, self.num_write_failures, len(self._carry),
                             self.write_error)
 
     def compact(self, core: CoreApi) -> None:
         """Snapshot the live tables and start a new log."""
+        self.commit()  # first, so the snapshot holds no put a failed write takes back
         records = [SegRec(s.segment_id, s.client_id, s.endpoint, s.base_addr, s.capacity,
                           int(s.tier), s.fence).record() for s in core.segments.values()]
         records += [ObjRec(o.key, o.size, tuple((r.segment.segment_id, r.offset)

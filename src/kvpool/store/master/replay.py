@@ -78,7 +78,8 @@ class JournalStats:
     replay: ReplayReport
     """What the load at start skipped."""
     num_write_failures: int
-    """Writes that failed since start (their requests were answered RPC_FAIL)."""
+    """Appends that failed since start (their requests were answered RPC_FAIL), and
+    fsyncs of the 'interval' policy that failed."""
     num_carried_records: int
     """Records of failed writes still waiting to be written."""
     write_error: str | None
