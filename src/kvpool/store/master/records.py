@@ -32,6 +32,7 @@ another client or with another size it drops them (different memory).
 
 from __future__ import annotations
 
+import re
 import struct
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +45,7 @@ from kvpool.errors import RemoteProtocolError
 _HEAD = struct.Struct("<IQ")
 MAX_RECORD_BYTES = 64 << 20
 """A larger length field is garbage (a torn or overwritten header), not a record."""
+_NONZERO = re.compile(rb"[^\0]")
 
 
 def encode_record(payload: list[Any]) -> bytes:
@@ -119,8 +121,14 @@ def scan_frames(data: bytes) -> FrameScan:
 
 
 def _next_frame(data: bytes, pos: int) -> int:
-    """The first offset >= `pos` where an intact frame starts, or len(data)."""
+    """The first offset >= `pos` where an intact frame starts, or len(data). Runs of zero
+    bytes (what some filesystems leave after a crash) are crossed at once: no frame has a
+    zero length field."""
     while pos + _HEAD.size <= len(data):
+        if data[pos:pos + 4] == b"\0\0\0\0":
+            nonzero = _NONZERO.search(data, pos)
+            pos = len(data) if nonzero is None else max(pos + 1, nonzero.start() - 3)
+            continue
         if _frame_at(data, pos) is not None:
             return pos
         pos += 1
