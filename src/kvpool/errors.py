@@ -69,6 +69,18 @@ class StoreError(KvpoolError):
     """The store master or a store client failed in a way that is not an expected outcome."""
 
 
+class JournalWriteError(StoreError):
+    """The master's journal could not write or sync records (a full disk, an I/O error, etcd
+    unreachable). Nothing of the failed write is acknowledged; the journal is back on a
+    record boundary when this is raised."""
+
+
+class StateDamaged(StoreError):
+    """The master's saved state is incomplete (a missing, emptied or cut snapshot that later
+    logs depend on): starting on it would serve a fraction of the objects. Restart with
+    --recover-partial to accept what is left."""
+
+
 class RpcError(StoreError):
     """A control-plane RPC failed (timeout, unreachable master, malformed reply, or the master
     refused the whole request: then `status` is the reply's status, an ErrorCode value)."""

@@ -3,6 +3,7 @@ chunked snapshots and the term fence, against a real etcd."""
 
 from __future__ import annotations
 
+import base64
 import itertools
 import random
 from collections.abc import Iterator
@@ -14,12 +15,13 @@ from kvpool.errors import StoreError
 from kvpool.store.config import MasterConfig, ReplicateConfig
 from kvpool.store.master.core import MasterCore
 from kvpool.store.master.election import LeaderElection
-from kvpool.store.master.log_etcd import chunked
+from kvpool.store.master.log_etcd import EtcdLogStore, chunked
 from kvpool.store.master.persist import Journal, PersistConfig
 from kvpool.store.master.records import encode_record
 from kvpool.store.wire.codes import ErrorCode as E
 from kvpool.store.wire.leader import Etcd, parse_endpoints
 from tests.support.etcd import etcd_server
+from tests.support.net import free_port
 
 KIB = 1024
 _clusters = itertools.count()
@@ -135,6 +137,37 @@ def test_a_later_term_fences_the_old_journal(etcd: str) -> None:
     core2 = open_core(clock, etcd, cluster, new.term)
     mount(core2, 0, 6)
     assert sorted(core2.objects) == ["a"]
+
+
+def test_an_append_etcd_does_not_answer_takes_the_put_back(etcd: str) -> None:
+    """etcd unreachable: the put fails and is not visible; the values of the failed append
+    (here one that etcd did apply, unbeknown to the master) are deleted by the next one."""
+    clock, cluster = VirtualClock(), f"down{next(_clusters)}"
+    term = elect(etcd, cluster).term
+    core = open_core(clock, etcd, cluster, term)
+    sid = mount(core, 0, 5)
+    assert isinstance(core.journal, Journal)
+    store = core.journal.store
+    assert isinstance(store, EtcdLogStore)
+    reachable, store.etcd = store.etcd, Etcd(parse_endpoints(f"127.0.0.1:{free_port()}"))
+    core.put_start("w", ["lost"], [KIB], ReplicateConfig())
+    assert core.put_end("w", ["lost"], [1]) == [E.OK]
+    assert not core.journal.commit()
+    assert core.get_replicas(["lost"])[0].code == E.OBJECT_NOT_FOUND
+    assert "etcd unreachable" in (core.journal.write_error or "")
+    core.check_integrity()
+    store.etcd = reachable
+    landed_key = store._key("log", store._gen, store._seq)
+    record = encode_record(["P", "lost", KIB, [[sid, 0]], 1, False])
+    reachable.post("/kv/put", {"key": _b64(landed_key),
+                               "value": base64.b64encode(record).decode()})
+    core.put_start("w", ["kept"], [KIB], ReplicateConfig())
+    core.put_end("w", ["kept"], [2])
+    assert core.journal.commit() and core.journal.write_error is None
+    assert reachable.get(landed_key) is None
+    core2 = open_core(clock, etcd, cluster, term)
+    mount(core2, 0, 6)
+    assert sorted(core2.objects) == ["kept"]
 
 
 def _b64(text: str) -> str:

@@ -1,6 +1,6 @@
 """`kvpool master` flags for persistence and high availability, and the run loop they need.
 
-    kvpool master --state-dir DIR [--persist-fsync always|interval|never]
+    kvpool master --state-dir DIR [--persist-fsync always|interval|never] [--recover-partial]
     kvpool master --enable_ha=true --etcd_endpoints='h1:2379;h2:2379' [--state-dir SHARED_DIR]
 
 Without these flags `kvpool master` runs as before (master_cmd.run); with any of them,
@@ -43,6 +43,10 @@ def add_ha_args(p: argparse.ArgumentParser) -> None:
                    "(default: before each reply)")
     g.add_argument("--persist-fsync-interval", dest="persist_fsync_interval", type=float,
                    default=_P.fsync_interval_s, help="seconds, for --persist-fsync interval")
+    g.add_argument("--recover-partial", dest="recover_partial", action="store_true",
+                   help="start even when the snapshot that later logs depend on is missing "
+                        "or damaged, keeping what is left (without it such a master refuses "
+                        "to start, exit code 2)")
     g.add_argument("--recovery-grace", dest="recovery_grace", type=float,
                    default=_P.recovery_grace_s, help="seconds recovered segments wait for "
                    "their nodes to mount again")
@@ -67,7 +71,8 @@ def persist_config(args: argparse.Namespace) -> PersistConfig:
     etcd = "" if args.state_dir else args.etcd_endpoints
     return PersistConfig(args.state_dir or "", args.persist_fsync,
                          args.persist_fsync_interval, recovery_grace_s=args.recovery_grace,
-                         etcd=etcd, cluster_id=args.cluster_id)
+                         etcd=etcd, cluster_id=args.cluster_id,
+                         recover_partial=args.recover_partial)
 
 
 def run_persistent(args: argparse.Namespace, server_cfg: MasterServerConfig,

@@ -169,6 +169,16 @@ def create_admin_app(core: MasterCore, lock: threading.Lock, metrics: MasterMetr
             finally:
                 integrity_gate.release(time.monotonic() - start)
 
+    @app.get("/journal", dependencies=guarded)
+    def journal() -> dict[str, Any]:
+        """What the replay at start skipped and how journal writes fare (404 without
+        persistence)."""
+        with lock:
+            stats = core.journal.stats() if core.journal is not None else None
+        if stats is None:
+            raise HTTPException(404, "this master keeps no journal")
+        return stats.as_dict()
+
     @app.get("/keys", dependencies=guarded)
     def keys(prefix: str = "", limit: int = Query(1000, ge=1, le=100000)) -> dict[str, Any]:
         with lock:

@@ -270,7 +270,7 @@ class MasterCore:
         self.objects.insert(StoredObject(key, put.size, put.replicas, 0.0, put.hard_pinned,
                                          soft_until, checksum))
         if self.journal is not None:
-            self.journal.on_put(self.objects[key])
+            self.journal.on_publish(self.objects[key])
         return E.OK
 
     def put_revoke(self, client_id: str, keys: Sequence[str]) -> list[ErrorCode]:
@@ -395,6 +395,18 @@ class MasterCore:
             self.journal.on_remove(obj.key)
         for r in obj.replicas:
             self.space.free_after(r, obj.lease_until if defer else 0.0)
+
+    def unpublish(self, obj: StoredObject) -> None:
+        """Take back a put whose record the journal could not write, before anyone read
+        it: the object goes without a record (none of it is on disk) and its memory is free
+        at once (the put's reply says it failed, so no writer or reader uses it)."""
+        if self.objects.get(obj.key) is not obj:
+            return
+        if self.tiering.mounts:
+            self.tiering.on_remove(obj)
+        self.objects.remove(obj)
+        for r in obj.replicas:
+            self.space.free_after(r, 0.0)
 
     def release_deferred(self) -> int:
         """Free the ranges whose release time has come (see space.FreeSpace)."""

@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from kvpool.store.master.eviction import EvictionPolicy
     from kvpool.store.master.pending import PendingPuts
     from kvpool.store.master.placement import PlacementPolicy
+    from kvpool.store.master.replay import JournalStats
     from kvpool.store.master.space import FreeSpace
     from kvpool.store.master.state import ClientState, Replica, Segment, StoredObject
     from kvpool.store.master.tables import ObjectTable, SegmentTable
@@ -27,13 +28,20 @@ class JournalHooks(Protocol):
 
     def on_drop(self, segment_id: str) -> None: ...
 
-    def on_put(self, obj: StoredObject) -> None: ...
+    def on_put(self, obj: StoredObject) -> None:
+        """A stored object changed (replicas, tier)."""
+
+    def on_publish(self, obj: StoredObject) -> None:
+        """A put made `obj` visible; the journal calls `unpublish(obj)` if its record
+        cannot be written."""
 
     def on_remove(self, key: str) -> None: ...
 
     def remove_recovering(self, key: str) -> bool: ...
 
     def on_tick(self, core: CoreApi) -> None: ...
+
+    def stats(self) -> JournalStats: ...
 
 
 class CoreApi(Protocol):
@@ -71,5 +79,7 @@ class CoreApi(Protocol):
     def put_end_one(self, client_id: str, key: str, checksum: int | None) -> ErrorCode: ...
 
     def remove_object(self, obj: StoredObject, defer: bool) -> None: ...
+
+    def unpublish(self, obj: StoredObject) -> None: ...
 
 

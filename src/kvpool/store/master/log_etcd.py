@@ -9,7 +9,13 @@ Keys (under /kvpool/<cluster_id>/master/state/):
 Every write is a transaction that holds only while the term key (written by the election,
 store/master/election.py) still has the version this master won: once a later term is handed
 out, a deposed leader's appends fail and it acknowledges nothing more. A value is atomic in
-etcd, so there are no torn tails; each value still carries the records' own checksums.
+etcd, so there are no torn tails; each value still carries the records' own checksums, and a
+damaged record is skipped and counted (replay.py).
+
+An append that fails (etcd unreachable, a timeout) raises JournalWriteError, and the journal
+takes back what it published; whether etcd applied some of its values is unknown, so the
+next append deletes every key of the failed ones in the same transaction that writes it
+(the journal writes their surviving records again).
 
 `rotate` writes generation G+1 (chunks, then the head), deletes generation G and compacts
 etcd's history up to that point (etcd keeps every revision until it is compacted, so a log of
@@ -23,10 +29,10 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-from kvpool.errors import ConfigError, StoreError
+from kvpool.errors import ConfigError, JournalWriteError, KvpoolError, StoreError
 from kvpool.log import get_logger
-from kvpool.store.master.log_files import replay_frames
 from kvpool.store.master.records import DurableState, encode_record
+from kvpool.store.master.replay import ReplayReport, replay_frames
 from kvpool.store.wire.leader import Etcd, b64, parse_endpoints, unb64
 
 log = get_logger("store.persist")
@@ -72,6 +78,9 @@ class EtcdLogStore:
         self._gen = 0
         self._seq = 0
         self._open = True
+        self._unsure_from = 0
+        """First log seq of the failed appends not yet deleted (0: none)."""
+        self.report = ReplayReport()
 
     def where(self) -> str:
         return f"etcd {self.prefix}"
@@ -93,6 +102,7 @@ class EtcdLogStore:
 
     def load(self) -> DurableState:
         state = DurableState()
+        self.report = report = ReplayReport()
         head = self.etcd.get(self.prefix + "head")
         if head is not None:
             meta = json.loads(unb64(head["value"]))
@@ -102,9 +112,10 @@ class EtcdLogStore:
                 raise StoreError(f"{self.where()}: snapshot {self._gen} has {len(chunks)} of "
                                  f"{meta['chunks']} chunks; refusing to start on a partial "
                                  "state")
-            replay_frames(state, b"".join(chunks[:int(meta["chunks"])]), self.where())
+            replay_frames(state, b"".join(chunks[:int(meta["chunks"])]), self.where(),
+                          report, last=False)
             for key, value in self._range(self._key("log", self._gen)):
-                replay_frames(state, value, key)
+                replay_frames(state, value, key, report, last=False)
         state.drop_orphans()
         return state
 
@@ -130,7 +141,7 @@ class EtcdLogStore:
 
     def rotate(self, records: list[bytes], term: int) -> None:
         old, new = self._gen, self._gen + 1
-        chunks = list(chunked([encode_record(["H", 0, term]), *records]))
+        chunks = list(chunked([encode_record(["H", 0, term, len(records)]), *records]))
         steps = [[self._delete_prefix(self._key("snap", new)),
                   self._delete_prefix(self._key("log", new))]]
         steps += [[self._put(self._key("snap", new, i), c)] for i, c in enumerate(chunks)]
@@ -144,7 +155,7 @@ class EtcdLogStore:
             if reply is None:
                 raise StoreError(f"{self.where()}: a later term than {self.term} owns the "
                                  "journal; this master must stop writing")
-        self._gen, self._seq = new, 0
+        self._gen, self._seq, self._unsure_from = new, 0, 0
         self._compact_history(reply)
 
     def _compact_history(self, reply: dict[str, Any] | None) -> None:
@@ -159,14 +170,31 @@ class EtcdLogStore:
     def append(self, records: list[bytes]) -> bool:
         if not self._open:
             return False
-        for value in chunked(records):
-            self._seq += 1
-            if self._txn([self._put(self._key("log", self._gen, self._seq), value)]) is None:
-                log.error("journal append refused: term %d is no longer the latest",
-                          self.term)
-                self._open = False
-                return False
+        first = self._seq + 1
+        try:
+            for value in chunked(records):
+                self._seq += 1
+                ops = self._forget_unsure() + [self._put(self._key("log", self._gen,
+                                                                   self._seq), value)]
+                if self._txn(ops) is None:
+                    log.error("journal append refused: term %d is no longer the latest",
+                              self.term)
+                    self._open = False
+                    return False
+                self._unsure_from = 0
+        except KvpoolError as exc:
+            self._unsure_from = self._unsure_from or first
+            raise JournalWriteError(f"{self.where()}: append failed ({exc})") from exc
         return True
+
+    def _forget_unsure(self) -> list[dict[str, Any]]:
+        """Ops deleting the values of failed appends (log seqs from `_unsure_from` up to
+        the one being written, which is never among them)."""
+        if not self._unsure_from:
+            return []
+        return [{"request_delete_range": {
+            "key": b64(self._key("log", self._gen, self._unsure_from)),
+            "range_end": b64(self._key("log", self._gen, self._seq))}}]
 
     def sync(self) -> None:
         """Nothing to do: etcd acknowledged each append once its quorum had it on disk."""

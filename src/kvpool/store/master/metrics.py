@@ -13,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvpool.store.master.core import MasterCore
+from kvpool.store.master.replay import JournalStats
 from kvpool.store.master.views import MasterSnapshot, snapshot
 from kvpool.store.wire.codes import ErrorCode
 
@@ -36,6 +37,7 @@ class _CoreCollector(Collector):
         with self.lock:
             snap = snapshot(self.core)
             key_errors = sorted((self.key_errors or {}).items())
+            journal = self.core.journal.stats() if self.core.journal is not None else None
         per_key = CounterMetricFamily("kvpool_master_key_errors",
                                       "per-key outcomes other than OK", labels=["op", "code"])
         for (op, code), count in key_errors:
@@ -43,6 +45,8 @@ class _CoreCollector(Collector):
         yield per_key
         yield from _table_families(snap)
         yield from _tier_families(snap)
+        if journal is not None:
+            yield from _journal_families(journal)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -55,6 +59,25 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     family = CounterMetricFamily(name, doc)
     family.add_metric([], value)
     return family
+
+
+def _journal_families(stats: JournalStats) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    yield _counter("kvpool_master_journal_write_failures",
+                   "journal appends (their requests got RPC_FAIL) and fsyncs that failed",
+                   stats.num_write_failures)
+    yield _gauge("kvpool_master_journal_carried_records",
+                 "records of failed journal writes waiting to be written",
+                 stats.num_carried_records)
+    report = stats.replay
+    yield _gauge("kvpool_master_journal_replay_corrupt_runs",
+                 "damaged runs the replay at start skipped", report.num_corrupt_runs)
+    yield _gauge("kvpool_master_journal_replay_corrupt_bytes",
+                 "bytes the replay at start skipped as corrupt", report.corrupt_bytes)
+    yield _gauge("kvpool_master_journal_replay_torn_tail_bytes",
+                 "bytes of a torn last record the replay at start dropped",
+                 report.torn_tail_bytes)
+    yield _gauge("kvpool_master_journal_replay_bad_records",
+                 "intact records the replay at start could not apply", report.num_bad_records)
 
 
 def _table_families(snap: MasterSnapshot) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:

@@ -8,7 +8,12 @@ the live tables once the log passes `compact_bytes` (under the master's lock; no
 served meanwhile).
 
 What is acknowledged is durable: the service writes the records a request produced to the
-log before its reply leaves (`PersistentService`). For a directory, `fsync` says when they
+log before its reply leaves (`PersistentService`). When that write fails (a full disk, an
+I/O error, etcd unreachable) the request is answered RPC_FAIL and the objects it published
+are taken back before anyone else can see them (they were never acknowledged); its other
+records (removes, mounts, drops, replica changes: done in memory and not undone) are kept
+and written ahead of the next request's, so the log catches up with the tables once the
+disk has room again. For a directory, `fsync` says when they
 reach the disk: "always" before each reply (survives a machine crash), "interval" every
 fsync_interval_s (a process crash loses nothing, a power loss up to that interval), "never"
 (the OS decides). etcd acknowledges a write once its quorum has it on disk.
@@ -25,12 +30,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kvpool.errors import ConfigError
-from kvpool.log import get_logger
+from kvpool.errors import ConfigError, JournalWriteError
+from kvpool.log import RateLimitedLog, get_logger
 from kvpool.store.master.log_files import FileLogStore, load_state
 from kvpool.store.master.records import DurableState, ObjRec, SegRec, encode_record
+from kvpool.store.master.recovery import Recovery
+from kvpool.store.master.replay import JournalStats, ReplayReport
 from kvpool.store.master.service import MasterService
-from kvpool.store.master.state import Replica, Segment, StoredObject
+from kvpool.store.master.state import Segment, StoredObject
 from kvpool.store.wire.codes import ErrorCode
 from kvpool.store.wire.protocol import encode_reply, peek_req_id
 
@@ -49,6 +56,8 @@ class LogStore(Protocol):
 
     durable_on_append: bool
     """True when `append` returns only once the data is durable (no `sync` needed)."""
+    report: ReplayReport
+    """What the last `load` skipped."""
 
     def where(self) -> str: ...
 
@@ -61,9 +70,12 @@ class LogStore(Protocol):
 
     def append(self, records: list[bytes]) -> bool:
         """Add encoded records to the log; False when refused (closed, or fenced out by a
-        later term): the caller must not acknowledge them."""
+        later term): the caller must not acknowledge them. JournalWriteError when the
+        write failed; none of `records` is then in the log."""
 
-    def sync(self) -> None: ...
+    def sync(self) -> None:
+        """Make appended records durable; JournalWriteError (those since the last sync are
+        then not in the log) when that fails."""
 
     def close(self) -> None: ...
 
@@ -83,6 +95,9 @@ class PersistConfig:
     """etcd endpoints ('h1:2379;h2:2379') to keep the journal in instead of a directory."""
     cluster_id: str = "kvpool"
     """Names the journal's keys in etcd (/kvpool/<cluster_id>/master/state/...)."""
+    recover_partial: bool = False
+    """Start even when the snapshot that later logs depend on is missing or damaged,
+    keeping what the remaining files hold (otherwise loading raises StateDamaged)."""
 
     def __post_init__(self) -> None:
         if self.fsync not in FSYNC_POLICIES:
@@ -105,7 +120,7 @@ def open_log_store(config: PersistConfig, term: int) -> LogStore:
         return EtcdLogStore(config.etcd, config.cluster_id, term)
     if not config.state_dir:
         raise ConfigError("persistence needs a state directory or etcd endpoints")
-    return FileLogStore(config.state_dir)
+    return FileLogStore(config.state_dir, config.recover_partial, config.fsync == "always")
 
 
 class Journal:
@@ -118,10 +133,23 @@ class Journal:
         state = self.store.load()
         log.info("state %s: %d segments and %d objects recovered", self.store.where(),
                  len(state.segments), len(state.objects))
+        _warn_damage(self.store.where(), self.store.report)
         self.recovery = Recovery(state, core.clock.now() + config.recovery_grace_s)
         self.term = term or state.term  # a single master keeps the term it found
+        self._core = core
         self._open = True
         self._buf: list[bytes] = []
+        self._published: list[tuple[StoredObject, bytes]] = []
+        """Objects the buffered records publish, with their record (taken back, record
+        and object, if the write fails)."""
+        self._carry: list[bytes] = []
+        """Records of failed writes that stay done in memory, written ahead of the next."""
+        self.num_write_failures = 0
+        self._num_failing = 0
+        """Failed writes since the last one that succeeded."""
+        self.write_error: str | None = None
+        """Why the last write failed, while the journal has not written since."""
+        self._failures = RateLimitedLog(log, 10.0)
         self._log_bytes = 0
         self._last_sync = core.clock.now()
         self.fence: Callable[[], bool] | None = None
@@ -133,6 +161,7 @@ class Journal:
         self.commit()
         self.store.rotate([encode_record(r) for r in records], self.term)
         self._log_bytes = 0
+        self._carry = []  # the snapshot holds what they recorded
 
     # -- hooks called by the core (under the master's lock) ------------------------------
 
@@ -149,9 +178,15 @@ class Journal:
         self._append(["D", segment_id])
 
     def on_put(self, obj: StoredObject) -> None:
+        """`obj` changed (its replicas, its tier)."""
         self._append(["P", obj.key, obj.size,
                       [[r.segment.segment_id, r.offset] for r in obj.replicas],
                       obj.checksum, obj.hard_pinned])
+
+    def on_publish(self, obj: StoredObject) -> None:
+        """`obj` was just put: if its record cannot be written, the object is taken back."""
+        self.on_put(obj)
+        self._published.append((obj, self._buf[-1]))
 
     def on_remove(self, key: str) -> None:
         self._append(["R", key])
@@ -166,18 +201,21 @@ class Journal:
 
     def on_tick(self, core: CoreApi) -> None:
         if self.fence is not None and not self.fence():
-            self._buf.clear()
+            self._write()  # refused: drops the buffer, takes back what it published
             return
         for segment_id in self.recovery.expire(core.clock.now()):
             self._append(["D", segment_id])
-        self.commit()
+        if self._buf or self._carry:
+            self._write()
         now = core.clock.now()
         if self.config.fsync == "interval" and not self.store.durable_on_append and \
                 now - self._last_sync >= self.config.fsync_interval_s:
-            self.store.sync()
-            self._last_sync = now
+            self._sync(now)
         if self._log_bytes > self.config.compact_bytes and self.recovery.done:
-            self.compact(core)
+            try:
+                self.compact(core)
+            except JournalWriteError as exc:
+                self._failures.warn("journal compaction failed (retried next tick): %s", exc)
 
     # -- writing ------------------------------------------------------------------------
 
@@ -186,22 +224,70 @@ class Journal:
 
     def commit(self) -> bool:
         """Write buffered records to the log (and fsync under the 'always' policy); False
-        when they were dropped instead (this master no longer leads, or is closed)."""
-        if not self._buf:
-            return True
+        when they were not written (this master no longer leads, is closed, or the write
+        failed: see `write_error`): the objects they published are then taken back."""
+        return self._write() if self._buf else True
+
+    def _write(self) -> bool:
+        """Write the carried and the buffered records as one append."""
+        published, self._published = self._published, []
         if not self._open or (self.fence is not None and not self.fence()):
             self._buf.clear()
+            self._take_back(published)
             return False
-        records, self._buf = self._buf, []
-        if not self.store.append(records):
+        records, self._buf = self._carry + self._buf, []
+        try:
+            if not self.store.append(records):
+                self._take_back(published)
+                return False
+            if self.config.fsync == "always" and not self.store.durable_on_append:
+                self.store.sync()
+        except JournalWriteError as exc:
+            self._failed(records, published, exc)
             return False
-        self._log_bytes += sum(len(r) for r in records)
-        if self.config.fsync == "always" and not self.store.durable_on_append:
-            self.store.sync()
+        self._wrote(records)
         return True
+
+    def _failed(self, records: list[bytes], published: list[tuple[StoredObject, bytes]],
+                exc: JournalWriteError) -> None:
+        """Keep what stays done in memory for the next write; take back the puts."""
+        unpublished = {id(rec) for _, rec in published}
+        self._carry = [r for r in records if id(r) not in unpublished]
+        self._take_back(published)
+        self.num_write_failures += 1
+        self._num_failing += 1
+        self.write_error = str(exc)
+        self._failures.warn("journal write failed, %d puts taken back, %d records kept "
+                            "for the next write: %s", len(published), len(self._carry), exc)
+
+    def _take_back(self, published: list[tuple[StoredObject, bytes]]) -> None:
+        for obj, _ in published:
+            self._core.unpublish(obj)
+
+    def _wrote(self, records: list[bytes]) -> None:
+        if self._num_failing:
+            log.warning("journal writes resume after %d failed ones (%d records caught up)",
+                        self._num_failing, len(self._carry))
+            self._num_failing, self.write_error = 0, None
+        self._carry = []
+        self._log_bytes += sum(len(r) for r in records)
+
+    def _sync(self, now: float) -> None:
+        try:
+            self.store.sync()
+        except JournalWriteError as exc:  # acknowledged already: counted, retried next time
+            self.num_write_failures += 1
+            self._failures.warn("journal fsync failed: %s", exc)
+            return
+        self._last_sync = now
+
+    def stats(self) -> JournalStats:
+        return JournalStats(self.store.report, self.num_write_failures, len(self._carry),
+                            self.write_error)
 
     def compact(self, core: CoreApi) -> None:
         """Snapshot the live tables and start a new log."""
+        self.commit()  # first, so the snapshot holds no put a failed write takes back
         records = [SegRec(s.segment_id, s.client_id, s.endpoint, s.base_addr, s.capacity,
                           int(s.tier), s.fence).record() for s in core.segments.values()]
         records += [ObjRec(o.key, o.size, tuple((r.segment.segment_id, r.offset)
@@ -215,85 +301,6 @@ class Journal:
             self.commit()
             self._open = False
             self.store.close()
-
-
-class Recovery:
-    """Recovered segments waiting for their nodes, and their objects."""
-
-    def __init__(self, state: DurableState, deadline: float) -> None:
-        self.segments = dict(state.segments)
-        self.deadline = deadline
-        self._by_segment: dict[str, dict[str, ObjRec]] = {sid: {} for sid in self.segments}
-        for obj in state.objects.values():
-            for segment_id, _ in obj.replicas:
-                self._by_segment[segment_id][obj.key] = obj
-        self._attached: dict[str, StoredObject] = {}
-        """Objects this recovery put back (later replicas join only those)."""
-
-    @property
-    def done(self) -> bool:
-        return not self.segments
-
-    def matches(self, seg: Segment) -> bool:
-        rec = self.segments.get(seg.segment_id)
-        return rec is not None and (rec.client_id, rec.endpoint, rec.base_addr, rec.size) \
-            == (seg.client_id, seg.endpoint, seg.base_addr, seg.capacity)
-
-    def give_up(self, segment_id: str) -> bool:
-        self._by_segment.pop(segment_id, None)
-        return self.segments.pop(segment_id, None) is not None
-
-    def reattach(self, core: CoreApi, seg: Segment) -> list[str]:
-        """Put back the objects of a recovered segment its node mounted again; returns the
-        keys dropped instead (a put of the same key is in flight: the old value is gone)."""
-        if not self.matches(seg):
-            return []
-        del self.segments[seg.segment_id]
-        dropped = []
-        attached = 0
-        for rec in self._by_segment.pop(seg.segment_id, {}).values():
-            offset = next(o for s, o in rec.replicas if s == seg.segment_id)
-            obj = core.objects.get(rec.key)
-            ours = self._attached.get(rec.key)
-            if rec.key in core.pending and obj is None and ours is None:
-                dropped.append(rec.key)
-            elif ((obj is None and ours is None) or (obj is not None and ours is obj)) \
-                    and seg.allocator.reserve(offset, rec.size):
-                self._attach(core, seg, rec, offset, obj)
-                attached += 1
-        log.info("segment %s mounted again: %d objects back", seg.segment_id, attached)
-        return dropped
-
-    def _attach(self, core: CoreApi, seg: Segment, rec: ObjRec, offset: int,
-                obj: StoredObject | None) -> None:
-        replica = Replica(seg, offset, rec.size)
-        if obj is None:
-            obj = StoredObject(rec.key, rec.size, [replica], 0.0, rec.hard_pinned, 0.0,
-                               rec.checksum)
-            core.objects.insert(obj)
-            self._attached[rec.key] = obj
-        else:
-            core.objects.add_replica(obj, replica)
-
-    def forget(self, key: str) -> bool:
-        """Drop a recovered object not yet back (a remove during recovery); whether it
-        was one."""
-        found = False
-        for objects in self._by_segment.values():
-            found = objects.pop(key, None) is not None or found
-        return found
-
-    def expire(self, now: float) -> list[str]:
-        """Give up segments still missing at the deadline; their ids."""
-        if not self.segments or now < self.deadline:
-            return []
-        gone = list(self.segments)
-        for segment_id in gone:
-            log.warning("segment %s did not come back within the grace period; dropping "
-                        "its %d objects", segment_id, len(self._by_segment.get(segment_id, [])))
-            self.give_up(segment_id)
-        self._attached.clear()
-        return gone
 
 
 class PersistentService(MasterService):
@@ -310,7 +317,26 @@ class PersistentService(MasterService):
         if fence is not None and not fence():
             return _not_leader(frame)
         reply = super().handle(frame)
-        return reply if self.journal.commit() else _not_leader(frame)
+        if self.journal.commit():
+            return reply
+        error = self.journal.write_error
+        return _not_leader(frame) if error is None else _not_journaled(frame, error)
+
+
+def _not_journaled(frame: bytes, error: str) -> bytes:
+    """RPC_FAIL: the records of the request could not be written; what it put is not
+    stored, and it may be sent again."""
+    return encode_reply(peek_req_id(frame), int(ErrorCode.RPC_FAIL),
+                        f"the master could not journal this request ({error}); nothing it "
+                        "put is stored")
+
+
+def _warn_damage(where: str, report: ReplayReport) -> None:
+    if report.corrupt or report.problems:
+        log.warning("state %s: replay skipped %d corrupt runs (%d bytes) and %d records it "
+                    "could not apply, kept %d records: %s", where, report.num_corrupt_runs,
+                    report.corrupt_bytes, report.num_bad_records, report.num_records,
+                    "; ".join(report.problems))
 
 
 def _not_leader(frame: bytes) -> bytes:
