@@ -24,7 +24,7 @@ from kvpool.serve.launch import ServingCluster
 VICTIM_PROMPT = "the decode worker reads the prefix from the pool"
 TINY_TEMPERATURE = 1e-20
 """Below this a positive temperature overflows the scaled logits (see the xfail tests)."""
-SETTINGS = settings(max_examples=110, deadline=None, derandomize=True, database=None,
+SETTINGS = settings(max_examples=300, deadline=None, derandomize=True, database=None,
                     suppress_health_check=list(HealthCheck))
 
 # ---------------------------------------------------------------- values
