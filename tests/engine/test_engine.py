@@ -135,3 +135,21 @@ def test_any_64_bit_seed_samples(tiny_llama: Path) -> None:
     assert outs[0] == outs[1] and all(len(o[0]) == 6 for o in outs)
     with pytest.raises(ConfigError):
         SamplingParams(seed=2**64)
+
+
+def test_a_resumed_request_continues_as_if_undisturbed(tiny_llama: Path) -> None:
+    """What a migrated request relies on: a new engine given the prompt and the tokens already
+    produced computes them and goes on with the same tokens, greedy or seeded (the seeded
+    positions, penalties and max_tokens count the resumed tokens as output)."""
+    p = prompt(40, seed=3)
+    for sampling in (SamplingParams(max_tokens=12),
+                     SamplingParams(max_tokens=12, temperature=0.9, seed=77,
+                                    frequency_penalty=0.5)):
+        whole = engine(tiny_llama).generate([p], sampling)[0]
+        resumed = engine(tiny_llama)
+        seq = resumed.add_request("r", p, sampling, outputs=whole[:5])
+        while resumed.has_work:
+            resumed.step()
+        assert seq.output_ids == whole, sampling
+    with pytest.raises(InvalidArgument, match="nothing to resume"):
+        engine(tiny_llama).add_request("r", p, SamplingParams(max_tokens=3), outputs=[1, 2, 3])

@@ -38,3 +38,23 @@ def test_a_relayed_challenge_gets_no_proof_for_the_impostors_name() -> None:
     assert auth.is_own_name("127.0.0.2:8123", "0.0.0.0", 8123)  # every interface: any local
     assert not auth.is_own_name("192.0.2.1:8123", "0.0.0.0", 8123)  # TEST-NET: not this host
     assert not auth.is_own_name("nonsense", "127.0.0.1", 8123)
+
+
+def test_a_signed_call_verifies_once_for_its_worker_body_and_time() -> None:
+    url, body = "http://127.0.0.1:8123", b'{"request_id": "r"}'
+    header = auth.sign("s3cret", "POST", url, "/prefill", body, now=1000.0)
+    assert "s3cret" not in header  # the token itself never travels
+    seen = auth.SeenNonces()
+
+    def check(h: str = header, token: str = "s3cret", target: str = "/prefill",
+              data: bytes = body, port: int = 8123, now: float = 1010.0) -> None:
+        auth.check_signed(token, h, "POST", target, data, "127.0.0.1", port, now, seen)
+
+    for wrong, match in ((dict(token="other"), "signature"), (dict(target="/generate"), "signature"),
+                         (dict(data=b"{}"), "signature"), (dict(port=8124), "not this worker"),
+                         (dict(now=1000.0 + 61), "time window"), (dict(h="KvpoolHMAC x"), "time")):
+        with pytest.raises(AuthError, match=match):
+            check(**wrong)  # type: ignore[arg-type]
+    check()
+    with pytest.raises(AuthError, match="replayed"):
+        check()

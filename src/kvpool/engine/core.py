@@ -15,10 +15,10 @@ one thread. No torch here.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from kvpool.clock import SYSTEM_CLOCK, Clock
 from kvpool.engine.block_manager import BlockManager
@@ -72,9 +72,16 @@ class EngineCore:
     # -- requests --------------------------------------------------------------------------
 
     def new_sequence(self, request_id: str, prompt: list[int], sampling: SamplingParams,
-                     **kw: object) -> Sequence:
+                     outputs: Iterable[int] = (), **kw: Any) -> Sequence:
+        """`outputs`: tokens the request already produced elsewhere (a resumed request): they
+        are computed with the prompt, count toward max_tokens, min_tokens, penalties and the
+        seeded positions, and are not sent again."""
+        done = list(outputs)
         if not prompt:
             raise InvalidArgument(f"request {request_id}: empty prompt")
+        if len(done) >= sampling.max_tokens:
+            raise InvalidArgument(f"request {request_id}: {len(done)} tokens already produced, "
+                                  f"max_tokens is {sampling.max_tokens}: nothing to resume")
         if len(prompt) + sampling.max_tokens > self.config.max_model_len:
             raise InvalidArgument(f"request {request_id}: {len(prompt)} prompt tokens + "
                                   f"max_tokens {sampling.max_tokens} exceed max_model_len "
@@ -83,11 +90,11 @@ class EngineCore:
             raise InvalidArgument(f"request {request_id}: {len(prompt)} tokens do not fit in "
                                   f"{self.config.kv_capacity_tokens} tokens of KV cache")
         root = salted_root(self.root_hash, sampling.cache_salt)
-        return Sequence(request_id, list(prompt), len(prompt), sampling,
-                        self.config.block_size, root, **kw)  # type: ignore[arg-type]
+        return Sequence(request_id, list(prompt) + done, len(prompt), sampling,
+                        self.config.block_size, root, **kw)
 
     def add_request(self, request_id: str, prompt: list[int], sampling: SamplingParams,
-                    **kw: object) -> Sequence:
+                    **kw: Any) -> Sequence:
         self._check_new_id(request_id)
         seq = self.new_sequence(request_id, prompt, sampling, **kw)
         self.scheduler.add(seq)

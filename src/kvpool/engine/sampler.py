@@ -63,9 +63,14 @@ def _repetition(scores: torch.Tensor, token_ids: list[int], penalty: float) -> t
     return out
 
 
+GREEDY_BELOW = 1e-5
+"""A temperature this small samples greedily (as vLLM does): dividing the logits by it would
+overflow them to inf, and the distribution it stands for is the argmax anyway."""
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
     """logits [vocab] float32 -> one token id."""
-    if params.temperature == 0:
+    if params.temperature < GREEDY_BELOW:
         return int(torch.argmax(logits))
     scores = logits.cpu() / params.temperature
     if 0 < params.top_k < scores.numel():

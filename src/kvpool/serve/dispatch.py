@@ -41,8 +41,9 @@ from kvpool.engine.worker.messages import (
     PrefillRequest,
 )
 from kvpool.errors import WorkerCallError
+from kvpool.log import get_logger
 from kvpool.serve.cancel import cancel_and_wait
-from kvpool.serve.cluster import Booking, LiveCluster, WorkerState
+from kvpool.serve.cluster import DECODE_ROLES, Booking, LiveCluster, WorkerState
 from kvpool.serve.config import ProxyConfig
 from kvpool.serve.errors import no_workers, rejected, slo_unreachable
 from kvpool.serve.metrics import ProxyMetrics
@@ -50,6 +51,7 @@ from kvpool.serve.samples import MeasuredSamples
 from kvpool.serve.worker_client import WorkerClient
 
 T = TypeVar("T")
+log = get_logger("serve.dispatch")
 
 REFIT_EVERY = 8
 """Prefill samples between two refits of the cost model (with --fit-cost)."""
@@ -144,6 +146,12 @@ class Dispatcher:
         task.add_done_callback(self._background.discard)
 
 
+def migratable(exc: WorkerCallError) -> bool:
+    """Whether a request may go on elsewhere after `exc`: the worker failed (unreachable, out
+    of rotation, a broken stream, a 5xx), not the request (a 4xx)."""
+    return exc.status is None or exc.status >= 500
+
+
 async def guarded(aw: Awaitable[T], worker: WorkerState, call: str) -> T:
     """`await aw`, unless `worker` leaves the rotation first (WorkerCallError). However this
     ends (a client gone included), `aw` has ended too."""
@@ -190,6 +198,10 @@ class Run:
         """KV bytes the prefill leg read from the pool and wrote to it (or pushed)."""
         self.cached_len = 0
         """Prompt tokens whose KV was reused (local cache + pool), as the prefill worker says."""
+        self._tried: set[str] = set()
+        """Workers this request failed on (it is resumed on each other worker once at most)."""
+        self._decode_url: str | None = None
+        """The worker of the current decode leg."""
 
     @property
     def _mode(self) -> KVMode:
@@ -197,18 +209,60 @@ class Run:
 
     async def tokens(self) -> AsyncGenerator[int]:
         """Output token ids in order. Always close it (aclosing): that releases the booking and
-        aborts the request on its workers if it did not finish."""
+        aborts the request on its workers if it did not finish.
+
+        A worker that fails under a request (it dies, stalls out of rotation, or its stream
+        breaks) does not end it: a prefill worker that fails before its first token leaves the
+        prompt to the decode worker, and a decode worker that fails mid-stream hands the
+        request to another decode worker, which computes the tokens already sent with the
+        prompt (whose blocks it loads from the pool) and goes on (`resume_output_ids`): the
+        client sees neither a duplicate nor a gap, and each worker is tried once."""
         try:
-            if self.b.colocated:
-                async for tok in self._decode_leg(None, "none"):
-                    yield tok
-            else:
-                first = await self._prefill_leg()
-                yield first
-                async for tok in self._decode_leg(first, self._mode):
-                    yield tok
+            first: int | None = None
+            kv: KVSourceName = "none"
+            if not self.b.colocated:
+                try:
+                    first, kv = await self._prefill_leg(), self._mode
+                    yield first
+                except WorkerCallError as exc:
+                    if not migratable(exc):
+                        raise
+                    self._migrated("prefill", self.b.prefill, exc)
+            async for tok in self._decode_legs(first, kv):
+                yield tok
         finally:
             self._release()
+
+    async def _decode_legs(self, first: int | None, kv: KVSourceName) -> AsyncIterator[int]:
+        worker = self.b.decode
+        while True:
+            try:
+                async for tok in self._decode_leg(worker, first, kv):
+                    yield tok
+                return
+            except WorkerCallError as exc:
+                if not migratable(exc) or self.finish_reason is not None:
+                    raise
+                nxt = self._next_decode(worker)
+                if nxt is None:
+                    raise
+                self._migrated("decode", worker, exc)
+                worker, first, kv = nxt, None, "none"
+
+    def _next_decode(self, failed: WorkerState) -> WorkerState | None:
+        """Another decode worker in rotation that this request has not tried (fewest running
+        requests first), or None."""
+        self._tried.add(failed.url)
+        left = [w for w in self.d.cluster.alive(DECODE_ROLES) if w.url not in self._tried]
+        return min(left, key=lambda w: w.load.num_running) if left else None
+
+    def _migrated(self, leg: str, worker: WorkerState, exc: WorkerCallError) -> None:
+        self._tried.add(worker.url)
+        self.d.abort_later(worker.url, self.request_id)  # a stalled one must not go on
+        self.d.metrics.migrations.labels(leg).inc()
+        log.warning("request %s: %s leg on %s failed (%s); resuming on another worker "
+                    "after %d tokens", self.request_id, leg, worker.url, exc,
+                    len(self.token_ids))
 
     async def _prefill_leg(self) -> int:
         mode = self._mode
@@ -228,13 +282,17 @@ class Run:
         self.d.check_decode(self.b)
         return reply.first_token_id
 
-    async def _decode_leg(self, first: int | None, kv_source: KVSourceName) -> AsyncIterator[int]:
+    async def _decode_leg(self, worker: WorkerState, first: int | None,
+                          kv_source: KVSourceName) -> AsyncIterator[int]:
         # the prompt's logprobs come from the leg that computes it: not this one if it has one
-        sampling = self.sampling if first is None else replace(self.sampling,
-                                                               prompt_logprobs=None)
+        # (nor a resumed one: they went out with the first token)
+        resumed = list(self.token_ids) if first is None else []
+        sampling = self.sampling if first is None and not resumed else replace(
+            self.sampling, prompt_logprobs=None)
         req = GenerateRequest(request_id=self.request_id, prompt_token_ids=self.prompt_ids,
-                              sampling=sampling, first_token_id=first, kv_source=kv_source)
-        worker = self.b.decode
+                              sampling=sampling, first_token_id=first, kv_source=kv_source,
+                              resume_output_ids=resumed)
+        self._decode_url = worker.url
         lines = self.d.client.generate(worker.url, req)
         skip_echo = first is not None
         last_s: float | None = None
@@ -248,7 +306,7 @@ class Run:
                 self.d.cluster.decode_start(self.b, self.d.clock.now())
                 if isinstance(line, FinishLine):
                     self.finish_reason = line.finish_reason
-                    if kv_source == "none":  # colocated: the prefill's reuse, if reported
+                    if kv_source == "none" and not resumed:  # the prompt's reuse, if reported
                         self._colocated_reuse(line)
                     return
                 if skip_echo:  # the first token came from the prefill leg already
@@ -297,4 +355,6 @@ class Run:
             if not b.colocated:  # before or after its reply: it may hold KV for this run
                 self.d.abort_later(b.prefill.url, self.request_id)
             self.d.abort_later(b.decode.url, self.request_id)
+            if self._decode_url not in (b.decode.url, None):  # where it was resumed
+                self.d.abort_later(self._decode_url, self.request_id)
         self.d.cluster.finish(b, self.d.clock.now())

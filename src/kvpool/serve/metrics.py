@@ -36,6 +36,9 @@ class ProxyMetrics:
             "kvpool_proxy_prefix_hit_tokens",
             "Prompt tokens whose KV was reused from a worker's cache or the pool", registry=r)
         self.output_tokens = Counter("kvpool_proxy_output_tokens", "Tokens generated", registry=r)
+        self.migrations = Counter("kvpool_proxy_migrations",
+                                  "Requests resumed on another worker after theirs failed, by "
+                                  "the leg that failed", ["leg"], registry=r)
         self.rejections = Counter("kvpool_proxy_rejections", "Requests refused by admission",
                                   ["reason", "stage"], registry=r)
 

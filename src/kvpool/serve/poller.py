@@ -38,8 +38,10 @@ class Poller:
         w = self.cluster.workers[url]
         timeout_s = max(1.0, 4 * self.interval_s)
         try:
-            if not w.alive:  # (re)joining: it proves it holds the token before anything else
+            if not w.alive or not self.client.proven(url):
+                # joining, or after a connection failed: it proves it holds the token first
                 await self.client.prove(url, timeout_s)
+            if not w.alive:
                 self.cluster.join(url, await self.client.info(url, timeout_s))
             path = f"/load?epoch={w.epoch}&since={w.events_to}" if w.epoch else "/load"
             load = await self.client.load(url, path, timeout_s)

@@ -37,6 +37,8 @@ class StreamOptions(BaseModel):
 
 
 MAX_STOPS, MAX_STOP_CHARS = 16, 512
+MAX_REPETITION_PENALTY = 100.0
+"""Beyond it every seen token is as good as banned; the bound keeps the value finite."""
 """Stop strings per request and characters per stop string (each costs work per output token
 on the proxy)."""
 MAX_CHOICES = 64
@@ -61,7 +63,7 @@ def unsupported(body: dict[str, Any]) -> str | None:
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)  # Infinity, NaN: a 400
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -75,7 +77,7 @@ class _Sampling(BaseModel):
     min_tokens: int = Field(default=0, ge=0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=MAX_REPETITION_PENALTY)
     logit_bias: dict[int, float] | None = None
     """Token id (a string key in JSON) -> bias in -100..100."""
     stream: bool = False

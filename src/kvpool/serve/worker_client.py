@@ -6,7 +6,8 @@ included); an abort is best-effort and never raises."""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator
+import time
+from collections.abc import AsyncGenerator, Callable
 from typing import TypeVar
 
 import httpx
@@ -27,7 +28,7 @@ from kvpool.engine.worker.messages import (
 )
 from kvpool.errors import AuthError, WorkerCallError
 from kvpool.log import get_logger
-from kvpool.metadata.http_serving import CLIENT_KEEPALIVE_S, bearer_header
+from kvpool.metadata.http_serving import CLIENT_KEEPALIVE_S
 
 log = get_logger("serve.worker_client")
 M = TypeVar("M", InfoReply, LoadReply, PrefillReply)
@@ -45,8 +46,9 @@ class WorkerClient:
     """With a token, every call but the challenge goes only to workers that proved they hold
     it (`prove`; engine/worker/auth.py): an impostor's URL gets neither token nor prompt."""
 
-    def __init__(self, timeout_s: float, token: str | None = None) -> None:
-        self.token = token
+    def __init__(self, timeout_s: float, token: str | None = None,
+                 now: Callable[[], float] = time.time) -> None:
+        self.token, self.now = token, now
         self.http = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=5.0),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64,
@@ -75,12 +77,27 @@ class WorkerClient:
             raise WorkerCallError(url, CHALLENGE_PATH, f"not admitted: {exc}", 403) from None
         self._proven.add(url)
 
-    def _headers(self, url: str, path: str, extra: dict[str, str] | None = None) -> dict[str, str]:
-        """The call's headers, with the token only for a worker that proved it holds it."""
-        if self.token is not None and url not in self._proven:
-            raise WorkerCallError(url, path, "the worker has not proven it holds the cluster "
-                                  "token", 403)
-        return {**bearer_header(self.token), **(extra or {})}
+    def proven(self, url: str) -> bool:
+        return self.token is None or url in self._proven
+
+    def _headers(self, url: str, path: str, body: bytes = b"",
+                 method: str = "POST") -> dict[str, str]:
+        """The call's headers: JSON, and (with a token) the call signed with it, for a worker
+        that proved it holds it (the token itself never goes out; engine/worker/auth.py)."""
+        if not self.proven(url):
+            raise WorkerCallError(url, path, "the worker has not (or not since its last "
+                                  "connection failure) proven it holds the cluster token")
+        headers = dict(JSON)
+        if self.token is not None:
+            headers["Authorization"] = auth.sign(self.token, method, url, path, body,
+                                                 self.now())
+        return headers
+
+    def _failed(self, url: str, path: str, exc: httpx.HTTPError) -> WorkerCallError:
+        """A transport failure: whatever answers at `url` next must prove itself again (a
+        listener that took over a dead worker's port would otherwise get the token)."""
+        self._proven.discard(url)
+        return WorkerCallError(url, path, repr(exc))
 
     async def info(self, url: str, timeout_s: float) -> InfoReply:
         return await self._get(url, "/info", InfoReply, timeout_s)
@@ -92,19 +109,20 @@ class WorkerClient:
     async def _get(self, url: str, path: str, model: type[M], timeout_s: float) -> M:
         try:
             resp = await self.http.get(url + path, timeout=timeout_s,
-                                       headers=self._headers(url, path))
+                                       headers=self._headers(url, path, method="GET"))
         except httpx.HTTPError as exc:
-            raise WorkerCallError(url, path, repr(exc)) from None
+            raise self._failed(url, path, exc) from None
         if resp.status_code != 200:
             raise WorkerCallError(url, path, _error_text(resp, resp.content), resp.status_code)
         return reply_from(url, path, model, resp.content)
 
     async def prefill(self, url: str, req: PrefillRequest) -> PrefillReply:
         try:
-            resp = await self.http.post(url + "/prefill", content=req.model_dump_json(),
-                                        headers=self._headers(url, "/prefill", JSON))
+            body = req.model_dump_json().encode()
+            resp = await self.http.post(url + "/prefill", content=body,
+                                        headers=self._headers(url, "/prefill", body))
         except httpx.HTTPError as exc:
-            raise WorkerCallError(url, "/prefill", repr(exc)) from None
+            raise self._failed(url, "/prefill", exc) from None
         if resp.status_code != 200:
             raise WorkerCallError(url, "/prefill", _error_text(resp, resp.content),
                                   resp.status_code)
@@ -115,8 +133,9 @@ class WorkerClient:
         """The lines of /generate; an error line, a malformed line or a broken stream
         raises."""
         try:
-            async with self.http.stream("POST", url + "/generate", content=req.model_dump_json(),
-                                        headers=self._headers(url, "/generate", JSON)) as resp:
+            body = req.model_dump_json().encode()
+            async with self.http.stream("POST", url + "/generate", content=body,
+                                        headers=self._headers(url, "/generate", body)) as resp:
                 if resp.status_code != 200:
                     raise WorkerCallError(url, "/generate",
                                           _error_text(resp, await resp.aread()), resp.status_code)
@@ -124,13 +143,13 @@ class WorkerClient:
                     if line.strip():
                         yield generate_line(url, line)
         except httpx.HTTPError as exc:
-            raise WorkerCallError(url, "/generate", repr(exc)) from None
+            raise self._failed(url, "/generate", exc) from None
 
     async def abort(self, url: str, request_id: str) -> None:
         try:
-            await self.http.post(url + "/abort", content=AbortRequest(
-                request_id=request_id).model_dump_json(),
-                headers=self._headers(url, "/abort", JSON), timeout=2.0)
+            body = AbortRequest(request_id=request_id).model_dump_json().encode()
+            await self.http.post(url + "/abort", content=body,
+                                 headers=self._headers(url, "/abort", body), timeout=2.0)
         except (httpx.HTTPError, WorkerCallError) as exc:
             log.debug("abort of %s on %s failed: %r", request_id, url, exc)
 

@@ -19,7 +19,9 @@ clock seconds); multiply durations by `speed_up` to read them in the profile's t
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -165,12 +167,12 @@ class EmulatedEngine(EngineCore):
                 if seq.num_computed_tokens + n == len(seq)}
 
     def new_sequence(self, request_id: str, prompt: list[int], sampling: SamplingParams,
-                     **kw: object) -> Sequence:
+                     outputs: Iterable[int] = (), **kw: Any) -> Sequence:
         if sampling.needs_logits:
             raise InvalidArgument(f"request {request_id}: the emulated engine computes no "
                                   "logits, so logprobs, penalties and logit_bias need the "
                                   "torch engine")
-        return super().new_sequence(request_id, prompt, sampling, **kw)
+        return super().new_sequence(request_id, prompt, sampling, outputs, **kw)
 
     def _base_rows(self, seq: Sequence, n: int) -> np.ndarray:
         start, bs = seq.num_computed_tokens, self.config.block_size

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -31,7 +32,7 @@ from kvpool.engine.worker.messages import (
 )
 from kvpool.engine.worker.runtime import Worker
 from kvpool.errors import AuthError, KvpoolError, RemoteProtocolError, RequestFailed, ShuttingDown
-from kvpool.log import get_logger
+from kvpool.log import RateLimitedLog, get_logger
 from kvpool.metadata.http_serving import bearer_matches, read_body
 
 log = get_logger("engine.worker.http")
@@ -46,7 +47,14 @@ def error(status: int, message: str, kind: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status)
 
 
-def create_app(worker: Worker) -> FastAPI:
+def _target(request: Request) -> str:
+    """path?query as the client sent it (what a signed call covers)."""
+    query = request.scope.get("query_string", b"").decode("latin-1")
+    return request.scope["path"] + (f"?{query}" if query else "")
+
+
+def create_app(worker: Worker, now: Callable[[], float] = time.time) -> FastAPI:
+    """`now`: wall-clock seconds, for the time window of signed calls."""
     role = worker.config.role
 
     @asynccontextmanager
@@ -54,11 +62,25 @@ def create_app(worker: Worker) -> FastAPI:
         yield
         await worker.close()
 
+    seen = auth.SeenNonces()
+    refusals = RateLimitedLog(log, 5.0)
+
     async def authorized(request: Request) -> None:
+        """The token, as a bearer (local tools) or as a call signed with it (the proxy)."""
         token = worker.config.token
-        if request.url.path in OPEN_PATHS:
+        if request.url.path in OPEN_PATHS or not token:
             return
-        if token and not bearer_matches(request.headers.get("authorization"), token):
+        header = request.headers.get("authorization") or ""
+        if header.startswith(auth.SCHEME + " "):
+            try:
+                auth.check_signed(token, header, request.method, _target(request),
+                                  await request.body(), worker.config.host,
+                                  worker.config.port, now(), seen)
+                return
+            except AuthError as exc:
+                refusals.warn("refused a signed call to %s: %s", request.url.path, exc)
+                raise _Unauthorized() from None
+        if not bearer_matches(header, token):
             raise _Unauthorized()
 
     app = FastAPI(title=f"kvpool worker ({role})", lifespan=lifespan,

@@ -18,6 +18,8 @@ proxy with a token refuses.
 
 from __future__ import annotations
 
+import functools
+import hmac
 import ipaddress
 import socket
 from typing import Any
@@ -63,8 +65,10 @@ def _is_local(address: str) -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=1024)
 def is_own_name(name: str, host: str, port: int) -> bool:
-    """Whether a worker listening on host:port is reachable as `name`."""
+    """Whether a worker listening on host:port is reachable as `name` (remembered: every
+    signed call asks)."""
     try:
         asked_host, asked_port = _split(name)
     except AuthError:
@@ -105,3 +109,73 @@ def verify(token: str, sent: dict[str, str], reply: Any) -> None:
         raise AuthError(f"malformed challenge reply: {exc}") from None
     if not check_proof(token, WORKER, sent["nonce"], theirs, sent["name"], reply.get("proof")):
         raise AuthError("the worker's proof is wrong: it does not hold the cluster token")
+
+
+# -- signed calls ------------------------------------------------------------------------------
+#
+# The proxy does not send the token itself to workers either: each call carries
+#
+#     Authorization: KvpoolHMAC ts=<unix s>,nonce=<hex>,name=<host:port>,sig=<hex>
+#     sig = HMAC(token, "call" | METHOD | PATH?QUERY | ts | nonce | NAME | sha256(body))
+#
+# so a listener that takes over a worker's port between two polls learns no token, and cannot
+# replay the call elsewhere (NAME), later (ts, SIGNATURE_WINDOW_S) or twice (the nonce).
+
+SCHEME = "KvpoolHMAC"
+SIGNATURE_WINDOW_S = 60.0
+"""A signed call is accepted this long either side of its timestamp (clock skew)."""
+_CALL = b"call"
+
+
+def _call_mac(token: str, method: str, target: str, ts: str, nonce: str, name: str,
+              body: bytes) -> str:
+    import hashlib
+
+    digest = hashlib.sha256(body).hexdigest()
+    return proof(token, _CALL, nonce, ts, "\0".join([method.upper(), target, name, digest]))
+
+
+def sign(token: str, method: str, url: str, target: str, body: bytes, now: float) -> str:
+    """The Authorization value of one call to the worker at `url` (`target`: path?query)."""
+    ts, nonce, name = f"{now:.3f}", new_nonce(), name_of(url)
+    mac = _call_mac(token, method, target, ts, nonce, name, body)
+    return f"{SCHEME} ts={ts},nonce={nonce},name={name},sig={mac}"
+
+
+class SeenNonces:
+    """Nonces of accepted calls within the window: a replayed call is refused."""
+
+    def __init__(self, limit: int = 1 << 16) -> None:
+        self._until: dict[str, float] = {}
+        self.limit = limit
+
+    def add(self, nonce: str, now: float) -> bool:
+        """False if `nonce` was seen (within the window)."""
+        if len(self._until) >= self.limit:
+            self._until = {n: t for n, t in self._until.items() if t > now}
+        if self._until.get(nonce, 0.0) > now:
+            return False
+        self._until[nonce] = now + 2 * SIGNATURE_WINDOW_S
+        return True
+
+
+def check_signed(token: str, header: str, method: str, target: str, body: bytes,
+                 host: str, port: int, now: float, seen: SeenNonces) -> None:
+    """AuthError unless `header` is a fresh, unreplayed signature of this call, made for
+    this worker's name with `token`."""
+    scheme, _, rest = header.partition(" ")
+    fields = dict(part.partition("=")[::2] for part in rest.split(","))
+    ts, nonce, name, sig = (fields.get(k, "") for k in ("ts", "nonce", "name", "sig"))
+    try:
+        stamp = float(ts)
+    except ValueError:
+        raise AuthError("signed call without a timestamp") from None
+    if scheme != SCHEME or abs(now - stamp) > SIGNATURE_WINDOW_S:
+        raise AuthError("signed call outside its time window")
+    if not is_own_name(name, host, port):
+        raise AuthError(f"signed call for {name!r}, not this worker")
+    expected = _call_mac(token, method, target, ts, nonce, name, body)
+    if not hmac.compare_digest(expected.encode(), sig.encode()):
+        raise AuthError("wrong call signature")
+    if not seen.add(nonce, now):
+        raise AuthError("replayed call")

@@ -77,6 +77,11 @@ class GenerateRequest(_Request):
     first_token_id: int | None = None
     """The prefill leg's token (needed unless kv_source is none)."""
     kv_source: KVSourceName = "none"
+    resume_output_ids: list[int] = Field(default_factory=list)
+    """A request resumed here after its worker failed: the output tokens the client already
+    has. They are computed with the prompt (kv_source none; the prompt's blocks still come
+    from the pool), count as output (max_tokens, min_tokens, penalties, seeded positions)
+    and are not streamed again."""
 
 
 class TokenLine(_Reply):

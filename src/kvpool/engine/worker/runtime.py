@@ -282,7 +282,10 @@ class Worker:
         first_token, source = req.first_token_id, KVSource(req.kv_source)
         if source is not KVSource.COMPUTE and first_token is None:
             raise InvalidArgument(f"kv_source {req.kv_source} needs the first_token_id")
-        self.engine.new_sequence(request_id, prompt, sampling)  # validate before streaming
+        resumed = req.resume_output_ids
+        if resumed and (source is not KVSource.COMPUTE or first_token is not None):
+            raise InvalidArgument("resume_output_ids needs kv_source none and no first_token_id")
+        self.engine.new_sequence(request_id, prompt, sampling, outputs=resumed)  # validate
 
         def add(engine: EngineCore) -> None:
             if source is KVSource.PUSH:
@@ -295,7 +298,8 @@ class Worker:
                                         f"too few for {len(prompt)} prompt tokens")
                 engine.start_pushed(request_id, prompt, first_token or 0, sampling, reserved[0])
                 return
-            seq = engine.add_request(request_id, prompt, sampling, kv_source=source)
+            seq = engine.add_request(request_id, prompt, sampling, outputs=resumed,
+                                     kv_source=source)
             if first_token is not None:
                 engine.continue_with(seq, first_token)
             if seq.status is SeqStatus.FINISHED and source is KVSource.POOL:
