@@ -73,12 +73,13 @@ def wait_http(url: str, procs: list[subprocess.Popen[bytes]], what: str,
 
 
 def wait_segments(admin_url: str, count: int, procs: list[subprocess.Popen[bytes]],
-                  timeout_s: float = 120.0) -> None:
+                  timeout_s: float = 120.0, token: str | None = None) -> None:
     """Until the master has `count` mounted segments (a large store node takes seconds to map
-    its memory; a put before that finds no space)."""
+    its memory; a put before that finds no space). `token`: the master's (default
+    $KVPOOL_TOKEN)."""
     from kvpool.metadata.http_serving import bearer_header
 
-    headers = bearer_header(env_token())
+    headers = bearer_header(env_token() if token is None else token)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for p in procs:

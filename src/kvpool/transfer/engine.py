@@ -48,6 +48,7 @@ from kvpool.transfer.segment import SegmentDescriptor, ShmRegion, host_identity,
 from kvpool.transfer.shm import copy_bytes
 from kvpool.transfer.shm_sweep import sweep_stale_shm
 from kvpool.transfer.tcp_server import TcpTarget
+from kvpool.transfer.traffic import RouteCount
 
 log = get_logger("transfer.engine")
 
@@ -280,6 +281,11 @@ class TransferEngine:
         if batch is None:
             raise InvalidArgument(f"unknown batch id {batch_id} (freed or never allocated)")
         return batch
+
+    def traffic(self) -> dict[str, dict[str, RouteCount]]:
+        """What this engine sent down each route so far: route ("local", "shm", "tcp") ->
+        target segment -> requests and bytes (kvpool.transfer.traffic)."""
+        return self._started_router().traffic.snapshot()
 
     def _started_router(self) -> Router:
         if self._router is None:

@@ -20,6 +20,7 @@ from kvpool.transfer.protocol import Status
 from kvpool.transfer.segment import SegmentDescriptor
 from kvpool.transfer.shm import Checked, ShmItem, ShmPeer, ShmTransport, copy_one
 from kvpool.transfer.tcp_client import PeerLink, failure_text
+from kvpool.transfer.traffic import Traffic
 
 _ADDR_LIMIT = 1 << 64
 _NO_SHM = ("protocol 'shm' is forced, but the target range is not in a shared buffer of a live "
@@ -37,6 +38,7 @@ class Router:
         self._links: dict[str, PeerLink] = {}
         self._shm_peers: dict[str, ShmPeer] = {}
         self._lock = threading.Lock()
+        self.traffic = Traffic()
 
     def close(self) -> None:
         with self._lock:
@@ -83,11 +85,13 @@ class Router:
         shm_peer = self._shm_peer_for(req.target, descriptor) if self._config.protocol != "tcp" else None
         remote = shm_peer.resolve(req.target_addr, req.length) if shm_peer else None
         if remote is not None:
+            self.traffic.add("shm", req.target, 1, req.length)
             reason = copy_one(req.op, (0, local, remote[0], remote[1], req.fence),
                               self._shm.pool)
             return DONE if reason is None else RequestStatus(RequestState.FAILED, reason)
         if self._config.protocol == "shm" or req.length > self._config.slice_bytes:
             return None
+        self.traffic.add("tcp", req.target, 1, req.length)
         outcome = self._link(req.target, descriptor).exchange(
             req.op, [req.target_addr], [req.length], [local], [req.fence])
         if isinstance(outcome, str):
@@ -122,8 +126,10 @@ class Router:
             else:
                 pieces.add(index, req.target_addr, req.length, local, req.fence)
         if shm_items and shm_peer is not None:
+            self.traffic.add("shm", target, len(shm_items), sum(i[1].nbytes for i in shm_items))
             self._shm.run(op, batch, shm_items, shm_peer, inline)
         if pieces.indices:
+            self.traffic.add("tcp", target, len(pieces.indices), sum(pieces.lengths))
             link, frames = self._link(target, descriptor), plan_frames(op, batch, pieces, self._config)
             link.run_inline(frames) if inline else link.send(frames)
 
@@ -141,6 +147,7 @@ class Router:
             start = req.target_addr - target.addr
             copies.append((index, local, target.view[start : start + req.length], target.fence, req.fence))
         if copies:
+            self.traffic.add("local", self._me, len(copies), sum(c[1].nbytes for c in copies))
             self._shm.run(op, batch, copies, None, inline)
 
     def _local_view(self, batch: Batch, index: int, req: TransferRequest, op: OpCode,

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.errors import InvalidArgument, RemoteProtocolError
+from kvpool.transfer.memory import pid_namespace
 
 SEGMENT_KEY_PREFIX = "kvpool/segments/"
 
@@ -23,13 +24,35 @@ def segment_key(name: str) -> str:
 
 @functools.cache
 def host_identity() -> str:
-    """Same value for every process that can map this machine's /dev/shm."""
+    """Same value for every process that can map this process's /dev/shm files and watch its
+    pids, different for any other: the boot id, the identity (device, inode) of the /dev/shm
+    directory and the pid namespace.
+
+    Not the hostname: network namespaces (and containers sharing the host's UTS namespace)
+    all report the machine's hostname, yet each may mount a /dev/shm of its own; a peer in one
+    of them is another host for shm, whose files a copy here would never find. Two processes
+    of one machine that see the same /dev/shm but other pid namespaces are kept apart too,
+    since a peer's liveness is checked by its pid.
+    """
+    return f"{_read_boot_id()}/{_shm_identity('/dev/shm')}/{pid_namespace():x}"
+
+
+def _read_boot_id() -> str:
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
+            return f.read().strip()
     except OSError:
-        boot = "unknown"
-    return f"{socket.gethostname()}/{boot}"
+        return f"unknown-{socket.gethostname()}"
+
+
+def _shm_identity(directory: str) -> str:
+    """Device and inode of `directory`: equal for every mount namespace that shares the mount
+    (a tmpfs gets its own device number when mounted)."""
+    try:
+        info = os.stat(directory)
+    except OSError:
+        return "no-shm"
+    return f"{info.st_dev:x}:{info.st_ino:x}"
 
 
 def parse_segment_name(name: str) -> tuple[str, int]:
