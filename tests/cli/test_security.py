@@ -25,7 +25,8 @@ def _run(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
 
 
 @pytest.mark.parametrize("argv", [["master", "--no-http-metadata"], ["metadata"],
-                                  ["store-node", "--dram", "1MiB"], ["up"]])
+                                  ["store-node", "--dram", "1MiB"], ["up", "--no-token"],
+                                  ["up", "--store-only"]])
 def test_no_token_refuses_a_public_address(argv: list[str]) -> None:
     env = python_env()
     env.pop("KVPOOL_TOKEN", None)

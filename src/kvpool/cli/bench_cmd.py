@@ -14,6 +14,7 @@ _BENCH_MODULES = (
     "kvpool.bench.mooncake_cpu",
     "kvpool.bench.engine",
     "kvpool.bench.faults",
+    "kvpool.bench.attacks",
 )
 
 
