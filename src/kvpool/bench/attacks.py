@@ -9,7 +9,9 @@ attacks:
 - `largest body`: two clients in a loop, each a prompt of just under --max-body-bytes
   (tokenized off the event loop, then refused for the context: a 400);
 - `oversized body`: two clients in a loop, 12 MB bodies (a 413 from Content-Length);
-- `stop strings at the cap`: four streams with 16 stop strings of 512 characters each;
+- `one plain stream`: a 256-token stream beside the victim (what sharing the decode batch
+  costs it, the baseline of the next row);
+- `stop strings at the cap`: the same stream with 16 stop strings of 512 characters;
 - `silent connections`: 600 connections that send nothing (the proxy's cap is 256 here);
 - `trickled heads`: 200 connections sending one byte of a request head per second.
 """
@@ -95,11 +97,13 @@ def _attacks(url: str, model: str) -> dict[str, Attack]:
     huge = b'{"model": "' + model.encode() + b'", "prompt": "' + b"y" * 12_000_000 + b'"}'
     stops = {"model": model, "prompt": "stop me", "max_tokens": 256, "ignore_eos": True,
              "stream": True, "stop": [f"{i:03d}" + "z" * 509 for i in range(16)]}
+    plain = {k: v for k, v in stops.items() if k != "stop"}
     return {
         "largest body": lambda: _looping(url, 2, lambda h: h.post("/v1/completions", json=big)),
         "oversized body": lambda: _looping(url, 2, lambda h: h.post(
             "/v1/completions", content=huge, headers={"Content-Type": "application/json"})),
-        "stop strings at the cap": lambda: _looping(url, 4, lambda h: _stream(h, stops)),
+        "one plain stream": lambda: _looping(url, 1, lambda h: _stream(h, plain)),
+        "stop strings at the cap": lambda: _looping(url, 1, lambda h: _stream(h, stops)),
         "silent connections": lambda: _sockets(url, 600, trickle=False),
         "trickled heads": lambda: _sockets(url, 200, trickle=True),
     }

@@ -140,13 +140,28 @@ def check_token_ids(ids: list[int], proxy: Proxy, param: str) -> list[int]:
     return ids
 
 
+MAX_CHARS_PER_TOKEN = 32
+"""A text longer than this many characters per token of the context is refused before it is
+tokenized: it could not fit (real tokenizers average 3-5 characters a token), and tokenizing
+megabytes holds the interpreter long enough to stall every other request."""
+
+
+def encode_text(text: str, proxy: Proxy, param: str, add_special_tokens: bool = True) -> list[int]:
+    """`text`'s ids; a 400 naming `param`, before any tokenizing, when it is far too long."""
+    limit = proxy.max_model_len * MAX_CHARS_PER_TOKEN
+    if len(text) > limit:
+        raise bad_request(f"{param} is {len(text)} characters: more than this model's context "
+                          f"of {proxy.max_model_len} tokens could hold", param=param)
+    return proxy.tokenizer.encode(text, add_special_tokens)
+
+
 def _completion_ids(req: CompletionRequest, proxy: Proxy) -> list[list[int]]:
     """Each prompt's ids: a string, a list of strings, a list of ids, or a list of lists."""
     prompt = req.prompt
     if isinstance(prompt, str):
-        return [proxy.tokenizer.encode(prompt)]
+        return [encode_text(prompt, proxy, "prompt")]
     if prompt and all(isinstance(p, str) for p in prompt):
-        return [proxy.tokenizer.encode(str(p)) for p in prompt]
+        return [encode_text(str(p), proxy, "prompt") for p in prompt]
     if prompt and all(isinstance(p, list) for p in prompt):
         return [check_token_ids(p, proxy, "prompt") for p in prompt]  # type: ignore[arg-type]
     return [check_token_ids(prompt, proxy, "prompt")]  # type: ignore[arg-type]
@@ -159,7 +174,8 @@ def chat_ids(chat: Sequence[ChatMessage], proxy: Proxy) -> list[int]:
 
     messages = [{"role": m.role, "content": m.text()} for m in chat]
     try:
-        return proxy.tokenizer.encode_chat(messages)
+        return encode_text(proxy.tokenizer.render_chat(messages), proxy, "messages",
+                           add_special_tokens=False)
     except TemplateError as exc:
         raise bad_request(f"the chat template refused the messages: {exc}",
                           param="messages") from None

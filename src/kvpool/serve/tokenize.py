@@ -11,7 +11,7 @@ from typing import Any
 
 from kvpool.serve.errors import model_not_found
 from kvpool.serve.protocol import DetokenizeRequest, TokenizeRequest
-from kvpool.serve.requests import Proxy, chat_ids, check_token_ids
+from kvpool.serve.requests import Proxy, chat_ids, check_token_ids, encode_text
 
 
 def tokenize(proxy: Proxy, req: TokenizeRequest) -> dict[str, Any]:
@@ -19,7 +19,7 @@ def tokenize(proxy: Proxy, req: TokenizeRequest) -> dict[str, Any]:
     if req.messages is not None:
         ids = chat_ids(req.messages, proxy)
     else:
-        ids = proxy.tokenizer.encode(req.prompt or "", req.add_special_tokens)
+        ids = encode_text(req.prompt or "", proxy, "prompt", req.add_special_tokens)
     return {"count": len(ids), "max_model_len": proxy.max_model_len, "tokens": ids}
 
 
