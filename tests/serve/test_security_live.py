@@ -496,6 +496,7 @@ def test_silent_and_trickling_connections_do_not_lock_clients_out(
         stop(proc)
 
 
+@pytest.mark.slow  # waits out the 10 s head deadline
 def test_a_head_that_trickles_is_cut_off(proxy_url: str) -> None:
     """A request head that never ends is closed within the 10 s head deadline, though each
     byte comes well inside the 5 s idle timeout."""

@@ -67,6 +67,25 @@ def test_tokenize_and_detokenize(proxy: tuple[str, Path], cluster: ServingCluste
     assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
 
 
+def test_a_text_longer_than_the_context_could_hold_is_refused_before_tokenizing(
+        proxy: tuple[str, Path]) -> None:
+    """A prompt over 32 characters per context token is a 400 at once (tokenizing megabytes
+    would hold the proxy's interpreter and stall everyone's requests and polls)."""
+    from kvpool.serve.requests import MAX_CHARS_PER_TOKEN
+    url, _ = proxy
+    limit = httpx.get(url + "/v1/models").json()["data"][0]["max_model_len"]
+    text = "y" * (limit * MAX_CHARS_PER_TOKEN + 1)
+    for path, body in (("/v1/completions", {"model": "served-name", "prompt": text}),
+                       ("/v1/completions", {"model": "served-name", "prompt": ["a", text]}),
+                       ("/v1/chat/completions", {"model": "served-name", "messages": [
+                           {"role": "user", "content": text}]}),
+                       ("/tokenize", {"prompt": text})):
+        t0 = time.monotonic()
+        reply = httpx.post(url + path, json=body, timeout=30)
+        assert reply.status_code == 400 and "characters" in reply.json()["error"]["message"]
+        assert time.monotonic() - t0 < 5, path
+
+
 def test_models_version_and_errors_in_openai_shape(proxy: tuple[str, Path]) -> None:
     url, _ = proxy
     one = client(url).models.retrieve("served-name")

@@ -166,6 +166,7 @@ def test_a_taken_port_fails_before_any_process_starts(cache_home: Path) -> None:
     assert wait_gone(marker) == []
 
 
+@pytest.mark.slow  # two kvpool up starts; the taken proxy port stays in the default suite
 def test_a_broken_model_or_taken_store_port_fails_before_any_process_starts(
         cache_home: Path, tiny_model: Path, tmp_path: Path) -> None:
     """A torn weights file is found by the start-up check (no worker is started to find it),

@@ -70,6 +70,7 @@ def test_clients_in_other_processes_share_objects() -> None:
         assert sorted(s["capacity_bytes"] for s in segs) == [32 << 20, 32 << 20]
 
 
+@pytest.mark.slow  # 21 s: the default suite keeps the two-process sharing case
 def test_eight_concurrent_clients_mixed_operations() -> None:
     with store_cluster(2, "64MiB") as cluster:
         results = collect(start_workers(cluster, 8, 1000, 2), timeout_s=170)

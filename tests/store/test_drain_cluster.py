@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
+
 from kvpool.store.client.config import ClientConfig
 from kvpool.store.client.store_client import StoreClient
 from kvpool.store.config import ReplicateConfig
@@ -85,6 +87,7 @@ def kill_and_wait_gone(cluster: Cluster, proc: subprocess.Popen[bytes], left: in
     cluster.wait_segments(left, timeout_s=30)
 
 
+@pytest.mark.slow  # 14 s: the default suite keeps the other drain cases
 def test_drain_then_kill_loses_nothing() -> None:
     with store_cluster(3, "16MiB", "--client_ttl", "2") as cluster, client(cluster) as store:
         sizes = fill(store, 150)
@@ -219,6 +222,7 @@ def test_store_node_without_dram_is_refused() -> None:
     assert out.returncode == 2 and "--dram" in out.stderr
 
 
+@pytest.mark.slow  # 15 s
 def test_drain_killed_midway_then_run_again() -> None:
     """kill -9 of the drain command after its first batch: nothing is lost, the node stays
     draining until `--cancel`, and the next run (once the dead run's moves are discarded)
