@@ -16,6 +16,21 @@ The addresses exist only inside these namespaces. A host's processes are started
 host i's port on the bridge down (its link is dead, its processes keep running); `heal(i)`
 brings it back. This process reaches a host's servers by switching one thread into the host's
 network namespace (`in_netns`). Everything is stopped and deleted on exit, failures included.
+
+With `HostsSpec.ha` the masters are an HA pair elected through etcd, which runs alone on one
+host more (its data in a temp dir removed on exit):
+
+    netns <tag>-0:   10.231.60.1   master (HA, leads first), store node
+    netns <tag>-1:   10.231.60.2   master (HA, stands by), store node, prefill worker
+    netns <tag>-2:   10.231.60.3   store node, decode worker, proxy
+    netns <tag>-N:   10.231.60.N+1 etcd  (N = num_hosts)
+
+Store nodes and workers are given `--master etcd://E:2379` and store nodes `--metadata
+etcd://E:2379` (no master serves HTTP metadata; workers handshake with peers), so they follow
+a failover. The masters journal to etcd (their hosts share no disk) on a short lease
+(HA_LEASE_TTL_S); a master that exits deposed is started again as a standby, as a service
+manager would. `HostsCluster.master_roles()` asks each master, from its own host, whether it
+leads.
 """
 
 from __future__ import annotations
