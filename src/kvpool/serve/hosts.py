@@ -282,7 +282,7 @@ def hosts_cluster(spec: HostsSpec) -> Iterator[HostsCluster]:
 
         if spec.ha:
             _start_etcd(cluster, stack.enter_context(tempfile.TemporaryDirectory(
-                prefix="kvpool-etcd-")), launch)
+                prefix="kvpool-hosts-etcd-")), launch)
             _start_ha_masters(cluster, spec, start)
         else:
             _start_master(cluster, spec, start)
