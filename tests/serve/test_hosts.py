@@ -1,8 +1,14 @@
 """kvpool over three emulated hosts (kvpool.serve.hosts): network namespaces on one bridge,
 each with a private /dev/shm; master + node on host 0, node + prefill worker on host 1, node +
 decode worker + proxy on host 2; emulated engines, a cluster token, every bind on a bridge
-address. Needs root; skipped where namespaces or mounts cannot be made.
+address. Needs root; skipped where namespaces or mounts cannot be made (the HA test also
+where there is no etcd).
 
+0. With HA masters (host 0 leads, host 1 stands by, etcd on a host of its own): the leader's
+   host is cut; the standby leads within a few seconds, the 40 objects put with 2 replicas
+   before the cut all read back exact and the proxy serves the same tokens; after the heal
+   the old leader (deposed, restarted as a standby) never leads beside the new one. It runs
+   first, on a cluster of its own that is gone before the others' is made.
 1. Completions through the proxy, and a repeated long prompt reuses its KV from the pool
    (local prefix caching off, so any cached token came from the pool, across hosts).
 2. Routes: a store client on each host writes and reads objects placed on each node; bytes
@@ -16,11 +22,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +35,14 @@ import httpx
 import pytest
 
 from kvpool.errors import KvpoolError
-from kvpool.serve.hosts import HostsCluster, HostsSpec, hosts_cluster, in_netns
+from kvpool.serve.hosts import (
+    HA_LEASE_TTL_S,
+    HostsCluster,
+    HostsSpec,
+    MasterRole,
+    hosts_cluster,
+    in_netns,
+)
 from kvpool.serve.launch import ensure_emulated_model
 from tests.support.procs import python_env
 
@@ -89,14 +103,15 @@ print(json.dumps(out), flush=True)
 """
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
-            ) -> Iterator[HostsCluster]:
+def emulated(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
+             ha: bool) -> Iterator[HostsCluster]:
     if os.geteuid() != 0:
         pytest.skip("emulated hosts need root (network and mount namespaces)")
+    if ha and shutil.which("etcd") is None:
+        pytest.skip("no etcd binary (Debian package etcd-server)")
     model = ensure_emulated_model(tiny_model, tmp_path_factory.mktemp("emu") / "m", 8192)
     spec = HostsSpec(model, worker_args=WORKER_ARGS, proxy_args=("--admission", "none"),
-                     master_args=("--client-ttl", "3"))
+                     master_args=("--client-ttl", "3"), ha=ha)
     try:
         with hosts_cluster(spec) as hosts:
             yield hosts
@@ -106,11 +121,23 @@ def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
         raise
 
 
-def probe(cluster: HostsCluster, index: int, mode: str) -> dict[str, Any]:
+@pytest.fixture(scope="module")
+def cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
+            ) -> Iterator[HostsCluster]:
+    yield from emulated(tiny_model, tmp_path_factory, ha=False)
+
+
+@pytest.fixture
+def ha_cluster(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
+               ) -> Iterator[HostsCluster]:
+    yield from emulated(tiny_model, tmp_path_factory, ha=True)
+
+
+def probe(cluster: HostsCluster, index: int, mode: str, admin: str = "") -> dict[str, Any]:
     host = cluster.fabric.hosts[index]
     env = {**python_env(), "KVPOOL_TOKEN": cluster.token}
     out = subprocess.run(host.argv(sys.executable, "-c", textwrap.dedent(PROBE), mode,
-                                   cluster.master_address, cluster.admin_url,
+                                   cluster.master_address, admin or cluster.admin_url,
                                    cluster.metadata_url, host.addr),
                          env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -126,6 +153,76 @@ def complete(cluster: HostsCluster, prompt: list[int], timeout_s: float = 60) ->
 
 def prompt(seed: int, n: int) -> list[int]:
     return [16 + (seed * 7919 + i * 104729) % 496 for i in range(n)]
+
+
+def until(what: str, timeout_s: float, check: Callable[[], Any]) -> tuple[Any, float]:
+    """(check()'s first truthy answer, seconds it took); AssertionError after `timeout_s`."""
+    t0 = time.monotonic()
+    while not (got := check()):
+        assert time.monotonic() - t0 < timeout_s, f"{what}: not within {timeout_s:.0f} s"
+        time.sleep(0.1)
+    return got, time.monotonic() - t0
+
+
+def read_all(cluster: HostsCluster, admin: str) -> Any:
+    got = probe(cluster, 2, "read", admin)
+    assert got["wrong"] == 0, got
+    return got == {"codes": {"OK": 40}, "wrong": 0}
+
+
+def served(cluster: HostsCluster, p: list[int]) -> Any:
+    try:
+        r = complete(cluster, p, timeout_s=20)
+    except httpx.HTTPError:
+        return None
+    return r.json()["kvpool_trace"]["token_ids"] if r.status_code == 200 else None
+
+
+def sole_leader(cluster: HostsCluster) -> int | None:
+    """The host whose master leads, asserting no two do."""
+    roles = cluster.master_roles()
+    leaders = [i for i, r in roles.items() if r.role == "leader"]
+    assert len(leaders) <= 1, roles
+    return leaders[0] if leaders else None
+
+
+def test_the_standby_takes_over_from_a_cut_leader(ha_cluster: HostsCluster) -> None:
+    c = ha_cluster
+    assert {i: r.role for i, r in c.master_roles().items()} == {0: "leader", 1: "standby"}
+    old, new = 0, 1
+    old_term = c.master_roles()[old].term
+    p = prompt(3, 80)
+    tokens = served(c, p)
+    assert tokens is not None
+    put = probe(c, 2, "put", c.master_admin_url(old))  # host 2 is never cut
+    places = put["places"].values()
+    assert put["ok"] == 40 and all(len(set(eps)) == 2 for eps in places), put
+    assert any(ep.startswith(c.fabric.hosts[old].addr + ":") for eps in places for ep in eps)
+    c.fabric.cut(old)
+    try:
+        _, failover_s = until("the standby leads", 20, lambda: sole_leader(c) == new)
+        _, readable_s = until("every object readable", 30,
+                              lambda: read_all(c, c.master_admin_url(new)))
+        again, serving_s = until("the proxy serves", 30, lambda: served(c, p))
+        assert again == tokens
+        new_term = c.master_roles()[new].term
+        assert new_term > old_term
+    finally:
+        c.fabric.heal(old)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 3 * HA_LEASE_TTL_S:  # past the old leader's lease, twice
+        roles = c.master_roles()
+        assert roles[new] == MasterRole("leader", new_term), roles
+        assert roles[old].role != "leader", roles
+        time.sleep(0.2)
+    until("the old leader stands by", 20, lambda: c.master_roles()[old].role == "standby")
+    assert c.master_restarts.get(old, 0) >= 1  # it was deposed (exit 3), not left serving
+    assert c.master_roles() == {old: MasterRole("standby"), new: MasterRole("leader", new_term)}
+    until("every object readable after the heal", 30,
+          lambda: read_all(c, c.master_admin_url(new)))
+    print(f"\nfailover: host {new} leads {failover_s:.1f} s after host {old} was cut (lease "
+          f"ttl {HA_LEASE_TTL_S} s), all 40 objects readable {readable_s:.1f} s later, the "
+          f"proxy serving {serving_s:.1f} s after that; restarts {c.master_restarts}")
 
 
 def test_a_repeated_prompt_reuses_the_pool_across_hosts(cluster: HostsCluster) -> None:
@@ -195,3 +292,4 @@ def test_a_cut_link_loses_nothing_acknowledged(cluster: HostsCluster) -> None:
         assert time.monotonic() < deadline, "the proxy did not serve again after the heal"
         time.sleep(1.0)
     assert r.json()["kvpool_trace"]["token_ids"] == tokens
+

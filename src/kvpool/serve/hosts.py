@@ -16,27 +16,53 @@ The addresses exist only inside these namespaces. A host's processes are started
 host i's port on the bridge down (its link is dead, its processes keep running); `heal(i)`
 brings it back. This process reaches a host's servers by switching one thread into the host's
 network namespace (`in_netns`). Everything is stopped and deleted on exit, failures included.
+
+With `HostsSpec.ha` the masters are an HA pair elected through etcd, which runs alone on one
+host more (its data in a temp dir removed on exit):
+
+    netns <tag>-0:   10.231.60.1   master (HA, leads first), store node
+    netns <tag>-1:   10.231.60.2   master (HA, stands by), store node, prefill worker
+    netns <tag>-2:   10.231.60.3   store node, decode worker, proxy
+    netns <tag>-N:   10.231.60.N+1 etcd  (N = num_hosts)
+
+Store nodes and workers are given `--master etcd://E:2379` and store nodes `--metadata
+etcd://E:2379` (no master serves HTTP metadata; workers handshake with peers), so they follow
+a failover. The masters journal to etcd (their hosts share no disk) on a short lease
+(HA_LEASE_TTL_S); a master that exits deposed is started again as a standby, as a service
+manager would. `HostsCluster.master_roles()` asks each master, from its own host, whether it
+leads.
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import re
 import secrets
+import shutil
 import subprocess
+import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
+
 from kvpool.engine.gguf_checkpoint import served_name
 from kvpool.errors import KvpoolError
 from kvpool.procs import kvpool_argv, stop
 from kvpool.serve.launch import die_with_parent, wait_http, wait_segments
+from kvpool.store.master.ha import DEPOSED_EXIT
 
 SUBNET = "10.231.60"
 RPC_PORT, ADMIN_PORT, METADATA_PORT, WORKER_PORT, PROXY_PORT = 50051, 9003, 8080, 8100, 8000
+ETCD_PORT, ETCD_PEER_PORT = 2379, 2380
+HA_LEASE_TTL_S = 2
+"""The HA masters' leader lease (the least ha.py allows): a leader cut off from etcd stops
+serving within it, and a standby takes over a moment after it expires in etcd."""
 _CLONE_NEWNET = 0x40000000
 _Start = Callable[..., None]
 """start(name, host, *kvpool args): one process on one host."""
@@ -164,6 +190,16 @@ class HostsSpec:
     proxy_args: tuple[str, ...] = ()
     token: str = ""
     """Cluster token; empty: a random one."""
+    ha: bool = False
+    """Two masters (hosts 0 and 1) elected through etcd on one more host (num_hosts)."""
+
+
+@dataclass(frozen=True)
+class MasterRole:
+    role: str
+    """'leader', 'standby', or 'down' (no answer)."""
+    term: int = 0
+    """The term it leads; 0 unless leader (and for a lone master)."""
 
 
 @dataclass
@@ -172,46 +208,177 @@ class HostsCluster:
     token: str
     model_name: str
     master_address: str = ""
+    """What clients are given: HOST:PORT, or etcd://HOST:PORT with HA."""
     metadata_url: str = ""
     admin_url: str = ""
+    """The (first) leader's admin server; with HA ask `leader()` for the current one."""
     proxy_host: int = 0
     proxy_url: str = ""
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     worker_urls: dict[str, list[str]] = field(default_factory=dict)
+    master_hosts: list[int] = field(default_factory=list)
+    """The hosts running a master: [0], or [0, 1] with HA."""
+    etcd_endpoint: str = ""
+    """HOST:PORT of etcd (HA only)."""
+    master_restarts: dict[int, int] = field(default_factory=dict)
+    """Host -> how often its deposed master was started again as a standby."""
+
+    @property
+    def hosts(self) -> list[Host]:
+        """The serving hosts (the etcd host left out)."""
+        return self.fabric.hosts[:len(self.fabric.hosts) - bool(self.etcd_endpoint)]
+
+    def master_admin_url(self, index: int) -> str:
+        return f"http://{self.fabric.hosts[index].addr}:{ADMIN_PORT}"
+
+    def master_roles(self) -> dict[int, MasterRole]:
+        """Each master's own word (its admin /metrics, asked from its host)."""
+        return {i: _ask_role(self.fabric.hosts[i], self.master_admin_url(i))
+                for i in self.master_hosts}
+
+    def leader(self) -> int | None:
+        """The host whose master says it leads; None while none does (or two do: a bug the
+        caller should see through master_roles)."""
+        leaders = [i for i, r in self.master_roles().items() if r.role == "leader"]
+        return leaders[0] if len(leaders) == 1 else None
+
+
+def _ask_role(host: Host, admin_url: str) -> MasterRole:
+    try:
+        with in_netns(host.netns):
+            text = httpx.get(admin_url + "/metrics", timeout=1.0).text
+    except httpx.HTTPError:
+        return MasterRole("down")
+    roles = dict(re.findall(r'^kvpool_master_role\{role="(\w+)"\} ([\d.]+)$', text, re.M))
+    term = re.search(r"^kvpool_master_term ([\d.]+)$", text, re.M)
+    if not roles:
+        return MasterRole("leader")  # a lone master
+    role = "leader" if float(roles.get("leader", 0)) == 1 else "standby"
+    return MasterRole(role, int(float(term.group(1))) if term and role == "leader" else 0)
 
 
 @contextmanager
 def hosts_cluster(spec: HostsSpec) -> Iterator[HostsCluster]:
-    """The serving cluster of the module docstring over `spec.num_hosts` (>= 3) hosts."""
+    """The serving cluster of the module docstring over `spec.num_hosts` (>= 3) hosts, and
+    with `spec.ha` one host more for etcd."""
     if spec.num_hosts < 3:
         raise KvpoolError(f"a cluster over hosts needs at least 3 of them, not {spec.num_hosts}")
     token = spec.token or secrets.token_hex(16)
-    with fabric(spec.num_hosts) as net, ExitStack() as stack:
+    tag = f"kvha{os.getpid()}" if spec.ha else ""
+    with fabric(spec.num_hosts + spec.ha, tag) as net, ExitStack() as stack:
         cluster = HostsCluster(net, token, served_name(spec.model_dir))
         env = {**os.environ, "KVPOOL_TOKEN": token}
 
-        def start(name: str, host: Host, *args: str) -> None:
-            proc = subprocess.Popen(host.argv(*kvpool_argv(*args)), env=env,
-                                    stdout=subprocess.DEVNULL, start_new_session=True,
+        def launch(name: str, host: Host, argv: list[str], quiet: bool = False) -> None:
+            proc = subprocess.Popen(host.argv(*argv), env=env, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL if quiet else None,
+                                    start_new_session=True,
                                     preexec_fn=die_with_parent(os.getpid()))
             stack.callback(stop, proc)
             cluster.procs[name] = proc
 
-        _start_store(cluster, spec, start)
+        def start(name: str, host: Host, *args: str) -> None:
+            launch(name, host, kvpool_argv(*args))
+
+        if spec.ha:
+            _start_etcd(cluster, stack.enter_context(tempfile.TemporaryDirectory(
+                prefix="kvpool-hosts-etcd-")), launch)
+            _start_ha_masters(cluster, spec, start)
+        else:
+            _start_master(cluster, spec, start)
+        _start_store_nodes(cluster, spec, start)
         _start_serving(cluster, spec, start)
+        if spec.ha:
+            stack.enter_context(_restarting_deposed(cluster, spec, start))
         yield cluster
 
 
-def _start_store(cluster: HostsCluster, spec: HostsSpec, start: _Start) -> None:
-    hosts = cluster.fabric.hosts
-    a = hosts[0].addr
-    start("master", hosts[0], "master", "--host", a, "--rpc-port", str(RPC_PORT),
+def _start_master(cluster: HostsCluster, spec: HostsSpec, start: _Start) -> None:
+    a = cluster.fabric.hosts[0].addr
+    start("master", cluster.fabric.hosts[0], "master", "--host", a, "--rpc-port", str(RPC_PORT),
           "--admin-port", str(ADMIN_PORT), "--metadata-port", str(METADATA_PORT), *spec.master_args)
+    cluster.master_hosts = [0]
     cluster.master_address = f"{a}:{RPC_PORT}"
     cluster.metadata_url = f"http://{a}:{METADATA_PORT}/metadata"
     cluster.admin_url = f"http://{a}:{ADMIN_PORT}"
-    with in_netns(hosts[0].netns):
+    with in_netns(cluster.fabric.hosts[0].netns):
         wait_http(f"{cluster.admin_url}/health", [cluster.procs["master"]], "master")
+
+
+def _start_etcd(cluster: HostsCluster, data_dir: str,
+                launch: Callable[[str, Host, list[str], bool], None]) -> None:
+    """etcd alone on the last host, its data in `data_dir`."""
+    binary = shutil.which("etcd")
+    if binary is None:
+        raise KvpoolError("no `etcd` command (Debian package etcd-server)")
+    host = cluster.fabric.hosts[-1]
+    client, peer = f"http://{host.addr}:{ETCD_PORT}", f"http://{host.addr}:{ETCD_PEER_PORT}"
+    launch("etcd", host, [binary, "--name", "hosts", "--data-dir", data_dir,
+                          "--listen-client-urls", client, "--advertise-client-urls", client,
+                          "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+                          "--initial-cluster", f"hosts={peer}"], True)
+    cluster.etcd_endpoint = f"{host.addr}:{ETCD_PORT}"
+    cluster.master_address = cluster.metadata_url = f"etcd://{cluster.etcd_endpoint}"
+    with in_netns(host.netns):
+        wait_http(f"{client}/health", [cluster.procs["etcd"]], "etcd")
+
+
+def _ha_master_args(cluster: HostsCluster, spec: HostsSpec, host: Host) -> list[str]:
+    """An HA master journaling to etcd (its hosts share no disk)."""
+    return ["master", "--host", host.addr, "--rpc-port", str(RPC_PORT),
+            "--admin-port", str(ADMIN_PORT), "--enable_ha=true",
+            "--etcd_endpoints", cluster.etcd_endpoint, "--ha-lease-ttl", str(HA_LEASE_TTL_S),
+            *spec.master_args]
+
+
+def _start_ha_masters(cluster: HostsCluster, spec: HostsSpec, start: _Start) -> None:
+    """Host 0's master first, so that it leads; then host 1's, which stands by."""
+    cluster.master_hosts = [0, 1]
+    for index, role in ((0, "leader"), (1, "standby")):
+        host = cluster.fabric.hosts[index]
+        start(f"master-{index}", host, *_ha_master_args(cluster, spec, host))
+        _wait_role(cluster, index, role, list(cluster.procs.values()))
+    cluster.admin_url = cluster.master_admin_url(0)
+
+
+def _wait_role(cluster: HostsCluster, index: int, role: str,
+               procs: list[subprocess.Popen[bytes]], timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while cluster.master_roles()[index].role != role:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"host {index}'s master is no {role} after {timeout_s:.0f} s")
+        for p in procs:
+            if p.poll() is not None:
+                raise KvpoolError(f"process {p.pid} exited with code {p.returncode}")
+        time.sleep(0.1)
+
+
+@contextmanager
+def _restarting_deposed(cluster: HostsCluster, spec: HostsSpec, start: _Start,
+                        poll_s: float = 0.2) -> Iterator[None]:
+    """A master that exits deposed (it lost its lease) is started again, a fresh standby,
+    as a service manager would (store/master/ha.py)."""
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.wait(poll_s):
+            for index in cluster.master_hosts:
+                if cluster.procs[f"master-{index}"].poll() == DEPOSED_EXIT:
+                    host = cluster.fabric.hosts[index]
+                    start(f"master-{index}", host, *_ha_master_args(cluster, spec, host))
+                    cluster.master_restarts[index] = cluster.master_restarts.get(index, 0) + 1
+
+    watcher = threading.Thread(target=watch, daemon=True, name="kvpool-hosts-masters")
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join()
+
+
+def _start_store_nodes(cluster: HostsCluster, spec: HostsSpec, start: _Start) -> None:
+    hosts = cluster.hosts
     for host in hosts:
         start(f"store-node-{host.index}", host, "store-node", "--dram", spec.dram,
               "--master", cluster.master_address, "--host", host.addr,
@@ -222,7 +389,7 @@ def _start_store(cluster: HostsCluster, spec: HostsSpec, start: _Start) -> None:
 
 
 def _start_serving(cluster: HostsCluster, spec: HostsSpec, start: _Start) -> None:
-    hosts = cluster.fabric.hosts
+    hosts = cluster.hosts
     flags: list[str] = []
     for host in hosts[1:]:
         role = "prefill" if host.index % 2 else "decode"
