@@ -6,9 +6,12 @@ marker in /proc."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import signal
 import subprocess
+import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -190,3 +193,40 @@ def test_a_broken_model_or_taken_store_port_fails_before_any_process_starts(
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 1 and f"127.0.0.1:{port} is in use" in out and "--rpc-port" in out
     assert wait_gone(marker) == []
+
+
+@pytest.mark.slow  # builds namespaces and starts a cluster over them (~40 s)
+def test_up_over_emulated_hosts_serves_and_leaves_nothing(cache_home: Path,
+                                                          tmp_path: Path) -> None:
+    """`kvpool up --hosts 3`: a master, store nodes, workers and the proxy spread over three
+    network namespaces; a completion through the proxy from inside one of them; SIGTERM
+    removes every namespace and process."""
+    import os
+    import subprocess as sp
+    if os.geteuid() != 0:
+        pytest.skip("emulated hosts need root (network and mount namespaces)")
+    marker = f"up-{uuid.uuid4().hex}"
+    log = tmp_path / "up.log"
+    with log.open("w") as out:
+        proc = kvpool_up(marker, cache_home, "--hosts", "3", stdout=out)
+    try:
+        deadline = time.monotonic() + 150
+        while "Ctrl-C to stop" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.5)
+        text = log.read_text()
+        found = re.search(r"ip netns exec (\S+) curl (\S+)/v1/models", text)
+        assert found, text
+        netns, url = found.groups()
+        call = ("import httpx, sys; print(httpx.post(sys.argv[1] + '/v1/completions', "
+                "timeout=60, json={'model': 'tiny', 'prompt': 'over hosts', "
+                "'max_tokens': 4}).text)")
+        reply = sp.run(["ip", "netns", "exec", netns, sys.executable, "-c", call, url],
+                       capture_output=True, text=True, timeout=90)
+        assert json.loads(reply.stdout)["usage"]["completion_tokens"] == 4, reply
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        assert netns not in sp.run(["ip", "netns", "list"], capture_output=True,
+                                   text=True).stdout
+    finally:
+        reap(proc, marker)

@@ -101,6 +101,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="--store-only --demo: skip the transfer benchmark")
     add_security_args(p, "every process of the cluster requires (default: a random one "
                       "made at start, except with --store-only)")
+    p.add_argument("--hosts", type=int, default=0, metavar="N",
+                   help="run over N >= 3 emulated hosts (network namespaces on a bridge, "
+                        "each with its own /dev/shm; needs root): every cross-host byte on tcp")
+    p.add_argument("--ha", action="store_true",
+                   help="--hosts: two masters elected through etcd on one more host")
     p.add_argument("--no-token", action="store_true",
                    help="serve without a token, as Mooncake does (its engines' connectors "
                         "carry none): any local process can then read and overwrite the pool")
@@ -167,6 +172,8 @@ def _run_serving(args: argparse.Namespace) -> int:
         if args.demo:
             proxy_args += ("--no-access-log",)  # the demo prints its own lines
         worker_args += _given(args, "dtype", "max_model_len", "num_blocks", "block_size")
+        if args.hosts:
+            return _run_hosts(args, model, proxy_args, worker_args)
         spec = ServingSpec(model, args.host, args.port, args.prefill, args.decode,
                            args.colocated, args.dram, args.store_nodes or 1, proxy_args,
                            worker_args, insecure=args.insecure)
@@ -186,6 +193,47 @@ def _run_serving(args: argparse.Namespace) -> int:
     finally:
         if getattr(args, "token_file", None) is not None:
             args.token_file.unlink(missing_ok=True)
+
+
+def _run_hosts(args: argparse.Namespace, model: Path, proxy_args: tuple[str, ...],
+               worker_args: tuple[str, ...]) -> int:
+    """The cluster over --hosts emulated hosts (kvpool.serve.hosts), until Ctrl-C."""
+    from kvpool.serve.hosts import HostsSpec, hosts_cluster
+
+    if os.geteuid() != 0:
+        print("kvpool up --hosts: network namespaces need root", file=sys.stderr)
+        return 2
+    spec = HostsSpec(model, num_hosts=args.hosts, dram=args.dram, worker_args=worker_args,
+                     proxy_args=proxy_args, token=args.token or "", ha=args.ha)
+    with hosts_cluster(spec) as cluster:
+        print(f"kvpool cluster over {args.hosts} emulated hosts up (pid {os.getpid()}), "
+              f"model {model}:")
+        for host in cluster.fabric.hosts:
+            names = [n for n in cluster.procs if _on_host(n, host.index, cluster.proxy_host)]
+            print(f"  host {host.index}  netns {host.netns}  {host.addr}  {' '.join(names)}")
+        ns = cluster.fabric.hosts[cluster.proxy_host].netns
+        print(f"  OpenAI API  {cluster.proxy_url}/v1, reachable inside the hosts' namespaces: "
+              f"ip netns exec {ns} curl {cluster.proxy_url}/v1/models")
+        print(_token_line(args))
+        print("Ctrl-C to stop.", flush=True)
+        while all(p.poll() is None for n, p in cluster.procs.items()  # (HA: a deposed master
+                  if not (args.ha and n.startswith("master"))):        # is started again)
+            time.sleep(0.5)
+        print("kvpool up: a cluster process exited; shutting down", file=sys.stderr)
+    return 1
+
+
+def _on_host(name: str, index: int, proxy_host: int) -> bool:
+    """Whether process `name` of a hosts cluster runs on host `index` (names end in -HOST,
+    but for the lone master on host 0, the proxy on the last serving host and etcd after
+    it)."""
+    if name == "master":
+        return index == 0
+    if name == "proxy":
+        return index == proxy_host
+    if name == "etcd":  # HA: the host after the serving ones
+        return index == proxy_host + 1
+    return name.rsplit("-", 1)[-1] == str(index)
 
 
 def _token_line(args: argparse.Namespace) -> str:
