@@ -8,6 +8,8 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
+import pytest
+
 from kvpool.bench.faults_procs import (
     Ledger,
     PutLoad,
@@ -21,6 +23,7 @@ from kvpool.store.client.config import ClientConfig
 from kvpool.store.client.store_client import StoreClient
 
 
+@pytest.mark.slow  # 19 s; test_persist_restart keeps a SIGKILL and restart in the default suite
 def test_master_sigkill_under_load_loses_nothing(tmp_path: Path) -> None:
     with ExitStack() as stack:
         master, address, argv = start_master(stack, "--state-dir", str(tmp_path))

@@ -135,6 +135,7 @@ def _churn(store: StoreClient, keys: list[str], stop: threading.Event,
         i += 1
 
 
+@pytest.mark.slow  # 11 s
 def test_drain_under_concurrent_upserts_and_removes(tmp_path: Path) -> None:
     """A writer upserts and removes the drained node's keys while the drain runs (in small
     batches): no acknowledged object is lost or read back with other bytes."""

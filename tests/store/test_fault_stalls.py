@@ -97,7 +97,7 @@ def assert_never_wrong(b: StoreClient, key: str, value: bytes) -> E:
     return got.code
 
 
-@pytest.mark.parametrize("protocol", ["shm", "tcp"])
+@pytest.mark.parametrize("protocol", ["shm", pytest.param("tcp", marks=pytest.mark.slow)])
 def test_stalled_writer_across_a_master_restart_never_overwrites_b(protocol: str) -> None:
     with store_cluster(1, "8MiB", http_metadata=True) as cluster, \
             stalled_writer(cluster, "a", protocol) as writer:
@@ -140,6 +140,7 @@ def test_stalled_writer_across_a_node_remount_never_overwrites_b(protocol: str) 
             cluster.check_integrity()
 
 
+@pytest.mark.slow  # 12 s; the default suite keeps the stalled writer across a restart
 def test_master_stall_past_client_ttl_loses_nothing() -> None:
     with store_cluster(2, "8MiB", "--client-ttl", "2") as cluster, client(cluster) as c:
         keys = [f"r{i}" for i in range(16)]

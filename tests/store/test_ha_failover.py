@@ -88,7 +88,7 @@ def read_all(store: StoreClient, acked: dict[str, int], timeout_s: float = 20) -
     return time.monotonic() - t0
 
 
-@pytest.mark.parametrize("journal", ["dir", "etcd"])
+@pytest.mark.parametrize("journal", [pytest.param("dir", marks=pytest.mark.slow), "etcd"])
 def test_leader_sigkill_standby_serves_every_acknowledged_object(tmp_path: Path,
                                                                  journal: str) -> None:
     """Masters sharing a state directory, or nothing but etcd (the journal lives there)."""

@@ -208,6 +208,7 @@ def test_a_client_that_does_not_read_stalls_only_itself(master: MasterServer) ->
         assert node.call(Op.PING) == "pong"
 
 
+@pytest.mark.slow  # 11 s
 def test_store_node_whose_master_is_gone_stops_promptly_on_sigterm() -> None:
     """With its master killed, a node's unmount cannot be answered: SIGTERM still ends it
     within a few seconds (close_timeout_s), not after one RPC timeout per call."""

@@ -81,6 +81,7 @@ def test_a_request_too_large_for_a_frame_is_not_sent(master: MasterServer) -> No
         assert rpc.call(PingMsg()) == "pong"
 
 
+@pytest.mark.slow  # 10 s
 def test_keys_beyond_a_frame_are_split_by_bytes() -> None:
     config = MasterServerConfig(rpc_port=0, admin_port=0, enable_http_metadata=False,
                                 tick_interval_s=0.05, token=None)

@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
+
 from kvpool.store import ClientConfig, StoreClient
 from kvpool.store.node.ssd import SUFFIX
 from kvpool.store.wire.codes import ErrorCode, Tier
@@ -191,6 +193,7 @@ def test_objects_on_disk_survive_a_master_restart(tmp_path: Path) -> None:
         cluster.check_integrity()
 
 
+@pytest.mark.slow  # 11 s; draining is in the default suite without a disk tier
 def test_draining_a_disk_node_moves_its_disk_only_objects(tmp_path: Path) -> None:
     """`kvpool store-node drain` of a node with a disk tier: objects that live only on its
     disk are loaded into another node's DRAM and moved; after kill -9 every one reads back."""

@@ -1,0 +1,120 @@
+"""`kvpool bench migration`: what a decode worker's death costs a stream that is handed over.
+
+One real cluster (master, store node, a prefill worker, the proxy) on the tiny model, with
+decode workers started as needed. Each run streams a greedy completion, SIGKILLs the decode
+worker serving it after `--kill-at` tokens, and starts a replacement for the next run. Per
+run: the gap between the last token before the kill and the first one after it (the
+resumed worker loads the prompt's blocks from the pool and recomputes the tokens sent), beside
+the stream's ordinary inter-token gaps in the same run; whether the text equals an undisturbed
+run's. p50 / p99 over the runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("migration", help="the gap a stream sees when its decode worker dies")
+    p.add_argument("--runs", type=int, default=8)
+    p.add_argument("--kill-at", type=int, default=16, help="tokens streamed before the kill")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    from kvpool.serve.launch import ServingSpec, ensure_tiny_model, free_port, serving_cluster
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = ensure_tiny_model(Path(tmp) / "tiny")
+        spec = ServingSpec(model, port=free_port(), dram="64MiB", num_decode=2,
+                           proxy_args=("--no-access-log",))
+        with serving_cluster(spec) as cluster:
+            row = measure(cluster, args.runs, args.kill_at)
+    print(json.dumps(row) if args.json else _fmt(row), flush=True)
+    return 0
+
+
+def _fmt(row: dict[str, Any]) -> str:
+    return (f"resumed-stream gap p50 {row['gap_p50_ms']:.1f} ms, p99 {row['gap_p99_ms']:.1f} "
+            f"ms (ordinary gaps p50 {row['tbt_p50_ms']:.1f} ms, p99 {row['tbt_p99_ms']:.1f} "
+            f"ms); {row['exact']}/{row['runs']} streams equal to an undisturbed run")
+
+
+def measure(cluster: Any, runs: int, kill_at: int) -> dict[str, Any]:
+    from kvpool.metadata.http_serving import bearer_header
+    from kvpool.serve.launch import free_port, spawn, stop, wait_http
+    from kvpool.token import env_token
+
+    body = {"model": cluster.model_name, "prompt": "the cache " * 30, "max_tokens": kill_at * 4,
+            "ignore_eos": True, "temperature": 0}
+    url = cluster.proxy_url
+    whole = httpx.post(url + "/v1/completions", json=body, timeout=120).json()
+    expected = whole["choices"][0]["text"]
+    decode = [p for name, p in cluster.procs.items() if name.startswith("decode-")]
+    workers = dict(zip(cluster.worker_urls["decode"], decode, strict=True))
+    extra: list[subprocess.Popen[bytes]] = []
+    gaps, tbts, exact = [], [], 0
+    try:
+        for _ in range(runs):
+            stamps, texts = _stream_and_kill(url, body, kill_at, workers)
+            deltas = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+            gaps.append(deltas[kill_at - 1])
+            tbts += deltas[:kill_at - 1] + deltas[kill_at:]
+            exact += "".join(texts) == expected
+            port = free_port()  # a replacement, so that the next run has two again
+            proc = spawn("worker", "--role", "decode", "--model", str(cluster.model_dir),
+                         "--host", cluster.host, "--port", str(port),
+                         "--master", cluster.master_address)
+            extra.append(proc)
+            new = f"http://{cluster.host}:{port}"
+            wait_http(new + "/health", [proc], "a worker", 120)
+            workers[new] = proc
+            httpx.post(url + "/workers/register", json={"url": new},
+                       headers=bearer_header(env_token()))
+            time.sleep(1.0)  # joined by the proxy's poller
+    finally:
+        for proc in extra:
+            stop(proc)
+    q = statistics.quantiles
+    return {"runs": runs, "kill_at": kill_at, "exact": exact,
+            "gap_p50_ms": round(statistics.median(gaps) * 1e3, 1),
+            "gap_p99_ms": round(q(gaps, n=100)[98] * 1e3 if len(gaps) > 1 else gaps[0] * 1e3, 1),
+            "tbt_p50_ms": round(statistics.median(tbts) * 1e3, 1),
+            "tbt_p99_ms": round(q(tbts, n=100)[98] * 1e3, 1),
+            "gaps_ms": [round(g * 1e3, 1) for g in gaps]}
+
+
+def _stream_and_kill(url: str, body: dict[str, Any], kill_at: int,
+                     workers: dict[str, subprocess.Popen[bytes]]) -> tuple[list[float], list[str]]:
+    stamps: list[float] = []
+    texts: list[str] = []
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True},
+                      timeout=120) as resp:
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            stamps.append(time.perf_counter())
+            texts.append(json.loads(line[6:])["choices"][0]["text"])
+            if len(texts) == kill_at:
+                _kill_the_busy_decode_worker(url, workers)
+    return stamps, texts
+
+
+def _kill_the_busy_decode_worker(url: str, workers: dict[str, subprocess.Popen[bytes]]) -> None:
+    """SIGKILL the decode worker of `workers` (URL -> process) that runs a request now."""
+    for worker, proc in workers.items():
+        if proc.poll() is None and httpx.get(worker + "/load", timeout=5).json()["num_running"]:
+            proc.send_signal(signal.SIGKILL)
+            return
+    raise RuntimeError("no decode worker runs the request")
