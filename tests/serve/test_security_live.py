@@ -23,6 +23,7 @@ import httpx
 import openai
 import pytest
 
+from kvpool.bench.attacks import closed_by_peer
 from kvpool.serve.launch import ServingCluster, free_port, spawn, stop
 from tests.serve.conftest import start_proxy
 
@@ -453,16 +454,6 @@ def test_an_impostor_on_a_dead_workers_port_gets_no_token(tiny_model: Path) -> N
 # ---------------------------------------------------------------- bounded HTTP
 
 
-def _closed_by_peer(sock: socket.socket) -> bool:
-    try:
-        sock.setblocking(False)
-        return sock.recv(1) == b""
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
-
-
 def test_silent_and_trickling_connections_do_not_lock_clients_out(
         cluster: ServingCluster) -> None:
     proc, url = start_proxy(cluster.model_dir, "--max-connections", "32", *_workers(cluster))
@@ -488,7 +479,7 @@ def test_silent_and_trickling_connections_do_not_lock_clients_out(
                 s.sendall(b"O")
             except OSError:
                 pass
-        closed = sum(_closed_by_peer(s) for s in socks)
+        closed = sum(closed_by_peer(s) for s in socks)
         assert closed >= 32, f"only {closed} of 64 idle connections were closed"
     finally:
         for s in socks:
@@ -511,7 +502,7 @@ def test_a_head_that_trickles_is_cut_off(proxy_url: str) -> None:
             except OSError:
                 closed_at = time.monotonic()
                 break
-            if _closed_by_peer(s):
+            if closed_by_peer(s):
                 closed_at = time.monotonic()
                 break
             s.setblocking(True)

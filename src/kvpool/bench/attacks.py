@@ -174,13 +174,14 @@ def _sockets(url: str, count: int, trickle: bool) -> Iterator[Counter[str]]:
         yield outcomes
     finally:
         done.set()
-        outcomes["closed by the proxy"] += sum(_closed(s) for s in socks)
+        outcomes["closed by the proxy"] += sum(closed_by_peer(s) for s in socks)
         outcomes["still open"] = len(socks) - outcomes["closed by the proxy"]
         for s in socks:
             s.close()
 
 
-def _closed(sock: socket.socket) -> bool:
+def closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the other end has closed `sock` (it reads EOF, or an error), without waiting."""
     try:
         sock.setblocking(False)
         return sock.recv(1) == b""

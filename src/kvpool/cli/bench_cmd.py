@@ -15,6 +15,7 @@ _BENCH_MODULES = (
     "kvpool.bench.engine",
     "kvpool.bench.faults",
     "kvpool.bench.attacks",
+    "kvpool.bench.migration",
 )
 
 
