@@ -26,7 +26,7 @@ from tests.support.procs import python_env
 CLIENT = r"""
 import json, sys, time
 import httpx
-from kvpool.bench.faults_procs import content
+from kvpool.bench.faults_procs import content, tally_reads
 from kvpool.store.client.config import ClientConfig
 from kvpool.store.client.store_client import StoreClient
 from kvpool.store.config import ReplicateConfig
@@ -48,12 +48,7 @@ def on_b():
     (seg,) = [s for s in segments() if str(s["endpoint"]).startswith(addr_b)]
     return ReplicateConfig(preferred_segment=str(seg["endpoint"]))
 def read(keys, size):
-    codes, wrong = {}, 0
-    for k in keys:
-        got = store.get(k)
-        codes[got.code.name] = codes.get(got.code.name, 0) + 1
-        wrong += got.ok and got.data != content(k, size)
-    return {"codes": codes, "wrong": wrong}
+    return tally_reads(store, keys, size)
 def put(keys, size, cfg):
     return sum(store.put(k, content(k, size), cfg).ok for k in keys)
 both = [f"r{i}" for i in range(30)]

@@ -57,7 +57,7 @@ CUT_HOST = 1
 PROBE = r"""
 import json, sys
 import httpx
-from kvpool.bench.faults_procs import content
+from kvpool.bench.faults_procs import content, tally_reads
 from kvpool.metadata.http_serving import bearer_header
 from kvpool.store.client.config import ClientConfig
 from kvpool.store.client.store_client import StoreClient
@@ -71,12 +71,7 @@ endpoints = sorted(s["endpoint"] for s in httpx.get(admin + "/segments", headers
 store = StoreClient(ClientConfig(master=master, local_hostname=me, rpc_timeout_s=3.0,
                                  transfer_timeout_s=3.0))
 def read(keys, size):
-    codes, wrong = {}, 0
-    for k in keys:
-        got = store.get(k)
-        codes[got.code.name] = codes.get(got.code.name, 0) + 1
-        wrong += got.ok and got.data != content(k, size)
-    return {"codes": codes, "wrong": wrong}
+    return tally_reads(store, keys, size)
 if mode == "routes":
     out = {"identity": host_identity(), "wrong": 0, "host_ids": {}}
     for ep in endpoints:

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from kvpool.procs import free_port, stop, wait_port
 from kvpool.store.client.config import ClientConfig
@@ -32,6 +33,18 @@ def content(key: str, size: int) -> bytes:
     """The bytes stored under `key`: derived from the key alone, so any reader can check them."""
     seed = hashlib.blake2b(key.encode(), digest_size=64).digest()
     return (seed * (size // 64 + 1))[:size]
+
+
+def tally_reads(store: Any, keys: list[str], size: int) -> dict[str, Any]:
+    """Read each of `keys` with `store.get`: the count of each result code, and how many
+    reads were OK but not `content(key, size)` (must be 0)."""
+    codes: dict[str, int] = {}
+    wrong = 0
+    for key in keys:
+        got = store.get(key)
+        codes[got.code.name] = codes.get(got.code.name, 0) + 1
+        wrong += bool(got.ok and got.data != content(key, size))
+    return {"codes": codes, "wrong": wrong}
 
 
 def spawn_kvpool(*args: str, quiet: bool = True) -> subprocess.Popen[bytes]:
