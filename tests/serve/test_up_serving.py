@@ -51,6 +51,13 @@ def test_up_serves_and_sigterm_stops_everything(cache_home: Path, tmp_path: Path
         reap(proc, marker)
 
 
+def _token_header(text: str) -> dict[str, str]:
+    """The bearer header of the token a `kvpool up` made (its banner names the file)."""
+    found = re.search(r"export KVPOOL_TOKEN=\$\(cat (\S+)\)", text)
+    assert found, text
+    return {"Authorization": f"Bearer {Path(found.group(1)).read_text().strip()}"}
+
+
 def _check_default_token(text: str, proxy_url: str) -> Path:
     """A `kvpool up` given no token made one: a 0600 file named in its ready line, which
     every worker and the proxy's admin endpoints require (the OpenAI API itself is open)."""
@@ -106,7 +113,8 @@ def test_up_runs_an_emulated_fleet(cache_home: Path, tmp_path: Path) -> None:
         url = f"http://127.0.0.1:{port}"
         wait_ready(proc, url, log)
         workers = re.findall(r"prefill\s+workers\s+(\S+)", log.read_text())
-        info = httpx.get(workers[0] + "/info", timeout=10).json()
+        info = httpx.get(workers[0] + "/info", timeout=10,
+                         headers=_token_header(log.read_text())).json()
         assert info["engine"]["kind"] == "emulated" and info["engine"]["speed_up"] == 20
         prompt = [16 + i * 31 % 400 for i in range(2000)]
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
