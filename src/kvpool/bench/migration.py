@@ -3,10 +3,10 @@
 One real cluster (master, store node, a prefill worker, the proxy) on the tiny model, with
 decode workers started as needed. Each run streams a greedy completion, SIGKILLs the decode
 worker serving it after `--kill-at` tokens, and starts a replacement for the next run. Per
-run: the gap between the last token before the kill and the first one after it (the
+run: the longest pause of the stream after the kill (the proxy sees the stream break, the
 resumed worker loads the prompt's blocks from the pool and recomputes the tokens sent), beside
-the stream's ordinary inter-token gaps in the same run; whether the text equals an undisturbed
-run's. p50 / p99 over the runs.
+the inter-token gaps of an undisturbed stream of the same request in the same run; whether the
+text equals the undisturbed one. p50 / p99 over the runs.
 """
 
 from __future__ import annotations
@@ -56,21 +56,21 @@ def measure(cluster: Any, runs: int, kill_at: int) -> dict[str, Any]:
     from kvpool.serve.launch import free_port, spawn, stop, wait_http
     from kvpool.token import env_token
 
-    body = {"model": cluster.model_name, "prompt": "the cache " * 30, "max_tokens": kill_at * 4,
+    body = {"model": cluster.model_name, "prompt": "the cache " * 30, "max_tokens": 256,
             "ignore_eos": True, "temperature": 0}
     url = cluster.proxy_url
-    whole = httpx.post(url + "/v1/completions", json=body, timeout=120).json()
-    expected = whole["choices"][0]["text"]
+    base_stamps, base_texts = _stream_and_kill(url, body, 0, workers={})
+    expected = "".join(base_texts)
+    tbts = [b - a for a, b in zip(base_stamps, base_stamps[1:], strict=False)]
     decode = [p for name, p in cluster.procs.items() if name.startswith("decode-")]
     workers = dict(zip(cluster.worker_urls["decode"], decode, strict=True))
     extra: list[subprocess.Popen[bytes]] = []
-    gaps, tbts, exact = [], [], 0
+    gaps, exact = [], 0
     try:
         for _ in range(runs):
             stamps, texts = _stream_and_kill(url, body, kill_at, workers)
             deltas = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
-            gaps.append(deltas[kill_at - 1])
-            tbts += deltas[:kill_at - 1] + deltas[kill_at:]
+            gaps.append(max(deltas[kill_at - 1:]))  # the pause that follows the kill
             exact += "".join(texts) == expected
             port = free_port()  # a replacement, so that the next run has two again
             proc = spawn("worker", "--role", "decode", "--model", str(cluster.model_dir),
@@ -106,15 +106,16 @@ def _stream_and_kill(url: str, body: dict[str, Any], kill_at: int,
                 continue
             stamps.append(time.perf_counter())
             texts.append(json.loads(line[6:])["choices"][0]["text"])
-            if len(texts) == kill_at:
-                _kill_the_busy_decode_worker(url, workers)
+            if kill_at and len(texts) == 1:
+                victim = _busy_decode_worker(workers)
+            if kill_at and len(texts) == kill_at:
+                victim.send_signal(signal.SIGKILL)
     return stamps, texts
 
 
-def _kill_the_busy_decode_worker(url: str, workers: dict[str, subprocess.Popen[bytes]]) -> None:
-    """SIGKILL the decode worker of `workers` (URL -> process) that runs a request now."""
+def _busy_decode_worker(workers: dict[str, subprocess.Popen[bytes]]) -> subprocess.Popen[bytes]:
+    """The decode worker of `workers` (URL -> process) that runs a request now."""
     for worker, proc in workers.items():
         if proc.poll() is None and httpx.get(worker + "/load", timeout=5).json()["num_running"]:
-            proc.send_signal(signal.SIGKILL)
-            return
+            return proc
     raise RuntimeError("no decode worker runs the request")
