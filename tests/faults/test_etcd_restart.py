@@ -48,7 +48,8 @@ def watch_terms(pair: HaPair, etcd: EtcdProcess, term1: int, until: float) -> No
     assert terms == sorted(terms), f"terms went back: {terms}"
 
 
-@pytest.mark.parametrize("down_s", [0.5, pytest.param(4.0, marks=pytest.mark.slow)])
+@pytest.mark.slow  # 16 s and more; the HA failover over etcd stays in the default suite
+@pytest.mark.parametrize("down_s", [0.5, 4.0])
 def test_etcd_restart_keeps_one_leader_and_every_object(tmp_path: Path, down_s: float) -> None:
     with ExitStack() as stack:
         etcd = EtcdProcess(stack).start()

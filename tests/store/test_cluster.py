@@ -120,6 +120,7 @@ def test_kill_store_node_replicated_survive_unreplicated_vanish() -> None:
         cluster.check_integrity()
 
 
+@pytest.mark.slow  # 12 s; test_kill_store_node_replicated_survive_unreplicated_vanish stays
 def test_kill_store_node_mid_workload() -> None:
     with store_cluster(2, "64MiB", "--client_ttl", "1") as cluster:
         procs = start_workers(cluster, 3, 0, 2, seconds=4.0)

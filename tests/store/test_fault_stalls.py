@@ -157,6 +157,7 @@ def test_master_stall_past_client_ttl_loses_nothing() -> None:
         cluster.check_integrity()
 
 
+@pytest.mark.slow  # 18 s
 def test_master_restart_nodes_mount_and_publish_again_within_seconds() -> None:
     with store_cluster(2, "8MiB", http_metadata=True) as cluster:
         cluster.kill_master()

@@ -173,6 +173,7 @@ def _name(key: str) -> str:
     return file_name(key)
 
 
+@pytest.mark.slow  # 12 s
 def test_objects_on_disk_survive_a_master_restart(tmp_path: Path) -> None:
     keys = [f"mr-{i}" for i in range(32)]
     with ssd_cluster(tmp_path) as (cluster, client):
