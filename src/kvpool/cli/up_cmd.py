@@ -101,6 +101,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="--store-only --demo: skip the transfer benchmark")
     add_security_args(p, "every process of the cluster requires (default: a random one "
                       "made at start, except with --store-only)")
+    _add_layout_args(p)
+    p.set_defaults(func=run)
+
+
+def _add_layout_args(p: argparse.ArgumentParser) -> None:
+    """Where the cluster runs and whether it has a token."""
     p.add_argument("--hosts", type=int, default=0, metavar="N",
                    help="run over N >= 3 emulated hosts (network namespaces on a bridge, "
                         "each with its own /dev/shm; needs root): every cross-host byte on tcp")
@@ -109,7 +115,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-token", action="store_true",
                    help="serve without a token, as Mooncake does (its engines' connectors "
                         "carry none): any local process can then read and overwrite the pool")
-    p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:

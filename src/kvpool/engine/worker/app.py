@@ -53,20 +53,13 @@ def _target(request: Request) -> str:
     return request.scope["path"] + (f"?{query}" if query else "")
 
 
-def create_app(worker: Worker, now: Callable[[], float] = time.time) -> FastAPI:
-    """`now`: wall-clock seconds, for the time window of signed calls."""
-    role = worker.config.role
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        yield
-        await worker.close()
-
+def _authorizer(worker: Worker, now: Callable[[], float]) -> Callable[[Request], Any]:
+    """The app-wide dependency that admits a call: the token as a bearer (local tools) or a
+    call signed with it (the proxy); the challenge and /health are open."""
     seen = auth.SeenNonces()
     refusals = RateLimitedLog(log, 5.0)
 
     async def authorized(request: Request) -> None:
-        """The token, as a bearer (local tools) or as a call signed with it (the proxy)."""
         token = worker.config.token
         if request.url.path in OPEN_PATHS or not token:
             return
@@ -83,8 +76,20 @@ def create_app(worker: Worker, now: Callable[[], float] = time.time) -> FastAPI:
         if not bearer_matches(header, token):
             raise _Unauthorized()
 
+    return authorized
+
+
+def create_app(worker: Worker, now: Callable[[], float] = time.time) -> FastAPI:
+    """`now`: wall-clock seconds, for the time window of signed calls."""
+    role = worker.config.role
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await worker.close()
+
     app = FastAPI(title=f"kvpool worker ({role})", lifespan=lifespan,
-                  dependencies=[Depends(authorized)])
+                  dependencies=[Depends(_authorizer(worker, now))])
 
     @app.exception_handler(_Unauthorized)
     async def unauthorized(_: Request, __: Exception) -> JSONResponse:
