@@ -176,3 +176,18 @@ def test_readers_get_in_while_the_forward_runs(tiny_llama: Path) -> None:
         eng.state_lock.release()
     t.join(5)
     assert got, "the forward held the state lock"
+
+
+@pytest.mark.parametrize("field", ["stop_token_ids", "logit_bias"])
+def test_list_valued_sampling_params_are_capped(field: str) -> None:
+    big = tuple(range(1025)) if field == "stop_token_ids" else dict.fromkeys(range(1025), 1.0)
+    with pytest.raises(ConfigError, match=f"{field} takes at most 1024 entries, got 1025"):
+        SamplingParams(**{field: big})
+
+
+def test_min_tokens_mask_and_bias_skip_ids_beyond_the_vocabulary(tiny_llama: Path) -> None:
+    stops = (*range(100_000, 101_000), 321)
+    out = engine(tiny_llama).generate([prompt(9, 4)], SamplingParams(
+        max_tokens=6, min_tokens=4, stop_token_ids=stops,
+        logit_bias={321: 100.0, 10**6: 1.0}))[0]
+    assert out == [*out[:4], 321] and 321 not in out[:4]

@@ -70,6 +70,20 @@ def test_bad_completion_bodies_fail_validation(body: dict[str, object]) -> None:
         CompletionRequest.model_validate(body)
 
 
+@pytest.mark.parametrize(("body", "field", "limit"), [
+    ({"stop_token_ids": list(range(400_000))}, "stop_token_ids", "at most 1024"),
+    ({"logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias", "at most 1024"),
+])
+def test_list_valued_sampling_fields_are_capped(body: dict[str, object], field: str,
+                                                limit: str) -> None:
+    with pytest.raises(ValidationError, match=limit) as err:
+        CompletionRequest.model_validate({"model": "m", "prompt": "x", **body})
+    assert err.value.errors()[0]["loc"][0] == field
+    ok = {k: (v[:1024] if isinstance(v, list) else dict(list(v.items())[:1024]))
+          for k, v in body.items()}
+    CompletionRequest.model_validate({"model": "m", "prompt": "x", **ok})
+
+
 def test_chat_needs_messages() -> None:
     with pytest.raises(ValidationError):
         ChatRequest.model_validate({"model": "m", "messages": []})

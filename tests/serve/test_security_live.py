@@ -548,3 +548,73 @@ def test_a_body_that_trickles_gets_a_408(proxy_url: str) -> None:
     assert 29 <= elapsed <= 35
     err = json.loads(got.split(b"\r\n\r\n", 1)[1])["error"]
     assert err["code"] == "request_timeout"
+
+
+# ---------------------------------------------------------------- nothing read before auth
+
+
+def _rss_kib(port: int) -> int:
+    """The resident size of the process whose command line names `--port port`."""
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"worker" in args and str(port).encode() in args:
+            status = (cmdline.parent / "status").read_text()
+            return int(status.split("VmRSS:")[1].split()[0])
+    raise AssertionError(f"no worker process on port {port}")
+
+
+def _post_raw(url: str, authorization: str, declared: int | None, body_mib: int) -> tuple[int, int]:
+    """POST /generate sending up to `body_mib` MiB (chunked unless `declared`) until the
+    worker answers: (status, MiB sent before the answer)."""
+    host, port = url.removeprefix("http://").split(":")
+    length = f"Content-Length: {declared}" if declared else "Transfer-Encoding: chunked"
+    head = (f"POST /generate HTTP/1.1\r\nHost: {host}:{port}\r\nAuthorization: {authorization}"
+            f"\r\nContent-Type: application/json\r\n{length}\r\n\r\n").encode()
+    chunk = b"x" * (1 << 20)
+    framed = chunk if declared else b"100000\r\n" + chunk + b"\r\n"
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(head)
+        sent = 0
+        for sent in range(body_mib):  # noqa: B007
+            try:
+                sock.settimeout(0.0)
+                if sock.recv(64, socket.MSG_PEEK):
+                    break
+            except BlockingIOError:
+                pass
+            except OSError:
+                break
+            sock.settimeout(30)
+            try:
+                sock.sendall(framed)
+            except OSError:
+                break
+        sock.settimeout(30)
+        reply = b""
+        while b"\r\n" not in reply:
+            part = sock.recv(4096)
+            if not part:
+                break
+            reply += part
+    return int(reply.split(b" ")[1]), sent
+
+
+def test_unauthenticated_bodies_are_refused_before_they_are_read(tokened_worker: str) -> None:
+    """A made-up header is a 401 before any body byte is read; a plausible signed header gets at
+    most MAX_CALL_BODY_BYTES read (8 MiB) before a 413: the worker does not grow with the body."""
+    from kvpool.engine.worker import auth
+    port = int(tokened_worker.rsplit(":", 1)[1])
+    before = _rss_kib(port)
+    stale = f"{auth.SCHEME} ts=1,nonce=ab,name=127.0.0.1:{port},sig=00"
+    assert _post_raw(tokened_worker, stale, 384 << 20, 384)[0] == 401
+    status, sent = _post_raw(tokened_worker, "Bearer wrong", None, 64)
+    assert status == 401 and sent < 32
+    fresh = f"{auth.SCHEME} ts={time.time():.3f},nonce=ab,name=127.0.0.1:{port},sig=00"
+    assert _post_raw(tokened_worker, fresh, 384 << 20, 384)[0] == 413
+    status, sent = _post_raw(tokened_worker, fresh, None, 64)
+    assert status == 413 and sent < 32
+    assert _rss_kib(port) - before < 16 << 10
+    assert httpx.get(tokened_worker + "/load", headers=AUTH, timeout=10).status_code == 200

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 from kvpool.errors import ConfigError
@@ -143,6 +144,12 @@ MAX_LOGPROBS = 20
 MAX_SALT_CHARS = 512
 """The longest cache_salt the engine takes (a request's own, within its tenant's: half each)."""
 
+MAX_STOP_TOKEN_IDS = 1024
+"""The most stop_token_ids one request may give: bounds the work of its min_tokens mask."""
+
+MAX_LOGIT_BIAS = 1024
+"""The most logit_bias entries one request may give: bounds the work of applying them."""
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -209,10 +216,32 @@ class SamplingParams:
                 raise ConfigError(f"{name} must be in -2..2, got {getattr(self, name)}")
         if self.repetition_penalty <= 0:
             raise ConfigError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name, cap in (("stop_token_ids", MAX_STOP_TOKEN_IDS), ("logit_bias", MAX_LOGIT_BIAS)):
+            if len(getattr(self, name)) > cap:
+                raise ConfigError(f"{name} takes at most {cap} entries, got "
+                                  f"{len(getattr(self, name))}")
         bad = {t: b for t, b in self.logit_bias.items() if t < 0 or not -100 <= b <= 100}
         if bad:
             raise ConfigError(f"logit_bias needs token ids >= 0 and biases in -100..100; got "
                               f"{dict(list(bad.items())[:3])}")
+
+    @cached_property
+    def stop_set(self) -> frozenset[int]:
+        """stop_token_ids as a set, made once: the per-step stop check is one lookup."""
+        return frozenset(self.stop_token_ids)
+
+    @cached_property
+    def stop_tensor(self) -> Any:
+        """stop_token_ids as a torch tensor, made once per request (the min_tokens mask)."""
+        import torch
+        return torch.tensor(self.stop_token_ids, dtype=torch.long)
+
+    @cached_property
+    def bias_tensors(self) -> tuple[Any, Any]:
+        """logit_bias as (ids, biases) torch tensors, made once per request."""
+        import torch
+        ids = torch.tensor(list(self.logit_bias), dtype=torch.long)
+        return ids, torch.tensor(list(self.logit_bias.values()), dtype=torch.float32)
 
     @property
     def needs_logits(self) -> bool:

@@ -197,7 +197,7 @@ class EngineCore:
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.sampling
-        stops = token in params.stop_token_ids or (token in self.eos_ids and not params.ignore_eos)
+        stops = token in params.stop_set or (token in self.eos_ids and not params.ignore_eos)
         if stops and len(seq.output_ids) > params.min_tokens:
             return "stop"
         if seq.prefill_only or len(seq.output_ids) >= params.max_tokens:

@@ -38,13 +38,15 @@ def processed(logits: torch.Tensor, seq: Sequence, eos_ids: Collection[int]) -> 
     out = logits
     if p.logit_bias:
         out = out.clone()
-        ids = [t for t in p.logit_bias if t < out.numel()]
-        out[ids] += torch.tensor([p.logit_bias[t] for t in ids], dtype=out.dtype,
-                                 device=out.device)
+        ids, biases = p.bias_tensors
+        keep = ids < out.numel()
+        out[ids[keep]] += biases[keep].to(dtype=out.dtype, device=out.device)
     if len(seq.output_ids) < p.min_tokens:
-        banned = {*p.stop_token_ids, *([] if p.ignore_eos else eos_ids)}
         out = out.clone() if out is logits else out
-        out[[t for t in banned if t < out.numel()]] = float("-inf")
+        stops = p.stop_tensor
+        out[stops[stops < out.numel()]] = float("-inf")
+        if not p.ignore_eos:
+            out[[t for t in eos_ids if t < out.numel()]] = float("-inf")
     if p.repetition_penalty != 1.0:
         out = _repetition(out, seq.token_ids, p.repetition_penalty)
     if (p.presence_penalty or p.frequency_penalty) and seq.output_ids:

@@ -9,7 +9,13 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from kvpool.engine.config import MAX_LOGPROBS, MAX_SALT_CHARS, SamplingParams
+from kvpool.engine.config import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_SALT_CHARS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
 
 SSE_DONE = b"data: [DONE]\n\n"
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
@@ -72,7 +78,7 @@ class _Sampling(BaseModel):
     top_k: int = Field(default=-1, ge=-1)
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[int] | None = Field(default=None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -105,6 +111,8 @@ class _Sampling(BaseModel):
     @field_validator("logit_bias")
     @classmethod
     def _bias_range(cls, v: dict[int, float] | None) -> dict[int, float] | None:
+        if len(v or {}) > MAX_LOGIT_BIAS:
+            raise ValueError(f"takes at most {MAX_LOGIT_BIAS} entries, got {len(v or {})}")
         bad = [k for k, b in (v or {}).items() if k < 0 or not -100 <= b <= 100]
         if bad:
             raise ValueError(f"needs token ids >= 0 and biases in -100..100 (token {bad[0]})")

@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from kvpool.engine.core import StepOutput
 from kvpool.engine.worker import auth
 from kvpool.engine.worker.auth import CHALLENGE_PATH
+from kvpool.engine.worker.gate import GateIdentity, PreAuthGate
 from kvpool.engine.worker.messages import (
     AbortReply,
     AbortRequest,
@@ -90,6 +91,8 @@ def create_app(worker: Worker, now: Callable[[], float] = time.time) -> FastAPI:
 
     app = FastAPI(title=f"kvpool worker ({role})", lifespan=lifespan,
                   dependencies=[Depends(_authorizer(worker, now))])
+    app.add_middleware(PreAuthGate, now=now, open_paths=OPEN_PATHS, identity=lambda: GateIdentity(
+        worker.config.token, worker.config.host, worker.config.port))
 
     @app.exception_handler(_Unauthorized)
     async def unauthorized(_: Request, __: Exception) -> JSONResponse:

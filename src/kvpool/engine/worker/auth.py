@@ -159,21 +159,31 @@ class SeenNonces:
         return True
 
 
-def check_signed(token: str, header: str, method: str, target: str, body: bytes,
-                 host: str, port: int, now: float, seen: SeenNonces) -> None:
-    """AuthError unless `header` is a fresh, unreplayed signature of this call, made for
-    this worker's name with `token`."""
+def check_signed_head(header: str, host: str, port: int, now: float) -> dict[str, str]:
+    """The fields of a signed call's header (ts, nonce, name, sig); AuthError unless it is in
+    its time window and names this worker. Needs no body: checked before one is read."""
     scheme, _, rest = header.partition(" ")
-    fields = dict(part.partition("=")[::2] for part in rest.split(","))
-    ts, nonce, name, sig = (fields.get(k, "") for k in ("ts", "nonce", "name", "sig"))
+    parsed = dict(part.partition("=")[::2] for part in rest.split(","))
+    fields = {k: parsed.get(k, "") for k in ("ts", "nonce", "name", "sig")}
     try:
-        stamp = float(ts)
+        stamp = float(fields["ts"])
     except ValueError:
         raise AuthError("signed call without a timestamp") from None
     if scheme != SCHEME or abs(now - stamp) > SIGNATURE_WINDOW_S:
         raise AuthError("signed call outside its time window")
-    if not is_own_name(name, host, port):
-        raise AuthError(f"signed call for {name!r}, not this worker")
+    if not is_own_name(fields["name"], host, port):
+        raise AuthError(f"signed call for {fields['name']!r}, not this worker")
+    if not fields["nonce"] or not fields["sig"]:
+        raise AuthError("signed call without a nonce or signature")
+    return fields
+
+
+def check_signed(token: str, header: str, method: str, target: str, body: bytes,
+                 host: str, port: int, now: float, seen: SeenNonces) -> None:
+    """AuthError unless `header` is a fresh, unreplayed signature of this call, made for
+    this worker's name with `token`."""
+    fields = check_signed_head(header, host, port, now)
+    ts, nonce, name, sig = (fields[k] for k in ("ts", "nonce", "name", "sig"))
     expected = _call_mac(token, method, target, ts, nonce, name, body)
     if not hmac.compare_digest(expected.encode(), sig.encode()):
         raise AuthError("wrong call signature")
