@@ -216,16 +216,7 @@ def tokened_worker(tiny_model: Path) -> Iterator[str]:
                  "127.0.0.1", "--port", str(port), "--token", TOKEN)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, f"worker exited with {proc.returncode}"
-            assert time.monotonic() < deadline, "the worker did not start"
-            try:
-                if httpx.get(url + "/health", headers=AUTH, timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        _wait_healthy(proc, url)
         yield url
     finally:
         stop(proc)
@@ -618,3 +609,60 @@ def test_unauthenticated_bodies_are_refused_before_they_are_read(tokened_worker:
     assert status == 413 and sent < 32
     assert _rss_kib(port) - before < 16 << 10
     assert httpx.get(tokened_worker + "/load", headers=AUTH, timeout=10).status_code == 200
+
+
+def test_push_mode_signs_its_worker_calls(tokened_worker: str, tiny_model: Path) -> None:
+    """A prefill worker pushing KV calls the decode worker's /kv/reserve signed, never with
+    the token as a bearer: a recorder in the decode worker's place sees no token, and a real
+    decode worker that holds it admits the call (the pushed output equals the colocated one)."""
+    from kvpool.engine.config import SamplingParams
+    from kvpool.engine.worker.client import generate
+    from kvpool.errors import WorkerCallError
+    port = free_port()
+    proc = spawn("worker", "--role", "prefill", "--model", str(tiny_model), "--host",
+                 "127.0.0.1", "--port", str(port), "--token", TOKEN)
+    prefill = f"http://127.0.0.1:{port}"
+    seen: list[Seen] = []
+
+    class Recorder(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            body = self.rfile.read(int(self.headers.get("content-length") or 0))
+            seen.append(Seen("POST", self.path, dict(self.headers), body))
+            self.send_response(500)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *_: Any) -> None:
+            pass
+
+    recorder = ThreadingHTTPServer(("127.0.0.1", 0), Recorder)
+    threading.Thread(target=recorder.serve_forever, daemon=True).start()
+    try:
+        _wait_healthy(proc, prefill)
+        prompt, sampling = list(range(5, 40)), SamplingParams(max_tokens=6, ignore_eos=True)
+        with pytest.raises(WorkerCallError):
+            generate(prompt, sampling, prefill_url=prefill, mode="push", token=TOKEN,
+                     decode_url=f"http://127.0.0.1:{recorder.server_address[1]}")
+        assert [s.path for s in seen][:1] == ["/kv/reserve"]
+        assert all(TOKEN not in repr(s) for s in seen)
+        assert all(s.headers["Authorization"].startswith("KvpoolHMAC ") for s in seen)
+        pushed = generate(prompt, sampling, prefill_url=prefill, decode_url=tokened_worker,
+                          mode="push", token=TOKEN)
+        alone = generate(prompt, sampling, decode_url=tokened_worker, token=TOKEN)
+        assert pushed.token_ids == alone.token_ids and len(pushed.token_ids) == 6
+    finally:
+        recorder.shutdown()
+        stop(proc)
+
+
+def _wait_healthy(proc: Any, url: str) -> None:
+    deadline = time.monotonic() + 90
+    while True:
+        assert proc.poll() is None, f"worker exited with {proc.returncode}"
+        assert time.monotonic() < deadline, "the worker did not start"
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)

@@ -6,17 +6,19 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
+from pydantic import BaseModel
 
 from kvpool.engine.blocks import request_key
 from kvpool.engine.config import EngineConfig, SamplingParams
 from kvpool.engine.core import EngineCore, StepOutput
 from kvpool.engine.sequence import KVSource, SeqStatus
+from kvpool.engine.worker import auth
 from kvpool.engine.worker.loop import EngineLoop
 from kvpool.engine.worker.messages import (
     AbortRequest,
@@ -32,7 +34,7 @@ from kvpool.engine.worker.messages import (
 from kvpool.engine.worker.pool import PoolConnector, PoolPlan, PushPlan, push_parts
 from kvpool.errors import ConfigError, InvalidArgument, KvpoolError, RequestFailed, ShuttingDown
 from kvpool.log import get_logger
-from kvpool.metadata.http_serving import CLIENT_KEEPALIVE_S, bearer_header
+from kvpool.metadata.http_serving import CLIENT_KEEPALIVE_S
 
 log = get_logger("engine.worker")
 ROLES = ("prefill", "decode", "both")
@@ -95,7 +97,9 @@ def make_engine(config: WorkerConfig) -> EngineCore:
 
 
 class Worker:
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig, wall_clock: Callable[[], float] = time.time) -> None:
+        self.wall_clock = wall_clock
+        """Unix seconds, for the time window of the calls it signs to other workers."""
         self.config = config
         self.store, self.transfer = self._connect()
         self.engine = make_engine(config)
@@ -107,7 +111,7 @@ class Worker:
         self.epoch = uuid.uuid4().hex
         """Names this process's block-event numbering (a restarted worker starts anew)."""
         self.loop = EngineLoop(self.engine, on_idle=self._expire).start()
-        self.http = httpx.AsyncClient(timeout=config.remote_timeout_s, headers=self._auth(),
+        self.http = httpx.AsyncClient(timeout=config.remote_timeout_s,
                                       limits=httpx.Limits(keepalive_expiry=CLIENT_KEEPALIVE_S))
 
     def _connect(self) -> tuple[Any, Any]:
@@ -125,8 +129,15 @@ class Worker:
                                          transfer_timeout_s=c.remote_timeout_s))
         return store, store.engine
 
-    def _auth(self) -> dict[str, str]:
-        return bearer_header(self.config.token)
+    async def _call_worker(self, base_url: str, path: str, msg: BaseModel) -> httpx.Response:
+        """POST `msg` to another worker, signed with the cluster token as the proxy signs its
+        calls (auth.sign): the token itself never goes on the wire."""
+        body, url = msg.model_dump_json().encode(), base_url.rstrip("/")
+        headers = {"Content-Type": "application/json"}
+        if self.config.token:
+            headers["Authorization"] = auth.sign(self.config.token, "POST", url, path, body,
+                                                 self.wall_clock())
+        return await self.http.post(url + path, content=body, headers=headers)
 
     async def close(self) -> None:
         await self.http.aclose()
@@ -234,9 +245,9 @@ class Worker:
         raise RequestFailed(f"request {request_id} ended without a token")
 
     async def _reserve(self, decode_url: str, request_id: str, num_tokens: int) -> PushPlan:
-        body = ReserveRequest(request_id=request_id, num_tokens=num_tokens).model_dump()
+        msg = ReserveRequest(request_id=request_id, num_tokens=num_tokens)
         try:
-            reply = await self.http.post(f"{decode_url.rstrip('/')}/kv/reserve", json=body)
+            reply = await self._call_worker(decode_url, "/kv/reserve", msg)
         except httpx.HTTPError as exc:
             raise RequestFailed(f"decode worker {decode_url} unreachable: "
                                 f"{type(exc).__name__}: {exc}") from exc
@@ -254,8 +265,7 @@ class Worker:
 
     async def _quietly_abort(self, url: str, request_id: str) -> None:
         try:
-            await self.http.post(f"{url.rstrip('/')}/abort",
-                                 json=AbortRequest(request_id=request_id).model_dump())
+            await self._call_worker(url, "/abort", AbortRequest(request_id=request_id))
         except httpx.HTTPError:
             pass
 
