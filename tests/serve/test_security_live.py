@@ -389,7 +389,10 @@ def test_admin_endpoints_need_the_token(tokened_proxy: str) -> None:
     assert httpx.get(tokened_proxy + "/stats/samples", headers=AUTH).status_code == 200
     m = httpx.get(tokened_proxy + "/metrics", headers=AUTH)
     assert m.status_code == 200 and "kvpool_proxy_requests_total" in m.text
-    assert httpx.get(tokened_proxy + "/health").status_code == 200
+    probe = httpx.get(tokened_proxy + "/health")  # open, but it names no worker
+    assert probe.status_code == 200 and probe.json() == {"ok": True}
+    detailed = httpx.get(tokened_proxy + "/health", headers=AUTH).json()
+    assert detailed["ok"] and list(detailed["workers"]) and detailed["prefill"] == 1
     # the registry refuses what is not a worker URL, even with the token
     for body in (b"{", b'{"nope": 1}', b'{"url": "ftp://x"}'):
         r = httpx.post(tokened_proxy + "/workers/register", content=body, headers=AUTH)

@@ -223,14 +223,18 @@ class Proxy:
         token = self.config.token
         return not token or bearer_matches(request.headers.get("authorization"), token)
 
-    def health(self) -> JSONResponse:
+    def health(self, detailed: bool) -> JSONResponse:
+        """Healthy or not; the counts and worker URLs only for a caller with the cluster
+        token (the probe is open, the cluster's layout is not)."""
         num_p = len(self.cluster.alive(PREFILL_ROLES))
         num_d = len(self.cluster.alive(DECODE_ROLES))
         ok = num_p > 0 and num_d > 0
-        return JSONResponse({"ok": ok, "prefill": num_p, "decode": num_d,
-                             "workers": {w.url: {"role": w.role, "alive": w.alive}
-                                         for w in self.cluster.workers.values()}},
-                            status_code=200 if ok else 503)
+        body: dict[str, Any] = {"ok": ok}
+        if detailed:
+            body |= {"prefill": num_p, "decode": num_d,
+                     "workers": {w.url: {"role": w.role, "alive": w.alive}
+                                 for w in self.cluster.workers.values()}}
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     def samples(self) -> dict[str, Any]:
         """What `kvpool bench serve` needs to simulate this proxy's cluster: the measured
@@ -365,8 +369,8 @@ def create_app(config: ProxyConfig, clock: Clock | None = None) -> FastAPI:
     _vllm_routes(app, proxy)
 
     @app.get("/health")
-    async def health() -> JSONResponse:
-        return proxy.health()
+    async def health(request: Request) -> JSONResponse:
+        return proxy.health(proxy.authorized(request))
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
