@@ -11,10 +11,11 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
+from kvpool.bench.attacks import closed_by_peer
 from kvpool.errors import MetadataError
 from kvpool.metadata import MetadataClientConfig, connect_metadata
 from kvpool.metadata.http_client import HttpMetadataBackend
-from kvpool.metadata.http_serving import HttpLimits
+from kvpool.metadata.http_serving import HttpLimits, descriptor_cap, limits_for_descriptors
 from kvpool.metadata.server import MetadataLimits, MetadataServer
 from tests.support.net import free_port, wait_port
 from tests.support.procs import running, spawn_kvpool
@@ -119,6 +120,28 @@ def test_concurrency_is_limited() -> None:
             sock.close()
         time.sleep(0.2)
         assert httpx.get(server.url, params={"key": "x"}).status_code == 404
+
+
+def test_bodies_stalled_past_the_head_deadline_give_way_at_the_limit() -> None:
+    """A body that has not come in within head_timeout_s holds its descriptor no better than
+    a trickled head: at the limit it is closed for a new connection."""
+    limits = HttpLimits(max_concurrency=3, idle_timeout_s=30, head_timeout_s=1.0)
+    with MetadataServer(port=0, http_limits=limits) as server:
+        stalled = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(3)]
+        for sock in stalled:
+            sock.sendall(b"PUT /metadata?key=b HTTP/1.1\r\nhost: x\r\n"
+                         b"content-length: 100\r\n\r\nxx")
+        time.sleep(1.3)
+        assert httpx.get(server.url, params={"key": "x"}, timeout=5).status_code == 404
+        assert sum(closed_by_peer(sock) for sock in stalled) >= 1
+        for sock in stalled:
+            sock.close()
+
+
+def test_the_connection_cap_stays_within_the_descriptors() -> None:
+    assert descriptor_cap(1024) == 768 and descriptor_cap(100) == 36 and descriptor_cap(10) == 8
+    assert limits_for_descriptors(HttpLimits(max_concurrency=1024), 1024).max_concurrency == 768
+    assert limits_for_descriptors(HttpLimits(max_concurrency=256), 1024).max_concurrency == 256
 
 
 def test_trickled_request_heads_are_cut_off_and_cannot_lock_clients_out() -> None:

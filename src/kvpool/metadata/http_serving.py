@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import uvicorn
@@ -100,11 +100,21 @@ class _SilentConnectionTimeout(H11Protocol):
         if self._waiting() and not self.transport.is_closing():
             self.transport.close()
 
+    def _stalled(self) -> bool:
+        """Waiting for a request, or for the rest of a body that has taken longer than a
+        head may (a body that trickles holds a descriptor like a head that does)."""
+        if self._waiting():
+            return True
+        cycle = self.cycle
+        return (cycle is not None and not cycle.response_started and cycle.more_body
+                and self.loop.time() - self.head_since > self.head_timeout_s)
+
     def _evict_waiting(self, count: int) -> None:
-        """Close up to `count` other connections, those waiting longest for a request first,
-        so that this one is under the limit when its request comes (busy ones stay)."""
+        """Close up to `count` other connections, those stalled longest first (waiting for
+        a request, or trickling a body), so that this one is under the limit when its
+        request comes (busy ones stay)."""
         waiting = sorted((c for c in self.connections if c is not self
-                          and isinstance(c, _SilentConnectionTimeout) and c._waiting()
+                          and isinstance(c, _SilentConnectionTimeout) and c._stalled()
                           and not c.transport.is_closing()), key=lambda c: c.head_since)
         if waiting:
             _evictions.warn("HTTP connections at the limit (%d): closing those waiting "
@@ -158,10 +168,28 @@ def raise_open_files_limit() -> int:
     return int(soft)
 
 
+def descriptor_cap(open_files: int) -> int:
+    """The most connections a server with `open_files` descriptors may hold: a quarter (at
+    least 64) is kept for what else it opens (worker connections, the pool, files), so that
+    at the cap it can still accept, and evict, rather than fail accept() in a loop."""
+    return max(8, open_files - max(64, open_files // 4))
+
+
+def limits_for_descriptors(limits: HttpLimits, open_files: int) -> HttpLimits:
+    """`limits` with max_concurrency lowered to what `open_files` descriptors allow."""
+    cap = descriptor_cap(open_files)
+    if limits.max_concurrency <= cap:
+        return limits
+    _log.warning("at most %d connections (not %d): %d open files allowed (ulimit -n)",
+                 cap, limits.max_concurrency, open_files)
+    return replace(limits, max_concurrency=cap)
+
+
 def serve(app: Any, host: str, port: int, limits: HttpLimits, **overrides: Any) -> None:
-    """Run `app` on host:port until stopped (SIGINT/SIGTERM), defended by `limits`, with its
-    lifespan: the way kvpool's long-running HTTP commands (proxy, worker) serve."""
-    raise_open_files_limit()
+    """Run `app` on host:port until stopped (SIGINT/SIGTERM), defended by `limits` (its
+    connection cap within the descriptors this process may open), with its lifespan: the
+    way kvpool's long-running HTTP commands (proxy, worker) serve."""
+    limits = limits_for_descriptors(limits, raise_open_files_limit())
     options = {"lifespan": "on", "host": host, "port": port, **overrides}
     QuietServer(uvicorn_config(app, limits, **options)).run()
 
