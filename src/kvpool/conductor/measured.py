@@ -118,7 +118,7 @@ def cost_note(cost: CostModel, source: str, input_len: int, prefix_len: int) -> 
              f"prefill={cost.prefill_with_load_s(input_len, prefix_len):.3f}s"]
     if isinstance(cost, MeasuredCostModel) and cost.fit is not None:
         env = cost.envelope_s(input_len, prefix_len)
-        words[5:5] = [f"residual={cost.fit.residual_s:.3g}s", f"samples={cost.fit.num_samples}",
+        words[4:4] = [f"residual={cost.fit.residual_s:.3g}s", f"samples={cost.fit.num_samples}",
                       f"outliers={cost.fit.num_outliers}",
                       f"longest={cost.longest_context}"]
         words += [f"fitted={cost.fitted_s(input_len, prefix_len):.3f}s",
