@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvpool.clock import VirtualClock
 from kvpool.conductor import Accepted, CostModel
+from kvpool.conductor.measured import learn_prefill
 from kvpool.serve.cluster import LiveCluster
 from kvpool.serve.config import ProxyConfig
 from kvpool.serve.dispatch import REFIT_EVERY, Dispatcher
 from kvpool.serve.errors import ApiError
 from kvpool.serve.metrics import ProxyMetrics
 from kvpool.serve.worker_client import WorkerClient
+from tests.conductor.busy_host import BUSY_HOST
 from tests.serve.test_cluster import D1, P1, info, load
 
 
@@ -101,3 +104,81 @@ def test_the_relative_slo_holds_each_request_to_its_own_unloaded_ttft(
     assert exc.value.status == 429 and exc.value.headers == {"Retry-After": "1"}
     with pytest.raises(ValueError, match="ttft_slo_relative must be > 1"):
         dispatcher(vclock, ttft_slo_relative=0.5)
+
+
+def learned(vclock: VirtualClock, samples: list[tuple[int, int, float]]) -> Dispatcher:
+    """A dispatcher with --fit-cost over workers with room for 100,000 KV tokens that
+    measured `samples`, each prefill alone on its worker (distinct prompts: nothing reused)."""
+    d = dispatcher(vclock, fit_cost=True)
+    for url, role in ((P1, "prefill"), (D1, "decode")):
+        room = {"kv_capacity_tokens": 100_000}
+        d.cluster.join(url, info(role).model_copy(update=room | {"max_model_len": 8192}))
+        d.cluster.apply_load(url, load([]).model_copy(update=room | {"free_kv_tokens": 100_000}),
+                             0.0)
+    d.metrics.watch_cost(d.cost_in_use)
+    for i, (n, _, secs) in enumerate(samples):
+        b = d.schedule([10_000 * (i + 1) + t for t in range(n)], 2)
+        d.cluster.prefill_done(b, 0.0)
+        d.cluster.finish(b, 0.0)
+        d.learn(b, 0, secs)
+    return d
+
+
+def test_after_learning_on_a_busy_host_long_prompts_are_not_refused(
+        vclock: VirtualClock) -> None:
+    d = learned(vclock, BUSY_HOST)
+    # refitted when the third distinct length came (sample 18), not again since
+    assert d.cost_source == "fitted"
+    start = CostModel(prefill_base_s=0.2, prefill_linear_s=0.0, prefill_quadratic_s=0.0)
+    assert d.cost == learn_prefill(BUSY_HOST[:18], start) and d.cluster.cost is d.cost
+    for n in (900, 1024, 1400, 1900):  # the default 30 s objective, an idle cluster
+        b = d.schedule([7 * n + t for t in range(n)], 16)
+        assert isinstance(b.decision, Accepted) and b.alone, n
+        assert b.decision.prefill.prefill_s < 30
+        d.cluster.finish(b, 0.0)
+    # a burst of five requests of one 1,024-token prefix: each predicted in seconds, all in
+    burst = [d.schedule(list(range(1024)), 16) for _ in range(5)]
+    assert all(isinstance(b.decision, Accepted) for b in burst)
+    fit = d.cost.fit
+    assert fit is not None and (fit.num_samples, fit.num_outliers) == (18, 1)
+    assert scraped(d) == {
+        ("kvpool_proxy_cost_prefill_term", ("base", "fitted")): d.cost.prefill_base_s,
+        ("kvpool_proxy_cost_prefill_term", ("linear", "fitted")): d.cost.prefill_linear_s,
+        ("kvpool_proxy_cost_prefill_term", ("quadratic", "fitted")): d.cost.prefill_quadratic_s,
+        ("kvpool_proxy_cost_fit_residual_seconds", ()): fit.residual_s,
+        ("kvpool_proxy_cost_fit_samples", ()): 18.0,
+        ("kvpool_proxy_cost_fit_outliers", ()): 1.0,
+        ("kvpool_proxy_cost_longest_context_tokens", ()): 158.0,
+        ("kvpool_proxy_cost_refits_total", ()): 1.0}
+
+
+def scraped(d: Dispatcher) -> dict[tuple[str, tuple[str, ...]], float]:
+    """The cost model's series of the dispatcher's /metrics text: (name, (term, model))."""
+    text = d.metrics.render().decode()
+    return {(s.name, tuple(s.labels[k] for k in ("term", "model") if k in s.labels)): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples
+            if s.name.startswith("kvpool_proxy_cost_") and not s.name.endswith("_created")}
+
+
+def test_a_refusal_says_which_cost_model_predicted_what(vclock: VirtualClock) -> None:
+    d = learned(vclock, BUSY_HOST)
+    d.cluster.view.prefill[0].busy_until_s = 29.0  # 29 s queued ahead: waiting helps
+    with pytest.raises(ApiError) as exc:
+        d.schedule(list(range(1500)), 4)
+    err = exc.value
+    assert (err.status, err.code) == (429, "rejected_ttft")
+    assert err.log_note.startswith(f"cost=fitted base={d.cost.prefill_base_s:.4g}s ")
+    assert "samples=18 outliers=1 longest=158 prefill=3.696s" in err.log_note
+    assert err.log_note in err.message
+    fixed = dispatcher(vclock, ttft_slo_s=0.1)
+    fixed.metrics.watch_cost(fixed.cost_in_use)
+    assert scraped(fixed) == {
+        ("kvpool_proxy_cost_prefill_term", ("base", "default")): 0.2,
+        ("kvpool_proxy_cost_prefill_term", ("linear", "default")): 0.0,
+        ("kvpool_proxy_cost_prefill_term", ("quadratic", "default")): 0.0,
+        ("kvpool_proxy_cost_refits_total", ()): 0.0}
+    with pytest.raises(ApiError) as exc:
+        fixed.schedule(list(range(8)), 4)
+    assert exc.value.code == "slo_unreachable"
+    assert exc.value.log_note == ("cost=default base=0.2s linear=0s/tok quadratic=0s/tok2 "
+                                  "prefill=0.200s")

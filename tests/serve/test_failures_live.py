@@ -17,7 +17,8 @@ from kvpool.serve.launch import ServingCluster, stop, wait_http
 from tests.serve.conftest import start_proxy, start_worker
 
 
-def test_overload_is_refused_with_429(cluster: ServingCluster, tmp_path: Path) -> None:
+def test_overload_is_refused_with_429(cluster: ServingCluster, tmp_path: Path,
+                                      capfd: pytest.CaptureFixture[str]) -> None:
     # Every prefill predicted at 0.2 s and a 0.5 s TTFT objective: of a burst on one prefill
     # worker, the first two fit and the queue refuses the rest, whatever the CPU's speed.
     # The workers join this proxy by registering (POST /workers/register), not by flags.
@@ -48,6 +49,11 @@ def test_overload_is_refused_with_429(cluster: ServingCluster, tmp_path: Path) -
         assert (err["type"], err["code"]) == ("rate_limit_exceeded", "rejected_ttft")
         metrics = httpx.get(url + "/metrics").text
         assert 'kvpool_proxy_rejections_total{reason="ttft",stage="arrival"}' in metrics
+        assert 'kvpool_proxy_cost_prefill_term{model="cost_file",term="base"} 0.2' in metrics
+        # the access log says which cost model refused what
+        refusals = [line for line in capfd.readouterr().err.splitlines() if " 429 " in line]
+        assert refusals and all("rejected_ttft cost=cost_file base=0.2s " in line
+                                for line in refusals), refusals
     finally:
         stop(proc)
 

@@ -235,7 +235,7 @@ def test_models_health_and_metrics(cluster: ServingCluster) -> None:
     metrics = httpx.get(cluster.proxy_url + "/metrics").text
     for name in ("kvpool_proxy_ttft_seconds_bucket", "kvpool_proxy_tbt_seconds_bucket",
                  "kvpool_proxy_worker_up{", "kvpool_proxy_worker_cached_blocks{",
-                 "kvpool_proxy_requests_total{"):
+                 "kvpool_proxy_requests_total{", "kvpool_proxy_cost_prefill_term{"):
         assert name in metrics, name
 
 

@@ -4,7 +4,12 @@ Load is predicted time over its limit: prefill load = predicted TTFT / l_ttft, d
 max(predicted TBT / l_tbt, KV tokens / decode VRAM capacity). The predicted TBT is the
 statistic the SLO is judged on (the mean of the request's longest 10% of gaps,
 `tbt_statistic_s`): the step of the batch it joins, plus the join stalls it will live through.
-A request is refused when a load exceeds 1.
+A request is refused when a load exceeds 1. With an absolute TTFT limit, the part of a
+request's predicted prefill time over the limit that the cost model cannot prove
+(`CostModel.proven_prefill_s`: for a model learned from measurements, what was measured) is not
+held against it (`judged`): a request is refused as unable to meet the limit on an idle cluster
+only by measurements, never by an extrapolation, and otherwise waits at worst for an idle
+instance.
 
 - `none`: the baseline. At arrival only the prefill stage checks its own load; the decode stage
   checks its load when the KV arrives (`at_decode`) and may refuse after the prefill was spent.
@@ -15,7 +20,9 @@ A request is refused when a load exceeds 1.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Protocol
 
 from kvpool.conductor.config import ConductorConfig
@@ -43,6 +50,18 @@ class _Base:
         k = self.config.ttft_slo_relative
         return self.config.ttft_slo_s if k is None else k * prefill.unloaded_ttft_s
 
+    def judged(self, req: RequestInfo, prefill: PrefillChoice) -> PrefillChoice:
+        """`prefill` with its prefill time cut to what keeps its unloaded TTFT at the absolute
+        limit, unless the cost model proves more (see the module docstring)."""
+        limit = self.config.ttft_slo_s
+        if self.config.ttft_slo_relative is not None or prefill.unloaded_ttft_s <= limit:
+            return prefill
+        proven = self.cost.proven_prefill_s(req.input_len, prefill.prefix_len)
+        held = min(prefill.prefill_s, max(limit - prefill.transfer_s, proven))
+        while held > proven and prefill.transfer_s + held > limit:  # rounding of the sum
+            held = math.nextafter(held, 0.0)
+        return prefill if held == prefill.prefill_s else replace(prefill, prefill_s=held)
+
     def prefill_load(self, prefill: PrefillChoice) -> float:
         limit = self.ttft_limit_s(prefill)
         return prefill.ttft_s / limit if limit > 0 else 0.0
@@ -59,7 +78,7 @@ class _Base:
         else:
             reason = "tbt" if tbt_s > self.config.tbt_slo_s else "kv_capacity"
         return Rejected(reason, stage, prefill.ttft_s, tbt_s, p_load, d_load,
-                        prefill.unloaded_ttft_s, self.ttft_limit_s(prefill))
+                        prefill.unloaded_ttft_s, self.ttft_limit_s(prefill), prefill.prefix_len)
 
     def at_decode(self, req: RequestInfo, d: DecodeLoad, num_running: int,
                   running_tokens: int) -> Rejected | None:
@@ -70,7 +89,8 @@ class NoAdmission(_Base):
     def at_arrival(self, req: RequestInfo, prefill: PrefillChoice, decode: DecodeChoice | None,
                    view: ClusterView, now: float) -> Rejected | None:
         tbt = decode.tbt_s if decode is not None else 0.0
-        return self._verdict(prefill, tbt, self.prefill_load(prefill), 0.0)
+        judged = self.judged(req, prefill)
+        return self._verdict(judged, tbt, self.prefill_load(judged), 0.0)
 
     def at_decode(self, req: RequestInfo, d: DecodeLoad, num_running: int,
                   running_tokens: int) -> Rejected | None:
@@ -90,13 +110,15 @@ class _EarlyBase(_Base):
 
     def at_arrival(self, req: RequestInfo, prefill: PrefillChoice, decode: DecodeChoice | None,
                    view: ClusterView, now: float) -> Rejected | None:
-        p_load = self.prefill_load(prefill)
+        judged = self.judged(req, prefill)
+        p_load = self.prefill_load(judged)
         if decode is None:
-            return self._verdict(prefill, 0.0, p_load, 0.0)
+            return self._verdict(judged, 0.0, p_load, 0.0)
         d = view.decode[decode.instance_id]
         step, tokens = self.decode_estimate(req, d, prefill, now)
         tbt = tbt_statistic_s(self.cost, step, req.output_len, d.join_rate())
-        return self._verdict(prefill, tbt, p_load, self.decode_load(tbt, tokens, d.kv_capacity_tokens))
+        return self._verdict(judged, tbt, p_load,
+                             self.decode_load(tbt, tokens, d.kv_capacity_tokens))
 
     def decode_estimate(self, req: RequestInfo, d: DecodeLoad, prefill: PrefillChoice,
                         now: float) -> tuple[float, int]:

@@ -19,8 +19,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
+from kvpool.conductor.cost_fit import PLAIN, fit_terms
 from kvpool.errors import ConfigError, InvalidArgument
 
 
@@ -83,6 +82,13 @@ class CostModel:
         """Prefill with the prefix loaded layer by layer: max(compute, load) ([A] 5.2)."""
         return max(self.prefill_s(input_len, prefix_len), prefix_len * self.load_s_per_token)
 
+    def proven_prefill_s(self, input_len: int, prefix_len: int = 0) -> float:
+        """The least prefill time (with loading) this model is sure of, which admission may
+        hold against a request as unreachable: for coefficients given as they are (the
+        papers', a file's) the prediction itself; a model learned from measurements proves
+        only what was measured (conductor/measured.py)."""
+        return self.prefill_with_load_s(input_len, prefix_len)
+
     def decode_step_s(self, batch_size: int, context_tokens: int) -> float:
         """Time of one continuous-batching step over `batch_size` sequences."""
         if batch_size < 0 or context_tokens < 0:
@@ -130,22 +136,13 @@ def load_cost_model(path: Path | str) -> CostModel:
 
 def fit_prefill(samples: Iterable[tuple[int, int, float]],
                 base: CostModel | None = None) -> CostModel:
-    """Least-squares fit of the prefill coefficients to measured (input_len, prefix_len, seconds).
+    """Non-negative least-squares fit of the prefill coefficients to measured (input_len,
+    prefix_len, seconds), each coefficient bounded by what the samples allow
+    (`cost_fit.fit_terms` with every sample weighing the same and none left out).
 
-    Returns `base` (default: `CostModel()`) with the three prefill coefficients replaced; negative
-    coefficients are clipped to zero (a fit on too few points can go negative). Raises
-    InvalidArgument for fewer than three samples or an impossible sample.
+    Returns `base` (default: `CostModel()`) with the three prefill coefficients replaced.
+    Raises InvalidArgument for fewer than three samples or an impossible sample.
     """
-    rows = [(int(n), int(p), float(s)) for n, p, s in samples]
-    if len(rows) < 3:
-        raise InvalidArgument(f"fit_prefill needs at least 3 samples, got {len(rows)}")
-    for n, p, s in rows:
-        if not 0 <= p <= n or s < 0:
-            raise InvalidArgument(f"bad sample (input_len={n}, prefix_len={p}, seconds={s})")
-    arr = np.array(rows, dtype=np.float64)
-    new, pre, secs = arr[:, 0], arr[:, 1], arr[:, 2]
-    design = np.stack([np.ones_like(new), new - pre, new * new - pre * pre], axis=1)
-    coef, *_ = np.linalg.lstsq(design, secs, rcond=None)
-    c0, c1, c2 = (max(0.0, float(c)) for c in coef)
-    return replace(base or CostModel(), prefill_base_s=c0, prefill_linear_s=c1,
-                   prefill_quadratic_s=c2)
+    fit = fit_terms(list(samples), PLAIN)
+    return replace(base or CostModel(), prefill_base_s=fit.base_s,
+                   prefill_linear_s=fit.linear_s, prefill_quadratic_s=fit.quadratic_s)

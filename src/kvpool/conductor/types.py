@@ -86,6 +86,8 @@ class Rejected:
     no wait helps."""
     ttft_limit_s: float = 0.0
     """The TTFT limit it was held to (the absolute SLO, or the relative one's value)."""
+    prefix_len: int = 0
+    """Prompt tokens the prefill choice it was judged on would have reused."""
 
 
 Decision = Accepted | Rejected

@@ -88,6 +88,7 @@ class Proxy:
         self.metrics.watch(self.cluster)
         self.dispatcher = Dispatcher(config, self.cluster, self.client, cost, self.clock,
                                      self.metrics)
+        self.metrics.watch_cost(self.dispatcher.cost_in_use)
         self.poller = Poller(self.cluster, self.client, config.poll_interval_s)
 
     @contextlib.asynccontextmanager
@@ -208,7 +209,8 @@ class Proxy:
     def _error(self, endpoint: str, exc: ApiError, acc: Access | None = None) -> JSONResponse:
         self.metrics.requests.labels(endpoint, str(exc.status)).inc()
         if acc is not None:
-            acc.status, acc.note = exc.status, exc.code or exc.type
+            acc.status = exc.status
+            acc.note = " ".join(filter(None, (exc.code or exc.type, exc.log_note)))
             acc.done(time.perf_counter())
         return _json_error(exc)
 

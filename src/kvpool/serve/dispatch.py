@@ -27,8 +27,8 @@ from kvpool.conductor import (
     CostModel,
     Rejected,
     RequestInfo,
-    fit_prefill,
 )
+from kvpool.conductor.measured import MeasuredCostModel, cost_note, learn_prefill
 from kvpool.engine.blocks import prefix_block_hashes, salted_root
 from kvpool.engine.config import SamplingParams
 from kvpool.engine.sequence import TokenLogprob
@@ -98,10 +98,12 @@ class Dispatcher:
         decision = self._conductor_for(ref.block_size).schedule(req, view, now)
         if isinstance(decision, Rejected):
             self.metrics.rejections.labels(decision.reason, decision.stage).inc()
+            note = "" if decision.reason != "ttft" else cost_note(
+                self.cost, self.cost_source, req.input_len, decision.prefix_len)
             if decision.reason == "ttft" and decision.unloaded_ttft_s > decision.ttft_limit_s:
-                raise slo_unreachable(decision.unloaded_ttft_s, decision.ttft_limit_s)
+                raise slo_unreachable(decision.unloaded_ttft_s, decision.ttft_limit_s, note)
             raise rejected(decision.reason, decision.predicted_ttft_s, decision.predicted_tbt_s,
-                           self._retry_after_s(decision))
+                           self._retry_after_s(decision), note)
         return self.cluster.book(req, self.cluster.colocate(decision), now)
 
     def check_decode(self, b: Booking) -> None:
@@ -118,10 +120,23 @@ class Dispatcher:
             return max(1, min(60, math.ceil(r.predicted_ttft_s - r.ttft_limit_s)))
         return 1
 
+    @property
+    def cost_source(self) -> str:
+        """Where the cost model in use comes from: fitted (--fit-cost), cost_file (--cost) or
+        default (the papers' 70B figures)."""
+        if isinstance(self.cost, MeasuredCostModel):
+            return "fitted"
+        return "cost_file" if self.config.cost_path else "default"
+
+    def cost_in_use(self) -> tuple[CostModel, str]:
+        return self.cost, self.cost_source
+
     def learn(self, booking: Booking, prefix_len: int, prefill_s: float) -> None:
         """With fit_cost: one measured prefill; every REFIT_EVERY samples the conductor's
-        prefill coefficients are refitted (samples with other work queued are skipped: their
-        time includes that work). Every measured prefill is kept in `measured`."""
+        prefill cost is learned again from the last 256 (conductor/measured.py: a bounded,
+        recency-weighted, robust non-negative fit kept within what was measured; samples with
+        other work queued are skipped: their time includes that work). Every measured prefill
+        is kept in `measured`."""
         if prefill_s > 0:
             self.measured.add_prefill(booking.req.input_len, prefix_len, prefill_s, booking.alone)
         if not self.config.fit_cost or not booking.alone or prefill_s <= 0:
@@ -132,7 +147,8 @@ class Dispatcher:
         if self._new_samples < REFIT_EVERY or len(lengths) < 3:
             return
         self._new_samples = 0
-        self.cost = fit_prefill(self._samples, self.cost)
+        self.cost = learn_prefill(self._samples, self.cost)
+        self.metrics.cost_refits.inc()
         self.cluster.cost = self.cost
         self.conductor = Conductor(self.conductor.config, self.cost, self.clock)
 

@@ -12,7 +12,7 @@ from typing import Any
 class ApiError(Exception):
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
                  code: str | None = None, param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None, log_note: str = "") -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -20,6 +20,8 @@ class ApiError(Exception):
         self.code = code
         self.param = param
         self.headers = headers or {}
+        self.log_note = log_note
+        """Words for the access log's line beside the code (which cost model refused what)."""
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
@@ -65,26 +67,29 @@ def no_workers(message: str) -> ApiError:
 
 
 def rejected(reason: str, predicted_ttft_s: float, predicted_tbt_s: float,
-             retry_after_s: int) -> ApiError:
+             retry_after_s: int, cost_note: str = "") -> ApiError:
+    """A 429; `cost_note` (measured.cost_note: which cost model predicted what) goes into the
+    message and the access log."""
     what = {"ttft": "the prefill pool cannot meet the TTFT objective",
             "tbt": "the decode pool cannot meet the TBT objective",
             "kv_capacity": "the decode pool has no room for this request's KV cache"}
     return ApiError(
         429, f"request rejected by admission control: {what.get(reason, reason)} "
-        f"(predicted TTFT {predicted_ttft_s:.3f} s, TBT {predicted_tbt_s * 1e3:.1f} ms); "
-        f"retry after {retry_after_s} s",
+        f"(predicted TTFT {predicted_ttft_s:.3f} s, TBT {predicted_tbt_s * 1e3:.1f} ms"
+        f"{'; ' + cost_note if cost_note else ''}); retry after {retry_after_s} s",
         type="rate_limit_exceeded", code=f"rejected_{reason}",
-        headers={"Retry-After": str(retry_after_s)})
+        headers={"Retry-After": str(retry_after_s)}, log_note=cost_note)
 
 
-def slo_unreachable(unloaded_ttft_s: float, limit_s: float) -> ApiError:
+def slo_unreachable(unloaded_ttft_s: float, limit_s: float, cost_note: str = "") -> ApiError:
     """The request alone, on an idle prefill worker, would miss the TTFT objective: waiting
-    cannot help, so no Retry-After (a 400, not a 429)."""
+    cannot help, so no Retry-After (a 400, not a 429). `cost_note` as for `rejected`."""
     return ApiError(
         400, f"this request cannot meet the TTFT objective on this cluster: its prefill alone "
-        f"is predicted to take {unloaded_ttft_s:.3f} s, over the {limit_s:.3f} s limit; send a "
+        f"is predicted to take {unloaded_ttft_s:.3f} s, over the {limit_s:.3f} s limit"
+        f"{' (' + cost_note + ')' if cost_note else ''}; send a "
         "shorter prompt, or run the proxy with a larger --ttft-slo-s or a relative "
-        "--ttft-slo-relative", code="slo_unreachable", param="messages")
+        "--ttft-slo-relative", code="slo_unreachable", param="messages", log_note=cost_note)
 
 
 REJECTED = 429

@@ -1,14 +1,18 @@
 """The proxy's Prometheus metrics, on a registry of its own (several proxies may live in one
-test process). Worker gauges are read from the live cluster at scrape time."""
+test process). Worker gauges are read from the live cluster at scrape time, and the cost
+model's terms (and, once fitted, the fit's residual) from the model in use."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from kvpool.conductor.cost import CostModel
+from kvpool.conductor.measured import MeasuredCostModel
 
 if TYPE_CHECKING:
     from kvpool.serve.cluster import LiveCluster
@@ -41,9 +45,16 @@ class ProxyMetrics:
                                   "the leg that failed", ["leg"], registry=r)
         self.rejections = Counter("kvpool_proxy_rejections", "Requests refused by admission",
                                   ["reason", "stage"], registry=r)
+        self.cost_refits = Counter("kvpool_proxy_cost_refits",
+                                   "Times the prefill cost was learned again (--fit-cost)",
+                                   registry=r)
 
     def watch(self, cluster: LiveCluster) -> None:
         self.registry.register(_WorkerCollector(cluster))
+
+    def watch_cost(self, in_use: Callable[[], tuple[CostModel, str]]) -> None:
+        """Export the cost model `in_use()` returns (the model, its source) at each scrape."""
+        self.registry.register(_CostCollector(in_use))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -77,3 +88,30 @@ class _WorkerCollector(Collector):
             if w.decode_load is not None:
                 fams["assigned"].add_metric(lv, w.decode_load.num_assigned)
         yield from fams.values()
+
+
+class _CostCollector(Collector):
+    def __init__(self, in_use: Callable[[], tuple[CostModel, str]]) -> None:
+        self.in_use = in_use
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        cost, source = self.in_use()
+        terms = GaugeMetricFamily(
+            "kvpool_proxy_cost_prefill_term", "The prefill cost model's terms: base (s), "
+            "linear (s per new token), quadratic (s per token pair); model: fitted, cost_file "
+            "or default", labels=["term", "model"])
+        for term, value in (("base", cost.prefill_base_s), ("linear", cost.prefill_linear_s),
+                            ("quadratic", cost.prefill_quadratic_s)):
+            terms.add_metric([term, source], value)
+        yield terms
+        if not isinstance(cost, MeasuredCostModel) or cost.fit is None:
+            return
+        fit = cost.fit
+        for name, doc, value in (
+                ("fit_residual_seconds", "Recency-weighted RMS residual of the samples the "
+                 "prefill cost was fitted to", fit.residual_s),
+                ("fit_samples", "Prefill samples the cost was fitted to", fit.num_samples),
+                ("fit_outliers", "Of those, samples left out as outliers", fit.num_outliers),
+                ("longest_context_tokens", "Longest measured context (n + p): the fitted "
+                 "attention term is linear beyond it", cost.longest_context)):
+            yield GaugeMetricFamily(f"kvpool_proxy_cost_{name}", doc, value=value)
