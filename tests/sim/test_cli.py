@@ -71,6 +71,9 @@ def test_sim_run_json_and_bad_trace(tmp_path: Path, capsys: pytest.CaptureFixtur
                  "--no-progress"]) == 2
 
 
+# slow: a benchmark (a 300-request replay and a 16 x 2000-block view); the conductor's
+# decisions and the view's events are tested in tests/conductor and tests/serve
+@pytest.mark.slow
 def test_bench_conductor_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "conductor", "--limit", "300", "--decisions", "50", "--view-blocks",
                  "2000", "--json"]) == 0

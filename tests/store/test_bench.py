@@ -18,6 +18,9 @@ def run_bench(*args: str) -> list[dict]:  # type: ignore[type-arg]
     return [json.loads(line) for line in out.stdout.decode().splitlines()]
 
 
+# slow: a benchmark's whole run (a cluster, 4 sizes x 2 modes, checksums on and off);
+# the store paths it times are tested in tests/store, its table by the master-only run
+@pytest.mark.slow
 def test_bench_store_kvpool_only() -> None:
     records = run_bench("--no-mooncake", "--sizes", "4KiB,64KiB", "--max-ops", "64",
                         "--repeat", "1", "--dram", "64MiB", "--lease-ms", "100")
