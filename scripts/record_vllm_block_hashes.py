@@ -70,8 +70,8 @@ def load_kv_cache_utils(root: Path, hashing: types.ModuleType) -> dict:
     missing = WANTED - found
     if missing:
         raise SystemExit(f"not found in kv_cache_utils.py: {sorted(missing)}")
-    from typing import Any, NewType, Sequence  # noqa: F401  (names the source uses)
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
+    from typing import Any, NewType
 
     envs = types.SimpleNamespace(
         VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=os.getenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1")

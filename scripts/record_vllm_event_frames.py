@@ -29,7 +29,7 @@ def load_classes(root: Path) -> dict:
     body = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name in CLASSES]
     namespace: dict = {
         "msgspec": msgspec, "Any": Any, "Optional": Optional, "Union": Union,
-        "ExternalBlockHash": Union[bytes, int], "__name__": "vllm_kv_events_extract",
+        "ExternalBlockHash": bytes | int, "__name__": "vllm_kv_events_extract",
     }
     exec(compile(ast.Module(body=body, type_ignores=[]), str(path), "exec"), namespace)
     return namespace

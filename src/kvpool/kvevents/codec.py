@@ -84,10 +84,10 @@ def _encode_event(event: Any, form: Form) -> Any:
     values = [getattr(event, name) for name in names]
     required = REQUIRED[tag]
     if form == "map":
-        fields = {n: v for i, (n, v) in enumerate(zip(names, values)) if i < required or v is not None}
+        fields = {n: v for i, (n, v) in enumerate(zip(names, values, strict=True)) if i < required or v is not None}
         return {"type": tag, **fields}
     width = ARRAY_FIELDS[tag]
-    extra = [n for n, v in zip(names[width:], values[width:]) if v is not None]
+    extra = [n for n, v in zip(names[width:], values[width:], strict=True) if v is not None]
     if extra:
         raise InvalidArgument(f"{tag} fields {extra} have no place in the array form; use form='map'")
     return [tag, *values[:width]]
@@ -121,7 +121,7 @@ def _decode_event(index: int, wire: Any) -> Any:
         fields = {k: v for k, v in wire.items() if k != "type"}
     elif isinstance(wire, list) and wire:
         tag = wire[0]
-        fields = dict(zip(FIELDS.get(tag, ()) if isinstance(tag, str) else (), wire[1:]))
+        fields = dict(zip(FIELDS.get(tag, ()) if isinstance(tag, str) else (), wire[1:], strict=False))
         if isinstance(tag, str) and tag in FIELDS and len(wire) - 1 < MIN_FIELDS[tag]:
             raise RemoteProtocolError(
                 f"KV event {index} ({tag}) has {len(wire) - 1} fields, needs {MIN_FIELDS[tag]}"

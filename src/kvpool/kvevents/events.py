@@ -12,11 +12,11 @@ These are values: frozen, compared by field. The codec turns them into vLLM's by
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any
 
 import msgspec
 
-BlockHash = Union[bytes, int]
+BlockHash = bytes | int
 """A block's hash as events carry it: the digest, or its low 64 bits as an unsigned int."""
 
 MEDIUM_GPU = "gpu"
@@ -75,7 +75,7 @@ class AllBlocksCleared(msgspec.Struct, frozen=True):
     """Every block of the publisher is gone (a cache reset, a wiped pool)."""
 
 
-KVEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 class EventBatch(msgspec.Struct, frozen=True, kw_only=True):
