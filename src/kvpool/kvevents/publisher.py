@@ -99,6 +99,15 @@ class KvEventPublisher:
     def submit(self, event: Any) -> None:
         self._put(("event", event))
 
+    def flush(self, timeout_s: float = 2.0) -> bool:
+        """Wait until everything queued so far has been sent; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while self._queue.unfinished_tasks:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                return False
+            time.sleep(0.001)
+        return True
+
     def close(self, timeout_s: float = 2.0) -> None:
         if not self._running:
             return
@@ -135,6 +144,7 @@ class KvEventPublisher:
     def _send_queued(self, item: Any) -> bool:
         """Send `item` and whatever else is queued now; False once the stop marker came."""
         events: list[Any] = []
+        taken = 1
         while True:
             if item is None or isinstance(item, EventBatch):
                 if events:
@@ -147,10 +157,13 @@ class KvEventPublisher:
                 events.append(item[1])
             try:
                 item = self._queue.get_nowait()
+                taken += 1
             except queue.Empty:
                 break
         if events:
             self._send(EventBatch(ts=time.time(), events=events, data_parallel_rank=self._rank))
+        for _ in range(taken):
+            self._queue.task_done()
         return True
 
     def _send(self, batch: EventBatch) -> None:

@@ -5,11 +5,13 @@ Sans-I/O. The driver shows every message's (topic, seq) to `observe` and acts on
     FIRST    the topic was never seen: the instance joins; resync it (clear, replay from 0)
     IN_ORDER seq is the next one: apply the message
     GAP      seqs [missing_from, seq) were lost: replay them, else resync; then apply
-    RESTART  seq went back to 0: the publisher restarted with an empty cache; resync
-    STALE    seq was already seen (a duplicate after a replay): drop it
+    RESTART  seq went back: the publisher restarted (a new process counts from 0 again, and
+             its first messages may be lost while it connects); resync
 
-`observe` moves the expected seq past the message for every verdict but STALE, so the
-tracker never waits on a message the driver gave up on.
+PUB/SUB never delivers a message twice (replayed messages come on another socket and are
+noted with `advance`), so a seq below the expected one can only be a new counter.
+`observe` moves the expected seq past the message, so the tracker never waits on a message
+the driver gave up on.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ class Verdict(enum.Enum):
     IN_ORDER = "in_order"
     GAP = "gap"
     RESTART = "restart"
-    STALE = "stale"
 
 
 class Observation(NamedTuple):
@@ -44,10 +45,8 @@ class SequenceTracker:
             verdict = Observation(Verdict.IN_ORDER)
         elif seq > expected:
             verdict = Observation(Verdict.GAP, expected)
-        elif seq == 0:
-            verdict = Observation(Verdict.RESTART)
         else:
-            return Observation(Verdict.STALE)
+            verdict = Observation(Verdict.RESTART)
         self._next[topic] = seq + 1
         return verdict
 

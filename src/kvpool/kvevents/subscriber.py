@@ -6,7 +6,7 @@ publisher connects to a host:port endpoint (it binds only wildcard ones: pass `b
 to connect to those). For each message `[topic, seq, payload]` the `SequenceTracker` says
 what it means, and the thread acts:
 
-- FIRST (a topic joins) and RESTART (its seq went back to 0): resync. The instance is cleared
+- FIRST (a topic joins) and RESTART (its seq went back: a new process): resync. The instance is cleared
   in the sink and replayed from seq 0 when a replay endpoint is configured for its topic.
   If that replay reaches back to seq 0 the instance's view is complete, else it is `partial`
   (it learns from now on; blocks cached before stay unknown until they are stored again).
@@ -135,8 +135,6 @@ class KvEventSubscriber:
         seq = int.from_bytes(seq_bytes, "big")
         instance = self._instance_of(topic)
         seen = self._tracker.observe(topic, seq)
-        if seen.verdict is Verdict.STALE:
-            return
         if seen.verdict in (Verdict.FIRST, Verdict.RESTART):
             self._resync(instance, topic, seq, f"{seen.verdict.value} at seq {seq}")
         elif seen.verdict is Verdict.GAP:
