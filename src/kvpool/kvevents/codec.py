@@ -4,9 +4,9 @@ Wire layout (the third frame of a `[topic, seq, payload]` ZMQ message)::
 
     payload  = msgpack array [ts: float64, events: array, data_parallel_rank: int|nil]
                (engines from before data parallelism wrote only the first two)
-    event    = map form (vLLM 0.27 on: tagged maps)
+    event    = map form (vLLM 0.24 on, at the latest: tagged maps)
                    {"type": "BlockStored", "block_hashes": [...], "parent_block_hash": ...}
-               array form (vLLM up to 0.2x: tagged arrays)
+               array form (vLLM 0.20 and before: tagged arrays)
                    ["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
                     lora_id, medium]
 

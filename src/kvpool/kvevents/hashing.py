@@ -3,18 +3,20 @@
 The chain (vLLM `v1/core/kv_cache_utils.py`: `hash_block_tokens`, `init_none_hash`)::
 
     NONE_HASH = H(seed)                        seed: PYTHONHASHSEED if set on the engine,
-                                               else "vllm-none-hash" (vLLM >= 0.2x; older
-                                               engines drew a random seed: set PYTHONHASHSEED)
+                                               else "vllm-none-hash" (vLLM 0.29 on; 0.27 and
+                                               before drew a random one: set PYTHONHASHSEED)
     h[0] = H((NONE_HASH, tuple(block 0 tokens), extra_keys[0]))
     h[i] = H((h[i-1],    tuple(block i tokens), extra_keys[i]))     full blocks only
 
     H = "sha256":      sha256(pickle.dumps(obj, protocol 5))
         "sha256_cbor": sha256(canonical CBOR of obj)
 
-`extra_keys[i]` is None or a tuple of tagged keys, e.g. (("cache_salt", "s"),) on the first
-block, (("lora", name, path),) on every block of a LoRA request. Events carry each digest
-as an int, its low 64 bits read big-endian (vLLM's default, VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES
-=1), or as the 32 digest bytes when the engine sets that variable to 0 (`int_hashes=False`).
+`extra_keys[i]` is None or a tuple of keys, as the engine's version builds them: tagged from
+vLLM 0.31 on, e.g. (("cache_salt", "s"),) on the first block and (("lora", name, path),) on
+every block of a LoRA request; bare values before, e.g. ("s",) for a salt, ("name",) for a
+LoRA. Events carry each digest as an int, its low 64 bits read big-endian (vLLM's default,
+VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1), or as the 32 digest bytes when the engine sets that
+variable to 0 (`int_hashes=False`).
 
 Must match the engine: `algo` (--prefix-caching-hash-algo), `block_size` (the engine's block
 size; 128 on vLLM's CPU build, 16 on GPUs by default) and the seed. Tested equal to hashes
