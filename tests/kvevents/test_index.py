@@ -65,3 +65,15 @@ def test_a_stored_event_meeting_a_lookup_is_a_match() -> None:
     assert index.stats("ok").num_lookups_with_blocks == 2
     assert not index.never_matched("nobody")
     index.check_integrity()
+
+
+def test_the_alarm_is_logged_once(caplog: object) -> None:
+    import logging
+
+    index = CacheIndex(alarm_after_lookups=2)
+    index.apply("x", batch(stored([100])))
+    with caplog.at_level(logging.WARNING, logger="kvpool.kvevents.index"):  # type: ignore[attr-defined]
+        for _ in range(4):
+            index.note_lookup("x", [1])
+    warnings = [r for r in caplog.records if "never match" in r.getMessage()]  # type: ignore[attr-defined]
+    assert len(warnings) == 1 and "x" in warnings[0].getMessage()

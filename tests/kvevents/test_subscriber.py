@@ -196,3 +196,21 @@ def test_a_malformed_payload_resyncs_the_instance(sub: KvEventSubscriber, index:
         assert index.matched_blocks("m", [8]) == 1 and index.matched_blocks("m", [7]) == 0
     finally:
         raw.close(0)
+
+
+def test_a_new_subscriber_of_a_quiet_publisher_learns_its_history(index: CacheIndex) -> None:
+    """The publisher answers a subscription with an empty batch: the join replays from 0."""
+    port = free_port()
+    pub = KvEventPublisher(f"tcp://127.0.0.1:{port}", LOCAL, "quiet")
+    for h in (1, 2, 3):
+        pub.publish(stored(h))  # nobody listens yet
+    assert pub.flush() and pub.next_seq == 3
+    sub = KvEventSubscriber(f"tcp://127.0.0.1:{port}", index, replay_endpoints={"quiet": pub.replay_endpoint or ""})
+    sub.start()
+    try:
+        wait_for(lambda: index.matched_blocks("quiet", [1, 2, 3]) == 3)
+        stats = sub.stats("quiet")
+        assert stats.num_replayed == 3 and not stats.partial and stats.last_seq == 3
+    finally:
+        pub.close()
+        sub.close()

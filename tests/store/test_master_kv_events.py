@@ -103,3 +103,29 @@ def test_put_evict_remove_wipe_and_replay(pool: tuple[KvEventSubscriber, CacheIn
     assert sorted(h for e in stored for h in e.block_hashes) == [block(n) for n in everything]
     assert sorted(h for e in removed for h in e.block_hashes) == [block(n) for n in everything]
     assert {(e.medium, e.block_size, e.parent_block_hash) for e in stored} == {("cpu", 16, None)}
+
+
+def test_objects_held_before_the_publisher_starts_are_announced() -> None:
+    """A master whose table is not empty when it starts (a replayed journal) announces it."""
+    from kvpool.kvevents.pool import PoolEventsConfig
+    from kvpool.store.master.server import MasterServer, MasterServerConfig
+
+    index = CacheIndex()
+    sub = KvEventSubscriber("tcp://127.0.0.1:0", index)
+    replay = f"tcp://127.0.0.1:{free_port()}"
+    sub.set_replay_endpoint("early", replay)
+    cfg = MasterServerConfig(rpc_port=0, admin_port=0, enable_http_metadata=False,
+                             kv_events=PoolEventsConfig(sub.endpoint, replay, "early"))
+    master = MasterServer(cfg)
+    assert master.core.mount_segment("c0", "127.0.0.1:9000", 0x10000, 4 * MIB)[0] == 0
+    for n in (5, 6):
+        assert master.core.put_start("w", [block_key(n)], [1024])[0].code == 0
+        assert master.core.put_end("w", [block_key(n)]) == [0]
+    sub.start()
+    master.start()
+    try:
+        wait_for(lambda: index.matched_blocks("early", [block(5), block(6)], "cpu") == 2)
+        assert not sub.stats("early").partial
+    finally:
+        master.stop()
+        sub.close()

@@ -34,7 +34,9 @@ from kvpool.kvevents.events import (
     EventBatch,
     normalize_medium,
 )
+from kvpool.log import get_logger
 
+log = get_logger("kvevents.index")
 RECENT_LOOKUP_HASHES = 4096
 """How many recently noted computed hashes each instance remembers for the match check."""
 
@@ -105,6 +107,12 @@ class CacheIndex:
                 state.stats.num_lookups_with_blocks += 1
             if any(h in held for held in tiers for h in hashes):
                 state.stats.num_matches += 1
+            s = state.stats
+            if s.num_matches == 0 and s.num_lookups_with_blocks == self.alarm_after_lookups:
+                log.warning("KV events of %s never match a computed block hash (%d lookups, "
+                            "%d stored events): check its hash algorithm, PYTHONHASHSEED, block "
+                            "size and VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", instance,
+                            s.num_lookups, s.num_stored_events)
             for h in hashes:
                 if h not in state.recent_set:
                     state.recent.append(h)

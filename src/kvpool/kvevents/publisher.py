@@ -5,6 +5,12 @@
     replay answer    [client id, b"", topic, seq, payload] for each kept batch with seq >= start,
                      then [client id, b"", b"", (-1 as 8 signed bytes), b""] as the end marker
 
+The socket is an XPUB (a PUB to its subscribers) that also hears subscriptions: each new one
+is answered with an empty batch, so a subscriber learns the current seq at once and replays
+what it missed (ZMQ drops what a publisher sends before a subscription reaches it, and a
+quiet publisher would otherwise leave a new subscriber unaware until its next event). vLLM's
+own publisher does not do this; an empty batch is valid in its format.
+
 Like vLLM, the PUB socket binds when the endpoint has a wildcard host ("*", "::") or is ipc://
 or inproc://, and connects otherwise (the usual setup: the router binds, publishers connect);
 `bind=` overrides. The replay socket always binds. The last `buffer_steps` batches are kept.
@@ -72,8 +78,9 @@ class KvEventPublisher:
         self._next_seq = 0
         self._running = True
         self.num_dropped = 0
-        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub = self._ctx.socket(zmq.XPUB)
         self._pub.setsockopt(zmq.LINGER, 1000)
+        self._pub.setsockopt(zmq.XPUB_VERBOSE, 1)
         if bind if bind is not None else is_bind_endpoint(endpoint):
             self.endpoint = bind_socket(self._pub, endpoint)
         else:
@@ -128,6 +135,8 @@ class KvEventPublisher:
             while True:
                 if self._replay is not None and self._replay.poll(0):
                     self._serve_replay()
+                if self._pub.poll(0):
+                    self._greet_subscribers()
                 try:
                     item = self._queue.get(timeout=POLL_S)
                 except queue.Empty:
@@ -172,6 +181,14 @@ class KvEventPublisher:
         self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload))
         self._buffer.append((seq, payload))
         self._next_seq = seq + 1
+
+    def _greet_subscribers(self) -> None:
+        """Read the subscription messages waiting; one empty batch answers all new ones."""
+        joined = False
+        while self._pub.poll(0):
+            joined |= self._pub.recv()[:1] == b"\x01"
+        if joined:
+            self._send(EventBatch(ts=time.time(), events=[], data_parallel_rank=self._rank))
 
     def _serve_replay(self) -> None:
         assert self._replay is not None

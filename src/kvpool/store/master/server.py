@@ -156,9 +156,13 @@ class MasterServer:
 
         self._kv_events = pub = KvEventPublisher(cfg.endpoint, cfg.replay_endpoint, cfg.topic,
                                                  cfg.buffer_steps)
-        with self.lock:
-            self.core.objects.events = PoolEventTranslator(pub.submit, cfg.int_hashes,
-                                                           cfg.block_size)
+        from kvpool.store.master.pool_events import media_of, report_change
+
+        sink = PoolEventTranslator(pub.submit, cfg.int_hashes, cfg.block_size)
+        with self.lock:  # what the table holds already (a replayed journal) is announced first
+            for obj in self.core.objects.values():
+                report_change(sink, obj.key, set(), media_of(obj.replicas))
+            self.core.objects.events = sink
         log.info("pool KV events: %s, replay %s, topic %r", pub.endpoint,
                  pub.replay_endpoint or "off", cfg.topic)
 
