@@ -214,3 +214,17 @@ def test_a_new_subscriber_of_a_quiet_publisher_learns_its_history(index: CacheIn
     finally:
         pub.close()
         sub.close()
+
+
+def test_connecting_to_publishers_that_bind(index: CacheIndex) -> None:
+    """vLLM given `tcp://*:PORT` binds; the subscriber then connects, to each engine."""
+    one = KvEventPublisher("tcp://127.0.0.1:0", topic="one", bind=True)
+    two = KvEventPublisher("tcp://127.0.0.1:0", topic="two", bind=True)
+    sub = KvEventSubscriber(one.endpoint, index, bind=False).start()
+    sub.connect(two.endpoint)
+    try:
+        until(lambda: (one.publish(stored(1)), two.publish(stored(2))),
+              lambda: index.matched_blocks("one", [1]) == 1 and index.matched_blocks("two", [2]) == 1)
+    finally:
+        one.close(), two.close()
+        sub.close()

@@ -3,11 +3,12 @@
 Every engine publishes to one endpoint under its own topic (vLLM's `topic` in
 `--kv-events-config`); the subscriber binds that endpoint by default, because vLLM's
 publisher connects to a host:port endpoint (it binds only wildcard ones: pass `bind=False`
-to connect to those). For each message `[topic, seq, payload]` the `SequenceTracker` says
-what it means, and the thread acts:
+to connect to those, and `connect(endpoint)` for each further engine that binds its own).
+For each message `[topic, seq, payload]` the `SequenceTracker` says what it means, and the
+thread acts:
 
-- FIRST (a topic joins) and RESTART (its seq went back: a new process): resync. The instance is cleared
-  in the sink and replayed from seq 0 when a replay endpoint is configured for its topic.
+- FIRST (a topic joins) and RESTART (its seq went back: a new process): resync. The instance
+  is cleared in the sink and replayed from seq 0 when a replay endpoint is configured for it.
   If that replay reaches back to seq 0 the instance's view is complete, else it is `partial`
   (it learns from now on; blocks cached before stay unknown until they are stored again).
 - GAP: the lost range is replayed; when the replay cannot cover it, the instance is resynced.
@@ -78,6 +79,7 @@ class KvEventSubscriber:
         self._stats: dict[str, FeedStats] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
+        self._to_connect: list[str] = []
         self._ctx: zmq.Context = zmq.Context.instance()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
@@ -100,6 +102,12 @@ class KvEventSubscriber:
         elif not self._sub.closed:
             self._sub.close()
 
+    def connect(self, endpoint: str) -> None:
+        """Also read a publisher that binds its own endpoint (vLLM given `tcp://*:PORT`);
+        the subscriber's thread connects at its next turn."""
+        with self._lock:
+            self._to_connect.append(endpoint)
+
     def set_replay_endpoint(self, instance: str, endpoint: str | None) -> None:
         with self._lock:
             if endpoint is None:
@@ -120,6 +128,10 @@ class KvEventSubscriber:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
+                with self._lock:
+                    endpoints, self._to_connect = self._to_connect, []
+                for endpoint in endpoints:
+                    self._sub.connect(endpoint)
                 if self._sub.poll(POLL_MS):
                     self._on_message(self._sub.recv_multipart())
         except Exception:
