@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvpool.busypoll import check_window_us
 from kvpool.clock import SYSTEM_CLOCK, Clock
@@ -24,6 +24,9 @@ from kvpool.store.master.rpc_limits import RpcLimits
 from kvpool.store.master.rpc_server import RpcServer
 from kvpool.store.master.service import MasterService
 from kvpool.token import env_token
+
+if TYPE_CHECKING:
+    from kvpool.kvevents.publisher import KvEventPublisher
 
 log = get_logger("store.master")
 
@@ -104,7 +107,7 @@ class MasterServer:
         self._rpc: RpcServer | None = None
         self._admin: HttpServerThread | None = None
         self._metadata: Any = None
-        self._kv_events: Any = None
+        self._kv_events: KvEventPublisher | None = None
 
     @property
     def rpc_port(self) -> int:
