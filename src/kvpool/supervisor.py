@@ -42,8 +42,9 @@ class Failure:
     give_up: GiveUp
 
     def __str__(self) -> str:
-        return (f"giving up on {self.name}: it {self.status} after {self.give_up.num_restarts} "
-                f"restarts within {self.give_up.window_s:g} s")
+        n = self.give_up.num_restarts
+        return (f"giving up on {self.name}: it {self.status} after {n} restart"
+                f"{'' if n == 1 else 's'} within {self.give_up.window_s:g} s")
 
 
 def describe_exit(returncode: int) -> str:

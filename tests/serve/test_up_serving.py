@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import signal
 import subprocess
@@ -19,7 +20,7 @@ import httpx
 import pytest
 
 from kvpool.serve.launch import free_port
-from tests.serve.conftest import kvpool_up, marked_pids, wait_gone, wait_ready
+from tests.serve.conftest import child_pid, kvpool_up, marked_pids, wait_gone, wait_ready
 
 
 def reap(proc: subprocess.Popen[str], marker: str) -> None:
@@ -30,7 +31,11 @@ def reap(proc: subprocess.Popen[str], marker: str) -> None:
     assert wait_gone(marker) == []
 
 
-def test_up_serves_and_sigterm_stops_everything(cache_home: Path, tmp_path: Path) -> None:
+def test_up_serves_restarts_a_killed_worker_and_sigterm_stops_everything(
+        cache_home: Path, tmp_path: Path) -> None:
+    """The decode worker SIGKILLed: `kvpool up` starts it again on its URL, where it proves
+    the cluster token to the proxy and rejoins the rotation; SIGTERM then is a clean stop
+    (exit status 0) whose last line counts the restart."""
     marker = f"up-{uuid.uuid4().hex}"
     port = free_port()
     log = tmp_path / "up.log"
@@ -40,15 +45,47 @@ def test_up_serves_and_sigterm_stops_everything(cache_home: Path, tmp_path: Path
         url = f"http://127.0.0.1:{port}"
         wait_ready(proc, url, log)
         assert len(marked_pids(marker)) >= 6  # up, master, store node, 2 workers, proxy
-        reply = httpx.post(url + "/v1/completions", timeout=60,
-                           json={"model": "tiny", "prompt": "hello", "max_tokens": 4})
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
+        reply = httpx.post(url + "/v1/completions", timeout=60, json=body)
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] >= 1
         token_file = _check_default_token(log.read_text(), url)
+        killed = kill_worker(marker, "decode")
+        decode = re.search(r"^\s+decode\s+workers\s+(\S+)", log.read_text(), re.M)
+        assert decode, log.read_text()
+        wait_back(url, decode.group(1), proc, log)
+        assert (f"kvpool up: decode-1 (pid {killed}) was killed by SIGKILL; restart 1 of at "
+                f"most 5 within 300 s, in 1 s (restarts so far: 1)") in log.read_text()
+        assert httpx.post(url + "/v1/completions", timeout=60, json=body).status_code == 200
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
+        assert log.read_text().rstrip().endswith(
+            "kvpool up: stopping the cluster; 1 restart (decode-1 1)"), log.read_text()
         assert not token_file.exists()  # the token was this run's only
     finally:
         reap(proc, marker)
+
+
+def kill_worker(marker: str, role: str) -> int:
+    """SIGKILL the one `role` worker of the `kvpool up` marked `marker`; its pid."""
+    pid = child_pid(marker, f"worker --role {role}")
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+def wait_back(proxy_url: str, worker_url: str, up: subprocess.Popen[str], log: Path,
+              timeout_s: float = 60) -> float:
+    """Until the proxy has had `worker_url` out of its rotation and back in (it proved the
+    token again); the seconds that took. `kvpool up` must keep running meanwhile."""
+    start = time.monotonic()
+    seen_down = False
+    while True:
+        assert up.poll() is None, log.read_text()
+        assert time.monotonic() - start < timeout_s, log.read_text()
+        alive = httpx.get(proxy_url + "/health", timeout=5).json()["workers"][worker_url]["alive"]
+        seen_down = seen_down or not alive
+        if seen_down and alive:
+            return time.monotonic() - start
+        time.sleep(0.1)
 
 
 def _token_header(text: str) -> dict[str, str]:
