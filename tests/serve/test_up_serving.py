@@ -73,11 +73,12 @@ def kill_worker(marker: str, role: str) -> int:
 
 
 def wait_back(proxy_url: str, worker_url: str, up: subprocess.Popen[str], log: Path,
-              timeout_s: float = 60) -> float:
+              timeout_s: float = 60, killed_at: float | None = None) -> float:
     """Until the proxy has had `worker_url` out of its rotation and back in (it proved the
-    token again); the seconds that took. `kvpool up` must keep running meanwhile."""
-    start = time.monotonic()
-    seen_down = False
+    token again); the seconds that took since `killed_at` (default: now). `kvpool up` must
+    keep running meanwhile."""
+    start = time.monotonic() if killed_at is None else killed_at
+    seen_down = killed_at is not None  # the stream that saw the kill saw it leave
     while True:
         assert up.poll() is None, log.read_text()
         assert time.monotonic() - start < timeout_s, log.read_text()
@@ -277,3 +278,72 @@ def test_up_over_emulated_hosts_serves_and_leaves_nothing(cache_home: Path,
                                    text=True).stdout
     finally:
         reap(proc, marker)
+
+
+@pytest.mark.slow  # a three-worker cluster, a worker restarted, then given up on (~60 s)
+def test_a_decode_worker_killed_mid_stream_the_stream_is_exact_and_the_worker_back(
+        cache_home: Path, tmp_path: Path) -> None:
+    """`kvpool up --prefill 1 --decode 2`: SIGKILL the decode worker serving a stream. The
+    stream completes equal to an undisturbed run (the proxy migrates it to the other decode
+    worker), the killed worker is back in the rotation within 30 s, `kvpool up` keeps
+    running. Killed again past its budget (--max-restarts 1), `kvpool up` stops the cluster
+    and exits 1."""
+    marker = f"up-{uuid.uuid4().hex}"
+    port = free_port()
+    log = tmp_path / "up.log"
+    with log.open("w") as out:
+        proc = kvpool_up(marker, cache_home, "--port", str(port), "--prefill", "1",
+                         "--decode", "2", "--max-restarts", "1", stdout=out)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(proc, url, log)
+        headers = _token_header(log.read_text())
+        body = {"model": "tiny", "prompt": "the cache " * 30, "max_tokens": 1500,
+                "ignore_eos": True, "temperature": 0}
+        expected = httpx.post(url + "/v1/completions", json=body, timeout=120).json()
+        victim, killed_at, text = _stream_killing_its_decode_worker(url, body, log, headers,
+                                                                    marker)
+        assert text == expected["choices"][0]["text"]
+        back_s = wait_back(url, victim, proc, log, killed_at=killed_at)
+        print(f"decode worker {victim} SIGKILLed mid-stream, back in the proxy's rotation "
+              f"{back_s:.1f} s after the kill")
+        assert back_s < 30
+        assert "was killed by SIGKILL; restart 1 of at most 1" in log.read_text()
+        again = httpx.post(url + "/v1/completions", json=body, timeout=120).json()
+        assert again["choices"][0]["text"] == expected["choices"][0]["text"]
+        named = re.search(r"kvpool up: (decode-\d) \(pid \d+\) was killed", log.read_text())
+        assert named, log.read_text()
+        name = named.group(1)
+        os.kill(child_pid(marker, f"--port {victim.rsplit(':', 1)[1]}"), signal.SIGKILL)
+        assert proc.wait(60) == 1, log.read_text()
+        assert (f"kvpool up: giving up on {name}: it was killed by SIGKILL after 1 restart "
+                f"within 300 s; stopping the cluster; 1 restart ({name} 1)") in log.read_text()
+    finally:
+        reap(proc, marker)
+
+
+def _stream_killing_its_decode_worker(url: str, body: dict[str, object], log: Path,
+                                      headers: dict[str, str], marker: str
+                                      ) -> tuple[str, float, str]:
+    """Stream `body`; as soon as a decode worker runs it, SIGKILL that worker. The worker's
+    URL, when it was killed and the streamed text."""
+    decode = re.search(r"^\s+decode\s+workers\s+(.+)$", log.read_text(), re.M)
+    assert decode, log.read_text()
+    victim, killed_at, texts = "", 0.0, []
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True},
+                      timeout=120) as resp:
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            texts.append(chunk["choices"][0]["text"])
+            if not victim:
+                victim = next((u for u in decode.group(1).split() if httpx.get(
+                    u + "/load", headers=headers, timeout=5).json()["num_running"]), "")
+                if victim:
+                    port = victim.rsplit(":", 1)[1]
+                    os.kill(child_pid(marker, f"--port {port}"), signal.SIGKILL)
+                    killed_at = time.monotonic()
+    assert victim, "no decode worker was seen running the stream"
+    return victim, killed_at, "".join(texts)
