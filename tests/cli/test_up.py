@@ -34,6 +34,13 @@ def test_up_rejects_bad_node_count() -> None:
     assert "--store-nodes must be >= 1" in out.stderr
 
 
+def test_up_refuses_a_bad_restart_budget() -> None:
+    out = subprocess.run([sys.executable, "-m", "kvpool", "up", "--max-restarts", "-1"],
+                         capture_output=True, text=True, timeout=60, env=python_env())
+    assert out.returncode == 2
+    assert out.stderr == "kvpool up: max_restarts must be >= 0, not -1\n"
+
+
 def test_up_needs_a_prefill_and_a_decode_worker() -> None:
     out = subprocess.run([sys.executable, "-m", "kvpool", "up", "--decode", "0"],
                          capture_output=True, text=True, timeout=60, env=python_env())

@@ -39,7 +39,7 @@ from kvpool.cli.security import (
 from kvpool.cli.up_supervise import add_restart_args, restart_config, supervise
 from kvpool.conductor import ADMISSION_POLICIES, PREFILL_POLICIES
 from kvpool.engine.config import DTYPES
-from kvpool.errors import KvpoolError
+from kvpool.errors import ConfigError, KvpoolError
 from kvpool.procs import check_ports
 from kvpool.serve.launch import free_port
 
@@ -122,6 +122,11 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        args.restarts = restart_config(args)
+    except ConfigError as exc:
+        print(f"kvpool up: {exc}", file=sys.stderr)
+        return 2
     _terminate_on_sigterm()
     if args.store_only:
         return _run_store_only(args)
@@ -186,14 +191,13 @@ def _run_serving(args: argparse.Namespace) -> int:
         spec = ServingSpec(model, args.host, args.port, args.prefill, args.decode,
                            args.colocated, args.dram, args.store_nodes or 1, proxy_args,
                            worker_args, insecure=args.insecure)
-        restarts = restart_config(args)  # a bad flag fails before any process starts
         with serving_cluster(spec) as cluster:
             _print_serving(cluster, _token_line(args))
             if args.demo:
                 from kvpool.cli.demo import run_serving_demo
 
                 return run_serving_demo(cluster)
-            return supervise(cluster, restarts)
+            return supervise(cluster, args.restarts)
     except KeyboardInterrupt:
         return 0
     except (KvpoolError, OSError, TimeoutError, subprocess.CalledProcessError) as exc:
@@ -312,7 +316,6 @@ def _run_store_only(args: argparse.Namespace) -> int:
     if not _secure_or_refuse(args):
         return 2
     try:
-        restarts = restart_config(args)
         with local_cluster(args.host, num_nodes, args.dram, args.rpc_port,
                            args.admin_port, args.metadata_port, args.token,
                            args.insecure) as cluster:
@@ -322,7 +325,7 @@ def _run_store_only(args: argparse.Namespace) -> int:
                 from kvpool.cli.demo import run_demo
 
                 return run_demo(cluster, bench=not args.no_bench)
-            return supervise(cluster, restarts)
+            return supervise(cluster, args.restarts)
     except KeyboardInterrupt:
         return 0
     except (KvpoolError, OSError, TimeoutError) as exc:
