@@ -62,9 +62,10 @@ def test_a_killed_child_comes_back_after_its_delay_and_is_counted() -> None:
     children = ShellChildren({"master": "exec sleep 30", "worker": "exec sleep 30"})
     first = children.procs["worker"]
     lines: list[str] = []
-    supervisor = Supervisor(children, FAST, say=lines.append)
+    published: list[dict[str, int]] = []
+    supervisor = Supervisor(children, FAST, say=lines.append, counted=published.append)
     try:
-        assert supervisor.check() is None and lines == []
+        assert supervisor.check() is None and lines == [] and published == []
         first.send_signal(signal.SIGKILL)
         first.wait()
         killed_at = time.monotonic()
@@ -72,6 +73,7 @@ def test_a_killed_child_comes_back_after_its_delay_and_is_counted() -> None:
         assert lines == [f"worker (pid {first.pid}) was killed by SIGKILL; restart 1 of at "
                          f"most 2 within 60 s, in 0.05 s (restarts so far: 1)"]
         assert children.procs["worker"] is first  # not before its delay
+        assert published == [{"master": 0, "worker": 1}]
         while children.procs["worker"] is first:
             assert time.monotonic() - killed_at < 5
             assert supervisor.check() is None

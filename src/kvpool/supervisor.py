@@ -5,7 +5,8 @@ Mechanism only: the schedule and the budget are the policy's. The children are w
 implements `Children` (a name -> process table and `restart(name)`, which starts that child
 again with the command it was first started with). Everything runs on the caller's thread
 (children carry a parent-death signal, which Linux ties to the thread that forked them).
-Each decision is one line through `say`; `summary()` says what was restarted.
+Each decision is one line through `say`, and every restart calls `counted` with the counts
+per child (to publish them); `summary()` says what was restarted.
 """
 
 from __future__ import annotations
@@ -63,11 +64,13 @@ def _stderr(line: str) -> None:
 
 class Supervisor:
     def __init__(self, children: Children, config: RestartConfig, clock: Clock = SYSTEM_CLOCK,
-                 say: Callable[[str], None] = _stderr) -> None:
+                 say: Callable[[str], None] = _stderr,
+                 counted: Callable[[dict[str, int]], None] = lambda counts: None) -> None:
         self.children = children
         self.config = config
         self.clock = clock
         self.say = say
+        self.counted = counted
         self.policies: dict[str, RestartPolicy] = {}
         self._due: dict[str, float] = {}
         """Children waiting out their backoff: name -> when to start them again."""
@@ -103,6 +106,11 @@ class Supervisor:
         """Restarts decided per child that has had any."""
         return {n: p.num_restarts for n, p in self.policies.items() if p.num_restarts}
 
+    @property
+    def counts(self) -> dict[str, int]:
+        """Restarts decided per child, every child named (0 for most)."""
+        return {name: self.num_restarts.get(name, 0) for name in self.children.procs}
+
     def summary(self) -> str:
         counts = self.num_restarts
         if not counts:
@@ -121,4 +129,5 @@ class Supervisor:
         self.say(f"{name} (pid {proc.pid}) {status}; restart {decision.attempt} of at most "
                  f"{self.config.max_restarts} within {self.config.window_s:g} s, in "
                  f"{decision.delay_s:g} s (restarts so far: {policy.num_restarts})")
+        self.counted(self.counts)
         return None

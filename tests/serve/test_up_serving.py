@@ -56,11 +56,15 @@ def test_up_serves_restarts_a_killed_worker_and_sigterm_stops_everything(
         assert (f"kvpool up: decode-1 (pid {killed}) was killed by SIGKILL; restart 1 of at "
                 f"most 5 within 300 s, in 1 s (restarts so far: 1)") in log.read_text()
         assert httpx.post(url + "/v1/completions", timeout=60, json=body).status_code == 200
+        metrics = httpx.get(url + "/metrics", headers=_token_header(log.read_text())).text
+        assert 'kvpool_up_restarts_total{process="decode-1"} 1.0' in metrics
+        assert 'kvpool_up_restarts_total{process="master"} 0.0' in metrics
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
         assert log.read_text().rstrip().endswith(
             "kvpool up: stopping the cluster; 1 restart (decode-1 1)"), log.read_text()
         assert not token_file.exists()  # the token was this run's only
+        assert not token_file.with_name(f"up-{port}.restarts.json").exists()
     finally:
         reap(proc, marker)
 

@@ -36,7 +36,7 @@ from kvpool.cli.security import (
     new_token_file,
     token_file,
 )
-from kvpool.cli.up_supervise import add_restart_args, restart_config, supervise
+from kvpool.cli.up_supervise import add_restart_args, counts_file, restart_config, supervise
 from kvpool.conductor import ADMISSION_POLICIES, PREFILL_POLICIES
 from kvpool.engine.config import DTYPES
 from kvpool.errors import ConfigError, KvpoolError
@@ -188,6 +188,9 @@ def _run_serving(args: argparse.Namespace) -> int:
         worker_args += _given(args, "dtype", "max_model_len", "num_blocks", "block_size")
         if args.hosts:
             return _run_hosts(args, model, proxy_args, worker_args)
+        if not args.demo:  # the proxy's /metrics shows the restart counts kept there
+            args.counts_file = counts_file(token_file(args.port))
+            proxy_args += ("--restart-counts", str(args.counts_file))
         spec = ServingSpec(model, args.host, args.port, args.prefill, args.decode,
                            args.colocated, args.dram, args.store_nodes or 1, proxy_args,
                            worker_args, insecure=args.insecure)
@@ -197,15 +200,16 @@ def _run_serving(args: argparse.Namespace) -> int:
                 from kvpool.cli.demo import run_serving_demo
 
                 return run_serving_demo(cluster)
-            return supervise(cluster, args.restarts)
+            return supervise(cluster, args.restarts, args.counts_file)
     except KeyboardInterrupt:
         return 0
     except (KvpoolError, OSError, TimeoutError, subprocess.CalledProcessError) as exc:
         print(f"kvpool up: {exc}", file=sys.stderr)
         return 1
     finally:
-        if getattr(args, "token_file", None) is not None:
-            args.token_file.unlink(missing_ok=True)
+        for made in ("token_file", "counts_file"):
+            if getattr(args, made, None) is not None:
+                getattr(args, made).unlink(missing_ok=True)
 
 
 def _run_hosts(args: argparse.Namespace, model: Path, proxy_args: tuple[str, ...],

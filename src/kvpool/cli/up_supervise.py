@@ -1,12 +1,17 @@
 """How `kvpool up` keeps its cluster running: every child that exits (master, store node,
 worker, proxy) is started again with backoff (kvpool.restart_policy, kvpool.supervisor), each
 restart one line on stderr, until Ctrl-C / SIGTERM (exit status 0) or a child exits once more
-than its budget allows (the cluster is stopped; exit status 1)."""
+than its budget allows (the cluster is stopped; exit status 1). The counts per child are kept
+in a JSON file ({name: restarts}, replaced whole) that the proxy exports on /metrics
+(`kvpool proxy --restart-counts`)."""
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+from pathlib import Path
 
 from kvpool.restart_policy import RestartConfig
 from kvpool.supervisor import Children, Supervisor
@@ -34,10 +39,26 @@ def say(line: str) -> None:
     print(f"kvpool up: {line}", file=sys.stderr, flush=True)
 
 
-def supervise(children: Children, config: RestartConfig) -> int:
+def counts_file(token_path: Path) -> Path:
+    """Where `kvpool up` keeps its restart counts: beside its token file."""
+    return token_path.with_name(token_path.name.replace(".token", ".restarts.json"))
+
+
+def write_counts(path: Path, counts: dict[str, int]) -> None:
+    """Replace `path` with `counts` at once (a reader never sees half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(counts, sort_keys=True))
+    tmp.replace(path)
+
+
+def supervise(children: Children, config: RestartConfig, counts: Path | None = None) -> int:
     """Until Ctrl-C / SIGTERM (0) or a child is given up on (1); the caller stops the
-    children. Either way the last line counts the restarts."""
-    supervisor = Supervisor(children, config, say=say)
+    children (and removes `counts`, kept up to date here when given). Either way the last
+    line counts the restarts."""
+    publish = (lambda c: write_counts(counts, c)) if counts is not None else (lambda c: None)
+    supervisor = Supervisor(children, config, say=say, counted=publish)
+    publish(supervisor.counts)
     print("Ctrl-C to stop.", flush=True)
     try:
         failure = supervisor.run()

@@ -3,11 +3,12 @@ test process). Worker gauges are read from the live cluster at scrape time."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -42,8 +43,10 @@ class ProxyMetrics:
         self.rejections = Counter("kvpool_proxy_rejections", "Requests refused by admission",
                                   ["reason", "stage"], registry=r)
 
-    def watch(self, cluster: LiveCluster) -> None:
+    def watch(self, cluster: LiveCluster, restart_counts: str | None = None) -> None:
         self.registry.register(_WorkerCollector(cluster))
+        if restart_counts is not None:
+            self.registry.register(_RestartCollector(restart_counts))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -77,3 +80,25 @@ class _WorkerCollector(Collector):
             if w.decode_load is not None:
                 fams["assigned"].add_metric(lv, w.decode_load.num_assigned)
         yield from fams.values()
+
+
+class _RestartCollector(Collector):
+    """Restarts per process as the cluster's supervisor (`kvpool up`) counts them, read at
+    scrape time from the JSON file it replaces whole ({process: restarts}); nothing while the
+    file is absent or not such an object."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        fam = CounterMetricFamily("kvpool_up_restarts", "Processes of the cluster that exited "
+                                  "and were started again by kvpool up", labels=["process"])
+        try:
+            with open(self.path) as fh:
+                counts = json.load(fh)
+        except (OSError, ValueError):
+            counts = {}
+        for name, n in (counts.items() if isinstance(counts, dict) else ()):
+            if isinstance(n, int):
+                fam.add_metric([str(name)], n)
+        yield fam
