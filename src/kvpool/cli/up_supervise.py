@@ -56,7 +56,14 @@ def supervise(children: Children, config: RestartConfig, counts: Path | None = N
     """Until Ctrl-C / SIGTERM (0) or a child is given up on (1); the caller stops the
     children (and removes `counts`, kept up to date here when given). Either way the last
     line counts the restarts."""
-    publish = (lambda c: write_counts(counts, c)) if counts is not None else (lambda c: None)
+    def publish(c: dict[str, int]) -> None:
+        if counts is None:
+            return
+        try:
+            write_counts(counts, c)
+        except OSError as exc:  # the counts are a report: the cluster goes on without them
+            say(f"cannot write the restart counts to {counts}: {exc}")
+
     supervisor = Supervisor(children, config, say=say, counted=publish)
     publish(supervisor.counts)
     print("Ctrl-C to stop.", flush=True)
