@@ -350,3 +350,46 @@ def _stream_killing_its_decode_worker(url: str, body: dict[str, object], log: Pa
                     killed_at = time.monotonic()
     assert victim, "no decode worker was seen running the stream"
     return victim, killed_at, "".join(texts)
+
+
+@pytest.mark.slow  # a cluster whose master and store node are killed and come back (~50 s)
+def test_a_killed_master_and_store_node_come_back_and_the_cluster_serves_the_same(
+        cache_home: Path, tmp_path: Path) -> None:
+    """SIGKILL `kvpool up`'s master, then its store node: each is started again on its ports
+    (the store node mounts again on the new master), and the same greedy completion comes
+    back equal after each (its prefix recomputed where the pool lost it)."""
+    marker = f"up-{uuid.uuid4().hex}"
+    port = free_port()
+    log = tmp_path / "up.log"
+    with log.open("w") as out:
+        proc = kvpool_up(marker, cache_home, "--port", str(port), stdout=out)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(proc, url, log)
+        body = {"model": "tiny", "prompt": "the cache " * 30, "max_tokens": 16,
+                "ignore_eos": True, "temperature": 0}
+        expected = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+        for name, command in (("master", "master"), ("store-node-0", "store-node")):
+            os.kill(child_pid(marker, command), signal.SIGKILL)
+            _wait_line(log, f"kvpool up: {name} started again", proc)
+            deadline = time.monotonic() + 60
+            while True:
+                reply = httpx.post(url + "/v1/completions", json=body, timeout=60)
+                if reply.status_code == 200:
+                    break
+                assert time.monotonic() < deadline, (reply.text, log.read_text())
+                time.sleep(0.5)
+            assert reply.json()["choices"] == expected["choices"], log.read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert ("kvpool up: stopping the cluster; 2 restarts (master 1, store-node-0 1)\n"
+                in log.read_text())
+    finally:
+        reap(proc, marker)
+
+
+def _wait_line(log: Path, line: str, up: subprocess.Popen[str], timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while line not in log.read_text():
+        assert up.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)
