@@ -63,6 +63,9 @@ def _stderr(line: str) -> None:
 
 
 class Supervisor:
+    """The only one that starts children again. A restart is counted when it is decided (the
+    child then waits out its delay, unless the launcher stops first)."""
+
     def __init__(self, children: Children, config: RestartConfig, clock: Clock = SYSTEM_CLOCK,
                  say: Callable[[str], None] = _stderr,
                  counted: Callable[[dict[str, int]], None] = lambda counts: None) -> None:
