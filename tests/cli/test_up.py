@@ -4,8 +4,13 @@ tests/serve/test_up_serving.py."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
+import time
+import uuid
+from pathlib import Path
 
 from tests.support.procs import python_env
 
@@ -29,8 +34,48 @@ def test_up_rejects_bad_node_count() -> None:
     assert "--store-nodes must be >= 1" in out.stderr
 
 
+def test_up_refuses_a_bad_restart_budget() -> None:
+    out = subprocess.run([sys.executable, "-m", "kvpool", "up", "--max-restarts", "-1"],
+                         capture_output=True, text=True, timeout=60, env=python_env())
+    assert out.returncode == 2
+    assert out.stderr == "kvpool up: max_restarts must be >= 0, not -1\n"
+
+
 def test_up_needs_a_prefill_and_a_decode_worker() -> None:
     out = subprocess.run([sys.executable, "-m", "kvpool", "up", "--decode", "0"],
                          capture_output=True, text=True, timeout=60, env=python_env())
     assert out.returncode == 2
     assert "need at least one prefill and one decode worker" in out.stderr
+
+
+def test_up_stops_with_status_1_when_it_gives_up_on_a_process(tmp_path: Path) -> None:
+    """`--max-restarts 0`: the store node SIGKILLed, `kvpool up` says which process it gave up
+    on and how it ended, stops the rest and exits 1 (a supervisor above it sees a failure)."""
+    from tests.serve.conftest import child_pid, marked_pids, wait_gone
+
+    marker = f"up-{uuid.uuid4().hex}"
+    log = tmp_path / "up.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvpool", "up", "--store-only", "--store-nodes", "1",
+             "--dram", "64MiB", "--max-restarts", "0"], stdout=out, stderr=subprocess.STDOUT,
+            env=python_env() | {"KVPOOL_TEST_MARKER": marker})
+    try:
+        deadline = time.monotonic() + 90
+        while "Ctrl-C to stop" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        node = child_pid(marker, "store-node")
+        os.kill(node, signal.SIGKILL)
+        assert proc.wait(30) == 1, log.read_text()
+        assert ("kvpool up: giving up on store-node-0: it was killed by SIGKILL after 0 "
+                "restarts within 300 s; stopping the cluster; no process was restarted"
+                ) in log.read_text()
+        assert wait_gone(marker) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        wait_gone(marker)
+        assert marked_pids(marker) == []
+

@@ -154,6 +154,22 @@ def marked_pids(marker: str) -> list[int]:
     return [p for p in pids if _alive(p)]
 
 
+def child_pid(marker: str, command: str) -> int:
+    """The one process marked `marker` whose `kvpool` arguments hold `command` ("store-node",
+    "worker --role decode")."""
+    found = []
+    for pid in marked_pids(marker):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                argv = fh.read().decode().rstrip("\0").split("\0")
+        except OSError:
+            continue
+        if argv[1:3] == ["-m", "kvpool"] and f" {command} " in f" {' '.join(argv[3:])} ":
+            found.append(pid)
+    assert len(found) == 1, (command, found)
+    return found[0]
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as fh:

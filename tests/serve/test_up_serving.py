@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import signal
 import subprocess
@@ -19,7 +20,7 @@ import httpx
 import pytest
 
 from kvpool.serve.launch import free_port
-from tests.serve.conftest import kvpool_up, marked_pids, wait_gone, wait_ready
+from tests.serve.conftest import child_pid, kvpool_up, marked_pids, wait_gone, wait_ready
 
 
 def reap(proc: subprocess.Popen[str], marker: str) -> None:
@@ -30,7 +31,11 @@ def reap(proc: subprocess.Popen[str], marker: str) -> None:
     assert wait_gone(marker) == []
 
 
-def test_up_serves_and_sigterm_stops_everything(cache_home: Path, tmp_path: Path) -> None:
+def test_up_serves_restarts_a_killed_worker_and_sigterm_stops_everything(
+        cache_home: Path, tmp_path: Path) -> None:
+    """The decode worker SIGKILLed: `kvpool up` starts it again on its URL, where it proves
+    the cluster token to the proxy and rejoins the rotation; SIGTERM then is a clean stop
+    (exit status 0) whose last line counts the restart."""
     marker = f"up-{uuid.uuid4().hex}"
     port = free_port()
     log = tmp_path / "up.log"
@@ -40,15 +45,51 @@ def test_up_serves_and_sigterm_stops_everything(cache_home: Path, tmp_path: Path
         url = f"http://127.0.0.1:{port}"
         wait_ready(proc, url, log)
         assert len(marked_pids(marker)) >= 6  # up, master, store node, 2 workers, proxy
-        reply = httpx.post(url + "/v1/completions", timeout=60,
-                           json={"model": "tiny", "prompt": "hello", "max_tokens": 4})
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
+        reply = httpx.post(url + "/v1/completions", timeout=60, json=body)
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] >= 1
         token_file = _check_default_token(log.read_text(), url)
+        killed = kill_worker(marker, "decode")
+        decode = re.search(r"^\s+decode\s+workers\s+(\S+)", log.read_text(), re.M)
+        assert decode, log.read_text()
+        wait_back(url, decode.group(1), proc, log)
+        assert (f"kvpool up: decode-1 (pid {killed}) was killed by SIGKILL; restart 1 of at "
+                f"most 5 within 300 s, in 1 s (restarts so far: 1)") in log.read_text()
+        assert httpx.post(url + "/v1/completions", timeout=60, json=body).status_code == 200
+        metrics = httpx.get(url + "/metrics", headers=_token_header(log.read_text())).text
+        assert 'kvpool_up_restarts_total{process="decode-1"} 1.0' in metrics
+        assert 'kvpool_up_restarts_total{process="master"} 0.0' in metrics
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
+        assert "kvpool up: stopping the cluster; 1 restart (decode-1 1)\n" in log.read_text()
         assert not token_file.exists()  # the token was this run's only
+        assert not token_file.with_name(f"up-{port}.restarts.json").exists()
     finally:
         reap(proc, marker)
+
+
+def kill_worker(marker: str, role: str) -> int:
+    """SIGKILL the one `role` worker of the `kvpool up` marked `marker`; its pid."""
+    pid = child_pid(marker, f"worker --role {role}")
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+def wait_back(proxy_url: str, worker_url: str, up: subprocess.Popen[str], log: Path,
+              timeout_s: float = 60, killed_at: float | None = None) -> float:
+    """Until the proxy has had `worker_url` out of its rotation and back in (it proved the
+    token again); the seconds that took since `killed_at` (default: now). `kvpool up` must
+    keep running meanwhile."""
+    start = time.monotonic() if killed_at is None else killed_at
+    seen_down = False  # (a restart takes seconds: the proxy sees it gone first)
+    while True:
+        assert up.poll() is None, log.read_text()
+        assert time.monotonic() - start < timeout_s, log.read_text()
+        alive = httpx.get(proxy_url + "/health", timeout=5).json()["workers"][worker_url]["alive"]
+        seen_down = seen_down or not alive
+        if seen_down and alive:
+            return time.monotonic() - start
+        time.sleep(0.1)
 
 
 def _token_header(text: str) -> dict[str, str]:
@@ -240,3 +281,115 @@ def test_up_over_emulated_hosts_serves_and_leaves_nothing(cache_home: Path,
                                    text=True).stdout
     finally:
         reap(proc, marker)
+
+
+@pytest.mark.slow  # a three-worker cluster, a worker restarted, then given up on (~60 s)
+def test_a_decode_worker_killed_mid_stream_the_stream_is_exact_and_the_worker_back(
+        cache_home: Path, tmp_path: Path) -> None:
+    """`kvpool up --prefill 1 --decode 2`: SIGKILL the decode worker serving a stream. The
+    stream completes equal to an undisturbed run (the proxy migrates it to the other decode
+    worker), the killed worker is back in the rotation within 30 s, `kvpool up` keeps
+    running. Killed again past its budget (--max-restarts 1), `kvpool up` stops the cluster
+    and exits 1."""
+    marker = f"up-{uuid.uuid4().hex}"
+    port = free_port()
+    log = tmp_path / "up.log"
+    with log.open("w") as out:
+        proc = kvpool_up(marker, cache_home, "--port", str(port), "--prefill", "1",
+                         "--decode", "2", "--max-restarts", "1", stdout=out)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(proc, url, log)
+        headers = _token_header(log.read_text())
+        body = {"model": "tiny", "prompt": "the cache " * 30, "max_tokens": 1500,
+                "ignore_eos": True, "temperature": 0}
+        expected = httpx.post(url + "/v1/completions", json=body, timeout=120).json()
+        victim, killed_at, text = _stream_killing_its_decode_worker(url, body, log, headers,
+                                                                    marker)
+        assert text == expected["choices"][0]["text"]
+        back_s = wait_back(url, victim, proc, log, killed_at=killed_at)
+        print(f"decode worker {victim} SIGKILLed mid-stream, back in the proxy's rotation "
+              f"{back_s:.1f} s after the kill")
+        assert back_s < 30
+        assert "was killed by SIGKILL; restart 1 of at most 1" in log.read_text()
+        again = httpx.post(url + "/v1/completions", json=body, timeout=120).json()
+        assert again["choices"][0]["text"] == expected["choices"][0]["text"]
+        named = re.search(r"kvpool up: (decode-\d) \(pid \d+\) was killed", log.read_text())
+        assert named, log.read_text()
+        name = named.group(1)
+        os.kill(child_pid(marker, f"--port {victim.rsplit(':', 1)[1]}"), signal.SIGKILL)
+        assert proc.wait(60) == 1, log.read_text()
+        assert (f"kvpool up: giving up on {name}: it was killed by SIGKILL after 1 restart "
+                f"within 300 s; stopping the cluster; 1 restart ({name} 1)") in log.read_text()
+    finally:
+        reap(proc, marker)
+
+
+def _stream_killing_its_decode_worker(url: str, body: dict[str, object], log: Path,
+                                      headers: dict[str, str], marker: str
+                                      ) -> tuple[str, float, str]:
+    """Stream `body`; as soon as a decode worker runs it, SIGKILL that worker. The worker's
+    URL, when it was killed and the streamed text."""
+    decode = re.search(r"^\s+decode\s+workers\s+(.+)$", log.read_text(), re.M)
+    assert decode, log.read_text()
+    victim, killed_at, texts = "", 0.0, []
+    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True},
+                      timeout=120) as resp:
+        for line in resp.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            texts.append(chunk["choices"][0]["text"])
+            if not victim:
+                victim = next((u for u in decode.group(1).split() if httpx.get(
+                    u + "/load", headers=headers, timeout=5).json()["num_running"]), "")
+                if victim:
+                    port = victim.rsplit(":", 1)[1]
+                    os.kill(child_pid(marker, f"--port {port}"), signal.SIGKILL)
+                    killed_at = time.monotonic()
+    assert victim, "no decode worker was seen running the stream"
+    return victim, killed_at, "".join(texts)
+
+
+@pytest.mark.slow  # a cluster whose master and store node are killed and come back (~50 s)
+def test_a_killed_master_and_store_node_come_back_and_the_cluster_serves_the_same(
+        cache_home: Path, tmp_path: Path) -> None:
+    """SIGKILL `kvpool up`'s master, then its store node: each is started again on its ports
+    (the store node mounts again on the new master), and the same greedy completion comes
+    back equal after each (its prefix recomputed where the pool lost it)."""
+    marker = f"up-{uuid.uuid4().hex}"
+    port = free_port()
+    log = tmp_path / "up.log"
+    with log.open("w") as out:
+        proc = kvpool_up(marker, cache_home, "--port", str(port), stdout=out)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(proc, url, log)
+        body = {"model": "tiny", "prompt": "the cache " * 30, "max_tokens": 16,
+                "ignore_eos": True, "temperature": 0}
+        expected = httpx.post(url + "/v1/completions", json=body, timeout=60).json()
+        for name, command in (("master", "master"), ("store-node-0", "store-node")):
+            os.kill(child_pid(marker, command), signal.SIGKILL)
+            _wait_line(log, f"kvpool up: {name} started again", proc)
+            deadline = time.monotonic() + 60
+            while True:
+                reply = httpx.post(url + "/v1/completions", json=body, timeout=60)
+                if reply.status_code == 200:
+                    break
+                assert time.monotonic() < deadline, (reply.text, log.read_text())
+                time.sleep(0.5)
+            assert reply.json()["choices"] == expected["choices"], log.read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert ("kvpool up: stopping the cluster; 2 restarts (master 1, store-node-0 1)\n"
+                in log.read_text())
+    finally:
+        reap(proc, marker)
+
+
+def _wait_line(log: Path, line: str, up: subprocess.Popen[str], timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while line not in log.read_text():
+        assert up.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)

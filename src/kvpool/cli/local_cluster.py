@@ -8,16 +8,26 @@ from dataclasses import dataclass, field
 
 import httpx
 
+from kvpool.serve.launch import ChildTable
+
 
 @dataclass
-class LocalCluster:
+class LocalCluster(ChildTable):
     host: str
     rpc_port: int
     admin_port: int
     metadata_port: int
-    master: subprocess.Popen[bytes]
-    nodes: list[subprocess.Popen[bytes]] = field(default_factory=list)
     token: str | None = None
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    commands: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    @property
+    def master(self) -> subprocess.Popen[bytes]:
+        return self.procs["master"]
+
+    @property
+    def nodes(self) -> list[subprocess.Popen[bytes]]:
+        return [p for name, p in self.procs.items() if name.startswith("store-node-")]
 
     @property
     def master_address(self) -> str:

@@ -49,6 +49,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--no-access-log", dest="access_log", action="store_false",
                    help="no access-log line per request")
     add_api_key_args(p)
+    p.add_argument("--restart-counts", default=None, metavar="JSON",
+                   help="export the restart counts a supervisor keeps in this file "
+                   "({process: restarts}; kvpool up passes it) as kvpool_up_restarts_total")
     p.add_argument("--max-connections", type=int, default=_D.http_limits.max_concurrency,
                    help="open connections and streams at once (the idlest is closed for a "
                         f"new one; 503 beyond; default {_D.http_limits.max_concurrency})")
@@ -94,7 +97,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         kv_transfer=args.kv_transfer, poll_interval_s=args.poll_interval,
         token=args.token or env_token(), access_log=args.access_log,
         max_body_bytes=args.max_body_bytes, api_keys=api_keys_from(args),
-        salt_per_api_key=args.salt_per_api_key,
+        salt_per_api_key=args.salt_per_api_key, restart_counts_path=args.restart_counts,
         http_limits=replace(_D.http_limits, max_concurrency=args.max_connections))
 
 

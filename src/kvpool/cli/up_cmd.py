@@ -4,7 +4,9 @@ Starts a master (with the embedded HTTP metadata server), a store node, prefill 
 workers on a model folder (a tiny random model made on first use by default) and the
 OpenAI-compatible proxy on 127.0.0.1:8000, each a separate process that dies with this one
 (Ctrl-C, SIGTERM, even SIGKILL: see kvpool.serve.launch). With `--demo` it sends a few requests
-itself and stops; without, it serves until Ctrl-C.
+itself and stops; without, it serves until Ctrl-C (exit status 0), starting again every child
+that exits, until one exits more often than its budget allows (exit status 1;
+kvpool.cli.up_supervise).
 
 `--store-only` starts just the KV store (master + N store nodes); its `--demo` runs replicated
 puts and verified gets, zero-copy batches, a store node killed with SIGKILL while its replicated
@@ -20,7 +22,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -34,11 +36,12 @@ from kvpool.cli.security import (
     new_token_file,
     token_file,
 )
+from kvpool.cli.up_supervise import add_restart_args, counts_file, restart_config, supervise
 from kvpool.conductor import ADMISSION_POLICIES, PREFILL_POLICIES
 from kvpool.engine.config import DTYPES
-from kvpool.errors import KvpoolError
+from kvpool.errors import ConfigError, KvpoolError
 from kvpool.procs import check_ports
-from kvpool.serve.launch import free_port, spawn, stop
+from kvpool.serve.launch import free_port
 
 if TYPE_CHECKING:
     from kvpool.serve.launch import ServingCluster
@@ -102,6 +105,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_security_args(p, "every process of the cluster requires (default: a random one "
                       "made at start, except with --store-only)")
     _add_layout_args(p)
+    add_restart_args(p)
     p.set_defaults(func=run)
 
 
@@ -118,6 +122,11 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        args.restarts = restart_config(args)
+    except ConfigError as exc:
+        print(f"kvpool up: {exc}", file=sys.stderr)
+        return 2
     _terminate_on_sigterm()
     if args.store_only:
         return _run_store_only(args)
@@ -179,6 +188,9 @@ def _run_serving(args: argparse.Namespace) -> int:
         worker_args += _given(args, "dtype", "max_model_len", "num_blocks", "block_size")
         if args.hosts:
             return _run_hosts(args, model, proxy_args, worker_args)
+        if not args.demo:  # the proxy's /metrics shows the restart counts kept there
+            args.counts_file = counts_file(token_file(args.port))
+            proxy_args += ("--restart-counts", str(args.counts_file))
         spec = ServingSpec(model, args.host, args.port, args.prefill, args.decode,
                            args.colocated, args.dram, args.store_nodes or 1, proxy_args,
                            worker_args, insecure=args.insecure)
@@ -188,16 +200,16 @@ def _run_serving(args: argparse.Namespace) -> int:
                 from kvpool.cli.demo import run_serving_demo
 
                 return run_serving_demo(cluster)
-            _wait_serving(cluster)
-            return 0
+            return supervise(cluster, args.restarts, args.counts_file)
     except KeyboardInterrupt:
         return 0
     except (KvpoolError, OSError, TimeoutError, subprocess.CalledProcessError) as exc:
         print(f"kvpool up: {exc}", file=sys.stderr)
         return 1
     finally:
-        if getattr(args, "token_file", None) is not None:
-            args.token_file.unlink(missing_ok=True)
+        for made in ("token_file", "counts_file"):
+            if getattr(args, made, None) is not None:
+                getattr(args, made).unlink(missing_ok=True)
 
 
 def _run_hosts(args: argparse.Namespace, model: Path, proxy_args: tuple[str, ...],
@@ -300,16 +312,6 @@ def _print_serving(cluster: ServingCluster, token_line: str) -> None:
           f"\"max_tokens\": 16}}'", flush=True)
 
 
-def _wait_serving(cluster: ServingCluster) -> None:
-    print("Ctrl-C to stop.", flush=True)
-    try:
-        while not cluster.exited():
-            time.sleep(0.5)
-        print(f"kvpool up: {', '.join(cluster.exited())} exited; shutting down", file=sys.stderr)
-    except KeyboardInterrupt:
-        pass
-
-
 def _run_store_only(args: argparse.Namespace) -> int:
     num_nodes = 2 if args.store_nodes is None else args.store_nodes
     if num_nodes < 1:
@@ -327,8 +329,7 @@ def _run_store_only(args: argparse.Namespace) -> int:
                 from kvpool.cli.demo import run_demo
 
                 return run_demo(cluster, bench=not args.no_bench)
-            _wait_for_interrupt(cluster)
-            return 0
+            return supervise(cluster, args.restarts)
     except KeyboardInterrupt:
         return 0
     except (KvpoolError, OSError, TimeoutError) as exc:
@@ -344,23 +345,20 @@ def local_cluster(host: str, num_nodes: int, dram: str, rpc_port: int = 0, admin
                        "--metadata-port": metadata_port})
     rpc, admin, meta = (p or free_port(host) for p in (rpc_port, admin_port, metadata_port))
     security = (["--token", token] if token else []) + (["--insecure"] if insecure else [])
-    with ExitStack() as stack:
-        master = _start(stack, "master", "--host", host, "--rpc-port", str(rpc),
-                        "--admin-port", str(admin), "--metadata-port", str(meta), *security)
-        cluster = LocalCluster(host, rpc, admin, meta, master, token=token)
+    cluster = LocalCluster(host, rpc, admin, meta, token=token)
+    try:
+        master = cluster.start("master", "master", "--host", host, "--rpc-port", str(rpc),
+                               "--admin-port", str(admin), "--metadata-port", str(meta),
+                               *security)
         _wait_http(cluster, "/health", master)
-        for _ in range(num_nodes):
-            cluster.nodes.append(_start(stack, "store-node", "--dram", dram, "--master",
-                                        cluster.master_address, "--host", host,
-                                        "--metadata", cluster.metadata_url, *security))
+        for i in range(num_nodes):
+            cluster.start(f"store-node-{i}", "store-node", "--dram", dram, "--master",
+                          cluster.master_address, "--host", host,
+                          "--metadata", cluster.metadata_url, *security)
         _wait_segments(cluster, num_nodes)
         yield cluster
-
-
-def _start(stack: ExitStack, *args: str) -> subprocess.Popen[bytes]:
-    proc = spawn(*args)
-    stack.callback(stop, proc)
-    return proc
+    finally:
+        cluster.stop_all()
 
 
 def _wait_http(cluster: LocalCluster, path: str, proc: subprocess.Popen[bytes], timeout_s: float = 30) -> None:
@@ -395,13 +393,3 @@ def _print_endpoints(cluster: LocalCluster) -> None:
     print(f"  metadata       {cluster.metadata_url}")
     print(f"  admin/metrics  http://{cluster.host}:{cluster.admin_port}/metrics")
     print(f"  store nodes    {len(cluster.nodes)}", flush=True)
-
-
-def _wait_for_interrupt(cluster: LocalCluster) -> None:
-    print("Ctrl-C to stop.", flush=True)
-    try:
-        while all(p.poll() is None for p in (cluster.master, *cluster.nodes)):
-            time.sleep(0.5)
-        print("kvpool up: a cluster process exited; shutting down", file=sys.stderr)
-    except KeyboardInterrupt:
-        pass

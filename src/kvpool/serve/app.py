@@ -85,7 +85,7 @@ class Proxy:
                                    config.silent_dead_s)
         self.client = WorkerClient(config.worker_timeout_s, config.token)
         self.metrics = ProxyMetrics()
-        self.metrics.watch(self.cluster)
+        self.metrics.watch(self.cluster, config.restart_counts_path)
         self.dispatcher = Dispatcher(config, self.cluster, self.client, cost, self.clock,
                                      self.metrics)
         self.metrics.watch_cost(self.dispatcher.cost_in_use)

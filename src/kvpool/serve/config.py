@@ -62,6 +62,9 @@ class ProxyConfig:
     salt_per_api_key: bool = False
     """Salt every request's cache with its API key: prefixes are reused (and cached_tokens
     reported) only among requests made with the same key (docs/serve.md, cache isolation)."""
+    restart_counts_path: str | None = None
+    """A JSON file {process: restarts} kept by the cluster's supervisor (`kvpool up`),
+    exported on /metrics as kvpool_up_restarts_total."""
 
     def __post_init__(self) -> None:
         if self.kv_transfer not in KV_TRANSFER_MODES:

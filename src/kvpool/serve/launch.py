@@ -140,8 +140,39 @@ def ensure_emulated_model(tiny: Path, folder: Path, max_model_len: int) -> Path:
     return folder
 
 
+class ChildTable:
+    """Named `kvpool` children that die with this process, each startable again with the
+    command it was first started with (kvpool.supervisor.Children). A dataclass using it
+    declares the two tables as fields."""
+
+    procs: dict[str, subprocess.Popen[bytes]]
+    """Every child by name, the latest incarnation of each, in the order first started."""
+    commands: dict[str, tuple[str, ...]]
+    """Each child's `kvpool` arguments (ports included, so it comes back where it was)."""
+
+    def start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
+        """Child `name`: `kvpool ARGS`; stopped by `stop_all`."""
+        self.commands[name] = args
+        self.procs[name] = spawn(*args)
+        return self.procs[name]
+
+    def restart(self, name: str) -> subprocess.Popen[bytes]:
+        """Start child `name` again (its last incarnation has exited). A worker comes back on
+        its URL, where the proxy's poller finds it and has it prove the cluster token again
+        before it rejoins the rotation."""
+        return self.start(name, *self.commands[name])
+
+    def exited(self) -> list[str]:
+        return [name for name, p in self.procs.items() if p.poll() is not None]
+
+    def stop_all(self) -> None:
+        """Stop every child, last started first (proxy, workers, store nodes, master)."""
+        for proc in reversed(list(self.procs.values())):
+            stop(proc)
+
+
 @dataclass
-class ServingCluster:
+class ServingCluster(ChildTable):
     host: str
     proxy_url: str
     model_dir: Path
@@ -151,9 +182,7 @@ class ServingCluster:
     admin_url: str = ""
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     worker_urls: dict[str, list[str]] = field(default_factory=dict)
-
-    def exited(self) -> list[str]:
-        return [name for name, p in self.procs.items() if p.poll() is not None]
+    commands: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -183,11 +212,10 @@ def serving_cluster(spec: ServingSpec) -> Iterator[ServingCluster]:
     cluster = ServingCluster(host, f"http://{host}:{spec.port}", spec.model_dir,
                              served_name(spec.model_dir))
     with ExitStack() as stack:
+        stack.callback(cluster.stop_all)
+
         def start(name: str, *args: str) -> subprocess.Popen[bytes]:
-            proc = spawn(*args, *(("--insecure",) if spec.insecure else ()))
-            stack.callback(stop, proc)
-            cluster.procs[name] = proc
-            return proc
+            return cluster.start(name, *args, *(("--insecure",) if spec.insecure else ()))
 
         master = start("master", "master", "--host", host, "--rpc-port", str(rpc),
                        "--admin-port", str(admin), "--metadata-port", str(meta))

@@ -4,11 +4,12 @@ model's terms (and, once fitted, the fit's residual) from the model in use."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvpool.conductor.cost import CostModel
@@ -49,8 +50,10 @@ class ProxyMetrics:
                                    "Times the prefill cost was learned again (--fit-cost)",
                                    registry=r)
 
-    def watch(self, cluster: LiveCluster) -> None:
+    def watch(self, cluster: LiveCluster, restart_counts: str | None = None) -> None:
         self.registry.register(_WorkerCollector(cluster))
+        if restart_counts is not None:
+            self.registry.register(_RestartCollector(restart_counts))
 
     def watch_cost(self, in_use: Callable[[], tuple[CostModel, str]]) -> None:
         """Export the cost model `in_use()` returns (the model, its source) at each scrape."""
@@ -115,3 +118,25 @@ class _CostCollector(Collector):
                 ("longest_context_tokens", "Longest measured context (n + p): the fitted "
                  "attention term is linear beyond it", cost.longest_context)):
             yield GaugeMetricFamily(f"kvpool_proxy_cost_{name}", doc, value=value)
+
+
+class _RestartCollector(Collector):
+    """Restarts per process as the cluster's supervisor (`kvpool up`) counts them, read at
+    scrape time from the JSON file it replaces whole ({process: restarts}); nothing while the
+    file is absent or not such an object."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        fam = CounterMetricFamily("kvpool_up_restarts", "Processes of the cluster that exited "
+                                  "and were started again by kvpool up", labels=["process"])
+        try:
+            with open(self.path) as fh:
+                counts = json.load(fh)
+        except (OSError, ValueError):
+            counts = {}
+        for name, n in (counts.items() if isinstance(counts, dict) else ()):
+            if isinstance(n, int):
+                fam.add_metric([str(name)], n)
+        yield fam
