@@ -339,7 +339,7 @@ def test_the_token_never_goes_to_an_impostor(tokened_proxy: str, tiny_model: Pat
                 "model": tiny_model.name, "prompt": f"the pool {i}", "max_tokens": 2})
             assert out.status_code == 200, out.text
         time.sleep(0.2)
-    health = httpx.get(tokened_proxy + "/health").json()
+    health = httpx.get(tokened_proxy + "/health", headers=AUTH).json()
     for imp in impostors:
         with imp.lock:
             seen = list(imp.seen)

@@ -35,27 +35,37 @@ def test_up_serves_restarts_a_killed_worker_and_sigterm_stops_everything(
         cache_home: Path, tmp_path: Path) -> None:
     """The decode worker SIGKILLed: `kvpool up` starts it again on its URL, where it proves
     the cluster token to the proxy and rejoins the rotation; SIGTERM then is a clean stop
-    (exit status 0) whose last line counts the restart."""
+    (exit status 0) whose last line counts the restart. The API key given to `kvpool up`
+    guards the API, its banner's curl line carries it, and no secret is in any argv."""
     marker = f"up-{uuid.uuid4().hex}"
     port = free_port()
     log = tmp_path / "up.log"
+    key = f"key-{uuid.uuid4().hex}"
     with log.open("w") as out:
-        proc = kvpool_up(marker, cache_home, "--port", str(port), stdout=out)
+        proc = kvpool_up(marker, cache_home, "--port", str(port), "--api-key", key, stdout=out)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_ready(proc, url, log)
         assert len(marked_pids(marker)) >= 6  # up, master, store node, 2 workers, proxy
         body = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
-        reply = httpx.post(url + "/v1/completions", timeout=60, json=body)
+        assert httpx.post(url + "/v1/completions", timeout=60, json=body).status_code == 401
+        keyed = {"Authorization": f"Bearer {key}"}
+        reply = httpx.post(url + "/v1/completions", timeout=60, json=body, headers=keyed)
         assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] >= 1
+        assert '-H "Authorization: Bearer $KVPOOL_API_KEY"' in log.read_text()
         token_file = _check_default_token(log.read_text(), url)
+        secrets = (key.encode(), token_file.read_text().strip().encode())
+        for pid in set(marked_pids(marker)) - {proc.pid}:  # (its own argv is the user's)
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes()
+            assert not any(secret in argv for secret in secrets), argv
         killed = kill_worker(marker, "decode")
         decode = re.search(r"^\s+decode\s+workers\s+(\S+)", log.read_text(), re.M)
         assert decode, log.read_text()
         wait_back(url, decode.group(1), proc, log)
         assert (f"kvpool up: decode-1 (pid {killed}) was killed by SIGKILL; restart 1 of at "
                 f"most 5 within 300 s, in 1 s (restarts so far: 1)") in log.read_text()
-        assert httpx.post(url + "/v1/completions", timeout=60, json=body).status_code == 200
+        assert httpx.post(url + "/v1/completions", timeout=60, json=body,
+                          headers=keyed).status_code == 200
         metrics = httpx.get(url + "/metrics", headers=_token_header(log.read_text())).text
         assert 'kvpool_up_restarts_total{process="decode-1"} 1.0' in metrics
         assert 'kvpool_up_restarts_total{process="master"} 0.0' in metrics
@@ -85,7 +95,8 @@ def wait_back(proxy_url: str, worker_url: str, up: subprocess.Popen[str], log: P
     while True:
         assert up.poll() is None, log.read_text()
         assert time.monotonic() - start < timeout_s, log.read_text()
-        alive = httpx.get(proxy_url + "/health", timeout=5).json()["workers"][worker_url]["alive"]
+        health = httpx.get(proxy_url + "/health", timeout=5, headers=_token_header(log.read_text()))
+        alive = health.json()["workers"][worker_url]["alive"]
         seen_down = seen_down or not alive
         if seen_down and alive:
             return time.monotonic() - start
@@ -211,11 +222,17 @@ def test_a_taken_port_fails_before_any_process_starts(cache_home: Path) -> None:
         other.bind(("127.0.0.1", 0))
         other.listen()
         port = other.getsockname()[1]
+        runtime = os.environ.get("XDG_RUNTIME_DIR") or str(cache_home)  # as token_file()
+        theirs = Path(runtime) / "kvpool" / f"up-{port}.token"
+        theirs.parent.mkdir(parents=True, exist_ok=True)
+        theirs.write_text("the running cluster's token\n")
         proc = kvpool_up(marker, cache_home, "--port", str(port))
         out, _ = proc.communicate(timeout=60)
     assert proc.returncode != 0 and f"127.0.0.1:{port} is in use" in out, out
     assert "cluster up" not in out and "Traceback" not in out
     assert wait_gone(marker) == []
+    assert theirs.read_text() == "the running cluster's token\n"  # untouched
+    theirs.unlink()
 
 
 @pytest.mark.slow  # two kvpool up starts; the taken proxy port stays in the default suite

@@ -60,7 +60,8 @@ def new_token_file(path: Path) -> str:
     never readable by others); the token."""
     token = secrets.token_urlsafe(32)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    path.unlink(missing_ok=True)  # a crashed run's (its port is free: checked before)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.fchmod(fd, 0o600)
         os.write(fd, token.encode() + b"\n")

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from kvpool.cli.local_cluster import LocalCluster
+from kvpool.cli.proxy_cmd import API_KEY_ENV, add_api_key_args, api_keys_from
 from kvpool.cli.security import (
     add_security_args,
     bind_refusal,
@@ -104,6 +105,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="--store-only --demo: skip the transfer benchmark")
     add_security_args(p, "every process of the cluster requires (default: a random one "
                       "made at start, except with --store-only)")
+    add_api_key_args(p)
     _add_layout_args(p)
     add_restart_args(p)
     p.set_defaults(func=run)
@@ -165,11 +167,17 @@ def _run_serving(args: argparse.Namespace) -> int:
         print("kvpool up: need at least one prefill and one decode worker "
               "(--prefill/--decode, or --colocated)", file=sys.stderr)
         return 2
+    try:  # before anything is written: a busy port is another cluster's, and so its file
+        check_ports(args.host, {"--port": args.port})
+    except KvpoolError as exc:
+        print(f"kvpool up: {exc}", file=sys.stderr)
+        return 1
     if not args.token and not args.no_token:  # every child of the cluster runs with one
-        args.token_file = token_file(args.port)
-        args.token = new_token_file(args.token_file)
+        args.token = new_token_file(token_file(args.port))
+        args.token_file = token_file(args.port)  # only once made: the finally removes it
     if not _secure_or_refuse(args):
         return 2
+    _export_api_keys(args)
     try:
         model = resolve_model(args.model or ("tiny" if args.engine == "emulated" else None))
         check_checkpoint(model)  # before any process starts: one line, not a worker's traceback
@@ -183,6 +191,8 @@ def _run_serving(args: argparse.Namespace) -> int:
             proxy_args += ("--fit-cost",)
         proxy_args += _given(args, "served_model_name", "ttft_slo", "tbt_slo",
                              "ttft_slo_relative")
+        if args.salt_per_api_key:
+            proxy_args += ("--salt-per-api-key",)
         if args.demo:
             proxy_args += ("--no-access-log",)  # the demo prints its own lines
         worker_args += _given(args, "dtype", "max_model_len", "num_blocks", "block_size")
@@ -195,7 +205,8 @@ def _run_serving(args: argparse.Namespace) -> int:
                            args.colocated, args.dram, args.store_nodes or 1, proxy_args,
                            worker_args, insecure=args.insecure)
         with serving_cluster(spec) as cluster:
-            _print_serving(cluster, _token_line(args))
+            _print_serving(cluster, _token_line(args), args.served_model_name,
+                           bool(api_keys_from(args)))
             if args.demo:
                 from kvpool.cli.demo import run_serving_demo
 
@@ -300,16 +311,29 @@ def _emulated(args: argparse.Namespace,
     return model, proxy, workers
 
 
-def _print_serving(cluster: ServingCluster, token_line: str) -> None:
+def _export_api_keys(args: argparse.Namespace) -> None:
+    """--api-key values reach the proxy through the environment, never its argv (which any
+    local user can read in /proc)."""
+    keys = api_keys_from(args)
+    if keys:
+        os.environ[API_KEY_ENV] = ",".join(keys)
+
+
+def _print_serving(cluster: ServingCluster, token_line: str, served: str | None = None,
+                   keyed: bool = False) -> None:
     print(f"kvpool serving cluster up (pid {os.getpid()}), model {cluster.model_dir}:")
     print(f"  store master      {cluster.master_address}  (metadata {cluster.metadata_url})")
     for role, urls in cluster.worker_urls.items():
         print(f"  {role:8} workers  {' '.join(urls)}")
     print(f"  OpenAI API        {cluster.proxy_url}/v1  (metrics: {cluster.proxy_url}/metrics)")
     print(token_line)
-    print(f"  try: curl {cluster.proxy_url}/v1/completions -H 'Content-Type: application/json' "
-          f"-d '{{\"model\": \"{cluster.model_name}\", \"prompt\": \"hello\", "
-          f"\"max_tokens\": 16}}'", flush=True)
+    key = ""
+    if keyed:
+        print(f"  API keys          --api-key given: export {API_KEY_ENV}=<one of them>")
+        key = f"-H \"Authorization: Bearer ${API_KEY_ENV}\" "
+    print(f"  try: curl {cluster.proxy_url}/v1/completions {key}-H 'Content-Type: "
+          f"application/json' -d '{{\"model\": \"{served or cluster.model_name}\", "
+          f"\"prompt\": \"hello\", \"max_tokens\": 16}}'", flush=True)
 
 
 def _run_store_only(args: argparse.Namespace) -> int:
@@ -344,7 +368,8 @@ def local_cluster(host: str, num_nodes: int, dram: str, rpc_port: int = 0, admin
     check_ports(host, {"--rpc-port": rpc_port, "--admin-port": admin_port,
                        "--metadata-port": metadata_port})
     rpc, admin, meta = (p or free_port(host) for p in (rpc_port, admin_port, metadata_port))
-    security = (["--token", token] if token else []) + (["--insecure"] if insecure else [])
+    export_token(token)  # the children read it from the environment, never from their argv
+    security = ["--insecure"] if insecure else []
     cluster = LocalCluster(host, rpc, admin, meta, token=token)
     try:
         master = cluster.start("master", "master", "--host", host, "--rpc-port", str(rpc),
