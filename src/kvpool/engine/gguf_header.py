@@ -90,8 +90,8 @@ class _Cursor:
 
     def skip(self, num_bytes: int, what: str) -> None:
         if num_bytes > self.size - self.pos:
-            raise CheckpointError(f"{what} runs past the end of the file (needs {num_bytes} "
-                                  f"bytes at byte {self.pos}; the file has {self.size})")
+            raise CheckpointError(f"truncated at byte {self.pos} ({what} needs {num_bytes} "
+                                  f"bytes; the file has {self.size})")
         self.pos += num_bytes
 
     def string(self, what: str, limit: int) -> bytes:

@@ -112,7 +112,7 @@ class ModelConfig:
             rope_theta=_rope_theta(hf), rope_scaling=_rope_scaling(hf),
             attention_bias=ARCHITECTURES[arch] == "qwen2" or bool(hf.get("attention_bias")),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            bos_token_id=_optional_id(hf.get("bos_token_id")),
+            bos_token_id=_optional_id(hf.get("bos_token_id"), "bos_token_id"),
             eos_token_ids=eos_token_ids(hf),
         )
 
@@ -170,10 +170,10 @@ def _head_dim(hf: dict[str, Any], hidden: int, heads: int) -> int:
     return hidden // heads
 
 
-def _optional_id(value: Any) -> int | None:
+def _optional_id(value: Any, name: str) -> int | None:
     if value is None or (isinstance(value, int) and not isinstance(value, bool)):
         return value
-    raise ConfigError(f"a token id must be an integer, got {value!r}: {FIX}")
+    raise ConfigError(f"{name} must be a token id (an integer), got {value!r}: {FIX}")
 
 
 def eos_token_ids(hf: dict[str, Any]) -> tuple[int, ...]:
@@ -181,7 +181,7 @@ def eos_token_ids(hf: dict[str, Any]) -> tuple[int, ...]:
     anything else)."""
     eos = hf.get("eos_token_id")
     ids = eos if isinstance(eos, list) else [] if eos is None else [eos]
-    return tuple(i for i in (_optional_id(e) for e in ids) if i is not None)
+    return tuple(i for i in (_optional_id(e, "eos_token_id") for e in ids) if i is not None)
 
 
 def _rope_theta(hf: dict[str, Any]) -> float:
