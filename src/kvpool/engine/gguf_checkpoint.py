@@ -6,8 +6,7 @@ Hugging Face folder the engine loads (`config.json`, `model.safetensors`, `token
 - Tensors are dequantized to float32 with the `gguf` package and renamed to the Hugging Face
   names (`TENSOR_NAMES`). llama.cpp stores the Q and K projections with the rows of each head
   interleaved for its rotary kernel; `_unpermute` restores Hugging Face's order.
-- The tokenizer is rebuilt from the file's vocabulary and merges as a byte-level BPE
-  (`tokenizer.ggml.model` = "gpt2"); tokens of type control are special tokens.
+- The tokenizer is rebuilt from the file's vocabulary and merges (kvpool.engine.gguf_tokenizer).
 - The file is untrusted input: its header is checked first (kvpool.engine.gguf_header), then
   its config (bounded, kvpool.engine.model_config) and every tensor's name and shape, all
   before a tensor is dequantized or anything is written; each failure is one CheckpointError
@@ -31,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from kvpool.engine.gguf_header import parse_header
+from kvpool.engine.gguf_tokenizer import checked_tokenizer
 from kvpool.engine.weights_digest import file_digests
 from kvpool.errors import CheckpointError, ConfigError
 
@@ -50,7 +50,6 @@ LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-TOKEN_TYPE_CONTROL = 3
 CACHE_ENV = "KVPOOL_MODEL_CACHE"
 IMPORT_MARKER = "kvpool_gguf.json"
 """Written last by `import_gguf`: the folder is complete."""
@@ -63,7 +62,7 @@ class GgufFile:
     tensors: dict[str, np.ndarray]
     """Hugging Face name -> float32 array in Hugging Face's layout."""
     tokenizer: Any
-    """The `tokenizers.Tokenizer` of the file's vocabulary (`build_tokenizer`)."""
+    """The `tokenizers.Tokenizer` of the file's vocabulary (kvpool.engine.gguf_tokenizer)."""
     tokenizer_config: dict[str, Any]
     """tokenizer_config.json: the BOS/EOS tokens, the context length, the chat template."""
 
@@ -141,7 +140,7 @@ def read_gguf(path: str | Path) -> GgufFile:
     config = _checked_config(file, meta)
     heads, kv_heads = config.num_heads, config.num_kv_heads
     _check_tensors(file, reader, config)
-    tokenizer, tok_cfg = _tokenizer(file, meta, config.max_position_embeddings)
+    tokenizer, tok_cfg = checked_tokenizer(file, meta, config.max_position_embeddings)
     tensors: dict[str, np.ndarray] = {}
     for t in reader.tensors:
         name = hf_name(t.name)
@@ -153,25 +152,6 @@ def read_gguf(path: str | Path) -> GgufFile:
             data = _unpermute(data, kv_heads)
         tensors[name] = data
     return GgufFile(file, meta, tensors, tokenizer, tok_cfg)
-
-
-def _tokenizer(file: Path, meta: dict[str, Any], context_len: int) -> tuple[Any, dict[str, Any]]:
-    from kvpool.engine.chat_template import compile_template
-
-    try:
-        tokenizer = build_tokenizer(meta)
-        tok_cfg = {"bos_token": _token(meta, "bos"), "eos_token": _token(meta, "eos"),
-                   "model_max_length": context_len,
-                   "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False))}
-        template = meta.get("tokenizer.chat_template")
-        if template is not None and not isinstance(template, str):
-            raise CheckpointError("GGUF metadata tokenizer.chat_template is not a string")
-        if template:
-            compile_template(template, "GGUF metadata tokenizer.chat_template")
-            tok_cfg["chat_template"] = template
-    except CheckpointError as exc:
-        raise CheckpointError(f"{file}: {exc}") from None
-    return tokenizer, tok_cfg
 
 
 def _checked_config(file: Path, meta: dict[str, Any]) -> Any:
@@ -264,68 +244,12 @@ def hf_config(meta: dict[str, Any], tied: bool) -> dict[str, Any]:
     }
 
 
-PRE_TOKENIZERS = {"smollm": True, "gpt2": False, "default": False}
-"""`tokenizer.ggml.pre` -> whether digits are split one by one before the byte-level regex
-(llama.cpp's pre-tokenizer types for byte-level BPE vocabularies)."""
-
-
-def build_tokenizer(meta: dict[str, Any]) -> Any:
-    """A `tokenizers.Tokenizer` from the file's byte-level BPE vocabulary and merges."""
-    kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "default")
-    if kind != "gpt2" or not isinstance(pre, str) or pre not in PRE_TOKENIZERS:
-        raise CheckpointError(f"GGUF tokenizer {kind!r} / pre-tokenizer {pre!r} is not supported "
-                              f"(byte-level BPE with {', '.join(PRE_TOKENIZERS)})")
-    tokens = _strings(meta, "tokenizer.ggml.tokens")
-    merges = [tuple(m.split(" ", 1)) for m in _strings(meta, "tokenizer.ggml.merges")]
-    if any(len(m) != 2 for m in merges):
-        raise CheckpointError("GGUF metadata tokenizer.ggml.merges holds an entry without a "
-                              "space (each merge is two tokens)")
-    try:
-        return _byte_level_bpe(tokens, merges, PRE_TOKENIZERS[pre],
-                               meta.get("tokenizer.ggml.token_type") or [])
-    except Exception as exc:  # the tokenizers library raises bare Exception
-        raise CheckpointError(f"GGUF tokenizer cannot be built ({exc})") from None
-
-
-def _strings(meta: dict[str, Any], key: str) -> list[str]:
-    value = meta.get(key)
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise CheckpointError(f"GGUF metadata {key} must be a list of strings")
-    return value
-
-
-def _byte_level_bpe(tokens: list[str], merges: list[Any], split_digits: bool,
-                    types: Any) -> Any:
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                  byte_level])
-                         if split_digits else byte_level)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, kind_ in zip(tokens, types, strict=False)
-                            if kind_ == TOKEN_TYPE_CONTROL])
-    return tok
-
-
 def _f32(value: Any) -> Any:
     """A float32 metadata value as the decimal it was written from (1e-05, not 9.99e-06);
     anything but a number as it is (ModelConfig refuses it)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return value
     return float(f"{float(value):.7g}")
-
-
-def _token(meta: dict[str, Any], key: str) -> str | None:
-    idx, tokens = meta.get(f"tokenizer.ggml.{key}_token_id"), meta["tokenizer.ggml.tokens"]
-    if idx is None:
-        return None
-    if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < len(tokens):
-        raise CheckpointError(f"GGUF metadata tokenizer.ggml.{key}_token_id is {idx!r}, not a "
-                              f"token of the {len(tokens)} in the vocabulary")
-    return str(tokens[idx])
 
 
 def import_gguf(path: str | Path, out_dir: str | Path) -> Path:
