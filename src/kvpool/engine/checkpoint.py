@@ -34,6 +34,7 @@ from kvpool.errors import CheckpointError, ConfigError
 __all__ = ["CheckpointError", "Tokenizer", "check_checkpoint", "load_model", "load_tokenizer",
            "read_model_config"]
 
+LAYER_0 = "model.layers.0."
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -80,10 +81,17 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
 
 
 def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor the model for `config` loads, and its shape (built on the meta device)."""
+    """Every tensor the model for `config` loads, and its shape: a one-layer model built on the
+    meta device, its layer's tensors repeated for every layer (a thousand layers in
+    milliseconds)."""
     with torch.device("meta"):
-        model = CausalLM(config)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        model = CausalLM(dataclasses.replace(config, num_layers=1))
+    expected: dict[str, tuple[int, ...]] = {}
+    for name, tensor in model.state_dict().items():
+        rest = name.removeprefix(LAYER_0)
+        names = [name] if rest == name else [f"model.layers.{i}.{rest}"
+                                             for i in range(config.num_layers)]
+        expected.update(dict.fromkeys(names, tuple(tensor.shape)))
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight")
     return expected
