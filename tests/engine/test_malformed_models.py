@@ -19,7 +19,7 @@ from tests.engine.malformed import FOLDER_CASES, GGUF_CASES, edited_config
 
 gguf = pytest.importorskip("gguf")
 
-from kvpool.engine.gguf_checkpoint import import_gguf  # noqa: E402
+from kvpool.engine.gguf_checkpoint import cached_import, import_gguf  # noqa: E402
 from tests.engine.gguf_factory import write_gguf  # noqa: E402
 
 
@@ -139,3 +139,16 @@ def test_a_hub_snapshot_with_links_into_its_blobs_loads(tiny_llama: Path, tmp_pa
     (snapshot / "model.safetensors.index.json").write_text(json.dumps(index))
     check_checkpoint(snapshot)
     assert load_model(snapshot).config.num_layers == 2
+
+
+def test_a_bad_gguf_given_as_model_leaves_nothing_in_the_cache(good_gguf: bytes, tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    monkeypatch.setenv("KVPOOL_MODEL_CACHE", str(tmp_path / "cache"))
+    mutate, words = GGUF_CASES["gguf: unsupported type"]
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(mutate(good_gguf))
+    with pytest.raises(CheckpointError, match=words):
+        cached_import(bad)
+    cache = tmp_path / "cache"
+    assert not cache.exists() or list(cache.iterdir()) == []

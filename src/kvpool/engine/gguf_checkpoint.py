@@ -283,11 +283,11 @@ def _write_json(path: Path, obj: Any) -> None:
 def served_name(model_dir: Path) -> str:
     """The name /v1/models gives a model folder: a GGUF import's file name without its
     suffixes (SmolLM2-135M-Instruct), else the folder's name."""
-    marker = model_dir / IMPORT_MARKER
-    if marker.is_file():
-        name = json.loads(marker.read_text()).get("served_name")
-        if isinstance(name, str) and name:
-            return name
+    from kvpool.engine.model_files import read_json_object
+
+    name = read_json_object(model_dir / IMPORT_MARKER).get("served_name")
+    if isinstance(name, str) and name:
+        return name
     return model_dir.resolve().name
 
 
