@@ -37,7 +37,7 @@ def import_cmd(args: argparse.Namespace) -> int:
         print(import_gguf(args.gguf, args.dir))
     except KvpoolError as exc:
         print(f"kvpool model import: {exc}", file=sys.stderr)
-        return 2
+        return 1
     return 0
 
 

@@ -2,13 +2,15 @@
 named by model.safetensors.index.json), tokenizer.json and tokenizer_config.json.
 
 Loading is strict: every tensor the model needs must be there with its exact shape, and nothing
-else may be; otherwise CheckpointError names the tensor, the file and the shapes.
+else may be; otherwise CheckpointError names the tensor, the file and the shapes. The folder's
+files are untrusted input: the config is bounded before the model is built
+(kvpool.engine.model_config), the small files are read by kvpool.engine.model_files, and every
+shape is checked against the safetensors header before a tensor is read.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,14 +18,23 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from kvpool.engine.chat_template import read_chat_template
+from kvpool.engine.chat_template import compile_template, read_chat_template
 from kvpool.engine.config import ModelConfig
 from kvpool.engine.model import CausalLM, rope_inv_freq
-from kvpool.errors import CheckpointError
+from kvpool.engine.model_config import eos_token_ids
+from kvpool.engine.model_files import (
+    INDEX_NAME,
+    open_tokenizer,
+    read_json,
+    read_json_object,
+    weight_index,
+)
+from kvpool.errors import CheckpointError, ConfigError
 
 __all__ = ["CheckpointError", "Tokenizer", "check_checkpoint", "load_model", "load_tokenizer",
            "read_model_config"]
 
+LAYER_0 = "model.layers.0."
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -32,28 +43,30 @@ def read_model_config(model_dir: str | Path) -> ModelConfig:
     if not path.is_file():
         raise CheckpointError(f"{path} not found: a model folder needs config.json")
     try:
-        config = ModelConfig.from_hf(json.loads(path.read_text()))
-    except (KeyError, ValueError) as exc:
-        raise CheckpointError(f"{path}: {exc}") from exc
+        config = ModelConfig.from_hf(read_json(path))
+    except CheckpointError:
+        raise
+    except ConfigError as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
     return _with_generation_eos(config, Path(model_dir) / "generation_config.json")
 
 
 def _with_generation_eos(config: ModelConfig, path: Path) -> ModelConfig:
     """Instruct models often list their end-of-turn tokens only in generation_config.json."""
-    if not path.is_file():
-        return config
-    eos = json.loads(path.read_text()).get("eos_token_id")
-    extra = eos if isinstance(eos, list) else [] if eos is None else [eos]
-    merged = tuple(dict.fromkeys([*config.eos_token_ids, *(int(e) for e in extra)]))
+    try:
+        extra = eos_token_ids(read_json_object(path))
+    except CheckpointError:
+        raise
+    except ConfigError as exc:
+        raise CheckpointError(f"{path}: {exc}") from None
+    merged = tuple(dict.fromkeys([*config.eos_token_ids, *extra]))
     return dataclasses.replace(config, eos_token_ids=merged)
 
 
 def weight_files(model_dir: Path) -> dict[str, Path]:
     """Tensor name -> the safetensors file that holds it."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: model_dir / file for name, file in weight_map.items()}
+    if (model_dir / INDEX_NAME).is_file():
+        return weight_index(model_dir)
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"no *.safetensors in {model_dir}")
@@ -68,10 +81,17 @@ def weight_files(model_dir: Path) -> dict[str, Path]:
 
 
 def _expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor the model for `config` loads, and its shape (built on the meta device)."""
+    """Every tensor the model for `config` loads, and its shape: a one-layer model built on the
+    meta device, its layer's tensors repeated for every layer (a thousand layers in
+    milliseconds)."""
     with torch.device("meta"):
-        model = CausalLM(config)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        model = CausalLM(dataclasses.replace(config, num_layers=1))
+    expected: dict[str, tuple[int, ...]] = {}
+    for name, tensor in model.state_dict().items():
+        rest = name.removeprefix(LAYER_0)
+        names = [name] if rest == name else [f"model.layers.{i}.{rest}"
+                                             for i in range(config.num_layers)]
+        expected.update(dict.fromkeys(names, tuple(tensor.shape)))
     if config.tie_word_embeddings:
         expected.pop("lm_head.weight")
     return expected
@@ -94,7 +114,9 @@ def check_checkpoint(model_dir: str | Path) -> None:
                     _check_shape(file, name, tuple(f.get_slice(name).get_shape()), expected)
         except (OSError, SafetensorError) as exc:
             raise CheckpointError(f"{file}: not a readable safetensors file ({exc})") from exc
-    load_tokenizer(folder)
+    template = load_tokenizer(folder).chat_template
+    if template:
+        compile_template(template, str(folder))
 
 
 def _check_shape(file: Path, name: str, shape: tuple[int, ...],
@@ -128,14 +150,13 @@ def _read_tensors(folder: Path, expected: dict[str, tuple[int, ...]], dtype: tor
     for name in expected:
         by_file.setdefault(files[name], []).append(name)
     for file, names in by_file.items():
-        with safe_open(str(file), "pt") as f:
-            for name in names:
-                tensor = f.get_tensor(name)
-                if tuple(tensor.shape) != expected[name]:
-                    raise CheckpointError(f"tensor {name!r} in {file.name} has shape "
-                                          f"{tuple(tensor.shape)}, the config needs "
-                                          f"{expected[name]}")
-                state[name] = tensor.to(device=device, dtype=dtype)
+        try:
+            with safe_open(str(file), "pt") as f:
+                for name in names:
+                    _check_shape(file, name, tuple(f.get_slice(name).get_shape()), expected)
+                    state[name] = f.get_tensor(name).to(device=device, dtype=dtype)
+        except (OSError, SafetensorError) as exc:
+            raise CheckpointError(f"{file}: not a readable safetensors file ({exc})") from exc
     return state
 
 
@@ -187,17 +208,13 @@ class Tokenizer:
 
 
 def load_tokenizer(model_dir: str | Path) -> Tokenizer:
-    from tokenizers import Tokenizer as HFTokenizer
     folder = Path(model_dir)
-    if not (folder / "tokenizer.json").is_file():
-        raise CheckpointError(f"{folder / 'tokenizer.json'} not found")
-    backend = HFTokenizer.from_file(str(folder / "tokenizer.json"))
-    cfg_path = folder / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+    backend = open_tokenizer(folder / "tokenizer.json")
+    cfg = read_json_object(folder / "tokenizer_config.json")
 
     def token_id(entry: Any) -> int | None:
         text = entry.get("content") if isinstance(entry, dict) else entry
-        return None if text is None else backend.token_to_id(text)
+        return backend.token_to_id(text) if isinstance(text, str) else None
 
     eos = token_id(cfg.get("eos_token"))
     return Tokenizer(backend, token_id(cfg.get("bos_token")),

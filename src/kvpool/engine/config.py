@@ -1,5 +1,6 @@
 """Typed, frozen configuration of the engine: the model's shape (from a checkpoint's
-config.json), the engine's capacity, and one request's sampling parameters."""
+config.json, bounded: kvpool.engine.model_config), the engine's capacity, and one request's
+sampling parameters."""
 
 from __future__ import annotations
 
@@ -8,89 +9,17 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
+from kvpool.engine.model_config import (  # noqa: F401  (the model's shape lives there)
+    ARCHITECTURES,
+    MODEL_LIMITS,
+    ModelConfig,
+    ModelLimits,
+    eos_token_ids,
+)
 from kvpool.errors import ConfigError
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 DTYPES = ("float32", "bfloat16", "float16")
 PREFILL_MODES = ("chunked", "whole")
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The transformer's shape, read from a Hugging Face config.json."""
-
-    architecture: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    max_position_embeddings: int = 4096
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None
-    """None, {"rope_type": "linear", "factor"} or {"rope_type": "llama3", ...}."""
-    attention_bias: bool = False
-    """q/k/v projections carry a bias (always for Qwen2)."""
-    tie_word_embeddings: bool = False
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(f"num_attention_heads ({self.num_heads}) must be a multiple of "
-                              f"num_key_value_heads ({self.num_kv_heads})")
-        if self.head_dim % 2:
-            raise ConfigError(f"head_dim must be even for RoPE, got {self.head_dim}")
-
-    @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
-        archs = hf.get("architectures") or []
-        arch = next((a for a in archs if a in ARCHITECTURES), None)
-        if arch is None:
-            raise ConfigError(f"unknown architecture {archs or hf.get('model_type')!r}; "
-                              f"supported: {', '.join(ARCHITECTURES)}")
-        heads = int(hf["num_attention_heads"])
-        return cls(
-            architecture=arch, vocab_size=int(hf["vocab_size"]),
-            hidden_size=int(hf["hidden_size"]), intermediate_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]), num_heads=heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(hf.get("head_dim") or hf["hidden_size"] // heads),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(_rope_theta(hf)), rope_scaling=_rope_scaling(hf),
-            attention_bias=ARCHITECTURES[arch] == "qwen2" or bool(hf.get("attention_bias")),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=eos_token_ids(hf),
-        )
-
-
-def eos_token_ids(hf: dict[str, Any]) -> tuple[int, ...]:
-    """A config.json's `eos_token_id`: one id, a list of them, or none."""
-    eos = hf.get("eos_token_id")
-    return tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
-
-
-def _rope_theta(hf: dict[str, Any]) -> float:
-    params = hf.get("rope_parameters") or {}
-    return float(hf.get("rope_theta") or params.get("rope_theta") or 10000.0)
-
-
-def _rope_scaling(hf: dict[str, Any]) -> dict[str, Any] | None:
-    """transformers 4.x writes `rope_scaling`; 5.x folds it into `rope_parameters`."""
-    scaling = hf.get("rope_scaling") or hf.get("rope_parameters")
-    if not scaling:
-        return None
-    kind = scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind == "default":
-        return None
-    if kind not in ("linear", "llama3"):
-        raise ConfigError(f"unsupported rope_scaling type {kind!r}; supported: linear, llama3")
-    return {k: v for k, v in scaling.items() if k != "type"} | {"rope_type": kind}
 
 
 @dataclass(frozen=True)

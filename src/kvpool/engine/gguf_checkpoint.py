@@ -6,8 +6,11 @@ Hugging Face folder the engine loads (`config.json`, `model.safetensors`, `token
 - Tensors are dequantized to float32 with the `gguf` package and renamed to the Hugging Face
   names (`TENSOR_NAMES`). llama.cpp stores the Q and K projections with the rows of each head
   interleaved for its rotary kernel; `_unpermute` restores Hugging Face's order.
-- The tokenizer is rebuilt from the file's vocabulary and merges as a byte-level BPE
-  (`tokenizer.ggml.model` = "gpt2"); tokens of type control are special tokens.
+- The tokenizer is rebuilt from the file's vocabulary and merges (kvpool.engine.gguf_tokenizer).
+- The file is untrusted input: its header is checked first (kvpool.engine.gguf_header), then
+  its config (bounded, kvpool.engine.model_config) and every tensor's name and shape, all
+  before a tensor is dequantized or anything is written; each failure is one CheckpointError
+  that names the file.
 - `import_gguf` writes the folder; `cached_import` imports once per file into a cache folder
   keyed by the digest of the file's contents, so `--model FILE.gguf` works directly. The
   engine's KV identity then covers the imported folder's weights (`identity`).
@@ -16,16 +19,20 @@ Hugging Face folder the engine loads (`config.json`, `model.safetensors`, `token
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import shutil
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from kvpool.engine.gguf_header import parse_header
+from kvpool.engine.gguf_tokenizer import checked_tokenizer
 from kvpool.engine.weights_digest import file_digests
-from kvpool.errors import CheckpointError
+from kvpool.errors import CheckpointError, ConfigError
 
 TENSOR_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -43,7 +50,6 @@ LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-TOKEN_TYPE_CONTROL = 3
 CACHE_ENV = "KVPOOL_MODEL_CACHE"
 IMPORT_MARKER = "kvpool_gguf.json"
 """Written last by `import_gguf`: the folder is complete."""
@@ -55,6 +61,10 @@ class GgufFile:
     metadata: dict[str, Any]
     tensors: dict[str, np.ndarray]
     """Hugging Face name -> float32 array in Hugging Face's layout."""
+    tokenizer: Any
+    """The `tokenizers.Tokenizer` of the file's vocabulary (kvpool.engine.gguf_tokenizer)."""
+    tokenizer_config: dict[str, Any]
+    """tokenizer_config.json: the BOS/EOS tokens, the context length, the chat template."""
 
 
 def _reader(path: Path) -> Any:
@@ -64,10 +74,33 @@ def _reader(path: Path) -> Any:
         raise CheckpointError("reading GGUF needs the `gguf` package (pip install gguf)") from None
     if not path.is_file():
         raise CheckpointError(f"GGUF file not found: {path}")
+    check_header(path)
     try:
         return GGUFReader(str(path))
-    except (ValueError, OSError) as exc:
-        raise CheckpointError(f"{path} is not a GGUF file: {exc}") from None
+    except READ_ERRORS as exc:
+        raise CheckpointError(f"{path} is not a GGUF file kvpool can read: {exc}") from None
+
+
+READ_ERRORS = (ValueError, OSError, KeyError, IndexError, TypeError, OverflowError, struct.error)
+"""What the `gguf` package raises on a malformed file (a header that passed `check_header` is
+not expected to get there; this is the second line)."""
+
+
+def check_header(path: Path) -> None:
+    """CheckpointError, naming `path`, when its GGUF header is malformed (gguf_header)."""
+    try:
+        with path.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                raise CheckpointError(f"{path} is not a GGUF file: it is empty")
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+                parse_header(buf, size)
+    except CheckpointError as exc:
+        if str(exc).startswith(str(path)):
+            raise
+        raise CheckpointError(f"{path}: {exc}") from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read GGUF file {path}: {exc}") from None
 
 
 def _value(field: Any) -> Any:
@@ -90,17 +123,24 @@ def _scalar(part: np.ndarray, kind: Any) -> Any:
 
 
 def read_gguf(path: str | Path) -> GgufFile:
-    """The metadata and the float32 tensors (Hugging Face names and layout) of a GGUF file."""
+    """The metadata, tokenizer and float32 tensors (Hugging Face names and layout) of a GGUF
+    file; every check (header, config, tensor shapes, tokenizer, chat template) comes before
+    the first tensor is dequantized."""
     from gguf.quants import dequantize
 
     file = Path(path)
     reader = _reader(file)
-    meta = {name: _value(field) for name, field in reader.fields.items()}
+    try:
+        meta = {name: _value(field) for name, field in reader.fields.items()}
+    except READ_ERRORS as exc:
+        raise CheckpointError(f"{file}: unreadable metadata ({exc})") from None
     arch = meta.get("general.architecture")
     if arch != "llama":
         raise CheckpointError(f"{file}: architecture {arch!r}; kvpool imports GGUF llama models")
-    heads = int(meta["llama.attention.head_count"])
-    kv_heads = int(meta.get("llama.attention.head_count_kv", heads))
+    config = _checked_config(file, meta)
+    heads, kv_heads = config.num_heads, config.num_kv_heads
+    _check_tensors(file, reader, config)
+    tokenizer, tok_cfg = checked_tokenizer(file, meta, config.max_position_embeddings)
     tensors: dict[str, np.ndarray] = {}
     for t in reader.tensors:
         name = hf_name(t.name)
@@ -111,7 +151,45 @@ def read_gguf(path: str | Path) -> GgufFile:
         elif t.name.endswith("attn_k.weight"):
             data = _unpermute(data, kv_heads)
         tensors[name] = data
-    return GgufFile(file, meta, tensors)
+    return GgufFile(file, meta, tensors, tokenizer, tok_cfg)
+
+
+def _checked_config(file: Path, meta: dict[str, Any]) -> Any:
+    """The ModelConfig of the file's metadata, bounded before any tensor is read."""
+    from kvpool.engine.config import ModelConfig
+
+    try:
+        return ModelConfig.from_hf(hf_config(meta, tied=False))
+    except CheckpointError as exc:
+        raise CheckpointError(f"{file}: {exc}") from None
+    except ConfigError as exc:
+        raise CheckpointError(f"{file}: the metadata's {exc}") from None
+
+
+def _check_tensors(file: Path, reader: Any, config: Any) -> None:
+    """Every tensor the config needs, with its exact shape, and nothing else (the header's
+    shapes: nothing is read yet)."""
+    import dataclasses
+
+    from kvpool.engine.checkpoint import _expected_shapes
+
+    tied = all(t.name != "output.weight" for t in reader.tensors)
+    expected = _expected_shapes(dataclasses.replace(config, tie_word_embeddings=tied))
+    for t in reader.tensors:
+        try:
+            name = hf_name(t.name)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{file}: {exc}") from None
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        if name not in expected:
+            raise CheckpointError(f"{file}: unexpected tensor {t.name!r} for the metadata's "
+                                  f"{config.num_layers} layers")
+        if shape != expected.pop(name):
+            raise CheckpointError(f"{file}: tensor {t.name!r} has shape {shape}, the metadata "
+                                  f"needs {_expected_shapes(config)[name]}")
+    if expected:
+        raise CheckpointError(f"{file}: missing tensor {sorted(expected)[0]!r} "
+                              f"({len(expected)} missing in all)")
 
 
 def hf_name(name: str) -> str:
@@ -133,62 +211,45 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
             .reshape(w.shape))
 
 
+REQUIRED_KEYS = ("llama.embedding_length", "llama.feed_forward_length", "llama.block_count",
+                 "llama.attention.head_count", "llama.attention.layer_norm_rms_epsilon",
+                 "tokenizer.ggml.tokens")
+
+
 def hf_config(meta: dict[str, Any], tied: bool) -> dict[str, Any]:
-    """config.json for the file's Llama model."""
-    heads = int(meta["llama.attention.head_count"])
-    hidden = int(meta["llama.embedding_length"])
+    """config.json for the file's Llama model (values as the file gives them: ModelConfig
+    types and bounds them)."""
+    missing = [k for k in REQUIRED_KEYS if k not in meta]
+    if missing:
+        raise CheckpointError(f"GGUF metadata {missing[0]} is missing ({len(missing)} required "
+                              f"keys missing in all)")
+    heads = meta["llama.attention.head_count"]
+    tokens = meta["tokenizer.ggml.tokens"]
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": int(meta.get("llama.vocab_size") or len(meta["tokenizer.ggml.tokens"])),
-        "hidden_size": hidden, "intermediate_size": int(meta["llama.feed_forward_length"]),
-        "num_hidden_layers": int(meta["llama.block_count"]), "num_attention_heads": heads,
-        "num_key_value_heads": int(meta.get("llama.attention.head_count_kv", heads)),
-        "head_dim": int(meta.get("llama.rope.dimension_count", hidden // heads)),
-        "max_position_embeddings": int(meta.get("llama.context_length", 4096)),
+        "vocab_size": meta.get("llama.vocab_size") or (len(tokens) if isinstance(tokens, list)
+                                                       else tokens),
+        "hidden_size": meta["llama.embedding_length"],
+        "intermediate_size": meta["llama.feed_forward_length"],
+        "num_hidden_layers": meta["llama.block_count"], "num_attention_heads": heads,
+        "num_key_value_heads": meta.get("llama.attention.head_count_kv", heads),
+        **({"head_dim": meta["llama.rope.dimension_count"]}
+           if "llama.rope.dimension_count" in meta else {}),
+        "max_position_embeddings": meta.get("llama.context_length", 4096),
         "rms_norm_eps": _f32(meta["llama.attention.layer_norm_rms_epsilon"]),
-        "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
+        "rope_theta": meta.get("llama.rope.freq_base", 10000.0),
         "tie_word_embeddings": tied, "torch_dtype": "float32",
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
     }
 
 
-PRE_TOKENIZERS = {"smollm": True, "gpt2": False, "default": False}
-"""`tokenizer.ggml.pre` -> whether digits are split one by one before the byte-level regex
-(llama.cpp's pre-tokenizer types for byte-level BPE vocabularies)."""
-
-
-def build_tokenizer(meta: dict[str, Any]) -> Any:
-    """A `tokenizers.Tokenizer` from the file's byte-level BPE vocabulary and merges."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre", "default")
-    if kind != "gpt2" or pre not in PRE_TOKENIZERS:
-        raise CheckpointError(f"GGUF tokenizer {kind!r} / pre-tokenizer {pre!r} is not supported "
-                              f"(byte-level BPE with {', '.join(PRE_TOKENIZERS)})")
-    tokens: list[str] = meta["tokenizer.ggml.tokens"]
-    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-    tok = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                  byte_level])
-                         if PRE_TOKENIZERS[pre] else byte_level)
-    tok.decoder = decoders.ByteLevel()
-    types = meta.get("tokenizer.ggml.token_type") or []
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, kind_ in zip(tokens, types, strict=False)
-                            if kind_ == TOKEN_TYPE_CONTROL])
-    return tok
-
-
-def _f32(value: float) -> float:
-    """A float32 metadata value as the decimal it was written from (1e-05, not 9.99e-06)."""
+def _f32(value: Any) -> Any:
+    """A float32 metadata value as the decimal it was written from (1e-05, not 9.99e-06);
+    anything but a number as it is (ModelConfig refuses it)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return value
     return float(f"{float(value):.7g}")
-
-
-def _token(meta: dict[str, Any], key: str) -> str | None:
-    idx = meta.get(f"tokenizer.ggml.{key}_token_id")
-    return None if idx is None else meta["tokenizer.ggml.tokens"][int(idx)]
 
 
 def import_gguf(path: str | Path, out_dir: str | Path) -> Path:
@@ -203,15 +264,10 @@ def import_gguf(path: str | Path, out_dir: str | Path) -> Path:
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", {"eos_token_id": config["eos_token_id"],
                                                  "bos_token_id": config["bos_token_id"]})
-    build_tokenizer(gg.metadata).save(str(out / "tokenizer.json"))
-    template = gg.metadata.get("tokenizer.chat_template")
-    tok_cfg = {"bos_token": _token(gg.metadata, "bos"), "eos_token": _token(gg.metadata, "eos"),
-               "model_max_length": config["max_position_embeddings"],
-               "add_bos_token": bool(gg.metadata.get("tokenizer.ggml.add_bos_token", False))}
-    if template:
-        tok_cfg["chat_template"] = template
-        (out / "chat_template.jinja").write_text(template)
-    _write_json(out / "tokenizer_config.json", tok_cfg)
+    gg.tokenizer.save(str(out / "tokenizer.json"))
+    if "chat_template" in gg.tokenizer_config:
+        (out / "chat_template.jinja").write_text(gg.tokenizer_config["chat_template"])
+    _write_json(out / "tokenizer_config.json", gg.tokenizer_config)
     save_file({k: np.ascontiguousarray(v) for k, v in gg.tensors.items()},
               str(out / "model.safetensors"), metadata={"format": "pt"})
     _write_json(out / IMPORT_MARKER, {"source": str(gg.path.resolve()),
@@ -227,11 +283,11 @@ def _write_json(path: Path, obj: Any) -> None:
 def served_name(model_dir: Path) -> str:
     """The name /v1/models gives a model folder: a GGUF import's file name without its
     suffixes (SmolLM2-135M-Instruct), else the folder's name."""
-    marker = model_dir / IMPORT_MARKER
-    if marker.is_file():
-        name = json.loads(marker.read_text()).get("served_name")
-        if isinstance(name, str) and name:
-            return name
+    from kvpool.engine.model_files import read_json_object
+
+    name = read_json_object(model_dir / IMPORT_MARKER).get("served_name")
+    if isinstance(name, str) and name:
+        return name
     return model_dir.resolve().name
 
 
@@ -265,7 +321,11 @@ def cached_import(path: str | Path) -> Path:
     if (target / IMPORT_MARKER).is_file():
         return target
     tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
-    import_gguf(file, tmp)
+    try:
+        import_gguf(file, tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     try:
         os.replace(tmp, target)
     except OSError:  # another process finished the same import first

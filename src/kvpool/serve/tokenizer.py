@@ -5,14 +5,13 @@ warning that says so."""
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvpool.engine.chat_template import read_chat_template
-from kvpool.errors import ConfigError
+from kvpool.engine.chat_template import compile_template, read_chat_template
+from kvpool.engine.model_files import open_tokenizer, read_json_object
 
 log = logging.getLogger(__name__)
 
@@ -29,19 +28,14 @@ def _token_text(value: Any) -> str | None:
 
 
 class ModelTokenizer:
-    """Encode prompts, render chat messages, decode output ids. Raises ConfigError when the
-    folder has no `tokenizer.json`."""
+    """Encode prompts, render chat messages, decode output ids. Raises CheckpointError (a
+    ConfigError) when the folder's `tokenizer.json` is missing or does not parse, or its
+    tokenizer_config.json or chat template does not."""
 
     def __init__(self, model_dir: str | Path) -> None:
-        from tokenizers import Tokenizer
-
         folder = Path(model_dir)
-        path = folder / "tokenizer.json"
-        if not path.is_file():
-            raise ConfigError(f"{path} not found: the proxy needs the model's tokenizer.json")
-        self._tok = Tokenizer.from_file(str(path))
-        cfg_path = folder / "tokenizer_config.json"
-        cfg = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        self._tok = open_tokenizer(folder / "tokenizer.json")
+        cfg = read_json_object(folder / "tokenizer_config.json")
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
         template, self.chat_template_source = read_chat_template(folder)
@@ -49,7 +43,8 @@ class ModelTokenizer:
             log.warning("%s has no chat template (chat_template.jinja or tokenizer_config.json); "
                         "chats are rendered as plain 'role: content' lines", folder)
         self.chat_template: str = template or _FALLBACK_TEMPLATE
-        self._template = _compile(self.chat_template)
+        self._template = compile_template(self.chat_template,
+                                          f"{folder} ({self.chat_template_source})")
 
     @property
     def vocab_size(self) -> int:
@@ -71,15 +66,3 @@ class ModelTokenizer:
         # The template writes its own special tokens (BOS), as transformers' apply_chat_template.
         return self.encode(self.render_chat(messages), add_special_tokens=False)
 
-
-def _compile(source: str) -> Any:
-    from jinja2.exceptions import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message: str) -> None:
-        raise TemplateError(message)
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = raise_exception
-    env.filters["tojson"] = lambda v, indent=None: json.dumps(v, ensure_ascii=False, indent=indent)
-    return env.from_string(source)

@@ -27,16 +27,17 @@ import numpy as np
 
 from kvpool.clock import SYSTEM_CLOCK, Clock
 from kvpool.engine.blocks import prefix_block_hashes
-from kvpool.engine.config import EngineConfig, SamplingParams, eos_token_ids
+from kvpool.engine.config import EngineConfig, ModelConfig, SamplingParams, eos_token_ids
 from kvpool.engine.connector import KVConnector
 from kvpool.engine.core import EngineCore, StepOutput
 from kvpool.engine.emulated import kvbytes
 from kvpool.engine.emulated.cache import ByteKVCache
 from kvpool.engine.emulated.profile import EngineProfile, PromptChunk
 from kvpool.engine.identity import KVShape, ModelIdentity, checkpoint_digest
+from kvpool.engine.model_files import read_json
 from kvpool.engine.scheduler import ScheduledBatch
 from kvpool.engine.sequence import Sampled, Sequence
-from kvpool.errors import ConfigError, InvalidArgument
+from kvpool.errors import CheckpointError, ConfigError, InvalidArgument
 
 KV_FORMAT = 1
 """Version of the emulated KV bytes (kvbytes); part of the model identity."""
@@ -99,9 +100,16 @@ class EmulatedEngine(EngineCore):
         """The vocabulary and EOS ids from a model folder's config.json (the proxy serves its
         tokenizer); the identity covers the folder, the profile and the KV format
         (`emulated_identity`)."""
-        hf = json.loads((Path(model_dir) / "config.json").read_text())
+        path = Path(model_dir) / "config.json"
+        hf = read_json(path)
+        try:
+            vocab_size = ModelConfig.from_hf(hf).vocab_size  # bounded, as the torch engine's
+        except CheckpointError:
+            raise
+        except ConfigError as exc:
+            raise CheckpointError(f"{path}: {exc}") from None
         root = emulated_identity(model_dir, profile, config, row_bytes_for(profile, kv_scale)).root
-        return cls(profile, config, kvbytes.ordinary_vocab(int(hf["vocab_size"])), root,
+        return cls(profile, config, kvbytes.ordinary_vocab(vocab_size), root,
                    eos_token_ids(hf), kv_scale, speed_up)
 
     # -- one step ------------------------------------------------------------------------------
