@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,13 @@ import pytest
 from kvpool.engine.blocks import block_key, prefix_block_hashes, request_key
 from kvpool.engine.emulated.kvbytes import expected_output, ordinary_vocab
 from kvpool.procs import free_port
-from kvpool.serve.launch import ServingCluster, ServingSpec, ensure_emulated_model, serving_cluster
+from kvpool.serve.launch import (
+    ServingCluster,
+    ServingSpec,
+    ensure_emulated_model,
+    serving_cluster,
+    stop,
+)
 from kvpool.store.wire.codes import ErrorCode
 
 BLOCK = 16
@@ -110,6 +117,8 @@ def test_a_prefix_stored_by_one_prefill_worker_is_used_by_the_other(
     reply = httpx.post(b + "/prefill", json=second, timeout=30).json()
     assert reply["num_pool_tokens"] == 160 and reply["num_cached_tokens"] == 0
     assert reply["first_token_id"] == expected(info, shared + [30, 31, 32], 1)[0]
+    for url, rid in ((a, "px-1"), (b, "px-2")):  # no decode leg: drop their partial blocks
+        assert httpx.post(url + "/abort", json={"request_id": rid}, timeout=30).status_code == 200
 
 
 def counters(url: str) -> dict[str, float]:
@@ -233,3 +242,47 @@ def test_runs_leave_no_request_kv_in_the_pool(pool: tuple[ServingCluster, Any]) 
     assert httpx.post(a + "/abort", json={"request_id": "orphan"}, timeout=30).status_code == 200
     keys = httpx.get(cluster.admin_url + "/keys", params={"prefix": "kvreq/"}, timeout=10).json()
     assert not {request_key(i) for i in ids} & set(keys["keys"]), keys
+
+
+def kvreq_keys(cluster: ServingCluster) -> list[str]:
+    keys = httpx.get(cluster.admin_url + "/keys", params={"prefix": "kvreq/"}, timeout=10)
+    return list(keys.json()["keys"])
+
+
+def test_failed_decode_legs_fail_no_complete_output_and_leave_no_partial_block(
+        pool: tuple[ServingCluster, Any], emulated_model: Path) -> None:
+    """Runs last: it kills one of the module's decode workers. A proxy that polls every 5 s
+    over both; the one every idle booking goes to (the first URL) is SIGKILLed before the
+    proxy can notice. A max_tokens 1 request, whose only token came from the prefill, is
+    complete: 200, whatever its decode leg does. An 8-token request resumes on the other
+    worker, exact. No request leaves its partial block (`kvreq/`) in the pool."""
+    from tests.serve.conftest import start_proxy
+
+    cluster, _ = pool
+    a = cluster.worker_urls["prefill"][0]
+    info = facts(a)
+    victim, survivor = sorted(cluster.worker_urls["decode"])
+    proxy, url = start_proxy(emulated_model, "--prefill", a, "--decode", victim,
+                             "--decode", survivor, "--poll-interval", "5", "--admission", "none")
+    try:
+        port = victim.rsplit(":", 1)[1]
+        doomed = next(p for p in cluster.procs.values() if port in list(p.args))  # type: ignore[arg-type]
+        doomed.kill()
+        doomed.wait()
+        p = prompt(500, 3 * BLOCK + 5)
+        one = complete(url, cluster.model_name, p, 1)
+        assert one.status_code == 200, one.text
+        assert one.json()["kvpool_trace"]["token_ids"] == expected(info, p, 1)
+        assert one.json()["choices"][0]["finish_reason"] == "length"
+        q = prompt(501, 4 * BLOCK + 7)
+        eight = complete(url, cluster.model_name, q, 8)
+        assert eight.status_code == 200, eight.text
+        assert eight.json()["kvpool_trace"]["token_ids"] == expected(info, q, 8)
+        assert 'kvpool_proxy_migrations_total{leg="decode"} 1.0' in httpx.get(
+            url + "/metrics").text
+        deadline = time.monotonic() + 5  # the prefill worker's abort runs in the background
+        while kvreq_keys(cluster) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert kvreq_keys(cluster) == []
+    finally:
+        stop(proxy)

@@ -300,6 +300,8 @@ class Worker:
                 return
             seq = engine.add_request(request_id, prompt, sampling, outputs=resumed,
                                      kv_source=source)
+            if resumed:  # a leg before this one failed: whatever it did not read is unread
+                self._drop_partial(request_id)
             if first_token is not None:
                 engine.continue_with(seq, first_token)
             if seq.status is SeqStatus.FINISHED and source is KVSource.POOL:
