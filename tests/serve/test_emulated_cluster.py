@@ -244,6 +244,24 @@ def test_runs_leave_no_request_kv_in_the_pool(pool: tuple[ServingCluster, Any]) 
     assert not {request_key(i) for i in ids} & set(keys["keys"]), keys
 
 
+def test_a_resume_with_nothing_left_to_do_finishes_at_once(
+        pool: tuple[ServingCluster, Any]) -> None:
+    """A decode leg resumed with tokens that already end the request (max_tokens reached, or
+    a stop token) answers its finish line, not a refusal."""
+    cluster, _ = pool
+    decode = cluster.worker_urls["decode"][0]
+    p = prompt(600, 2 * BLOCK + 3)
+    for sampling, resumed, reason in (({"max_tokens": 2}, [40, 41], "length"),
+                                      ({"max_tokens": 9, "stop_token_ids": [41]}, [40, 41],
+                                       "stop")):
+        gen = {"request_id": f"over-{reason}", "prompt_token_ids": p, "sampling": sampling,
+               "resume_output_ids": resumed}
+        reply = httpx.post(decode + "/generate", json=gen, timeout=30)
+        assert reply.status_code == 200, reply.text
+        (line,) = [json.loads(x) for x in reply.text.splitlines()]
+        assert line["finish_reason"] == reason and line["num_output_tokens"] == 0, line
+
+
 def kvreq_keys(cluster: ServingCluster) -> list[str]:
     keys = httpx.get(cluster.admin_url + "/keys", params={"prefix": "kvreq/"}, timeout=10)
     return list(keys.json()["keys"])
