@@ -208,6 +208,10 @@ def test_the_first_request_after_a_damaged_block_is_served_exact(
     third = complete(cluster.proxy_url, cluster.model_name, p, 8)
     assert third.status_code == 200 and third.json()["kvpool_trace"]["token_ids"] == want
     assert store.get(key).ok and summed(workers) == after
+    print(f"\nfirst request after the flip: {again.status_code}, tokens "
+          f"{again.json()['kvpool_trace']['token_ids']} (undamaged: {want}); recomputed by "
+          f"{after['kvpool_worker_pool_recomputed_total'] - before['kvpool_worker_pool_recomputed_total']:.0f} "
+          "decode leg(s)")
 
 
 def test_the_proxys_block_view_follows_the_workers_by_events(
