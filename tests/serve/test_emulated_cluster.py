@@ -2,7 +2,9 @@
 contributes the pool's only memory, so it can damage a stored byte): outputs equal their
 expected function of the prompt through the pool and by push, a prefix one prefill worker
 stored is used by the other, a damaged KV byte in the pool is refused (checksum), dropped and
-computed again (never output, never a failed request), and the proxy's view of cached blocks follows the workers by events."""
+computed again (never output, never a failed request), the proxy's view of cached blocks
+follows the workers by events, and failed decode legs neither fail a complete output nor
+leave a request's partial block (`kvreq/`) in the pool."""
 
 from __future__ import annotations
 
