@@ -205,3 +205,18 @@ def test_min_tokens_holds_off_eos() -> None:
     held = engine().generate([PROMPTS[1]], SamplingParams(max_tokens=6, min_tokens=3,
                                                           stop_token_ids=(first,)))
     assert len(held[0]) >= 3
+
+
+def test_finish_reason_of_tokens_already_produced() -> None:
+    """What a resumed leg answers without computing: over at a stop token past min_tokens or
+    at max_tokens, the same rule as a step's."""
+    e = engine()
+    e.eos_ids = {7}
+    s = SamplingParams(max_tokens=3, stop_token_ids=(9,))
+    assert [e.finish_reason_of(s, out) for out in ([], [1], [1, 9], [7], [1, 2, 3])] == [
+        None, None, "stop", "stop", "length"]
+    assert e.finish_reason_of(SamplingParams(max_tokens=3, ignore_eos=True), [7]) is None
+    assert e.finish_reason_of(SamplingParams(max_tokens=3, min_tokens=2,
+                                             stop_token_ids=(9,)), [9, 9]) is None
+    assert e.finish_reason_of(SamplingParams(max_tokens=3, min_tokens=2,
+                                             stop_token_ids=(9,)), [9, 9, 9]) == "stop"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvpool.engine.blocks import block_key, request_key
+from kvpool.engine.blocks import block_key, prefix_block_hashes, request_key
 from kvpool.engine.config import EngineConfig, SamplingParams
 from kvpool.engine.llm_engine import LLMEngine, StepOutput
 from kvpool.engine.sequence import KVSource
@@ -129,6 +129,43 @@ def test_prefill_to_decode_through_the_pool(tiny_llama: Path) -> None:
     # KV moved through the pool is the prefill's KV, bit for bit
     for i, block_id in enumerate(seq.block_table[:3]):
         assert torch.equal(decode.cache.kv[:, block_id], prefill.cache.kv[:, i])
+
+
+class DamagedStore(MemoryStore):
+    """Reads of `damaged` keys fail their checksum (the real client has them dropped)."""
+
+    def __init__(self, damaged: set[str]) -> None:
+        super().__init__()
+        self.damaged = damaged
+
+    def batch_get_into_parts(self, keys, parts):  # type: ignore[no-untyped-def]
+        out = super().batch_get_into_parts(keys, parts)
+        return [ReadResult(ErrorCode.CHECKSUM_MISMATCH) if k in self.damaged else r
+                for k, r in zip(keys, out, strict=True)]
+
+
+@pytest.mark.parametrize("where", ["block", "partial"])
+def test_damaged_pool_kv_is_recomputed_by_the_decode_leg(tiny_llama: Path, where: str) -> None:
+    """A decode leg whose prompt KV comes back damaged computes it instead: the same output
+    as an undisturbed run, and the prefill's partial block is not left behind."""
+    store = DamagedStore(set())
+    p = prompt(21, 2)
+    want = LLMEngine.from_dir(tiny_llama, EngineConfig(block_size=BS)).generate([p], GREEDY)[0]
+    prefill, conn = make(tiny_llama, store, save=True)
+    conn.plans["r"] = PoolPlan()
+    prefill.add_request("r", p, GREEDY, prefill_only=True)
+    first = [o.token_id for o in drain(prefill) if o.token_id is not None]
+    bad = block_key(prefix_block_hashes(p, BS, prefill.root_hash)[1], 1) if where == "block" \
+        else request_key("r")
+    store.damaged.add(bad)
+    decode, dconn = make(tiny_llama, store, save=False)
+    seq = decode.add_request("r", p, GREEDY, kv_source=KVSource.POOL)
+    decode.continue_with(seq, first[0])
+    outs = drain(decode)
+    assert [o.error for o in outs if o.error] == []
+    assert seq.output_ids == want and dconn.num_recomputed == 1
+    assert seq.num_pool_tokens == (BS if where == "block" else 2 * BS)
+    assert request_key("r") not in store.objects
 
 
 def test_prefill_to_decode_by_push(tiny_llama: Path) -> None:

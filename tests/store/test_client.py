@@ -214,38 +214,48 @@ def _corrupt_own_replica(me: StoreClient, key: str, at: int = 10) -> None:
     ctypes.c_ubyte.from_address(rep.addr + at).value ^= 0xFF
 
 
-def test_corrupted_replica_is_refused_not_returned(master: MasterServer,
-                                                   node: StoreClient) -> None:
+def test_corrupted_replica_is_refused_and_dropped(master: MasterServer,
+                                                  node: StoreClient) -> None:
+    """Bytes that fail the checksum are never returned, and the damaged object leaves the
+    pool (the master drops it on the reader's report): the next get finds nothing, and a
+    put of the same key stores it anew."""
     with StoreClient(ClientConfig(master=master.address, global_segment_size=MIB)) as me:
         mine = ReplicateConfig(preferred_segment=me.endpoint)
         value = content("c", 5000)
-        assert me.put("c", value, mine).ok
-        assert me.put_from("z", me.register_buffer(np.frombuffer(value, np.uint8).copy()).addr,
-                           5000, mine).ok
+        for key in ("c", "z", "p"):
+            assert me.put(key, value, mine).ok
         _corrupt_own_replica(me, "c")
         _corrupt_own_replica(me, "z", 4999)
+        _corrupt_own_replica(me, "p", 0)
+        with StoreClient(ClientConfig(master=master.address,
+                                      verify_checksums=False)) as trusting:
+            assert trusting.get("c").ok and trusting.get("c").data != value
         assert me.get("c") == GetResult(E.CHECKSUM_MISMATCH)
         out = np.zeros(5000, np.uint8)
         me.register_buffer(out)
         assert me.get_into("z", out.ctypes.data, 5000).code == E.CHECKSUM_MISMATCH
-        assert [r.code for r in me.get_batch(["c", "z"])] == [E.CHECKSUM_MISMATCH] * 2
         parts = [[(out.ctypes.data, 2000), (out.ctypes.data + 2000, 3000)]]
-        assert me.batch_get_into_parts(["z"], parts)[0].value == int(E.CHECKSUM_MISMATCH)
-        assert me.stats.checksum_mismatches == 5
-        with StoreClient(ClientConfig(master=master.address,
-                                      verify_checksums=False)) as trusting:
-            assert trusting.get("c").ok and trusting.get("c").data != value
+        assert me.batch_get_into_parts(["p"], parts)[0].value == int(E.CHECKSUM_MISMATCH)
+        assert (me.stats.checksum_mismatches, me.stats.damaged_dropped) == (3, 3)
+        assert [r.code for r in me.get_batch(["c", "z", "p"])] == [E.OBJECT_NOT_FOUND] * 3
+        assert me.put("c", value, mine).ok and me.get("c").data == value
+        assert master.core.stats.damaged_dropped == 3
+        master.core.check_integrity()
 
 
-def test_a_corrupted_replica_falls_back_to_an_intact_one(master: MasterServer,
-                                                        node: StoreClient) -> None:
+def test_a_corrupted_replica_falls_back_to_an_intact_one_and_is_dropped(
+        master: MasterServer, node: StoreClient) -> None:
     with StoreClient(ClientConfig(master=master.address, global_segment_size=MIB)) as me:
         value = content("two", 3000)
         assert me.put("two", value, ReplicateConfig(replica_num=2)).ok
         own = [r for r in me.replica_desc("two").replicas if r.endpoint == me.endpoint]
         ctypes.c_ubyte.from_address(own[0].addr).value ^= 1
         assert me.get("two").data == value                 # own replica first, then node's
-        assert me.stats.checksum_mismatches == 1
+        assert (me.stats.checksum_mismatches, me.stats.damaged_dropped) == (1, 1)
+        (left,) = me.replica_desc("two").replicas           # the node's, intact
+        assert left.endpoint == node.endpoint
+        assert me.get("two").data == value and me.stats.checksum_mismatches == 1
+        master.core.check_integrity()
 
 
 def test_objects_put_without_checksums_are_read_unverified(master: MasterServer,

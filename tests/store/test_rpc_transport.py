@@ -3,6 +3,7 @@ connections, a master that closed an idle connection, a malformed reply."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 import threading
@@ -13,7 +14,7 @@ from contextlib import contextmanager
 import pytest
 
 from kvpool.errors import RpcError, RpcTimeout
-from kvpool.store.client.rpc import RpcClient, parse_address
+from kvpool.store.client.rpc import LEADER_CHECK_S, RpcClient, parse_address
 from kvpool.store.wire.framing import FrameDecoder, encode_frame
 from kvpool.store.wire.messages import PingMsg, decode_msg
 from kvpool.store.wire.protocol import encode_reply
@@ -160,6 +161,32 @@ def test_unreachable_master_times_out_at_the_call_timeout() -> None:
             with pytest.raises(RpcTimeout, match=r"not reachable \(no connection within 0.3s"):
                 client.call(PingMsg(), timeout_s=0.3)
             assert 0.2 < time.monotonic() - t0 < 2
+
+
+def test_a_call_waiting_on_a_silent_leader_goes_to_the_new_one_at_once() -> None:
+    """HA: the leader's host is cut (it takes the request and answers nothing); once etcd
+    names another leader the call is sent there, within LEADER_CHECK_S, not after its whole
+    timeout. Without HA the same silence waits the timeout."""
+    def silent(conn: socket.socket, index: int) -> None:
+        with contextlib.suppress(OSError):
+            read_request_ids(conn, 2)
+
+    def serving(conn: socket.socket, index: int) -> None:
+        for _ in range(2):
+            answer(conn, read_request_ids(conn, 1)[0])
+    with scripted_server(silent) as (old, _), scripted_server(serving) as (new, accepted):
+        moved_at = time.monotonic() + 0.8
+        leaders = {False: parse_address(old), True: parse_address(new)}
+        with RpcClient("etcd://unused", "c", timeout_s=10,
+                       leader=lambda: leaders[time.monotonic() > moved_at]) as client:
+            t0 = time.monotonic()
+            assert client.call(PingMsg()) == "pong"
+            assert 0.8 < time.monotonic() - t0 < 0.8 + LEADER_CHECK_S + 0.5
+            assert client.call(PingMsg()) == "pong"
+        assert accepted == [0]
+        with RpcClient(old, "c", timeout_s=0.8) as plain:
+            with pytest.raises(RpcTimeout, match="did not answer within 0.8s"):
+                plain.call(PingMsg())
 
 
 def test_parse_address() -> None:

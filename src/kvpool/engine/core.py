@@ -174,7 +174,7 @@ class EngineCore:
             seq.append(token)
             outputs.append(StepOutput(seq.request_id, token, time_s=now, logprob=choice.logprob,
                                       prompt_logprobs=self._take_prompt_logprobs(seq)))
-            reason = self._stop_reason(seq, token)
+            reason = self._stop_reason(seq)
             if reason is not None:
                 self._finish(seq, reason)
         failed, self._failed = self._failed, {}
@@ -195,16 +195,25 @@ class EngineCore:
         """The stamp of the outputs of the step that just ran."""
         return self.clock.now()
 
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
-        params = seq.sampling
-        stops = token in params.stop_set or (token in self.eos_ids and not params.ignore_eos)
-        if stops and len(seq.output_ids) > params.min_tokens:
+    def _stop_reason(self, seq: Sequence) -> str | None:
+        """Why `seq` ends after the token just appended, or None."""
+        reason = self.finish_reason_of(seq.sampling, seq.output_ids)
+        if reason is None and (seq.prefill_only or len(seq) >= self.config.max_model_len):
+            return "length"
+        return reason
+
+    def finish_reason_of(self, sampling: SamplingParams, outputs: list[int]) -> str | None:
+        """Whether a request whose output so far is `outputs` is over: "stop" after a stop
+        token (or an EOS, unless ignored) past min_tokens, "length" at max_tokens, else
+        None. (A resumed leg whose tokens are already over has nothing to compute.)"""
+        if not outputs:
+            return None
+        last = outputs[-1]
+        stops = last in sampling.stop_set or (last in self.eos_ids
+                                                   and not sampling.ignore_eos)
+        if stops and len(outputs) > sampling.min_tokens:
             return "stop"
-        if seq.prefill_only or len(seq.output_ids) >= params.max_tokens:
-            return "length"
-        if len(seq) >= self.config.max_model_len:
-            return "length"
-        return None
+        return "length" if len(outputs) >= sampling.max_tokens else None
 
     def _finish(self, seq: Sequence, reason: str | None, error: str | None = None) -> None:
         if seq.status is SeqStatus.FINISHED:
@@ -258,7 +267,7 @@ class EngineCore:
         """Append the first token a prefill worker sampled; it is this leg's first output."""
         seq.append(first_token)
         self._finished.append(StepOutput(seq.request_id, first_token))
-        reason = self._stop_reason(seq, first_token)
+        reason = self._stop_reason(seq)
         if reason is not None:
             self._finish(seq, reason)
 

@@ -257,6 +257,11 @@ class Run:
                     yield tok
                 return
             except WorkerCallError as exc:
+                if kv == "pool":  # the prefill's partial block: the failed leg may not read it
+                    self.d.abort_later(self.b.prefill.url, self.request_id)
+                if self.finish_reason is None and len(self.token_ids) >= self.sampling.max_tokens:
+                    self._complete(worker, exc)  # nothing left for another leg to do
+                    return
                 if not migratable(exc) or self.finish_reason is not None:
                     raise
                 nxt = self._next_decode(worker)
@@ -264,6 +269,14 @@ class Run:
                     raise
                 self._migrated("decode", worker, exc)
                 worker, first, kv = nxt, None, "none"
+
+    def _complete(self, worker: WorkerState, exc: WorkerCallError) -> None:
+        """The output already holds max_tokens tokens (the prefill's one, for max_tokens 1):
+        a leg that fails after that cannot fail the request."""
+        self.finish_reason = "length"
+        self.d.abort_later(worker.url, self.request_id)
+        log.info("request %s: decode leg on %s failed (%s) after the last token; complete",
+                 self.request_id, worker.url, exc)
 
     def _next_decode(self, failed: WorkerState) -> WorkerState | None:
         """Another decode worker in rotation that this request has not tried (fewest running

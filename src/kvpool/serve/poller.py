@@ -1,6 +1,8 @@
 """Keeps the live cluster current: one task per worker reads `/info` until it joins, then
 `/load` every `poll_interval_s`. Failed polls take a worker out of rotation (LiveCluster
-decides when); a worker that answers again rejoins."""
+decides when); a worker that answers again rejoins, after proving again that it holds the
+token. A poll that times out (a busy or starved worker) keeps both the worker's place in
+rotation and its proof, until `silent_dead_s` without an answer takes it out."""
 
 from __future__ import annotations
 

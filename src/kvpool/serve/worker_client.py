@@ -95,8 +95,11 @@ class WorkerClient:
 
     def _failed(self, url: str, path: str, exc: httpx.HTTPError) -> WorkerCallError:
         """A transport failure: whatever answers at `url` next must prove itself again (a
-        listener that took over a dead worker's port would otherwise get the token)."""
-        self._proven.discard(url)
+        listener that took over a dead worker's port would otherwise get the token). Not a
+        timeout: no new listener answered, and a slow worker stays in rotation (a proof
+        withdrawn there would fail its requests as "not proven"; serve/poller.py)."""
+        if not isinstance(exc, httpx.TimeoutException):
+            self._proven.discard(url)
         return WorkerCallError(url, path, repr(exc))
 
     async def info(self, url: str, timeout_s: float) -> InfoReply:

@@ -10,11 +10,12 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from kvpool.engine.core import StepOutput
 from kvpool.engine.worker import auth
+from kvpool.engine.worker import metrics as worker_metrics
 from kvpool.engine.worker.auth import CHALLENGE_PATH
 from kvpool.engine.worker.gate import GateIdentity, PreAuthGate
 from kvpool.engine.worker.messages import (
@@ -144,6 +145,11 @@ def create_app(worker: Worker, now: Callable[[], float] = time.time) -> FastAPI:
     @app.get("/load", response_model_exclude_none=True)  # block_hashes or block_events
     async def load(epoch: str = "", since: int | None = None) -> LoadReply:
         return await worker.load(epoch, since)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        values = worker_metrics.counters(worker.connector, worker.store)
+        return Response(worker_metrics.render(values), media_type=worker_metrics.CONTENT_TYPE)
 
     @app.post("/prefill")
     async def prefill(body: PrefillRequest) -> PrefillReply:

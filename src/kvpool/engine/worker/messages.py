@@ -81,7 +81,8 @@ class GenerateRequest(_Request):
     """A request resumed here after its worker failed: the output tokens the client already
     has. They are computed with the prompt (kv_source none; the prompt's blocks still come
     from the pool), count as output (max_tokens, min_tokens, penalties, seeded positions)
-    and are not streamed again."""
+    and are not streamed again; tokens that already end the request get the finish line
+    alone."""
 
 
 class TokenLine(_Reply):

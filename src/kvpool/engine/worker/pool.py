@@ -32,6 +32,9 @@ from kvpool.errors import KvpoolError
 from kvpool.log import get_logger
 
 log = get_logger("engine.pool")
+DAMAGED = "CHECKSUM_MISMATCH"
+"""The read code of pool bytes that fail their checksum: the store client has the replica
+dropped, and a decode leg computes the KV instead of failing."""
 Part = tuple[int, int]
 
 
@@ -110,6 +113,8 @@ class PoolConnector(KVConnector):
         self.plans: dict[str, PoolPlan | PushPlan] = {}
         self.saver = LayerSaver(store, cache) if store is not None and save_blocks else None
         self._pending: list[tuple[int, int]] = []
+        self.num_recomputed = 0
+        """Requests whose KV the pool held damaged, computed here instead (`_recompute`)."""
 
     def close(self) -> None:
         if self.saver is not None:
@@ -132,9 +137,24 @@ class PoolConnector(KVConnector):
         if self.store is None:
             return "this worker has no pool (--master) to load KV from"
         if first + loaded < limit:
+            if why == DAMAGED:
+                self._recompute(seq, f"block {first + loaded}")
+                return None
             return (f"KV of block {first + loaded} of request {seq.request_id} could not be read "
                     f"from the pool ({why})")
         return self._load_partial(seq, limit)
+
+    def _recompute(self, seq: Sequence, what: str) -> None:
+        """The pool held damaged bytes for `seq` (the store client had the replica dropped):
+        compute what was not loaded here instead, as after a preemption (the tokens it
+        already has, the prefill's first included, are recomputed, not sampled again), and
+        drop the partial block the prefill left, which nobody reads now."""
+        log.warning("request %s: KV of %s in the pool is damaged; computing it here",
+                    seq.request_id, what)
+        self.num_recomputed += 1
+        seq.kv_source = KVSource.COMPUTE
+        if seq.num_prompt_tokens % self.bs:
+            self.store.remove(request_key(seq.request_id), force=True)
 
     def _load_blocks(self, seq: Sequence, first: int, limit: int) -> tuple[int, str]:
         """Load blocks first..limit-1 (all layers); how many leading ones arrived whole, and
@@ -157,6 +177,9 @@ class PoolConnector(KVConnector):
             key = request_key(seq.request_id)
             result = self.store.batch_get_into_parts(
                 [key], [self._partial_parts(seq.block_table[limit])])[0]
+            if result.code.name == DAMAGED:
+                self._recompute(seq, "the last block")
+                return None
             if not result.ok:
                 return (f"last block of request {seq.request_id} could not be read from the pool "
                         f"({result.code.name})")

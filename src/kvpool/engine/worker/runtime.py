@@ -295,6 +295,9 @@ class Worker:
         resumed = req.resume_output_ids
         if resumed and (source is not KVSource.COMPUTE or first_token is not None):
             raise InvalidArgument("resume_output_ids needs kv_source none and no first_token_id")
+        over = self.engine.finish_reason_of(sampling, resumed)
+        if over is not None:  # the legs before this one produced the whole output
+            return self._already_over(request_id, over)
         self.engine.new_sequence(request_id, prompt, sampling, outputs=resumed)  # validate
 
         def add(engine: EngineCore) -> None:
@@ -310,11 +313,18 @@ class Worker:
                 return
             seq = engine.add_request(request_id, prompt, sampling, outputs=resumed,
                                      kv_source=source)
+            if resumed:  # a leg before this one failed: whatever it did not read is unread
+                self._drop_partial(request_id)
             if first_token is not None:
                 engine.continue_with(seq, first_token)
             if seq.status is SeqStatus.FINISHED and source is KVSource.POOL:
                 self._drop_partial(request_id)  # done with the prefill's token: nobody reads it
         return self._follow(request_id, add)
+
+    async def _already_over(self, request_id: str, reason: str) -> AsyncIterator[StepOutput]:
+        """A resumed leg with nothing left to do: its finish, and no partial block left."""
+        await asyncio.to_thread(self._drop_partial, request_id)
+        yield StepOutput(request_id, finish_reason=reason)
 
     async def abort(self, request_id: str) -> bool:
         """Stop the request here; a prefill worker also drops the last block it left in the

@@ -116,8 +116,9 @@ class NodeDrainer(ClientBase):
         looks = self._sources(moves)
         staged = [self._staging.acquire(mv.size) for mv in moves]
         try:
-            reads = self._read(looks, [[(addr, mv.size)] for (addr, _, _), mv
-                                       in zip(staged, moves, strict=True)], t0)
+            reads = self._read([mv.key for mv in moves], looks,
+                               [[(addr, mv.size)] for (addr, _, _), mv
+                                in zip(staged, moves, strict=True)], t0)
             copies = {i: [(staged[i][0], mv.target.addr, mv.size, mv.target.endpoint,
                            mv.target.fence)]
                       for i, (mv, r) in enumerate(zip(moves, reads, strict=True)) if r.ok}

@@ -85,15 +85,18 @@ class ReadPath:
                 out[i] = look
         return out
 
-    def _read(self, looks: Sequence[LookupResult], parts: Sequence[Sequence[Part] | None],
-              t0: float) -> list[ReadResult]:
-        """Read each found object into its parts from the closest replica, falling back to
-        the next replica on failure or on bytes that fail the checksum (CHECKSUM_MISMATCH
-        when no replica had the right bytes). LEASE_EXPIRED when the read outlived the
-        lease. On any failure the caller's parts hold undefined bytes."""
+    def _read(self, keys: Sequence[str], looks: Sequence[LookupResult],
+              parts: Sequence[Sequence[Part] | None], t0: float) -> list[ReadResult]:
+        """Read each found object (`keys[i]`, looked up as `looks[i]`) into its parts from
+        the closest replica, falling back to the next replica on failure or on bytes that
+        fail the checksum (CHECKSUM_MISMATCH when no replica had the right bytes); each
+        replica whose bytes failed is reported to the master, which drops it from the pool
+        (store/master/damage.py). LEASE_EXPIRED when the read outlived the lease. On any
+        failure the caller's parts hold undefined bytes."""
         results: list[ReadResult] = []
         queues: dict[int, list[ReplicaDesc]] = {}
         mismatched: set[int] = set()
+        damaged: list[tuple[int, ReplicaDesc]] = []
         for i, (look, p) in enumerate(zip(looks, parts, strict=True)):
             if look.code is not _OK:
                 results.append(ReadResult(look.code))
@@ -118,14 +121,34 @@ class ReadPath:
                 bad = self._verify(looks, [i for i in queues if i not in failed], arrivals)
                 mismatched |= bad
                 failed |= bad
+                damaged += [(i, queues[i][0]) for i in sorted(bad)]
             queues = {i: queues[i][1:] for i in failed}
             for i in [i for i, q in queues.items() if not q]:
                 results[i] = ReadResult(E.CHECKSUM_MISMATCH if i in mismatched
                                         else E.TRANSFER_FAIL)
                 del queues[i]
         if looks and self.clock.now() > t0 + max([x.lease_ttl_s for x in looks]):
-            results = [ReadResult(E.LEASE_EXPIRED) if r.ok else r for r in results]
+            return [ReadResult(E.LEASE_EXPIRED) if r.ok else r for r in results]
+        if damaged:  # (bytes read after the lease ended may have been reused: not damage)
+            self._drop_damaged(keys, looks, damaged)
         return results
+
+    def _drop_damaged(self, keys: Sequence[str], looks: Sequence[LookupResult],
+                      damaged: list[tuple[int, ReplicaDesc]]) -> None:
+        """Ask the master to drop each (object index, replica) whose bytes failed the
+        checksum; counted in `stats.damaged_dropped` when it did. Best effort: a failed
+        call leaves the replica to the next reader, who reports it again."""
+        names = [keys[i] for i, _ in damaged]
+        codes = self._call_keyed(
+            names, lambda chunk, lo, hi: m.DropDamagedMsg(
+                keys=chunk, segment_ids=[r.segment_id for _, r in damaged[lo:hi]],
+                addrs=[r.addr for _, r in damaged[lo:hi]],
+                checksums=[looks[i].checksum or 0 for i, _ in damaged[lo:hi]]),
+            lambda code: code)
+        dropped = sum(1 for code in codes if code == E.OK)
+        self.stats.damaged_dropped += dropped
+        log.warning("dropped %d of %d damaged replicas from the pool (%s)", dropped,
+                    len(damaged), ", ".join(sorted(set(names))[:4]))
 
     def _verify(self, looks: Sequence[LookupResult], read: list[int],
                 arrivals: HashOnArrival) -> set[int]:

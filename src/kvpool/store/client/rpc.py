@@ -36,6 +36,15 @@ TRUST_IDLE_S = 0.01
 """A connection that carried a reply within this long is not checked for a close by the
 master before the next request (one syscall per call saved); a master that closes it in
 that window fails one call, as a close between the check and the send always could."""
+LEADER_CHECK_S = 0.5
+"""With HA masters (an etcd:// address), a call waiting on the master (to connect or for a
+reply) looks the leader up this often: when etcd names another, the call goes to it at once.
+A leader whose host was cut off answers nothing; without this the call would wait its whole
+timeout, though the standby leads a moment after the lease (2-10 s) expires."""
+
+
+class _LeaderMoved(Exception):
+    """The leader this call waits on is no longer etcd's: send it to the new one."""
 
 
 def parse_address(address: str, default_port: int = 50051) -> tuple[str, int]:
@@ -63,11 +72,14 @@ class RpcClient:
     def __init__(self, address: str, client_id: str, timeout_s: float = 5.0,
                  token: str | None = None,
                  on_late_reply: Callable[[Reply], None] | None = None,
-                 poll_us: int = 0) -> None:
+                 poll_us: int = 0,
+                 leader: Callable[[], tuple[str, int] | None] | None = None) -> None:
         """`poll_us`: how long a wait for a reply polls the socket before blocking, while
-        replies come that fast (kvpool.busypoll); 0 always blocks."""
-        self._resolve = _leader_resolver(address)
-        """With an 'etcd://...' address: looks the leader up before each connection attempt."""
+        replies come that fast (kvpool.busypoll); 0 always blocks. `leader`: where the
+        master is now (HA), asked before each connection and every LEADER_CHECK_S of a
+        wait; by default etcd's leader for an 'etcd://...' address, else `address`."""
+        self._resolve = leader if leader is not None else _leader_resolver(address)
+        """With HA: looks the leader up before each connection attempt and during waits."""
         self._host, self._port = parse_address(address) if self._resolve is None else ("", 0)
         self.on_late_reply = on_late_reply
         """Sees each reply to an earlier call that timed out (skipped otherwise): a late
@@ -123,13 +135,21 @@ class RpcClient:
                 raise RpcError("RPC client is closed")
             timeout = timeout_s if timeout_s is not None else self.timeout_s
             deadline = time.monotonic() + timeout
-            try:
-                sock = self._ready_socket(timeout, deadline)
-                self._send(sock, frame, timeout)
-            except RpcError:
-                self._disconnect()
-                raise
-            return self._wait(sock, frame_id, timeout, deadline)
+            while True:
+                try:
+                    sock = self._ready_socket(timeout, deadline)
+                    self._send(sock, frame, timeout)
+                except RpcError:
+                    self._disconnect()
+                    raise
+                try:
+                    return self._wait(sock, frame_id, timeout, deadline)
+                except _LeaderMoved:  # the deposed leader commits nothing: ask the new one
+                    self._disconnect()
+
+    def _wait_slice(self, timeout_s: float) -> float:
+        """The socket's timeout for one wait: the call's, or LEADER_CHECK_S with HA."""
+        return min(timeout_s, LEADER_CHECK_S) if self._resolve is not None else timeout_s
 
     def _ready_socket(self, timeout_s: float, deadline: float) -> socket.socket:
         """The open connection, checked for a close by the master since the last call (then,
@@ -142,9 +162,9 @@ class RpcClient:
         if sock is None:
             sock = self._sock = self._connect(timeout_s, deadline)
         if timeout_s != self._sock_timeout:  # kernel timeouts: no poll() per recv
-            tv = _timeval(timeout_s)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                            _timeval(self._wait_slice(timeout_s)))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout_s))
             self._sock_timeout = timeout_s
         return sock
 
@@ -175,7 +195,7 @@ class RpcClient:
                     if not self._port:
                         raise OSError("no leader in etcd yet")
                 sock = socket.create_connection((self._host, self._port),
-                                                timeout=max(0.001, remaining))
+                                                timeout=max(0.001, self._wait_slice(remaining)))
                 break
             except OSError as exc:
                 if time.monotonic() + CONNECT_RETRY_S >= deadline:
@@ -234,7 +254,13 @@ class RpcClient:
                     self.on_late_reply(Reply(reply.req_id, reply.status, _plain(reply.result)))
             if time.monotonic() > deadline:  # only late replies of earlier calls arrived
                 raise RpcTimeout(f"master {self.address} did not answer within {timeout_s}s")
-            self._frames = self._receive(sock, timeout_s)
+            try:
+                self._frames = self._receive(sock, timeout_s)
+            except RpcTimeout:
+                if self._resolve is None or time.monotonic() > deadline:
+                    raise
+                if self._leader_moved():
+                    raise _LeaderMoved() from None
 
     def _receive(self, sock: socket.socket, timeout_s: float) -> list[bytes]:
         try:

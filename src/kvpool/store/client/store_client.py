@@ -84,7 +84,7 @@ class StoreClient(ClientBase):
                 addr, view, token = self._staging.acquire(look.size)
                 staged.append((view, token))
                 parts.append([(addr, look.size)])
-            reads = self._read(looks, parts, t0)
+            reads = self._read(keys, looks, parts, t0)
             return [GetResult(r.code, bytes(s[0]) if r.ok and s else b"")
                     for r, s in zip(reads, staged, strict=True)]
         finally:
@@ -140,7 +140,7 @@ class StoreClient(ClientBase):
         if len(keys) != len(parts):
             return [ReadResult(E.INVALID_PARAMS)] * max(len(keys), len(parts))
         looks, t0 = self._lookup(keys)
-        return self._read(looks, parts, t0)
+        return self._read(keys, looks, parts, t0)
 
     # -- metadata operations -----------------------------------------------------------------
 

@@ -16,5 +16,7 @@ class ClientStats:
 
     checksum_mismatches: int = 0
     """Replica reads whose bytes did not match the object's checksum (refused)."""
+    damaged_dropped: int = 0
+    """Of those, replicas the master dropped from the pool on this client's report."""
     remounts: int = 0
     """Times the master had forgotten this client and its segments were mounted again."""

@@ -54,6 +54,8 @@ class MasterStats:
     expired_clients: int = 0
     no_space: int = 0
     stalls_forgiven: int = 0
+    damaged_dropped: int = 0
+    """Replicas dropped because a reader found bytes that fail their checksum (damage.py)."""
 
 
 class MasterCore:

@@ -104,6 +104,9 @@ def _table_families(snap: MasterSnapshot) -> Iterator[GaugeMetricFamily | Counte
     yield _counter("kvpool_master_stalls_forgiven",
                    "own stalls longer than client_ttl/2 (deadlines moved)",
                    snap.stats.stalls_forgiven)
+    yield _counter("kvpool_master_damaged_dropped",
+                   "replicas dropped after a reader found bytes failing their checksum",
+                   snap.stats.damaged_dropped)
 
 
 _TIER_COUNTERS = (

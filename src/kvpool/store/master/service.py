@@ -16,6 +16,7 @@ from kvpool.errors import ConfigError, InvalidArgument, RemoteProtocolError
 from kvpool.log import get_logger
 from kvpool.store.config import ReplicateConfig
 from kvpool.store.master.core import MasterCore
+from kvpool.store.master.damage import drop_damaged
 from kvpool.store.master.reserve import Reservations
 from kvpool.store.master.tier_service import tier_handlers
 from kvpool.store.wire import messages as m
@@ -31,7 +32,7 @@ log = get_logger("store.service")
 MAX_PREFERRED = 64
 MAX_PATTERN = 1024
 _KEYED = (m.PutStartMsg, m.PutEndMsg, m.PutRevokeMsg, m.GetReplicasMsg, m.ExistsMsg,
-          m.SsdRegisterMsg, m.RemoveMsg, m.ReplicateEndMsg, m.PutCommitMsg)
+          m.SsdRegisterMsg, m.RemoveMsg, m.ReplicateEndMsg, m.PutCommitMsg, m.DropDamagedMsg)
 MAX_RESERVE = 16
 """Reservations one PUT_COMMIT may ask for."""
 
@@ -70,6 +71,8 @@ class MasterService:
                                                                        r.codes)),
             m.DrainEndMsg: lambda r: core.drain.cancel(r.address),
             m.PutCommitMsg: self._put_commit,
+            m.DropDamagedMsg: lambda r: self._count(r, drop_damaged(
+                core, r.keys, r.segment_ids, r.addrs, r.checksums)),
         }
         self.reservations = Reservations(core)
 

@@ -261,11 +261,23 @@ class PutCommitMsg(Msg, tag=int(Op.PUT_COMMIT), kw_only=True):
     Reply: ClassVar[Any] = PutCommitReply
 
 
+class DropDamagedMsg(Msg, tag=int(Op.DROP_DAMAGED), kw_only=True):
+    """Per key, a replica whose bytes failed the checksum a lookup gave (`checksums[i]`): the
+    master drops it, or the whole object when no other replica is left (master/damage.py)."""
+
+    keys: list[str]
+    segment_ids: list[str]
+    addrs: list[int]
+    checksums: list[int]
+    Reply: ClassVar[Any] = list[ErrorCode]
+
+
 _CLASSES: tuple[type[Msg], ...] = (
     PingMsg, HeartbeatMsg, MountMsg, UnmountMsg, PutStartMsg, PutEndMsg, PutRevokeMsg,
     GetReplicasMsg, ExistsMsg, RemoveMsg, RemoveAllMsg, RemoveRegexMsg, SegmentsMsg,
     SsdMountMsg, NodeTasksMsg, NodeReportMsg, SsdRegisterMsg,
-    DrainBeginMsg, ReplicateStartMsg, ReplicateEndMsg, DrainEndMsg, PutCommitMsg)
+    DrainBeginMsg, ReplicateStartMsg, ReplicateEndMsg, DrainEndMsg, PutCommitMsg,
+    DropDamagedMsg)
 MESSAGES: dict[Op, type[Msg]] = {Op(int(c.__struct_config__.tag or 0)): c for c in _CLASSES}
 """Every request class by op (a new op must be listed here)."""
 for _op, _cls in MESSAGES.items():

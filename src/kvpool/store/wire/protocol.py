@@ -49,6 +49,7 @@ class Op(enum.IntEnum):
     REPLICATE_END = 20
     DRAIN_END = 21
     PUT_COMMIT = 24
+    DROP_DAMAGED = 25
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,106 @@
+"""The poller over a real socket and the real WorkerClient (with a token), on a virtual clock
+for the cluster's deadlines: a worker whose /load times out stays in rotation *and* proven
+(no request of it fails as "not proven"), leaves the rotation only after silent_dead_s
+without an answer, and proves itself again to rejoin; a refused connection withdraws the
+proof."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from kvpool.clock import VirtualClock
+from kvpool.conductor import CostModel
+from kvpool.engine.worker import auth
+from kvpool.engine.worker.auth import CHALLENGE_PATH
+from kvpool.serve.cluster import LiveCluster
+from kvpool.serve.poller import Poller
+from kvpool.serve.worker_client import WorkerClient
+from tests.serve.test_cluster import info, load
+
+TOKEN = "cluster-token"
+
+
+class SlowWorker:
+    """An HTTP/1.1 listener that answers the challenge, /info and /load as a worker does;
+    with `stalled` set, /load never answers."""
+
+    def __init__(self) -> None:
+        self.stalled = False
+        self.challenges = 0
+        self.port = 0
+        self.connections: set[asyncio.Task[None]] = set()
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self.connections.add(task)
+        try:
+            while head := await reader.readuntil(b"\r\n\r\n"):
+                method, target = head.split(b" ", 2)[:2]
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                body = await reader.readexactly(length)
+                reply = await self.answer(method.decode(), target.decode(), body)
+                data = json.dumps(reply).encode()
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(data), data))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+            self.connections.discard(task)
+
+    async def answer(self, method: str, target: str, body: bytes) -> object:
+        if target == CHALLENGE_PATH:
+            self.challenges += 1
+            return auth.answer(TOKEN, "127.0.0.1", self.port, json.loads(body))
+        if target == "/info":
+            return info("decode").model_dump()
+        if self.stalled:
+            await asyncio.sleep(3600)
+        return load([]).model_dump(exclude_none=True)
+
+
+@asynccontextmanager
+async def slow_worker() -> AsyncIterator[tuple[SlowWorker, str]]:
+    worker = SlowWorker()
+    server = await asyncio.start_server(worker.handle, "127.0.0.1", 0)
+    worker.port = server.sockets[0].getsockname()[1]
+    try:
+        yield worker, f"http://127.0.0.1:{worker.port}"
+    finally:
+        server.close()
+        for task in list(worker.connections):  # and every open connection with it
+            task.cancel()
+        await asyncio.gather(*worker.connections, return_exceptions=True)
+
+
+def test_a_timed_out_poll_keeps_the_worker_in_rotation_and_proven() -> None:
+    async def main() -> None:
+        clock = VirtualClock()
+        cluster = LiveCluster(CostModel(), clock, silent_dead_s=10.0)
+        client = WorkerClient(5.0, token=TOKEN)
+        poller = Poller(cluster, client, interval_s=0.05)  # a poll times out after 1 s
+        async with slow_worker() as (worker, url):
+            cluster.add(url)
+            await poller.poll_once(url)
+            w = cluster.workers[url]
+            assert w.alive and client.proven(url) and worker.challenges == 1
+            worker.stalled = True
+            clock.advance(4.0)
+            await poller.poll_once(url)  # times out, 6 s before silent_dead_s
+            assert w.alive and client.proven(url) and not w.down.is_set()
+            clock.advance(6.0)
+            await poller.poll_once(url)  # 10 s without an answer: out
+            assert not w.alive and w.down.is_set()
+            worker.stalled = False
+            await poller.poll_once(url)  # back: proves itself again, then rejoins
+            assert w.alive and client.proven(url) and worker.challenges == 2
+        await poller.poll_once(url)  # the listener is gone: refused, the proof withdrawn
+        assert not client.proven(url) and w.alive and w.failures == 1
+        await client.aclose()
+    asyncio.run(main())
