@@ -12,14 +12,18 @@ from kvpool.errors import AuthError
 def test_a_token_holder_proves_it_and_nobody_else_does() -> None:
     sent = auth.challenge("http://127.0.0.1:8123")
     assert sent["name"] == "127.0.0.1:8123"
-    reply = auth.answer("s3cret", "127.0.0.1", 8123, sent)
-    auth.verify("s3cret", sent, reply)
+    reply = auth.answer("s3cret", "127.0.0.1", 8123, sent, incarnation="0a1b")
+    assert auth.verify("s3cret", sent, reply) == "0a1b"
     with pytest.raises(AuthError, match="proof is wrong"):
         auth.verify("another", sent, reply)
     with pytest.raises(AuthError, match="proof is wrong"):  # not replayable: a fresh nonce
         auth.verify("s3cret", auth.challenge("http://127.0.0.1:8123"), reply)
     with pytest.raises(AuthError, match="holds no cluster token"):
-        auth.verify("s3cret", sent, auth.answer(None, "127.0.0.1", 8123, sent))
+        auth.verify("s3cret", sent, auth.answer(None, "127.0.0.1", 8123, sent, incarnation="1"))
+    with pytest.raises(AuthError, match="proof is wrong"):  # the proof names its incarnation
+        auth.verify("s3cret", sent, reply | {"incarnation": "0a1c"})
+    with pytest.raises(AuthError, match="no incarnation"):
+        auth.verify("s3cret", sent, reply | {"incarnation": "not hex"})
     for bad in ({}, {"proof": "x"}, {"nonce": "zz", "proof": "x"}, "text"):
         with pytest.raises(AuthError):
             auth.verify("s3cret", sent, bad)
@@ -30,10 +34,10 @@ def test_a_relayed_challenge_gets_no_proof_for_the_impostors_name() -> None:
     the real worker at 127.0.0.1:8123: the worker refuses a name that is not its own."""
     relayed = auth.challenge("http://127.0.0.1:9000")
     with pytest.raises(AuthError, match="not '127.0.0.1:9000'"):
-        auth.answer("s3cret", "127.0.0.1", 8123, relayed)
+        auth.answer("s3cret", "127.0.0.1", 8123, relayed, incarnation="1")
     other_host = auth.challenge("http://127.0.0.2:8123")  # loopback, but not its address
     with pytest.raises(AuthError):
-        auth.answer("s3cret", "127.0.0.1", 8123, other_host)
+        auth.answer("s3cret", "127.0.0.1", 8123, other_host, incarnation="1")
     assert auth.is_own_name("localhost:8123", "127.0.0.1", 8123)
     assert auth.is_own_name("127.0.0.2:8123", "0.0.0.0", 8123)  # every interface: any local
     assert not auth.is_own_name("192.0.2.1:8123", "0.0.0.0", 8123)  # TEST-NET: not this host
@@ -42,17 +46,21 @@ def test_a_relayed_challenge_gets_no_proof_for_the_impostors_name() -> None:
 
 def test_a_signed_call_verifies_once_for_its_worker_body_and_time() -> None:
     url, body = "http://127.0.0.1:8123", b'{"request_id": "r"}'
-    header = auth.sign("s3cret", "POST", url, "/prefill", body, now=1000.0)
+    header = auth.sign("s3cret", "POST", url, "/prefill", body, now=1000.0, incarnation="be")
     assert "s3cret" not in header  # the token itself never travels
     seen = auth.SeenNonces()
 
     def check(h: str = header, token: str = "s3cret", target: str = "/prefill",
-              data: bytes = body, port: int = 8123, now: float = 1010.0) -> None:
-        auth.check_signed(token, h, "POST", target, data, "127.0.0.1", port, now, seen)
+              data: bytes = body, port: int = 8123, now: float = 1010.0, inc: str = "be") -> None:
+        auth.check_signed(token, h, "POST", target, data, "127.0.0.1", port, now, seen,
+                          incarnation=inc)
 
     for wrong, match in ((dict(token="other"), "signature"), (dict(target="/generate"), "signature"),
                          (dict(data=b"{}"), "signature"), (dict(port=8124), "not this worker"),
-                         (dict(now=1000.0 + 61), "time window"), (dict(h="KvpoolHMAC x"), "time")):
+                         (dict(now=1000.0 + 61), "time window"), (dict(h="KvpoolHMAC x"), "time"),
+                         (dict(inc="bf"), "another start of this worker"),
+                         (dict(h=header.replace("inc=be", "inc=bf")), "another start"),
+                         (dict(h=header.replace("inc=be", "inc=bf"), inc="bf"), "signature")):
         with pytest.raises(AuthError, match=match):
             check(**wrong)  # type: ignore[arg-type]
     check()

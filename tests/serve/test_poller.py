@@ -30,6 +30,9 @@ class SlowWorker:
     def __init__(self) -> None:
         self.stalled = False
         self.challenges = 0
+        self.incarnation = "abc1"
+        self.token = TOKEN
+        self.loads: list[str] = []
         self.port = 0
         self.connections: set[asyncio.Task[None]] = set()
 
@@ -57,11 +60,13 @@ class SlowWorker:
     async def answer(self, method: str, target: str, body: bytes) -> object:
         if target == CHALLENGE_PATH:
             self.challenges += 1
-            return auth.answer(TOKEN, "127.0.0.1", self.port, json.loads(body))
+            return auth.answer(self.token, "127.0.0.1", self.port, json.loads(body),
+                               incarnation=self.incarnation)
         if target == "/info":
             return info("decode").model_dump()
         if self.stalled:
             await asyncio.sleep(3600)
+        self.loads.append(target)
         return load([]).model_dump(exclude_none=True)
 
 
@@ -102,5 +107,29 @@ def test_a_timed_out_poll_keeps_the_worker_in_rotation_and_proven() -> None:
             assert w.alive and client.proven(url) and worker.challenges == 2
         await poller.poll_once(url)  # the listener is gone: refused, the proof withdrawn
         assert not client.proven(url) and w.alive and w.failures == 1
+        await client.aclose()
+    asyncio.run(main())
+
+
+def test_a_worker_that_fails_its_proof_leaves_the_rotation_at_once() -> None:
+    """Another listener on the port (another token, here) answers the challenge with a proof
+    that does not check: out of the rotation after that one poll, its runs handed over
+    (`down`), and sent nothing but the challenge; the real worker back proves and rejoins."""
+    async def main() -> None:
+        cluster = LiveCluster(CostModel(), VirtualClock(), silent_dead_s=10.0)
+        client = WorkerClient(5.0, token=TOKEN)
+        poller = Poller(cluster, client, interval_s=0.05)
+        async with slow_worker() as (worker, url):
+            cluster.add(url)
+            await poller.poll_once(url)
+            w = cluster.workers[url]
+            assert w.alive and len(worker.loads) == 1
+            worker.token, worker.incarnation = "another-token", "abc2"
+            client._proven.pop(url)  # as after a refused connection
+            await poller.poll_once(url)
+            assert not w.alive and w.down.is_set() and len(worker.loads) == 1
+            worker.token = TOKEN
+            await poller.poll_once(url)
+            assert w.alive and client.proven(url) and len(worker.loads) == 2
         await client.aclose()
     asyncio.run(main())

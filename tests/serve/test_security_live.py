@@ -606,7 +606,12 @@ def test_unauthenticated_bodies_are_refused_before_they_are_read(tokened_worker:
     assert _post_raw(tokened_worker, stale, 384 << 20, 384)[0] == 401
     status, sent = _post_raw(tokened_worker, "Bearer wrong", None, 64)
     assert status == 401 and sent < 32
-    fresh = f"{auth.SCHEME} ts={time.time():.3f},nonce=ab,name=127.0.0.1:{port},sig=00"
+    sent = auth.challenge(tokened_worker)  # the incarnation is no secret: anyone may ask
+    inc = httpx.post(tokened_worker + "/auth/challenge", json=sent).json()["incarnation"]
+    other = f"{auth.SCHEME} ts={time.time():.3f},nonce=ab,name=127.0.0.1:{port},inc=0f,sig=00"
+    assert _post_raw(tokened_worker, other, 384 << 20, 384)[0] == 401
+    fresh = (f"{auth.SCHEME} ts={time.time():.3f},nonce=ab,name=127.0.0.1:{port},inc={inc},"
+             "sig=00")
     assert _post_raw(tokened_worker, fresh, 384 << 20, 384)[0] == 413
     status, sent = _post_raw(tokened_worker, fresh, None, 64)
     assert status == 413 and sent < 32
@@ -615,9 +620,10 @@ def test_unauthenticated_bodies_are_refused_before_they_are_read(tokened_worker:
 
 
 def test_push_mode_signs_its_worker_calls(tokened_worker: str, tiny_model: Path) -> None:
-    """A prefill worker pushing KV calls the decode worker's /kv/reserve signed, never with
-    the token as a bearer: a recorder in the decode worker's place sees no token, and a real
-    decode worker that holds it admits the call (the pushed output equals the colocated one)."""
+    """A prefill worker pushing KV challenges the decode worker before calling its
+    /kv/reserve, signed, never with the token as a bearer: a recorder in the decode worker's
+    place sees one challenge and no token, and a real decode worker that holds the token
+    admits the call (the pushed output equals the colocated one)."""
     from kvpool.engine.config import SamplingParams
     from kvpool.engine.worker.client import generate
     from kvpool.errors import WorkerCallError
@@ -646,9 +652,9 @@ def test_push_mode_signs_its_worker_calls(tokened_worker: str, tiny_model: Path)
         with pytest.raises(WorkerCallError):
             generate(prompt, sampling, prefill_url=prefill, mode="push", token=TOKEN,
                      decode_url=f"http://127.0.0.1:{recorder.server_address[1]}")
-        assert [s.path for s in seen][:1] == ["/kv/reserve"]
+        # it is challenged first, and gets nothing more when it cannot prove the token
+        assert [s.path for s in seen] == ["/auth/challenge"]
         assert all(TOKEN not in repr(s) for s in seen)
-        assert all(s.headers["Authorization"].startswith("KvpoolHMAC ") for s in seen)
         pushed = generate(prompt, sampling, prefill_url=prefill, decode_url=tokened_worker,
                           mode="push", token=TOKEN)
         alone = generate(prompt, sampling, decode_url=tokened_worker, token=TOKEN)
@@ -669,3 +675,36 @@ def _wait_healthy(proc: Any, url: str) -> None:
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
+
+
+@pytest.mark.slow  # two worker starts on one port
+def test_a_signed_call_dies_with_the_worker_that_took_it(tiny_model: Path) -> None:
+    """A /generate captured from the wire and replayed after the worker restarted (within the
+    signature's 60 s window, with an unseen nonce) is refused: it was signed for the former
+    start of the worker, and the new one has not even proven itself to the sender."""
+    from kvpool.engine.worker import auth
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    args = ("worker", "--role", "both", "--model", str(tiny_model), "--host", "127.0.0.1",
+            "--port", str(port), "--token", TOKEN)
+    body = json.dumps({"request_id": "victim", "prompt_token_ids": [5, 6, 7],
+                       "sampling": {"max_tokens": 3, "ignore_eos": True}}).encode()
+    proc = spawn(*args)
+    try:
+        _wait_healthy(proc, url)
+        sent = auth.challenge(url)
+        inc = auth.verify(TOKEN, sent, httpx.post(url + "/auth/challenge", json=sent).json())
+        header = auth.sign(TOKEN, "POST", url, "/generate", body, time.time(), incarnation=inc)
+        first = httpx.post(url + "/generate", content=body, timeout=60,
+                           headers={"Authorization": header, "Content-Type": "application/json"})
+        assert first.status_code == 200 and first.text.count('"token"') == 3
+    finally:
+        stop(proc)
+    proc = spawn(*args)
+    try:
+        _wait_healthy(proc, url)
+        again = httpx.post(url + "/generate", content=body, timeout=60,
+                           headers={"Authorization": header, "Content-Type": "application/json"})
+        assert again.status_code == 401 and '"token"' not in again.text
+    finally:
+        stop(proc)

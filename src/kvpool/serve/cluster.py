@@ -138,12 +138,20 @@ class LiveCluster:
         silent = self.clock.now() - w.last_ok_s >= self.silent_dead_s
         if not w.alive or (w.failures < self.dead_after_failures and not silent):
             return False
+        self.withdraw(url, f"after {w.failures} failed polls")
+        return True
+
+    def withdraw(self, url: str, why: str) -> None:
+        """Take `url` out of the rotation now (its runs are handed over: `down` is set); it
+        rejoins only through a good poll after a new proof."""
+        w = self.workers[url]
+        if not w.alive:
+            return
         w.alive = False
         w.blocks, w.epoch, w.events_to = set(), "", 0
         w.down.set()
         self._rebuild()
-        log.warning("worker %s left the rotation after %d failed polls", url, w.failures)
-        return True
+        log.warning("worker %s left the rotation %s", url, why)
 
     def _rebuild(self) -> None:
         alive = sorted((w for w in self.workers.values() if w.alive), key=lambda w: w.url)

@@ -42,7 +42,7 @@ class Poller:
         try:
             if not w.alive or not self.client.proven(url):
                 # joining, or after a connection failed: it proves it holds the token first
-                await self.client.prove(url, timeout_s)
+                await self._prove(url, timeout_s)
             if not w.alive:
                 self.cluster.join(url, await self.client.info(url, timeout_s))
             path = f"/load?epoch={w.epoch}&since={w.events_to}" if w.epoch else "/load"
@@ -56,6 +56,17 @@ class Poller:
             if url not in self._refused:
                 self._refused.add(url)
                 log.error("worker %s not admitted: %s", url, exc)
+
+    async def _prove(self, url: str, timeout_s: float) -> None:
+        """The worker at `url` proves itself; if whatever answers there does not (a refused
+        or wrong proof, not a silence), it leaves the rotation at once (its runs go on
+        elsewhere) rather than after the failed-poll count."""
+        try:
+            await self.client.prove(url, timeout_s)
+        except WorkerCallError as exc:
+            if exc.status is not None:
+                self.cluster.withdraw(url, f"at once: it failed the token's challenge ({exc})")
+            raise
 
     async def _loop(self, url: str) -> None:
         while True:

@@ -53,7 +53,8 @@ class WorkerClient:
             timeout=httpx.Timeout(timeout_s, connect=5.0),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64,
                                 keepalive_expiry=CLIENT_KEEPALIVE_S))
-        self._proven: set[str] = set()
+        self._proven: dict[str, str] = {}
+        """url -> the incarnation that proved itself there (every call is signed for it)."""
 
     async def aclose(self) -> None:
         await self.http.aclose()
@@ -61,7 +62,7 @@ class WorkerClient:
     async def prove(self, url: str, timeout_s: float) -> None:
         """Challenge the worker at `url` (no-op without a token); WorkerCallError (status
         403) if it cannot prove it holds the token. Until it has, nothing else is sent."""
-        self._proven.discard(url)
+        self._proven.pop(url, None)
         if self.token is None:
             return
         sent = auth.challenge(url)
@@ -70,12 +71,12 @@ class WorkerClient:
             if resp.status_code != 200:
                 raise WorkerCallError(url, CHALLENGE_PATH, _error_text(resp, resp.content),
                                       resp.status_code)
-            auth.verify(self.token, sent, resp.json())
+            incarnation = auth.verify(self.token, sent, resp.json())
         except httpx.HTTPError as exc:
             raise WorkerCallError(url, CHALLENGE_PATH, repr(exc)) from None
         except (AuthError, ValueError) as exc:
             raise WorkerCallError(url, CHALLENGE_PATH, f"not admitted: {exc}", 403) from None
-        self._proven.add(url)
+        self._proven[url] = incarnation
 
     def proven(self, url: str) -> bool:
         return self.token is None or url in self._proven
@@ -90,7 +91,7 @@ class WorkerClient:
         headers = dict(JSON)
         if self.token is not None:
             headers["Authorization"] = auth.sign(self.token, method, url, path, body,
-                                                 self.now())
+                                                 self.now(), incarnation=self._proven[url])
         return headers
 
     def _failed(self, url: str, path: str, exc: httpx.HTTPError) -> WorkerCallError:
@@ -99,8 +100,17 @@ class WorkerClient:
         timeout: no new listener answered, and a slow worker stays in rotation (a proof
         withdrawn there would fail its requests as "not proven"; serve/poller.py)."""
         if not isinstance(exc, httpx.TimeoutException):
-            self._proven.discard(url)
+            self._proven.pop(url, None)
         return WorkerCallError(url, path, repr(exc))
+
+    def _refused(self, url: str, path: str, resp: httpx.Response,
+                 content: bytes) -> WorkerCallError:
+        """A worker's error reply. A 401 means it no longer takes our signature (another
+        start of it, or another listener, answers there): it must prove itself again before
+        anything else is sent."""
+        if resp.status_code == 401:
+            self._proven.pop(url, None)
+        return WorkerCallError(url, path, _error_text(resp, content), resp.status_code)
 
     async def info(self, url: str, timeout_s: float) -> InfoReply:
         return await self._get(url, "/info", InfoReply, timeout_s)
@@ -116,7 +126,7 @@ class WorkerClient:
         except httpx.HTTPError as exc:
             raise self._failed(url, path, exc) from None
         if resp.status_code != 200:
-            raise WorkerCallError(url, path, _error_text(resp, resp.content), resp.status_code)
+            raise self._refused(url, path, resp, resp.content)
         return reply_from(url, path, model, resp.content)
 
     async def prefill(self, url: str, req: PrefillRequest) -> PrefillReply:
@@ -127,8 +137,7 @@ class WorkerClient:
         except httpx.HTTPError as exc:
             raise self._failed(url, "/prefill", exc) from None
         if resp.status_code != 200:
-            raise WorkerCallError(url, "/prefill", _error_text(resp, resp.content),
-                                  resp.status_code)
+            raise self._refused(url, "/prefill", resp, resp.content)
         return reply_from(url, "/prefill", PrefillReply, resp.content)
 
     async def generate(self, url: str,
@@ -140,8 +149,7 @@ class WorkerClient:
             async with self.http.stream("POST", url + "/generate", content=body,
                                         headers=self._headers(url, "/generate", body)) as resp:
                 if resp.status_code != 200:
-                    raise WorkerCallError(url, "/generate",
-                                          _error_text(resp, await resp.aread()), resp.status_code)
+                    raise self._refused(url, "/generate", resp, await resp.aread())
                 async for line in resp.aiter_lines():
                     if line.strip():
                         yield generate_line(url, line)

@@ -70,7 +70,7 @@ def _authorizer(worker: Worker, now: Callable[[], float]) -> Callable[[Request],
             try:
                 auth.check_signed(token, header, request.method, _target(request),
                                   await request.body(), worker.config.host,
-                                  worker.config.port, now(), seen)
+                                  worker.config.port, now(), seen, incarnation=worker.epoch)
                 return
             except AuthError as exc:
                 refusals.warn("refused a signed call to %s: %s", request.url.path, exc)
@@ -93,7 +93,7 @@ def create_app(worker: Worker, now: Callable[[], float] = time.time) -> FastAPI:
     app = FastAPI(title=f"kvpool worker ({role})", lifespan=lifespan,
                   dependencies=[Depends(_authorizer(worker, now))])
     app.add_middleware(PreAuthGate, now=now, open_paths=OPEN_PATHS, identity=lambda: GateIdentity(
-        worker.config.token, worker.config.host, worker.config.port))
+        worker.config.token, worker.config.host, worker.config.port, worker.epoch))
 
     @app.exception_handler(_Unauthorized)
     async def unauthorized(_: Request, __: Exception) -> JSONResponse:
@@ -128,7 +128,8 @@ def create_app(worker: Worker, now: Callable[[], float] = time.time) -> FastAPI:
         try:
             body = json.loads(await read_body(request, 4096, 10.0))
             c = worker.config
-            return JSONResponse(auth.answer(c.token, c.host, c.port, body))
+            return JSONResponse(auth.answer(c.token, c.host, c.port, body,
+                                             incarnation=worker.epoch))
         except (ValueError, RemoteProtocolError, TimeoutError) as exc:
             return error(400, f"bad challenge: {exc}", "invalid_request_error")
         except AuthError as exc:

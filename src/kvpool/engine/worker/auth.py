@@ -14,6 +14,12 @@ on every interface, an address of this machine): an impostor that relays the cha
 real worker gets a proof for the real worker's name, not for the one the proxy dialed. The
 proxy's nonce makes each proof fresh. A worker without a token answers `proof: null`, which a
 proxy with a token refuses.
+
+Each start of a worker is an incarnation of its own (a random id made at start, `INC`): the
+proof covers it (`NAME#INC`), the proxy signs every later call for that incarnation, and the
+worker refuses a call signed for another. So a port cannot inherit its former owner's standing:
+a restarted worker, or any listener that takes over the port, is asked to prove itself again,
+and a call captured before a restart cannot be replayed after it.
 """
 
 from __future__ import annotations
@@ -81,8 +87,15 @@ def is_own_name(name: str, host: str, port: int) -> bool:
     return bool(asked & _addresses(host))
 
 
-def answer(token: str | None, host: str, port: int, body: Any) -> dict[str, Any]:
-    """The worker's reply to a challenge body; AuthError for a name that is not its own."""
+def _bound(name: str, incarnation: str) -> str:
+    """The name a proof covers: the worker's address and which start of it answers there."""
+    return f"{name}#{incarnation}"
+
+
+def answer(token: str | None, host: str, port: int, body: Any, *,
+           incarnation: str) -> dict[str, Any]:
+    """The worker's reply to a challenge body, for this start of it (`incarnation`);
+    AuthError for a name that is not its own."""
     nonce = nonce_of(body)
     name = body.get("name") if isinstance(body, dict) else None
     if not isinstance(name, str) or not is_own_name(name, host, port):
@@ -90,7 +103,8 @@ def answer(token: str | None, host: str, port: int, body: Any) -> dict[str, Any]
     if token is None:
         return {"nonce": None, "proof": None}
     mine = new_nonce()
-    return {"nonce": mine, "proof": proof(token, WORKER, nonce, mine, name)}
+    return {"nonce": mine, "incarnation": incarnation,
+            "proof": proof(token, WORKER, nonce, mine, _bound(name, incarnation))}
 
 
 def challenge(url: str) -> dict[str, str]:
@@ -98,8 +112,9 @@ def challenge(url: str) -> dict[str, str]:
     return {"nonce": new_nonce(), "name": name_of(url)}
 
 
-def verify(token: str, sent: dict[str, str], reply: Any) -> None:
-    """AuthError unless `reply` proves the worker holds `token` for the challenge `sent`."""
+def verify(token: str, sent: dict[str, str], reply: Any) -> str:
+    """The incarnation of the worker that answered; AuthError unless `reply` proves it holds
+    `token` for the challenge `sent`."""
     if not isinstance(reply, dict) or reply.get("proof") is None:
         raise AuthError("the worker holds no cluster token (it answered the challenge "
                         "without a proof)")
@@ -107,19 +122,31 @@ def verify(token: str, sent: dict[str, str], reply: Any) -> None:
         theirs = nonce_of(reply)
     except RemoteProtocolError as exc:  # a malformed reply is a failed proof
         raise AuthError(f"malformed challenge reply: {exc}") from None
-    if not check_proof(token, WORKER, sent["nonce"], theirs, sent["name"], reply.get("proof")):
+    incarnation = reply.get("incarnation")
+    if not _is_incarnation(incarnation):
+        raise AuthError("malformed challenge reply: no incarnation")
+    assert isinstance(incarnation, str)
+    if not check_proof(token, WORKER, sent["nonce"], theirs, _bound(sent["name"], incarnation),
+                       reply.get("proof")):
         raise AuthError("the worker's proof is wrong: it does not hold the cluster token")
+    return incarnation
+
+
+def _is_incarnation(value: Any) -> bool:
+    return (isinstance(value, str) and 0 < len(value) <= 64
+            and all(c in "0123456789abcdef" for c in value))
 
 
 # -- signed calls ------------------------------------------------------------------------------
 #
 # The proxy does not send the token itself to workers either: each call carries
 #
-#     Authorization: KvpoolHMAC ts=<unix s>,nonce=<hex>,name=<host:port>,sig=<hex>
-#     sig = HMAC(token, "call" | METHOD | PATH?QUERY | ts | nonce | NAME | sha256(body))
+#     Authorization: KvpoolHMAC ts=<unix s>,nonce=<hex>,name=<host:port>,inc=<id>,sig=<hex>
+#     sig = HMAC(token, "call" | METHOD | PATH?QUERY | ts | nonce | NAME | INC | sha256(body))
 #
 # so a listener that takes over a worker's port between two polls learns no token, and cannot
-# replay the call elsewhere (NAME), later (ts, SIGNATURE_WINDOW_S) or twice (the nonce).
+# replay the call elsewhere (NAME), to a later start of the worker (INC), later (ts,
+# SIGNATURE_WINDOW_S) or twice (the nonce).
 
 SCHEME = "KvpoolHMAC"
 SIGNATURE_WINDOW_S = 60.0
@@ -127,19 +154,22 @@ SIGNATURE_WINDOW_S = 60.0
 _CALL = b"call"
 
 
-def _call_mac(token: str, method: str, target: str, ts: str, nonce: str, name: str,
+def _call_mac(token: str, method: str, target: str, ts: str, nonce: str, name: str, inc: str,
               body: bytes) -> str:
     import hashlib
 
     digest = hashlib.sha256(body).hexdigest()
-    return proof(token, _CALL, nonce, ts, "\0".join([method.upper(), target, name, digest]))
+    return proof(token, _CALL, nonce, ts,
+                 "\0".join([method.upper(), target, name, inc, digest]))
 
 
-def sign(token: str, method: str, url: str, target: str, body: bytes, now: float) -> str:
-    """The Authorization value of one call to the worker at `url` (`target`: path?query)."""
+def sign(token: str, method: str, url: str, target: str, body: bytes, now: float, *,
+         incarnation: str) -> str:
+    """The Authorization value of one call to the worker at `url` (`target`: path?query),
+    for the incarnation that proved itself there."""
     ts, nonce, name = f"{now:.3f}", new_nonce(), name_of(url)
-    mac = _call_mac(token, method, target, ts, nonce, name, body)
-    return f"{SCHEME} ts={ts},nonce={nonce},name={name},sig={mac}"
+    mac = _call_mac(token, method, target, ts, nonce, name, incarnation, body)
+    return f"{SCHEME} ts={ts},nonce={nonce},name={name},inc={incarnation},sig={mac}"
 
 
 class SeenNonces:
@@ -159,12 +189,14 @@ class SeenNonces:
         return True
 
 
-def check_signed_head(header: str, host: str, port: int, now: float) -> dict[str, str]:
-    """The fields of a signed call's header (ts, nonce, name, sig); AuthError unless it is in
-    its time window and names this worker. Needs no body: checked before one is read."""
+def check_signed_head(header: str, host: str, port: int, now: float, *,
+                      incarnation: str) -> dict[str, str]:
+    """The fields of a signed call's header (ts, nonce, name, inc, sig); AuthError unless it
+    is in its time window and names this worker and this start of it. Needs no body:
+    checked before one is read."""
     scheme, _, rest = header.partition(" ")
     parsed = dict(part.partition("=")[::2] for part in rest.split(","))
-    fields = {k: parsed.get(k, "") for k in ("ts", "nonce", "name", "sig")}
+    fields = {k: parsed.get(k, "") for k in ("ts", "nonce", "name", "inc", "sig")}
     try:
         stamp = float(fields["ts"])
     except ValueError:
@@ -175,16 +207,22 @@ def check_signed_head(header: str, host: str, port: int, now: float) -> dict[str
         raise AuthError(f"signed call for {fields['name']!r}, not this worker")
     if not fields["nonce"] or not fields["sig"]:
         raise AuthError("signed call without a nonce or signature")
+    if not hmac.compare_digest(fields["inc"].encode(), incarnation.encode()):
+        raise AuthError(STALE_INCARNATION)
     return fields
 
 
+STALE_INCARNATION = "signed for another start of this worker: prove it again"
+
+
 def check_signed(token: str, header: str, method: str, target: str, body: bytes,
-                 host: str, port: int, now: float, seen: SeenNonces) -> None:
+                 host: str, port: int, now: float, seen: SeenNonces, *,
+                 incarnation: str) -> None:
     """AuthError unless `header` is a fresh, unreplayed signature of this call, made for
-    this worker's name with `token`."""
-    fields = check_signed_head(header, host, port, now)
-    ts, nonce, name, sig = (fields[k] for k in ("ts", "nonce", "name", "sig"))
-    expected = _call_mac(token, method, target, ts, nonce, name, body)
+    this worker's name and incarnation with `token`."""
+    fields = check_signed_head(header, host, port, now, incarnation=incarnation)
+    ts, nonce, name, inc, sig = (fields[k] for k in ("ts", "nonce", "name", "inc", "sig"))
+    expected = _call_mac(token, method, target, ts, nonce, name, inc, body)
     if not hmac.compare_digest(expected.encode(), sig.encode()):
         raise AuthError("wrong call signature")
     if not seen.add(nonce, now):

@@ -6,7 +6,7 @@ hold an unbounded body. The gate runs first and decides on the headers:
 
     open path (challenge, /health) or no token  -> the app, untouched
     Bearer <the token>                           -> the app, untouched (local tools)
-    KvpoolHMAC head in its window, for us        -> body read here, at most MAX_CALL_BODY_BYTES
+    KvpoolHMAC head in its window, for this start -> body read here, at most MAX_CALL_BODY_BYTES
                                                     within CALL_BODY_DEADLINE_S, then replayed
                                                     to the app, which checks the signature
     anything else                                -> 401 at once; no body byte is read
@@ -49,6 +49,8 @@ class GateIdentity:
     token: str | None
     host: str
     port: int
+    incarnation: str
+    """This start of the worker (auth.py): calls signed for another are refused unread."""
 
 
 class PreAuthGate:
@@ -67,7 +69,8 @@ class PreAuthGate:
         if bearer_matches(header, ident.token):
             return await self.app(scope, receive, send)
         try:
-            auth.check_signed_head(header, ident.host, ident.port, self.now())
+            auth.check_signed_head(header, ident.host, ident.port, self.now(),
+                                   incarnation=ident.incarnation)
         except AuthError as exc:
             self.refusals.warn("refused a call to %s before its body: %s", scope["path"], exc)
             return await _reply(send, 401, "missing or wrong bearer token",

@@ -12,13 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from pydantic import BaseModel
 
 from kvpool.engine.blocks import request_key
 from kvpool.engine.config import EngineConfig, SamplingParams
 from kvpool.engine.core import EngineCore, StepOutput
 from kvpool.engine.sequence import KVSource, SeqStatus
-from kvpool.engine.worker import auth
 from kvpool.engine.worker.loop import EngineLoop
 from kvpool.engine.worker.messages import (
     AbortRequest,
@@ -31,6 +29,7 @@ from kvpool.engine.worker.messages import (
     ReserveRequest,
     parse,
 )
+from kvpool.engine.worker.peers import PeerCalls
 from kvpool.engine.worker.pool import PoolConnector, PoolPlan, PushPlan, push_parts
 from kvpool.errors import ConfigError, InvalidArgument, KvpoolError, RequestFailed, ShuttingDown
 from kvpool.log import get_logger
@@ -113,6 +112,7 @@ class Worker:
         self.loop = EngineLoop(self.engine, on_idle=self._expire).start()
         self.http = httpx.AsyncClient(timeout=config.remote_timeout_s,
                                       limits=httpx.Limits(keepalive_expiry=CLIENT_KEEPALIVE_S))
+        self.peers = PeerCalls(self.http, config.token, wall_clock)
 
     def _connect(self) -> tuple[Any, Any]:
         from kvpool.store.client.config import ClientConfig
@@ -128,16 +128,6 @@ class Worker:
                                          rpc_timeout_s=c.remote_timeout_s,
                                          transfer_timeout_s=c.remote_timeout_s))
         return store, store.engine
-
-    async def _call_worker(self, base_url: str, path: str, msg: BaseModel) -> httpx.Response:
-        """POST `msg` to another worker, signed with the cluster token as the proxy signs its
-        calls (auth.sign): the token itself never goes on the wire."""
-        body, url = msg.model_dump_json().encode(), base_url.rstrip("/")
-        headers = {"Content-Type": "application/json"}
-        if self.config.token:
-            headers["Authorization"] = auth.sign(self.config.token, "POST", url, path, body,
-                                                 self.wall_clock())
-        return await self.http.post(url + path, content=body, headers=headers)
 
     async def close(self) -> None:
         await self.http.aclose()
@@ -247,7 +237,7 @@ class Worker:
     async def _reserve(self, decode_url: str, request_id: str, num_tokens: int) -> PushPlan:
         msg = ReserveRequest(request_id=request_id, num_tokens=num_tokens)
         try:
-            reply = await self._call_worker(decode_url, "/kv/reserve", msg)
+            reply = await self.peers.post(decode_url, "/kv/reserve", msg)
         except httpx.HTTPError as exc:
             raise RequestFailed(f"decode worker {decode_url} unreachable: "
                                 f"{type(exc).__name__}: {exc}") from exc
@@ -265,8 +255,8 @@ class Worker:
 
     async def _quietly_abort(self, url: str, request_id: str) -> None:
         try:
-            await self._call_worker(url, "/abort", AbortRequest(request_id=request_id))
-        except httpx.HTTPError:
+            await self.peers.post(url, "/abort", AbortRequest(request_id=request_id))
+        except (httpx.HTTPError, RequestFailed):
             pass
 
     # -- decode leg --------------------------------------------------------------------------
