@@ -141,7 +141,7 @@ def test_a_decode_worker_killed_mid_stream_hands_the_request_over(
     urls = [u for _, u in workers]
     proxy, url = start_proxy(cluster.model_dir, "--prefill", cluster.worker_urls["prefill"][0],
                              *(f for u in urls for f in ("--decode", u)))
-    body = {"model": cluster.model_name, "prompt": "the cache " * 30, "max_tokens": 160,
+    body = {"model": cluster.model_name, "prompt": "the cache " * 30, "max_tokens": 400,
             "ignore_eos": True, "temperature": 0}
     try:
         whole = httpx.post(url + "/v1/completions", json=body, timeout=120)
