@@ -46,6 +46,7 @@ from kvpool.serve.cancel import cancel_and_wait
 from kvpool.serve.cluster import DECODE_ROLES, Booking, LiveCluster, WorkerState
 from kvpool.serve.config import ProxyConfig
 from kvpool.serve.errors import no_workers, rejected, slo_unreachable
+from kvpool.serve.legwatch import LegWatch
 from kvpool.serve.metrics import ProxyMetrics
 from kvpool.serve.samples import MeasuredSamples
 from kvpool.serve.worker_client import WorkerClient
@@ -325,10 +326,11 @@ class Run:
         lines = self.d.client.generate(worker.url, req)
         skip_echo = first is not None
         last_s: float | None = None
+        watch = LegWatch(worker, "/generate")  # one watcher for the stream, not one per line
         try:
             while True:
                 try:
-                    line = await guarded(anext(lines), worker, "/generate")
+                    line = await watch.read(anext(lines))
                 except StopAsyncIteration:
                     raise WorkerCallError(worker.url, "/generate",
                                           "stream ended without a finish_reason") from None
@@ -349,6 +351,7 @@ class Run:
                 last_s = self._decode_gap(last_s)
                 yield line.token_id
         finally:
+            watch.close()
             await lines.aclose()
 
     def _record(self, token: int, stamp: float, logprob: TokenLogprob | None) -> None:
