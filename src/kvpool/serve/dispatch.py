@@ -18,7 +18,7 @@ import math
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from dataclasses import replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from kvpool.clock import Clock
 from kvpool.conductor import (
@@ -29,7 +29,6 @@ from kvpool.conductor import (
     RequestInfo,
     fit_prefill,
 )
-from kvpool.engine.blocks import prefix_block_hashes, salted_root
 from kvpool.engine.config import SamplingParams
 from kvpool.engine.sequence import TokenLogprob
 from kvpool.engine.worker.messages import (
@@ -42,13 +41,13 @@ from kvpool.engine.worker.messages import (
 )
 from kvpool.errors import WorkerCallError
 from kvpool.log import get_logger
+from kvpool.serve.backend import EngineBackend
 from kvpool.serve.cancel import cancel_and_wait
 from kvpool.serve.cluster import DECODE_ROLES, Booking, LiveCluster, WorkerState
 from kvpool.serve.config import ProxyConfig
 from kvpool.serve.errors import no_workers, rejected, slo_unreachable
 from kvpool.serve.metrics import ProxyMetrics
 from kvpool.serve.samples import MeasuredSamples
-from kvpool.serve.worker_client import WorkerClient
 
 T = TypeVar("T")
 log = get_logger("serve.dispatch")
@@ -58,7 +57,7 @@ REFIT_EVERY = 8
 
 
 class Dispatcher:
-    def __init__(self, config: ProxyConfig, cluster: LiveCluster, client: WorkerClient,
+    def __init__(self, config: ProxyConfig, cluster: LiveCluster, client: EngineBackend,
                  cost: CostModel, clock: Clock, metrics: ProxyMetrics) -> None:
         self.config = config
         self.cluster = cluster
@@ -91,8 +90,7 @@ class Dispatcher:
         if ref is None or not view.prefill or not view.decode:
             raise no_workers(f"no worker in rotation (prefill: {len(view.prefill)}, "
                              f"decode: {len(view.decode)}); retry when workers are up")
-        root = salted_root(ref.model_hash, cache_salt)
-        hashes = prefix_block_hashes(prompt_ids, ref.block_size, root)
+        hashes = self.client.block_hashes(prompt_ids, cache_salt, ref)
         req = RequestInfo(next(self._ids), len(prompt_ids), max_tokens, tuple(hashes))
         now = self.clock.now()
         decision = self._conductor_for(ref.block_size).schedule(req, view, now)
@@ -202,6 +200,8 @@ class Run:
         """Workers this request failed on (it is resumed on each other worker once at most)."""
         self._decode_url: str | None = None
         """The worker of the current decode leg."""
+        self._handoff: dict[str, Any] | None = None
+        """The prefill leg's own handoff for the decode leg (an engine's kv_transfer_params)."""
 
     @property
     def _mode(self) -> KVMode:
@@ -223,7 +223,8 @@ class Run:
             if not self.b.colocated:
                 try:
                     first, kv = await self._prefill_leg(), self._mode
-                    yield first
+                    if first is not None:
+                        yield first
                 except WorkerCallError as exc:
                     if not migratable(exc):
                         raise
@@ -241,7 +242,8 @@ class Run:
                     yield tok
                 return
             except WorkerCallError as exc:
-                if not migratable(exc) or self.finish_reason is not None:
+                if not migratable(exc) or self.finish_reason is not None or \
+                        not self.d.client.features.migration:
                     raise
                 nxt = self._next_decode(worker)
                 if nxt is None:
@@ -264,7 +266,9 @@ class Run:
                     "after %d tokens", self.request_id, leg, worker.url, exc,
                     len(self.token_ids))
 
-    async def _prefill_leg(self) -> int:
+    async def _prefill_leg(self) -> int | None:
+        """The prefill leg; its token, or None where the decode leg makes the first token
+        (BackendFeatures.first_token_from_prefill)."""
         mode = self._mode
         kv = KVTransfer(mode=mode, decode_url=self.b.decode.url if mode == "push" else None)
         req = PrefillRequest(request_id=self.request_id, prompt_token_ids=self.prompt_ids,
@@ -273,14 +277,17 @@ class Run:
                               "/prefill")
         self.d.cluster.prefill_done(self.b, self.d.clock.now())
         self.cached_len = reply.num_cached_tokens + reply.num_pool_tokens
-        self.prompt_logprobs = reply.prompt_logprobs
-        self._record(reply.first_token_id, reply.first_token_t, reply.first_logprob)
+        self._handoff = reply.kv_transfer_params
+        first = self.d.client.features.first_token_from_prefill
+        if first:
+            self.prompt_logprobs = reply.prompt_logprobs
+            self._record(reply.first_token_id, reply.first_token_t, reply.first_logprob)
         self.kv_bytes_moved = reply.kv_bytes_moved
         self.d.metrics.prompt_tokens.inc(len(self.prompt_ids))
         self.d.metrics.prefix_hit_tokens.inc(self.cached_len)
         self.d.learn(self.b, self.cached_len, reply.prefill_s)
         self.d.check_decode(self.b)
-        return reply.first_token_id
+        return reply.first_token_id if first else None
 
     async def _decode_leg(self, worker: WorkerState, first: int | None,
                           kv_source: KVSourceName) -> AsyncIterator[int]:
@@ -291,7 +298,8 @@ class Run:
             self.sampling, prompt_logprobs=None)
         req = GenerateRequest(request_id=self.request_id, prompt_token_ids=self.prompt_ids,
                               sampling=sampling, first_token_id=first, kv_source=kv_source,
-                              resume_output_ids=resumed)
+                              resume_output_ids=resumed,
+                              kv_transfer_params=self._handoff if kv_source != "none" else None)
         self._decode_url = worker.url
         lines = self.d.client.generate(worker.url, req)
         skip_echo = first is not None

@@ -8,14 +8,14 @@ import asyncio
 
 from kvpool.errors import InvalidArgument, WorkerCallError
 from kvpool.log import get_logger
+from kvpool.serve.backend import EngineBackend
 from kvpool.serve.cluster import LiveCluster
-from kvpool.serve.worker_client import WorkerClient
 
 log = get_logger("serve.poller")
 
 
 class Poller:
-    def __init__(self, cluster: LiveCluster, client: WorkerClient, interval_s: float) -> None:
+    def __init__(self, cluster: LiveCluster, client: EngineBackend, interval_s: float) -> None:
         self.cluster = cluster
         self.client = client
         self.interval_s = interval_s
