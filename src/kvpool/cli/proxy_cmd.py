@@ -10,7 +10,7 @@ from dataclasses import replace
 from kvpool.cli.security import add_security_args, bind_refusal
 from kvpool.conductor import ADMISSION_POLICIES, PREFILL_POLICIES
 from kvpool.errors import KvpoolError
-from kvpool.serve.config import KV_TRANSFER_MODES, ProxyConfig
+from kvpool.serve.config import BACKENDS, KV_TRANSFER_MODES, ProxyConfig
 from kvpool.token import env_token
 
 _D = ProxyConfig(model_dir="")
@@ -29,6 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="a prefill (or colocated 'both') worker; repeat for more")
     p.add_argument("--decode", action="append", default=[], metavar="URL",
                    help="a decode worker; repeat for more")
+    add_backend_args(p)
     p.add_argument("--prefill-policy", default=_D.prefill_policy, choices=sorted(PREFILL_POLICIES))
     p.add_argument("--admission", default=_D.admission, choices=sorted(ADMISSION_POLICIES))
     add_slo_args(p, _D.ttft_slo_s, _D.tbt_slo_s)
@@ -53,6 +54,27 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="open connections and streams at once (the idlest is closed for a "
                         f"new one; 503 beyond; default {_D.http_limits.max_concurrency})")
     p.set_defaults(func=run)
+
+
+def add_backend_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", default=_D.backend, choices=BACKENDS,
+                   help="the engines behind the proxy: kvpool workers, or unmodified vLLM "
+                        "OpenAI servers (docs/serve.md, kvpool in front of vLLM)")
+    p.add_argument("--colocated", action="append", default=[], metavar="URL",
+                   help="vllm: an instance that prefills and decodes; repeat for more")
+    p.add_argument("--engine-model", default=_D.engine_model, metavar="NAME",
+                   help="vllm: the model name the instances serve (default: the first "
+                        "instance's; every other must serve it)")
+    p.add_argument("--engine-block-size", type=int, default=_D.engine_block_size,
+                   help="vllm: the instances' --block-size (default: from their /metrics)")
+    p.add_argument("--kv-events", default=None, metavar="tcp://HOST:PORT",
+                   help="vllm: bind this ZMQ endpoint for the instances' KV events (their "
+                        "--kv-events-config endpoint; topic = the instance's URL)")
+    p.add_argument("--hash-algo", default=_D.hash_algo,
+                   help="vllm: the instances' --prefix-caching-hash-algo")
+    p.add_argument("--hash-seed", default=None, metavar="SEED",
+                   help="vllm: the instances' PYTHONHASHSEED (their block hashes are random "
+                        "without one)")
 
 
 def add_api_key_args(p: argparse.ArgumentParser) -> None:
@@ -87,6 +109,9 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
     return ProxyConfig(
         model_dir=str(resolve_model(args.model)), model_name=args.model_name, host=args.host, port=args.port,
         prefill_urls=tuple(args.prefill), decode_urls=tuple(args.decode),
+        colocated_urls=tuple(args.colocated), backend=args.backend,
+        engine_model=args.engine_model, engine_block_size=args.engine_block_size,
+        kv_events=args.kv_events, hash_algo=args.hash_algo, hash_seed=args.hash_seed,
         prefill_policy=args.prefill_policy, admission=args.admission,
         ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
         ttft_slo_relative=args.ttft_slo_relative,

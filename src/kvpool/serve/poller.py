@@ -21,6 +21,8 @@ class Poller:
         self.interval_s = interval_s
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._refused: set[str] = set()
+        self._not_joined: dict[str, str] = {}
+        """url -> the last reason it has not joined (logged when it changes)."""
 
     def watch(self, url: str) -> None:
         """Start polling `url` (idempotent); needs a running event loop."""
@@ -48,12 +50,21 @@ class Poller:
             self.cluster.apply_load(url, load, self.cluster.clock_now())
         except WorkerCallError as exc:
             refused = exc.status is None and "Timeout" not in str(exc)
+            if not w.alive:
+                self._waiting(url, str(exc))
             if self.cluster.poll_failed(url, refused):
                 log.warning("%s", exc)
         except InvalidArgument as exc:
             if url not in self._refused:
                 self._refused.add(url)
                 log.error("worker %s not admitted: %s", url, exc)
+
+    def _waiting(self, url: str, reason: str) -> None:
+        """A configured worker that does not join is said so, with the reason, once per new
+        reason (it is still tried every interval)."""
+        if self._not_joined.get(url) != reason:
+            self._not_joined[url] = reason
+            log.warning("worker %s has not joined: %s (still trying)", url, reason)
 
     async def _loop(self, url: str) -> None:
         while True:
