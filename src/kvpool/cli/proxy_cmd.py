@@ -70,11 +70,11 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-events", default=None, metavar="tcp://HOST:PORT",
                    help="vllm: bind this ZMQ endpoint for the instances' KV events (their "
                         "--kv-events-config endpoint; topic = the instance's URL)")
-    p.add_argument("--hash-algo", default=_D.hash_algo,
-                   help="vllm: the instances' --prefix-caching-hash-algo")
+    p.add_argument("--hash-algo", default=_D.hash_algo, choices=("", "sha256", "sha256_cbor"),
+                   help="vllm: the instances' --prefix-caching-hash-algo (default: what their "
+                        "/metrics report, else sha256)")
     p.add_argument("--hash-seed", default=None, metavar="SEED",
-                   help="vllm: the instances' PYTHONHASHSEED (their block hashes are random "
-                        "without one)")
+                   help="vllm: the instances' PYTHONHASHSEED, if they set one")
 
 
 def add_api_key_args(p: argparse.ArgumentParser) -> None:

@@ -85,7 +85,7 @@ class Proxy:
                                    config.silent_dead_s)
         self.client = create_backend(config)
         self.metrics = ProxyMetrics()
-        self.metrics.watch(self.cluster)
+        self.metrics.watch(self.cluster, self.client)
         self.dispatcher = Dispatcher(config, self.cluster, self.client, cost, self.clock,
                                      self.metrics)
         self.poller = Poller(self.cluster, self.client, config.poll_interval_s)

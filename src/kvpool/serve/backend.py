@@ -23,6 +23,7 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvpool.conductor import PrefixLookup
 from kvpool.engine.config import SamplingParams
 from kvpool.engine.worker.messages import (
     FinishLine,
@@ -54,6 +55,13 @@ class BackendFeatures:
     first token is the decode leg's."""
 
 
+class EnginePrefixes(PrefixLookup, Protocol):
+    """A backend's own view of its prefill instances' cached prefixes (instance ids as in the
+    cluster view), and the note of where each request went."""
+
+    def routed(self, instance_id: int, block_hashes: Sequence[int]) -> None: ...
+
+
 class EngineBackend(Protocol):
     """How the proxy drives one kind of engine; `url` names an instance everywhere."""
 
@@ -82,6 +90,10 @@ class EngineBackend(Protocol):
         """The request's full-block hashes as this backend's engines name their cached blocks
         (what the conductor's prefix index holds); [] where they cannot be known."""
 
+    def prefixes(self, prefill_urls: Sequence[str]) -> EnginePrefixes | None:
+        """Where the conductor reads the prefill instances' cached prefixes (`prefill_urls`
+        in the cluster view's order), or None: the view's own index, fed by `load`."""
+
     async def prefill(self, url: str, req: PrefillRequest) -> PrefillReply:
         """The prefill leg; its reply's `kv_transfer_params` (if any) go to the decode leg."""
 
@@ -94,5 +106,9 @@ class EngineBackend(Protocol):
 
     def unsupported(self, sampling: SamplingParams) -> str | None:
         """The request parameter this backend cannot serve (a 400 names it), or None."""
+
+    def engine_gauges(self) -> dict[str, dict[str, float]]:
+        """Backend-specific gauges for the proxy's /metrics: name -> {instance url: value}
+        (rendered as kvpool_proxy_engine_NAME{worker=URL})."""
 
     async def aclose(self) -> None: ...

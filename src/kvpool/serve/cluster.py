@@ -249,6 +249,11 @@ class LiveCluster:
         return [w for w in self.workers.values() if w.alive and w.role in role_set]
 
     @property
+    def prefill_urls(self) -> list[str]:
+        """The prefill workers in rotation, in the view's order (index = instance id)."""
+        return [w.url for w in self._prefill]
+
+    @property
     def max_model_len(self) -> int | None:
         lens = [w.info.max_model_len for w in self.workers.values() if w.alive and w.info]
         return min(lens) if lens else None

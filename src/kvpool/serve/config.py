@@ -36,11 +36,12 @@ class ProxyConfig:
     kv_events: str | None = None
     """vllm: the ZMQ endpoint the proxy binds for the instances' KV events (tcp://HOST:PORT);
     None = no events (the conductor sees no instance's cached prefix)."""
-    hash_algo: str = "sha256"
-    """vllm with kv_events: the instances' --prefix-caching-hash-algo."""
+    hash_algo: str = ""
+    """vllm with kv_events: the instances' --prefix-caching-hash-algo (sha256, sha256_cbor);
+    "" = what their /metrics report (cache_config_info), else sha256."""
     hash_seed: str | None = None
-    """vllm with kv_events: the instances' PYTHONHASHSEED (None: unset there, so their hashes
-    cannot be computed here; the proxy says so)."""
+    """vllm with kv_events: the instances' PYTHONHASHSEED; None = unset there (vLLM's fixed
+    default seed)."""
     prefill_policy: str = "kvcache_centric"
     """A name in kvpool.conductor.PREFILL_POLICIES."""
     admission: str = "early_rejection_predicted"

@@ -93,14 +93,18 @@ class Dispatcher:
         hashes = self.client.block_hashes(prompt_ids, cache_salt, ref)
         req = RequestInfo(next(self._ids), len(prompt_ids), max_tokens, tuple(hashes))
         now = self.clock.now()
-        decision = self._conductor_for(ref.block_size).schedule(req, view, now)
+        prefixes = self.client.prefixes(self.cluster.prefill_urls)
+        decision = self._conductor_for(ref.block_size).schedule(req, view, now, prefixes)
         if isinstance(decision, Rejected):
             self.metrics.rejections.labels(decision.reason, decision.stage).inc()
             if decision.reason == "ttft" and decision.unloaded_ttft_s > decision.ttft_limit_s:
                 raise slo_unreachable(decision.unloaded_ttft_s, decision.ttft_limit_s)
             raise rejected(decision.reason, decision.predicted_ttft_s, decision.predicted_tbt_s,
                            self._retry_after_s(decision))
-        return self.cluster.book(req, self.cluster.colocate(decision), now)
+        booking = self.cluster.book(req, self.cluster.colocate(decision), now)
+        if prefixes is not None:
+            prefixes.routed(decision.prefill.instance_id, hashes)
+        return booking
 
     def check_decode(self, b: Booking) -> None:
         """The decode stage's own check when the KV is ready (only the `none` baseline has one):

@@ -11,6 +11,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from kvpool.serve.backend import EngineBackend
     from kvpool.serve.cluster import LiveCluster
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -42,8 +43,10 @@ class ProxyMetrics:
         self.rejections = Counter("kvpool_proxy_rejections", "Requests refused by admission",
                                   ["reason", "stage"], registry=r)
 
-    def watch(self, cluster: LiveCluster) -> None:
+    def watch(self, cluster: LiveCluster, backend: EngineBackend | None = None) -> None:
         self.registry.register(_WorkerCollector(cluster))
+        if backend is not None:
+            self.registry.register(_EngineCollector(backend))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -77,3 +80,19 @@ class _WorkerCollector(Collector):
             if w.decode_load is not None:
                 fams["assigned"].add_metric(lv, w.decode_load.num_assigned)
         yield from fams.values()
+
+
+class _EngineCollector(Collector):
+    """The backend's own gauges (EngineBackend.engine_gauges), e.g. the vllm backend's KV
+    events: blocks indexed and whether an instance's events never match a computed hash."""
+
+    def __init__(self, backend: EngineBackend) -> None:
+        self.backend = backend
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        for name, values in sorted(self.backend.engine_gauges().items()):
+            fam = GaugeMetricFamily(f"kvpool_proxy_engine_{name}",
+                                    f"{self.backend.name} engines: {name}", labels=["worker"])
+            for url, value in sorted(values.items()):
+                fam.add_metric([url], value)
+            yield fam

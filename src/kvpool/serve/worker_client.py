@@ -32,7 +32,7 @@ from kvpool.engine.worker.messages import (
 from kvpool.errors import AuthError, WorkerCallError
 from kvpool.log import get_logger
 from kvpool.metadata.http_serving import CLIENT_KEEPALIVE_S
-from kvpool.serve.backend import BackendFeatures
+from kvpool.serve.backend import BackendFeatures, EnginePrefixes
 
 log = get_logger("serve.worker_client")
 M = TypeVar("M", InfoReply, LoadReply, PrefillReply)
@@ -114,6 +114,13 @@ class WorkerClient:
         return prefix_block_hashes(prompt_ids, reference.block_size, root)
 
     def unsupported(self, sampling: SamplingParams) -> str | None:
+        return None
+
+    def engine_gauges(self) -> dict[str, dict[str, float]]:
+        return {}
+
+    def prefixes(self, prefill_urls: Sequence[str]) -> EnginePrefixes | None:
+        """None: the workers' cached blocks come with their /load (the view's index)."""
         return None
 
     async def info(self, url: str, timeout_s: float) -> InfoReply:

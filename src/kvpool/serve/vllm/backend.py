@@ -19,7 +19,7 @@ import hashlib
 import json
 import time
 from collections.abc import AsyncGenerator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -37,9 +37,10 @@ from kvpool.engine.worker.messages import (
 from kvpool.errors import InvalidArgument, WorkerCallError
 from kvpool.log import get_logger
 from kvpool.metadata.http_serving import CLIENT_KEEPALIVE_S
-from kvpool.serve.backend import BackendFeatures
+from kvpool.serve.backend import BackendFeatures, EnginePrefixes
 from kvpool.serve.config import ProxyConfig
 from kvpool.serve.vllm.metrics_text import EngineMetrics, parse_metrics
+from kvpool.serve.vllm.prefixes import InstancePrefixes
 from kvpool.serve.vllm.wire import (
     PREFILL_KV_PARAMS,
     ReplyError,
@@ -56,6 +57,21 @@ UNKNOWN_LEN = 1 << 30
 UNKNOWN_CAPACITY_TOKENS = 1 << 20
 
 
+class EventFeed(Protocol):
+    """What the backend reads of its instances' KV events (serve/vllm/events.py)."""
+
+    def hashes(self, prompt_ids: Sequence[int], block_size: int,
+               reported_algo: str | None) -> list[int]: ...
+
+    def prefixes(self, prefill_urls: Sequence[str]) -> InstancePrefixes: ...
+
+    def check(self, url: str) -> bool: ...
+
+    def gauges(self, urls: Sequence[str]) -> dict[str, dict[str, float]]: ...
+
+    def close(self) -> None: ...
+
+
 def model_hash(name: str) -> int:
     """The cluster identity of instances serving `name` (64 bits of its SHA-256)."""
     return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big")
@@ -67,7 +83,7 @@ class VllmBackend:
                                prompt_logprobs=False, first_token_from_prefill=False)
 
     def __init__(self, roles: dict[str, Role], timeout_s: float, api_key: str | None = None,
-                 model: str = "", block_size: int = 0) -> None:
+                 model: str = "", block_size: int = 0, events: EventFeed | None = None) -> None:
         self.roles = {url.rstrip("/"): role for url, role in roles.items()}
         self.model = model
         """The served model name every instance must serve ("" until the first joins)."""
@@ -79,6 +95,8 @@ class VllmBackend:
                                 keepalive_expiry=CLIENT_KEEPALIVE_S))
         self.capacity: dict[str, int] = {}
         """url -> KV tokens, as read at join."""
+        self.events = events
+        """The instances' KV events (--kv-events), or None: no cached prefix is known."""
 
     @classmethod
     def from_config(cls, config: ProxyConfig) -> VllmBackend:
@@ -87,11 +105,19 @@ class VllmBackend:
                            (config.colocated_urls, "both")):
             for url in urls:
                 roles[url] = role  # type: ignore[assignment]
+        events: EventFeed | None = None
+        if config.kv_events:
+            from kvpool.serve.vllm.events import KvEventsFeed
+
+            events = KvEventsFeed(config.kv_events, config.hash_algo, config.hash_seed)
+            log.info("KV events: bound %s (topic = each instance's URL)", events.endpoint)
         return cls(roles, config.worker_timeout_s, config.token, config.engine_model,
-                   config.engine_block_size)
+                   config.engine_block_size, events)
 
     async def aclose(self) -> None:
         await self.http.aclose()
+        if self.events is not None:
+            self.events.close()
 
     async def prove(self, url: str, timeout_s: float) -> None:
         """Nothing to prove: vLLM checks the API key it is sent (--api-key)."""
@@ -104,7 +130,18 @@ class VllmBackend:
 
     def block_hashes(self, prompt_ids: Sequence[int], cache_salt: str | None,
                      reference: InfoReply) -> list[int]:
-        return []
+        """vLLM's own chain, with KV events; [] without them, and for a salted request (its
+        salt enters the engine's first block hash)."""
+        if self.events is None or cache_salt is not None:
+            return []
+        return self.events.hashes(prompt_ids, reference.block_size,
+                                  reference.engine.get("hash_algo"))
+
+    def prefixes(self, prefill_urls: Sequence[str]) -> EnginePrefixes | None:
+        return None if self.events is None else self.events.prefixes(prefill_urls)
+
+    def engine_gauges(self) -> dict[str, dict[str, float]]:
+        return {} if self.events is None else self.events.gauges(sorted(self.roles))
 
     # -- joining and polling -----------------------------------------------------------------
 
@@ -156,6 +193,8 @@ class VllmBackend:
 
     async def load(self, url: str, path: str, timeout_s: float) -> LoadReply:
         m = await self._metrics(url, timeout_s)
+        if self.events is not None:
+            self.events.check(url)
         capacity = m.kv_capacity_tokens or self.capacity.get(url, UNKNOWN_CAPACITY_TOKENS)
         return LoadReply(num_waiting=m.num_waiting, num_running=m.num_running,
                          free_kv_tokens=int(capacity * max(0.0, 1.0 - m.kv_usage)),
