@@ -39,6 +39,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="cost model for the conductor's predictions (kvpool sim fit --out)")
     p.add_argument("--fit-cost", action="store_true",
                    help="refit the prefill cost model from the prefill times workers report")
+    p.add_argument("--direct-below-tokens", type=int, default=_D.direct_below_tokens,
+                   metavar="N", help="conditional disaggregation: a request whose uncached "
+                   "part is at most N tokens goes straight to its decode worker (0: never)")
     p.add_argument("--kv-transfer", default=_D.kv_transfer, choices=KV_TRANSFER_MODES,
                    help="prefill -> decode KV handoff: through the pool, or pushed")
     p.add_argument("--poll-interval", type=float, default=_D.poll_interval_s,
@@ -110,6 +113,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         model_dir=str(resolve_model(args.model)), model_name=args.model_name, host=args.host, port=args.port,
         prefill_urls=tuple(args.prefill), decode_urls=tuple(args.decode),
         colocated_urls=tuple(args.colocated), backend=args.backend,
+        direct_below_tokens=args.direct_below_tokens,
         engine_model=args.engine_model, engine_block_size=args.engine_block_size,
         kv_events=args.kv_events, hash_algo=args.hash_algo, hash_seed=args.hash_seed,
         prefill_policy=args.prefill_policy, admission=args.admission,

@@ -74,6 +74,8 @@ class Booking:
     """The prefill worker's predicted busy_until_s right after booking (this request's end)."""
     shift_then_s: float = 0.0
     prefill_pending: bool = True
+    direct: bool = False
+    """Conditional disaggregation sent it straight to its decode worker (no prefill leg)."""
     decode_started: bool = False
     finished: bool = False
 
@@ -200,6 +202,13 @@ class LiveCluster:
         if d == decision.decode.instance_id:
             return decision
         return Accepted(decision.prefill, DecodeChoice(d, decision.decode.tbt_s))
+
+    def is_colocated(self, decision: Accepted) -> bool:
+        """Whether `decision` prefills and decodes on the same worker."""
+        p = self._prefill[decision.prefill.instance_id]
+        return p.decode_load is not None and \
+            p.decode_load.instance_id == decision.decode.instance_id and \
+            self._decode[decision.decode.instance_id] is p
 
     def book(self, req: RequestInfo, decision: Accepted, now: float) -> Booking:
         p = self._prefill[decision.prefill.instance_id]

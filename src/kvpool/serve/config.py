@@ -33,6 +33,10 @@ class ProxyConfig:
     engine_block_size: int = 0
     """vllm: the instances' KV block size; 0 = read from their /metrics (cache_config_info),
     else 16."""
+    direct_below_tokens: int = 0
+    """Conditional disaggregation: a request whose uncached part (its prompt minus the prefix
+    the conductor found held) is at most this many tokens skips the prefill instance, and its
+    decode instance computes it; 0 = every request is disaggregated."""
     kv_events: str | None = None
     """vllm: the ZMQ endpoint the proxy binds for the instances' KV events (tcp://HOST:PORT);
     None = no events (the conductor sees no instance's cached prefix)."""
@@ -89,6 +93,8 @@ class ProxyConfig:
         if self.backend != "kvpool" and self.kv_transfer == "push":
             raise ConfigError(f"kv_transfer push needs kvpool workers; the {self.backend} "
                               f"backend hands the KV over with its own connector")
+        if self.direct_below_tokens < 0:
+            raise ConfigError(f"direct_below_tokens must be >= 0, got {self.direct_below_tokens}")
         if self.engine_block_size < 0:
             raise ConfigError(f"engine_block_size must be >= 0, got {self.engine_block_size}")
         if self.kv_transfer not in KV_TRANSFER_MODES:

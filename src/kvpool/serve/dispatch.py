@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 from kvpool.clock import Clock
 from kvpool.conductor import (
+    Accepted,
     Conductor,
     ConductorConfig,
     CostModel,
@@ -101,10 +102,26 @@ class Dispatcher:
                 raise slo_unreachable(decision.unloaded_ttft_s, decision.ttft_limit_s)
             raise rejected(decision.reason, decision.predicted_ttft_s, decision.predicted_tbt_s,
                            self._retry_after_s(decision))
-        booking = self.cluster.book(req, self.cluster.colocate(decision), now)
+        decision = self.cluster.colocate(decision)
+        direct = self._direct(req, decision)
+        if direct:  # its prefill instance does no work for it (booked and released at once)
+            decision = Accepted(replace(decision.prefill, transfer_s=0.0, prefill_s=0.0),
+                                decision.decode)
+            self.metrics.direct.inc()
+        booking = self.cluster.book(req, decision, now)
+        booking.direct = direct
         if prefixes is not None:
             prefixes.routed(decision.prefill.instance_id, hashes)
         return booking
+
+    def _direct(self, req: RequestInfo, decision: Accepted) -> bool:
+        """Conditional disaggregation: the uncached part is short enough for the decode worker
+        to compute (config.direct_below_tokens), and the decision is not colocated already."""
+        limit = self.config.direct_below_tokens
+        if limit <= 0:
+            return False
+        uncached = req.input_len - decision.prefill.prefix_len
+        return uncached <= limit and not self.cluster.is_colocated(decision)
 
     def check_decode(self, b: Booking) -> None:
         """The decode stage's own check when the KV is ready (only the `none` baseline has one):
@@ -224,7 +241,7 @@ class Run:
         try:
             first: int | None = None
             kv: KVSourceName = "none"
-            if not self.b.colocated:
+            if not self.b.colocated and not self.b.direct:
                 try:
                     first, kv = await self._prefill_leg(), self._mode
                     if first is not None:
@@ -364,7 +381,7 @@ class Run:
     def _release(self) -> None:
         b = self.b
         if self.finish_reason is None:
-            if not b.colocated:  # before or after its reply: it may hold KV for this run
+            if not b.colocated and not b.direct:  # it may hold KV for this run
                 self.d.abort_later(b.prefill.url, self.request_id)
             self.d.abort_later(b.decode.url, self.request_id)
             if self._decode_url not in (b.decode.url, None):  # where it was resumed

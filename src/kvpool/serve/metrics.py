@@ -40,6 +40,9 @@ class ProxyMetrics:
         self.migrations = Counter("kvpool_proxy_migrations",
                                   "Requests resumed on another worker after theirs failed, by "
                                   "the leg that failed", ["leg"], registry=r)
+        self.direct = Counter("kvpool_proxy_direct_requests",
+                              "Requests sent straight to a decode worker, their uncached part "
+                              "being short (conditional disaggregation)", registry=r)
         self.rejections = Counter("kvpool_proxy_rejections", "Requests refused by admission",
                                   ["reason", "stage"], registry=r)
 
