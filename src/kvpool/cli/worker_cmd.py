@@ -62,6 +62,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "endpoints over the same engine (for `kvpool proxy --backend vllm`)")
     p.add_argument("--served-model-name", default="",
                    help="--api vllm: the model name in /v1/models (default: the folder's)")
+    p.add_argument("--kv-events-config", default="", metavar="JSON",
+                   help="--api vllm: publish KV events as vLLM does with this config "
+                        '(\'{"enable_kv_cache_events": true, "publisher": "zmq", '
+                        '"endpoint": "tcp://H:P", "topic": "URL"}\'; hashes seeded by '
+                        "$PYTHONHASHSEED)")
+    p.add_argument("--prefix-caching-hash-algo", default="sha256",
+                   choices=("sha256", "sha256_cbor"),
+                   help="--api vllm: the block hashes its KV events carry")
     p.set_defaults(func=run)
 
 
@@ -108,7 +116,12 @@ def run(args: argparse.Namespace) -> int:
     # Keep idle connections longer than clients do (CLIENT_KEEPALIVE_S), so a client never
     # reuses one the worker is closing; a proxy holds one connection per stream.
     limits = HttpLimits(max_concurrency=1024, idle_timeout_s=30.0)
-    serve(_app(args, worker), config.host, config.port, limits)
+    try:
+        app = _app(args, worker)
+    except KvpoolError as exc:
+        log.error("%s", exc)
+        return 2
+    serve(app, config.host, config.port, limits)
     return 0
 
 
@@ -123,5 +136,12 @@ def _app(args: argparse.Namespace, worker: Any) -> Any:
     from kvpool.engine.gguf_checkpoint import served_name
     from kvpool.engine.worker.vllm_face import create_vllm_app
 
-    return create_vllm_app(worker, args.served_model_name
-                           or served_name(Path(worker.config.model_dir)))
+    name = args.served_model_name or served_name(Path(worker.config.model_dir))
+    algo = args.prefix_caching_hash_algo
+    if not args.kv_events_config:
+        return create_vllm_app(worker, name, hash_algo=algo)
+    from kvpool.engine.worker.vllm_face_events import FaceEvents, KvEventsConfig
+
+    config = KvEventsConfig.parse(args.kv_events_config)
+    events = FaceEvents(worker, config, algo) if config is not None else None
+    return create_vllm_app(worker, name, events, algo)

@@ -50,7 +50,7 @@ class Poller:
             self.cluster.apply_load(url, load, self.cluster.clock_now())
         except WorkerCallError as exc:
             refused = exc.status is None and "Timeout" not in str(exc)
-            if not w.alive:
+            if w.info is None:
                 self._waiting(url, str(exc))
             if self.cluster.poll_failed(url, refused):
                 log.warning("%s", exc)

@@ -28,10 +28,15 @@ class Fleet:
         self.urls: dict[str, str] = {}
         self.proxy_logs: dict[str, Path] = {}
 
-    def worker(self, name: str, model: Path, *args: str) -> str:
-        port = free_port()
-        self.procs.append(spawn("worker", "--model", str(model), "--port", str(port),
-                                *ENGINE_ARGS, *args))
+    def worker(self, name: str, model: Path, *args: str, env: dict[str, str] | None = None,
+               port: int | None = None) -> str:
+        port = port or free_port()
+        argv = ("worker", "--model", str(model), "--port", str(port), *ENGINE_ARGS, *args)
+        if env is None:
+            self.procs.append(spawn(*argv))
+        else:
+            self.procs.append(subprocess.Popen(kvpool_argv(*argv), env=python_env() | env,
+                                               stdout=subprocess.DEVNULL))
         self.urls[name] = f"http://127.0.0.1:{port}"
         return self.urls[name]
 
@@ -88,3 +93,9 @@ def streamed(url: str, p: list[int], n: int) -> tuple[str, int]:
                 text += "".join(c["text"] for c in chunk.get("choices", []))
                 num_tokens = (chunk.get("usage") or {}).get("completion_tokens", num_tokens)
     return text, num_tokens
+
+
+def events_config(endpoint: str, topic: str) -> str:
+    """vLLM's --kv-events-config publishing to `endpoint` under `topic`."""
+    return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
+                       "endpoint": endpoint, "topic": topic})

@@ -24,11 +24,13 @@ relayed are the same.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from contextlib import asynccontextmanager
+from typing import Any, Literal, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -46,9 +48,6 @@ from kvpool.engine.worker.messages import (
 from kvpool.engine.worker.runtime import Worker
 from kvpool.errors import KvpoolError, RequestFailed
 from kvpool.metadata.http_serving import bearer_matches
-
-HASH_ALGO = "sha256"
-"""What /metrics reports as prefix_caching_hash_algo (kvpool's own chain, engine/blocks.py)."""
 
 
 class CompletionBody(BaseModel):
@@ -91,13 +90,14 @@ def vllm_error(status: int, message: str) -> JSONResponse:
                          "code": status}, status_code=status)
 
 
-def metrics_text(worker: Worker, model: str, running: int, waiting: int, free: int) -> str:
+def metrics_text(worker: Worker, model: str, running: int, waiting: int, free: int,
+                 hash_algo: str) -> str:
     c = worker.engine.config
     usage = 1.0 - free / c.kv_capacity_tokens if c.kv_capacity_tokens else 0.0
     labels = f'engine="0",model_name="{model}"'
     info = (f'block_size="{c.block_size}",engine="0",num_gpu_blocks="{c.num_blocks}",'
             f'enable_prefix_caching="{c.enable_prefix_caching}",'
-            f'prefix_caching_hash_algo="{HASH_ALGO}"')
+            f'prefix_caching_hash_algo="{hash_algo}"')
     return "".join((
         "# TYPE vllm:num_requests_running gauge\n",
         f"vllm:num_requests_running{{{labels}}} {float(running)}\n",
@@ -204,9 +204,31 @@ def _sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
-def create_vllm_app(worker: Worker, served_name: str) -> FastAPI:
-    """The face over `worker`, serving the model as `served_name`."""
-    app = FastAPI(title="kvpool worker (vLLM API)")
+class EventSource(Protocol):
+    """The face's KV-event publisher (vllm_face_events.FaceEvents)."""
+
+    def learn(self, prompt_ids: list[int], cache_salt: str | None) -> None: ...
+
+    async def run(self) -> None: ...
+
+
+def create_vllm_app(worker: Worker, served_name: str, events: EventSource | None = None,
+                    hash_algo: str = "sha256") -> FastAPI:
+    """The face over `worker`, serving the model as `served_name`; with `events`, publishing
+    its KV events (as --kv-events-config makes vLLM do)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.get_running_loop().create_task(events.run()) if events else None
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            await worker.close()
+
+    app = FastAPI(title="kvpool worker (vLLM API)", lifespan=lifespan)
     max_len = worker.engine.config.max_model_len
     token = worker.config.token
 
@@ -234,9 +256,10 @@ def create_vllm_app(worker: Worker, served_name: str) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        load = await worker.load()
+        # from the current event number on: no list of every cached block per scrape
+        load = await worker.load(worker.epoch, worker.engine.blocks.num_events)
         return PlainTextResponse(metrics_text(worker, served_name, load.num_running,
-                                              load.num_waiting, load.free_kv_tokens))
+                                              load.num_waiting, load.free_kv_tokens, hash_algo))
 
     @app.post("/v1/completions", response_model=None)
     async def completions(request: Request) -> Response:
@@ -246,6 +269,8 @@ def create_vllm_app(worker: Worker, served_name: str) -> FastAPI:
                 return vllm_error(404, f"The model `{body.model}` does not exist.")
             run = _Completion(worker, body, request.headers.get("x-request-id")
                               or uuid.uuid4().hex)
+            if events is not None:
+                events.learn(body.prompt, body.cache_salt)
             if run.mode == "prefill":
                 return JSONResponse(await run.prefill())
             if body.stream:
