@@ -29,9 +29,9 @@ class Fleet:
         self.proxy_logs: dict[str, Path] = {}
 
     def worker(self, name: str, model: Path, *args: str, env: dict[str, str] | None = None,
-               port: int | None = None) -> str:
+               port: int | None = None, engine: tuple[str, ...] = ENGINE_ARGS) -> str:
         port = port or free_port()
-        argv = ("worker", "--model", str(model), "--port", str(port), *ENGINE_ARGS, *args)
+        argv = ("worker", "--model", str(model), "--port", str(port), *engine, *args)
         if env is None:
             self.procs.append(spawn(*argv))
         else:

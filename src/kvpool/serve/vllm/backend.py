@@ -19,6 +19,7 @@ import hashlib
 import json
 import time
 from collections.abc import AsyncGenerator, Sequence
+from dataclasses import replace
 from typing import Any, Protocol
 
 import httpx
@@ -79,7 +80,7 @@ def model_hash(name: str) -> int:
 
 class VllmBackend:
     name = "vllm"
-    features = BackendFeatures(migration=False, push=False, logprobs=True,
+    features = BackendFeatures(migration=True, push=False, logprobs=True,
                                prompt_logprobs=False, first_token_from_prefill=False)
 
     def __init__(self, roles: dict[str, Role], timeout_s: float, api_key: str | None = None,
@@ -239,12 +240,10 @@ class VllmBackend:
 
     async def generate(self, url: str,
                        req: GenerateRequest) -> AsyncGenerator[TokenLine | FinishLine]:
-        if req.resume_output_ids or req.first_token_id is not None:
+        if req.first_token_id is not None:
             raise WorkerCallError(url, "/v1/completions", "a vLLM decode leg makes every output "
-                                  "token itself: no first_token_id or resumed output", 400)
-        body = completion_body(self.model, req.prompt_token_ids, req.sampling,
-                               max_tokens=req.sampling.max_tokens, stream=True,
-                               kv_transfer_params=req.kv_transfer_params)
+                                  "token itself: no first_token_id", 400)
+        body = self._generate_body(url, req)
         try:
             async with self.http.stream("POST", url + "/v1/completions", json=body,
                                         headers=self._headers(req.request_id)) as resp:
@@ -254,6 +253,23 @@ class VllmBackend:
                     yield line
         except httpx.HTTPError as exc:
             raise WorkerCallError(url, "/v1/completions", repr(exc)) from None
+
+    def _generate_body(self, url: str, req: GenerateRequest) -> dict[str, Any]:
+        """The decode leg's body; a resumed one (migration) sends the output the client has as
+        part of the prompt, with that much less to make. vLLM counts presence and frequency
+        penalties, min_tokens and a seed's positions from its own output: a resumed request
+        that uses them would not go on as it started, so it is refused (400) instead."""
+        s, done = req.sampling, len(req.resume_output_ids)
+        if done and (s.presence_penalty or s.frequency_penalty or s.min_tokens > done
+                     or (s.temperature > 0 and s.seed is not None)):
+            raise WorkerCallError(url, "/v1/completions", "this request cannot go on exactly on "
+                                  "another vLLM instance (output penalties, min_tokens or a "
+                                  "seed)", 400)
+        if done:
+            s = replace(s, min_tokens=0)
+        return completion_body(self.model, [*req.prompt_token_ids, *req.resume_output_ids], s,
+                               max_tokens=max(1, s.max_tokens - done), stream=True,
+                               kv_transfer_params=req.kv_transfer_params)
 
     async def _lines(self, url: str, resp: httpx.Response,
                      logprobs_k: int | None) -> AsyncGenerator[TokenLine | FinishLine]:
