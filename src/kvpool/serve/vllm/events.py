@@ -66,4 +66,5 @@ class KvEventsFeed:
 
     def gauges(self, urls: Sequence[str]) -> dict[str, dict[str, float]]:
         return {"kv_events_blocks": {u: float(self.index.num_blocks(u)) for u in urls},
+                "kv_events_matches": {u: float(self.index.stats(u).num_matches) for u in urls},
                 "kv_events_unmatched": {u: float(self.check(u)) for u in urls}}
