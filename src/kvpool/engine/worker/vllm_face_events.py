@@ -112,6 +112,7 @@ class FaceEvents:
         if events:
             self.publisher.publish(EventBatch(ts=time.time(), events=events,
                                               data_parallel_rank=None))
+        self._prune()
 
     def _event(self, h: int, stored: bool) -> Any:
         name = self._names.get(h)
@@ -122,7 +123,15 @@ class FaceEvents:
             self._published.add(theirs)
             return BlockStored(block_hashes=[theirs], parent_block_hash=parent, token_ids=tokens,
                                block_size=self.block_size, medium=MEDIUM)
-        if not stored and theirs in self._published:
-            self._published.discard(theirs)
-            return BlockRemoved(block_hashes=[theirs], medium=MEDIUM)
+        if not stored:
+            del self._names[h]  # learned again when a prompt holding it comes back
+            if theirs in self._published:
+                self._published.discard(theirs)
+                return BlockRemoved(block_hashes=[theirs], medium=MEDIUM)
         return None
+
+    def _prune(self) -> None:
+        """Forget the names of blocks learned but never cached (requests aborted before their
+        prefill), once they outnumber the engine's blocks: the table stays bounded."""
+        if len(self._names) > 2 * self.worker.engine.config.num_blocks + 1024:
+            self._names = {h: n for h, n in self._names.items() if n[0] in self._published}
