@@ -139,3 +139,14 @@ def test_all_interfaces_needs_a_token_and_says_so() -> None:
         wait_port(rpc, outside or "127.0.0.1")  # MOONCAKE_MASTER=<ip>:port from another node
     finally:
         stop(proc)
+
+
+def test_kv_events_flags() -> None:
+    from kvpool.kvevents.pool import PoolEventsConfig
+
+    assert configs()[0].kv_events is None  # off by default
+    server, _ = configs("--kv-events-endpoint", "tcp://10.0.0.5:5557",
+                        "--kv-events-replay-endpoint", "tcp://*:5560", "--kv-events-block-size", "128")
+    assert server.kv_events == PoolEventsConfig("tcp://10.0.0.5:5557", "tcp://*:5560", "kvpool-pool", 128)
+    with pytest.raises(ConfigError, match="tcp://"):
+        configs("--kv-events-endpoint", "10.0.0.5:5557")

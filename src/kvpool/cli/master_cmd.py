@@ -19,6 +19,7 @@ import threading
 from kvpool.cli import ha_flags
 from kvpool.cli.security import add_security_args, bind_refusal, is_loopback
 from kvpool.errors import ConfigError, KvpoolError
+from kvpool.kvevents.pool import PoolEventsConfig
 from kvpool.log import get_logger
 from kvpool.store.config import MasterConfig
 from kvpool.store.master.server import MasterServer, MasterServerConfig, tune_gc_for_master
@@ -90,6 +91,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--request-poll-us", type=int, default=_SRV.request_poll_us,
                    help="poll for the next request this long before blocking while requests "
                    f"come that fast; 0 always blocks (default {_SRV.request_poll_us})")
+    p.add_argument("--kv-events-endpoint", default=None, metavar="tcp://HOST:PORT",
+                   help="publish the pool's blocks as vLLM KV events (medium cpu/disk) to this "
+                   "ZMQ endpoint: host:port connects (the router binds), tcp://*:PORT binds; "
+                   "default off")
+    p.add_argument("--kv-events-replay-endpoint", default=None, metavar="tcp://HOST:PORT",
+                   help="ZMQ ROUTER endpoint (bound) that replays recent KV-event batches")
+    p.add_argument("--kv-events-topic", default="kvpool-pool",
+                   help="topic of the pool's KV events (default kvpool-pool)")
+    p.add_argument("--kv-events-block-size", type=int, default=0,
+                   help="block size written in the pool's BlockStored events (default 0: unknown)")
     add_security_args(p, "RPC clients must prove, and that metadata writes and admin "
                          "listings must carry")
     ha_flags.add_ha_args(p)
@@ -117,9 +128,13 @@ def _metadata_enabled(args: argparse.Namespace) -> bool:
 def build_configs(args: argparse.Namespace) -> tuple[MasterServerConfig, MasterConfig]:
     port = args.kvpool_metadata_port if args.kvpool_metadata_port is not None \
         else args.metadata_port
+    kv_events = None
+    if args.kv_events_endpoint:
+        kv_events = PoolEventsConfig(args.kv_events_endpoint, args.kv_events_replay_endpoint,
+                                     args.kv_events_topic, args.kv_events_block_size)
     server = MasterServerConfig(bind_host(args), args.rpc_port, args.admin_port, port,
                                 _metadata_enabled(args), token=args.token or None,
-                                request_poll_us=args.request_poll_us)
+                                request_poll_us=args.request_poll_us, kv_events=kv_events)
     config = MasterConfig(lease_ttl_s=args.lease_ttl_ms / 1000,
                           soft_pin_ttl_s=args.soft_pin_ttl_ms / 1000,
                           high_watermark=args.watermark, eviction_ratio=args.eviction_ratio,

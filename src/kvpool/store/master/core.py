@@ -367,7 +367,10 @@ class MasterCore:
         return out
 
     def remove_all(self, force: bool = False) -> int:
-        return self._remove_matching(lambda key: True, force)
+        removed = self._remove_matching(lambda key: True, force)
+        if removed and not len(self.objects) and self.objects.events is not None:
+            self.objects.events.cleared()
+        return removed
 
     def remove_regex(self, pattern: str, force: bool = False) -> int:
         """Remove every key matching `pattern` (re.search); -600 for a bad pattern."""

@@ -6,11 +6,12 @@ from __future__ import annotations
 import gc
 import threading
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvpool.busypoll import check_window_us
 from kvpool.clock import SYSTEM_CLOCK, Clock
 from kvpool.errors import ConfigError
+from kvpool.kvevents.pool import PoolEventsConfig
 from kvpool.log import get_logger
 from kvpool.metadata.http_serving import HttpLimits
 from kvpool.store.config import MasterConfig
@@ -23,6 +24,9 @@ from kvpool.store.master.rpc_limits import RpcLimits
 from kvpool.store.master.rpc_server import RpcServer
 from kvpool.store.master.service import MasterService
 from kvpool.token import env_token
+
+if TYPE_CHECKING:
+    from kvpool.kvevents.publisher import KvEventPublisher
 
 log = get_logger("store.master")
 
@@ -53,6 +57,8 @@ class MasterServerConfig:
     """After serving, the RPC loop polls for the next request this long before blocking,
     while requests come that fast (kvpool.busypoll: a blocked process costs a wake-up,
     ~35 us on a VM); an idle master never polls. 0 always blocks."""
+    kv_events: PoolEventsConfig | None = None
+    """Publish the pool's blocks as vLLM KV events (kvpool.kvevents.pool); None: off."""
 
     def __post_init__(self) -> None:
         for name in ("rpc_port", "admin_port", "metadata_port"):
@@ -101,6 +107,7 @@ class MasterServer:
         self._rpc: RpcServer | None = None
         self._admin: HttpServerThread | None = None
         self._metadata: Any = None
+        self._kv_events: KvEventPublisher | None = None
 
     @property
     def rpc_port(self) -> int:
@@ -140,13 +147,38 @@ class MasterServer:
             self._metadata = MetadataServer(cfg.host, cfg.metadata_port,
                                             http_limits=cfg.http_limits, token=cfg.token)
             self._metadata.start()
+        if cfg.kv_events is not None:
+            self._start_kv_events(cfg.kv_events)
         rpc.start()
         log.info("master listening: rpc %s:%d admin %d metadata %s", cfg.host, rpc.port,
                  self._admin.port, self._metadata.port if self._metadata else "off")
 
+    def _start_kv_events(self, cfg: PoolEventsConfig) -> None:
+        from kvpool.kvevents.pool import PoolEventTranslator
+        from kvpool.kvevents.publisher import KvEventPublisher
+
+        self._kv_events = pub = KvEventPublisher(cfg.endpoint, cfg.replay_endpoint, cfg.topic,
+                                                 cfg.buffer_steps)
+        from kvpool.store.master.pool_events import media_of, report_change
+
+        sink = PoolEventTranslator(pub.submit, cfg.int_hashes, cfg.block_size)
+        with self.lock:  # what the table holds already (a replayed journal) is announced first
+            for obj in self.core.objects.values():
+                report_change(sink, obj.key, set(), media_of(obj.replicas))
+            self.core.objects.events = sink
+        log.info("pool KV events: %s, replay %s, topic %r", pub.endpoint,
+                 pub.replay_endpoint or "off", cfg.topic)
+
+    @property
+    def kv_events_replay_endpoint(self) -> str | None:
+        """The bound replay endpoint of the pool's KV events (None: not published)."""
+        return self._kv_events.replay_endpoint if self._kv_events is not None else None
+
     def stop(self) -> None:
         if self._rpc is not None:
             self._rpc.stop()
+        if self._kv_events is not None:
+            self._kv_events.close()
         if self._admin is not None:
             self._admin.stop()
         if self._metadata is not None:

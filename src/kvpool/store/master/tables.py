@@ -15,6 +15,7 @@ from collections.abc import Iterator, ValuesView
 from typing import TYPE_CHECKING, overload
 
 from kvpool.store.master.keyed import KeyedReads
+from kvpool.store.master.pool_events import PoolEventSink, media_of, report_change
 from kvpool.store.master.state import Replica, Segment, StoredObject
 from kvpool.store.wire.codes import Tier
 
@@ -27,6 +28,8 @@ class ObjectTable(KeyedReads[StoredObject]):
         self._by_key: dict[str, StoredObject] = {}
         self.policy = policy
         """The eviction order (read it; the table tells it of every insert and removal)."""
+        self.events: PoolEventSink | None = None
+        """Told when a key gains or loses a medium (pool_events.py); None: nobody listens."""
 
     # -- reads (a mapping of key -> StoredObject) -----------------------------------------
 
@@ -49,6 +52,8 @@ class ObjectTable(KeyedReads[StoredObject]):
             r.segment.keys.add(obj.key)
         if evictable:
             self.policy.on_insert(obj.key)
+        if self.events is not None:
+            report_change(self.events, obj.key, set(), media_of(obj.replicas))
 
     def remove(self, obj: StoredObject) -> None:
         """Forget `obj` and its index entries (its memory is the caller's to free)."""
@@ -56,16 +61,24 @@ class ObjectTable(KeyedReads[StoredObject]):
         self.policy.on_remove(obj.key)
         for r in obj.replicas:
             r.segment.keys.discard(obj.key)
+        if self.events is not None:
+            report_change(self.events, obj.key, media_of(obj.replicas), set())
 
     def add_replica(self, obj: StoredObject, replica: Replica) -> None:
+        before = media_of(obj.replicas) if self.events is not None else set()
         obj.replicas.append(replica)
         replica.segment.keys.add(obj.key)
+        if self.events is not None and obj.key in self._by_key:
+            report_change(self.events, obj.key, before, media_of(obj.replicas))
 
     def drop_replica(self, obj: StoredObject, replica: Replica) -> None:
         """Take one replica off `obj` (the object stays, even with none left: callers
         that may leave it empty remove it)."""
+        before = media_of(obj.replicas) if self.events is not None else set()
         obj.replicas.remove(replica)
         replica.segment.keys.discard(obj.key)
+        if self.events is not None and obj.key in self._by_key:
+            report_change(self.events, obj.key, before, media_of(obj.replicas))
 
     def set_evictable(self, key: str, evictable: bool) -> None:
         """Put an object into the eviction order (it has a DRAM copy again) or take it out."""
@@ -80,7 +93,10 @@ class ObjectTable(KeyedReads[StoredObject]):
         gone = []
         for key in list(seg.keys):
             obj = self._by_key[key]
+            before = media_of(obj.replicas) if self.events is not None else set()
             obj.replicas = [r for r in obj.replicas if r.segment is not seg]
+            if self.events is not None:
+                report_change(self.events, key, before, media_of(obj.replicas))
             if not obj.replicas:
                 del self._by_key[key]
                 self.policy.on_remove(key)

