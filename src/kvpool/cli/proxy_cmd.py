@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from kvpool.cli.security import add_security_args, bind_refusal
 from kvpool.conductor import ADMISSION_POLICIES, PREFILL_POLICIES
-from kvpool.errors import KvpoolError
+from kvpool.errors import ConfigError, KvpoolError
 from kvpool.serve.config import BACKENDS, KV_TRANSFER_MODES, ProxyConfig
 from kvpool.token import env_token
 
@@ -73,6 +73,9 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-events", default=None, metavar="tcp://HOST:PORT",
                    help="vllm: bind this ZMQ endpoint for the instances' KV events (their "
                         "--kv-events-config endpoint; topic = the instance's URL)")
+    p.add_argument("--kv-events-replay", action="append", default=[], metavar="URL=ENDPOINT",
+                   help="vllm: an instance's replay endpoint (its --kv-events-config "
+                        "replay_endpoint), read when it joins, restarts or skips events")
     p.add_argument("--hash-algo", default=_D.hash_algo, choices=("", "sha256", "sha256_cbor"),
                    help="vllm: the instances' --prefix-caching-hash-algo (default: what their "
                         "/metrics report, else sha256)")
@@ -116,6 +119,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         direct_below_tokens=args.direct_below_tokens,
         engine_model=args.engine_model, engine_block_size=args.engine_block_size,
         kv_events=args.kv_events, hash_algo=args.hash_algo, hash_seed=args.hash_seed,
+        kv_events_replay=tuple(_pair(v) for v in args.kv_events_replay),
         prefill_policy=args.prefill_policy, admission=args.admission,
         ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
         ttft_slo_relative=args.ttft_slo_relative,
@@ -125,6 +129,13 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         max_body_bytes=args.max_body_bytes, api_keys=api_keys_from(args),
         salt_per_api_key=args.salt_per_api_key,
         http_limits=replace(_D.http_limits, max_concurrency=args.max_connections))
+
+
+def _pair(value: str) -> tuple[str, str]:
+    url, sep, endpoint = value.partition("=")
+    if not sep or not url or not endpoint:
+        raise ConfigError(f"--kv-events-replay takes URL=ENDPOINT, got {value!r}")
+    return url, endpoint
 
 
 def run(args: argparse.Namespace) -> int:

@@ -40,6 +40,9 @@ class ProxyConfig:
     kv_events: str | None = None
     """vllm: the ZMQ endpoint the proxy binds for the instances' KV events (tcp://HOST:PORT);
     None = no events (the conductor sees no instance's cached prefix)."""
+    kv_events_replay: tuple[tuple[str, str], ...] = ()
+    """vllm with kv_events: (instance URL, its replay endpoint) pairs (its --kv-events-config
+    replay_endpoint), read on a join, a restart or a gap; an instance without one relearns."""
     hash_algo: str = ""
     """vllm with kv_events: the instances' --prefix-caching-hash-algo (sha256, sha256_cbor);
     "" = what their /metrics report (cache_config_info), else sha256."""

@@ -7,6 +7,7 @@ the gauge at 1."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -94,3 +95,29 @@ def test_events_that_never_match_a_computed_hash_are_said_loudly(fleet: Fleet) -
         time.sleep(0.1)
     log = fleet.proxy_logs["seeded"].read_text()
     assert "never match a computed block hash" in log and fleet.urls["c3"] in log, log
+
+
+@pytest.mark.slow
+def test_events_published_before_the_proxy_came_are_replayed(
+        emu_model: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The instance caches a prompt while nothing listens; the proxy, given its replay
+    endpoint, reads those events back when the instance's next event shows it joined."""
+    f = Fleet()
+    try:
+        port, endpoint = free_port(), f"tcp://127.0.0.1:{free_port()}"
+        url, replay = f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{free_port()}"
+        config = json.loads(events_config(endpoint, url)) | {"replay_endpoint": replay}
+        f.worker("c", emu_model, "--role", "both", "--api", "vllm", "--served-model-name", NAME,
+                 "--kv-events-config", json.dumps(config), port=port)
+        wait_http(url + "/health", f.procs, "the instance", timeout_s=120)
+        early = {"model": NAME, "prompt": prompt(400, 20 * BLOCK), "max_tokens": 1}
+        assert httpx.post(url + "/v1/completions", json=early, timeout=60).status_code == 200
+        time.sleep(0.3)  # published into the void
+        f.proxy("replayed", emu_model, tmp_path_factory.mktemp("proxy") / "replayed.log",
+                "--kv-events", endpoint, "--kv-events-replay", f"{url}={replay}",
+                "--colocated", url)
+        wait_http(f.urls["replayed"] + "/health", f.procs, "the proxy", timeout_s=120)
+        assert cached(complete(f.urls["replayed"], prompt(401, 20 * BLOCK), 1)) == 0
+        assert wait_blocks(f.urls["replayed"], 40) == {url: 40.0}
+    finally:
+        f.stop()

@@ -110,7 +110,8 @@ class VllmBackend:
         if config.kv_events:
             from kvpool.serve.vllm.events import KvEventsFeed
 
-            events = KvEventsFeed(config.kv_events, config.hash_algo, config.hash_seed)
+            replay = {url.rstrip("/"): ep for url, ep in config.kv_events_replay}
+            events = KvEventsFeed(config.kv_events, config.hash_algo, config.hash_seed, replay)
             log.info("KV events: bound %s (topic = each instance's URL)", events.endpoint)
         return cls(roles, config.worker_timeout_s, config.token, config.engine_model,
                    config.engine_block_size, events)

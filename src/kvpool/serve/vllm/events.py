@@ -11,7 +11,7 @@ line, and the gauge `kvpool_proxy_engine_kv_events_unmatched` at 1.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from kvpool.kvevents.hashing import BlockHasher
 from kvpool.kvevents.index import CacheIndex
@@ -27,9 +27,12 @@ class KvEventsFeed:
     """`algo` "" = what each instance's /metrics reports (else sha256); `hash_seed` None =
     vLLM's default (PYTHONHASHSEED unset on the instances)."""
 
-    def __init__(self, endpoint: str, algo: str = "", hash_seed: str | None = None) -> None:
+    def __init__(self, endpoint: str, algo: str = "", hash_seed: str | None = None,
+                 replay: Mapping[str, str] | None = None) -> None:
+        """`replay`: instance URL -> the replay endpoint it binds."""
         self.index = CacheIndex()
-        self.subscriber = KvEventSubscriber(endpoint, self.index).start()
+        self.subscriber = KvEventSubscriber(endpoint, self.index,
+                                            replay_endpoints=replay).start()
         self.endpoint = self.subscriber.endpoint
         self.algo, self.hash_seed = algo, hash_seed
         self._hashers: dict[tuple[str, int], BlockHasher] = {}
