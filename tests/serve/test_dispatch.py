@@ -182,3 +182,17 @@ def test_a_refusal_says_which_cost_model_predicted_what(vclock: VirtualClock) ->
     assert exc.value.code == "slo_unreachable"
     assert exc.value.log_note == ("cost=default base=0.2s linear=0s/tok quadratic=0s/tok2 "
                                   "prefill=0.200s")
+
+
+def test_a_short_uncached_part_goes_straight_to_the_decode_worker(vclock: VirtualClock) -> None:
+    d = dispatcher(vclock, direct_below_tokens=8, admission="none")
+    p = d.cluster.view.prefill[0]
+    short = d.schedule(list(range(8)), 4)
+    assert short.direct and p.busy_until_s == 0.0 and p.num_queued == 1
+    assert d.metrics.direct._value.get() == 1
+    d.cluster.finish(short, 0.0)
+    assert p.num_queued == 0
+    long = d.schedule(list(range(9)), 4)
+    assert not long.direct and p.busy_until_s == pytest.approx(0.2)
+    off = dispatcher(vclock, admission="none")
+    assert not off.schedule([1], 4).direct

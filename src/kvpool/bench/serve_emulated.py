@@ -274,16 +274,30 @@ def _facts(url: str) -> WorkerFacts:
                        int(e["row_bytes"]), ordinary_vocab(vocab))
 
 
-def leftovers(cluster: Any) -> tuple[list[str], float]:
+def _load(url: str, backend: str) -> dict[str, Any]:
+    """A worker's /load, or (vLLM's API) what its /metrics say of the same."""
+    import httpx
+
+    if backend != "vllm":
+        return dict(httpx.get(url + "/load", timeout=10).json())
+    from kvpool.serve.vllm.metrics_text import parse_metrics
+
+    m = parse_metrics(httpx.get(url + "/metrics", timeout=10).text)
+    assert m is not None and m.kv_capacity_tokens is not None, url
+    return {"free_kv_tokens": round(m.kv_capacity_tokens * (1 - m.kv_usage)),
+            "kv_capacity_tokens": m.kv_capacity_tokens, "num_running": m.num_running}
+
+
+def leftovers(cluster: Any, backend: str = "kvpool") -> tuple[list[str], float]:
     """What a finished run left behind: workers whose KV blocks are not all free again, and
     pool objects of requests (`kvreq/`) nobody collected; and the seconds the workers' steps
-    started late (`engine_lost_s`, summed)."""
+    started late (`engine_lost_s`, summed; not known through vLLM's API)."""
     import httpx
 
     found, lost_s = [], 0.0
     for urls in cluster.worker_urls.values():
         for url in urls:
-            load = httpx.get(url + "/load", timeout=10).json()
+            load = _load(url, backend)
             lost_s += float(load.get("engine_lost_s", 0.0))
             if load["free_kv_tokens"] != load["kv_capacity_tokens"] or load["num_running"]:
                 found.append(f"{url}: {load['free_kv_tokens']} of {load['kv_capacity_tokens']} "
@@ -323,7 +337,7 @@ def live_run(spec: RunSpec, args: argparse.Namespace, reqs: list[TraceRequest],
     serving = ServingSpec(model, port=free_port(), num_prefill=spec.num_prefill,
                           num_decode=spec.num_decode, num_colocated=spec.num_colocated,
                           dram=args.pool_dram, worker_args=worker_args(spec, args),
-                          proxy_args=proxy_args(spec, args, cost))
+                          proxy_args=proxy_args(spec, args, cost), backend=args.backend)
     with serving_cluster(serving) as cluster:
         any_worker = next(iter(cluster.worker_urls.values()))[0]
         facts = _facts(any_worker)
@@ -334,7 +348,7 @@ def live_run(spec: RunSpec, args: argparse.Namespace, reqs: list[TraceRequest],
                                   args.speed_up * spec.load))
         proxy_cpu = cpu_s(cluster.procs["proxy"].pid) - proxy_cpu
         time.sleep(0.5)
-        left, lost_s = leftovers(cluster)
+        left, lost_s = leftovers(cluster, args.backend)
     row = summarise(sent, facts, args.speed_up, not spec.num_colocated, profile.cost)
     row["engine_lost_s"] = round(lost_s * args.speed_up, 2)
     row["proxy_cpu_ms_per_request"] = round(proxy_cpu * 1e3 / max(1, len(sent)), 1)
@@ -372,6 +386,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="arrival rate of the admission runs, x the trace's (default 4)")
     g.add_argument("--poll-interval", type=float, default=0.5,
                    help="seconds between the proxy's /load polls of each worker (default 0.5)")
+    g.add_argument("--backend", choices=("kvpool", "vllm"), default="kvpool",
+                   help="vllm: the workers serve vLLM's API (kvpool worker --api vllm) and the "
+                        "proxy drives them through its vllm backend")
     g.add_argument("--runs", default="",
                    help="comma-separated run numbers (1-based) of the default list")
 

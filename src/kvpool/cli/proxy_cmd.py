@@ -9,8 +9,8 @@ from dataclasses import replace
 
 from kvpool.cli.security import add_security_args, bind_refusal
 from kvpool.conductor import ADMISSION_POLICIES, PREFILL_POLICIES
-from kvpool.errors import KvpoolError
-from kvpool.serve.config import KV_TRANSFER_MODES, ProxyConfig
+from kvpool.errors import ConfigError, KvpoolError
+from kvpool.serve.config import BACKENDS, KV_TRANSFER_MODES, ProxyConfig
 from kvpool.token import env_token
 
 _D = ProxyConfig(model_dir="")
@@ -29,6 +29,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="a prefill (or colocated 'both') worker; repeat for more")
     p.add_argument("--decode", action="append", default=[], metavar="URL",
                    help="a decode worker; repeat for more")
+    add_backend_args(p)
     p.add_argument("--prefill-policy", default=_D.prefill_policy, choices=sorted(PREFILL_POLICIES))
     p.add_argument("--admission", default=_D.admission, choices=sorted(ADMISSION_POLICIES))
     add_slo_args(p, _D.ttft_slo_s, _D.tbt_slo_s)
@@ -38,6 +39,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="cost model for the conductor's predictions (kvpool sim fit --out)")
     p.add_argument("--fit-cost", action="store_true",
                    help="refit the prefill cost model from the prefill times workers report")
+    p.add_argument("--direct-below-tokens", type=int, default=_D.direct_below_tokens,
+                   metavar="N", help="conditional disaggregation: a request whose uncached "
+                   "part is at most N tokens goes straight to its decode worker (0: never)")
     p.add_argument("--kv-transfer", default=_D.kv_transfer, choices=KV_TRANSFER_MODES,
                    help="prefill -> decode KV handoff: through the pool, or pushed")
     p.add_argument("--poll-interval", type=float, default=_D.poll_interval_s,
@@ -56,6 +60,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="open connections and streams at once (the idlest is closed for a "
                         f"new one; 503 beyond; default {_D.http_limits.max_concurrency})")
     p.set_defaults(func=run)
+
+
+def add_backend_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", default=_D.backend, choices=BACKENDS,
+                   help="the engines behind the proxy: kvpool workers, or unmodified vLLM "
+                        "OpenAI servers (docs/serve.md, kvpool in front of vLLM)")
+    p.add_argument("--colocated", action="append", default=[], metavar="URL",
+                   help="vllm: an instance that prefills and decodes; repeat for more")
+    p.add_argument("--engine-model", default=_D.engine_model, metavar="NAME",
+                   help="vllm: the model name the instances serve (default: the first "
+                        "instance's; every other must serve it)")
+    p.add_argument("--engine-block-size", type=int, default=_D.engine_block_size,
+                   help="vllm: the instances' --block-size (default: from their /metrics)")
+    p.add_argument("--kv-events", default=None, metavar="tcp://HOST:PORT",
+                   help="vllm: bind this ZMQ endpoint for the instances' KV events (their "
+                        "--kv-events-config endpoint; topic = the instance's URL)")
+    p.add_argument("--kv-events-replay", action="append", default=[], metavar="URL=ENDPOINT",
+                   help="vllm: an instance's replay endpoint (its --kv-events-config "
+                        "replay_endpoint), read when it joins, restarts or skips events")
+    p.add_argument("--hash-algo", default=_D.hash_algo, choices=("", "sha256", "sha256_cbor"),
+                   help="vllm: the instances' --prefix-caching-hash-algo (default: what their "
+                        "/metrics report, else sha256)")
+    p.add_argument("--hash-seed", default=None, metavar="SEED",
+                   help="vllm: the instances' PYTHONHASHSEED, if they set one")
 
 
 def add_api_key_args(p: argparse.ArgumentParser) -> None:
@@ -90,6 +118,11 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
     return ProxyConfig(
         model_dir=str(resolve_model(args.model)), model_name=args.model_name, host=args.host, port=args.port,
         prefill_urls=tuple(args.prefill), decode_urls=tuple(args.decode),
+        colocated_urls=tuple(args.colocated), backend=args.backend,
+        direct_below_tokens=args.direct_below_tokens,
+        engine_model=args.engine_model, engine_block_size=args.engine_block_size,
+        kv_events=args.kv_events, hash_algo=args.hash_algo, hash_seed=args.hash_seed,
+        kv_events_replay=tuple(_pair(v) for v in args.kv_events_replay),
         prefill_policy=args.prefill_policy, admission=args.admission,
         ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
         ttft_slo_relative=args.ttft_slo_relative,
@@ -99,6 +132,13 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         max_body_bytes=args.max_body_bytes, api_keys=api_keys_from(args),
         salt_per_api_key=args.salt_per_api_key, restart_counts_path=args.restart_counts,
         http_limits=replace(_D.http_limits, max_concurrency=args.max_connections))
+
+
+def _pair(value: str) -> tuple[str, str]:
+    url, sep, endpoint = value.partition("=")
+    if not sep or not url or not endpoint:
+        raise ConfigError(f"--kv-events-replay takes URL=ENDPOINT, got {value!r}")
+    return url, endpoint
 
 
 def run(args: argparse.Namespace) -> int:

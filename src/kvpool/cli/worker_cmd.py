@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from kvpool.cli.security import add_security_args, bind_refusal
 from kvpool.engine.config import PREFILL_MODES
@@ -56,6 +57,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dram", default="0", help="DRAM to contribute to the pool, e.g. 1GiB")
     p.add_argument("--remote-timeout", type=float, default=10.0, help="seconds")
+    p.add_argument("--api", choices=("kvpool", "vllm"), default="kvpool",
+                   help="the HTTP API served: kvpool's worker API, or vLLM's OpenAI server "
+                        "endpoints over the same engine (for `kvpool proxy --backend vllm`)")
+    p.add_argument("--served-model-name", default="",
+                   help="--api vllm: the model name in /v1/models (default: the folder's)")
+    p.add_argument("--kv-events-config", default="", metavar="JSON",
+                   help="--api vllm: publish KV events as vLLM does with this config "
+                        '(\'{"enable_kv_cache_events": true, "publisher": "zmq", '
+                        '"endpoint": "tcp://H:P", "topic": "URL"}\'; hashes seeded by '
+                        "$PYTHONHASHSEED)")
+    p.add_argument("--prefix-caching-hash-algo", default="sha256",
+                   choices=("sha256", "sha256_cbor"),
+                   help="--api vllm: the block hashes its KV events carry")
     p.set_defaults(func=run)
 
 
@@ -71,7 +85,6 @@ def _num_blocks(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from kvpool.engine.config import EngineConfig
-    from kvpool.engine.worker.app import create_app
     from kvpool.engine.worker.runtime import Worker, WorkerConfig
     from kvpool.metadata.http_serving import HttpLimits, serve
     from kvpool.serve.models import resolve_model
@@ -103,5 +116,32 @@ def run(args: argparse.Namespace) -> int:
     # Keep idle connections longer than clients do (CLIENT_KEEPALIVE_S), so a client never
     # reuses one the worker is closing; a proxy holds one connection per stream.
     limits = HttpLimits(max_concurrency=1024, idle_timeout_s=30.0)
-    serve(create_app(worker), config.host, config.port, limits)
+    try:
+        app = _app(args, worker)
+    except KvpoolError as exc:
+        log.error("%s", exc)
+        return 2
+    serve(app, config.host, config.port, limits)
     return 0
+
+
+def _app(args: argparse.Namespace, worker: Any) -> Any:
+    """The worker API, or the vLLM face over the same worker."""
+    from kvpool.engine.worker.app import create_app
+
+    if args.api != "vllm":
+        return create_app(worker)
+    from pathlib import Path
+
+    from kvpool.engine.gguf_checkpoint import served_name
+    from kvpool.engine.worker.vllm_face import create_vllm_app
+
+    name = args.served_model_name or served_name(Path(worker.config.model_dir))
+    algo = args.prefix_caching_hash_algo
+    if not args.kv_events_config:
+        return create_vllm_app(worker, name, hash_algo=algo)
+    from kvpool.engine.worker.vllm_face_events import FaceEvents, KvEventsConfig
+
+    config = KvEventsConfig.parse(args.kv_events_config)
+    events = FaceEvents(worker, config, algo) if config is not None else None
+    return create_vllm_app(worker, name, events, algo)

@@ -16,11 +16,18 @@ from kvpool.conductor.types import (
     Rejected,
     RequestInfo,
 )
-from kvpool.conductor.view import ClusterView, DecodeLoad, PrefillLoad, PrefixIndex, PrefixMatch
+from kvpool.conductor.view import (
+    ClusterView,
+    DecodeLoad,
+    PrefillLoad,
+    PrefixIndex,
+    PrefixLookup,
+    PrefixMatch,
+)
 
 __all__ = [
     "ADMISSION_POLICIES", "PREFILL_POLICIES", "Accepted", "ClusterView", "Conductor",
     "ConductorConfig", "CostModel", "Decision", "DecodeChoice", "DecodeLoad", "PrefillChoice",
-    "PrefillLoad", "PrefixIndex", "PrefixMatch", "Rejected", "RequestInfo", "create_admission",
+    "PrefillLoad", "PrefixIndex", "PrefixLookup", "PrefixMatch", "Rejected", "RequestInfo", "create_admission",
     "create_prefill_policy", "fit_prefill", "load_cost_model",
 ]

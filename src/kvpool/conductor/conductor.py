@@ -17,7 +17,7 @@ from kvpool.conductor.cost import CostModel
 from kvpool.conductor.decode import select_decode
 from kvpool.conductor.prefill import PrefillPolicy, create_prefill_policy
 from kvpool.conductor.types import Accepted, Decision, RequestInfo
-from kvpool.conductor.view import ClusterView
+from kvpool.conductor.view import ClusterView, PrefixLookup
 from kvpool.errors import InvalidArgument
 
 
@@ -32,8 +32,12 @@ class Conductor:
         self.admission: AdmissionPolicy = create_admission(
             self.config.admission, self.cost, self.config)
 
-    def schedule(self, req: RequestInfo, view: ClusterView, now: float | None = None) -> Decision:
+    def schedule(self, req: RequestInfo, view: ClusterView, now: float | None = None,
+                 prefixes: PrefixLookup | None = None) -> Decision:
         """Decide where `req` runs, or refuse it. Reads `view`, changes nothing.
+
+        `prefixes`: where the prefill instances' cached prefixes are read (instance ids as in
+        `view.prefill`); None = `view.index`.
 
         `now` defaults to the injected clock's time (the live proxy); the simulator passes its
         virtual time. Raises InvalidArgument for an empty prompt or a view without instances.
@@ -46,7 +50,7 @@ class Conductor:
             raise InvalidArgument(f"request {req.request_id}: input_len must be > 0")
         if not view.prefill:
             raise InvalidArgument("the cluster view has no prefill instance")
-        match = view.index.match(req.block_hashes)
+        match = (prefixes or view.index).match(req.block_hashes)
         prefill = self.prefill_policy.choose(req, match, view, now)
         decode = select_decode(self.cost, view, req)
         verdict = self.admission.at_arrival(req, prefill, decode, view, now)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvpool.conductor.types import Accepted, RequestInfo
 from kvpool.errors import InvalidArgument
@@ -28,6 +29,14 @@ class PrefixMatch:
 
     def blocks_on(self, instance_id: int) -> int:
         return self.lens.get(instance_id, 0)
+
+
+class PrefixLookup(Protocol):
+    """Where the conductor learns which prefill instance holds which leading blocks of a
+    request: `PrefixIndex` (the view's own), or an owner's lookup over another index (the live
+    proxy's, over engines' KV events)."""
+
+    def match(self, block_hashes: Sequence[int]) -> PrefixMatch: ...
 
 
 class PrefixIndex:

@@ -35,6 +35,7 @@ from kvpool.metadata.http_serving import BodyTooLarge, bearer_matches, read_body
 from kvpool.serve import access
 from kvpool.serve.access import Access
 from kvpool.serve.auth import TENANT_KEY, ApiKeyGate
+from kvpool.serve.backends import create_backend
 from kvpool.serve.cancel import cancel_and_wait, close_all
 from kvpool.serve.cluster import DECODE_ROLES, PREFILL_ROLES, LiveCluster
 from kvpool.serve.config import ProxyConfig
@@ -62,7 +63,6 @@ from kvpool.serve.responses import Choice, full_body, sse_stream, usage_of
 from kvpool.serve.text import TextStream
 from kvpool.serve.tokenize import detokenize, tokenize
 from kvpool.serve.tokenizer import ModelTokenizer
-from kvpool.serve.worker_client import WorkerClient
 
 log = get_logger("serve.app")
 M = TypeVar("M", bound=BaseModel)
@@ -83,9 +83,9 @@ class Proxy:
         cost = load_cost_model(config.cost_path) if config.cost_path else CostModel()
         self.cluster = LiveCluster(cost, self.clock, config.dead_after_failures,
                                    config.silent_dead_s)
-        self.client = WorkerClient(config.worker_timeout_s, config.token)
+        self.client = create_backend(config)
         self.metrics = ProxyMetrics()
-        self.metrics.watch(self.cluster, config.restart_counts_path)
+        self.metrics.watch(self.cluster, config.restart_counts_path, self.client)
         self.dispatcher = Dispatcher(config, self.cluster, self.client, cost, self.clock,
                                      self.metrics)
         self.metrics.watch_cost(self.dispatcher.cost_in_use)
@@ -93,7 +93,8 @@ class Proxy:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
-        for url in (*self.config.prefill_urls, *self.config.decode_urls):
+        c = self.config
+        for url in (*c.prefill_urls, *c.decode_urls, *c.colocated_urls):
             self.poller.watch(url)
         try:
             yield
@@ -160,6 +161,10 @@ class Proxy:
         runs: list[Run] = []
         try:
             for job in prep.jobs:
+                refused = self.client.unsupported(job.sampling)
+                if refused is not None:
+                    raise bad_request(f"'{refused}' is not served by the {self.client.name} "
+                                      f"engines behind this proxy", param=refused)
                 decide_t = time.perf_counter()
                 booking = self.dispatcher.schedule(job.prompt_ids, job.sampling.max_tokens,
                                                    job.sampling.cache_salt)

@@ -74,6 +74,8 @@ class Booking:
     """The prefill worker's predicted busy_until_s right after booking (this request's end)."""
     shift_then_s: float = 0.0
     prefill_pending: bool = True
+    direct: bool = False
+    """Conditional disaggregation sent it straight to its decode worker (no prefill leg)."""
     decode_started: bool = False
     finished: bool = False
 
@@ -209,6 +211,13 @@ class LiveCluster:
             return decision
         return Accepted(decision.prefill, DecodeChoice(d, decision.decode.tbt_s))
 
+    def is_colocated(self, decision: Accepted) -> bool:
+        """Whether `decision` prefills and decodes on the same worker."""
+        p = self._prefill[decision.prefill.instance_id]
+        return p.decode_load is not None and \
+            p.decode_load.instance_id == decision.decode.instance_id and \
+            self._decode[decision.decode.instance_id] is p
+
     def book(self, req: RequestInfo, decision: Accepted, now: float) -> Booking:
         p = self._prefill[decision.prefill.instance_id]
         d = self._decode[decision.decode.instance_id]
@@ -255,6 +264,11 @@ class LiveCluster:
 
     def alive(self, role_set: tuple[str, ...]) -> list[WorkerState]:
         return [w for w in self.workers.values() if w.alive and w.role in role_set]
+
+    @property
+    def prefill_urls(self) -> list[str]:
+        """The prefill workers in rotation, in the view's order (index = instance id)."""
+        return [w.url for w in self._prefill]
 
     @property
     def max_model_len(self) -> int | None:

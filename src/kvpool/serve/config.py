@@ -9,6 +9,7 @@ from kvpool.errors import ConfigError
 from kvpool.metadata.http_serving import HttpLimits
 
 KV_TRANSFER_MODES = ("pool", "push")
+BACKENDS = ("kvpool", "vllm")
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +23,32 @@ class ProxyConfig:
     prefill_urls: tuple[str, ...] = ()
     """Workers given on the command line (role from their /info: prefill or both)."""
     decode_urls: tuple[str, ...] = ()
+    colocated_urls: tuple[str, ...] = ()
+    """Instances that prefill and decode (vllm backend; kvpool workers say their role)."""
+    backend: str = "kvpool"
+    """The engines behind the proxy (serve/backend.py): kvpool workers or vLLM servers."""
+    engine_model: str = ""
+    """vllm: the model name the instances serve (their /v1/models); "" = whatever the first
+    one to join serves (every other must serve the same)."""
+    engine_block_size: int = 0
+    """vllm: the instances' KV block size; 0 = read from their /metrics (cache_config_info),
+    else 16."""
+    direct_below_tokens: int = 0
+    """Conditional disaggregation: a request whose uncached part (its prompt minus the prefix
+    the conductor found held) is at most this many tokens skips the prefill instance, and its
+    decode instance computes it; 0 = every request is disaggregated."""
+    kv_events: str | None = None
+    """vllm: the ZMQ endpoint the proxy binds for the instances' KV events (tcp://HOST:PORT);
+    None = no events (the conductor sees no instance's cached prefix)."""
+    kv_events_replay: tuple[tuple[str, str], ...] = ()
+    """vllm with kv_events: (instance URL, its replay endpoint) pairs (its --kv-events-config
+    replay_endpoint), read on a join, a restart or a gap; an instance without one relearns."""
+    hash_algo: str = ""
+    """vllm with kv_events: the instances' --prefix-caching-hash-algo (sha256, sha256_cbor);
+    "" = what their /metrics report (cache_config_info), else sha256."""
+    hash_seed: str | None = None
+    """vllm with kv_events: the instances' PYTHONHASHSEED; None = unset there (vLLM's fixed
+    default seed)."""
     prefill_policy: str = "kvcache_centric"
     """A name in kvpool.conductor.PREFILL_POLICIES."""
     admission: str = "early_rejection_predicted"
@@ -67,6 +94,15 @@ class ProxyConfig:
     exported on /metrics as kvpool_up_restarts_total."""
 
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.backend != "kvpool" and self.kv_transfer == "push":
+            raise ConfigError(f"kv_transfer push needs kvpool workers; the {self.backend} "
+                              f"backend hands the KV over with its own connector")
+        if self.direct_below_tokens < 0:
+            raise ConfigError(f"direct_below_tokens must be >= 0, got {self.direct_below_tokens}")
+        if self.engine_block_size < 0:
+            raise ConfigError(f"engine_block_size must be >= 0, got {self.engine_block_size}")
         if self.kv_transfer not in KV_TRANSFER_MODES:
             raise ConfigError(f"kv_transfer must be one of {KV_TRANSFER_MODES}, "
                               f"got {self.kv_transfer!r}")

@@ -18,10 +18,11 @@ import math
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
 from dataclasses import replace
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from kvpool.clock import Clock
 from kvpool.conductor import (
+    Accepted,
     Conductor,
     ConductorConfig,
     CostModel,
@@ -29,7 +30,6 @@ from kvpool.conductor import (
     RequestInfo,
 )
 from kvpool.conductor.measured import MeasuredCostModel, cost_note, learn_prefill
-from kvpool.engine.blocks import prefix_block_hashes, salted_root
 from kvpool.engine.config import SamplingParams
 from kvpool.engine.sequence import TokenLogprob
 from kvpool.engine.worker.messages import (
@@ -42,6 +42,7 @@ from kvpool.engine.worker.messages import (
 )
 from kvpool.errors import WorkerCallError
 from kvpool.log import get_logger
+from kvpool.serve.backend import EngineBackend
 from kvpool.serve.cancel import cancel_and_wait
 from kvpool.serve.cluster import DECODE_ROLES, Booking, LiveCluster, WorkerState
 from kvpool.serve.config import ProxyConfig
@@ -49,7 +50,6 @@ from kvpool.serve.errors import no_workers, rejected, slo_unreachable
 from kvpool.serve.legwatch import LegWatch
 from kvpool.serve.metrics import ProxyMetrics
 from kvpool.serve.samples import MeasuredSamples
-from kvpool.serve.worker_client import WorkerClient
 
 T = TypeVar("T")
 log = get_logger("serve.dispatch")
@@ -59,7 +59,7 @@ REFIT_EVERY = 8
 
 
 class Dispatcher:
-    def __init__(self, config: ProxyConfig, cluster: LiveCluster, client: WorkerClient,
+    def __init__(self, config: ProxyConfig, cluster: LiveCluster, client: EngineBackend,
                  cost: CostModel, clock: Clock, metrics: ProxyMetrics) -> None:
         self.config = config
         self.cluster = cluster
@@ -92,11 +92,11 @@ class Dispatcher:
         if ref is None or not view.prefill or not view.decode:
             raise no_workers(f"no worker in rotation (prefill: {len(view.prefill)}, "
                              f"decode: {len(view.decode)}); retry when workers are up")
-        root = salted_root(ref.model_hash, cache_salt)
-        hashes = prefix_block_hashes(prompt_ids, ref.block_size, root)
+        hashes = self.client.block_hashes(prompt_ids, cache_salt, ref)
         req = RequestInfo(next(self._ids), len(prompt_ids), max_tokens, tuple(hashes))
         now = self.clock.now()
-        decision = self._conductor_for(ref.block_size).schedule(req, view, now)
+        prefixes = self.client.prefixes(self.cluster.prefill_urls)
+        decision = self._conductor_for(ref.block_size).schedule(req, view, now, prefixes)
         if isinstance(decision, Rejected):
             self.metrics.rejections.labels(decision.reason, decision.stage).inc()
             note = "" if decision.reason != "ttft" else cost_note(
@@ -105,7 +105,26 @@ class Dispatcher:
                 raise slo_unreachable(decision.unloaded_ttft_s, decision.ttft_limit_s, note)
             raise rejected(decision.reason, decision.predicted_ttft_s, decision.predicted_tbt_s,
                            self._retry_after_s(decision), note)
-        return self.cluster.book(req, self.cluster.colocate(decision), now)
+        decision = self.cluster.colocate(decision)
+        direct = self._direct(req, decision)
+        if direct:  # its prefill instance does no work for it (booked and released at once)
+            decision = Accepted(replace(decision.prefill, transfer_s=0.0, prefill_s=0.0),
+                                decision.decode)
+            self.metrics.direct.inc()
+        booking = self.cluster.book(req, decision, now)
+        booking.direct = direct
+        if prefixes is not None:
+            prefixes.routed(decision.prefill.instance_id, hashes)
+        return booking
+
+    def _direct(self, req: RequestInfo, decision: Accepted) -> bool:
+        """Conditional disaggregation: the uncached part is short enough for the decode worker
+        to compute (config.direct_below_tokens), and the decision is not colocated already."""
+        limit = self.config.direct_below_tokens
+        if limit <= 0:
+            return False
+        uncached = req.input_len - decision.prefill.prefix_len
+        return uncached <= limit and not self.cluster.is_colocated(decision)
 
     def check_decode(self, b: Booking) -> None:
         """The decode stage's own check when the KV is ready (only the `none` baseline has one):
@@ -219,6 +238,8 @@ class Run:
         """Workers this request failed on (it is resumed on each other worker once at most)."""
         self._decode_url: str | None = None
         """The worker of the current decode leg."""
+        self._handoff: dict[str, Any] | None = None
+        """The prefill leg's own handoff for the decode leg (an engine's kv_transfer_params)."""
 
     @property
     def _mode(self) -> KVMode:
@@ -237,10 +258,11 @@ class Run:
         try:
             first: int | None = None
             kv: KVSourceName = "none"
-            if not self.b.colocated:
+            if not self.b.colocated and not self.b.direct:
                 try:
                     first, kv = await self._prefill_leg(), self._mode
-                    yield first
+                    if first is not None:
+                        yield first
                 except WorkerCallError as exc:
                     if not migratable(exc):
                         raise
@@ -263,7 +285,8 @@ class Run:
                 if self.finish_reason is None and len(self.token_ids) >= self.sampling.max_tokens:
                     self._complete(worker, exc)  # nothing left for another leg to do
                     return
-                if not migratable(exc) or self.finish_reason is not None:
+                if not migratable(exc) or self.finish_reason is not None or \
+                        not self.d.client.features.migration:
                     raise
                 nxt = self._next_decode(worker)
                 if nxt is None:
@@ -294,7 +317,9 @@ class Run:
                     "after %d tokens", self.request_id, leg, worker.url, exc,
                     len(self.token_ids))
 
-    async def _prefill_leg(self) -> int:
+    async def _prefill_leg(self) -> int | None:
+        """The prefill leg; its token, or None where the decode leg makes the first token
+        (BackendFeatures.first_token_from_prefill)."""
         mode = self._mode
         kv = KVTransfer(mode=mode, decode_url=self.b.decode.url if mode == "push" else None)
         req = PrefillRequest(request_id=self.request_id, prompt_token_ids=self.prompt_ids,
@@ -303,14 +328,17 @@ class Run:
                               "/prefill")
         self.d.cluster.prefill_done(self.b, self.d.clock.now())
         self.cached_len = reply.num_cached_tokens + reply.num_pool_tokens
-        self.prompt_logprobs = reply.prompt_logprobs
-        self._record(reply.first_token_id, reply.first_token_t, reply.first_logprob)
+        self._handoff = reply.kv_transfer_params
+        first = self.d.client.features.first_token_from_prefill
+        if first:
+            self.prompt_logprobs = reply.prompt_logprobs
+            self._record(reply.first_token_id, reply.first_token_t, reply.first_logprob)
         self.kv_bytes_moved = reply.kv_bytes_moved
         self.d.metrics.prompt_tokens.inc(len(self.prompt_ids))
         self.d.metrics.prefix_hit_tokens.inc(self.cached_len)
         self.d.learn(self.b, self.cached_len, reply.prefill_s)
         self.d.check_decode(self.b)
-        return reply.first_token_id
+        return reply.first_token_id if first else None
 
     async def _decode_leg(self, worker: WorkerState, first: int | None,
                           kv_source: KVSourceName) -> AsyncIterator[int]:
@@ -321,7 +349,8 @@ class Run:
             self.sampling, prompt_logprobs=None)
         req = GenerateRequest(request_id=self.request_id, prompt_token_ids=self.prompt_ids,
                               sampling=sampling, first_token_id=first, kv_source=kv_source,
-                              resume_output_ids=resumed)
+                              resume_output_ids=resumed,
+                              kv_transfer_params=self._handoff if kv_source != "none" else None)
         self._decode_url = worker.url
         lines = self.d.client.generate(worker.url, req)
         skip_echo = first is not None
@@ -384,7 +413,7 @@ class Run:
     def _release(self) -> None:
         b = self.b
         if self.finish_reason is None:
-            if not b.colocated:  # before or after its reply: it may hold KV for this run
+            if not b.colocated and not b.direct:  # it may hold KV for this run
                 self.d.abort_later(b.prefill.url, self.request_id)
             self.d.abort_later(b.decode.url, self.request_id)
             if self._decode_url not in (b.decode.url, None):  # where it was resumed

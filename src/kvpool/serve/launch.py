@@ -199,6 +199,9 @@ class ServingSpec:
     worker_args: tuple[str, ...] = ()
     insecure: bool = False
     """Pass --insecure to every child (a non-loopback host without a token)."""
+    backend: str = "kvpool"
+    """vllm: the workers serve vLLM's API (`--api vllm`) and the proxy drives them as vLLM
+    servers (`--backend vllm`, colocated ones as --colocated)."""
 
 
 @contextmanager
@@ -233,16 +236,26 @@ def serving_cluster(spec: ServingSpec) -> Iterator[ServingCluster]:
             port = free_port(host)
             start(f"{role}-{i}", "worker", "--role", role, "--model", str(spec.model_dir),
                   "--host", host, "--port", str(port), "--master", master_addr,
-                  *spec.worker_args)
+                  *spec.worker_args, *(("--api", "vllm") if spec.backend == "vllm" else ()))
             cluster.worker_urls.setdefault(role, []).append(f"http://{host}:{port}")
         for urls in cluster.worker_urls.values():
             for url in urls:
                 wait_http(url + "/health", list(cluster.procs.values()), "a worker",
                           timeout_s=120)
-        flags = [f for role, urls in cluster.worker_urls.items() for u in urls
-                 for f in ("--decode" if role == "decode" else "--prefill", u)]
         start("proxy", "proxy", "--model", str(spec.model_dir), "--host", host,
-              "--port", str(spec.port), *flags, *spec.proxy_args)
+              "--port", str(spec.port), *_worker_flags(cluster, spec.backend),
+              *spec.proxy_args)
         wait_http(cluster.proxy_url + "/health", list(cluster.procs.values()),
                   "the serving cluster", timeout_s=120)
         yield cluster
+
+
+def _worker_flags(cluster: ServingCluster, backend: str) -> list[str]:
+    """The proxy's flags naming the workers: kvpool workers say their role themselves; vLLM
+    instances are named by role (`both` ones as --colocated)."""
+    if backend == "vllm":
+        flag = {"prefill": "--prefill", "decode": "--decode", "both": "--colocated"}
+        return ["--backend", "vllm", *(f for role, urls in cluster.worker_urls.items()
+                                       for u in urls for f in (flag[role], u))]
+    return [f for role, urls in cluster.worker_urls.items() for u in urls
+            for f in ("--decode" if role == "decode" else "--prefill", u)]

@@ -16,6 +16,7 @@ from kvpool.conductor.cost import CostModel
 from kvpool.conductor.measured import MeasuredCostModel
 
 if TYPE_CHECKING:
+    from kvpool.serve.backend import EngineBackend
     from kvpool.serve.cluster import LiveCluster
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -44,16 +45,22 @@ class ProxyMetrics:
         self.migrations = Counter("kvpool_proxy_migrations",
                                   "Requests resumed on another worker after theirs failed, by "
                                   "the leg that failed", ["leg"], registry=r)
+        self.direct = Counter("kvpool_proxy_direct_requests",
+                              "Requests sent straight to a decode worker, their uncached part "
+                              "being short (conditional disaggregation)", registry=r)
         self.rejections = Counter("kvpool_proxy_rejections", "Requests refused by admission",
                                   ["reason", "stage"], registry=r)
         self.cost_refits = Counter("kvpool_proxy_cost_refits",
                                    "Times the prefill cost was learned again (--fit-cost)",
                                    registry=r)
 
-    def watch(self, cluster: LiveCluster, restart_counts: str | None = None) -> None:
+    def watch(self, cluster: LiveCluster, restart_counts: str | None = None,
+              backend: EngineBackend | None = None) -> None:
         self.registry.register(_WorkerCollector(cluster))
         if restart_counts is not None:
             self.registry.register(_RestartCollector(restart_counts))
+        if backend is not None:
+            self.registry.register(_EngineCollector(backend))
 
     def watch_cost(self, in_use: Callable[[], tuple[CostModel, str]]) -> None:
         """Export the cost model `in_use()` returns (the model, its source) at each scrape."""
@@ -140,3 +147,19 @@ class _RestartCollector(Collector):
             if isinstance(n, int):
                 fam.add_metric([str(name)], n)
         yield fam
+
+
+class _EngineCollector(Collector):
+    """The backend's own gauges (EngineBackend.engine_gauges), e.g. the vllm backend's KV
+    events: blocks indexed and whether an instance's events never match a computed hash."""
+
+    def __init__(self, backend: EngineBackend) -> None:
+        self.backend = backend
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        for name, values in sorted(self.backend.engine_gauges().items()):
+            fam = GaugeMetricFamily(f"kvpool_proxy_engine_{name}",
+                                    f"{self.backend.name} engines: {name}", labels=["worker"])
+            for url, value in sorted(values.items()):
+                fam.add_metric([url], value)
+            yield fam

@@ -10,19 +10,21 @@ import asyncio
 
 from kvpool.errors import InvalidArgument, WorkerCallError
 from kvpool.log import get_logger
+from kvpool.serve.backend import EngineBackend
 from kvpool.serve.cluster import LiveCluster
-from kvpool.serve.worker_client import WorkerClient
 
 log = get_logger("serve.poller")
 
 
 class Poller:
-    def __init__(self, cluster: LiveCluster, client: WorkerClient, interval_s: float) -> None:
+    def __init__(self, cluster: LiveCluster, client: EngineBackend, interval_s: float) -> None:
         self.cluster = cluster
         self.client = client
         self.interval_s = interval_s
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._refused: set[str] = set()
+        self._not_joined: dict[str, str] = {}
+        """url -> the last reason it has not joined (logged when it changes)."""
 
     def watch(self, url: str) -> None:
         """Start polling `url` (idempotent); needs a running event loop."""
@@ -50,6 +52,8 @@ class Poller:
             self.cluster.apply_load(url, load, self.cluster.clock_now())
         except WorkerCallError as exc:
             refused = exc.status is None and "Timeout" not in str(exc)
+            if w.info is None:
+                self._waiting(url, str(exc))
             if self.cluster.poll_failed(url, refused):
                 log.warning("%s", exc)
         except InvalidArgument as exc:
@@ -67,6 +71,13 @@ class Poller:
             if exc.status is not None:
                 self.cluster.withdraw(url, f"at once: it failed the token's challenge ({exc})")
             raise
+
+    def _waiting(self, url: str, reason: str) -> None:
+        """A configured worker that does not join is said so, with the reason, once per new
+        reason (it is still tried every interval)."""
+        if self._not_joined.get(url) != reason:
+            self._not_joined[url] = reason
+            log.warning("worker %s has not joined: %s (still trying)", url, reason)
 
     async def _loop(self, url: str) -> None:
         while True:

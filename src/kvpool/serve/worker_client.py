@@ -1,17 +1,20 @@
-"""HTTP calls from the proxy to one worker (docs/worker-api.md), over one shared
-`httpx.AsyncClient`, in the worker API's typed messages (engine.worker.messages). Every failure
-is raised as `WorkerCallError` naming the worker and the call (a reply that does not parse
-included); an abort is best-effort and never raises."""
+"""The `kvpool` engine backend (serve/backend.py): HTTP calls from the proxy to one of kvpool's
+workers (docs/worker-api.md), over one shared `httpx.AsyncClient`, in the worker API's typed
+messages (engine.worker.messages). Every failure is raised as `WorkerCallError` naming the
+worker and the call (a reply that does not parse included); an abort is best-effort and never
+raises."""
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Sequence
 from typing import TypeVar
 
 import httpx
 
+from kvpool.engine.blocks import prefix_block_hashes, salted_root
+from kvpool.engine.config import SamplingParams
 from kvpool.engine.worker import auth
 from kvpool.engine.worker.auth import CHALLENGE_PATH
 from kvpool.engine.worker.messages import (
@@ -29,6 +32,7 @@ from kvpool.engine.worker.messages import (
 from kvpool.errors import AuthError, WorkerCallError
 from kvpool.log import get_logger
 from kvpool.metadata.http_serving import CLIENT_KEEPALIVE_S
+from kvpool.serve.backend import BackendFeatures, EnginePrefixes
 
 log = get_logger("serve.worker_client")
 M = TypeVar("M", InfoReply, LoadReply, PrefillReply)
@@ -45,6 +49,10 @@ def _error_text(resp: httpx.Response, body: bytes) -> str:
 class WorkerClient:
     """With a token, every call but the challenge goes only to workers that proved they hold
     it (`prove`; engine/worker/auth.py): an impostor's URL gets neither token nor prompt."""
+
+    name = "kvpool"
+    features = BackendFeatures(migration=True, push=True, logprobs=True, prompt_logprobs=True,
+                               first_token_from_prefill=True)
 
     def __init__(self, timeout_s: float, token: str | None = None,
                  now: Callable[[], float] = time.time) -> None:
@@ -111,6 +119,22 @@ class WorkerClient:
         if resp.status_code == 401:
             self._proven.pop(url, None)
         return WorkerCallError(url, path, _error_text(resp, content), resp.status_code)
+
+    def block_hashes(self, prompt_ids: Sequence[int], cache_salt: str | None,
+                     reference: InfoReply) -> list[int]:
+        """kvpool's chain (engine/blocks.py), rooted in the workers' model identity."""
+        root = salted_root(reference.model_hash, cache_salt)
+        return prefix_block_hashes(prompt_ids, reference.block_size, root)
+
+    def unsupported(self, sampling: SamplingParams) -> str | None:
+        return None
+
+    def engine_gauges(self) -> dict[str, dict[str, float]]:
+        return {}
+
+    def prefixes(self, prefill_urls: Sequence[str]) -> EnginePrefixes | None:
+        """None: the workers' cached blocks come with their /load (the view's index)."""
+        return None
 
     async def info(self, url: str, timeout_s: float) -> InfoReply:
         return await self._get(url, "/info", InfoReply, timeout_s)

@@ -68,6 +68,9 @@ class PrefillReply(_Reply):
     """Pool reads and writes, or the push."""
     first_logprob: TokenLogprob | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    """An engine's own handoff to the decode leg (vLLM's `kv_transfer_params`, relayed as
+    is); kvpool workers send none."""
 
 
 class GenerateRequest(_Request):
@@ -83,6 +86,8 @@ class GenerateRequest(_Request):
     from the pool), count as output (max_tokens, min_tokens, penalties, seeded positions)
     and are not streamed again; tokens that already end the request get the finish line
     alone."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """The prefill leg's handoff, for engines that have one (vLLM backend); None here."""
 
 
 class TokenLine(_Reply):

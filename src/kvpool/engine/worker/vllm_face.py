@@ -1,0 +1,287 @@
+"""A kvpool worker behind vLLM's OpenAI server endpoints (`kvpool worker --api vllm`): the same
+engine (torch or emulated), scheduler, pool connector and outputs, spoken to as a vLLM, so the
+proxy's vllm backend runs against real processes, and at scale without GPUs.
+
+    GET  /health            200 once the engine is up
+    GET  /v1/models         the served name and max_model_len
+    GET  /metrics           vllm:num_requests_running, vllm:num_requests_waiting,
+                            vllm:kv_cache_usage_perc, vllm:cache_config_info (block_size,
+                            num_gpu_blocks, prefix_caching_hash_algo)
+    POST /v1/completions    prompt as token ids; stream or not; token_ids and usage (with
+                            prompt_tokens_details.cached_tokens) in the reply, logprobs keyed
+                            token_id:N; kv_transfer_params in and out
+    GET  /info              not vLLM's: the kvpool worker's facts (engine identity), for tests
+                            and benches that compute the expected outputs
+
+P/D as vLLM does it over a KV store connector (MooncakeStoreConnector): a request with
+`kv_transfer_params.do_remote_decode` is a prefill leg (its full blocks go to the pool, one
+token comes back, with kv_transfer_params naming the request for the decode instance); a
+request with `do_remote_prefill` loads the prompt's blocks from the pool, computes the rest and
+makes every output token, the first included. What a real vLLM does differently: its NIXL
+connector pulls the blocks from the prefill instance's GPU instead of the pool; the fields
+relayed are the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, Literal, Protocol
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from kvpool.engine.config import SamplingParams
+from kvpool.engine.core import StepOutput
+from kvpool.engine.sequence import TokenLogprob
+from kvpool.engine.worker.messages import (
+    GenerateRequest,
+    InfoReply,
+    KVTransfer,
+    PrefillRequest,
+)
+from kvpool.engine.worker.runtime import Worker
+from kvpool.errors import KvpoolError, RequestFailed
+from kvpool.metadata.http_serving import bearer_matches
+
+
+class CompletionBody(BaseModel):
+    """The /v1/completions fields this face serves (others are ignored, as vLLM warns)."""
+
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    prompt: list[int]
+    max_tokens: int = 16
+    stream: bool = False
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] = {}
+    logprobs: int | None = None
+    cache_salt: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
+            top_k=max(0, self.top_k), seed=self.seed, stop_token_ids=tuple(self.stop_token_ids),
+            ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()},
+            logprobs=self.logprobs, cache_salt=self.cache_salt)
+
+
+def vllm_error(status: int, message: str) -> JSONResponse:
+    kind = "BadRequestError" if status < 500 else "InternalServerError"
+    return JSONResponse({"object": "error", "message": message, "type": kind, "param": None,
+                         "code": status}, status_code=status)
+
+
+def metrics_text(worker: Worker, model: str, running: int, waiting: int, free: int,
+                 hash_algo: str) -> str:
+    c = worker.engine.config
+    usage = 1.0 - free / c.kv_capacity_tokens if c.kv_capacity_tokens else 0.0
+    labels = f'engine="0",model_name="{model}"'
+    info = (f'block_size="{c.block_size}",engine="0",num_gpu_blocks="{c.num_blocks}",'
+            f'enable_prefix_caching="{c.enable_prefix_caching}",'
+            f'prefix_caching_hash_algo="{hash_algo}"')
+    return "".join((
+        "# TYPE vllm:num_requests_running gauge\n",
+        f"vllm:num_requests_running{{{labels}}} {float(running)}\n",
+        "# TYPE vllm:num_requests_waiting gauge\n",
+        f"vllm:num_requests_waiting{{{labels}}} {float(waiting)}\n",
+        "# TYPE vllm:kv_cache_usage_perc gauge\n",
+        f"vllm:kv_cache_usage_perc{{{labels}}} {usage}\n",
+        "# TYPE vllm:cache_config_info gauge\n",
+        f"vllm:cache_config_info{{{info}}} 1.0\n"))
+
+
+def _logprobs(lps: list[TokenLogprob | None]) -> dict[str, Any] | None:
+    if not lps or any(lp is None for lp in lps):
+        return None
+    return {"tokens": [f"token_id:{lp.token_id}" for lp in lps if lp],
+            "token_logprobs": [lp.logprob for lp in lps if lp],
+            "top_logprobs": [{f"token_id:{t}": v for t, v in lp.top} for lp in lps if lp],
+            "text_offset": [0] * len(lps)}
+
+
+def _choice(tokens: list[int], lps: list[TokenLogprob | None],
+            finish: str | None) -> dict[str, Any]:
+    return {"index": 0, "text": "", "token_ids": tokens, "logprobs": _logprobs(lps),
+            "finish_reason": finish, "stop_reason": None}
+
+
+def _usage(num_prompt: int, num_out: int, num_cached: int) -> dict[str, Any]:
+    return {"prompt_tokens": num_prompt, "completion_tokens": num_out,
+            "total_tokens": num_prompt + num_out,
+            "prompt_tokens_details": {"cached_tokens": num_cached}}
+
+
+class _Completion:
+    """One /v1/completions request on the worker, as vLLM would answer it."""
+
+    def __init__(self, worker: Worker, body: CompletionBody, request_id: str) -> None:
+        self.worker, self.body, self.request_id = worker, body, request_id
+        self.head = {"id": f"cmpl-{request_id}", "object": "text_completion",
+                     "created": int(time.time()), "model": body.model}
+        kv = body.kv_transfer_params or {}
+        self.mode: Literal["prefill", "generate"] = \
+            "prefill" if kv.get("do_remote_decode") else "generate"
+
+    async def prefill(self) -> dict[str, Any]:
+        """The prefill leg: blocks to the pool, one token, the handoff for the decode."""
+        w, b = self.worker, self.body
+        reply = await w.prefill(PrefillRequest(
+            request_id=self.request_id, prompt_token_ids=b.prompt, sampling=b.sampling(),
+            kv_transfer=KVTransfer(mode="pool")))
+        await w.abort(self.request_id)  # the decode leg computes its last block itself
+        handoff = {"do_remote_prefill": True, "do_remote_decode": False,
+                   "remote_engine_id": w.epoch, "remote_request_id": self.request_id,
+                   "remote_block_ids": [], "remote_host": w.config.host,
+                   "remote_port": w.config.port, "tp_size": 1}
+        cached = reply.num_cached_tokens + reply.num_pool_tokens
+        return {**self.head, "choices": [_choice([reply.first_token_id],
+                                                 [reply.first_logprob], "length")],
+                "usage": _usage(len(b.prompt), 1, cached), "kv_transfer_params": handoff}
+
+    def outputs(self) -> AsyncIterator[StepOutput]:
+        b = self.body
+        return self.worker.generate(GenerateRequest(
+            request_id=self.request_id, prompt_token_ids=b.prompt, sampling=b.sampling(),
+            kv_source="none"))
+
+    async def whole(self) -> dict[str, Any]:
+        tokens: list[int] = []
+        lps: list[TokenLogprob | None] = []
+        async for out in self.outputs():
+            if out.token_id is not None:
+                tokens.append(out.token_id)
+                lps.append(out.logprob)
+            if out.finish_reason is not None:
+                cached = _cached(out)
+                return {**self.head, "choices": [_choice(tokens, lps, out.finish_reason)],
+                        "usage": _usage(len(self.body.prompt), len(tokens), cached),
+                        "kv_transfer_params": None}
+        raise KvpoolError(f"request {self.request_id} ended without finishing")
+
+    async def stream(self, outputs: AsyncIterator[StepOutput]) -> AsyncIterator[bytes]:
+        """`outputs` (made before the reply starts, so that a bad request is a 400) as SSE."""
+        num_out = 0
+        try:
+            async for out in outputs:
+                if out.token_id is not None:
+                    num_out += 1
+                    yield _sse({**self.head, "choices": [
+                        _choice([out.token_id], [out.logprob], None)]})
+                if out.finish_reason is not None:
+                    yield _sse({**self.head, "choices": [_choice([], [], out.finish_reason)]})
+                    yield _sse({**self.head, "choices": [],
+                                "usage": _usage(len(self.body.prompt), num_out, _cached(out))})
+        except KvpoolError as exc:
+            yield _sse({"object": "error", "message": str(exc), "type": "InternalServerError",
+                        "code": 500})
+        yield b"data: [DONE]\n\n"
+
+
+def _cached(out: StepOutput) -> int:
+    return int(out.stats.get("num_cached_tokens", 0) + out.stats.get("num_pool_tokens", 0))
+
+
+def _sse(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+class EventSource(Protocol):
+    """The face's KV-event publisher (vllm_face_events.FaceEvents)."""
+
+    def learn(self, prompt_ids: list[int], cache_salt: str | None) -> None: ...
+
+    async def run(self) -> None: ...
+
+
+def create_vllm_app(worker: Worker, served_name: str, events: EventSource | None = None,
+                    hash_algo: str = "sha256") -> FastAPI:
+    """The face over `worker`, serving the model as `served_name`; with `events`, publishing
+    its KV events (as --kv-events-config makes vLLM do)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        task = asyncio.get_running_loop().create_task(events.run()) if events else None
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            await worker.close()
+
+    app = FastAPI(title="kvpool worker (vLLM API)", lifespan=lifespan)
+    max_len = worker.engine.config.max_model_len
+    token = worker.config.token
+
+    @app.middleware("http")
+    async def api_key(request: Request, call_next: Any) -> Response:
+        """As vLLM's --api-key: the /v1 routes need the bearer (here the worker's token)."""
+        if token and request.url.path.startswith("/v1") and \
+                not bearer_matches(request.headers.get("authorization"), token):
+            return JSONResponse({"error": "Unauthorized"}, status_code=401)
+        return await call_next(request)  # type: ignore[no-any-return]
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": served_name, "object": "model", "created": 0, "owned_by": "vllm",
+            "root": worker.config.model_dir, "parent": None, "max_model_len": max_len}]}
+
+    @app.get("/info")
+    async def info() -> InfoReply:
+        return worker.info()
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        # from the current event number on: no list of every cached block per scrape
+        load = await worker.load(worker.epoch, worker.engine.blocks.num_events)
+        return PlainTextResponse(metrics_text(worker, served_name, load.num_running,
+                                              load.num_waiting, load.free_kv_tokens, hash_algo))
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: Request) -> Response:
+        try:
+            body = CompletionBody.model_validate(json.loads(await request.body()))
+            if body.model != served_name:
+                return vllm_error(404, f"The model `{body.model}` does not exist.")
+            run = _Completion(worker, body, request.headers.get("x-request-id")
+                              or uuid.uuid4().hex)
+            if events is not None:
+                events.learn(body.prompt, body.cache_salt)
+            if run.mode == "prefill":
+                return JSONResponse(await run.prefill())
+            if body.stream:
+                return StreamingResponse(run.stream(run.outputs()),
+                                         media_type="text/event-stream")
+            return JSONResponse(await run.whole())
+        except (ValueError, ValidationError) as exc:
+            return vllm_error(400, str(exc)[:500])
+        except RequestFailed as exc:
+            return vllm_error(500, str(exc))
+        except KvpoolError as exc:
+            return vllm_error(400, str(exc))
+
+    return app

@@ -1,0 +1,114 @@
+"""The one seam between the proxy and the engines it drives: `EngineBackend`.
+
+The poller, the dispatcher and the app call an engine only through this protocol, in the worker
+API's typed messages (kvpool.engine.worker.messages); a backend translates them to its engine's
+own calls. The conductor sees none of it: it reads the `ClusterView` the live cluster builds
+from what the backend reports (`InfoReply` on join, `LoadReply` on each poll).
+
+    kvpool  kvpool's own prefill/decode workers (serve/worker_client.py)
+    vllm    unmodified vLLM OpenAI servers (serve/vllm/backend.py)
+
+serve/backends.py builds the one a ProxyConfig names.
+
+Every call raises `WorkerCallError` naming the instance and the call when it fails (a 4xx
+status when the request is at fault, none or a 5xx when the instance is), except `abort`,
+which is best-effort and never raises. `InvalidArgument` from `info` means the instance
+answers but cannot serve this cluster (another model, another block size): it is not
+admitted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvpool.conductor import PrefixLookup
+from kvpool.engine.config import SamplingParams
+from kvpool.engine.worker.messages import (
+    FinishLine,
+    GenerateRequest,
+    InfoReply,
+    LoadReply,
+    PrefillReply,
+    PrefillRequest,
+    TokenLine,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class BackendFeatures:
+    """What a backend's engines can do; the dispatcher and the app ask here, never by name."""
+
+    migration: bool
+    """A decode leg that fails mid-stream can go on elsewhere (`resume_output_ids`)."""
+    push: bool
+    """The prefill leg can push the KV into the decode instance (--kv-transfer push)."""
+    logprobs: bool
+    """Output tokens' logprobs."""
+    prompt_logprobs: bool
+    """Prompt tokens' logprobs (and echo with logprobs)."""
+    first_token_from_prefill: bool
+    """The prefill leg's token is the request's first output token, and the decode leg
+    continues after it (kvpool). False: the decode leg makes every output token itself, the
+    first one included, from the KV the prefill leg left (vLLM's P/D protocol), so the client's
+    first token is the decode leg's."""
+
+
+class EnginePrefixes(PrefixLookup, Protocol):
+    """A backend's own view of its prefill instances' cached prefixes (instance ids as in the
+    cluster view), and the note of where each request went."""
+
+    def routed(self, instance_id: int, block_hashes: Sequence[int]) -> None: ...
+
+
+class EngineBackend(Protocol):
+    """How the proxy drives one kind of engine; `url` names an instance everywhere."""
+
+    name: str
+    features: BackendFeatures
+
+    async def prove(self, url: str, timeout_s: float) -> None:
+        """Make sure the instance at `url` may be sent requests (kvpool: it proves it holds the
+        cluster token; a no-op where there is nothing to prove). Until it has, `proven` is
+        False and no other call goes out."""
+
+    def proven(self, url: str) -> bool: ...
+
+    async def info(self, url: str, timeout_s: float) -> InfoReply:
+        """The instance's facts for joining: role, model identity, block size, capacity.
+        WorkerCallError while it does not answer as this backend's engine; InvalidArgument when
+        it answers but serves something else."""
+
+    async def load(self, url: str, path: str, timeout_s: float) -> LoadReply:
+        """The instance's load and cache report. `path`: kvpool's `/load` with the cursor of
+        the block events already read (`?epoch=&since=`); backends that report no block
+        events over HTTP ignore it."""
+
+    def block_hashes(self, prompt_ids: Sequence[int], cache_salt: str | None,
+                     reference: InfoReply) -> list[int]:
+        """The request's full-block hashes as this backend's engines name their cached blocks
+        (what the conductor's prefix index holds); [] where they cannot be known."""
+
+    def prefixes(self, prefill_urls: Sequence[str]) -> EnginePrefixes | None:
+        """Where the conductor reads the prefill instances' cached prefixes (`prefill_urls`
+        in the cluster view's order), or None: the view's own index, fed by `load`."""
+
+    async def prefill(self, url: str, req: PrefillRequest) -> PrefillReply:
+        """The prefill leg; its reply's `kv_transfer_params` (if any) go to the decode leg."""
+
+    def generate(self, url: str, req: GenerateRequest) -> AsyncGenerator[TokenLine | FinishLine]:
+        """The decode (or colocated) leg's lines: tokens, then one finish line. A malformed
+        line, an error line or a broken stream raises."""
+
+    async def abort(self, url: str, request_id: str) -> None:
+        """Stop `request_id` on the instance; best-effort, never raises."""
+
+    def unsupported(self, sampling: SamplingParams) -> str | None:
+        """The request parameter this backend cannot serve (a 400 names it), or None."""
+
+    def engine_gauges(self) -> dict[str, dict[str, float]]:
+        """Backend-specific gauges for the proxy's /metrics: name -> {instance url: value}
+        (rendered as kvpool_proxy_engine_NAME{worker=URL})."""
+
+    async def aclose(self) -> None: ...

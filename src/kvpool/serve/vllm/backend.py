@@ -1,0 +1,308 @@
+"""The `vllm` engine backend (serve/backend.py): the proxy drives unmodified vLLM OpenAI servers.
+
+    join   GET /health (200), GET /v1/models (the served model, max_model_len),
+           GET /metrics (vllm: samples; block size and KV blocks from cache_config_info)
+    poll   GET /metrics -> LoadReply (running, waiting, free and total KV tokens)
+    legs   POST /v1/completions with the prompt's token ids (serve/vllm/wire.py); P/D by
+           kv_transfer_params, colocated as one streamed call
+
+An instance's role is the flag it was named with (--prefill, --decode, --colocated); one added
+later through /workers/register is colocated. A URL that answers but is not a vLLM (no vllm:
+metrics), or serves another model than the cluster's, is not admitted (InvalidArgument, which
+the poller logs with the reason and keeps trying). vLLM has no abort call: closing a leg's
+connection aborts it there, so `abort` has nothing left to do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import replace
+from typing import Any, Protocol
+
+import httpx
+
+from kvpool.engine.config import SamplingParams
+from kvpool.engine.worker.messages import (
+    FinishLine,
+    GenerateRequest,
+    InfoReply,
+    LoadReply,
+    PrefillReply,
+    PrefillRequest,
+    Role,
+    TokenLine,
+)
+from kvpool.errors import InvalidArgument, WorkerCallError
+from kvpool.log import get_logger
+from kvpool.metadata.http_serving import CLIENT_KEEPALIVE_S
+from kvpool.serve.backend import BackendFeatures, EnginePrefixes
+from kvpool.serve.config import ProxyConfig
+from kvpool.serve.vllm.metrics_text import EngineMetrics, parse_metrics
+from kvpool.serve.vllm.prefixes import InstancePrefixes
+from kvpool.serve.vllm.wire import (
+    PREFILL_KV_PARAMS,
+    ReplyError,
+    completion_body,
+    read_choice,
+    sse_data,
+)
+
+log = get_logger("serve.vllm")
+DEFAULT_BLOCK_SIZE = 16
+"""vLLM's default --block-size on GPUs, when neither the flag nor /metrics says."""
+UNKNOWN_LEN = 1 << 30
+"""max_model_len of an instance whose /v1/models does not say (the model's own limit holds)."""
+UNKNOWN_CAPACITY_TOKENS = 1 << 20
+
+
+class EventFeed(Protocol):
+    """What the backend reads of its instances' KV events (serve/vllm/events.py)."""
+
+    def hashes(self, prompt_ids: Sequence[int], block_size: int,
+               reported_algo: str | None) -> list[int]: ...
+
+    def prefixes(self, prefill_urls: Sequence[str]) -> InstancePrefixes: ...
+
+    def check(self, url: str) -> bool: ...
+
+    def gauges(self, urls: Sequence[str]) -> dict[str, dict[str, float]]: ...
+
+    def close(self) -> None: ...
+
+
+def model_hash(name: str) -> int:
+    """The cluster identity of instances serving `name` (64 bits of its SHA-256)."""
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:8], "big")
+
+
+class VllmBackend:
+    name = "vllm"
+    features = BackendFeatures(migration=True, push=False, logprobs=True,
+                               prompt_logprobs=False, first_token_from_prefill=False)
+
+    def __init__(self, roles: dict[str, Role], timeout_s: float, api_key: str | None = None,
+                 model: str = "", block_size: int = 0, events: EventFeed | None = None) -> None:
+        self.roles = {url.rstrip("/"): role for url, role in roles.items()}
+        self.model = model
+        """The served model name every instance must serve ("" until the first joins)."""
+        self.block_size = block_size
+        self.http = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_s, connect=5.0),
+            headers={"Authorization": f"Bearer {api_key}"} if api_key else {},
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64,
+                                keepalive_expiry=CLIENT_KEEPALIVE_S))
+        self.capacity: dict[str, int] = {}
+        """url -> KV tokens, as read at join."""
+        self.events = events
+        """The instances' KV events (--kv-events), or None: no cached prefix is known."""
+
+    @classmethod
+    def from_config(cls, config: ProxyConfig) -> VllmBackend:
+        roles: dict[str, Role] = {}
+        for urls, role in ((config.prefill_urls, "prefill"), (config.decode_urls, "decode"),
+                           (config.colocated_urls, "both")):
+            for url in urls:
+                roles[url] = role  # type: ignore[assignment]
+        events: EventFeed | None = None
+        if config.kv_events:
+            from kvpool.serve.vllm.events import KvEventsFeed
+
+            replay = {url.rstrip("/"): ep for url, ep in config.kv_events_replay}
+            events = KvEventsFeed(config.kv_events, config.hash_algo, config.hash_seed, replay)
+            log.info("KV events: bound %s (topic = each instance's URL)", events.endpoint)
+        return cls(roles, config.worker_timeout_s, config.token, config.engine_model,
+                   config.engine_block_size, events)
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
+        if self.events is not None:
+            self.events.close()
+
+    async def prove(self, url: str, timeout_s: float) -> None:
+        """Nothing to prove: vLLM checks the API key it is sent (--api-key)."""
+
+    def proven(self, url: str) -> bool:
+        return True
+
+    def unsupported(self, sampling: SamplingParams) -> str | None:
+        return "prompt_logprobs" if sampling.prompt_logprobs is not None else None
+
+    def block_hashes(self, prompt_ids: Sequence[int], cache_salt: str | None,
+                     reference: InfoReply) -> list[int]:
+        """vLLM's own chain, with KV events; [] without them, and for a salted request (its
+        salt enters the engine's first block hash)."""
+        if self.events is None or cache_salt is not None:
+            return []
+        return self.events.hashes(prompt_ids, reference.block_size,
+                                  reference.engine.get("hash_algo"))
+
+    def prefixes(self, prefill_urls: Sequence[str]) -> EnginePrefixes | None:
+        return None if self.events is None else self.events.prefixes(prefill_urls)
+
+    def engine_gauges(self) -> dict[str, dict[str, float]]:
+        return {} if self.events is None else self.events.gauges(sorted(self.roles))
+
+    # -- joining and polling -----------------------------------------------------------------
+
+    async def _get(self, url: str, path: str, timeout_s: float) -> httpx.Response:
+        try:
+            resp = await self.http.get(url + path, timeout=timeout_s)
+        except httpx.HTTPError as exc:
+            raise WorkerCallError(url, path, repr(exc)) from None
+        if resp.status_code != 200:
+            raise WorkerCallError(url, path, f"HTTP {resp.status_code}: {resp.text[:200]!r}",
+                                  resp.status_code)
+        return resp
+
+    async def _metrics(self, url: str, timeout_s: float) -> EngineMetrics:
+        text = (await self._get(url, "/metrics", timeout_s)).text
+        found = parse_metrics(text)
+        if found is None:
+            raise InvalidArgument(f"{url}/metrics has no vllm: samples: not a vLLM server")
+        return found
+
+    async def _served(self, url: str, timeout_s: float) -> tuple[str, int]:
+        resp = await self._get(url, "/v1/models", timeout_s)
+        try:
+            cards = [c for c in resp.json()["data"] if isinstance(c, dict)]
+        except (ValueError, KeyError, TypeError):
+            raise InvalidArgument(f"{url}/v1/models is not an OpenAI model list: "
+                                  f"{resp.text[:200]!r}") from None
+        names = [str(c.get("id")) for c in cards]
+        want = self.model or (names[0] if names else "")
+        if want not in names:
+            raise InvalidArgument(f"{url} serves {names or 'no model'}, the cluster "
+                                  f"{want!r} (--engine-model, or the first instance to join)")
+        card = cards[names.index(want)]
+        return want, int(card.get("max_model_len") or UNKNOWN_LEN)
+
+    async def info(self, url: str, timeout_s: float) -> InfoReply:
+        await self._get(url, "/health", timeout_s)
+        served, max_len = await self._served(url, timeout_s)
+        metrics = await self._metrics(url, timeout_s)
+        block_size = self.block_size or metrics.block_size or DEFAULT_BLOCK_SIZE
+        capacity = metrics.kv_capacity_tokens or UNKNOWN_CAPACITY_TOKENS
+        self.model = self.model or served
+        self.capacity[url] = capacity
+        return InfoReply(role=self.roles.get(url, "both"), model=served,
+                         model_hash=model_hash(served), block_size=block_size,
+                         max_model_len=max_len, kv_capacity_tokens=capacity,
+                         engine={"kind": "vllm", "hash_algo": metrics.hash_algo,
+                                 "reported_block_size": metrics.block_size})
+
+    async def load(self, url: str, path: str, timeout_s: float) -> LoadReply:
+        m = await self._metrics(url, timeout_s)
+        if self.events is not None:
+            self.events.check(url)
+        capacity = m.kv_capacity_tokens or self.capacity.get(url, UNKNOWN_CAPACITY_TOKENS)
+        return LoadReply(num_waiting=m.num_waiting, num_running=m.num_running,
+                         free_kv_tokens=int(capacity * max(0.0, 1.0 - m.kv_usage)),
+                         kv_capacity_tokens=capacity)
+
+    # -- legs --------------------------------------------------------------------------------
+
+    def _headers(self, request_id: str) -> dict[str, str]:
+        return {"X-Request-Id": request_id}
+
+    async def prefill(self, url: str, req: PrefillRequest) -> PrefillReply:
+        t0 = time.monotonic()
+        body = completion_body(self.model, req.prompt_token_ids, req.sampling, max_tokens=1,
+                               stream=False, kv_transfer_params=dict(PREFILL_KV_PARAMS))
+        body.pop("logprobs", None)
+        try:
+            resp = await self.http.post(url + "/v1/completions", json=body,
+                                        headers=self._headers(req.request_id))
+        except httpx.HTTPError as exc:
+            raise WorkerCallError(url, "/v1/completions", repr(exc)) from None
+        got = self._reply(url, resp.status_code, resp.content)
+        if not got.token_ids:
+            raise WorkerCallError(url, "/v1/completions", "the prefill leg made no token")
+        return PrefillReply(request_id=req.request_id, first_token_id=got.token_ids[0],
+                            num_prompt_tokens=len(req.prompt_token_ids),
+                            num_cached_tokens=got.num_cached_tokens or 0,
+                            prefill_s=round(time.monotonic() - t0, 6),
+                            kv_transfer_params=got.kv_transfer_params)
+
+    def _reply(self, url: str, status: int, raw: bytes) -> Any:
+        try:
+            obj = _json(raw)
+            if status != 200:
+                err = obj.get("error", obj) if isinstance(obj, dict) else obj
+                message = err.get("message") if isinstance(err, dict) else err
+                raise WorkerCallError(url, "/v1/completions", f"HTTP {status}: {message}",
+                                      status)
+            return read_choice(obj, None)
+        except ReplyError as exc:
+            raise WorkerCallError(url, "/v1/completions", str(exc),
+                                  None if status == 200 else status) from None
+
+    async def generate(self, url: str,
+                       req: GenerateRequest) -> AsyncGenerator[TokenLine | FinishLine]:
+        if req.first_token_id is not None:
+            raise WorkerCallError(url, "/v1/completions", "a vLLM decode leg makes every output "
+                                  "token itself: no first_token_id", 400)
+        body = self._generate_body(url, req)
+        try:
+            async with self.http.stream("POST", url + "/v1/completions", json=body,
+                                        headers=self._headers(req.request_id)) as resp:
+                if resp.status_code != 200:
+                    self._reply(url, resp.status_code, await resp.aread())
+                async for line in self._lines(url, resp, req.sampling.logprobs):
+                    yield line
+        except httpx.HTTPError as exc:
+            raise WorkerCallError(url, "/v1/completions", repr(exc)) from None
+
+    def _generate_body(self, url: str, req: GenerateRequest) -> dict[str, Any]:
+        """The decode leg's body; a resumed one (migration) sends the output the client has as
+        part of the prompt, with that much less to make. vLLM counts presence and frequency
+        penalties, min_tokens and a seed's positions from its own output: a resumed request
+        that uses them would not go on as it started, so it is refused (400) instead."""
+        s, done = req.sampling, len(req.resume_output_ids)
+        if done and (s.presence_penalty or s.frequency_penalty or s.min_tokens > done
+                     or (s.temperature > 0 and s.seed is not None)):
+            raise WorkerCallError(url, "/v1/completions", "this request cannot go on exactly on "
+                                  "another vLLM instance (output penalties, min_tokens or a "
+                                  "seed)", 400)
+        if done:
+            s = replace(s, min_tokens=0)
+        return completion_body(self.model, [*req.prompt_token_ids, *req.resume_output_ids], s,
+                               max_tokens=max(1, s.max_tokens - done), stream=True,
+                               kv_transfer_params=req.kv_transfer_params)
+
+    async def _lines(self, url: str, resp: httpx.Response,
+                     logprobs_k: int | None) -> AsyncGenerator[TokenLine | FinishLine]:
+        """The stream's tokens, then one finish line once the stream is done (after vLLM's
+        usage chunk, which says how many prompt tokens were cached)."""
+        finish: str | None = None
+        num_tokens, cached = 0, 0
+        async for raw in resp.aiter_lines():
+            try:
+                obj = sse_data(raw)
+                if obj is None:
+                    continue
+                delta = read_choice(obj, logprobs_k)
+            except ReplyError as exc:
+                raise WorkerCallError(url, "/v1/completions", str(exc)) from None
+            now = time.monotonic()
+            for tok, lp in zip(delta.token_ids, delta.logprobs, strict=True):
+                num_tokens += 1
+                yield TokenLine(token_id=tok, t=now, logprob=lp)
+            finish = delta.finish_reason or finish
+            cached = delta.num_cached_tokens if delta.num_cached_tokens is not None else cached
+        if finish is not None:
+            yield FinishLine(finish_reason=finish, num_output_tokens=num_tokens,
+                             num_cached_tokens=cached)
+
+    async def abort(self, url: str, request_id: str) -> None:
+        """Nothing to send: vLLM aborts a request when its connection closes, which the
+        dispatcher's leg did already."""
+
+
+def _json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        raise ReplyError(f"not JSON: {raw[:200]!r}") from None

@@ -1,0 +1,73 @@
+"""The vLLM instances' KV events, for the conductor (kvpool.kvevents): the proxy binds the one
+endpoint every instance publishes to (its `--kv-events-config` endpoint; topic = the
+instance's URL as the proxy names it), a `CacheIndex` holds each instance's cached blocks, and
+a `BlockHasher` computes a request's chain as the instances do (their hash algorithm, seed and
+block size).
+
+An instance whose events never match a single computed hash (another algorithm, seed or block
+size than configured here: routing on its events would be blind) is said loudly: one error
+line, and the gauge `kvpool_proxy_engine_kv_events_unmatched` at 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from kvpool.kvevents.hashing import BlockHasher
+from kvpool.kvevents.index import CacheIndex
+from kvpool.kvevents.subscriber import KvEventSubscriber
+from kvpool.log import get_logger
+from kvpool.serve.vllm.prefixes import InstancePrefixes
+
+log = get_logger("serve.vllm.events")
+DEFAULT_ALGO = "sha256"
+
+
+class KvEventsFeed:
+    """`algo` "" = what each instance's /metrics reports (else sha256); `hash_seed` None =
+    vLLM's default (PYTHONHASHSEED unset on the instances)."""
+
+    def __init__(self, endpoint: str, algo: str = "", hash_seed: str | None = None,
+                 replay: Mapping[str, str] | None = None) -> None:
+        """`replay`: instance URL -> the replay endpoint it binds."""
+        self.index = CacheIndex()
+        self.subscriber = KvEventSubscriber(endpoint, self.index,
+                                            replay_endpoints=replay).start()
+        self.endpoint = self.subscriber.endpoint
+        self.algo, self.hash_seed = algo, hash_seed
+        self._hashers: dict[tuple[str, int], BlockHasher] = {}
+        self._alarmed: set[str] = set()
+
+    def close(self) -> None:
+        self.subscriber.close()
+
+    def hashes(self, prompt_ids: Sequence[int], block_size: int,
+               reported_algo: str | None) -> list[int]:
+        algo = self.algo or reported_algo or DEFAULT_ALGO
+        hasher = self._hashers.get((algo, block_size))
+        if hasher is None:
+            hasher = BlockHasher(algo, block_size, self.hash_seed)  # type: ignore[arg-type]
+            self._hashers[(algo, block_size)] = hasher
+        return [int(h) for h in hasher.block_hashes(prompt_ids)]
+
+    def prefixes(self, prefill_urls: Sequence[str]) -> InstancePrefixes:
+        return InstancePrefixes(self.index, prefill_urls)  # type: ignore[arg-type]
+
+    def check(self, url: str) -> bool:
+        """Whether `url`'s events never matched a computed hash (logged once, loudly)."""
+        unmatched = self.index.never_matched(url)
+        if unmatched and url not in self._alarmed:
+            self._alarmed.add(url)
+            stats = self.index.stats(url)
+            log.error("KV events of %s never match a computed block hash (%d lookups met its "
+                      "%d cached blocks, 0 matches): its --prefix-caching-hash-algo, "
+                      "PYTHONHASHSEED or --block-size differ from this proxy's (--hash-algo "
+                      "%s, --hash-seed %s); its cached prefixes are invisible to the conductor",
+                      url, stats.num_lookups_with_blocks, self.index.num_blocks(url),
+                      self.algo or "from /metrics", self.hash_seed)
+        return unmatched
+
+    def gauges(self, urls: Sequence[str]) -> dict[str, dict[str, float]]:
+        return {"kv_events_blocks": {u: float(self.index.num_blocks(u)) for u in urls},
+                "kv_events_matches": {u: float(self.index.stats(u).num_matches) for u in urls},
+                "kv_events_unmatched": {u: float(self.check(u)) for u in urls}}

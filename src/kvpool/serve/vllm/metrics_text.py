@@ -1,0 +1,87 @@
+"""vLLM's Prometheus `/metrics` text -> the load the conductor reads. Sans-I/O.
+
+    vllm:num_requests_running        gauge, one sample per engine (data-parallel rank)
+    vllm:num_requests_waiting        gauge
+    vllm:kv_cache_usage_perc         gauge, 0..1 (vllm:gpu_cache_usage_perc in older versions)
+    vllm:cache_config_info           info gauge (value 1); its labels carry block_size,
+                                     num_gpu_blocks, prefix_caching_hash_algo,
+                                     enable_prefix_caching
+
+Counts are summed over engines, the KV usage averaged, the block count summed. A text without a
+single `vllm:` sample is not a vLLM's: `parse_metrics` returns None.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
+KV_USAGE_NAMES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineMetrics:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    """Share of the KV cache in use, 0..1 (mean over engines)."""
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    hash_algo: str | None = None
+    """--prefix-caching-hash-algo, where the version reports it."""
+
+    @property
+    def kv_capacity_tokens(self) -> int | None:
+        if self.block_size is None or self.num_gpu_blocks is None:
+            return None
+        return self.block_size * self.num_gpu_blocks
+
+
+def _labels(text: str | None) -> dict[str, str]:
+    return {k: v.replace('\\"', '"').replace("\\\\", "\\")
+            for k, v in _LABEL.findall(text or "")}
+
+
+def _int(labels: dict[str, str], key: str) -> int | None:
+    value = labels.get(key, "")
+    return int(value) if value.isdigit() else None
+
+
+def parse_metrics(text: str) -> EngineMetrics | None:
+    """The engine's load, or None when `text` holds no vLLM sample."""
+    running = waiting = 0.0
+    usages: list[float] = []
+    blocks: list[int] = []
+    info: dict[str, str] = {}
+    seen = False
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m is None or line.startswith("#"):
+            continue
+        name, labels, raw = m.groups()
+        if not name.startswith("vllm:"):
+            continue
+        seen = True
+        try:
+            value = float(raw)
+        except ValueError:
+            continue
+        if name == "vllm:num_requests_running":
+            running += value
+        elif name == "vllm:num_requests_waiting":
+            waiting += value
+        elif name in KV_USAGE_NAMES:
+            usages.append(value)
+        elif name == "vllm:cache_config_info":
+            info = _labels(labels)
+            n = _int(info, "num_gpu_blocks")
+            if n is not None:
+                blocks.append(n)
+    if not seen:
+        return None
+    return EngineMetrics(int(running), int(waiting),
+                         sum(usages) / len(usages) if usages else 0.0,
+                         _int(info, "block_size"), sum(blocks) if blocks else None,
+                         info.get("prefix_caching_hash_algo") or None)

@@ -1,0 +1,44 @@
+"""vLLM's /metrics text read into the conductor's load: both KV-usage names, data-parallel
+engines summed, cache_config_info's labels, and a text that is not a vLLM's."""
+
+from __future__ import annotations
+
+from kvpool.serve.vllm.metrics_text import EngineMetrics, parse_metrics
+
+NEW = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 2.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 4.0
+vllm:num_requests_waiting{engine="1",model_name="m"} 0.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5
+vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.25
+vllm:cache_config_info{block_size="128",cache_dtype="auto",engine="0",num_gpu_blocks="100",prefix_caching_hash_algo="sha256_cbor"} 1.0
+vllm:cache_config_info{block_size="128",cache_dtype="auto",engine="1",num_gpu_blocks="100",prefix_caching_hash_algo="sha256_cbor"} 1.0
+vllm:prompt_tokens_total{engine="0",model_name="m"} 1.2e+04
+"""
+
+OLD = """\
+vllm:num_requests_running{model_name="m"} 1.0
+vllm:num_requests_waiting{model_name="m"} 2.0
+vllm:gpu_cache_usage_perc{model_name="m"} 0.75
+"""
+
+
+def test_new_names_are_summed_over_engines() -> None:
+    m = parse_metrics(NEW)
+    assert m == EngineMetrics(num_running=5, num_waiting=4, kv_usage=0.375, block_size=128,
+                              num_gpu_blocks=200, hash_algo="sha256_cbor")
+    assert m.kv_capacity_tokens == 25600
+
+
+def test_the_older_usage_name_and_no_cache_info() -> None:
+    m = parse_metrics(OLD)
+    assert m == EngineMetrics(num_running=1, num_waiting=2, kv_usage=0.75)
+    assert m.kv_capacity_tokens is None
+
+
+def test_a_text_without_vllm_samples_is_not_a_vllm() -> None:
+    assert parse_metrics("# HELP x\nkvpool_proxy_requests_total 3\nprocess_cpu 1.5\n") is None
+    assert parse_metrics("") is None

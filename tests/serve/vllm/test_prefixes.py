@@ -1,0 +1,44 @@
+"""The conductor's prefix match over vLLM instances' KV events: `InstancePrefixes` over a real
+`CacheIndex` (instance ids are positions in the cluster view, names are the instances' URLs),
+and the note of where a request went, which the index's hash check counts."""
+
+from __future__ import annotations
+
+from kvpool.conductor import PrefixMatch
+from kvpool.kvevents.events import BlockRemoved, BlockStored, EventBatch
+from kvpool.kvevents.hashing import BlockHasher
+from kvpool.kvevents.index import CacheIndex
+from kvpool.serve.vllm.prefixes import InstancePrefixes
+
+A, B, C = "http://a:1", "http://b:1", "http://c:1"
+
+
+def stored(index: CacheIndex, instance: str, hashes: list[int]) -> None:
+    index.apply(instance, EventBatch(ts=0.0, events=[BlockStored(block_hashes=list(hashes))]))
+
+
+def test_leading_blocks_per_instance_in_view_order() -> None:
+    hasher = BlockHasher("sha256", 4)
+    chain = hasher.block_hashes(list(range(16)))  # 4 blocks
+    index = CacheIndex()
+    stored(index, A, chain[:2])
+    stored(index, B, chain)
+    stored(index, C, chain[1:])  # not a leading run
+    prefixes = InstancePrefixes(index, [C, A, B])
+    assert prefixes.match(chain) == PrefixMatch({1: 2, 2: 4}, 4, 2)
+    index.apply(B, EventBatch(ts=1.0, events=[BlockRemoved(block_hashes=[chain[2]])]))
+    assert prefixes.match(chain) == PrefixMatch({1: 2, 2: 2}, 2, 1)
+    assert InstancePrefixes(index, [C]).match(chain) == PrefixMatch({}, 0, None)
+
+
+def test_routed_requests_feed_the_hash_check() -> None:
+    index = CacheIndex(alarm_after_lookups=2)
+    stored(index, A, [11, 12])
+    prefixes = InstancePrefixes(index, [A])
+    prefixes.routed(0, [99])
+    prefixes.routed(0, [])  # nothing computed (a salted request): not a lookup
+    assert not index.never_matched(A)
+    prefixes.routed(0, [98])
+    assert index.never_matched(A)
+    prefixes.routed(0, [11])
+    assert not index.never_matched(A)

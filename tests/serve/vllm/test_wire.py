@@ -1,0 +1,79 @@
+"""The vllm backend's request bodies and the replies and stream chunks it reads."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpool.engine.config import SamplingParams
+from kvpool.engine.sequence import TokenLogprob
+from kvpool.serve.vllm.wire import (
+    PREFILL_KV_PARAMS,
+    ReplyError,
+    completion_body,
+    read_choice,
+    sse_data,
+)
+
+
+def test_a_prefill_body_keeps_the_kv_for_a_remote_decode() -> None:
+    s = SamplingParams(max_tokens=50, min_tokens=5, seed=7, stop_token_ids=(2,), top_k=4,
+                       logit_bias={3: -1.0}, cache_salt="t1")
+    body = completion_body("m", [1, 2, 3], s, max_tokens=1, stream=False,
+                           kv_transfer_params=dict(PREFILL_KV_PARAMS))
+    assert body == {
+        "model": "m", "prompt": [1, 2, 3], "max_tokens": 1, "stream": False,
+        "temperature": 0.0, "top_p": 1.0, "return_token_ids": True, "ignore_eos": False,
+        "min_tokens": 1, "skip_special_tokens": False, "top_k": 4, "seed": 7,
+        "stop_token_ids": [2], "logit_bias": {"3": -1.0}, "cache_salt": "t1",
+        "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False,
+                               "remote_engine_id": None, "remote_block_ids": None,
+                               "remote_host": None, "remote_port": None}}
+
+
+def test_a_streamed_body_asks_for_usage_and_token_id_logprobs() -> None:
+    body = completion_body("m", [1], SamplingParams(logprobs=2), max_tokens=8, stream=True,
+                           kv_transfer_params=None)
+    assert body["stream_options"] == {"include_usage": True}
+    assert body["logprobs"] == 2 and body["return_tokens_as_token_ids"] is True
+    assert "kv_transfer_params" not in body and "seed" not in body
+
+
+def test_a_reply_gives_tokens_cached_tokens_and_the_handoff() -> None:
+    reply = {"id": "cmpl-1", "object": "text_completion",
+             "choices": [{"index": 0, "text": "x", "token_ids": [42], "finish_reason": "length",
+                          "logprobs": None}],
+             "usage": {"prompt_tokens": 3, "completion_tokens": 1,
+                       "prompt_tokens_details": {"cached_tokens": 2}},
+             "kv_transfer_params": {"do_remote_prefill": True, "remote_block_ids": [1, 2]}}
+    got = read_choice(reply, None)
+    assert (got.token_ids, got.finish_reason, got.num_cached_tokens) == ([42], "length", 2)
+    assert got.kv_transfer_params == {"do_remote_prefill": True, "remote_block_ids": [1, 2]}
+    assert got.logprobs == [None]
+
+
+def test_stream_chunks_with_logprobs_and_the_usage_chunk() -> None:
+    chunk = {"choices": [{"index": 0, "text": "ab", "token_ids": [5, 6], "finish_reason": None,
+                          "logprobs": {"tokens": ["token_id:5", "token_id:6"],
+                                       "token_logprobs": [-0.5, -1.0],
+                                       "top_logprobs": [{"token_id:5": -0.5, "token_id:9": -0.7,
+                                                         "token_id:8": -2.0},
+                                                        {"token_id:6": -1.0}]}}]}
+    got = read_choice(chunk, 2)
+    assert got.token_ids == [5, 6]
+    assert got.logprobs == [TokenLogprob(5, -0.5, ((5, -0.5), (9, -0.7))),
+                            TokenLogprob(6, -1.0, ((6, -1.0),))]
+    usage = read_choice({"choices": [], "usage": {"prompt_tokens": 4}}, None)
+    assert usage.token_ids == [] and usage.num_cached_tokens is None
+    assert sse_data("data: [DONE]") is None and sse_data(": keep-alive") is None
+    assert sse_data('data: {"a": 1}') == {"a": 1}
+
+
+def test_errors_and_replies_vllm_does_not_send() -> None:
+    with pytest.raises(ReplyError, match="too long"):
+        read_choice({"object": "error", "message": "prompt too long", "code": 400}, None)
+    with pytest.raises(ReplyError, match="return_token_ids"):
+        read_choice({"choices": [{"text": "hi", "finish_reason": None}]}, None)
+    with pytest.raises(ReplyError, match="malformed"):
+        sse_data("data: {not json")
+    with pytest.raises(ReplyError, match="not a JSON object"):
+        read_choice([1], None)
