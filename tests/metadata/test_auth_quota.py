@@ -102,7 +102,8 @@ def test_silent_connections_are_closed() -> None:
 
 def test_concurrency_is_limited() -> None:
     """Connections waiting for a request give way to a new one; busy ones get 503."""
-    with MetadataServer(port=0, http_limits=HttpLimits(max_concurrency=3)) as server:
+    limits = HttpLimits(max_concurrency=3, body_idle_s=60)  # bodies pending: busy here
+    with MetadataServer(port=0, http_limits=limits) as server:
         idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(3)]
         time.sleep(0.2)
         assert httpx.get(server.url, params={"key": "x"}).status_code == 404
@@ -122,10 +123,10 @@ def test_concurrency_is_limited() -> None:
         assert httpx.get(server.url, params={"key": "x"}).status_code == 404
 
 
-def test_bodies_stalled_past_the_head_deadline_give_way_at_the_limit() -> None:
-    """A body that has not come in within head_timeout_s holds its descriptor no better than
-    a trickled head: at the limit it is closed for a new connection."""
-    limits = HttpLimits(max_concurrency=3, idle_timeout_s=30, head_timeout_s=1.0)
+def test_bodies_stalled_past_their_idle_limit_give_way_at_the_limit() -> None:
+    """A body that has not advanced for body_idle_s holds its descriptor no better than a
+    trickled head: at the limit it is closed for a new connection."""
+    limits = HttpLimits(max_concurrency=3, idle_timeout_s=30, body_idle_s=1.0)
     with MetadataServer(port=0, http_limits=limits) as server:
         stalled = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(3)]
         for sock in stalled:

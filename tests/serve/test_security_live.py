@@ -708,3 +708,60 @@ def test_a_signed_call_dies_with_the_worker_that_took_it(tiny_model: Path) -> No
         assert again.status_code == 401 and '"token"' not in again.text
     finally:
         stop(proc)
+
+
+@pytest.mark.slow  # 1,100 connections against a proxy held to 1,024 descriptors
+def test_a_slow_body_flood_at_the_descriptor_limit_leaves_clients_served(
+        cluster: ServingCluster) -> None:
+    """A proxy whose hard limit is 1,024 descriptors, flooded by 1,100 connections that each
+    send a head and one byte of a 100 kB body: its connection cap stays within the
+    descriptors (no accept() failing in a loop), the stalled bodies give way, and a client's
+    completions are served within twice their solo latency (plus a second of slack for this
+    shared host)."""
+    import resource
+    import subprocess
+
+    from kvpool.procs import kvpool_argv
+    from kvpool.serve.launch import wait_http
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1400:
+        pytest.skip(f"this test opens 1,100 sockets; the hard limit here is {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        kvpool_argv("proxy", "--model", str(cluster.model_dir), "--port", str(port),
+                    *_workers(cluster)),
+        stdout=subprocess.DEVNULL, start_new_session=True,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024)))
+    flood: list[socket.socket] = []
+    body = {"model": cluster.model_name, "prompt": "the pool", "max_tokens": 2}
+
+    def timed(http: httpx.Client) -> float:
+        start = time.monotonic()
+        assert http.post("/v1/completions", json=body).status_code == 200
+        return time.monotonic() - start
+
+    try:
+        wait_http(url + "/health", [proc], "proxy")  # type: ignore[list-item]
+        with httpx.Client(base_url=url, timeout=30) as http:
+            solo = min(timed(http) for _ in range(3))
+        head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                b"\r\nContent-Length: 100000\r\n\r\n{")
+        for _ in range(1100):
+            try:
+                sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+                sock.sendall(head)
+                flood.append(sock)
+            except OSError:
+                pass
+        time.sleep(2.5)  # past body_idle_s: the flood's bodies are stalled
+        with httpx.Client(base_url=url, timeout=30) as http:
+            flooded = [timed(http) for _ in range(5)]
+        assert max(flooded) < 2 * solo + 1.0, (solo, flooded)
+        assert proc.poll() is None
+    finally:
+        for sock in flood:
+            sock.close()
+        stop(proc)  # type: ignore[arg-type]
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

@@ -45,6 +45,9 @@ class HttpLimits:
     head_timeout_s: float = 10.0
     """A request head (request line and headers) must be in within this long of the accept
     or of the previous response, however slowly it trickles, or the connection is closed."""
+    body_idle_s: float = 2.0
+    """At the concurrency limit, a connection whose request body has not advanced for this
+    long gives way to a new one, like a connection waiting for a head (a trickled body)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_concurrency <= 1 << 16:
@@ -52,6 +55,8 @@ class HttpLimits:
                               f"{self.max_concurrency}")
         if not 0 < self.idle_timeout_s <= 3600:
             raise ConfigError(f"idle_timeout_s must be in (0, 3600], got {self.idle_timeout_s}")
+        if not 0 < self.body_idle_s <= 3600:
+            raise ConfigError(f"body_idle_s must be in (0, 3600], got {self.body_idle_s}")
         if not 0 < self.head_timeout_s <= 3600:
             raise ConfigError(f"head_timeout_s must be in (0, 3600], got {self.head_timeout_s}")
         if not 1 <= self.backlog <= 65535:
@@ -66,16 +71,22 @@ class _SilentConnectionTimeout(H11Protocol):
     request closed to make room for a new one."""
 
     head_timeout_s = 10.0
+    body_idle_s = 2.0
     max_concurrency = 256
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.data_since = self.loop.time()
         self.timeout_keep_alive_task = self.loop.call_later(
             self.timeout_keep_alive, self.timeout_keep_alive_handler)
         self._head_task: asyncio.TimerHandle | None = None
         self._arm_head_deadline()
         if len(self.connections) >= self.max_concurrency:
             self._evict_waiting(len(self.connections) - self.max_concurrency + 1)
+
+    def data_received(self, data: bytes) -> None:
+        self.data_since = self.loop.time()
+        super().data_received(data)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
@@ -101,13 +112,13 @@ class _SilentConnectionTimeout(H11Protocol):
             self.transport.close()
 
     def _stalled(self) -> bool:
-        """Waiting for a request, or for the rest of a body that has taken longer than a
-        head may (a body that trickles holds a descriptor like a head that does)."""
+        """Waiting for a request, or for the rest of a body that has not advanced for
+        body_idle_s (a body that trickles holds a descriptor like a head that does)."""
         if self._waiting():
             return True
         cycle = self.cycle
         return (cycle is not None and not cycle.response_started and cycle.more_body
-                and self.loop.time() - self.head_since > self.head_timeout_s)
+                and self.loop.time() - self.data_since > self.body_idle_s)
 
     def _evict_waiting(self, count: int) -> None:
         """Close up to `count` other connections, those stalled longest first (waiting for
@@ -125,7 +136,8 @@ class _SilentConnectionTimeout(H11Protocol):
 
 def _protocol(limits: HttpLimits) -> type[_SilentConnectionTimeout]:
     return type("BoundedH11Protocol", (_SilentConnectionTimeout,), {
-        "head_timeout_s": limits.head_timeout_s, "max_concurrency": limits.max_concurrency})
+        "head_timeout_s": limits.head_timeout_s, "body_idle_s": limits.body_idle_s,
+        "max_concurrency": limits.max_concurrency})
 
 
 class QuietServer(uvicorn.Server):
