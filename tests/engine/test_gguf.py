@@ -59,6 +59,10 @@ def test_tokenizer_template_and_greedy_tokens_match(imported: tuple[Path, Path])
 def test_bad_files_get_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="not found"):
         import_gguf(tmp_path / "nope.gguf", tmp_path / "out")
+    for call in (lambda: import_gguf(tmp_path, tmp_path / "out"), lambda: cached_import(tmp_path)):
+        with pytest.raises(CheckpointError, match="is a folder; this takes one GGUF file.*needs "
+                                                  "no import: give it to --model"):
+            call()
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"not a gguf at all" * 10)
     with pytest.raises(CheckpointError, match="not a GGUF file"):

@@ -72,8 +72,7 @@ def _reader(path: Path) -> Any:
         from gguf import GGUFReader
     except ImportError:
         raise CheckpointError("reading GGUF needs the `gguf` package (pip install gguf)") from None
-    if not path.is_file():
-        raise CheckpointError(f"GGUF file not found: {path}")
+    _check_is_file(path)
     check_header(path)
     try:
         return GGUFReader(str(path))
@@ -315,8 +314,7 @@ def cached_import(path: str | Path) -> Path:
     `weights_digest`: a file rewritten in place is imported again). The import is written to a
     temporary folder and renamed, so an interrupted one is never used."""
     file = Path(path)
-    if not file.is_file():
-        raise CheckpointError(f"GGUF file not found: {file}")
+    _check_is_file(file)
     target = cache_dir() / f"{file.stem}-{gguf_digest(file)[:16]}"
     if (target / IMPORT_MARKER).is_file():
         return target
@@ -333,3 +331,14 @@ def cached_import(path: str | Path) -> Path:
         if not (target / IMPORT_MARKER).is_file():
             raise
     return target
+
+
+def _check_is_file(path: Path) -> None:
+    """CheckpointError unless `path` is a file; a folder gets told what it is for."""
+    if path.is_dir():
+        raise CheckpointError(
+            f"{path} is a folder; this takes one GGUF file (a .gguf). A Hugging Face folder "
+            "(config.json, *.safetensors, tokenizer.json) needs no import: give it to --model "
+            "as it is")
+    if not path.is_file():
+        raise CheckpointError(f"GGUF file not found: {path}")
