@@ -54,6 +54,7 @@ def test_overload_is_refused_with_429(cluster: ServingCluster, tmp_path: Path,
         refusals = [line for line in capfd.readouterr().err.splitlines() if " 429 " in line]
         assert refusals and all("rejected_ttft cost=cost_file base=0.2s " in line
                                 for line in refusals), refusals
+        assert all(" prompt=0 " not in line for line in refusals), refusals  # their prompts
     finally:
         stop(proc)
 

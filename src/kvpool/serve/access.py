@@ -3,7 +3,7 @@ last event, or a client gone). Logger `kvpool.serve.access`, at INFO even when t
 logs only warnings (`kvpool proxy --no-access-log` turns it off):
 
     POST /v1/chat/completions 200 prompt=31 output=16 cached=16 ttft=41ms total=380ms
-    POST /v1/completions 429 prompt=0 output=0 cached=0 ttft=- total=2ms rejected_ttft
+    POST /v1/completions 429 prompt=12 output=0 cached=0 ttft=- total=2ms rejected_ttft
 """
 
 from __future__ import annotations

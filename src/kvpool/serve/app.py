@@ -119,6 +119,7 @@ class Proxy:
             tenant = getattr(request.state, TENANT_KEY, None)
             prep = await asyncio.to_thread(prepare, parsed, kind, self,  # type: ignore[arg-type]
                                            tenant)
+            acc.prompt_tokens = sum(len(p) for p in prep.prompts)  # a refusal's line too
             choices = await self._start(prep, received_t)
             acc.ttft_s = time.perf_counter() - arrival_s
             self.metrics.ttft.observe(acc.ttft_s)
