@@ -192,3 +192,31 @@ def test_bounded_work_per_request(proxy: tuple[str, Path]) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
     long_stop = {"model": "served-name", "prompt": "x", "stop": "s" * 600}
     assert httpx.post(url + "/v1/completions", json=long_stop).status_code == 400
+
+
+def test_responses_and_access_lines_say_where_the_conductor_ran_them(
+        proxy: tuple[str, Path], cluster: ServingCluster) -> None:
+    """Headers name the prefill and decode workers, the reused tokens by source and the
+    predicted TTFT; the access line ends with the same."""
+    url, log = proxy
+    body = {"model": "served-name", "prompt": "where did it run? " * 20, "max_tokens": 2}
+    replies = [httpx.post(url + "/v1/completions", json=body, timeout=60) for _ in range(2)]
+    with httpx.stream("POST", url + "/v1/completions", json=body | {"stream": True},
+                      timeout=60) as streamed:
+        list(streamed.iter_lines())
+    for r in (*replies, streamed):
+        assert r.status_code == 200
+        assert r.headers["x-kvpool-prefill-worker"] in cluster.worker_urls["prefill"]
+        assert r.headers["x-kvpool-decode-worker"] in cluster.worker_urls["decode"]
+        assert float(r.headers["x-kvpool-predicted-ttft-ms"]) >= 0
+    local, pool = (int(part.split("=")[1])
+                   for part in replies[1].headers["x-kvpool-reused-tokens"].split(","))
+    assert local + pool > 0  # the second time, the prefix is cached somewhere
+    r = replies[1]
+    line = (f"prefill={r.headers['x-kvpool-prefill-worker']} "
+            f"decode={r.headers['x-kvpool-decode-worker']} reused=local:{local},pool:{pool} "
+            f"predicted_ttft={r.headers['x-kvpool-predicted-ttft-ms']}ms")
+    deadline = time.monotonic() + 10
+    while line not in log.read_text():
+        assert time.monotonic() < deadline, (line, log.read_text()[-2000:])
+        time.sleep(0.1)

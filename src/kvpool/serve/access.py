@@ -32,10 +32,12 @@ class Access:
     ttft_s: float | None = None
     note: str = ""
     """What went wrong, if anything (an error code, `client gone`)."""
+    route: str = ""
+    """Where the conductor ran it (serve/route.py), once it was placed."""
 
     def line(self, now_s: float) -> str:
         ttft = "-" if self.ttft_s is None else f"{self.ttft_s * 1e3:.0f}ms"
-        tail = f" {self.note}" if self.note else ""
+        tail = "".join(f" {part}" for part in (self.route, self.note) if part)
         return (f"{self.method} {self.path} {self.status} prompt={self.prompt_tokens} "
                 f"output={self.output_tokens} cached={self.cached_tokens} ttft={ttft} "
                 f"total={(now_s - self.start_s) * 1e3:.0f}ms{tail}")

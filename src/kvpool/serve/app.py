@@ -60,6 +60,7 @@ from kvpool.serve.protocol import (
 )
 from kvpool.serve.requests import PreparedRequest, prepare
 from kvpool.serve.responses import Choice, full_body, sse_stream, usage_of
+from kvpool.serve.route import route_headers, route_note
 from kvpool.serve.text import TextStream
 from kvpool.serve.tokenize import detokenize, tokenize
 from kvpool.serve.tokenizer import ModelTokenizer
@@ -134,7 +135,8 @@ class Proxy:
             return StreamingResponse(self._logged(sse_stream(self, prep, choices, acc), acc,
                                                   prep, choices),
                                      media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+                                     headers={"Cache-Control": "no-cache"}
+                                     | route_headers(choices[0].run))
         return await self._collect(endpoint, prep, choices, acc, request)
 
     async def _logged(self, events: AsyncIterator[bytes], acc: Access, prep: PreparedRequest,
@@ -154,6 +156,7 @@ class Proxy:
         use = usage_of(prep, choices)
         acc.prompt_tokens, acc.output_tokens = use["prompt_tokens"], use["completion_tokens"]
         acc.cached_tokens = use["prompt_tokens_details"]["cached_tokens"]
+        acc.route = route_note(choices[0].run) if choices else ""
         acc.done(time.perf_counter())
 
     async def _start(self, prep: PreparedRequest, received_t: float) -> list[Choice]:
@@ -210,7 +213,7 @@ class Proxy:
         if failure is not None:
             raise failure
         self._account(acc, prep, choices)
-        return JSONResponse(body.result())
+        return JSONResponse(body.result(), headers=route_headers(choices[0].run))
 
     def _error(self, endpoint: str, exc: ApiError, acc: Access | None = None) -> JSONResponse:
         self.metrics.requests.labels(endpoint, str(exc.status)).inc()

@@ -234,12 +234,19 @@ class Run:
         """KV bytes the prefill leg read from the pool and wrote to it (or pushed)."""
         self.cached_len = 0
         """Prompt tokens whose KV was reused (local cache + pool), as the prefill worker says."""
+        self.pool_len = 0
+        """Of those, tokens whose KV came from the pool (the rest: the worker's own cache)."""
         self._tried: set[str] = set()
         """Workers this request failed on (it is resumed on each other worker once at most)."""
         self._decode_url: str | None = None
         """The worker of the current decode leg."""
         self._handoff: dict[str, Any] | None = None
         """The prefill leg's own handoff for the decode leg (an engine's kv_transfer_params)."""
+
+    @property
+    def decode_url(self) -> str:
+        """The worker of the current (or last) decode leg: the booked one unless resumed."""
+        return self._decode_url or self.b.decode.url
 
     @property
     def _mode(self) -> KVMode:
@@ -328,6 +335,7 @@ class Run:
                               "/prefill")
         self.d.cluster.prefill_done(self.b, self.d.clock.now())
         self.cached_len = reply.num_cached_tokens + reply.num_pool_tokens
+        self.pool_len = reply.num_pool_tokens
         self._handoff = reply.kv_transfer_params
         first = self.d.client.features.first_token_from_prefill
         if first:
@@ -399,7 +407,7 @@ class Run:
 
     def _colocated_reuse(self, finish: FinishLine) -> None:
         reused = finish.num_cached_tokens + finish.num_pool_tokens
-        self.cached_len = reused
+        self.cached_len, self.pool_len = reused, finish.num_pool_tokens
         self.d.metrics.prefix_hit_tokens.inc(reused)
 
     def _colocated_first_token(self) -> None:
