@@ -47,6 +47,10 @@ def test_up_serves_restarts_a_killed_worker_and_sigterm_stops_everything(
         url = f"http://127.0.0.1:{port}"
         wait_ready(proc, url, log)
         assert len(marked_pids(marker)) >= 6  # up, master, store node, 2 workers, proxy
+        stages = [re.escape(s) for s in ("kvpool up: model ", "checked", "kvpool up: master ready",
+                                         "store node(s) mounted", "prefill worker ready",
+                                         "decode worker ready", "proxy ready", "try: curl")]
+        assert re.search(".*".join(stages), log.read_text(), re.S), log.read_text()
         body = {"model": "tiny", "prompt": "hello", "max_tokens": 4}
         assert httpx.post(url + "/v1/completions", timeout=60, json=body).status_code == 401
         keyed = {"Authorization": f"Bearer {key}"}

@@ -21,7 +21,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -101,6 +101,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-scale", type=float, default=1 / 1024,
                    help="--engine emulated: share of the profile's KV bytes moved")
     p.add_argument("--demo", action="store_true", help="run the demo workload, then shut down")
+    p.add_argument("--quiet", action="store_true",
+                   help="no line per start-up stage (the ready banner and errors only)")
     p.add_argument("--no-bench", action="store_true",
                    help="--store-only --demo: skip the transfer benchmark")
     add_security_args(p, "every process of the cluster requires (default: a random one "
@@ -178,9 +180,12 @@ def _run_serving(args: argparse.Namespace) -> int:
     if not _secure_or_refuse(args):
         return 2
     _export_api_keys(args)
+    say = _stage_printer(args)
     try:
+        say("finding the model (a GGUF file is imported once, which takes a while)")
         model = resolve_model(args.model or ("tiny" if args.engine == "emulated" else None))
         check_checkpoint(model)  # before any process starts: one line, not a worker's traceback
+        say(f"model {model} checked")
         proxy_args: tuple[str, ...] = ("--prefill-policy", args.prefill_policy, "--admission",
                                        args.admission, "--kv-transfer", args.kv_transfer)
         worker_args: tuple[str, ...] = ()
@@ -204,7 +209,7 @@ def _run_serving(args: argparse.Namespace) -> int:
         spec = ServingSpec(model, args.host, args.port, args.prefill, args.decode,
                            args.colocated, args.dram, args.store_nodes or 1, proxy_args,
                            worker_args, insecure=args.insecure)
-        with serving_cluster(spec) as cluster:
+        with serving_cluster(spec, say) as cluster:
             _print_serving(cluster, _token_line(args), args.served_model_name,
                            bool(api_keys_from(args)))
             if args.demo:
@@ -309,6 +314,13 @@ def _emulated(args: argparse.Namespace,
                "--kv-scale", str(args.kv_scale), "--max-model-len", str(EMULATED_MAX_MODEL_LEN),
                "--max-prefill-chunk", str(EMULATED_MAX_MODEL_LEN), "--max-prefill-seqs", "1")
     return model, proxy, workers
+
+
+def _stage_printer(args: argparse.Namespace) -> Callable[[str], None]:
+    """Prints `kvpool up: <stage>` as start-up goes (nothing with --quiet)."""
+    if args.quiet:
+        return lambda _: None
+    return lambda what: print(f"kvpool up: {what}", flush=True)
 
 
 def _export_api_keys(args: argparse.Namespace) -> None:

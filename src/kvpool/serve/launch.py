@@ -205,12 +205,14 @@ class ServingSpec:
 
 
 @contextmanager
-def serving_cluster(spec: ServingSpec) -> Iterator[ServingCluster]:
+def serving_cluster(spec: ServingSpec,
+                    say: Callable[[str], None] | None = None) -> Iterator[ServingCluster]:
     """Master (+ metadata), one store node, the workers and the proxy; all stopped on exit.
     KvpoolError before any process starts when the proxy's port is taken (by another cluster,
     whose proxy would otherwise answer the readiness checks of this one)."""
     host = spec.host
     check_ports(host, {"--port": spec.port})
+    stage = _Stages(say)
     rpc, admin, meta = free_port(host), free_port(host), free_port(host)
     cluster = ServingCluster(host, f"http://{host}:{spec.port}", spec.model_dir,
                              served_name(spec.model_dir))
@@ -223,6 +225,7 @@ def serving_cluster(spec: ServingSpec) -> Iterator[ServingCluster]:
         master = start("master", "master", "--host", host, "--rpc-port", str(rpc),
                        "--admin-port", str(admin), "--metadata-port", str(meta))
         wait_http(f"http://{host}:{admin}/health", [master], "master")
+        stage.done(f"master ready at {host}:{rpc}")
         master_addr, metadata = f"{host}:{rpc}", f"http://{host}:{meta}/metadata"
         cluster.master_address, cluster.metadata_url = master_addr, metadata
         cluster.admin_url = f"http://{host}:{admin}"
@@ -230,6 +233,7 @@ def serving_cluster(spec: ServingSpec) -> Iterator[ServingCluster]:
             start(f"store-node-{i}", "store-node", "--dram", spec.dram, "--master", master_addr,
                   "--host", host, "--metadata", metadata)
         wait_segments(cluster.admin_url, spec.num_store_nodes, list(cluster.procs.values()))
+        stage.done(f"{spec.num_store_nodes} store node(s) mounted ({spec.dram} each)")
         roles = (["prefill"] * spec.num_prefill + ["decode"] * spec.num_decode
                  + ["both"] * spec.num_colocated)
         for i, role in enumerate(roles):
@@ -238,16 +242,35 @@ def serving_cluster(spec: ServingSpec) -> Iterator[ServingCluster]:
                   "--host", host, "--port", str(port), "--master", master_addr,
                   *spec.worker_args, *(("--api", "vllm") if spec.backend == "vllm" else ()))
             cluster.worker_urls.setdefault(role, []).append(f"http://{host}:{port}")
-        for urls in cluster.worker_urls.values():
+        stage.note(f"{len(roles)} workers starting (each loads the model)")
+        for role, urls in cluster.worker_urls.items():
             for url in urls:
                 wait_http(url + "/health", list(cluster.procs.values()), "a worker",
                           timeout_s=120)
+                stage.done(f"{role} worker ready at {url}")
         start("proxy", "proxy", "--model", str(spec.model_dir), "--host", host,
               "--port", str(spec.port), *_worker_flags(cluster, spec.backend),
               *spec.proxy_args)
         wait_http(cluster.proxy_url + "/health", list(cluster.procs.values()),
                   "the serving cluster", timeout_s=120)
+        stage.done(f"proxy ready at {cluster.proxy_url}")
         yield cluster
+
+
+class _Stages:
+    """One line per start-up stage as it ends, with the seconds since the start (`say`:
+    where to; None: silent)."""
+
+    def __init__(self, say: Callable[[str], None] | None) -> None:
+        self.say, self.start_s = say, time.monotonic()
+
+    def note(self, what: str) -> None:
+        if self.say is not None:
+            self.say(f"{what}...")
+
+    def done(self, what: str) -> None:
+        if self.say is not None:
+            self.say(f"{what} ({time.monotonic() - self.start_s:.1f} s)")
 
 
 def _worker_flags(cluster: ServingCluster, backend: str) -> list[str]:
