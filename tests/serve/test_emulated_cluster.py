@@ -74,6 +74,16 @@ def prompt(seed: int, n: int) -> list[int]:
     return [16 + (seed * 7919 + i * 104729) % 496 for i in range(n)]
 
 
+def test_what_the_emulated_engine_cannot_do_is_a_400(pool: tuple[ServingCluster, Any]) -> None:
+    """It computes no logits: logprobs or a logit_bias are the client's 400 naming why, not
+    a 502 (the worker refused the request, it did not fail)."""
+    cluster, _ = pool
+    for extra in ({"logprobs": 2}, {"logit_bias": {"20": 5}}):
+        r = complete(cluster.proxy_url, cluster.model_name, prompt(3, 20), 2, **extra)
+        assert r.status_code == 400, r.text
+        assert "computes no logits" in r.json()["error"]["message"]
+
+
 def test_outputs_through_the_pool_and_by_push(pool: tuple[ServingCluster, Any],
                                               emulated_model: Path) -> None:
     cluster, _ = pool

@@ -125,7 +125,7 @@ class Proxy:
             acc.ttft_s = time.perf_counter() - arrival_s
             self.metrics.ttft.observe(acc.ttft_s)
         except WorkerCallError as exc:
-            return self._error(endpoint, worker_failed(str(exc)), acc)
+            return self._error(endpoint, worker_failed(str(exc), exc.status), acc)
         except StopAsyncIteration:
             return self._error(endpoint, worker_failed("the worker produced no token"), acc)
         except ApiError as exc:

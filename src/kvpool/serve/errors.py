@@ -58,7 +58,12 @@ def unauthorized() -> ApiError:
                     code="invalid_token")
 
 
-def worker_failed(message: str) -> ApiError:
+def worker_failed(message: str, worker_status: int | None = None) -> ApiError:
+    """A leg that failed: a 502, unless the worker refused the request itself as invalid (its
+    400: what its engine cannot do, e.g. logprobs on the emulated engine), which is the
+    client's 400."""
+    if worker_status == 400:
+        return ApiError(400, message, code="unsupported_by_engine")
     return ApiError(502, message, type="worker_error", code="worker_failed")
 
 
