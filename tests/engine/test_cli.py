@@ -32,6 +32,20 @@ def test_bench_engine_smoke(tiny_llama: Path, capsys: pytest.CaptureFixture[str]
     assert all(r["value"] > 0 for r in rows)
 
 
+def test_generate_chat_without_a_template_is_one_line(tiny_llama: Path, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    import shutil
+    folder = tmp_path / "no-template"
+    shutil.copytree(tiny_llama, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    assert main(["generate", "hi", "--chat", "--model", str(folder), "--max-tokens", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.splitlines() == ["kvpool generate: this tokenizer has no chat_template; drop "
+                                "--chat to send the prompt as it is"]
+
+
 def test_generate_in_process(tiny_llama: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["generate", "hello world", "--model", str(tiny_llama), "--max-tokens", "5"]) == 0
     count = re.search(r"\[(\d+) tokens\]", capsys.readouterr().err)

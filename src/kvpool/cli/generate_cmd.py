@@ -33,6 +33,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """One line and exit 1 for what the model or workers refuse (a folder without a chat
+    template asked for --chat, a bad checkpoint), not a traceback."""
+    from kvpool.errors import KvpoolError
+    try:
+        return _run(args)
+    except KvpoolError as exc:
+        hint = ("; drop --chat to send the prompt as it is"
+                if args.chat and "chat_template" in str(exc) else "")
+        print(f"kvpool generate: {exc}{hint}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
     import httpx
 
     from kvpool.engine.checkpoint import load_tokenizer
