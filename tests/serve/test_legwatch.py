@@ -11,7 +11,7 @@ import pytest
 
 from kvpool.errors import WorkerCallError
 from kvpool.serve.cluster import WorkerState
-from kvpool.serve.legwatch import LegWatch
+from kvpool.serve.legwatch import LegWatch, watched
 
 
 async def lines(gate: asyncio.Event, n: int) -> AsyncIterator[int]:
@@ -79,4 +79,16 @@ def test_a_cancel_from_elsewhere_stays_a_cancel() -> None:
         with pytest.raises(asyncio.CancelledError):
             await task
         watch.close()
+    asyncio.run(main())
+
+
+def test_a_single_watched_call_ends_with_the_worker() -> None:
+    async def main() -> None:
+        worker = WorkerState("http://w")
+        assert await watched(asyncio.sleep(0, "reply"), worker, "/prefill") == "reply"
+        asyncio.get_running_loop().call_later(0.05, worker.down.set)
+        with pytest.raises(WorkerCallError, match="/prefill: worker stopped answering"):
+            await watched(asyncio.sleep(3600), worker, "/prefill")
+        with pytest.raises(WorkerCallError, match="out of rotation"):
+            await watched(asyncio.sleep(0), worker, "/prefill")
     asyncio.run(main())

@@ -16,9 +16,9 @@ import asyncio
 import itertools
 import math
 from collections import deque
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import replace
-from typing import Any, TypeVar
+from typing import Any
 
 from kvpool.clock import Clock
 from kvpool.conductor import (
@@ -43,15 +43,13 @@ from kvpool.engine.worker.messages import (
 from kvpool.errors import WorkerCallError
 from kvpool.log import get_logger
 from kvpool.serve.backend import EngineBackend
-from kvpool.serve.cancel import cancel_and_wait
 from kvpool.serve.cluster import DECODE_ROLES, Booking, LiveCluster, WorkerState
 from kvpool.serve.config import ProxyConfig
 from kvpool.serve.errors import no_workers, rejected, slo_unreachable
-from kvpool.serve.legwatch import LegWatch
+from kvpool.serve.legwatch import LegWatch, watched
 from kvpool.serve.metrics import ProxyMetrics
 from kvpool.serve.samples import MeasuredSamples
 
-T = TypeVar("T")
 log = get_logger("serve.dispatch")
 
 REFIT_EVERY = 8
@@ -188,26 +186,6 @@ def migratable(exc: WorkerCallError) -> bool:
     return exc.status is None or exc.status >= 500
 
 
-async def guarded(aw: Awaitable[T], worker: WorkerState, call: str) -> T:
-    """`await aw`, unless `worker` leaves the rotation first (WorkerCallError). However this
-    ends (a client gone included), `aw` has ended too."""
-    task = asyncio.ensure_future(aw)
-    if worker.down.is_set():
-        await cancel_and_wait(task)
-        raise WorkerCallError(worker.url, call, "worker is out of rotation")
-    down = asyncio.ensure_future(worker.down.wait())
-    try:
-        await asyncio.wait({task, down}, return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        await cancel_and_wait(task, down)
-        raise
-    down.cancel()
-    if task.done():
-        return task.result()
-    await cancel_and_wait(task)
-    raise WorkerCallError(worker.url, call, "worker stopped answering its health checks")
-
-
 class Run:
     def __init__(self, dispatcher: Dispatcher, booking: Booking, request_id: str,
                  prompt_ids: list[int], sampling: SamplingParams) -> None:
@@ -331,7 +309,7 @@ class Run:
         kv = KVTransfer(mode=mode, decode_url=self.b.decode.url if mode == "push" else None)
         req = PrefillRequest(request_id=self.request_id, prompt_token_ids=self.prompt_ids,
                              sampling=self.sampling, kv_transfer=kv)
-        reply = await guarded(self.d.client.prefill(self.b.prefill.url, req), self.b.prefill,
+        reply = await watched(self.d.client.prefill(self.b.prefill.url, req), self.b.prefill,
                               "/prefill")
         self.d.cluster.prefill_done(self.b, self.d.clock.now())
         self.cached_len = reply.num_cached_tokens + reply.num_pool_tokens

@@ -1,10 +1,10 @@
 """One watcher per streamed leg: a worker that leaves the rotation cuts the read in progress.
 
-`dispatch.guarded` races one call against the worker's `down` event with two tasks, a wait and
-a cancel; per relayed token that was the proxy's largest single cost. With a `LegWatch` per
-decode leg instead, the proxy's CPU per relayed SSE chunk fell from 144-181 to 115-135 us
-(`kvpool up --engine emulated --speed-up 1000`, 100 streams of 256 tokens, before and after
-alternating in one run; the prefill leg, one call per request, keeps `guarded`). It holds one
+Racing each read against the worker's `down` event with two tasks, a wait and a cancel (as the
+proxy once did) was its largest single cost per relayed token. With a `LegWatch` per leg
+instead, the proxy's CPU per relayed SSE chunk fell from 144-181 to 115-135 us (`kvpool up
+--engine emulated --speed-up 1000`, 100 streams of 256 tokens, before and after alternating
+in one run). A single call (the prefill leg) is `watched`. It holds one
 waiter on `down` for the whole leg and, only while a read is in progress (`read`), cancels
 the reading task when it fires, as `asyncio.timeout` does:
 
@@ -76,3 +76,13 @@ def _close(aw: Awaitable[object]) -> None:
     close = getattr(aw, "close", None)
     if close is not None:
         close()
+
+
+async def watched(aw: Awaitable[T], worker: WorkerState, call: str) -> T:
+    """`await aw` as one read of a leg of its own: WorkerCallError if `worker` leaves the
+    rotation first or meanwhile."""
+    watch = LegWatch(worker, call)
+    try:
+        return await watch.read(aw)
+    finally:
+        watch.close()
