@@ -235,6 +235,14 @@ them (uvicorn: 5 s by default, 30 s for kvpool workers): a request sent on a con
 server is closing at that moment fails (ReadError) though nothing was wrong."""
 
 
+def asgi_header(scope: Any, name: bytes) -> str:
+    """The value of header `name` (lower case) in an ASGI HTTP scope; "" when absent."""
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return bytes(value).decode("latin-1")
+    return ""
+
+
 def bearer_header(token: str | None) -> dict[str, str]:
     """The Authorization header that carries `token`; none without a token."""
     return {"Authorization": f"Bearer {token}"} if token else {}

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvpool.metadata.http_serving import asgi_header
 from kvpool.serve.errors import ApiError
 
 API_PATHS = ("/tokenize", "/detokenize")
@@ -108,7 +109,7 @@ class ApiKeyGate:
         if wait_s > 0:
             await _send_error(send, too_many_failures(wait_s))
             return
-        key = matching_key(_header(scope, b"authorization"), self.keys)
+        key = matching_key(asgi_header(scope, b"authorization"), self.keys)
         if key is None:
             self.limiter.failed(client, now)
             await _send_error(send, invalid_api_key())
@@ -116,13 +117,6 @@ class ApiKeyGate:
         if self.salt:
             scope.setdefault("state", {})[TENANT_KEY] = tenant_of(key)
         await self.app(scope, receive, send)
-
-
-def _header(scope: dict[str, Any], name: bytes) -> str | None:
-    for key, value in scope.get("headers", []):
-        if key.lower() == name:
-            return bytes(value).decode("latin-1")
-    return None
 
 
 async def _send_error(send: Any, exc: ApiError) -> None:

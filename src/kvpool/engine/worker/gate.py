@@ -25,7 +25,7 @@ from typing import Any
 from kvpool.engine.worker import auth
 from kvpool.errors import AuthError
 from kvpool.log import RateLimitedLog, get_logger
-from kvpool.metadata.http_serving import bearer_matches
+from kvpool.metadata.http_serving import asgi_header, bearer_matches
 
 log = get_logger("engine.worker.gate")
 
@@ -65,7 +65,7 @@ class PreAuthGate:
         ident = self.identity()
         if scope["type"] != "http" or scope["path"] in self.open_paths or not ident.token:
             return await self.app(scope, receive, send)
-        header = _header(scope, b"authorization")
+        header = asgi_header(scope, b"authorization")
         if bearer_matches(header, ident.token):
             return await self.app(scope, receive, send)
         try:
@@ -75,7 +75,7 @@ class PreAuthGate:
             self.refusals.warn("refused a call to %s before its body: %s", scope["path"], exc)
             return await _reply(send, 401, "missing or wrong bearer token",
                                 "authentication_error")
-        declared = _header(scope, b"content-length")
+        declared = asgi_header(scope, b"content-length")
         if declared.isdigit() and int(declared) > MAX_CALL_BODY_BYTES:
             return await _too_large(send)
         try:
@@ -86,13 +86,6 @@ class PreAuthGate:
         if body is None:
             return await _too_large(send)
         await self.app(scope, _replay(body, receive), send)
-
-
-def _header(scope: Scope, name: bytes) -> str:
-    for key, value in scope.get("headers", ()):
-        if key.lower() == name:
-            return bytes(value).decode("latin-1")
-    return ""
 
 
 async def _read_capped(receive: Receive) -> bytes | None:
