@@ -162,24 +162,9 @@ def _run_serving(args: argparse.Namespace) -> int:
     from kvpool.serve.launch import ServingSpec, serving_cluster
     from kvpool.serve.models import resolve_model
 
-    if args.store_nodes is not None and args.store_nodes < 1:
-        print("kvpool up: --store-nodes must be >= 1", file=sys.stderr)
-        return 2
-    if args.prefill + args.colocated < 1 or args.decode + args.colocated < 1:
-        print("kvpool up: need at least one prefill and one decode worker "
-              "(--prefill/--decode, or --colocated)", file=sys.stderr)
-        return 2
-    try:  # before anything is written: a busy port is another cluster's, and so its file
-        check_ports(args.host, {"--port": args.port})
-    except KvpoolError as exc:
-        print(f"kvpool up: {exc}", file=sys.stderr)
-        return 1
-    if not args.token and not args.no_token:  # every child of the cluster runs with one
-        args.token = new_token_file(token_file(args.port))
-        args.token_file = token_file(args.port)  # only once made: the finally removes it
-    if not _secure_or_refuse(args):
-        return 2
-    _export_api_keys(args)
+    refused = _prepare_serving(args)
+    if refused:
+        return refused
     say = _stage_printer(args)
     try:
         say("finding the model (a GGUF file is imported once, which takes a while)")
@@ -226,6 +211,31 @@ def _run_serving(args: argparse.Namespace) -> int:
         for made in ("token_file", "counts_file"):
             if getattr(args, made, None) is not None:
                 getattr(args, made).unlink(missing_ok=True)
+
+
+def _prepare_serving(args: argparse.Namespace) -> int:
+    """Check the layout and the proxy's port, then make the token file and export the
+    secrets, in that order (nothing is written for a cluster that cannot start); the exit
+    status of a refusal, else 0."""
+    if args.store_nodes is not None and args.store_nodes < 1:
+        print("kvpool up: --store-nodes must be >= 1", file=sys.stderr)
+        return 2
+    if args.prefill + args.colocated < 1 or args.decode + args.colocated < 1:
+        print("kvpool up: need at least one prefill and one decode worker "
+              "(--prefill/--decode, or --colocated)", file=sys.stderr)
+        return 2
+    try:  # before anything is written: a busy port is another cluster's, and so its file
+        check_ports(args.host, {"--port": args.port})
+    except KvpoolError as exc:
+        print(f"kvpool up: {exc}", file=sys.stderr)
+        return 1
+    if not args.token and not args.no_token:  # every child of the cluster runs with one
+        args.token = new_token_file(token_file(args.port))
+        args.token_file = token_file(args.port)  # only once made: the finally removes it
+    if not _secure_or_refuse(args):
+        return 2
+    _export_api_keys(args)
+    return 0
 
 
 def _run_hosts(args: argparse.Namespace, model: Path, proxy_args: tuple[str, ...],
