@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from kvpool.serve.launch import ChildTable
+from kvpool.serve.launch import ChildTable, Command
 
 
 @dataclass
@@ -19,7 +19,7 @@ class LocalCluster(ChildTable):
     metadata_port: int
     token: str | None = None
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
-    commands: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    commands: dict[str, Command] = field(default_factory=dict)
 
     @property
     def master(self) -> subprocess.Popen[bytes]:

@@ -79,6 +79,9 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-events-replay", action="append", default=[], metavar="URL=ENDPOINT",
                    help="vllm: an instance's replay endpoint (its --kv-events-config "
                         "replay_endpoint), read when it joins, restarts or skips events")
+    p.add_argument("--pool-topic", default=_D.pool_topic, metavar="TOPIC",
+                   help="vllm: the topic of the pool's KV events (the kvpool master's "
+                        "--kv-events-topic, sent to --kv-events; '' = ignore the pool)")
     p.add_argument("--hash-algo", default=_D.hash_algo, choices=("", "sha256", "sha256_cbor"),
                    help="vllm: the instances' --prefix-caching-hash-algo (default: what their "
                         "/metrics report, else sha256)")
@@ -121,7 +124,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         colocated_urls=tuple(args.colocated), backend=args.backend,
         direct_below_tokens=args.direct_below_tokens,
         engine_model=args.engine_model, engine_block_size=args.engine_block_size,
-        kv_events=args.kv_events, hash_algo=args.hash_algo, hash_seed=args.hash_seed,
+        kv_events=args.kv_events, pool_topic=args.pool_topic, hash_algo=args.hash_algo, hash_seed=args.hash_seed,
         kv_events_replay=tuple(_pair(v) for v in args.kv_events_replay),
         prefill_policy=args.prefill_policy, admission=args.admission,
         ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,

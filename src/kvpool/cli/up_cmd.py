@@ -38,6 +38,8 @@ from kvpool.cli.security import (
     token_file,
 )
 from kvpool.cli.up_supervise import add_restart_args, counts_file, restart_config, supervise
+from kvpool.cli.up_vllm import add_backend_args, vllm_spec
+from kvpool.cli.up_vllm import refusal as backend_refusal
 from kvpool.conductor import ADMISSION_POLICIES, PREFILL_POLICIES
 from kvpool.engine.config import DTYPES
 from kvpool.errors import ConfigError, KvpoolError
@@ -110,6 +112,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_api_key_args(p)
     _add_layout_args(p)
     add_restart_args(p)
+    add_backend_args(p)
     p.set_defaults(func=run)
 
 
@@ -193,7 +196,8 @@ def _run_serving(args: argparse.Namespace) -> int:
             proxy_args += ("--restart-counts", str(args.counts_file))
         spec = ServingSpec(model, args.host, args.port, args.prefill, args.decode,
                            args.colocated, args.dram, args.store_nodes or 1, proxy_args,
-                           worker_args, insecure=args.insecure)
+                           worker_args, insecure=args.insecure, backend=args.backend,
+                           vllm=vllm_spec(args, worker_args))
         with serving_cluster(spec, say) as cluster:
             _print_serving(cluster, _token_line(args), args.served_model_name,
                            bool(api_keys_from(args)))
@@ -223,6 +227,10 @@ def _prepare_serving(args: argparse.Namespace) -> int:
     if args.prefill + args.colocated < 1 or args.decode + args.colocated < 1:
         print("kvpool up: need at least one prefill and one decode worker "
               "(--prefill/--decode, or --colocated)", file=sys.stderr)
+        return 2
+    refused = backend_refusal(args)
+    if refused:
+        print(f"kvpool up: {refused}", file=sys.stderr)
         return 2
     try:  # before anything is written: a busy port is another cluster's, and so its file
         check_ports(args.host, {"--port": args.port})

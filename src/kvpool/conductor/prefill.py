@@ -31,11 +31,20 @@ class _Base:
     def _tokens(self, req: RequestInfo, blocks: int) -> int:
         return min(blocks * self.config.block_size, req.input_len)
 
+    def _reach(self, req: RequestInfo, match: PrefixMatch, local_blocks: int) -> tuple[int, int, float]:
+        """(prefix tokens, local prefix tokens, load s) of an instance holding `local_blocks`:
+        its engine loads from the pool whatever the pool holds past its own prefix."""
+        local = self._tokens(req, local_blocks)
+        pooled = self._tokens(req, match.pool_blocks)
+        if pooled <= local:
+            return local, local, 0.0
+        return pooled, local, self.cost.kv_transfer_s(pooled - local)
+
     def local_choice(self, req: RequestInfo, match: PrefixMatch, view: ClusterView,
                      instance_id: int, now: float) -> PrefillChoice:
-        prefix = self._tokens(req, match.blocks_on(instance_id))
-        return PrefillChoice(instance_id, prefix, prefix, None,
-                             view.prefill[instance_id].queue_s(now), 0.0,
+        prefix, local, load_s = self._reach(req, match, match.blocks_on(instance_id))
+        return PrefillChoice(instance_id, prefix, local, None,
+                             view.prefill[instance_id].queue_s(now), load_s,
                              self.cost.prefill_with_load_s(req.input_len, prefix))
 
 
@@ -76,18 +85,21 @@ class CacheAwarePolicy(_Base):
 
     def choose(self, req: RequestInfo, match: PrefixMatch, view: ClusterView,
                now: float) -> PrefillChoice:
-        prefill_s: dict[int, float] = {}
-        best = (0.0, -1, 0)
+        plans: dict[int, tuple[int, int, float, float]] = {}
+        best_ttft, best_inst, best_local = 0.0, -1, 0
         for p in view.prefill:
-            prefix = self._tokens(req, match.lens.get(p.instance_id, 0))
-            if prefix not in prefill_s:
-                prefill_s[prefix] = self.cost.prefill_with_load_s(req.input_len, prefix)
-            ttft = max(0.0, p.busy_until_s - now) + prefill_s[prefix]
-            if best[1] < 0 or ttft < best[0]:
-                best = (ttft, p.instance_id, prefix)
-        _, inst, prefix = best
-        return PrefillChoice(inst, prefix, prefix, None, view.prefill[inst].queue_s(now), 0.0,
-                             prefill_s[prefix])
+            local = match.lens.get(p.instance_id, 0)
+            plan = plans.get(local)
+            if plan is None:
+                prefix, local_tokens, load_s = self._reach(req, match, local)
+                plan = plans[local] = (prefix, local_tokens, load_s,
+                                       self.cost.prefill_with_load_s(req.input_len, prefix))
+            ttft = max(0.0, p.busy_until_s - now) + plan[2] + plan[3]
+            if best_inst < 0 or ttft < best_ttft:
+                best_ttft, best_inst, best_local = ttft, p.instance_id, local
+        prefix, local_tokens, load_s, prefill_s = plans[best_local]
+        return PrefillChoice(best_inst, prefix, local_tokens, None,
+                             view.prefill[best_inst].queue_s(now), load_s, prefill_s)
 
 
 class KVCacheCentricPolicy(_Base):
@@ -119,12 +131,14 @@ class KVCacheCentricPolicy(_Base):
 
     def _plan(self, req: RequestInfo, match: PrefixMatch, view: ClusterView, local: int,
               now: float) -> tuple[int, int, float, float]:
-        """(prefix tokens, local prefix tokens, transfer s, prefill s) for `local` blocks."""
+        """(prefix tokens, local prefix tokens, transfer s, prefill s) for `local` blocks: the
+        instance's own prefix and what its engine loads from the pool, or a longer prefix
+        fetched from the instance that holds it."""
         best, source = match.best_blocks, match.best_instance
-        local_tokens = self._tokens(req, local)
-        if source is None or best <= local or best < local * self.config.balancing_threshold:
-            return (local_tokens, local_tokens, 0.0,
-                    self.cost.prefill_with_load_s(req.input_len, local_tokens))
+        reach, local_tokens, load_s = self._reach(req, match, local)
+        if (source is None or best <= max(local, match.pool_blocks)
+                or best < local * self.config.balancing_threshold):
+            return reach, local_tokens, load_s, self.cost.prefill_with_load_s(req.input_len, reach)
         prefix = self._tokens(req, best)
         nic_wait = max(0.0, view.prefill[source].nic_busy_until_s - now)
         transfer = nic_wait + self.cost.kv_transfer_s(prefix - local_tokens)

@@ -25,7 +25,15 @@ class PrefixMatch:
     lens: dict[int, int]
     """instance id -> leading blocks of the request it holds (absent = 0)."""
     best_blocks: int
+    """The longest prefix an instance holds that another instance can fetch from it."""
     best_instance: int | None
+    """Who holds it; None when instances cannot fetch from one another (the prefix is only
+    reused where it is held)."""
+    pool_blocks: int = 0
+    """Leading blocks a shared KV pool holds, which every instance's engine loads by itself
+    (vLLM's store connector): they reach every instance at the transfer cost. 0 where the
+    owner tracks no such pool (the simulator; kvpool's workers report the pool's reach as
+    their own blocks)."""
 
     def blocks_on(self, instance_id: int) -> int:
         return self.lens.get(instance_id, 0)

@@ -126,14 +126,17 @@ class CacheIndex:
         self, instance: str, hashes: Sequence[BlockHash], medium: str = MEDIUM_GPU
     ) -> int:
         """How many leading blocks of `hashes` `instance` holds on `medium` (0: unknown)."""
+        return self.matched_on_any(instance, hashes, (medium,))
+
+    def matched_on_any(self, instance: str, hashes: Sequence[BlockHash], media: Sequence[str]) -> int:
+        """How many leading blocks of `hashes` `instance` holds, each on one of `media` (a
+        pool's chain may lie partly in DRAM, partly on disk)."""
         with self._lock:
             state = self._instances.get(instance)
-            held = state.blocks.get(normalize_medium(medium)) if state else None
-            if not held:
-                return 0
+            tiers = [held for m in media if state and (held := state.blocks.get(normalize_medium(m)))]
             count = 0
             for h in hashes:
-                if h not in held:
+                if not any(h in held for held in tiers):
                     break
                 count += 1
             return count

@@ -43,6 +43,9 @@ class ProxyConfig:
     kv_events_replay: tuple[tuple[str, str], ...] = ()
     """vllm with kv_events: (instance URL, its replay endpoint) pairs (its --kv-events-config
     replay_endpoint), read on a join, a restart or a gap; an instance without one relearns."""
+    pool_topic: str = "kvpool-pool"
+    """vllm with kv_events: the topic of the pool's events (the kvpool master's
+    --kv-events-topic, publishing to the same endpoint); "" = ignore the pool."""
     hash_algo: str = ""
     """vllm with kv_events: the instances' --prefix-caching-hash-algo (sha256, sha256_cbor);
     "" = what their /metrics report (cache_config_info), else sha256."""

@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
@@ -25,6 +28,9 @@ from kvpool.engine.gguf_checkpoint import served_name
 from kvpool.errors import KvpoolError
 from kvpool.procs import check_ports, free_port, kvpool_argv, stop
 from kvpool.token import env_token
+
+if TYPE_CHECKING:
+    from kvpool.serve.vllm.launch import EventWiring, VllmEngines
 
 _PR_SET_PDEATHSIG = 1
 
@@ -49,8 +55,28 @@ def spawn(*args: str, quiet: bool = True) -> subprocess.Popen[bytes]:
     """`python -m kvpool ARGS` as a child that dies with this process, in a session of its own
     (a terminal's Ctrl-C reaches only this process, which stops the children in order). A
     store node whose master died at the same moment still stops within its close_timeout_s."""
-    cmd = kvpool_argv(*args)
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL if quiet else None,
+    return spawn_command(Command(tuple(kvpool_argv(*args))), quiet)
+
+
+@dataclass(frozen=True)
+class Command:
+    """A child's command line, what it adds to this process's environment, and the file its
+    output goes to (None: stdout discarded or shown, stderr shown)."""
+
+    argv: tuple[str, ...]
+    env: Mapping[str, str] | None = None
+    log: Path | None = None
+
+
+def spawn_command(command: Command, quiet: bool = True) -> subprocess.Popen[bytes]:
+    """`command` as a child that dies with this process, in a session of its own."""
+    env = None if command.env is None else {**os.environ, **command.env}
+    if command.log is not None:
+        with open(command.log, "ab") as out:
+            return subprocess.Popen(command.argv, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                    preexec_fn=die_with_parent(os.getpid()),
+                                    start_new_session=True)
+    return subprocess.Popen(command.argv, stdout=subprocess.DEVNULL if quiet else None, env=env,
                             preexec_fn=die_with_parent(os.getpid()), start_new_session=True)
 
 
@@ -147,20 +173,24 @@ class ChildTable:
 
     procs: dict[str, subprocess.Popen[bytes]]
     """Every child by name, the latest incarnation of each, in the order first started."""
-    commands: dict[str, tuple[str, ...]]
-    """Each child's `kvpool` arguments (ports included, so it comes back where it was)."""
+    commands: dict[str, Command]
+    """Each child's command (ports included, so it comes back where it was)."""
 
     def start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
         """Child `name`: `kvpool ARGS`; stopped by `stop_all`."""
-        self.commands[name] = args
-        self.procs[name] = spawn(*args)
+        return self.run(name, Command(tuple(kvpool_argv(*args))))
+
+    def run(self, name: str, command: Command) -> subprocess.Popen[bytes]:
+        """Child `name`: any program (a vLLM server); stopped by `stop_all`."""
+        self.commands[name] = command
+        self.procs[name] = spawn_command(command)
         return self.procs[name]
 
     def restart(self, name: str) -> subprocess.Popen[bytes]:
         """Start child `name` again (its last incarnation has exited). A worker comes back on
         its URL, where the proxy's poller finds it and has it prove the cluster token again
         before it rejoins the rotation."""
-        return self.start(name, *self.commands[name])
+        return self.run(name, self.commands[name])
 
     def exited(self) -> list[str]:
         return [name for name, p in self.procs.items() if p.poll() is not None]
@@ -182,7 +212,7 @@ class ServingCluster(ChildTable):
     admin_url: str = ""
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     worker_urls: dict[str, list[str]] = field(default_factory=dict)
-    commands: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    commands: dict[str, Command] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -200,8 +230,21 @@ class ServingSpec:
     insecure: bool = False
     """Pass --insecure to every child (a non-loopback host without a token)."""
     backend: str = "kvpool"
-    """vllm: the workers serve vLLM's API (`--api vllm`) and the proxy drives them as vLLM
-    servers (`--backend vllm`, colocated ones as --colocated)."""
+    """vllm: the engines serve vLLM's API and the proxy drives them as vLLM servers
+    (`--backend vllm`, colocated ones as --colocated), their KV events and the pool's wired to
+    it: kvpool workers with vLLM's face (`--api vllm`), or real vLLM servers (`vllm`)."""
+    vllm: VllmSpec | None = None
+    """Real vLLM servers instead of kvpool workers (backend vllm)."""
+
+
+@dataclass(frozen=True)
+class VllmSpec:
+    python: str | None = None
+    """The Python that runs vLLM (None: found, see serve.vllm.launch.find_vllm)."""
+    extra_args: tuple[str, ...] = ()
+    """The user's own `vllm serve` arguments."""
+    start_timeout_s: float = 900.0
+    """How long a server may take to answer /health (CPU builds load and warm up slowly)."""
 
 
 @contextmanager
@@ -222,8 +265,10 @@ def serving_cluster(spec: ServingSpec,
         def start(name: str, *args: str) -> subprocess.Popen[bytes]:
             return cluster.start(name, *args, *(("--insecure",) if spec.insecure else ()))
 
+        wiring, engines = _vllm_side(spec, stack, rpc, meta, stage)
         master = start("master", "master", "--host", host, "--rpc-port", str(rpc),
-                       "--admin-port", str(admin), "--metadata-port", str(meta))
+                       "--admin-port", str(admin), "--metadata-port", str(meta),
+                       *(wiring.master_flags() if wiring is not None else ()))
         wait_http(f"http://{host}:{admin}/health", [master], "master")
         stage.done(f"master ready at {host}:{rpc}")
         master_addr, metadata = f"{host}:{rpc}", f"http://{host}:{meta}/metadata"
@@ -236,25 +281,71 @@ def serving_cluster(spec: ServingSpec,
         stage.done(f"{spec.num_store_nodes} store node(s) mounted ({spec.dram} each)")
         roles = (["prefill"] * spec.num_prefill + ["decode"] * spec.num_decode
                  + ["both"] * spec.num_colocated)
+        ports: dict[str, int] = {}
         for i, role in enumerate(roles):
             port = free_port(host)
-            start(f"{role}-{i}", "worker", "--role", role, "--model", str(spec.model_dir),
-                  "--host", host, "--port", str(port), "--master", master_addr,
-                  *spec.worker_args, *(("--api", "vllm") if spec.backend == "vllm" else ()))
-            cluster.worker_urls.setdefault(role, []).append(f"http://{host}:{port}")
-        stage.note(f"{len(roles)} workers starting (each loads the model)")
+            url = f"http://{host}:{port}"
+            if engines is not None and wiring is not None:
+                cluster.run(f"{role}-{i}", engines.command(url, port, spec.model_dir,
+                                                           cluster.model_name, wiring))
+            else:
+                face = (("--api", "vllm", "--kv-events-config", wiring.engine_config(url, port))
+                        if wiring is not None else ())
+                start(f"{role}-{i}", "worker", "--role", role, "--model", str(spec.model_dir),
+                      "--host", host, "--port", str(port), "--master", master_addr,
+                      *spec.worker_args, *face)
+            cluster.worker_urls.setdefault(role, []).append(url)
+            ports[url] = port
+        what = f"vLLM {engines.version} servers" if engines is not None else "workers"
+        stage.note(f"{len(roles)} {what} starting (each loads the model)")
+        timeout_s = spec.vllm.start_timeout_s if spec.vllm is not None else 120.0
         for role, urls in cluster.worker_urls.items():
             for url in urls:
-                wait_http(url + "/health", list(cluster.procs.values()), "a worker",
-                          timeout_s=120)
-                stage.done(f"{role} worker ready at {url}")
+                _wait_engine(url, cluster, timeout_s, engines, ports[url])
+                stage.done(f"{role} {'vLLM server' if engines else 'worker'} ready at {url}")
+        events = wiring.proxy_flags(ports) if wiring is not None else ()
         start("proxy", "proxy", "--model", str(spec.model_dir), "--host", host,
-              "--port", str(spec.port), *_worker_flags(cluster, spec.backend),
+              "--port", str(spec.port), *_worker_flags(cluster, spec.backend), *events,
               *spec.proxy_args)
         wait_http(cluster.proxy_url + "/health", list(cluster.procs.values()),
                   "the serving cluster", timeout_s=120)
         stage.done(f"proxy ready at {cluster.proxy_url}")
         yield cluster
+
+
+def _vllm_side(spec: ServingSpec, stack: ExitStack, rpc: int, meta: int,
+               stage: _Stages) -> tuple[EventWiring | None, VllmEngines | None]:
+    """Backend vllm: the KV-event wiring, in a run folder removed at exit, and for real vLLM
+    servers the Python that runs them (found before any process starts)."""
+    if spec.backend != "vllm":
+        return None, None
+    from kvpool.serve.vllm.launch import EventWiring, prepare
+
+    run_dir = Path(tempfile.mkdtemp(prefix="kvpool-up-"))
+    stack.callback(shutil.rmtree, run_dir, True)
+    wiring = EventWiring.pick(spec.host, run_dir)
+    if spec.vllm is None:
+        return wiring, None
+    stage.note("looking for vLLM (importing it takes a while)")
+    engines = prepare(run_dir, spec.vllm.python, f"{spec.host}:{rpc}",
+                      f"http://{spec.host}:{meta}/metadata", spec.host, spec.vllm.extra_args)
+    stage.done(f"vLLM {engines.version} found at {engines.python}")
+    return wiring, engines
+
+
+def _wait_engine(url: str, cluster: ServingCluster, timeout_s: float,
+                 engines: VllmEngines | None, port: int) -> None:
+    """Until the engine at `url` answers /health; a vLLM server that exits first is reported
+    with the end of its log."""
+    try:
+        wait_http(url + "/health", list(cluster.procs.values()), "a worker", timeout_s=timeout_s)
+    except (KvpoolError, TimeoutError) as exc:
+        if engines is None:
+            raise
+        from kvpool.serve.vllm.launch import log_tail
+
+        raise KvpoolError(f"{exc}; the end of {engines.log_path(port)}:\n"
+                          f"{log_tail(engines.log_path(port))}") from None
 
 
 class _Stages:

@@ -1,6 +1,8 @@
 """The conductor's prefix match over vLLM instances' KV events: `InstancePrefixes` over a real
 `CacheIndex` (instance ids are positions in the cluster view, names are the instances' URLs),
-and the note of where a request went, which the index's hash check counts."""
+the blocks the pool holds (its own topic, DRAM or disk), and the note of where a request went,
+which the index's hash check counts. vLLM instances cannot fetch from one another: a match
+names no source instance."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from kvpool.kvevents.index import CacheIndex
 from kvpool.serve.vllm.prefixes import InstancePrefixes
 
 A, B, C = "http://a:1", "http://b:1", "http://c:1"
+POOL = "kvpool-pool"
 
 
 def stored(index: CacheIndex, instance: str, hashes: list[int]) -> None:
@@ -25,10 +28,25 @@ def test_leading_blocks_per_instance_in_view_order() -> None:
     stored(index, B, chain)
     stored(index, C, chain[1:])  # not a leading run
     prefixes = InstancePrefixes(index, [C, A, B])
-    assert prefixes.match(chain) == PrefixMatch({1: 2, 2: 4}, 4, 2)
+    assert prefixes.match(chain) == PrefixMatch({1: 2, 2: 4}, 4, None)
     index.apply(B, EventBatch(ts=1.0, events=[BlockRemoved(block_hashes=[chain[2]])]))
-    assert prefixes.match(chain) == PrefixMatch({1: 2, 2: 2}, 2, 1)
+    assert prefixes.match(chain) == PrefixMatch({1: 2, 2: 2}, 2, None)
     assert InstancePrefixes(index, [C]).match(chain) == PrefixMatch({}, 0, None)
+
+
+def test_the_pool_s_leading_blocks_across_dram_and_disk() -> None:
+    chain = BlockHasher("sha256", 4).block_hashes(list(range(20)))  # 5 blocks
+    index = CacheIndex()
+    stored(index, A, chain[:1])
+    for medium, blocks in (("cpu", chain[:2]), ("disk", chain[2:3]), ("cpu", chain[4:])):
+        index.apply(POOL, EventBatch(ts=0.0, events=[BlockStored(block_hashes=list(blocks),
+                                                                 medium=medium)]))
+    assert InstancePrefixes(index, [A], POOL).match(chain) == PrefixMatch({0: 1}, 1, None, 3)
+    assert InstancePrefixes(index, [A]).match(chain) == PrefixMatch({0: 1}, 1, None, 0)
+    stored(index, POOL, chain[3:4])  # an instance's GPU medium under the pool's topic: not the pool
+    assert InstancePrefixes(index, [A], POOL).match(chain).pool_blocks == 3
+    index.apply(POOL, EventBatch(ts=1.0, events=[BlockRemoved(block_hashes=[chain[0]], medium="cpu")]))
+    assert InstancePrefixes(index, [A], POOL).match(chain).pool_blocks == 0
 
 
 def test_routed_requests_feed_the_hash_check() -> None:

@@ -111,8 +111,10 @@ class VllmBackend:
             from kvpool.serve.vllm.events import KvEventsFeed
 
             replay = {url.rstrip("/"): ep for url, ep in config.kv_events_replay}
-            events = KvEventsFeed(config.kv_events, config.hash_algo, config.hash_seed, replay)
-            log.info("KV events: bound %s (topic = each instance's URL)", events.endpoint)
+            events = KvEventsFeed(config.kv_events, config.hash_algo, config.hash_seed, replay,
+                                  config.pool_topic)
+            log.info("KV events: bound %s (topic = each instance's URL; the pool's: %r)",
+                     events.endpoint, config.pool_topic)
         return cls(roles, config.worker_timeout_s, config.token, config.engine_model,
                    config.engine_block_size, events)
 

@@ -2,7 +2,9 @@
 endpoint every instance publishes to (its `--kv-events-config` endpoint; topic = the
 instance's URL as the proxy names it), a `CacheIndex` holds each instance's cached blocks, and
 a `BlockHasher` computes a request's chain as the instances do (their hash algorithm, seed and
-block size).
+block size). The kvpool master's pool events (`kvpool master --kv-events-endpoint`, the same
+endpoint) arrive under their own topic (`pool_topic`, the master's `--kv-events-topic`): the
+blocks the pool holds, which every instance loads through its store connector.
 
 An instance whose events never match a single computed hash (another algorithm, seed or block
 size than configured here: routing on its events would be blind) is said loudly: one error
@@ -17,7 +19,7 @@ from kvpool.kvevents.hashing import BlockHasher
 from kvpool.kvevents.index import CacheIndex
 from kvpool.kvevents.subscriber import KvEventSubscriber
 from kvpool.log import get_logger
-from kvpool.serve.vllm.prefixes import InstancePrefixes
+from kvpool.serve.vllm.prefixes import POOL_MEDIA, InstancePrefixes
 
 log = get_logger("serve.vllm.events")
 DEFAULT_ALGO = "sha256"
@@ -28,9 +30,11 @@ class KvEventsFeed:
     vLLM's default (PYTHONHASHSEED unset on the instances)."""
 
     def __init__(self, endpoint: str, algo: str = "", hash_seed: str | None = None,
-                 replay: Mapping[str, str] | None = None) -> None:
-        """`replay`: instance URL -> the replay endpoint it binds."""
+                 replay: Mapping[str, str] | None = None, pool_topic: str = "") -> None:
+        """`replay`: instance URL (or the pool's topic) -> the replay endpoint it binds;
+        `pool_topic`: the pool's events' topic ("" = none expected)."""
         self.index = CacheIndex()
+        self.pool_topic = pool_topic
         self.subscriber = KvEventSubscriber(endpoint, self.index,
                                             replay_endpoints=replay).start()
         self.endpoint = self.subscriber.endpoint
@@ -51,7 +55,7 @@ class KvEventsFeed:
         return [int(h) for h in hasher.block_hashes(prompt_ids)]
 
     def prefixes(self, prefill_urls: Sequence[str]) -> InstancePrefixes:
-        return InstancePrefixes(self.index, prefill_urls)  # type: ignore[arg-type]
+        return InstancePrefixes(self.index, prefill_urls, self.pool_topic)  # type: ignore[arg-type]
 
     def check(self, url: str) -> bool:
         """Whether `url`'s events never matched a computed hash (logged once, loudly)."""
@@ -68,6 +72,11 @@ class KvEventsFeed:
         return unmatched
 
     def gauges(self, urls: Sequence[str]) -> dict[str, dict[str, float]]:
-        return {"kv_events_blocks": {u: float(self.index.num_blocks(u)) for u in urls},
-                "kv_events_matches": {u: float(self.index.stats(u).num_matches) for u in urls},
-                "kv_events_unmatched": {u: float(self.check(u)) for u in urls}}
+        gauges = {"kv_events_blocks": {u: float(self.index.num_blocks(u)) for u in urls},
+                  "kv_events_matches": {u: float(self.index.stats(u).num_matches) for u in urls},
+                  "kv_events_unmatched": {u: float(self.check(u)) for u in urls}}
+        if self.pool_topic:
+            gauges["kv_events_pool_blocks"] = {
+                f"{self.pool_topic}/{m}": float(self.index.num_blocks(self.pool_topic, m))
+                for m in POOL_MEDIA}
+        return gauges
