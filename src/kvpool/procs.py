@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import os
 import random
 import signal
 import socket
@@ -99,6 +100,21 @@ def stop(proc: subprocess.Popen[Any], timeout_s: float = 10.0,
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def stop_group(proc: subprocess.Popen[Any], timeout_s: float = 10.0) -> None:
+    """`stop` for a child that leads a session of its own (start_new_session), and whatever
+    it started there (a vLLM server's engine processes): SIGTERM to the group, SIGKILL to what
+    is left of it once the leader has exited or `timeout_s` has passed."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        pass
+    stop(proc, timeout_s)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def kvpool_argv(*args: str) -> list[str]:

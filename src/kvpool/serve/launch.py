@@ -26,7 +26,7 @@ import httpx
 
 from kvpool.engine.gguf_checkpoint import served_name
 from kvpool.errors import KvpoolError
-from kvpool.procs import check_ports, free_port, kvpool_argv, stop
+from kvpool.procs import check_ports, free_port, kvpool_argv, stop, stop_group  # noqa: F401 (stop: re-exported for launchers)
 from kvpool.token import env_token
 
 if TYPE_CHECKING:
@@ -121,9 +121,14 @@ def wait_segments(admin_url: str, count: int, procs: list[subprocess.Popen[bytes
     raise TimeoutError(f"the store: {count} segments not mounted within {timeout_s:.0f} s")
 
 
-def default_model_dir() -> Path:
+def kvpool_cache() -> Path:
+    """kvpool's folder under `$XDG_CACHE_HOME` (default ~/.cache)."""
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "kvpool" / "models" / "tiny"
+    return Path(cache) / "kvpool"
+
+
+def default_model_dir() -> Path:
+    return kvpool_cache() / "models" / "tiny"
 
 
 def ensure_tiny_model(folder: Path) -> Path:
@@ -196,9 +201,10 @@ class ChildTable:
         return [name for name, p in self.procs.items() if p.poll() is not None]
 
     def stop_all(self) -> None:
-        """Stop every child, last started first (proxy, workers, store nodes, master)."""
+        """Stop every child, last started first (proxy, workers, store nodes, master), each
+        with what it started in its session (a vLLM server's engine processes)."""
         for proc in reversed(list(self.procs.values())):
-            stop(proc)
+            stop_group(proc)
 
 
 @dataclass
@@ -301,7 +307,7 @@ def serving_cluster(spec: ServingSpec,
         timeout_s = spec.vllm.start_timeout_s if spec.vllm is not None else 120.0
         for role, urls in cluster.worker_urls.items():
             for url in urls:
-                _wait_engine(url, cluster, timeout_s, engines, ports[url])
+                _wait_engine(url, cluster, timeout_s)
                 stage.done(f"{role} {'vLLM server' if engines else 'worker'} ready at {url}")
         events = wiring.proxy_flags(ports) if wiring is not None else ()
         start("proxy", "proxy", "--model", str(spec.model_dir), "--host", host,
@@ -333,19 +339,19 @@ def _vllm_side(spec: ServingSpec, stack: ExitStack, rpc: int, meta: int,
     return wiring, engines
 
 
-def _wait_engine(url: str, cluster: ServingCluster, timeout_s: float,
-                 engines: VllmEngines | None, port: int) -> None:
-    """Until the engine at `url` answers /health; a vLLM server that exits first is reported
-    with the end of its log."""
+def _wait_engine(url: str, cluster: ServingCluster, timeout_s: float) -> None:
+    """Until the engine at `url` answers /health; a child whose output goes to a log file (a
+    vLLM server) and that exits first is reported with the end of that log."""
     try:
         wait_http(url + "/health", list(cluster.procs.values()), "a worker", timeout_s=timeout_s)
     except (KvpoolError, TimeoutError) as exc:
-        if engines is None:
+        logs = [c.log for name, c in cluster.commands.items()
+                if c.log is not None and cluster.procs[name].poll() is not None]
+        if not logs:
             raise
         from kvpool.serve.vllm.launch import log_tail
 
-        raise KvpoolError(f"{exc}; the end of {engines.log_path(port)}:\n"
-                          f"{log_tail(engines.log_path(port))}") from None
+        raise KvpoolError(f"{exc}; the end of {logs[0]}:\n{log_tail(logs[0])}") from None
 
 
 class _Stages:

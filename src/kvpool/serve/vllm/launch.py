@@ -7,8 +7,8 @@
     EventWiring           the cluster's KV-event endpoints: the one the proxy binds, each
                           engine's replay socket (ipc, in the run folder) and the pool's
     VllmEngines           what every server shares: that Python, the run folder (kvpool's
-                          drop-in `mooncake` package, the Mooncake JSON, logs) and the user's
-                          own `vllm serve` arguments
+                          drop-in `mooncake` package, the Mooncake JSON), the log folder
+                          (kvpool's cache, logs/) and the user's own `vllm serve` arguments
     VllmEngines.command   one server's command line and environment: its KV events wired as
                           above, and its MooncakeStoreConnector (kv_both) on the cluster's pool
 
@@ -34,7 +34,7 @@ import kvpool
 from kvpool.compat.activate import activate
 from kvpool.errors import ConfigError
 from kvpool.procs import free_port
-from kvpool.serve.launch import Command
+from kvpool.serve.launch import Command, kvpool_cache
 
 POOL_TOPIC = "kvpool-pool"
 """The master's default --kv-events-topic, the proxy's default --pool-topic."""
@@ -42,23 +42,28 @@ POOL_TOPIC = "kvpool-pool"
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 PYTHON_ENV = "KVPOOL_VLLM_PYTHON"
 PROBE_TIMEOUT_S = 180.0
-_PROBE = """
-import importlib, json
+STORE_CLIENT_NEEDS = {"zmq": "pyzmq", "numpy": "numpy", "msgpack": "msgpack", "msgspec": "msgspec",
+                      "xxhash": "xxhash", "httpx": "httpx"}
+"""The modules kvpool's store client imports (-> their PyPI names), checked all at once."""
+_PROBE_TEMPLATE = """
+import importlib, importlib.util, json
 out = {}
 try:
     import vllm
     out["vllm"] = vllm.__version__
 except Exception as exc:  # a broken install says why
     out["vllm_error"] = repr(exc)[:300]
-missing = []
-for name in ("kvpool.compat.mooncake.store", "kvpool.compat.mooncake.engine"):
-    try:
-        importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        missing.append(exc.name)
+missing = [name for name in %r if importlib.util.find_spec(name) is None]
+if not missing:
+    for name in ("kvpool.compat.mooncake.store", "kvpool.compat.mooncake.engine"):
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            missing.append(exc.name)
 out["missing"] = sorted(set(missing))
 print(json.dumps(out))
 """
+_PROBE = _PROBE_TEMPLATE % (tuple(STORE_CLIENT_NEEDS),)
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,8 @@ class VllmEngines:
     python: str
     version: str
     run_dir: Path
+    log_dir: Path
+    """Each server's output, kept after the run (vllm-PORT.log, rewritten by the next run)."""
     extra_args: tuple[str, ...] = ()
     """The user's own `vllm serve` arguments, given to every server after kvpool's."""
 
@@ -120,7 +127,7 @@ class VllmEngines:
         return Command(argv, env, self.log_path(port))
 
     def log_path(self, port: int) -> Path:
-        return self.run_dir / f"vllm-{port}.log"
+        return self.log_dir / f"vllm-{port}.log"
 
     @property
     def mooncake_json(self) -> Path:
@@ -144,7 +151,9 @@ def prepare(run_dir: Path, python: str | None, master_address: str, metadata_url
     if not done:
         raise ConfigError(f"kvpool's mooncake package: {message}")
     python, version = find_vllm(python, {"PYTHONPATH": str(site)})
-    engines = VllmEngines(python, version, run_dir, tuple(extra_args))
+    log_dir = kvpool_cache() / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    engines = VllmEngines(python, version, run_dir, log_dir, tuple(extra_args))
     engines.mooncake_json.write_text(json.dumps(mooncake_config(host, master_address, metadata_url)))
     return engines
 
@@ -175,7 +184,8 @@ def find_vllm(python: str | None, env: Mapping[str, str]) -> tuple[str, str]:
         if "vllm" not in found:
             problems.append(f"{candidate}: {found.get('vllm_error') or found.get('error')}")
             continue
-        missing = [str(m) for m in found.get("missing") or ()]  # type: ignore[attr-defined]
+        missing = [STORE_CLIENT_NEEDS.get(str(m), str(m))
+                   for m in found.get("missing") or ()]  # type: ignore[attr-defined]
         if missing:
             raise ConfigError(
                 f"vLLM {found['vllm']} at {candidate} lacks {', '.join(missing)}, which "
