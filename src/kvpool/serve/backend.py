@@ -53,6 +53,11 @@ class BackendFeatures:
     continues after it (kvpool). False: the decode leg makes every output token itself, the
     first one included, from the KV the prefill leg left (vLLM's P/D protocol), so the client's
     first token is the decode leg's."""
+    reports_pool_tokens: bool = True
+    """The engine says how many reused prompt tokens came from the pool. False (vLLM: one
+    `cached_tokens` for its own cache and its connector's): the proxy attributes to the
+    instance's own cache what its events said it held when the request was placed, and the
+    rest to the pool."""
 
 
 class EnginePrefixes(PrefixLookup, Protocol):

@@ -312,8 +312,7 @@ class Run:
         reply = await watched(self.d.client.prefill(self.b.prefill.url, req), self.b.prefill,
                               "/prefill")
         self.d.cluster.prefill_done(self.b, self.d.clock.now())
-        self.cached_len = reply.num_cached_tokens + reply.num_pool_tokens
-        self.pool_len = reply.num_pool_tokens
+        self._reused(reply.num_cached_tokens + reply.num_pool_tokens, reply.num_pool_tokens)
         self._handoff = reply.kv_transfer_params
         first = self.d.client.features.first_token_from_prefill
         if first:
@@ -384,9 +383,16 @@ class Run:
         return now
 
     def _colocated_reuse(self, finish: FinishLine) -> None:
-        reused = finish.num_cached_tokens + finish.num_pool_tokens
-        self.cached_len, self.pool_len = reused, finish.num_pool_tokens
-        self.d.metrics.prefix_hit_tokens.inc(reused)
+        self._reused(finish.num_cached_tokens + finish.num_pool_tokens, finish.num_pool_tokens)
+        self.d.metrics.prefix_hit_tokens.inc(self.cached_len)
+
+    def _reused(self, total: int, pool: int) -> None:
+        """The prompt tokens reused, and of those from the pool: as the engine says, or where
+        it does not (BackendFeatures.reports_pool_tokens), beyond what the placement found in
+        the instance's own cache."""
+        if not self.d.client.features.reports_pool_tokens:
+            pool = max(0, total - self.b.decision.prefill.local_prefix_len)
+        self.cached_len, self.pool_len = total, pool
 
     def _colocated_first_token(self) -> None:
         self.d.cluster.prefill_done(self.b, self.d.clock.now())

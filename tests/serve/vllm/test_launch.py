@@ -60,6 +60,7 @@ def test_the_store_connector_s_json_names_the_cluster() -> None:
     assert config["master_server_address"] == "127.0.0.1:50051"
     assert config["metadata_server"] == "http://127.0.0.1:8080/metadata"
     assert config["global_segment_size"] == 0 and config["protocol"] == "tcp"
+    assert config["mode"] == "standalone-store"  # vLLM's name for "the pool is elsewhere"
 
 
 def test_kvpool_is_linked_where_the_server_imports_it(tmp_path: Path) -> None:

@@ -58,7 +58,8 @@ def test_prefix_from_the_holder_then_from_the_pool_after_a_restart(
         proc = kvpool_up(marker, cache_home, "--model", str(resolve_model("smollm2")), "--port", str(port),
                          "--backend", "vllm", "--vllm-python", VLLM_PYTHON, "--prefill", "0",
                          "--decode", "0", "--colocated", "2", "--max-model-len", "2048",
-                         "--admission", "none", "--vllm-args=--enable-prompt-tokens-details",
+                         "--admission", "none",
+                         "--vllm-args=--enable-prompt-tokens-details --enforce-eager",
                          stdout=out)
     try:
         url = f"http://127.0.0.1:{port}"

@@ -81,7 +81,8 @@ def model_hash(name: str) -> int:
 class VllmBackend:
     name = "vllm"
     features = BackendFeatures(migration=True, push=False, logprobs=True,
-                               prompt_logprobs=False, first_token_from_prefill=False)
+                               prompt_logprobs=False, first_token_from_prefill=False,
+                               reports_pool_tokens=False)
 
     def __init__(self, roles: dict[str, Role], timeout_s: float, api_key: str | None = None,
                  model: str = "", block_size: int = 0, events: EventFeed | None = None) -> None:

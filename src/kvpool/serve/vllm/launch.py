@@ -160,10 +160,12 @@ def prepare(run_dir: Path, python: str | None, master_address: str, metadata_url
 
 def mooncake_config(host: str, master_address: str, metadata_url: str) -> dict[str, object]:
     """The MooncakeStoreConnector's JSON: the cluster's master and metadata; the servers lend
-    the pool no memory of their own (the store nodes do), and stage through 256 MiB."""
+    the pool no memory of their own (vLLM's `standalone-store` mode: the store nodes own the
+    pool, so a server's death or restart loses none of it), and stage through 256 MiB."""
     return {"local_hostname": host, "metadata_server": metadata_url, "protocol": "tcp",
             "device_name": "", "master_server_address": master_address,
-            "global_segment_size": 0, "local_buffer_size": 256 << 20}
+            "mode": "standalone-store", "global_segment_size": 0,
+            "local_buffer_size": 256 << 20}
 
 
 def link_kvpool(site: Path) -> None:
