@@ -178,6 +178,26 @@ def test_replay_protocol_bytes(index: CacheIndex) -> None:
     pub.close()
 
 
+def test_a_forgotten_instance_is_cleared_and_its_next_batch_is_a_join(
+        sub: KvEventSubscriber, index: CacheIndex) -> None:
+    """An instance that left the rotation and came back may be a new process: its blocks go at
+    once, and its next batch replays its history (here the same process: all of it back)."""
+    pub = connect(sub, "f")
+    joined(sub, pub, "f", 0)
+    pub.publish(stored(1))
+    assert pub.flush()
+    wait_for(lambda: index.matched_blocks("f", [0, 1]) == 2)
+    before = sub.stats("f")
+    sub.forget("f")
+    assert index.matched_blocks("f", [0]) == 0
+    pub.publish(stored(2))
+    assert pub.flush()
+    wait_for(lambda: index.matched_blocks("f", [0, 1, 2]) == 3)
+    after = sub.stats("f")
+    assert after.num_resyncs == before.num_resyncs + 1 and not after.partial
+    pub.close()
+
+
 def test_a_malformed_payload_resyncs_the_instance(sub: KvEventSubscriber, index: CacheIndex) -> None:
     ctx = zmq.Context.instance()
     raw = ctx.socket(zmq.PUB)

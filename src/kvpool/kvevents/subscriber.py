@@ -80,6 +80,7 @@ class KvEventSubscriber:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._to_connect: list[str] = []
+        self._to_forget: list[bytes] = []
         self._ctx: zmq.Context = zmq.Context.instance()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
@@ -107,6 +108,14 @@ class KvEventSubscriber:
         the subscriber's thread connects at its next turn."""
         with self._lock:
             self._to_connect.append(endpoint)
+
+    def forget(self, topic: str) -> None:
+        """The instance publishing under `topic` may have restarted (it left and came back):
+        drop what the index holds for it now, and treat its next batch as a join (a replay
+        from seq 0 where it keeps one), so blocks it no longer holds are not routed to."""
+        self._sink.clear(self._instance_of(topic.encode()))
+        with self._lock:
+            self._to_forget.append(topic.encode())
 
     def set_replay_endpoint(self, instance: str, endpoint: str | None) -> None:
         with self._lock:
@@ -146,6 +155,10 @@ class KvEventSubscriber:
         topic, seq_bytes, payload = frames
         seq = int.from_bytes(seq_bytes, "big")
         instance = self._instance_of(topic)
+        with self._lock:  # (asked for before this batch came: it counts as a join)
+            forgotten, self._to_forget = self._to_forget, []
+        for gone in forgotten:
+            self._tracker.forget(gone)
         seen = self._tracker.observe(topic, seq)
         if seen.verdict in (Verdict.FIRST, Verdict.RESTART):
             self._resync(instance, topic, seq, f"{seen.verdict.value} at seq {seq}")

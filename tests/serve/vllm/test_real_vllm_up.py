@@ -36,6 +36,13 @@ def ttft(url: str, model: str, prompt: list[int]) -> tuple[float, httpx.Headers,
     return time.monotonic() - start, r.headers, r.json()
 
 
+def healthy(url: str) -> bool:
+    try:
+        return httpx.get(url + "/health", timeout=5).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def vllm_pid(marker: str, url: str) -> int:
     port = url.rsplit(":", 1)[1]
     for pid in marked_pids(marker):
@@ -74,8 +81,7 @@ def test_prefix_from_the_holder_then_from_the_pool_after_a_restart(
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= 1024
         os.killpg(vllm_pid(marker, holder), signal.SIGKILL)
         deadline = time.monotonic() + 1200
-        while "was killed by SIGKILL" not in log.read_text() or httpx.get(
-                holder + "/health", timeout=5).status_code != 200:
+        while "was killed by SIGKILL" not in log.read_text() or not healthy(holder):
             assert time.monotonic() < deadline and proc.poll() is None, log.read_text()[-3000:]
             time.sleep(2.0)
         time.sleep(5.0)  # the proxy polls it back in; its events restart (resync)

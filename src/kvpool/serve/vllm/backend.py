@@ -68,6 +68,8 @@ class EventFeed(Protocol):
 
     def check(self, url: str) -> bool: ...
 
+    def rejoined(self, url: str) -> None: ...
+
     def gauges(self, urls: Sequence[str]) -> dict[str, dict[str, float]]: ...
 
     def close(self) -> None: ...
@@ -190,6 +192,8 @@ class VllmBackend:
         capacity = metrics.kv_capacity_tokens or UNKNOWN_CAPACITY_TOKENS
         self.model = self.model or served
         self.capacity[url] = capacity
+        if self.events is not None:  # (re)joining: its cache may be another process's now
+            self.events.rejoined(url)
         return InfoReply(role=self.roles.get(url, "both"), model=served,
                          model_hash=model_hash(served), block_size=block_size,
                          max_model_len=max_len, kv_capacity_tokens=capacity,

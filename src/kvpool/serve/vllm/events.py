@@ -45,6 +45,10 @@ class KvEventsFeed:
     def close(self) -> None:
         self.subscriber.close()
 
+    def rejoined(self, url: str) -> None:
+        """`url` joined the rotation (again): it may be a new process with an empty cache."""
+        self.subscriber.forget(url)
+
     def hashes(self, prompt_ids: Sequence[int], block_size: int,
                reported_algo: str | None) -> list[int]:
         algo = self.algo or reported_algo or DEFAULT_ALGO
