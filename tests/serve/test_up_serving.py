@@ -239,6 +239,19 @@ def test_a_taken_port_fails_before_any_process_starts(cache_home: Path) -> None:
     theirs.unlink()
 
 
+def test_a_context_above_the_models_fails_before_any_process_starts(cache_home: Path) -> None:
+    """--max-model-len above the model's context (vLLM refuses it too): one line naming the
+    flag, a non-zero exit, no child started (a refused --device takes the same path:
+    tests/engine/test_model_flags.py)."""
+    marker = f"up-{uuid.uuid4().hex}"
+    proc = kvpool_up(marker, cache_home, "--port", str(free_port()), "--max-model-len", "999999")
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and ("kvpool up: --max-model-len 999999 is greater than the "
+                                     "model's context of 2048 tokens") in out, out
+    assert "master ready" not in out and "Traceback" not in out
+    assert wait_gone(marker) == []
+
+
 @pytest.mark.slow  # two kvpool up starts; the taken proxy port stays in the default suite
 def test_a_broken_model_or_taken_store_port_fails_before_any_process_starts(
         cache_home: Path, tiny_model: Path, tmp_path: Path) -> None:

@@ -39,7 +39,7 @@ from kvpool.cli.security import (
 )
 from kvpool.cli.up_supervise import add_restart_args, counts_file, restart_config, supervise
 from kvpool.conductor import ADMISSION_POLICIES, PREFILL_POLICIES
-from kvpool.engine.config import DTYPES
+from kvpool.engine.model_flags import AUTO, DTYPE_CHOICES
 from kvpool.errors import ConfigError, KvpoolError
 from kvpool.procs import check_ports
 from kvpool.serve.launch import free_port
@@ -60,10 +60,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "default with --engine emulated)")
     p.add_argument("--served-model-name", default=None,
                    help="name served in /v1/models (default: the model's own name)")
-    p.add_argument("--dtype", choices=DTYPES, default=None,
-                   help="the workers' weights and KV dtype (default float32)")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
+                   help="the workers' weights and KV dtype (default auto: the checkpoint's)")
     p.add_argument("--max-model-len", type=int, default=None,
-                   help="the workers' context limit, tokens (default 4096)")
+                   help="the workers' context limit, tokens (default: the model's, at most "
+                        "4096; more is refused)")
+    p.add_argument("--device", default=None, help="the workers' torch device (default cpu)")
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV cache blocks per worker (default: max-num-seqs x max-model-len)")
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (16)")
@@ -179,13 +181,15 @@ def _run_serving(args: argparse.Namespace) -> int:
             proxy_args += extra
         else:
             proxy_args += ("--fit-cost",)
+        say(_model_flags_line(args, model))
         proxy_args += _given(args, "served_model_name", "ttft_slo", "tbt_slo",
                              "ttft_slo_relative")
         if args.salt_per_api_key:
             proxy_args += ("--salt-per-api-key",)
         if args.demo:
             proxy_args += ("--no-access-log",)  # the demo prints its own lines
-        worker_args += _given(args, "dtype", "max_model_len", "num_blocks", "block_size")
+        worker_args += _given(args, "dtype", "max_model_len", "num_blocks", "block_size",
+                              "device")
         if args.hosts:
             return _run_hosts(args, model, proxy_args, worker_args)
         if not args.demo:  # the proxy's /metrics shows the restart counts kept there
@@ -324,6 +328,17 @@ def _emulated(args: argparse.Namespace,
                "--kv-scale", str(args.kv_scale), "--max-model-len", str(EMULATED_MAX_MODEL_LEN),
                "--max-prefill-chunk", str(EMULATED_MAX_MODEL_LEN), "--max-prefill-seqs", "1")
     return model, proxy, workers
+
+
+def _model_flags_line(args: argparse.Namespace, model: Path) -> str:
+    """The workers' dtype and context, checked before any of them starts (a refused
+    --max-model-len or --device is one line here, not a worker's exit)."""
+    from kvpool.engine.model_flags import checked_flags
+
+    flags = checked_flags(model, args.dtype or AUTO, args.max_model_len, args.device or "cpu",
+                          args.engine)
+    note = f"; {flags.note}" if flags.note else ""
+    return f"workers run {flags.dtype}, max-model-len {flags.max_model_len}{note}"
 
 
 def _stage_printer(args: argparse.Namespace) -> Callable[[str], None]:
