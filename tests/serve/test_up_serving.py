@@ -281,9 +281,10 @@ def test_a_broken_model_or_taken_store_port_fails_before_any_process_starts(
 @pytest.mark.slow  # builds namespaces and starts a cluster over them (~40 s)
 def test_up_over_emulated_hosts_serves_and_leaves_nothing(cache_home: Path,
                                                           tmp_path: Path) -> None:
-    """`kvpool up --hosts 3`: a master, store nodes, workers and the proxy spread over three
-    network namespaces; a completion through the proxy from inside one of them; SIGTERM
-    removes every namespace and process."""
+    """`kvpool up --hosts 3 --port P`: a master, store nodes, workers and the proxy spread
+    over three network namespaces; a completion through the proxy from inside one of them,
+    and one from this machine through port P (forwarded to the proxy); SIGTERM removes every
+    namespace and process."""
     import os
     import subprocess as sp
     if os.geteuid() != 0:
@@ -291,7 +292,8 @@ def test_up_over_emulated_hosts_serves_and_leaves_nothing(cache_home: Path,
     marker = f"up-{uuid.uuid4().hex}"
     log = tmp_path / "up.log"
     with log.open("w") as out:
-        proc = kvpool_up(marker, cache_home, "--hosts", "3", stdout=out)
+        port = free_port()
+        proc = kvpool_up(marker, cache_home, "--hosts", "3", "--port", str(port), stdout=out)
     try:
         deadline = time.monotonic() + 150
         while "Ctrl-C to stop" not in log.read_text():
@@ -309,6 +311,10 @@ def test_up_over_emulated_hosts_serves_and_leaves_nothing(cache_home: Path,
         reply = sp.run(["ip", "netns", "exec", netns, sys.executable, "-c", call, url],
                        capture_output=True, text=True, timeout=90)
         assert json.loads(reply.stdout)["usage"]["completion_tokens"] == 4, reply
+        assert f"OpenAI API  http://127.0.0.1:{port}/v1  (forwarded to the proxy" in text
+        here = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": "from the host", "max_tokens": 3})
+        assert here.json()["usage"]["completion_tokens"] == 3, here.text
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
         assert netns not in sp.run(["ip", "netns", "list"], capture_output=True,

@@ -250,17 +250,22 @@ def _run_hosts(args: argparse.Namespace, model: Path, proxy_args: tuple[str, ...
     if os.geteuid() != 0:
         print("kvpool up --hosts: network namespaces need root", file=sys.stderr)
         return 2
+    from kvpool.serve.port_forward import PortForward
+
     spec = HostsSpec(model, num_hosts=args.hosts, dram=args.dram, worker_args=worker_args,
                      proxy_args=proxy_args, token=args.token or "", ha=args.ha)
-    with hosts_cluster(spec) as cluster:
+    with hosts_cluster(spec) as cluster, \
+            PortForward(args.host, args.port, cluster.proxy_connection):
         print(f"kvpool cluster over {args.hosts} emulated hosts up (pid {os.getpid()}), "
               f"model {model}:")
         for host in cluster.fabric.hosts:
             names = [n for n in cluster.procs if _on_host(n, host.index, cluster.proxy_host)]
             print(f"  host {host.index}  netns {host.netns}  {host.addr}  {' '.join(names)}")
         ns = cluster.fabric.hosts[cluster.proxy_host].netns
-        print(f"  OpenAI API  {cluster.proxy_url}/v1, reachable inside the hosts' namespaces: "
-              f"ip netns exec {ns} curl {cluster.proxy_url}/v1/models")
+        print(f"  OpenAI API  http://{args.host}:{args.port}/v1  (forwarded to the proxy, "
+              f"{cluster.proxy_url} in netns {ns})")
+        print(f"  inside the hosts' namespaces: ip netns exec {ns} curl "
+              f"{cluster.proxy_url}/v1/models")
         print(_token_line(args))
         print("Ctrl-C to stop.", flush=True)
         while all(p.poll() is None for n, p in cluster.procs.items()  # (HA: a deposed master
