@@ -76,6 +76,10 @@ def test_up_serves_restarts_a_killed_worker_and_sigterm_stops_everything(
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
         assert "kvpool up: stopping the cluster; 1 restart (decode-1 1)\n" in log.read_text()
+        stops = [f"^kvpool up: {re.escape(s)}" for s in (
+            "stopping the cluster;", "stopping the proxy\n", "stopping 2 workers\n",
+            "stopping the store node\n", "stopping the master\n", "stopped (")]
+        assert re.search(".*".join(stops), log.read_text(), re.S | re.M), log.read_text()
         assert not token_file.exists()  # the token was this run's only
         assert not token_file.with_name(f"up-{port}.restarts.json").exists()
     finally:

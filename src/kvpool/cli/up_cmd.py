@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from kvpool.cli.local_cluster import LocalCluster
+from kvpool.cli.progress import progress_bar
 from kvpool.cli.proxy_cmd import API_KEY_ENV, add_api_key_args, api_keys_from
 from kvpool.cli.security import (
     add_security_args,
@@ -170,7 +171,9 @@ def _run_serving(args: argparse.Namespace) -> int:
     say = _stage_printer(args)
     try:
         say("finding the model (a GGUF file is imported once, which takes a while)")
-        model = resolve_model(args.model or ("tiny" if args.engine == "emulated" else None))
+        with progress_bar("importing the GGUF file", "tensor", not args.quiet) as progress:
+            model = resolve_model(args.model or ("tiny" if args.engine == "emulated" else None),
+                                  progress)
         check_checkpoint(model)  # before any process starts: one line, not a worker's traceback
         say(f"model {model} checked")
         proxy_args: tuple[str, ...] = ("--prefill-policy", args.prefill_policy, "--admission",
@@ -388,7 +391,7 @@ def _run_store_only(args: argparse.Namespace) -> int:
     try:
         with local_cluster(args.host, num_nodes, args.dram, args.rpc_port,
                            args.admin_port, args.metadata_port, args.token,
-                           args.insecure) as cluster:
+                           args.insecure, _stage_printer(args)) as cluster:
             _print_endpoints(cluster)
             print(_token_line(args), flush=True)
             if args.demo:
@@ -405,8 +408,8 @@ def _run_store_only(args: argparse.Namespace) -> int:
 
 @contextmanager
 def local_cluster(host: str, num_nodes: int, dram: str, rpc_port: int = 0, admin_port: int = 0,
-                  metadata_port: int = 0, token: str | None = None,
-                  insecure: bool = False) -> Iterator[LocalCluster]:
+                  metadata_port: int = 0, token: str | None = None, insecure: bool = False,
+                  say: Callable[[str], None] | None = None) -> Iterator[LocalCluster]:
     check_ports(host, {"--rpc-port": rpc_port, "--admin-port": admin_port,
                        "--metadata-port": metadata_port})
     rpc, admin, meta = (p or free_port(host) for p in (rpc_port, admin_port, metadata_port))
@@ -425,7 +428,7 @@ def local_cluster(host: str, num_nodes: int, dram: str, rpc_port: int = 0, admin
         _wait_segments(cluster, num_nodes)
         yield cluster
     finally:
-        cluster.stop_all()
+        cluster.stop_all(say)
 
 
 def _wait_http(cluster: LocalCluster, path: str, proc: subprocess.Popen[bytes], timeout_s: float = 30) -> None:
