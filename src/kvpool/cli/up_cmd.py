@@ -68,7 +68,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "4096; more is refused)")
     p.add_argument("--device", default=None, help="the workers' torch device (default cpu)")
     p.add_argument("--num-blocks", type=int, default=None,
-                   help="KV cache blocks per worker (default: max-num-seqs x max-model-len)")
+                   help="KV cache blocks per worker (default 1024)")
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (16)")
     p.add_argument("--ttft-slo-s", dest="ttft_slo", type=float, default=None,
                    help="the proxy's TTFT objective, seconds (default: kvpool proxy's)")
