@@ -43,3 +43,16 @@ def test_bad_model_files_get_one_line_and_exit_1(tmp_path: Path) -> None:
     assert "the header states a tensor count of 1099511627776" in outputs["kvpool model import"][1]
     assert "num_hidden_layers must be in 1..1024, got 3000000" in outputs["kvpool up"][1]
     assert not (tmp_path / "out").exists()
+
+
+def test_import_draws_a_progress_bar_on_stderr(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """One bar counting the tensors and the write, on stderr; stdout is the folder alone."""
+    from kvpool.cli.main import main
+
+    good = write_gguf(make_tiny(tmp_path / "tiny", TinySpec(seed=1)), tmp_path / "good.gguf")
+    assert main(["model", "import", str(good), str(tmp_path / "hf")]) == 0
+    out, err = capsys.readouterr()
+    assert out == f"{tmp_path / 'hf'}\n"
+    last = err.replace("\r", "\n").strip().splitlines()[-1]
+    assert last.startswith("importing: 100%") and " 22/22 " in last, err

@@ -77,9 +77,14 @@ def test_model_resolution(imported: tuple[Path, Path], tmp_path: Path,
     original, folder = imported
     monkeypatch.setenv("KVPOOL_MODEL_CACHE", str(tmp_path / "cache"))
     src = write_gguf(original, tmp_path / "m.gguf")
-    first = resolve_model(str(src))
+    steps: list[tuple[int, int]] = []
+    first = resolve_model(str(src), lambda done, total: steps.append((done, total)))
     assert first.parent == tmp_path / "cache" and (first / "kvpool_gguf.json").is_file()
-    assert cached_import(src) == first  # imported once
+    total = len(load_file(str(folder / "model.safetensors"))) + 1  # each tensor, the write
+    assert steps == [(i, total) for i in range(total + 1)]  # from 0, before any tensor
+    steps.clear()
+    assert cached_import(src, lambda done, total: steps.append((done, total))) == first
+    assert steps == []  # imported once
     assert checked_folder(folder) == folder
     with pytest.raises(CheckpointError, match="no such file"):
         resolve_model(str(tmp_path / "missing"))

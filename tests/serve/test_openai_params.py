@@ -7,12 +7,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import torch
 
 from kvpool.serve.launch import ServingCluster
 from kvpool.serve.tokenizer import ModelTokenizer
+from tests.serve.conftest import sse_events
 from tests.serve.test_proxy_live import client
 
 PROMPT = "the pool keeps every block of the prompt"
@@ -51,6 +53,46 @@ def test_echo_with_prompt_and_output_logprobs(cluster: ServingCluster) -> None:
     assert lp.text_offset is not None and lp.text_offset[0] == 0
     assert all(b >= a for a, b in zip(lp.text_offset, lp.text_offset[1:], strict=False))
     assert output  # the output's tokens are there, as text
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt_without_a_completion(
+        cluster: ServingCluster) -> None:
+    """OpenAI's way to score a prompt (lm-eval's loglikelihood): the prompt, its logprobs
+    equal to a plain forward pass, no completion token; streamed, the same pieces."""
+    tok = ModelTokenizer(cluster.model_dir)
+    ids = tok.encode(PROMPT)
+    ref = reference_logprobs(cluster.model_dir, ids)
+    out = client(cluster.proxy_url).completions.create(
+        model=cluster.model_name, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1)
+    ch, use = out.choices[0], out.usage
+    assert (ch.text, ch.finish_reason) == (tok.decode(ids), "length")
+    assert use is not None and (use.prompt_tokens, use.completion_tokens) == (len(ids), 0)
+    lp = ch.logprobs
+    assert lp is not None and lp.token_logprobs is not None and lp.tokens is not None
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None
+    want = [ref[i - 1, ids[i]].item() for i in range(1, len(ids))]
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    body = {"model": cluster.model_name, "prompt": PROMPT, "max_tokens": 0, "echo": True,
+            "logprobs": 1, "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", cluster.proxy_url + "/v1/completions", json=body,
+                      timeout=60) as resp:
+        events = sse_events(resp)
+    chunks = [e for e in events if isinstance(e, dict)]
+    texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]  # type: ignore[index]
+    assert "".join(texts) == tok.decode(ids) and events[-1] == "[DONE]"
+    assert chunks[-1]["usage"]["completion_tokens"] == 0  # type: ignore[index]
+    streamed = chunks[0]["choices"][0]["logprobs"]["token_logprobs"]  # type: ignore[index]
+    assert streamed == lp.token_logprobs
+
+
+def test_max_tokens_0_without_echo_is_a_400_naming_it(cluster: ServingCluster) -> None:
+    for path, body in (("/v1/completions", {"prompt": PROMPT}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}]})):
+        reply = httpx.post(cluster.proxy_url + path, timeout=60, json={
+            "model": cluster.model_name, "max_tokens": 0, **body})
+        error = reply.json()["error"]
+        assert reply.status_code == 400 and error["param"] == "max_tokens", reply.text
+        assert "only with echo" in error["message"]
 
 
 def test_streamed_logprobs_equal_the_whole_body(cluster: ServingCluster) -> None:

@@ -53,7 +53,6 @@ def test_sampling_defaults_and_worker_object() -> None:
 
 @pytest.mark.parametrize("body", [
     {"model": "m", "prompt": "x", "max_tokens": -1},
-    {"model": "m", "prompt": "x", "max_tokens": 0},
     {"model": "m", "prompt": "x", "n": 0},
     {"model": "m", "prompt": "x", "n": 65},
     {"model": "m", "prompt": "x", "logprobs": 21},

@@ -76,6 +76,10 @@ def test_up_serves_restarts_a_killed_worker_and_sigterm_stops_everything(
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
         assert "kvpool up: stopping the cluster; 1 restart (decode-1 1)\n" in log.read_text()
+        stops = [f"^kvpool up: {re.escape(s)}" for s in (
+            "stopping the cluster;", "stopping the proxy\n", "stopping 2 workers\n",
+            "stopping the store node\n", "stopping the master\n", "stopped (")]
+        assert re.search(".*".join(stops), log.read_text(), re.S | re.M), log.read_text()
         assert not token_file.exists()  # the token was this run's only
         assert not token_file.with_name(f"up-{port}.restarts.json").exists()
     finally:
@@ -239,6 +243,19 @@ def test_a_taken_port_fails_before_any_process_starts(cache_home: Path) -> None:
     theirs.unlink()
 
 
+def test_a_context_above_the_models_fails_before_any_process_starts(cache_home: Path) -> None:
+    """--max-model-len above the model's context (vLLM refuses it too): one line naming the
+    flag, a non-zero exit, no child started (a refused --device takes the same path:
+    tests/engine/test_model_flags.py)."""
+    marker = f"up-{uuid.uuid4().hex}"
+    proc = kvpool_up(marker, cache_home, "--port", str(free_port()), "--max-model-len", "999999")
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and ("kvpool up: --max-model-len 999999 is greater than the "
+                                     "model's context of 2048 tokens") in out, out
+    assert "master ready" not in out and "Traceback" not in out
+    assert wait_gone(marker) == []
+
+
 @pytest.mark.slow  # two kvpool up starts; the taken proxy port stays in the default suite
 def test_a_broken_model_or_taken_store_port_fails_before_any_process_starts(
         cache_home: Path, tiny_model: Path, tmp_path: Path) -> None:
@@ -268,9 +285,10 @@ def test_a_broken_model_or_taken_store_port_fails_before_any_process_starts(
 @pytest.mark.slow  # builds namespaces and starts a cluster over them (~40 s)
 def test_up_over_emulated_hosts_serves_and_leaves_nothing(cache_home: Path,
                                                           tmp_path: Path) -> None:
-    """`kvpool up --hosts 3`: a master, store nodes, workers and the proxy spread over three
-    network namespaces; a completion through the proxy from inside one of them; SIGTERM
-    removes every namespace and process."""
+    """`kvpool up --hosts 3 --port P`: a master, store nodes, workers and the proxy spread
+    over three network namespaces; a completion through the proxy from inside one of them,
+    and one from this machine through port P (forwarded to the proxy); SIGTERM removes every
+    namespace and process."""
     import os
     import subprocess as sp
     if os.geteuid() != 0:
@@ -278,7 +296,8 @@ def test_up_over_emulated_hosts_serves_and_leaves_nothing(cache_home: Path,
     marker = f"up-{uuid.uuid4().hex}"
     log = tmp_path / "up.log"
     with log.open("w") as out:
-        proc = kvpool_up(marker, cache_home, "--hosts", "3", stdout=out)
+        port = free_port()
+        proc = kvpool_up(marker, cache_home, "--hosts", "3", "--port", str(port), stdout=out)
     try:
         deadline = time.monotonic() + 150
         while "Ctrl-C to stop" not in log.read_text():
@@ -296,6 +315,10 @@ def test_up_over_emulated_hosts_serves_and_leaves_nothing(cache_home: Path,
         reply = sp.run(["ip", "netns", "exec", netns, sys.executable, "-c", call, url],
                        capture_output=True, text=True, timeout=90)
         assert json.loads(reply.stdout)["usage"]["completion_tokens"] == 4, reply
+        assert f"OpenAI API  http://127.0.0.1:{port}/v1  (forwarded to the proxy" in text
+        here = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": "from the host", "max_tokens": 3})
+        assert here.json()["usage"]["completion_tokens"] == 3, here.text
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
         assert netns not in sp.run(["ip", "netns", "list"], capture_output=True,

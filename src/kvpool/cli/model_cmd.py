@@ -30,11 +30,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def import_cmd(args: argparse.Namespace) -> int:
     import sys
 
+    from kvpool.cli.progress import progress_bar
     from kvpool.engine.gguf_checkpoint import import_gguf
     from kvpool.errors import KvpoolError
 
     try:
-        print(import_gguf(args.gguf, args.dir))
+        with progress_bar("importing", "tensor") as progress:
+            folder = import_gguf(args.gguf, args.dir, progress)
+        print(folder)
     except KvpoolError as exc:
         print(f"kvpool model import: {exc}", file=sys.stderr)
         return 1

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import httpx
 
 from kvpool.cli.local_cluster import LocalCluster
+from kvpool.cli.progress import progress_bar
 from kvpool.cli.proxy_cmd import API_KEY_ENV, add_api_key_args, api_keys_from
 from kvpool.cli.security import (
     add_security_args,
@@ -41,7 +42,7 @@ from kvpool.cli.up_supervise import add_restart_args, counts_file, restart_confi
 from kvpool.cli.up_vllm import add_backend_args, vllm_spec
 from kvpool.cli.up_vllm import refusal as backend_refusal
 from kvpool.conductor import ADMISSION_POLICIES, PREFILL_POLICIES
-from kvpool.engine.config import DTYPES
+from kvpool.engine.model_flags import AUTO, DTYPE_CHOICES
 from kvpool.errors import ConfigError, KvpoolError
 from kvpool.procs import check_ports
 from kvpool.serve.launch import free_port
@@ -62,12 +63,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    "default with --engine emulated)")
     p.add_argument("--served-model-name", default=None,
                    help="name served in /v1/models (default: the model's own name)")
-    p.add_argument("--dtype", choices=DTYPES, default=None,
-                   help="the workers' weights and KV dtype (default float32)")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default=None,
+                   help="the workers' weights and KV dtype (default auto: the checkpoint's)")
     p.add_argument("--max-model-len", type=int, default=None,
-                   help="the workers' context limit, tokens (default 4096)")
+                   help="the workers' context limit, tokens (default: the model's, at most "
+                        "4096; more is refused)")
+    p.add_argument("--device", default=None, help="the workers' torch device (default cpu)")
     p.add_argument("--num-blocks", type=int, default=None,
-                   help="KV cache blocks per worker (default: max-num-seqs x max-model-len)")
+                   help="KV cache blocks per worker (default 1024)")
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (16)")
     p.add_argument("--ttft-slo-s", dest="ttft_slo", type=float, default=None,
                    help="the proxy's TTFT objective, seconds (default: kvpool proxy's)")
@@ -171,7 +174,9 @@ def _run_serving(args: argparse.Namespace) -> int:
     say = _stage_printer(args)
     try:
         say("finding the model (a GGUF file is imported once, which takes a while)")
-        model = resolve_model(args.model or ("tiny" if args.engine == "emulated" else None))
+        with progress_bar("importing the GGUF file", "tensor", not args.quiet) as progress:
+            model = resolve_model(args.model or ("tiny" if args.engine == "emulated" else None),
+                                  progress)
         check_checkpoint(model)  # before any process starts: one line, not a worker's traceback
         say(f"model {model} checked")
         proxy_args: tuple[str, ...] = ("--prefill-policy", args.prefill_policy, "--admission",
@@ -182,13 +187,15 @@ def _run_serving(args: argparse.Namespace) -> int:
             proxy_args += extra
         else:
             proxy_args += ("--fit-cost",)
+        say(_model_flags_line(args, model))
         proxy_args += _given(args, "served_model_name", "ttft_slo", "tbt_slo",
                              "ttft_slo_relative")
         if args.salt_per_api_key:
             proxy_args += ("--salt-per-api-key",)
         if args.demo:
             proxy_args += ("--no-access-log",)  # the demo prints its own lines
-        worker_args += _given(args, "dtype", "max_model_len", "num_blocks", "block_size")
+        worker_args += _given(args, "dtype", "max_model_len", "num_blocks", "block_size",
+                              "device")
         if args.hosts:
             return _run_hosts(args, model, proxy_args, worker_args)
         if not args.demo:  # the proxy's /metrics shows the restart counts kept there
@@ -254,17 +261,22 @@ def _run_hosts(args: argparse.Namespace, model: Path, proxy_args: tuple[str, ...
     if os.geteuid() != 0:
         print("kvpool up --hosts: network namespaces need root", file=sys.stderr)
         return 2
+    from kvpool.serve.port_forward import PortForward
+
     spec = HostsSpec(model, num_hosts=args.hosts, dram=args.dram, worker_args=worker_args,
                      proxy_args=proxy_args, token=args.token or "", ha=args.ha)
-    with hosts_cluster(spec) as cluster:
+    with hosts_cluster(spec) as cluster, \
+            PortForward(args.host, args.port, cluster.proxy_connection):
         print(f"kvpool cluster over {args.hosts} emulated hosts up (pid {os.getpid()}), "
               f"model {model}:")
         for host in cluster.fabric.hosts:
             names = [n for n in cluster.procs if _on_host(n, host.index, cluster.proxy_host)]
             print(f"  host {host.index}  netns {host.netns}  {host.addr}  {' '.join(names)}")
         ns = cluster.fabric.hosts[cluster.proxy_host].netns
-        print(f"  OpenAI API  {cluster.proxy_url}/v1, reachable inside the hosts' namespaces: "
-              f"ip netns exec {ns} curl {cluster.proxy_url}/v1/models")
+        print(f"  OpenAI API  http://{args.host}:{args.port}/v1  (forwarded to the proxy, "
+              f"{cluster.proxy_url} in netns {ns})")
+        print(f"  inside the hosts' namespaces: ip netns exec {ns} curl "
+              f"{cluster.proxy_url}/v1/models")
         print(_token_line(args))
         print("Ctrl-C to stop.", flush=True)
         while all(p.poll() is None for n, p in cluster.procs.items()  # (HA: a deposed master
@@ -334,6 +346,17 @@ def _emulated(args: argparse.Namespace,
     return model, proxy, workers
 
 
+def _model_flags_line(args: argparse.Namespace, model: Path) -> str:
+    """The workers' dtype and context, checked before any of them starts (a refused
+    --max-model-len or --device is one line here, not a worker's exit)."""
+    from kvpool.engine.model_flags import checked_flags
+
+    flags = checked_flags(model, args.dtype or AUTO, args.max_model_len, args.device or "cpu",
+                          args.engine)
+    note = f"; {flags.note}" if flags.note else ""
+    return f"workers run {flags.dtype}, max-model-len {flags.max_model_len}{note}"
+
+
 def _stage_printer(args: argparse.Namespace) -> Callable[[str], None]:
     """Prints `kvpool up: <stage>` as start-up goes (nothing with --quiet)."""
     if args.quiet:
@@ -376,7 +399,7 @@ def _run_store_only(args: argparse.Namespace) -> int:
     try:
         with local_cluster(args.host, num_nodes, args.dram, args.rpc_port,
                            args.admin_port, args.metadata_port, args.token,
-                           args.insecure) as cluster:
+                           args.insecure, _stage_printer(args)) as cluster:
             _print_endpoints(cluster)
             print(_token_line(args), flush=True)
             if args.demo:
@@ -393,8 +416,8 @@ def _run_store_only(args: argparse.Namespace) -> int:
 
 @contextmanager
 def local_cluster(host: str, num_nodes: int, dram: str, rpc_port: int = 0, admin_port: int = 0,
-                  metadata_port: int = 0, token: str | None = None,
-                  insecure: bool = False) -> Iterator[LocalCluster]:
+                  metadata_port: int = 0, token: str | None = None, insecure: bool = False,
+                  say: Callable[[str], None] | None = None) -> Iterator[LocalCluster]:
     check_ports(host, {"--rpc-port": rpc_port, "--admin-port": admin_port,
                        "--metadata-port": metadata_port})
     rpc, admin, meta = (p or free_port(host) for p in (rpc_port, admin_port, metadata_port))
@@ -413,7 +436,7 @@ def local_cluster(host: str, num_nodes: int, dram: str, rpc_port: int = 0, admin
         _wait_segments(cluster, num_nodes)
         yield cluster
     finally:
-        cluster.stop_all()
+        cluster.stop_all(say)
 
 
 def _wait_http(cluster: LocalCluster, path: str, proc: subprocess.Popen[bytes], timeout_s: float = 30) -> None:

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Any
 
 from kvpool.cli.security import add_security_args, bind_refusal
 from kvpool.engine.config import PREFILL_MODES
 from kvpool.engine.emulated.profile import DEFAULT_PROFILE
+from kvpool.engine.model_flags import DEFAULT_MAX_MODEL_LEN, DTYPE_CHOICES, ModelFlags
 from kvpool.engine.worker.runtime import ENGINES
 from kvpool.errors import KvpoolError
 from kvpool.log import get_logger
@@ -36,7 +38,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="KV blocks (default 1024; emulated: the profile's KV capacity)")
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-prefill-chunk", type=int, default=512)
-    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context limit, tokens (default: the model's, at most "
+                        f"{DEFAULT_MAX_MODEL_LEN}; more than the model's is refused)")
     p.add_argument("--prefill-mode", choices=PREFILL_MODES, default="chunked",
                    help="chunked: decodes ride with prompt chunks; whole: vLLM's old default, "
                         "a step of whole prompts pauses every decode")
@@ -53,8 +57,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="--engine emulated: share of the profile's KV bytes actually moved")
     p.add_argument("--speed-up", type=float, default=1.0,
                    help="--engine emulated: divide every step time by this")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                   help="weights and KV; auto: the checkpoint's torch_dtype (a float16 one "
+                        "runs in float32 on the CPU)")
+    p.add_argument("--device", default="cpu", help="torch device (cpu; cuda where torch has it)")
     p.add_argument("--dram", default="0", help="DRAM to contribute to the pool, e.g. 1GiB")
     p.add_argument("--remote-timeout", type=float, default=10.0, help="seconds")
     p.add_argument("--api", choices=("kvpool", "vllm"), default="kvpool",
@@ -83,6 +89,16 @@ def _num_blocks(args: argparse.Namespace) -> int:
     return 1024
 
 
+def _model_flags(args: argparse.Namespace, model_dir: Path) -> ModelFlags:
+    """--dtype, --max-model-len and --device over the model (kvpool.engine.model_flags)."""
+    from kvpool.engine.model_flags import checked_flags
+
+    flags = checked_flags(model_dir, args.dtype, args.max_model_len, args.device, args.engine)
+    if flags.note:
+        log.warning("--dtype auto: %s", flags.note)
+    return flags
+
+
 def run(args: argparse.Namespace) -> int:
     from kvpool.engine.config import EngineConfig
     from kvpool.engine.worker.runtime import Worker, WorkerConfig
@@ -93,14 +109,16 @@ def run(args: argparse.Namespace) -> int:
         print(refusal, file=sys.stderr)
         return 2
     try:
+        model_dir = resolve_model(args.model)
+        flags = _model_flags(args, model_dir)
         config = WorkerConfig(
-            model_dir=str(resolve_model(args.model)), role=args.role, master=args.master, host=args.host,
+            model_dir=str(model_dir), role=args.role, master=args.master, host=args.host,
             port=args.port or free_port(args.host), kv_transfer=args.kv_transfer,
             token=args.token or env_token(),
             engine=EngineConfig(block_size=args.block_size, num_blocks=_num_blocks(args),
                                 max_num_seqs=args.max_num_seqs,
                                 max_prefill_chunk=args.max_prefill_chunk,
-                                max_model_len=args.max_model_len, dtype=args.dtype,
+                                max_model_len=flags.max_model_len, dtype=flags.dtype,
                                 device=args.device, prefill_mode=args.prefill_mode,
                                 enable_prefix_caching=not args.no_prefix_caching,
                                 max_prefill_seqs=args.max_prefill_seqs),
@@ -112,7 +130,8 @@ def run(args: argparse.Namespace) -> int:
         log.error("%s", exc)
         return 2
     print(f"kvpool worker ({config.role}) on http://{config.host}:{config.port} "
-          f"segment {worker.transfer.segment_name}", flush=True)
+          f"segment {worker.transfer.segment_name} ({flags.dtype}, max-model-len "
+          f"{flags.max_model_len})", flush=True)
     # Keep idle connections longer than clients do (CLIENT_KEEPALIVE_S), so a client never
     # reuses one the worker is closing; a proxy holds one connection per stream.
     limits = HttpLimits(max_concurrency=1024, idle_timeout_s=30.0)
@@ -131,8 +150,6 @@ def _app(args: argparse.Namespace, worker: Any) -> Any:
 
     if args.api != "vllm":
         return create_app(worker)
-    from pathlib import Path
-
     from kvpool.engine.gguf_checkpoint import served_name
     from kvpool.engine.worker.vllm_face import create_vllm_app
 

@@ -23,6 +23,7 @@ import mmap
 import os
 import shutil
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -121,10 +122,15 @@ def _scalar(part: np.ndarray, kind: Any) -> Any:
     return part.tolist()[0]
 
 
-def read_gguf(path: str | Path) -> GgufFile:
+ImportProgress = Callable[[int, int], None]
+"""Told (steps done, steps in all) as an import goes: one step per tensor dequantized, one for
+writing the folder; first called once every check has passed."""
+
+
+def read_gguf(path: str | Path, progress: ImportProgress | None = None) -> GgufFile:
     """The metadata, tokenizer and float32 tensors (Hugging Face names and layout) of a GGUF
     file; every check (header, config, tensor shapes, tokenizer, chat template) comes before
-    the first tensor is dequantized."""
+    the first tensor is dequantized. `progress` counts the tensors, out of their number + 1."""
     from gguf.quants import dequantize
 
     file = Path(path)
@@ -141,7 +147,10 @@ def read_gguf(path: str | Path) -> GgufFile:
     _check_tensors(file, reader, config)
     tokenizer, tok_cfg = checked_tokenizer(file, meta, config.max_position_embeddings)
     tensors: dict[str, np.ndarray] = {}
-    for t in reader.tensors:
+    steps = len(reader.tensors) + 1
+    for i, t in enumerate(reader.tensors):
+        if progress is not None:
+            progress(i, steps)
         name = hf_name(t.name)
         data = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
         data = data.reshape([int(d) for d in reversed(t.shape.tolist())])
@@ -251,11 +260,15 @@ def _f32(value: Any) -> Any:
     return float(f"{float(value):.7g}")
 
 
-def import_gguf(path: str | Path, out_dir: str | Path) -> Path:
+def import_gguf(path: str | Path, out_dir: str | Path,
+                progress: ImportProgress | None = None) -> Path:
     """Write the Hugging Face folder of a GGUF file into `out_dir` (created); returns it."""
     from safetensors.numpy import save_file
 
-    gg = read_gguf(path)
+    gg = read_gguf(path, progress)
+    steps = len(gg.tensors) + 1
+    if progress is not None:
+        progress(steps - 1, steps)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tied = "lm_head.weight" not in gg.tensors
@@ -272,6 +285,8 @@ def import_gguf(path: str | Path, out_dir: str | Path) -> Path:
     _write_json(out / IMPORT_MARKER, {"source": str(gg.path.resolve()),
                                        "name": gg.metadata.get("general.name"),
                                        "served_name": gg.path.name.split(".")[0]})
+    if progress is not None:
+        progress(steps, steps)
     return out
 
 
@@ -308,7 +323,7 @@ def gguf_digest(file: Path) -> str:
         raise CheckpointError(f"cannot read GGUF file {file}: {exc}") from exc
 
 
-def cached_import(path: str | Path) -> Path:
+def cached_import(path: str | Path, progress: ImportProgress | None = None) -> Path:
     """The imported folder of GGUF file `path`, importing it on first use into `cache_dir()`
     (keyed by the file's name and the digest of its contents, kept beside it by
     `weights_digest`: a file rewritten in place is imported again). The import is written to a
@@ -320,7 +335,7 @@ def cached_import(path: str | Path) -> Path:
         return target
     tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
     try:
-        import_gguf(file, tmp)
+        import_gguf(file, tmp, progress)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

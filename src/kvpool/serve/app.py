@@ -61,6 +61,7 @@ from kvpool.serve.protocol import (
 from kvpool.serve.requests import PreparedRequest, prepare
 from kvpool.serve.responses import Choice, full_body, sse_stream, usage_of
 from kvpool.serve.route import route_headers, route_note
+from kvpool.serve.scoring import scored_body, scored_events
 from kvpool.serve.text import TextStream
 from kvpool.serve.tokenize import detokenize, tokenize
 from kvpool.serve.tokenizer import ModelTokenizer
@@ -131,6 +132,8 @@ class Proxy:
         except ApiError as exc:
             return self._error(endpoint, exc, acc)
         self.metrics.requests.labels(endpoint, "200").inc()
+        if prep.score_only:
+            return await self._scored(prep, choices, acc)
         if prep.stream:
             return StreamingResponse(self._logged(sse_stream(self, prep, choices, acc), acc,
                                                   prep, choices),
@@ -138,6 +141,18 @@ class Proxy:
                                      headers={"Cache-Control": "no-cache"}
                                      | route_headers(choices[0].run))
         return await self._collect(endpoint, prep, choices, acc, request)
+
+    async def _scored(self, prep: PreparedRequest, choices: list[Choice],
+                      acc: Access) -> Response:
+        """echo with max_tokens 0: the prompt scored, no completion (kvpool.serve.scoring)."""
+        headers = route_headers(choices[0].run)
+        if prep.stream:
+            events = self._logged(scored_events(self, prep, choices), acc, prep, choices)
+            return StreamingResponse(events, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"} | headers)
+        body = await scored_body(self, prep, choices)
+        self._account(acc, prep, choices)
+        return JSONResponse(body, headers=headers)
 
     async def _logged(self, events: AsyncIterator[bytes], acc: Access, prep: PreparedRequest,
                       choices: list[Choice]) -> AsyncIterator[bytes]:

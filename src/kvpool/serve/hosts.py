@@ -40,6 +40,7 @@ import os
 import re
 import secrets
 import shutil
+import socket
 import subprocess
 import tempfile
 import threading
@@ -227,6 +228,15 @@ class HostsCluster:
     def hosts(self) -> list[Host]:
         """The serving hosts (the etcd host left out)."""
         return self.fabric.hosts[:len(self.fabric.hosts) - bool(self.etcd_endpoint)]
+
+    def proxy_connection(self) -> socket.socket:
+        """A TCP connection to the proxy, opened from inside its host's network namespace
+        (blocking, no timeout: it may carry a long stream)."""
+        host = self.fabric.hosts[self.proxy_host]
+        with in_netns(host.netns):
+            sock = socket.create_connection((host.addr, PROXY_PORT), timeout=10)
+        sock.settimeout(None)
+        return sock
 
     def master_admin_url(self, index: int) -> str:
         return f"http://{self.fabric.hosts[index].addr}:{ADMIN_PORT}"

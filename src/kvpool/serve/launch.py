@@ -200,11 +200,47 @@ class ChildTable:
     def exited(self) -> list[str]:
         return [name for name, p in self.procs.items() if p.poll() is not None]
 
-    def stop_all(self) -> None:
-        """Stop every child, last started first (proxy, workers, store nodes, master), each
-        with what it started in its session (a vLLM server's engine processes)."""
-        for proc in reversed(list(self.procs.values())):
-            stop_group(proc)
+    def stop_all(self, say: Callable[[str], None] | None = None) -> None:
+        """Stop every child, last started first, a group at a time (the proxy, the workers,
+        the store nodes, the master): SIGTERM to the whole group, then each is waited for
+        (SIGKILL after 10 s), with what each started in its session (a vLLM server's engine
+        processes). `say` is told each group as it goes and the end."""
+        started = time.monotonic()
+        for group, procs in _groups(list(self.procs.items())[::-1]):
+            if say is not None and any(p.poll() is None for p in procs):
+                say(f"stopping {group}")
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+            for p in procs:
+                stop_group(p)
+        if say is not None:
+            say(f"stopped ({time.monotonic() - started:.1f} s)")
+
+
+def _groups(named: list[tuple[str, subprocess.Popen[bytes]]]
+            ) -> list[tuple[str, list[subprocess.Popen[bytes]]]]:
+    """`named` children in runs of one kind, in order: (what to call the run, its children)."""
+    out: list[tuple[str, list[subprocess.Popen[bytes]]]] = []
+    for name, proc in named:
+        kind = _kind(name)
+        if out and out[-1][0] == kind:
+            out[-1][1].append(proc)
+        else:
+            out.append((kind, [proc]))
+    return [(_plural(kind, len(procs)), procs) for kind, procs in out]
+
+
+def _kind(name: str) -> str:
+    """A child's kind from its name: prefill-0 and decode-1 are workers, store-node-2 a
+    store node; others (proxy, master, etcd) are their own kind."""
+    if name.split("-")[0] in ("prefill", "decode", "both"):
+        return "worker"
+    return "store node" if name.startswith("store-node") else name
+
+
+def _plural(kind: str, count: int) -> str:
+    return f"the {kind}" if count == 1 else f"{count} {kind}s"
 
 
 @dataclass
@@ -266,7 +302,7 @@ def serving_cluster(spec: ServingSpec,
     cluster = ServingCluster(host, f"http://{host}:{spec.port}", spec.model_dir,
                              served_name(spec.model_dir))
     with ExitStack() as stack:
-        stack.callback(cluster.stop_all)
+        stack.callback(cluster.stop_all, say)
 
         def start(name: str, *args: str) -> subprocess.Popen[bytes]:
             return cluster.start(name, *args, *(("--insecure",) if spec.insecure else ()))

@@ -10,6 +10,7 @@ before starting anything, so a bad model fails at once with one clear line.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from pathlib import Path
 
 from kvpool.errors import CheckpointError
@@ -32,20 +33,22 @@ def smollm2_gguf() -> Path:
     return path
 
 
-def resolve_model(name: str | None) -> Path:
+def resolve_model(name: str | None,
+                  progress: Callable[[int, int], None] | None = None) -> Path:
     """The checkpoint folder `name` stands for (module docstring); CheckpointError naming what
-    is wrong and how to fix it."""
+    is wrong and how to fix it. `progress`: told how a first import goes
+    (gguf_checkpoint.ImportProgress)."""
     from kvpool.engine.gguf_checkpoint import cached_import
 
     name = name or DEFAULT_MODEL
     if name == DEFAULT_MODEL:
-        return cached_import(smollm2_gguf())
+        return cached_import(smollm2_gguf(), progress)
     if name == "tiny":
         from kvpool.serve.launch import default_model_dir, ensure_tiny_model
         return ensure_tiny_model(default_model_dir())
     path = Path(name).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        return cached_import(path)
+        return cached_import(path, progress)
     return checked_folder(path)
 
 

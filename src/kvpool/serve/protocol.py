@@ -72,7 +72,8 @@ class _Sampling(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)  # Infinity, NaN: a 400
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=0)
+    """0: only with a completion's echo, which scores the prompt (kvpool.serve.scoring)."""
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=-1, ge=-1)

@@ -64,6 +64,9 @@ class PreparedRequest:
     """Top alternatives per token in the response (None: no logprobs)."""
     trace: bool = False
     """Return the `kvpool_trace` extension (token ids and stamps)."""
+    score_only: bool = False
+    """echo with max_tokens 0: the prompt (and its logprobs) without a completion; each job
+    runs for the one token that brings the prompt's logprobs (kvpool.serve.scoring)."""
 
 
 _ids = itertools.count(1)
@@ -91,7 +94,7 @@ def prepare(req: CompletionRequest | ChatRequest, kind: Kind, proxy: Proxy,
                                   replace(sampling, seed=choice_seed(req.seed, j))))
     return PreparedRequest(kind, new_id(kind, next(_ids)), prompts, jobs, req.stop_list,
                            req.stream, req.include_usage, echo, req.output_logprobs(),
-                           req.kvpool_trace)
+                           req.kvpool_trace, req.max_tokens == 0)
 
 
 def choice_seed(seed: int | None, j: int) -> int | None:
@@ -115,7 +118,7 @@ def _sampling(req: CompletionRequest | ChatRequest, ids: list[int], limit: int,
     if len(ids) >= limit:
         raise bad_request(f"the prompt is {len(ids)} tokens; this model's context is {limit} "
                           "tokens, including at least one output token", param="prompt")
-    max_tokens = req.max_tokens or req.default_max_tokens() or limit - len(ids)
+    max_tokens = _max_tokens(req, len(ids), limit, echo)
     if len(ids) + max_tokens > limit:
         raise bad_request(f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds the "
                           f"context of {limit} tokens; lower max_tokens", param="max_tokens")
@@ -123,6 +126,18 @@ def _sampling(req: CompletionRequest | ChatRequest, ids: list[int], limit: int,
     if echo and sampling.logprobs is not None:
         sampling = replace(sampling, prompt_logprobs=sampling.logprobs)
     return sampling
+
+
+def _max_tokens(req: CompletionRequest | ChatRequest, prompt_len: int, limit: int,
+                echo: bool) -> int:
+    """The output tokens to run: the request's, its kind's default, or up to the context;
+    1 for echo with max_tokens 0 (a scored prompt: the token is dropped)."""
+    if req.max_tokens == 0:
+        if not echo:
+            raise bad_request("max_tokens 0 is served only with echo: true on /v1/completions "
+                              "(it scores the prompt)", param="max_tokens")
+        return 1
+    return req.max_tokens or req.default_max_tokens() or limit - prompt_len
 
 
 def _check_vocab(req: CompletionRequest | ChatRequest, proxy: Proxy) -> None:
