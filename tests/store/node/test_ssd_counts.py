@@ -9,7 +9,7 @@ from pathlib import Path
 from kvpool.store import StoreClient
 from kvpool.store.wire.codes import ErrorCode
 from tests.store.cluster import content
-from tests.store.test_ssd_cluster import metric, put_paced, ssd_cluster, wait_for
+from tests.store.node.test_ssd_cluster import metric, put_paced, ssd_cluster, wait_for
 
 E = ErrorCode
 SMALL = 4096
