@@ -10,7 +10,7 @@ import pytest
 from kvpool.clock import VirtualClock
 from tests.support.etcd import etcd_server
 from tests.support.net import free_port
-from tests.support.require import CI_SWITCH, in_ci, is_ci_skip
+from tests.support.require import CI_SWITCH, in_ci, skip_allowed_in_ci
 
 
 def _fail_a_quiet_skip(report: pytest.TestReport | pytest.CollectReport) -> None:
@@ -18,7 +18,7 @@ def _fail_a_quiet_skip(report: pytest.TestReport | pytest.CollectReport) -> None
     if not (report.skipped and in_ci()) or hasattr(report, "wasxfail"):
         return
     reason = str(report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr)
-    if is_ci_skip(reason):
+    if skip_allowed_in_ci(reason):
         return
     report.outcome = "failed"
     report.longrepr = (f"{CI_SWITCH}=1: a skip whose cause CI provides fails ({reason}); a cause "

@@ -11,8 +11,9 @@ Contract:
 - `outside_ci(reason)` / `skip_outside_ci(reason)`: a skip whose cause CI does not provide (a
   GPU, a real vLLM, a port or a limit this host happens to have); it stays a skip under the
   switch and its reason says so.
-- Under the switch, the root conftest fails any other skip (see `is_ci_skip`), so a new ad-hoc
-  `pytest.skip` cannot skip quietly either.
+- Under the switch, the root conftest fails any other skip (`skip_allowed_in_ci`): a new
+  ad-hoc `pytest.skip`, or a `skipif` marker whose reason is plain (a Linux feature such as
+  MAP_POPULATE, which CI has), cannot skip quietly either.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import pytest
 
 CI_SWITCH = "KVPOOL_CI"
 OUTSIDE_CI = "not provided by CI: "
-"""Prefix of every skip reason that CI cannot provide; `is_ci_skip` allows exactly these."""
+"""Prefix of every skip reason that CI cannot provide; `skip_allowed_in_ci` allows exactly these."""
 
 
 def in_ci() -> bool:
@@ -64,6 +65,6 @@ def skip_outside_ci(reason: str) -> NoReturn:
     raise pytest.skip.Exception(outside_ci(reason), allow_module_level=True)
 
 
-def is_ci_skip(reason: str) -> bool:
+def skip_allowed_in_ci(reason: str) -> bool:
     """Whether a skip with this reason is one CI may report (see `outside_ci`)."""
     return OUTSIDE_CI in reason
