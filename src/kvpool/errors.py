@@ -7,6 +7,11 @@ where there is one, the fix.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvpool.store.wire.codes import ErrorCode
+
 
 class KvpoolError(Exception):
     """Base of every error kvpool raises on purpose."""
@@ -88,6 +93,15 @@ class RpcError(StoreError):
     def __init__(self, message: str, status: int | None = None) -> None:
         super().__init__(message)
         self.status = status
+
+
+class RpcFailed(StoreError):
+    """A store client's call to the master failed as a whole (timeout, broken connection, or
+    the whole request refused); `code` is the ErrorCode the caller's per-key results carry."""
+
+    def __init__(self, code: ErrorCode) -> None:
+        super().__init__(f"the master call failed: {code.name}")
+        self.code = code
 
 
 class MetadataUnavailable(MetadataError):

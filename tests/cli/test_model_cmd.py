@@ -9,12 +9,11 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from kvpool.engine.tiny import TinySpec, make_tiny
 from tests.engine.malformed import GGUF_CASES, edited_config
+from tests.support.require import require_module
 
-gguf = pytest.importorskip("gguf")
+gguf = require_module("gguf", "the engine extra (scripts/setup.sh)")
 
 from tests.engine.gguf_factory import write_gguf  # noqa: E402
 

@@ -7,13 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from kvpool.compat import activate as shim
 from tests.compat.conftest import Master
 from tests.compat.script_runner import MOONCAKE_RESULTS, run_script
 from tests.support.net import free_port, wait_port
 from tests.support.procs import python_env, running
+from tests.support.require import missing
 
 
 def kvpool_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -65,7 +64,7 @@ def test_never_touches_a_foreign_mooncake_package(tmp_path: Path) -> None:
 def test_detects_the_wheel_installed_in_this_environment() -> None:
     found = shim.find_real_mooncake(shim.default_target())
     if not found:
-        pytest.skip("the real Mooncake wheel is not installed here")
+        missing("the real Mooncake wheel is not installed here")
     assert shim.status(shim.default_target()).foreign_package  # its package, not ours
 
 

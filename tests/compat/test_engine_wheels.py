@@ -20,6 +20,7 @@ import pytest
 from kvpool.compat import activate as shim
 from tests.compat.test_lifecycle import Master, master  # noqa: F401  (fixture)
 from tests.support.procs import python_env
+from tests.support.require import missing
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +37,7 @@ def _fetch(target: Path, requirements: list[str]) -> None:
                            "--target", str(target), *requirements],
                           capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
-        pytest.skip(f"cannot fetch {requirements[0]} from PyPI: {proc.stderr.strip()[-300:]}")
+        missing(f"cannot fetch {requirements[0]} from PyPI: {proc.stderr.strip()[-300:]}")
 
 
 _LMCACHE_DRIVER = """

@@ -76,15 +76,6 @@ def master() -> Iterator[Master]:
         yield m
 
 
-def _wait_for(predicate: object, timeout_s: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
-            return True
-        time.sleep(0.05)
-    return False
-
-
 _CHILD = """
 import gc, sys
 from mooncake_under_test import MooncakeDistributedStore, TransferEngine

@@ -8,6 +8,7 @@ import torch
 from kvpool.compat.mooncake import tensor_codec
 from kvpool.compat.mooncake.store import MooncakeDistributedStore
 from tests.compat.kv import kv_cache
+from tests.support.require import missing, require_module
 
 CASES = {
     "kv": kv_cache(2, seed=3),
@@ -81,9 +82,9 @@ MOONCAKE_DTYPES = [torch.float32, torch.float64, torch.int8, torch.uint8, torch.
 
 def test_layout_is_mooncakes() -> None:
     """Byte for byte what the real wheel's serializer writes (skipped without the wheel)."""
-    real = pytest.importorskip("mooncake.store")
+    real = require_module("mooncake.store", "the real Mooncake wheel (scripts/setup.sh)")
     if not hasattr(real, "_serialize_tensor"):
-        pytest.skip("this mooncake has no _serialize_tensor")
+        missing("this mooncake wheel has no _serialize_tensor")
     import ctypes
 
     for tensor in [*CASES.values(), *(torch.zeros(3, 2, dtype=d) for d in MOONCAKE_DTYPES)]:

@@ -13,8 +13,9 @@ from kvpool.engine.config import EngineConfig, SamplingParams
 from kvpool.engine.llm_engine import LLMEngine
 from kvpool.errors import ConfigError, InvalidArgument
 from tests.engine.helpers import full_logits
+from tests.support.require import require_module
 
-transformers = pytest.importorskip("transformers")
+transformers = require_module("transformers", "the test extra (scripts/setup.sh)")
 
 GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
 

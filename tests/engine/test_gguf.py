@@ -13,8 +13,9 @@ from safetensors.numpy import load_file
 
 from kvpool.engine.checkpoint import CheckpointError, load_tokenizer, read_model_config
 from kvpool.engine.config import EngineConfig, SamplingParams
+from tests.support.require import require_module
 
-gguf = pytest.importorskip("gguf")
+gguf = require_module("gguf", "the engine extra (scripts/setup.sh)")
 
 from kvpool.engine.gguf_checkpoint import cached_import, hf_name, import_gguf  # noqa: E402
 from kvpool.serve.models import checked_folder, resolve_model  # noqa: E402

@@ -11,11 +11,12 @@ import pytest
 
 from kvpool.engine.checkpoint import load_tokenizer
 from kvpool.engine.config import EngineConfig, SamplingParams
+from tests.support.require import require_module
 
 pytestmark = pytest.mark.slow
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("gguf")
-pytest.importorskip("accelerate")
+transformers = require_module("transformers", "the test extra (scripts/setup.sh)")
+require_module("gguf", "the engine extra (scripts/setup.sh)")
+require_module("accelerate", "the test extra (scripts/setup.sh)")
 
 from kvpool.serve.models import resolve_model, smollm2_gguf  # noqa: E402
 

@@ -12,8 +12,9 @@ from kvpool.engine.config import EngineConfig, SamplingParams
 from kvpool.engine.core import StepOutput
 from kvpool.engine.llm_engine import LLMEngine
 from kvpool.errors import ConfigError
+from tests.support.require import require_module
 
-transformers = pytest.importorskip("transformers")
+transformers = require_module("transformers", "the test extra (scripts/setup.sh)")
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:

@@ -16,8 +16,9 @@ from kvpool.engine.checkpoint import check_checkpoint, load_model, read_model_co
 from kvpool.errors import CheckpointError
 from kvpool.serve.tokenizer import ModelTokenizer
 from tests.engine.malformed import FOLDER_CASES, GGUF_CASES, edited_config
+from tests.support.require import require_module
 
-gguf = pytest.importorskip("gguf")
+gguf = require_module("gguf", "the engine extra (scripts/setup.sh)")
 
 from kvpool.engine.gguf_checkpoint import cached_import, import_gguf  # noqa: E402
 from tests.engine.gguf_factory import write_gguf  # noqa: E402

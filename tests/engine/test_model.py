@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from kvpool.engine.checkpoint import load_model
 from kvpool.engine.model import causal_attention
 from tests.engine.helpers import full_logits
+from tests.support.require import outside_ci, require_module
 
-transformers = pytest.importorskip("transformers")
+transformers = require_module("transformers", "the test extra (scripts/setup.sh)")
 
 PROMPT = [5, 17, 300, 42, 9, 101, 77, 3, 250, 18, 64, 199, 7, 7, 31, 400, 12, 88, 2, 141]
 SMALL = [t % 320 for t in PROMPT[:12]]
@@ -52,7 +53,7 @@ def test_bfloat16_is_close_to_float32(tiny_llama: Path) -> None:
     assert (half - full).abs().max() < 0.1
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason=outside_ci("no CUDA device"))
 def test_cuda_matches_cpu(tiny_llama: Path) -> None:
     from kvpool.engine.config import EngineConfig, SamplingParams
     from kvpool.engine.llm_engine import LLMEngine

@@ -19,8 +19,9 @@ from kvpool.engine.config import MODEL_LIMITS, ModelConfig
 from kvpool.engine.gguf_header import parse_header
 from kvpool.engine.tiny import TinySpec, hf_config
 from kvpool.errors import CheckpointError, ConfigError
+from tests.support.require import require_module
 
-gguf = pytest.importorskip("gguf")
+gguf = require_module("gguf", "the engine extra (scripts/setup.sh)")
 
 from kvpool.engine.gguf_checkpoint import import_gguf  # noqa: E402
 from tests.engine.gguf_factory import write_gguf  # noqa: E402

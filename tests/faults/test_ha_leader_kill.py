@@ -1,5 +1,5 @@
 """SIGKILL of the HA leader while a client thread puts and reads without pause (the
-sequential version is tests/store/test_ha_failover.py): the standby takes the next term, the
+sequential version is tests/store/master/test_ha_failover.py): the standby takes the next term, the
 workload resumes on it, every acknowledged object reads back with its bytes and no read in
 the whole run returned other bytes."""
 

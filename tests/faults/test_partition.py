@@ -22,6 +22,7 @@ import pytest
 from kvpool.procs import stop
 from tests.faults.netns import ADDR_A, ADDR_B, NetnsPair
 from tests.support.procs import python_env
+from tests.support.require import missing
 
 CLIENT = r"""
 import json, sys, time
@@ -83,7 +84,7 @@ def netns() -> Iterator[NetnsPair]:
     try:
         pair = NetnsPair.create()
     except PermissionError as exc:
-        pytest.skip(f"network namespaces unavailable: {exc}")
+        missing(f"network namespaces unavailable (needs root and `ip`): {exc}")
     try:
         yield pair
     finally:

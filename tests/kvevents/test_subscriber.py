@@ -14,16 +14,9 @@ from kvpool.kvevents.index import CacheIndex
 from kvpool.kvevents.publisher import KvEventPublisher
 from kvpool.kvevents.subscriber import KvEventSubscriber, fetch_replay
 from tests.support.net import free_port
+from tests.support.wait import wait_for
 
 LOCAL = "tcp://127.0.0.1:0"
-
-
-def wait_for(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met")
-        time.sleep(0.01)
 
 
 def stored(*hashes: int) -> EventBatch:

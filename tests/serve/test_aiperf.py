@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvpool.serve.launch import ServingCluster
+from tests.support.require import missing
 
 pytestmark = pytest.mark.slow
 REQUESTS = 24
@@ -30,8 +31,8 @@ def aiperf_binary() -> str | None:
 def test_aiperf_streams_with_zero_errors(cluster: ServingCluster, tmp_path: Path) -> None:
     binary = aiperf_binary()
     if binary is None:
-        pytest.skip("aiperf is not installed (python -m venv .venv-aiperf && "
-                    ".venv-aiperf/bin/pip install aiperf)")
+        missing("aiperf is not installed (python -m venv .venv-aiperf && "
+                ".venv-aiperf/bin/pip install aiperf)")
     out = tmp_path / "aiperf"
     cmd = [binary, "profile", "--model", cluster.model_name, "--url", cluster.proxy_url,
            "--endpoint-type", "chat", "--streaming", "--tokenizer", str(cluster.model_dir),

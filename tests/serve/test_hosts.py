@@ -46,6 +46,7 @@ from kvpool.serve.hosts import (
 )
 from kvpool.serve.launch import ensure_emulated_model
 from tests.support.procs import python_env
+from tests.support.require import missing
 
 pytestmark = pytest.mark.slow
 
@@ -102,9 +103,9 @@ print(json.dumps(out), flush=True)
 def emulated(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
              ha: bool) -> Iterator[HostsCluster]:
     if os.geteuid() != 0:
-        pytest.skip("emulated hosts need root (network and mount namespaces)")
+        missing("emulated hosts need root (network and mount namespaces)")
     if ha and shutil.which("etcd") is None:
-        pytest.skip("no etcd binary (Debian package etcd-server)")
+        missing("no etcd binary (Debian package etcd-server)")
     model = ensure_emulated_model(tiny_model, tmp_path_factory.mktemp("emu") / "m", 8192)
     spec = HostsSpec(model, worker_args=WORKER_ARGS, proxy_args=("--admission", "none"),
                      master_args=("--client-ttl", "3"), ha=ha)
@@ -113,7 +114,7 @@ def emulated(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
             yield hosts
     except KvpoolError as exc:
         if "ip " in str(exc) or "/dev/shm" in str(exc) or "no `ip`" in str(exc):
-            pytest.skip(f"cannot emulate hosts here: {exc}")
+            missing(f"cannot emulate hosts here: {exc}")
         raise
 
 

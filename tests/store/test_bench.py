@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from tests.support.procs import python_env
+from tests.support.require import require_module
 
 
 def run_bench(*args: str) -> list[dict]:  # type: ignore[type-arg]
@@ -49,7 +50,7 @@ def test_bench_store_master_only() -> None:
 @pytest.mark.slow
 @pytest.mark.mooncake
 def test_bench_store_runs_the_mooncake_side() -> None:
-    pytest.importorskip("mooncake.store")
+    require_module("mooncake.store", "the real Mooncake wheel (scripts/setup.sh)")
     records = run_bench("--only", "mooncake", "--sizes", "4KiB", "--max-ops", "64",
                         "--repeat", "1", "--dram", "64MiB")
     assert [(r["system"], r["op"], r["mode"]) for r in records] == [

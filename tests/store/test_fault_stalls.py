@@ -21,6 +21,7 @@ from kvpool.store.wire.codes import ReplicaDesc
 from kvpool.transfer import OpCode, TransferConfig, TransferEngine, TransferRequest
 from tests.store.cluster import Cluster, content, store_cluster
 from tests.support.procs import running, spawn_python
+from tests.support.wait import wait_for
 
 SIZE = 64 << 10
 
@@ -79,15 +80,6 @@ def resume(proc: subprocess.Popen[bytes]) -> dict:  # type: ignore[type-arg]
 def client(cluster: Cluster, **kw: object) -> StoreClient:
     return StoreClient(ClientConfig(master=cluster.address, metadata=cluster.metadata,
                                     heartbeat_interval_s=0.2, **kw))  # type: ignore[arg-type]
-
-
-def wait_for(cond: object, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():  # type: ignore[operator]
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"not within {timeout_s}s: {what}")
 
 
 def assert_never_wrong(b: StoreClient, key: str, value: bytes) -> E:

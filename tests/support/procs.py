@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from kvpool import procs
+from tests.support.wait import wait_for
 
 
 def python_env() -> dict[str, str]:
@@ -35,6 +36,17 @@ def spawn_python(code: str, *args: str, stdout: int | None = subprocess.PIPE) ->
 def spawn_kvpool(*args: str) -> subprocess.Popen[bytes]:
     """Start the `kvpool` CLI as a user would, in its own process."""
     return subprocess.Popen([sys.executable, "-m", "kvpool", *args], env=python_env())
+
+
+def proc_state(pid: int) -> str:
+    """The one-letter state of process `pid` in /proc (R, S, T for stopped, Z...)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def wait_stopped(pid: int, timeout_s: float = 10.0) -> None:
+    """Until process `pid` is stopped (after SIGSTOP), or TimeoutError."""
+    wait_for(lambda: proc_state(pid) == "T", timeout_s, f"process {pid} to stop", step_s=0.01)
 
 
 def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from kvpool.errors import TransferTimeout
 from kvpool.transfer import TransferConfig, TransferEngine
-from tests.support.procs import running, spawn_python
+from tests.support.procs import running, spawn_python, wait_stopped
 
 SIZE = 64 << 10
 
@@ -37,16 +37,6 @@ def _word(buf: object) -> int:
         return int(np.frombuffer(f.read(16), dtype="<u8")[1])
 
 
-def _wait_stopped(pid: int, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "T":
-                return
-        time.sleep(0.01)
-    raise AssertionError("the writer did not stop")
-
-
 def test_a_stopped_writer_keeps_the_old_fence_and_renew_replaces_the_buffer() -> None:
     with TransferEngine(TransferConfig(timeout_s=0.25)) as engine:
         buf = engine.allocate_managed(SIZE, fence=7)
@@ -55,7 +45,7 @@ def test_a_stopped_writer_keeps_the_old_fence_and_renew_replaces_the_buffer() ->
                                   str(buf.addr), "7")) as writer:
             assert writer.stdout is not None
             assert writer.stdout.readline().strip() == b"admitted"
-            _wait_stopped(writer.pid)
+            wait_stopped(writer.pid)
             t0 = time.monotonic()
             with pytest.raises(TransferTimeout):
                 engine.set_fence(buf.addr, 8)

@@ -10,13 +10,12 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
-
 from kvpool.transfer import TransferConfig, TransferEngine
 from kvpool.transfer.batch import OpCode, TransferRequest
 from kvpool.transfer.segment import _shm_identity, host_identity
 from kvpool.transfer.traffic import RouteCount
 from tests.support.procs import python_env
+from tests.support.require import missing
 
 PRINT_IDENTITY = "from kvpool.transfer.segment import host_identity; print(host_identity())"
 
@@ -36,9 +35,9 @@ def test_a_private_dev_shm_is_another_host() -> None:
                               script], env=python_env(), capture_output=True, text=True,
                              timeout=60)
     except FileNotFoundError:
-        pytest.skip("no unshare(1)")
+        missing("no unshare(1) (util-linux)")
     if out.returncode != 0:
-        pytest.skip(f"cannot make a mount namespace with its own /dev/shm: {out.stderr.strip()}")
+        missing(f"cannot make a mount namespace with its own /dev/shm: {out.stderr.strip()}")
     other = out.stdout.strip()
     assert other and other != host_identity()
     assert other.split("/")[0] == host_identity().split("/")[0]  # same boot, other /dev/shm

@@ -21,6 +21,7 @@ import pytest
 
 from kvpool.transfer import memory, populate
 from kvpool.transfer.memory import Buffer, SharedMemoryArena, shm_prefix
+from tests.support.require import missing
 
 SIZE = 16 << 20
 
@@ -76,12 +77,12 @@ def test_a_buffer_dev_shm_cannot_hold_is_refused_at_allocation_not_sigbus_later(
     """In a mount namespace with a 32 MiB /dev/shm, a 64 MiB managed buffer is a clear error
     (before, MAP_POPULATE ignored the shortage and the first copy past it killed the process)."""
     if shutil.which("unshare") is None or os.geteuid() != 0:
-        pytest.skip("needs root and unshare(1) for a private tmpfs")
+        missing("needs root and unshare(1) for a private tmpfs")
     script = f"mount -t tmpfs -o size=32m tmpfs /dev/shm && exec {sys.executable} -c '{_TOO_BIG}'"
     done = subprocess.run(["unshare", "-m", "sh", "-c", script], capture_output=True, text=True,
                           timeout=60)
     if done.returncode != 0 and "mount" in done.stderr:
-        pytest.skip(f"cannot mount a private tmpfs here: {done.stderr.strip()}")
+        missing(f"cannot mount a private tmpfs here: {done.stderr.strip()}")
     assert done.returncode == 0, done.stderr
     assert "refused: cannot back a 67108864-byte managed buffer in /dev/shm" in done.stdout
     assert "left: []" in done.stdout

@@ -14,8 +14,7 @@ import argparse
 import signal
 import sys
 
-from kvpool.errors import KvpoolError
-from kvpool.store.client.base import RpcFailed
+from kvpool.errors import KvpoolError, RpcFailed
 from kvpool.store.client.config import ClientConfig
 from kvpool.store.client.drain import DrainReport, NodeDrainer
 from kvpool.store.wire.codes import ErrorCode
@@ -62,7 +61,7 @@ def run_drain(args: argparse.Namespace) -> int:
         print("kvpool store-node drain: interrupted; what moved stays moved, and the node "
               "takes placements again", file=sys.stderr)
         return 130
-    except (KvpoolError, RpcFailed) as exc:
+    except KvpoolError as exc:
         detail = exc.code.name if isinstance(exc, RpcFailed) else str(exc)
         print(f"kvpool store-node drain: the master at {args.master} did not answer ({detail})",
               file=sys.stderr)

@@ -24,6 +24,7 @@ from kvpool.procs import free_port
 from kvpool.serve.launch import stop, wait_http
 from kvpool.serve.models import resolve_model
 from tests.serve.vllm.conftest import Fleet, events_config
+from tests.support.require import skip_outside_ci
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # vLLM starts in 1-2 minutes here
 VLLM_PYTHON = os.environ.get("KVPOOL_VLLM_PYTHON", "")
@@ -32,7 +33,7 @@ VLLM_PYTHON = os.environ.get("KVPOOL_VLLM_PYTHON", "")
 @pytest.fixture(scope="module")
 def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     if not VLLM_PYTHON:
-        pytest.skip("KVPOOL_VLLM_PYTHON (a Python with vLLM) is not set")
+        skip_outside_ci("KVPOOL_VLLM_PYTHON (a Python with vLLM, which needs a GPU) is not set")
     model = resolve_model("smollm2")
     logs = tmp_path_factory.mktemp("real")
     f = Fleet()

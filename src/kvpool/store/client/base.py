@@ -17,11 +17,12 @@ from kvpool.errors import (
     MemoryRegistrationError,
     MetadataError,
     RpcError,
+    RpcFailed,
     RpcTimeout,
     TransferError,
 )
 from kvpool.log import get_logger
-from kvpool.store.client.batches import RpcFailed, key_chunks, refusal_code
+from kvpool.store.client.batches import key_chunks, refusal_code
 from kvpool.store.client.checksum import Hasher, HashOnArrival
 from kvpool.store.client.config import ClientConfig
 from kvpool.store.client.plan import Part, copies_for, parts_total, valid_parts

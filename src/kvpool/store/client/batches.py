@@ -27,13 +27,6 @@ def key_chunks(keys: Sequence[str], max_keys: int) -> list[tuple[int, int]]:
     return chunks
 
 
-class RpcFailed(Exception):
-    """A master call failed as a whole; `code` is what the caller's results carry."""
-
-    def __init__(self, code: ErrorCode) -> None:
-        self.code = code
-
-
 def refusal_code(status: int | None) -> ErrorCode:
     """The code of a whole-request refusal; RPC_FAIL when there is none to pass on."""
     if status is None or status == 0 or status not in ErrorCode._value2member_map_:

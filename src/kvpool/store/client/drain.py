@@ -17,7 +17,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpool.store.client.base import ClientBase, RpcFailed
+from kvpool.errors import RpcFailed
+from kvpool.store.client.base import ClientBase
 from kvpool.store.wire import messages as m
 from kvpool.store.wire.codes import ErrorCode, LookupResult, Tier
 from kvpool.store.wire.drain import DrainPlan, DrainStep, ReplicaMove

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-from kvpool.store.client.batches import RpcFailed
+from kvpool.errors import RpcFailed
 from kvpool.store.client.checksum import parts_checksum
 from kvpool.store.client.plan import Part
 from kvpool.store.wire import messages as m

@@ -18,7 +18,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvpool.store.client.base import ClientBase, RpcFailed
+from kvpool.errors import RpcFailed
+from kvpool.store.client.base import ClientBase
 from kvpool.store.client.plan import Part
 from kvpool.store.config import ReplicateConfig
 from kvpool.store.wire import messages as m

@@ -11,7 +11,7 @@ from kvpool.store.master.core import MasterCore
 from kvpool.store.master.tier_tasks import DONE, LOAD, OFFLOAD, Task, TierConfig
 from kvpool.store.wire.codes import ErrorCode, Tier
 from tests.store.conftest import KIB
-from tests.store.test_ssd_tiering import OBJ, fill, finish, put, tasks, tiered_core, tiers
+from tests.store.master.test_ssd_tiering import OBJ, fill, finish, put, tasks, tiered_core, tiers
 
 E = ErrorCode
 CLEAN = 0.25  # of 64 KiB of DRAM: the 4 coldest objects

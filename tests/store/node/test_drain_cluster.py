@@ -8,8 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from kvpool.store.wire.codes import ErrorCode as E
 from tests.store.cluster import Cluster, content, store_cluster
 from tests.support.net import free_port, wait_port
 from tests.support.procs import python_env, running, spawn_kvpool
+from tests.support.wait import wait_for
 
 KIB = 1024
 TWO = ReplicateConfig(replica_num=2)
@@ -72,13 +72,6 @@ def verify(store: StoreClient, expected: dict[str, bytes]) -> None:
         for key, got in zip(chunk, store.get_batch(chunk), strict=True):
             assert got.code == E.OK, (key, got.code)
             assert got.data == expected[key], key
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.02)
 
 
 def kill_and_wait_gone(cluster: Cluster, proc: subprocess.Popen[bytes], left: int) -> None:
@@ -153,7 +146,7 @@ def test_drain_under_concurrent_upserts_and_removes(tmp_path: Path) -> None:
             cli = subprocess.Popen([sys.executable, "-m", "kvpool", "store-node", "drain",
                                     addr, "--master", cluster.address, "--batch-keys", "2"],
                                    env=python_env(), stdout=sink, text=True)
-        wait_for(lambda: log.read_text().startswith("draining"))
+        wait_for(lambda: log.read_text().startswith("draining"), 60.0, "the drain to start")
         with client(cluster) as writer:
             churn = threading.Thread(target=_churn,
                                      args=(writer, sorted(expected), stop, expected, errors))

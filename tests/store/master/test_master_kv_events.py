@@ -4,7 +4,7 @@ vLLM KV events, read by kvpool's own subscriber (put, eviction, removal, wipe, r
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import pytest
 import zmq
@@ -18,6 +18,7 @@ from kvpool.store.client.config import ClientConfig
 from kvpool.store.client.store_client import StoreClient
 from tests.support.net import free_port, wait_port
 from tests.support.procs import running, spawn_kvpool
+from tests.support.wait import wait_for
 
 MIB = 1 << 20
 
@@ -29,15 +30,6 @@ def block_key(n: int) -> str:
 
 def block(n: int) -> int:
     return to_event_hash(n.to_bytes(32, "big"))
-
-
-def wait_for(check: Callable[[], bool], timeout_s: float = 10.0,
-             msg: Callable[[], object] = lambda: "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"condition not met {msg()}")
-        time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +75,7 @@ def test_put_evict_remove_wipe_and_replay(pool: tuple[KvEventSubscriber, CacheIn
     for n in range(4, 10):  # 9 MiB into an 8 MiB segment: eviction
         assert client.put(block_key(n), chunk).ok
     everything = range(1, 10)
-    wait_for(lambda: agree(index, client, everything), msg=lambda: held(index, client, everything))
+    wait_for(lambda: agree(index, client, everything), what=lambda: held(index, client, everything))
     kept = [n for n in everything if client.exists(block_key(n)) == 0]
     assert 0 < len(kept) < 9
     assert client.remove(block_key(kept[-1])) == 0

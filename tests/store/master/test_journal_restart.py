@@ -15,7 +15,7 @@ from kvpool.store.client.config import ClientConfig
 from kvpool.store.client.store_client import StoreClient
 from kvpool.store.wire.codes import ErrorCode as E
 from tests.store.cluster import content, store_cluster
-from tests.store.test_persist_restart import wait_readable
+from tests.store.master.test_persist_restart import wait_readable
 from tests.support.procs import python_env
 from tests.support.tmpfs import fill, small_tmpfs
 

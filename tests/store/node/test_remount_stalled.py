@@ -12,8 +12,8 @@ from kvpool.store.config import MasterConfig
 from kvpool.store.master.server import MasterServer, MasterServerConfig
 from tests.store.cluster import content
 from tests.support.net import free_port
-from tests.support.procs import running, spawn_python
-from tests.transfer.test_fence_renew import LOCKED_WRITER, _wait_stopped
+from tests.support.procs import running, spawn_python, wait_stopped
+from tests.transfer.test_fence_renew import LOCKED_WRITER
 
 MIB = 1 << 20
 
@@ -37,7 +37,7 @@ def test_a_stopped_writer_cannot_block_a_remount() -> None:
                                       str(old.addr), str(old.fence.value))) as writer:
                 assert writer.stdout is not None
                 assert writer.stdout.readline().strip() == b"admitted"
-                _wait_stopped(writer.pid)
+                wait_stopped(writer.pid)
                 master.stop()
                 master = _master(port)                   # forgets the node
                 deadline = time.monotonic() + 10

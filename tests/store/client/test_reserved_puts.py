@@ -16,8 +16,8 @@ from kvpool.store.master.service import MasterService
 from kvpool.store.wire import messages as m
 from kvpool.store.wire.codes import ErrorCode as E
 from kvpool.store.wire.protocol import decode_reply_head
+from tests.store.client.test_client import MIB, start_master
 from tests.store.conftest import live_for, make_core
-from tests.store.test_client import MIB, start_master
 
 
 def ask(svc: MasterService, msg: m.Msg, client: str = "w") -> tuple[int, object]:

@@ -14,6 +14,7 @@ from kvpool.cli.master_cmd import build_configs
 from kvpool.errors import ConfigError
 from tests.support.net import free_port, wait_port
 from tests.support.procs import python_env, stop
+from tests.support.require import skip_outside_ci
 
 
 def configs(*argv: str):  # type: ignore[no-untyped-def]
@@ -101,7 +102,7 @@ def test_mooncake_flags_start_while_8080_is_taken() -> None:
         holder.listen()
     except OSError:
         holder.close()
-        pytest.skip("port 8080 is in use here; the test needs to hold it itself")
+        skip_outside_ci("port 8080 is in use on this host; the test needs to hold it itself")
     rpc = free_port()
     proc = _master(f"--rpc_port={rpc}", f"--metrics_port={free_port()}")
     try:

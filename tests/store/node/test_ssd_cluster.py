@@ -21,6 +21,7 @@ from kvpool.store.node.ssd import SUFFIX
 from kvpool.store.wire.codes import ErrorCode, Tier
 from tests.store.cluster import Cluster, content, store_cluster
 from tests.support.procs import running, spawn_kvpool
+from tests.support.wait import wait_for
 
 E = ErrorCode
 SIZE = 256 * 1024
@@ -72,18 +73,16 @@ def tiers_of(client: StoreClient, key: str) -> list[Tier]:
     return sorted(r.tier for r in client.replica_desc(key).replicas)
 
 
-def wait_for(what: str, cond: object, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():  # type: ignore[operator]
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+SSD_WAIT_S = 30.0
+"""How long the disk tier's background work (offloads, registration, eviction) may take here."""
 
 
 def test_evicted_objects_are_read_back_from_disk_and_promoted(tmp_path: Path) -> None:
     keys = [f"obj-{i}" for i in range(40)]              # 10 MiB through 4 MiB of DRAM
     with ssd_cluster(tmp_path) as (cluster, client):
         put_paced(client, keys)
-        wait_for("offloads", lambda: metric(cluster, "kvpool_master_ssd_offloads") >= 24)
+        wait_for(lambda: metric(cluster, "kvpool_master_ssd_offloads") >= 24,
+                 SSD_WAIT_S, "offloads")
         for key in keys:
             got = client.get(key)
             assert got.code == E.OK and got.data == content(key, SIZE), key
@@ -119,8 +118,8 @@ def test_the_disk_evicts_least_recently_used_at_its_watermark(tmp_path: Path) ->
     keys = [f"lru-{i}" for i in range(48)]            # 12 MiB: 4 in DRAM + 2 on disk
     with ssd_cluster(tmp_path, ssd_size="2MiB") as (cluster, client):
         put_paced(client, keys)
-        wait_for("disk eviction",
-                 lambda: metric(cluster, "kvpool_master_ssd_disk_evicted_objects") > 0)
+        wait_for(lambda: metric(cluster, "kvpool_master_ssd_disk_evicted_objects") > 0,
+                 SSD_WAIT_S, "disk eviction")
         ssd = next(s for s in cluster.segments() if s["tier"] == "SSD")
         assert int(ssd["used_bytes"]) <= int(ssd["capacity_bytes"])  # type: ignore[call-overload]
         assert len(files(tmp_path)) <= 8
@@ -143,7 +142,7 @@ def test_a_killed_node_comes_back_with_its_files_and_never_serves_bad_ones(
     keys = [f"crash-{i}" for i in range(32)]
     with ssd_cluster(tmp_path) as (cluster, client):
         put_paced(client, keys)
-        wait_for("offloads", lambda: len(files(tmp_path)) >= 16)
+        wait_for(lambda: len(files(tmp_path)) >= 16, SSD_WAIT_S, "offloads")
         time.sleep(0.5)
         node = cluster.nodes[0]
         node.send_signal(signal.SIGKILL)              # type: ignore[attr-defined]
@@ -154,8 +153,8 @@ def test_a_killed_node_comes_back_with_its_files_and_never_serves_bad_ones(
         os.truncate(tmp_path / _name(torn), SIZE // 2)
         add_ssd_node(cluster, tmp_path)
         cluster.wait_segments(2)                      # the dead node's segments expired
-        wait_for("registration",
-                 lambda: metric(cluster, "kvpool_master_ssd_registered") >= len(on_disk) - 2)
+        wait_for(lambda: metric(cluster, "kvpool_master_ssd_registered") >= len(on_disk) - 2,
+                 SSD_WAIT_S, "registration")
         for key in keys:
             got = client.get(key)
             if key in on_disk - {corrupt, torn}:
@@ -178,13 +177,13 @@ def test_objects_on_disk_survive_a_master_restart(tmp_path: Path) -> None:
     keys = [f"mr-{i}" for i in range(32)]
     with ssd_cluster(tmp_path) as (cluster, client):
         put_paced(client, keys)
-        wait_for("offloads", lambda: len(files(tmp_path)) >= 16)
+        wait_for(lambda: len(files(tmp_path)) >= 16, SSD_WAIT_S, "offloads")
         time.sleep(0.5)
         cluster.kill_master()                          # no --state-dir: DRAM objects go
         on_disk = {key for key in keys if (tmp_path / _name(key)).exists()}
         cluster.start_master()
-        wait_for("registration",
-                 lambda: metric(cluster, "kvpool_master_ssd_registered") >= len(on_disk))
+        wait_for(lambda: metric(cluster, "kvpool_master_ssd_registered") >= len(on_disk),
+                 SSD_WAIT_S, "registration")
         for key in keys:
             got = client.get(key)
             if key in on_disk:
@@ -206,7 +205,7 @@ def test_draining_a_disk_node_moves_its_disk_only_objects(tmp_path: Path) -> Non
     keys = [f"drain-{i}" for i in range(24)]              # 6 MiB through 4 MiB of DRAM
     with ssd_cluster(tmp_path) as (cluster, client):
         put_paced(client, keys)
-        wait_for("offloads", lambda: metric(cluster, "kvpool_master_ssd_offloads") >= 8)
+        wait_for(lambda: metric(cluster, "kvpool_master_ssd_offloads") >= 8, SSD_WAIT_S, "offloads")
         disk_only = [k for k in keys if [r["tier"] for r in cluster.admin(
             "/query_key", key=k).json()["replicas"]] == ["SSD"]]
         assert disk_only  # the admin view does not load them, as a get would

@@ -9,7 +9,8 @@ from pathlib import Path
 from kvpool.store import StoreClient
 from kvpool.store.wire.codes import ErrorCode
 from tests.store.cluster import content
-from tests.store.test_ssd_cluster import metric, put_paced, ssd_cluster, wait_for
+from tests.store.node.test_ssd_cluster import SSD_WAIT_S, metric, put_paced, ssd_cluster
+from tests.support.wait import wait_for
 
 E = ErrorCode
 SMALL = 4096
@@ -54,7 +55,8 @@ def test_every_promotion_is_counted(tmp_path: Path) -> None:
     keys = [f"promo-{i}" for i in range(40)]             # 10 MiB through 4 MiB of DRAM
     with ssd_cluster(tmp_path, promote_after=2) as (cluster, client):
         put_paced(client, keys)
-        wait_for("offloads", lambda: metric(cluster, "kvpool_master_ssd_offloads") >= 16)
+        wait_for(lambda: metric(cluster, "kvpool_master_ssd_offloads") >= 16,
+                 SSD_WAIT_S, "offloads")
         disk_only = [k for k in keys if [r["tier"] for r in cluster.admin(
             "/query_key", key=k).json()["replicas"]] == ["SSD"]][:6]
         assert disk_only

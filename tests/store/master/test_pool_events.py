@@ -9,7 +9,7 @@ from kvpool.store.config import ReplicateConfig
 from kvpool.store.master.core import MasterCore
 from kvpool.store.wire.codes import ErrorCode as E
 from tests.store.conftest import KIB, make_core
-from tests.store.test_master_core import put
+from tests.store.master.test_master_core import put
 
 
 def block_key(n: int, tp: int = 0) -> str:
@@ -100,7 +100,7 @@ def test_translated_into_vllm_events(vclock: VirtualClock) -> None:
 
 
 def test_offload_to_disk_and_removal_from_both_tiers(vclock: VirtualClock) -> None:
-    from tests.store.test_ssd_tiering import fill, finish, tasks, tiered_core
+    from tests.store.master.test_ssd_tiering import fill, finish, tasks, tiered_core
 
     core, ssd_id = tiered_core(vclock)
     rec = Recorder()

@@ -312,7 +312,7 @@ def test_late_replies_reach_the_heartbeat_hook() -> None:
 
 def test_a_failed_revoke_still_ends_the_puts_that_were_written(
         store: StoreClient, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvpool.store.client.base import RpcFailed
+    from kvpool.errors import RpcFailed
     from kvpool.store.wire.messages import Msg, PutRevokeMsg
     real_run, real_call = store._run_copies, store._call
 
