@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from kvpool.engine.tiny import TinySpec, make_tiny
 from tests.engine.malformed import GGUF_CASES, edited_config
 from tests.support.require import require_module

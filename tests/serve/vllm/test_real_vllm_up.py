@@ -22,6 +22,7 @@ import pytest
 from kvpool.serve.launch import free_port
 from kvpool.serve.models import resolve_model
 from tests.serve.conftest import kvpool_up, marked_pids, wait_gone, wait_ready
+from tests.support.require import skip_outside_ci
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 VLLM_PYTHON = os.environ.get("KVPOOL_VLLM_PYTHON", "")
@@ -58,7 +59,7 @@ def vllm_pid(marker: str, url: str) -> int:
 def test_prefix_from_the_holder_then_from_the_pool_after_a_restart(
         cache_home: Path, tmp_path: Path) -> None:
     if not VLLM_PYTHON:
-        pytest.skip("KVPOOL_VLLM_PYTHON (a Python with vLLM) is not set")
+        skip_outside_ci("KVPOOL_VLLM_PYTHON (a Python with vLLM) is not set")
     marker, port, log = f"up-{uuid.uuid4().hex}", free_port(), tmp_path / "up.log"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     with log.open("w") as out:
