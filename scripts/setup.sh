@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 need_apt=()
 command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
 command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)  # network namespaces (emulated hosts)
-command -v nginx >/dev/null 2>&1 || need_apt+=(nginx)  # kvpool bench proxy's anchor
+command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || need_apt+=(nginx)  # kvpool bench proxy's anchor
 for lib in libibverbs.so.1 librdmacm.so.1 libnuma.so.1; do
   ldconfig -p 2>/dev/null | grep -q "$lib" || need_apt+=(libibverbs1 librdmacm1 libnuma1)
 done
