@@ -93,7 +93,8 @@ async def drive(host: str, port: int, make: Callable[[int], tuple[str, bytes]],
             for i in counter:
                 path, body = make(i)
                 writer.write(request_bytes(host, port, path, body))
-                units += check(await read_reply(reader))
+                got = check(await read_reply(reader))
+                units += got  # after the await: `units += check(await ...)` loses updates
         finally:
             writer.close()
 

@@ -34,6 +34,7 @@ import httpx
 from kvpool.bench.http_load import Load, drive
 from kvpool.bench.nginx import INSTALL_HINT, find_nginx, running_nginx
 from kvpool.bench.proc_cpu import CpuMeter, per_unit
+from kvpool.errors import KvpoolError
 
 HOST = "127.0.0.1"
 PROMPT = "the pool keeps every block of the cache " * 4
@@ -91,9 +92,13 @@ def _main(args: argparse.Namespace) -> int:
     exe = None if args.no_nginx else find_nginx()
     if exe is None and not args.no_nginx:
         print(f"nginx is not installed ({INSTALL_HINT}): kvpool's figures alone", flush=True)
-    with tempfile.TemporaryDirectory(prefix="kvpool-bench-proxy-") as tmp, \
-            relays(Path(tmp), args.speed_up, exe) as (relays_up, worker_pid):
-        rows = measure(relays_up, worker_pid, args)
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvpool-bench-proxy-") as tmp, \
+                relays(Path(tmp), args.speed_up, exe) as (relays_up, worker_pid):
+            rows = measure(relays_up, worker_pid, args)
+    except (ValueError, KvpoolError, OSError) as exc:
+        print(f"kvpool bench proxy: {exc}", flush=True)
+        return 1
     for row in rows:
         print(json.dumps(row) if args.json else fmt(row), flush=True)
     return 0

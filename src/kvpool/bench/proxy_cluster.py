@@ -1,7 +1,8 @@
 """The processes `kvpool bench proxy` relays through: one emulated colocated worker (no pool,
 no master: the proxy's cost is measured, not the cluster's) and kvpool's proxy in front of it,
-with the emulated fleet's flags as `kvpool up --engine emulated` sets them (the profile's cost
-model and the SLOs on the sped-up clock).
+with the profile's cost model on the sped-up clock as `kvpool up --engine emulated` sets it,
+and no admission control (the closed loop keeps `--concurrency` requests running; none may be
+refused for the objectives).
 
 The children run without a cluster token (on loopback, as `kvpool up` allows): nginx relays
 the client's `/generate` to the worker unsigned.
@@ -65,8 +66,8 @@ def start_proxy(stack: ExitStack, tmp: Path, worker: subprocess.Popen[bytes], wo
     port = free_port(HOST)
     proc = _child(stack, "proxy", "--model", str(model), "--host", HOST, "--port", str(port),
                   "--prefill", f"http://{HOST}:{worker_port}", "--no-access-log",
-                  "--cost", str(cost), "--ttft-slo", str(30.0 / speed_up),
-                  "--tbt-slo", str(0.1 / speed_up), "--decode-horizon", str(10.0 / speed_up))
+                  "--cost", str(cost), "--admission", "none",
+                  "--decode-horizon", str(10.0 / speed_up))
     wait_http(f"http://{HOST}:{port}/health", [proc, worker], "the proxy", 120)
     return proc, port, served_name(model)
 
