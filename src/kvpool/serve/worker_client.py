@@ -167,7 +167,10 @@ class WorkerClient:
     async def generate(self, url: str,
                        req: GenerateRequest) -> AsyncGenerator[TokenLine | FinishLine]:
         """The lines of /generate; an error line, a malformed line or a broken stream
-        raises."""
+        raises. The finish line comes once the stream has been read to its end: its connection
+        then goes back to the pool for the next call (a stream left unread is a connection
+        closed, and a new one, TIME-WAIT included, for every request)."""
+        finish: FinishLine | None = None
         try:
             body = req.model_dump_json().encode()
             async with self.http.stream("POST", url + "/generate", content=body,
@@ -175,10 +178,22 @@ class WorkerClient:
                 if resp.status_code != 200:
                     raise self._refused(url, "/generate", resp, await resp.aread())
                 async for line in resp.aiter_lines():
-                    if line.strip():
-                        yield generate_line(url, line)
+                    if not line.strip():
+                        continue
+                    msg = generate_line(url, line)
+                    if finish is not None:
+                        raise WorkerCallError(url, "/generate", f"a line after the finish line: "
+                                              f"{line[:200]!r}")
+                    if isinstance(msg, FinishLine):
+                        finish = msg
+                    else:
+                        yield msg
         except httpx.HTTPError as exc:
-            raise self._failed(url, "/generate", exc) from None
+            if finish is None:
+                raise self._failed(url, "/generate", exc) from None
+            log.debug("/generate on %s: the stream broke after its finish line: %r", url, exc)
+        if finish is not None:
+            yield finish
 
     async def abort(self, url: str, request_id: str) -> None:
         try:
