@@ -1,0 +1,98 @@
+"""WorkerClient.generate against a real socket: each stream is read to its end, so one kept-alive
+connection carries request after request; what follows a finish line, or a stream that breaks
+before it, is a WorkerCallError."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+
+from kvpool.engine.config import SamplingParams
+from kvpool.engine.worker.messages import FinishLine, GenerateRequest, TokenLine
+from kvpool.errors import WorkerCallError
+from kvpool.serve.worker_client import WorkerClient
+
+LINES = [b'{"type":"token","token_id":5,"t":1.5}\n', b'{"type":"token","token_id":7}\n',
+         b'{"type":"finish","finish_reason":"length","num_output_tokens":2}\n']
+
+
+@asynccontextmanager
+async def ndjson_server(lines: list[bytes], end: bool = True) -> AsyncIterator[tuple[str, list[int]]]:
+    """A worker stand-in that answers every POST with `lines`, one chunk each (and the
+    terminating chunk unless not `end`: then it closes the connection); (url, a list that
+    grows by one per accepted connection)."""
+    accepted: list[int] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(1)
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                size = next(int(h.split(b":")[1]) for h in head.split(b"\r\n")
+                            if h.lower().startswith(b"content-length"))
+                await reader.readexactly(size)
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\n"
+                             b"Transfer-Encoding: chunked\r\n\r\n")
+                for line in lines:
+                    writer.write(b"%x\r\n%s\r\n" % (len(line), line))
+                    await writer.drain()
+                if not end:
+                    break
+                writer.write(b"0\r\n\r\n")
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", accepted
+    finally:
+        server.close()
+
+
+def _request(i: int) -> GenerateRequest:
+    return GenerateRequest(request_id=f"r{i}", prompt_token_ids=[1, 2, 3],
+                           sampling=SamplingParams(max_tokens=2))
+
+
+async def _all(client: WorkerClient, url: str, i: int) -> list[TokenLine | FinishLine]:
+    return [line async for line in client.generate(url, _request(i))]
+
+
+def test_streams_are_read_to_the_end_and_reuse_one_connection() -> None:
+    async def go() -> None:
+        client = WorkerClient(5.0)
+        try:
+            async with ndjson_server(LINES) as (url, accepted):
+                for i in range(3):
+                    got = await _all(client, url, i)
+                    assert [type(g).__name__ for g in got] == ["TokenLine", "TokenLine",
+                                                               "FinishLine"]
+                    assert isinstance(got[0], TokenLine) and got[0].token_id == 5
+                    assert isinstance(got[2], FinishLine) and got[2].num_output_tokens == 2
+                assert len(accepted) == 1
+        finally:
+            await client.aclose()
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize(("lines", "end", "match"), [
+    (LINES + [LINES[0]], True, "a line after the finish line"),
+    (LINES[:2], False, "RemoteProtocolError|ReadError|incomplete"),
+])
+def test_a_line_after_the_finish_or_a_stream_cut_before_it_fails(
+        lines: list[bytes], end: bool, match: str) -> None:
+    async def go() -> None:
+        client = WorkerClient(5.0)
+        try:
+            async with ndjson_server(lines, end) as (url, _):
+                with pytest.raises(WorkerCallError, match=match):
+                    await _all(client, url, 0)
+        finally:
+            await client.aclose()
+    asyncio.run(go())
