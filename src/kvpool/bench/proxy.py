@@ -54,6 +54,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--speed-up", type=float, default=1000.0,
                    help="the emulated worker's speed-up over its profile")
     p.add_argument("--no-nginx", action="store_true", help="kvpool's proxy alone")
+    p.add_argument("--baseline-src", type=Path, default=None, metavar="DIR",
+                   help="also a proxy run from another kvpool's sources (DIR holds its kvpool "
+                   "package), in the same rounds: relay kvpool-base")
     p.add_argument("--json", action="store_true", help="one JSON object per row")
     p.set_defaults(func=_main)
 
@@ -94,7 +97,7 @@ def _main(args: argparse.Namespace) -> int:
         print(f"nginx is not installed ({INSTALL_HINT}): kvpool's figures alone", flush=True)
     try:
         with tempfile.TemporaryDirectory(prefix="kvpool-bench-proxy-") as tmp, \
-                relays(Path(tmp), args.speed_up, exe) as (relays_up, worker_pid):
+                relays(Path(tmp), args.speed_up, exe, args.baseline_src) as (relays_up, worker_pid):
             rows = measure(relays_up, worker_pid, args)
     except (ValueError, KvpoolError, OSError) as exc:
         print(f"kvpool bench proxy: {exc}", flush=True)
@@ -145,11 +148,11 @@ def rows(tallies: dict[tuple[str, str], Tally], args: argparse.Namespace) -> lis
 
 
 def with_ratios(out: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """kvpool's rows get `ratio_*`: kvpool's figure over nginx's on the same load (None
-    without nginx)."""
+    """kvpool's rows (kvpool-base's too) get `ratio_*`: their figure over nginx's on the same
+    load (None without nginx)."""
     nginx = {r["load"]: r for r in out if r["relay"] == "nginx"}
     for r in out:
-        if r["relay"] != "kvpool":
+        if not r["relay"].startswith("kvpool"):
             continue
         n = nginx.get(r["load"])
         for key in ("relay_us_per_token", "relay_ms_per_request", "req_per_s"):
@@ -161,16 +164,17 @@ def fmt(row: dict[str, Any]) -> str:
     ratio = row.get("ratio_relay_us_per_token")
     vs = (f"  x{ratio:.1f} nginx per token, x{row['ratio_relay_ms_per_request']:.1f} per "
           f"request, x{row['ratio_req_per_s']:.2f} req/s" if ratio else "")
-    return (f"{row['relay']:<7} {row['load']:<10} c={row['concurrency']:<3} "
+    return (f"{row['relay']:<11} {row['load']:<10} c={row['concurrency']:<3} "
             f"{row['req_per_s']:8.1f} req/s {row['tokens_per_s']:9.0f} tok/s  relay CPU "
             f"{row['relay_us_per_token']:7.1f} us/token {row['relay_ms_per_request']:7.3f} "
             f"ms/request  (worker {row['worker_us_per_token']:.1f} us/token){vs}")
 
 
 @contextmanager
-def relays(tmp: Path, speed_up: float, nginx_exe: str | None) -> Iterator[tuple[list[Relay], int]]:
-    """The emulated worker, the proxy in front of it, and nginx (with `nginx_exe`): the relays
-    and the worker's pid; all stopped on exit."""
+def relays(tmp: Path, speed_up: float, nginx_exe: str | None,
+           baseline_src: Path | None = None) -> Iterator[tuple[list[Relay], int]]:
+    """The emulated worker, the proxy in front of it, nginx (with `nginx_exe`) and a proxy
+    from `baseline_src` (if given): the relays and the worker's pid; all stopped on exit."""
     from kvpool.bench.proxy_cluster import start_proxy, start_worker
 
     with ExitStack() as stack:
@@ -179,6 +183,11 @@ def relays(tmp: Path, speed_up: float, nginx_exe: str | None) -> Iterator[tuple[
         prompt_ids = httpx.post(f"http://{HOST}:{proxy_port}/tokenize",
                                 json={"prompt": PROMPT}, timeout=30).json()["tokens"]
         out = [Relay("kvpool", proxy_port, [proxy.pid], _completion(model), _sse_tokens)]
+        if baseline_src is not None:
+            base, base_port, _ = start_proxy(stack, tmp, worker, worker_port, speed_up,
+                                             baseline_src)
+            out.append(Relay("kvpool-base", base_port, [base.pid], _completion(model),
+                             _sse_tokens))
         if nginx_exe is not None:
             ng = stack.enter_context(running_nginx(nginx_exe, tmp / "nginx", worker_port, HOST))
             out.append(Relay("nginx", ng.port, ng.pids, _generate(prompt_ids), _ndjson_tokens))

@@ -32,9 +32,12 @@ from kvpool.token import TOKEN_ENV
 HOST = "127.0.0.1"
 
 
-def _child(stack: ExitStack, *args: str) -> subprocess.Popen[bytes]:
-    """`kvpool ARGS` without the cluster token, stopped when `stack` closes."""
+def _child(stack: ExitStack, *args: str, src: Path | None = None) -> subprocess.Popen[bytes]:
+    """`kvpool ARGS` without the cluster token (from the sources in `src`, if given), stopped
+    when `stack` closes."""
     env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+    if src is not None:
+        env["PYTHONPATH"] = str(src.resolve())
     proc = subprocess.Popen(kvpool_argv(*args), stdout=subprocess.DEVNULL, env=env,
                             preexec_fn=die_with_parent(os.getpid()), start_new_session=True)
     stack.callback(stop, proc)
@@ -56,9 +59,10 @@ def start_worker(stack: ExitStack, tmp: Path,
 
 
 def start_proxy(stack: ExitStack, tmp: Path, worker: subprocess.Popen[bytes], worker_port: int,
-                speed_up: float) -> tuple[subprocess.Popen[bytes], int, str]:
-    """kvpool's proxy in front of the worker, once it has the worker in rotation; (process,
-    port, served model name)."""
+                speed_up: float, src: Path | None = None) -> tuple[subprocess.Popen[bytes], int, str]:
+    """kvpool's proxy in front of the worker (from the sources in `src`: another version of
+    kvpool to compare with), once it has the worker in rotation; (process, port, served model
+    name)."""
     model = _model(tmp)
     cost = tmp / "cost.json"
     cost.write_text(json.dumps(scaled_cost(load_profile(DEFAULT_PROFILE).cost,
@@ -67,7 +71,7 @@ def start_proxy(stack: ExitStack, tmp: Path, worker: subprocess.Popen[bytes], wo
     proc = _child(stack, "proxy", "--model", str(model), "--host", HOST, "--port", str(port),
                   "--prefill", f"http://{HOST}:{worker_port}", "--no-access-log",
                   "--cost", str(cost), "--admission", "none",
-                  "--decode-horizon", str(10.0 / speed_up))
+                  "--decode-horizon", str(10.0 / speed_up), src=src)
     wait_http(f"http://{HOST}:{port}/health", [proc, worker], "the proxy", 120)
     return proc, port, served_name(model)
 
