@@ -48,7 +48,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--rounds", type=int, default=3, help="rounds per relay, alternating")
     p.add_argument("--streams", type=int, default=48,
                    help="256-token streams per relay per round")
-    p.add_argument("--requests", type=int, default=96,
+    p.add_argument("--requests", type=int, default=256,
                    help="16-token requests per relay per round")
     p.add_argument("--concurrency", type=int, default=8, help="kept-alive connections")
     p.add_argument("--speed-up", type=float, default=1000.0,
