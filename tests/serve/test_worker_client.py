@@ -133,3 +133,17 @@ def test_an_error_reply_is_a_worker_call_error_with_its_status() -> None:
         finally:
             await client.aclose()
     asyncio.run(go())
+
+
+def test_a_stream_that_breaks_after_its_finish_line_still_finishes() -> None:
+    async def go() -> None:
+        client = WorkerClient(5.0)
+        try:
+            async with ndjson_server(LINES, end=False) as (url, accepted):
+                for i in range(2):
+                    got = await _all(client, url, i)
+                    assert isinstance(got[-1], FinishLine) and len(got) == 3
+                assert len(accepted) == 2  # a stream cut short: its connection is not reused
+        finally:
+            await client.aclose()
+    asyncio.run(go())

@@ -182,16 +182,25 @@ class WorkerClient:
         body = req.model_dump_json().encode()
         lines = self._lean_lines if url.startswith("http://") else self._httpx_lines
         finish: FinishLine | None = None
+        extra: bytes | str | None = None
         async with contextlib.aclosing(lines(url, body)) as raw_lines:
-            async for line in raw_lines:
-                if finish is not None:
-                    raise WorkerCallError(url, "/generate", f"a line after the finish line: "
-                                          f"{line[:200]!r}")
-                msg = generate_line(url, line)
-                if isinstance(msg, FinishLine):
-                    finish = msg  # yielded once the stream has ended
-                else:
-                    yield msg
+            try:
+                async for line in raw_lines:
+                    if finish is not None:
+                        extra = line
+                        break
+                    msg = generate_line(url, line)
+                    if isinstance(msg, FinishLine):
+                        finish = msg  # yielded once the stream has ended
+                    else:
+                        yield msg
+            except WorkerCallError as exc:
+                if finish is None:
+                    raise
+                log.debug("/generate on %s broke after its finish line: %s", url, exc)
+        if extra is not None:
+            raise WorkerCallError(url, "/generate", f"a line after the finish line: "
+                                  f"{extra[:200]!r}")
         if finish is not None:
             yield finish
 
@@ -201,7 +210,7 @@ class WorkerClient:
         try:
             call = await self.streams.open(url, path, self._headers(url, path, body), body,
                                            CONNECT_S, self.timeout_s)
-        except (OSError, ReplyError) as exc:
+        except (OSError, ValueError) as exc:  # ReplyError, a URL it cannot use
             raise self._failed(url, path, exc) from None
         try:
             if call.status != 200:
