@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up a fresh machine for kvpool: Debian packages (etcd for the metadata/HA tests, iproute2
-# for the network-namespace tests, the
+# for the network-namespace tests, nginx as the relay `kvpool bench proxy` compares against, the
 # libraries the real Mooncake wheel needs for the side-by-side benchmarks), a virtualenv in
 # .venv, the CPU build of PyTorch, and kvpool with every extra. Safe to run again.
 set -euo pipefail
@@ -9,6 +9,7 @@ cd "$(dirname "$0")/.."
 need_apt=()
 command -v etcd >/dev/null 2>&1 || need_apt+=(etcd-server)
 command -v ip >/dev/null 2>&1 || need_apt+=(iproute2)  # network namespaces (emulated hosts)
+command -v nginx >/dev/null 2>&1 || [ -x /usr/sbin/nginx ] || need_apt+=(nginx)  # kvpool bench proxy's anchor
 for lib in libibverbs.so.1 librdmacm.so.1 libnuma.so.1; do
   ldconfig -p 2>/dev/null | grep -q "$lib" || need_apt+=(libibverbs1 librdmacm1 libnuma1)
 done

@@ -8,11 +8,14 @@ import pytest
 from pydantic import ValidationError
 
 from kvpool.engine.config import SamplingParams
+from kvpool.serve import protocol
 from kvpool.serve.errors import ApiError, rejected
 from kvpool.serve.protocol import (
     SSE_DONE,
     ChatRequest,
     CompletionRequest,
+    Kind,
+    TextChunks,
     choice_body,
     chunk,
     full_response,
@@ -157,3 +160,21 @@ def test_out_of_range_seeds_and_broken_text_are_refused(body: dict[str, object])
 def test_chat_content_parts_are_text(content: object) -> None:
     with pytest.raises(ValidationError):
         ChatRequest.model_validate({"model": "m", "messages": [{"role": "u", "content": content}]})
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_text_chunks_equal_the_whole_chunk_byte_for_byte(
+        kind: Kind, monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [1000.2]
+    monkeypatch.setattr(protocol.time, "time", lambda: now[0])
+    texts = TextChunks(kind, 'cmpl-"x\\', "m/ü", 3)
+    for text in ["", " hello", 'q"\\/', "\n\t\x00\x1f", "é ü 中 🙂", "\ud7ff", "a" * 300]:
+        for t in (1000.2, 1000.9, 1001.0, 999.0):  # `created` follows the clock
+            now[0] = t
+            assert texts.sse(text) == sse(chunk(kind, 'cmpl-"x\\', "m/ü", text, None, index=3))
+
+
+def test_text_chunks_fall_back_when_the_mark_is_in_an_id(monkeypatch: pytest.MonkeyPatch) -> None:
+    texts = TextChunks("completion", "id\x00kvpool-text\x00", "m", 0)
+    monkeypatch.setattr(protocol.time, "time", lambda: 5.0)
+    assert texts.sse("a") == sse(chunk("completion", "id\x00kvpool-text\x00", "m", "a", None))

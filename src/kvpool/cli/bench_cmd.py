@@ -16,6 +16,7 @@ _BENCH_MODULES = (
     "kvpool.bench.faults",
     "kvpool.bench.attacks",
     "kvpool.bench.migration",
+    "kvpool.bench.proxy",
 )
 
 

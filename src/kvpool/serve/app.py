@@ -116,11 +116,8 @@ class Proxy:
         try:
             parsed = await _parse(request, CompletionRequest if kind == "completion" else ChatRequest,
                                   self.config.max_body_bytes)
-            # tokenizing (and rendering the chat template) off the event loop: a big prompt
-            # does not stall the other streams
             tenant = getattr(request.state, TENANT_KEY, None)
-            prep = await asyncio.to_thread(prepare, parsed, kind, self,  # type: ignore[arg-type]
-                                           tenant)
+            prep = await _prepared(request, parsed, kind, self, tenant)
             acc.prompt_tokens = sum(len(p) for p in prep.prompts)  # a refusal's line too
             choices = await self._start(prep, received_t)
             acc.ttft_s = time.perf_counter() - arrival_s
@@ -279,6 +276,22 @@ class Proxy:
                 "ttft_slo_s": cfg.ttft_slo_s, "tbt_slo_s": cfg.tbt_slo_s,
                 "decode_horizon_s": cfg.decode_horizon_s,
                 "cost": self.dispatcher.cost.to_dict()}
+
+
+INLINE_PREPARE_BYTES = 8192
+"""A request body up to this size is tokenized on the event loop: the hop to a thread cost
+more than tokenizing its prompt (docs/serve.md, "The proxy's own cost")."""
+
+
+async def _prepared(request: Request, parsed: BaseModel, kind: str, proxy: Proxy,
+                    tenant: str | None) -> PreparedRequest:
+    """`prepare`, off the event loop for a big request (tokenizing it, rendering its chat
+    template, would stall the other streams), inline for a small one."""
+    size = request.headers.get("content-length", "")
+    if size.isdigit() and int(size) <= INLINE_PREPARE_BYTES:
+        return prepare(parsed, kind, proxy, tenant)  # type: ignore[arg-type]
+    return await asyncio.to_thread(prepare, parsed, kind, proxy,  # type: ignore[arg-type]
+                                   tenant)
 
 
 async def _body(request: Request, limit: int) -> bytes:

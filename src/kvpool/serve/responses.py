@@ -23,6 +23,7 @@ from kvpool.serve.errors import worker_failed
 from kvpool.serve.logprobs import chat_logprobs, completion_logprobs, merge_completion
 from kvpool.serve.protocol import (
     SSE_DONE,
+    TextChunks,
     choice_body,
     chunk,
     full_response,
@@ -168,11 +169,13 @@ async def _choice_events(proxy: Proxy, prep: PreparedRequest,
         prompt_text = proxy.tokenizer.decode(c.job.prompt_ids)
         lp = _logprobs(proxy, prep, c, 0, True)
         yield sse(chunk(kind, rid, model, prompt_text, None, index=i, logprobs=lp))
+    texts = TextChunks(kind, rid, model, i)
     async for piece, finish in _deltas(proxy, c):
         upto = c.text.num_tokens
         if piece or (finish is not None and upto > c.sent):
             lp = _logprobs(proxy, prep, c, upto, False)
-            yield sse(chunk(kind, rid, model, piece, None, index=i, logprobs=lp))
+            yield texts.sse(piece) if lp is None else sse(chunk(kind, rid, model, piece, None,
+                                                                index=i, logprobs=lp))
         if finish is not None:
             yield sse(chunk(kind, rid, model, None, finish, index=i))
 

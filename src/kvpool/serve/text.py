@@ -34,6 +34,7 @@ class TextStream:
     def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = ()) -> None:
         self._decode = decode
         self._stop = [s for s in stop if s]
+        self._longest = max((len(s) for s in self._stop), default=0)
         self._ids: list[int] = []
         self._prefix = self._read = 0
         """Token offsets: `_prefix.._read` decoded to the context of the next piece."""
@@ -58,6 +59,8 @@ class TextStream:
             self._full += piece
             self._prefix, self._read = self._read, len(self._ids)
         full = self._full
+        if not self._stop:
+            return self._emit(full, len(full))
         hit = self._find_stop(full)
         if hit is not None:
             self.stopped = True
@@ -84,13 +87,12 @@ class TextStream:
         return TextDelta(piece, self.stopped)
 
     def _find_stop(self, full: str) -> int | None:
-        longest = max((len(s) for s in self._stop), default=0)
-        start = max(0, self._emitted - longest + 1)
+        start = max(0, self._emitted - self._longest + 1)
         hits = [i for i in (full.find(s, start) for s in self._stop) if i >= 0]
         return min(hits) if hits else None
 
     def _held(self, full: str) -> int:
-        for n in range(min(len(full), max((len(s) for s in self._stop), default=0)), 0, -1):
+        for n in range(min(len(full), self._longest), 0, -1):
             if any(s.startswith(full[-n:]) for s in self._stop):
                 return n
         return 0

@@ -6,6 +6,7 @@ raises."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
@@ -33,17 +34,21 @@ from kvpool.errors import AuthError, WorkerCallError
 from kvpool.log import get_logger
 from kvpool.metadata.http_serving import CLIENT_KEEPALIVE_S
 from kvpool.serve.backend import BackendFeatures, EnginePrefixes
+from kvpool.serve.ndjson_reply import ReplyError
+from kvpool.serve.worker_stream import StreamPool
 
 log = get_logger("serve.worker_client")
 M = TypeVar("M", InfoReply, LoadReply, PrefillReply)
+CONNECT_S = 5.0
+"""Connecting to a worker (its calls' own time is the client's timeout)."""
 
 
-def _error_text(resp: httpx.Response, body: bytes) -> str:
+def _error_text(status: int, body: bytes) -> str:
     try:
         err = json.loads(body).get("error")
         return str(err.get("message") if isinstance(err, dict) else err)
     except (ValueError, AttributeError):
-        return f"HTTP {resp.status_code}: {body[:200]!r}"
+        return f"HTTP {status}: {body[:200]!r}"
 
 
 class WorkerClient:
@@ -56,15 +61,18 @@ class WorkerClient:
 
     def __init__(self, timeout_s: float, token: str | None = None,
                  now: Callable[[], float] = time.time) -> None:
-        self.token, self.now = token, now
+        self.token, self.now, self.timeout_s = token, now, timeout_s
         self.http = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout_s, connect=5.0),
+            timeout=httpx.Timeout(timeout_s, connect=CONNECT_S),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64,
                                 keepalive_expiry=CLIENT_KEEPALIVE_S))
+        self.streams = StreamPool(CLIENT_KEEPALIVE_S)
+        """Kept-alive connections for /generate (serve/worker_stream.py)."""
         self._proven: dict[str, str] = {}
         """url -> the incarnation that proved itself there (every call is signed for it)."""
 
     async def aclose(self) -> None:
+        self.streams.close()
         await self.http.aclose()
 
     async def prove(self, url: str, timeout_s: float) -> None:
@@ -77,7 +85,8 @@ class WorkerClient:
         try:
             resp = await self.http.post(url + CHALLENGE_PATH, json=sent, timeout=timeout_s)
             if resp.status_code != 200:
-                raise WorkerCallError(url, CHALLENGE_PATH, _error_text(resp, resp.content),
+                raise WorkerCallError(url, CHALLENGE_PATH, _error_text(resp.status_code,
+                                                                       resp.content),
                                       resp.status_code)
             incarnation = auth.verify(self.token, sent, resp.json())
         except httpx.HTTPError as exc:
@@ -102,23 +111,22 @@ class WorkerClient:
                                                  self.now(), incarnation=self._proven[url])
         return headers
 
-    def _failed(self, url: str, path: str, exc: httpx.HTTPError) -> WorkerCallError:
+    def _failed(self, url: str, path: str, exc: Exception) -> WorkerCallError:
         """A transport failure: whatever answers at `url` next must prove itself again (a
         listener that took over a dead worker's port would otherwise get the token). Not a
         timeout: no new listener answered, and a slow worker stays in rotation (a proof
         withdrawn there would fail its requests as "not proven"; serve/poller.py)."""
-        if not isinstance(exc, httpx.TimeoutException):
+        if not isinstance(exc, httpx.TimeoutException | TimeoutError):
             self._proven.pop(url, None)
         return WorkerCallError(url, path, repr(exc))
 
-    def _refused(self, url: str, path: str, resp: httpx.Response,
-                 content: bytes) -> WorkerCallError:
+    def _refused(self, url: str, path: str, status: int, content: bytes) -> WorkerCallError:
         """A worker's error reply. A 401 means it no longer takes our signature (another
         start of it, or another listener, answers there): it must prove itself again before
         anything else is sent."""
-        if resp.status_code == 401:
+        if status == 401:
             self._proven.pop(url, None)
-        return WorkerCallError(url, path, _error_text(resp, content), resp.status_code)
+        return WorkerCallError(url, path, _error_text(status, content), status)
 
     def block_hashes(self, prompt_ids: Sequence[int], cache_salt: str | None,
                      reference: InfoReply) -> list[int]:
@@ -150,7 +158,7 @@ class WorkerClient:
         except httpx.HTTPError as exc:
             raise self._failed(url, path, exc) from None
         if resp.status_code != 200:
-            raise self._refused(url, path, resp, resp.content)
+            raise self._refused(url, path, resp.status_code, resp.content)
         return reply_from(url, path, model, resp.content)
 
     async def prefill(self, url: str, req: PrefillRequest) -> PrefillReply:
@@ -161,22 +169,70 @@ class WorkerClient:
         except httpx.HTTPError as exc:
             raise self._failed(url, "/prefill", exc) from None
         if resp.status_code != 200:
-            raise self._refused(url, "/prefill", resp, resp.content)
+            raise self._refused(url, "/prefill", resp.status_code, resp.content)
         return reply_from(url, "/prefill", PrefillReply, resp.content)
 
     async def generate(self, url: str,
                        req: GenerateRequest) -> AsyncGenerator[TokenLine | FinishLine]:
         """The lines of /generate; an error line, a malformed line or a broken stream
-        raises."""
+        raises. The finish line comes once the stream has been read to its end: its connection
+        then goes back to the pool for the next call (a stream left unread is a connection
+        closed, and a new one, TIME-WAIT included, for every request). http:// workers are
+        read by the lean client (serve/worker_stream.py), others through httpx."""
+        body = req.model_dump_json().encode()
+        lines = self._lean_lines if url.startswith("http://") else self._httpx_lines
+        finish: FinishLine | None = None
+        extra: bytes | str | None = None
+        async with contextlib.aclosing(lines(url, body)) as raw_lines:
+            try:
+                async for line in raw_lines:
+                    if finish is not None:
+                        extra = line
+                        break
+                    msg = generate_line(url, line)
+                    if isinstance(msg, FinishLine):
+                        finish = msg  # yielded once the stream has ended
+                    else:
+                        yield msg
+            except WorkerCallError as exc:
+                if finish is None:
+                    raise
+                log.debug("/generate on %s broke after its finish line: %s", url, exc)
+        if extra is not None:
+            raise WorkerCallError(url, "/generate", f"a line after the finish line: "
+                                  f"{extra[:200]!r}")
+        if finish is not None:
+            yield finish
+
+    async def _lean_lines(self, url: str, body: bytes) -> AsyncGenerator[bytes]:
+        """The non-empty lines of /generate, read by the lean client."""
+        path = "/generate"
         try:
-            body = req.model_dump_json().encode()
+            call = await self.streams.open(url, path, self._headers(url, path, body), body,
+                                           CONNECT_S, self.timeout_s)
+        except (OSError, ValueError) as exc:  # ReplyError, a URL it cannot use
+            raise self._failed(url, path, exc) from None
+        try:
+            if call.status != 200:
+                raise self._refused(url, path, call.status, await call.read_all())
+            while batch := await call.next_lines():
+                for line in batch:
+                    yield line
+        except (OSError, ReplyError) as exc:
+            raise self._failed(url, path, exc) from None
+        finally:
+            call.close()
+
+    async def _httpx_lines(self, url: str, body: bytes) -> AsyncGenerator[bytes | str]:
+        """The non-empty lines of /generate, read through httpx."""
+        try:
             async with self.http.stream("POST", url + "/generate", content=body,
                                         headers=self._headers(url, "/generate", body)) as resp:
                 if resp.status_code != 200:
-                    raise self._refused(url, "/generate", resp, await resp.aread())
+                    raise self._refused(url, "/generate", resp.status_code, await resp.aread())
                 async for line in resp.aiter_lines():
                     if line.strip():
-                        yield generate_line(url, line)
+                        yield line
         except httpx.HTTPError as exc:
             raise self._failed(url, "/generate", exc) from None
 

@@ -1,0 +1,85 @@
+"""The processes `kvpool bench proxy` relays through: one emulated colocated worker (no pool,
+no master: the proxy's cost is measured, not the cluster's) and kvpool's proxy in front of it,
+with the profile's cost model on the sped-up clock as `kvpool up --engine emulated` sets it,
+and no admission control (the closed loop keeps `--concurrency` requests running; none may be
+refused for the objectives).
+
+The children run without a cluster token (on loopback, as `kvpool up` allows): nginx relays
+the client's `/generate` to the worker unsigned.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from contextlib import ExitStack
+from pathlib import Path
+
+from kvpool.engine.emulated.profile import DEFAULT_PROFILE, load_profile, scaled_cost
+from kvpool.engine.gguf_checkpoint import served_name
+from kvpool.procs import free_port, kvpool_argv, stop
+from kvpool.serve.launch import (
+    EMULATED_MAX_MODEL_LEN,
+    default_model_dir,
+    die_with_parent,
+    ensure_emulated_model,
+    ensure_tiny_model,
+    wait_http,
+)
+from kvpool.token import TOKEN_ENV
+
+HOST = "127.0.0.1"
+
+
+def _child(stack: ExitStack, *args: str, src: Path | None = None) -> subprocess.Popen[bytes]:
+    """`kvpool ARGS` without the cluster token (from the sources in `src`, if given), stopped
+    when `stack` closes."""
+    env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+    if src is not None:
+        env["PYTHONPATH"] = str(src.resolve())
+    proc = subprocess.Popen(kvpool_argv(*args), stdout=subprocess.DEVNULL, env=env,
+                            preexec_fn=die_with_parent(os.getpid()), start_new_session=True)
+    stack.callback(stop, proc)
+    return proc
+
+
+def start_worker(stack: ExitStack, tmp: Path,
+                 speed_up: float) -> tuple[subprocess.Popen[bytes], int]:
+    """The emulated colocated worker, ready; (process, port)."""
+    model = _model(tmp)
+    port = free_port(HOST)
+    proc = _child(stack, "worker", "--role", "both", "--engine", "emulated", "--profile",
+                  DEFAULT_PROFILE, "--speed-up", str(speed_up), "--model", str(model),
+                  "--host", HOST, "--port", str(port),
+                  "--max-model-len", str(EMULATED_MAX_MODEL_LEN),
+                  "--max-prefill-chunk", str(EMULATED_MAX_MODEL_LEN))
+    wait_http(f"http://{HOST}:{port}/health", [proc], "the emulated worker", 120)
+    return proc, port
+
+
+def start_proxy(stack: ExitStack, tmp: Path, worker: subprocess.Popen[bytes], worker_port: int,
+                speed_up: float, src: Path | None = None) -> tuple[subprocess.Popen[bytes], int, str]:
+    """kvpool's proxy in front of the worker (from the sources in `src`: another version of
+    kvpool to compare with), once it has the worker in rotation; (process, port, served model
+    name)."""
+    model = _model(tmp)
+    cost = tmp / "cost.json"
+    cost.write_text(json.dumps(scaled_cost(load_profile(DEFAULT_PROFILE).cost,
+                                           speed_up).to_dict()))
+    port = free_port(HOST)
+    proc = _child(stack, "proxy", "--model", str(model), "--host", HOST, "--port", str(port),
+                  "--prefill", f"http://{HOST}:{worker_port}", "--no-access-log",
+                  "--cost", str(cost), "--admission", "none",
+                  "--decode-horizon", str(10.0 / speed_up), src=src)
+    wait_http(f"http://{HOST}:{port}/health", [proc, worker], "the proxy", 120)
+    return proc, port, served_name(model)
+
+
+def _model(tmp: Path) -> Path:
+    """The emulated model folder (the tiny model's tokenizer, a long context) in `tmp`."""
+    folder = tmp / "emulated-model"
+    if (folder / "config.json").is_file():
+        return folder
+    tiny = ensure_tiny_model(default_model_dir())
+    return ensure_emulated_model(tiny, folder, EMULATED_MAX_MODEL_LEN)

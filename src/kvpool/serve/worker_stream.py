@@ -1,0 +1,178 @@
+"""Streamed POSTs to workers over kept-alive HTTP/1.1 connections of the proxy's own (asyncio
+streams feeding `ndjson_reply.ReplyReader`), for the one call whose lines the proxy reads per
+token: /generate. Every other call stays on httpx.
+
+Through httpx each streamed request checked every idle connection of the pool with a system
+call, and each line went through four nested async generators and a text decoder; the lean
+reader reads whatever has arrived and hands over all of its complete lines at once (figures in
+docs/serve.md, "The proxy's own cost").
+
+    call = await pool.open(url, path, headers, body, connect_s, read_s)   # the head is in
+    call.status;  await call.next_lines() -> [line, ...] ([] once the body has ended)
+    await call.read_all() -> the body (an error reply);  call.close()  (always)
+
+A connection goes back to the pool only after a whole reply was read; one closed early (a stop
+string, a client gone, a cancel) is closed. An idle connection is used again within
+`keepalive_s` of its last reply (CLIENT_KEEPALIVE_S, well before the server drops it); if the
+server closed it meanwhile (nothing of the reply came back), the request is sent once more on
+a new connection: a server that closed an idle connection has not read the request.
+
+Raises OSError (connection refused, reset), TimeoutError (connect or a read over its time),
+ReplyError (not an HTTP/1.1 reply, or one cut short).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from urllib.parse import urlsplit
+
+from kvpool.serve.ndjson_reply import ReplyError, ReplyReader
+
+READ_BYTES = 1 << 16
+
+
+class _Conn:
+    __slots__ = ("reader", "writer", "idle_since")
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.idle_since = 0.0
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class StreamCall:
+    """One request's reply on one connection; `close()` it however it ends."""
+
+    def __init__(self, pool: StreamPool, key: tuple[str, int], conn: _Conn, read_s: float,
+                 reply: ReplyReader) -> None:
+        self._pool, self._key, self._conn, self._read_s = pool, key, conn, read_s
+        self.reply = reply
+        self._closed = False
+
+    @property
+    def status(self) -> int:
+        return self.reply.status
+
+    async def next_lines(self) -> list[bytes]:
+        """The body's complete lines that have come since the last call (waiting for at least
+        one), or [] once the body has ended."""
+        reply = self.reply
+        while True:
+            lines = reply.lines()
+            if lines or reply.done:
+                return lines
+            await _read_into(self._conn, reply, self._read_s)
+
+    async def read_all(self) -> bytes:
+        while not self.reply.done:
+            await _read_into(self._conn, self.reply, self._read_s)
+        return self.reply.body()
+
+    def close(self) -> None:
+        conn = self._conn
+        if self._closed:
+            return
+        self._closed = True
+        if self.reply.keep_alive and not conn.reader.at_eof():
+            self._pool.put_back(self._key, conn)
+        else:
+            conn.close()
+
+
+async def _read_into(conn: _Conn, reply: ReplyReader, read_s: float) -> int:
+    """Read what has come (waiting up to `read_s`) into `reply`; the bytes read."""
+    async with asyncio.timeout(read_s):
+        data = await conn.reader.read(READ_BYTES)
+    if not data:
+        reply.end_of_input()
+        return 0
+    reply.feed(data)
+    return len(data)
+
+
+class StreamPool:
+    """Idle connections by (host, port)."""
+
+    def __init__(self, keepalive_s: float, now: Callable[[], float] = time.monotonic) -> None:
+        self.keepalive_s, self.now = keepalive_s, now
+        self._idle: dict[tuple[str, int], list[_Conn]] = {}
+
+    async def open(self, url: str, path: str, headers: dict[str, str], body: bytes,
+                   connect_s: float, read_s: float) -> StreamCall:
+        """POST `body` to `url + path`; the call once the reply's head is in."""
+        key, netloc = _host_port(url)
+        data = _request(netloc, path, headers, body)
+        conn = self._take(key)
+        if conn is not None:
+            try:
+                return await self._send(key, conn, data, read_s)
+            except _Stale:  # closed by the server while idle: once more, on a new one
+                pass
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(*key), connect_s)
+        try:
+            return await self._send(key, _Conn(reader, writer), data, read_s)
+        except _Stale as exc:
+            raise exc.cause from None
+
+    async def _send(self, key: tuple[str, int], conn: _Conn, data: bytes,
+                    read_s: float) -> StreamCall:
+        """Send `data` on `conn`, read the reply's head. _Stale when the connection failed
+        before a byte of the reply came back."""
+        reply = ReplyReader()
+        received = 0
+        try:
+            conn.writer.write(data)
+            while not reply.status:
+                received += await _read_into(conn, reply, read_s)
+        except (OSError, ReplyError) as exc:
+            conn.close()
+            if received or isinstance(exc, TimeoutError):
+                raise
+            raise _Stale(exc) from None
+        except BaseException:
+            conn.close()
+            raise
+        return StreamCall(self, key, conn, read_s, reply)
+
+    def _take(self, key: tuple[str, int]) -> _Conn | None:
+        idle = self._idle.get(key)
+        now = self.now()
+        while idle:
+            conn = idle.pop()
+            if now - conn.idle_since < self.keepalive_s and not conn.reader.at_eof():
+                return conn
+            conn.close()
+        return None
+
+    def put_back(self, key: tuple[str, int], conn: _Conn) -> None:
+        conn.idle_since = self.now()
+        self._idle.setdefault(key, []).append(conn)
+
+    def close(self) -> None:
+        for idle in self._idle.values():
+            for conn in idle:
+                conn.close()
+        self._idle.clear()
+
+
+class _Stale(Exception):
+    def __init__(self, cause: OSError | ReplyError) -> None:
+        self.cause = cause
+
+
+def _host_port(url: str) -> tuple[tuple[str, int], str]:
+    """((host, port), the Host header's value) of an http:// URL; ValueError otherwise."""
+    parts = urlsplit(url)
+    if parts.scheme != "http" or not parts.hostname:
+        raise ValueError(f"not an http:// URL: {url!r}")
+    return (parts.hostname, parts.port or 80), parts.netloc
+
+
+def _request(netloc: str, path: str, headers: dict[str, str], body: bytes) -> bytes:
+    lines = [f"POST {path} HTTP/1.1", f"Host: {netloc}", f"Content-Length: {len(body)}",
+             *(f"{k}: {v}" for k, v in headers.items())]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body

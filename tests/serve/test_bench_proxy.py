@@ -1,0 +1,168 @@
+"""`kvpool bench proxy`: its pure parts (the /proc CPU arithmetic, nginx's configuration, the
+load client's reply reader, the ratios) by default; the whole bench, briefly, in the slow
+job."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvpool.bench.http_load import read_reply, request_bytes
+from kvpool.bench.nginx import find_nginx, nginx_conf
+from kvpool.bench.proc_cpu import TICKS_PER_S, CpuMeter, child_pids, cpu_s, per_unit, stat_ticks
+from kvpool.bench.proxy import _ndjson_tokens, _sse_tokens, with_ratios
+from tests.support.procs import python_env
+
+STAT = ("4242 (py (x) y) S 1 4242 4242 0 -1 4194560 900 0 0 0 "
+        "317 45 0 0 20 0 3 0 1000 1000000 2000 18446744073709551615")
+
+
+def test_stat_ticks_counts_the_fields_after_the_last_parenthesis() -> None:
+    assert stat_ticks(STAT) == 317 + 45
+    for bad in ("", "4242 no parens 1 2 3", "4242 (x) S 1 2"):
+        with pytest.raises(ValueError, match="not a /proc/PID/stat line"):
+            stat_ticks(bad)
+
+
+def test_cpu_of_this_process_grows_with_work_and_children_are_listed() -> None:
+    meter = CpuMeter([os.getpid()])
+    meter.start()
+    end = time.process_time() + 0.15
+    while time.process_time() < end:
+        pass
+    assert 0.1 <= meter.seconds() <= 5.0
+    assert cpu_s(os.getpid()) > 0
+    child = subprocess.Popen(["sleep", "5"])
+    try:
+        assert child.pid in child_pids(os.getpid())
+    finally:
+        child.kill()
+        child.wait()
+    assert child.pid not in child_pids(os.getpid())
+    assert child_pids(2**22 + 1) == []  # no such process
+
+
+def test_a_meter_keeps_what_an_exited_process_had_used() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import sys, time\nt=time.process_time()+0.2\n"
+                              "while time.process_time()<t: pass\nprint(1, flush=True)\n"
+                              "sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    meter = CpuMeter([child.pid])
+    meter.start()
+    assert child.stdout is not None and child.stdin is not None
+    child.stdout.readline()  # its 0.2 s of work are done
+    used = meter.seconds()
+    assert used >= 0.1
+    child.stdin.close()
+    child.wait()
+    assert meter.seconds() == used  # gone: the last reading stands
+    with pytest.raises(ValueError, match="at least one pid"):
+        CpuMeter([])
+
+
+def test_per_unit() -> None:
+    assert per_unit(0.5, 1000, 1e6) == 500.0
+    assert per_unit(0.03, 10, 1e3) == pytest.approx(3.0)
+    assert per_unit(1.0, 0, 1e6) == 0.0
+    assert TICKS_PER_S > 0
+
+
+def test_nginx_conf_relays_unbuffered_over_kept_alive_connections(tmp_path: Path) -> None:
+    text = nginx_conf(tmp_path, 18001, 18002)
+    for line in ("worker_processes 1;", "listen 127.0.0.1:18001;",
+                 "server 127.0.0.1:18002;", "proxy_buffering off;", "proxy_http_version 1.1;",
+                 'proxy_set_header Connection "";', "access_log off;",
+                 f"pid {tmp_path / 'nginx.pid'};", f"proxy_temp_path {tmp_path / 'proxy'};"):
+        assert line in text, line
+    assert text.count("{") == text.count("}")
+    exe = find_nginx()
+    if exe is None:
+        return
+    (tmp_path / "nginx.conf").write_text(text)
+    check = subprocess.run([exe, "-t", "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf"),
+                            "-e", str(tmp_path / "error.log")], capture_output=True, text=True,
+                           timeout=30)
+    assert check.returncode == 0, check.stderr
+
+
+def _reply(raw: bytes) -> bytes:
+    async def go() -> bytes:
+        reader = asyncio.StreamReader()
+        for i in range(len(raw)):  # a byte at a time
+            reader.feed_data(raw[i:i + 1])
+        reader.feed_eof()
+        return await read_reply(reader)
+    return asyncio.run(go())
+
+
+def test_read_reply_joins_chunks_and_reads_content_length() -> None:
+    chunked = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+               b"5\r\nhello\r\n1;ext=1\r\n \r\n5\r\nworld\r\n0\r\nX-T: 1\r\n\r\n")
+    assert _reply(chunked) == b"hello world"
+    assert _reply(b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\n\r\nabc") == b"abc"
+    with pytest.raises(ValueError, match="HTTP 503: b'busy'"):
+        _reply(b"HTTP/1.1 503 No\r\nContent-Length: 4\r\n\r\nbusy")
+    with pytest.raises(ValueError, match="broke mid-reply"):
+        _reply(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhel")
+    with pytest.raises(ValueError, match="bad chunk size"):
+        _reply(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n")
+    with pytest.raises(ValueError, match="not an HTTP/1.x status line"):
+        _reply(b"SSH-2.0\r\n\r\n")
+    assert request_bytes("h", 1, "/p", b"{}") == (
+        b"POST /p HTTP/1.1\r\nHost: h:1\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 2\r\n\r\n{}")
+
+
+def test_replies_are_checked_whole() -> None:
+    sse = b'data: {"choices":[{"finish_reason":"length"}]}\n\ndata: [DONE]\n\n'
+    assert _sse_tokens(sse, 16) == 16
+    with pytest.raises(ValueError, match="not whole"):
+        _sse_tokens(sse[:-8], 16)
+    ndjson = b'{"type":"token","token_id":1}\n{"type":"token","token_id":2}\n' \
+             b'{"type":"finish","finish_reason":"length"}\n'
+    assert _ndjson_tokens(ndjson, 2) == 2
+    with pytest.raises(ValueError, match="1 token lines"):
+        _ndjson_tokens(ndjson.split(b"\n", 1)[1], 2)
+
+
+def test_ratios_are_kvpool_over_nginx_on_the_same_load() -> None:
+    rows = [{"relay": "kvpool", "load": "a", "relay_us_per_token": 100.0,
+             "relay_ms_per_request": 6.0, "req_per_s": 50.0},
+            {"relay": "nginx", "load": "a", "relay_us_per_token": 8.0,
+             "relay_ms_per_request": 0.5, "req_per_s": 200.0},
+            {"relay": "kvpool", "load": "b", "relay_us_per_token": 1.0,
+             "relay_ms_per_request": 1.0, "req_per_s": 1.0}]
+    out = with_ratios(rows)
+    assert (out[0]["ratio_relay_us_per_token"], out[0]["ratio_relay_ms_per_request"],
+            out[0]["ratio_req_per_s"]) == (12.5, 12.0, 0.25)
+    assert "ratio_req_per_s" not in out[1]
+    assert out[2]["ratio_relay_us_per_token"] is None  # no nginx row for that load
+
+
+@pytest.mark.slow
+def test_the_proxy_bench_runs_with_its_nginx_anchor() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "kvpool", "bench", "proxy", "--json", "--rounds", "2",
+         "--streams", "8", "--requests", "24", "--concurrency", "4"],
+        capture_output=True, text=True, timeout=600, env=python_env())
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    relays = ["kvpool", "nginx"] if find_nginx() else ["kvpool"]
+    assert sorted((r["relay"], r["load"]) for r in rows) == sorted(
+        (relay, load) for relay in relays for load in ("req16", "stream256"))
+    for r in rows:
+        per = 256 if r["load"] == "stream256" else 16
+        assert r["requests"] == 2 * (8 if per == 256 else 24) and r["tokens"] == r["requests"] * per
+        assert r["req_per_s"] > 0 and r["tokens_per_s"] > 0 and r["worker_us_per_token"] > 0
+        assert r["relay_cpu_s"] >= 0
+    kvpool = [r for r in rows if r["relay"] == "kvpool"]
+    assert all(r["relay_us_per_token"] > 0 and r["relay_ms_per_request"] > 0 for r in kvpool)
+    if len(relays) == 2:
+        req16 = next(r for r in kvpool if r["load"] == "req16")
+        assert req16["ratio_req_per_s"] > 0 and req16["ratio_relay_ms_per_request"] > 1

@@ -1,0 +1,97 @@
+"""ReplyReader: an HTTP/1.1 NDJSON reply read from bytes, whole and a byte at a time, under
+random splits, and refused when it is not HTTP/1.1."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvpool.serve.ndjson_reply import ReplyError, ReplyReader
+
+LINES = [b'{"type":"token","token_id":%d}' % i for i in range(40)] + [b'{"type":"finish"}']
+BODY = b"".join(line + b"\n" for line in LINES)
+
+
+def chunked(body: bytes, sizes: list[int], trailers: bytes = b"") -> bytes:
+    out, at = [b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\nX-A: b:c\r\n\r\n"], 0
+    for n in sizes:
+        part = body[at:at + n]
+        if part:
+            out.append(b"%x;ext=1\r\n%s\r\n" % (len(part), part))
+        at += n
+    if at < len(body):
+        out.append(b"%X\r\n%s\r\n" % (len(body) - at, body[at:]))
+    out.append(b"0\r\n" + trailers + b"\r\n")
+    return b"".join(out)
+
+
+def read(raw: bytes, cuts: list[int]) -> tuple[ReplyReader, list[bytes]]:
+    r, got, at = ReplyReader(), [], 0
+    for cut in [*sorted(cuts), len(raw)]:
+        r.feed(raw[at:cut])
+        got += r.lines()
+        at = cut
+    return r, got
+
+
+def test_a_chunked_reply_whole_and_a_byte_at_a_time() -> None:
+    raw = chunked(BODY, [7, 100, 1, 33], trailers=b"X-T: 1\r\n")
+    for cuts in ([], list(range(1, len(raw)))):
+        r, got = read(raw, cuts)
+        assert got == LINES and r.done and r.keep_alive
+        assert r.status == 200 and r.headers["x-a"] == "b:c"
+
+
+def test_random_splits_of_random_chunkings_give_the_same_lines() -> None:
+    rng = random.Random(7)
+    for _ in range(200):
+        sizes = [rng.randint(1, 90) for _ in range(rng.randint(0, 30))]
+        raw = chunked(BODY, sizes)
+        r, got = read(raw, rng.sample(range(1, len(raw)), rng.randint(0, 40)))
+        assert got == LINES and r.done
+
+
+def test_a_content_length_body_and_one_ended_by_the_connection() -> None:
+    r, got = read(b"HTTP/1.1 409 Conflict\r\nContent-Length: 11\r\n\r\n{\"e\": \"x\"}\n", [20, 40])
+    assert (r.status, got, r.done, r.keep_alive) == (409, [b'{"e": "x"}'], True, True)
+    r, got = read(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\na\nb", [])
+    assert got == [b"a"] and not r.done
+    r.end_of_input()
+    assert r.lines() == [b"b"] and r.done and not r.keep_alive  # the last line without \n
+    r = ReplyReader()
+    r.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nab")
+    assert r.body() == b"ab"
+    with pytest.raises(ReplyError, match="closed before the reply ended"):
+        r.end_of_input()
+
+
+@pytest.mark.parametrize(("raw", "match"), [
+    (b"HTTP/2 200\r\n\r\n", "not an HTTP/1.x status line"),
+    (b"ICY 200 OK\r\n\r\n", "not an HTTP/1.x status line"),
+    (b"HTTP/1.1 200 OK\r\nno colon\r\n\r\n", "not a header line"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n", "bad Content-Length"),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "bad chunk size"),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0x5\r\n", "bad chunk size"),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabc\r\n", "runs past its size"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\nab", "data after the end"),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\nX", "data after the end"),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"1" * 2000, "over 1024"),
+    (b"HTTP/1.1 200 OK\r\n" + b"X: y\r\n" * 20000, "head over"),
+])
+def test_what_is_not_http_is_refused(raw: bytes, match: str) -> None:
+    with pytest.raises(ReplyError, match=match):
+        ReplyReader().feed(raw)
+
+
+def test_a_reply_cut_short_and_data_after_the_end() -> None:
+    r = ReplyReader()
+    r.feed(chunked(BODY, [50])[:120])
+    with pytest.raises(ReplyError, match="closed before the reply ended"):
+        r.end_of_input()
+    r = ReplyReader()
+    r.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+    assert r.done and r.lines() == []
+    r.feed(b"")
+    with pytest.raises(ReplyError, match="data after the end"):
+        r.feed(b"x")
