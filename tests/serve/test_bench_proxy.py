@@ -19,6 +19,7 @@ from kvpool.bench.nginx import find_nginx, nginx_conf
 from kvpool.bench.proc_cpu import TICKS_PER_S, CpuMeter, child_pids, cpu_s, per_unit, stat_ticks
 from kvpool.bench.proxy import _ndjson_tokens, _sse_tokens, with_ratios
 from tests.support.procs import python_env
+from tests.support.require import missing
 
 STAT = ("4242 (py (x) y) S 1 4242 4242 0 -1 4194560 900 0 0 0 "
         "317 45 0 0 20 0 3 0 1000 1000000 2000 18446744073709551615")
@@ -83,7 +84,7 @@ def test_nginx_conf_relays_unbuffered_over_kept_alive_connections(tmp_path: Path
     assert text.count("{") == text.count("}")
     exe = find_nginx()
     if exe is None:
-        return
+        missing("nginx (scripts/setup.sh installs it) to check the configuration with `nginx -t`")
     (tmp_path / "nginx.conf").write_text(text)
     check = subprocess.run([exe, "-t", "-p", str(tmp_path), "-c", str(tmp_path / "nginx.conf"),
                             "-e", str(tmp_path / "error.log")], capture_output=True, text=True,
