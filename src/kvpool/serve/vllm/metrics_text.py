@@ -19,6 +19,8 @@ from dataclasses import dataclass
 _SAMPLE = re.compile(r"^([A-Za-z_:][A-Za-z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
 _LABEL = re.compile(r'([A-Za-z_][A-Za-z0-9_]*)="((?:[^"\\]|\\.)*)"')
 KV_USAGE_NAMES = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+_READ = ("vllm:num_requests_running", "vllm:num_requests_waiting", *KV_USAGE_NAMES,
+         "vllm:cache_config_info")
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,15 +57,15 @@ def parse_metrics(text: str) -> EngineMetrics | None:
     usages: list[float] = []
     blocks: list[int] = []
     info: dict[str, str] = {}
-    seen = False
+    if "\nvllm:" not in text and not text.startswith("vllm:"):
+        return None
     for line in text.splitlines():
+        if not line.startswith(_READ):  # (a vLLM's text is ~70 KB; four names are read)
+            continue
         m = _SAMPLE.match(line)
-        if m is None or line.startswith("#"):
+        if m is None:
             continue
         name, labels, raw = m.groups()
-        if not name.startswith("vllm:"):
-            continue
-        seen = True
         try:
             value = float(raw)
         except ValueError:
@@ -79,8 +81,6 @@ def parse_metrics(text: str) -> EngineMetrics | None:
             n = _int(info, "num_gpu_blocks")
             if n is not None:
                 blocks.append(n)
-    if not seen:
-        return None
     return EngineMetrics(int(running), int(waiting),
                          sum(usages) / len(usages) if usages else 0.0,
                          _int(info, "block_size"), sum(blocks) if blocks else None,
