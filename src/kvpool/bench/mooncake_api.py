@@ -9,6 +9,10 @@ whole workload in turn, and so do the anchors (a raw loopback TCP socket to an e
 and memcpy), in an order that rotates from round to round, so load changes on the machine hit
 all alike. Reported: the median of the rounds. Ratios are kvpool / Mooncake, kvpool / raw socket
 and kvpool-shm / memcpy, each from the same run.
+
+The per-round kvpool / Mooncake ratios are compared with a checked-in baseline
+(kvpool.bench.mooncake_baseline): a case below its recorded band prints a REGRESSION line,
+and `--fail-on-regression` makes that exit 3. `--record-baseline` adds the run to a baseline.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.bench import anchors
+from kvpool.bench import mooncake_baseline as baseline
 from kvpool.bench.common import Measurement
 from kvpool.procs import free_port, kvpool_argv, stop, wait_port
 from kvpool.units import format_size, parse_size
@@ -49,6 +54,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--shm", action="store_true", help="also a kvpool client over shm")
     p.add_argument("--impl", choices=("both", "kvpool", "mooncake"), default="both")
     p.add_argument("--json", action="store_true", help="one JSON object per measurement")
+    p.add_argument("--baseline", default=None, metavar="PATH",
+                   help="ratios to compare with (default: the one shipped with kvpool; "
+                   "'none': no comparison)")
+    p.add_argument("--tolerance", type=float, default=baseline.DEFAULT_TOLERANCE,
+                   help="how far (a fraction) a ratio may fall below its band's low end")
+    p.add_argument("--fail-on-regression", action="store_true",
+                   help="exit 3 when a ratio falls below its band (REGRESSION)")
+    p.add_argument("--record-baseline", metavar="PATH",
+                   help="add this run's ratios to PATH (created if missing)")
+    p.add_argument("--handicap-us", type=float, default=0.0,
+                   help="kvpool's clients spin this long before each timed call (to check "
+                   "that the guard catches a slower client)")
     p.set_defaults(func=run)
 
 
@@ -73,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
     batched = [parse_size(s) for s in args.batch_sizes.split(",") if s]
     command = {"single_sizes": single, "single_ops": args.ops, "batch_sizes": batched,
                "batch": args.batch, "phase_bytes": parse_size(args.phase_bytes),
-               "transfer_s": args.seconds}
+               "transfer_s": args.seconds, "handicap_us": args.handicap_us}
+    load_start = os.getloadavg()[0]
     buffer_bytes = max([*batched, 0]) * args.batch + 2 * max([*single, 0]) + 4096
     rounds: list[list[Measurement]] = []
     with ExitStack() as stack:
@@ -88,13 +106,46 @@ def run(args: argparse.Namespace) -> int:
                 rounds[-1] += _anchors(raw, cmd) if name == "anchors" else clients[name](cmd)
     results = medians([m for rows in rounds for m in rows])
     add_ratios(results)
+    load = (load_start, os.getloadavg()[0])
     if args.json:
         for m in results:
             print(json.dumps(asdict(m)), flush=True)
     else:
         print_table(results, args.rounds)
         print_spread(round_ratios(rounds))
-    return 0
+        print(f"\nload average (1 min): {load[0]:.2f} at the start, {load[1]:.2f} at the end")
+    return guard(args, baseline.run_figures(round_ratios(rounds), args.batch), load)
+
+
+def settings(args: argparse.Namespace) -> list[str]:
+    """The flags that decide what a run measures (recorded with a baseline)."""
+    return ["--sizes", args.sizes, "--ops", str(args.ops), "--batch-sizes", args.batch_sizes,
+            "--batch", str(args.batch), "--phase-bytes", args.phase_bytes,
+            "--rounds", str(args.rounds)]
+
+
+def guard(args: argparse.Namespace, figures: dict[baseline.Case, float],
+          load: tuple[float, float]) -> int:
+    """Compare the run with the baseline and record it; 3 on a regression with
+    --fail-on-regression, else 0. Lines go to stdout, or stderr under --json."""
+    out = sys.stderr if args.json else sys.stdout
+    if args.record_baseline:
+        path = Path(args.record_baseline)
+        known = baseline.load(path) if path.exists() else None
+        path.write_text(json.dumps(baseline.add_run(known, figures, settings(args), load),
+                                   indent=1) + "\n")
+        print(f"recorded in {path}", file=out)
+    if args.baseline == "none" or not figures:
+        return 0
+    path = Path(args.baseline) if args.baseline else baseline.default_path()
+    recorded = baseline.load(path)
+    verdicts = baseline.compare(figures, recorded, args.tolerance)
+    print(f"\nagainst {path} (recorded with {' '.join(recorded.get('command', []))}):",
+          file=out)
+    for line in baseline.report(verdicts, args.tolerance) or ["no case in common"]:
+        print(line, file=out)
+    regressed = any(v.regressed for v in verdicts)
+    return 3 if regressed and args.fail_on_regression else 0
 
 
 def _start(stack: ExitStack, impls: list[str], shm: bool, dram: int,
