@@ -126,3 +126,26 @@ def test_a_handicapped_call_waits_then_answers() -> None:
     t0 = time.perf_counter()
     assert slow(21) == 42
     assert time.perf_counter() - t0 >= 0.02
+
+
+def test_a_baseline_of_another_load_is_not_compared(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "base.json").write_text(json.dumps(BASE))
+    args = args_for(tmp_path, "--fail-on-regression", "--load", "2")
+    assert bench.guard(args, {PUT: 0.1}, (3.0, 3.0)) == 0
+    assert "not compared: recorded with --load 0, this run --load 2" in capsys.readouterr().out
+
+
+def test_burners_spin_for_the_block_only() -> None:
+    import os
+
+    from kvpool.bench.burners import burning
+    with burning(2) as pids:
+        assert len(pids) == 2
+        for pid in pids:
+            os.kill(pid, 0)  # alive
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    with burning(0) as none:
+        assert none == []

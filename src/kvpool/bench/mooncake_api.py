@@ -32,6 +32,7 @@ from typing import Any
 
 from kvpool.bench import anchors
 from kvpool.bench import mooncake_baseline as baseline
+from kvpool.bench.burners import burning
 from kvpool.bench.common import Measurement
 from kvpool.procs import free_port, kvpool_argv, stop, wait_port
 from kvpool.units import format_size, parse_size
@@ -53,6 +54,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="time per TransferEngine measurement (0: skip the transfer phase)")
     p.add_argument("--shm", action="store_true", help="also a kvpool client over shm")
     p.add_argument("--impl", choices=("both", "kvpool", "mooncake"), default="both")
+    p.add_argument("--load", type=int, default=0, metavar="N",
+                   help="N processes spinning on the CPUs during the rounds (a loaded machine)")
     p.add_argument("--json", action="store_true", help="one JSON object per measurement")
     p.add_argument("--baseline", default=None, metavar="PATH",
                    help="ratios to compare with (default: the one shipped with kvpool; "
@@ -97,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
     with ExitStack() as stack:
         clients = _start(stack, impls, args.shm, parse_size(args.dram), buffer_bytes)
         raw = stack.enter_context(anchors.raw_socket())
+        stack.enter_context(burning(args.load))
         for r in range(args.rounds):
             order = [*clients, "anchors"]
             shift = r % len(order)
@@ -121,7 +125,7 @@ def settings(args: argparse.Namespace) -> list[str]:
     """The flags that decide what a run measures (recorded with a baseline)."""
     return ["--sizes", args.sizes, "--ops", str(args.ops), "--batch-sizes", args.batch_sizes,
             "--batch", str(args.batch), "--phase-bytes", args.phase_bytes,
-            "--rounds", str(args.rounds)]
+            "--rounds", str(args.rounds), "--load", str(args.load)]
 
 
 def guard(args: argparse.Namespace, figures: dict[baseline.Case, float],
@@ -139,9 +143,14 @@ def guard(args: argparse.Namespace, figures: dict[baseline.Case, float],
         return 0
     path = Path(args.baseline) if args.baseline else baseline.default_path()
     recorded = baseline.load(path)
+    command = [str(x) for x in recorded.get("command", [])]
+    print(f"\nagainst {path} (recorded with {' '.join(command)}):", file=out)
+    their_load = command[command.index("--load") + 1] if "--load" in command[:-1] else "0"
+    if their_load != str(args.load):
+        print(f"not compared: recorded with --load {their_load}, this run --load {args.load}",
+              file=out)
+        return 0
     verdicts = baseline.compare(figures, recorded, args.tolerance)
-    print(f"\nagainst {path} (recorded with {' '.join(recorded.get('command', []))}):",
-          file=out)
     for line in baseline.report(verdicts, args.tolerance) or ["no case in common"]:
         print(line, file=out)
     regressed = any(v.regressed for v in verdicts)
