@@ -25,6 +25,7 @@ def _no_crowd(monkeypatch: pytest.MonkeyPatch) -> None:
     """These tests are about the window and the reads: a loaded test machine must not make
     their windows stand aside (tests/test_busypoll_crowded.py tests that)."""
     monkeypatch.setattr(busypoll, "CROWDED_GAP_S", float("inf"))
+    monkeypatch.setattr(busypoll.CROWD, "resume_at", 0.0)
 
 
 def test_a_window_polls_while_waits_end_within_it_and_stops_after_a_longer_one() -> None:

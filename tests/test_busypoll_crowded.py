@@ -1,7 +1,7 @@
 """Busy polling on a crowded machine (kvpool.busypoll): a wait that lost its CPU for longer
-than CROWDED_GAP_S and still found nothing makes its window block at once for
-CROWDED_PAUSE_S; a long gap after which the answer is there (the peer ran) does not. The
-clock and sched_yield are replaced by a fake time line, so the outcomes are exact."""
+than CROWDED_GAP_S between two attempts makes every window of the process block at once for
+CROWDED_PAUSE_S; shorter turns of the peer do not. The clock and sched_yield are replaced by a fake time
+line, so the outcomes are exact."""
 
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ def line(monkeypatch: pytest.MonkeyPatch) -> TimeLine:
     t = TimeLine(step_s=0.00001)
     monkeypatch.setattr(busypoll, "_clock", t.clock)
     monkeypatch.setattr(busypoll, "_yield", t.yield_)
+    monkeypatch.setattr(busypoll, "CROWD", busypoll.Crowd())
     return t
 
 
@@ -55,7 +56,7 @@ def test_quick_yields_poll_until_the_answer(line: TimeLine) -> None:
     window = PollWindow(300)
     attempt, block, calls = reader(answer_after=5)
     assert polled(attempt, block, window) == "polled"
-    assert (line.yields, window.pauses, window.budget_s()) == (5, 0, pytest.approx(0.0003))
+    assert (line.yields, busypoll.CROWD.pauses, window.budget_s()) == (5, 0, pytest.approx(0.0003))
 
 
 def test_a_yield_that_lost_the_cpu_with_nothing_read_pauses_the_window(
@@ -65,22 +66,31 @@ def test_a_yield_that_lost_the_cpu_with_nothing_read_pauses_the_window(
     attempt, block, calls = reader(answer_after=10)
     assert polled(attempt, block, window) == "blocked"
     assert calls == ["attempt", "attempt", "block"] and line.yields == 1
-    assert window.pauses == 1 and window.budget_s() == 0.0
+    assert busypoll.CROWD.pauses == 1 and window.budget_s() == 0.0
     attempt, block, calls = reader(answer_after=0)  # within the pause: blocks at once
     assert polled(attempt, block, window) == "blocked" and calls == ["block"]
+    assert PollWindow(300).budget_s() == 0.0  # every window of the process
     line.now += CROWDED_PAUSE_S
     assert window.budget_s() == pytest.approx(0.0003)  # polls again after the pause
     line.step_s = 0.00001
     attempt, block, calls = reader(answer_after=2)
-    assert polled(attempt, block, window) == "polled" and window.pauses == 1
+    assert polled(attempt, block, window) == "polled" and busypoll.CROWD.pauses == 1
 
 
-def test_a_long_gap_after_which_the_answer_is_there_is_no_crowd(line: TimeLine) -> None:
+def test_a_long_gap_pauses_even_when_the_answer_came_meanwhile(line: TimeLine) -> None:
     window = PollWindow(300)
-    line.step_s = 2 * CROWDED_GAP_S  # the peer ran on this CPU and answered
+    line.step_s = 2 * CROWDED_GAP_S  # the reply waited while others held the CPU
     attempt, block, _ = reader(answer_after=1)
     assert polled(attempt, block, window) == "polled"
-    assert window.pauses == 0
+    assert busypoll.CROWD.pauses == 1 and window.budget_s() == 0.0
+
+
+def test_a_peer_turn_shorter_than_the_gap_is_no_crowd(line: TimeLine) -> None:
+    window = PollWindow(2000)
+    line.step_s = CROWDED_GAP_S / 2
+    attempt, block, _ = reader(answer_after=3)
+    assert polled(attempt, block, window) == "polled"
+    assert (line.yields, busypoll.CROWD.pauses) == (3, 0)
 
 
 class FakeSelector:
@@ -95,8 +105,14 @@ class FakeSelector:
 def test_select_polling_pauses_on_a_crowd_too(line: TimeLine) -> None:
     window = PollWindow(300)
     assert select_polling(FakeSelector(3), 1.0, window) == [("key", 1)]  # type: ignore[arg-type]
-    assert (line.yields, window.pauses) == (3, 0)
+    assert (line.yields, busypoll.CROWD.pauses) == (3, 0)
     line.step_s = 2 * CROWDED_GAP_S
     sel = FakeSelector(5)
     assert select_polling(sel, 1.0, window) == [("key", 1)]  # type: ignore[arg-type]
-    assert sel.calls == 3 and window.pauses == 1 and window.budget_s() == 0.0
+    assert sel.calls == 3 and busypoll.CROWD.pauses == 1 and window.budget_s() == 0.0
+    line.now += CROWDED_PAUSE_S
+    line.step_s = 0.00001
+    window.observe(0.0)  # (the 2 ms wait cooled the window; a short one warms it again)
+    sel = FakeSelector(1)
+    assert select_polling(sel, 1.0, window) == [("key", 1)]  # type: ignore[arg-type]
+    assert (sel.calls, busypoll.CROWD.pauses) == (2, 1)

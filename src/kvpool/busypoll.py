@@ -13,12 +13,13 @@ runnable on the same CPU (often the very peer that must answer) runs first; each
 is a syscall, so other threads of the process get the GIL; and at most half the CPUs'
 worth of a process's threads poll at once.
 
-Polling stands aside on a crowded machine: when a wait finds nothing after the thread lost
-its CPU for longer than CROWDED_GAP_S between two attempts, other processes (not the peer,
-whose answer would be there by then) hold the CPUs, and every further yield would hand them
-a whole time slice (milliseconds). The window then blocks at once for CROWDED_PAUSE_S before
-it polls again: under a load of other work a blocked thread is woken ahead of the CPU hogs,
-a yielding one waits behind them (docs/perf.md, "Polling on a crowded machine").
+Polling stands aside on a crowded machine: when a thread lost its CPU for longer than
+CROWDED_GAP_S between two attempts, other processes hold the CPUs (the peer's own turn
+takes far less), and every further yield would hand them a whole time slice (milliseconds).
+Every window of the process then blocks at once for CROWDED_PAUSE_S (crowding is the
+machine's, so one thread's finding holds for all) before polling again: under a load of
+other work a blocked thread is woken ahead of the CPU hogs, a yielding one waits behind them
+(docs/perf.md, "A crowded machine").
 
 Policy: `PollWindow` decides how long to poll. Mechanism: `recv_polling`,
 `recv_into_polling`, `select_polling` and the general `polled` poll for that long, then
@@ -49,9 +50,29 @@ CPUs their peers need. A thread that finds every slot taken blocks at once."""
 
 
 MAX_WINDOW_US = 100_000
-CROWDED_GAP_S = 0.0005
-"""Two attempts this far apart with nothing read between them: the CPU went to another
-process (a sched_yield with only the peer to run returns within tens of microseconds)."""
+
+
+class Crowd:
+    """This process's view of a crowded machine (one per process: CROWD)."""
+
+    __slots__ = ("resume_at", "pauses")
+
+    def __init__(self) -> None:
+        self.resume_at = 0.0
+        """perf_counter time from which windows poll again (0: they may now)."""
+        self.pauses = 0
+        """Times polling stood aside for a crowded machine."""
+
+    def seen(self, now: float) -> None:
+        """A wait lost its CPU to other work at `now`: no polling for CROWDED_PAUSE_S."""
+        self.resume_at = now + CROWDED_PAUSE_S
+        self.pauses += 1
+
+
+CROWD = Crowd()
+CROWDED_GAP_S = 0.001
+"""Two attempts this far apart: the CPU went to other work for about a scheduler time slice
+(a sched_yield with only the peer to run returns within tens or hundreds of microseconds)."""
 CROWDED_PAUSE_S = 0.25
 """How long a window that saw a crowded machine blocks at once before it polls again (one
 lost time slice per pause while the crowd lasts)."""
@@ -69,30 +90,23 @@ class PollWindow:
     after a wait that outlasted it (an idle connection costs no CPU), until a wait that
     ends within it again. A window of 0 never polls. Not thread-safe: one per reader."""
 
-    __slots__ = ("window_s", "_hot", "_resume_at", "pauses")
+    __slots__ = ("window_s", "_hot")
 
     def __init__(self, window_us: int) -> None:
         check_window_us("a poll window", window_us)
         self.window_s = window_us / 1e6
         self._hot = window_us > 0
-        self._resume_at = 0.0
-        self.pauses = 0
-        """Times this window stood aside for a crowded machine."""
 
     def budget_s(self) -> float:
-        """Seconds to poll before blocking on the next wait."""
+        """Seconds to poll before blocking on the next wait (none while CROWD pauses)."""
         if not self._hot:
             return 0.0
-        if self._resume_at:
-            if _clock() < self._resume_at:
+        resume = CROWD.resume_at
+        if resume:
+            if _clock() < resume:
                 return 0.0
-            self._resume_at = 0.0
+            CROWD.resume_at = 0.0
         return self.window_s
-
-    def crowded(self, now: float) -> None:
-        """The machine was seen crowded at `now`: no polling for CROWDED_PAUSE_S."""
-        self._resume_at = now + CROWDED_PAUSE_S
-        self.pauses += 1
 
     def observe(self, waited_s: float) -> None:
         """A wait that ended after `waited_s` (polling or blocked)."""
@@ -129,16 +143,16 @@ def polled(attempt: Callable[[], T], block: Callable[[], T], window: PollWindow)
             while True:
                 try:
                     got = attempt()
-                    break
                 except BlockingIOError:
-                    now = _clock()
-                    if now - last > CROWDED_GAP_S:
-                        window.crowded(now)
-                        break
-                    if now > end:
-                        break
-                    last = now
-                    _yield()
+                    pass
+                now = _clock()
+                if now - last > CROWDED_GAP_S:
+                    CROWD.seen(now)
+                    break
+                if got is not _NOTHING or now > end:
+                    break
+                last = now
+                _yield()
         finally:
             slot.release()
     if got is _NOTHING:
@@ -167,12 +181,13 @@ def select_polling(sel: selectors.BaseSelector, timeout_s: float,
         try:
             end = last = start
             end += budget
-            while not (ready := sel.select(0)):
+            while True:
+                ready = sel.select(0)
                 now = _clock()
                 if now - last > CROWDED_GAP_S:
-                    window.crowded(now)
+                    CROWD.seen(now)
                     break
-                if now > end:
+                if ready or now > end:
                     break
                 last = now
                 _yield()
