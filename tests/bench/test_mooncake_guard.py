@@ -32,7 +32,7 @@ def quiet_enough() -> None:
     if bench.mooncake_master_binary() is None:
         pytest.skip("the real Mooncake wheel is not installed")
     load, cpus = os.getloadavg()[0], os.cpu_count() or 1
-    if load > 2 * cpus:
+    if load > 8 * cpus:  # (the baseline was recorded at 8-16 on 2 CPUs, and passes at 11)
         pytest.skip(f"load average {load:.1f} on {cpus} CPUs: ratios would be noise")
 
 
