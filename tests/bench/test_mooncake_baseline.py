@@ -119,6 +119,11 @@ def test_the_guard_records_runs_into_a_baseline(tmp_path: Path) -> None:
     saved = bl.load(path)
     assert saved["command"][saved["command"].index("--rounds") + 1] == "3"
     assert bl.bands(saved) == {PUT: bl.Band(1.4, 1.6, 1.8, 2)}
+    other = args_for(tmp_path, "--baseline", "none", "--record-baseline", str(path),
+                     "--batch", "32", "--rounds", "5")
+    with pytest.raises(ConfigError, match="was recorded with .*--rounds 3"):
+        bench.guard(other, {PUT: 0.1}, (0.5, 0.7))
+    assert bl.load(path) == saved  # left as it was
 
 
 def test_a_handicapped_call_waits_then_answers() -> None:

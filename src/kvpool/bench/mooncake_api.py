@@ -34,6 +34,7 @@ from kvpool.bench import anchors
 from kvpool.bench import mooncake_baseline as baseline
 from kvpool.bench.burners import burning
 from kvpool.bench.common import Measurement
+from kvpool.errors import ConfigError
 from kvpool.procs import free_port, kvpool_argv, stop, wait_port
 from kvpool.units import format_size, parse_size
 
@@ -136,6 +137,9 @@ def guard(args: argparse.Namespace, figures: dict[baseline.Case, float],
     if args.record_baseline:
         path = Path(args.record_baseline)
         known = baseline.load(path) if path.exists() else None
+        if known is not None and known.get("command") != settings(args):
+            raise ConfigError(f"{path} was recorded with {' '.join(known.get('command', []))}; "
+                              "a run with other settings goes into another file")
         path.write_text(json.dumps(baseline.add_run(known, figures, settings(args), load),
                                    indent=1) + "\n")
         print(f"recorded in {path}", file=out)
