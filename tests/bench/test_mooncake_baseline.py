@@ -154,3 +154,13 @@ def test_burners_spin_for_the_block_only() -> None:
             os.kill(pid, 0)
     with burning(0) as none:
         assert none == []
+
+
+def test_a_bad_baseline_stops_the_bench_before_its_rounds(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "base.json").write_text("{")
+    args = args_for(tmp_path, "--impl", "kvpool")
+    assert args.func(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"kvpool bench mooncake-api: baseline {tmp_path}")
+

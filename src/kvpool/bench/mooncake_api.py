@@ -84,6 +84,11 @@ def mooncake_master_binary() -> Path | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:  # a bad baseline is refused before the rounds, not after them
+        _baseline_files(args)
+    except ConfigError as exc:
+        print(f"kvpool bench mooncake-api: {exc}", file=sys.stderr)
+        return 2
     impls = ["kvpool", "mooncake"] if args.impl == "both" else [args.impl]
     if "mooncake" in impls and mooncake_master_binary() is None:
         print("the real Mooncake wheel is not installed: kvpool only", file=sys.stderr)
@@ -129,24 +134,39 @@ def settings(args: argparse.Namespace) -> list[str]:
             "--rounds", str(args.rounds), "--load", str(args.load)]
 
 
+def _baseline_files(args: argparse.Namespace) -> tuple[dict[str, Any] | None,
+                                                       dict[str, Any] | None]:
+    """(the baseline to compare with, the one to record into), each None when not asked for
+    or (recording) not there yet. ConfigError when either is unreadable or malformed, or the
+    one to record into holds runs of other settings."""
+    compared = None
+    if args.baseline != "none":
+        compared = baseline.load(Path(args.baseline) if args.baseline else
+                                 baseline.default_path())
+    known = None
+    if args.record_baseline and Path(args.record_baseline).exists():
+        known = baseline.load(Path(args.record_baseline))
+        if known.get("command") != settings(args):
+            raise ConfigError(f"{args.record_baseline} was recorded with "
+                              f"{' '.join(known.get('command', []))}; a run with other "
+                              "settings goes into another file")
+    return compared, known
+
+
 def guard(args: argparse.Namespace, figures: dict[baseline.Case, float],
           load: tuple[float, float]) -> int:
     """Compare the run with the baseline and record it; 3 on a regression with
     --fail-on-regression, else 0. Lines go to stdout, or stderr under --json."""
     out = sys.stderr if args.json else sys.stdout
+    recorded, known = _baseline_files(args)
     if args.record_baseline:
         path = Path(args.record_baseline)
-        known = baseline.load(path) if path.exists() else None
-        if known is not None and known.get("command") != settings(args):
-            raise ConfigError(f"{path} was recorded with {' '.join(known.get('command', []))}; "
-                              "a run with other settings goes into another file")
         path.write_text(json.dumps(baseline.add_run(known, figures, settings(args), load),
                                    indent=1) + "\n")
         print(f"recorded in {path}", file=out)
-    if args.baseline == "none" or not figures:
+    if recorded is None or not figures:
         return 0
     path = Path(args.baseline) if args.baseline else baseline.default_path()
-    recorded = baseline.load(path)
     command = [str(x) for x in recorded.get("command", [])]
     print(f"\nagainst {path} (recorded with {' '.join(command)}):", file=out)
     their_load = command[command.index("--load") + 1] if "--load" in command[:-1] else "0"
