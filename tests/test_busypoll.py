@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from kvpool import busypoll
 from kvpool.busypoll import (
     NEVER,
     PollWindow,
@@ -17,6 +18,14 @@ from kvpool.busypoll import (
     recv_polling,
     select_polling,
 )
+
+
+@pytest.fixture(autouse=True)
+def _no_crowd(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about the window and the reads: a loaded test machine must not make
+    their windows stand aside (tests/test_busypoll_crowded.py tests that)."""
+    monkeypatch.setattr(busypoll, "CROWDED_GAP_S", float("inf"))
+    monkeypatch.setattr(busypoll.CROWD, "resume_at", 0.0)
 
 
 def test_a_window_polls_while_waits_end_within_it_and_stops_after_a_longer_one() -> None:
@@ -116,7 +125,6 @@ def test_select_polling_sees_a_ready_socket_and_an_idle_timeout_cools_the_window
 
 def test_only_half_the_cpus_worth_of_threads_poll_at_once_the_others_block(
         pair, monkeypatch) -> None:
-    from kvpool import busypoll
     a, b = pair
     polls: list[int] = []
     monkeypatch.setattr(busypoll, "_yield", lambda: polls.append(1))

@@ -13,6 +13,14 @@ runnable on the same CPU (often the very peer that must answer) runs first; each
 is a syscall, so other threads of the process get the GIL; and at most half the CPUs'
 worth of a process's threads poll at once.
 
+Polling stands aside on a crowded machine: when a thread lost its CPU for longer than
+CROWDED_GAP_S between two attempts, other processes hold the CPUs (the peer's own turn
+takes far less), and every further yield would hand them a whole time slice (milliseconds).
+Every window of the process then blocks at once for CROWDED_PAUSE_S (crowding is the
+machine's, so one thread's finding holds for all) before polling again: under a load of
+other work a blocked thread is woken ahead of the CPU hogs, a yielding one waits behind them
+(docs/perf.md, "A crowded machine").
+
 Policy: `PollWindow` decides how long to poll. Mechanism: `recv_polling`,
 `recv_into_polling`, `select_polling` and the general `polled` poll for that long, then
 block as before, and tell the window how long the wait was.
@@ -44,6 +52,32 @@ CPUs their peers need. A thread that finds every slot taken blocks at once."""
 MAX_WINDOW_US = 100_000
 
 
+class Crowd:
+    """This process's view of a crowded machine (one per process: CROWD)."""
+
+    __slots__ = ("resume_at", "pauses")
+
+    def __init__(self) -> None:
+        self.resume_at = 0.0
+        """perf_counter time from which windows poll again (0: they may now)."""
+        self.pauses = 0
+        """Times polling stood aside for a crowded machine."""
+
+    def seen(self, now: float) -> None:
+        """A wait lost its CPU to other work at `now`: no polling for CROWDED_PAUSE_S."""
+        self.resume_at = now + CROWDED_PAUSE_S
+        self.pauses += 1
+
+
+CROWD = Crowd()
+CROWDED_GAP_S = 0.001
+"""Two attempts this far apart: the CPU went to other work for about a scheduler time slice
+(a sched_yield with only the peer to run returns within tens or hundreds of microseconds)."""
+CROWDED_PAUSE_S = 0.25
+"""How long a window that saw a crowded machine blocks at once before it polls again (one
+lost time slice per pause while the crowd lasts)."""
+
+
 def check_window_us(name: str, window_us: int) -> None:
     """ConfigError unless `window_us` is a poll window (0..MAX_WINDOW_US microseconds)."""
     if not 0 <= window_us <= MAX_WINDOW_US:
@@ -64,8 +98,15 @@ class PollWindow:
         self._hot = window_us > 0
 
     def budget_s(self) -> float:
-        """Seconds to poll before blocking on the next wait."""
-        return self.window_s if self._hot else 0.0
+        """Seconds to poll before blocking on the next wait (none while CROWD pauses)."""
+        if not self._hot:
+            return 0.0
+        resume = CROWD.resume_at
+        if resume:
+            if _clock() < resume:
+                return 0.0
+            CROWD.resume_at = 0.0
+        return self.window_s
 
     def observe(self, waited_s: float) -> None:
         """A wait that ended after `waited_s` (polling or blocked)."""
@@ -97,15 +138,21 @@ def polled(attempt: Callable[[], T], block: Callable[[], T], window: PollWindow)
     got = _NOTHING
     if slot is not None:
         try:
-            end = start + budget
+            end = last = start
+            end += budget
             while True:
                 try:
                     got = attempt()
-                    break
                 except BlockingIOError:
-                    if _clock() > end:
-                        break
-                    _yield()
+                    pass
+                now = _clock()
+                if now - last > CROWDED_GAP_S:
+                    CROWD.seen(now)
+                    break
+                if got is not _NOTHING or now > end:
+                    break
+                last = now
+                _yield()
         finally:
             slot.release()
     if got is _NOTHING:
@@ -132,8 +179,17 @@ def select_polling(sel: selectors.BaseSelector, timeout_s: float,
     ready = []
     if slot is not None:
         try:
-            end = start + budget
-            while not (ready := sel.select(0)) and _clock() <= end:
+            end = last = start
+            end += budget
+            while True:
+                ready = sel.select(0)
+                now = _clock()
+                if now - last > CROWDED_GAP_S:
+                    CROWD.seen(now)
+                    break
+                if ready or now > end:
+                    break
+                last = now
                 _yield()
         finally:
             slot.release()

@@ -9,6 +9,10 @@ whole workload in turn, and so do the anchors (a raw loopback TCP socket to an e
 and memcpy), in an order that rotates from round to round, so load changes on the machine hit
 all alike. Reported: the median of the rounds. Ratios are kvpool / Mooncake, kvpool / raw socket
 and kvpool-shm / memcpy, each from the same run.
+
+The per-round kvpool / Mooncake ratios are compared with a checked-in baseline
+(kvpool.bench.mooncake_baseline): a case below its recorded band prints a REGRESSION line,
+and `--fail-on-regression` makes that exit 3. `--record-baseline` adds the run to a baseline.
 """
 
 from __future__ import annotations
@@ -27,7 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.bench import anchors
+from kvpool.bench import mooncake_baseline as baseline
+from kvpool.bench.burners import burning
 from kvpool.bench.common import Measurement
+from kvpool.errors import ConfigError
 from kvpool.procs import free_port, kvpool_argv, stop, wait_port
 from kvpool.units import format_size, parse_size
 
@@ -48,7 +55,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="time per TransferEngine measurement (0: skip the transfer phase)")
     p.add_argument("--shm", action="store_true", help="also a kvpool client over shm")
     p.add_argument("--impl", choices=("both", "kvpool", "mooncake"), default="both")
+    p.add_argument("--load", type=int, default=0, metavar="N",
+                   help="N processes spinning on the CPUs during the rounds (a loaded machine)")
     p.add_argument("--json", action="store_true", help="one JSON object per measurement")
+    p.add_argument("--baseline", default=None, metavar="PATH",
+                   help="ratios to compare with (default: the one shipped with kvpool; "
+                   "'none': no comparison)")
+    p.add_argument("--tolerance", type=float, default=baseline.DEFAULT_TOLERANCE,
+                   help="how far (a fraction) a ratio may fall below its band's low end")
+    p.add_argument("--fail-on-regression", action="store_true",
+                   help="exit 3 when a ratio falls below its band (REGRESSION)")
+    p.add_argument("--record-baseline", metavar="PATH",
+                   help="add this run's ratios to PATH (created if missing)")
+    p.add_argument("--handicap-us", type=float, default=0.0,
+                   help="kvpool's clients spin this long before each timed call (to check "
+                   "that the guard catches a slower client)")
     p.set_defaults(func=run)
 
 
@@ -63,6 +84,11 @@ def mooncake_master_binary() -> Path | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:  # a bad baseline is refused before the rounds, not after them
+        _baseline_files(args)
+    except ConfigError as exc:
+        print(f"kvpool bench mooncake-api: {exc}", file=sys.stderr)
+        return 2
     impls = ["kvpool", "mooncake"] if args.impl == "both" else [args.impl]
     if "mooncake" in impls and mooncake_master_binary() is None:
         print("the real Mooncake wheel is not installed: kvpool only", file=sys.stderr)
@@ -73,12 +99,14 @@ def run(args: argparse.Namespace) -> int:
     batched = [parse_size(s) for s in args.batch_sizes.split(",") if s]
     command = {"single_sizes": single, "single_ops": args.ops, "batch_sizes": batched,
                "batch": args.batch, "phase_bytes": parse_size(args.phase_bytes),
-               "transfer_s": args.seconds}
+               "transfer_s": args.seconds, "handicap_us": args.handicap_us}
+    load_start = os.getloadavg()[0]
     buffer_bytes = max([*batched, 0]) * args.batch + 2 * max([*single, 0]) + 4096
     rounds: list[list[Measurement]] = []
     with ExitStack() as stack:
         clients = _start(stack, impls, args.shm, parse_size(args.dram), buffer_bytes)
         raw = stack.enter_context(anchors.raw_socket())
+        stack.enter_context(burning(args.load))
         for r in range(args.rounds):
             order = [*clients, "anchors"]
             shift = r % len(order)
@@ -88,13 +116,69 @@ def run(args: argparse.Namespace) -> int:
                 rounds[-1] += _anchors(raw, cmd) if name == "anchors" else clients[name](cmd)
     results = medians([m for rows in rounds for m in rows])
     add_ratios(results)
+    load = (load_start, os.getloadavg()[0])
     if args.json:
         for m in results:
             print(json.dumps(asdict(m)), flush=True)
     else:
         print_table(results, args.rounds)
         print_spread(round_ratios(rounds))
-    return 0
+        print(f"\nload average (1 min): {load[0]:.2f} at the start, {load[1]:.2f} at the end")
+    return guard(args, baseline.run_figures(round_ratios(rounds), args.batch), load)
+
+
+def settings(args: argparse.Namespace) -> list[str]:
+    """The flags that decide what a run measures (recorded with a baseline)."""
+    return ["--sizes", args.sizes, "--ops", str(args.ops), "--batch-sizes", args.batch_sizes,
+            "--batch", str(args.batch), "--phase-bytes", args.phase_bytes,
+            "--rounds", str(args.rounds), "--load", str(args.load)]
+
+
+def _baseline_files(args: argparse.Namespace) -> tuple[dict[str, Any] | None,
+                                                       dict[str, Any] | None]:
+    """(the baseline to compare with, the one to record into), each None when not asked for
+    or (recording) not there yet. ConfigError when either is unreadable or malformed, or the
+    one to record into holds runs of other settings."""
+    compared = None
+    if args.baseline != "none":
+        compared = baseline.load(Path(args.baseline) if args.baseline else
+                                 baseline.default_path())
+    known = None
+    if args.record_baseline and Path(args.record_baseline).exists():
+        known = baseline.load(Path(args.record_baseline))
+        if known.get("command") != settings(args):
+            raise ConfigError(f"{args.record_baseline} was recorded with "
+                              f"{' '.join(known.get('command', []))}; a run with other "
+                              "settings goes into another file")
+    return compared, known
+
+
+def guard(args: argparse.Namespace, figures: dict[baseline.Case, float],
+          load: tuple[float, float]) -> int:
+    """Compare the run with the baseline and record it; 3 on a regression with
+    --fail-on-regression, else 0. Lines go to stdout, or stderr under --json."""
+    out = sys.stderr if args.json else sys.stdout
+    recorded, known = _baseline_files(args)
+    if args.record_baseline:
+        path = Path(args.record_baseline)
+        path.write_text(json.dumps(baseline.add_run(known, figures, settings(args), load),
+                                   indent=1) + "\n")
+        print(f"recorded in {path}", file=out)
+    if recorded is None or not figures:
+        return 0
+    path = Path(args.baseline) if args.baseline else baseline.default_path()
+    command = [str(x) for x in recorded.get("command", [])]
+    print(f"\nagainst {path} (recorded with {' '.join(command)}):", file=out)
+    their_load = command[command.index("--load") + 1] if "--load" in command[:-1] else "0"
+    if their_load != str(args.load):
+        print(f"not compared: recorded with --load {their_load}, this run --load {args.load}",
+              file=out)
+        return 0
+    verdicts = baseline.compare(figures, recorded, args.tolerance)
+    for line in baseline.report(verdicts, args.tolerance) or ["no case in common"]:
+        print(line, file=out)
+    regressed = any(v.regressed for v in verdicts)
+    return 3 if regressed and args.fail_on_regression else 0
 
 
 def _start(stack: ExitStack, impls: list[str], shm: bool, dram: int,

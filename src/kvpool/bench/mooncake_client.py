@@ -46,6 +46,8 @@ class Round:
     batch: int
     phase_bytes: int
     transfer_s: float = 0.0
+    handicap_us: float = 0.0
+    """kvpool only: spin this long before each timed call (the guard's test)."""
 
 
 def load(impl: str) -> tuple[Any, Any]:
@@ -75,8 +77,10 @@ class Workload:
         self.ptr = int(self.buf.ctypes.data)
         self.store.register_buffer(self.ptr, self.buf.nbytes)
         self.values = {size: self.buf[:size].tobytes() for size in (4096, 65536)}
+        self.handicap_s = 0.0
 
     def run(self, r: Round) -> list[Measurement]:
+        self.handicap_s = r.handicap_us / 1e6 if self.impl == "kvpool" else 0.0
         out: list[Measurement] = []
         for size in r.single_sizes:
             out += self._single(size, r.single_ops, f"{r.tag}-s{size}")
@@ -94,6 +98,8 @@ class Workload:
         wrong, after `warm` ran untimed (common.warm_up). A failure is reported on stderr and
         the measurement left out of this round."""
         warm_up(warm)
+        if self.handicap_s > 0:
+            call = _handicapped(call, self.handicap_s)
         start = time.perf_counter()
         for k in keys:
             got = call(k)
@@ -157,6 +163,16 @@ class Workload:
 
     def close(self) -> None:
         self.store.close()
+
+
+def _handicapped(call: Callable[[Any], Any], seconds: float) -> Callable[[Any], Any]:
+    """`call` after a busy wait of `seconds` (a deliberately slower client)."""
+    def slow(key: Any) -> Any:
+        until = time.perf_counter() + seconds
+        while time.perf_counter() < until:
+            pass
+        return call(key)
+    return slow
 
 
 def _all(results: list[int], want: int) -> Any:
