@@ -1,7 +1,9 @@
 """Settings of the colocated baseline that model documented vLLM v0.5.1 behaviour.
 
 Each field is one behaviour, on by default; `VllmConfig.off()` turns them all off. The values
-are vLLM v0.5.1 defaults, except `chunk_overhead_s`, which is calibrated (docs/sim.md, 3).
+are vLLM v0.5.1 defaults, except `chunk_overhead_s`, which is calibrated (docs/sim.md, 3): the
+cost of running one forward pass eagerly instead of from a captured CUDA graph, which mixed
+steps always pay and decode-only steps pay above `max_seq_len_to_capture`.
 """
 
 from __future__ import annotations
@@ -41,6 +43,11 @@ class VllmConfig:
     a decode step finds no free slot (vLLM's default preemption mode for single sequences)."""
     watermark: float = 0.01
     """Share of the KV capacity a new prompt must leave free (vLLM's default watermark)."""
+    max_seq_len_to_capture: int = 8192
+    """vLLM v0.5.1 replays a decode-only step from a captured CUDA graph only while every
+    running sequence's context is at most this many tokens (its default); a longer one runs
+    the step eagerly, which costs `chunk_overhead_s` more, the same eager launch cost a mixed
+    step pays. 0 = every decode step runs from a graph."""
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
@@ -49,10 +56,13 @@ class VllmConfig:
                 f"{self.max_num_batched_tokens}, {self.max_num_seqs}")
         if self.chunk_overhead_s < 0:
             raise ConfigError(f"chunk_overhead_s must be >= 0, got {self.chunk_overhead_s}")
+        if self.max_seq_len_to_capture < 0:
+            raise ConfigError(f"max_seq_len_to_capture must be >= 0, got "
+                              f"{self.max_seq_len_to_capture}")
         if not 0 <= self.watermark < 1:
             raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
 
     @classmethod
     def off(cls) -> VllmConfig:
         return cls(batch_prefills=False, chunk_overhead_s=0.0, shared_vram_cache=False,
-                   preempt_recompute=False)
+                   preempt_recompute=False, max_seq_len_to_capture=0)

@@ -59,6 +59,15 @@ class DecodeCalibration:
     tbt_ms: dict[str, float] = field(default_factory=dict)
     """Simulated p10/p50/p90 of the per-request TBT, beside `paper_tbt_ms` (when published)."""
     paper_tbt_ms: dict[str, float] = field(default_factory=dict)
+    seq_factor: float | None = None
+    """Multiplier of the per-sequence decode term (None: `decode_factor`, a one-factor fit)."""
+    curves: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """A joint fit's record per figure (trace, share_rms_pp, share_at_ms, tbt_ms and the
+    paper's); the fields above then hold the first figure's."""
+    neighbourhood: list[dict[str, float]] = field(default_factory=list)
+    """A joint fit's terms that fit every curve within the tolerance of the best point
+    (decode_factor, seq_factor, decode_join_s and each figure's share RMS): the set over
+    which the experiments report their band."""
 
 
 @dataclass(frozen=True)
