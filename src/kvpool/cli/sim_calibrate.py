@@ -42,6 +42,12 @@ def add_calibrate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--synthetic-trace", type=Path, default=None,
                    help="with --joint: the synthetic trace (default: synthetic_trace.jsonl "
                         "beside the conversation trace's directory, ../shared/data/traces/)")
+    p.add_argument("--grid-factors", type=float, nargs="+", default=None, metavar="F",
+                   help="with --joint: decode_factor values (default 0.8 0.9 ... 1.4)")
+    p.add_argument("--grid-seq-factors", type=float, nargs="+", default=None, metavar="S",
+                   help="with --joint: seq_factor values (default 6 8 ... 20)")
+    p.add_argument("--grid-joins-ms", type=float, nargs="+", default=None, metavar="MS",
+                   help="with --joint: decode_join_s values in ms (default 0 5 10 20)")
     p.add_argument("--tolerance-pp", type=float, default=1.0,
                    help="with --joint: share RMS above the best point's that still counts as a "
                         "fit (points, default 1)")

@@ -18,8 +18,11 @@ def calibrate_joint(args: argparse.Namespace) -> int:
     from kvpool.engine.emulated.profile import load_profile, write_profile
     from kvpool.sim.calibrate import load_curves
     from kvpool.sim.joint import (
+        FACTORS,
+        JOINS_S,
         JOINT_FIGURES,
         JOINT_TRACES,
+        SEQ_FACTORS,
         Workload,
         grid,
         joint_fit,
@@ -36,7 +39,9 @@ def calibrate_joint(args: argparse.Namespace) -> int:
         workloads = [Workload(curves[fig], paths[fig].name, load_trace(paths[fig], args.limit))
                      for fig in JOINT_FIGURES]
         base = load_profile(args.base_profile)
-        points = joint_fit(workloads, base, grid(), jobs=args.jobs,
+        terms = grid(args.grid_factors or FACTORS, args.grid_seq_factors or SEQ_FACTORS,
+                     [ms / 1000 for ms in args.grid_joins_ms] if args.grid_joins_ms else JOINS_S)
+        points = joint_fit(workloads, base, terms, jobs=args.jobs,
                            on_point=lambda p: print(
                                f"  f={p.terms.decode_factor:.3g} s={p.terms.seq_factor:.3g} "
                                f"J={p.terms.decode_join_s * 1000:.3g} ms loss={p.loss:.1f} "
