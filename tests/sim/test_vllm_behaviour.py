@@ -85,13 +85,13 @@ def test_a_decode_step_runs_eagerly_above_the_captured_context(tmp_path: Path) -
     # when it starts (8190, 8191, 8192, 8193 tokens): the first three replay the graph (10 ms),
     # the last runs eagerly (10 ms + the 50 ms eager cost)
     reqs = trace_of(tmp_path, [(0.0, 8190, 5, [1])])
-    cfg = ColocatedConfig(num_instances=1, vllm=VllmConfig(chunk_overhead_s=0.05))
+    cfg = ColocatedConfig(num_instances=1, vllm=VllmConfig(eager_decode_s=0.05))
     (a,) = ColocatedSim(SIMPLE_COST, cfg).run(reqs).records
     assert a.ttft_s == pytest.approx(8.19)
     assert a.finish_s == pytest.approx(8.19 + 3 * 0.01 + 0.06)
     assert a.tbt_s == pytest.approx(0.06)  # the longest of its 4 gaps
     off = ColocatedConfig(num_instances=1,
-                          vllm=VllmConfig(chunk_overhead_s=0.05, max_seq_len_to_capture=0))
+                          vllm=VllmConfig(eager_decode_s=0.05, max_seq_len_to_capture=0))
     (b,) = ColocatedSim(SIMPLE_COST, off).run(reqs).records
     assert b.finish_s == pytest.approx(8.19 + 4 * 0.01)
 
@@ -123,7 +123,8 @@ def test_off_turns_every_behaviour_off() -> None:
 
 @pytest.mark.parametrize("kwargs", [{"max_num_batched_tokens": 0}, {"max_num_seqs": 0},
                                     {"chunk_overhead_s": -0.1},
-                                    {"max_seq_len_to_capture": -1}])
+                                    {"max_seq_len_to_capture": -1},
+                                    {"eager_decode_s": -0.1}])
 def test_bad_settings_are_refused(kwargs: dict[str, float]) -> None:
     with pytest.raises(ConfigError):
         VllmConfig(**kwargs)  # type: ignore[arg-type]

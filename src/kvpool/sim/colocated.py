@@ -14,7 +14,7 @@ marked with a `VllmConfig` field can be switched off):
   add their per-sequence and per-token terms; every step that carries a chunk also pays
   `chunk_overhead_s` (it runs eagerly);
 - decode-only steps replay a CUDA graph while every context is within
-  `max_seq_len_to_capture` (8192) and run eagerly, paying `chunk_overhead_s`, above it;
+  `max_seq_len_to_capture` (8192) and run eagerly, paying `eager_decode_s`, above it;
 - prefix caching: the instance's own GPU cache (LRU) lets a prompt skip its cached leading
   blocks. Cached blocks live in the VRAM that running requests leave free
   (`shared_vram_cache`). There is no cache sharing between instances;
@@ -199,12 +199,12 @@ class ColocatedEngine(BatchEngine):
                    for s in self.running.values())
 
     def _decode_step_s(self) -> float:
-        """A decode-only step, eager (paying `chunk_overhead_s`) once a running context
+        """A decode-only step, eager (paying `eager_decode_s`) once a running context
         exceeds `max_seq_len_to_capture`."""
         step = super()._decode_step_s()
         graph_max = self.vllm.max_seq_len_to_capture
         if graph_max and self._longest_context() > graph_max:
-            step += self.vllm.chunk_overhead_s
+            step += self.vllm.eager_decode_s
         return step
 
     def _preempt(self, sr: SimRequest, now: float) -> None:
