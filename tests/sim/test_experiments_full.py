@@ -18,7 +18,8 @@ pytestmark = pytest.mark.slow
 
 def rows(name: str) -> list[dict[str, Any]]:
     assert default_profile(name) == SIM_PROFILE
-    return EXPERIMENTS[name](ExperimentOptions(progress=False)).rows
+    # the claims are about the best fit; the band is tested on a slice (test_cli)
+    return EXPERIMENTS[name](ExperimentOptions(progress=False, band=False)).rows
 
 
 def pick(table: list[dict[str, Any]], **match: Any) -> dict[str, Any]:
@@ -44,7 +45,7 @@ def test_capacity_mooncake_beats_every_baseline_most_at_100ms() -> None:
     assert ratios["vllm_prefix"] < ratios["vllm"] and min(ratios.values()) == 1.0
     assert ratios["vllm_chunked"] == pytest.approx(1.90, abs=0.02)
     for name in ("vllm", "vllm_prefix", "vllm_chunked"):  # VRAM never binds at this rate
-        assert table[name]["preemptions"] == 0 and table[name]["peak_kv_share"] < 0.5
+        assert table[name]["preemptions"] == 0 and table[name]["peak_kv_share"] < 0.75
 
 
 def test_overload_policies_part_under_load() -> None:
@@ -60,11 +61,13 @@ def test_overload_policies_part_under_load() -> None:
     assert len(set(matched)) == 1  # decode never binds at 10x / 5x the lone request
 
 
+@pytest.mark.timeout(600)  # 23 full-trace runs
 def test_capacity_ablation_the_chunk_overhead_and_a_slower_decode_matter() -> None:
     table = rows("capacity-ablation")
     on = pick(table, system="vllm_chunked", setting="all on")
     no_overhead = pick(table, system="vllm_chunked", setting="without chunk_overhead_s")
-    assert no_overhead["effective_200ms"] > on["effective_200ms"] + 10
+    assert no_overhead["effective_100ms"] > on["effective_100ms"] + 20
+    assert no_overhead["effective_200ms"] > on["effective_200ms"] + 5
     for system in ("vllm", "vllm_prefix", "vllm_chunked"):
         same = pick(table, system=system, setting="without preempt_recompute")
         assert same == pick(table, system=system, setting="all on") | {
