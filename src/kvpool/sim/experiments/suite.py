@@ -34,6 +34,9 @@ ABSOLUTE_FLOOR = 2.5
 to about a point; 25% of it would ask for a precision the figure does not have)."""
 
 Runner = Callable[[ExperimentOptions], ExperimentResult]
+LABEL_FIELDS = ("trace", "point", "speed", "admission", "system", "policy", "split", "setting",
+                "workload", "input_len", "bandwidth_gbps", "capacity_blocks")
+"""Row fields that name a row in the verdict table, in this order, where present."""
 
 
 def verdict(ours: float, paper: float, band: tuple[float, float] | None = None,
@@ -62,8 +65,7 @@ def comparisons(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     """Every (kvpool, paper) pair of figures in `rows`, with its verdict."""
     out: list[dict[str, Any]] = []
     for row in rows:
-        label = " ".join(str(row[k]) for k in ("trace", "system", "policy", "split", "setting",
-                                               "dataset", "prompt_tokens") if k in row)
+        label = " ".join(str(row[k]) for k in LABEL_FIELDS if row.get(k) is not None)
         for field, paper in row.items():
             if not field.startswith("paper_"):
                 continue
