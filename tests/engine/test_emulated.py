@@ -220,3 +220,28 @@ def test_finish_reason_of_tokens_already_produced() -> None:
                                              stop_token_ids=(9,)), [9, 9]) is None
     assert e.finish_reason_of(SamplingParams(max_tokens=3, min_tokens=2,
                                              stop_token_ids=(9,)), [9, 9, 9]) == "stop"
+
+
+def test_a_pushed_request_pays_the_join_cost_once_as_the_simulator_does(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    from kvpool.sim.disagg import DisaggConfig
+    from kvpool.sim.systems import run_disagg
+    from tests.sim.conftest import SIMPLE_COST, trace_of
+
+    cost = replace(SIMPLE_COST, decode_join_s=0.005)
+    cfg = EngineConfig(block_size=16, num_blocks=64, max_prefill_chunk=64, max_model_len=1024)
+    e = EmulatedEngine(replace(PROFILE, cost=cost), cfg, ordinary_vocab(512), root_hash=12345,
+                       clock=VirtualClock())
+    blocks = e.reserve_blocks(37)
+    assert blocks is not None
+    e.start_pushed("r", PROMPTS[1], 5, SamplingParams(max_tokens=3, ignore_eos=True), blocks)
+    while e.scheduler.has_work:
+        e.step()
+    # the first token came with the KV; two decode steps here: 10 ms + the 5 ms join, 10 ms
+    assert e.emulated_s == pytest.approx(0.025)
+    # the simulator, same terms: 37-token prefill (37 ms), then the same two steps
+    reqs = trace_of(tmp_path, [(0.0, 37, 3, [1])])
+    (rec,) = run_disagg(reqs, cost, DisaggConfig(num_prefill=1, num_decode=1),
+                        admission="none").records
+    assert rec.finish_s - rec.first_token_s == pytest.approx(0.025)

@@ -9,6 +9,7 @@ import pytest
 
 from kvpool.engine.emulated.profile import load_profile
 from kvpool.sim.experiments import EXPERIMENTS, ExperimentOptions, default_profile
+from kvpool.sim.vllm import EAGER_DECODE_S
 
 pytestmark = pytest.mark.slow
 
@@ -32,9 +33,12 @@ def test_long_context_mooncake_wins_most_on_short_prompts() -> None:
     at16 = best_mooncake(table, "input_len", 16_384)
     assert at16["max_rps"] > 3 * max_rps(table, "input_len", 16_384, "vllm_4m")
     assert best_mooncake(table, "input_len", 65_536)["gain_pct"] < at16["gain_pct"]
-    # one request at a time: vLLM's TBT is its lone step, a fifth of the limit
-    assert all(r["p90_tbt_norm"] == pytest.approx(0.2, abs=0.01)
-               for r in table if r["system"] == "vllm_4m")
+    # one request at a time: vLLM's TBT is its lone step, run eagerly (over 8,192 tokens of
+    # context), against a limit of 5x the lone step from a graph
+    cost = load_profile(default_profile("long-context")).cost
+    for r in (r for r in table if r["system"] == "vllm_4m"):
+        step = cost.decode_step_s(1, r["input_len"])
+        assert r["p90_tbt_norm"] == pytest.approx((step + EAGER_DECODE_S) / (5 * step), abs=0.01)
     # [A] Fig.12: vLLM-[4M] manages ~0.2 RPS up to 64k; [3P+1D] is the better split
     assert 0.15 < max_rps(table, "input_len", 16_384, "vllm_4m") < 0.25
     assert all(r["system"] == "mooncake_3p1d" for r in table if r.get("best") == "yes")

@@ -113,3 +113,17 @@ def test_fit_then_simulate_with_the_fitted_model(tmp_path: Path,
     assert main(["sim", "run", "--trace", str(trace), "--cost", str(tmp_path / "bad.json"),
                  "--no-progress"]) == 2
     assert "unknown CostModel fields" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_all_writes_one_report_with_a_verdict_per_paper_figure(tmp_path: Path) -> None:
+    trace = small_trace(tmp_path)
+    rc = main(["sim", "experiment", "all", "--trace", str(trace), "--limit", "40",
+               "--no-progress", "--out", str(tmp_path / "all")])
+    assert rc == 0
+    report = (tmp_path / "all" / "report.md").read_text()
+    for name in EXPERIMENTS:
+        assert f"## {name}\n" in report
+    assert "| verdict |" in report and "Verdicts: " in report
+    assert (tmp_path / "all" / "capacity" / "capacity.png").is_file()
+    assert "band over 11 fits" in report  # capacity's gains over the neighbourhood

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.slow
 
 def rows(name: str) -> list[dict[str, Any]]:
     assert default_profile(name) == SIM_PROFILE
-    return EXPERIMENTS[name](ExperimentOptions(progress=False)).rows
+    # the claims are about the best fit; the band is tested on a slice (test_cli)
+    return EXPERIMENTS[name](ExperimentOptions(progress=False, band=False)).rows
 
 
 def pick(table: list[dict[str, Any]], **match: Any) -> dict[str, Any]:
@@ -44,27 +45,30 @@ def test_capacity_mooncake_beats_every_baseline_most_at_100ms() -> None:
     assert ratios["vllm_prefix"] < ratios["vllm"] and min(ratios.values()) == 1.0
     assert ratios["vllm_chunked"] == pytest.approx(1.90, abs=0.02)
     for name in ("vllm", "vllm_prefix", "vllm_chunked"):  # VRAM never binds at this rate
-        assert table[name]["preemptions"] == 0 and table[name]["peak_kv_share"] < 0.5
+        assert table[name]["preemptions"] == 0 and table[name]["peak_kv_share"] < 0.75
 
 
 def test_overload_policies_part_under_load() -> None:
     table = rows("overload")
     at = {(r["point"], r["speed"], r["admission"]): r for r in table}
-    assert all(at[("sweep", 1.0, a)]["rejected"] == 0 for a in ADMISSIONS)
+    assert all(at[("sweep", 1.0, a)]["rejected"] <= 10 for a in ADMISSIONS)
     none, early, predicted = (at[("sweep", 2.0, a)] for a in ADMISSIONS)
-    assert predicted["rejected"] < none["rejected"]  # the paper's -14.2%
-    assert early["rejected"] != none["rejected"]
+    # [A] Table 3 at 2x: 4183 > 3771 > 3589; the fitted decode saturates near the paper's load
+    assert predicted["rejected"] < early["rejected"] < none["rejected"]
+    assert abs(none["rejected"] - 4183) < 0.1 * 4183
     assert none["rejected_decode"] > 0 and none["wasted_prefill_s"] > 0
     assert early["wasted_prefill_s"] == predicted["wasted_prefill_s"] == 0
     matched = [at[("matched", 2.043, a)]["rejected"] for a in ADMISSIONS]
-    assert len(set(matched)) == 1  # decode never binds at 10x / 5x the lone request
+    assert matched == sorted(matched, reverse=True)
 
 
+@pytest.mark.timeout(600)  # 23 full-trace runs
 def test_capacity_ablation_the_chunk_overhead_and_a_slower_decode_matter() -> None:
     table = rows("capacity-ablation")
     on = pick(table, system="vllm_chunked", setting="all on")
     no_overhead = pick(table, system="vllm_chunked", setting="without chunk_overhead_s")
-    assert no_overhead["effective_200ms"] > on["effective_200ms"] + 10
+    assert no_overhead["effective_100ms"] > on["effective_100ms"] + 20
+    assert no_overhead["effective_200ms"] > on["effective_200ms"] + 5
     for system in ("vllm", "vllm_prefix", "vllm_chunked"):
         same = pick(table, system=system, setting="without preempt_recompute")
         assert same == pick(table, system=system, setting="all on") | {
@@ -106,5 +110,8 @@ def test_bandwidth_ttft_falls_with_bandwidth() -> None:
 
 def test_pd_ratio_ttft_falls_and_tbt_rises_with_prefill_share() -> None:
     table = rows("pd-ratio")
-    assert [r["mean_ttft_s"] for r in table] == sorted(r["mean_ttft_s"] for r in table)[::-1]
+    ttft = [r["mean_ttft_s"] for r in table]
+    # TTFT falls with every prefill node added up to 10P6D; at 11P5D the five decode nodes
+    # saturate (the fitted per-sequence term) and admission holds prefills back: it flattens
+    assert ttft[:-1] == sorted(ttft[:-1], reverse=True) and ttft[-1] < ttft[0] / 4
     assert [r["mean_tbt_ms"] for r in table] == sorted(r["mean_tbt_ms"] for r in table)

@@ -43,6 +43,16 @@ def test_impossible_inputs_are_refused() -> None:
         regime.trace_load(REQS[:1], SIMPLE_COST)
     with pytest.raises(InvalidArgument):
         regime.trace_load([REQS[0], replace(REQS[1], arrival_s=0.0)], SIMPLE_COST)
+
+
+
+def test_an_unsustainable_rate_runs_at_the_batch_that_fills_the_vram() -> None:
     load = regime.trace_load(REQS, COST)
-    with pytest.raises(InvalidArgument):  # 2000 tok/s at 1 ms per sequence: never sustainable
-        regime.decode_horizon_s(load, COST, 1, 1000.0)
+    # 3000 tok/s at 1 ms per sequence: no batch sustains it; the queue grows until the VRAM
+    # (10,000 tokens here) holds as many requests as fit at their mean context + half output
+    full = 10_000 / (load.mean_context + 16 / 2)
+    assert regime.decode_horizon_s(load, COST, 1, 1000.0, kv_capacity_tokens=10_000) == (
+        pytest.approx(16 * (0.01 + 0.001 * full)))
+    # a sustainable rate whose batch would not fit is capped the same way
+    assert regime.decode_horizon_s(load, COST, 1, 1.0, kv_capacity_tokens=1) == pytest.approx(
+        16 * (0.01 + 0.001 * 1 / (load.mean_context + 8)))

@@ -50,12 +50,50 @@ def test_chunks_pay_the_step_overhead_and_fill_the_budget(tmp_path: Path) -> Non
                           vllm=VllmConfig(chunk_overhead_s=0.05))
     res = ColocatedSim(SIMPLE_COST, cfg).run(reqs)
     # steps: a400 (0.45), a400 (0.45), a200+b200 (0.45) -> a's first token 1.35;
-    # b100 + a's decode (0.1 + 0.05 + 0.01) -> 1.51; then one decode step for both
-    assert [r.ttft_s for r in res.records] == pytest.approx([1.35, 1.51])
-    assert [r.finish_s for r in res.records] == pytest.approx([1.52, 1.52])
-    assert [r.tbt_s for r in res.records] == pytest.approx([0.16, 0.01])
+    # b100 + a's decode in one pass: max(0.1, 0.01 fixed) + 0.05 -> 1.50 (the decode step's
+    # fixed 10 ms hides under the chunk's compute); then one decode step for both
+    assert [r.ttft_s for r in res.records] == pytest.approx([1.35, 1.50])
+    assert [r.finish_s for r in res.records] == pytest.approx([1.51, 1.51])
+    assert [r.tbt_s for r in res.records] == pytest.approx([0.15, 0.01])
     # the overhead of a shared step is split by tokens
     assert [r.prefill_gpu_s for r in res.records] == pytest.approx([1.125, 0.375])
+
+
+def test_a_mixed_step_pays_the_decodes_per_sequence_and_per_token_terms(tmp_path: Path) -> None:
+    cost = replace(SIMPLE_COST, decode_base_s=0.2, decode_per_seq_s=0.003,
+                   decode_per_token_s=1e-5)
+    cfg = ColocatedConfig(num_instances=1, engine=EngineConfig(chunk_tokens=400),
+                          vllm=VllmConfig(chunk_overhead_s=0.05))
+    # a's prompt alone: 0.1 + 0.05 -> 0.15. b's 300-token chunk then rides with a's decode in
+    # one pass: the chunk's 0.3 s of compute hides the decode's fixed 0.2 s, the decode adds
+    # 0.003 (one sequence) + 1e-5 x 100 (a's context) and the step pays 0.05 -> 0.504
+    reqs = trace_of(tmp_path, [(0.0, 100, 3, [1]), (0.0, 300, 2, [2])])
+    a, b = ColocatedSim(cost, cfg).run(reqs).records
+    assert [r.ttft_s for r in (a, b)] == pytest.approx([0.15, 0.504])
+    # then a decode-only step for both: 0.2 + 2 x 0.003 + 1e-5 x (101 + 300)
+    assert [r.finish_s for r in (a, b)] == pytest.approx([0.504 + 0.21001] * 2)
+    # a 150-token chunk computes in less than the fixed 0.2 s, which then sets the pass:
+    # a 0.15; a's decode-only step 0.2 + 0.003 + 0.001 -> 0.354 (b arrives at 0.3 meanwhile);
+    # b's chunk with a's decode: max(0.15, 0.2) + 0.003 + 1e-5 x 101 + 0.05 -> 0.60801
+    reqs = trace_of(tmp_path, [(0.0, 100, 3, [1]), (0.3, 150, 2, [2])])
+    a, b = ColocatedSim(cost, cfg).run(reqs).records
+    assert [r.ttft_s for r in (a, b)] == pytest.approx([0.15, 0.60801 - 0.3])
+
+
+def test_a_decode_step_runs_eagerly_above_the_captured_context(tmp_path: Path) -> None:
+    # a: a 8190-token prompt, 4 decode steps after its first token; a step reads the KV held
+    # when it starts (8190, 8191, 8192, 8193 tokens): the first three replay the graph (10 ms),
+    # the last runs eagerly (10 ms + the 50 ms eager cost)
+    reqs = trace_of(tmp_path, [(0.0, 8190, 5, [1])])
+    cfg = ColocatedConfig(num_instances=1, vllm=VllmConfig(eager_decode_s=0.05))
+    (a,) = ColocatedSim(SIMPLE_COST, cfg).run(reqs).records
+    assert a.ttft_s == pytest.approx(8.19)
+    assert a.finish_s == pytest.approx(8.19 + 3 * 0.01 + 0.06)
+    assert a.tbt_s == pytest.approx(0.06)  # the longest of its 4 gaps
+    off = ColocatedConfig(num_instances=1,
+                          vllm=VllmConfig(eager_decode_s=0.05, max_seq_len_to_capture=0))
+    (b,) = ColocatedSim(SIMPLE_COST, off).run(reqs).records
+    assert b.finish_s == pytest.approx(8.19 + 4 * 0.01)
 
 
 def _prefix_run(tmp_path: Path, shared: bool) -> list[float | None]:
@@ -84,7 +122,9 @@ def test_off_turns_every_behaviour_off() -> None:
 
 
 @pytest.mark.parametrize("kwargs", [{"max_num_batched_tokens": 0}, {"max_num_seqs": 0},
-                                    {"chunk_overhead_s": -0.1}])
+                                    {"chunk_overhead_s": -0.1},
+                                    {"max_seq_len_to_capture": -1},
+                                    {"eager_decode_s": -0.1}])
 def test_bad_settings_are_refused(kwargs: dict[str, float]) -> None:
     with pytest.raises(ConfigError):
         VllmConfig(**kwargs)  # type: ignore[arg-type]

@@ -38,6 +38,8 @@ from kvpool.serve.launch import EMULATED_MAX_MODEL_LEN
 from kvpool.sim.record import top_share_mean
 from kvpool.sim.trace import TraceRequest, load_trace
 from kvpool.sim.trace import speed_up as compress_arrivals
+from kvpool.sim.window import describe as describe_window
+from kvpool.sim.window import representative_window
 
 TTFT_SLO_S = 30.0
 TBT_SLOS_S = (0.1, 0.2, 0.3)
@@ -369,10 +371,14 @@ COMPARED = ("ttft_mean_ms", "ttft_p50_ms", "ttft_p90_ms", "tbt_p50_ms", "tbt_p90
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("--engine emulated")
-    g.add_argument("--profile", default="llama70b-8xa800", help="accelerator profile")
+    g.add_argument("--profile", default="llama70b-8xa800-joint",
+                   help="accelerator profile (default: the simulator's, fitted on Mooncake's "
+                        "curves by `kvpool sim calibrate --joint`)")
     g.add_argument("--kv-scale", type=float, default=1 / 1024,
                    help="share of the profile's KV bytes written and moved (default 1/1024)")
-    g.add_argument("--window-start", type=float, default=0.0, help="trace seconds skipped")
+    g.add_argument("--window-start", type=float, default=None,
+                   help="trace seconds skipped (default: the start of the window whose load is "
+                        "most like the whole trace's, kvpool.sim.window)")
     g.add_argument("--window", type=float, default=50.0,
                    help="trace seconds replayed (default 50; --full: the whole hour)")
     g.add_argument("--full", action="store_true", help="replay the whole trace")
@@ -425,6 +431,11 @@ def run_emulated(args: argparse.Namespace) -> int:
 
     profile = load_profile(args.profile)
     trace = load_trace(args.trace)
+    if args.window_start is None:
+        picked = representative_window(trace, args.window)
+        args.window_start = 0.0 if args.full else picked.start_s
+        if not args.json and not args.full:
+            print(f"representative {describe_window(picked)}", flush=True)
     reqs = window(trace, args.window_start, None if args.full else args.window)
     specs = default_runs(args.prefill, args.decode, args.colocated, args.overload)
     if args.runs:

@@ -36,6 +36,21 @@ def add_calibrate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, default=None,
                    help="write the profile here (default: out/NAME.json)")
     p.add_argument("--json", action="store_true", help="print every grid point as JSON")
+    p.add_argument("--joint", action="store_true",
+                   help="fit one set of terms on Fig.1 (conversation) and Fig.7 (synthetic) "
+                        "at once, with the neighbourhood the experiments' bands run over")
+    p.add_argument("--synthetic-trace", type=Path, default=None,
+                   help="with --joint: the synthetic trace (default: synthetic_trace.jsonl "
+                        "beside the conversation trace's directory, ../shared/data/traces/)")
+    p.add_argument("--grid-factors", type=float, nargs="+", default=None, metavar="F",
+                   help="with --joint: decode_factor values (default 0.8 0.9 ... 1.4)")
+    p.add_argument("--grid-seq-factors", type=float, nargs="+", default=None, metavar="S",
+                   help="with --joint: seq_factor values (default 6 8 ... 20)")
+    p.add_argument("--grid-joins-ms", type=float, nargs="+", default=None, metavar="MS",
+                   help="with --joint: decode_join_s values in ms (default 0 5 10 20)")
+    p.add_argument("--tolerance-pp", type=float, default=1.0,
+                   help="with --joint: share RMS above the best point's that still counts as a "
+                        "fit (points, default 1)")
     p.set_defaults(func=_calibrate)
 
 
@@ -45,6 +60,10 @@ def _steps(lo: float, hi: float, step: float) -> tuple[float, ...]:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
+    if args.joint:
+        from kvpool.cli.sim_calibrate_joint import calibrate_joint
+
+        return calibrate_joint(args)
     from kvpool.engine.emulated.profile import load_profile, write_profile
     from kvpool.sim.calibrate import calibrated_profile, curve_for, fit, load_curves
     from kvpool.sim.trace import default_trace_path, load_trace

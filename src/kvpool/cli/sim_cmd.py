@@ -32,8 +32,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--profile", default=None,
                    help="accelerator profile, a shipped name or a file (default: "
-                        "llama70b-8xa800-conversation, fitted by `kvpool sim calibrate`; "
-                        "llama70b-8xa800 for the arXiv report's experiments)")
+                        "llama70b-8xa800-joint, fitted by `kvpool sim calibrate --joint`)")
     p.add_argument("--cost", type=Path, default=None,
                    help="cost model JSON (from `kvpool sim fit`) replacing the profile's")
 
@@ -42,10 +41,14 @@ def _add_experiment(sub: argparse._SubParsersAction) -> None:
     from kvpool.sim.experiments import EXPERIMENTS
 
     p = sub.add_parser("experiment", help="reproduce one of the papers' experiments")
-    p.add_argument("name", choices=sorted(EXPERIMENTS), metavar="NAME",
-                   help=", ".join(sorted(EXPERIMENTS)))
+    p.add_argument("name", choices=[*sorted(EXPERIMENTS), "all"], metavar="NAME",
+                   help=", ".join(sorted(EXPERIMENTS)) + "; all: every one, and a markdown "
+                        "report beside the papers (OUT/report.md)")
     _common(p)
     p.add_argument("--out", type=Path, default=Path("out"), help="directory for the PNG plot")
+    p.add_argument("--no-band", action="store_true",
+                   help="run on the best fit only, not on every fit of the calibration's "
+                        "neighbourhood")
     p.set_defaults(func=_experiment)
 
 
@@ -54,8 +57,12 @@ def _experiment(args: argparse.Namespace) -> int:
     from kvpool.sim.report import print_result
 
     try:
+        name = "capacity" if args.name == "all" else args.name
         opts = ExperimentOptions(args.trace, args.limit, args.out, not args.no_progress,
-                                 args.speed, _profile(args, default_profile(args.name)))
+                                 args.speed, _profile(args, default_profile(name)),
+                                 band=not args.no_band)
+        if args.name == "all":
+            return _all(args, opts)
         result = EXPERIMENTS[args.name](opts)
     except KvpoolError as exc:
         print(f"kvpool sim: {exc}", file=sys.stderr)
@@ -64,6 +71,21 @@ def _experiment(args: argparse.Namespace) -> int:
     if result.plot is not None:
         path = result.plot(args.out)
         print(f"plot: {path}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def _all(args: argparse.Namespace, opts: object) -> int:
+    from kvpool.engine.emulated.profile import load_profile
+    from kvpool.sim.experiments import EXPERIMENTS, ExperimentOptions, default_profile
+    from kvpool.sim.experiments.suite import run_all
+
+    assert isinstance(opts, ExperimentOptions)
+    named = args.profile is not None or args.cost is not None
+    path = run_all(EXPERIMENTS, opts,
+                   (lambda _: opts.profile) if named
+                   else (lambda name: load_profile(default_profile(name))),
+                   log=lambda line: print(line, file=sys.stderr))
+    print(f"report: {path}")
     return 0
 
 

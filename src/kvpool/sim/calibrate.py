@@ -97,23 +97,27 @@ def curve_for(trace: Path | None, figure: str | None = None,
     return curves[key]
 
 
-def scale_decode(cost: CostModel, factor: float) -> CostModel:
-    """`cost` with its three decode-step terms times `factor` (to 6 significant digits)."""
-    def scaled(value: float) -> float:
-        return float(f"{value * factor:.6g}")
+def scale_decode(cost: CostModel, factor: float, seq_factor: float | None = None) -> CostModel:
+    """`cost` with its decode step's fixed and per-token terms times `factor` and its
+    per-sequence term times `seq_factor` (None = `factor`), to 6 significant digits."""
+    def scaled(value: float, by: float) -> float:
+        return float(f"{value * by:.6g}")
 
-    return replace(cost, decode_base_s=scaled(cost.decode_base_s),
-                   decode_per_seq_s=scaled(cost.decode_per_seq_s),
-                   decode_per_token_s=scaled(cost.decode_per_token_s))
+    seq = factor if seq_factor is None else seq_factor
+    return replace(cost, decode_base_s=scaled(cost.decode_base_s, factor),
+                   decode_per_seq_s=scaled(cost.decode_per_seq_s, seq),
+                   decode_per_token_s=scaled(cost.decode_per_token_s, factor))
 
 
-def with_decode_terms(base: EngineProfile, factor: float, join_s: float) -> EngineProfile:
-    """`base` with its decode step scaled by `factor` and a join cost of `join_s`."""
-    if factor <= 0 or join_s < 0:
-        raise InvalidArgument(f"need decode_factor > 0 and decode_join_s >= 0, got {factor}, "
-                              f"{join_s}")
-    return replace(base, cost=replace(scale_decode(base.cost, factor), decode_join_s=join_s),
-                   calibration=None)
+def with_decode_terms(base: EngineProfile, factor: float, join_s: float,
+                      seq_factor: float | None = None) -> EngineProfile:
+    """`base` with its decode step scaled by `factor` (its per-sequence term by `seq_factor`
+    when given) and a join cost of `join_s`."""
+    if factor <= 0 or join_s < 0 or (seq_factor is not None and seq_factor <= 0):
+        raise InvalidArgument(f"need decode_factor > 0, seq_factor > 0 and decode_join_s >= 0, "
+                              f"got {factor}, {seq_factor}, {join_s}")
+    cost = replace(scale_decode(base.cost, factor, seq_factor), decode_join_s=join_s)
+    return replace(base, cost=cost, calibration=None)
 
 
 def score(share: dict[str, float], tbt: dict[str, float],
@@ -129,11 +133,18 @@ def score(share: dict[str, float], tbt: dict[str, float],
 
 def evaluate(reqs: Sequence[TraceRequest], base: EngineProfile, curve: PaperCurve,
              factor: float, join_s: float) -> FitPoint:
-    res = run_mooncake(reqs, with_decode_terms(base, factor, join_s))
+    return evaluate_profile(reqs, with_decode_terms(base, factor, join_s), curve, factor)
+
+
+def evaluate_profile(reqs: Sequence[TraceRequest], profile: EngineProfile, curve: PaperCurve,
+                     factor: float) -> FitPoint:
+    """Mooncake's curve on `profile` (which carries the terms tried, `factor` among them)
+    against the paper's `curve`."""
+    res = run_mooncake(reqs, profile)
     share = res.share_at_ms([int(k) for k in curve.share_at_ms], TTFT_LIMIT_S)
     tbt = res.tbt_percentiles_ms()
     rms, loss = score(share, tbt, curve)
-    return FitPoint(factor, join_s, share, tbt, rms, loss)
+    return FitPoint(factor, profile.cost.decode_join_s, share, tbt, rms, loss)
 
 
 _REQS: Sequence[TraceRequest] = ()

@@ -9,8 +9,12 @@ marked with a `VllmConfig` field can be switched off):
   at a time: the next prompt waits until the running request has finished decoding);
 - chunked prefill: each step carries the running decodes plus up to `chunk_tokens` prompt
   tokens (minus one per running sequence), filled from the prompt in progress and then from
-  the next waiting ones (`batch_prefills`); every step that carries a chunk also pays
-  `chunk_overhead_s`;
+  the next waiting ones (`batch_prefills`); it is one forward pass, so the decode step's
+  fixed term (reading the weights) is paid once, under the chunk's compute, and the decodes
+  add their per-sequence and per-token terms; every step that carries a chunk also pays
+  `chunk_overhead_s` (it runs eagerly);
+- decode-only steps replay a CUDA graph while every context is within
+  `max_seq_len_to_capture` (8192) and run eagerly, paying `eager_decode_s`, above it;
 - prefix caching: the instance's own GPU cache (LRU) lets a prompt skip its cached leading
   blocks. Cached blocks live in the VRAM that running requests leave free
   (`shared_vram_cache`). There is no cache sharing between instances;
@@ -180,10 +184,28 @@ class ColocatedEngine(BatchEngine):
 
     def _decode_steps(self) -> int:
         steps = super()._decode_steps()
+        graph_max = self.vllm.max_seq_len_to_capture
+        longest = self._longest_context()
+        if graph_max and longest <= graph_max:
+            steps = min(steps, graph_max - longest + 1)  # the step after runs eagerly
         if not self.vllm.preempt_recompute:
             return steps
         free = self.config.kv_capacity_tokens - self._held()
         return max(1, min(steps, free // len(self.running)))
+
+    def _longest_context(self) -> int:
+        """Tokens of the longest running sequence's context (prompt and produced tokens)."""
+        return max(s.req.input_len + s.decoded + self.steps_done - s.join_step
+                   for s in self.running.values())
+
+    def _decode_step_s(self) -> float:
+        """A decode-only step, eager (paying `eager_decode_s`) once a running context
+        exceeds `max_seq_len_to_capture`."""
+        step = super()._decode_step_s()
+        graph_max = self.vllm.max_seq_len_to_capture
+        if graph_max and self._longest_context() > graph_max:
+            step += self.vllm.eager_decode_s
+        return step
 
     def _preempt(self, sr: SimRequest, now: float) -> None:
         """Drop `sr`'s KV; it is prefilled again (prompt + produced tokens) before any prompt."""
@@ -230,10 +252,14 @@ class ColocatedEngine(BatchEngine):
         total_tokens = sum(t for _, t in work) or 1
         for (sr, tokens), part in zip(work, parts, strict=True):
             sr.prefill_gpu_s += part + overhead * tokens / total_tokens
-        step = compute + overhead
-        if self.running:
-            step += self.cost.decode_step_s(len(self.running), self.context_tokens)
-        return step
+        if not self.running:
+            return compute + overhead
+        # one forward pass over the chunk's and the decodes' tokens: the weights are read
+        # once, so the decode step's fixed term hides under the chunk's compute; the decodes
+        # add their per-sequence work and their attention over their own KV
+        c = self.cost
+        decode = c.decode_step_s(len(self.running), self.context_tokens)
+        return max(compute, c.decode_base_s) + decode - c.decode_base_s + overhead
 
     def _compute_s(self, sr: SimRequest, tokens: int) -> float:
         start = sr.prefilled_tokens

@@ -205,7 +205,7 @@ class BatchEngine:
         elif self.running:
             self._make_room(now)
             self.busy = True
-            self._dt = self.cost.decode_step_s(len(self.running), self.context_tokens)
+            self._dt = self._decode_step_s()
             k = self._decode_steps()
             if self._joined and self.config.remote_kv and self.cost.decode_join_s:
                 self._dt, k = self._dt + self.cost.decode_join_s * self._joined, 1
@@ -218,6 +218,10 @@ class BatchEngine:
     def _decode_steps(self) -> int:
         """Decode steps until the batch next changes by itself (the first finish)."""
         return self._finish_heap[0][0] - self.steps_done
+
+    def _decode_step_s(self) -> float:
+        """Seconds of one decode-only step of the running batch."""
+        return self.cost.decode_step_s(len(self.running), self.context_tokens)
 
     # ---- prefill work and preemption (colocated baseline); overridden in colocated.py
     def _make_room(self, now: float) -> None:

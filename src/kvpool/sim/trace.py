@@ -42,9 +42,19 @@ def default_trace_path() -> Path:
     return checkout_trace_path()
 
 
-def checkout_trace_path() -> Path:
+def checkout_trace_path(name: str = TRACE_NAME) -> Path:
     root = Path(__file__).resolve().parents[3]
-    return (root / ".." / "shared" / "data" / "traces" / TRACE_NAME).resolve()
+    return (root / ".." / "shared" / "data" / "traces" / name).resolve()
+
+
+def named_trace_path(name: str) -> Path:
+    """The trace file `name` of the paper's workloads: the conversation trace as
+    `default_trace_path`; any other (synthetic_trace.jsonl) from `$KVPOOL_TRACE_DIR`, else
+    from `../shared/data/traces/` beside the project's root."""
+    if name == TRACE_NAME:
+        return default_trace_path()
+    env = os.environ.get("KVPOOL_TRACE_DIR")
+    return Path(env) / name if env else checkout_trace_path(name)
 
 
 def _parse(line: str, lineno: int, path: Path) -> tuple[float, int, int, tuple[int, ...]]:

@@ -1,7 +1,10 @@
 """Settings of the colocated baseline that model documented vLLM v0.5.1 behaviour.
 
 Each field is one behaviour, on by default; `VllmConfig.off()` turns them all off. The values
-are vLLM v0.5.1 defaults, except `chunk_overhead_s`, which is calibrated (docs/sim.md, 3).
+are vLLM v0.5.1 defaults, except `chunk_overhead_s`, which is calibrated (docs/sim.md, 3): the
+extra cost of a mixed step (it runs eagerly, with less efficient kernels), and
+`eager_decode_s`, derived from [A] Fig.12: what a decode-only step above
+`max_seq_len_to_capture` costs for running without a CUDA graph.
 """
 
 from __future__ import annotations
@@ -14,6 +17,13 @@ CHUNK_OVERHEAD_S = 0.0225
 """Extra seconds of every step that carries a prefill chunk. Calibrated (not derived) so that
 vLLM with chunked prefill spends 1.90x Mooncake's prefill GPU time per request on the
 conversation trace, as in [F] Fig.8; see docs/sim.md."""
+
+EAGER_DECODE_S = 0.008
+"""Extra seconds of a decode-only step run eagerly (a context over `max_seq_len_to_capture`)
+against one replayed from a CUDA graph. Derived from [A] Fig.12, the papers' one measurement
+of vLLM v0.5 decoding long contexts alone: vLLM-[4M] serves ~0.2 RPS of 16k prompts one at a
+time on 4 instances, 20 s a request; less the 2.11 s prefill, 511 steps of 35.0 ms, against
+the microbenchmark's 26.8 ms lone step at 16k ([F] Fig.14): 8 ms more."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +51,13 @@ class VllmConfig:
     a decode step finds no free slot (vLLM's default preemption mode for single sequences)."""
     watermark: float = 0.01
     """Share of the KV capacity a new prompt must leave free (vLLM's default watermark)."""
+    max_seq_len_to_capture: int = 8192
+    """vLLM v0.5.1 replays a decode-only step from a captured CUDA graph only while every
+    running sequence's context is at most this many tokens (its default); a longer one runs
+    the step eagerly, which costs `eager_decode_s` more. 0 = every decode step runs from a
+    graph."""
+    eager_decode_s: float = EAGER_DECODE_S
+    """Extra seconds of an eager decode-only step (see EAGER_DECODE_S)."""
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0:
@@ -49,10 +66,15 @@ class VllmConfig:
                 f"{self.max_num_batched_tokens}, {self.max_num_seqs}")
         if self.chunk_overhead_s < 0:
             raise ConfigError(f"chunk_overhead_s must be >= 0, got {self.chunk_overhead_s}")
+        if self.eager_decode_s < 0:
+            raise ConfigError(f"eager_decode_s must be >= 0, got {self.eager_decode_s}")
+        if self.max_seq_len_to_capture < 0:
+            raise ConfigError(f"max_seq_len_to_capture must be >= 0, got "
+                              f"{self.max_seq_len_to_capture}")
         if not 0 <= self.watermark < 1:
             raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
 
     @classmethod
     def off(cls) -> VllmConfig:
         return cls(batch_prefills=False, chunk_overhead_s=0.0, shared_vram_cache=False,
-                   preempt_recompute=False)
+                   preempt_recompute=False, max_seq_len_to_capture=0)

@@ -36,7 +36,7 @@ from kvpool.engine.emulated.profile import EngineProfile, PromptChunk
 from kvpool.engine.identity import KVShape, ModelIdentity, checkpoint_digest
 from kvpool.engine.model_files import read_json
 from kvpool.engine.scheduler import ScheduledBatch
-from kvpool.engine.sequence import Sampled, Sequence
+from kvpool.engine.sequence import KVSource, Sampled, Sequence
 from kvpool.errors import CheckpointError, ConfigError, InvalidArgument
 
 KV_FORMAT = 1
@@ -117,17 +117,20 @@ class EmulatedEngine(EngineCore):
     def step_s(self, batch: ScheduledBatch) -> float:
         """Profile seconds of `batch`."""
         chunks: list[PromptChunk] = []
-        num_decodes = context = 0
+        num_decodes = context = joins = 0
         for seq, n in batch:
             start = seq.num_computed_tokens
             if n == 1 and start == len(seq) - 1 and start >= seq.num_prompt_tokens:
                 num_decodes += 1
                 context += len(seq)
+                # its first decode here, with the prompt's KV from elsewhere: it joins
+                joins += seq.kv_source is not KVSource.COMPUTE and start == seq.num_prompt_tokens
             else:
                 reused = seq.num_cached_tokens + seq.num_pool_tokens
                 chunks.append(PromptChunk(start, n, first=start <= reused))
         whole = self.config.prefill_mode == "whole"
-        return self.profile.step_s(chunks, num_decodes, context, shared_base=whole)
+        return self.profile.step_s(chunks, num_decodes, context, shared_base=whole,
+                                   joins=joins)
 
     def step(self) -> list[StepOutput]:
         self._step_called_s = self.clock.now()

@@ -59,6 +59,15 @@ class DecodeCalibration:
     tbt_ms: dict[str, float] = field(default_factory=dict)
     """Simulated p10/p50/p90 of the per-request TBT, beside `paper_tbt_ms` (when published)."""
     paper_tbt_ms: dict[str, float] = field(default_factory=dict)
+    seq_factor: float | None = None
+    """Multiplier of the per-sequence decode term (None: `decode_factor`, a one-factor fit)."""
+    curves: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """A joint fit's record per figure (trace, share_rms_pp, share_at_ms, tbt_ms and the
+    paper's); the fields above then hold the first figure's."""
+    neighbourhood: list[dict[str, float]] = field(default_factory=list)
+    """A joint fit's terms that fit every curve within the tolerance of the best point
+    (decode_factor, seq_factor, decode_join_s and each figure's share RMS): the set over
+    which the experiments report their band."""
 
 
 @dataclass(frozen=True)
@@ -87,12 +96,14 @@ class EngineProfile:
                                   f"got {getattr(self, name)}")
 
     def step_s(self, chunks: list[PromptChunk], num_decodes: int, decode_context: int,
-               shared_base: bool = False) -> float:
+               shared_base: bool = False, joins: int = 0) -> float:
         """Seconds of one step: its prompt chunks (the fixed prefill cost once per prompt, at
         its first chunk, or once for the whole step with `shared_base`, as a batch of whole
         prompts pays it; a prompt's first chunk overlaps loading its prefix, as
         `CostModel.prefill_with_load_s`), plus the decode step of the running batch and the
-        mixing overhead when both share the step."""
+        mixing overhead when both share the step, plus `cost.decode_join_s` for each of the
+        `joins` decodes that join the batch with KV from elsewhere (the simulator's join cost,
+        sim/engine.py)."""
         c = self.cost
         prefill = c.prefill_base_s if shared_base and chunks else 0.0
         for ch in chunks:
@@ -105,7 +116,7 @@ class EngineProfile:
             prefill += compute
         if not num_decodes:
             return prefill
-        decode = c.decode_step_s(num_decodes, decode_context)
+        decode = c.decode_step_s(num_decodes, decode_context) + c.decode_join_s * joins
         return decode + (prefill + self.chunk_overhead_s if chunks else 0.0)
 
     def to_dict(self) -> dict[str, Any]:

@@ -32,10 +32,12 @@ EXPERIMENTS: dict[str, Callable[[ExperimentOptions], ExperimentResult]] = {
 
 BASE_PROFILE = "llama70b-8xa800"
 DEFAULT_PROFILES = {"long-context": BASE_PROFILE, "public-datasets": BASE_PROFILE}
-"""Experiments whose default profile is not SIM_PROFILE. A calibration belongs to its
-workload: every experiment that replays the conversation trace runs on its fit (SIM_PROFILE);
-the synthetic workloads of [A] 8.1 have no measurement of Mooncake's TBT to fit, so they run on
-the papers' microbenchmark costs (docs/sim.md, section 6)."""
+"""Experiments whose default profile is not SIM_PROFILE. The joint fit (Fig.1 + Fig.7) puts
+3-4 ms on every sequence of a decode step, which caps an instance near 260 tokens/s; [A]
+Fig.12's Mooncake-[3P+1D] sustains 1.25 RPS x 511 tokens = 640 tokens/s on one decode instance
+at 16k. [A]'s synthetic experiments contradict that term, so they keep the papers'
+microbenchmark costs (docs/sim.md, section 6); `--profile llama70b-8xa800-joint` runs them on
+the joint fit."""
 
 
 def default_profile(name: str) -> str:

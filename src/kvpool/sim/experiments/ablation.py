@@ -20,9 +20,11 @@ ON = VllmConfig()
 DECODE_SLOWER = (1.25, 1.5)
 """Factors on the baseline's decode step, beside Mooncake's (the profile's)."""
 SWITCHES: dict[str, tuple[str, ...]] = {
-    "vllm": ("batch_prefills", "preempt_recompute"),
-    "vllm_prefix": ("batch_prefills", "shared_vram_cache", "preempt_recompute"),
-    "vllm_chunked": ("batch_prefills", "chunk_overhead_s", "preempt_recompute"),
+    "vllm": ("batch_prefills", "preempt_recompute", "max_seq_len_to_capture"),
+    "vllm_prefix": ("batch_prefills", "shared_vram_cache", "preempt_recompute",
+                    "max_seq_len_to_capture"),
+    "vllm_chunked": ("batch_prefills", "chunk_overhead_s", "preempt_recompute",
+                     "max_seq_len_to_capture"),
 }
 
 
@@ -33,6 +35,8 @@ def _without(on: VllmConfig, switch: str) -> VllmConfig:
         return replace(on, batch_prefills=False)
     if switch == "preempt_recompute":
         return replace(on, preempt_recompute=False)
+    if switch == "max_seq_len_to_capture":
+        return replace(on, max_seq_len_to_capture=0)  # every decode step from a graph
     return replace(on, shared_vram_cache=False)
 
 

@@ -13,7 +13,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from kvpool.engine.emulated.profile import EngineProfile
 from kvpool.sim.calibrate import THRESHOLDS_MS, PaperCurve, curve_for
+from kvpool.sim.experiments.band import bands, describe
 from kvpool.sim.experiments.common import (
     ExperimentOptions,
     ExperimentResult,
@@ -23,6 +25,7 @@ from kvpool.sim.experiments.common import (
 )
 from kvpool.sim.metrics import SimResult
 from kvpool.sim.systems import SYSTEM_NAMES, TTFT_LIMIT_S, run_system
+from kvpool.sim.trace import TraceRequest, default_trace_path
 
 GAIN_THRESHOLDS_MS = (100, 200, 300)
 """[F] Thresholds I, II and III."""
@@ -46,9 +49,14 @@ def run(opts: ExperimentOptions) -> ExperimentResult:
         results[name], sim = run_system(name, reqs, opts.profile)
         if sim is not None:
             peak_kv[name] = (sim.peak_kv_share(), sim.num_preempted())
-    trace = opts.trace.name if opts.trace else "conversation_trace.jsonl"
+    trace = (opts.trace or default_trace_path()).name
     rows = [_row(name, res, results, peak_kv.get(name), curve, trace)
             for name, res in results.items()]
+    gain_band, fits = (bands(opts.profile, lambda p: _gains(reqs, p, {}))
+                       if opts.band else ({}, 0))
+    if gain_band:
+        rows[0]["gain_band_pct_at_ms"] = gain_band
+        rows[0]["band_fits"] = fits
     figure = curve.figure if curve else None
     return ExperimentResult(
         "capacity", f"Effective request capacity, 16 nodes, profile {opts.profile.name}: "
@@ -64,6 +72,23 @@ def run(opts: ExperimentOptions) -> ExperimentResult:
                "on [F] Fig.8's 1.90 (docs/sim.md)."],
         plot=lambda out: _plot(rows, curve, out),
         table_rows=_table(rows, curve))
+
+
+def _gains(reqs: list[TraceRequest], profile: EngineProfile,
+           baselines: dict[tuple[float, ...], dict[str, SimResult]]) -> dict[str, float | None]:
+    """Mooncake's gain over the best baseline at each threshold on `profile`. The baselines
+    do not pay the join cost, so their runs are kept in `baselines` by their decode terms."""
+    c = profile.cost
+    key = (c.decode_base_s, c.decode_per_seq_s, c.decode_per_token_s)
+    if key not in baselines:
+        baselines[key] = {name: run_system(name, reqs, profile)[0]
+                          for name in SYSTEM_NAMES if name != "mooncake"}
+    results = baselines[key]
+    moon = run_system("mooncake", reqs, profile)[0]
+    return {str(t): rnd(pct_change(moon.attainment(TTFT_LIMIT_S, t / 1000),
+                                   max(r.attainment(TTFT_LIMIT_S, t / 1000)
+                                       for r in results.values())), 1)
+            for t in GAIN_THRESHOLDS_MS}
 
 
 def _row(name: str, res: SimResult, results: dict[str, SimResult],
@@ -106,9 +131,12 @@ def _table(rows: list[dict[str, Any]], curve: PaperCurve | None) -> list[dict[st
     out = [_flat(r["system"], r["share_at_ms"], r["tbt_ms"], r.get("gain_pct_at_ms"),
                  mean_ttft_s=r["mean_ttft_s"], prefill_ratio=r["prefill_ratio"],
                  paper_prefill_ratio=r.get("paper_prefill_ratio")) for r in rows]
+    moon = rows[0]
+    if moon.get("gain_band_pct_at_ms"):
+        out.append({"system": f"band over {moon['band_fits']} fits",
+                    **{f"gain{k}": describe(b) for k, b in moon["gain_band_pct_at_ms"].items()}})
     if curve is None:
         return out
-    moon = rows[0]
     out.append(_flat("paper mooncake", curve.share_at_ms, curve.tbt_ms,
                      moon.get("paper_gain_pct_at_ms")))
     if curve.figure in PAPER_BEST_VLLM:

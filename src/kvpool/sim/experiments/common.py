@@ -18,9 +18,9 @@ from kvpool.sim.trace import TraceRequest, load_trace, speed_up
 
 T = TypeVar("T")
 
-SIM_PROFILE = "llama70b-8xa800-conversation"
+SIM_PROFILE = "llama70b-8xa800-joint"
 """The experiments' default profile: the papers' cost model with its decode terms fitted on
-Mooncake's Fig.1 curve (`kvpool sim calibrate`, docs/sim.md)."""
+Mooncake's Fig.1 and Fig.7 curves at once (`kvpool sim calibrate --joint`, docs/sim.md)."""
 NO_SLO_S = 1e9
 """A TTFT limit that never rejects: experiments that measure latency serve every request."""
 
@@ -37,6 +37,9 @@ class ExperimentOptions:
     """Replay speed-up; None = the experiment's own default."""
     profile: EngineProfile = field(default_factory=lambda: load_profile(SIM_PROFILE))
     """Cost model and engine terms of every run (`--profile`; `--cost` replaces its cost)."""
+    band: bool = True
+    """Rerun on every fit of the profile's calibration neighbourhood and report the range of
+    the results that depend on the decode cost (experiments/band.py; `--no-band`)."""
 
     @property
     def cost(self) -> CostModel:

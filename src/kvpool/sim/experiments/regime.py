@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from kvpool.conductor import CostModel
 from kvpool.errors import InvalidArgument
+from kvpool.sim.engine import EngineConfig
 from kvpool.sim.trace import TraceRequest
 
 PAPER_A_REQUESTS_PER_HOUR = 23_608
@@ -83,11 +84,13 @@ def _per_seq_s(cost: CostModel, context: float) -> float:
     return cost.decode_per_seq_s + cost.decode_per_token_s * context
 
 
-def decode_horizon_s(load: TraceLoad, cost: CostModel, num_decode: int, speed: float) -> float:
-    """t_d: mean output length times the step time at the batch the offered rate sustains."""
+def decode_horizon_s(load: TraceLoad, cost: CostModel, num_decode: int, speed: float,
+                     kv_capacity_tokens: int = EngineConfig().kv_capacity_tokens) -> float:
+    """t_d: mean output length times the step time at the batch the offered rate sustains,
+    or, where no batch sustains it (the queue grows), at the batch that fills the VRAM."""
     rate = load.output_tokens_per_s * speed / num_decode
     per_seq = _per_seq_s(cost, load.mean_context)
-    if rate * per_seq >= 1.0:
-        raise InvalidArgument("the decode pool cannot sustain the offered rate at any batch")
-    batch = rate * cost.decode_base_s / (1.0 - rate * per_seq)
+    full = kv_capacity_tokens / max(load.mean_context + load.mean_output / 2, 1.0)
+    batch = (full if rate * per_seq >= 1.0
+             else min(full, rate * cost.decode_base_s / (1.0 - rate * per_seq)))
     return load.mean_output * (cost.decode_base_s + per_seq * batch)
