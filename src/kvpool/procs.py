@@ -1,7 +1,9 @@
-"""Child processes and ports on this host: the helpers every launcher and benchmark shares."""
+"""Child processes and ports on this host: the helpers every launcher and benchmark shares (a
+child that dies with its parent, `Command` and `spawn_command`, stopping one or its group)."""
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import random
@@ -10,10 +12,13 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+_PR_SET_PDEATHSIG = 1
 
 _PICK = random.SystemRandom()  # forked processes must not pick the same sequence
 _RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
@@ -131,3 +136,41 @@ def running(cmd: list[str], timeout_s: float = 10.0, **popen: Any) -> Iterator[s
         yield proc
     finally:
         stop(proc, timeout_s)
+
+
+def die_with_parent(parent_pid: int) -> Callable[[], None]:
+    """A `preexec_fn`: SIGTERM this child when the process that forked it exits. libc is
+    looked up here, before the fork, so the child only makes the one system call."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):  # not Linux: the parent's cleanup must do
+        return lambda: None
+
+    def set_pdeathsig() -> None:
+        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return set_pdeathsig
+
+
+@dataclass(frozen=True)
+class Command:
+    """A child's command line, what it adds to this process's environment, and the file its
+    output goes to (None: stdout discarded or shown, stderr shown)."""
+
+    argv: tuple[str, ...]
+    env: Mapping[str, str] | None = None
+    log: Path | None = None
+
+
+def spawn_command(command: Command, quiet: bool = True) -> subprocess.Popen[bytes]:
+    """`command` as a child that dies with this process, in a session of its own."""
+    env = None if command.env is None else {**os.environ, **command.env}
+    if command.log is not None:
+        with open(command.log, "ab") as out:
+            return subprocess.Popen(command.argv, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                    preexec_fn=die_with_parent(os.getpid()),
+                                    start_new_session=True)
+    return subprocess.Popen(command.argv, stdout=subprocess.DEVNULL if quiet else None, env=env,
+                            preexec_fn=die_with_parent(os.getpid()), start_new_session=True)

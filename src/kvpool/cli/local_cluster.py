@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from kvpool.serve.launch import ChildTable, Command
+from kvpool.procs import Command
+from kvpool.serve.launch import ChildTable
 
 
 @dataclass

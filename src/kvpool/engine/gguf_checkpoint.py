@@ -305,14 +305,19 @@ def served_name(model_dir: Path) -> str:
     return model_dir.resolve().name
 
 
+def kvpool_cache() -> Path:
+    """kvpool's folder under `$XDG_CACHE_HOME` (default ~/.cache): models, logs."""
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "kvpool"
+
+
 def cache_dir() -> Path:
     """Where imported GGUF models live: `$KVPOOL_MODEL_CACHE`, else kvpool/models under
     `$XDG_CACHE_HOME` (default ~/.cache), beside the tiny model."""
     env = os.environ.get(CACHE_ENV)
     if env:
         return Path(env)
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "kvpool" / "models"
+    return kvpool_cache() / "models"
 
 
 def gguf_digest(file: Path) -> str:

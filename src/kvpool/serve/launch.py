@@ -8,15 +8,13 @@ signal is SIGTERM so that children still clean up (shared-memory segments, socke
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,60 +22,28 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from kvpool.engine.gguf_checkpoint import served_name
+from kvpool.engine.gguf_checkpoint import kvpool_cache, served_name
 from kvpool.errors import KvpoolError
-from kvpool.procs import check_ports, free_port, kvpool_argv, stop, stop_group  # noqa: F401 (stop: re-exported for launchers)
+from kvpool.procs import (  # noqa: F401 (stop, die_with_parent: re-exported for launchers)
+    Command,
+    check_ports,
+    die_with_parent,
+    free_port,
+    kvpool_argv,
+    spawn_command,
+    stop,
+    stop_group,
+)
 from kvpool.token import env_token
 
 if TYPE_CHECKING:
     from kvpool.serve.vllm.launch import EventWiring, VllmEngines
-
-_PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent(parent_pid: int) -> Callable[[], None]:
-    """A `preexec_fn`: SIGTERM this child when the process that forked it exits. libc is
-    looked up here, before the fork, so the child only makes the one system call."""
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):  # not Linux: the parent's cleanup must do
-        return lambda: None
-
-    def set_pdeathsig() -> None:
-        prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != parent_pid:  # the parent died before prctl took effect
-            os._exit(1)
-
-    return set_pdeathsig
-
 
 def spawn(*args: str, quiet: bool = True) -> subprocess.Popen[bytes]:
     """`python -m kvpool ARGS` as a child that dies with this process, in a session of its own
     (a terminal's Ctrl-C reaches only this process, which stops the children in order). A
     store node whose master died at the same moment still stops within its close_timeout_s."""
     return spawn_command(Command(tuple(kvpool_argv(*args))), quiet)
-
-
-@dataclass(frozen=True)
-class Command:
-    """A child's command line, what it adds to this process's environment, and the file its
-    output goes to (None: stdout discarded or shown, stderr shown)."""
-
-    argv: tuple[str, ...]
-    env: Mapping[str, str] | None = None
-    log: Path | None = None
-
-
-def spawn_command(command: Command, quiet: bool = True) -> subprocess.Popen[bytes]:
-    """`command` as a child that dies with this process, in a session of its own."""
-    env = None if command.env is None else {**os.environ, **command.env}
-    if command.log is not None:
-        with open(command.log, "ab") as out:
-            return subprocess.Popen(command.argv, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                    preexec_fn=die_with_parent(os.getpid()),
-                                    start_new_session=True)
-    return subprocess.Popen(command.argv, stdout=subprocess.DEVNULL if quiet else None, env=env,
-                            preexec_fn=die_with_parent(os.getpid()), start_new_session=True)
 
 
 def wait_http(url: str, procs: list[subprocess.Popen[bytes]], what: str,
@@ -119,12 +85,6 @@ def wait_segments(admin_url: str, count: int, procs: list[subprocess.Popen[bytes
             pass
         time.sleep(0.1)
     raise TimeoutError(f"the store: {count} segments not mounted within {timeout_s:.0f} s")
-
-
-def kvpool_cache() -> Path:
-    """kvpool's folder under `$XDG_CACHE_HOME` (default ~/.cache)."""
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(cache) / "kvpool"
 
 
 def default_model_dir() -> Path:

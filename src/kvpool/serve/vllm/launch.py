@@ -32,9 +32,9 @@ from pathlib import Path
 
 import kvpool
 from kvpool.compat.activate import activate
+from kvpool.engine.gguf_checkpoint import kvpool_cache
 from kvpool.errors import ConfigError
-from kvpool.procs import free_port
-from kvpool.serve.launch import Command, kvpool_cache
+from kvpool.procs import Command, free_port
 
 POOL_TOPIC = "kvpool-pool"
 """The master's default --kv-events-topic, the proxy's default --pool-topic."""
