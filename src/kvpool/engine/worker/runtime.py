@@ -9,7 +9,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -34,6 +34,10 @@ from kvpool.engine.worker.pool import PoolConnector, PoolPlan, PushPlan, push_pa
 from kvpool.errors import ConfigError, InvalidArgument, KvpoolError, RequestFailed, ShuttingDown
 from kvpool.log import get_logger
 from kvpool.metadata.http_serving import CLIENT_KEEPALIVE_S
+
+if TYPE_CHECKING:  # both pull in the transfer engine: imported on use below
+    from kvpool.store.client.store_client import StoreClient
+    from kvpool.transfer import TransferEngine
 
 log = get_logger("engine.worker")
 ROLES = ("prefill", "decode", "both")
@@ -114,7 +118,7 @@ class Worker:
                                       limits=httpx.Limits(keepalive_expiry=CLIENT_KEEPALIVE_S))
         self.peers = PeerCalls(self.http, config.token, wall_clock)
 
-    def _connect(self) -> tuple[Any, Any]:
+    def _connect(self) -> tuple[StoreClient | None, TransferEngine]:
         from kvpool.store.client.config import ClientConfig
         from kvpool.store.client.store_client import StoreClient
         from kvpool.transfer import TransferConfig, TransferEngine
