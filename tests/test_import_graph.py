@@ -133,3 +133,26 @@ def test_the_private_reach_walk_finds_reaches_made_on_purpose() -> None:
     source = ("self._a\ncls._b\nx.__len__\nput._replace(key='k')\n"
               "core._free(seg, 0)\nself.core._deferred\n")
     assert private_reaches(source) == ["5: core._free", "6: self.core._deferred"]
+
+
+def writes_of(field: str, source: str) -> list[int]:
+    """Lines of one module that assign `<anything>.<field>` (plain, augmented or annotated)."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        targets = node.targets if isinstance(node, ast.Assign) else \
+            [node.target] if isinstance(node, ast.AugAssign | ast.AnnAssign) else []
+        out += [node.lineno for t in targets
+                if isinstance(t, ast.Attribute) and t.attr == field]
+    return sorted(out)
+
+
+def test_only_the_object_table_extends_leases() -> None:
+    """`StoredObject.lease_until` is written by `ObjectTable.extend_lease` alone."""
+    found = {path.name: lines for path in sorted(MASTER.glob("*.py"))
+             if (lines := writes_of("lease_until", path.read_text()))}
+    assert list(found) == ["tables.py"] and len(found["tables.py"]) == 1
+
+
+def test_the_write_walk_finds_writes_made_on_purpose() -> None:
+    source = "obj.lease_until = 1\nx = obj.lease_until\no.lease_until += 2\nlease_until = 3\n"
+    assert writes_of("lease_until", source) == [1, 3]

@@ -4,6 +4,8 @@ transfer engine: layer-wise puts, prefill -> decode through the pool and by push
 from __future__ import annotations
 
 import ctypes
+import inspect
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ from kvpool.engine.config import EngineConfig, SamplingParams
 from kvpool.engine.llm_engine import LLMEngine, StepOutput
 from kvpool.engine.sequence import KVSource
 from kvpool.engine.tiny import TinySpec, make_tiny
+from kvpool.engine.worker.kv_store import KVStore, KVTransport, Part
 from kvpool.engine.worker.pool import PoolConnector, PoolPlan, PushPlan, push_parts
 from kvpool.errors import TransferError
 from kvpool.store import ErrorCode, PutResult, ReadResult
@@ -23,20 +26,22 @@ GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 
 
 class MemoryStore:
-    """put/get by (addr, size) parts, like StoreClient's scatter/gather calls."""
+    """The `KVStore` protocol over a dict: put/get by (addr, size) parts."""
 
     def __init__(self) -> None:
         self.objects: dict[str, bytes] = {}
         self.put_log: list[str] = []
 
-    def batch_put_from_parts(self, keys, parts):  # type: ignore[no-untyped-def]
+    def batch_put_from_parts(self, keys: Sequence[str],
+                             parts: Sequence[Sequence[Part]]) -> list[PutResult]:
         for key, ps in zip(keys, parts, strict=True):
             self.put_log.append(key)
             self.objects.setdefault(key, b"".join(ctypes.string_at(a, n) for a, n in ps))
         return [PutResult(ErrorCode.OK)] * len(keys)
 
-    def batch_get_into_parts(self, keys, parts):  # type: ignore[no-untyped-def]
-        out = []
+    def batch_get_into_parts(self, keys: Sequence[str],
+                             parts: Sequence[Sequence[Part]]) -> list[ReadResult]:
+        out: list[ReadResult] = []
         for key, ps in zip(keys, parts, strict=True):
             data = self.objects.get(key)
             if data is None:
@@ -54,7 +59,8 @@ class MemoryStore:
 
 
 class FullStore(MemoryStore):
-    def batch_put_from_parts(self, keys, parts):  # type: ignore[no-untyped-def]
+    def batch_put_from_parts(self, keys: Sequence[str],
+                             parts: Sequence[Sequence[Part]]) -> list[PutResult]:
         return [PutResult(ErrorCode.NO_AVAILABLE_HANDLE)] * len(keys)
 
 
@@ -71,6 +77,36 @@ class Memcpy:
             raise TransferError(f"peer {target} closed the connection")
         for local, remote, n in items:
             ctypes.memmove(remote, local, n)
+
+
+def _protocol_methods(protocol: type) -> dict[str, list[str]]:
+    return {name: list(inspect.signature(fn).parameters)
+            for name, fn in vars(protocol).items()
+            if inspect.isfunction(fn) and not name.startswith("_")}
+
+
+@pytest.mark.parametrize(("protocol", "impls"), [
+    (KVStore, ["kvpool.store.client.store_client.StoreClient", MemoryStore]),
+    (KVTransport, ["kvpool.transfer.engine.TransferEngine", Memcpy]),
+])
+def test_the_store_and_transport_satisfy_the_connector_protocols(
+        protocol: type, impls: list[type | str]) -> None:
+    """Each method of the protocol exists with the protocol's parameters first, in order, and
+    any further parameter has a default (so the connector's calls bind the same way)."""
+    import importlib
+    wanted = _protocol_methods(protocol)
+    assert sorted(wanted) == (["batch_get_into_parts", "batch_put_from_parts", "remove"]
+                              if protocol is KVStore else ["batch_write"])
+    for impl in impls:
+        if isinstance(impl, str):
+            module, _, name = impl.rpartition(".")
+            impl = getattr(importlib.import_module(module), name)
+        assert isinstance(impl, type) and issubclass(impl, protocol)
+        for name, params in wanted.items():
+            have = inspect.signature(getattr(impl, name)).parameters
+            assert list(have)[:len(params)] == params, (impl, name)
+            extra = list(have.values())[len(params):]
+            assert all(p.default is not inspect.Parameter.empty for p in extra), (impl, name)
 
 
 def make(model_dir: Path, store: MemoryStore | None, save: bool,
@@ -138,7 +174,8 @@ class DamagedStore(MemoryStore):
         super().__init__()
         self.damaged = damaged
 
-    def batch_get_into_parts(self, keys, parts):  # type: ignore[no-untyped-def]
+    def batch_get_into_parts(self, keys: Sequence[str],
+                             parts: Sequence[Sequence[Part]]) -> list[ReadResult]:
         out = super().batch_get_into_parts(keys, parts)
         return [ReadResult(ErrorCode.CHECKSUM_MISMATCH) if k in self.damaged else r
                 for k, r in zip(keys, out, strict=True)]

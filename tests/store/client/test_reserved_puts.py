@@ -8,13 +8,16 @@ from collections.abc import Iterator
 import pytest
 
 from kvpool.clock import VirtualClock
+from kvpool.errors import RpcFailed
 from kvpool.store.client.config import ClientConfig
+from kvpool.store.client.reserved import MAX_AGE_S, ReservedPuts
 from kvpool.store.client.store_client import StoreClient
 from kvpool.store.master.reserve import Reservations
 from kvpool.store.master.server import MasterServer
 from kvpool.store.master.service import MasterService
 from kvpool.store.wire import messages as m
 from kvpool.store.wire.codes import ErrorCode as E
+from kvpool.store.wire.codes import PutResult, Reservation
 from kvpool.store.wire.protocol import decode_reply_head
 from tests.store.client.test_client import MIB, start_master
 from tests.store.conftest import live_for, make_core
@@ -106,6 +109,50 @@ def test_tokens_of_two_masters_differ(vclock: VirtualClock) -> None:
     a, b = Reservations(core), Reservations(core)
     ta, tb = a.reserve("w", 64).token, b.reserve("w", 64).token
     assert ta.split(":")[0] != tb.split(":")[0]
+
+
+# -- the client's held reservations, on a virtual clock ----------------------------------------
+
+def held_puts(svc: MasterService, vclock: VirtualClock) -> ReservedPuts:
+    """The client's reserved-put path against an in-process master; the data plane (writes
+    into the reserved replicas) is left out: every copy reports success."""
+    def call(msg: m.Msg) -> object:
+        status, reply = ask(svc, msg)
+        if status:
+            raise RpcFailed(E(status))
+        return reply
+    return ReservedPuts(call, lambda op, copies: set(), lambda replicas, parts, size: [],
+                        write_checksums=False, clock=vclock)
+
+
+def test_held_reservations_age_on_the_clients_clock(vclock: VirtualClock) -> None:
+    svc = MasterService(make_core(vclock, put_discard_timeout_s=60.0))
+    puts = held_puts(svc, vclock)
+    assert puts.put("k1", [(0, 64)], 64, upsert=False) == PutResult(E.OK)
+    (next_token,) = puts.held()[64]
+    assert next_token in svc.core.pending
+    puts.check_integrity()
+    vclock.advance(MAX_AGE_S - 0.1)
+    assert puts.take_stale() == [] and puts.held() == {64: [next_token]}
+    vclock.advance(0.1)
+    assert puts.take_stale() == [next_token] and puts.held() == {}
+    puts.check_integrity()
+
+
+def test_the_integrity_check_finds_a_reservation_held_twice(vclock: VirtualClock) -> None:
+    svc = MasterService(make_core(vclock))
+    puts = held_puts(svc, vclock)
+    token = reserve(svc, 64)
+    desc = svc.core.pending[token].replicas[0].desc()
+    held = [Reservation(E.OK, token, (desc,))]
+    puts._keep(64, held)
+    puts._keep(64, held)
+    with pytest.raises(AssertionError, match="held twice"):
+        puts.check_integrity()
+    puts.take_stale(0.0)
+    puts._keep(32, [Reservation(E.OK, "other", (desc,))])     # a 64-byte replica
+    with pytest.raises(AssertionError, match="'other' is not 32 B"):
+        puts.check_integrity()
 
 
 # -- the client --------------------------------------------------------------------------------

@@ -309,3 +309,26 @@ def test_a_new_fence_starts_the_memory_empty(vclock: VirtualClock) -> None:
     assert len(core.pending) == 0 and core.used_bytes == 0         # old writers are fenced out
     assert core.mount_segment("n", "h:1", 0, KIB, fence=1 << 64)[0] == E.INVALID_PARAMS
     core.check_integrity()
+
+
+def test_leases_only_grow_through_the_object_table(core: MasterCore,
+                                                   vclock: VirtualClock) -> None:
+    """`extend_lease` never shortens a lease: a lookup's 10 s lease does not cut a longer one
+    short, and a later lookup extends it from its own time."""
+    put(core, "k")
+    obj = core.objects["k"]
+    t0 = vclock.now()
+    assert obj.lease_until == 0.0
+    core.objects.extend_lease(obj, t0 + 50.0)
+    core.objects.extend_lease(obj, t0 + 20.0)
+    assert obj.lease_until == t0 + 50.0
+    core.get_replicas(["k"])                 # t0 + 10 < t0 + 50: unchanged
+    assert obj.lease_until == t0 + 50.0
+    vclock.advance(45.0)
+    core.get_replicas(["k"])
+    assert obj.lease_until == t0 + 55.0
+    vclock.advance(9.9)
+    assert core.remove(["k"]) == [E.OBJECT_HAS_LEASE]
+    vclock.advance(0.2)
+    assert core.remove(["k"]) == [E.OK]
+    core.check_integrity()

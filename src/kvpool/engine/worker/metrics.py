@@ -10,12 +10,22 @@ no registry, nothing kept here.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
+
+from kvpool.engine.worker.pool import PoolConnector
+from kvpool.store.client.types import ClientStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
-def counters(connector: Any, store: Any | None) -> dict[str, tuple[str, int]]:
+class Counted(Protocol):
+    """What is read of the worker's store: its client counters (StoreClient has them)."""
+
+    @property
+    def stats(self) -> ClientStats: ...
+
+
+def counters(connector: PoolConnector, store: Counted | None) -> dict[str, tuple[str, int]]:
     """name -> (help, value); `store` is the worker's StoreClient or None (no pool)."""
     stats = store.stats if store is not None else None
     return {

@@ -21,13 +21,13 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from kvpool.engine.blocks import block_key, request_key
 from kvpool.engine.connector import KVConnector
 from kvpool.engine.kv_layout import KVLayout
 from kvpool.engine.scheduler import ScheduledBatch
 from kvpool.engine.sequence import KVSource, Sequence
+from kvpool.engine.worker.kv_store import KVStore, KVTransport, Part
 from kvpool.errors import KvpoolError
 from kvpool.log import get_logger
 
@@ -35,7 +35,6 @@ log = get_logger("engine.pool")
 DAMAGED = "CHECKSUM_MISMATCH"
 """The read code of pool bytes that fail their checksum: the store client has the replica
 dropped, and a decode leg computes the KV instead of failing."""
-Part = tuple[int, int]
 
 
 @dataclass(frozen=True)
@@ -59,7 +58,7 @@ def push_parts(cache: KVLayout, block_ids: list[int]) -> list[Part]:
 class LayerSaver:
     """A thread that puts (layer, blocks) objects in the pool as the forward hands them over."""
 
-    def __init__(self, store: Any, cache: KVLayout) -> None:
+    def __init__(self, store: KVStore, cache: KVLayout) -> None:
         self.store, self.cache = store, cache
         self._queue: queue.Queue[tuple[int, list[tuple[int, int]]] | None] = queue.Queue()
         self._failures: list[str] = []
@@ -103,12 +102,13 @@ class LayerSaver:
 
 
 class PoolConnector(KVConnector):
-    """`store` is a StoreClient (or None: no pool); `transfer` the TransferEngine pushes use."""
+    """`store` is the pool (a StoreClient in a worker; None: no pool); `transfer` the engine
+    pushes use (the worker's TransferEngine)."""
 
-    def __init__(self, cache: KVLayout, store: Any | None, transfer: Any,
+    def __init__(self, cache: KVLayout, store: KVStore | None, transfer: KVTransport,
                  save_blocks: bool) -> None:
         self.cache, self.transfer = cache, transfer
-        self.store: Any = store
+        self.store = store
         self.bs = cache.block_size
         self.plans: dict[str, PoolPlan | PushPlan] = {}
         self.saver = LayerSaver(store, cache) if store is not None and save_blocks else None
@@ -127,24 +127,25 @@ class PoolConnector(KVConnector):
             return None
         limit = (len(seq) - 1) // self.bs  # full blocks that may be loaded
         first = seq.num_computed_tokens // self.bs
+        store = self.store
         t0 = time.perf_counter()
-        loaded, why = self._load_blocks(seq, first, limit) if self.store is not None else (0, "")
+        loaded, why = self._load_blocks(store, seq, first, limit) if store is not None else (0, "")
         seq.pool_load_s = time.perf_counter() - t0
         seq.num_pool_tokens = loaded * self.bs
         seq.num_computed_tokens += seq.num_pool_tokens
         if seq.kv_source is not KVSource.POOL:
             return None
-        if self.store is None:
+        if store is None:
             return "this worker has no pool (--master) to load KV from"
         if first + loaded < limit:
             if why == DAMAGED:
-                self._recompute(seq, f"block {first + loaded}")
+                self._recompute(store, seq, f"block {first + loaded}")
                 return None
             return (f"KV of block {first + loaded} of request {seq.request_id} could not be read "
                     f"from the pool ({why})")
-        return self._load_partial(seq, limit)
+        return self._load_partial(store, seq, limit)
 
-    def _recompute(self, seq: Sequence, what: str) -> None:
+    def _recompute(self, store: KVStore, seq: Sequence, what: str) -> None:
         """The pool held damaged bytes for `seq` (the store client had the replica dropped):
         compute what was not loaded here instead, as after a preemption (the tokens it
         already has, the prefill's first included, are recomputed, not sampled again), and
@@ -154,9 +155,10 @@ class PoolConnector(KVConnector):
         self.num_recomputed += 1
         seq.kv_source = KVSource.COMPUTE
         if seq.num_prompt_tokens % self.bs:
-            self.store.remove(request_key(seq.request_id), force=True)
+            store.remove(request_key(seq.request_id), force=True)
 
-    def _load_blocks(self, seq: Sequence, first: int, limit: int) -> tuple[int, str]:
+    def _load_blocks(self, store: KVStore, seq: Sequence, first: int,
+                     limit: int) -> tuple[int, str]:
         """Load blocks first..limit-1 (all layers); how many leading ones arrived whole, and
         why the next one did not."""
         layers = range(self.cache.num_layers)
@@ -165,25 +167,25 @@ class PoolConnector(KVConnector):
             return 0, ""
         parts = [[self.cache.layer_part(seq.block_table[i], layer)]
                  for i in range(first, limit) for layer in layers]
-        results = self.store.batch_get_into_parts(keys, parts)
+        results = store.batch_get_into_parts(keys, parts)
         for j in range(0, len(results), len(layers)):
             bad = [r for r in results[j:j + len(layers)] if not r.ok]
             if bad:
                 return j // len(layers), bad[0].code.name
         return limit - first, ""
 
-    def _load_partial(self, seq: Sequence, limit: int) -> str | None:
+    def _load_partial(self, store: KVStore, seq: Sequence, limit: int) -> str | None:
         if seq.num_prompt_tokens % self.bs:
             key = request_key(seq.request_id)
-            result = self.store.batch_get_into_parts(
+            result = store.batch_get_into_parts(
                 [key], [self._partial_parts(seq.block_table[limit])])[0]
             if result.code.name == DAMAGED:
-                self._recompute(seq, "the last block")
+                self._recompute(store, seq, "the last block")
                 return None
             if not result.ok:
                 return (f"last block of request {seq.request_id} could not be read from the pool "
                         f"({result.code.name})")
-            self.store.remove(key, force=True)  # our own read lease would refuse a plain remove
+            store.remove(key, force=True)  # our own read lease would refuse a plain remove
         seq.num_computed_tokens = seq.num_prompt_tokens
         return None
 

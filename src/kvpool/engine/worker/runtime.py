@@ -9,10 +9,11 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from kvpool.clock import SYSTEM_CLOCK, Clock
 from kvpool.engine.blocks import request_key
 from kvpool.engine.config import EngineConfig, SamplingParams
 from kvpool.engine.core import EngineCore, StepOutput
@@ -31,9 +32,14 @@ from kvpool.engine.worker.messages import (
 )
 from kvpool.engine.worker.peers import PeerCalls
 from kvpool.engine.worker.pool import PoolConnector, PoolPlan, PushPlan, push_parts
+from kvpool.engine.worker.reservations import Reservations
 from kvpool.errors import ConfigError, InvalidArgument, KvpoolError, RequestFailed, ShuttingDown
 from kvpool.log import get_logger
 from kvpool.metadata.http_serving import CLIENT_KEEPALIVE_S
+
+if TYPE_CHECKING:  # both pull in the transfer engine: imported on use below
+    from kvpool.store.client.store_client import StoreClient
+    from kvpool.transfer import TransferEngine
 
 log = get_logger("engine.worker")
 ROLES = ("prefill", "decode", "both")
@@ -96,7 +102,8 @@ def make_engine(config: WorkerConfig) -> EngineCore:
 
 
 class Worker:
-    def __init__(self, config: WorkerConfig, wall_clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, config: WorkerConfig, wall_clock: Callable[[], float] = time.time,
+                 clock: Clock = SYSTEM_CLOCK) -> None:
         self.wall_clock = wall_clock
         """Unix seconds, for the time window of the calls it signs to other workers."""
         self.config = config
@@ -106,7 +113,8 @@ class Worker:
         self.connector = PoolConnector(self.engine.cache, self.store, self.transfer,
                                        save_blocks=config.role == "prefill")
         self.engine.connector = self.connector
-        self._reserved: dict[str, tuple[list[int], float]] = {}
+        self.reservations = Reservations(config.reserve_ttl_s, clock)
+        """Blocks held for prompts a prefill worker pushes here (engine thread only)."""
         self.epoch = uuid.uuid4().hex
         """Names this process's block-event numbering (a restarted worker starts anew)."""
         self.loop = EngineLoop(self.engine, on_idle=self._expire).start()
@@ -114,7 +122,7 @@ class Worker:
                                       limits=httpx.Limits(keepalive_expiry=CLIENT_KEEPALIVE_S))
         self.peers = PeerCalls(self.http, config.token, wall_clock)
 
-    def _connect(self) -> tuple[Any, Any]:
+    def _connect(self) -> tuple[StoreClient | None, TransferEngine]:
         from kvpool.store.client.config import ClientConfig
         from kvpool.store.client.store_client import StoreClient
         from kvpool.transfer import TransferConfig, TransferEngine
@@ -265,12 +273,12 @@ class Worker:
         request_id, num_tokens = req.request_id, req.num_tokens
 
         def reserve(engine: EngineCore) -> ReserveReply | None:
-            if request_id in self._reserved:
+            if request_id in self.reservations:
                 raise InvalidArgument(f"request {request_id} already holds a reservation")
             blocks = engine.reserve_blocks(num_tokens)
             if blocks is None:
                 return None
-            self._reserved[request_id] = (blocks, time.monotonic() + self.config.reserve_ttl_s)
+            self.reservations.add(request_id, blocks)
             return ReserveReply(ok=True, segment=self.transfer.segment_name,
                                 block_bytes=engine.cache.block_bytes,
                                 regions=push_parts(engine.cache, blocks))
@@ -292,14 +300,14 @@ class Worker:
 
         def add(engine: EngineCore) -> None:
             if source is KVSource.PUSH:
-                reserved = self._reserved.pop(request_id, None)
+                reserved = self.reservations.take(request_id)
                 if reserved is None:
                     raise RequestFailed(f"no KV was pushed for request {request_id} (no reservation)")
-                if len(reserved[0]) * engine.config.block_size < len(prompt):
-                    engine.blocks.release(reserved[0])
-                    raise RequestFailed(f"request {request_id} reserved {len(reserved[0])} blocks, "
+                if len(reserved) * engine.config.block_size < len(prompt):
+                    engine.blocks.release(reserved)
+                    raise RequestFailed(f"request {request_id} reserved {len(reserved)} blocks, "
                                         f"too few for {len(prompt)} prompt tokens")
-                engine.start_pushed(request_id, prompt, first_token or 0, sampling, reserved[0])
+                engine.start_pushed(request_id, prompt, first_token or 0, sampling, reserved)
                 return
             seq = engine.add_request(request_id, prompt, sampling, outputs=resumed,
                                      kv_source=source)
@@ -320,9 +328,9 @@ class Worker:
         """Stop the request here; a prefill worker also drops the last block it left in the
         pool for a decode leg that will not read it now."""
         def abort(engine: EngineCore) -> bool:
-            reserved = self._reserved.pop(request_id, None)
+            reserved = self.reservations.take(request_id)
             if reserved is not None:
-                engine.blocks.release(reserved[0])
+                engine.blocks.release(reserved)
             return engine.abort(request_id) or reserved is not None
         found = bool(await self._on_engine(abort))
         if self.config.role == "prefill":
@@ -336,12 +344,9 @@ class Worker:
             self.store.remove(request_key(request_id), True)
 
     def _expire(self) -> None:
-        now = time.monotonic()
-        for request_id, (blocks, deadline) in list(self._reserved.items()):
-            if deadline < now:
-                log.warning("reservation of %s expired unused", request_id)
-                del self._reserved[request_id]
-                self.engine.blocks.release(blocks)
+        for request_id, blocks in self.reservations.take_expired():
+            log.warning("reservation of %s expired unused", request_id)
+            self.engine.blocks.release(blocks)
 
     # -- plumbing ----------------------------------------------------------------------------
 

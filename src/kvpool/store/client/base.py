@@ -84,7 +84,7 @@ class ClientBase(ReadPath):
             self._staging = StagingArea(self.engine, config.local_buffer_size)
             self._hasher = Hasher()
             self._reserved = ReservedPuts(self._call, self._run_copies, self._copies_to,
-                                          config.write_checksums)
+                                          config.write_checksums, clock)
             self._reserved.enabled = config.reserved_puts
         except BaseException:
             self.engine.close()  # a bad master address must not leak the started engine

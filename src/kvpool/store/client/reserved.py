@@ -19,10 +19,10 @@ by the heartbeat thread, and all of them on close, so that space never sits idle
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+from kvpool.clock import SYSTEM_CLOCK, Clock
 from kvpool.errors import RpcFailed
 from kvpool.store.client.checksum import parts_checksum
 from kvpool.store.client.plan import Part
@@ -48,13 +48,15 @@ class _Held(NamedTuple):
 
 class ReservedPuts:
     """The reserved-put path of one client. `call` is the client's master call (raising
-    RpcFailed), `copy` runs write copies and returns the indices that failed."""
+    RpcFailed), `copy` runs write copies and returns the indices that failed; the ages of
+    held reservations are read from `clock`. The only writer of its held reservations."""
 
     def __init__(self, call: Callable[[m.Msg], Any],
                  copy: Callable[[OpCode, dict[int, list[Any]]], set[int]],
                  copies_to: Callable[[Sequence[ReplicaDesc], Sequence[Part], int], list[Any]],
-                 write_checksums: bool) -> None:
+                 write_checksums: bool, clock: Clock = SYSTEM_CLOCK) -> None:
         self._call, self._copy, self._copies_to = call, copy, copies_to
+        self._clock = clock
         self._write_checksums = write_checksums
         self._held: dict[int, list[_Held]] = {}
         self._lock = threading.Lock()
@@ -109,7 +111,7 @@ class ReservedPuts:
                 if r.code is not E.OK:
                     continue
                 if len(stack) < MAX_PER_SIZE:
-                    stack.append(_Held(r.token, r.replicas, time.monotonic()))
+                    stack.append(_Held(r.token, r.replicas, self._clock.now()))
                 else:
                     extra.append(r.token)
         if extra:
@@ -118,13 +120,32 @@ class ReservedPuts:
     def take_stale(self, max_age_s: float = MAX_AGE_S) -> list[str]:
         """Forget reservations unused for `max_age_s` (all of them with 0) and return their
         tokens, for the caller to revoke."""
-        now = time.monotonic()
+        now = self._clock.now()
         with self._lock:
             stale = [h.token for stack in self._held.values() for h in stack
                      if now - h.since_s >= max_age_s]
             for size, stack in list(self._held.items()):
                 self._held[size] = [h for h in stack if now - h.since_s < max_age_s]
         return stale
+
+    def held(self) -> dict[int, list[str]]:
+        """The tokens held, by object size (a copy)."""
+        with self._lock:
+            return {size: [h.token for h in stack] for size, stack in self._held.items() if stack}
+
+    def check_integrity(self) -> None:
+        """AssertionError unless no token is held twice, no size holds more than
+        MAX_PER_SIZE, every replica of a reservation has its size, and none is younger than
+        the clock allows."""
+        now, seen = self._clock.now(), set()
+        with self._lock:
+            for size, stack in self._held.items():
+                assert len(stack) <= MAX_PER_SIZE, f"{len(stack)} reservations of size {size}"
+                for h in stack:
+                    assert h.token not in seen, f"reservation {h.token!r} held twice"
+                    seen.add(h.token)
+                    assert all(r.size == size for r in h.replicas), f"{h.token!r} is not {size} B"
+                    assert h.since_s <= now, f"{h.token!r} held since {h.since_s} > now {now}"
 
     def _revoke(self, tokens: list[str]) -> None:
         """Best effort: a reservation the master is not told about is discarded by it

@@ -322,7 +322,7 @@ class MasterCore:
         """Replicas of complete objects; each found object gets a read lease."""
         ttl = self.config.lease_ttl_s
         until = self.clock.now() + ttl
-        touch = self.policy.on_access
+        touch, extend_lease = self.policy.on_access, self.objects.extend_lease
         tiered = self.tiering.tiered
         out = []
         for key in keys:
@@ -336,8 +336,7 @@ class MasterCore:
                 if answer is not None:
                     out.append(answer)
                     continue
-            if obj.lease_until < until:
-                obj.lease_until = until
+            extend_lease(obj, until)
             touch(key)
             descs = tuple([_new(ReplicaDesc, (r.segment.segment_id, r.segment.endpoint,
                                               r.segment.base_addr + r.offset, r.size,

@@ -181,7 +181,7 @@ class DrainManager:
             unplaced.append(Unplaced(key, obj.size, E.NO_AVAILABLE_HANDLE))
             return None
         self.moves[key] = Move(key, obj, source, target, client_id, now)
-        obj.lease_until = max(obj.lease_until, now + self.core.config.lease_ttl_s)
+        self.core.objects.extend_lease(obj, now + self.core.config.lease_ttl_s)
         return ReplicaMove(key, obj.size, obj.checksum, self.core.config.lease_ttl_s,
                            tuple(r.desc() for r in obj.replicas),
                            target.desc(ReplicaState.PENDING))

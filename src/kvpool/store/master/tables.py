@@ -80,6 +80,14 @@ class ObjectTable(KeyedReads[StoredObject]):
         if self.events is not None and obj.key in self._by_key:
             report_change(self.events, obj.key, before, media_of(obj.replicas))
 
+    def extend_lease(self, obj: StoredObject, until: float) -> None:
+        """Hold `obj` (its ranges may not be freed or reused) until at least `until`: a lease
+        only ever grows; one that already runs longer is left as it is. The only writer of
+        `StoredObject.lease_until` (`obj` may be on its way out of the table: a removal that
+        must wait for a reader extends it too)."""
+        if obj.lease_until < until:
+            obj.lease_until = until
+
     def set_evictable(self, key: str, evictable: bool) -> None:
         """Put an object into the eviction order (it has a DRAM copy again) or take it out."""
         if evictable:

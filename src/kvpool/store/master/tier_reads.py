@@ -33,7 +33,7 @@ def on_lookup(t: TierState, obj: StoredObject) -> LookupResult | None:
     if has_dram and key not in t.transient and key not in t.fresh:
         return None
     until = t.core.clock.now() + cfg.transient_lease_s
-    obj.lease_until = max(obj.lease_until, until)
+    t.core.objects.extend_lease(obj, until)
     if not has_dram:
         if key not in t.loading and _start_load(t, obj):
             _count_read(t, key)

@@ -232,8 +232,7 @@ class TierState:
         if offload is not None:  # the node may be reading the DRAM range: hold it
             self.untrack_offload(offload)
             offload.obj = None
-            obj.lease_until = max(obj.lease_until,
-                                  self.core.clock.now() + self.config.redeliver_s)
+            self.core.objects.extend_lease(obj, self.core.clock.now() + self.config.redeliver_s)
         load = self.loading.pop(key, None)
         if load is not None:
             load.obj = None
