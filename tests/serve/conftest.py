@@ -199,3 +199,18 @@ def kvpool_up(marker: str, cache_home: Path, *args: str,
     model = () if "--model" in args else ("--model", "tiny")
     return subprocess.Popen([sys.executable, "-m", "kvpool", "up", *model, *args], env=env,
                             stdout=stdout, stderr=subprocess.STDOUT, text=True)
+
+
+def reap(proc: subprocess.Popen[str], marker: str) -> None:
+    """Kill `kvpool up` if it is still running; none of its children may be left."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    assert wait_gone(marker) == []
+
+
+def token_header(text: str) -> dict[str, str]:
+    """The bearer header of the token a `kvpool up` made (its banner names the file)."""
+    found = re.search(r"export KVPOOL_TOKEN=\$\(cat (\S+)\)", text)
+    assert found, text
+    return {"Authorization": f"Bearer {Path(found.group(1)).read_text().strip()}"}

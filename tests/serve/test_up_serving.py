@@ -20,16 +20,16 @@ import httpx
 import pytest
 
 from kvpool.serve.launch import free_port
-from tests.serve.conftest import child_pid, kvpool_up, marked_pids, wait_gone, wait_ready
+from tests.serve.conftest import (
+    child_pid,
+    kvpool_up,
+    marked_pids,
+    reap,
+    token_header,
+    wait_gone,
+    wait_ready,
+)
 from tests.support.require import missing
-
-
-def reap(proc: subprocess.Popen[str], marker: str) -> None:
-    """Kill `kvpool up` if it is still running; none of its children may be left."""
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait()
-    assert wait_gone(marker) == []
 
 
 def test_up_serves_restarts_a_killed_worker_and_sigterm_stops_everything(
@@ -71,7 +71,7 @@ def test_up_serves_restarts_a_killed_worker_and_sigterm_stops_everything(
                 f"most 5 within 300 s, in 1 s (restarts so far: 1)") in log.read_text()
         assert httpx.post(url + "/v1/completions", timeout=60, json=body,
                           headers=keyed).status_code == 200
-        metrics = httpx.get(url + "/metrics", headers=_token_header(log.read_text())).text
+        metrics = httpx.get(url + "/metrics", headers=token_header(log.read_text())).text
         assert 'kvpool_up_restarts_total{process="decode-1"} 1.0' in metrics
         assert 'kvpool_up_restarts_total{process="master"} 0.0' in metrics
         proc.send_signal(signal.SIGTERM)
@@ -104,19 +104,12 @@ def wait_back(proxy_url: str, worker_url: str, up: subprocess.Popen[str], log: P
     while True:
         assert up.poll() is None, log.read_text()
         assert time.monotonic() - start < timeout_s, log.read_text()
-        health = httpx.get(proxy_url + "/health", timeout=5, headers=_token_header(log.read_text()))
+        health = httpx.get(proxy_url + "/health", timeout=5, headers=token_header(log.read_text()))
         alive = health.json()["workers"][worker_url]["alive"]
         seen_down = seen_down or not alive
         if seen_down and alive:
             return time.monotonic() - start
         time.sleep(0.1)
-
-
-def _token_header(text: str) -> dict[str, str]:
-    """The bearer header of the token a `kvpool up` made (its banner names the file)."""
-    found = re.search(r"export KVPOOL_TOKEN=\$\(cat (\S+)\)", text)
-    assert found, text
-    return {"Authorization": f"Bearer {Path(found.group(1)).read_text().strip()}"}
 
 
 def _check_default_token(text: str, proxy_url: str) -> Path:
@@ -175,7 +168,7 @@ def test_up_runs_an_emulated_fleet(cache_home: Path, tmp_path: Path) -> None:
         wait_ready(proc, url, log)
         workers = re.findall(r"prefill\s+workers\s+(\S+)", log.read_text())
         info = httpx.get(workers[0] + "/info", timeout=10,
-                         headers=_token_header(log.read_text())).json()
+                         headers=token_header(log.read_text())).json()
         assert info["engine"]["kind"] == "emulated" and info["engine"]["speed_up"] == 20
         prompt = [16 + i * 31 % 400 for i in range(2000)]
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
@@ -345,7 +338,7 @@ def test_a_decode_worker_killed_mid_stream_the_stream_is_exact_and_the_worker_ba
     try:
         url = f"http://127.0.0.1:{port}"
         wait_ready(proc, url, log)
-        headers = _token_header(log.read_text())
+        headers = token_header(log.read_text())
         body = {"model": "tiny", "prompt": "the cache " * 30, "max_tokens": 1500,
                 "ignore_eos": True, "temperature": 0}
         expected = httpx.post(url + "/v1/completions", json=body, timeout=120).json()

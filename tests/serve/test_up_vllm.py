@@ -18,13 +18,7 @@ import httpx
 import pytest
 
 from kvpool.serve.launch import free_port
-from tests.serve.conftest import kvpool_up, marked_pids, wait_gone, wait_ready
-
-
-def token_header(text: str) -> dict[str, str]:
-    found = re.search(r"export KVPOOL_TOKEN=\$\(cat (\S+)\)", text)
-    assert found, text
-    return {"Authorization": f"Bearer {Path(found.group(1)).read_text().strip()}"}
+from tests.serve.conftest import kvpool_up, marked_pids, reap, token_header, wait_gone, wait_ready
 
 
 def test_up_backend_vllm_routes_by_the_instances_events(cache_home: Path, tmp_path: Path) -> None:
@@ -65,12 +59,8 @@ def test_up_backend_vllm_routes_by_the_instances_events(cache_home: Path, tmp_pa
         assert "--api vllm" in " ".join(_argv(marker, "worker"))
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
-        assert wait_gone(marker) == []
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        wait_gone(marker)
+        reap(proc, marker)
 
 
 def _argv(marker: str, what: str) -> list[str]:
