@@ -67,3 +67,11 @@ def test_without_a_pool_nothing_changes(cost: CostModel) -> None:
     p = choose(cost, "kvcache_centric", PrefixMatch({0: 4}, 4, None), (2.0, 0.0))
     assert (p.instance_id, p.prefix_len, p.transfer_s, p.source_id) == (0, 2048, 0.0, None)
     assert p.ttft_s == pytest.approx(2.512)
+
+
+def test_a_prefix_the_pool_gives_is_not_fetched_from_its_holder(cost: CostModel) -> None:
+    """Instance 0 holds 3 blocks (fetchable), the pool 3 too: instance 1 loads them from the
+    pool, so no source is named and nothing is replicated."""
+    p = choose(cost, "kvcache_centric", PrefixMatch({0: 3}, 3, 0, pool_blocks=3), (2.0, 0.0))
+    assert (p.instance_id, p.prefix_len, p.local_prefix_len, p.source_id) == (1, 1536, 0, None)
+    assert not p.replicate and p.transfer_s == pytest.approx(0.001536)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from kvpool.conductor.config import ConductorConfig
 from kvpool.conductor.cost import CostModel
@@ -80,69 +80,73 @@ class LoadBalancePolicy(_Base):
         return self.local_choice(req, match, view, inst, now)
 
 
-class CacheAwarePolicy(_Base):
-    """Lowest queue + prefill time using each instance's own cached prefix only."""
+class _Plan(NamedTuple):
+    """How an instance holding some leading blocks would prefill: the prefix it reuses, of
+    which its own, the seconds to get the rest of the prefix (the pool's load or a fetch)
+    and to compute, and the instance fetched from (None: its own cache and the pool)."""
+
+    prefix: int
+    local: int
+    transfer_s: float
+    prefill_s: float
+    source: int | None
+
+
+class _LowestTtft(_Base):
+    """The instance with the lowest queue + transfer + prefill, planned once per distinct
+    local prefix length by `_plan`."""
 
     def choose(self, req: RequestInfo, match: PrefixMatch, view: ClusterView,
                now: float) -> PrefillChoice:
-        plans: dict[int, tuple[int, int, float, float]] = {}
-        best_ttft, best_inst, best_local = 0.0, -1, 0
-        for p in view.prefill:
-            local = match.lens.get(p.instance_id, 0)
-            plan = plans.get(local)
-            if plan is None:
-                prefix, local_tokens, load_s = self._reach(req, match, local)
-                plan = plans[local] = (prefix, local_tokens, load_s,
-                                       self.cost.prefill_with_load_s(req.input_len, prefix))
-            ttft = max(0.0, p.busy_until_s - now) + plan[2] + plan[3]
-            if best_inst < 0 or ttft < best_ttft:
-                best_ttft, best_inst, best_local = ttft, p.instance_id, local
-        prefix, local_tokens, load_s, prefill_s = plans[best_local]
-        return PrefillChoice(best_inst, prefix, local_tokens, None,
-                             view.prefill[best_inst].queue_s(now), load_s, prefill_s)
-
-
-class KVCacheCentricPolicy(_Base):
-    """Algorithm 1 of [A]/[F]: global best prefix, transfer cost, balancing threshold.
-
-    For an instance holding `local` leading blocks of a best match of `best` blocks elsewhere,
-    the remote prefix is fetched when best / local >= balancing_threshold (local == 0 with
-    best > 0 counts as an infinite ratio); otherwise the instance computes from its own prefix.
-    A fetched prefix is replicated on the chosen instance (hot-spot migration). Work that only
-    depends on the local prefix length is computed once per distinct length.
-    """
-
-    def choose(self, req: RequestInfo, match: PrefixMatch, view: ClusterView,
-               now: float) -> PrefillChoice:
-        plans: dict[int, tuple[int, int, float, float]] = {}
+        plans: dict[int, _Plan] = {}
         best_ttft, best_inst, best_local = 0.0, -1, 0
         for p in view.prefill:
             local = match.lens.get(p.instance_id, 0)
             plan = plans.get(local)
             if plan is None:
                 plan = plans[local] = self._plan(req, match, view, local, now)
-            ttft = max(0.0, p.busy_until_s - now) + plan[2] + plan[3]
+            ttft = max(0.0, p.busy_until_s - now) + plan.transfer_s + plan.prefill_s
             if best_inst < 0 or ttft < best_ttft:
                 best_ttft, best_inst, best_local = ttft, p.instance_id, local
-        prefix, local_tokens, transfer, prefill = plans[best_local]
-        source = match.best_instance if prefix > local_tokens else None
-        return PrefillChoice(best_inst, prefix, local_tokens, source,
-                             view.prefill[best_inst].queue_s(now), transfer, prefill)
+        plan = plans[best_local]
+        return PrefillChoice(best_inst, plan.prefix, plan.local, plan.source,
+                             view.prefill[best_inst].queue_s(now), plan.transfer_s,
+                             plan.prefill_s)
 
     def _plan(self, req: RequestInfo, match: PrefixMatch, view: ClusterView, local: int,
-              now: float) -> tuple[int, int, float, float]:
-        """(prefix tokens, local prefix tokens, transfer s, prefill s) for `local` blocks: the
-        instance's own prefix and what its engine loads from the pool, or a longer prefix
-        fetched from the instance that holds it."""
+              now: float) -> _Plan:
+        """The instance's own prefix and what its engine loads from the pool."""
+        prefix, local_tokens, load_s = self._reach(req, match, local)
+        return _Plan(prefix, local_tokens, load_s,
+                     self.cost.prefill_with_load_s(req.input_len, prefix), None)
+
+
+class CacheAwarePolicy(_LowestTtft):
+    """Lowest queue + prefill time using each instance's own cached prefix (and the pool's)."""
+
+
+class KVCacheCentricPolicy(_LowestTtft):
+    """Algorithm 1 of [A]/[F]: global best prefix, transfer cost, balancing threshold.
+
+    For an instance holding `local` leading blocks of a best match of `best` blocks elsewhere,
+    the remote prefix is fetched when best / local >= balancing_threshold (local == 0 with
+    best > 0 counts as an infinite ratio); otherwise the instance computes from its own prefix
+    (and what the pool holds). A fetched prefix is replicated on the chosen instance (hot-spot
+    migration).
+    """
+
+    def _plan(self, req: RequestInfo, match: PrefixMatch, view: ClusterView, local: int,
+              now: float) -> _Plan:
+        """Or a longer prefix fetched from the instance that holds it."""
         best, source = match.best_blocks, match.best_instance
-        reach, local_tokens, load_s = self._reach(req, match, local)
         if (source is None or best <= max(local, match.pool_blocks)
                 or best < local * self.config.balancing_threshold):
-            return reach, local_tokens, load_s, self.cost.prefill_with_load_s(req.input_len, reach)
-        prefix = self._tokens(req, best)
+            return super()._plan(req, match, view, local, now)
+        prefix, local_tokens = self._tokens(req, best), self._tokens(req, local)
         nic_wait = max(0.0, view.prefill[source].nic_busy_until_s - now)
         transfer = nic_wait + self.cost.kv_transfer_s(prefix - local_tokens)
-        return prefix, local_tokens, transfer, self.cost.prefill_with_load_s(req.input_len, prefix)
+        return _Plan(prefix, local_tokens, transfer,
+                     self.cost.prefill_with_load_s(req.input_len, prefix), source)
 
 
 PolicyFactory = Callable[[CostModel, ConductorConfig], PrefillPolicy]
