@@ -281,30 +281,7 @@ def serving_cluster(spec: ServingSpec,
                   "--host", host, "--metadata", metadata)
         wait_segments(cluster.admin_url, spec.num_store_nodes, list(cluster.procs.values()))
         stage.done(f"{spec.num_store_nodes} store node(s) mounted ({spec.dram} each)")
-        roles = (["prefill"] * spec.num_prefill + ["decode"] * spec.num_decode
-                 + ["both"] * spec.num_colocated)
-        ports: dict[str, int] = {}
-        for i, role in enumerate(roles):
-            port = free_port(host)
-            url = f"http://{host}:{port}"
-            if engines is not None and wiring is not None:
-                cluster.run(f"{role}-{i}", engines.command(url, port, spec.model_dir,
-                                                           cluster.model_name, wiring))
-            else:
-                face = (("--api", "vllm", "--kv-events-config", wiring.engine_config(url, port))
-                        if wiring is not None else ())
-                start(f"{role}-{i}", "worker", "--role", role, "--model", str(spec.model_dir),
-                      "--host", host, "--port", str(port), "--master", master_addr,
-                      *spec.worker_args, *face)
-            cluster.worker_urls.setdefault(role, []).append(url)
-            ports[url] = port
-        what = f"vLLM {engines.version} servers" if engines is not None else "workers"
-        stage.note(f"{len(roles)} {what} starting (each loads the model)")
-        timeout_s = spec.vllm.start_timeout_s if spec.vllm is not None else 120.0
-        for role, urls in cluster.worker_urls.items():
-            for url in urls:
-                _wait_engine(url, cluster, timeout_s)
-                stage.done(f"{role} {'vLLM server' if engines else 'worker'} ready at {url}")
+        ports = _start_engines(cluster, spec, start, wiring, engines, stage)
         events = wiring.proxy_flags(ports) if wiring is not None else ()
         start("proxy", "proxy", "--model", str(spec.model_dir), "--host", host,
               "--port", str(spec.port), *_worker_flags(cluster, spec.backend), *events,
@@ -313,6 +290,39 @@ def serving_cluster(spec: ServingSpec,
                   "the serving cluster", timeout_s=120)
         stage.done(f"proxy ready at {cluster.proxy_url}")
         yield cluster
+
+
+def _start_engines(cluster: ServingCluster, spec: ServingSpec,
+                   start: Callable[..., subprocess.Popen[bytes]], wiring: EventWiring | None,
+                   engines: VllmEngines | None, stage: _Stages) -> dict[str, int]:
+    """Every engine of the spec, kvpool workers or vLLM servers, started and waited for;
+    their URLs -> ports."""
+    host, master_addr = spec.host, cluster.master_address
+    roles = (["prefill"] * spec.num_prefill + ["decode"] * spec.num_decode
+             + ["both"] * spec.num_colocated)
+    ports: dict[str, int] = {}
+    for i, role in enumerate(roles):
+        port = free_port(host)
+        url = f"http://{host}:{port}"
+        if engines is not None and wiring is not None:
+            cluster.run(f"{role}-{i}", engines.command(url, port, spec.model_dir,
+                                                       cluster.model_name, wiring))
+        else:
+            face = (("--api", "vllm", "--kv-events-config", wiring.engine_config(url, port))
+                    if wiring is not None else ())
+            start(f"{role}-{i}", "worker", "--role", role, "--model", str(spec.model_dir),
+                  "--host", host, "--port", str(port), "--master", master_addr,
+                  *spec.worker_args, *face)
+        cluster.worker_urls.setdefault(role, []).append(url)
+        ports[url] = port
+    what = f"vLLM {engines.version} servers" if engines is not None else "workers"
+    stage.note(f"{len(roles)} {what} starting (each loads the model)")
+    timeout_s = spec.vllm.start_timeout_s if spec.vllm is not None else 120.0
+    for role, urls in cluster.worker_urls.items():
+        for url in urls:
+            _wait_engine(url, cluster, timeout_s)
+            stage.done(f"{role} {'vLLM server' if engines else 'worker'} ready at {url}")
+    return ports
 
 
 def _vllm_side(spec: ServingSpec, stack: ExitStack, rpc: int, meta: int,
