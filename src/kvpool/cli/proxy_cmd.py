@@ -43,7 +43,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    metavar="N", help="conditional disaggregation: a request whose uncached "
                    "part is at most N tokens goes straight to its decode worker (0: never)")
     p.add_argument("--kv-transfer", default=_D.kv_transfer, choices=KV_TRANSFER_MODES,
-                   help="prefill -> decode KV handoff: through the pool, or pushed")
+                   help="prefill -> decode KV handoff: through the pool, or pushed (kvpool "
+                        "workers); vllm: pool (a store connector, or NIXL's params relayed) "
+                        "or mooncake (vLLM's MooncakeConnector, a shared transfer id)")
     p.add_argument("--poll-interval", type=float, default=_D.poll_interval_s,
                    help="seconds between /load polls of each worker")
     add_security_args(p, "the workers and the proxy's own admin endpoints (/workers/register, "
@@ -85,6 +87,9 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hash-algo", default=_D.hash_algo, choices=("", "sha256", "sha256_cbor"),
                    help="vllm: the instances' --prefix-caching-hash-algo (default: what their "
                         "/metrics report, else sha256)")
+    p.add_argument("--mooncake-bootstrap", action="append", default=[], metavar="URL=BOOTSTRAP",
+                   help="vllm, --kv-transfer mooncake: an instance's Mooncake bootstrap server "
+                        "(default: its host, port 8998, vLLM's VLLM_MOONCAKE_BOOTSTRAP_PORT)")
     p.add_argument("--hash-seed", default=None, metavar="SEED",
                    help="vllm: the instances' PYTHONHASHSEED, if they set one")
 
@@ -125,7 +130,9 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         direct_below_tokens=args.direct_below_tokens,
         engine_model=args.engine_model, engine_block_size=args.engine_block_size,
         kv_events=args.kv_events, pool_topic=args.pool_topic, hash_algo=args.hash_algo, hash_seed=args.hash_seed,
-        kv_events_replay=tuple(_pair(v) for v in args.kv_events_replay),
+        kv_events_replay=tuple(_pair(v, "--kv-events-replay") for v in args.kv_events_replay),
+        mooncake_bootstrap=tuple(_pair(v, "--mooncake-bootstrap")
+                                 for v in args.mooncake_bootstrap),
         prefill_policy=args.prefill_policy, admission=args.admission,
         ttft_slo_s=args.ttft_slo, tbt_slo_s=args.tbt_slo,
         ttft_slo_relative=args.ttft_slo_relative,
@@ -137,11 +144,12 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         http_limits=replace(_D.http_limits, max_concurrency=args.max_connections))
 
 
-def _pair(value: str) -> tuple[str, str]:
-    url, sep, endpoint = value.partition("=")
-    if not sep or not url or not endpoint:
-        raise ConfigError(f"--kv-events-replay takes URL=ENDPOINT, got {value!r}")
-    return url, endpoint
+def _pair(value: str, flag: str) -> tuple[str, str]:
+    """URL=ADDRESS (split at the first '='; a URL has none before its query)."""
+    url, sep, address = value.partition("=")
+    if not sep or not url or not address:
+        raise ConfigError(f"{flag} takes URL=ADDRESS, got {value!r}")
+    return url.rstrip("/"), address
 
 
 def run(args: argparse.Namespace) -> int:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from kvpool.errors import ConfigError
 from kvpool.metadata.http_serving import HttpLimits
 
-KV_TRANSFER_MODES = ("pool", "push")
+KV_TRANSFER_MODES = ("pool", "push", "mooncake")
 BACKENDS = ("kvpool", "vllm")
 
 
@@ -67,7 +67,12 @@ class ProxyConfig:
     """Refit the cost model's prefill coefficients from the prefill times workers report
     (requests that had their prefill worker to themselves), starting from `cost_path`'s."""
     kv_transfer: str = "pool"
-    """How the prefill leg hands the KV to the decode leg: through the pool, or pushed."""
+    """How the prefill leg hands the KV to the decode leg: through the pool, or pushed
+    (kvpool workers); vllm: "pool" relays the prefill reply's kv_transfer_params (a store
+    connector, NIXL), "mooncake" drives vLLM's MooncakeConnector (a shared transfer id)."""
+    mooncake_bootstrap: tuple[tuple[str, str], ...] = ()
+    """kv_transfer mooncake: (instance URL, its Mooncake bootstrap URL) pairs; an instance
+    not named has it on its own host at vLLM's default port 8998."""
     poll_interval_s: float = 0.15
     """How often each worker's /load is read."""
     dead_after_failures: int = 2
@@ -99,6 +104,9 @@ class ProxyConfig:
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.backend != "vllm" and self.kv_transfer == "mooncake":
+            raise ConfigError("kv_transfer mooncake drives vLLM's MooncakeConnector: it needs "
+                              "the vllm backend")
         if self.backend != "kvpool" and self.kv_transfer == "push":
             raise ConfigError(f"kv_transfer push needs kvpool workers; the {self.backend} "
                               f"backend hands the KV over with its own connector")

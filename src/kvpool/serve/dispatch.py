@@ -228,7 +228,9 @@ class Run:
 
     @property
     def _mode(self) -> KVMode:
-        return self.d.config.kv_transfer  # type: ignore[return-value]  # checked by ProxyConfig
+        """push, else pool: `mooncake` is the vllm backend's own handoff, carried like the
+        store connector's by the prefill reply's kv_transfer_params (serve/vllm/backend.py)."""
+        return "push" if self.d.config.kv_transfer == "push" else "pool"
 
     async def tokens(self) -> AsyncGenerator[int]:
         """Output token ids in order. Always close it (aclosing): that releases the booking and

@@ -24,6 +24,7 @@ from kvpool.serve.launch import free_port
 from kvpool.serve.models import resolve_model
 from tests.serve.conftest import kvpool_up, marked_pids, wait_gone, wait_ready
 from tests.serve.vllm.conftest import real_vllm_python
+from tests.support.wait import wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 PROMPT = [1] + [200 + (i * 53) % 4000 for i in range(1100)]
@@ -137,8 +138,11 @@ def test_pd_through_the_pool_is_token_exact(cache_home: Path, tmp_path: Path) ->
             own = httpx.post(prefill + "/v1/completions", timeout=600, json=body | {
                 "model": model, "return_token_ids": True}).json()["choices"][0]["token_ids"]
             assert r.json()["kvpool_trace"]["token_ids"] == own, (k, dict(r.headers))
-            loaded.append(external_hits(decode))
-        assert loaded[0] >= 384 and loaded[1] - loaded[0] >= 512 and loaded[2] - loaded[1] >= 640, loaded
+            # its full blocks (128 tokens on CPU) came from the pool; vLLM counts them a moment
+            # after the reply
+            want = (loaded[-1] if loaded else 0.0) + len(prompt) // 128 * 128
+            loaded.append(wait_for(lambda d=decode, w=want: (n := external_hits(d)) >= w and n,
+                                   timeout_s=20, what=lambda d=decode: (loaded, external_hits(d))))
         decode_log = log.read_text()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(120) == 0, decode_log[-3000:]

@@ -12,6 +12,9 @@ proxy's vllm backend runs against real processes, and at scale without GPUs.
                             token_id:N; kv_transfer_params in and out
     GET  /info              not vLLM's: the kvpool worker's facts (engine identity), for tests
                             and benches that compute the expected outputs
+    GET  /query, POST /kvpool/mooncake/pull
+                            vLLM's MooncakeConnector protocol (a shared transfer_id), as
+                            engine/worker/vllm_p2p.py emulates it
 
 P/D as vLLM does it over a KV store connector (MooncakeStoreConnector): a request with
 `kv_transfer_params.do_remote_decode` is a prefill leg (its full blocks go to the pool, one
@@ -19,7 +22,9 @@ token comes back, with kv_transfer_params naming the request for the decode inst
 request with `do_remote_prefill` loads the prompt's blocks from the pool, computes the rest and
 makes every output token, the first included. What a real vLLM does differently: its NIXL
 connector pulls the blocks from the prefill instance's GPU instead of the pool; the fields
-relayed are the same.
+relayed are the same. A prefill leg whose kv_transfer_params carry a `transfer_id` is one of
+vLLM's MooncakeConnector instead: it returns no kv_transfer_params and holds the transfer for
+the decode leg that names it (engine/worker/vllm_p2p.py).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, Literal, Protocol
 
+import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -46,6 +52,7 @@ from kvpool.engine.worker.messages import (
     PrefillRequest,
 )
 from kvpool.engine.worker.runtime import Worker
+from kvpool.engine.worker.vllm_p2p import PULL_PATH, HeldTransfers, bootstrap_query, pull
 from kvpool.errors import KvpoolError, RequestFailed
 from kvpool.metadata.http_serving import bearer_matches
 
@@ -217,6 +224,9 @@ def create_vllm_app(worker: Worker, served_name: str, events: EventSource | None
     """The face over `worker`, serving the model as `served_name`; with `events`, publishing
     its KV events (as --kv-events-config makes vLLM do)."""
 
+    held = HeldTransfers()
+    peers = httpx.AsyncClient(timeout=30.0)
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         task = asyncio.get_running_loop().create_task(events.run()) if events else None
@@ -226,6 +236,7 @@ def create_vllm_app(worker: Worker, served_name: str, events: EventSource | None
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+            await peers.aclose()
             await worker.close()
 
     app = FastAPI(title="kvpool worker (vLLM API)", lifespan=lifespan)
@@ -254,6 +265,19 @@ def create_vllm_app(worker: Worker, served_name: str, events: EventSource | None
     async def info() -> InfoReply:
         return worker.info()
 
+    @app.get("/query")
+    async def query() -> dict[str, Any]:
+        return bootstrap_query(worker.epoch, f"{worker.config.host}:{worker.config.port}")
+
+    @app.post(PULL_PATH, response_model=None)
+    async def mooncake_pull(request: Request) -> Response:
+        body = json.loads(await request.body())
+        num = held.take(str(body.get("transfer_id"))) if body.get("engine_id") == worker.epoch \
+            else None
+        if num is None:
+            return JSONResponse({"error": "no such transfer"}, status_code=404)
+        return JSONResponse({"num_tokens": num})
+
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         # from the current event number on: no list of every cached block per scrape
@@ -271,8 +295,15 @@ def create_vllm_app(worker: Worker, served_name: str, events: EventSource | None
                               or uuid.uuid4().hex)
             if events is not None:
                 events.learn(body.prompt, body.cache_salt)
+            kv = body.kv_transfer_params or {}
             if run.mode == "prefill":
-                return JSONResponse(await run.prefill())
+                reply = await run.prefill()
+                if kv.get("transfer_id"):  # vLLM's MooncakeConnector: the decode leg pulls
+                    held.hold(str(kv["transfer_id"]), len(body.prompt))
+                    reply["kv_transfer_params"] = None
+                return JSONResponse(reply)
+            if kv.get("do_remote_prefill") and "transfer_id" in kv:
+                await pull(peers, kv)
             if body.stream:
                 return StreamingResponse(run.stream(run.outputs()),
                                          media_type="text/event-stream")

@@ -4,7 +4,11 @@
            GET /metrics (vllm: samples; block size and KV blocks from cache_config_info)
     poll   GET /metrics -> LoadReply (running, waiting, free and total KV tokens)
     legs   POST /v1/completions with the prompt's token ids (serve/vllm/wire.py); P/D by
-           kv_transfer_params, colocated as one streamed call
+           kv_transfer_params, colocated as one streamed call: the prefill leg's reply's
+           kv_transfer_params relayed to the decode leg (NIXL; a store connector needs none),
+           or with --kv-transfer mooncake a transfer id given to both legs and the prefill
+           instance's Mooncake engine id, read from its bootstrap server when it joins
+           (serve/vllm/mooncake_p2p.py)
 
 An instance's role is the flag it was named with (--prefill, --decode, --colocated); one added
 later through /workers/register is colocated. A URL that answers but is not a vLLM (no vllm:
@@ -41,6 +45,7 @@ from kvpool.metadata.http_serving import CLIENT_KEEPALIVE_S
 from kvpool.serve.backend import BackendFeatures, EnginePrefixes
 from kvpool.serve.config import ProxyConfig
 from kvpool.serve.vllm.metrics_text import EngineMetrics, parse_metrics
+from kvpool.serve.vllm.mooncake_p2p import MooncakeP2P, new_transfer_id
 from kvpool.serve.vllm.prefixes import InstancePrefixes
 from kvpool.serve.vllm.wire import (
     PREFILL_KV_PARAMS,
@@ -87,7 +92,8 @@ class VllmBackend:
                                reports_pool_tokens=False)
 
     def __init__(self, roles: dict[str, Role], timeout_s: float, api_key: str | None = None,
-                 model: str = "", block_size: int = 0, events: EventFeed | None = None) -> None:
+                 model: str = "", block_size: int = 0, events: EventFeed | None = None,
+                 p2p: MooncakeP2P | None = None) -> None:
         self.roles = {url.rstrip("/"): role for url, role in roles.items()}
         self.model = model
         """The served model name every instance must serve ("" until the first joins)."""
@@ -101,6 +107,9 @@ class VllmBackend:
         """url -> KV tokens, as read at join."""
         self.events = events
         """The instances' KV events (--kv-events), or None: no cached prefix is known."""
+        self.p2p = p2p
+        """vLLM's MooncakeConnector protocol (--kv-transfer mooncake), or None: the prefill
+        reply's kv_transfer_params are relayed."""
 
     @classmethod
     def from_config(cls, config: ProxyConfig) -> VllmBackend:
@@ -118,8 +127,10 @@ class VllmBackend:
                                   config.pool_topic)
             log.info("KV events: bound %s (topic = each instance's URL; the pool's: %r)",
                      events.endpoint, config.pool_topic)
+        p2p = (MooncakeP2P(dict(config.mooncake_bootstrap))
+               if config.kv_transfer == "mooncake" else None)
         return cls(roles, config.worker_timeout_s, config.token, config.engine_model,
-                   config.engine_block_size, events)
+                   config.engine_block_size, events, p2p)
 
     async def aclose(self) -> None:
         await self.http.aclose()
@@ -190,15 +201,36 @@ class VllmBackend:
         metrics = await self._metrics(url, timeout_s)
         block_size = self.block_size or metrics.block_size or DEFAULT_BLOCK_SIZE
         capacity = metrics.kv_capacity_tokens or UNKNOWN_CAPACITY_TOKENS
+        role = self.roles.get(url, "both")
+        if self.p2p is not None and role != "decode":
+            await self._learn_engine_id(url, timeout_s)
         self.model = self.model or served
         self.capacity[url] = capacity
         if self.events is not None:  # (re)joining: its cache may be another process's now
             self.events.rejoined(url)
-        return InfoReply(role=self.roles.get(url, "both"), model=served,
+        return InfoReply(role=role, model=served,
                          model_hash=model_hash(served), block_size=block_size,
                          max_model_len=max_len, kv_capacity_tokens=capacity,
                          engine={"kind": "vllm", "hash_algo": metrics.hash_algo,
                                  "reported_block_size": metrics.block_size})
+
+    async def _learn_engine_id(self, url: str, timeout_s: float) -> None:
+        """A prefill-capable instance's Mooncake engine id, from its bootstrap server."""
+        assert self.p2p is not None
+        bootstrap = self.p2p.bootstrap(url)
+        try:
+            query = (await self._get(bootstrap, "/query", timeout_s)).json()
+        except WorkerCallError as exc:
+            raise InvalidArgument(f"{url}: its Mooncake bootstrap server {bootstrap} does not "
+                                  f"answer ({exc}); --kv-transfer mooncake needs vLLM's "
+                                  "MooncakeConnector there (--mooncake-bootstrap URL=BOOTSTRAP "
+                                  "names another address)") from None
+        except ValueError:
+            raise InvalidArgument(f"{url}: {bootstrap}/query is not JSON") from None
+        try:
+            self.p2p.learn(url, query)
+        except InvalidArgument as exc:
+            raise InvalidArgument(f"{url}: {exc}") from None
 
     async def load(self, url: str, path: str, timeout_s: float) -> LoadReply:
         m = await self._metrics(url, timeout_s)
@@ -216,8 +248,11 @@ class VllmBackend:
 
     async def prefill(self, url: str, req: PrefillRequest) -> PrefillReply:
         t0 = time.monotonic()
+        transfer_id = new_transfer_id()
+        params = (dict(PREFILL_KV_PARAMS) if self.p2p is None
+                  else self.p2p.prefill_params(transfer_id))
         body = completion_body(self.model, req.prompt_token_ids, req.sampling, max_tokens=1,
-                               stream=False, kv_transfer_params=dict(PREFILL_KV_PARAMS))
+                               stream=False, kv_transfer_params=params)
         body.pop("logprobs", None)
         try:
             resp = await self.http.post(url + "/v1/completions", json=body,
@@ -231,7 +266,8 @@ class VllmBackend:
                             num_prompt_tokens=len(req.prompt_token_ids),
                             num_cached_tokens=got.num_cached_tokens or 0,
                             prefill_s=round(time.monotonic() - t0, 6),
-                            kv_transfer_params=got.kv_transfer_params)
+                            kv_transfer_params=got.kv_transfer_params if self.p2p is None
+                            else self.p2p.decode_params(url, transfer_id))
 
     def _reply(self, url: str, status: int, raw: bytes) -> Any:
         try:
