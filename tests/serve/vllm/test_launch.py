@@ -17,6 +17,7 @@ from kvpool.serve.vllm.launch import (
     VllmEngines,
     find_vllm,
     link_kvpool,
+    log_tail,
     mooncake_config,
 )
 
@@ -74,3 +75,16 @@ def test_a_python_without_vllm_is_a_clear_error() -> None:
         find_vllm(sys.executable, {})
     with pytest.raises(ConfigError, match="no vLLM found .*/nonexistent/python"):
         find_vllm("/nonexistent/python", {})
+
+
+def test_a_failed_start_shows_the_first_error_and_the_end(tmp_path: Path) -> None:
+    log = tmp_path / "vllm.log"
+    lines = ["INFO start"] * 5 + ["(EngineCore pid=7) ERROR the root cause"] + \
+        [f"frame {i}" for i in range(40)] + ["RuntimeError: Engine core initialization failed"]
+    log.write_text("\n".join(lines))
+    shown = log_tail(log, lines=3).splitlines()
+    assert shown == ["(EngineCore pid=7) ERROR the root cause", "frame 0", "frame 1", "...",
+                     "frame 38", "frame 39", "RuntimeError: Engine core initialization failed"]
+    log.write_text("INFO a\nINFO b")
+    assert log_tail(log, lines=3) == "INFO a\nINFO b"
+    assert log_tail(tmp_path / "absent.log") == ""

@@ -135,10 +135,16 @@ class VllmEngines:
 
 
 def log_tail(path: Path, lines: int = 20) -> str:
+    """The log's last `lines`, after its first error line when that is earlier (vLLM's API
+    server ends with "Engine core initialization failed. See root cause above": the cause is
+    the engine process's first traceback)."""
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        text = path.read_text(errors="replace").splitlines()
     except OSError:
         return ""
+    first = next((i for i, ln in enumerate(text) if "ERROR" in ln or "Traceback" in ln), None)
+    cause = text[first:first + lines] if first is not None and first < len(text) - lines else []
+    return "\n".join([*cause, *(["..."] if cause else []), *text[-lines:]])
 
 
 def prepare(run_dir: Path, python: str | None, master_address: str, metadata_url: str,
