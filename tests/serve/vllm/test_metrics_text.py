@@ -3,7 +3,7 @@ engines summed, cache_config_info's labels, and a text that is not a vLLM's."""
 
 from __future__ import annotations
 
-from kvpool.serve.vllm.metrics_text import EngineMetrics, parse_metrics
+from kvpool.serve.vllm.metrics_text import METRICS_PATH, EngineMetrics, parse_metrics
 
 NEW = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -42,3 +42,31 @@ def test_the_older_usage_name_and_no_cache_info() -> None:
 def test_a_text_without_vllm_samples_is_not_a_vllm() -> None:
     assert parse_metrics("# HELP x\nkvpool_proxy_requests_total 3\nprocess_cpu 1.5\n") is None
     assert parse_metrics("") is None
+
+
+def test_the_scrape_asks_prometheus_for_the_names_read_only() -> None:
+    """vLLM serves /metrics with prometheus_client's ASGI app: METRICS_PATH's `name[]` filter
+    leaves the five samples parsed and drops the rest (a histogram here)."""
+    import asyncio
+
+    import httpx
+    from prometheus_client import CollectorRegistry, Gauge, Histogram, make_asgi_app
+
+    registry = CollectorRegistry()
+    Gauge("vllm:num_requests_running", "", ["engine"], registry=registry).labels("0").set(3)
+    Gauge("vllm:num_requests_waiting", "", ["engine"], registry=registry).labels("0").set(2)
+    Gauge("vllm:kv_cache_usage_perc", "", ["engine"], registry=registry).labels("0").set(0.25)
+    info = Gauge("vllm:cache_config_info", "", ["block_size", "num_gpu_blocks"],
+                 registry=registry)
+    info.labels("128", "40").set(1)
+    Histogram("vllm:time_to_first_token_seconds", "", registry=registry).observe(0.5)
+
+    async def scrape(path: str) -> str:
+        transport = httpx.ASGITransport(app=make_asgi_app(registry=registry))
+        async with httpx.AsyncClient(transport=transport, base_url="http://vllm") as client:
+            return (await client.get(path)).text
+
+    whole, filtered = asyncio.run(scrape("/")), asyncio.run(scrape(METRICS_PATH[len("/metrics"):]))
+    assert "time_to_first_token" in whole and "time_to_first_token" not in filtered
+    assert parse_metrics(filtered) == parse_metrics(whole) == EngineMetrics(
+        num_running=3, num_waiting=2, kv_usage=0.25, block_size=128, num_gpu_blocks=40)

@@ -2,7 +2,8 @@
 
     join   GET /health (200), GET /v1/models (the served model, max_model_len),
            GET /metrics (vllm: samples; block size and KV blocks from cache_config_info)
-    poll   GET /metrics -> LoadReply (running, waiting, free and total KV tokens)
+    poll   GET /metrics -> LoadReply (running, waiting, free and total KV tokens); both
+           scrapes ask for the five names read (metrics_text.METRICS_PATH)
     legs   POST /v1/completions with the prompt's token ids (serve/vllm/wire.py); P/D by
            kv_transfer_params, colocated as one streamed call: the prefill leg's reply's
            kv_transfer_params relayed to the decode leg (NIXL; a store connector needs none),
@@ -44,7 +45,7 @@ from kvpool.log import get_logger
 from kvpool.metadata.http_serving import CLIENT_KEEPALIVE_S
 from kvpool.serve.backend import BackendFeatures, EnginePrefixes
 from kvpool.serve.config import ProxyConfig
-from kvpool.serve.vllm.metrics_text import EngineMetrics, parse_metrics
+from kvpool.serve.vllm.metrics_text import METRICS_PATH, EngineMetrics, parse_metrics
 from kvpool.serve.vllm.mooncake_p2p import MooncakeP2P, new_transfer_id
 from kvpool.serve.vllm.prefixes import InstancePrefixes
 from kvpool.serve.vllm.wire import (
@@ -174,7 +175,7 @@ class VllmBackend:
         return resp
 
     async def _metrics(self, url: str, timeout_s: float) -> EngineMetrics:
-        text = (await self._get(url, "/metrics", timeout_s)).text
+        text = (await self._get(url, METRICS_PATH, timeout_s)).text
         found = parse_metrics(text)
         if found is None:
             raise InvalidArgument(f"{url}/metrics has no vllm: samples: not a vLLM server")
