@@ -25,12 +25,12 @@ from kvpool.log import get_logger
 from kvpool.store.client.batches import key_chunks, refusal_code
 from kvpool.store.client.checksum import Hasher, HashOnArrival
 from kvpool.store.client.config import ClientConfig
-from kvpool.store.client.plan import Part, copies_for, parts_total, valid_parts
+from kvpool.store.client.plan import Copy, Part, copies_for, parts_total, valid_parts
 from kvpool.store.client.reads import ReadPath
 from kvpool.store.client.reserved import RESERVE_MAX_BYTES, ReservedPuts
 from kvpool.store.client.rpc import RpcClient
 from kvpool.store.client.staging import StagingArea
-from kvpool.store.client.types import ClientStats, Copy
+from kvpool.store.client.types import ClientStats
 from kvpool.store.config import ReplicateConfig
 from kvpool.store.wire import messages as m
 from kvpool.store.wire.codes import (
@@ -298,15 +298,16 @@ class ClientBase(ReadPath):
                 return False
         return True
 
-    def _copy_own(self, op: OpCode, local: int, remote: int, n: int, fence: int) -> bool:
+    def _copy_own(self, op: OpCode, copy: Copy) -> bool:
         """memcpy to or from our own segment through the engine's checked copy, admitted by the
         segment's fence like a peer's request (so a re-mount's set_fence waits for it). False
         for a stale replica (no longer mounted, or fenced), and for local memory unregistered
         since the caller checked it."""
-        if self._own_buffer(remote, n) is None:
+        if self._own_buffer(copy.target_addr, copy.length) is None:
             return False
         try:
-            self.engine.copy_local(op, local, remote, n, fence)
+            self.engine.copy_local(op, copy.local_addr, copy.target_addr, copy.length,
+                                   copy.fence)
         except (TransferError, MemoryRegistrationError):  # fenced, or unregistered meanwhile
             return False
         return True
@@ -319,12 +320,12 @@ class ClientBase(ReadPath):
         requests: list[TransferRequest] = []
         owners: list[int] = []
         for idx, items in copies.items():
-            for local, remote, n, endpoint, fence in items:
-                if endpoint == self.endpoint:
-                    if not self._copy_own(op, local, remote, n, fence):
+            for copy in items:
+                if copy.target == self.endpoint:
+                    if not self._copy_own(op, copy):
                         failed.add(idx)      # a stale replica: never touch it
                 else:
-                    requests.append(TransferRequest(op, local, n, endpoint, remote, fence))
+                    requests.append(copy.request(op))
                     owners.append(idx)
         if requests:
             if arrivals is not None:
@@ -418,13 +419,10 @@ class ClientBase(ReadPath):
     def _copies_to(replicas: Sequence[ReplicaDesc], parts: Sequence[Part],
                    size: int) -> list[Copy]:
         """The copies writing `size` object bytes from `parts` to every replica of a
-        PUT_START answer. (Indexed, so the plain arrays of a raw reply work as well:
-        [2] is the address, [1] the endpoint, [6] the fence.)"""
-        if len(parts) == 1 and len(replicas) == 1:  # the common case: one piece, one copy
-            r = replicas[0]
-            return [(parts[0][0], r[2], size, r[1], r[6])]
-        return [(a, addr, n, r[1], r[6]) for r in replicas
-                for a, addr, n in copies_for(parts, r[2], size)]
+        PUT_START answer."""
+        if len(replicas) == 1:
+            return copies_for(parts, replicas[0], size)
+        return [c for r in replicas for c in copies_for(parts, r, size)]
 
     def _revoke(self, keys: list[str]) -> None:
         """Give up puts whose copies failed. Best effort: if the master cannot be told, it

@@ -19,6 +19,7 @@ from typing import Any
 
 from kvpool.errors import RpcFailed
 from kvpool.store.client.base import ClientBase
+from kvpool.store.client.plan import copies_for
 from kvpool.store.wire import messages as m
 from kvpool.store.wire.codes import ErrorCode, LookupResult, Tier
 from kvpool.store.wire.drain import DrainPlan, DrainStep, ReplicaMove
@@ -120,8 +121,7 @@ class NodeDrainer(ClientBase):
             reads = self._read([mv.key for mv in moves], looks,
                                [[(addr, mv.size)] for (addr, _, _), mv
                                 in zip(staged, moves, strict=True)], t0)
-            copies = {i: [(staged[i][0], mv.target.addr, mv.size, mv.target.endpoint,
-                           mv.target.fence)]
+            copies = {i: copies_for([(staged[i][0], mv.size)], mv.target, mv.size)
                       for i, (mv, r) in enumerate(zip(moves, reads, strict=True)) if r.ok}
             failed = self._run_copies(OpCode.WRITE, copies)
         finally:
