@@ -40,7 +40,6 @@ from kvpool.store.wire.codes import (
     ReplicaDesc,
     Tier,
 )
-from kvpool.store.wire.protocol import Op
 from kvpool.store.wire.validate import valid_key
 from kvpool.transfer import OpCode, TransferConfig, TransferEngine, TransferRequest
 
@@ -102,17 +101,16 @@ class ClientBase(ReadPath):
 
     # -- master RPC, segments, liveness ----------------------------------------------------
 
-    def _call(self, msg: m.Msg | Op, *args: Any) -> Any:
+    def _call(self, msg: m.Msg) -> Any:
         """The result of `msg` (typed: `msg.Reply`), or RpcFailed with the code users see:
         RPC_TIMEOUT, the status of a reply that refused the whole request (a batch over the
-        master's limit: INVALID_PARAMS), RPC_FAIL for a broken connection. (An Op with
-        positional fields: see RpcClient.call.)"""
+        master's limit: INVALID_PARAMS), RPC_FAIL for a broken connection."""
         try:
-            return self._rpc.call(msg, *args)
+            return self._rpc.call(msg)
         except RpcTimeout:
             raise RpcFailed(E.RPC_TIMEOUT) from None
         except RpcError as exc:
-            log.warning("%s failed: %s", (msg.op if isinstance(msg, m.Msg) else msg).name, exc)
+            log.warning("%s failed: %s", msg.op.name, exc)
             raise RpcFailed(refusal_code(exc.status)) from None
 
     def _call_keyed(self, keys: Sequence[str], make: Callable[[list[str], int, int], m.Msg],
