@@ -323,7 +323,7 @@ class MasterCore:
         ttl = self.config.lease_ttl_s
         until = self.clock.now() + ttl
         touch, extend_lease = self.policy.on_access, self.objects.extend_lease
-        tiered = self.tiering.tiered
+        tiered = self.tiering.on_disk.tiered
         out = []
         for key in keys:
             obj = self.objects.get(key) if type(key) is str else None
