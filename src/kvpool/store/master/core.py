@@ -82,6 +82,10 @@ class MasterCore:
 
     # -- clients and segments -------------------------------------------------------------
 
+    def log_to(self, journal: JournalHooks) -> None:
+        """Tell `journal` of every durable change and tick from now on."""
+        self.journal = journal
+
     def heartbeat(self, client_id: str) -> ErrorCode:
         """Refresh a client's liveness. UNKNOWN_CLIENT tells it to mount its segments again
         (it was declared dead, or the master restarted); it is registered from now on."""
