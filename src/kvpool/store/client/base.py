@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import secrets
 import threading
-import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -259,13 +258,13 @@ class ClientBase(ReadPath):
         if self._stop.is_set():
             return
         self._stop.set()
-        deadline = time.monotonic() + self.config.close_timeout_s
+        deadline = self.clock.now() + self.config.close_timeout_s
         self._hb.join(self.config.close_timeout_s)
         self._revoke_reservations(self._rpc, self._reserved.take_stale(0.0),
-                                  max(0.001, deadline - time.monotonic()))
+                                  max(0.001, deadline - self.clock.now()))
         master_answers = True
         for segment_id in list(self._segments):
-            left = deadline - time.monotonic()
+            left = deadline - self.clock.now()
             if master_answers and left > 0:
                 code = self.unmount(segment_id, timeout_s=left)
                 master_answers = code not in (E.RPC_FAIL, E.RPC_TIMEOUT)

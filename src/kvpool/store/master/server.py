@@ -138,7 +138,7 @@ class MasterServer:
         cfg = self.server_config
         self._rpc = rpc = RpcServer(self.service, cfg.host, cfg.rpc_port, self.lock,
                                     cfg.tick_interval_s, cfg.token, cfg.rpc_limits,
-                                    cfg.request_poll_us)
+                                    cfg.request_poll_us, self.core.clock)
         app = create_admin_app(self.core, self.lock, self.metrics,
                                lambda: rpc.stall_problem(cfg.health_stall_s), cfg.token)
         self._admin = HttpServerThread(app, cfg.host, cfg.admin_port, cfg.http_limits)
