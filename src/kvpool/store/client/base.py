@@ -417,8 +417,9 @@ class ClientBase(ReadPath):
                    size: int) -> list[Copy]:
         """The copies writing `size` object bytes from `parts` to every replica of a
         PUT_START answer."""
-        if len(replicas) == 1:
-            return copies_for(parts, replicas[0], size)
+        if len(parts) == 1 and len(replicas) == 1:  # the common case: one piece, one copy
+            r = replicas[0]
+            return [Copy(parts[0][0], size, r.endpoint, r.addr, r.fence)]
         return [c for r in replicas for c in copies_for(parts, r, size)]
 
     def _revoke(self, keys: list[str]) -> None:
