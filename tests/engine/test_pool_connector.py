@@ -13,8 +13,10 @@ import torch
 
 from kvpool.engine.blocks import block_key, prefix_block_hashes, request_key
 from kvpool.engine.config import EngineConfig, SamplingParams
+from kvpool.engine.connector import KVFailure
 from kvpool.engine.llm_engine import LLMEngine, StepOutput
 from kvpool.engine.sequence import KVSource
+from kvpool.engine.sequence import Sequence as KVSequence
 from kvpool.engine.tiny import TinySpec, make_tiny
 from kvpool.engine.worker.kv_store import KVStore, KVTransport, Part
 from kvpool.engine.worker.pool import PoolConnector, PoolPlan, PushPlan, push_parts
@@ -236,6 +238,34 @@ def test_kv_missing_from_the_pool_is_an_error(tiny_llama: Path) -> None:
     outs = drain(decode)
     assert outs[-1].error == ("KV of block 0 of request r could not be read from the pool "
                               "(OBJECT_NOT_FOUND)")
+
+
+def test_a_failed_load_names_the_blocks_left_without_kv(tiny_llama: Path) -> None:
+    """Block 1 of a 20-token prompt (2 full blocks and a partial one) is missing: the load
+    fails with the cache blocks it did not fill, block 1's and the partial one's."""
+    store = MemoryStore()
+    p = prompt(20, 2)
+    prefill, conn = make(tiny_llama, store, save=True)
+    conn.plans["r"] = PoolPlan()
+    prefill.add_request("r", p, GREEDY, prefill_only=True)
+    first = [o.token_id for o in drain(prefill) if o.token_id is not None]
+    del store.objects[block_key(prefix_block_hashes(p, BS, prefill.root_hash)[1], 0)]
+    decode, dconn = make(tiny_llama, store, save=False)
+    seen: list[tuple[KVFailure | None, list[int]]] = []
+    real_load = dconn.load
+
+    def load(seq: KVSequence) -> KVFailure | None:
+        failure = real_load(seq)
+        seen.append((failure, list(seq.block_table)))
+        return failure
+    dconn.load = load  # type: ignore[method-assign]
+    seq = decode.add_request("r", p, GREEDY, kv_source=KVSource.POOL)
+    decode.continue_with(seq, first[0])
+    outs = drain(decode)
+    (failure, table), = seen
+    assert failure == KVFailure("KV of block 1 of request r could not be read from the pool "
+                                "(OBJECT_NOT_FOUND)", frozenset(table[1:3]))
+    assert len(table) == 3 and outs[-1].error == failure.reason
 
 
 def test_prefill_reuses_pool_blocks(tiny_llama: Path) -> None:

@@ -30,7 +30,7 @@ import json, sys
 from kvpool.store.client.store_client import StoreClient
 from kvpool.store.client.config import ClientConfig
 from kvpool.store.client.checksum import parts_checksum
-from kvpool.store.wire.protocol import Op
+from kvpool.store.wire import messages as m
 from kvpool.transfer import OpCode
 
 master, metadata, key, size = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
@@ -38,13 +38,14 @@ c = StoreClient(ClientConfig(master=master, metadata=metadata, heartbeat_interva
                              rpc_timeout_s=2.0, protocol=sys.argv[5]))
 addr, view, _ = c._staging.acquire(size)
 view[:] = b"\xaa" * size                       # A's bytes
-((code, wire),) = c._call(Op.PUT_START, [key], [size], 1, False, False, [], False)
-print(json.dumps({"code": code, "addrs": [w[2] for w in wire]}), flush=True)
+((code, wire),) = c._call(m.PutStartMsg(keys=[key], sizes=[size]))
+print(json.dumps({"code": int(code), "addrs": [w.addr for w in wire]}), flush=True)
 sys.stdin.readline()                           # stalled between PUT_START and the copy
 copies = {0: c._copies_to(wire, [(addr, size)], size)}
 failed = c._run_copies(OpCode.WRITE, copies)
 try:
-    ended = c._call(Op.PUT_END, [key], [parts_checksum([(addr, size)], size)])
+    ended = [int(e) for e in c._call(m.PutEndMsg(keys=[key],
+                                                 checksums=[parts_checksum([(addr, size)], size)]))]
 except Exception as exc:
     ended = [repr(exc)]
 print(json.dumps({"copied": not failed, "ended": ended}), flush=True)

@@ -23,7 +23,7 @@ from kvpool.store.client.config import ClientConfig
 from kvpool.store.client.rpc import RpcClient
 from kvpool.store.client.store_client import StoreClient
 from kvpool.store.config import ReplicateConfig
-from kvpool.store.wire.protocol import Op
+from kvpool.store.wire.messages import SegmentRow, SegmentsMsg
 from kvpool.units import parse_size
 
 BATCH = 64
@@ -48,9 +48,9 @@ def _start(stack: ExitStack, dram: str) -> tuple[str, list[subprocess.Popen[byte
     return master, nodes
 
 
-def _segments(master: str) -> list[list[object]]:
+def _segments(master: str) -> list[SegmentRow]:
     with RpcClient(master, "bench-probe") as probe:
-        return list(probe.call(Op.SEGMENTS))
+        return list(probe.call(SegmentsMsg()))
 
 
 def _wait_segments(master: str, count: int, timeout_s: float = 60.0) -> None:
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     size = parse_size(args.size)
     with ExitStack() as stack:
         master, nodes = _start(stack, args.dram)
-        endpoint, owner = str(_segments(master)[0][2]), str(_segments(master)[0][1])
+        endpoint, owner = _segments(master)[0].endpoint, _segments(master)[0].client_id
         drained = next(n for n in nodes if f"-{n.pid}-" in owner)
         store = stack.enter_context(StoreClient(ClientConfig(master=master)))
         _fill(store, endpoint, args.objects, size)

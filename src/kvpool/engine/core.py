@@ -124,9 +124,9 @@ class EngineCore:
         return self.postprocess(batch, sampled)
 
     def _admit(self, seq: Sequence) -> None:
-        error = self.connector.load(seq)
-        if error is not None:
-            self._finish(seq, None, error)
+        failure = self.connector.load(seq)
+        if failure is not None:
+            self._finish(seq, None, failure.reason)
 
     def run(self, batch: ScheduledBatch) -> dict[Sequence, Sampled]:
         """Compute the batch's KV; return the token sampled for each sequence whose last
@@ -220,7 +220,8 @@ class EngineCore:
             return
         self.connector.before_step()  # no put may still read blocks that are freed below
         if error is None and seq.block_table:
-            error = self.connector.on_finish(seq)
+            failure = self.connector.on_finish(seq)
+            error = None if failure is None else failure.reason
         if error is not None:
             self.connector.on_abort(seq)
         seq.finish_reason, seq.error = (None, error) if error else (reason, None)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import threading
-import time
 
+from kvpool.clock import SYSTEM_CLOCK, Clock
 from kvpool.errors import KvpoolError, SegmentNotFound
 from kvpool.metadata import MetadataBackend
 from kvpool.transfer.config import TransferConfig
@@ -17,7 +17,9 @@ _REFRESH_MIN_S = 0.2
 class PeerDirectory:
     """Caches descriptors of peer segments; refreshes one on demand (rate-limited)."""
 
-    def __init__(self, backend: MetadataBackend | None, config: TransferConfig, me: str) -> None:
+    def __init__(self, backend: MetadataBackend | None, config: TransferConfig, me: str,
+                 clock: Clock = SYSTEM_CLOCK) -> None:
+        self._clock = clock
         self._backend = backend
         self._config = config
         self._me = me
@@ -38,7 +40,7 @@ class PeerDirectory:
 
     def refresh(self, name: str) -> SegmentDescriptor | None:
         """Fetch again if the cached copy is old enough; None when rate-limited."""
-        if time.monotonic() - self._fetched_at.get(name, 0.0) < _REFRESH_MIN_S:
+        if self._clock.now() - self._fetched_at.get(name, 0.0) < _REFRESH_MIN_S:
             return None
         try:
             return self._fetch(name)
@@ -55,7 +57,7 @@ class PeerDirectory:
             descriptor = SegmentDescriptor.from_json(raw)
         with self._lock:
             self._cache[name] = descriptor
-            self._fetched_at[name] = time.monotonic()
+            self._fetched_at[name] = self._clock.now()
         return descriptor
 
     def _handshake(self, name: str) -> SegmentDescriptor:

@@ -30,14 +30,14 @@ def master() -> Iterator[MasterServer]:
 
 def test_rpc_and_admin_in_process(master: MasterServer) -> None:
     with RpcClient(master.address, "node") as node, RpcClient(master.address, "w") as w:
-        assert node.call(Op.PING) == "pong"
-        code, sid = node.call(Op.MOUNT, "127.0.0.1:7000", 4096, 1 << 20, 1)
+        assert node.call_unchecked(Op.PING) == "pong"
+        code, sid = node.call_unchecked(Op.MOUNT, "127.0.0.1:7000", 4096, 1 << 20, 1)
         assert (code, sid) == (0, "127.0.0.1:7000/1000")
-        res = w.call(Op.PUT_START, ["k1", "k2"], [10, 5000], 1, False, False, [], False)
+        res = w.call_unchecked(Op.PUT_START, ["k1", "k2"], [10, 5000], 1, False, False, [], False)
         assert res == [[0, [[sid, "127.0.0.1:7000", 4096, 10, 1, 1, 0]]],
                        [0, [[sid, "127.0.0.1:7000", 4096 + 64, 5000, 1, 1, 0]]]]
-        assert w.call(Op.PUT_END, ["k1", "k2"]) == [0, 0]
-        assert w.call(Op.EXISTS, ["k1", "nope"]) == [0, -704]
+        assert w.call_unchecked(Op.PUT_END, ["k1", "k2"]) == [0, 0]
+        assert w.call_unchecked(Op.EXISTS, ["k1", "nope"]) == [0, -704]
     base = f"http://127.0.0.1:{master.admin_port}"
     assert httpx.get(f"{base}/health").json()["keys"] == 2
     segs = httpx.get(f"{base}/segments").json()
@@ -101,10 +101,10 @@ def test_garbage_over_the_socket_then_service_continues(master: MasterServer) ->
     truncated.sendall(encode_frame(BAD_FRAMES[1])[:9])
     truncated.close()
     with RpcClient(master.address, "w") as w:
-        assert w.call(Op.GET_REPLICAS, ["", "x"]) == [10.0, [[-600, 0, [], 0.0, None],
+        assert w.call_unchecked(Op.GET_REPLICAS, ["", "x"]) == [10.0, [[-600, 0, [], 0.0, None],
                                                             [-704, 0, [], 0.0, None]]]
         with pytest.raises(RpcError, match="code -600"):
-            w.call(Op.MOUNT, "x", 0, 1)   # wrong arity
+            w.call_unchecked(Op.MOUNT, "x", 0, 1)   # wrong arity
         metrics = httpx.get(f"http://127.0.0.1:{master.admin_port}/metrics").text
         assert 'kvpool_master_errors_total{code="INVALID_PARAMS",op="malformed"} 5.0' in metrics
         assert 'kvpool_master_key_errors_total{code="INVALID_PARAMS",op="GET_REPLICAS"} 5.0' \
@@ -126,7 +126,7 @@ def test_pipelined_requests_are_answered_in_order(master: MasterServer) -> None:
 def test_rpc_timeout_when_no_master() -> None:
     with RpcClient(f"127.0.0.1:{free_port()}", "w", timeout_s=0.2) as w:
         with pytest.raises(RpcTimeout):
-            w.call(Op.PING)
+            w.call_unchecked(Op.PING)
 
 
 def test_cli_master_with_mooncake_flags() -> None:
@@ -142,10 +142,10 @@ def test_cli_master_with_mooncake_flags() -> None:
         assert httpx.put(f"http://127.0.0.1:{meta}/metadata", params={"key": "a"},
                          content=b"v").status_code == 200
         with RpcClient(f"127.0.0.1:{rpc}", "w") as w:
-            w.call(Op.MOUNT, "127.0.0.1:7000", 0, 4096, 1)
-            w.call(Op.PUT_START, ["k"], [1], 1, False, False, [], False)
-            w.call(Op.PUT_END, ["k"])
-            assert w.call(Op.GET_REPLICAS, ["k"])[0] == 0.5
+            w.call_unchecked(Op.MOUNT, "127.0.0.1:7000", 0, 4096, 1)
+            w.call_unchecked(Op.PUT_START, ["k"], [1], 1, False, False, [], False)
+            w.call_unchecked(Op.PUT_END, ["k"])
+            assert w.call_unchecked(Op.GET_REPLICAS, ["k"])[0] == 0.5
     assert proc.returncode == 0
 
 
@@ -177,7 +177,7 @@ def test_store_node_waits_for_a_late_master() -> None:
 
 def test_oversized_frame_drops_that_peer_only(master: MasterServer) -> None:
     bystander = RpcClient(master.address, "b")
-    assert bystander.call(Op.PING) == "pong"
+    assert bystander.call_unchecked(Op.PING) == "pong"
     sock = _raw(master)
     sock.sendall(struct.pack("<I", (64 << 20) + 1) + b"\x00" * 1000)  # over the 64 MiB limit
     reply = decode_reply(_read_frames(sock, 1)[0])
@@ -185,27 +185,27 @@ def test_oversized_frame_drops_that_peer_only(master: MasterServer) -> None:
     assert reply.result == f"frame of {(64 << 20) + 1} bytes exceeds {64 << 20}"
     assert _at_eof(sock)                       # then the master hangs up on that peer
     sock.close()
-    assert bystander.call(Op.PING) == "pong"   # same connection, still served
+    assert bystander.call_unchecked(Op.PING) == "pong"   # same connection, still served
     bystander.close()
     with RpcClient(master.address, "w") as w:
-        assert w.call(Op.PING) == "pong"
-        assert w.call(Op.EXISTS, ["k" * 4097, "k"]) == [-600, -704]
+        assert w.call_unchecked(Op.PING) == "pong"
+        assert w.call_unchecked(Op.EXISTS, ["k" * 4097, "k"]) == [-600, -704]
 
 
 def test_a_client_that_does_not_read_stalls_only_itself(master: MasterServer) -> None:
     with RpcClient(master.address, "node") as node:
         for i in range(100):
-            assert node.call(Op.MOUNT, f"127.0.0.1:{7000 + i}", 0, 1 << 20, 1)[0] == 0
+            assert node.call_unchecked(Op.MOUNT, f"127.0.0.1:{7000 + i}", 0, 1 << 20, 1)[0] == 0
         sock = _raw(master)       # ~1,500 replies of ~9 KB: far more than the socket buffers
         sock.sendall(b"".join(encode_frame(encode_request(Op.SEGMENTS, i, "s"))
                               for i in range(1, 1501)))
         time.sleep(0.3)
-        assert node.call(Op.PING, timeout_s=2) == "pong"
+        assert node.call_unchecked(Op.PING, timeout_s=2) == "pong"
         replies = [decode_reply(f) for f in _read_frames(sock, 1500)]
         assert [r.req_id for r in replies] == list(range(1, 1501))
         assert all(r.status == 0 and len(r.result) == 100 for r in replies)
         sock.close()
-        assert node.call(Op.PING) == "pong"
+        assert node.call_unchecked(Op.PING) == "pong"
 
 
 @pytest.mark.slow  # 11 s

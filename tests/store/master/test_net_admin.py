@@ -29,9 +29,9 @@ def master() -> Iterator[MasterServer]:
     config = MasterServerConfig(rpc_port=0, admin_port=0, metadata_port=0, token=TOKEN)
     with MasterServer(config) as m:
         with RpcClient(m.address, "node", token=TOKEN) as node:
-            node.call(Op.MOUNT, "127.0.0.1:7000", 4096, 1 << 20, 1)
-            node.call(Op.PUT_START, ["k"], [10], 1, False, False, [], False)
-            node.call(Op.PUT_END, ["k"])
+            node.call_unchecked(Op.MOUNT, "127.0.0.1:7000", 4096, 1 << 20, 1)
+            node.call_unchecked(Op.PUT_START, ["k"], [10], 1, False, False, [], False)
+            node.call_unchecked(Op.PUT_END, ["k"])
         yield m
 
 

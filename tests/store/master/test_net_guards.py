@@ -40,19 +40,19 @@ def _health(master: MasterServer) -> httpx.Response:
 def test_mount_outside_the_address_space_is_refused(master: MasterServer, base: int,
                                                     size: int) -> None:
     with RpcClient(master.address, "node") as node:
-        assert node.call(Op.MOUNT, "127.0.0.1:7000", base, size, 1) == [-600, ""]
+        assert node.call_unchecked(Op.MOUNT, "127.0.0.1:7000", base, size, 1) == [-600, ""]
         for _ in range(2):   # formerly: an address past 2**64 killed the RPC thread here
-            assert node.call(Op.PUT_START, ["k"], [4096], 1, False, False, [], False) \
+            assert node.call_unchecked(Op.PUT_START, ["k"], [4096], 1, False, False, [], False) \
                 == [[-200, []]]
-        assert node.call(Op.PING) == "pong"
+        assert node.call_unchecked(Op.PING) == "pong"
     assert _health(master).status_code == 200
 
 
 def test_highest_mount_that_fits_is_served(master: MasterServer) -> None:
     with RpcClient(master.address, "node") as node:
-        code, sid = node.call(Op.MOUNT, "127.0.0.1:7000", TOP - (1 << 20) - 1, 1 << 20, 1)
+        code, sid = node.call_unchecked(Op.MOUNT, "127.0.0.1:7000", TOP - (1 << 20) - 1, 1 << 20, 1)
         assert code == 0
-        res = node.call(Op.PUT_START, ["a", "b"], [4096, 4096], 1, False, False, [], False)
+        res = node.call_unchecked(Op.PUT_START, ["a", "b"], [4096, 4096], 1, False, False, [], False)
         assert [r[0] for r in res] == [0, 0]
         assert all(r[1][0][2] + 4096 < TOP for r in res)
 
@@ -61,8 +61,8 @@ def test_highest_mount_that_fits_is_served(master: MasterServer) -> None:
 def test_mount_with_an_unknown_tier_is_refused(master: MasterServer, tier: int) -> None:
     with RpcClient(master.address, "node") as node:
         with pytest.raises(RpcError, match="code -600.*unknown tier"):
-            node.call(Op.MOUNT, "127.0.0.1:7000", 4096, 4096, tier)
-        assert node.call(Op.PING) == "pong"
+            node.call_unchecked(Op.MOUNT, "127.0.0.1:7000", 4096, 4096, tier)
+        assert node.call_unchecked(Op.PING) == "pong"
 
 
 def test_a_bug_in_a_handler_is_an_internal_error_not_invalid_params(
@@ -74,8 +74,8 @@ def test_a_bug_in_a_handler_is_an_internal_error_not_invalid_params(
     with RpcClient(master.address, "w") as w:
         for _ in range(3):
             with pytest.raises(RpcError, match=f"code {INTERNAL_ERROR}.*internal error"):
-                w.call(Op.EXISTS, ["k"])
-        assert w.call(Op.PING) == "pong"
+                w.call_unchecked(Op.EXISTS, ["k"])
+        assert w.call_unchecked(Op.PING) == "pong"
     metrics = httpx.get(f"http://127.0.0.1:{master.admin_port}/metrics").text
     assert 'kvpool_master_errors_total{code="INTERNAL_ERROR",op="EXISTS"} 3.0' in metrics
 
@@ -85,8 +85,8 @@ def test_a_reply_that_cannot_be_encoded_is_answered(master: MasterServer,
     monkeypatch.setattr(master.core, "exists", lambda keys: [TOP + 1 for _ in keys])
     with RpcClient(master.address, "w") as w:
         with pytest.raises(RpcError, match=f"code {INTERNAL_ERROR}.*could not be encoded"):
-            w.call(Op.EXISTS, ["k"])
-        assert w.call(Op.PING) == "pong"
+            w.call_unchecked(Op.EXISTS, ["k"])
+        assert w.call_unchecked(Op.PING) == "pong"
 
 
 def test_an_error_outside_the_service_drops_one_connection_only(
@@ -100,11 +100,11 @@ def test_an_error_outside_the_service_drops_one_connection_only(
 
     monkeypatch.setattr(master.service, "handle", fragile)
     bystander = RpcClient(master.address, "b")
-    assert bystander.call(Op.PING) == "pong"
+    assert bystander.call_unchecked(Op.PING) == "pong"
     with RpcClient(master.address, "poison", timeout_s=2) as victim:
         with pytest.raises(RpcError):
-            victim.call(Op.PING)
-    assert bystander.call(Op.PING) == "pong"
+            victim.call_unchecked(Op.PING)
+    assert bystander.call_unchecked(Op.PING) == "pong"
     bystander.close()
     assert _health(master).status_code == 200
 

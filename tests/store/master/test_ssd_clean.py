@@ -33,7 +33,7 @@ def test_a_tick_copies_the_coldest_objects_and_keeps_them_in_dram(
     core.tick()
     due = tasks(core, ssd_id, vclock)
     assert [(t.kind, t.key, t.evict) for t in due] == [(OFFLOAD, k, False) for k in keys[:4]]
-    assert core.tiering.offloading_bytes == 0 and core.tiering.num_cleaning == 4
+    assert core.tiering.under_way.offloading_bytes == 0 and core.tiering.under_way.num_cleaning == 4
     core.check_integrity()
     finish(core, ssd_id, due)
     assert all(tiers(core, k) == [Tier.DRAM, Tier.SSD] for k in keys[:4])
@@ -67,12 +67,12 @@ def test_a_victim_being_copied_is_freed_when_its_copy_lands(vclock: VirtualClock
     due = tasks(core, ssd_id, vclock)          # copies ahead, not done yet
     vclock.advance(2.0)
     assert not core.evict(2 * OBJ)             # marks two of them: nothing freed now
-    assert core.tiering.offloading_bytes == 2 * OBJ and core.tiering.num_cleaning == 2
+    assert core.tiering.under_way.offloading_bytes == 2 * OBJ and core.tiering.under_way.num_cleaning == 2
     core.check_integrity()
     finish(core, ssd_id, due)
     assert [tiers(core, k) for k in keys[:3]] == [[Tier.SSD], [Tier.SSD],
                                                   [Tier.DRAM, Tier.SSD]]
-    assert core.used_bytes == 10 * OBJ and core.tiering.offloading_bytes == 0
+    assert core.used_bytes == 10 * OBJ and core.tiering.under_way.offloading_bytes == 0
 
 
 def test_nothing_is_lost_through_five_times_dram_with_an_ample_disk(
@@ -139,16 +139,16 @@ def test_lookups_that_find_no_dram_for_a_load_are_not_counted_as_reads(
     for _ in range(5):
         assert core.get_replicas([cold])[0].code == E.REPLICA_IS_NOT_READY
         vclock.advance(0.01)
-    assert cold not in core.tiering.loading and core.tiering.reads.get(cold, 0) == 0
+    assert cold not in core.tiering.under_way.loading and core.tiering.on_disk.reads.get(cold, 0) == 0
     vclock.advance(2.0)                        # leases over: eviction makes room...
     assert core.get_replicas([cold])[0].code == E.REPLICA_IS_NOT_READY
     run_node(core, ssd_id, vclock)
-    assert cold not in core.tiering.loading and core.tiering.reads.get(cold, 0) == 0
+    assert cold not in core.tiering.under_way.loading and core.tiering.on_disk.reads.get(cold, 0) == 0
     assert core.get_replicas([cold])[0].code == E.REPLICA_IS_NOT_READY   # ...and it loads
-    assert core.tiering.reads[cold] == 1
+    assert core.tiering.on_disk.reads[cold] == 1
     run_node(core, ssd_id, vclock)
     assert core.get_replicas([cold])[0].code == E.OK          # the same reader: transient
-    assert cold in core.tiering.transient and core.tiering.stats.promotions == 0
+    assert cold in core.tiering.on_disk.transient and core.tiering.stats.promotions == 0
     assert core.get_replicas([cold])[0].code == E.OK          # a second reader: promoted
     assert core.tiering.stats.promotions == 1
     core.check_integrity()

@@ -63,14 +63,14 @@ def test_eviction_offloads_and_the_object_stays_readable(vclock: VirtualClock) -
     core.tick()                          # above the watermark: offload, nothing dropped
     due = tasks(core, ssd_id, vclock)
     assert due and {t.kind for t in due} == {OFFLOAD}
-    assert len(core.objects) == 16 and core.tiering.offloading_bytes == len(due) * OBJ
+    assert len(core.objects) == 16 and core.tiering.under_way.offloading_bytes == len(due) * OBJ
     assert core.get_replicas([due[0].key])[0].code == E.OK   # still served from DRAM
     assert tasks(core, ssd_id, vclock) == []                 # handed out once
     core.check_integrity()
     vclock.advance(2.0)                  # the lease above ends
     finish(core, ssd_id, due)
     assert tiers(core, due[0].key) == [Tier.SSD]
-    assert core.tiering.stats.offloads == len(due) and core.tiering.offloading_bytes == 0
+    assert core.tiering.stats.offloads == len(due) and core.tiering.under_way.offloading_bytes == 0
     assert core.used_bytes == (16 - len(due)) * OBJ
 
 
@@ -109,7 +109,7 @@ def test_a_disk_only_read_loads_a_transient_copy(vclock: VirtualClock) -> None:
     found = core.get_replicas([key])[0]
     assert found.code == E.OK
     assert sorted(r.tier for r in found.replicas) == [Tier.DRAM, Tier.SSD]
-    assert key in core.tiering.transient
+    assert key in core.tiering.on_disk.transient
     vclock.advance(2.0)
     core.tick()                          # lease over: the transient copy goes
     assert tiers(core, key) == [Tier.SSD]
@@ -120,12 +120,12 @@ def test_promotion_after_k_reads(vclock: VirtualClock) -> None:
     core, ssd_id, key = offloaded(vclock, promote_after=2)
     load(core, ssd_id, key, vclock)      # read 1: a transient copy...
     assert core.get_replicas([key])[0].lease_ttl_s == core.tiering.config.transient_lease_s
-    assert key in core.tiering.transient and core.tiering.stats.promotions == 0
+    assert key in core.tiering.on_disk.transient and core.tiering.stats.promotions == 0
     vclock.advance(3.0)
     core.tick()                          # ...gone with its lease
     assert tiers(core, key) == [Tier.SSD]
     load(core, ssd_id, key, vclock)      # read 2: promoted when it arrives
-    assert key not in core.tiering.transient and core.tiering.stats.promotions == 1
+    assert key not in core.tiering.on_disk.transient and core.tiering.stats.promotions == 1
     vclock.advance(3.0)
     core.tick()
     assert tiers(core, key) == [Tier.DRAM, Tier.SSD]
@@ -138,16 +138,16 @@ def test_a_second_reader_of_a_transient_copy_promotes_it(vclock: VirtualClock) -
     core, ssd_id, key = offloaded(vclock, promote_after=2)
     load(core, ssd_id, key, vclock)
     assert core.get_replicas([key])[0].code == E.OK      # the first reader, again
-    assert key in core.tiering.transient
+    assert key in core.tiering.on_disk.transient
     assert core.get_replicas([key])[0].code == E.OK      # someone else
-    assert key not in core.tiering.transient and core.tiering.stats.promotions == 1
+    assert key not in core.tiering.on_disk.transient and core.tiering.stats.promotions == 1
     core.check_integrity()
 
 
 def test_promote_after_one_keeps_every_load(vclock: VirtualClock) -> None:
     core, ssd_id, key = offloaded(vclock, promote_after=1)
     load(core, ssd_id, key, vclock)
-    assert core.tiering.stats.promotions == 1 and key not in core.tiering.transient
+    assert core.tiering.stats.promotions == 1 and key not in core.tiering.on_disk.transient
 
 
 def test_a_failed_load_drops_the_bad_disk_copy(vclock: VirtualClock) -> None:
@@ -226,7 +226,7 @@ def test_a_dead_node_takes_its_disk_and_tasks(vclock: VirtualClock) -> None:
     core.heartbeat("w")
     core.expire_clients()
     assert key not in core.objects and not core.tiering.mounts
-    assert not core.tiering.tiered and not core.tiering.loading
+    assert not core.tiering.on_disk.tiered and not core.tiering.under_way.loading
     core.check_integrity()
 
 
@@ -249,7 +249,7 @@ def test_a_dram_segment_dropped_under_an_offload(vclock: VirtualClock) -> None:
     dram_id = next(s for s in core.segments if s != ssd_id)
     assert core.unmount_segment("c0", dram_id) == E.OK   # the objects go with it
     core.check_integrity()
-    assert not core.tiering.offloading and core.segments[ssd_id].allocator.used_bytes == 0
+    assert not core.tiering.under_way.offloading and core.segments[ssd_id].allocator.used_bytes == 0
     deletes = tasks(core, ssd_id, vclock)                # files the node may still write
     assert {(t.kind, t.key) for t in deletes} == {(DELETE, t.key) for t in due}
     finish(core, ssd_id, due + deletes)
@@ -260,11 +260,11 @@ def test_a_load_target_dropped_holds_its_range(vclock: VirtualClock) -> None:
     code, other = core.mount_segment("c1", "127.0.0.1:9001", 0x10000, 64 * KIB)
     assert code == E.OK
     assert core.get_replicas([key])[0].code == E.REPLICA_IS_NOT_READY
-    load_task = core.tiering.loading[key]
+    load_task = core.tiering.under_way.loading[key]
     assert load_task.dram is not None
     target = load_task.dram.segment
     core._drop_segment(target)
     core.check_integrity()
-    assert key not in core.tiering.loading and tiers(core, key) == [Tier.SSD]
+    assert key not in core.tiering.under_way.loading and tiers(core, key) == [Tier.SSD]
     finish(core, ssd_id, tasks(core, ssd_id, vclock))   # the late report changes nothing
     assert tiers(core, key) == [Tier.SSD]

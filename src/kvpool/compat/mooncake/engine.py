@@ -14,9 +14,9 @@ positionally are positional-only here too, so a keyword call raises TypeError in
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
+from kvpool.clock import SYSTEM_CLOCK, Clock
 from kvpool.compat.mooncake.engine_base import (
     CHECK_DONE,
     CHECK_FAILED,
@@ -43,6 +43,8 @@ class TransferEngine(EngineBase):
     def __init__(self) -> None:
         super().__init__()
         self._deadlines: dict[int, float] = {}
+        self.clock: Clock = SYSTEM_CLOCK
+        """The time of the async batches' deadlines (Mooncake's constructor takes none)."""
 
     # -- synchronous -----------------------------------------------------------------------
 
@@ -132,7 +134,7 @@ class TransferEngine(EngineBase):
         except KvpoolError as exc:
             log.warning("submit to %s failed: %s", target, exc)
             return 0
-        self._deadlines[batch_id] = time.monotonic() + self.native.config.timeout_s * 2
+        self._deadlines[batch_id] = self.clock.now() + self.native.config.timeout_s * 2
         return batch_id
 
     def transfer_check_status(self, batch_id: int, /) -> int:
@@ -143,7 +145,7 @@ class TransferEngine(EngineBase):
             return CHECK_FAILED
         states = {s.state for s in self.native.status(batch_id)}
         if RequestState.PENDING in states:
-            if time.monotonic() < deadline:
+            if self.clock.now() < deadline:
                 return CHECK_RUNNING
             self._forget(batch_id)
             return CHECK_TIMEOUT
@@ -158,7 +160,7 @@ class TransferEngine(EngineBase):
             if deadline is None:
                 ok = False
                 continue
-            statuses = self.native.wait(batch_id, max(0.0, deadline - time.monotonic()))
+            statuses = self.native.wait(batch_id, max(0.0, deadline - self.clock.now()))
             ok = ok and all(s.ok for s in statuses)
             self._forget(batch_id)
         return OK if ok else ERR_INVALID_ARGUMENT

@@ -22,13 +22,12 @@ from __future__ import annotations
 import ctypes
 import threading
 from collections.abc import Sequence
-from typing import Any
 
 from kvpool.compat.mooncake.store_base import INVALID, needs_setup, per_key
 from kvpool.compat.mooncake.store_tensors import StoreTensors
 from kvpool.compat.mooncake.types import ReplicateConfig
-from kvpool.store.client.plan import order_replicas
-from kvpool.store.wire.codes import ErrorCode, LookupResult
+from kvpool.store.client.plan import Copy, order_replicas
+from kvpool.store.wire.codes import ErrorCode, LookupResult, ReplicaDesc
 from kvpool.transfer import OpCode
 
 E = ErrorCode
@@ -140,7 +139,7 @@ class StoreRanges(StoreTensors):
     def _read_ranges(self, looks: Sequence[LookupResult | None],
                      ranges: Sequence[list[Range] | None]) -> list[int]:
         out = [INVALID] * len(looks)
-        todo: dict[int, list[Any]] = {}
+        todo: dict[int, list[ReplicaDesc]] = {}
         for i, (look, rs) in enumerate(zip(looks, ranges, strict=True)):
             if look is None or rs is None or look.code is not E.OK:
                 continue
@@ -151,7 +150,7 @@ class StoreRanges(StoreTensors):
             todo[i] = order_replicas(look.replicas, self.client.endpoint, self.client.host)
             out[i] = TRANSFER_FAIL
         while todo:
-            copies = {i: [(local, q[0].addr + off, n, q[0].endpoint, q[0].fence)
+            copies = {i: [Copy(local, n, q[0].endpoint, q[0].addr + off, q[0].fence)
                           for local, off, n in ranges[i] or ()] for i, q in todo.items()}
             failed = self.client._run_copies(OpCode.READ, copies)
             for i in set(todo) - failed:

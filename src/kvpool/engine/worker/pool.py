@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 
 from kvpool.engine.blocks import block_key, request_key
-from kvpool.engine.connector import KVConnector
+from kvpool.engine.connector import KVConnector, KVFailure
 from kvpool.engine.kv_layout import KVLayout
 from kvpool.engine.scheduler import ScheduledBatch
 from kvpool.engine.sequence import KVSource, Sequence
@@ -122,7 +122,7 @@ class PoolConnector(KVConnector):
 
     # -- loading at admission ----------------------------------------------------------------
 
-    def load(self, seq: Sequence) -> str | None:
+    def load(self, seq: Sequence) -> KVFailure | None:
         if seq.kv_source is KVSource.COMPUTE and not seq.reuses_kv:
             return None
         limit = (len(seq) - 1) // self.bs  # full blocks that may be loaded
@@ -136,14 +136,22 @@ class PoolConnector(KVConnector):
         if seq.kv_source is not KVSource.POOL:
             return None
         if store is None:
-            return "this worker has no pool (--master) to load KV from"
+            return KVFailure("this worker has no pool (--master) to load KV from",
+                             self._unloaded(seq, first + loaded, limit))
         if first + loaded < limit:
             if why == DAMAGED:
                 self._recompute(store, seq, f"block {first + loaded}")
                 return None
-            return (f"KV of block {first + loaded} of request {seq.request_id} could not be read "
-                    f"from the pool ({why})")
+            return KVFailure(f"KV of block {first + loaded} of request {seq.request_id} could "
+                             f"not be read from the pool ({why})",
+                             self._unloaded(seq, first + loaded, limit))
         return self._load_partial(store, seq, limit)
+
+    def _unloaded(self, seq: Sequence, start: int, limit: int) -> frozenset[int]:
+        """The cache blocks of a pool load that stopped at full block `start`: the full
+        blocks start..limit-1, and the partial last block of the prompt if it has one."""
+        end = limit + 1 if seq.num_prompt_tokens % self.bs else limit
+        return frozenset(seq.block_table[start:end])
 
     def _recompute(self, store: KVStore, seq: Sequence, what: str) -> None:
         """The pool held damaged bytes for `seq` (the store client had the replica dropped):
@@ -174,7 +182,7 @@ class PoolConnector(KVConnector):
                 return j // len(layers), bad[0].code.name
         return limit - first, ""
 
-    def _load_partial(self, store: KVStore, seq: Sequence, limit: int) -> str | None:
+    def _load_partial(self, store: KVStore, seq: Sequence, limit: int) -> KVFailure | None:
         if seq.num_prompt_tokens % self.bs:
             key = request_key(seq.request_id)
             result = store.batch_get_into_parts(
@@ -183,8 +191,9 @@ class PoolConnector(KVConnector):
                 self._recompute(store, seq, "the last block")
                 return None
             if not result.ok:
-                return (f"last block of request {seq.request_id} could not be read from the pool "
-                        f"({result.code.name})")
+                return KVFailure(f"last block of request {seq.request_id} could not be read "
+                                 f"from the pool ({result.code.name})",
+                                 self._unloaded(seq, limit, limit))
             store.remove(key, force=True)  # our own read lease would refuse a plain remove
         seq.num_computed_tokens = seq.num_prompt_tokens
         return None
@@ -219,7 +228,7 @@ class PoolConnector(KVConnector):
 
     # -- handing the KV over -----------------------------------------------------------------
 
-    def on_finish(self, seq: Sequence) -> str | None:
+    def on_finish(self, seq: Sequence) -> KVFailure | None:
         plan = self.plans.pop(seq.request_id, None)
         failures = self.saver.flush() if self.saver is not None else []
         if plan is None:
@@ -228,27 +237,28 @@ class PoolConnector(KVConnector):
             if isinstance(plan, PushPlan):
                 return self._push(seq, plan)
             if failures:
-                return f"storing KV in the pool failed: {failures[0]} ({len(failures)} in all)"
+                return KVFailure(f"storing KV in the pool failed: {failures[0]} "
+                                 f"({len(failures)} in all)")
             return self._put_rest(seq)
         except KvpoolError as exc:
-            return f"{type(exc).__name__}: {exc}"
+            return KVFailure(f"{type(exc).__name__}: {exc}")
 
-    def _push(self, seq: Sequence, plan: PushPlan) -> str | None:
+    def _push(self, seq: Sequence, plan: PushPlan) -> KVFailure | None:
         num_blocks = -(-seq.num_prompt_tokens // self.bs)
         local = push_parts(self.cache, seq.block_table[:num_blocks])
         if len(local) != len(plan.regions) or any(a[1] != b[1] for a, b in zip(local, plan.regions, strict=True)):
-            return (f"decode worker reserved {len(plan.regions)} regions, the prompt needs "
-                    f"{len(local)} of {self.cache.block_bytes} bytes")
+            return KVFailure(f"decode worker reserved {len(plan.regions)} regions, the prompt "
+                             f"needs {len(local)} of {self.cache.block_bytes} bytes")
         items = [(addr, remote, n) for (addr, n), (remote, _) in zip(local, plan.regions, strict=True)]
         self.transfer.batch_write(plan.segment, items)
         return None
 
-    def _put_rest(self, seq: Sequence) -> str | None:
+    def _put_rest(self, seq: Sequence) -> KVFailure | None:
         """The full blocks that came from the local cache (the pool may have dropped them since
         they were computed; a put of a key still there writes nothing), and the partial one.
         Blocks computed now were put by the saver; blocks loaded from the pool are there."""
         if self.store is None:
-            return "this worker has no pool (--master) to leave the KV in"
+            return KVFailure("this worker has no pool (--master) to leave the KV in")
         full = seq.num_prompt_tokens // self.bs
         hits = min(seq.num_cached_tokens // self.bs, full)
         layers = range(self.cache.num_layers)
@@ -260,4 +270,5 @@ class PoolConnector(KVConnector):
             parts.append(self._partial_parts(seq.block_table[full]))
         results = self.store.batch_put_from_parts(keys, parts) if keys else []
         bad = [(k, r.code.name) for k, r in zip(keys, results, strict=True) if not r.ok]
-        return f"storing KV in the pool failed: put {bad[0][0]}: {bad[0][1]}" if bad else None
+        return KVFailure(f"storing KV in the pool failed: put {bad[0][0]}: {bad[0][1]}") \
+            if bad else None

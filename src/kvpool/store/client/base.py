@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import secrets
 import threading
-import time
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -25,12 +24,12 @@ from kvpool.log import get_logger
 from kvpool.store.client.batches import key_chunks, refusal_code
 from kvpool.store.client.checksum import Hasher, HashOnArrival
 from kvpool.store.client.config import ClientConfig
-from kvpool.store.client.plan import Part, copies_for, parts_total, valid_parts
+from kvpool.store.client.plan import Copy, Part, copies_for, parts_total, valid_parts
 from kvpool.store.client.reads import ReadPath
 from kvpool.store.client.reserved import RESERVE_MAX_BYTES, ReservedPuts
 from kvpool.store.client.rpc import RpcClient
 from kvpool.store.client.staging import StagingArea
-from kvpool.store.client.types import ClientStats, Copy
+from kvpool.store.client.types import ClientStats
 from kvpool.store.config import ReplicateConfig
 from kvpool.store.wire import messages as m
 from kvpool.store.wire.codes import (
@@ -40,7 +39,6 @@ from kvpool.store.wire.codes import (
     ReplicaDesc,
     Tier,
 )
-from kvpool.store.wire.protocol import Op
 from kvpool.store.wire.validate import valid_key
 from kvpool.transfer import OpCode, TransferConfig, TransferEngine, TransferRequest
 
@@ -102,17 +100,16 @@ class ClientBase(ReadPath):
 
     # -- master RPC, segments, liveness ----------------------------------------------------
 
-    def _call(self, msg: m.Msg | Op, *args: Any) -> Any:
+    def _call(self, msg: m.Msg) -> Any:
         """The result of `msg` (typed: `msg.Reply`), or RpcFailed with the code users see:
         RPC_TIMEOUT, the status of a reply that refused the whole request (a batch over the
-        master's limit: INVALID_PARAMS), RPC_FAIL for a broken connection. (An Op with
-        positional fields: see RpcClient.call.)"""
+        master's limit: INVALID_PARAMS), RPC_FAIL for a broken connection."""
         try:
-            return self._rpc.call(msg, *args)
+            return self._rpc.call(msg)
         except RpcTimeout:
             raise RpcFailed(E.RPC_TIMEOUT) from None
         except RpcError as exc:
-            log.warning("%s failed: %s", (msg.op if isinstance(msg, m.Msg) else msg).name, exc)
+            log.warning("%s failed: %s", msg.op.name, exc)
             raise RpcFailed(refusal_code(exc.status)) from None
 
     def _call_keyed(self, keys: Sequence[str], make: Callable[[list[str], int, int], m.Msg],
@@ -261,13 +258,13 @@ class ClientBase(ReadPath):
         if self._stop.is_set():
             return
         self._stop.set()
-        deadline = time.monotonic() + self.config.close_timeout_s
+        deadline = self.clock.now() + self.config.close_timeout_s
         self._hb.join(self.config.close_timeout_s)
         self._revoke_reservations(self._rpc, self._reserved.take_stale(0.0),
-                                  max(0.001, deadline - time.monotonic()))
+                                  max(0.001, deadline - self.clock.now()))
         master_answers = True
         for segment_id in list(self._segments):
-            left = deadline - time.monotonic()
+            left = deadline - self.clock.now()
             if master_answers and left > 0:
                 code = self.unmount(segment_id, timeout_s=left)
                 master_answers = code not in (E.RPC_FAIL, E.RPC_TIMEOUT)
@@ -298,15 +295,16 @@ class ClientBase(ReadPath):
                 return False
         return True
 
-    def _copy_own(self, op: OpCode, local: int, remote: int, n: int, fence: int) -> bool:
+    def _copy_own(self, op: OpCode, copy: Copy) -> bool:
         """memcpy to or from our own segment through the engine's checked copy, admitted by the
         segment's fence like a peer's request (so a re-mount's set_fence waits for it). False
         for a stale replica (no longer mounted, or fenced), and for local memory unregistered
         since the caller checked it."""
-        if self._own_buffer(remote, n) is None:
+        if self._own_buffer(copy.target_addr, copy.length) is None:
             return False
         try:
-            self.engine.copy_local(op, local, remote, n, fence)
+            self.engine.copy_local(op, copy.local_addr, copy.target_addr, copy.length,
+                                   copy.fence)
         except (TransferError, MemoryRegistrationError):  # fenced, or unregistered meanwhile
             return False
         return True
@@ -319,12 +317,12 @@ class ClientBase(ReadPath):
         requests: list[TransferRequest] = []
         owners: list[int] = []
         for idx, items in copies.items():
-            for local, remote, n, endpoint, fence in items:
-                if endpoint == self.endpoint:
-                    if not self._copy_own(op, local, remote, n, fence):
+            for copy in items:
+                if copy.target == self.endpoint:
+                    if not self._copy_own(op, copy):
                         failed.add(idx)      # a stale replica: never touch it
                 else:
-                    requests.append(TransferRequest(op, local, n, endpoint, remote, fence))
+                    requests.append(copy.request(op))
                     owners.append(idx)
         if requests:
             if arrivals is not None:
@@ -418,13 +416,11 @@ class ClientBase(ReadPath):
     def _copies_to(replicas: Sequence[ReplicaDesc], parts: Sequence[Part],
                    size: int) -> list[Copy]:
         """The copies writing `size` object bytes from `parts` to every replica of a
-        PUT_START answer. (Indexed, so the plain arrays of a raw reply work as well:
-        [2] is the address, [1] the endpoint, [6] the fence.)"""
+        PUT_START answer."""
         if len(parts) == 1 and len(replicas) == 1:  # the common case: one piece, one copy
             r = replicas[0]
-            return [(parts[0][0], r[2], size, r[1], r[6])]
-        return [(a, addr, n, r[1], r[6]) for r in replicas
-                for a, addr, n in copies_for(parts, r[2], size)]
+            return [Copy(parts[0][0], size, r.endpoint, r.addr, r.fence)]
+        return [c for r in replicas for c in copies_for(parts, r, size)]
 
     def _revoke(self, keys: list[str]) -> None:
         """Give up puts whose copies failed. Best effort: if the master cannot be told, it

@@ -12,13 +12,13 @@ interrupted at any point loses nothing: the object keeps its old replica until t
 from __future__ import annotations
 
 import collections
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.errors import RpcFailed
 from kvpool.store.client.base import ClientBase
+from kvpool.store.client.plan import copies_for
 from kvpool.store.wire import messages as m
 from kvpool.store.wire.codes import ErrorCode, LookupResult, Tier
 from kvpool.store.wire.drain import DrainPlan, DrainStep, ReplicaMove
@@ -81,9 +81,10 @@ class NodeDrainer(ClientBase):
         node empty but for objects that could not be placed (`complete`), when the drain
         ended elsewhere, or after `timeout_s`. RpcFailed when the master stops answering."""
         report = DrainReport(plan)
-        start = time.monotonic()
+        clock = self.clock
+        start = clock.now()
         max_bytes = max(1, self.config.local_buffer_size // 2)
-        while time.monotonic() - start < timeout_s:
+        while clock.now() - start < timeout_s:
             t0 = self.clock.now()  # the leases of this batch's objects start after this
             step: DrainStep = self._call(m.ReplicateStartMsg(
                 address=address, max_keys=batch_keys, max_bytes=max_bytes))
@@ -92,15 +93,15 @@ class NodeDrainer(ClientBase):
             self._account(report, step)
             if step.moves:
                 self._move(report, step.moves, t0)
-            report.elapsed_s = time.monotonic() - start
+            report.elapsed_s = clock.now() - start
             if progress is not None and (step.moves or step.num_dropped or step.unplaced):
                 progress(report)
             if step.done:
                 report.complete = True
                 break
             if not step.moves:
-                time.sleep(WAIT_S)
-        report.elapsed_s = time.monotonic() - start
+                clock.sleep(WAIT_S)
+        report.elapsed_s = clock.now() - start
         return report
 
     @staticmethod
@@ -120,8 +121,7 @@ class NodeDrainer(ClientBase):
             reads = self._read([mv.key for mv in moves], looks,
                                [[(addr, mv.size)] for (addr, _, _), mv
                                 in zip(staged, moves, strict=True)], t0)
-            copies = {i: [(staged[i][0], mv.target.addr, mv.size, mv.target.endpoint,
-                           mv.target.fence)]
+            copies = {i: copies_for([(staged[i][0], mv.size)], mv.target, mv.size)
                       for i, (mv, r) in enumerate(zip(moves, reads, strict=True)) if r.ok}
             failed = self._run_copies(OpCode.WRITE, copies)
         finally:

@@ -6,18 +6,36 @@ in part order:
 
     object:  |<--- part 0 --->|<-- part 1 -->|<--- part 2 --->|
     offset   0                n0             n0+n1
+
+A plan is a list of `Copy`, the one shape a copy has from here to the wire: its fields are a
+`TransferRequest`'s after `op`, in the same order, so `copy.request(op)` is the request.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from kvpool.store.wire.codes import ReplicaDesc
+from kvpool.transfer.batch import OpCode, TransferRequest
 
 Part = tuple[int, int]
 """(local address, length in bytes)."""
-Copy = tuple[int, int, int]
-"""(local address, remote address, length)."""
+
+
+class Copy(NamedTuple):
+    """One transfer of a read or a write between local memory and one replica."""
+
+    local_addr: int
+    length: int
+    target: str
+    """The replica's transfer-engine segment name (its owner's endpoint, "host:port")."""
+    target_addr: int
+    fence: int = 0
+    """The replica's write fence (ReplicaDesc.fence): the owner refuses it once stale."""
+
+    def request(self, op: OpCode) -> TransferRequest:
+        return TransferRequest(op, *self)
 
 
 def parts_total(parts: Sequence[Part]) -> int:
@@ -36,9 +54,13 @@ def valid_parts(parts: object) -> bool:
     return parts_total(parts) > 0  # type: ignore[arg-type]
 
 
-def copies_for(parts: Sequence[Part], remote_addr: int, num_bytes: int) -> list[Copy]:
-    """Copies moving the first `num_bytes` object bytes between `parts` and the replica at
-    `remote_addr` (the tail of the parts is left untouched when they are larger)."""
+def copies_for(parts: Sequence[Part], replica: ReplicaDesc, num_bytes: int) -> list[Copy]:
+    """Copies moving the first `num_bytes` object bytes between `parts` and `replica` (the
+    tail of the parts is left untouched when they are larger)."""
+    target, base, fence = replica.endpoint, replica.addr, replica.fence
+    if len(parts) == 1:  # the common case: one piece, one copy
+        n = min(parts[0][1], num_bytes)
+        return [Copy(parts[0][0], n, target, base, fence)] if n else []
     copies: list[Copy] = []
     offset = 0
     for addr, length in parts:
@@ -46,7 +68,7 @@ def copies_for(parts: Sequence[Part], remote_addr: int, num_bytes: int) -> list[
             break
         n = min(length, num_bytes - offset)
         if n:
-            copies.append((addr, remote_addr + offset, n))
+            copies.append(Copy(addr, n, target, base + offset, fence))
         offset += n
     return copies
 

@@ -12,8 +12,15 @@ from kvpool.clock import Clock
 from kvpool.log import get_logger
 from kvpool.store.client.checksum import Hasher, HashOnArrival
 from kvpool.store.client.config import ClientConfig
-from kvpool.store.client.plan import Part, copies_for, order_replicas, parts_total, valid_parts
-from kvpool.store.client.types import ClientStats, Copy
+from kvpool.store.client.plan import (
+    Copy,
+    Part,
+    copies_for,
+    order_replicas,
+    parts_total,
+    valid_parts,
+)
+from kvpool.store.client.types import ClientStats
 from kvpool.store.wire import messages as m
 from kvpool.store.wire.codes import ErrorCode, LookupResult, ReadResult, ReplicaDesc, Tier
 from kvpool.store.wire.validate import valid_key
@@ -111,8 +118,7 @@ class ReadPath:
                 results.append(ReadResult(E.TRANSFER_FAIL))
         verify = self.config.verify_checksums
         while queues:
-            copies = {i: [(a, r, n, q[0].endpoint, q[0].fence)
-                          for a, r, n in copies_for(parts[i] or (), q[0].addr, looks[i].size)]
+            copies = {i: copies_for(parts[i] or (), q[0], looks[i].size)
                       for i, q in queues.items()}
             arrivals = HashOnArrival({i: (parts[i] or (), looks[i].size) for i in queues
                                       if looks[i].checksum is not None}) if verify else None

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 from kvpool.clock import SYSTEM_CLOCK, Clock
 from kvpool.errors import RpcFailed
 from kvpool.store.client.checksum import parts_checksum
-from kvpool.store.client.plan import Part
+from kvpool.store.client.plan import Copy, Part
 from kvpool.store.wire import messages as m
 from kvpool.store.wire.codes import ErrorCode, PutResult, ReplicaDesc, Reservation
 from kvpool.transfer import OpCode
@@ -52,8 +52,8 @@ class ReservedPuts:
     held reservations are read from `clock`. The only writer of its held reservations."""
 
     def __init__(self, call: Callable[[m.Msg], Any],
-                 copy: Callable[[OpCode, dict[int, list[Any]]], set[int]],
-                 copies_to: Callable[[Sequence[ReplicaDesc], Sequence[Part], int], list[Any]],
+                 copy: Callable[[OpCode, dict[int, list[Copy]]], set[int]],
+                 copies_to: Callable[[Sequence[ReplicaDesc], Sequence[Part], int], list[Copy]],
                  write_checksums: bool, clock: Clock = SYSTEM_CLOCK) -> None:
         self._call, self._copy, self._copies_to = call, copy, copies_to
         self._clock = clock

@@ -63,6 +63,11 @@ def _leader_resolver(address: str) -> Callable[[], tuple[str, int] | None] | Non
     return leader_resolver(address)
 
 
+def _not_sent(op: Op, exc: LocalProtocolError) -> RpcError:
+    """Nothing was sent: the request is the caller's fault (too large for a frame)."""
+    return RpcError(f"{op.name} request not sent: {exc}", status=int(ErrorCode.INVALID_PARAMS))
+
+
 def _timeval(seconds: float) -> bytes:
     micros = max(1000, int(seconds * 1e6))
     return struct.pack("ll", micros // 1_000_000, micros % 1_000_000)
@@ -99,33 +104,40 @@ class RpcClient:
         self._replied_at = 0.0
         """time.monotonic() of the last reply on the open connection."""
 
-    def call(self, msg: Msg | Op, *args: Any, timeout_s: float | None = None) -> Any:
+    def call(self, msg: Msg, timeout_s: float | None = None) -> Any:
         """The result of request `msg` (typed: `msg.Reply`). RpcTimeout when no reply comes
         in time, RpcError when the master refuses the request (the message says why,
         `status` carries the reply's code), when the request is too large for a frame
         (status INVALID_PARAMS, nothing sent), when the reply does not fit `msg.Reply`, or
-        when the connection broke (status None). Stamps `msg` with this client's header.
-
-        Tests and tools may pass an Op and its fields positionally instead: sent unchecked,
-        and the result comes back as plain msgpack values."""
+        when the connection broke (status None). Stamps `msg` with this client's header."""
         frame_id = next(self._ids)
-        op = msg.op if isinstance(msg, Msg) else msg
+        msg.req_id, msg.client_id = frame_id, self.client_id
         try:
-            if isinstance(msg, Msg):
-                msg.req_id, msg.client_id = frame_id, self.client_id
-                payload = encode_msg(msg)
-            else:
-                payload = encode_request(msg, frame_id, self.client_id, *args)
-            frame = encode_frame(payload)
-        except LocalProtocolError as exc:  # nothing was sent; the request is the caller's fault
-            raise RpcError(f"{op.name} request not sent: {exc}",
-                           status=int(ErrorCode.INVALID_PARAMS)) from None
+            frame = encode_frame(encode_msg(msg))
+        except LocalProtocolError as exc:
+            raise _not_sent(msg.op, exc) from None
+        return self._result(type(msg), msg.op, frame, frame_id, timeout_s)
+
+    def call_unchecked(self, op: Op, *fields: Any, timeout_s: float | None = None) -> Any:
+        """Request `op` with `fields` as they are, for tests and tools that must send what no
+        typed message can (a wrong arity, a bad field): the result comes back as plain
+        msgpack values. Raises as `call` does."""
+        frame_id = next(self._ids)
+        try:
+            frame = encode_frame(encode_request(op, frame_id, self.client_id, *fields))
+        except LocalProtocolError as exc:
+            raise _not_sent(op, exc) from None
+        return self._result(Msg, op, frame, frame_id, timeout_s)
+
+    def _result(self, cls: type[Msg], op: Op, frame: bytes, frame_id: int,
+                timeout_s: float | None) -> Any:
+        """Send `frame` and return its reply's result, decoded against `cls.Reply`."""
         head = self._exchange(frame, frame_id, timeout_s)
         if head.status != 0:
             raise RpcError(f"master refused {op.name} (code {head.status}): "
                            f"{_plain(head.result)}", status=head.status)
         try:
-            return decode_result(type(msg) if isinstance(msg, Msg) else Msg, head.result)
+            return decode_result(cls, head.result)
         except RemoteProtocolError as exc:
             raise RpcError(f"malformed reply from {self.address}: {exc}") from None
 

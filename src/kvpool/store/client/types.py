@@ -5,10 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-Copy = tuple[int, int, int, str, int]
-"""One transfer of a read or write: local address, remote address, length, the remote
-segment's endpoint, the write fence."""
-
 
 @dataclass
 class ClientStats:

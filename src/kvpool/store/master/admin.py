@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 import threading
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +17,7 @@ from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvpool.clock import SYSTEM_CLOCK, Clock
 from kvpool.metadata.http_serving import bearer_matches
 from kvpool.store.master.core import MasterCore
 from kvpool.store.master.metrics import MasterMetrics
@@ -54,14 +54,16 @@ class _DutyCycle:
     time. `claim()` is 0 for the caller let through (who must then `release(d)`), else how
     many seconds to wait."""
 
-    def __init__(self, max_share: float) -> None:
+    def __init__(self, max_share: float, clock: Clock = SYSTEM_CLOCK) -> None:
+        self.clock = clock
+        """Times the runs and the rests (the real clock: the share is of real time)."""
         self._rest_per_s = 1 / max_share - 1
         self._next_s = 0.0
         self._lock = threading.Lock()
 
     def claim(self) -> float:
         with self._lock:
-            now = time.monotonic()
+            now = self.clock.now()
             if self._next_s == math.inf:
                 return BUSY_RETRY_S
             if now < self._next_s:
@@ -71,7 +73,7 @@ class _DutyCycle:
 
     def release(self, duration_s: float) -> None:
         with self._lock:
-            self._next_s = time.monotonic() + duration_s * self._rest_per_s
+            self._next_s = self.clock.now() + duration_s * self._rest_per_s
 
 
 def _check(core: MasterCore) -> dict[str, Any]:
@@ -163,11 +165,11 @@ def create_admin_app(core: MasterCore, lock: threading.Lock, metrics: MasterMetr
                                 f"{INTEGRITY_MAX_SHARE:.0%} of the time; retry in "
                                 f"{wait_s:.3f}s", headers={"retry-after": str(math.ceil(wait_s))})
         with lock:
-            start = time.monotonic()
+            start = integrity_gate.clock.now()
             try:
                 return _check(core)
             finally:
-                integrity_gate.release(time.monotonic() - start)
+                integrity_gate.release(integrity_gate.clock.now() - start)
 
     @app.get("/journal", dependencies=guarded)
     def journal() -> dict[str, Any]:

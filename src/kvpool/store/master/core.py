@@ -82,6 +82,10 @@ class MasterCore:
 
     # -- clients and segments -------------------------------------------------------------
 
+    def log_to(self, journal: JournalHooks) -> None:
+        """Tell `journal` of every durable change and tick from now on."""
+        self.journal = journal
+
     def heartbeat(self, client_id: str) -> ErrorCode:
         """Refresh a client's liveness. UNKNOWN_CLIENT tells it to mount its segments again
         (it was declared dead, or the master restarted); it is registered from now on."""
@@ -323,7 +327,7 @@ class MasterCore:
         ttl = self.config.lease_ttl_s
         until = self.clock.now() + ttl
         touch, extend_lease = self.policy.on_access, self.objects.extend_lease
-        tiered = self.tiering.tiered
+        tiered = self.tiering.on_disk.tiered
         out = []
         for key in keys:
             obj = self.objects.get(key) if type(key) is str else None

@@ -52,7 +52,7 @@ def _drop_one(core: MasterCore, key: object, segment_id: object, addr: object,
         return E.OBJECT_NOT_FOUND
     core.stats.damaged_dropped += 1
     others = [r for r in obj.replicas if r is not replica and r.segment.tier is Tier.DRAM]
-    if not others or key in core.tiering.tiered or len(others) + 1 < len(obj.replicas):
+    if not others or key in core.tiering.on_disk.tiered or len(others) + 1 < len(obj.replicas):
         core.remove_object(obj, defer=True)
         return E.OK
     core.objects.drop_replica(obj, replica)

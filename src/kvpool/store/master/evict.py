@@ -78,7 +78,7 @@ def evict(core: CoreApi, tiering: Tiering, num_bytes: int, stats: EvictionStats)
     ahead, freed at once), and bytes already being offloaded count toward `num_bytes`.
     Returns whether anything was freed now."""
     stats.rounds += 1
-    num_bytes -= tiering.offloading_bytes
+    num_bytes -= tiering.under_way.offloading_bytes
     if num_bytes <= 0:
         return False
     now = core.clock.now()

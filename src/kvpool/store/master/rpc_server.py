@@ -27,10 +27,10 @@ import errno
 import selectors
 import socket
 import threading
-import time
 from collections.abc import Callable
 
 from kvpool.busypoll import PollWindow, select_polling
+from kvpool.clock import SYSTEM_CLOCK, Clock
 from kvpool.errors import AuthError, LocalProtocolError, RemoteProtocolError, StoreError
 from kvpool.log import RateLimitedLog, get_logger
 from kvpool.store.master.rpc_limits import RpcLimits
@@ -72,8 +72,11 @@ class RpcServer:
     def __init__(self, service: MasterService, host: str, port: int,
                  lock: threading.Lock, tick_interval_s: float = 0.1,
                  token: str | None = None, limits: RpcLimits | None = None,
-                 poll_us: int = 0) -> None:
+                 poll_us: int = 0, clock: Clock = SYSTEM_CLOCK) -> None:
+        """`clock`: the time of connection deadlines, ticks and the stall check (the
+        core's)."""
         self.service = service
+        self.clock = clock
         self.token = token
         self.lock = lock
         self.tick_interval_s = tick_interval_s
@@ -89,7 +92,7 @@ class RpcServer:
         self._num_handshakes = 0
         self._accept_paused_until: float | None = None
         self._stop = threading.Event()
-        self._next_tick = self._last_turn_s = time.monotonic()
+        self._next_tick = self._last_turn_s = self.clock.now()
         self._errors = RateLimitedLog(log, ERROR_LOG_INTERVAL_S)
         self._poll = PollWindow(poll_us)
         """Polls for the next request while requests come back to back (kvpool.busypoll)."""
@@ -124,28 +127,28 @@ class RpcServer:
         """Why the loop is not serving (stopped, or no turn for `max_stall_s`), or None."""
         if not self._thread.is_alive():
             return "the RPC loop is not running"
-        stalled_s = time.monotonic() - self._last_turn_s
+        stalled_s = self.clock.now() - self._last_turn_s
         if stalled_s > max_stall_s:
             return f"the RPC loop has not turned for {stalled_s:.1f}s"
         return None
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._last_turn_s = time.monotonic()
+            self._last_turn_s = self.clock.now()
             try:
                 self._turn()
             except Exception:  # a bug must not end the loop: log it and keep serving
                 self._errors.warn("RPC loop error (serving continues)", exc_info=True)
 
     def _turn(self) -> None:
-        now = time.monotonic()
+        now = self.clock.now()
         for key, events in select_polling(self._sel, max(0.0, self._next_tick - now),
                                           self._poll):
             if key.data is not None:
                 self._serve_event(key.data, events)
             elif key.fileobj is self._listener:
                 self._accept()
-        now = time.monotonic()
+        now = self.clock.now()
         if now >= self._next_tick:
             self._next_tick = now + self.tick_interval_s
             with self.lock:
@@ -187,7 +190,7 @@ class RpcServer:
             return
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        now = time.monotonic()
+        now = self.clock.now()
         if handshaking:
             assert self.token is not None
             conn = _Conn(sock, ServerHandshake(self.token), now + limits.handshake_timeout_s)
@@ -228,7 +231,7 @@ class RpcServer:
         self._accept_log.warn("RPC accept failed (%s); pausing accepts for %.1fs", exc,
                               self.limits.accept_backoff_s)
         self._sel.unregister(self._listener)
-        self._accept_paused_until = time.monotonic() + self.limits.accept_backoff_s
+        self._accept_paused_until = self.clock.now() + self.limits.accept_backoff_s
 
     def _resume_accepting(self, now: float) -> None:
         if self._accept_paused_until is not None and now >= self._accept_paused_until:
@@ -260,7 +263,7 @@ class RpcServer:
             self._drop(conn)
             return
         if not handshaking:
-            conn.deadline_s = time.monotonic() + self.limits.idle_timeout_s
+            conn.deadline_s = self.clock.now() + self.limits.idle_timeout_s
         try:
             frames = conn.decoder.feed(data)
         except RemoteProtocolError as exc:
@@ -287,7 +290,7 @@ class RpcServer:
             conn.handshake = None
             self._num_handshakes -= 1
             conn.decoder.max_frame_bytes = MAX_FRAME_BYTES
-            conn.deadline_s = time.monotonic() + self.limits.idle_timeout_s
+            conn.deadline_s = self.clock.now() + self.limits.idle_timeout_s
         self._send(conn, b"".join(encode_frame(a) for a in answers))
         return frames
 
@@ -344,7 +347,7 @@ class RpcServer:
             return
         del conn.out[:sent]
         if conn.handshake is None and sent:
-            conn.deadline_s = time.monotonic() + self.limits.idle_timeout_s
+            conn.deadline_s = self.clock.now() + self.limits.idle_timeout_s
         if conn.out:
             return
         if conn.closing:

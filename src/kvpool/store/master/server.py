@@ -101,7 +101,8 @@ class MasterServer:
         if persist is None:
             self.service = MasterService(self.core, self.metrics.observe)
         else:
-            self.journal = self.core.journal = Journal(persist, self.core, term)
+            self.journal = Journal(persist, self.core, term)
+            self.core.log_to(self.journal)
             self.service = PersistentService(self.core, self.journal, self.metrics.observe)
         self.metrics.watch_key_errors(self.service.key_errors)
         self._rpc: RpcServer | None = None
@@ -137,7 +138,7 @@ class MasterServer:
         cfg = self.server_config
         self._rpc = rpc = RpcServer(self.service, cfg.host, cfg.rpc_port, self.lock,
                                     cfg.tick_interval_s, cfg.token, cfg.rpc_limits,
-                                    cfg.request_poll_us)
+                                    cfg.request_poll_us, self.core.clock)
         app = create_admin_app(self.core, self.lock, self.metrics,
                                lambda: rpc.stall_problem(cfg.health_stall_s), cfg.token)
         self._admin = HttpServerThread(app, cfg.host, cfg.admin_port, cfg.http_limits)
@@ -165,7 +166,7 @@ class MasterServer:
         with self.lock:  # what the table holds already (a replayed journal) is announced first
             for obj in self.core.objects.values():
                 report_change(sink, obj.key, set(), media_of(obj.replicas))
-            self.core.objects.events = sink
+            self.core.objects.report_to(sink)
         log.info("pool KV events: %s, replay %s, topic %r", pub.endpoint,
                  pub.replay_endpoint or "off", cfg.topic)
 

@@ -43,6 +43,10 @@ class ObjectTable(KeyedReads[StoredObject]):
 
     # -- actions ---------------------------------------------------------------------------
 
+    def report_to(self, events: PoolEventSink) -> None:
+        """Tell `events` of every change of a key's media from now on."""
+        self.events = events
+
     def insert(self, obj: StoredObject, evictable: bool = True) -> None:
         """Store `obj` (its key must be free) and index its replicas; `evictable`: it
         enters the eviction order (an object only on disk does not)."""

@@ -1,5 +1,6 @@
 """Offload: DRAM objects to disk, at eviction or ahead of it; the write side of tiering.py,
-as functions over the tier's state (tier_state.py).
+as functions over the tier's state (tier_state.py), which they change only through its
+tables' methods (tier_tables.py).
 
 Eviction must never wait for the disk (a put that finds DRAM full is answered at once), yet
 an object evicted while no disk copy exists can only be dropped or copied first. So the
@@ -33,16 +34,16 @@ def take_victims(t: TierState, victims: list[StoredObject]) -> tuple[list[Stored
     Objects on disk (clean) lose their DRAM copy at once; one whose copy ahead is under way
     is freed when it lands; others are offloaded where a disk tier has room."""
     drop, freed = [], 0
-    t.clean_wanted = t.clean_wanted or bool(victims)
+    if victims:
+        t.under_way.want_walk()
     for obj in victims:
-        copying = t.offloading.get(obj.key)
-        if obj.key in t.tiered:
+        copying = t.under_way.offloading.get(obj.key)
+        if obj.key in t.on_disk.tiered:
             freed += t.drop_dram(obj)
             t.stats.dram_dropped += 1
         elif copying is not None:
-            evict_when_copied(t, copying)
-        elif obj.key in t.failed or not start_offload(t, obj):
-            t.failed.discard(obj.key)
+            t.under_way.evict_when_copied(copying)
+        elif t.on_disk.take_failed(obj.key) or not start_offload(t, obj):
             drop.append(obj)
     return drop, freed
 
@@ -58,13 +59,8 @@ def start_offload(t: TierState, obj: StoredObject, evict: bool = True) -> bool:
         if ssd is None:
             return False
         gen = t.new_gen()
-        task = t.queue(mount, OFFLOAD, obj.key, obj, obj.size, gen, r, ssd)
-        task.evict = evict
-        t.offloading[obj.key] = task
-        if evict:
-            t.offloading_bytes += obj.size
-        else:
-            t.num_cleaning += 1
+        t.under_way.start_offload(t.queue(mount, OFFLOAD, obj.key, obj, obj.size, gen, r, ssd),
+                                  evict)
         return True
     return False
 
@@ -74,7 +70,7 @@ def offload_done(t: TierState, task: Task, ok: bool) -> None:
     eviction, loses its DRAM ones), unless it changed meanwhile or the copy failed."""
     obj, ssd = task.obj, task.ssd
     assert ssd is not None
-    t.untrack_offload(task)
+    t.under_way.untrack_offload(task)
     live = t.core.segments.get(ssd.segment.segment_id) is ssd.segment
     valid = ok and live and obj is not None and t.core.objects.get(task.key) is obj \
         and task.dram in obj.replicas
@@ -83,12 +79,12 @@ def offload_done(t: TierState, task: Task, ok: bool) -> None:
         if ok and live:
             t.queue(t.mounts[ssd.segment.segment_id], DELETE, task.key, None, 0, task.gen)
         if not ok and obj is not None:
-            t.failed.add(task.key)
+            t.on_disk.offload_failed(task.key)
             t.stats.offload_failures += 1
         return
     assert obj is not None
     t.core.objects.add_replica(obj, ssd)
-    t.add_tiered(task.key, ssd.segment, task.gen)
+    t.on_disk.add(task.key, ssd.segment.segment_id, task.gen)
     t.stats.offloads += 1
     if task.evict:
         t.drop_dram(obj)
@@ -101,15 +97,16 @@ def clean_ahead(t: TierState) -> int:
     """Queue copies of the coldest DRAM objects that have no disk replica, until the clean
     share of DRAM capacity is covered or the in-flight cap is reached (objects no disk
     has free space for are left to eviction); returns the number queued."""
-    core, cfg = t.core, t.config
-    t.clean_due = core.clock.now() + cfg.clean_interval_s
+    core, cfg, under_way = t.core, t.config, t.under_way
+    due = core.clock.now() + cfg.clean_interval_s
     target = int(cfg.clean_share * core.capacity_bytes)
-    budget = cfg.max_cleaning - t.num_cleaning
-    t.clean_wanted = budget <= 0  # at the cap: walk again when copies land
+    budget = cfg.max_cleaning - under_way.num_cleaning
+    under_way.plan_walk(due, budget <= 0)  # at the cap: walk again when copies land
     if not t.mounts or target <= 0 or budget <= 0:
         return 0
     covered = queued = 0
-    objects, tiered, offloading, failed = core.objects, t.tiered, t.offloading, t.failed
+    objects, tiered, offloading = core.objects, t.on_disk.tiered, under_way.offloading
+    failed = t.on_disk.failed
     for key in core.policy.victims():
         if covered >= target or queued >= budget:
             break
@@ -120,14 +117,5 @@ def clean_ahead(t: TierState) -> int:
         if key in tiered or key in offloading or key in failed:
             continue
         queued += start_offload(t, obj, evict=False)  # False: no disk (room) for it
-    t.clean_wanted = queued >= budget
+    under_way.plan_walk(due, queued >= budget)
     return queued
-
-
-def evict_when_copied(t: TierState, task: Task) -> None:
-    """Eviction chose an object whose copy ahead is under way: free its DRAM when the copy
-    lands (its bytes now count as being offloaded)."""
-    if not task.evict:
-        task.evict = True
-        t.num_cleaning -= 1
-        t.offloading_bytes += task.size

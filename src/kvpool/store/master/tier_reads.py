@@ -1,6 +1,6 @@
 """Reads of objects on disk (load, transient copies, promotion) and the registration of a
 restarted node's files: the read side of tiering.py, as functions over the tier's state
-(tier_state.py)."""
+(tier_state.py), which they change only through its tables' methods (tier_tables.py)."""
 
 from __future__ import annotations
 
@@ -27,28 +27,22 @@ def on_lookup(t: TierState, obj: StoredObject) -> LookupResult | None:
     hit of a transient copy, except the first hit after the load (the reader that
     asked for it, looking again), which gets the short lease even when the load promoted
     the copy."""
-    key, cfg = obj.key, t.config
-    t.lru.move_to_end(key)
+    key, cfg, on_disk = obj.key, t.config, t.on_disk
+    on_disk.touch(key)
     has_dram = any(r.segment.tier is Tier.DRAM for r in obj.replicas)
-    if has_dram and key not in t.transient and key not in t.fresh:
+    if has_dram and key not in on_disk.transient and key not in on_disk.fresh:
         return None
     until = t.core.clock.now() + cfg.transient_lease_s
     t.core.objects.extend_lease(obj, until)
     if not has_dram:
-        if key not in t.loading and _start_load(t, obj):
-            _count_read(t, key)
+        if key not in t.under_way.loading and _start_load(t, obj):
+            on_disk.count_read(key)
         return NOT_READY
-    if key in t.fresh:
-        t.fresh.discard(key)
-    elif _count_read(t, key) >= _promote_after(t, obj):
+    if not on_disk.seen_fresh(key) and on_disk.count_read(key) >= _promote_after(t, obj):
         _promote(t, obj)
         return None
     descs = tuple(r.desc() for r in obj.replicas)
     return LookupResult(E.OK, obj.size, descs, cfg.transient_lease_s, obj.checksum)
-
-def _count_read(t: TierState, key: str) -> int:
-    reads = t.reads[key] = t.reads.get(key, 0) + 1
-    return reads
 
 def _promote_after(t: TierState, obj: StoredObject) -> int:
     for r in obj.replicas:
@@ -58,8 +52,7 @@ def _promote_after(t: TierState, obj: StoredObject) -> int:
     return 1
 
 def _promote(t: TierState, obj: StoredObject) -> None:
-    t.transient.discard(obj.key)
-    t.reads.pop(obj.key, None)
+    t.on_disk.promoted(obj.key)
     t.core.objects.set_evictable(obj.key, True)
     t.stats.promotions += 1
     t.journal_put(obj)
@@ -75,9 +68,8 @@ def _start_load(t: TierState, obj: StoredObject) -> bool:
     target = _allocate_dram(t, mount.segment.client_id, obj.size)
     if target is None:
         return False
-    gen = t.gens.get((source.segment.segment_id, obj.key), 0)
-    t.loading[obj.key] = t.queue(mount, LOAD, obj.key, obj, obj.size, gen,
-                                  target, source)
+    gen = t.on_disk.gens.get((source.segment.segment_id, obj.key), 0)
+    t.under_way.start_load(t.queue(mount, LOAD, obj.key, obj, obj.size, gen, target, source))
     return True
 
 def _allocate_dram(t: TierState, client_id: str, size: int) -> Replica | None:
@@ -91,8 +83,7 @@ def _allocate_dram(t: TierState, client_id: str, size: int) -> Replica | None:
 def load_done(t: TierState, task: Task, status: int) -> None:
     obj, dram, ssd = task.obj, task.dram, task.ssd
     assert dram is not None and ssd is not None
-    if t.loading.get(task.key) is task:
-        del t.loading[task.key]
+    t.under_way.end_load(task)
     live = t.core.segments.get(dram.segment.segment_id) is dram.segment
     valid = live and obj is not None and t.core.objects.get(task.key) is obj \
         and ssd in obj.replicas
@@ -106,11 +97,10 @@ def load_done(t: TierState, task: Task, status: int) -> None:
     assert obj is not None
     t.core.objects.add_replica(obj, dram)
     t.stats.loads += 1
-    t.fresh.add(task.key)
-    if t.reads.get(task.key, 0) >= _promote_after(t, obj):
+    promote = t.on_disk.reads.get(task.key, 0) >= _promote_after(t, obj)
+    t.on_disk.loaded(task.key, transient=not promote)
+    if promote:
         _promote(t, obj)
-    else:
-        t.transient.add(task.key)
 
 
 def register(t: TierState, client_id: str, segment_id: str, keys: Sequence[str],
@@ -142,9 +132,9 @@ def _register_one(t: TierState, mount: SsdMount, key: str, size: int, checksum: 
                                                     or obj.checksum != checksum)):
         return E.OBJECT_ALREADY_EXISTS
     if obj is not None and any(r.segment is seg for r in obj.replicas):
-        known = t.gens.get((seg.segment_id, key))
+        known = t.on_disk.gens.get((seg.segment_id, key))
         if known is None:  # re-attached from the master's state directory: adopt the file
-            t.add_tiered(key, seg, gen)
+            t.on_disk.add(key, seg.segment_id, gen)
         return E.OK if known in (None, gen) else E.OBJECT_ALREADY_EXISTS
     offset = seg.allocator.allocate(size)
     if offset is None:
@@ -155,6 +145,6 @@ def _register_one(t: TierState, mount: SsdMount, key: str, size: int, checksum: 
         core.objects.insert(obj, evictable=False)  # only on disk: not DRAM's to evict
     else:
         core.objects.add_replica(obj, rep)
-    t.add_tiered(key, seg, gen)
+    t.on_disk.add(key, seg.segment_id, gen)
     t.journal_put(obj)
     return E.OK

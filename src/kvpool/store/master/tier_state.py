@@ -3,16 +3,23 @@ nodes and their task queues, offloads and loads under way, which keys are on dis
 space and disk eviction. `Tiering` (tiering.py) adds the requests and hooks that run the
 offload side (tier_offload.py) and the read side (tier_reads.py) over this state; those
 two modules import this one, never tiering.py.
+
+Rule: one writer per table. The state is four tables, each the only writer of its fields:
+the mounts (`mounts`, written here; each `SsdMount` writes its own task queue), the keys on
+disk (`on_disk`, a `DiskKeys`), the transfers under way (`under_way`, a `TierTransfers`;
+both in tier_tables.py). The offload and read sides read their fields and change them only
+through their methods; `stats` holds counters that either side adds to. `check_integrity`
+checks each table and then the tables against the object table.
 """
 
 from __future__ import annotations
 
 import itertools
 import random
-from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from kvpool.store.master.state import Replica, Segment, StoredObject
+from kvpool.store.master.tier_tables import DiskKeys, TierTransfers
 from kvpool.store.master.tier_tasks import (
     DELETE,
     LOAD,
@@ -34,38 +41,15 @@ never starts at 0, so segment ids stay distinct)."""
 
 
 class TierState:
-    """The disk tier's tables (the only writer of them) and its shared actions."""
+    """The disk tier's tables and its shared actions."""
 
     def __init__(self, core: CoreApi, config: TierConfig | None = None) -> None:
         self.core = core
         self.config = config or TierConfig()
         self.mounts: dict[str, SsdMount] = {}
         """SSD segment id -> the node's disk tier."""
-        self.tiered: set[str] = set()
-        """Keys with a disk replica (the lookup's one-set-probe test)."""
-        self.gens: dict[tuple[str, str], int] = {}
-        """(SSD segment id, key) -> generation of the file that holds the replica."""
-        self.lru: OrderedDict[str, None] = OrderedDict()
-        self.offloading: dict[str, Task] = {}
-        """Offloads under way: evictions and copies ahead of eviction (Task.evict)."""
-        self.offloading_bytes = 0
-        """Bytes of the evicting offloads under way (they free DRAM when done)."""
-        self.num_cleaning = 0
-        """Copies ahead of eviction under way."""
-        self.clean_due = 0.0
-        """Clock time before which the copy-ahead walk is not run again (outside ticks)."""
-        self.clean_wanted = True
-        """Eviction took from the clean share, or the last walk stopped at the in-flight
-        cap: walk again after the next eviction round or report (ticks always walk)."""
-        self.loading: dict[str, Task] = {}
-        self.reads: dict[str, int] = {}
-        """Reads of an object since it went to disk (reset by promotion)."""
-        self.transient: set[str] = set()
-        """Keys whose DRAM copy is a load not promoted (freed when its lease ends)."""
-        self.fresh: set[str] = set()
-        """Transient copies not looked up since their load completed."""
-        self.failed: set[str] = set()
-        """Keys whose offload failed: the next eviction drops them."""
+        self.on_disk = DiskKeys()
+        self.under_way = TierTransfers()
         self.stats = TierStats()
         self._ids = itertools.count(1)
         self._rng = random.Random()
@@ -85,7 +69,7 @@ class TierState:
         mount = self.mounts.get(segment_id)
         if mount is None or mount.segment is not seg:
             mount = self.mounts[segment_id] = SsdMount(seg, promote_after)
-        mount.promote_after = promote_after
+        mount.set_promote_after(promote_after)
         return E.OK, segment_id
 
     def mount_of(self, client_id: str, segment_id: str) -> SsdMount | None:
@@ -111,37 +95,20 @@ class TierState:
                ssd: Replica | None = None) -> Task:
         checksum = obj.checksum if obj is not None else None
         task = Task(next(self._ids), kind, key, obj, size, checksum, gen, dram, ssd)
-        mount.tasks[task.task_id] = task
+        mount.add(task)
         return task
 
     # -- offload (tier_offload.py) ----------------------------------------------------------
 
     def evicting(self, key: str) -> bool:
         """Whether an offload under way frees `key`'s DRAM when done."""
-        task = self.offloading.get(key)
-        return task is not None and task.evict
-
-    def untrack_offload(self, task: Task) -> None:
-        """Forget `task` as an offload under way (if it still is)."""
-        if self.offloading.get(task.key) is task:
-            del self.offloading[task.key]
-            if task.evict:
-                self.offloading_bytes -= task.size
-            else:
-                self.num_cleaning -= 1
+        return self.under_way.evicting(key)
 
     def disk_of(self, client_id: str) -> SsdMount | None:
         for mount in self.mounts.values():
             if mount.segment.client_id == client_id:
                 return mount
         return None
-
-    def add_tiered(self, key: str, seg: Segment, gen: int) -> None:
-        self.gens[(seg.segment_id, key)] = gen
-        self.tiered.add(key)
-        self.lru[key] = None
-        self.lru.move_to_end(key)
-        self.reads.pop(key, None)
 
     def drop_dram(self, obj: StoredObject) -> int:
         """Free every DRAM replica of an object that has a disk one (after its lease)."""
@@ -151,8 +118,7 @@ class TierState:
             freed += r.segment.allocator.rounded(r.size)
             core.space.free_after(r, obj.lease_until)
         core.objects.set_evictable(obj.key, False)
-        self.transient.discard(obj.key)
-        self.fresh.discard(obj.key)
+        self.on_disk.dram_dropped(obj.key)
         self.journal_put(obj)
         return freed
 
@@ -181,12 +147,13 @@ class TierState:
         that no task is using, until `num_bytes` are freed; returns the bytes freed."""
         now, seg, freed = self.core.clock.now(), mount.segment, 0
         chosen = []
-        for key in self.lru:
+        loading, offloading = self.under_way.loading, self.under_way.offloading
+        for key in self.on_disk.lru:
             if freed >= num_bytes:
                 break
             obj = self.core.objects.get(key)
             if obj is None or obj.hard_pinned or obj.lease_until > now \
-                    or key in self.loading or key in self.offloading:
+                    or key in loading or key in offloading:
                 continue
             rep = next((r for r in obj.replicas if r.segment is seg), None)
             if rep is not None:
@@ -206,60 +173,48 @@ class TierState:
         self.core.space.free(rep.segment, rep.offset)
         self._forget_disk(obj.key, rep.segment)
         if not any(r.segment.tier is Tier.SSD for r in obj.replicas):
-            self._untier(obj.key)  # back to a plain DRAM object (a transient copy stays)
+            self.on_disk.untier(obj.key)  # back to a plain DRAM object (its copy stays)
             self.core.objects.set_evictable(obj.key, True)
-            self.transient.discard(obj.key)
         self.journal_put(obj)
 
     def _forget_disk(self, key: str, seg: Segment) -> None:
-        gen = self.gens.pop((seg.segment_id, key), None)
+        gen = self.on_disk.forget_replica(key, seg.segment_id)
         mount = self.mounts.get(seg.segment_id)
         if gen is not None and mount is not None and mount.segment is seg:
             self.queue(mount, DELETE, key, None, 0, gen)
-
-    def _untier(self, key: str) -> None:
-        self.tiered.discard(key)
-        self.fresh.discard(key)
-        self.lru.pop(key, None)
-        self.reads.pop(key, None)
 
     # -- removal, segments, time ---------------------------------------------------------
 
     def on_remove(self, obj: StoredObject) -> None:
         """`obj` is being removed (core.remove_object, before its ranges are freed)."""
         key = obj.key
-        offload = self.offloading.get(key)
+        offload = self.under_way.offloading.get(key)
         if offload is not None:  # the node may be reading the DRAM range: hold it
-            self.untrack_offload(offload)
+            self.under_way.untrack_offload(offload)
             offload.obj = None
             self.core.objects.extend_lease(obj, self.core.clock.now() + self.config.redeliver_s)
-        load = self.loading.pop(key, None)
+        load = self.under_way.drop_load(key)
         if load is not None:
             load.obj = None
         for r in obj.replicas:
             if r.segment.tier is Tier.SSD:
                 self._forget_disk(key, r.segment)
-        self._untier(key)
-        self.transient.discard(key)
-        self.fresh.discard(key)
-        self.failed.discard(key)
+        self.on_disk.removed(key)
 
     def after_segment_dropped(self, seg: Segment) -> None:
         """`seg` is gone (and objects left without a replica with it)."""
         mount = self.mounts.pop(seg.segment_id, None)
         for task in list(mount.tasks.values()) if mount is not None else []:
             self._cancel(task)
-        for table in (self.offloading, self.loading):
+        for table in (self.under_way.offloading, self.under_way.loading):
             for task in [t for t in table.values() if t.dram and t.dram.segment is seg]:
                 self._cancel(task)
-        for key in [k for k in self.tiered if self._disk_replicas(k) == 0]:
-            obj = self.core.objects.get(key)
-            self._untier(key)
-            if obj is not None and key not in self.transient:
+        on_disk = self.on_disk
+        for key in [k for k in on_disk.tiered if self._disk_replicas(k) == 0]:
+            if self.core.objects.get(key) is not None and key not in on_disk.transient:
                 self.core.objects.set_evictable(key, True)
-            self.transient.discard(key)
-        for gk in [gk for gk in self.gens if gk[0] == seg.segment_id]:
-            del self.gens[gk]
+            on_disk.untier(key)
+        on_disk.forget_segment(seg.segment_id)
 
     def _disk_replicas(self, key: str) -> int:
         obj = self.core.objects.get(key)
@@ -269,11 +224,11 @@ class TierState:
         """Forget a task whose disk or DRAM segment went away. A load's DRAM range is held
         for put_release_timeout_s: the node may still be writing it."""
         if task.kind == OFFLOAD:
-            self.untrack_offload(task)
-        elif self.loading.get(task.key) is task:
-            del self.loading[task.key]
+            self.under_way.untrack_offload(task)
+        else:
+            self.under_way.end_load(task)
         for mount in self.mounts.values():
-            mount.tasks.pop(task.task_id, None)
+            mount.take(task.task_id)
         core = self.core
         if task.kind == LOAD and task.dram is not None:
             seg = task.dram.segment
@@ -288,30 +243,30 @@ class TierState:
 
     def expire_transient(self) -> None:
         now = self.core.clock.now()
-        for key in list(self.transient):
+        for key in list(self.on_disk.transient):
             obj = self.core.objects.get(key)
             if obj is not None and obj.lease_until <= now:
                 self.drop_dram(obj)
 
     def held_ranges(self) -> list[tuple[Segment, int, int]]:
-        """(segment, offset, size) of ranges tasks hold (for the integrity check)."""
-        out = [(t.ssd.segment, t.ssd.offset, t.size) for t in self.offloading.values()
-               if t.ssd is not None]
+        """(segment, offset, size) of ranges tasks hold on mounted segments (for the
+        integrity check; a queued load of a removed object keeps the range of a DRAM
+        segment dropped since, which is no longer the master's to account for)."""
+        out = [(t.ssd.segment, t.ssd.offset, t.size)
+               for t in self.under_way.offloading.values() if t.ssd is not None]
         out += [(t.dram.segment, t.dram.offset, t.size) for m in self.mounts.values()
                 for t in m.tasks.values() if t.kind == LOAD and t.dram is not None]
         out += [(t.ssd.segment, t.ssd.offset, t.size) for m in self.mounts.values()
                 for t in m.tasks.values() if t.kind == OFFLOAD and t.obj is None
                 and t.ssd is not None]
-        return out
+        mounted = self.core.segments.get
+        return [held for held in out if mounted(held[0].segment_id) is held[0]]
 
     def check_integrity(self) -> None:
-        core = self.core
-        for key in self.tiered:
-            assert self._disk_replicas(key) > 0, f"tiered {key!r} has no disk replica"
-        for key in self.transient | self.fresh:
-            assert key in self.tiered, f"transient {key!r} is not on disk"
-        for key, task in self.offloading.items():
-            assert task.obj is core.objects.get(key), f"offload of {key!r} lost its object"
-        assert self.offloading_bytes == sum(t.size for t in self.offloading.values()
-                                            if t.evict)
-        assert self.num_cleaning == sum(not t.evict for t in self.offloading.values())
+        """AssertionError unless each table holds its own invariants and every mount is
+        filed under its segment's id."""
+        self.on_disk.check_integrity(self._disk_replicas)
+        self.under_way.check_integrity(self.core.objects.get)
+        for segment_id, mount in self.mounts.items():
+            mount.check_integrity()
+            assert mount.segment.segment_id == segment_id, f"mount {segment_id} misfiled"

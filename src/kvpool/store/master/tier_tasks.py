@@ -90,11 +90,23 @@ class Task:
 @dataclass(eq=False)
 class SsdMount:
     """One node's disk tier: its SSD segment (the master's account of the disk) and the
-    queue of tasks for it."""
+    queue of tasks for it, of which it is the only writer."""
 
     segment: Segment
     promote_after: int
     tasks: OrderedDict[int, Task] = field(default_factory=OrderedDict)
+
+    def set_promote_after(self, promote_after: int) -> None:
+        self.promote_after = promote_after
+
+    def add(self, task: Task) -> None:
+        """Queue `task` (a new id) for the node."""
+        self.tasks[task.task_id] = task
+
+    def take(self, task_id: int) -> Task | None:
+        """The task `task_id`, now out of the queue; None if not queued (reported twice,
+        or cancelled)."""
+        return self.tasks.pop(task_id, None)
 
     def due(self, now: float, redeliver_s: float, limit: int,
             limit_bytes: int = 1 << 62) -> list[Task]:
@@ -114,6 +126,11 @@ class SsdMount:
                     budget[0] -= 1
                     budget[1] -= task.size
         return out
+
+    def check_integrity(self) -> None:
+        """AssertionError unless every task is queued under its id."""
+        for task_id, task in self.tasks.items():
+            assert task.task_id == task_id, f"task {task.task_id} queued as {task_id}"
 
 
 @dataclass

@@ -52,7 +52,7 @@ class Tiering(TierState):
         if mount is None:
             return E.SEGMENT_NOT_FOUND
         for task_id, status in outcomes:
-            task = mount.tasks.pop(task_id, None)
+            task = mount.take(task_id)
             if task is not None and task.kind == OFFLOAD:
                 tier_offload.offload_done(self, task, status == DONE)
             elif task is not None and task.kind == LOAD:
@@ -70,7 +70,8 @@ class Tiering(TierState):
     def clean_if_wanted(self) -> None:
         """After an eviction round or a report: when eviction took from the clean share (or
         the last walk stopped at its cap), copy the next objects ahead (rate-limited)."""
-        if self.clean_wanted and self.core.clock.now() >= self.clean_due:
+        under_way = self.under_way
+        if under_way.clean_wanted and self.core.clock.now() >= under_way.clean_due:
             tier_offload.clean_ahead(self)
 
     # -- reads (tier_reads.py) --------------------------------------------------------------

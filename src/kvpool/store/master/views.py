@@ -57,5 +57,5 @@ def snapshot(core: MasterCore) -> MasterSnapshot:
         len(core.objects), len(core.pending), len(core.clients), core.capacity_bytes,
         core.used_bytes, tuple(core.segment_infos()), replace(core.stats),
         replace(core.evictor.stats), replace(tiering.stats),
-        sum(1 for k in tiering.tiered if len(core.objects[k].replicas) == 1),
-        tiering.offloading_bytes, len(tiering.loading))
+        sum(1 for k in tiering.on_disk.tiered if len(core.objects[k].replicas) == 1),
+        tiering.under_way.offloading_bytes, len(tiering.under_way.loading))

@@ -14,7 +14,6 @@ import fcntl
 import os
 import shutil
 import threading
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -97,7 +96,7 @@ class SsdWorker:
                 log.warning("disk tier: %s", exc)
                 busy = False
                 stop.wait(1.0)
-            now = time.monotonic()
+            now = self.client.clock.now()
             if busy:
                 last_busy = now
             else:
