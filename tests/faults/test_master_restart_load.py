@@ -18,7 +18,7 @@ from kvpool.bench.faults_procs import (
     start_master,
     start_nodes,
 )
-from kvpool.procs import wait_port
+from kvpool.launch.wait import wait_port
 from kvpool.store.client.config import ClientConfig
 from kvpool.store.client.store_client import StoreClient
 

@@ -22,7 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvpool.procs import free_port, stop, wait_port
+from kvpool.launch.children import stop
+from kvpool.launch.ports import free_port
+from kvpool.launch.wait import wait_port
 from kvpool.store.client.config import ClientConfig
 from kvpool.store.client.store_client import StoreClient
 from kvpool.store.config import ReplicateConfig

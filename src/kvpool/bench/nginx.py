@@ -24,8 +24,8 @@ from pathlib import Path
 
 from kvpool.bench.proc_cpu import child_pids
 from kvpool.errors import KvpoolError
-from kvpool.procs import free_port, stop
-from kvpool.serve.launch import die_with_parent
+from kvpool.launch.children import die_with_parent, stop
+from kvpool.launch.ports import free_port
 
 INSTALL_HINT = "apt-get install nginx (scripts/setup.sh installs it)"
 

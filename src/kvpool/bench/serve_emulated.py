@@ -334,7 +334,8 @@ def wait_rotation(url: str, num_workers: int, timeout_s: float = 120.0) -> None:
 
 def live_run(spec: RunSpec, args: argparse.Namespace, reqs: list[TraceRequest],
              model: Path, cost: Path, profile: EngineProfile) -> dict[str, Any]:
-    from kvpool.serve.launch import ServingSpec, free_port, serving_cluster
+    from kvpool.launch.ports import free_port
+    from kvpool.serve.launch import ServingSpec, serving_cluster
 
     serving = ServingSpec(model, port=free_port(), num_prefill=spec.num_prefill,
                           num_decode=spec.num_decode, num_colocated=spec.num_colocated,

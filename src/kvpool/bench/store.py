@@ -24,7 +24,9 @@ from typing import Any
 import numpy as np
 
 from kvpool.bench import anchors
-from kvpool.procs import free_port, running, wait_port
+from kvpool.launch.children import running
+from kvpool.launch.ports import free_port
+from kvpool.launch.wait import wait_port
 from kvpool.units import format_size, parse_size
 
 Record = dict[str, Any]

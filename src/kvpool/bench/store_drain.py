@@ -18,7 +18,9 @@ from contextlib import ExitStack
 
 import numpy as np
 
-from kvpool.procs import free_port, running, wait_port
+from kvpool.launch.children import running
+from kvpool.launch.ports import free_port
+from kvpool.launch.wait import wait_port
 from kvpool.store.client.config import ClientConfig
 from kvpool.store.client.rpc import RpcClient
 from kvpool.store.client.store_client import StoreClient

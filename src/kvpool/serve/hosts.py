@@ -54,8 +54,8 @@ import httpx
 
 from kvpool.engine.gguf_checkpoint import served_name
 from kvpool.errors import KvpoolError
-from kvpool.procs import kvpool_argv, stop
-from kvpool.serve.launch import die_with_parent, wait_http, wait_segments
+from kvpool.launch.children import die_with_parent, kvpool_argv, stop
+from kvpool.launch.wait import wait_http, wait_segments
 from kvpool.store.master.ha import DEPOSED_EXIT
 
 SUBNET = "10.231.60"
