@@ -10,7 +10,8 @@ from contextlib import ExitStack
 from pathlib import Path
 
 from kvpool.bench.faults_ha import ha_cluster, wait_leader
-from kvpool.bench.faults_procs import EtcdProcess, Ledger, PutLoad
+from kvpool.bench.faults_procs import Ledger, PutLoad
+from kvpool.launch.etcd import EtcdProcess
 from kvpool.store.client.store_client import StoreClient
 
 

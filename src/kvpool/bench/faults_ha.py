@@ -13,15 +13,9 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpool.bench.faults_procs import (
-    EtcdProcess,
-    HaPair,
-    Ledger,
-    PutLoad,
-    start_ha_pair,
-    start_nodes,
-    wait_until,
-)
+from kvpool.bench.faults_procs import Ledger, PutLoad, wait_until
+from kvpool.launch.etcd import EtcdProcess
+from kvpool.launch.store import HaPair, start_ha_pair, start_nodes
 from kvpool.store.client.store_client import StoreClient
 from kvpool.store.wire.leader import Etcd, parse_endpoints, read_leader
 
