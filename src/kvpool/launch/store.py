@@ -16,8 +16,12 @@ from pathlib import Path
 from kvpool.launch.children import stop
 from kvpool.launch.etcd import EtcdProcess
 from kvpool.launch.ports import free_port
-from kvpool.launch.wait import wait_port
+from kvpool.launch.wait import wait_for, wait_port
 from kvpool.store.client.config import ClientConfig
+from kvpool.store.wire.leader import Etcd, parse_endpoints, read_leader
+
+HA_TTL_S = 2
+"""The HA pair's leader lease (the least ha.py allows)."""
 
 
 def spawn_kvpool(*args: str, quiet: bool = True) -> subprocess.Popen[bytes]:
@@ -91,3 +95,29 @@ def start_nodes(stack: ExitStack, master: str, count: int, dram: str = "16MiB",
     return [owned(stack, spawn_kvpool("store-node", "--dram", dram, "--master", master,
                                       "--heartbeat-interval", "0.2", *extra))
             for _ in range(count)]
+
+
+def wait_leader(etcd: EtcdProcess, cluster_id: str, not_term: int = 0,
+                timeout_s: float = 30.0) -> tuple[str, int]:
+    """(address, term) of the leader of `cluster_id` in etcd, once there is one whose term
+    is not `not_term` (a failover's new leader); TimeoutError after `timeout_s`."""
+    client = Etcd(parse_endpoints(etcd.endpoint))
+
+    def leader() -> tuple[str, int] | None:
+        try:
+            found = read_leader(client, cluster_id)
+        except Exception:  # noqa: BLE001 - etcd restarting
+            return None
+        return found if found is not None and found[1] != not_term else None
+
+    return wait_for(leader, timeout_s, f"a leader for {cluster_id}", 0.05)
+
+
+def ha_cluster(stack: ExitStack, etcd: EtcdProcess, cluster_id: str,
+               ttl_s: int = HA_TTL_S) -> tuple[HaPair, int, int]:
+    """An HA pair keeping its journal in etcd (the default) and two store nodes started;
+    (pair, leader's index, leader's term)."""
+    pair = start_ha_pair(stack, etcd, None, cluster_id, ttl_s)
+    leader_addr, term = wait_leader(etcd, cluster_id)
+    start_nodes(stack, pair.address, 2)
+    return pair, pair.index_of(leader_addr), term

@@ -20,7 +20,7 @@ from kvpool.launch.children import check_alive, said
 T = TypeVar("T")
 
 
-def wait_for(check: Callable[[], T], timeout_s: float = 10.0,
+def wait_for(check: Callable[[], T | None], timeout_s: float = 10.0,
              what: str | Callable[[], object] = "", step_s: float = 0.02,
              procs: Sequence[subprocess.Popen[Any]] = ()) -> T:
     """Call `check` every `step_s` until it returns something true, and return that.
