@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpool.launch.wait import wait_for
 from kvpool.store.client.store_client import StoreClient
 from kvpool.store.config import ReplicateConfig
 from kvpool.store.wire.codes import ErrorCode as E
@@ -110,12 +111,12 @@ def lost_and_wrong(keys: Sequence[str], codes: Sequence[E], data: Sequence[bytes
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, step_s: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(step_s)
-    return False
+    """True once `predicate` holds, False after `timeout_s` (the measurement goes on and
+    counts what failed)."""
+    try:
+        return wait_for(predicate, timeout_s, step_s=step_s)
+    except TimeoutError:
+        return False
 
 
 class PutLoad(threading.Thread):

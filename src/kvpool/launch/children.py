@@ -110,6 +110,13 @@ def spawn_command(command: Command, quiet: bool = True,
                             pass_fds=pass_fds)
 
 
+def run_to_end(argv: Sequence[str]) -> None:
+    """A short command run to its end as a child that dies with this process (stdout
+    discarded); CalledProcessError when it fails."""
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL,
+                   preexec_fn=die_with_parent(os.getpid()))
+
+
 def spawn(*args: str, quiet: bool = True) -> subprocess.Popen[bytes]:
     """`python -m kvpool ARGS` as a child that dies with this process, in a session of its own
     (a terminal's Ctrl-C reaches only this process, which stops the children in order). A

@@ -21,7 +21,7 @@ from __future__ import annotations
 import ctypes
 import os
 import subprocess
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,13 +54,15 @@ class Host:
         assert self.holder is not None
         return ["nsenter", "-t", str(self.holder.pid), "-m", "-n", "--", *cmd]
 
-    def spawn(self, argv: list[str], env: Mapping[str, str],
-              quiet: bool = False) -> subprocess.Popen[bytes]:
+    def spawn(self, argv: Sequence[str], env: Mapping[str, str], quiet: bool = False,
+              pass_fds: Sequence[int] = ()) -> subprocess.Popen[bytes]:
         """`argv` on this host as a child that dies with this process, in a session of its
-        own, with environment `env`; stdout discarded, and stderr too when `quiet`."""
+        own, with environment `env`; stdout discarded, and stderr too when `quiet`;
+        `pass_fds` stay open in it (nsenter passes them on: a readiness pipe's write end)."""
         return subprocess.Popen(self.argv(*argv), env=env, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL if quiet else None,
-                                start_new_session=True, preexec_fn=die_with_parent(os.getpid()))
+                                start_new_session=True, preexec_fn=die_with_parent(os.getpid()),
+                                pass_fds=pass_fds)
 
 
 @dataclass

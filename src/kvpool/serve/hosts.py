@@ -45,7 +45,8 @@ from kvpool.launch.children import kvpool_argv, stop
 from kvpool.launch.etcd import CLIENT_PORT as ETCD_PORT
 from kvpool.launch.etcd import etcd_argv
 from kvpool.launch.netns import Fabric, Host, fabric, in_netns
-from kvpool.launch.wait import wait_for, wait_http, wait_segments
+from kvpool.launch.ready import ReadyPipe
+from kvpool.launch.wait import wait_for, wait_http
 from kvpool.store.master.ha import DEPOSED_EXIT
 
 RPC_PORT, ADMIN_PORT, METADATA_PORT, WORKER_PORT, PROXY_PORT = 50051, 9003, 8080, 8100, 8000
@@ -53,7 +54,8 @@ HA_LEASE_TTL_S = 2
 """The HA masters' leader lease (the least ha.py allows): a leader cut off from etcd stops
 serving within it, and a standby takes over a moment after it expires in etcd."""
 _Start = Callable[..., None]
-"""start(name, host, *kvpool args): one process on one host."""
+"""start(name, host, *kvpool args, announce=False): one process on one host (`announce`: it
+says on a pipe when it is ready, `HostsCluster.wait_ready`)."""
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,12 @@ class HostsCluster:
     """HOST:PORT of etcd (HA only)."""
     master_restarts: dict[int, int] = field(default_factory=dict)
     """Host -> how often its deposed master was started again as a standby."""
+    ready: dict[str, ReadyPipe] = field(default_factory=dict)
+    """The readiness pipe of each process that announces it (kvpool.launch.ready)."""
+
+    def wait_ready(self, name: str, what: str, timeout_s: float) -> None:
+        """Until process `name` says it is ready; KvpoolError as soon as any exits."""
+        self.ready[name].wait(self.procs[name], what, timeout_s, list(self.procs.values()))
 
     @property
     def hosts(self) -> list[Host]:
@@ -159,8 +167,17 @@ def hosts_cluster(spec: HostsSpec) -> Iterator[HostsCluster]:
             cluster.procs[name] = host.spawn(argv, env, quiet)
             stack.callback(stop, cluster.procs[name])
 
-        def start(name: str, host: Host, *args: str) -> None:
-            launch(name, host, kvpool_argv(*args))
+        def start(name: str, host: Host, *args: str, announce: bool = False) -> None:
+            if not announce:
+                return launch(name, host, kvpool_argv(*args))
+            pipe = cluster.ready[name] = ReadyPipe()
+            stack.callback(pipe.close)
+            try:
+                cluster.procs[name] = host.spawn(pipe.argv(kvpool_argv(*args)), env,
+                                                 pass_fds=[pipe.write_fd])
+            finally:
+                pipe.spawned()
+            stack.callback(stop, cluster.procs[name])
 
         if spec.ha:
             _start_etcd(cluster, stack.enter_context(tempfile.TemporaryDirectory(
@@ -178,13 +195,13 @@ def hosts_cluster(spec: HostsSpec) -> Iterator[HostsCluster]:
 def _start_master(cluster: HostsCluster, spec: HostsSpec, start: _Start) -> None:
     a = cluster.fabric.hosts[0].addr
     start("master", cluster.fabric.hosts[0], "master", "--host", a, "--rpc-port", str(RPC_PORT),
-          "--admin-port", str(ADMIN_PORT), "--metadata-port", str(METADATA_PORT), *spec.master_args)
+          "--admin-port", str(ADMIN_PORT), "--metadata-port", str(METADATA_PORT), *spec.master_args,
+          announce=True)
     cluster.master_hosts = [0]
     cluster.master_address = f"{a}:{RPC_PORT}"
     cluster.metadata_url = f"http://{a}:{METADATA_PORT}/metadata"
     cluster.admin_url = f"http://{a}:{ADMIN_PORT}"
-    with in_netns(cluster.fabric.hosts[0].netns):
-        wait_http(f"{cluster.admin_url}/health", [cluster.procs["master"]], "master")
+    cluster.wait_ready("master", "master", 60.0)
 
 
 def _start_etcd(cluster: HostsCluster, data_dir: str,
@@ -251,10 +268,9 @@ def _start_store_nodes(cluster: HostsCluster, spec: HostsSpec, start: _Start) ->
     for host in hosts:
         start(f"store-node-{host.index}", host, "store-node", "--dram", spec.dram,
               "--master", cluster.master_address, "--host", host.addr,
-              "--metadata", cluster.metadata_url)
-    with in_netns(hosts[0].netns):
-        wait_segments(cluster.admin_url, len(hosts), list(cluster.procs.values()),
-                      token=cluster.token)
+              "--metadata", cluster.metadata_url, announce=True)
+    for host in hosts:  # a node announces once its memory is mounted
+        cluster.wait_ready(f"store-node-{host.index}", "the store", 120.0)
 
 
 def _start_serving(cluster: HostsCluster, spec: HostsSpec, start: _Start) -> None:
@@ -265,14 +281,13 @@ def _start_serving(cluster: HostsCluster, spec: HostsSpec, start: _Start) -> Non
         url = f"http://{host.addr}:{WORKER_PORT}"
         start(f"{role}-{host.index}", host, "worker", "--role", role,
               "--model", str(spec.model_dir), "--host", host.addr, "--port", str(WORKER_PORT),
-              "--master", cluster.master_address, *spec.worker_args)
+              "--master", cluster.master_address, *spec.worker_args, announce=True)
         cluster.worker_urls.setdefault(role, []).append(url)
         flags += [f"--{role}", url]
     last = hosts[-1]
-    procs = list(cluster.procs.values())
     for host in hosts[1:]:
-        with in_netns(host.netns):
-            wait_http(f"http://{host.addr}:{WORKER_PORT}/health", procs, "a worker", 120)
+        role = "prefill" if host.index % 2 else "decode"
+        cluster.wait_ready(f"{role}-{host.index}", "a worker", 120.0)
     start("proxy", last, "proxy", "--model", str(spec.model_dir), "--host", last.addr,
           "--port", str(PROXY_PORT), *flags, *spec.proxy_args)
     cluster.proxy_host, cluster.proxy_url = last.index, f"http://{last.addr}:{PROXY_PORT}"

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from kvpool.engine.gguf_checkpoint import kvpool_cache, served_name
 from kvpool.errors import KvpoolError
-from kvpool.launch.children import Command, die_with_parent
+from kvpool.launch.children import Command, run_to_end
 from kvpool.launch.ports import check_ports, free_port
 from kvpool.launch.ready import ReadyPipe
 from kvpool.launch.table import ChildTable
@@ -42,13 +42,10 @@ def ensure_tiny_model(folder: Path) -> Path:
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
-    subprocess.run([sys.executable, "-m", "kvpool", "model", "make-tiny", str(tmp)], check=True,
-                   stdout=subprocess.DEVNULL, preexec_fn=die_with_parent(os.getpid()))
+    run_to_end([sys.executable, "-m", "kvpool", "model", "make-tiny", str(tmp)])
     try:
         tmp.rename(folder)
     except OSError:  # another `kvpool up` made it meanwhile
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
 
