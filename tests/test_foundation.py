@@ -47,23 +47,3 @@ def test_error_hierarchy_is_rooted() -> None:
 def test_cli_help_runs_as_a_process() -> None:
     out = subprocess.run([sys.executable, "-m", "kvpool", "--help"], capture_output=True, text=True, check=True)
     assert "kvpool" in out.stdout
-
-
-def test_free_ports_lie_below_the_ephemeral_range_and_are_free() -> None:
-    import socket
-
-    from kvpool.procs import PICK_SPAN, _ephemeral_low, free_port
-    low = _ephemeral_low()
-    ports = [free_port() for _ in range(50)]
-    assert all(max(1024, low - PICK_SPAN) <= p < low for p in ports)
-    assert len(set(ports)) > 40                      # picked at random, not in sequence
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", ports[0]))           # and nothing held on to it
-
-
-def test_free_port_never_hands_out_a_port_twice_in_one_process() -> None:
-    """A launcher picks every child's port before any child binds one."""
-    from kvpool.procs import free_port
-
-    ports = [free_port() for _ in range(300)]
-    assert len(set(ports)) == len(ports)

@@ -13,14 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.bench.faults_ha import ha_cluster, wait_leader
-from kvpool.bench.faults_procs import (
-    EtcdProcess,
-    HaPair,
-    Ledger,
-    PutLoad,
-)
+from kvpool.bench.faults_procs import Ledger, PutLoad
 from kvpool.errors import RpcError
+from kvpool.launch.etcd import EtcdProcess
+from kvpool.launch.store import HaPair, ha_cluster, wait_leader
 from kvpool.store.client.rpc import RpcClient
 from kvpool.store.client.store_client import StoreClient
 from kvpool.store.wire.protocol import Op

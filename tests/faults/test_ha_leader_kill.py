@@ -9,8 +9,9 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from kvpool.bench.faults_ha import ha_cluster, wait_leader
-from kvpool.bench.faults_procs import EtcdProcess, Ledger, PutLoad
+from kvpool.bench.faults_procs import Ledger, PutLoad
+from kvpool.launch.etcd import EtcdProcess
+from kvpool.launch.store import ha_cluster, wait_leader
 from kvpool.store.client.store_client import StoreClient
 
 

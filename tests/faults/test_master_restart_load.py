@@ -10,15 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.bench.faults_procs import (
-    Ledger,
-    PutLoad,
-    owned,
-    spawn_kvpool,
-    start_master,
-    start_nodes,
-)
-from kvpool.procs import wait_port
+from kvpool.bench.faults_procs import Ledger, PutLoad
+from kvpool.launch.store import owned, spawn_kvpool, start_master, start_nodes
+from kvpool.launch.wait import wait_port
 from kvpool.store.client.config import ClientConfig
 from kvpool.store.client.store_client import StoreClient
 

@@ -19,7 +19,7 @@ from contextlib import ExitStack
 
 import pytest
 
-from kvpool.procs import stop
+from kvpool.launch.children import stop
 from tests.faults.netns import ADDR_A, ADDR_B, NetnsPair
 from tests.support.procs import python_env
 from tests.support.require import missing

@@ -12,8 +12,8 @@ from contextlib import ExitStack
 import httpx
 import pytest
 
-from kvpool.bench.faults_procs import EtcdProcess
 from kvpool.errors import MetadataError
+from kvpool.launch.etcd import EtcdProcess
 from kvpool.metadata.etcd_mirror import EtcdMirroredBackend
 from kvpool.metadata.server import MetadataServer
 from kvpool.metadata.uri import parse_etcd_endpoints

@@ -21,14 +21,10 @@ from typing import Any
 import httpx
 import pytest
 
-from kvpool.serve.launch import (
-    ServingCluster,
-    ensure_tiny_model,
-    free_port,
-    spawn,
-    stop,
-    wait_http,
-)
+from kvpool.launch.children import spawn, stop
+from kvpool.launch.ports import free_port
+from kvpool.launch.wait import wait_http
+from kvpool.serve.launch import ServingCluster, ensure_tiny_model
 from tests.support.procs import python_env
 
 

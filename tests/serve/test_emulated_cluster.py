@@ -20,14 +20,9 @@ import pytest
 
 from kvpool.engine.blocks import block_key, prefix_block_hashes, request_key
 from kvpool.engine.emulated.kvbytes import expected_output, ordinary_vocab
-from kvpool.procs import free_port
-from kvpool.serve.launch import (
-    ServingCluster,
-    ServingSpec,
-    ensure_emulated_model,
-    serving_cluster,
-    stop,
-)
+from kvpool.launch.children import stop
+from kvpool.launch.ports import free_port
+from kvpool.serve.launch import ServingCluster, ServingSpec, ensure_emulated_model, serving_cluster
 from kvpool.store.wire.codes import ErrorCode
 
 BLOCK = 16

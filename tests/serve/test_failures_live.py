@@ -13,7 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvpool.serve.launch import ServingCluster, stop, wait_http
+from kvpool.launch.children import stop
+from kvpool.launch.wait import wait_http
+from kvpool.serve.launch import ServingCluster
 from tests.serve.conftest import start_proxy, start_worker
 
 

@@ -36,13 +36,13 @@ import httpx
 import pytest
 
 from kvpool.errors import KvpoolError
+from kvpool.launch.netns import in_netns
 from kvpool.serve.hosts import (
     HA_LEASE_TTL_S,
     HostsCluster,
     HostsSpec,
     MasterRole,
     hosts_cluster,
-    in_netns,
 )
 from kvpool.serve.launch import ensure_emulated_model
 from tests.support.procs import python_env

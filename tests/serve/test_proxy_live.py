@@ -13,7 +13,8 @@ import httpx
 import openai
 import pytest
 
-from kvpool.serve.launch import ServingCluster, stop
+from kvpool.launch.children import stop
+from kvpool.serve.launch import ServingCluster
 from kvpool.serve.tokenizer import ModelTokenizer
 from tests.serve.conftest import sse_events, start_proxy
 

@@ -24,7 +24,9 @@ import openai
 import pytest
 
 from kvpool.bench.attacks import closed_by_peer
-from kvpool.serve.launch import ServingCluster, free_port, spawn, stop
+from kvpool.launch.children import spawn, stop
+from kvpool.launch.ports import free_port
+from kvpool.serve.launch import ServingCluster
 from tests.serve.conftest import start_proxy
 from tests.support.require import skip_outside_ci
 
@@ -722,8 +724,8 @@ def test_a_slow_body_flood_at_the_descriptor_limit_leaves_clients_served(
     import resource
     import subprocess
 
-    from kvpool.procs import kvpool_argv
-    from kvpool.serve.launch import wait_http
+    from kvpool.launch.children import kvpool_argv
+    from kvpool.launch.wait import wait_http
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard != resource.RLIM_INFINITY and hard < 1400:
         skip_outside_ci(f"this test opens 1,100 sockets; this host's hard limit is {hard}")

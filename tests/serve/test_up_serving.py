@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvpool.serve.launch import free_port
+from kvpool.launch.ports import free_port
 from tests.serve.conftest import (
     child_pid,
     kvpool_up,

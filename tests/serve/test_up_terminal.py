@@ -15,7 +15,7 @@ import time
 import uuid
 from pathlib import Path
 
-from kvpool.serve.launch import free_port
+from kvpool.launch.ports import free_port
 from tests.serve.conftest import wait_gone
 from tests.support.procs import python_env
 

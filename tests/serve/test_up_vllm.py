@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvpool.serve.launch import free_port
+from kvpool.launch.ports import free_port
 from tests.serve.conftest import kvpool_up, marked_pids, reap, token_header, wait_gone, wait_ready
 
 

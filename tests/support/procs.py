@@ -10,7 +10,7 @@ import textwrap
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from kvpool import procs
+from kvpool.launch import children
 from tests.support.wait import wait_for
 
 
@@ -50,7 +50,7 @@ def wait_stopped(pid: int, timeout_s: float = 10.0) -> None:
 
 
 def stop(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout_s: float = 10.0) -> None:
-    procs.stop(proc, timeout_s, sig)
+    children.stop(proc, timeout_s, sig)
 
 
 @contextmanager

@@ -44,7 +44,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from kvpool.serve.launch import ServingSpec, ensure_tiny_model, free_port, serving_cluster
+    from kvpool.launch.ports import free_port
+    from kvpool.serve.launch import ServingSpec, ensure_tiny_model, serving_cluster
 
     with tempfile.TemporaryDirectory() as tmp:
         model = ensure_tiny_model(Path(tmp) / "tiny")

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 
-from kvpool.procs import stop
+from kvpool.launch.children import stop
 
 _SPIN = "while True: pass"
 

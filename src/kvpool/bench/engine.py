@@ -31,7 +31,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvpool.procs import free_port, kvpool_argv, running, wait_port
+from kvpool.launch.children import kvpool_argv, running
+from kvpool.launch.ports import free_port
+from kvpool.launch.wait import wait_port
 
 if TYPE_CHECKING:
     from kvpool.engine.worker.messages import PrefillReply

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from contextlib import ExitStack
 from typing import Any
 
-from kvpool.bench.faults_procs import EtcdProcess
+from kvpool.launch.etcd import EtcdProcess
 
 Report = dict[str, Any]
 

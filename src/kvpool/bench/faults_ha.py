@@ -13,19 +13,10 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpool.bench.faults_procs import (
-    EtcdProcess,
-    HaPair,
-    Ledger,
-    PutLoad,
-    start_ha_pair,
-    start_nodes,
-    wait_until,
-)
+from kvpool.bench.faults_procs import Ledger, PutLoad, wait_until
+from kvpool.launch.etcd import EtcdProcess
+from kvpool.launch.store import HA_TTL_S, ha_cluster, wait_leader
 from kvpool.store.client.store_client import StoreClient
-from kvpool.store.wire.leader import Etcd, parse_endpoints, read_leader
-
-HA_TTL_S = 2
 
 
 @dataclass
@@ -35,31 +26,6 @@ class FailoverTrial:
     lost: int
     wrong: int
     errors: dict[str, int] = field(default_factory=dict)
-
-
-def wait_leader(etcd: EtcdProcess, cluster_id: str, not_term: int = 0,
-                timeout_s: float = 30.0) -> tuple[str, int]:
-    client = Etcd(parse_endpoints(etcd.endpoint))
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            found = read_leader(client, cluster_id)
-        except Exception:  # noqa: BLE001 - etcd restarting
-            found = None
-        if found is not None and found[1] != not_term:
-            return found
-        time.sleep(0.05)
-    raise TimeoutError(f"no leader for {cluster_id} within {timeout_s}s")
-
-
-def ha_cluster(stack: ExitStack, etcd: EtcdProcess, cluster_id: str,
-               ttl_s: int = HA_TTL_S) -> tuple[HaPair, int, int]:
-    """An HA pair keeping its journal in etcd (the default) and two store nodes started;
-    (pair, leader's index, leader's term)."""
-    pair = start_ha_pair(stack, etcd, None, cluster_id, ttl_s)
-    leader_addr, term = wait_leader(etcd, cluster_id)
-    start_nodes(stack, pair.address, 2)
-    return pair, pair.index_of(leader_addr), term
 
 
 def failover_trial(etcd: EtcdProcess, cluster_id: str, num_before: int = 100,

@@ -1,29 +1,18 @@
-"""Real processes for the fault benchmark and the fault tests: an etcd that can be killed and
-started again on the same ports and data, `kvpool master` / `kvpool store-node` children, and
-a ledger of acknowledged objects that checks every byte read back.
-
-Everything binds loopback ports; every child is stopped when its ExitStack closes.
-"""
+"""The workload of the fault benchmark and the fault tests: objects whose bytes derive from
+their key (`content`), a ledger of acknowledged objects that checks every byte read back, and a
+put load on a thread. Their processes (etcd, masters, store nodes, HA pairs) are
+kvpool.launch's (etcd, store)."""
 
 from __future__ import annotations
 
 import hashlib
-import os
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from kvpool.procs import free_port, stop, wait_port
-from kvpool.store.client.config import ClientConfig
+from kvpool.launch.wait import wait_for
 from kvpool.store.client.store_client import StoreClient
 from kvpool.store.config import ReplicateConfig
 from kvpool.store.wire.codes import ErrorCode as E
@@ -45,114 +34,6 @@ def tally_reads(store: Any, keys: list[str], size: int) -> dict[str, Any]:
         codes[got.code.name] = codes.get(got.code.name, 0) + 1
         wrong += bool(got.ok and got.data != content(key, size))
     return {"codes": codes, "wrong": wrong}
-
-
-def spawn_kvpool(*args: str, quiet: bool = True) -> subprocess.Popen[bytes]:
-    """`python -m kvpool args...` as its own process (stdout discarded when `quiet`)."""
-    env = dict(os.environ)
-    env.setdefault("KVPOOL_LOG_LEVEL", "ERROR")
-    here = str(Path(__file__).resolve().parents[2])   # children run this very kvpool
-    env["PYTHONPATH"] = here + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.DEVNULL if quiet else None
-    return subprocess.Popen([sys.executable, "-m", "kvpool", *args], env=env, stdout=out,
-                            stderr=subprocess.DEVNULL if quiet else None)
-
-
-def owned(stack: ExitStack, proc: subprocess.Popen[bytes]) -> subprocess.Popen[bytes]:
-    """Stop `proc` (SIGTERM, then SIGKILL) when `stack` closes."""
-    stack.callback(stop, proc, 5.0)
-    return proc
-
-
-class EtcdProcess:
-    """A one-member etcd on loopback that keeps its ports and data across `kill`/`start`."""
-
-    def __init__(self, stack: ExitStack) -> None:
-        binary = shutil.which("etcd")
-        if binary is None:
-            raise RuntimeError("etcd is not installed (Debian package etcd-server)")
-        self.binary = binary
-        self.data_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvp-etcd-"))
-        self.client_port, self.peer_port = free_port(), free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-        stack.callback(self.kill, signal.SIGTERM)
-
-    @property
-    def endpoint(self) -> str:
-        return f"127.0.0.1:{self.client_port}"
-
-    def start(self) -> EtcdProcess:
-        peer = f"http://127.0.0.1:{self.peer_port}"
-        client = f"http://127.0.0.1:{self.client_port}"
-        self.proc = subprocess.Popen(
-            [self.binary, "--name", "kvp", "--data-dir", self.data_dir,
-             "--listen-client-urls", client, "--advertise-client-urls", client,
-             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-             "--initial-cluster", f"kvp={peer}"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_port(self.client_port, timeout_s=30)
-        return self
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        if self.proc is not None:
-            stop(self.proc, 10.0, sig)
-            self.proc = None
-
-
-@dataclass
-class HaPair:
-    """Two HA masters on one etcd (journaling there, or to one shared state directory)."""
-
-    etcd: EtcdProcess
-    masters: list[subprocess.Popen[bytes]]
-    rpc_ports: list[int]
-    admin_ports: list[int]
-    cluster_id: str
-
-    @property
-    def address(self) -> str:
-        return f"etcd://{self.etcd.endpoint}/{self.cluster_id}"
-
-    def client_config(self) -> ClientConfig:
-        """A client that follows the leader through etcd and gives up on a dead one fast."""
-        return ClientConfig(master=self.address, rpc_timeout_s=1.0, transfer_timeout_s=3.0)
-
-    def index_of(self, leader_address: str) -> int:
-        return next(i for i, p in enumerate(self.rpc_ports) if leader_address.endswith(f":{p}"))
-
-
-def start_ha_pair(stack: ExitStack, etcd: EtcdProcess, state_dir: Path | None, cluster_id: str,
-                  ttl_s: int = 2) -> HaPair:
-    """Two HA masters journaling to `state_dir`, or to etcd itself when None."""
-    pair = HaPair(etcd, [], [], [], cluster_id)
-    shared = ["--state-dir", str(state_dir)] if state_dir is not None else []
-    for _ in range(2):
-        rpc, admin = free_port(), free_port()
-        pair.masters.append(owned(stack, spawn_kvpool(
-            "master", "--enable_ha=true", f"--etcd_endpoints={etcd.endpoint}",
-            "--cluster_id", cluster_id, *shared,
-            "--rpc_port", str(rpc), "--metrics_port", str(admin), "--no-http-metadata",
-            "--ha-lease-ttl", str(ttl_s), "--recovery-grace", "20")))
-        pair.rpc_ports.append(rpc)
-        pair.admin_ports.append(admin)
-    return pair
-
-
-def start_master(stack: ExitStack, *flags: str) -> tuple[subprocess.Popen[bytes], str, list[str]]:
-    """A plain master on fresh ports: (process, rpc address, its argv for a restart)."""
-    rpc, admin = free_port(), free_port()
-    argv = ["master", "--rpc_port", str(rpc), "--metrics_port", str(admin),
-            "--no-http-metadata", *flags]
-    proc = owned(stack, spawn_kvpool(*argv))
-    wait_port(rpc, timeout_s=30)
-    return proc, f"127.0.0.1:{rpc}", argv
-
-
-def start_nodes(stack: ExitStack, master: str, count: int, dram: str = "16MiB",
-                *extra: str) -> list[subprocess.Popen[bytes]]:
-    return [owned(stack, spawn_kvpool("store-node", "--dram", dram, "--master", master,
-                                      "--heartbeat-interval", "0.2", *extra))
-            for _ in range(count)]
 
 
 @dataclass
@@ -230,12 +111,12 @@ def lost_and_wrong(keys: Sequence[str], codes: Sequence[E], data: Sequence[bytes
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, step_s: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(step_s)
-    return False
+    """True once `predicate` holds, False after `timeout_s` (the measurement goes on and
+    counts what failed)."""
+    try:
+        return wait_for(predicate, timeout_s, step_s=step_s)
+    except TimeoutError:
+        return False
 
 
 class PutLoad(threading.Thread):

@@ -8,15 +8,9 @@ import time
 from contextlib import ExitStack
 from typing import Any
 
-from kvpool.bench.faults_procs import (
-    Ledger,
-    owned,
-    spawn_kvpool,
-    start_master,
-    start_nodes,
-    wait_until,
-)
-from kvpool.procs import wait_port
+from kvpool.bench.faults_procs import Ledger, wait_until
+from kvpool.launch.store import owned, spawn_kvpool, start_master, start_nodes
+from kvpool.launch.wait import wait_port
 from kvpool.store.client.config import ClientConfig
 from kvpool.store.client.store_client import StoreClient
 

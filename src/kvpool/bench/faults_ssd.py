@@ -21,7 +21,8 @@ from collections.abc import Sequence
 from contextlib import ExitStack
 from typing import Any
 
-from kvpool.bench.faults_procs import content, start_master, start_nodes, wait_until
+from kvpool.bench.faults_procs import content, wait_until
+from kvpool.launch.store import start_master, start_nodes
 from kvpool.sim.cache import hit_rate
 from kvpool.sim.trace import load_trace
 from kvpool.store.client.config import ClientConfig

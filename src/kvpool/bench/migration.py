@@ -33,7 +33,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _main(args: argparse.Namespace) -> int:
-    from kvpool.serve.launch import ServingSpec, ensure_tiny_model, free_port, serving_cluster
+    from kvpool.launch.ports import free_port
+    from kvpool.serve.launch import ServingSpec, ensure_tiny_model, serving_cluster
 
     with tempfile.TemporaryDirectory() as tmp:
         model = ensure_tiny_model(Path(tmp) / "tiny")
@@ -52,8 +53,10 @@ def _fmt(row: dict[str, Any]) -> str:
 
 
 def measure(cluster: Any, runs: int, kill_at: int) -> dict[str, Any]:
+    from kvpool.launch.children import spawn, stop
+    from kvpool.launch.ports import free_port
+    from kvpool.launch.wait import wait_http
     from kvpool.metadata.http_serving import bearer_header
-    from kvpool.serve.launch import free_port, spawn, stop, wait_http
     from kvpool.token import env_token
 
     body = {"model": cluster.model_name, "prompt": "the cache " * 30, "max_tokens": 256,

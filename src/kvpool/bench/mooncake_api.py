@@ -35,7 +35,9 @@ from kvpool.bench import mooncake_baseline as baseline
 from kvpool.bench.burners import burning
 from kvpool.bench.common import Measurement
 from kvpool.errors import ConfigError
-from kvpool.procs import free_port, kvpool_argv, stop, wait_port
+from kvpool.launch.children import kvpool_argv, stop
+from kvpool.launch.ports import free_port
+from kvpool.launch.wait import wait_port
 from kvpool.units import format_size, parse_size
 
 _CLIENT = "kvpool.bench.mooncake_client"

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -24,8 +23,9 @@ from pathlib import Path
 
 from kvpool.bench.proc_cpu import child_pids
 from kvpool.errors import KvpoolError
-from kvpool.procs import free_port, stop
-from kvpool.serve.launch import die_with_parent
+from kvpool.launch.children import die_with_parent, stop
+from kvpool.launch.ports import free_port
+from kvpool.launch.wait import accepts
 
 INSTALL_HINT = "apt-get install nginx (scripts/setup.sh installs it)"
 
@@ -113,18 +113,10 @@ def _wait_ready(proc: subprocess.Popen[bytes], host: str, port: int,
         if proc.poll() is not None:
             raise KvpoolError(f"nginx exited with code {proc.returncode}: {_log_tail(folder)}")
         workers = child_pids(proc.pid)
-        if workers and _accepts(host, port):
+        if workers and accepts(port, host):
             return workers
         time.sleep(0.05)
     raise KvpoolError(f"nginx did not listen on {host}:{port} within 10 s: {_log_tail(folder)}")
-
-
-def _accepts(host: str, port: int) -> bool:
-    try:
-        socket.create_connection((host, port), timeout=0.5).close()
-        return True
-    except OSError:
-        return False
 
 
 def _log_tail(folder: Path) -> str:

@@ -18,14 +18,14 @@ from pathlib import Path
 
 from kvpool.engine.emulated.profile import DEFAULT_PROFILE, load_profile, scaled_cost
 from kvpool.engine.gguf_checkpoint import served_name
-from kvpool.procs import free_port, kvpool_argv, stop
+from kvpool.launch.children import die_with_parent, kvpool_argv, stop
+from kvpool.launch.ports import free_port
+from kvpool.launch.wait import wait_http
 from kvpool.serve.launch import (
     EMULATED_MAX_MODEL_LEN,
     default_model_dir,
-    die_with_parent,
     ensure_emulated_model,
     ensure_tiny_model,
-    wait_http,
 )
 from kvpool.token import TOKEN_ENV
 

@@ -245,11 +245,11 @@ MATRIX = (  # (label, prefill workers, decode workers, colocated workers, policy
 
 def _run_matrix(args: argparse.Namespace) -> int:
     from kvpool.bench.serve_sim import prefill_samples
+    from kvpool.launch.ports import free_port
     from kvpool.serve.launch import (
         ServingSpec,
         default_model_dir,
         ensure_tiny_model,
-        free_port,
         serving_cluster,
     )
 

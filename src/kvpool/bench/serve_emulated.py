@@ -33,6 +33,7 @@ from kvpool.bench.trace_prompts import TRACE_BLOCK_TOKENS, block_ids, pct
 from kvpool.conductor.cost import CostModel
 from kvpool.engine.emulated.kvbytes import expected_output, ordinary_vocab
 from kvpool.engine.emulated.profile import EngineProfile, load_profile, scaled_cost
+from kvpool.launch.wait import wait_for
 from kvpool.serve.errors import REJECTED, refusal_reason
 from kvpool.serve.launch import EMULATED_MAX_MODEL_LEN
 from kvpool.sim.record import top_share_mean
@@ -323,18 +324,17 @@ def wait_rotation(url: str, num_workers: int, timeout_s: float = 120.0) -> None:
     """Until the proxy has every worker in rotation."""
     from kvpool.bench.serve_sim import fetch_stats
 
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def in_rotation() -> bool:
         s = fetch_stats(url)
-        if sum(s[f"num_{r}_workers"] for r in ("prefill", "decode", "colocated")) >= num_workers:
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"the proxy did not take all {num_workers} workers in {timeout_s:.0f} s")
+        return sum(s[f"num_{r}_workers"] for r in ("prefill", "decode", "colocated")) >= num_workers
+
+    wait_for(in_rotation, timeout_s, f"the proxy to take all {num_workers} workers", 0.2)
 
 
 def live_run(spec: RunSpec, args: argparse.Namespace, reqs: list[TraceRequest],
              model: Path, cost: Path, profile: EngineProfile) -> dict[str, Any]:
-    from kvpool.serve.launch import ServingSpec, free_port, serving_cluster
+    from kvpool.launch.ports import free_port
+    from kvpool.serve.launch import ServingSpec, serving_cluster
 
     serving = ServingSpec(model, port=free_port(), num_prefill=spec.num_prefill,
                           num_decode=spec.num_decode, num_colocated=spec.num_colocated,

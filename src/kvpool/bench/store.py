@@ -24,7 +24,9 @@ from typing import Any
 import numpy as np
 
 from kvpool.bench import anchors
-from kvpool.procs import free_port, running, wait_port
+from kvpool.launch.children import running
+from kvpool.launch.ports import free_port
+from kvpool.launch.wait import wait_for, wait_port
 from kvpool.units import format_size, parse_size
 
 Record = dict[str, Any]
@@ -267,7 +269,8 @@ def _kvpool_systems(stack: ExitStack, dram: int, lease_ms: int, checksums: str =
                                   str(dram), "--master", master], stderr=subprocess.DEVNULL))
     with RpcClient(master, "bench-probe") as probe:
         from kvpool.store.wire.messages import SegmentsMsg
-        _wait_until(lambda: len(probe.call(SegmentsMsg())) == 1, "the store node to mount")
+        wait_for(lambda: len(probe.call(SegmentsMsg())) == 1, 20.0, "the store node to mount",
+                 0.05)
     out = []
     for name, on in (("kvpool", True), ("kvpool-nosum", False)):
         if checksums == "both" or (checksums == "on") == on:
@@ -346,14 +349,6 @@ def _mooncake_system(stack: ExitStack, dram: int, lease_ms: int) -> _MooncakeAda
 
 
 # -- processes and output ---------------------------------------------------------------------
-
-def _wait_until(cond: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
 
 def _emitter(as_json: bool) -> Callable[[Record], None]:
     def emit(record: Record) -> None:

@@ -18,7 +18,9 @@ from contextlib import ExitStack
 
 import numpy as np
 
-from kvpool.procs import free_port, running, wait_port
+from kvpool.launch.children import running
+from kvpool.launch.ports import free_port
+from kvpool.launch.wait import wait_for, wait_port
 from kvpool.store.client.config import ClientConfig
 from kvpool.store.client.rpc import RpcClient
 from kvpool.store.client.store_client import StoreClient
@@ -54,11 +56,8 @@ def _segments(master: str) -> list[SegmentRow]:
 
 
 def _wait_segments(master: str, count: int, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while len(_segments(master)) != count:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"expected {count} mounted segments")
-        time.sleep(0.1)
+    wait_for(lambda: len(_segments(master)) == count, timeout_s,
+             f"{count} mounted segments", 0.1)
 
 
 def _fill(store: StoreClient, endpoint: str, num: int, size: int) -> None:

@@ -103,7 +103,9 @@ def _service_bench_tuned(seconds: float) -> Iterator[dict[str, Any]]:
 
 
 def _rpc_bench(seconds: float, num_clients: int) -> Iterator[dict[str, Any]]:
-    from kvpool.procs import free_port, running, wait_port
+    from kvpool.launch.children import running
+    from kvpool.launch.ports import free_port
+    from kvpool.launch.wait import wait_port
     rpc, admin = free_port(), free_port()
     with running([sys.executable, "-m", "kvpool", "master", "--rpc_port", str(rpc),
                    "--metrics_port", str(admin), "--no-http-metadata"],
@@ -208,7 +210,9 @@ def _echo_floors(seconds: float, num_clients: int) -> Iterator[dict[str, Any]]:
     """Round trips of bare echo servers on this machine, one Python thread each: the
     ceiling of any request/reply over that transport here, for reading the master-rpc
     rates."""
-    from kvpool.procs import free_port, running, wait_port
+    from kvpool.launch.children import running
+    from kvpool.launch.ports import free_port
+    from kvpool.launch.wait import wait_port
     for system, server, client in echo_floors():
         port = free_port()
         with running([sys.executable, "-c", server, str(port)], stderr=subprocess.DEVNULL):

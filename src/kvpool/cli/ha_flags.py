@@ -14,6 +14,7 @@ import signal
 import threading
 
 from kvpool.errors import ConfigError, KvpoolError
+from kvpool.launch.ready import announce_ready
 from kvpool.log import get_logger
 from kvpool.store.config import MasterConfig
 from kvpool.store.master.persist import FSYNC_POLICIES, PersistConfig
@@ -93,8 +94,8 @@ def run_persistent(args: argparse.Namespace, server_cfg: MasterServerConfig,
     except (ConfigError, KvpoolError, OSError) as exc:
         log.error("%s", exc)
         return 2
-    print(f"kvpool master ready: rpc {master.address} admin {master.admin_port} "
-          f"state {persist.state_dir}", flush=True)
+    announce_ready(f"kvpool master ready: rpc {master.address} admin {master.admin_port} "
+                   f"state {persist.state_dir}")
     stop.wait()
     master.stop()
     return 0

@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from kvpool.procs import Command
-from kvpool.serve.launch import ChildTable
+from kvpool.launch.children import Command
+from kvpool.launch.ready import ReadyPipe
+from kvpool.launch.table import ChildTable
 
 
 @dataclass
@@ -21,6 +22,7 @@ class LocalCluster(ChildTable):
     token: str | None = None
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     commands: dict[str, Command] = field(default_factory=dict)
+    ready: dict[str, ReadyPipe] = field(default_factory=dict)
 
     @property
     def master(self) -> subprocess.Popen[bytes]:

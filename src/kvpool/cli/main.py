@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvpool", description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--version", action="version", version=f"kvpool {__version__}")
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO (default), WARNING, ERROR")
+    parser.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in _COMMAND_MODULES:
         importlib.import_module(name).register(subparsers)
@@ -46,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 2
     setup_logging(args.log_level)
+    if args.ready_fd is not None:  # a launcher's pipe (kvpool.launch.ready)
+        from kvpool.launch.ready import set_ready_fd
+
+        set_ready_fd(args.ready_fd)
     return int(args.func(args) or 0)
 
 

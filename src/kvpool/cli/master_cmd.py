@@ -20,6 +20,7 @@ from kvpool.cli import ha_flags
 from kvpool.cli.security import add_security_args, bind_refusal, is_loopback
 from kvpool.errors import ConfigError, KvpoolError
 from kvpool.kvevents.pool import PoolEventsConfig
+from kvpool.launch.ready import announce_ready
 from kvpool.log import get_logger
 from kvpool.store.config import MasterConfig
 from kvpool.store.master.server import MasterServer, MasterServerConfig, tune_gc_for_master
@@ -182,9 +183,8 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    print(f"kvpool master ready: rpc {master.address} admin {master.admin_port}; "
-          f"{exposure(server_cfg, master.rpc_port, master.admin_port)}",
-          flush=True)
+    announce_ready(f"kvpool master ready: rpc {master.address} admin {master.admin_port}; "
+                   f"{exposure(server_cfg, master.rpc_port, master.admin_port)}")
     stop.wait()
     master.stop()
     return 0

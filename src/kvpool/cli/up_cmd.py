@@ -26,8 +26,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import httpx
-
 from kvpool.cli.local_cluster import LocalCluster
 from kvpool.cli.progress import progress_bar
 from kvpool.cli.proxy_cmd import API_KEY_ENV, add_api_key_args, api_keys_from
@@ -44,8 +42,7 @@ from kvpool.cli.up_vllm import refusal as backend_refusal
 from kvpool.conductor import ADMISSION_POLICIES, PREFILL_POLICIES
 from kvpool.engine.model_flags import AUTO, DTYPE_CHOICES
 from kvpool.errors import ConfigError, KvpoolError
-from kvpool.procs import check_ports
-from kvpool.serve.launch import free_port
+from kvpool.launch.ports import check_ports, free_port
 
 if TYPE_CHECKING:
     from kvpool.serve.launch import ServingCluster
@@ -425,44 +422,19 @@ def local_cluster(host: str, num_nodes: int, dram: str, rpc_port: int = 0, admin
     security = ["--insecure"] if insecure else []
     cluster = LocalCluster(host, rpc, admin, meta, token=token)
     try:
-        master = cluster.start("master", "master", "--host", host, "--rpc-port", str(rpc),
-                               "--admin-port", str(admin), "--metadata-port", str(meta),
-                               *security)
-        _wait_http(cluster, "/health", master)
+        cluster.start("master", "master", "--host", host, "--rpc-port", str(rpc),
+                      "--admin-port", str(admin), "--metadata-port", str(meta), *security,
+                      announce=True)
+        cluster.wait_ready("master", "the master", 30.0)
         for i in range(num_nodes):
             cluster.start(f"store-node-{i}", "store-node", "--dram", dram, "--master",
                           cluster.master_address, "--host", host,
-                          "--metadata", cluster.metadata_url, *security)
-        _wait_segments(cluster, num_nodes)
+                          "--metadata", cluster.metadata_url, *security, announce=True)
+        for i in range(num_nodes):  # a node announces once its memory is mounted
+            cluster.wait_ready(f"store-node-{i}", "a store node", 30.0)
         yield cluster
     finally:
         cluster.stop_all(say)
-
-
-def _wait_http(cluster: LocalCluster, path: str, proc: subprocess.Popen[bytes], timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise KvpoolError(f"the master exited with code {proc.returncode} (ports busy?)")
-        try:
-            if cluster.admin(path).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"the master did not answer {path} within {timeout_s}s")
-
-
-def _wait_segments(cluster: LocalCluster, count: int, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for node in cluster.nodes:
-            if node.poll() is not None:
-                raise KvpoolError(f"a store node exited with code {node.returncode}")
-        if len(cluster.admin("/segments").json()) >= count:
-            return
-        time.sleep(0.1)
-    raise TimeoutError(f"{count} store nodes did not mount within {timeout_s}s")
 
 
 def _print_endpoints(cluster: LocalCluster) -> None:

@@ -14,8 +14,9 @@ from kvpool.engine.emulated.profile import DEFAULT_PROFILE
 from kvpool.engine.model_flags import DEFAULT_MAX_MODEL_LEN, DTYPE_CHOICES, ModelFlags
 from kvpool.engine.worker.runtime import ENGINES
 from kvpool.errors import KvpoolError
+from kvpool.launch.ports import free_port
+from kvpool.launch.ready import announce_ready
 from kvpool.log import get_logger
-from kvpool.procs import free_port
 from kvpool.token import env_token
 from kvpool.units import parse_size
 
@@ -140,7 +141,9 @@ def run(args: argparse.Namespace) -> int:
     except KvpoolError as exc:
         log.error("%s", exc)
         return 2
-    serve(app, config.host, config.port, limits)
+    serve(app, config.host, config.port, limits, on_ready=lambda: announce_ready(
+        f"kvpool worker ({config.role}) serving on http://{config.host}:{config.port}",
+        echo=False))
     return 0
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -142,7 +143,15 @@ def _protocol(limits: HttpLimits) -> type[_SilentConnectionTimeout]:
 
 class QuietServer(uvicorn.Server):
     """A uvicorn server whose event loop reports accept() failures for want of descriptors
-    once per LOG_INTERVAL_S (other loop errors as asyncio would)."""
+    once per LOG_INTERVAL_S (other loop errors as asyncio would). `on_ready` is called once it
+    listens (its lifespan started)."""
+
+    on_ready: Callable[[], None] | None = None
+
+    async def startup(self, sockets: list[Any] | None = None) -> None:
+        await super().startup(sockets)
+        if self.started and self.on_ready is not None:
+            self.on_ready()
 
     async def serve(self, sockets: list[Any] | None = None) -> None:
         accept_log = RateLimitedLog(_log, LOG_INTERVAL_S)
@@ -197,13 +206,17 @@ def limits_for_descriptors(limits: HttpLimits, open_files: int) -> HttpLimits:
     return replace(limits, max_concurrency=cap)
 
 
-def serve(app: Any, host: str, port: int, limits: HttpLimits, **overrides: Any) -> None:
+def serve(app: Any, host: str, port: int, limits: HttpLimits,
+          on_ready: Callable[[], None] | None = None, **overrides: Any) -> None:
     """Run `app` on host:port until stopped (SIGINT/SIGTERM), defended by `limits` (its
     connection cap within the descriptors this process may open), with its lifespan: the
-    way kvpool's long-running HTTP commands (proxy, worker) serve."""
+    way kvpool's long-running HTTP commands (proxy, worker) serve. `on_ready`: called once it
+    listens."""
     limits = limits_for_descriptors(limits, raise_open_files_limit())
     options = {"lifespan": "on", "host": host, "port": port, **overrides}
-    QuietServer(uvicorn_config(app, limits, **options)).run()
+    server = QuietServer(uvicorn_config(app, limits, **options))
+    server.on_ready = on_ready
+    server.run()
 
 
 class BodyTooLarge(InvalidArgument):

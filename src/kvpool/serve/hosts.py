@@ -1,21 +1,11 @@
-"""A serving cluster over several emulated hosts on one Linux machine (needs root).
+"""A serving cluster over several emulated hosts on one Linux machine (needs root): which
+process runs on which host. The hosts themselves (network namespaces on a bridge, each with its
+own /dev/shm; `cut`/`heal` a host's link; `in_netns`) are kvpool.launch.netns's.
 
-Each host is a network namespace with one address on a bridge, and a mount namespace with a
-/dev/shm of its own (a tmpfs), so shm works within a host and never across hosts, as on real
-machines. The bridge lives in a namespace of its own: nothing is added to the caller's.
-
-    netns <tag>-br:  br0 -- v0 -- v1 -- v2 ...  (veth ends, one per host)
-                           |     |     |
     netns <tag>-0:   eth0 10.231.60.1   master (+ metadata), store node
     netns <tag>-1:   eth0 10.231.60.2   store node, prefill worker
     netns <tag>-2:   eth0 10.231.60.3   store node, decode worker, proxy
     (more hosts: a store node and a worker each, prefill and decode in turn)
-
-The addresses exist only inside these namespaces. A host's processes are started through
-`nsenter` into a holder process (`sleep`) that owns the host's mount namespace. `cut(i)` takes
-host i's port on the bridge down (its link is dead, its processes keep running); `heal(i)`
-brings it back. This process reaches a host's servers by switching one thread into the host's
-network namespace (`in_netns`). Everything is stopped and deleted on exit, failures included.
 
 With `HostsSpec.ha` the masters are an HA pair elected through etcd, which runs alone on one
 host more (its data in a temp dir removed on exit):
@@ -35,16 +25,13 @@ leads.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import secrets
-import shutil
 import socket
 import subprocess
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -54,130 +41,21 @@ import httpx
 
 from kvpool.engine.gguf_checkpoint import served_name
 from kvpool.errors import KvpoolError
-from kvpool.procs import kvpool_argv, stop
-from kvpool.serve.launch import die_with_parent, wait_http, wait_segments
+from kvpool.launch.children import kvpool_argv, stop
+from kvpool.launch.etcd import CLIENT_PORT as ETCD_PORT
+from kvpool.launch.etcd import etcd_argv
+from kvpool.launch.netns import Fabric, Host, fabric, in_netns
+from kvpool.launch.ready import ReadyPipe
+from kvpool.launch.wait import wait_for, wait_http
 from kvpool.store.master.ha import DEPOSED_EXIT
 
-SUBNET = "10.231.60"
 RPC_PORT, ADMIN_PORT, METADATA_PORT, WORKER_PORT, PROXY_PORT = 50051, 9003, 8080, 8100, 8000
-ETCD_PORT, ETCD_PEER_PORT = 2379, 2380
 HA_LEASE_TTL_S = 2
 """The HA masters' leader lease (the least ha.py allows): a leader cut off from etcd stops
 serving within it, and a standby takes over a moment after it expires in etcd."""
-_CLONE_NEWNET = 0x40000000
 _Start = Callable[..., None]
-"""start(name, host, *kvpool args): one process on one host."""
-
-
-def ip(*args: str) -> None:
-    """`ip ARGS`; KvpoolError with its stderr when it fails."""
-    out = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20)
-    if out.returncode != 0:
-        raise KvpoolError(f"ip {' '.join(args)}: {out.stderr.strip()}")
-
-
-@dataclass
-class Host:
-    index: int
-    netns: str
-    addr: str
-    holder: subprocess.Popen[bytes] | None = None
-    """Owns the host's mount namespace (its private /dev/shm)."""
-
-    def argv(self, *cmd: str) -> list[str]:
-        """`cmd` run on this host: its network and mount namespaces."""
-        assert self.holder is not None
-        return ["nsenter", "-t", str(self.holder.pid), "-m", "-n", "--", *cmd]
-
-
-@dataclass
-class Fabric:
-    bridge_ns: str
-    hosts: list[Host]
-
-    def cut(self, index: int) -> None:
-        ip("-n", self.bridge_ns, "link", "set", f"v{index}", "down")
-
-    def heal(self, index: int) -> None:
-        ip("-n", self.bridge_ns, "link", "set", f"v{index}", "up")
-
-
-@contextmanager
-def fabric(num_hosts: int, tag: str = "") -> Iterator[Fabric]:
-    """`num_hosts` hosts on one bridge; KvpoolError when namespaces or mounts cannot be made
-    (not root, no `ip`/`unshare`/`nsenter`)."""
-    tag = tag or f"kvh{os.getpid()}"
-    net = Fabric(f"{tag}-br", [Host(i, f"{tag}-{i}", f"{SUBNET}.{i + 1}")
-                               for i in range(num_hosts)])
-    with ExitStack() as stack:
-        for ns in (net.bridge_ns, *(h.netns for h in net.hosts)):
-            _add_netns(ns)
-            stack.callback(subprocess.run, ["ip", "netns", "del", ns], capture_output=True)
-        ip("-n", net.bridge_ns, "link", "add", "br0", "type", "bridge")
-        ip("-n", net.bridge_ns, "link", "set", "br0", "up")
-        for host in net.hosts:
-            _plug(net.bridge_ns, host)
-            host.holder = _hold_mounts(host.netns)
-            stack.callback(stop, host.holder, 5.0)
-        yield net
-
-
-def _add_netns(ns: str) -> None:
-    try:
-        ip("netns", "add", ns)
-    except FileNotFoundError as exc:
-        raise KvpoolError("no `ip` command (iproute2)") from exc
-
-
-def _plug(bridge_ns: str, host: Host) -> None:
-    port = f"v{host.index}"
-    ip("-n", bridge_ns, "link", "add", port, "type", "veth", "peer", "name", "eth0",
-       "netns", host.netns)
-    ip("-n", bridge_ns, "link", "set", port, "master", "br0", "up")
-    ip("-n", host.netns, "link", "set", "lo", "up")
-    ip("-n", host.netns, "addr", "add", f"{host.addr}/24", "dev", "eth0")
-    ip("-n", host.netns, "link", "set", "eth0", "up")
-
-
-def _hold_mounts(netns: str, timeout_s: float = 10.0) -> subprocess.Popen[bytes]:
-    """A `sleep` in `netns` and a new mount namespace with a fresh tmpfs on /dev/shm; returned
-    once the mount is made (the shell execs sleep only after it)."""
-    script = "mount -t tmpfs -o size=1g,mode=1777 tmpfs /dev/shm && exec sleep infinity"
-    proc = subprocess.Popen(["ip", "netns", "exec", netns, "unshare", "--mount",
-                             "--propagation", "private", "sh", "-c", script],
-                            preexec_fn=die_with_parent(os.getpid()), start_new_session=True)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise KvpoolError(f"cannot give {netns} a private /dev/shm (unshare/mount failed)")
-        try:
-            if Path(f"/proc/{proc.pid}/comm").read_text().strip() == "sleep":
-                return proc
-        except OSError:
-            pass
-        time.sleep(0.02)
-    stop(proc)
-    raise KvpoolError(f"{netns}: the /dev/shm holder did not start within {timeout_s:.0f} s")
-
-
-@contextmanager
-def in_netns(netns: str) -> Iterator[None]:
-    """The calling thread in network namespace `netns` for the block: sockets it opens there
-    stay there. Other threads are not affected."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    home = os.open("/proc/thread-self/ns/net", os.O_RDONLY)
-    target = os.open(f"/run/netns/{netns}", os.O_RDONLY)
-    try:
-        if libc.setns(target, _CLONE_NEWNET) != 0:
-            raise OSError(ctypes.get_errno(), f"setns into {netns}")
-        try:
-            yield
-        finally:
-            if libc.setns(home, _CLONE_NEWNET) != 0:
-                raise OSError(ctypes.get_errno(), "setns back home")
-    finally:
-        os.close(target)
-        os.close(home)
+"""start(name, host, *kvpool args, announce=False): one process on one host (`announce`: it
+says on a pipe when it is ready, `HostsCluster.wait_ready`)."""
 
 
 @dataclass(frozen=True)
@@ -223,6 +101,12 @@ class HostsCluster:
     """HOST:PORT of etcd (HA only)."""
     master_restarts: dict[int, int] = field(default_factory=dict)
     """Host -> how often its deposed master was started again as a standby."""
+    ready: dict[str, ReadyPipe] = field(default_factory=dict)
+    """The readiness pipe of each process that announces it (kvpool.launch.ready)."""
+
+    def wait_ready(self, name: str, what: str, timeout_s: float) -> None:
+        """Until process `name` says it is ready; KvpoolError as soon as any exits."""
+        self.ready[name].wait(self.procs[name], what, timeout_s, list(self.procs.values()))
 
     @property
     def hosts(self) -> list[Host]:
@@ -280,15 +164,20 @@ def hosts_cluster(spec: HostsSpec) -> Iterator[HostsCluster]:
         env = {**os.environ, "KVPOOL_TOKEN": token}
 
         def launch(name: str, host: Host, argv: list[str], quiet: bool = False) -> None:
-            proc = subprocess.Popen(host.argv(*argv), env=env, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.DEVNULL if quiet else None,
-                                    start_new_session=True,
-                                    preexec_fn=die_with_parent(os.getpid()))
-            stack.callback(stop, proc)
-            cluster.procs[name] = proc
+            cluster.procs[name] = host.spawn(argv, env, quiet)
+            stack.callback(stop, cluster.procs[name])
 
-        def start(name: str, host: Host, *args: str) -> None:
-            launch(name, host, kvpool_argv(*args))
+        def start(name: str, host: Host, *args: str, announce: bool = False) -> None:
+            if not announce:
+                return launch(name, host, kvpool_argv(*args))
+            pipe = cluster.ready[name] = ReadyPipe()
+            stack.callback(pipe.close)
+            try:
+                cluster.procs[name] = host.spawn(pipe.argv(kvpool_argv(*args)), env,
+                                                 pass_fds=[pipe.write_fd])
+            finally:
+                pipe.spawned()
+            stack.callback(stop, cluster.procs[name])
 
         if spec.ha:
             _start_etcd(cluster, stack.enter_context(tempfile.TemporaryDirectory(
@@ -306,31 +195,24 @@ def hosts_cluster(spec: HostsSpec) -> Iterator[HostsCluster]:
 def _start_master(cluster: HostsCluster, spec: HostsSpec, start: _Start) -> None:
     a = cluster.fabric.hosts[0].addr
     start("master", cluster.fabric.hosts[0], "master", "--host", a, "--rpc-port", str(RPC_PORT),
-          "--admin-port", str(ADMIN_PORT), "--metadata-port", str(METADATA_PORT), *spec.master_args)
+          "--admin-port", str(ADMIN_PORT), "--metadata-port", str(METADATA_PORT), *spec.master_args,
+          announce=True)
     cluster.master_hosts = [0]
     cluster.master_address = f"{a}:{RPC_PORT}"
     cluster.metadata_url = f"http://{a}:{METADATA_PORT}/metadata"
     cluster.admin_url = f"http://{a}:{ADMIN_PORT}"
-    with in_netns(cluster.fabric.hosts[0].netns):
-        wait_http(f"{cluster.admin_url}/health", [cluster.procs["master"]], "master")
+    cluster.wait_ready("master", "master", 60.0)
 
 
 def _start_etcd(cluster: HostsCluster, data_dir: str,
                 launch: Callable[[str, Host, list[str], bool], None]) -> None:
     """etcd alone on the last host, its data in `data_dir`."""
-    binary = shutil.which("etcd")
-    if binary is None:
-        raise KvpoolError("no `etcd` command (Debian package etcd-server)")
     host = cluster.fabric.hosts[-1]
-    client, peer = f"http://{host.addr}:{ETCD_PORT}", f"http://{host.addr}:{ETCD_PEER_PORT}"
-    launch("etcd", host, [binary, "--name", "hosts", "--data-dir", data_dir,
-                          "--listen-client-urls", client, "--advertise-client-urls", client,
-                          "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                          "--initial-cluster", f"hosts={peer}"], True)
+    launch("etcd", host, etcd_argv("hosts", data_dir, host.addr), True)
     cluster.etcd_endpoint = f"{host.addr}:{ETCD_PORT}"
     cluster.master_address = cluster.metadata_url = f"etcd://{cluster.etcd_endpoint}"
     with in_netns(host.netns):
-        wait_http(f"{client}/health", [cluster.procs["etcd"]], "etcd")
+        wait_http(f"http://{cluster.etcd_endpoint}/health", [cluster.procs["etcd"]], "etcd")
 
 
 def _ha_master_args(cluster: HostsCluster, spec: HostsSpec, host: Host) -> list[str]:
@@ -353,14 +235,8 @@ def _start_ha_masters(cluster: HostsCluster, spec: HostsSpec, start: _Start) -> 
 
 def _wait_role(cluster: HostsCluster, index: int, role: str,
                procs: list[subprocess.Popen[bytes]], timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while cluster.master_roles()[index].role != role:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"host {index}'s master is no {role} after {timeout_s:.0f} s")
-        for p in procs:
-            if p.poll() is not None:
-                raise KvpoolError(f"process {p.pid} exited with code {p.returncode}")
-        time.sleep(0.1)
+    wait_for(lambda: cluster.master_roles()[index].role == role, timeout_s,
+             f"host {index}'s master to be the {role}", 0.1, procs)
 
 
 @contextmanager
@@ -392,10 +268,9 @@ def _start_store_nodes(cluster: HostsCluster, spec: HostsSpec, start: _Start) ->
     for host in hosts:
         start(f"store-node-{host.index}", host, "store-node", "--dram", spec.dram,
               "--master", cluster.master_address, "--host", host.addr,
-              "--metadata", cluster.metadata_url)
-    with in_netns(hosts[0].netns):
-        wait_segments(cluster.admin_url, len(hosts), list(cluster.procs.values()),
-                      token=cluster.token)
+              "--metadata", cluster.metadata_url, announce=True)
+    for host in hosts:  # a node announces once its memory is mounted
+        cluster.wait_ready(f"store-node-{host.index}", "the store", 120.0)
 
 
 def _start_serving(cluster: HostsCluster, spec: HostsSpec, start: _Start) -> None:
@@ -406,14 +281,13 @@ def _start_serving(cluster: HostsCluster, spec: HostsSpec, start: _Start) -> Non
         url = f"http://{host.addr}:{WORKER_PORT}"
         start(f"{role}-{host.index}", host, "worker", "--role", role,
               "--model", str(spec.model_dir), "--host", host.addr, "--port", str(WORKER_PORT),
-              "--master", cluster.master_address, *spec.worker_args)
+              "--master", cluster.master_address, *spec.worker_args, announce=True)
         cluster.worker_urls.setdefault(role, []).append(url)
         flags += [f"--{role}", url]
     last = hosts[-1]
-    procs = list(cluster.procs.values())
     for host in hosts[1:]:
-        with in_netns(host.netns):
-            wait_http(f"http://{host.addr}:{WORKER_PORT}/health", procs, "a worker", 120)
+        role = "prefill" if host.index % 2 else "decode"
+        cluster.wait_ready(f"{role}-{host.index}", "a worker", 120.0)
     start("proxy", last, "proxy", "--model", str(spec.model_dir), "--host", last.addr,
           "--port", str(PROXY_PORT), *flags, *spec.proxy_args)
     cluster.proxy_host, cluster.proxy_url = last.index, f"http://{last.addr}:{PROXY_PORT}"

@@ -1,9 +1,8 @@
-"""Child processes that die with their parent, and the serving cluster `kvpool up` starts.
-
-A child of `kvpool up` must not outlive it, however it ends (Ctrl-C, SIGTERM, SIGKILL):
-every child is started with Linux's parent-death signal (`prctl(PR_SET_PDEATHSIG, SIGTERM)`,
-set between fork and exec), and exits at once if its parent was already gone by then. The
-signal is SIGTERM so that children still clean up (shared-memory segments, sockets).
+"""The serving cluster `kvpool up` starts (`serving_cluster`: master, store nodes, workers or
+vLLM servers, the proxy; all stopped on exit), and the model folders it serves
+(`ensure_tiny_model`, `ensure_emulated_model`). The processes are kvpool.launch's: children
+that die with this process, the master, store nodes and workers announcing on a pipe when they
+are ready (the proxy, whose readiness is its workers', and vLLM servers are polled).
 """
 
 from __future__ import annotations
@@ -20,71 +19,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import httpx
-
 from kvpool.engine.gguf_checkpoint import kvpool_cache, served_name
 from kvpool.errors import KvpoolError
-from kvpool.procs import (  # noqa: F401 (stop, die_with_parent: re-exported for launchers)
-    Command,
-    check_ports,
-    die_with_parent,
-    free_port,
-    kvpool_argv,
-    spawn_command,
-    stop,
-    stop_group,
-)
-from kvpool.token import env_token
+from kvpool.launch.children import Command, run_to_end
+from kvpool.launch.ports import check_ports, free_port
+from kvpool.launch.ready import ReadyPipe
+from kvpool.launch.table import ChildTable
+from kvpool.launch.wait import wait_http
 
 if TYPE_CHECKING:
     from kvpool.serve.vllm.launch import EventWiring, VllmEngines
-
-def spawn(*args: str, quiet: bool = True) -> subprocess.Popen[bytes]:
-    """`python -m kvpool ARGS` as a child that dies with this process, in a session of its own
-    (a terminal's Ctrl-C reaches only this process, which stops the children in order). A
-    store node whose master died at the same moment still stops within its close_timeout_s."""
-    return spawn_command(Command(tuple(kvpool_argv(*args))), quiet)
-
-
-def wait_http(url: str, procs: list[subprocess.Popen[bytes]], what: str,
-              timeout_s: float = 60.0) -> None:
-    """Until `url` answers 200; KvpoolError if one of `procs` exits first, TimeoutError."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for p in procs:
-            if p.poll() is not None:
-                raise KvpoolError(f"{what}: process {p.pid} exited with code {p.returncode} "
-                                  f"({' '.join(map(str, p.args))})")  # type: ignore[arg-type]
-        try:
-            if httpx.get(url, timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"{what}: {url} did not answer within {timeout_s:.0f} s")
-
-
-def wait_segments(admin_url: str, count: int, procs: list[subprocess.Popen[bytes]],
-                  timeout_s: float = 120.0, token: str | None = None) -> None:
-    """Until the master has `count` mounted segments (a large store node takes seconds to map
-    its memory; a put before that finds no space). `token`: the master's (default
-    $KVPOOL_TOKEN)."""
-    from kvpool.metadata.http_serving import bearer_header
-
-    headers = bearer_header(env_token() if token is None else token)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for p in procs:
-            if p.poll() is not None:
-                raise KvpoolError(f"the store: process {p.pid} exited with code {p.returncode}")
-        try:
-            reply = httpx.get(f"{admin_url}/segments", headers=headers, timeout=2.0)
-            if reply.status_code == 200 and len(reply.json()) >= count:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"the store: {count} segments not mounted within {timeout_s:.0f} s")
 
 
 def default_model_dir() -> Path:
@@ -98,13 +42,10 @@ def ensure_tiny_model(folder: Path) -> Path:
         return folder
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
-    subprocess.run([sys.executable, "-m", "kvpool", "model", "make-tiny", str(tmp)], check=True,
-                   stdout=subprocess.DEVNULL, preexec_fn=die_with_parent(os.getpid()))
+    run_to_end([sys.executable, "-m", "kvpool", "model", "make-tiny", str(tmp)])
     try:
         tmp.rename(folder)
     except OSError:  # another `kvpool up` made it meanwhile
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
     return folder
 
@@ -131,78 +72,6 @@ def ensure_emulated_model(tiny: Path, folder: Path, max_model_len: int) -> Path:
     return folder
 
 
-class ChildTable:
-    """Named `kvpool` children that die with this process, each startable again with the
-    command it was first started with (kvpool.supervisor.Children). A dataclass using it
-    declares the two tables as fields."""
-
-    procs: dict[str, subprocess.Popen[bytes]]
-    """Every child by name, the latest incarnation of each, in the order first started."""
-    commands: dict[str, Command]
-    """Each child's command (ports included, so it comes back where it was)."""
-
-    def start(self, name: str, *args: str) -> subprocess.Popen[bytes]:
-        """Child `name`: `kvpool ARGS`; stopped by `stop_all`."""
-        return self.run(name, Command(tuple(kvpool_argv(*args))))
-
-    def run(self, name: str, command: Command) -> subprocess.Popen[bytes]:
-        """Child `name`: any program (a vLLM server); stopped by `stop_all`."""
-        self.commands[name] = command
-        self.procs[name] = spawn_command(command)
-        return self.procs[name]
-
-    def restart(self, name: str) -> subprocess.Popen[bytes]:
-        """Start child `name` again (its last incarnation has exited). A worker comes back on
-        its URL, where the proxy's poller finds it and has it prove the cluster token again
-        before it rejoins the rotation."""
-        return self.run(name, self.commands[name])
-
-    def exited(self) -> list[str]:
-        return [name for name, p in self.procs.items() if p.poll() is not None]
-
-    def stop_all(self, say: Callable[[str], None] | None = None) -> None:
-        """Stop every child, last started first, a group at a time (the proxy, the workers,
-        the store nodes, the master): SIGTERM to the whole group, then each is waited for
-        (SIGKILL after 10 s), with what each started in its session (a vLLM server's engine
-        processes). `say` is told each group as it goes and the end."""
-        started = time.monotonic()
-        for group, procs in _groups(list(self.procs.items())[::-1]):
-            if say is not None and any(p.poll() is None for p in procs):
-                say(f"stopping {group}")
-            for p in procs:
-                if p.poll() is None:
-                    p.terminate()
-            for p in procs:
-                stop_group(p)
-        if say is not None:
-            say(f"stopped ({time.monotonic() - started:.1f} s)")
-
-
-def _groups(named: list[tuple[str, subprocess.Popen[bytes]]]
-            ) -> list[tuple[str, list[subprocess.Popen[bytes]]]]:
-    """`named` children in runs of one kind, in order: (what to call the run, its children)."""
-    out: list[tuple[str, list[subprocess.Popen[bytes]]]] = []
-    for name, proc in named:
-        kind = _kind(name)
-        if out and out[-1][0] == kind:
-            out[-1][1].append(proc)
-        else:
-            out.append((kind, [proc]))
-    return [(_plural(kind, len(procs)), procs) for kind, procs in out]
-
-
-def _kind(name: str) -> str:
-    """A child's kind from its name: prefill-0 and decode-1 are workers, store-node-2 a
-    store node; others (proxy, master, etcd) are their own kind."""
-    if name.split("-")[0] in ("prefill", "decode", "both"):
-        return "worker"
-    return "store node" if name.startswith("store-node") else name
-
-
-def _plural(kind: str, count: int) -> str:
-    return f"the {kind}" if count == 1 else f"{count} {kind}s"
-
-
 @dataclass
 class ServingCluster(ChildTable):
     host: str
@@ -215,6 +84,7 @@ class ServingCluster(ChildTable):
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     worker_urls: dict[str, list[str]] = field(default_factory=dict)
     commands: dict[str, Command] = field(default_factory=dict)
+    ready: dict[str, ReadyPipe] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -264,22 +134,24 @@ def serving_cluster(spec: ServingSpec,
     with ExitStack() as stack:
         stack.callback(cluster.stop_all, say)
 
-        def start(name: str, *args: str) -> subprocess.Popen[bytes]:
-            return cluster.start(name, *args, *(("--insecure",) if spec.insecure else ()))
+        def start(name: str, *args: str, announce: bool = False) -> subprocess.Popen[bytes]:
+            return cluster.start(name, *args, *(("--insecure",) if spec.insecure else ()),
+                                 announce=announce)
 
         wiring, engines = _vllm_side(spec, stack, rpc, meta, stage)
-        master = start("master", "master", "--host", host, "--rpc-port", str(rpc),
-                       "--admin-port", str(admin), "--metadata-port", str(meta),
-                       *(wiring.master_flags() if wiring is not None else ()))
-        wait_http(f"http://{host}:{admin}/health", [master], "master")
+        start("master", "master", "--host", host, "--rpc-port", str(rpc),
+              "--admin-port", str(admin), "--metadata-port", str(meta),
+              *(wiring.master_flags() if wiring is not None else ()), announce=True)
+        cluster.wait_ready("master", "master", 60.0)
         stage.done(f"master ready at {host}:{rpc}")
         master_addr, metadata = f"{host}:{rpc}", f"http://{host}:{meta}/metadata"
         cluster.master_address, cluster.metadata_url = master_addr, metadata
         cluster.admin_url = f"http://{host}:{admin}"
         for i in range(spec.num_store_nodes):
             start(f"store-node-{i}", "store-node", "--dram", spec.dram, "--master", master_addr,
-                  "--host", host, "--metadata", metadata)
-        wait_segments(cluster.admin_url, spec.num_store_nodes, list(cluster.procs.values()))
+                  "--host", host, "--metadata", metadata, announce=True)
+        for i in range(spec.num_store_nodes):  # a node announces once its memory is mounted
+            cluster.wait_ready(f"store-node-{i}", "the store", 120.0)
         stage.done(f"{spec.num_store_nodes} store node(s) mounted ({spec.dram} each)")
         ports = _start_engines(cluster, spec, start, wiring, engines, stage)
         events = wiring.proxy_flags(ports) if wiring is not None else ()
@@ -301,18 +173,20 @@ def _start_engines(cluster: ServingCluster, spec: ServingSpec,
     roles = (["prefill"] * spec.num_prefill + ["decode"] * spec.num_decode
              + ["both"] * spec.num_colocated)
     ports: dict[str, int] = {}
+    names: dict[str, str] = {}
     for i, role in enumerate(roles):
         port = free_port(host)
         url = f"http://{host}:{port}"
+        names[url] = f"{role}-{i}"
         if engines is not None and wiring is not None:
-            cluster.run(f"{role}-{i}", engines.command(url, port, spec.model_dir,
-                                                       cluster.model_name, wiring))
+            cluster.run(names[url], engines.command(url, port, spec.model_dir,
+                                                    cluster.model_name, wiring))
         else:
             face = (("--api", "vllm", "--kv-events-config", wiring.engine_config(url, port))
                     if wiring is not None else ())
-            start(f"{role}-{i}", "worker", "--role", role, "--model", str(spec.model_dir),
+            start(names[url], "worker", "--role", role, "--model", str(spec.model_dir),
                   "--host", host, "--port", str(port), "--master", master_addr,
-                  *spec.worker_args, *face)
+                  *spec.worker_args, *face, announce=True)
         cluster.worker_urls.setdefault(role, []).append(url)
         ports[url] = port
     what = f"vLLM {engines.version} servers" if engines is not None else "workers"
@@ -320,7 +194,10 @@ def _start_engines(cluster: ServingCluster, spec: ServingSpec,
     timeout_s = spec.vllm.start_timeout_s if spec.vllm is not None else 120.0
     for role, urls in cluster.worker_urls.items():
         for url in urls:
-            _wait_engine(url, cluster, timeout_s)
+            if engines is None:  # a kvpool worker announces once it serves
+                cluster.wait_ready(names[url], "a worker", timeout_s)
+            else:
+                _wait_engine(url, cluster, timeout_s)
             stage.done(f"{role} {'vLLM server' if engines else 'worker'} ready at {url}")
     return ports
 
@@ -346,8 +223,8 @@ def _vllm_side(spec: ServingSpec, stack: ExitStack, rpc: int, meta: int,
 
 
 def _wait_engine(url: str, cluster: ServingCluster, timeout_s: float) -> None:
-    """Until the engine at `url` answers /health; a child whose output goes to a log file (a
-    vLLM server) and that exits first is reported with the end of that log."""
+    """Until the vLLM server at `url` answers /health; one that exits first is reported with
+    the end of its log."""
     try:
         wait_http(url + "/health", list(cluster.procs.values()), "a worker", timeout_s=timeout_s)
     except (KvpoolError, TimeoutError) as exc:

@@ -3,7 +3,7 @@ serves its proxy inside an emulated host's network namespace, and this forward m
 reachable at --host:--port on the machine itself, as a container's published port is.
 
 Each accepted connection gets its own upstream connection, made by the caller's `connect()`
-(which may switch the calling thread into a namespace: kvpool.serve.hosts.in_netns), and two
+(which may switch the calling thread into a namespace: kvpool.launch.netns.in_netns), and two
 threads that copy bytes, one each way; an end that closes its sending side is passed on as a
 half-close, so HTTP keep-alive, streamed responses and plain request/response all pass through
 unchanged. A failed `connect()` closes the client's connection (it sees a reset, as from a

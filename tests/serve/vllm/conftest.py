@@ -13,8 +13,9 @@ import httpx
 import pytest
 
 from kvpool.engine.emulated.kvbytes import expected_output, ordinary_vocab
-from kvpool.procs import free_port, kvpool_argv
-from kvpool.serve.launch import ensure_emulated_model, spawn, stop
+from kvpool.launch.children import kvpool_argv, spawn, stop
+from kvpool.launch.ports import free_port
+from kvpool.serve.launch import ensure_emulated_model
 from tests.support.procs import python_env
 from tests.support.require import missing
 

@@ -17,8 +17,8 @@ import httpx
 import pytest
 
 from kvpool.errors import InvalidArgument
-from kvpool.procs import free_port
-from kvpool.serve.launch import wait_http
+from kvpool.launch.ports import free_port
+from kvpool.launch.wait import wait_http
 from kvpool.serve.vllm.backend import VllmBackend, model_hash
 from tests.serve.vllm.conftest import (
     BLOCK,

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvpool.serve.launch import wait_http
+from kvpool.launch.wait import wait_http
 from kvpool.serve.vllm.metrics_text import parse_metrics
 from tests.serve.vllm.conftest import NAME, Fleet
 

@@ -14,8 +14,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvpool.procs import free_port
-from kvpool.serve.launch import spawn, wait_http
+from kvpool.launch.children import spawn
+from kvpool.launch.ports import free_port
+from kvpool.launch.wait import wait_http
 from tests.serve.vllm.conftest import (
     BLOCK,
     ENGINE_ARGS,

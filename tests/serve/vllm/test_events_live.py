@@ -15,8 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvpool.procs import free_port
-from kvpool.serve.launch import wait_http
+from kvpool.launch.ports import free_port
+from kvpool.launch.wait import wait_http
 from tests.serve.vllm.conftest import BLOCK, NAME, Fleet, complete, events_config, prompt
 
 

@@ -20,8 +20,9 @@ import httpx
 import pytest
 
 from kvpool.engine.gguf_checkpoint import served_name
-from kvpool.procs import free_port
-from kvpool.serve.launch import stop, wait_http
+from kvpool.launch.children import stop
+from kvpool.launch.ports import free_port
+from kvpool.launch.wait import wait_http
 from kvpool.serve.models import resolve_model
 from tests.serve.vllm.conftest import Fleet, events_config, real_vllm_python
 

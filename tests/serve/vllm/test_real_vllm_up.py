@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvpool.serve.launch import free_port
+from kvpool.launch.ports import free_port
 from kvpool.serve.models import resolve_model
 from tests.serve.conftest import kvpool_up, marked_pids, wait_gone, wait_ready
 from tests.serve.vllm.conftest import real_vllm_python

@@ -34,7 +34,8 @@ import kvpool
 from kvpool.compat.activate import activate
 from kvpool.engine.gguf_checkpoint import kvpool_cache
 from kvpool.errors import ConfigError
-from kvpool.procs import Command, free_port
+from kvpool.launch.children import Command
+from kvpool.launch.ports import free_port
 
 POOL_TOPIC = "kvpool-pool"
 """The master's default --kv-events-topic, the proxy's default --pool-topic."""

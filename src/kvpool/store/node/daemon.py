@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 
 from kvpool.errors import MetadataError, RpcError
+from kvpool.launch.ready import announce_ready
 from kvpool.log import get_logger
 from kvpool.store.client.config import ClientConfig
 from kvpool.store.client.store_client import StoreClient
@@ -43,8 +44,8 @@ def run_store_node(config: ClientConfig, stop: threading.Event,
             thread.start()
         log.info("store node %s contributes %d bytes as %s", client.endpoint,
                  config.global_segment_size, ", ".join(client.segment_ids))
-        print(f"kvpool store-node ready: {client.endpoint} "
-              f"{' '.join(client.segment_ids)}", flush=True)
+        announce_ready(f"kvpool store-node ready: {client.endpoint} "
+                       f"{' '.join(client.segment_ids)}")
         stop.wait()
         if thread is not None and worker is not None:
             thread.join(10.0)

@@ -1,4 +1,4 @@
-"""How `kvpool up` stops its children (kvpool.serve.launch.ChildTable.stop_all), over real
+"""How `kvpool up` stops its children (kvpool.launch.table.ChildTable.stop_all), over real
 processes: one line per group, last started first, a group signalled at once, a group already
 gone left unsaid, and the end with its time."""
 
@@ -9,7 +9,9 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
-from kvpool.serve.launch import ChildTable
+from kvpool.launch.children import Command
+from kvpool.launch.ready import ReadyPipe
+from kvpool.launch.table import ChildTable
 
 SLOW_TERM = "trap 'sleep 0.5; exit 0' TERM; while :; do sleep 0.05; done"
 """A child that takes 0.5 s to exit on SIGTERM, as a worker closing its pool client does."""
@@ -18,7 +20,8 @@ SLOW_TERM = "trap 'sleep 0.5; exit 0' TERM; while :; do sleep 0.05; done"
 @dataclass
 class Table(ChildTable):
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
-    commands: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    commands: dict[str, Command] = field(default_factory=dict)
+    ready: dict[str, ReadyPipe] = field(default_factory=dict)
 
     def shell(self, name: str, script: str) -> None:
         self.procs[name] = subprocess.Popen(["/bin/sh", "-c", script])

@@ -1,0 +1,123 @@
+"""Store processes on loopback for the fault tests and benchmarks: `kvpool master` and
+`kvpool store-node` children on fresh ports (`start_master`, `start_nodes`), and an HA pair of
+masters on one etcd (`start_ha_pair`). Every child is stopped (SIGTERM, then SIGKILL) when the
+caller's ExitStack closes; children run this very kvpool (its source first on PYTHONPATH) and
+log errors only."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvpool.launch.children import stop
+from kvpool.launch.etcd import EtcdProcess
+from kvpool.launch.ports import free_port
+from kvpool.launch.wait import wait_for, wait_port
+from kvpool.store.client.config import ClientConfig
+from kvpool.store.wire.leader import Etcd, parse_endpoints, read_leader
+
+HA_TTL_S = 2
+"""The HA pair's leader lease (the least ha.py allows)."""
+
+
+def spawn_kvpool(*args: str, quiet: bool = True) -> subprocess.Popen[bytes]:
+    """`python -m kvpool args...` as its own process (stdout discarded when `quiet`)."""
+    env = dict(os.environ)
+    env.setdefault("KVPOOL_LOG_LEVEL", "ERROR")
+    here = str(Path(__file__).resolve().parents[2])   # children run this very kvpool
+    env["PYTHONPATH"] = here + os.pathsep + env.get("PYTHONPATH", "")
+    out = subprocess.DEVNULL if quiet else None
+    return subprocess.Popen([sys.executable, "-m", "kvpool", *args], env=env, stdout=out,
+                            stderr=subprocess.DEVNULL if quiet else None)
+
+
+def owned(stack: ExitStack, proc: subprocess.Popen[bytes]) -> subprocess.Popen[bytes]:
+    """Stop `proc` (SIGTERM, then SIGKILL) when `stack` closes."""
+    stack.callback(stop, proc, 5.0)
+    return proc
+
+
+@dataclass
+class HaPair:
+    """Two HA masters on one etcd (journaling there, or to one shared state directory)."""
+
+    etcd: EtcdProcess
+    masters: list[subprocess.Popen[bytes]]
+    rpc_ports: list[int]
+    admin_ports: list[int]
+    cluster_id: str
+
+    @property
+    def address(self) -> str:
+        return f"etcd://{self.etcd.endpoint}/{self.cluster_id}"
+
+    def client_config(self) -> ClientConfig:
+        """A client that follows the leader through etcd and gives up on a dead one fast."""
+        return ClientConfig(master=self.address, rpc_timeout_s=1.0, transfer_timeout_s=3.0)
+
+    def index_of(self, leader_address: str) -> int:
+        return next(i for i, p in enumerate(self.rpc_ports) if leader_address.endswith(f":{p}"))
+
+
+def start_ha_pair(stack: ExitStack, etcd: EtcdProcess, state_dir: Path | None, cluster_id: str,
+                  ttl_s: int = 2) -> HaPair:
+    """Two HA masters journaling to `state_dir`, or to etcd itself when None."""
+    pair = HaPair(etcd, [], [], [], cluster_id)
+    shared = ["--state-dir", str(state_dir)] if state_dir is not None else []
+    for _ in range(2):
+        rpc, admin = free_port(), free_port()
+        pair.masters.append(owned(stack, spawn_kvpool(
+            "master", "--enable_ha=true", f"--etcd_endpoints={etcd.endpoint}",
+            "--cluster_id", cluster_id, *shared,
+            "--rpc_port", str(rpc), "--metrics_port", str(admin), "--no-http-metadata",
+            "--ha-lease-ttl", str(ttl_s), "--recovery-grace", "20")))
+        pair.rpc_ports.append(rpc)
+        pair.admin_ports.append(admin)
+    return pair
+
+
+def start_master(stack: ExitStack, *flags: str) -> tuple[subprocess.Popen[bytes], str, list[str]]:
+    """A plain master on fresh ports: (process, rpc address, its argv for a restart)."""
+    rpc, admin = free_port(), free_port()
+    argv = ["master", "--rpc_port", str(rpc), "--metrics_port", str(admin),
+            "--no-http-metadata", *flags]
+    proc = owned(stack, spawn_kvpool(*argv))
+    wait_port(rpc, timeout_s=30)
+    return proc, f"127.0.0.1:{rpc}", argv
+
+
+def start_nodes(stack: ExitStack, master: str, count: int, dram: str = "16MiB",
+                *extra: str) -> list[subprocess.Popen[bytes]]:
+    return [owned(stack, spawn_kvpool("store-node", "--dram", dram, "--master", master,
+                                      "--heartbeat-interval", "0.2", *extra))
+            for _ in range(count)]
+
+
+def wait_leader(etcd: EtcdProcess, cluster_id: str, not_term: int = 0,
+                timeout_s: float = 30.0) -> tuple[str, int]:
+    """(address, term) of the leader of `cluster_id` in etcd, once there is one whose term
+    is not `not_term` (a failover's new leader); TimeoutError after `timeout_s`."""
+    client = Etcd(parse_endpoints(etcd.endpoint))
+
+    def leader() -> tuple[str, int] | None:
+        try:
+            found = read_leader(client, cluster_id)
+        except Exception:  # noqa: BLE001 - etcd restarting
+            return None
+        return found if found is not None and found[1] != not_term else None
+
+    return wait_for(leader, timeout_s, f"a leader for {cluster_id}", 0.05)
+
+
+def ha_cluster(stack: ExitStack, etcd: EtcdProcess, cluster_id: str,
+               ttl_s: int = HA_TTL_S) -> tuple[HaPair, int, int]:
+    """An HA pair keeping its journal in etcd (the default) and two store nodes started;
+    (pair, leader's index, leader's term)."""
+    pair = start_ha_pair(stack, etcd, None, cluster_id, ttl_s)
+    leader_addr, term = wait_leader(etcd, cluster_id)
+    start_nodes(stack, pair.address, 2)
+    return pair, pair.index_of(leader_addr), term
