@@ -252,9 +252,13 @@ class PeerLink:
         return Connection.open(self.host, self.port, self._config, self._me)
 
     def _checkin(self, conn: Connection) -> None:
+        """Keep `conn` for the next frame: up to one connection per worker thread plus the
+        one a sync caller runs its first frame on (`run_inline`), which are all in use at once
+        in a large batch; keeping one fewer reopened a connection, handshake included, on
+        nearly every batch of 1 MiB objects (docs/perf.md)."""
         conn.idle_since = time.monotonic()
         with self._lock:
-            if not self._closed and len(self._idle) < self._config.connections_per_peer:
+            if not self._closed and len(self._idle) <= self._config.connections_per_peer:
                 self._idle.append(conn)
                 return
         conn.close()
