@@ -36,8 +36,11 @@ class TransferConfig:
     1 MiB: with busy polling a 1 MiB request moves faster as one frame in the caller's thread
     (3.1-3.4 GB/s) than as two 512 KiB slices (2.1-3.8 GB/s), and 8 MiB ones are no slower;
     before busy polling two slices won (alternating rounds, docs/perf.md)."""
-    frame_bytes: int = 1 << 20
-    """Small requests to one peer are coalesced into frames of up to this many payload bytes."""
+    frame_bytes: int = 4 << 20
+    """Small requests to one peer are coalesced into frames of up to this many payload bytes.
+    4 MiB: a batch of 32 x 64 KiB then goes as one frame in the caller's thread; as two frames
+    (1 MiB) the caller and a worker thread polled for their replies at once, fighting over
+    the GIL, and a get cost 130-400 us more CPU, a put 270-470 us (docs/perf.md)."""
     frame_requests: int = 512
     """...and at most this many descriptors per frame (sendmsg's iovec limit is 1024)."""
     handshake_timeout_s: float = 10.0
