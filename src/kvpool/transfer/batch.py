@@ -6,6 +6,7 @@ import enum
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvpool.errors import InvalidArgument
 from kvpool.log import get_logger
@@ -24,17 +25,19 @@ class RequestState(enum.IntEnum):
     FAILED = 2
 
 
-@dataclass(frozen=True, slots=True)
-class TransferRequest:
+class TransferRequest(NamedTuple):
+    """One copy between local memory and a peer's. `target` is the peer's segment name,
+    "host:port"; `fence` the fence of the target region this request was planned against
+    (0: none): a fenced target region refuses a request whose fence differs (status FENCED).
+    (A named tuple: built once per object on every store call, in a fifth of the time of a
+    frozen dataclass.)"""
+
     op: OpCode
     local_addr: int
     length: int
     target: str
-    """Segment name of the peer, "host:port"."""
     target_addr: int
     fence: int = 0
-    """The fence of the target region this request was planned against (0: none); a fenced
-    target region refuses a request whose fence differs (status FENCED)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -318,9 +318,10 @@ class ClientBase(ReadPath):
         failed: set[int] = set()
         requests: list[TransferRequest] = []
         owners: list[int] = []
+        own = self.endpoint
         for idx, items in copies.items():
             for local, remote, n, endpoint, fence in items:
-                if endpoint == self.endpoint:
+                if endpoint == own:
                     if not self._copy_own(op, local, remote, n, fence):
                         failed.add(idx)      # a stale replica: never touch it
                 else:
