@@ -65,11 +65,18 @@ class Batch:
     parallel also work on them in parallel: the store client hashes objects there), before
     the batch can count as finished: a waiter sees every call made. An exception in it is
     logged and ignored.
+
+    `on_sent(index)` (writes over tcp) is called once the last open slice of a request was
+    handed to the socket, before the peer answers: the source bytes are all sent, so a
+    writer can work on them (the store client hashes them) while the peer takes them in.
+    It may come before `on_done` or not at all (a request whose slices finish out of order).
     """
 
-    def __init__(self, capacity: int, on_done: Callable[[int], None] | None = None) -> None:
+    def __init__(self, capacity: int, on_done: Callable[[int], None] | None = None,
+                 on_sent: Callable[[int], None] | None = None) -> None:
         self.capacity = capacity
         self.on_done = on_done
+        self.on_sent = on_sent
         self._cond = threading.Condition()
         self._remaining: list[int] = []
         self._status: list[RequestStatus] = []
@@ -114,6 +121,17 @@ class Batch:
                 callback()
             except Exception:  # a waiter that went away must not break the reporting thread
                 log.debug("batch completion callback failed", exc_info=True)
+
+    def sent(self, indices: list[int]) -> None:
+        """One slice of each request in `indices` was sent; calls `on_sent` for each request
+        whose last open slice it was."""
+        if self.on_sent is None:
+            return
+        with self._cond:
+            last = [i for i in indices if self._remaining[i] == 1
+                    and self._status[i].state == RequestState.PENDING]
+        for index in last:
+            notify_done(self.on_sent, index)
 
     def _complete_one(self, index: int, reason: str | None) -> bool:
         """One slice's outcome; True when the request just became DONE (the caller counts it
@@ -170,8 +188,8 @@ class Batch:
 
 
 def notify_done(on_done: Callable[[int], None], index: int) -> None:
-    """Call a batch's on_done hook; a failure in it is logged, never raised into the
-    transport thread."""
+    """Call a batch's on_done (or on_sent) hook; a failure in it is logged, never raised into
+    the transport thread."""
     try:
         on_done(index)
     except Exception:

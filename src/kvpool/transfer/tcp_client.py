@@ -12,6 +12,7 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +75,10 @@ class Frame:
 
     def fail(self, reason: str) -> None:
         self.batch.complete(self.indices, reason)
+
+    def sent(self) -> None:
+        """The frame's payload is in the socket (a WRITE), its answer not yet in."""
+        self.batch.sent(self.indices)
 
     def finish(self, statuses: list[Status]) -> None:
         """Report the target's per-descriptor statuses to the batch."""
@@ -218,20 +223,24 @@ class PeerLink:
             self._run(frame)
 
     def _run(self, frame: Frame) -> None:
-        outcome = self.exchange(frame.op, frame.addrs, frame.lengths, frame.views, frame.fences)
+        sent = frame.sent if frame.op == OpCode.WRITE and frame.batch.on_sent else None
+        outcome = self.exchange(frame.op, frame.addrs, frame.lengths, frame.views, frame.fences,
+                                sent)
         if isinstance(outcome, str):
             frame.fail(outcome)
         else:
             frame.finish(outcome)
 
     def exchange(self, op: OpCode, addrs: list[int], lengths: list[int], views: list[memoryview],
-                 fences: list[int] | None) -> list[Status] | str:
+                 fences: list[int] | None,
+                 sent: Callable[[], None] | None = None) -> list[Status] | str:
         """Run one frame in the calling thread: the target's per-descriptor statuses, or why
-        the whole frame failed (then no descriptor counts as done)."""
+        the whole frame failed (then no descriptor counts as done). `sent`: called once a
+        WRITE's payload is in the socket, before waiting for the answer."""
         conn: Connection | None = None
         try:
             conn = self._checkout()
-            statuses = _run_frame(conn, op, addrs, lengths, views, fences)
+            statuses = _run_frame(conn, op, addrs, lengths, views, fences, sent)
         except Exception as exc:  # whatever happens, the frame ends and the worker lives
             if conn is not None:
                 conn.close()
@@ -280,7 +289,8 @@ def _describe(exc: BaseException) -> str:
 
 
 def _run_frame(conn: Connection, op: OpCode, addrs: list[int], lengths: list[int],
-               views: list[memoryview], fences: list[int] | None) -> list[Status]:
+               views: list[memoryview], fences: list[int] | None,
+               sent: Callable[[], None] | None = None) -> list[Status]:
     """Send one frame and receive its reply through the connection's frame decoder; returns
     the statuses. A READ's data goes from the socket straight into the OK descriptors' views
     (a small one comes in the reply's first recv and is copied from there)."""
@@ -295,6 +305,8 @@ def _run_frame(conn: Connection, op: OpCode, addrs: list[int], lengths: list[int
     reply_prefix = HEADER_BYTES + count
     if op == OpCode.WRITE:
         send_views(conn.sock, [head, *views], len(head) + sum(lengths))
+        if sent is not None:
+            sent()  # e.g. hash the bytes just sent while the peer takes them in
         reply = _expect(conn.reader, FrameType.WRITE_ACK, rid, count, reply_prefix)
         conn.reader.finish_frame([])
         return reply.statuses

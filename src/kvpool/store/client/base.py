@@ -331,7 +331,9 @@ class ClientBase(ReadPath):
             if arrivals is not None:
                 arrivals.expect(owners)
             statuses = self.engine.transfer_sync(
-                requests, on_done=arrivals.request_done if arrivals is not None else None)
+                requests, on_done=arrivals.request_done if arrivals is not None else None,
+                on_sent=arrivals.request_sent if arrivals is not None and op == OpCode.WRITE
+                else None)
             for idx, status in zip(owners, statuses, strict=True):
                 if not status.ok:
                     failed.add(idx)
