@@ -41,8 +41,9 @@ class TransferConfig:
     small_frame_bytes: int = 4 << 20
     """...and a frame of only requests under frame_bytes / 4 into frames of up to this many:
     a batch of 32 x 64 KiB then goes as one frame in the caller's thread. As two 1 MiB frames
-    the caller and a worker thread polled for their replies at once, fighting over the GIL,
-    and a get cost 110-420 us more CPU, a put 100-470 us (docs/perf.md). Larger requests
+    the caller and a worker thread polled for their replies at once, fighting over the GIL:
+    a put cost 100-470 us more CPU in four A/B runs of four, a get 115-420 us in four of
+    five (docs/perf.md). Larger requests
     keep frame_bytes: 16 x 1 MiB in 4 MiB frames was no cheaper and at times slower."""
     frame_requests: int = 512
     """...and at most this many descriptors per frame (sendmsg's iovec limit is 1024)."""
