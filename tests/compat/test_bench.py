@@ -86,3 +86,19 @@ def test_cpu_bench_reports_each_op_with_every_process_cpu(
         assert float(row[2]) > 0
         assert all(len(col.split("/")) == 2 for col in row[3:6])
     assert bench_cpu.cpu_times(os.getpid())[0] > 0
+
+
+@pytest.mark.slow  # 5 s: a master and a node of its own; the single-key case stays in the default suite
+def test_cpu_bench_runs_batched_calls(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvpool.bench import mooncake_cpu as bench_cpu
+    parser = argparse.ArgumentParser()
+    bench_cpu.register(parser.add_subparsers())
+    args = parser.parse_args(["mooncake-cpu", "--impl", "kvpool", "--ops", "20",
+                              "--size", "64KiB", "--batch", "8"])
+    assert args.func(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "8 x 65536 B per call" in lines[0]
+    rows = [line.split() for line in lines[1:-1]]
+    assert [r[:2] for r in rows] == [["kvpool", op] for op in
+                                     ("batch_is_exist", "batch_get_into", "batch_put_from")]
+    assert all(float(r[2]) > 0 for r in rows)

@@ -234,3 +234,27 @@ def test_a_failing_on_done_hook_is_logged_and_the_transfer_still_succeeds(
         raise RuntimeError("hook bug")
     assert all(s.ok for s in engine.transfer_sync(requests, on_done=broken))
     assert target.digest(base, 2 * 4096) == sha(local)
+
+
+def test_on_sent_reports_each_tcp_write_before_its_answer(target: Target) -> None:
+    with TransferEngine(TransferConfig(protocol="tcp", timeout_s=5.0)) as engine:
+        size, count = 4096, 8
+        local = _pattern(engine, count * size, seed=9)
+        requests = [TransferRequest(OpCode.WRITE, local.ctypes.data + i * size, size,
+                                    target.segment, target.plain + i * size)
+                    for i in range(count)]
+        events: list[tuple[str, int]] = []
+        statuses = engine.transfer_sync(requests, on_done=lambda i: events.append(("done", i)),
+                                        on_sent=lambda i: events.append(("sent", i)))
+        assert all(s.ok for s in statuses)
+        assert target.digest(target.plain, count * size) == sha(local)
+        for i in range(count):  # each sent once, and told before its answer came
+            assert events.count(("sent", i)) == 1
+            assert events.index(("sent", i)) < events.index(("done", i))
+        reads = [TransferRequest(OpCode.READ, r.local_addr, size, r.target, r.target_addr)
+                 for r in requests]
+        events.clear()
+        assert all(s.ok for s in engine.transfer_sync(
+            reads, on_done=lambda i: events.append(("done", i)),
+            on_sent=lambda i: events.append(("sent", i))))
+        assert sorted(events) == [("done", i) for i in range(count)]  # reads: never "sent"

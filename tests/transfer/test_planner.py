@@ -47,3 +47,16 @@ def test_partial_success_of_a_sliced_request_is_failure() -> None:
     assert [s.state for s in batch.status()] == [RequestState.FAILED, RequestState.DONE]
     assert batch.status()[0].reason == "peer closed the connection"
     assert batch.finished
+
+
+def test_small_requests_fill_larger_frames_than_large_ones() -> None:
+    config = TransferConfig(slice_bytes=8192, frame_bytes=8192, small_frame_bytes=32768)
+    small = plan_frames(OpCode.READ, Batch(20), pieces(*[1024] * 20), config)
+    assert [len(f.indices) for f in small] == [20]  # 20 KiB of requests under 2 KiB: one frame
+    large = plan_frames(OpCode.READ, Batch(20), pieces(*[4096] * 5), config)
+    assert [f.indices for f in large] == [[0, 1], [2, 3], [4]]  # 4 KiB each: frame_bytes
+    mixed = plan_frames(OpCode.READ, Batch(20), pieces(*[1024] * 7, 4096, 1024), config)
+    assert [f.indices for f in mixed] == [list(range(8)), [8]]  # a large one: frame_bytes
+    default = TransferConfig()
+    assert plan_frames(OpCode.READ, Batch(32), pieces(*[65536] * 32), default)[0].indices == \
+        list(range(32))

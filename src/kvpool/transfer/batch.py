@@ -6,6 +6,7 @@ import enum
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvpool.errors import InvalidArgument
 from kvpool.log import get_logger
@@ -24,17 +25,19 @@ class RequestState(enum.IntEnum):
     FAILED = 2
 
 
-@dataclass(frozen=True, slots=True)
-class TransferRequest:
+class TransferRequest(NamedTuple):
+    """One copy between local memory and a peer's. `target` is the peer's segment name,
+    "host:port"; `fence` the fence of the target region this request was planned against
+    (0: none): a fenced target region refuses a request whose fence differs (status FENCED).
+    (A named tuple: built once per object on every store call, in a fifth of the time of a
+    frozen dataclass.)"""
+
     op: OpCode
     local_addr: int
     length: int
     target: str
-    """Segment name of the peer, "host:port"."""
     target_addr: int
     fence: int = 0
-    """The fence of the target region this request was planned against (0: none); a fenced
-    target region refuses a request whose fence differs (status FENCED)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,11 +65,18 @@ class Batch:
     parallel also work on them in parallel: the store client hashes objects there), before
     the batch can count as finished: a waiter sees every call made. An exception in it is
     logged and ignored.
+
+    `on_sent(index)` (writes over tcp) is called once the last open slice of a request was
+    handed to the socket, before the peer answers: the source bytes are all sent, so a
+    writer can work on them (the store client hashes them) while the peer takes them in.
+    It may come before `on_done` or not at all (a request whose slices finish out of order).
     """
 
-    def __init__(self, capacity: int, on_done: Callable[[int], None] | None = None) -> None:
+    def __init__(self, capacity: int, on_done: Callable[[int], None] | None = None,
+                 on_sent: Callable[[int], None] | None = None) -> None:
         self.capacity = capacity
         self.on_done = on_done
+        self.on_sent = on_sent
         self._cond = threading.Condition()
         self._remaining: list[int] = []
         self._status: list[RequestStatus] = []
@@ -111,6 +121,17 @@ class Batch:
                 callback()
             except Exception:  # a waiter that went away must not break the reporting thread
                 log.debug("batch completion callback failed", exc_info=True)
+
+    def sent(self, indices: list[int]) -> None:
+        """One slice of each request in `indices` was sent; calls `on_sent` for each request
+        whose last open slice it was."""
+        if self.on_sent is None:
+            return
+        with self._cond:
+            last = [i for i in indices if self._remaining[i] == 1
+                    and self._status[i].state == RequestState.PENDING]
+        for index in last:
+            notify_done(self.on_sent, index)
 
     def _complete_one(self, index: int, reason: str | None) -> bool:
         """One slice's outcome; True when the request just became DONE (the caller counts it
@@ -167,8 +188,8 @@ class Batch:
 
 
 def notify_done(on_done: Callable[[int], None], index: int) -> None:
-    """Call a batch's on_done hook; a failure in it is logged, never raised into the
-    transport thread."""
+    """Call a batch's on_done (or on_sent) hook; a failure in it is logged, never raised into
+    the transport thread."""
     try:
         on_done(index)
     except Exception:

@@ -38,6 +38,13 @@ class TransferConfig:
     before busy polling two slices won (alternating rounds, docs/perf.md)."""
     frame_bytes: int = 1 << 20
     """Small requests to one peer are coalesced into frames of up to this many payload bytes."""
+    small_frame_bytes: int = 4 << 20
+    """...and a frame of only requests under frame_bytes / 4 into frames of up to this many:
+    a batch of 32 x 64 KiB then goes as one frame in the caller's thread. As two 1 MiB frames
+    the caller and a worker thread polled for their replies at once, fighting over the GIL:
+    a put cost 100-470 us more CPU in four A/B runs of four, a get 115-420 us in four of
+    five (docs/perf.md). Larger requests keep frame_bytes: 16 x 1 MiB in 4 MiB frames was no
+    cheaper and at times slower."""
     frame_requests: int = 512
     """...and at most this many descriptors per frame (sendmsg's iovec limit is 1024)."""
     handshake_timeout_s: float = 10.0
@@ -69,6 +76,8 @@ class TransferConfig:
             raise ConfigError(f"connections_per_peer must be in 1..64, got {self.connections_per_peer}")
         if self.slice_bytes < 4096 or self.frame_bytes < 4096:
             raise ConfigError("slice_bytes and frame_bytes must be >= 4096")
+        if self.small_frame_bytes < self.frame_bytes:
+            raise ConfigError("small_frame_bytes must be >= frame_bytes")
         if not 1 <= self.frame_requests <= 1000:
             raise ConfigError(f"frame_requests must be in 1..1000, got {self.frame_requests}")
         if self.idle_timeout_s is not None and self.idle_timeout_s <= 0:

@@ -295,10 +295,13 @@ class TransferEngine:
     # -- sync and asyncio helpers ------------------------------------------------------------
 
     def transfer_sync(self, requests: list[TransferRequest], timeout_s: float | None = None,
-                      on_done: Callable[[int], None] | None = None) -> list[RequestStatus]:
+                      on_done: Callable[[int], None] | None = None,
+                      on_sent: Callable[[int], None] | None = None) -> list[RequestStatus]:
         """Run requests to completion; returns per-request status, never raises for peer
         failures. `on_done(index)`: called for each request that succeeded, as soon as it
-        did, in the thread that moved its bytes (see Batch), before this returns."""
+        did, in the thread that moved its bytes (see Batch), before this returns.
+        `on_sent(index)`: a write's bytes are all in a tcp socket, its answer not yet in (see
+        Batch; it may not be called for a request, and never is on the one-request path)."""
         if not requests:
             return []
         router = self._router or self._started_router()
@@ -306,7 +309,7 @@ class TransferEngine:
             if on_done is not None and status.ok:
                 notify_done(on_done, 0)
             return [status]
-        batch = Batch(len(requests), on_done)
+        batch = Batch(len(requests), on_done, on_sent)
         router.dispatch(batch, requests, inline=True)
         return self._finish(batch, timeout_s)
 

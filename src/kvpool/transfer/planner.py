@@ -2,7 +2,8 @@
 
 Pure policy over lengths: no sockets. A request larger than `slice_bytes` travels as several
 slices (spread by the connection pool); requests up to it are packed together into frames of at
-most `frame_bytes` payload and `frame_requests` descriptors. Inputs are parallel lists because
+most `frame_bytes` payload (`small_frame_bytes` while every request in the frame is under a
+quarter of `frame_bytes`) and `frame_requests` descriptors. Inputs are parallel lists because
 this runs per request on the hot path.
 """
 
@@ -39,19 +40,22 @@ def count_slices(length: int, slice_bytes: int) -> int:
 
 def plan_frames(op: OpCode, batch: Batch, pieces: Pieces, config: TransferConfig) -> list[Frame]:
     frames: list[Frame] = []
-    start, used = 0, 0
     slice_bytes, frame_bytes, frame_requests = config.slice_bytes, config.frame_bytes, config.frame_requests
+    small, small_frame = frame_bytes // 4, config.small_frame_bytes
+    start, used, limit = 0, 0, small_frame
     for i, length in enumerate(pieces.lengths):
         if length > slice_bytes:
             if i > start:
                 frames.append(_frame(op, batch, pieces, start, i))
             frames.extend(_slices(op, batch, pieces, i, slice_bytes))
-            start, used = i + 1, 0
+            start, used, limit = i + 1, 0, small_frame
             continue
         used += length
-        if used >= frame_bytes or i + 1 - start >= frame_requests:
+        if length >= small:
+            limit = frame_bytes
+        if used >= limit or i + 1 - start >= frame_requests:
             frames.append(_frame(op, batch, pieces, start, i + 1))
-            start, used = i + 1, 0
+            start, used, limit = i + 1, 0, small_frame
     if start < len(pieces.lengths):
         frames.append(_frame(op, batch, pieces, start, len(pieces.lengths)))
     return frames

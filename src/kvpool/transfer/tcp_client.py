@@ -12,6 +12,7 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +75,10 @@ class Frame:
 
     def fail(self, reason: str) -> None:
         self.batch.complete(self.indices, reason)
+
+    def sent(self) -> None:
+        """The frame's payload is in the socket (a WRITE), its answer not yet in."""
+        self.batch.sent(self.indices)
 
     def finish(self, statuses: list[Status]) -> None:
         """Report the target's per-descriptor statuses to the batch."""
@@ -218,20 +223,24 @@ class PeerLink:
             self._run(frame)
 
     def _run(self, frame: Frame) -> None:
-        outcome = self.exchange(frame.op, frame.addrs, frame.lengths, frame.views, frame.fences)
+        sent = frame.sent if frame.op == OpCode.WRITE and frame.batch.on_sent else None
+        outcome = self.exchange(frame.op, frame.addrs, frame.lengths, frame.views, frame.fences,
+                                sent)
         if isinstance(outcome, str):
             frame.fail(outcome)
         else:
             frame.finish(outcome)
 
     def exchange(self, op: OpCode, addrs: list[int], lengths: list[int], views: list[memoryview],
-                 fences: list[int] | None) -> list[Status] | str:
+                 fences: list[int] | None,
+                 sent: Callable[[], None] | None = None) -> list[Status] | str:
         """Run one frame in the calling thread: the target's per-descriptor statuses, or why
-        the whole frame failed (then no descriptor counts as done)."""
+        the whole frame failed (then no descriptor counts as done). `sent`: called once a
+        WRITE's payload is in the socket, before waiting for the answer."""
         conn: Connection | None = None
         try:
             conn = self._checkout()
-            statuses = _run_frame(conn, op, addrs, lengths, views, fences)
+            statuses = _run_frame(conn, op, addrs, lengths, views, fences, sent)
         except Exception as exc:  # whatever happens, the frame ends and the worker lives
             if conn is not None:
                 conn.close()
@@ -252,9 +261,13 @@ class PeerLink:
         return Connection.open(self.host, self.port, self._config, self._me)
 
     def _checkin(self, conn: Connection) -> None:
+        """Keep `conn` for the next frame: up to one connection per worker thread plus the
+        one a sync caller runs its first frame on (`run_inline`), which are all in use at once
+        in a large batch; keeping one fewer reopened a connection, handshake included, on
+        nearly every batch of 1 MiB objects (docs/perf.md)."""
         conn.idle_since = time.monotonic()
         with self._lock:
-            if not self._closed and len(self._idle) < self._config.connections_per_peer:
+            if not self._closed and len(self._idle) <= self._config.connections_per_peer:
                 self._idle.append(conn)
                 return
         conn.close()
@@ -276,7 +289,8 @@ def _describe(exc: BaseException) -> str:
 
 
 def _run_frame(conn: Connection, op: OpCode, addrs: list[int], lengths: list[int],
-               views: list[memoryview], fences: list[int] | None) -> list[Status]:
+               views: list[memoryview], fences: list[int] | None,
+               sent: Callable[[], None] | None = None) -> list[Status]:
     """Send one frame and receive its reply through the connection's frame decoder; returns
     the statuses. A READ's data goes from the socket straight into the OK descriptors' views
     (a small one comes in the reply's first recv and is copied from there)."""
@@ -291,6 +305,8 @@ def _run_frame(conn: Connection, op: OpCode, addrs: list[int], lengths: list[int
     reply_prefix = HEADER_BYTES + count
     if op == OpCode.WRITE:
         send_views(conn.sock, [head, *views], len(head) + sum(lengths))
+        if sent is not None:
+            sent()  # e.g. hash the bytes just sent while the peer takes them in
         reply = _expect(conn.reader, FrameType.WRITE_ACK, rid, count, reply_prefix)
         conn.reader.finish_frame([])
         return reply.statuses

@@ -40,6 +40,11 @@ def test_key_chunks_cut_by_count_and_by_bytes() -> None:
     per_chunk = RPC_BATCH_KEY_BYTES // (len(big) + 64)
     chunks = key_chunks([big] * (per_chunk + 1), 1 << 20)
     assert chunks == [(0, per_chunk), (per_chunk, per_chunk + 1)]
+    assert key_chunks([big] * per_chunk, 1 << 20) == [(0, per_chunk)]  # just fits
+    wide = "\u00e9" * (2 << 10)  # 2 UTF-8 bytes per character
+    per_wide = RPC_BATCH_KEY_BYTES // (2 * len(wide) + 64)
+    assert key_chunks([wide] * (per_wide + 1), 1 << 20) == [(0, per_wide),
+                                                           (per_wide, per_wide + 1)]
 
 
 def test_refusal_codes() -> None:

@@ -145,9 +145,11 @@ class StoreBase:
 
     def _registered(self, parts: Sequence[tuple[int, int]]) -> bool:
         """Every (addr, size) lies inside memory registered with `register_buffer`."""
-        registry = self.client.engine.registry
-        return all(type(a) is int and type(n) is int and n > 0 and registry.find(a, n)
-                   is not None for a, n in parts)
+        find = self.client.engine.registry.find
+        for a, n in parts:  # a loop, not all(generator): once per object on every call
+            if type(a) is not int or type(n) is not int or n <= 0 or find(a, n) is None:
+                return False
+        return True
 
 
 def from_env_or_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[MooncakeConfig, Any]:

@@ -316,9 +316,10 @@ class ClientBase(ReadPath):
         failed: set[int] = set()
         requests: list[TransferRequest] = []
         owners: list[int] = []
+        own = self.endpoint
         for idx, items in copies.items():
             for copy in items:
-                if copy.target == self.endpoint:
+                if copy.target == own:
                     if not self._copy_own(op, copy):
                         failed.add(idx)      # a stale replica: never touch it
                 else:
@@ -328,7 +329,9 @@ class ClientBase(ReadPath):
             if arrivals is not None:
                 arrivals.expect(owners)
             statuses = self.engine.transfer_sync(
-                requests, on_done=arrivals.request_done if arrivals is not None else None)
+                requests, on_done=arrivals.request_done if arrivals is not None else None,
+                on_sent=arrivals.request_sent if arrivals is not None and op == OpCode.WRITE
+                else None)
             for idx, status in zip(owners, statuses, strict=True):
                 if not status.ok:
                     failed.add(idx)

@@ -15,6 +15,9 @@ per-key arguments and for the reply."""
 def key_chunks(keys: Sequence[str], max_keys: int) -> list[tuple[int, int]]:
     """[lo, hi) index ranges cutting `keys` into runs of at most `max_keys` keys and
     RPC_BATCH_KEY_BYTES bytes of UTF-8 (counting 64 bytes of framing per key)."""
+    if len(keys) <= max_keys and \
+            4 * sum(map(len, keys)) + 64 * len(keys) <= RPC_BATCH_KEY_BYTES:
+        return [(0, len(keys))] if keys else []  # at most 4 UTF-8 bytes per character
     chunks, lo, size = [], 0, 0
     for i, key in enumerate(keys):
         n = len(key.encode()) + 64

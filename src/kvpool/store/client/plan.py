@@ -39,19 +39,24 @@ class Copy(NamedTuple):
 
 
 def parts_total(parts: Sequence[Part]) -> int:
+    if len(parts) == 1:  # the common case, once per object on every call
+        return parts[0][1]
     return sum(length for _, length in parts)
 
 
 def valid_parts(parts: object) -> bool:
-    if not isinstance(parts, list | tuple) or not parts:
+    """A non-empty list or tuple of (address > 0, length >= 0) int pairs, not all empty."""
+    if not isinstance(parts, (list, tuple)) or not parts:
         return False
+    total = 0
     for part in parts:
-        if not isinstance(part, tuple | list) or len(part) != 2:
+        if not isinstance(part, (tuple, list)) or len(part) != 2:
             return False
         addr, length = part
         if type(addr) is not int or type(length) is not int or addr <= 0 or length < 0:
             return False
-    return parts_total(parts) > 0  # type: ignore[arg-type]
+        total += length
+    return total > 0
 
 
 def copies_for(parts: Sequence[Part], replica: ReplicaDesc, num_bytes: int) -> list[Copy]:

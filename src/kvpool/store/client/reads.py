@@ -34,6 +34,26 @@ NOT_READY_MAX_PAUSE_S = 0.05
 """Pauses between lookups of an object being loaded from disk (doubling up to the max)."""
 
 
+_READ_OK: dict[int, ReadResult] = {}
+
+
+def _read_ok(size: int) -> ReadResult:
+    """ReadResult(OK, size), one shared instance per size (it is immutable)."""
+    got = _READ_OK.get(size)
+    if got is None:
+        got = ReadResult(_OK, size)
+        if len(_READ_OK) < 4096:
+            _READ_OK[size] = got
+    return got
+
+
+def _dram_first(replicas: Sequence[ReplicaDesc], endpoint: str, host: str) -> list[ReplicaDesc]:
+    """The DRAM replicas, closest first (disk replicas are read through a load)."""
+    if len(replicas) == 1:  # the common case: no list to filter, nothing to order
+        return [replicas[0]] if replicas[0].tier is _DRAM else []
+    return order_replicas([r for r in replicas if r.tier is _DRAM], endpoint, host)
+
+
 class ReadPath:
     clock: Clock
     config: ClientConfig
@@ -110,9 +130,8 @@ class ReadPath:
             elif p is None or not valid_parts(p) or parts_total(p) < look.size \
                     or not self._registered(p, writable=True):
                 results.append(ReadResult(E.INVALID_PARAMS))
-            elif queue := order_replicas([r for r in look.replicas if r.tier is _DRAM],
-                                         self.endpoint, self.host):
-                results.append(ReadResult(_OK, look.size))
+            elif queue := _dram_first(look.replicas, self.endpoint, self.host):
+                results.append(_read_ok(look.size))
                 queues[i] = queue
             else:  # disk replicas are read through a load, never directly
                 results.append(ReadResult(E.TRANSFER_FAIL))
