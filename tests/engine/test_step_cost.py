@@ -6,6 +6,8 @@ step, a batch of whole prompts, a prompt overlapping its prefix's load, and the 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvpool.clock import VirtualClock
@@ -13,8 +15,9 @@ from kvpool.conductor.cost import CostModel
 from kvpool.engine.config import EngineConfig, SamplingParams
 from kvpool.engine.emulated.engine import EmulatedEngine
 from kvpool.engine.emulated.kvbytes import ordinary_vocab
-from kvpool.engine.emulated.profile import EngineProfile
+from kvpool.engine.emulated.profile import EngineProfile, write_profile
 from kvpool.engine.emulated.step_cost import PromptChunk, StepRules, StepWork, step_s
+from kvpool.engine.worker.runtime import WorkerConfig, make_engine
 from kvpool.errors import ConfigError
 from kvpool.sim.colocated import ColocatedEngine
 from kvpool.sim.engine import BatchEngine
@@ -143,3 +146,18 @@ def test_unknown_step_rules_are_refused() -> None:
         PROFILE.step_rules("chunked", "vlm")
     with pytest.raises(ConfigError, match="eager_decode_s"):
         StepRules(eager_decode_s=-1)
+
+
+def test_a_worker_prices_its_steps_by_its_step_rules(tiny_llama: Path, tmp_path: Path) -> None:
+    write_profile(PROFILE, tmp_path / "hand.json")
+    expected = {"kvpool": StepRules(chunk_overhead_s=OVERHEAD),
+                "vllm": VllmConfig(chunk_overhead_s=OVERHEAD).step_rules(chunked=True)}
+    for kind, rules in expected.items():
+        config = WorkerConfig(str(tiny_llama), engine_kind="emulated",
+                              profile=str(tmp_path / "hand.json"), step_rules=kind,
+                              engine=EngineConfig(block_size=16, num_blocks=8))
+        engine = make_engine(config)
+        assert isinstance(engine, EmulatedEngine) and engine.rules == rules
+    with pytest.raises(ConfigError, match="vlm"):
+        make_engine(WorkerConfig(str(tiny_llama), engine_kind="emulated",
+                                 profile=str(tmp_path / "hand.json"), step_rules="vlm"))
