@@ -63,6 +63,8 @@ def test_misses_is_the_verdict_outside() -> None:
     assert not misses(375.0, 498.0)  # within 25%
     assert not misses(300.0, 498.0, (250.0, 520.0))  # inside the band
     assert not misses(None, 59.0)
+    # a rate is not a percent: 25% of 1.25 RPS, not 2.5 points
+    assert misses(1.944, 1.25, percent=False) and not misses(1.944, 1.25)
 
 
 def test_scale_prefill_scales_every_prefill_term_alone() -> None:

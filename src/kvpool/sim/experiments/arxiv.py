@@ -41,6 +41,7 @@ from kvpool.sim.experiments.maxrps import (
 )
 from kvpool.sim.experiments.reach import MOONCAKE_PREFILL, misses, reach, scale_prefill
 from kvpool.sim.experiments.reach import describe as describe_reach
+from kvpool.sim.experiments.verdicts import in_percent
 from kvpool.sim.metrics import SimResult
 from kvpool.sim.synth import ARXIV, LEVAL, WorkloadSpec, generate, simulated
 from kvpool.sim.systems import colocated_config
@@ -120,7 +121,7 @@ def _reach_long(opts: ExperimentOptions, rows: list[dict[str, Any]], n: int) -> 
     wanted: dict[str, float] = {}
     for length, r in moon.items():
         for field in ("gain_pct", "max_rps"):
-            if misses(r.get(field), r.get(f"paper_{field}")):
+            if misses(r.get(field), r.get(f"paper_{field}"), percent=in_percent(field)):
                 wanted[f"{field}@{length}"] = float(r[f"paper_{field}"])
     lengths = sorted({int(k.split("@")[1]) for k in wanted})
 

@@ -54,12 +54,13 @@ def scale_prefill(cost: CostModel, factor: float) -> CostModel:
                    prefill_quadratic_s=cost.prefill_quadratic_s * factor)
 
 
-def misses(ours: float | None, paper: float | None,
-           band: tuple[float, float] | None = None) -> bool:
-    """True when `ours` is neither within 25% of `paper` nor has `paper` inside `band`."""
+def misses(ours: float | None, paper: float | None, band: tuple[float, float] | None = None,
+           percent: bool = True) -> bool:
+    """True when the report's verdict on `ours` beside `paper` is outside: neither within 25%
+    (for a figure in `percent` under 10, 2.5 points) nor with `paper` inside `band`."""
     if ours is None or paper is None:
         return False
-    return verdict(ours, paper, band, percent=True).startswith("outside")
+    return verdict(ours, paper, band, percent).startswith("outside")
 
 
 def crossing(points: list[tuple[float, float | None]], target: float,

@@ -28,7 +28,12 @@ from typing import Any
 from kvpool.engine.emulated.profile import EngineProfile
 from kvpool.sim.experiments.common import ExperimentOptions, ExperimentResult
 from kvpool.sim.experiments.reach import describe as describe_reach
-from kvpool.sim.experiments.verdicts import ABSOLUTE_FLOOR, RELATIVE_TOLERANCE, verdict
+from kvpool.sim.experiments.verdicts import (
+    ABSOLUTE_FLOOR,
+    RELATIVE_TOLERANCE,
+    in_percent,
+    verdict,
+)
 from kvpool.sim.report import print_result
 from kvpool.sim.trace import named_trace_path
 
@@ -76,7 +81,7 @@ def comparisons(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
                         isinstance(o, bool) or isinstance(p, bool):
                     continue
                 band = _band_of(row, name, key)
-                said = verdict(float(o), float(p), band, "share" in name or "pct" in name)
+                said = verdict(float(o), float(p), band, in_percent(name))
                 reached = _reach_of(row, name, key)
                 if reached and said.startswith("outside"):
                     said += f"; the paper's at {describe_reach(reached)}"

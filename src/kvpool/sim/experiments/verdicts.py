@@ -25,3 +25,8 @@ def verdict(ours: float, paper: float, band: tuple[float, float] | None = None,
     if band is not None and band[0] <= paper <= band[1]:
         return "inside the band"
     return f"outside ({'higher' if ours > paper else 'lower'})"
+
+
+def in_percent(field: str) -> bool:
+    """Whether a row field is a share or a change in percent (the floor applies to it)."""
+    return "share" in field or "pct" in field
