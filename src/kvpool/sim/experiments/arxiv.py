@@ -112,33 +112,34 @@ def max_rps(opts: ExperimentOptions, spec: WorkloadSpec, name: str, num_requests
     return best.rps if best else 0.0
 
 
-def _reach_long(opts: ExperimentOptions, rows: list[dict[str, Any]], n: int) -> None:
+def _reach_mooncake(opts: ExperimentOptions, rows: list[dict[str, Any]], n: int,
+                    specs: dict[str, WorkloadSpec]) -> None:
     """Each Mooncake-[3P+1D] gain and max RPS that misses the paper's: the factor on
     Mooncake's prefill at which it is the paper's (experiments/reach.py; one search per
-    length and factor gives both)."""
-    moon = {r["input_len"]: r for r in rows if r["system"] == "mooncake_3p1d"}
-    vllm = {r["input_len"]: r["max_rps"] for r in rows if r["system"] == "vllm_4m"}
+    workload and factor gives both). `specs`: the workloads by name."""
+    moon = {r["workload"]: r for r in rows if r["system"] == "mooncake_3p1d"}
+    vllm = {r["workload"]: r["max_rps"] for r in rows if r["system"] == "vllm_4m"}
     wanted: dict[str, float] = {}
-    for length, r in moon.items():
+    for name, r in moon.items():
         for field in ("gain_pct", "max_rps"):
             if misses(r.get(field), r.get(f"paper_{field}"), percent=in_percent(field)):
-                wanted[f"{field}@{length}"] = float(r[f"paper_{field}"])
-    lengths = sorted({int(k.split("@")[1]) for k in wanted})
+                wanted[f"{field}@{name}"] = float(r[f"paper_{field}"])
+    names = list(dict.fromkeys(k.split("@")[1] for k in wanted))
 
     def figures_at(factor: float) -> dict[str, float | None]:
         out: dict[str, float | None] = {}
-        for length in lengths:
-            rps = float(moon[length]["max_rps"]) if factor == MOONCAKE_PREFILL.shipped else \
-                round(max_rps(opts, simulated(length), "mooncake_3p1d", n,
+        for name in names:
+            rps = float(moon[name]["max_rps"]) if factor == MOONCAKE_PREFILL.shipped else \
+                round(max_rps(opts, specs[name], "mooncake_3p1d", n,
                               scale_prefill(opts.cost, factor)), 3)
-            out[f"max_rps@{length}"] = rps
-            out[f"gain_pct@{length}"] = rnd(pct_change(rps, vllm[length]), 1)
+            out[f"max_rps@{name}"] = rps
+            out[f"gain_pct@{name}"] = rnd(pct_change(rps, vllm[name]), 1)
         return out
     for key, found in reach(MOONCAKE_PREFILL, figures_at, wanted).items():
-        field, length = key.split("@")
-        moon[int(length)][f"reach_{field}"] = found
+        field, name = key.split("@")
+        moon[name][f"reach_{field}"] = found
         if field == "gain_pct":
-            moon[int(length)]["reached_at"] = describe_reach(found)
+            moon[name]["reached_at"] = describe_reach(found)
 
 
 def _add_gains(rows: list[dict[str, Any]]) -> None:
@@ -175,7 +176,7 @@ def run_long_context(opts: ExperimentOptions) -> ExperimentResult:
         row["paper_max_rps"] = {"vllm_4m": vllm, "mooncake_3p1d": moon}.get(name)
         row["paper_gain_pct"] = rnd(pct_change(moon, vllm), 0) if name == "mooncake_3p1d" else None
     if opts.reach:
-        _reach_long(opts, rows, n)
+        _reach_mooncake(opts, rows, n, {simulated(k).name: simulated(k) for k in LENGTHS})
     return ExperimentResult(
         "long-context", "Max RPS within P90 TTFT / TBT limits, simulated long-context data, "
         f"output 512, 50% cache ratio ([A] Fig.12), {n} requests per rate",
@@ -184,9 +185,7 @@ def run_long_context(opts: ExperimentOptions) -> ExperimentResult:
             "50%-525% higher; paper_max_rps read off Fig.12 by eye (128k: a lower bound).",
             "the 50% reuse: each request's first half is one of 8 shared documents (the paper "
             "does not say how its data reuse arises); vLLM has no prefix cache.",
-            f"reached_at: for a gain (or max RPS) outside 25%, the value of {MOONCAKE_PREFILL.name} "
-            f"({MOONCAKE_PREFILL.text}) at which it is the paper's, swept over "
-            f"{', '.join(f'{x:g}' for x in MOONCAKE_PREFILL.grid)} (experiments/reach.py)."],
+            _reach_note()],
         plot=lambda out: _plot(rows, "input_len", out / "long-context.png"))
 
 
@@ -199,6 +198,8 @@ def run_public_datasets(opts: ExperimentOptions) -> ExperimentResult:
     for row in rows:
         gain = PAPER_DATASET_GAIN[row["workload"]]
         row["paper_gain_pct"] = gain if row["system"] == "mooncake_3p1d" else None
+    if opts.reach:
+        _reach_mooncake(opts, rows, n, {spec.name: spec for spec in (ARXIV, LEVAL)})
     return ExperimentResult(
         "public-datasets", "Max RPS within P90 TTFT / TBT limits, ArXiv Summarization and "
         f"L-Eval ([A] Fig.11), {n} requests per rate",
@@ -207,8 +208,15 @@ def run_public_datasets(opts: ExperimentOptions) -> ExperimentResult:
             "paper: Mooncake-[3P+1D] +20% (ArXiv) and +40% (L-Eval) over vLLM-[4M].",
             "workloads: synthetic, from Table 2's means and cache ratios only (distributions "
             "in kvpool.sim.synth: lognormal lengths, cv 0.5; L-Eval: 8 questions per document "
-            "in a row, warm cache ratio 0.85)."],
+            "in a row, warm cache ratio 0.85).", _reach_note()],
         plot=lambda out: _plot(rows, "workload", out / "public-datasets.png"))
+
+
+def _reach_note() -> str:
+    return (f"reached_at: for a gain (or max RPS) outside 25%, the value of "
+            f"{MOONCAKE_PREFILL.name} ({MOONCAKE_PREFILL.text}) at which it is the paper's, "
+            f"swept over {', '.join(f'{x:g}' for x in MOONCAKE_PREFILL.grid)} "
+            "(experiments/reach.py).")
 
 
 def _notes(n: int) -> list[str]:

@@ -44,7 +44,7 @@ MOONCAKE_PREFILL = Assumption(
     "mooncake_prefill_x", "Mooncake's prefill time (every prefill term) as a multiple of the "
     "papers' microbenchmark ([F] Fig.14), for what a live prefill instance pays beyond it "
     "(scheduling, misprediction); the papers measure none of it on [A]'s cluster",
-    (1.0, 1.5, 2.0, 3.0, 4.0))
+    (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0))
 
 
 def scale_prefill(cost: CostModel, factor: float) -> CostModel:
