@@ -117,7 +117,9 @@ def run_all(experiments: dict[str, Runner], base: ExperimentOptions,
     parts = ["# kvpool beside the papers\n",
              "Every experiment of `kvpool sim experiment`, its table, its plot, and each figure "
              "the papers give beside kvpool's with a verdict (within 25%; inside the band over "
-             "the calibration's neighbourhood; or outside: docs/sim.md says why).\n"]
+             "the calibration's neighbourhood; or outside, with the value of the named "
+             "assumption at which kvpool's figure is the paper's where the experiment sweeps "
+             "one, experiments/reach.py; docs/sim.md says why).\n"]
     tally: dict[str, int] = {}
     for title, runner, opts in plan(experiments, base, profile_for):
         log(f"running {title}")
