@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 
 def rows(name: str, limit: int) -> list[dict[str, Any]]:
-    opts = ExperimentOptions(limit=limit, progress=False,
+    opts = ExperimentOptions(limit=limit, progress=False, reach=False,
                              profile=load_profile(default_profile(name)))
     return EXPERIMENTS[name](opts).rows
 

@@ -41,6 +41,8 @@ def test_every_experiment_runs_on_a_slice(name: str, tmp_path: Path,
     trace = small_trace(tmp_path)
     # the synthetic experiments ignore the trace: --limit sets their requests per rate
     limit = ["--limit", "40"] if name in ("long-context", "public-datasets") else []
+    if limit:
+        limit.append("--no-reach")  # the sweep searches again per factor (tests/sim/test_reach.py)
     rc = main(["sim", "experiment", name, "--trace", str(trace), "--no-progress",
                "--out", str(tmp_path), *limit])
     assert rc == 0

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 def rows(name: str) -> list[dict[str, Any]]:
     assert default_profile(name) == SIM_PROFILE
     # the claims are about the best fit; the band is tested on a slice (test_cli)
-    return EXPERIMENTS[name](ExperimentOptions(progress=False, band=False)).rows
+    return EXPERIMENTS[name](ExperimentOptions(progress=False, band=False, reach=False)).rows
 
 
 def pick(table: list[dict[str, Any]], **match: Any) -> dict[str, Any]:

@@ -248,9 +248,12 @@ def scaled_cost_file(profile: EngineProfile, speed_up: float, folder: Path) -> P
 
 
 def worker_args(spec: RunSpec, args: argparse.Namespace) -> tuple[str, ...]:
-    common = ("--engine", "emulated", "--profile", args.profile, "--speed-up", str(args.speed_up),
-              "--kv-scale", str(args.kv_scale), "--block-size", str(TRACE_BLOCK_TOKENS),
-              "--max-model-len", str(EMULATED_MAX_MODEL_LEN), "--max-num-seqs", "256")
+    common: tuple[str, ...] = (
+        "--engine", "emulated", "--profile", args.profile, "--speed-up", str(args.speed_up),
+        "--kv-scale", str(args.kv_scale), "--block-size", str(TRACE_BLOCK_TOKENS),
+        "--max-model-len", str(EMULATED_MAX_MODEL_LEN), "--max-num-seqs", "256")
+    if spec.baseline:  # priced as the simulator's colocated vLLM v0.5.1
+        common = (*common, "--step-rules", "vllm")
     if spec.baseline == "vllm":
         return (*common, "--prefill-mode", "whole", "--max-prefill-chunk", str(EMULATED_MAX_MODEL_LEN),
                 "--no-prefix-caching")

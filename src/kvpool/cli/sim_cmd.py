@@ -49,6 +49,9 @@ def _add_experiment(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-band", action="store_true",
                    help="run on the best fit only, not on every fit of the calibration's "
                         "neighbourhood")
+    p.add_argument("--no-reach", action="store_true",
+                   help="do not sweep the named assumption that would put a gain missing the "
+                        "paper's at the paper's value")
     p.set_defaults(func=_experiment)
 
 
@@ -60,7 +63,7 @@ def _experiment(args: argparse.Namespace) -> int:
         name = "capacity" if args.name == "all" else args.name
         opts = ExperimentOptions(args.trace, args.limit, args.out, not args.no_progress,
                                  args.speed, _profile(args, default_profile(name)),
-                                 band=not args.no_band)
+                                 band=not args.no_band, reach=not args.no_reach)
         if args.name == "all":
             return _all(args, opts)
         result = EXPERIMENTS[args.name](opts)

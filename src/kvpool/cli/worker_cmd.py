@@ -10,7 +10,7 @@ from typing import Any
 
 from kvpool.cli.security import add_security_args, bind_refusal
 from kvpool.engine.config import PREFILL_MODES
-from kvpool.engine.emulated.profile import DEFAULT_PROFILE
+from kvpool.engine.emulated.profile import DEFAULT_PROFILE, STEP_RULES
 from kvpool.engine.model_flags import DEFAULT_MAX_MODEL_LEN, DTYPE_CHOICES, ModelFlags
 from kvpool.engine.worker.runtime import ENGINES
 from kvpool.errors import KvpoolError
@@ -58,6 +58,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="--engine emulated: share of the profile's KV bytes actually moved")
     p.add_argument("--speed-up", type=float, default=1.0,
                    help="--engine emulated: divide every step time by this")
+    p.add_argument("--step-rules", choices=STEP_RULES, default="kvpool",
+                   help="--engine emulated: how a step is charged, as the simulator charges "
+                        "a kvpool instance or its colocated vLLM v0.5.1 baseline (docs/sim.md)")
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="weights and KV; auto: the checkpoint's torch_dtype (a float16 one "
                         "runs in float32 on the CPU)")
@@ -125,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
                                 max_prefill_seqs=args.max_prefill_seqs),
             dram_bytes=parse_size(args.dram), remote_timeout_s=args.remote_timeout,
             engine_kind=args.engine, profile=args.profile, kv_scale=args.kv_scale,
-            speed_up=args.speed_up)
+            speed_up=args.speed_up, step_rules=args.step_rules)
         worker = Worker(config)
     except KvpoolError as exc:
         log.error("%s", exc)

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from tqdm import tqdm
 
 from kvpool.conductor.cost import CostModel
+from kvpool.engine.emulated.step_cost import PromptChunk, StepWork, chunk_s, step_s
 from kvpool.errors import ConfigError
 from kvpool.sim.cache import BlockCache
 from kvpool.sim.engine import BatchEngine, EngineConfig, Hook
@@ -78,6 +79,7 @@ class ColocatedEngine(BatchEngine):
         super().__init__(engine_id, cost, config, loop, on_finish)
         self.block_size = block_size
         self.vllm = vllm or VllmConfig()
+        self.rules = self.vllm.step_rules(chunked=bool(config.chunk_tokens))
         self.cache = (BlockCache(config.prefix_cache_blocks, "lru")
                       if config.prefix_cache_blocks else None)
         self._prefilling: list[SimRequest] = []
@@ -193,20 +195,6 @@ class ColocatedEngine(BatchEngine):
         free = self.config.kv_capacity_tokens - self._held()
         return max(1, min(steps, free // len(self.running)))
 
-    def _longest_context(self) -> int:
-        """Tokens of the longest running sequence's context (prompt and produced tokens)."""
-        return max(s.req.input_len + s.decoded + self.steps_done - s.join_step
-                   for s in self.running.values())
-
-    def _decode_step_s(self) -> float:
-        """A decode-only step, eager (paying `eager_decode_s`) once a running context
-        exceeds `max_seq_len_to_capture`."""
-        step = super()._decode_step_s()
-        graph_max = self.vllm.max_seq_len_to_capture
-        if graph_max and self._longest_context() > graph_max:
-            step += self.vllm.eager_decode_s
-        return step
-
     def _preempt(self, sr: SimRequest, now: float) -> None:
         """Drop `sr`'s KV; it is prefilled again (prompt + produced tokens) before any prompt."""
         del self.running[sr.req.request_id]
@@ -238,35 +226,26 @@ class ColocatedEngine(BatchEngine):
 
     # ---- cost of a step
     def _prefill_step_s(self, work: Work) -> float:
-        parts = [self._compute_s(sr, tokens) for sr, tokens in work]
-        compute = sum(parts)
-        if not self.config.chunk_tokens:
-            # one step: the fixed cost is paid once, shared by the prompts of the batch
-            base = self.cost.prefill_base_s
-            compute -= base * (len(work) - 1)
-            for (sr, _), part in zip(work, parts, strict=True):
-                sr.prefill_gpu_s += part - base + base / len(work)
-            self._stall = True
-            return compute
-        overhead = self.vllm.chunk_overhead_s
+        """The step's seconds (emulated/step_cost.py), and each prompt's share of them in its
+        `prefill_gpu_s`: its chunk, the shared prefill base and overhead by its tokens."""
+        chunks = [self._chunk(sr, tokens) for sr, tokens in work]
+        decodes = len(self.running) if self.config.chunk_tokens else 0
+        self._stall = not self.config.chunk_tokens  # a whole-prompt step pauses every decode
+        step = step_s(self.cost, self.rules, StepWork(
+            tuple(chunks), decodes, self.context_tokens if decodes else 0))
+        r = self.rules
+        shared = self.cost.prefill_base_s / len(work) if r.shared_base else 0.0
+        overhead = r.chunk_overhead_s if (decodes or r.overhead_alone) else 0.0
         total_tokens = sum(t for _, t in work) or 1
-        for (sr, tokens), part in zip(work, parts, strict=True):
-            sr.prefill_gpu_s += part + overhead * tokens / total_tokens
-        if not self.running:
-            return compute + overhead
-        # one forward pass over the chunk's and the decodes' tokens: the weights are read
-        # once, so the decode step's fixed term hides under the chunk's compute; the decodes
-        # add their per-sequence work and their attention over their own KV
-        c = self.cost
-        decode = c.decode_step_s(len(self.running), self.context_tokens)
-        return max(compute, c.decode_base_s) + decode - c.decode_base_s + overhead
+        for (sr, tokens), ch in zip(work, chunks, strict=True):
+            sr.prefill_gpu_s += (chunk_s(self.cost, r, ch) + shared
+                                 + overhead * tokens / total_tokens)
+        return step
 
-    def _compute_s(self, sr: SimRequest, tokens: int) -> float:
+    def _chunk(self, sr: SimRequest, tokens: int) -> PromptChunk:
+        """The chunk of `sr` in this step: its first after the cached prefix pays the base."""
         start = sr.prefilled_tokens
-        compute = self.cost.prefill_s(start + tokens, start)
-        if start != sr.prefix_len:
-            compute -= self.cost.prefill_base_s  # the fixed cost is paid once per prompt
-        return compute
+        return PromptChunk(start, tokens, first=start == sr.prefix_len)
 
     # ---- end of a step
     def _finish_prefill(self, now: float) -> None:

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvpool.conductor.cost import CostModel
+from kvpool.engine.emulated.step_cost import StepRules, StepWork, step_s
 from kvpool.errors import ConfigError
 from kvpool.sim.events import EventLoop
 from kvpool.sim.record import SimRequest, top_share_mean
@@ -84,6 +85,9 @@ class BatchEngine:
         self.prefill_gpu_s = 0.0
         self.peak_kv_reserved = 0
         """Most KV tokens ever reserved at once (input + output of the running requests)."""
+        self.rules = StepRules()
+        """How a step is charged (emulated/step_cost.py, shared with the emulated engine):
+        a decode instance's steps are decode-only, its joins pay `decode_join_s`."""
 
     # ---- questions
     @property
@@ -205,10 +209,10 @@ class BatchEngine:
         elif self.running:
             self._make_room(now)
             self.busy = True
-            self._dt = self._decode_step_s()
-            k = self._decode_steps()
-            if self._joined and self.config.remote_kv and self.cost.decode_join_s:
-                self._dt, k = self._dt + self.cost.decode_join_s * self._joined, 1
+            joins = self._joined if self.config.remote_kv else 0
+            self._dt = step_s(self.cost, self.rules, self._decode_work(joins))
+            # a join makes its step longer than the next ones: that step is a segment alone
+            k = 1 if joins and self.cost.decode_join_s else self._decode_steps()
             self._schedule(now + k * self._dt, k)
         else:
             self.busy = False
@@ -219,9 +223,16 @@ class BatchEngine:
         """Decode steps until the batch next changes by itself (the first finish)."""
         return self._finish_heap[0][0] - self.steps_done
 
-    def _decode_step_s(self) -> float:
-        """Seconds of one decode-only step of the running batch."""
-        return self.cost.decode_step_s(len(self.running), self.context_tokens)
+    def _decode_work(self, joins: int = 0) -> StepWork:
+        """The work of one decode-only step of the running batch."""
+        longest = self._longest_context() if self.rules.graph_max_context else 0
+        return StepWork(num_decodes=len(self.running), decode_context=self.context_tokens,
+                        longest_context=longest, joins=joins)
+
+    def _longest_context(self) -> int:
+        """KV tokens of the longest running sequence (prompt and produced tokens)."""
+        return max(s.req.input_len + s.decoded + self.steps_done - s.join_step
+                   for s in self.running.values())
 
     # ---- prefill work and preemption (colocated baseline); overridden in colocated.py
     def _make_room(self, now: float) -> None:

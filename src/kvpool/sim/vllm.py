@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvpool.engine.emulated.step_cost import StepRules
 from kvpool.errors import ConfigError
 
 CHUNK_OVERHEAD_S = 0.0225
@@ -73,6 +74,16 @@ class VllmConfig:
                               f"{self.max_seq_len_to_capture}")
         if not 0 <= self.watermark < 1:
             raise ConfigError(f"watermark must be in [0, 1), got {self.watermark}")
+
+    def step_rules(self, chunked: bool) -> StepRules:
+        """How a step of this vLLM is charged (emulated/step_cost.py): its prefix cache is in
+        VRAM (nothing loaded); with chunked prefill every step carrying a chunk pays
+        `chunk_overhead_s`, and without it a step of whole prompts pays the prefill base once;
+        decode-only steps over `max_seq_len_to_capture` pay `eager_decode_s`."""
+        return StepRules(shared_base=not chunked, load_prefix=False,
+                         chunk_overhead_s=self.chunk_overhead_s if chunked else 0.0,
+                         overhead_alone=chunked, graph_max_context=self.max_seq_len_to_capture,
+                         eager_decode_s=self.eager_decode_s)
 
     @classmethod
     def off(cls) -> VllmConfig:

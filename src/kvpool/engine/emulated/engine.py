@@ -5,7 +5,7 @@ One step, as the torch engine's forward, layer by layer:
     rows of every token computed now  (kvbytes.rows_for; the same for every layer but a constant)
     for each layer: write its K and V rows into the cache, on_layer(i) (the pool connector puts
                     that layer's finished blocks meanwhile), sleep to the layer's share of
-                    profile.step_s(...) / speed_up
+                    step_cost.step_s(...) / speed_up
     sample: a sequence whose last token was computed now gets output token j of the digest of
             its prompt's KV as its cache holds it (computed once per prompt completion)
 
@@ -32,7 +32,8 @@ from kvpool.engine.connector import KVConnector
 from kvpool.engine.core import EngineCore, StepOutput
 from kvpool.engine.emulated import kvbytes
 from kvpool.engine.emulated.cache import ByteKVCache
-from kvpool.engine.emulated.profile import EngineProfile, PromptChunk
+from kvpool.engine.emulated.profile import EngineProfile
+from kvpool.engine.emulated.step_cost import PromptChunk, StepRules, StepWork, step_s
 from kvpool.engine.identity import KVShape, ModelIdentity, checkpoint_digest
 from kvpool.engine.model_files import read_json
 from kvpool.engine.scheduler import ScheduledBatch
@@ -73,13 +74,15 @@ class EmulatedEngine(EngineCore):
     def __init__(self, profile: EngineProfile, config: EngineConfig, vocab: range,
                  root_hash: int, eos_ids: tuple[int, ...] = (), kv_scale: float = 1 / 1024,
                  speed_up: float = 1.0, connector: KVConnector | None = None,
-                 clock: Clock = SYSTEM_CLOCK) -> None:
+                 clock: Clock = SYSTEM_CLOCK, rules: StepRules | None = None) -> None:
         if speed_up <= 0:
             raise ConfigError(f"speed_up must be > 0, got {speed_up}")
         row_bytes = row_bytes_for(profile, kv_scale)
         cache = ByteKVCache(profile.kv_layers, config.num_blocks, config.block_size, row_bytes)
         super().__init__(config, cache, root_hash, connector, eos_ids, clock)
         self.profile, self.vocab, self.speed_up = profile, vocab, speed_up
+        self.rules = rules or profile.step_rules(config.prefill_mode)
+        """How a step is charged (default: a kvpool instance in this prefill mode)."""
         self.kv_scale = 2 * profile.kv_layers * row_bytes / profile.cost.kv_bytes_per_token
         """The scale actually used (row bytes are whole words)."""
         self._constants = [[kvbytes.layer_constant(layer, kind, row_bytes) for kind in (0, 1)]
@@ -96,9 +99,11 @@ class EmulatedEngine(EngineCore):
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, profile: EngineProfile, config: EngineConfig,
-                 kv_scale: float = 1 / 1024, speed_up: float = 1.0) -> EmulatedEngine:
+                 kv_scale: float = 1 / 1024, speed_up: float = 1.0,
+                 step_rules: str = "kvpool") -> EmulatedEngine:
         """The vocabulary and EOS ids from a model folder's config.json (the proxy serves its
-        tokenizer); the identity covers the folder, the profile and the KV format
+        tokenizer); `step_rules` names the kind of engine priced (`EngineProfile.step_rules`);
+        the identity covers the folder, the profile and the KV format
         (`emulated_identity`)."""
         path = Path(model_dir) / "config.json"
         hf = read_json(path)
@@ -110,27 +115,32 @@ class EmulatedEngine(EngineCore):
             raise CheckpointError(f"{path}: {exc}") from None
         root = emulated_identity(model_dir, profile, config, row_bytes_for(profile, kv_scale)).root
         return cls(profile, config, kvbytes.ordinary_vocab(vocab_size), root,
-                   eos_token_ids(hf), kv_scale, speed_up)
+                   eos_token_ids(hf), kv_scale, speed_up,
+                   rules=profile.step_rules(config.prefill_mode, step_rules))
 
     # -- one step ------------------------------------------------------------------------------
 
-    def step_s(self, batch: ScheduledBatch) -> float:
-        """Profile seconds of `batch`."""
+    def step_work(self, batch: ScheduledBatch) -> StepWork:
+        """What `batch` asks of the accelerator, counted as the simulator counts it: a decode's
+        context is the KV it holds before the step; a decode joins when it is its first here
+        with the prompt's KV from elsewhere."""
         chunks: list[PromptChunk] = []
-        num_decodes = context = joins = 0
+        num_decodes = context = longest = joins = 0
         for seq, n in batch:
             start = seq.num_computed_tokens
             if n == 1 and start == len(seq) - 1 and start >= seq.num_prompt_tokens:
                 num_decodes += 1
-                context += len(seq)
-                # its first decode here, with the prompt's KV from elsewhere: it joins
+                context += start
+                longest = max(longest, start)
                 joins += seq.kv_source is not KVSource.COMPUTE and start == seq.num_prompt_tokens
             else:
                 reused = seq.num_cached_tokens + seq.num_pool_tokens
                 chunks.append(PromptChunk(start, n, first=start <= reused))
-        whole = self.config.prefill_mode == "whole"
-        return self.profile.step_s(chunks, num_decodes, context, shared_base=whole,
-                                   joins=joins)
+        return StepWork(tuple(chunks), num_decodes, context, longest, joins)
+
+    def step_s(self, batch: ScheduledBatch) -> float:
+        """Profile seconds of `batch` (emulated/step_cost.py, as the simulator prices it)."""
+        return step_s(self.profile.cost, self.rules, self.step_work(batch))
 
     def step(self) -> list[StepOutput]:
         self._step_called_s = self.clock.now()

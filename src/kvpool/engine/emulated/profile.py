@@ -9,8 +9,8 @@ as data (a JSON file), so the emulated and the real engine are described the sam
      "chunk_tokens": 512,                  chunked-prefill token budget of a step
      "calibration": {...}}                 how the decode terms were fitted (or absent)
 
-`step_s` is the one place that turns a step's work into seconds, used by the emulated engine;
-the simulator prices the same work with the same CostModel.
+A step's seconds come from emulated/step_cost.py, the one pricing the emulated engine and the
+simulator share; `EngineProfile.step_rules` says how an engine of a kind is charged.
 """
 
 from __future__ import annotations
@@ -21,20 +21,16 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.conductor.cost import CostModel
+from kvpool.engine.emulated.step_cost import PromptChunk, StepRules
 from kvpool.errors import ConfigError, KvpoolError
+
+__all__ = ["DEFAULT_PROFILE", "STEP_RULES", "DecodeCalibration", "EngineProfile", "PromptChunk",
+           "StepRules", "load_profile", "scaled_cost", "write_profile"]
 
 PROFILES_DIR = Path(__file__).resolve().parents[2] / "data" / "profiles"
 DEFAULT_PROFILE = "llama70b-8xa800"
-
-
-@dataclass(frozen=True)
-class PromptChunk:
-    """Prompt tokens [start, start + num_tokens) computed in one step; `first` when the chunk
-    begins the prompt's compute (after the prefix found in the cache or the pool)."""
-
-    start: int
-    num_tokens: int
-    first: bool
+STEP_RULES = ("kvpool", "vllm")
+"""The kinds of engine a profile prices (`EngineProfile.step_rules`)."""
 
 
 @dataclass(frozen=True)
@@ -95,29 +91,20 @@ class EngineProfile:
                 raise ConfigError(f"profile {self.name}: {name} must be > 0, "
                                   f"got {getattr(self, name)}")
 
-    def step_s(self, chunks: list[PromptChunk], num_decodes: int, decode_context: int,
-               shared_base: bool = False, joins: int = 0) -> float:
-        """Seconds of one step: its prompt chunks (the fixed prefill cost once per prompt, at
-        its first chunk, or once for the whole step with `shared_base`, as a batch of whole
-        prompts pays it; a prompt's first chunk overlaps loading its prefix, as
-        `CostModel.prefill_with_load_s`), plus the decode step of the running batch and the
-        mixing overhead when both share the step, plus `cost.decode_join_s` for each of the
-        `joins` decodes that join the batch with KV from elsewhere (the simulator's join cost,
-        sim/engine.py)."""
-        c = self.cost
-        prefill = c.prefill_base_s if shared_base and chunks else 0.0
-        for ch in chunks:
-            end = ch.start + ch.num_tokens
-            compute = (c.prefill_linear_s * ch.num_tokens
-                       + c.prefill_quadratic_s * (end * end - ch.start * ch.start))
-            if ch.first:
-                base = 0.0 if shared_base else c.prefill_base_s
-                compute = max(compute + base, ch.start * c.load_s_per_token)
-            prefill += compute
-        if not num_decodes:
-            return prefill
-        decode = c.decode_step_s(num_decodes, decode_context) + c.decode_join_s * joins
-        return decode + (prefill + self.chunk_overhead_s if chunks else 0.0)
+    def step_rules(self, prefill_mode: str = "chunked", kind: str = "kvpool") -> StepRules:
+        """How an engine on this profile is charged for a step (emulated/step_cost.py): `kind`
+        kvpool (Mooncake's instances: a prefix is loaded beside the compute, mixed steps pay
+        `chunk_overhead_s`) or vllm (the simulator's colocated vLLM v0.5.1 baseline,
+        `VllmConfig.step_rules`); `prefill_mode` whole shares the prefill base in a step."""
+        chunked = prefill_mode != "whole"
+        if kind == "vllm":
+            from kvpool.sim.vllm import VllmConfig
+
+            return VllmConfig(chunk_overhead_s=self.chunk_overhead_s).step_rules(chunked)
+        if kind != "kvpool":
+            raise ConfigError(f"step rules must be one of {STEP_RULES}, got {kind!r}")
+        return StepRules(shared_base=not chunked,
+                         chunk_overhead_s=self.chunk_overhead_s if chunked else 0.0)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

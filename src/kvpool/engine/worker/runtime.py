@@ -74,6 +74,8 @@ class WorkerConfig:
     """emulated: the share of the profile's KV bytes per token actually written and moved."""
     speed_up: float = 1.0
     """emulated: every step time is divided by this."""
+    step_rules: str = "kvpool"
+    """emulated: how a step is charged, kvpool or vllm (`EngineProfile.step_rules`)."""
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -95,7 +97,8 @@ def make_engine(config: WorkerConfig) -> EngineCore:
         from kvpool.engine.emulated.profile import load_profile
 
         return EmulatedEngine.from_dir(config.model_dir, load_profile(config.profile),
-                                       config.engine, config.kv_scale, config.speed_up)
+                                       config.engine, config.kv_scale, config.speed_up,
+                                       config.step_rules)
     from kvpool.engine.llm_engine import LLMEngine
 
     return LLMEngine.from_dir(config.model_dir, config.engine)

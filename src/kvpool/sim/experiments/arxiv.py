@@ -20,6 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from kvpool.conductor import CostModel
 from kvpool.sim.colocated import ColocatedSim
 from kvpool.sim.disagg import DisaggConfig
 from kvpool.sim.experiments.common import (
@@ -38,6 +39,9 @@ from kvpool.sim.experiments.maxrps import (
     lone_limits,
     measure,
 )
+from kvpool.sim.experiments.reach import MOONCAKE_PREFILL, misses, reach, scale_prefill
+from kvpool.sim.experiments.reach import describe as describe_reach
+from kvpool.sim.experiments.verdicts import in_percent
 from kvpool.sim.metrics import SimResult
 from kvpool.sim.synth import ARXIV, LEVAL, WorkloadSpec, generate, simulated
 from kvpool.sim.systems import colocated_config
@@ -55,8 +59,10 @@ PAPER_DATASET_GAIN = {"arxiv": 20.0, "l-eval": 40.0}
 """[A] §8.1.1: Mooncake-[3P+1D]'s throughput gain over vLLM-[4M] within the SLOs."""
 
 
-def system(opts: ExperimentOptions, name: str, one_at_a_time: bool = False) -> System:
-    """One of SYSTEMS on the experiment profile (module docstring)."""
+def system(opts: ExperimentOptions, name: str, one_at_a_time: bool = False,
+           cost: CostModel | None = None) -> System:
+    """One of SYSTEMS on the experiment profile (module docstring); `cost` replaces the
+    profile's for a Mooncake split (the reach sweep)."""
     if name == "vllm_4m":
         base = colocated_config("vllm", opts.profile)
         vllm = replace(base.vllm, max_num_seqs=1) if one_at_a_time else base.vllm
@@ -66,8 +72,8 @@ def system(opts: ExperimentOptions, name: str, one_at_a_time: bool = False) -> S
     disagg = DisaggConfig(num_prefill=num_p, num_decode=num_d)
 
     def run(reqs: Sequence[TraceRequest]) -> SimResult:
-        return opts.run_disagg(reqs, config=disagg, admission="none", ttft_slo_s=NO_SLO_S,
-                               tbt_slo_s=NO_SLO_S)
+        return opts.run_disagg(reqs, config=disagg, cost=cost, admission="none",
+                               ttft_slo_s=NO_SLO_S, tbt_slo_s=NO_SLO_S)
     return run
 
 
@@ -95,6 +101,47 @@ def search_row(opts: ExperimentOptions, spec: WorkloadSpec, name: str, one_at_a_
             "tbt_top10_limit_ms": rnd(1000 * top10.tbt_s, 1)}
 
 
+def max_rps(opts: ExperimentOptions, spec: WorkloadSpec, name: str, num_requests: int,
+            cost: CostModel) -> float:
+    """The max-RPS search of Mooncake split `name` on `cost`, within the limits the profile
+    sets (the same for every system)."""
+    reqs = generate(spec, num_requests, SEED)
+    limits, run = spec_limits(opts, spec), system(opts, name, cost=cost)
+    best, _ = find_max_rps(lambda rps: measure(run, reqs, rps, limits, SEED),
+                           SearchSpec(seed=SEED))
+    return best.rps if best else 0.0
+
+
+def _reach_mooncake(opts: ExperimentOptions, rows: list[dict[str, Any]], n: int,
+                    specs: dict[str, WorkloadSpec]) -> None:
+    """Each Mooncake-[3P+1D] gain and max RPS that misses the paper's: the factor on
+    Mooncake's prefill at which it is the paper's (experiments/reach.py; one search per
+    workload and factor gives both). `specs`: the workloads by name."""
+    moon = {r["workload"]: r for r in rows if r["system"] == "mooncake_3p1d"}
+    vllm = {r["workload"]: r["max_rps"] for r in rows if r["system"] == "vllm_4m"}
+    wanted: dict[str, float] = {}
+    for name, r in moon.items():
+        for field in ("gain_pct", "max_rps"):
+            if misses(r.get(field), r.get(f"paper_{field}"), percent=in_percent(field)):
+                wanted[f"{field}@{name}"] = float(r[f"paper_{field}"])
+    names = list(dict.fromkeys(k.split("@")[1] for k in wanted))
+
+    def figures_at(factor: float) -> dict[str, float | None]:
+        out: dict[str, float | None] = {}
+        for name in names:
+            rps = float(moon[name]["max_rps"]) if factor == MOONCAKE_PREFILL.shipped else \
+                round(max_rps(opts, specs[name], "mooncake_3p1d", n,
+                              scale_prefill(opts.cost, factor)), 3)
+            out[f"max_rps@{name}"] = rps
+            out[f"gain_pct@{name}"] = rnd(pct_change(rps, vllm[name]), 1)
+        return out
+    for key, found in reach(MOONCAKE_PREFILL, figures_at, wanted).items():
+        field, name = key.split("@")
+        moon[name][f"reach_{field}"] = found
+        if field == "gain_pct":
+            moon[name]["reached_at"] = describe_reach(found)
+
+
 def _add_gains(rows: list[dict[str, Any]]) -> None:
     """gain_pct (and gain_top10_pct) of each Mooncake row over vLLM on the same workload;
     `best` marks the higher Mooncake split."""
@@ -113,7 +160,7 @@ def _requests(opts: ExperimentOptions, name: str) -> int:
 
 
 LONG_COLUMNS = ["input_len", "system", "max_rps", "paper_max_rps", "gain_pct", "paper_gain_pct",
-                "best", "p90_ttft_norm", "p90_tbt_norm", "ttft_limit_s", "tbt_limit_ms",
+                "reached_at", "best", "p90_ttft_norm", "p90_tbt_norm", "ttft_limit_s", "tbt_limit_ms",
                 "max_rps_top10", "gain_top10_pct"]
 
 
@@ -128,6 +175,8 @@ def run_long_context(opts: ExperimentOptions) -> ExperimentResult:
         row["input_len"] = length
         row["paper_max_rps"] = {"vllm_4m": vllm, "mooncake_3p1d": moon}.get(name)
         row["paper_gain_pct"] = rnd(pct_change(moon, vllm), 0) if name == "mooncake_3p1d" else None
+    if opts.reach:
+        _reach_mooncake(opts, rows, n, {simulated(k).name: simulated(k) for k in LENGTHS})
     return ExperimentResult(
         "long-context", "Max RPS within P90 TTFT / TBT limits, simulated long-context data, "
         f"output 512, 50% cache ratio ([A] Fig.12), {n} requests per rate",
@@ -135,7 +184,8 @@ def run_long_context(opts: ExperimentOptions) -> ExperimentResult:
             "vllm_4m runs one request at a time per instance ([A] §8.1.2); paper: Mooncake "
             "50%-525% higher; paper_max_rps read off Fig.12 by eye (128k: a lower bound).",
             "the 50% reuse: each request's first half is one of 8 shared documents (the paper "
-            "does not say how its data reuse arises); vLLM has no prefix cache."],
+            "does not say how its data reuse arises); vLLM has no prefix cache.",
+            _reach_note()],
         plot=lambda out: _plot(rows, "input_len", out / "long-context.png"))
 
 
@@ -148,6 +198,8 @@ def run_public_datasets(opts: ExperimentOptions) -> ExperimentResult:
     for row in rows:
         gain = PAPER_DATASET_GAIN[row["workload"]]
         row["paper_gain_pct"] = gain if row["system"] == "mooncake_3p1d" else None
+    if opts.reach:
+        _reach_mooncake(opts, rows, n, {spec.name: spec for spec in (ARXIV, LEVAL)})
     return ExperimentResult(
         "public-datasets", "Max RPS within P90 TTFT / TBT limits, ArXiv Summarization and "
         f"L-Eval ([A] Fig.11), {n} requests per rate",
@@ -156,8 +208,15 @@ def run_public_datasets(opts: ExperimentOptions) -> ExperimentResult:
             "paper: Mooncake-[3P+1D] +20% (ArXiv) and +40% (L-Eval) over vLLM-[4M].",
             "workloads: synthetic, from Table 2's means and cache ratios only (distributions "
             "in kvpool.sim.synth: lognormal lengths, cv 0.5; L-Eval: 8 questions per document "
-            "in a row, warm cache ratio 0.85)."],
+            "in a row, warm cache ratio 0.85).", _reach_note()],
         plot=lambda out: _plot(rows, "workload", out / "public-datasets.png"))
+
+
+def _reach_note() -> str:
+    return (f"reached_at: for a gain (or max RPS) outside 25%, the value of "
+            f"{MOONCAKE_PREFILL.name} ({MOONCAKE_PREFILL.text}) at which it is the paper's, "
+            f"swept over {', '.join(f'{x:g}' for x in MOONCAKE_PREFILL.grid)} "
+            "(experiments/reach.py).")
 
 
 def _notes(n: int) -> list[str]:

@@ -10,11 +10,12 @@ baselines' curves are predictions. The paper's columns are those of the trace's 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from kvpool.engine.emulated.profile import EngineProfile
-from kvpool.sim.calibrate import THRESHOLDS_MS, PaperCurve, curve_for
+from kvpool.sim.calibrate import THRESHOLDS_MS, PaperCurve, curve_for, scale_decode
 from kvpool.sim.experiments.band import bands, describe
 from kvpool.sim.experiments.common import (
     ExperimentOptions,
@@ -23,6 +24,8 @@ from kvpool.sim.experiments.common import (
     rnd,
     runs,
 )
+from kvpool.sim.experiments.reach import VLLM_DECODE, misses, reach
+from kvpool.sim.experiments.reach import describe as describe_reach
 from kvpool.sim.metrics import SimResult
 from kvpool.sim.systems import SYSTEM_NAMES, TTFT_LIMIT_S, run_system
 from kvpool.sim.trace import TraceRequest, default_trace_path
@@ -58,6 +61,10 @@ def run(opts: ExperimentOptions) -> ExperimentResult:
         rows[0]["gain_band_pct_at_ms"] = gain_band
         rows[0]["band_fits"] = fits
     figure = curve.figure if curve else None
+    if opts.reach:
+        found = _reach(reqs, opts.profile, results, rows[0], PAPER_GAIN_PCT.get(figure or ""))
+        if found:
+            rows[0]["reach_gain_pct_at_ms"] = found
     return ExperimentResult(
         "capacity", f"Effective request capacity, 16 nodes, profile {opts.profile.name}: "
         "Mooncake 8P8D vs vLLM v0.5.1-like 16x colocated ([F] Figs.1/6/7, Fig.8); shares in %",
@@ -69,7 +76,10 @@ def run(opts: ExperimentOptions) -> ExperimentResult:
                "sNN: share within TBT NN ms; gainNN: Mooncake over the best vLLM variant.",
                "paper rows: Mooncake's measured curve; best vLLM by eye where published.",
                "vllm_chunked's prefill_ratio rests on the profile's chunk_overhead_s, calibrated "
-               "on [F] Fig.8's 1.90 (docs/sim.md)."],
+               "on [F] Fig.8's 1.90 (docs/sim.md).",
+               f"reached at: for a gain outside 25% and the band, the value of "
+               f"{VLLM_DECODE.name} ({VLLM_DECODE.text}) at which it is the paper's, swept over "
+               f"{', '.join(f'{x:g}' for x in VLLM_DECODE.grid)} (experiments/reach.py)."],
         plot=lambda out: _plot(rows, curve, out),
         table_rows=_table(rows, curve))
 
@@ -83,11 +93,42 @@ def _gains(reqs: list[TraceRequest], profile: EngineProfile,
     if key not in baselines:
         baselines[key] = {name: run_system(name, reqs, profile)[0]
                           for name in SYSTEM_NAMES if name != "mooncake"}
-    results = baselines[key]
-    moon = run_system("mooncake", reqs, profile)[0]
+    return _gain_over(run_system("mooncake", reqs, profile)[0], baselines[key])
+
+
+def _reach(reqs: list[TraceRequest], profile: EngineProfile, results: dict[str, SimResult],
+           moon: dict[str, Any], paper: dict[str, int] | None) -> dict[str, dict[str, Any]]:
+    """The value of the baselines' decode factor that puts each gain missing the paper (and
+    outside the band) at the paper's figure; Mooncake's run is the one already made."""
+    if not paper:
+        return {}
+    bands_ = moon.get("gain_band_pct_at_ms") or {}
+    profile_factor = VLLM_DECODE.shipped
+    wanted = {k: float(p) for k, p in paper.items()
+              if misses(moon["gain_pct_at_ms"].get(k), p, _range(bands_.get(k)))}
+
+    def gains_at(factor: float) -> dict[str, float | None]:
+        if factor == profile_factor:
+            baselines = {n: r for n, r in results.items() if n != "mooncake"}
+        else:
+            slower = replace(profile, cost=scale_decode(profile.cost, factor))
+            baselines = {n: run_system(n, reqs, slower)[0] for n in SYSTEM_NAMES
+                         if n != "mooncake"}
+        return _gain_over(results["mooncake"], baselines)
+    return reach(VLLM_DECODE, gains_at, wanted)
+
+
+def _range(b: dict[str, Any] | None) -> tuple[float, float] | None:
+    if not b or b.get("lo") is None or b.get("hi") is None:
+        return None
+    return float(b["lo"]), float(b["hi"])
+
+
+def _gain_over(moon: SimResult, baselines: dict[str, SimResult]) -> dict[str, float | None]:
+    """Mooncake's gain over the best of `baselines` at each threshold, percent."""
     return {str(t): rnd(pct_change(moon.attainment(TTFT_LIMIT_S, t / 1000),
                                    max(r.attainment(TTFT_LIMIT_S, t / 1000)
-                                       for r in results.values())), 1)
+                                       for r in baselines.values())), 1)
             for t in GAIN_THRESHOLDS_MS}
 
 
@@ -135,6 +176,10 @@ def _table(rows: list[dict[str, Any]], curve: PaperCurve | None) -> list[dict[st
     if moon.get("gain_band_pct_at_ms"):
         out.append({"system": f"band over {moon['band_fits']} fits",
                     **{f"gain{k}": describe(b) for k, b in moon["gain_band_pct_at_ms"].items()}})
+    if moon.get("reach_gain_pct_at_ms"):
+        out.append({"system": "paper's gain reached at",
+                    **{f"gain{k}": describe_reach(r)
+                       for k, r in moon["reach_gain_pct_at_ms"].items()}})
     if curve is None:
         return out
     out.append(_flat("paper mooncake", curve.share_at_ms, curve.tbt_ms,

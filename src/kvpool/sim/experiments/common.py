@@ -40,6 +40,10 @@ class ExperimentOptions:
     band: bool = True
     """Rerun on every fit of the profile's calibration neighbourhood and report the range of
     the results that depend on the decode cost (experiments/band.py; `--no-band`)."""
+    reach: bool = True
+    """For a gain outside 25% of the paper's and outside the band, sweep the one named
+    assumption that moves it and report the value reaching the paper's (experiments/reach.py;
+    `--no-reach`)."""
 
     @property
     def cost(self) -> CostModel:

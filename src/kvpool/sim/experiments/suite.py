@@ -10,7 +10,9 @@ such as `share_at_ms`) is a figure the paper gives; its verdict is
   percent under 10);
 - `inside the band`: otherwise, when the paper's value lies inside the range kvpool gives over
   its calibration's neighbourhood (the `*_band_*` fields of experiments/band.py);
-- `outside (higher|lower)`: neither; docs/sim.md says why, experiment by experiment.
+- `outside (higher|lower)`: neither; where the experiment swept the named assumption that
+  moves the figure (a `reach_X` field, experiments/reach.py), the verdict says at which value
+  of it kvpool's figure would be the paper's, or that no value tried reaches it.
 
 `capacity` runs on both of the paper's released traces (conversation and synthetic).
 """
@@ -25,30 +27,22 @@ from typing import Any
 
 from kvpool.engine.emulated.profile import EngineProfile
 from kvpool.sim.experiments.common import ExperimentOptions, ExperimentResult
+from kvpool.sim.experiments.reach import describe as describe_reach
+from kvpool.sim.experiments.verdicts import (
+    ABSOLUTE_FLOOR,
+    RELATIVE_TOLERANCE,
+    in_percent,
+    verdict,
+)
 from kvpool.sim.report import print_result
 from kvpool.sim.trace import named_trace_path
 
-RELATIVE_TOLERANCE = 0.25
-ABSOLUTE_FLOOR = 2.5
-"""A paper figure under 10 is judged within this many units (a share of 3.3% is read by eye
-to about a point; 25% of it would ask for a precision the figure does not have)."""
+__all__ = ["ABSOLUTE_FLOOR", "RELATIVE_TOLERANCE", "comparisons", "plan", "run_all", "verdict"]
 
 Runner = Callable[[ExperimentOptions], ExperimentResult]
 LABEL_FIELDS = ("trace", "point", "speed", "admission", "system", "policy", "split", "setting",
                 "workload", "input_len", "bandwidth_gbps", "capacity_blocks")
 """Row fields that name a row in the verdict table, in this order, where present."""
-
-
-def verdict(ours: float, paper: float, band: tuple[float, float] | None = None,
-            percent: bool = False) -> str:
-    """The verdict on one figure; `percent`: a share in percent (the floor applies)."""
-    floor = ABSOLUTE_FLOOR if percent and abs(paper) < 10 else 0.0
-    allowed = max(RELATIVE_TOLERANCE * abs(paper), floor)
-    if abs(ours - paper) <= allowed:
-        return "within 25%"
-    if band is not None and band[0] <= paper <= band[1]:
-        return "inside the band"
-    return f"outside ({'higher' if ours > paper else 'lower'})"
 
 
 def _band_of(row: dict[str, Any], field: str, key: str | None) -> tuple[float, float] | None:
@@ -59,6 +53,14 @@ def _band_of(row: dict[str, Any], field: str, key: str | None) -> tuple[float, f
         if lo is not None and hi is not None:
             return float(lo), float(hi)
     return None
+
+
+def _reach_of(row: dict[str, Any], field: str, key: str | None) -> dict[str, Any] | None:
+    """The sweep that the row gives for `field` (at `key`): reach_<field>, experiments/reach.py."""
+    r = row.get(f"reach_{field}")
+    if isinstance(r, dict) and key is not None:
+        r = r.get(key)
+    return r if isinstance(r, dict) and "assumption" in r else None
 
 
 def comparisons(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -79,11 +81,14 @@ def comparisons(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
                         isinstance(o, bool) or isinstance(p, bool):
                     continue
                 band = _band_of(row, name, key)
+                said = verdict(float(o), float(p), band, in_percent(name))
+                reached = _reach_of(row, name, key)
+                if reached and said.startswith("outside"):
+                    said += f"; the paper's at {describe_reach(reached)}"
                 out.append({"row": label, "figure": name + (f"[{key}]" if key else ""),
                             "kvpool": o, "paper": p,
                             "band": f"{band[0]:g}..{band[1]:g}" if band else "",
-                            "verdict": verdict(float(o), float(p), band,
-                                               "share" in name or "pct" in name)})
+                            "verdict": said})
     return out
 
 
@@ -112,7 +117,9 @@ def run_all(experiments: dict[str, Runner], base: ExperimentOptions,
     parts = ["# kvpool beside the papers\n",
              "Every experiment of `kvpool sim experiment`, its table, its plot, and each figure "
              "the papers give beside kvpool's with a verdict (within 25%; inside the band over "
-             "the calibration's neighbourhood; or outside: docs/sim.md says why).\n"]
+             "the calibration's neighbourhood; or outside, with the value of the named "
+             "assumption at which kvpool's figure is the paper's where the experiment sweeps "
+             "one, experiments/reach.py; docs/sim.md says why).\n"]
     tally: dict[str, int] = {}
     for title, runner, opts in plan(experiments, base, profile_for):
         log(f"running {title}")
