@@ -1,0 +1,90 @@
+"""The proxy's responses byte for byte, against bytes recorded before the stream's path was
+reworked (tokens coalesced per engine step): streamed and not, seeded sampling, logprobs, `n`,
+echo, a list of prompts, a stop string, chat. Only the response id and `created` (a clock
+reading) are masked; everything else, JSON spacing and chunk boundaries included, must match.
+
+The recorded file is `data/stream_bytes.json` (case name -> body); `record()` writes it."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvpool.serve.launch import ServingCluster
+
+GOLDEN = Path(__file__).parent / "data" / "stream_bytes.json"
+PROMPT = "the cache block pool and the prefill of the prompt"
+_ID = re.compile(rb'"id":"(chatcmpl|cmpl)-[0-9a-f]+"')
+_CREATED = re.compile(rb'"created":\d+')
+_FLOAT = re.compile(rb"-?\d+\.\d+(?:e-?\d+)?")
+_INDEX = re.compile(rb'"choices":\[\{"index":(\d+)')
+
+
+def cases(model: str) -> dict[str, tuple[str, dict[str, Any]]]:
+    """name -> (endpoint, body)."""
+    base = {"model": model, "prompt": PROMPT, "max_tokens": 12, "ignore_eos": True}
+    seeded = base | {"temperature": 0.9, "seed": 7}
+    chat = {"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 10,
+            "ignore_eos": True, "temperature": 0.8, "seed": 3}
+    out: dict[str, tuple[str, dict[str, Any]]] = {}
+    for stream in (False, True):
+        s = {"stream": stream} | ({"stream_options": {"include_usage": True}} if stream else {})
+        tag = "stream" if stream else "body"
+        out[f"greedy-{tag}"] = ("completions", base | {"temperature": 0} | s)
+        out[f"seeded-n3-{tag}"] = ("completions", seeded | {"n": 3} | s)
+        out[f"logprobs-echo-{tag}"] = ("completions", seeded | {"logprobs": 2, "echo": True} | s)
+        out[f"logprobs-{tag}"] = ("completions", seeded | {"logprobs": 1, "max_tokens": 20} | s)
+        out[f"prompts-{tag}"] = ("completions", seeded | {"prompt": [PROMPT, "a block"]} | s)
+        out[f"stop-{tag}"] = ("completions", seeded | {"max_tokens": 30, "stop": ["e", "q"]} | s)
+        out[f"chat-{tag}"] = ("chat/completions", chat | s)
+        out[f"chat-logprobs-{tag}"] = ("chat/completions", chat | {
+            "logprobs": True, "top_logprobs": 2} | s)
+        out[f"chat-logprobs-n2-{tag}-rounded"] = ("chat/completions", chat | {
+            "logprobs": True, "top_logprobs": 2, "n": 2} | s)
+    return out
+
+
+def masked(body: bytes, rounded: bool = False) -> str:
+    """`body` with its id and `created` masked (and, `rounded`, its numbers with a fraction
+    to 4 places: choices that share the engine's batch get logprobs that differ in the last
+    bits of a float32, as the batch's composition varies); a stream's events in choice order (the
+    choices of one stream interleave as their tokens come; each choice's events keep their
+    order, and the usage chunk and [DONE] stay last)."""
+    body = _CREATED.sub(b'"created":0', _ID.sub(rb'"id":"\1-ID"', body))
+    if rounded:
+        body = _FLOAT.sub(lambda m: b"%.4f" % float(m.group(0)), body)
+    if not body.startswith(b"data: "):
+        return body.decode()
+    events = body.split(b"\n\n")
+    return b"\n\n".join(sorted(events, key=_choice_index)).decode()
+
+
+def _choice_index(event: bytes) -> int:
+    found = _INDEX.search(event)
+    return int(found.group(1)) if found else 1 << 30
+
+
+def responses(url: str, model: str) -> dict[str, str]:
+    got = {}
+    with httpx.Client(timeout=120) as http:
+        for name, (endpoint, body) in cases(model).items():
+            resp = http.post(f"{url}/v1/{endpoint}", json=body)
+            assert resp.status_code == 200, (name, resp.text)
+            got[name] = masked(resp.content, rounded=name.endswith("-rounded"))
+    return got
+
+
+def record(url: str, model: str) -> None:
+    GOLDEN.write_text(json.dumps(responses(url, model), indent=1, sort_keys=True) + "\n")
+
+
+def test_responses_equal_the_recorded_bytes(cluster: ServingCluster) -> None:
+    want = json.loads(GOLDEN.read_text())
+    got = responses(cluster.proxy_url, cluster.model_name)
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name] == want[name], name
