@@ -59,9 +59,24 @@ def test_colocated_stream(client: TestClient) -> None:
     with client.stream("POST", "/generate", json=body, headers=AUTH) as reply:
         assert reply.headers["content-type"] == "application/x-ndjson"
         lines = [line for line in reply.iter_lines() if line]
-    assert len(lines) == 4 and all(json.loads(t)["type"] == "token" for t in lines[:3])
+    frames = [json.loads(t) for t in lines[:-1]]
+    assert [(f["type"], len(f["token_ids"]), len(f["t"])) for f in frames] == [("tokens", 1, 1)] * 3
     assert lines[-1] == ('{"type":"finish","finish_reason":"length","num_output_tokens":3,'
                          '"num_cached_tokens":0,"num_pool_tokens":0}')
+
+
+def test_a_stream_interval_sends_the_first_token_alone_then_every_n(client: TestClient) -> None:
+    body = {"request_id": "i", "prompt_token_ids": [5, 6, 7], "stream_interval": 2,
+            "sampling": {"max_tokens": 5, "ignore_eos": True, "logprobs": 0, "temperature": 0}}
+    with client.stream("POST", "/generate", json=body, headers=AUTH) as reply:
+        lines = [json.loads(line) for line in reply.iter_lines() if line]
+    assert [len(f["token_ids"]) for f in lines[:-1]] == [1, 2, 2]
+    assert [len(f["logprobs"]) for f in lines[:-1]] == [1, 2, 2]
+    assert lines[-1]["type"] == "finish" and lines[-1]["num_output_tokens"] == 5
+    one = client.post("/generate", json=body | {"request_id": "j", "stream_interval": 1},
+                      headers=AUTH)
+    ids = [t for line in one.text.splitlines()[:-1] for t in json.loads(line)["token_ids"]]
+    assert ids == [t for f in lines[:-1] for t in f["token_ids"]]  # the same tokens, framed
 
 
 def test_misspelt_and_out_of_range_fields_are_400(client: TestClient) -> None:

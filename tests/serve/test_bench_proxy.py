@@ -125,11 +125,11 @@ def test_replies_are_checked_whole() -> None:
     assert _sse_tokens(sse, 16) == 16
     with pytest.raises(ValueError, match="not whole"):
         _sse_tokens(sse[:-8], 16)
-    ndjson = b'{"type":"token","token_id":1}\n{"type":"token","token_id":2}\n' \
+    ndjson = b'{"type":"tokens","token_ids":[1,2],"t":[0,0]}\n{"type":"token","token_id":3}\n' \
              b'{"type":"finish","finish_reason":"length"}\n'
-    assert _ndjson_tokens(ndjson, 2) == 2
-    with pytest.raises(ValueError, match="1 token lines"):
-        _ndjson_tokens(ndjson.split(b"\n", 1)[1], 2)
+    assert _ndjson_tokens(ndjson, 3) == 3
+    with pytest.raises(ValueError, match=r"\(1 tokens\)"):
+        _ndjson_tokens(ndjson.split(b"\n", 1)[1], 3)
 
 
 def test_ratios_are_kvpool_over_nginx_on_the_same_load() -> None:

@@ -221,10 +221,11 @@ def _sse_tokens(body: bytes, max_tokens: int) -> int:
 
 
 def _ndjson_tokens(body: bytes, max_tokens: int) -> int:
-    lines = body.splitlines()
-    tokens = sum(1 for line in lines if b'"type":"token"' in line)
-    last = json.loads(lines[-1]) if lines else {}
-    if last.get("type") != "finish" or tokens != max_tokens:
-        raise ValueError(f"the worker's stream is not whole ({tokens} token lines): "
+    """The tokens of the frames (and of one-token lines), which must be max_tokens, followed
+    by the finish line."""
+    lines = [json.loads(line) for line in body.splitlines() if line.strip()]
+    tokens = sum(len(m.get("token_ids", [])) + (m.get("type") == "token") for m in lines)
+    if not lines or lines[-1].get("type") != "finish" or tokens != max_tokens:
+        raise ValueError(f"the worker's stream is not whole ({tokens} tokens): "
                          f"...{body[-300:]!r}")
     return tokens

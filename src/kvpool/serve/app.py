@@ -193,13 +193,13 @@ class Proxy:
             for r in runs:
                 r.discard()
             raise
-        streams = [r.tokens() for r in runs]
+        streams = [r.chunks() for r in runs]
         firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
         failure = next((f for f in firsts if isinstance(f, BaseException)), None)
         if failure is not None:
             await close_all(*streams)
             raise failure
-        return [Choice(job, run, int(first), s,  # type: ignore[arg-type]  # no failure here
+        return [Choice(job, run, first, s,  # type: ignore[arg-type]  # no failure here
                        TextStream(self.tokenizer.decode, prep.stop))
                 for job, run, first, s in zip(prep.jobs, runs, firsts, streams, strict=True)]
 

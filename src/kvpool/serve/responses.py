@@ -1,8 +1,9 @@
 """Output ids -> an OpenAI response: one JSON body, or SSE chunks ending in `[DONE]`, over one
 or more running choices (a list of prompts, `n`).
 
-Every choice reads its own delta stream, which applies stop strings, records TBT and output
-tokens, and closes its token stream (releasing the request on the workers) however it ends.
+Every choice reads its own delta stream, one delta per chunk of tokens (a frame of the decode
+leg: one SSE chunk for the tokens of one engine step), which applies stop strings, records TBT
+and output tokens, and closes its chunk stream (releasing the request on the workers) however it ends.
 A choice that fails fails the response (a 502 body, or an SSE error event) and ends the
 others."""
 
@@ -40,12 +41,12 @@ T = TypeVar("T")
 
 @dataclass
 class Choice:
-    """One running choice: its job, its run, and its token stream past the first token."""
+    """One running choice: its job, its run, and its chunk stream past the first chunk."""
 
     job: ChoiceJob
     run: Run
-    first: int
-    tokens: AsyncGenerator[int]
+    first: list[int]
+    chunks: AsyncGenerator[list[int]]
     text: TextStream
     sent: int = 0
     """Output tokens whose logprobs went out already."""
@@ -55,24 +56,26 @@ class Choice:
 
 
 async def _deltas(proxy: Proxy, c: Choice) -> AsyncIterator[tuple[str, str | None]]:
-    """(new text, finish reason or None); the finish reason comes with the last delta."""
+    """(new text, finish reason or None) per chunk; the finish reason comes with the last
+    delta. TBT is observed once per chunk, as the gap per token since the last one."""
     m, text = proxy.metrics, c.text
-    async with contextlib.aclosing(c.tokens):
-        tok, last = c.first, time.perf_counter()
+    async with contextlib.aclosing(c.chunks):
+        ids, last = c.first, time.perf_counter()
         while True:
-            delta = text.push(tok)
-            m.output_tokens.inc()
+            before = text.num_tokens
+            delta = text.push_many(ids)
+            m.output_tokens.inc(text.num_tokens - before)
             if delta.stopped:
                 yield delta.text, "stop"
                 return
             if delta.text:
                 yield delta.text, None
             try:
-                tok = await anext(c.tokens)
+                ids = await anext(c.chunks)
             except StopAsyncIteration:
                 break
             now = time.perf_counter()
-            m.tbt.observe(now - last)
+            m.tbt.observe((now - last) / len(ids))
             last = now
     yield text.flush(), c.run.finish_reason or "stop"
 

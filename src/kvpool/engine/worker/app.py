@@ -17,12 +17,12 @@ from kvpool.engine.core import StepOutput
 from kvpool.engine.worker import auth
 from kvpool.engine.worker import metrics as worker_metrics
 from kvpool.engine.worker.auth import CHALLENGE_PATH
+from kvpool.engine.worker.frames import FrameBuilder
 from kvpool.engine.worker.gate import GateIdentity, PreAuthGate
 from kvpool.engine.worker.messages import (
     AbortReply,
     AbortRequest,
     ErrorLine,
-    FinishLine,
     GenerateRequest,
     InfoReply,
     LoadReply,
@@ -30,7 +30,6 @@ from kvpool.engine.worker.messages import (
     PrefillRequest,
     ReserveReply,
     ReserveRequest,
-    TokenLine,
 )
 from kvpool.engine.worker.runtime import Worker
 from kvpool.errors import AuthError, KvpoolError, RemoteProtocolError, RequestFailed, ShuttingDown
@@ -160,7 +159,8 @@ def create_app(worker: Worker, now: Callable[[], float] = time.time) -> FastAPI:
     @app.post("/generate")
     async def generate(body: GenerateRequest) -> StreamingResponse:
         needs("decode", "both")
-        return StreamingResponse(ndjson(worker.generate(body)),
+        interval = body.stream_interval or worker.config.stream_interval
+        return StreamingResponse(ndjson(worker.generate(body), interval),
                                  media_type="application/x-ndjson")
 
     @app.post("/kv/reserve", response_model=None)
@@ -186,25 +186,16 @@ class _WrongRole(Exception):
     pass
 
 
-def _finish_line(out: StepOutput, num_tokens: int) -> FinishLine:
-    assert out.finish_reason is not None
-    return FinishLine(finish_reason=out.finish_reason, num_output_tokens=num_tokens,
-                      num_cached_tokens=int(out.stats.get("num_cached_tokens", 0)),
-                      num_pool_tokens=int(out.stats.get("num_pool_tokens", 0)))
-
-
-async def ndjson(outputs: AsyncIterator[StepOutput]) -> AsyncIterator[bytes]:
-    """One line per token, then the finish line; an error ends the stream with its line."""
-    num_tokens = 0
+async def ndjson(outputs: AsyncIterator[list[StepOutput]],
+                interval: int = 1) -> AsyncIterator[bytes]:
+    """The frames of the outputs (engine/worker/frames.py), then the finish line; an error
+    ends the stream with its line. All the lines one step makes are written at once."""
+    frames = FrameBuilder(interval)
     try:
-        async for out in outputs:
-            if out.token_id is not None:
-                num_tokens += 1
-                prompt = None if out.prompt_logprobs is None else list(out.prompt_logprobs)
-                yield _line(TokenLine(token_id=out.token_id, t=out.time_s, logprob=out.logprob,
-                                      prompt_logprobs=prompt))
-            if out.finish_reason is not None:
-                yield _line(_finish_line(out, num_tokens))
+        async for outs in outputs:
+            lines = frames.add(outs)
+            if lines:
+                yield b"".join(_line(msg) for msg in lines)
     except KvpoolError as exc:
         yield _line(ErrorLine(error=str(exc)))
     except Exception as exc:
