@@ -150,7 +150,7 @@ def test_ratios_are_kvpool_over_nginx_on_the_same_load() -> None:
 def test_the_proxy_bench_runs_with_its_nginx_anchor() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "kvpool", "bench", "proxy", "--json", "--rounds", "2",
-         "--streams", "8", "--requests", "24", "--concurrency", "4"],
+         "--streams", "8", "--requests", "24", "--concurrency", "4", "--stream-interval", "4"],
         capture_output=True, text=True, timeout=600, env=python_env())
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
@@ -161,7 +161,7 @@ def test_the_proxy_bench_runs_with_its_nginx_anchor() -> None:
         per = 256 if r["load"] == "stream256" else 16
         assert r["requests"] == 2 * (8 if per == 256 else 24) and r["tokens"] == r["requests"] * per
         assert r["req_per_s"] > 0 and r["tokens_per_s"] > 0 and r["worker_us_per_token"] > 0
-        assert r["relay_cpu_s"] >= 0
+        assert r["relay_cpu_s"] >= 0 and r["stream_interval"] == 4
     kvpool = [r for r in rows if r["relay"] == "kvpool"]
     assert all(r["relay_us_per_token"] > 0 and r["relay_ms_per_request"] > 0 for r in kvpool)
     if len(relays) == 2:

@@ -44,16 +44,17 @@ def _child(stack: ExitStack, *args: str, src: Path | None = None) -> subprocess.
     return proc
 
 
-def start_worker(stack: ExitStack, tmp: Path,
-                 speed_up: float) -> tuple[subprocess.Popen[bytes], int]:
-    """The emulated colocated worker, ready; (process, port)."""
+def start_worker(stack: ExitStack, tmp: Path, speed_up: float,
+                 *extra: str) -> tuple[subprocess.Popen[bytes], int]:
+    """The emulated colocated worker (`extra`: more `kvpool worker` flags), ready; (process,
+    port)."""
     model = _model(tmp)
     port = free_port(HOST)
     proc = _child(stack, "worker", "--role", "both", "--engine", "emulated", "--profile",
                   DEFAULT_PROFILE, "--speed-up", str(speed_up), "--model", str(model),
                   "--host", HOST, "--port", str(port),
                   "--max-model-len", str(EMULATED_MAX_MODEL_LEN),
-                  "--max-prefill-chunk", str(EMULATED_MAX_MODEL_LEN))
+                  "--max-prefill-chunk", str(EMULATED_MAX_MODEL_LEN), *extra)
     wait_http(f"http://{HOST}:{port}/health", [proc], "the emulated worker", 120)
     return proc, port
 

@@ -175,7 +175,7 @@ async def _choice_events(proxy: Proxy, prep: PreparedRequest,
     texts = TextChunks(kind, rid, model, i)
     async for piece, finish in _deltas(proxy, c):
         upto = c.text.num_tokens
-        if piece or (finish is not None and upto > c.sent):
+        if piece or (finish is not None and prep.logprobs is not None and upto > c.sent):
             lp = _logprobs(proxy, prep, c, upto, False)
             yield texts.sse(piece) if lp is None else sse(chunk(kind, rid, model, piece, None,
                                                                 index=i, logprobs=lp))
