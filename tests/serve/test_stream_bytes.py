@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import json
 import re
+import uuid
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from kvpool.serve.launch import ServingCluster
+from kvpool.serve.launch import ServingCluster, stop
+from tests.serve.conftest import start_proxy
 
 GOLDEN = Path(__file__).parent / "data" / "stream_bytes.json"
 PROMPT = "the cache block pool and the prefill of the prompt"
@@ -71,10 +73,12 @@ def _choice_index(event: bytes) -> int:
 
 
 def responses(url: str, model: str) -> dict[str, str]:
-    got = {}
+    """Every case's masked body, under a cache salt of their own (the workers' caches as
+    fresh as when the bytes were recorded, whatever ran before)."""
+    got, salt = {}, uuid.uuid4().hex
     with httpx.Client(timeout=120) as http:
         for name, (endpoint, body) in cases(model).items():
-            resp = http.post(f"{url}/v1/{endpoint}", json=body)
+            resp = http.post(f"{url}/v1/{endpoint}", json=body | {"cache_salt": salt})
             assert resp.status_code == 200, (name, resp.text)
             got[name] = masked(resp.content, rounded=name.endswith("-rounded"))
     return got
@@ -97,3 +101,20 @@ def test_responses_equal_the_recorded_bytes(cluster: ServingCluster) -> None:
     for name in want:
         assert got[name] == want[name], name
         assert not any(e in got[name] for e in _EMPTY), name
+
+
+def test_text_chunks_made_by_the_decoding_workers_are_the_same_bytes(
+        cluster: ServingCluster) -> None:
+    """--worker-sse: the streamed choices without logprobs or echo (greedy, seeded n=3, a
+    list of prompts, stop strings, chat) get their chunks from the decode worker, the rest from
+    the proxy: every response equals the recorded bytes."""
+    proc, url = start_proxy(cluster.model_dir, "--worker-sse",
+                            "--prefill", cluster.worker_urls["prefill"][0],
+                            "--decode", cluster.worker_urls["decode"][0])
+    try:
+        got = responses(url, cluster.model_name)
+    finally:
+        stop(proc)
+    want = json.loads(GOLDEN.read_text())
+    for name in want:
+        assert got[name] == want[name], name

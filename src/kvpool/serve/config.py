@@ -41,6 +41,10 @@ class ProxyConfig:
     stream_interval: int | None = None
     """kvpool workers: output tokens per frame of a decode leg after the first (fewer frames to
     relay, fewer chunks to the client); None = each worker's own --stream-interval."""
+    worker_sse: bool = False
+    """kvpool workers: a streamed single choice without logprobs or echo gets its text chunks
+    from the decoding worker (detokenized, stop strings applied there), relayed as they come
+    (GenerateRequest.sse); the proxy makes only the first chunk and the usage chunk."""
     kv_events: str | None = None
     """vllm: the ZMQ endpoint the proxy binds for the instances' KV events (tcp://HOST:PORT);
     None = no events (the conductor sees no instance's cached prefix)."""

@@ -42,6 +42,7 @@ from kvpool.engine.worker.messages import (
     KVSourceName,
     KVTransfer,
     PrefillRequest,
+    SseSpec,
 )
 from kvpool.errors import WorkerCallError
 from kvpool.log import get_logger
@@ -223,6 +224,11 @@ class Run:
         """The worker of the current decode leg."""
         self._handoff: dict[str, Any] | None = None
         """The prefill leg's own handoff for the decode leg (an engine's kv_transfer_params)."""
+        self.sse: SseSpec | None = None
+        """Set (by the app, --worker-sse) when the decode legs make the response's text chunks;
+        each frame's then is `frame_sse` when it is yielded, and the finish's `finish_sse`."""
+        self.frame_sse: str | None = None
+        self.finish_sse: str | None = None
 
     @property
     def decode_url(self) -> str:
@@ -340,7 +346,7 @@ class Run:
                               sampling=sampling, first_token_id=first, kv_source=kv_source,
                               resume_output_ids=resumed,
                               kv_transfer_params=self._handoff if kv_source != "none" else None,
-                              stream_interval=self.d.config.stream_interval)
+                              stream_interval=self.d.config.stream_interval, sse=self.sse)
         self._decode_url = worker.url
         lines = self.d.client.generate(worker.url, req)
         skip_echo = first is not None
@@ -355,7 +361,7 @@ class Run:
                                           "stream ended without a finish_reason") from None
                 self.d.cluster.decode_start(self.b, self.d.clock.now())
                 if isinstance(line, FinishLine):
-                    self.finish_reason = line.finish_reason
+                    self.finish_reason, self.finish_sse = line.finish_reason, line.sse
                     if kv_source == "none" and not resumed:  # the prompt's reuse, if reported
                         self._colocated_reuse(line)
                     return
@@ -371,6 +377,7 @@ class Run:
                 if kv_source == "none" and self.b.prefill_pending:
                     self._colocated_first_token()
                 last_s = self._decode_gap(last_s, len(ids))
+                self.frame_sse = line.sse
                 yield ids
         finally:
             watch.close()

@@ -54,6 +54,14 @@ class Choice:
     """Characters of the token texts before the next logprobs (completions' text_offset)."""
     finish: str = "stop"
 
+    @property
+    def num_tokens(self) -> int:
+        """Output tokens of the choice: as many as its text took, or, for a choice whose
+        worker makes its text (past the first chunk: --worker-sse), as many as its frames
+        brought."""
+        relayed = self.run.sse is not None and not self.text.stopped
+        return len(self.run.token_ids) if relayed else self.text.num_tokens
+
 
 async def _deltas(proxy: Proxy, c: Choice) -> AsyncIterator[tuple[str, str | None]]:
     """(new text, finish reason or None) per chunk; the finish reason comes with the last
@@ -84,7 +92,7 @@ def usage_of(prep: PreparedRequest, choices: list[Choice]) -> dict[str, Any]:
     """Prompt tokens once per prompt (its first choice's reuse), output tokens of every
     choice."""
     cached = {c.job.prompt_index: c.run.cached_len for c in reversed(choices)}
-    outputs = sum(c.text.num_tokens for c in choices)
+    outputs = sum(c.num_tokens for c in choices)
     return usage(sum(len(p) for p in prep.prompts), outputs, sum(cached.values()))
 
 
@@ -163,9 +171,45 @@ async def sse_stream(proxy: Proxy, prep: PreparedRequest, choices: list[Choice],
     yield SSE_DONE
 
 
+async def _relayed(proxy: Proxy, prep: PreparedRequest, c: Choice) -> AsyncIterator[bytes]:
+    """--worker-sse: the first chunk made here (from the prefill leg's token or the first
+    frame, by the same text stream the worker runs), then each frame's events and the finish's
+    as the decoding worker made them: no detokenizing, no JSON made here per frame."""
+    m, texts = proxy.metrics, TextChunks(prep.kind, prep.request_id, proxy.model_name, c.job.index)
+    finish: str | None = None
+    async with contextlib.aclosing(c.chunks):
+        delta = c.text.push_many(c.first)
+        m.output_tokens.inc(c.text.num_tokens)
+        if delta.text:
+            yield texts.sse(delta.text)
+        if delta.stopped:
+            finish = "stop"
+        else:
+            last = time.perf_counter()
+            async for ids in c.chunks:
+                now = time.perf_counter()
+                m.tbt.observe((now - last) / len(ids))
+                m.output_tokens.inc(len(ids))
+                last = now
+                if c.run.frame_sse:
+                    yield c.run.frame_sse.encode()
+    c.finish = finish or c.run.finish_reason or "stop"
+    if finish is None and c.run.finish_sse is not None:
+        yield c.run.finish_sse.encode()
+    else:
+        yield sse(chunk(prep.kind, prep.request_id, proxy.model_name, None, c.finish,
+                        index=c.job.index))
+
+
 async def _choice_events(proxy: Proxy, prep: PreparedRequest,
                          c: Choice) -> AsyncIterator[bytes]:
     kind, rid, model, i = prep.kind, prep.request_id, proxy.model_name, c.job.index
+    if c.run.sse is not None:
+        if kind == "chat":
+            yield sse(chunk(kind, rid, model, "", None, first=True, index=i))
+        async for event in _relayed(proxy, prep, c):
+            yield event
+        return
     if kind == "chat":
         yield sse(chunk(kind, rid, model, "", None, first=True, index=i))
     elif prep.echo:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -32,6 +33,7 @@ from kvpool.engine.worker.messages import (
     ReserveRequest,
 )
 from kvpool.engine.worker.runtime import Worker
+from kvpool.engine.worker.sse_text import SseText
 from kvpool.errors import AuthError, KvpoolError, RemoteProtocolError, RequestFailed, ShuttingDown
 from kvpool.log import RateLimitedLog, get_logger
 from kvpool.metadata.http_serving import bearer_matches, read_body
@@ -160,7 +162,8 @@ def create_app(worker: Worker, now: Callable[[], float] = time.time) -> FastAPI:
     async def generate(body: GenerateRequest) -> StreamingResponse:
         needs("decode", "both")
         interval = body.stream_interval or worker.config.stream_interval
-        return StreamingResponse(ndjson(worker.generate(body), interval),
+        outputs = worker.generate(body)
+        return StreamingResponse(ndjson(outputs, interval, worker.sse_text(body)),
                                  media_type="application/x-ndjson")
 
     @app.post("/kv/reserve", response_model=None)
@@ -186,16 +189,20 @@ class _WrongRole(Exception):
     pass
 
 
-async def ndjson(outputs: AsyncIterator[list[StepOutput]],
-                interval: int = 1) -> AsyncIterator[bytes]:
+async def ndjson(outputs: AsyncGenerator[list[StepOutput]], interval: int = 1,
+                 text: SseText | None = None) -> AsyncIterator[bytes]:
     """The frames of the outputs (engine/worker/frames.py), then the finish line; an error
-    ends the stream with its line. All the lines one step makes are written at once."""
-    frames = FrameBuilder(interval)
+    ends the stream with its line. All the lines one step makes are written at once. A stream
+    that a stop string ended stops reading `outputs`, which aborts the request."""
+    frames = FrameBuilder(interval, text)
     try:
-        async for outs in outputs:
-            lines = frames.add(outs)
-            if lines:
-                yield b"".join(_line(msg) for msg in lines)
+        async with contextlib.aclosing(outputs):
+            async for outs in outputs:
+                lines = frames.add(outs)
+                if lines:
+                    yield b"".join(_line(msg) for msg in lines)
+                if frames.done:
+                    break
     except KvpoolError as exc:
         yield _line(ErrorLine(error=str(exc)))
     except Exception as exc:

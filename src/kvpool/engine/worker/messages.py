@@ -74,6 +74,19 @@ class PrefillReply(_Reply):
     is); kvpool workers send none."""
 
 
+class SseSpec(_Request):
+    """Asks the decoding worker for the response's SSE text chunks (kvpool proxy
+    --worker-sse): detokenized, stop strings applied, with the response's id, model name and
+    choice index, byte for byte as the proxy would make them (serve/protocol.py TextChunks,
+    chunk). The proxy relays them; a stop string ends the stream with finish_reason stop."""
+
+    kind: Literal["completion", "chat"]
+    id: str = Field(min_length=1, max_length=512)
+    model: str = Field(max_length=512)
+    index: int = Field(default=0, ge=0)
+    stop: list[str] = Field(default_factory=list, max_length=16)
+
+
 class GenerateRequest(_Request):
     request_id: RequestId
     prompt_token_ids: list[int] = Field(min_length=1)
@@ -89,6 +102,9 @@ class GenerateRequest(_Request):
     alone."""
     kv_transfer_params: dict[str, Any] | None = None
     """The prefill leg's handoff, for engines that have one (vLLM backend); None here."""
+    sse: SseSpec | None = None
+    """The frames carry the response's SSE bytes too (the text streamed so far is that of
+    `resume_output_ids` and `first_token_id`: the proxy sent it already)."""
     stream_interval: int | None = Field(default=None, ge=1, le=MAX_STREAM_INTERVAL)
     """Output tokens per frame: the first frame goes at once, then one every this many
     tokens (and the last with the finish); None: the worker's --stream-interval."""
@@ -119,6 +135,8 @@ class TokensLine(_Reply):
     """Each token's logprob, if the request asks."""
     prompt_logprobs: list[TokenLogprob | None] | None = None
     """With the frame that holds the first token of a colocated request that asks for them."""
+    sse: str | None = None
+    """With GenerateRequest.sse: the SSE events of this frame's text ("" while it is held)."""
 
     @model_validator(mode="after")
     def _aligned(self) -> TokensLine:
@@ -148,6 +166,8 @@ class FinishLine(_Reply):
     num_cached_tokens: int = 0
     num_pool_tokens: int = 0
     """Prompt tokens this worker did not compute (its cache, the pool)."""
+    sse: str | None = None
+    """With GenerateRequest.sse: the held text's event, if any, and the finish chunk."""
 
 
 class ErrorLine(_Reply):

@@ -40,6 +40,8 @@ from kvpool.log import get_logger
 from kvpool.metadata.http_serving import CLIENT_KEEPALIVE_S
 
 if TYPE_CHECKING:  # both pull in the transfer engine: imported on use below
+    from kvpool.engine.worker.sse_text import SseText
+    from kvpool.serve.tokenizer import ModelTokenizer
     from kvpool.store.client.store_client import StoreClient
     from kvpool.transfer import TransferEngine
 
@@ -131,6 +133,8 @@ class Worker:
         self.http = httpx.AsyncClient(timeout=config.remote_timeout_s,
                                       limits=httpx.Limits(keepalive_expiry=CLIENT_KEEPALIVE_S))
         self.peers = PeerCalls(self.http, config.token, wall_clock)
+        self._tokenizer: ModelTokenizer | None = None
+        """Loaded for the first request that asks for SSE text (GenerateRequest.sse)."""
 
     def _connect(self) -> tuple[StoreClient | None, TransferEngine]:
         from kvpool.store.client.config import ClientConfig
@@ -330,6 +334,19 @@ class Worker:
             if seq.status is SeqStatus.FINISHED and source is KVSource.POOL:
                 self._drop_partial(request_id)  # done with the prefill's token: nobody reads it
         return self._follow(request_id, add)
+
+    def sse_text(self, req: GenerateRequest) -> SseText | None:
+        """The SSE text state of a request that asks its frames to carry the response's bytes
+        (`req.sse`), after the output the client has; None otherwise."""
+        if req.sse is None:
+            return None
+        from kvpool.engine.worker.sse_text import SseText
+        from kvpool.serve.tokenizer import ModelTokenizer
+
+        if self._tokenizer is None:
+            self._tokenizer = ModelTokenizer(self.config.model_dir)
+        return SseText(req.sse, self._tokenizer.decode, req.resume_output_ids,
+                       skip=int(req.first_token_id is not None))
 
     async def _already_over(self, request_id: str,
                             reason: str) -> AsyncGenerator[list[StepOutput]]:
