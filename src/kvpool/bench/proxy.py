@@ -57,6 +57,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--stream-interval", type=int, default=1, metavar="N",
                    help="the worker's frames: one every N output tokens after the first (for "
                    "both relays: nginx relays the same frames)")
+    p.add_argument("--worker-sse", action="store_true",
+                   help="also a proxy that relays the SSE text chunks the worker makes "
+                   "(kvpool proxy --worker-sse), in the same rounds: relay kvpool-wsse")
     p.add_argument("--no-nginx", action="store_true", help="kvpool's proxy alone")
     p.add_argument("--baseline-src", type=Path, default=None, metavar="DIR",
                    help="also a proxy run from another kvpool's sources (DIR holds its kvpool "
@@ -102,7 +105,7 @@ def _main(args: argparse.Namespace) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="kvpool-bench-proxy-") as tmp, \
                 relays(Path(tmp), args.speed_up, exe, args.baseline_src,
-                       args.stream_interval) as (relays_up, worker_pid):
+                       args.stream_interval, args.worker_sse) as (relays_up, worker_pid):
             rows = measure(relays_up, worker_pid, args)
     except (ValueError, KvpoolError, OSError) as exc:
         print(f"kvpool bench proxy: {exc}", flush=True)
@@ -179,7 +182,8 @@ def fmt(row: dict[str, Any]) -> str:
 @contextmanager
 def relays(tmp: Path, speed_up: float, nginx_exe: str | None,
            baseline_src: Path | None = None,
-           stream_interval: int = 1) -> Iterator[tuple[list[Relay], int]]:
+           stream_interval: int = 1,
+           worker_sse: bool = False) -> Iterator[tuple[list[Relay], int]]:
     """The emulated worker, the proxy in front of it, nginx (with `nginx_exe`) and a proxy
     from `baseline_src` (if given): the relays and the worker's pid; all stopped on exit."""
     from kvpool.bench.proxy_cluster import start_proxy, start_worker
@@ -191,6 +195,11 @@ def relays(tmp: Path, speed_up: float, nginx_exe: str | None,
         prompt_ids = httpx.post(f"http://{HOST}:{proxy_port}/tokenize",
                                 json={"prompt": PROMPT}, timeout=30).json()["tokens"]
         out = [Relay("kvpool", proxy_port, [proxy.pid], _completion(model), _sse_tokens)]
+        if worker_sse:
+            wsse, wsse_port, _ = start_proxy(stack, tmp, worker, worker_port, speed_up,
+                                             flags=("--worker-sse",))
+            out.append(Relay("kvpool-wsse", wsse_port, [wsse.pid], _completion(model),
+                             _sse_tokens))
         if baseline_src is not None:
             base, base_port, _ = start_proxy(stack, tmp, worker, worker_port, speed_up,
                                              baseline_src)
