@@ -240,8 +240,8 @@ class Run:
         return self.d.config.kv_transfer  # type: ignore[return-value]  # checked by ProxyConfig
 
     async def chunks(self) -> AsyncGenerator[list[int]]:
-        """Output token ids in order, a list per frame. Always close it (aclosing): that releases the booking and
-        aborts the request on its workers if it did not finish.
+        """Output token ids in order, a list per frame. Always close it (aclosing): that
+        releases the booking and aborts the request on its workers if it did not finish.
 
         A worker that fails under a request (it dies, stalls out of rotation, or its stream
         breaks) does not end it: a prefill worker that fails before its first token leaves the

@@ -3,7 +3,9 @@ or more running choices (a list of prompts, `n`).
 
 Every choice reads its own delta stream, one delta per chunk of tokens (a frame of the decode
 leg: one SSE chunk for the tokens of one engine step), which applies stop strings, records TBT
-and output tokens, and closes its chunk stream (releasing the request on the workers) however it ends.
+and output tokens, and closes its chunk stream (releasing the request on the workers) however
+it ends. With --worker-sse a streamed choice relays the chunks its decode worker made instead
+(`_relayed`).
 A choice that fails fails the response (a 502 body, or an SSE error event) and ends the
 others."""
 
