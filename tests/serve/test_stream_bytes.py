@@ -44,6 +44,9 @@ def cases(model: str) -> dict[str, tuple[str, dict[str, Any]]]:
         out[f"logprobs-{tag}"] = ("completions", seeded | {"logprobs": 1, "max_tokens": 20} | s)
         out[f"prompts-{tag}"] = ("completions", seeded | {"prompt": [PROMPT, "a block"]} | s)
         out[f"stop-{tag}"] = ("completions", seeded | {"max_tokens": 30, "stop": ["e", "q"]} | s)
+        out[f"stop-held-{tag}"] = ("completions", seeded | {"max_tokens": 30, "stop": ["ldone"]} | s)
+        out[f"stop-released-{tag}"] = ("completions", seeded | {"max_tokens": 30,
+                                                                 "stop": ["worldX", "invalZ"]} | s)
         out[f"chat-{tag}"] = ("chat/completions", chat | s)
         out[f"chat-logprobs-{tag}"] = ("chat/completions", chat | {
             "logprobs": True, "top_logprobs": 2} | s)
