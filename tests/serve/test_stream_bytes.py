@@ -121,3 +121,27 @@ def test_text_chunks_made_by_the_decoding_workers_are_the_same_bytes(
     want = json.loads(GOLDEN.read_text())
     for name in want:
         assert got[name] == want[name], name
+
+
+def _stream_texts(url: str, body: dict[str, Any]) -> list[str]:
+    resp = httpx.post(f"{url}/v1/completions", json=body | {"stream": True}, timeout=120)
+    events = [e[6:] for e in resp.text.split("\n\n") if e.startswith("data: {")]
+    return [json.loads(e)["choices"][0]["text"] for e in events]
+
+
+def test_a_stream_interval_gives_the_same_text_in_fewer_chunks(cluster: ServingCluster) -> None:
+    """--stream-interval 4 (frames of 4 tokens after the first), with the proxy's text and
+    with the workers': the text of an interval-1 stream, in fewer chunks."""
+    body = {"model": cluster.model_name, "prompt": PROMPT, "max_tokens": 24, "seed": 7,
+            "temperature": 0.9, "ignore_eos": True, "cache_salt": uuid.uuid4().hex,
+            "stop": ["ldone"]}
+    one = _stream_texts(cluster.proxy_url, body)
+    workers = ("--prefill", cluster.worker_urls["prefill"][0],
+               "--decode", cluster.worker_urls["decode"][0])
+    for flags in ((), ("--worker-sse",)):
+        proc, url = start_proxy(cluster.model_dir, "--stream-interval", "4", *workers, *flags)
+        try:
+            four = _stream_texts(url, body)
+        finally:
+            stop(proc)
+        assert "".join(four) == "".join(one) and len(four) < len(one), flags
