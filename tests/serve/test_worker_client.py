@@ -150,22 +150,3 @@ def test_a_stream_that_breaks_after_its_finish_line_still_finishes() -> None:
         finally:
             await client.aclose()
     asyncio.run(go())
-
-
-def test_a_frames_sse_events_come_before_it_and_are_handed_over_as_they_were() -> None:
-    events = b'data: {"t":"a"}\n\ndata: {"t":"b"}\n\n'
-    lines = [events, LINES[0], b'data: {"end":1}\n\n', LINES[2]]
-
-    async def go() -> None:
-        client = WorkerClient(5.0)
-        try:
-            async with ndjson_server(lines) as (url, _):
-                got = await _all(client, url, 0)
-                assert isinstance(got[0], TokensLine) and got[0].sse == events.decode()
-                assert isinstance(got[1], FinishLine) and got[1].sse == 'data: {"end":1}\n\n'
-            async with ndjson_server([*LINES, b'data: {"late":1}\n\n']) as (url, _):
-                with pytest.raises(WorkerCallError, match="a line after the finish line"):
-                    await _all(client, url, 1)
-        finally:
-            await client.aclose()
-    asyncio.run(go())

@@ -183,20 +183,13 @@ class WorkerClient:
         lines = self._lean_lines if url.startswith("http://") else self._httpx_lines
         finish: FinishLine | None = None
         extra: bytes | str | None = None
-        events: list[bytes] = []
         async with contextlib.aclosing(lines(url, body)) as raw_lines:
             try:
                 async for line in raw_lines:
                     if finish is not None:
                         extra = line
                         break
-                    if line[:6] in SSE_LINE:  # a frame's events come before its line
-                        events.append(line.encode() if isinstance(line, str) else line)
-                        continue
                     msg = generate_line(url, line)
-                    if events:
-                        msg = msg.model_copy(update={"sse": _events(events)})
-                        events = []
                     if isinstance(msg, FinishLine):
                         finish = msg  # yielded once the stream has ended
                     else:
@@ -253,11 +246,3 @@ class WorkerClient:
 
 
 JSON = {"Content-Type": "application/json"}
-SSE_LINE = (b"data: ", "data: ")
-"""How a /generate line that is an SSE event begins (GenerateRequest.sse; bytes from the lean
-reader, str through httpx)."""
-
-
-def _events(lines: list[bytes]) -> str:
-    """SSE `data:` lines (their blank lines dropped by the line reader) as events again."""
-    return (b"\n\n".join(lines) + b"\n\n").decode()

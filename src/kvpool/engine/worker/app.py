@@ -211,8 +211,4 @@ async def ndjson(outputs: AsyncGenerator[list[StepOutput]], interval: int = 1,
 
 
 def _line(msg: BaseModel) -> bytes:
-    """`msg`'s line; a frame's SSE events (`sse`) go before it as they are, `data:` lines
-    that the proxy relays without a JSON parse (docs/worker-api.md)."""
-    events: str | None = getattr(msg, "sse", None)
-    line = msg.model_dump_json(exclude_none=True, exclude={"sse"}).encode() + b"\n"
-    return events.encode() + line if events else line
+    return msg.model_dump_json(exclude_none=True).encode() + b"\n"

@@ -136,9 +136,7 @@ class TokensLine(_Reply):
     prompt_logprobs: list[TokenLogprob | None] | None = None
     """With the frame that holds the first token of a colocated request that asks for them."""
     sse: str | None = None
-    """With GenerateRequest.sse: the SSE events of this frame's text ("" while it is held).
-    Not a field on the wire: the events go before the frame's line as they are (`data:`
-    lines), so that the proxy relays them without a JSON parse; its reader puts them here."""
+    """With GenerateRequest.sse: the SSE events of this frame's text ("" while it is held)."""
 
     @model_validator(mode="after")
     def _aligned(self) -> TokensLine:
@@ -169,8 +167,7 @@ class FinishLine(_Reply):
     num_pool_tokens: int = 0
     """Prompt tokens this worker did not compute (its cache, the pool)."""
     sse: str | None = None
-    """With GenerateRequest.sse: the held text's event, if any, and the finish chunk (on the
-    wire before the finish line, as a frame's)."""
+    """With GenerateRequest.sse: the held text's event, if any, and the finish chunk."""
 
 
 class ErrorLine(_Reply):
