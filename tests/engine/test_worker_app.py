@@ -59,9 +59,24 @@ def test_colocated_stream(client: TestClient) -> None:
     with client.stream("POST", "/generate", json=body, headers=AUTH) as reply:
         assert reply.headers["content-type"] == "application/x-ndjson"
         lines = [line for line in reply.iter_lines() if line]
-    assert len(lines) == 4 and all(json.loads(t)["type"] == "token" for t in lines[:3])
+    frames = [json.loads(t) for t in lines[:-1]]
+    assert [(f["type"], len(f["token_ids"]), len(f["t"])) for f in frames] == [("tokens", 1, 1)] * 3
     assert lines[-1] == ('{"type":"finish","finish_reason":"length","num_output_tokens":3,'
                          '"num_cached_tokens":0,"num_pool_tokens":0}')
+
+
+def test_a_stream_interval_sends_the_first_token_alone_then_every_n(client: TestClient) -> None:
+    body = {"request_id": "i", "prompt_token_ids": [5, 6, 7], "stream_interval": 2,
+            "sampling": {"max_tokens": 5, "ignore_eos": True, "logprobs": 0, "temperature": 0}}
+    with client.stream("POST", "/generate", json=body, headers=AUTH) as reply:
+        lines = [json.loads(line) for line in reply.iter_lines() if line]
+    assert [len(f["token_ids"]) for f in lines[:-1]] == [1, 2, 2]
+    assert [len(f["logprobs"]) for f in lines[:-1]] == [1, 2, 2]
+    assert lines[-1]["type"] == "finish" and lines[-1]["num_output_tokens"] == 5
+    one = client.post("/generate", json=body | {"request_id": "j", "stream_interval": 1},
+                      headers=AUTH)
+    ids = [t for line in one.text.splitlines()[:-1] for t in json.loads(line)["token_ids"]]
+    assert ids == [t for f in lines[:-1] for t in f["token_ids"]]  # the same tokens, framed
 
 
 def test_misspelt_and_out_of_range_fields_are_400(client: TestClient) -> None:
@@ -92,3 +107,37 @@ def test_a_stopped_engine_answers_503(tiny_llama: Path) -> None:
         worker.loop.stop()
         reply = c.get("/load")
         assert reply.status_code == 503 and "shutting down" in reply.json()["error"]["message"]
+
+
+def _sse_run(client: TestClient, rid: str, stop: list[str]) -> tuple[list[dict], list[int]]:
+    """/generate with `sse`: the events the frames and the finish carry (parsed), and the
+    frames' token ids."""
+    body = {"request_id": rid, "prompt_token_ids": [5, 6, 7],
+            "sampling": {"max_tokens": 24, "ignore_eos": True, "temperature": 0},
+            "sse": {"kind": "completion", "id": "cmpl-x", "model": "m", "stop": stop}}
+    reply = client.post("/generate", json=body, headers=AUTH)
+    lines = [json.loads(line) for line in reply.text.splitlines() if line]
+    raw = "".join(line.get("sse") or "" for line in lines)
+    events = [json.loads(e[6:]) for e in raw.split("\n\n") if e]
+    return [*events, lines[-1]], [t for line in lines for t in line.get("token_ids", [])]
+
+
+def test_frames_carry_the_responses_text_chunks_and_a_stop_string_ends_them(
+        client: TestClient, tiny_llama: Path) -> None:
+    from kvpool.serve.tokenizer import ModelTokenizer
+
+    events, ids = _sse_run(client, "sse-a", [])
+    *chunks, last, finish = events
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    assert text == ModelTokenizer(tiny_llama).decode(ids) and len(ids) == 24
+    assert all(c["id"] == "cmpl-x" and c["model"] == "m" for c in [*chunks, last])
+    assert last["choices"][0] == {"index": 0, "text": "", "logprobs": None,
+                                  "finish_reason": "length"}
+    assert finish["type"] == "finish" and finish["num_output_tokens"] == 24
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    events, stopped_ids = _sse_run(client, "sse-b", [stop])
+    *chunks, last, finish = events
+    assert "".join(c["choices"][0]["text"] for c in chunks) == text[:text.index(stop)]
+    assert last["choices"][0]["finish_reason"] == "stop" and finish["finish_reason"] == "stop"
+    assert stopped_ids == ids[:len(stopped_ids)] and len(stopped_ids) < 24
+    assert finish["num_output_tokens"] == len(stopped_ids)

@@ -125,11 +125,11 @@ def test_replies_are_checked_whole() -> None:
     assert _sse_tokens(sse, 16) == 16
     with pytest.raises(ValueError, match="not whole"):
         _sse_tokens(sse[:-8], 16)
-    ndjson = b'{"type":"token","token_id":1}\n{"type":"token","token_id":2}\n' \
+    ndjson = b'{"type":"tokens","token_ids":[1,2],"t":[0,0]}\n{"type":"token","token_id":3}\n' \
              b'{"type":"finish","finish_reason":"length"}\n'
-    assert _ndjson_tokens(ndjson, 2) == 2
-    with pytest.raises(ValueError, match="1 token lines"):
-        _ndjson_tokens(ndjson.split(b"\n", 1)[1], 2)
+    assert _ndjson_tokens(ndjson, 3) == 3
+    with pytest.raises(ValueError, match=r"\(1 tokens\)"):
+        _ndjson_tokens(ndjson.split(b"\n", 1)[1], 3)
 
 
 def test_ratios_are_kvpool_over_nginx_on_the_same_load() -> None:
@@ -150,20 +150,21 @@ def test_ratios_are_kvpool_over_nginx_on_the_same_load() -> None:
 def test_the_proxy_bench_runs_with_its_nginx_anchor() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "kvpool", "bench", "proxy", "--json", "--rounds", "2",
-         "--streams", "8", "--requests", "24", "--concurrency", "4"],
+         "--streams", "8", "--requests", "24", "--concurrency", "4", "--stream-interval", "4",
+         "--worker-sse"],
         capture_output=True, text=True, timeout=600, env=python_env())
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    relays = ["kvpool", "nginx"] if find_nginx() else ["kvpool"]
+    relays = ["kvpool", "kvpool-wsse", "nginx"] if find_nginx() else ["kvpool", "kvpool-wsse"]
     assert sorted((r["relay"], r["load"]) for r in rows) == sorted(
         (relay, load) for relay in relays for load in ("req16", "stream256"))
     for r in rows:
         per = 256 if r["load"] == "stream256" else 16
         assert r["requests"] == 2 * (8 if per == 256 else 24) and r["tokens"] == r["requests"] * per
         assert r["req_per_s"] > 0 and r["tokens_per_s"] > 0 and r["worker_us_per_token"] > 0
-        assert r["relay_cpu_s"] >= 0
-    kvpool = [r for r in rows if r["relay"] == "kvpool"]
+        assert r["relay_cpu_s"] >= 0 and r["stream_interval"] == 4
+    kvpool = [r for r in rows if r["relay"].startswith("kvpool")]
     assert all(r["relay_us_per_token"] > 0 and r["relay_ms_per_request"] > 0 for r in kvpool)
-    if len(relays) == 2:
+    if len(relays) == 3:
         req16 = next(r for r in kvpool if r["load"] == "req16")
         assert req16["ratio_req_per_s"] > 0 and req16["ratio_relay_ms_per_request"] > 1

@@ -133,17 +133,19 @@ def _running_on(urls: list[str]) -> str:
     raise AssertionError("no single decode worker runs the request")
 
 
+@pytest.mark.parametrize("flags", [(), ("--worker-sse",)], ids=["proxy-text", "worker-sse"])
 def test_a_decode_worker_killed_mid_stream_hands_the_request_over(
-        cluster: ServingCluster) -> None:
+        cluster: ServingCluster, flags: tuple[str, ...]) -> None:
     """Two decode workers; the one streaming a greedy completion is SIGKILLed after some
     tokens: the stream goes on from another worker (the prompt's KV from the pool, the tokens
-    sent recomputed) and its text equals an undisturbed run's, no token twice or missing."""
+    sent recomputed) and its text equals an undisturbed run's, no token twice or missing.
+    With --worker-sse the next worker's text chunks go on from the text the client has."""
     # (one after the other: a child started from a short-lived thread gets its parent-death
     # signal when that thread exits)
     workers = [start_worker(cluster.model_dir, "decode", cluster) for _ in range(2)]
     urls = [u for _, u in workers]
     proxy, url = start_proxy(cluster.model_dir, "--prefill", cluster.worker_urls["prefill"][0],
-                             *(f for u in urls for f in ("--decode", u)))
+                             *(f for u in urls for f in ("--decode", u)), *flags)
     # long enough that the stream is still decoding when a busy client has read a few chunks
     # (the proxy may be hundreds of tokens ahead of the reader)
     body = {"model": cluster.model_name, "prompt": "the cache " * 30, "max_tokens": 800,

@@ -700,7 +700,7 @@ def test_a_signed_call_dies_with_the_worker_that_took_it(tiny_model: Path) -> No
         header = auth.sign(TOKEN, "POST", url, "/generate", body, time.time(), incarnation=inc)
         first = httpx.post(url + "/generate", content=body, timeout=60,
                            headers={"Authorization": header, "Content-Type": "application/json"})
-        assert first.status_code == 200 and first.text.count('"token"') == 3
+        assert first.status_code == 200 and first.text.count('"tokens"') == 3
     finally:
         stop(proc)
     proc = spawn(*args)
@@ -708,7 +708,7 @@ def test_a_signed_call_dies_with_the_worker_that_took_it(tiny_model: Path) -> No
         _wait_healthy(proc, url)
         again = httpx.post(url + "/generate", content=body, timeout=60,
                            headers={"Authorization": header, "Content-Type": "application/json"})
-        assert again.status_code == 401 and '"token"' not in again.text
+        assert again.status_code == 401 and '"tokens"' not in again.text
     finally:
         stop(proc)
 

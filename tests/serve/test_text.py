@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 
 from kvpool.serve.text import TextStream
@@ -72,3 +73,22 @@ def test_incremental_text_equals_decoding_the_whole_output(tiny_model: object) -
         s = TextStream(tok.decode)
         text = "".join(s.push(i).text for i in ids) + s.flush()
         assert text == tok.decode(ids) == s.text
+
+
+def test_a_chunk_gives_the_text_its_tokens_give_one_by_one() -> None:
+    """push_many == push of each token in turn, joined: the same text, the same stop, the same
+    count, for random chunkings (a two-token character, a stop string across chunks)."""
+    rng = random.Random(3)
+    for _ in range(400):
+        ids = [rng.randrange(len(PIECES)) for _ in range(rng.randint(1, 14))]
+        stop = rng.choice([(), ("o w",), ("ld!", "é"), ("EN",)])
+        one, many = TextStream(decode, stop), TextStream(decode, stop)
+        singles = feed(one, ids)
+        deltas, at = [], 0
+        while at < len(ids) and not many.stopped:
+            n = rng.randint(1, 4)
+            deltas.append(many.push_many(ids[at:at + n]).text)
+            at += n
+        assert "".join(deltas) == "".join(singles[:one.num_tokens])
+        assert (many.stopped, many.num_tokens) == (one.stopped, one.num_tokens)
+        assert many.flush() == one.flush() and many.text == one.text

@@ -11,12 +11,13 @@ from contextlib import asynccontextmanager
 import pytest
 
 from kvpool.engine.config import SamplingParams
-from kvpool.engine.worker.messages import FinishLine, GenerateRequest, TokenLine
+from kvpool.engine.worker.messages import FinishLine, GenerateRequest, TokensLine
 from kvpool.errors import WorkerCallError
 from kvpool.serve.worker_client import WorkerClient
 
-LINES = [b'{"type":"token","token_id":5,"t":1.5}\n', b'{"type":"token","token_id":7}\n',
-         b'{"type":"finish","finish_reason":"length","num_output_tokens":2}\n']
+LINES = [b'{"type":"tokens","token_ids":[5,6],"t":[1.5,1.5]}\n',
+         b'{"type":"token","token_id":7}\n',  # a one-token line reads as a frame of one
+         b'{"type":"finish","finish_reason":"length","num_output_tokens":3}\n']
 
 
 @asynccontextmanager
@@ -65,7 +66,7 @@ def _request(i: int) -> GenerateRequest:
                            sampling=SamplingParams(max_tokens=2))
 
 
-async def _all(client: WorkerClient, url: str, i: int) -> list[TokenLine | FinishLine]:
+async def _all(client: WorkerClient, url: str, i: int) -> list[TokensLine | FinishLine]:
     return [line async for line in client.generate(url, _request(i))]
 
 
@@ -76,10 +77,12 @@ def test_streams_are_read_to_the_end_and_reuse_one_connection() -> None:
             async with ndjson_server(LINES) as (url, accepted):
                 for i in range(3):
                     got = await _all(client, url, i)
-                    assert [type(g).__name__ for g in got] == ["TokenLine", "TokenLine",
+                    assert [type(g).__name__ for g in got] == ["TokensLine", "TokensLine",
                                                                "FinishLine"]
-                    assert isinstance(got[0], TokenLine) and got[0].token_id == 5
-                    assert isinstance(got[2], FinishLine) and got[2].num_output_tokens == 2
+                    assert isinstance(got[0], TokensLine) and got[0].token_ids == [5, 6]
+                    assert got[0].t == [1.5, 1.5]
+                    assert isinstance(got[1], TokensLine) and got[1].token_ids == [7]
+                    assert isinstance(got[2], FinishLine) and got[2].num_output_tokens == 3
                 assert len(accepted) == 1
         finally:
             await client.aclose()

@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import os
+import re
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -53,6 +54,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--concurrency", type=int, default=8, help="kept-alive connections")
     p.add_argument("--speed-up", type=float, default=1000.0,
                    help="the emulated worker's speed-up over its profile")
+    p.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                   help="the worker's frames: one every N output tokens after the first (for "
+                   "both relays: nginx relays the same frames)")
+    p.add_argument("--worker-sse", action="store_true",
+                   help="also a proxy that relays the SSE text chunks the worker makes "
+                   "(kvpool proxy --worker-sse), in the same rounds: relay kvpool-wsse")
     p.add_argument("--no-nginx", action="store_true", help="kvpool's proxy alone")
     p.add_argument("--baseline-src", type=Path, default=None, metavar="DIR",
                    help="also a proxy run from another kvpool's sources (DIR holds its kvpool "
@@ -97,7 +104,8 @@ def _main(args: argparse.Namespace) -> int:
         print(f"nginx is not installed ({INSTALL_HINT}): kvpool's figures alone", flush=True)
     try:
         with tempfile.TemporaryDirectory(prefix="kvpool-bench-proxy-") as tmp, \
-                relays(Path(tmp), args.speed_up, exe, args.baseline_src) as (relays_up, worker_pid):
+                relays(Path(tmp), args.speed_up, exe, args.baseline_src,
+                       args.stream_interval, args.worker_sse) as (relays_up, worker_pid):
             rows = measure(relays_up, worker_pid, args)
     except (ValueError, KvpoolError, OSError) as exc:
         print(f"kvpool bench proxy: {exc}", flush=True)
@@ -135,7 +143,8 @@ def rows(tallies: dict[tuple[str, str], Tally], args: argparse.Namespace) -> lis
     out = []
     for (name, load), t in tallies.items():
         row = {"bench": "proxy", "relay": name, "load": load, "concurrency": args.concurrency,
-               "speed_up": args.speed_up, "requests": t.requests, "tokens": t.tokens,
+               "speed_up": args.speed_up, "stream_interval": args.stream_interval,
+               "requests": t.requests, "tokens": t.tokens,
                "wall_s": round(t.wall_s, 3),
                "req_per_s": round(t.requests / t.wall_s, 1) if t.wall_s else 0.0,
                "tokens_per_s": round(t.tokens / t.wall_s, 1) if t.wall_s else 0.0,
@@ -172,17 +181,25 @@ def fmt(row: dict[str, Any]) -> str:
 
 @contextmanager
 def relays(tmp: Path, speed_up: float, nginx_exe: str | None,
-           baseline_src: Path | None = None) -> Iterator[tuple[list[Relay], int]]:
+           baseline_src: Path | None = None,
+           stream_interval: int = 1,
+           worker_sse: bool = False) -> Iterator[tuple[list[Relay], int]]:
     """The emulated worker, the proxy in front of it, nginx (with `nginx_exe`) and a proxy
     from `baseline_src` (if given): the relays and the worker's pid; all stopped on exit."""
     from kvpool.bench.proxy_cluster import start_proxy, start_worker
 
     with ExitStack() as stack:
-        worker, worker_port = start_worker(stack, tmp, speed_up)
+        worker, worker_port = start_worker(stack, tmp, speed_up,
+                                           "--stream-interval", str(stream_interval))
         proxy, proxy_port, model = start_proxy(stack, tmp, worker, worker_port, speed_up)
         prompt_ids = httpx.post(f"http://{HOST}:{proxy_port}/tokenize",
                                 json={"prompt": PROMPT}, timeout=30).json()["tokens"]
         out = [Relay("kvpool", proxy_port, [proxy.pid], _completion(model), _sse_tokens)]
+        if worker_sse:
+            wsse, wsse_port, _ = start_proxy(stack, tmp, worker, worker_port, speed_up,
+                                             flags=("--worker-sse",))
+            out.append(Relay("kvpool-wsse", wsse_port, [wsse.pid], _completion(model),
+                             _sse_tokens))
         if baseline_src is not None:
             base, base_port, _ = start_proxy(stack, tmp, worker, worker_port, speed_up,
                                              baseline_src)
@@ -221,10 +238,16 @@ def _sse_tokens(body: bytes, max_tokens: int) -> int:
 
 
 def _ndjson_tokens(body: bytes, max_tokens: int) -> int:
-    lines = body.splitlines()
-    tokens = sum(1 for line in lines if b'"type":"token"' in line)
-    last = json.loads(lines[-1]) if lines else {}
+    """The tokens of the frames (and of one-token lines), which must be max_tokens, followed
+    by the finish line. Counted with a regular expression, not a JSON parse per line: the
+    client shares the machine with the relays it measures."""
+    frames = _FRAME_IDS.findall(body)
+    tokens = sum(ids.count(b",") + 1 for ids in frames) + body.count(b'"type":"token"')
+    last = json.loads(body.rstrip().rsplit(b"\n", 1)[-1] or b"{}")
     if last.get("type") != "finish" or tokens != max_tokens:
-        raise ValueError(f"the worker's stream is not whole ({tokens} token lines): "
+        raise ValueError(f"the worker's stream is not whole ({tokens} tokens): "
                          f"...{body[-300:]!r}")
     return tokens
+
+
+_FRAME_IDS = re.compile(rb'"token_ids":\[([0-9,]+)\]')

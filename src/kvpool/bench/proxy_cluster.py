@@ -44,24 +44,26 @@ def _child(stack: ExitStack, *args: str, src: Path | None = None) -> subprocess.
     return proc
 
 
-def start_worker(stack: ExitStack, tmp: Path,
-                 speed_up: float) -> tuple[subprocess.Popen[bytes], int]:
-    """The emulated colocated worker, ready; (process, port)."""
+def start_worker(stack: ExitStack, tmp: Path, speed_up: float,
+                 *extra: str) -> tuple[subprocess.Popen[bytes], int]:
+    """The emulated colocated worker (`extra`: more `kvpool worker` flags), ready; (process,
+    port)."""
     model = _model(tmp)
     port = free_port(HOST)
     proc = _child(stack, "worker", "--role", "both", "--engine", "emulated", "--profile",
                   DEFAULT_PROFILE, "--speed-up", str(speed_up), "--model", str(model),
                   "--host", HOST, "--port", str(port),
                   "--max-model-len", str(EMULATED_MAX_MODEL_LEN),
-                  "--max-prefill-chunk", str(EMULATED_MAX_MODEL_LEN))
+                  "--max-prefill-chunk", str(EMULATED_MAX_MODEL_LEN), *extra)
     wait_http(f"http://{HOST}:{port}/health", [proc], "the emulated worker", 120)
     return proc, port
 
 
 def start_proxy(stack: ExitStack, tmp: Path, worker: subprocess.Popen[bytes], worker_port: int,
-                speed_up: float, src: Path | None = None) -> tuple[subprocess.Popen[bytes], int, str]:
+                speed_up: float, src: Path | None = None,
+                flags: tuple[str, ...] = ()) -> tuple[subprocess.Popen[bytes], int, str]:
     """kvpool's proxy in front of the worker (from the sources in `src`: another version of
-    kvpool to compare with), once it has the worker in rotation; (process, port, served model
+    kvpool to compare with; `flags`: more `kvpool proxy` flags), once it has the worker in rotation; (process, port, served model
     name)."""
     model = _model(tmp)
     cost = tmp / "cost.json"
@@ -71,7 +73,7 @@ def start_proxy(stack: ExitStack, tmp: Path, worker: subprocess.Popen[bytes], wo
     proc = _child(stack, "proxy", "--model", str(model), "--host", HOST, "--port", str(port),
                   "--prefill", f"http://{HOST}:{worker_port}", "--no-access-log",
                   "--cost", str(cost), "--admission", "none",
-                  "--decode-horizon", str(10.0 / speed_up), src=src)
+                  "--decode-horizon", str(10.0 / speed_up), *flags, src=src)
     wait_http(f"http://{HOST}:{port}/health", [proc, worker], "the proxy", 120)
     return proc, port, served_name(model)
 

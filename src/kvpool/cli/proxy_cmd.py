@@ -42,6 +42,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--direct-below-tokens", type=int, default=_D.direct_below_tokens,
                    metavar="N", help="conditional disaggregation: a request whose uncached "
                    "part is at most N tokens goes straight to its decode worker (0: never)")
+    p.add_argument("--stream-interval", type=int, default=_D.stream_interval, metavar="N",
+                   help="kvpool workers: after a stream's first frame, one frame (one SSE "
+                   "chunk) every N output tokens (default: each worker's own)")
+    p.add_argument("--worker-sse", action="store_true",
+                   help="kvpool workers: streamed single choices without logprobs or echo get "
+                   "their SSE text chunks from the decoding worker, relayed as they come")
     p.add_argument("--kv-transfer", default=_D.kv_transfer, choices=KV_TRANSFER_MODES,
                    help="prefill -> decode KV handoff: through the pool, or pushed (kvpool "
                         "workers); vllm: pool (a store connector, or NIXL's params relayed) "
@@ -127,7 +133,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         model_dir=str(resolve_model(args.model)), model_name=args.model_name, host=args.host, port=args.port,
         prefill_urls=tuple(args.prefill), decode_urls=tuple(args.decode),
         colocated_urls=tuple(args.colocated), backend=args.backend,
-        direct_below_tokens=args.direct_below_tokens,
+        direct_below_tokens=args.direct_below_tokens, stream_interval=args.stream_interval,
+        worker_sse=args.worker_sse,
         engine_model=args.engine_model, engine_block_size=args.engine_block_size,
         kv_events=args.kv_events, pool_topic=args.pool_topic, hash_algo=args.hash_algo, hash_seed=args.hash_seed,
         kv_events_replay=tuple(_pair(v, "--kv-events-replay") for v in args.kv_events_replay),

@@ -67,6 +67,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu", help="torch device (cpu; cuda where torch has it)")
     p.add_argument("--dram", default="0", help="DRAM to contribute to the pool, e.g. 1GiB")
     p.add_argument("--remote-timeout", type=float, default=10.0, help="seconds")
+    p.add_argument("--stream-interval", type=int, default=1, metavar="N",
+                   help="/generate: after the first frame, one frame every N output tokens "
+                        "(fewer lines to relay; a request's own stream_interval wins)")
     p.add_argument("--api", choices=("kvpool", "vllm"), default="kvpool",
                    help="the HTTP API served: kvpool's worker API, or vLLM's OpenAI server "
                         "endpoints over the same engine (for `kvpool proxy --backend vllm`)")
@@ -128,7 +131,8 @@ def run(args: argparse.Namespace) -> int:
                                 max_prefill_seqs=args.max_prefill_seqs),
             dram_bytes=parse_size(args.dram), remote_timeout_s=args.remote_timeout,
             engine_kind=args.engine, profile=args.profile, kv_scale=args.kv_scale,
-            speed_up=args.speed_up, step_rules=args.step_rules)
+            speed_up=args.speed_up, step_rules=args.step_rules,
+            stream_interval=args.stream_interval)
         worker = Worker(config)
     except KvpoolError as exc:
         log.error("%s", exc)

@@ -29,6 +29,7 @@ from kvpool.clock import Clock, MonotonicClock
 from kvpool.conductor import load_cost_model
 from kvpool.conductor.cost import CostModel
 from kvpool.engine.gguf_checkpoint import served_name
+from kvpool.engine.worker.messages import SseSpec
 from kvpool.errors import WorkerCallError
 from kvpool.log import get_logger
 from kvpool.metadata.http_serving import BodyTooLarge, bearer_matches, read_body
@@ -171,6 +172,15 @@ class Proxy:
         acc.route = route_note(choices[0].run) if choices else ""
         acc.done(time.perf_counter())
 
+    def _worker_sse(self, prep: PreparedRequest, index: int) -> SseSpec | None:
+        """--worker-sse: the decoding worker makes the text chunks of a streamed choice
+        without logprobs, echo or trace (kvpool workers); None: the proxy makes them."""
+        if not (self.config.worker_sse and self.client.name == "kvpool" and prep.stream) or \
+                prep.logprobs is not None or prep.echo or prep.trace or prep.score_only:
+            return None
+        return SseSpec(kind=prep.kind, id=prep.request_id, model=self.model_name, index=index,
+                       stop=prep.stop)
+
     async def _start(self, prep: PreparedRequest, received_t: float) -> list[Choice]:
         """Schedule every choice, then wait for each one's first token (a failure of any ends
         them all and is raised)."""
@@ -187,19 +197,20 @@ class Proxy:
                 rid = prep.request_id if len(prep.jobs) == 1 else f"{prep.request_id}-{job.index}"
                 run = self.dispatcher.run(booking, rid, job.prompt_ids, job.sampling)
                 run.received_t, run.decision_s = received_t, time.perf_counter() - decide_t
+                run.sse = self._worker_sse(prep, job.index)
                 self.metrics.decision.observe(run.decision_s)
                 runs.append(run)
         except BaseException:
             for r in runs:
                 r.discard()
             raise
-        streams = [r.tokens() for r in runs]
+        streams = [r.chunks() for r in runs]
         firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
         failure = next((f for f in firsts if isinstance(f, BaseException)), None)
         if failure is not None:
             await close_all(*streams)
             raise failure
-        return [Choice(job, run, int(first), s,  # type: ignore[arg-type]  # no failure here
+        return [Choice(job, run, first, s,  # type: ignore[arg-type]  # no failure here
                        TextStream(self.tokenizer.decode, prep.stop))
                 for job, run, first, s in zip(prep.jobs, runs, firsts, streams, strict=True)]
 

@@ -32,7 +32,7 @@ from kvpool.engine.worker.messages import (
     LoadReply,
     PrefillReply,
     PrefillRequest,
-    TokenLine,
+    TokensLine,
 )
 
 
@@ -102,9 +102,10 @@ class EngineBackend(Protocol):
     async def prefill(self, url: str, req: PrefillRequest) -> PrefillReply:
         """The prefill leg; its reply's `kv_transfer_params` (if any) go to the decode leg."""
 
-    def generate(self, url: str, req: GenerateRequest) -> AsyncGenerator[TokenLine | FinishLine]:
-        """The decode (or colocated) leg's lines: tokens, then one finish line. A malformed
-        line, an error line or a broken stream raises."""
+    def generate(self, url: str, req: GenerateRequest) -> AsyncGenerator[TokensLine | FinishLine]:
+        """The decode (or colocated) leg's frames (each the tokens one engine step made, or
+        several steps' with a stream interval), then one finish line. A malformed line, an
+        error line or a broken stream raises."""
 
     async def abort(self, url: str, request_id: str) -> None:
         """Stop `request_id` on the instance; best-effort, never raises."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvpool.engine.worker.messages import MAX_STREAM_INTERVAL
 from kvpool.errors import ConfigError
 from kvpool.metadata.http_serving import HttpLimits
 
@@ -37,6 +38,13 @@ class ProxyConfig:
     """Conditional disaggregation: a request whose uncached part (its prompt minus the prefix
     the conductor found held) is at most this many tokens skips the prefill instance, and its
     decode instance computes it; 0 = every request is disaggregated."""
+    stream_interval: int | None = None
+    """kvpool workers: output tokens per frame of a decode leg after the first (fewer frames to
+    relay, fewer chunks to the client); None = each worker's own --stream-interval."""
+    worker_sse: bool = False
+    """kvpool workers: a streamed single choice without logprobs or echo gets its text chunks
+    from the decoding worker (detokenized, stop strings applied there), relayed as they come
+    (GenerateRequest.sse); the proxy makes only the first chunk and the usage chunk."""
     kv_events: str | None = None
     """vllm: the ZMQ endpoint the proxy binds for the instances' KV events (tcp://HOST:PORT);
     None = no events (the conductor sees no instance's cached prefix)."""
@@ -112,6 +120,10 @@ class ProxyConfig:
                               f"backend hands the KV over with its own connector")
         if self.direct_below_tokens < 0:
             raise ConfigError(f"direct_below_tokens must be >= 0, got {self.direct_below_tokens}")
+        if self.stream_interval is not None and not \
+                1 <= self.stream_interval <= MAX_STREAM_INTERVAL:
+            raise ConfigError(f"stream_interval must be in 1..{MAX_STREAM_INTERVAL}, "
+                              f"got {self.stream_interval}")
         if self.engine_block_size < 0:
             raise ConfigError(f"engine_block_size must be >= 0, got {self.engine_block_size}")
         if self.kv_transfer not in KV_TRANSFER_MODES:

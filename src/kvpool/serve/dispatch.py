@@ -2,12 +2,15 @@
 drive the prefill leg and the decode leg, release the booking however the request ends.
 
     schedule(prompt ids)  -> Booking            (ApiError 429 on Rejected, 503 without workers)
-    Run(booking).tokens() -> token ids ...      (WorkerCallError when a leg fails)
+    Run(booking).chunks() -> [token id, ...] ... (WorkerCallError when a leg fails)
     Run.finish_reason, Run.cached_len           (set once the stream ends)
 
 A leg on a worker that leaves the rotation (failed polls) ends at once with WorkerCallError, so
 a hung worker cannot hang a client. Ending a run early (stop string, client gone) aborts it on
 the workers.
+
+A chunk is what one frame of the decode leg carries: the tokens one engine step made (several
+steps' with a stream interval over 1); the prefill leg's token is a chunk of its own.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from kvpool.engine.worker.messages import (
     KVSourceName,
     KVTransfer,
     PrefillRequest,
+    SseSpec,
 )
 from kvpool.errors import WorkerCallError
 from kvpool.log import get_logger
@@ -220,6 +224,11 @@ class Run:
         """The worker of the current decode leg."""
         self._handoff: dict[str, Any] | None = None
         """The prefill leg's own handoff for the decode leg (an engine's kv_transfer_params)."""
+        self.sse: SseSpec | None = None
+        """Set (by the app, --worker-sse) when the decode legs make the response's text chunks;
+        each frame's then is `frame_sse` when it is yielded, and the finish's `finish_sse`."""
+        self.frame_sse: str | None = None
+        self.finish_sse: str | None = None
 
     @property
     def decode_url(self) -> str:
@@ -232,9 +241,9 @@ class Run:
         store connector's by the prefill reply's kv_transfer_params (serve/vllm/backend.py)."""
         return "push" if self.d.config.kv_transfer == "push" else "pool"
 
-    async def tokens(self) -> AsyncGenerator[int]:
-        """Output token ids in order. Always close it (aclosing): that releases the booking and
-        aborts the request on its workers if it did not finish.
+    async def chunks(self) -> AsyncGenerator[list[int]]:
+        """Output token ids in order, a list per frame. Always close it (aclosing): that
+        releases the booking and aborts the request on its workers if it did not finish.
 
         A worker that fails under a request (it dies, stalls out of rotation, or its stream
         breaks) does not end it: a prefill worker that fails before its first token leaves the
@@ -249,22 +258,22 @@ class Run:
                 try:
                     first, kv = await self._prefill_leg(), self._mode
                     if first is not None:
-                        yield first
+                        yield [first]
                 except WorkerCallError as exc:
                     if not migratable(exc):
                         raise
                     self._migrated("prefill", self.b.prefill, exc)
-            async for tok in self._decode_legs(first, kv):
-                yield tok
+            async for chunk in self._decode_legs(first, kv):
+                yield chunk
         finally:
             self._release()
 
-    async def _decode_legs(self, first: int | None, kv: KVSourceName) -> AsyncIterator[int]:
+    async def _decode_legs(self, first: int | None, kv: KVSourceName) -> AsyncIterator[list[int]]:
         worker = self.b.decode
         while True:
             try:
-                async for tok in self._decode_leg(worker, first, kv):
-                    yield tok
+                async for chunk in self._decode_leg(worker, first, kv):
+                    yield chunk
                 return
             except WorkerCallError as exc:
                 if kv == "pool":  # the prefill's partial block: the failed leg may not read it
@@ -319,7 +328,8 @@ class Run:
         first = self.d.client.features.first_token_from_prefill
         if first:
             self.prompt_logprobs = reply.prompt_logprobs
-            self._record(reply.first_token_id, reply.first_token_t, reply.first_logprob)
+            self._record([reply.first_token_id], [reply.first_token_t],
+                         None if reply.first_logprob is None else [reply.first_logprob])
         self.kv_bytes_moved = reply.kv_bytes_moved
         self.d.metrics.prompt_tokens.inc(len(self.prompt_ids))
         self.d.metrics.prefix_hit_tokens.inc(self.cached_len)
@@ -328,7 +338,7 @@ class Run:
         return reply.first_token_id if first else None
 
     async def _decode_leg(self, worker: WorkerState, first: int | None,
-                          kv_source: KVSourceName) -> AsyncIterator[int]:
+                          kv_source: KVSourceName) -> AsyncIterator[list[int]]:
         # the prompt's logprobs come from the leg that computes it: not this one if it has one
         # (nor a resumed one: they went out with the first token)
         resumed = list(self.token_ids) if first is None else []
@@ -337,7 +347,8 @@ class Run:
         req = GenerateRequest(request_id=self.request_id, prompt_token_ids=self.prompt_ids,
                               sampling=sampling, first_token_id=first, kv_source=kv_source,
                               resume_output_ids=resumed,
-                              kv_transfer_params=self._handoff if kv_source != "none" else None)
+                              kv_transfer_params=self._handoff if kv_source != "none" else None,
+                              stream_interval=self.d.config.stream_interval, sse=self.sse)
         self._decode_url = worker.url
         lines = self.d.client.generate(worker.url, req)
         skip_echo = first is not None
@@ -352,36 +363,43 @@ class Run:
                                           "stream ended without a finish_reason") from None
                 self.d.cluster.decode_start(self.b, self.d.clock.now())
                 if isinstance(line, FinishLine):
-                    self.finish_reason = line.finish_reason
+                    self.finish_reason, self.finish_sse = line.finish_reason, line.sse
                     if kv_source == "none" and not resumed:  # the prompt's reuse, if reported
                         self._colocated_reuse(line)
                     return
+                ids, stamps, lps = line.token_ids, line.t, line.logprobs
                 if skip_echo:  # the first token came from the prefill leg already
                     skip_echo = False
-                    continue
+                    ids, stamps, lps = ids[1:], stamps[1:], None if lps is None else lps[1:]
+                    if not ids:
+                        continue
                 if line.prompt_logprobs is not None:
                     self.prompt_logprobs = line.prompt_logprobs
-                self._record(line.token_id, line.t, line.logprob)
+                self._record(ids, stamps, lps)
                 if kv_source == "none" and self.b.prefill_pending:
                     self._colocated_first_token()
-                last_s = self._decode_gap(last_s)
-                yield line.token_id
+                last_s = self._decode_gap(last_s, len(ids))
+                self.frame_sse = line.sse
+                yield ids
         finally:
             watch.close()
             await lines.aclose()
 
-    def _record(self, token: int, stamp: float, logprob: TokenLogprob | None) -> None:
-        self.token_ids.append(token)
-        self.logprobs.append(logprob)
-        self.token_t.append(stamp)
-        self.recv_t.append(self.d.clock.now())
+    def _record(self, tokens: list[int], stamps: list[float],
+                logprobs: list[TokenLogprob | None] | None) -> None:
+        n = len(tokens)
+        self.token_ids += tokens
+        self.logprobs += logprobs if logprobs is not None else [None] * n
+        self.token_t += stamps
+        self.recv_t += [self.d.clock.now()] * n
 
-    def _decode_gap(self, last_s: float | None) -> float:
-        """Record the gap since the previous decode-leg token with the decode worker's batch."""
+    def _decode_gap(self, last_s: float | None, num_tokens: int) -> float:
+        """Record the gap since the previous decode-leg frame, per token of this one (a step's
+        time, at one token per step), with the decode worker's batch."""
         now = self.d.clock.now()
         if last_s is not None:
             d = self.b.decode_load
-            self.d.measured.add_decode(d.num_active, d.active_tokens, now - last_s)
+            self.d.measured.add_decode(d.num_active, d.active_tokens, (now - last_s) / num_tokens)
         return now
 
     def _colocated_reuse(self, finish: FinishLine) -> None:

@@ -1,8 +1,11 @@
 """Output ids -> an OpenAI response: one JSON body, or SSE chunks ending in `[DONE]`, over one
 or more running choices (a list of prompts, `n`).
 
-Every choice reads its own delta stream, which applies stop strings, records TBT and output
-tokens, and closes its token stream (releasing the request on the workers) however it ends.
+Every choice reads its own delta stream, one delta per chunk of tokens (a frame of the decode
+leg: one SSE chunk for the tokens of one engine step), which applies stop strings, records TBT
+and output tokens, and closes its chunk stream (releasing the request on the workers) however
+it ends. With --worker-sse a streamed choice relays the chunks its decode worker made instead
+(`_relayed`).
 A choice that fails fails the response (a 502 body, or an SSE error event) and ends the
 others."""
 
@@ -40,12 +43,12 @@ T = TypeVar("T")
 
 @dataclass
 class Choice:
-    """One running choice: its job, its run, and its token stream past the first token."""
+    """One running choice: its job, its run, and its chunk stream past the first chunk."""
 
     job: ChoiceJob
     run: Run
-    first: int
-    tokens: AsyncGenerator[int]
+    first: list[int]
+    chunks: AsyncGenerator[list[int]]
     text: TextStream
     sent: int = 0
     """Output tokens whose logprobs went out already."""
@@ -53,26 +56,36 @@ class Choice:
     """Characters of the token texts before the next logprobs (completions' text_offset)."""
     finish: str = "stop"
 
+    @property
+    def num_tokens(self) -> int:
+        """Output tokens of the choice: as many as its text took, or, for a choice whose
+        worker makes its text (past the first chunk: --worker-sse), as many as its frames
+        brought."""
+        relayed = self.run.sse is not None and not self.text.stopped
+        return len(self.run.token_ids) if relayed else self.text.num_tokens
+
 
 async def _deltas(proxy: Proxy, c: Choice) -> AsyncIterator[tuple[str, str | None]]:
-    """(new text, finish reason or None); the finish reason comes with the last delta."""
+    """(new text, finish reason or None) per chunk; the finish reason comes with the last
+    delta. TBT is observed once per chunk, as the gap per token since the last one."""
     m, text = proxy.metrics, c.text
-    async with contextlib.aclosing(c.tokens):
-        tok, last = c.first, time.perf_counter()
+    async with contextlib.aclosing(c.chunks):
+        ids, last = c.first, time.perf_counter()
         while True:
-            delta = text.push(tok)
-            m.output_tokens.inc()
+            before = text.num_tokens
+            delta = text.push_many(ids)
+            m.output_tokens.inc(text.num_tokens - before)
             if delta.stopped:
                 yield delta.text, "stop"
                 return
             if delta.text:
                 yield delta.text, None
             try:
-                tok = await anext(c.tokens)
+                ids = await anext(c.chunks)
             except StopAsyncIteration:
                 break
             now = time.perf_counter()
-            m.tbt.observe(now - last)
+            m.tbt.observe((now - last) / len(ids))
             last = now
     yield text.flush(), c.run.finish_reason or "stop"
 
@@ -81,7 +94,7 @@ def usage_of(prep: PreparedRequest, choices: list[Choice]) -> dict[str, Any]:
     """Prompt tokens once per prompt (its first choice's reuse), output tokens of every
     choice."""
     cached = {c.job.prompt_index: c.run.cached_len for c in reversed(choices)}
-    outputs = sum(c.text.num_tokens for c in choices)
+    outputs = sum(c.num_tokens for c in choices)
     return usage(sum(len(p) for p in prep.prompts), outputs, sum(cached.values()))
 
 
@@ -160,9 +173,45 @@ async def sse_stream(proxy: Proxy, prep: PreparedRequest, choices: list[Choice],
     yield SSE_DONE
 
 
+async def _relayed(proxy: Proxy, prep: PreparedRequest, c: Choice) -> AsyncIterator[bytes]:
+    """--worker-sse: the first chunk made here (from the prefill leg's token or the first
+    frame, by the same text stream the worker runs), then each frame's events and the finish's
+    as the decoding worker made them: no detokenizing, no JSON made here per frame."""
+    m, texts = proxy.metrics, TextChunks(prep.kind, prep.request_id, proxy.model_name, c.job.index)
+    finish: str | None = None
+    async with contextlib.aclosing(c.chunks):
+        delta = c.text.push_many(c.first)
+        m.output_tokens.inc(c.text.num_tokens)
+        if delta.text:
+            yield texts.sse(delta.text)
+        if delta.stopped:
+            finish = "stop"
+        else:
+            last = time.perf_counter()
+            async for ids in c.chunks:
+                now = time.perf_counter()
+                m.tbt.observe((now - last) / len(ids))
+                m.output_tokens.inc(len(ids))
+                last = now
+                if c.run.frame_sse:
+                    yield c.run.frame_sse.encode()
+    c.finish = finish or c.run.finish_reason or "stop"
+    if finish is None and c.run.finish_sse is not None:
+        yield c.run.finish_sse.encode()
+    else:
+        yield sse(chunk(prep.kind, prep.request_id, proxy.model_name, None, c.finish,
+                        index=c.job.index))
+
+
 async def _choice_events(proxy: Proxy, prep: PreparedRequest,
                          c: Choice) -> AsyncIterator[bytes]:
     kind, rid, model, i = prep.kind, prep.request_id, proxy.model_name, c.job.index
+    if c.run.sse is not None:
+        if kind == "chat":
+            yield sse(chunk(kind, rid, model, "", None, first=True, index=i))
+        async for event in _relayed(proxy, prep, c):
+            yield event
+        return
     if kind == "chat":
         yield sse(chunk(kind, rid, model, "", None, first=True, index=i))
     elif prep.echo:
@@ -172,7 +221,7 @@ async def _choice_events(proxy: Proxy, prep: PreparedRequest,
     texts = TextChunks(kind, rid, model, i)
     async for piece, finish in _deltas(proxy, c):
         upto = c.text.num_tokens
-        if piece or (finish is not None and upto > c.sent):
+        if piece or (finish is not None and prep.logprobs is not None and upto > c.sent):
             lp = _logprobs(proxy, prep, c, upto, False)
             yield texts.sse(piece) if lp is None else sse(chunk(kind, rid, model, piece, None,
                                                                 index=i, logprobs=lp))

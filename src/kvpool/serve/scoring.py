@@ -26,7 +26,7 @@ FINISH = "length"
 
 async def end_runs(choices: list[Choice]) -> None:
     """Close every choice's token stream (its one token is not part of the answer)."""
-    await close_all(*(c.tokens for c in choices))
+    await close_all(*(c.chunks for c in choices))
     for c in choices:
         c.finish = FINISH
 

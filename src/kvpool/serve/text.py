@@ -68,6 +68,29 @@ class TextStream:
         end = len(full) - self._held(full)
         return self._emit(full, max(end, self._emitted))
 
+    def push_many(self, token_ids: Sequence[int]) -> TextDelta:
+        """Add a chunk of output tokens: the text they add, as `push` of each in turn would
+        give it (the same characters, in one delta). Without stop strings the chunk is decoded
+        once, unless it ends inside a character (then, and with stop strings, token by token:
+        a stop string ends the request at the token that completes it)."""
+        if len(token_ids) == 1:
+            return self.push(token_ids[0])
+        if not self._stop and not self.stopped:
+            self._ids += token_ids
+            piece = self._pending()
+            if not piece.endswith(_PARTIAL):
+                self._full += piece
+                self._prefix, self._read = self._read, len(self._ids)
+                return self._emit(self._full, len(self._full))
+            del self._ids[-len(token_ids):]
+        texts = []
+        for tok in token_ids:
+            delta = self.push(tok)
+            texts.append(delta.text)
+            if delta.stopped:
+                break
+        return TextDelta("".join(texts), self.stopped)
+
     def flush(self) -> str:
         """The held-back tail, once the output has ended without a stop string."""
         if self.stopped:

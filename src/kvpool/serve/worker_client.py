@@ -26,7 +26,7 @@ from kvpool.engine.worker.messages import (
     LoadReply,
     PrefillReply,
     PrefillRequest,
-    TokenLine,
+    TokensLine,
     generate_line,
     reply_from,
 )
@@ -173,8 +173,8 @@ class WorkerClient:
         return reply_from(url, "/prefill", PrefillReply, resp.content)
 
     async def generate(self, url: str,
-                       req: GenerateRequest) -> AsyncGenerator[TokenLine | FinishLine]:
-        """The lines of /generate; an error line, a malformed line or a broken stream
+                       req: GenerateRequest) -> AsyncGenerator[TokensLine | FinishLine]:
+        """The frames of /generate; an error line, a malformed line or a broken stream
         raises. The finish line comes once the stream has been read to its end: its connection
         then goes back to the pool for the next call (a stream left unread is a connection
         closed, and a new one, TIME-WAIT included, for every request). http:// workers are

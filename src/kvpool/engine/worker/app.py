@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -17,12 +18,12 @@ from kvpool.engine.core import StepOutput
 from kvpool.engine.worker import auth
 from kvpool.engine.worker import metrics as worker_metrics
 from kvpool.engine.worker.auth import CHALLENGE_PATH
+from kvpool.engine.worker.frames import FrameBuilder
 from kvpool.engine.worker.gate import GateIdentity, PreAuthGate
 from kvpool.engine.worker.messages import (
     AbortReply,
     AbortRequest,
     ErrorLine,
-    FinishLine,
     GenerateRequest,
     InfoReply,
     LoadReply,
@@ -30,9 +31,9 @@ from kvpool.engine.worker.messages import (
     PrefillRequest,
     ReserveReply,
     ReserveRequest,
-    TokenLine,
 )
 from kvpool.engine.worker.runtime import Worker
+from kvpool.engine.worker.sse_text import SseText
 from kvpool.errors import AuthError, KvpoolError, RemoteProtocolError, RequestFailed, ShuttingDown
 from kvpool.log import RateLimitedLog, get_logger
 from kvpool.metadata.http_serving import bearer_matches, read_body
@@ -160,7 +161,9 @@ def create_app(worker: Worker, now: Callable[[], float] = time.time) -> FastAPI:
     @app.post("/generate")
     async def generate(body: GenerateRequest) -> StreamingResponse:
         needs("decode", "both")
-        return StreamingResponse(ndjson(worker.generate(body)),
+        interval = body.stream_interval or worker.config.stream_interval
+        outputs = worker.generate(body)
+        return StreamingResponse(ndjson(outputs, interval, worker.sse_text(body)),
                                  media_type="application/x-ndjson")
 
     @app.post("/kv/reserve", response_model=None)
@@ -186,25 +189,20 @@ class _WrongRole(Exception):
     pass
 
 
-def _finish_line(out: StepOutput, num_tokens: int) -> FinishLine:
-    assert out.finish_reason is not None
-    return FinishLine(finish_reason=out.finish_reason, num_output_tokens=num_tokens,
-                      num_cached_tokens=int(out.stats.get("num_cached_tokens", 0)),
-                      num_pool_tokens=int(out.stats.get("num_pool_tokens", 0)))
-
-
-async def ndjson(outputs: AsyncIterator[StepOutput]) -> AsyncIterator[bytes]:
-    """One line per token, then the finish line; an error ends the stream with its line."""
-    num_tokens = 0
+async def ndjson(outputs: AsyncGenerator[list[StepOutput]], interval: int = 1,
+                 text: SseText | None = None) -> AsyncIterator[bytes]:
+    """The frames of the outputs (engine/worker/frames.py), then the finish line; an error
+    ends the stream with its line. All the lines one step makes are written at once. A stream
+    that a stop string ended stops reading `outputs`, which aborts the request."""
+    frames = FrameBuilder(interval, text)
     try:
-        async for out in outputs:
-            if out.token_id is not None:
-                num_tokens += 1
-                prompt = None if out.prompt_logprobs is None else list(out.prompt_logprobs)
-                yield _line(TokenLine(token_id=out.token_id, t=out.time_s, logprob=out.logprob,
-                                      prompt_logprobs=prompt))
-            if out.finish_reason is not None:
-                yield _line(_finish_line(out, num_tokens))
+        async with contextlib.aclosing(outputs):
+            async for outs in outputs:
+                lines = frames.add(outs)
+                if lines:
+                    yield b"".join(_line(msg) for msg in lines)
+                if frames.done:
+                    break
     except KvpoolError as exc:
         yield _line(ErrorLine(error=str(exc)))
     except Exception as exc:

@@ -18,6 +18,7 @@ from kvpool.engine.worker.messages import (
     PrefillReply,
     PrefillRequest,
     TokenLine,
+    TokensLine,
     generate_line,
     reply_from,
 )
@@ -44,7 +45,8 @@ def prefill(url: str, req: PrefillRequest, token: str | None = None,
 
 def stream(url: str, req: GenerateRequest, token: str | None = None,
            timeout_s: float = 120.0) -> Iterator[TokenLine | FinishLine]:
-    """The decode leg's lines, parsed; raises WorkerCallError on an error line."""
+    """The decode leg's lines, parsed, one per token; raises WorkerCallError on an error
+    line."""
     with httpx.stream("POST", f"{url}/generate", json=req.model_dump(mode="json"),
                       headers=bearer_header(token), timeout=timeout_s) as reply:
         if reply.status_code != 200:
@@ -53,7 +55,8 @@ def stream(url: str, req: GenerateRequest, token: str | None = None,
                                   reply.status_code)
         for line in reply.iter_lines():
             if line:
-                yield generate_line(url, line)
+                msg = generate_line(url, line)
+                yield from msg.split() if isinstance(msg, TokensLine) else [msg]
 
 
 def generate(prompt: list[int], sampling: SamplingParams, *, decode_url: str,

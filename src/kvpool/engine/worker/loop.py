@@ -1,5 +1,7 @@
 """The engine's own thread: it alone touches the EngineCore. Other threads (the HTTP server's
-event loop) hand it functions with `call` and hear about their requests through `subscribe`."""
+event loop) hand it functions with `call` and hear about their requests through `subscribe`:
+a listener gets each step's outputs of its request as one list, and `on_step` runs once after
+every step's outputs are handed out (engine/worker/mailbox.py wakes the event loop there)."""
 
 from __future__ import annotations
 
@@ -14,16 +16,17 @@ from kvpool.errors import ShuttingDown
 from kvpool.log import get_logger
 
 log = get_logger("engine.loop")
-Listener = Callable[[StepOutput], None]
+Listener = Callable[[list[StepOutput]], None]
 
 
 class EngineLoop:
     def __init__(self, engine: EngineCore, idle_tick_s: float = 0.5,
-                 on_idle: Callable[[], None] | None = None) -> None:
+                 on_idle: Callable[[], None] | None = None,
+                 on_step: Callable[[], None] | None = None) -> None:
         self.engine = engine
         self._commands: queue.Queue[tuple[Callable[[EngineCore], Any], Future[Any]]] = queue.Queue()
         self._listeners: dict[str, Listener] = {}
-        self._idle_tick_s, self._on_idle = idle_tick_s, on_idle
+        self._idle_tick_s, self._on_idle, self._on_step = idle_tick_s, on_idle, on_step
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="kvpool-engine")
 
@@ -93,12 +96,18 @@ class EngineLoop:
             self._on_idle()
 
     def _dispatch(self, outputs: list[StepOutput]) -> None:
+        """Each request's outputs of the step, in order, to its listener in one call."""
+        mine: dict[str, list[StepOutput]] = {}
         for out in outputs:
-            listener = self._listeners.get(out.request_id)
+            mine.setdefault(out.request_id, []).append(out)
+        for request_id, outs in mine.items():
+            listener = self._listeners.get(request_id)
             if listener is not None:
-                listener(out)
-            if out.finish_reason is not None or out.error is not None:
-                self._listeners.pop(out.request_id, None)
+                listener(outs)
+            if any(o.finish_reason is not None or o.error is not None for o in outs):
+                self._listeners.pop(request_id, None)
+        if self._on_step is not None:
+            self._on_step()
 
     def _abort_all(self) -> list[StepOutput]:
         for seq in [*self.engine.scheduler.running, *self.engine.scheduler.waiting]:

@@ -2,7 +2,7 @@
 the one definition that the workers, the proxy and the worker clients all import.
 
     POST /prefill     PrefillRequest  -> PrefillReply
-    POST /generate    GenerateRequest -> NDJSON lines: TokenLine ... FinishLine | ErrorLine
+    POST /generate    GenerateRequest -> NDJSON lines: TokensLine ... FinishLine | ErrorLine
     POST /kv/reserve  ReserveRequest  -> ReserveReply        (503 when there is no room)
     POST /abort       AbortRequest    -> AbortReply
     GET  /info        InfoReply;  GET /load  LoadReply
@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from kvpool.engine.config import SamplingParams
 from kvpool.engine.sequence import TokenLogprob
@@ -29,6 +29,7 @@ KVMode = Literal["pool", "push"]
 KVSourceName = Literal["pool", "push", "none"]
 """Where a decode leg's prompt KV comes from (none: computed there, colocated)."""
 Role = Literal["prefill", "decode", "both"]
+MAX_STREAM_INTERVAL = 1024
 
 
 class _Request(BaseModel):
@@ -73,6 +74,19 @@ class PrefillReply(_Reply):
     is); kvpool workers send none."""
 
 
+class SseSpec(_Request):
+    """Asks the decoding worker for the response's SSE text chunks (kvpool proxy
+    --worker-sse): detokenized, stop strings applied, with the response's id, model name and
+    choice index, byte for byte as the proxy would make them (serve/protocol.py TextChunks,
+    chunk). The proxy relays them; a stop string ends the stream with finish_reason stop."""
+
+    kind: Literal["completion", "chat"]
+    id: str = Field(min_length=1, max_length=512)
+    model: str = Field(max_length=512)
+    index: int = Field(default=0, ge=0)
+    stop: list[str] = Field(default_factory=list, max_length=16)
+
+
 class GenerateRequest(_Request):
     request_id: RequestId
     prompt_token_ids: list[int] = Field(min_length=1)
@@ -88,9 +102,18 @@ class GenerateRequest(_Request):
     alone."""
     kv_transfer_params: dict[str, Any] | None = None
     """The prefill leg's handoff, for engines that have one (vLLM backend); None here."""
+    sse: SseSpec | None = None
+    """The frames carry the response's SSE bytes too (the text streamed so far is that of
+    `resume_output_ids` and `first_token_id`: the proxy sent it already)."""
+    stream_interval: int | None = Field(default=None, ge=1, le=MAX_STREAM_INTERVAL)
+    """Output tokens per frame: the first frame goes at once, then one every this many
+    tokens (and the last with the finish); None: the worker's --stream-interval."""
 
 
 class TokenLine(_Reply):
+    """One output token: a client's view of a `TokensLine` (`TokensLine.split`), and the line a
+    worker from before frames sent (`generate_line` reads it as a frame of one)."""
+
     type: Literal["token"] = "token"
     token_id: int
     t: float = 0.0
@@ -100,6 +123,42 @@ class TokenLine(_Reply):
     """With the first token of a colocated request that asks for them."""
 
 
+class TokensLine(_Reply):
+    """One frame of a /generate stream: the output tokens of one engine step (several steps'
+    with a stream interval over 1), in order. The receiver counts tokens by `token_ids`."""
+
+    type: Literal["tokens"] = "tokens"
+    token_ids: list[int] = Field(min_length=1)
+    t: list[float]
+    """Each token's stamp: the engine's clock when the step that made it ended."""
+    logprobs: list[TokenLogprob | None] | None = None
+    """Each token's logprob, if the request asks."""
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """With the frame that holds the first token of a colocated request that asks for them."""
+    sse: str | None = None
+    """With GenerateRequest.sse: the SSE events of this frame's text ("" while it is held)."""
+
+    @model_validator(mode="after")
+    def _aligned(self) -> TokensLine:
+        n = len(self.token_ids)
+        if len(self.t) != n or (self.logprobs is not None and len(self.logprobs) != n):
+            raise ValueError(f"{n} token ids need as many stamps (and logprobs, if any)")
+        return self
+
+    @classmethod
+    def of(cls, line: TokenLine) -> TokensLine:
+        return cls(token_ids=[line.token_id], t=[line.t],
+                   logprobs=None if line.logprob is None else [line.logprob],
+                   prompt_logprobs=line.prompt_logprobs)
+
+    def split(self) -> list[TokenLine]:
+        """One line per token (the prompt's logprobs with the first)."""
+        lps = self.logprobs or [None] * len(self.token_ids)
+        return [TokenLine(token_id=tok, t=t, logprob=lp,
+                          prompt_logprobs=self.prompt_logprobs if i == 0 else None)
+                for i, (tok, t, lp) in enumerate(zip(self.token_ids, self.t, lps, strict=True))]
+
+
 class FinishLine(_Reply):
     type: Literal["finish"] = "finish"
     finish_reason: str
@@ -107,6 +166,8 @@ class FinishLine(_Reply):
     num_cached_tokens: int = 0
     num_pool_tokens: int = 0
     """Prompt tokens this worker did not compute (its cache, the pool)."""
+    sse: str | None = None
+    """With GenerateRequest.sse: the held text's event, if any, and the finish chunk."""
 
 
 class ErrorLine(_Reply):
@@ -114,8 +175,10 @@ class ErrorLine(_Reply):
     error: str
 
 
-GenerateLine = Annotated[TokenLine | FinishLine | ErrorLine, Field(discriminator="type")]
-GENERATE_LINE: TypeAdapter[TokenLine | FinishLine | ErrorLine] = TypeAdapter(GenerateLine)
+GenerateLine = Annotated[TokensLine | TokenLine | FinishLine | ErrorLine,
+                         Field(discriminator="type")]
+GENERATE_LINE: TypeAdapter[TokensLine | TokenLine | FinishLine | ErrorLine] = \
+    TypeAdapter(GenerateLine)
 
 
 class ReserveRequest(_Request):
@@ -189,12 +252,13 @@ def reply_from(url: str, call: str, model: type[M], raw: bytes) -> M:
         raise WorkerCallError(url, call, f"{exc} (reply {raw[:200]!r})") from None
 
 
-def generate_line(url: str, line: str | bytes) -> TokenLine | FinishLine:
-    """One /generate line; WorkerCallError for a malformed line or an error line."""
+def generate_line(url: str, line: str | bytes) -> TokensLine | FinishLine:
+    """One /generate line (a one-token line as a frame of one); WorkerCallError for a
+    malformed line or an error line."""
     try:
         msg = GENERATE_LINE.validate_json(line)
     except ValueError:
         raise WorkerCallError(url, "/generate", f"malformed line {line[:200]!r}") from None
     if isinstance(msg, ErrorLine):
         raise WorkerCallError(url, "/generate", msg.error)
-    return msg
+    return TokensLine.of(msg) if isinstance(msg, TokenLine) else msg

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,7 +19,9 @@ from kvpool.engine.config import EngineConfig, SamplingParams
 from kvpool.engine.core import EngineCore, StepOutput
 from kvpool.engine.sequence import KVSource, SeqStatus
 from kvpool.engine.worker.loop import EngineLoop
+from kvpool.engine.worker.mailbox import StepMailbox
 from kvpool.engine.worker.messages import (
+    MAX_STREAM_INTERVAL,
     AbortRequest,
     GenerateRequest,
     InfoReply,
@@ -38,6 +40,8 @@ from kvpool.log import get_logger
 from kvpool.metadata.http_serving import CLIENT_KEEPALIVE_S
 
 if TYPE_CHECKING:  # both pull in the transfer engine: imported on use below
+    from kvpool.engine.worker.sse_text import SseText
+    from kvpool.serve.tokenizer import ModelTokenizer
     from kvpool.store.client.store_client import StoreClient
     from kvpool.transfer import TransferEngine
 
@@ -66,6 +70,8 @@ class WorkerConfig:
     """A request that produces nothing for this long ends with an error."""
     reserve_ttl_s: float = 60.0
     """Reserved blocks no /generate claimed within this long are given back."""
+    stream_interval: int = 1
+    """/generate: output tokens per frame after the first (GenerateRequest.stream_interval)."""
     engine_kind: str = "torch"
     """torch: the reference model computes; emulated: a profile's step times (docs/serve.md)."""
     profile: str = "llama70b-8xa800"
@@ -80,6 +86,9 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ConfigError(f"role must be one of {ROLES}, got {self.role!r}")
+        if not 1 <= self.stream_interval <= MAX_STREAM_INTERVAL:
+            raise ConfigError(f"stream_interval must be in 1..{MAX_STREAM_INTERVAL}, "
+                              f"got {self.stream_interval}")
         if self.engine_kind not in ENGINES:
             raise ConfigError(f"engine must be one of {ENGINES}, got {self.engine_kind!r}")
         if self.engine.device != "cpu":
@@ -120,10 +129,15 @@ class Worker:
         """Blocks held for prompts a prefill worker pushes here (engine thread only)."""
         self.epoch = uuid.uuid4().hex
         """Names this process's block-event numbering (a restarted worker starts anew)."""
-        self.loop = EngineLoop(self.engine, on_idle=self._expire).start()
+        self.mailbox = StepMailbox()
+        """Step outputs to the event loop: one wake-up per engine step."""
+        self.loop = EngineLoop(self.engine, on_idle=self._expire,
+                               on_step=self.mailbox.flush).start()
         self.http = httpx.AsyncClient(timeout=config.remote_timeout_s,
                                       limits=httpx.Limits(keepalive_expiry=CLIENT_KEEPALIVE_S))
         self.peers = PeerCalls(self.http, config.token, wall_clock)
+        self._tokenizer: ModelTokenizer | None = None
+        """Loaded for the first request that asks for SSE text (GenerateRequest.sse)."""
 
     def _connect(self) -> tuple[StoreClient | None, TransferEngine]:
         from kvpool.store.client.config import ClientConfig
@@ -237,12 +251,13 @@ class Worker:
             engine.add_request(request_id, prompt, sampling, prefill_only=True)
             self.connector.plans[request_id] = plan  # read when the request finishes
         first: StepOutput | None = None
-        async for out in self._follow(request_id, add):
-            if out.token_id is not None:
-                first = out
-            if out.finish_reason is not None:
-                assert first is not None
-                return first, out
+        async for outs in self._follow(request_id, add):
+            for out in outs:
+                if out.token_id is not None:
+                    first = out
+                if out.finish_reason is not None:
+                    assert first is not None
+                    return first, out
         raise RequestFailed(f"request {request_id} ended without a token")
 
     async def _reserve(self, decode_url: str, request_id: str, num_tokens: int) -> PushPlan:
@@ -288,7 +303,8 @@ class Worker:
         reply: ReserveReply | None = await self._on_engine(reserve)
         return reply
 
-    def generate(self, req: GenerateRequest) -> AsyncIterator[StepOutput]:
+    def generate(self, req: GenerateRequest) -> AsyncGenerator[list[StepOutput]]:
+        """The request's outputs, one list per engine step."""
         request_id, prompt, sampling = req.request_id, req.prompt_token_ids, req.sampling
         first_token, source = req.first_token_id, KVSource(req.kv_source)
         if source is not KVSource.COMPUTE and first_token is None:
@@ -322,10 +338,24 @@ class Worker:
                 self._drop_partial(request_id)  # done with the prefill's token: nobody reads it
         return self._follow(request_id, add)
 
-    async def _already_over(self, request_id: str, reason: str) -> AsyncIterator[StepOutput]:
+    def sse_text(self, req: GenerateRequest) -> SseText | None:
+        """The SSE text state of a request that asks its frames to carry the response's bytes
+        (`req.sse`), after the output the client has; None otherwise."""
+        if req.sse is None:
+            return None
+        from kvpool.engine.worker.sse_text import SseText
+        from kvpool.serve.tokenizer import ModelTokenizer
+
+        if self._tokenizer is None:
+            self._tokenizer = ModelTokenizer(self.config.model_dir)
+        return SseText(req.sse, self._tokenizer.decode, req.resume_output_ids,
+                       skip=int(req.first_token_id is not None))
+
+    async def _already_over(self, request_id: str,
+                            reason: str) -> AsyncGenerator[list[StepOutput]]:
         """A resumed leg with nothing left to do: its finish, and no partial block left."""
         await asyncio.to_thread(self._drop_partial, request_id)
-        yield StepOutput(request_id, finish_reason=reason)
+        yield [StepOutput(request_id, finish_reason=reason)]
 
     async def abort(self, request_id: str) -> bool:
         """Stop the request here; a prefill worker also drops the last block it left in the
@@ -356,14 +386,12 @@ class Worker:
     async def _on_engine(self, fn: Any) -> Any:
         return await asyncio.wrap_future(self.loop.call(fn))
 
-    async def _follow(self, request_id: str, add: Any) -> AsyncIterator[StepOutput]:
-        """Add a request on the engine thread and yield its outputs; raise RequestFailed on an
-        error or silence; abort it if the caller stops listening."""
-        loop = asyncio.get_running_loop()
-        outputs: asyncio.Queue[StepOutput] = asyncio.Queue()
-
-        def listen(out: StepOutput) -> None:
-            loop.call_soon_threadsafe(outputs.put_nowait, out)
+    async def _follow(self, request_id: str, add: Any) -> AsyncGenerator[list[StepOutput]]:
+        """Add a request on the engine thread and yield its outputs, a list per engine step;
+        raise RequestFailed on an error (after the outputs before it) or silence; abort it if
+        the caller stops listening."""
+        outputs: asyncio.Queue[list[StepOutput]] = asyncio.Queue()
+        listen = self.mailbox.listener(asyncio.get_running_loop(), outputs)
 
         def start(engine: EngineCore) -> None:
             self.loop.subscribe(request_id, listen)
@@ -377,14 +405,17 @@ class Worker:
         try:
             while not finished:
                 try:
-                    out = await asyncio.wait_for(outputs.get(), self.config.request_timeout_s)
+                    outs = await asyncio.wait_for(outputs.get(), self.config.request_timeout_s)
                 except TimeoutError:
                     raise RequestFailed(f"request {request_id} produced nothing for "
                                         f"{self.config.request_timeout_s}s") from None
-                if out.error is not None:
-                    raise RequestFailed(out.error)
-                finished = out.finish_reason is not None
-                yield out
+                failed = next((i for i, o in enumerate(outs) if o.error is not None), None)
+                if failed is not None:
+                    if failed:
+                        yield outs[:failed]
+                    raise RequestFailed(str(outs[failed].error))
+                finished = any(o.finish_reason is not None for o in outs)
+                yield outs
         finally:
             if not finished:
                 self.loop.call(lambda e: self._drop(e, request_id))

@@ -30,10 +30,11 @@ the decode leg that names it (engine/worker/vllm_p2p.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, Literal, Protocol
 
@@ -166,9 +167,9 @@ class _Completion:
 
     def outputs(self) -> AsyncIterator[StepOutput]:
         b = self.body
-        return self.worker.generate(GenerateRequest(
+        return _each(self.worker.generate(GenerateRequest(
             request_id=self.request_id, prompt_token_ids=b.prompt, sampling=b.sampling(),
-            kv_source="none"))
+            kv_source="none")))
 
     async def whole(self) -> dict[str, Any]:
         tokens: list[int] = []
@@ -201,6 +202,15 @@ class _Completion:
             yield _sse({"object": "error", "message": str(exc), "type": "InternalServerError",
                         "code": 500})
         yield b"data: [DONE]\n\n"
+
+
+async def _each(steps: AsyncGenerator[list[StepOutput]]) -> AsyncIterator[StepOutput]:
+    """The outputs of each step, one by one (closing `steps` however it ends: that aborts
+    the request if it did not finish)."""
+    async with contextlib.aclosing(steps):
+        async for outs in steps:
+            for out in outs:
+                yield out
 
 
 def _cached(out: StepOutput) -> int:

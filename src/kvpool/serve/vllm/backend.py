@@ -38,7 +38,7 @@ from kvpool.engine.worker.messages import (
     PrefillReply,
     PrefillRequest,
     Role,
-    TokenLine,
+    TokensLine,
 )
 from kvpool.errors import InvalidArgument, WorkerCallError
 from kvpool.log import get_logger
@@ -284,7 +284,7 @@ class VllmBackend:
                                   None if status == 200 else status) from None
 
     async def generate(self, url: str,
-                       req: GenerateRequest) -> AsyncGenerator[TokenLine | FinishLine]:
+                       req: GenerateRequest) -> AsyncGenerator[TokensLine | FinishLine]:
         if req.first_token_id is not None:
             raise WorkerCallError(url, "/v1/completions", "a vLLM decode leg makes every output "
                                   "token itself: no first_token_id", 400)
@@ -317,8 +317,8 @@ class VllmBackend:
                                kv_transfer_params=req.kv_transfer_params)
 
     async def _lines(self, url: str, resp: httpx.Response,
-                     logprobs_k: int | None) -> AsyncGenerator[TokenLine | FinishLine]:
-        """The stream's tokens, then one finish line once the stream is done (after vLLM's
+                     logprobs_k: int | None) -> AsyncGenerator[TokensLine | FinishLine]:
+        """The stream's tokens (a frame per chunk), then one finish line once the stream is done (after vLLM's
         usage chunk, which says how many prompt tokens were cached)."""
         finish: str | None = None
         num_tokens, cached = 0, 0
@@ -330,10 +330,11 @@ class VllmBackend:
                 delta = read_choice(obj, logprobs_k)
             except ReplyError as exc:
                 raise WorkerCallError(url, "/v1/completions", str(exc)) from None
-            now = time.monotonic()
-            for tok, lp in zip(delta.token_ids, delta.logprobs, strict=True):
-                num_tokens += 1
-                yield TokenLine(token_id=tok, t=now, logprob=lp)
+            if delta.token_ids:
+                num_tokens += len(delta.token_ids)
+                lps = None if all(lp is None for lp in delta.logprobs) else list(delta.logprobs)
+                yield TokensLine(token_ids=list(delta.token_ids),
+                                 t=[time.monotonic()] * len(delta.token_ids), logprobs=lps)
             finish = delta.finish_reason or finish
             cached = delta.num_cached_tokens if delta.num_cached_tokens is not None else cached
         if finish is not None:

@@ -1,0 +1,166 @@
+"""The /generate stream's frames: FrameBuilder (per step, or every N tokens after the first),
+the mailbox that wakes the event loop once per engine step, and the proxy's frame parser
+(`generate_line` over `ReplyReader`) fuzzed with seeded random frames, splits and mutations."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvpool.engine.core import StepOutput
+from kvpool.engine.sequence import TokenLogprob
+from kvpool.engine.worker.frames import FrameBuilder
+from kvpool.engine.worker.mailbox import StepMailbox
+from kvpool.engine.worker.messages import FinishLine, TokenLine, TokensLine, generate_line
+from kvpool.errors import WorkerCallError
+from kvpool.serve.ndjson_reply import ReplyReader
+
+
+def tok(i: int, t: float = 0.0, lp: bool = False) -> StepOutput:
+    return StepOutput("r", i, time_s=t, logprob=TokenLogprob(i, -0.5, ((i, -0.5),)) if lp else None)
+
+
+def end(reason: str = "length") -> StepOutput:
+    return StepOutput("r", None, reason, stats={"num_cached_tokens": 4.0})
+
+
+def shape(lines: list[TokensLine | FinishLine]) -> list[object]:
+    return [line.token_ids if isinstance(line, TokensLine) else
+            (line.finish_reason, line.num_output_tokens) for line in lines]
+
+
+def test_interval_one_is_a_frame_per_step() -> None:
+    f = FrameBuilder()
+    assert shape(f.add([tok(1, 1.0)])) == [[1]]
+    assert shape(f.add([tok(2, 2.0)])) == [[2]]
+    got = f.add([tok(3, 3.0), end()])
+    assert shape(got) == [[3], ("length", 3)]
+    assert isinstance(got[0], TokensLine) and got[0].t == [3.0] and got[0].logprobs is None
+    assert isinstance(got[1], FinishLine) and got[1].num_cached_tokens == 4
+
+
+def test_an_interval_sends_the_first_at_once_then_every_n_and_the_rest_with_the_finish() -> None:
+    f = FrameBuilder(3)
+    steps = [[tok(1)], [tok(2)], [tok(3)], [tok(4)], [tok(5)], [tok(6)], [end()]]
+    assert [shape(f.add(s)) for s in steps] == [[[1]], [], [], [[2, 3, 4]], [], [], [[5, 6], ("length", 6)]]
+
+
+def test_a_frame_carries_its_logprobs_and_stamps_in_order() -> None:
+    f = FrameBuilder(2)
+    f.add([tok(1, 1.0, lp=True)])
+    (frame,) = f.add([tok(2, 2.0, lp=True), tok(3, 2.0, lp=True)])
+    assert isinstance(frame, TokensLine) and frame.t == [2.0, 2.0]
+    assert [lp.token_id for lp in frame.logprobs or [] if lp] == [2, 3]
+    again = TokensLine.model_validate_json(frame.model_dump_json(exclude_none=True))
+    assert again == frame and [one.token_id for one in again.split()] == [2, 3]
+
+
+def test_random_steps_and_intervals_lose_and_reorder_nothing() -> None:
+    rng = random.Random(11)
+    for _ in range(300):
+        interval, n = rng.randint(1, 6), rng.randint(1, 40)
+        outs = [tok(i) for i in range(n)]
+        cuts = sorted(rng.sample(range(1, n), rng.randint(0, n - 1))) if n > 1 else []
+        steps = [outs[a:b] for a, b in zip([0, *cuts], [*cuts, n], strict=True)]
+        steps[-1] = [*steps[-1], end()]
+        f = FrameBuilder(interval)
+        lines = [line for s in steps for line in f.add(s)]
+        frames = [x for x in lines if isinstance(x, TokensLine)]
+        assert [t for x in frames for t in x.token_ids] == list(range(n))
+        assert frames[0].token_ids == [o.token_id for o in steps[0] if o.token_id is not None]
+        assert all(len(x.token_ids) >= interval for x in frames[1:-1])
+        assert isinstance(lines[-1], FinishLine) and lines[-1].num_output_tokens == n
+
+
+def test_the_mailbox_wakes_each_loop_once_per_step() -> None:
+    async def go() -> None:
+        loop = asyncio.get_running_loop()
+        wakes = []
+        real = loop.call_soon_threadsafe
+
+        def counted(*args: object) -> object:
+            wakes.append(1)
+            return real(*args)  # type: ignore[arg-type]
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+        box = StepMailbox()
+        queues: list[asyncio.Queue[list[StepOutput]]] = [asyncio.Queue() for _ in range(8)]
+        listeners = [box.listener(loop, q) for q in queues]
+
+        def engine_thread() -> None:  # two steps, each with a token for every request
+            for step in range(2):
+                for i, listen in enumerate(listeners):
+                    listen([StepOutput(f"r{i}", step)])
+                box.flush()
+            box.flush()  # nothing pending: no wake-up
+        thread = threading.Thread(target=engine_thread)
+        thread.start()
+        got = [[(await q.get())[0].token_id, (await q.get())[0].token_id] for q in queues]
+        thread.join()
+        assert got == [[0, 1]] * 8 and len(wakes) == 2
+    asyncio.run(go())
+
+
+def frame_bytes(rng: random.Random) -> tuple[list[bytes], list[int]]:
+    lines, ids = [], []
+    for _ in range(rng.randint(1, 12)):
+        frame = [rng.randint(0, 50000) for _ in range(rng.randint(1, 5))]
+        lps = [TokenLogprob(t, -rng.random(), ((t, -0.1),)) for t in frame] \
+            if rng.random() < 0.5 else None
+        line = TokensLine(token_ids=frame, t=[rng.random()] * len(frame), logprobs=lps)
+        lines.append(line.model_dump_json(exclude_none=True).encode() + b"\n")
+        ids += frame
+    lines.append(FinishLine(finish_reason="length", num_output_tokens=len(ids))
+                 .model_dump_json().encode() + b"\n")
+    return lines, ids
+
+
+def test_frames_read_back_whatever_the_chunking_and_splits() -> None:
+    rng = random.Random(5)
+    for _ in range(200):
+        lines, ids = frame_bytes(rng)
+        data = b"".join(lines)
+        cuts = sorted(rng.sample(range(1, len(data)), min(len(data) - 1, rng.randint(0, 6))))
+        chunks = [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)], strict=True)]
+        raw = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"".join(
+            b"%x\r\n%s\r\n" % (len(c), c) for c in chunks) + b"0\r\n\r\n"
+        reader, got = ReplyReader(), []
+        at = 0
+        while at < len(raw):
+            step = rng.randint(1, 64)
+            reader.feed(raw[at:at + step])
+            at += step
+            got += [generate_line("http://w", line) for line in reader.lines()]
+        assert reader.done
+        assert [t for m in got if isinstance(m, TokensLine) for t in m.token_ids] == ids
+        assert isinstance(got[-1], FinishLine)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200), st.integers(min_value=0))
+def test_a_mangled_frame_is_a_worker_call_error_or_a_valid_frame(junk: bytes, where: int) -> None:
+    line = b'{"type":"tokens","token_ids":[3,4],"t":[1.0,1.0]}'
+    at = where % (len(line) + 1)
+    for candidate in (junk, line[:at] + junk + line[at:], line[:at]):
+        try:
+            msg = generate_line("http://w", candidate)
+        except WorkerCallError:
+            continue
+        assert isinstance(msg, TokensLine | FinishLine)
+        if isinstance(msg, TokensLine):
+            assert len(msg.t) == len(msg.token_ids) >= 1
+
+
+def test_a_one_token_line_is_a_frame_of_one_and_misaligned_frames_are_refused() -> None:
+    msg = generate_line("http://w", b'{"type":"token","token_id":9,"t":2.0}')
+    assert isinstance(msg, TokensLine) and (msg.token_ids, msg.t) == ([9], [2.0])
+    assert TokensLine.of(TokenLine(token_id=9, t=2.0)) == msg
+    for bad in (b'{"type":"tokens","token_ids":[1,2],"t":[1.0]}',
+                b'{"type":"tokens","token_ids":[],"t":[]}',
+                b'{"type":"tokens","token_ids":[1],"t":[1.0],"logprobs":[]}'):
+        with pytest.raises(WorkerCallError, match="malformed line"):
+            generate_line("http://w", bad)
