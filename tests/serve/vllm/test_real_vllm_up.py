@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
 import time
 import uuid
 from pathlib import Path
@@ -57,18 +58,24 @@ def vllm_pid(marker: str, url: str) -> int:
     raise AssertionError(f"no vLLM server on {url}")
 
 
-def test_prefix_from_the_holder_then_from_the_pool_after_a_restart(
-        cache_home: Path, tmp_path: Path) -> None:
+def start_up(marker: str, port: int, log: Path, cache_home: Path, prefill: int, decode: int,
+             colocated: int) -> subprocess.Popen[str]:
+    """`kvpool up --backend vllm` on SmolLM2 with real vLLM servers in this layout."""
     vllm_python = real_vllm_python()
-    marker, port, log = f"up-{uuid.uuid4().hex}", free_port(), tmp_path / "up.log"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     with log.open("w") as out:
-        proc = kvpool_up(marker, cache_home, "--model", str(resolve_model("smollm2")), "--port", str(port),
-                         "--backend", "vllm", "--vllm-python", vllm_python, "--prefill", "0",
-                         "--decode", "0", "--colocated", "2", "--max-model-len", "2048",
+        return kvpool_up(marker, cache_home, "--model", str(resolve_model("smollm2")),
+                         "--port", str(port), "--backend", "vllm", "--vllm-python", vllm_python,
+                         "--prefill", str(prefill), "--decode", str(decode),
+                         "--colocated", str(colocated), "--max-model-len", "2048",
                          "--admission", "none",
-                         "--vllm-args=--enable-prompt-tokens-details --enforce-eager",
-                         stdout=out)
+                         "--vllm-args=--enable-prompt-tokens-details --enforce-eager", stdout=out)
+
+
+def test_prefix_from_the_holder_then_from_the_pool_after_a_restart(
+        cache_home: Path, tmp_path: Path) -> None:
+    marker, port, log = f"up-{uuid.uuid4().hex}", free_port(), tmp_path / "up.log"
+    proc = start_up(marker, port, log, cache_home, 0, 0, 2)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_ready(proc, url, log, timeout_s=1500)
@@ -112,16 +119,8 @@ def test_pd_through_the_pool_is_token_exact(cache_home: Path, tmp_path: Path) ->
     """One prefill and one decode vLLM server: the prefill leg stores the prompt's blocks in the
     pool (MooncakeStoreConnector, kv_both), the decode leg loads them and makes every output
     token. The output equals the prefill server's own for the same prompt, token for token."""
-    vllm_python = real_vllm_python()
     marker, port, log = f"up-{uuid.uuid4().hex}", free_port(), tmp_path / "up.log"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    with log.open("w") as out:
-        proc = kvpool_up(marker, cache_home, "--model", str(resolve_model("smollm2")), "--port", str(port),
-                         "--backend", "vllm", "--vllm-python", vllm_python, "--prefill", "1",
-                         "--decode", "1", "--colocated", "0", "--max-model-len", "2048",
-                         "--admission", "none",
-                         "--vllm-args=--enable-prompt-tokens-details --enforce-eager",
-                         stdout=out)
+    proc = start_up(marker, port, log, cache_home, 1, 1, 0)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_ready(proc, url, log, timeout_s=1500)
