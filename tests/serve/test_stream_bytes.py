@@ -17,7 +17,8 @@ from typing import Any
 
 import httpx
 
-from kvpool.serve.launch import ServingCluster, stop
+from kvpool.launch.children import stop
+from kvpool.serve.launch import ServingCluster
 from tests.serve.conftest import start_proxy
 
 GOLDEN = Path(__file__).parent / "data" / "stream_bytes.json"
