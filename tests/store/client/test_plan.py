@@ -31,4 +31,4 @@ def test_a_copy_is_a_transfer_request_without_its_op() -> None:
     assert copy.request(OpCode.READ) == TransferRequest(
         OpCode.READ, local_addr=4096, length=300, target="10.0.0.2:7000",
         target_addr=1 << 20, fence=9)
-    assert list(Copy._fields) == [f for f in TransferRequest.__dataclass_fields__ if f != "op"]
+    assert list(Copy._fields) == [f for f in TransferRequest._fields if f != "op"]
