@@ -51,7 +51,7 @@ def running_on(fleet: Fleet) -> str:
 
 def test_a_killed_instance_hands_the_stream_over(fleet: Fleet) -> None:
     url = fleet.urls["proxy"]
-    body = {"model": "tiny", "prompt": "the cache " * 30, "max_tokens": 160,
+    body = {"model": "tiny", "prompt": "the cache " * 30, "max_tokens": 800,
             "ignore_eos": True, "temperature": 0}
     whole = httpx.post(url + "/v1/completions", json=body, timeout=120)
     assert whole.status_code == 200, whole.text
@@ -66,7 +66,7 @@ def test_a_killed_instance_hands_the_stream_over(fleet: Fleet) -> None:
             events.append(line[6:])
             if line[6:] != "[DONE]":
                 texts.append(json.loads(line[6:])["choices"][0]["text"])
-            if len(texts) == 10:
+            if len(texts) == 3:  # early: the stream must still be running
                 victim = running_on(fleet)
                 fleet.procs[["c1", "c2"].index(victim)].send_signal(signal.SIGKILL)
     assert events[-1] == "[DONE]" and "error" not in events[-2], events[-2:]
