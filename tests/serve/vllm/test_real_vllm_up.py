@@ -16,6 +16,8 @@ import signal
 import subprocess
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -58,28 +60,38 @@ def vllm_pid(marker: str, url: str) -> int:
     raise AssertionError(f"no vLLM server on {url}")
 
 
-def start_up(marker: str, port: int, log: Path, cache_home: Path, prefill: int, decode: int,
-             colocated: int) -> subprocess.Popen[str]:
-    """`kvpool up --backend vllm` on SmolLM2 with real vLLM servers in this layout."""
-    vllm_python = real_vllm_python()
+@contextmanager
+def vllm_cluster(cache_home: Path, log: Path, prefill: int, decode: int,
+                 colocated: int) -> Iterator[tuple[subprocess.Popen[str], str, str, str]]:
+    """`kvpool up --backend vllm` on SmolLM2 with real vLLM servers in this layout, ready:
+    (its process, its marker, the proxy's URL, the served model). Killed at the end if the
+    test did not stop it, and its children waited for."""
+    marker, port = f"up-{uuid.uuid4().hex}", free_port()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     with log.open("w") as out:
-        return kvpool_up(marker, cache_home, "--model", str(resolve_model("smollm2")),
-                         "--port", str(port), "--backend", "vllm", "--vllm-python", vllm_python,
+        proc = kvpool_up(marker, cache_home, "--model", str(resolve_model("smollm2")),
+                         "--port", str(port), "--backend", "vllm",
+                         "--vllm-python", real_vllm_python(),
                          "--prefill", str(prefill), "--decode", str(decode),
                          "--colocated", str(colocated), "--max-model-len", "2048",
                          "--admission", "none",
                          "--vllm-args=--enable-prompt-tokens-details --enforce-eager", stdout=out)
-
-
-def test_prefix_from_the_holder_then_from_the_pool_after_a_restart(
-        cache_home: Path, tmp_path: Path) -> None:
-    marker, port, log = f"up-{uuid.uuid4().hex}", free_port(), tmp_path / "up.log"
-    proc = start_up(marker, port, log, cache_home, 0, 0, 2)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_ready(proc, url, log, timeout_s=1500)
         model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        yield proc, marker, url, model
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        wait_gone(marker, timeout_s=60)
+
+
+def test_prefix_from_the_holder_then_from_the_pool_after_a_restart(
+        cache_home: Path, tmp_path: Path) -> None:
+    log = tmp_path / "up.log"
+    with vllm_cluster(cache_home, log, 0, 0, 2) as (proc, marker, url, model):
         cold, first, _ = ttft(url, model, PROMPT)
         holder = first["x-kvpool-prefill-worker"]
         time.sleep(2.0)  # its events, and the pool's, arrive
@@ -101,11 +113,6 @@ def test_prefix_from_the_holder_then_from_the_pool_after_a_restart(
         assert int(re.search(r"pool=(\d+)", third["x-kvpool-reused-tokens"]).group(1)) >= 1024
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(120) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        wait_gone(marker, timeout_s=60)
 
 
 def external_hits(url: str) -> float:
@@ -119,12 +126,8 @@ def test_pd_through_the_pool_is_token_exact(cache_home: Path, tmp_path: Path) ->
     """One prefill and one decode vLLM server: the prefill leg stores the prompt's blocks in the
     pool (MooncakeStoreConnector, kv_both), the decode leg loads them and makes every output
     token. The output equals the prefill server's own for the same prompt, token for token."""
-    marker, port, log = f"up-{uuid.uuid4().hex}", free_port(), tmp_path / "up.log"
-    proc = start_up(marker, port, log, cache_home, 1, 1, 0)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_ready(proc, url, log, timeout_s=1500)
-        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    log = tmp_path / "up.log"
+    with vllm_cluster(cache_home, log, 1, 1, 0) as (proc, _, url, model):
         loaded: list[float] = []  # the decode server's tokens loaded by its connector, cumulative
         for k in range(3):
             prompt = [1] + [300 + (i * (17 + k)) % 4000 for i in range(400 + 150 * k)]
@@ -145,8 +148,3 @@ def test_pd_through_the_pool_is_token_exact(cache_home: Path, tmp_path: Path) ->
         decode_log = log.read_text()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(120) == 0, decode_log[-3000:]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        wait_gone(marker, timeout_s=60)
