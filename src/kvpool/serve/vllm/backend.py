@@ -249,7 +249,7 @@ class VllmBackend:
 
     async def prefill(self, url: str, req: PrefillRequest) -> PrefillReply:
         t0 = time.monotonic()
-        transfer_id = new_transfer_id()
+        transfer_id = "" if self.p2p is None else new_transfer_id()  # MooncakeConnector only
         params = (dict(PREFILL_KV_PARAMS) if self.p2p is None
                   else self.p2p.prefill_params(transfer_id))
         body = completion_body(self.model, req.prompt_token_ids, req.sampling, max_tokens=1,
