@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from kvpool.launch.ports import free_port
+from kvpool.launch.wait import wait_for
 from tests.serve.conftest import kvpool_up, marked_pids, reap, token_header, wait_gone, wait_ready
 
 
@@ -61,6 +62,40 @@ def test_up_backend_vllm_routes_by_the_instances_events(cache_home: Path, tmp_pa
         assert proc.wait(30) == 0
     finally:
         reap(proc, marker)
+
+
+def test_up_backend_vllm_the_pool_is_seen_through_its_events(cache_home: Path,
+                                                            tmp_path: Path) -> None:
+    """A prefill instance leaves a prompt's blocks in the pool under the keys vLLM's store
+    connector writes; the master publishes them, and the proxy's index holds every full block
+    (600 tokens: 37 blocks of 16) on the pool's cpu tier."""
+    marker = f"up-{uuid.uuid4().hex}"
+    port = free_port()
+    log = tmp_path / "up.log"
+    with log.open("w") as out:
+        proc = kvpool_up(marker, cache_home, "--port", str(port), "--backend", "vllm",
+                         "--engine", "emulated", "--speed-up", "100", "--prefill", "1",
+                         "--decode", "1", "--admission", "none", stdout=out)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(proc, url, log)
+        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        body = {"model": model, "prompt": [16 + i * 31 % 400 for i in range(600)],
+                "max_tokens": 2, "ignore_eos": True}
+        assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+        text = log.read_text()
+        wait_for(lambda: _pool_blocks(url, text) == 37, 30, lambda: "37 pool blocks at the "
+                 f"proxy, not {_pool_blocks(url, text)}")
+    finally:
+        reap(proc, marker)
+
+
+def _pool_blocks(url: str, text: str) -> float:
+    metrics = httpx.get(url + "/metrics", timeout=10, headers=token_header(text)).text
+    found = re.search(r'kvpool_proxy_engine_kv_events_pool_blocks{worker="[^"]*/cpu"} (\S+)',
+                      metrics)
+    assert found, metrics
+    return float(found.group(1))
 
 
 def _argv(marker: str, what: str) -> list[str]:

@@ -161,14 +161,15 @@ def _app(args: argparse.Namespace, worker: Any) -> Any:
     if args.api != "vllm":
         return create_app(worker)
     from kvpool.engine.gguf_checkpoint import served_name
-    from kvpool.engine.worker.vllm_face import create_vllm_app
+    from kvpool.engine.worker.vllm_face import block_names, create_vllm_app
 
     name = args.served_model_name or served_name(Path(worker.config.model_dir))
     algo = args.prefix_caching_hash_algo
+    names = block_names(worker, name, algo)
     if not args.kv_events_config:
-        return create_vllm_app(worker, name, hash_algo=algo)
+        return create_vllm_app(worker, name, hash_algo=algo, names=names)
     from kvpool.engine.worker.vllm_face_events import FaceEvents, KvEventsConfig
 
     config = KvEventsConfig.parse(args.kv_events_config)
-    events = FaceEvents(worker, config, algo) if config is not None else None
-    return create_vllm_app(worker, name, events, algo)
+    events = FaceEvents(worker, config, names) if config is not None else None
+    return create_vllm_app(worker, name, events, algo, names)

@@ -3,7 +3,8 @@
 Pool layout (docs/engine.md):
 
     block_key(h, layer)   one object per full block per layer: K bytes then V bytes
-                          (2 * block_bytes), h = the block's chained prefix hash
+                          (2 * block_bytes), h = the block's chained prefix hash (the vLLM
+                          face keys it as vLLM's store connector would: `name_blocks`)
     request_key(rid)      a request's last, partial block, all layers: K0 V0 K1 V1 ...
                           (2 * num_layers * block_bytes); read once by the decode worker
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvpool.engine.blocks import block_key, request_key
@@ -32,6 +34,8 @@ from kvpool.errors import KvpoolError
 from kvpool.log import get_logger
 
 log = get_logger("engine.pool")
+BlockKeyFn = Callable[[int, int], str]
+"""A full block's pool key by its hash and layer (`block_key`, or an engine face's own)."""
 DAMAGED = "CHECKSUM_MISMATCH"
 """The read code of pool bytes that fail their checksum: the store client has the replica
 dropped, and a decode leg computes the KV instead of failing."""
@@ -60,6 +64,7 @@ class LayerSaver:
 
     def __init__(self, store: KVStore, cache: KVLayout) -> None:
         self.store, self.cache = store, cache
+        self.key_of: BlockKeyFn = block_key
         self._queue: queue.Queue[tuple[int, list[tuple[int, int]]] | None] = queue.Queue()
         self._failures: list[str] = []
         self._thread = threading.Thread(target=self._run, daemon=True, name="kvpool-kv-saver")
@@ -94,7 +99,7 @@ class LayerSaver:
         self._queue.task_done()
 
     def _put(self, layer: int, blocks: list[tuple[int, int]]) -> None:
-        keys = [block_key(h, layer) for h, _ in blocks]
+        keys = [self.key_of(h, layer) for h, _ in blocks]
         parts = [[self.cache.layer_part(b, layer)] for _, b in blocks]
         for key, result in zip(keys, self.store.batch_put_from_parts(keys, parts), strict=True):
             if not result.ok:
@@ -115,6 +120,14 @@ class PoolConnector(KVConnector):
         self._pending: list[tuple[int, int]] = []
         self.num_recomputed = 0
         """Requests whose KV the pool held damaged, computed here instead (`_recompute`)."""
+        self.key_of: BlockKeyFn = block_key
+
+    def name_blocks(self, key_of: BlockKeyFn) -> None:
+        """Key full blocks in the pool by `key_of` from now on (the vLLM face names them as
+        vLLM's store connector does, engine/worker/vllm_names.py)."""
+        self.key_of = key_of
+        if self.saver is not None:
+            self.saver.key_of = key_of
 
     def close(self) -> None:
         if self.saver is not None:
@@ -170,7 +183,8 @@ class PoolConnector(KVConnector):
         """Load blocks first..limit-1 (all layers); how many leading ones arrived whole, and
         why the next one did not."""
         layers = range(self.cache.num_layers)
-        keys = [block_key(seq.block_hashes[i], layer) for i in range(first, limit) for layer in layers]
+        keys = [self.key_of(seq.block_hashes[i], layer) for i in range(first, limit)
+                for layer in layers]
         if not keys:
             return 0, ""
         parts = [[self.cache.layer_part(seq.block_table[i], layer)]
@@ -262,7 +276,7 @@ class PoolConnector(KVConnector):
         full = seq.num_prompt_tokens // self.bs
         hits = min(seq.num_cached_tokens // self.bs, full)
         layers = range(self.cache.num_layers)
-        keys = [block_key(seq.block_hashes[i], layer) for i in range(hits) for layer in layers]
+        keys = [self.key_of(seq.block_hashes[i], layer) for i in range(hits) for layer in layers]
         parts = [[self.cache.layer_part(seq.block_table[i], layer)]
                  for i in range(hits) for layer in layers]
         if seq.num_prompt_tokens % self.bs:

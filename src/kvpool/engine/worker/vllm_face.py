@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -53,9 +54,13 @@ from kvpool.engine.worker.messages import (
     PrefillRequest,
 )
 from kvpool.engine.worker.runtime import Worker
+from kvpool.engine.worker.vllm_names import VllmBlockNames
 from kvpool.engine.worker.vllm_p2p import PULL_PATH, HeldTransfers, bootstrap_query, pull
 from kvpool.errors import KvpoolError, RequestFailed
 from kvpool.metadata.http_serving import bearer_matches
+
+NAMES_HELD = 65536
+"""The fewest block names the face keeps (engine/worker/vllm_names.py)."""
 
 
 class CompletionBody(BaseModel):
@@ -217,6 +222,15 @@ def _cached(out: StepOutput) -> int:
     return int(out.stats.get("num_cached_tokens", 0) + out.stats.get("num_pool_tokens", 0))
 
 
+def block_names(worker: Worker, served_name: str, hash_algo: str) -> VllmBlockNames:
+    """vLLM's names of the worker's blocks (its hash algorithm, PYTHONHASHSEED, block size);
+    enough of them held for every request the engine can have queued."""
+    cfg = worker.engine.config
+    return VllmBlockNames(cfg.block_size, worker.engine.root_hash, hash_algo,  # type: ignore[arg-type]
+                          os.environ.get("PYTHONHASHSEED"), served_name,
+                          max(4 * cfg.num_blocks, NAMES_HELD))
+
+
 def _sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
@@ -224,15 +238,16 @@ def _sse(obj: dict[str, Any]) -> bytes:
 class EventSource(Protocol):
     """The face's KV-event publisher (vllm_face_events.FaceEvents)."""
 
-    def learn(self, prompt_ids: list[int], cache_salt: str | None) -> None: ...
-
     async def run(self) -> None: ...
 
 
 def create_vllm_app(worker: Worker, served_name: str, events: EventSource | None = None,
-                    hash_algo: str = "sha256") -> FastAPI:
+                    hash_algo: str = "sha256", names: VllmBlockNames | None = None) -> FastAPI:
     """The face over `worker`, serving the model as `served_name`; with `events`, publishing
-    its KV events (as --kv-events-config makes vLLM do)."""
+    its KV events (as --kv-events-config makes vLLM do); its blocks named as vLLM names them,
+    in its events and its pool keys, by `names` (default: from `hash_algo` and PYTHONHASHSEED)."""
+    names = names or block_names(worker, served_name, hash_algo)
+    worker.connector.name_blocks(names.pool_key)
 
     held = HeldTransfers()
     peers = httpx.AsyncClient(timeout=30.0)
@@ -303,8 +318,7 @@ def create_vllm_app(worker: Worker, served_name: str, events: EventSource | None
                 return vllm_error(404, f"The model `{body.model}` does not exist.")
             run = _Completion(worker, body, request.headers.get("x-request-id")
                               or uuid.uuid4().hex)
-            if events is not None:
-                events.learn(body.prompt, body.cache_salt)
+            names.learn(body.prompt, body.cache_salt)
             kv = body.kv_transfer_params or {}
             if run.mode == "prefill":
                 reply = await run.prefill()
