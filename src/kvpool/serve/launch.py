@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from kvpool.engine.gguf_checkpoint import kvpool_cache, served_name
 from kvpool.errors import KvpoolError
@@ -117,6 +117,9 @@ class VllmSpec:
     """The user's own `vllm serve` arguments."""
     start_timeout_s: float = 900.0
     """How long a server may take to answer /health (CPU builds load and warm up slowly)."""
+    start_attempts: int = 2
+    """Starts of a server that exits before it answers /health (vLLM's engine core can fail
+    to come up on a loaded machine), before `kvpool up` gives up."""
 
 
 @contextmanager
@@ -197,7 +200,8 @@ def _start_engines(cluster: ServingCluster, spec: ServingSpec,
             if engines is None:  # a kvpool worker announces once it serves
                 cluster.wait_ready(names[url], "a worker", timeout_s)
             else:
-                _wait_engine(url, cluster, timeout_s)
+                _wait_engine(url, names[url], cluster, timeout_s, stage,
+                             spec.vllm.start_attempts if spec.vllm is not None else 1)
             stage.done(f"{role} {'vLLM server' if engines else 'worker'} ready at {url}")
     return ports
 
@@ -222,19 +226,36 @@ def _vllm_side(spec: ServingSpec, stack: ExitStack, rpc: int, meta: int,
     return wiring, engines
 
 
-def _wait_engine(url: str, cluster: ServingCluster, timeout_s: float) -> None:
-    """Until the vLLM server at `url` answers /health; one that exits first is reported with
-    the end of its log."""
-    try:
-        wait_http(url + "/health", list(cluster.procs.values()), "a worker", timeout_s=timeout_s)
-    except (KvpoolError, TimeoutError) as exc:
-        logs = [c.log for name, c in cluster.commands.items()
-                if c.log is not None and cluster.procs[name].poll() is not None]
-        if not logs:
-            raise
-        from kvpool.serve.vllm.launch import log_tail
+def _wait_engine(url: str, name: str, cluster: ServingCluster, timeout_s: float,
+                 stage: _Stages, attempts: int) -> None:
+    """Until the vLLM server at `url` answers /health. One that exits first is started again,
+    up to `attempts` starts in all (its log keeps every start's output: the cause of the first
+    failure stays readable); then it, or another child that exited, is reported with the end
+    of its log."""
+    for attempt in range(1, attempts + 1):
+        try:
+            wait_http(url + "/health", list(cluster.procs.values()), "a worker",
+                      timeout_s=timeout_s)
+            return
+        except (KvpoolError, TimeoutError) as exc:
+            exited = cluster.exited()
+            if exited != [name] or attempt == attempts:
+                _engine_failed(exc, cluster)
+            stage.note(f"{name} exited while starting ({exc}); starting it again "
+                       f"(attempt {attempt + 1} of {attempts}), its log: "
+                       f"{cluster.commands[name].log}")
+            cluster.restart(name)
 
-        raise KvpoolError(f"{exc}; the end of {logs[0]}:\n{log_tail(logs[0])}") from None
+
+def _engine_failed(exc: Exception, cluster: ServingCluster) -> NoReturn:
+    """`exc`, with the end of the log of a child that exited (the cause, when it was one)."""
+    logs = [c.log for name, c in cluster.commands.items()
+            if c.log is not None and cluster.procs[name].poll() is not None]
+    if not logs:
+        raise exc
+    from kvpool.serve.vllm.launch import log_tail
+
+    raise KvpoolError(f"{exc}; the end of {logs[0]}:\n{log_tail(logs[0])}") from None
 
 
 class _Stages:

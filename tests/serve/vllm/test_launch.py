@@ -10,7 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.errors import ConfigError
+from kvpool.errors import ConfigError, KvpoolError
+from kvpool.launch.children import Command
+from kvpool.launch.ports import free_port
+from kvpool.launch.wait import answers
+from kvpool.serve.launch import ServingCluster, _Stages, _wait_engine
 from kvpool.serve.vllm.launch import (
     POOL_TOPIC,
     EventWiring,
@@ -88,3 +92,43 @@ def test_a_failed_start_shows_the_first_error_and_the_end(tmp_path: Path) -> Non
     log.write_text("INFO a\nINFO b")
     assert log_tail(log, lines=3) == "INFO a\nINFO b"
     assert log_tail(tmp_path / "absent.log") == ""
+
+
+FLAKY_SERVER = """
+import http.server, pathlib, sys
+marker = pathlib.Path(sys.argv[2])
+if not marker.exists():  # the first start fails, as vLLM's engine core can on a loaded machine
+    marker.write_text("x")
+    print("ERROR engine core initialization failed", flush=True)
+    sys.exit(1)
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+@pytest.mark.parametrize("attempts", [1, 2])
+def test_a_server_that_exits_while_starting_is_started_again(tmp_path: Path,
+                                                             attempts: int) -> None:
+    """A real child that fails its first start: with two attempts it is started again and
+    serves; with one, the failure names the first error in its log."""
+    port = free_port()
+    log = tmp_path / "server.log"
+    cluster = ServingCluster("127.0.0.1", "http://127.0.0.1:1", tmp_path, "m")
+    said: list[str] = []
+    try:
+        cluster.run("prefill-0", Command((sys.executable, "-c", FLAKY_SERVER, str(port),
+                                          str(tmp_path / "marker")), log=log))
+        url = f"http://127.0.0.1:{port}"
+        if attempts == 1:
+            with pytest.raises(KvpoolError, match="engine core initialization failed"):
+                _wait_engine(url, "prefill-0", cluster, 30, _Stages(said.append), attempts)
+            return
+        _wait_engine(url, "prefill-0", cluster, 30, _Stages(said.append), attempts)
+        assert answers(url + "/health") is not None
+        assert len(said) == 1 and "prefill-0 exited while starting" in said[0]
+        assert "attempt 2 of 2" in said[0]
+        assert "engine core initialization failed" in log.read_text()  # the cause is kept
+    finally:
+        cluster.stop_all()
