@@ -14,15 +14,23 @@ from tests.support.procs import python_env
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # three runs of 20 s of the trace, each a cluster of 4-6 workers
 def test_the_emulated_fleet_bench_runs_and_loses_nothing() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "kvpool", "bench", "serve", "--engine", "emulated", "--json",
          "--window", "20", "--speed-up", "4", "--prefill", "2", "--decode", "2",
-         "--colocated", "2", "--runs", "1,7", "--pool-dram", "512MiB"],
+         "--colocated", "2", "--runs", "1,7,9", "--pool-dram", "512MiB",
+         "--direct-below-tokens", "4096"],
         capture_output=True, text=True, timeout=600, env=python_env())
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    assert [r["config"] for r in rows] == ["2P2D kvcache_centric none", "2M vllm"]
+    assert [r["config"] for r in rows] == ["2P2D kvcache_centric none", "2M vllm",
+                                           "2P2D kvcache_centric none direct<=4096"]
+    direct = rows.pop()  # conditional disaggregation: short requests skip the prefill worker
+    assert direct["output_mismatches"] == 0 and direct["leftovers"] == [], direct
+    assert direct["ok"] + direct["rejected"] == direct["requests"] and direct["sim"] == {}, direct
+    assert 0 < direct["direct_requests"] < direct["requests"], direct
+    assert rows[0]["direct_requests"] == 0
     for r in rows:
         assert r["requests"] > 40 and r["ok"] + r["rejected"] == r["requests"], r
         assert r["output_mismatches"] == 0 and r["leftovers"] == [], r

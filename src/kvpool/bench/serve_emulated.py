@@ -58,12 +58,19 @@ class RunSpec:
     """Colocated only: vllm (whole prompts, no prefix caching) or vllm_chunked_prefix."""
     load: float = 1.0
     """Arrival rate as a multiple of the trace's (the overload runs compress the arrivals)."""
+    direct_below: int = 0
+    """The proxy's --direct-below-tokens (conditional disaggregation; 0: off)."""
 
 
-def default_runs(num_p: int, num_d: int, num_c: int, overload: float) -> list[RunSpec]:
+def default_runs(num_p: int, num_d: int, num_c: int, overload: float,
+                 direct_below: int = 0) -> list[RunSpec]:
     """Placement at the trace's rate; admission at `overload` times it; the colocated
-    baselines at the trace's rate."""
+    baselines at the trace's rate; with `direct_below`, run 1 again with conditional
+    disaggregation at that threshold (run 9)."""
     pd, x = f"{num_p}P{num_d}D", f"x{overload:g}"
+    direct = ([RunSpec(f"{pd} kvcache_centric none direct<={direct_below}", num_p, num_d, 0,
+                       "kvcache_centric", "none", direct_below=direct_below)]
+              if direct_below > 0 else [])
     return [RunSpec(f"{pd} kvcache_centric none", num_p, num_d, 0, "kvcache_centric", "none"),
             RunSpec(f"{pd} load_balance none", num_p, num_d, 0, "load_balance", "none"),
             RunSpec(f"{pd} random none", num_p, num_d, 0, "random", "none"),
@@ -75,7 +82,7 @@ def default_runs(num_p: int, num_d: int, num_c: int, overload: float) -> list[Ru
                     "kvcache_centric", "early_rejection_predicted", load=overload),
             RunSpec(f"{num_c}M vllm", 0, 0, num_c, "round_robin", "none", "vllm"),
             RunSpec(f"{num_c}M vllm_chunked_prefix", 0, 0, num_c, "round_robin", "none",
-                    "vllm_chunked_prefix")]
+                    "vllm_chunked_prefix"), *direct]
 
 
 @dataclass
@@ -205,12 +212,15 @@ def summarise(sent: list[Sent], facts: WorkerFacts, speed_up: float, disagg: boo
 
 def simulate(spec: RunSpec, reqs: list[TraceRequest], profile: EngineProfile,
              chunk_tokens: int) -> dict[str, Any]:
-    """The simulator's row for the same window, on the profile's cost model."""
+    """The simulator's row for the same window, on the profile's cost model ({} for a run
+    with conditional disaggregation, which the simulator does not model)."""
     from kvpool.conductor import Conductor, ConductorConfig
     from kvpool.sim.colocated import ColocatedConfig, ColocatedSim, VllmConfig
     from kvpool.sim.disagg import DisaggConfig, DisaggSim
     from kvpool.sim.engine import EngineConfig
 
+    if spec.direct_below:
+        return {}
     eng = EngineConfig(kv_capacity_tokens=profile.kv_capacity_tokens)
     if spec.num_colocated:
         chunked = spec.baseline == "vllm_chunked_prefix"
@@ -267,7 +277,8 @@ def proxy_args(spec: RunSpec, args: argparse.Namespace, cost: Path) -> tuple[str
     return ("--prefill-policy", spec.policy, "--admission", spec.admission,
             "--poll-interval", str(args.poll_interval),
             "--ttft-slo", str(TTFT_SLO_S / s), "--tbt-slo", str(TBT_SLOS_S[0] / s),
-            "--decode-horizon", str(10.0 / s), "--cost", str(cost))
+            "--decode-horizon", str(10.0 / s), "--cost", str(cost),
+            *(("--direct-below-tokens", str(spec.direct_below)) if spec.direct_below else ()))
 
 
 def _facts(url: str) -> WorkerFacts:
@@ -323,6 +334,19 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def proxy_counter(url: str, name: str) -> float:
+    """A counter of the proxy's /metrics (its samples summed over labels; 0 when absent)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvpool.metadata.http_serving import bearer_header
+    from kvpool.token import env_token
+
+    text = httpx.get(url + "/metrics", timeout=30, headers=bearer_header(env_token())).text
+    return sum(s.value for family in text_string_to_metric_families(text)
+               if family.name == name for s in family.samples if s.name == name + "_total")
+
+
 def wait_rotation(url: str, num_workers: int, timeout_s: float = 120.0) -> None:
     """Until the proxy has every worker in rotation."""
     from kvpool.bench.serve_sim import fetch_stats
@@ -352,11 +376,13 @@ def live_run(spec: RunSpec, args: argparse.Namespace, reqs: list[TraceRequest],
         wall = asyncio.run(replay(cluster.proxy_url, cluster.model_name, sent,
                                   args.speed_up * spec.load))
         proxy_cpu = cpu_s(cluster.procs["proxy"].pid) - proxy_cpu
+        direct = proxy_counter(cluster.proxy_url, "kvpool_proxy_direct_requests")
         time.sleep(0.5)
         left, lost_s = leftovers(cluster, args.backend)
     row = summarise(sent, facts, args.speed_up, not spec.num_colocated, profile.cost)
     row["engine_lost_s"] = round(lost_s * args.speed_up, 2)
     row["proxy_cpu_ms_per_request"] = round(proxy_cpu * 1e3 / max(1, len(sent)), 1)
+    row["direct_requests"] = int(direct)
     row["failed_by"] = sorted({f"{s.status} {str(s.body.get('error', s.reason))[:120]}"
                                for s in sent if s.status not in (200, 429)})[:3]
     row["wall_s"] = round(wall, 1)
@@ -398,6 +424,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", choices=("kvpool", "vllm"), default="kvpool",
                    help="vllm: the workers serve vLLM's API (kvpool worker --api vllm) and the "
                         "proxy drives them through its vllm backend")
+    g.add_argument("--direct-below-tokens", type=int, default=0,
+                   help="also run kvcache_centric with the proxy's conditional disaggregation at "
+                        "this threshold (run 9; the simulator column shows n/a)")
     g.add_argument("--runs", default="",
                    help="comma-separated run numbers (1-based) of the default list")
 
@@ -420,12 +449,14 @@ def _format(label: str, live: dict[str, Any], sim: dict[str, Any]) -> list[str]:
             f"{live['lag_p50_ms']}/{live['lag_p99_ms']} ms  first gap p50/p90 "
             f"{live['first_gap_p50_ms']}/{live['first_gap_p90_ms']} ms  steps late "
             f"{live['engine_lost_s']} s  proxy CPU {live['proxy_cpu_ms_per_request']} ms/request"
+            f"{'  direct ' + str(live['direct_requests']) if live['direct_requests'] else ''}"
             f"{'' if live['valid'] else '  INVALID: lag over 10% of the TBT SLO'}"
             f"{'  LEFTOVERS: ' + '; '.join(live['leftovers']) if live['leftovers'] else ''}"
             f"{'  FAILURES: ' + ' | '.join(live['failed_by']) if live['failed_by'] else ''}")
     lines = [head, "    " + "".join(f"{k:>17}" for k in ("", *COMPARED))]
     for name, row in (("live", live), ("sim", sim)):
-        lines.append("    " + f"{name:>17}" + "".join(f"{row[k]:>17}" for k in COMPARED))
+        lines.append("    " + f"{name:>17}" + "".join(f"{row.get(k, 'n/a')!s:>17}"
+                                                      for k in COMPARED))
     return lines
 
 
@@ -440,7 +471,8 @@ def run_emulated(args: argparse.Namespace) -> int:
         if not args.json and not args.full:
             print(f"representative {describe_window(picked)}", flush=True)
     reqs = window(trace, args.window_start, None if args.full else args.window)
-    specs = default_runs(args.prefill, args.decode, args.colocated, args.overload)
+    specs = default_runs(args.prefill, args.decode, args.colocated, args.overload,
+                         args.direct_below_tokens)
     if args.runs:
         specs = [specs[int(i) - 1] for i in args.runs.split(",")]
     tiny = Path(args.model) if args.model else ensure_tiny_model(default_model_dir())
