@@ -60,18 +60,19 @@ def start_worker(stack: ExitStack, tmp: Path, speed_up: float,
 
 
 def start_proxy(stack: ExitStack, tmp: Path, worker: subprocess.Popen[bytes], worker_port: int,
-                speed_up: float, src: Path | None = None,
-                flags: tuple[str, ...] = ()) -> tuple[subprocess.Popen[bytes], int, str]:
+                speed_up: float, src: Path | None = None, flags: tuple[str, ...] = (),
+                named: bool = True) -> tuple[subprocess.Popen[bytes], int, str]:
     """kvpool's proxy in front of the worker (from the sources in `src`: another version of
-    kvpool to compare with; `flags`: more `kvpool proxy` flags), once it has the worker in rotation; (process, port, served model
-    name)."""
+    kvpool to compare with; `flags`: more `kvpool proxy` flags; `named` False: the flags name
+    the worker), once it has the worker in rotation; (process, port, served model name)."""
     model = _model(tmp)
     cost = tmp / "cost.json"
     cost.write_text(json.dumps(scaled_cost(load_profile(DEFAULT_PROFILE).cost,
                                            speed_up).to_dict()))
     port = free_port(HOST)
     proc = _child(stack, "proxy", "--model", str(model), "--host", HOST, "--port", str(port),
-                  "--prefill", f"http://{HOST}:{worker_port}", "--no-access-log",
+                  *(("--prefill", f"http://{HOST}:{worker_port}") if named else ()),
+                  "--no-access-log",
                   "--cost", str(cost), "--admission", "none",
                   "--decode-horizon", str(10.0 / speed_up), *flags, src=src)
     wait_http(f"http://{HOST}:{port}/health", [proc, worker], "the proxy", 120)

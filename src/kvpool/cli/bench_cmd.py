@@ -17,6 +17,7 @@ _BENCH_MODULES = (
     "kvpool.bench.attacks",
     "kvpool.bench.migration",
     "kvpool.bench.proxy",
+    "kvpool.bench.proxy_vllm",
 )
 
 
