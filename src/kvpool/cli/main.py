@@ -43,6 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    """The command line as given (`kvpool proxy --workers N` starts copies of it)."""
     if getattr(args, "func", None) is None:
         parser.print_help()
         return 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import socket
 import sys
 from dataclasses import replace
 
@@ -30,6 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--decode", action="append", default=[], metavar="URL",
                    help="a decode worker; repeat for more")
     add_backend_args(p)
+    add_process_args(p)
     p.add_argument("--prefill-policy", default=_D.prefill_policy, choices=sorted(PREFILL_POLICIES))
     p.add_argument("--admission", default=_D.admission, choices=sorted(ADMISSION_POLICIES))
     add_slo_args(p, _D.ttft_slo_s, _D.tbt_slo_s)
@@ -100,6 +102,15 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
                    help="vllm: the instances' PYTHONHASHSEED, if they set one")
 
 
+def add_process_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="N proxy processes accepting on one port, each seeing the others' "
+                        "bookings (one core each; not with --kv-events)")
+    for flag in ("--listen-fd", "--peer-index", "--num-peers"):  # set by --workers
+        p.add_argument(flag, type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--peer-dir", default="", help=argparse.SUPPRESS)
+
+
 def add_api_key_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", action="append", default=[], metavar="KEY",
                    help="the OpenAI API needs `Authorization: Bearer KEY` (repeat for several "
@@ -148,6 +159,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         token=args.token or env_token(), access_log=args.access_log,
         max_body_bytes=args.max_body_bytes, api_keys=api_keys_from(args),
         salt_per_api_key=args.salt_per_api_key, restart_counts_path=args.restart_counts,
+        peer_dir=args.peer_dir, peer_index=args.peer_index or 0,
+        num_peers=args.num_peers or max(1, args.workers),
         http_limits=replace(_D.http_limits, max_concurrency=args.max_connections))
 
 
@@ -169,9 +182,16 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         config = config_from_args(args)
+        if args.workers > 1:
+            from kvpool.launch.proxy_group import run_group
+
+            return run_group(args.argv, config.host, config.port, args.workers,
+                             config.http_limits.backlog)
         app = create_app(config)
     except (KvpoolError, OSError) as exc:
         print(f"kvpool proxy: {exc}", file=sys.stderr)
         return 2
-    serve(app, config.host, config.port, config.http_limits, timeout_graceful_shutdown=5)
+    sockets = None if args.listen_fd is None else [socket.socket(fileno=args.listen_fd)]
+    serve(app, config.host, config.port, config.http_limits, sockets=sockets,
+          timeout_graceful_shutdown=5)
     return 0

@@ -207,16 +207,18 @@ def limits_for_descriptors(limits: HttpLimits, open_files: int) -> HttpLimits:
 
 
 def serve(app: Any, host: str, port: int, limits: HttpLimits,
-          on_ready: Callable[[], None] | None = None, **overrides: Any) -> None:
+          on_ready: Callable[[], None] | None = None, sockets: list[Any] | None = None,
+          **overrides: Any) -> None:
     """Run `app` on host:port until stopped (SIGINT/SIGTERM), defended by `limits` (its
     connection cap within the descriptors this process may open), with its lifespan: the
     way kvpool's long-running HTTP commands (proxy, worker) serve. `on_ready`: called once it
-    listens."""
+    listens. `sockets`: listening sockets to accept on instead of binding host:port (the
+    processes of `kvpool proxy --workers N` share one)."""
     limits = limits_for_descriptors(limits, raise_open_files_limit())
     options = {"lifespan": "on", "host": host, "port": port, **overrides}
     server = QuietServer(uvicorn_config(app, limits, **options))
     server.on_ready = on_ready
-    server.run()
+    server.run(sockets)
 
 
 class BodyTooLarge(InvalidArgument):

@@ -51,6 +51,7 @@ from kvpool.serve.errors import (
     worker_failed,
 )
 from kvpool.serve.metrics import ProxyMetrics
+from kvpool.serve.peer_link import PeerLink
 from kvpool.serve.poller import Poller
 from kvpool.serve.protocol import (
     ChatRequest,
@@ -93,15 +94,22 @@ class Proxy:
                                      self.metrics)
         self.metrics.watch_cost(self.dispatcher.cost_in_use)
         self.poller = Poller(self.cluster, self.client, config.poll_interval_s)
+        self.peers = (PeerLink.attach(self.cluster, Path(config.peer_dir), config.peer_index,
+                                      config.num_peers, self.clock)
+                      if config.peer_dir else None)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
         c = self.config
         for url in (*c.prefill_urls, *c.decode_urls, *c.colocated_urls):
             self.poller.watch(url)
+        if self.peers is not None:
+            self.peers.start()
         try:
             yield
         finally:
+            if self.peers is not None:
+                await self.peers.stop()
             await self.poller.stop()
             await self.client.aclose()
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvpool.clock import Clock
 from kvpool.conductor import (
@@ -78,10 +79,24 @@ class Booking:
     """Conditional disaggregation sent it straight to its decode worker (no prefill leg)."""
     decode_started: bool = False
     finished: bool = False
+    remote: bool = False
+    """Booked by another process of the same proxy (serve/shared_bookings.py)."""
 
     @property
     def colocated(self) -> bool:
         return self.prefill is self.decode
+
+
+class BookingSink(Protocol):
+    """Told of this process's own booking events (`kvpool proxy --workers N`: the others')."""
+
+    def booked(self, b: Booking) -> None: ...
+
+    def prefill_done(self, b: Booking) -> None: ...
+
+    def decode_started(self, b: Booking) -> None: ...
+
+    def finished(self, b: Booking) -> None: ...
 
 
 class LiveCluster:
@@ -93,6 +108,8 @@ class LiveCluster:
         self.dead_after_failures = dead_after_failures
         self.workers: dict[str, WorkerState] = {}
         self.view = ClusterView([], [], PrefixIndex())
+        self.sink: BookingSink | None = None
+        """Told of every booking event of this process's own (`--workers N`)."""
         self._prefill: list[WorkerState] = []
         self._decode: list[WorkerState] = []
 
@@ -218,14 +235,18 @@ class LiveCluster:
             p.decode_load.instance_id == decision.decode.instance_id and \
             self._decode[decision.decode.instance_id] is p
 
-    def book(self, req: RequestInfo, decision: Accepted, now: float) -> Booking:
+    def book(self, req: RequestInfo, decision: Accepted, now: float,
+             remote: bool = False) -> Booking:
         p = self._prefill[decision.prefill.instance_id]
         d = self._decode[decision.decode.instance_id]
         assert p.prefill_load is not None and d.decode_load is not None
         alone = p.prefill_load.num_queued == 0
         self.view.record_accept(req, decision, now)
-        return Booking(req, p, d, p.prefill_load, d.decode_load, decision, alone,
-                       p.prefill_load.busy_until_s, p.shift_s)
+        b = Booking(req, p, d, p.prefill_load, d.decode_load, decision, alone,
+                    p.prefill_load.busy_until_s, p.shift_s, remote=remote)
+        if self.sink is not None and not remote:
+            self.sink.booked(b)
+        return b
 
     def _in_view(self, b: Booking, prefill: bool) -> bool:
         if prefill:
@@ -236,6 +257,8 @@ class LiveCluster:
         if not b.prefill_pending:
             return
         b.prefill_pending = False
+        if self.sink is not None and not b.remote:
+            self.sink.prefill_done(b)
         if self._in_view(b, prefill=True):
             self.view.record_prefill_done(b.prefill_load.instance_id)
             # the queue behind this request starts later (or earlier) than predicted: shift it
@@ -248,6 +271,8 @@ class LiveCluster:
         if b.decode_started or b.finished:
             return
         b.decode_started = True
+        if self.sink is not None and not b.remote:
+            self.sink.decode_started(b)
         if self._in_view(b, prefill=False):
             self.view.record_decode_start(b.decode_load.instance_id, b.req, now)
 
@@ -257,6 +282,8 @@ class LiveCluster:
             return
         self.prefill_done(b, now)
         b.finished = True
+        if self.sink is not None and not b.remote:
+            self.sink.finished(b)
         if self._in_view(b, prefill=False):
             self.view.record_decode_end(b.decode_load.instance_id, b.req, b.decode_started)
 

@@ -42,6 +42,11 @@ class ProxyConfig:
     """kvpool workers: output tokens per frame of a decode leg after the first (fewer frames to
     relay, fewer chunks to the client); None = each worker's own --stream-interval."""
     worker_sse: bool = False
+    peer_dir: str = ""
+    """`kvpool proxy --workers N`: the folder of the processes' booking sockets ("" = one
+    process); `peer_index` is this process's, `num_peers` N."""
+    peer_index: int = 0
+    num_peers: int = 1
     """kvpool workers: a streamed single choice without logprobs or echo gets its text chunks
     from the decoding worker (detokenized, stop strings applied there), relayed as they come
     (GenerateRequest.sse); the proxy makes only the first chunk and the usage chunk."""
@@ -118,6 +123,12 @@ class ProxyConfig:
         if self.backend != "kvpool" and self.kv_transfer == "push":
             raise ConfigError(f"kv_transfer push needs kvpool workers; the {self.backend} "
                               f"backend hands the KV over with its own connector")
+        if self.num_peers < 1 or not 0 <= self.peer_index < self.num_peers:
+            raise ConfigError(f"peer_index must be in 0..num_peers-1, got {self.peer_index} "
+                              f"of {self.num_peers}")
+        if self.num_peers > 1 and self.kv_events:
+            raise ConfigError("--workers N with --kv-events: the events' endpoint is bound by "
+                              "one process; run one proxy process to consume KV events")
         if self.direct_below_tokens < 0:
             raise ConfigError(f"direct_below_tokens must be >= 0, got {self.direct_below_tokens}")
         if self.stream_interval is not None and not \

@@ -1,0 +1,156 @@
+"""The bookings of `kvpool proxy --workers N` shared between its processes: a booking on one
+process's view queues on the same workers in the other's, over real Unix datagram sockets, and
+is released by the same events; a silent or restarted peer's bookings are released; a
+malformed datagram is counted and changes nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from pathlib import Path
+
+import pytest
+
+from kvpool.clock import VirtualClock
+from kvpool.conductor import Accepted, Conductor, ConductorConfig, RequestInfo
+from kvpool.serve.cluster import LiveCluster
+from kvpool.serve.peer_link import PeerLink, peer_socket
+from kvpool.serve.shared_bookings import SILENT_S, SharedBookings
+from tests.conductor.conftest import SIMPLE_COST
+from tests.serve.test_cluster import D1, P1, P2, info
+
+
+def live(clock: VirtualClock) -> LiveCluster:
+    c = LiveCluster(SIMPLE_COST, clock, dead_after_failures=2, silent_dead_s=5.0)
+    for url, role in ((P2, "prefill"), (P1, "prefill"), (D1, "decode")):
+        c.add(url)
+        c.join(url, info(role))
+    return c
+
+
+def book(c: LiveCluster, rid: int, now: float = 0.0) -> object:
+    decision = Conductor(ConductorConfig(block_size=4), SIMPLE_COST).schedule(
+        RequestInfo(rid, 100, 4, ()), c.view, now)
+    assert isinstance(decision, Accepted)
+    return c.book(RequestInfo(rid, 100, 4, ()), decision, now)
+
+
+async def settle(*links: PeerLink) -> None:
+    for _ in range(20):  # the datagrams are read on the loop's next turns
+        await asyncio.sleep(0.005)
+
+
+def test_a_booking_on_one_process_is_seen_by_the_other(tmp_path: Path,
+                                                        vclock: VirtualClock) -> None:
+    async def run() -> None:
+        a, b = live(vclock), live(vclock)
+        la, lb = (PeerLink.attach(a, tmp_path, 0, 2, vclock),
+                  PeerLink.attach(b, tmp_path, 1, 2, vclock))
+        la.start()
+        lb.start()
+        try:
+            booking = book(a, 1)
+            await settle(la, lb)
+            p_a = [p.busy_until_s for p in a.view.prefill]
+            assert [p.busy_until_s for p in b.view.prefill] == p_a and max(p_a) > 0
+            assert [p.num_queued for p in b.view.prefill] == [p.num_queued
+                                                              for p in a.view.prefill]
+            assert b.view.decode[0].num_assigned == 1 and b.view.decode[0].assigned_tokens == 100
+            assert lb.shared.num_remote() == 1
+            # b's own next request goes to the other prefill worker: it sees the queue
+            mine = book(b, 1)
+            assert mine.prefill.url != booking.prefill.url  # type: ignore[attr-defined]
+            vclock.advance(0.5)
+            a.decode_start(booking, vclock.now())  # type: ignore[arg-type]
+            a.finish(booking, vclock.now())  # type: ignore[arg-type]
+            await settle(la, lb)
+            assert b.view.decode[0].num_assigned == 1  # b's own request only
+            assert lb.shared.num_remote() == 0 and la.shared.num_remote() == 1
+            assert lb.shared.num_bad == 0 and la.num_unsent == 0
+        finally:
+            await la.stop()
+            await lb.stop()
+
+    asyncio.run(run())
+
+
+def test_a_silent_peers_bookings_are_released(tmp_path: Path, vclock: VirtualClock) -> None:
+    async def run() -> None:
+        a, b = live(vclock), live(vclock)
+        la, lb = (PeerLink.attach(a, tmp_path, 0, 2, vclock),
+                  PeerLink.attach(b, tmp_path, 1, 2, vclock))
+        la.start()
+        lb.start()
+        try:
+            book(a, 1)
+            book(a, 2)
+            await settle(la, lb)
+            assert sum(p.num_queued for p in b.view.prefill) == 2
+            await la.stop()  # process 0 dies: nothing more from it
+            vclock.advance(SILENT_S + 0.1)
+            lb.shared.expire(vclock.now())
+            assert sum(p.num_queued for p in b.view.prefill) == 0
+            assert b.view.decode[0].num_assigned == 0 and lb.shared.num_remote() == 0
+        finally:
+            await lb.stop()
+
+    asyncio.run(run())
+
+
+def test_a_restarted_peers_old_bookings_are_released(vclock: VirtualClock) -> None:
+    a, b = live(vclock), live(vclock)
+    old, new = SharedBookings(a, 0, 111), SharedBookings(a, 0, 222)
+    sb = SharedBookings(b, 1, 333)
+    a.sink = old
+    book(a, 1)
+    for msg in old.outbox:
+        sb.apply(msg, 0.0)
+    assert sb.num_remote() == 1
+    new.heartbeat()  # the same index, another incarnation
+    sb.apply(new.outbox[0], 1.0)
+    assert sb.num_remote() == 0 and sum(p.num_queued for p in b.view.prefill) == 0
+
+
+@pytest.mark.parametrize("raw", [b"", b"\xc1", b"\x93\xa1b\x00\x01", b"\x93\xa1z\x00\x01",
+                                 b"\x94\xa1b\x00\x01\xa1x"])
+def test_a_malformed_datagram_is_counted_and_changes_nothing(raw: bytes,
+                                                             vclock: VirtualClock) -> None:
+    b = live(vclock)
+    sb = SharedBookings(b, 1, 1)
+    sb.apply(raw, 0.0)
+    assert sb.num_bad == 1 and sb.num_remote() == 0
+    assert sum(p.num_queued for p in b.view.prefill) == 0
+
+
+def test_a_booking_on_workers_this_view_lacks_is_not_booked(vclock: VirtualClock) -> None:
+    a, b = live(vclock), live(vclock)
+    b.withdraw(P1, "in this test")
+    b.withdraw(P2, "in this test")
+    b.add(P2)
+    b.join(P2, info("prefill"))
+    sa = SharedBookings(a, 0, 1)
+    a.sink = sa
+    placed = book(a, 1)
+    sb = SharedBookings(b, 1, 2)
+    for msg in sa.outbox:
+        sb.apply(msg, 0.0)
+    held = sb.num_remote()
+    assert held == (1 if placed.prefill.url == P2 else 0)  # type: ignore[attr-defined]
+    assert sb.num_bad == 0
+
+
+def test_the_socket_folder_is_the_users_alone(tmp_path: Path, vclock: VirtualClock) -> None:
+    async def run() -> None:
+        link = PeerLink.attach(live(vclock), tmp_path, 0, 2, vclock)
+        link.start()
+        try:
+            path = peer_socket(tmp_path, 0)
+            assert path.stat().st_mode & 0o777 == 0o600
+            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+                s.sendto(b"not msgpack", str(path))
+            await settle(link)
+            assert link.shared.num_bad == 1
+        finally:
+            await link.stop()
+
+    asyncio.run(run())
