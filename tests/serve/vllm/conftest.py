@@ -15,6 +15,7 @@ import pytest
 from kvpool.engine.emulated.kvbytes import expected_output, ordinary_vocab
 from kvpool.launch.children import kvpool_argv, spawn, stop
 from kvpool.launch.ports import free_port
+from kvpool.launch.wait import answers, wait_for
 from kvpool.serve.launch import ensure_emulated_model
 from tests.support.procs import python_env
 from tests.support.require import missing
@@ -63,6 +64,18 @@ class Fleet:
                 stdout=out, stderr=subprocess.STDOUT))
         self.urls[name], self.proxy_logs[name] = f"http://127.0.0.1:{port}", log
         return self.urls[name]
+
+    def wait_joined(self, name: str, prefill: int, decode: int) -> None:
+        """Until proxy `name` has this many instances in rotation (its /health answers once
+        the first joined; a loaded machine starts the others later)."""
+        url = self.urls[name] + "/health"
+
+        def joined() -> bool:
+            reply = answers(url)
+            return reply is not None and (reply.json()["prefill"],
+                                          reply.json()["decode"]) == (prefill, decode)
+        wait_for(joined, 120, f"{name}: {prefill} prefill and {decode} decode instances "
+                 "joined", step_s=0.2, procs=self.procs)
 
     def stop(self) -> None:
         for p in reversed(self.procs):

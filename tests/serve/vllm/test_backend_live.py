@@ -18,7 +18,7 @@ import pytest
 
 from kvpool.errors import InvalidArgument
 from kvpool.launch.ports import free_port
-from kvpool.launch.wait import wait_for, wait_http
+from kvpool.launch.wait import wait_http
 from kvpool.serve.vllm.backend import VllmBackend, model_hash
 from tests.serve.vllm.conftest import (
     BLOCK,
@@ -46,18 +46,10 @@ def fleet(emu_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         f.proxy("colocated", emu_model, tmp_path_factory.mktemp("proxy") / "colocated.log", "--colocated", c1,
                 "--colocated", f.urls["c2"], "--colocated", dead, "--colocated", other)
         wait_http(f.urls["colocated"] + "/health", f.procs, "the proxy", timeout_s=120)
-        # the proxy answers once one instance joined; the tests need both (a loaded CI machine
-        # starts the second later)
-        wait_for(lambda: both_joined(f.urls["colocated"]), 120, "both instances joined the proxy",
-                 step_s=0.2, procs=f.procs)
+        f.wait_joined("colocated", 2, 2)
         yield f
     finally:
         f.stop()
-
-
-def both_joined(url: str) -> bool:
-    health = httpx.get(url + "/health", timeout=10).json()
-    return (health["prefill"], health["decode"]) == (2, 2)
 
 
 def test_colocated_instances_serve_token_exact(fleet: Fleet) -> None:

@@ -33,6 +33,7 @@ def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
         f.proxy("proxy", tiny_model, tmp_path_factory.mktemp("proxy") / "proxy.log",
                 "--colocated", f.urls["c1"], "--colocated", f.urls["c2"])
         wait_http(f.urls["proxy"] + "/health", f.procs, "the proxy", timeout_s=120)
+        f.wait_joined("proxy", 2, 2)
         yield f
     finally:
         f.stop()

@@ -42,6 +42,7 @@ def fleet(emu_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
                 "--colocated", f.urls["c3"])
         for name in ("events", "seeded"):
             wait_http(f.urls[name] + "/health", f.procs, name, timeout_s=120)
+        f.wait_joined("events", 2, 2)
         yield f
     finally:
         f.stop()
