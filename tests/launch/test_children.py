@@ -5,45 +5,32 @@ child it depends on exits."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 
 import pytest
 
 from kvpool.errors import KvpoolError
-from kvpool.launch.children import Command, running, spawn_command, stop, stop_group
+from kvpool.launch.children import Command, running, spawn_command, stop_group
 from kvpool.launch.wait import wait_for, wait_port
-from tests.support.procs import python_env
-
-_PARENT = """
-import sys, time
-from kvpool.launch.children import Command, spawn_command
-child = spawn_command(Command((sys.executable, "-c", "import time; time.sleep(60)")))
-print(child.pid, flush=True)
-time.sleep(60)
-"""
-
-
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
+from tests.launch.orphans import gone, kill_parent_of
 
 
 def test_a_child_dies_with_its_parent_even_on_sigkill() -> None:
-    parent = subprocess.Popen([sys.executable, "-c", _PARENT], stdout=subprocess.PIPE,
-                              env=python_env())
-    try:
-        assert parent.stdout is not None
-        child_pid = int(parent.stdout.readline())
-        parent.kill()
-        parent.wait()
-        wait_for(lambda: _gone(child_pid), 5.0, f"child {child_pid} to exit")
-    finally:
-        stop(parent)
+    kill_parent_of("""
+        from kvpool.launch.children import Command, spawn_command
+        child = spawn_command(Command((sys.executable, "-c", "import time; time.sleep(60)")))
+        said = {"pid": child.pid}
+    """)
+
+
+def test_a_child_for_a_with_block_dies_with_its_parent() -> None:
+    kill_parent_of("""
+        from kvpool.launch.children import running
+        block = running([sys.executable, "-c", "import time; time.sleep(60)"])
+        child = block.__enter__()
+        said = {"pid": child.pid}
+    """)
 
 
 def test_stop_group_ends_what_the_child_started_in_its_session() -> None:
@@ -52,7 +39,7 @@ def test_stop_group_ends_what_the_child_started_in_its_session() -> None:
                        5.0, "sh and its sleep in the session")
     stop_group(leader, timeout_s=5.0)
     assert leader.returncode is not None
-    wait_for(lambda: all(_gone(p) for p in members), 5.0, "the session to be gone")
+    wait_for(lambda: all(gone(p) for p in members), 5.0, "the session to be gone")
 
 
 def _members(session: int) -> list[int]:

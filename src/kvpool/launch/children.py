@@ -60,8 +60,10 @@ def kvpool_argv(*args: str) -> list[str]:
 
 @contextmanager
 def running(cmd: list[str], timeout_s: float = 10.0, **popen: Any) -> Iterator[subprocess.Popen[Any]]:
-    """A child process for the duration of a `with` block (stdout discarded unless given)."""
+    """A child process for the duration of a `with` block, dying with this process (stdout
+    discarded unless given)."""
     popen.setdefault("stdout", subprocess.DEVNULL)
+    popen.setdefault("preexec_fn", die_with_parent(os.getpid()))
     proc = subprocess.Popen(cmd, **popen)
     try:
         yield proc

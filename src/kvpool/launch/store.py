@@ -1,7 +1,7 @@
 """Store processes on loopback for the fault tests and benchmarks: `kvpool master` and
 `kvpool store-node` children on fresh ports (`start_master`, `start_nodes`), and an HA pair of
 masters on one etcd (`start_ha_pair`). Every child is stopped (SIGTERM, then SIGKILL) when the
-caller's ExitStack closes; children run this very kvpool (its source first on PYTHONPATH) and
+caller's ExitStack closes, and dies with the caller however it ends; children run this very kvpool (its source first on PYTHONPATH) and
 log errors only."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvpool.launch.children import stop
+from kvpool.launch.children import die_with_parent, stop
 from kvpool.launch.etcd import EtcdProcess
 from kvpool.launch.ports import free_port
 from kvpool.launch.wait import wait_for, wait_port
@@ -25,14 +25,16 @@ HA_TTL_S = 2
 
 
 def spawn_kvpool(*args: str, quiet: bool = True) -> subprocess.Popen[bytes]:
-    """`python -m kvpool args...` as its own process (stdout discarded when `quiet`)."""
+    """`python -m kvpool args...` as its own process that dies with this one (stdout and
+    stderr discarded when `quiet`)."""
     env = dict(os.environ)
     env.setdefault("KVPOOL_LOG_LEVEL", "ERROR")
     here = str(Path(__file__).resolve().parents[2])   # children run this very kvpool
     env["PYTHONPATH"] = here + os.pathsep + env.get("PYTHONPATH", "")
     out = subprocess.DEVNULL if quiet else None
     return subprocess.Popen([sys.executable, "-m", "kvpool", *args], env=env, stdout=out,
-                            stderr=subprocess.DEVNULL if quiet else None)
+                            stderr=subprocess.DEVNULL if quiet else None,
+                            preexec_fn=die_with_parent(os.getpid()))
 
 
 def owned(stack: ExitStack, proc: subprocess.Popen[bytes]) -> subprocess.Popen[bytes]:
