@@ -5,6 +5,7 @@ child it depends on exits."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import time
 
@@ -75,3 +76,13 @@ def test_wait_port_returns_once_something_listens() -> None:
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         wait_port(sock.getsockname()[1], timeout_s=2.0)
+
+
+def test_a_short_command_run_for_its_output() -> None:
+    from kvpool.launch.children import run_for_output
+
+    done = run_for_output([sys.executable, "-c", "import os, sys; print(os.environ['X']); "
+                           "sys.stderr.write('e'); sys.exit(3)"], 10.0, {**os.environ, "X": "x"})
+    assert (done.returncode, done.stdout, done.stderr) == (3, "x\n", "e")
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_for_output([sys.executable, "-c", "import time; time.sleep(30)"], 0.5)
