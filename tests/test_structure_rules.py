@@ -1,4 +1,4 @@
-"""Two house rules read from the source, each with a walk that must find a violation planted
+"""Three house rules read from the source, each with a walk that must find a violation planted
 on purpose:
 
 - **One writer per table** (store master): a table is a class of `store/master/` with a
@@ -11,6 +11,10 @@ on purpose:
   one of its own classes.
 - **Typed seams** (engine): no parameter named for a store or a transport (`store`,
   `transport`, `transfer`, ...) is typed `Any`, or left untyped.
+- **Small functions** (all of src/kvpool): no function (decorators left out, nested
+  functions counted in their parent too) is over MAX_FUNCTION_LINES lines, except the few
+  named in LONG_FUNCTIONS, each with its length: one that grows, or shrinks under the limit,
+  fails until the list says so.
 """
 
 from __future__ import annotations
@@ -28,6 +32,13 @@ MUTATORS = frozenset({
     "intersection_update", "symmetric_difference_update"})
 """Methods of list, dict, set and OrderedDict that change the container."""
 SEAM_NAME = re.compile(r"(^|_)(store|transport|transfer)s?($|_)")
+MAX_FUNCTION_LINES = 50
+"""STYLE.md: most functions fit on a screen; none is over this."""
+LONG_FUNCTIONS = {
+    "cli/up_cmd.py:_run_serving": 59,
+    "serve/app.py:create_app": 52,
+}
+"""The functions still over MAX_FUNCTION_LINES (path under src/kvpool:name -> lines)."""
 
 
 def _bases(cls: ast.ClassDef) -> list[str]:
@@ -207,3 +218,39 @@ def test_the_seam_walk_finds_untyped_seams_made_on_purpose() -> None:
               "def b(self, kv_store: typing.Any | None = None, *, transport=None): ...\n"
               "async def c(stores: list[KVStore], storey: Any): ...\n")
     assert untyped_seams(source) == ["1: a(store)", "2: b(kv_store)", "2: b(transport)"]
+
+
+def long_functions(source: str, limit: int) -> dict[str, int]:
+    """name -> lines (from `def` to its last line) of each function over `limit` lines."""
+    return {node.name: n for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+            and (n := node.end_lineno - node.lineno + 1 if node.end_lineno else 0) > limit}
+
+
+def test_no_function_is_over_the_limit_but_the_named_few() -> None:
+    found = {f"{p.relative_to(SRC)}:{name}": n for p in sorted(SRC.rglob("*.py"))
+             for name, n in long_functions(p.read_text(), MAX_FUNCTION_LINES).items()}
+    assert found == LONG_FUNCTIONS
+
+
+LONG = '''
+@decorated
+def four(a,
+         b):
+    x = a
+    return x + b
+class K:
+    async def three(self):
+        def two():
+            return 2
+        return two()
+def one():
+    return 1
+'''
+
+
+def test_the_length_walk_finds_long_functions_made_on_purpose() -> None:
+    assert long_functions(LONG, 2) == {"four": 4, "three": 4}
+    assert long_functions(LONG, 3) == {"four": 4, "three": 4}
+    assert long_functions(LONG, 4) == {}
+    assert long_functions(LONG, 1) == {"four": 4, "three": 4, "two": 2, "one": 2}

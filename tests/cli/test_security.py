@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -15,6 +14,7 @@ from kvpool.cli.master_cmd import build_configs
 from kvpool.cli.security import bind_refusal, is_loopback
 from tests.support.net import free_port, wait_port
 from tests.support.procs import python_env, running, spawn_kvpool
+from tests.support.wait import wait_for
 
 TOKEN = "cli-secret"
 
@@ -72,13 +72,9 @@ def test_store_node_with_a_token_joins_a_guarded_master() -> None:
                             "--token", TOKEN)
         with running(node):
             headers = {"authorization": f"Bearer {TOKEN}"}
-            deadline = time.monotonic() + 30
-            segments: list[dict[str, object]] = []
-            while not segments and time.monotonic() < deadline:
-                assert node.poll() is None
-                segments = httpx.get(f"http://127.0.0.1:{admin}/segments",
-                                     headers=headers).json()
-                time.sleep(0.1)
+            segments: list[dict[str, object]] = wait_for(
+                lambda: httpx.get(f"http://127.0.0.1:{admin}/segments", headers=headers).json(),
+                30.0, "the node to mount", 0.1, procs=[node])
             assert [s["capacity_bytes"] for s in segments] == [4 << 20]
             endpoint = segments[0]["endpoint"]
             descriptor = httpx.get(f"http://127.0.0.1:{meta}/metadata",

@@ -8,11 +8,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 from tests.support.procs import python_env
+from tests.support.wait import wait_for
 
 
 def test_up_demo_runs_a_whole_local_cluster() -> None:
@@ -61,10 +61,8 @@ def test_up_stops_with_status_1_when_it_gives_up_on_a_process(tmp_path: Path) ->
              "--dram", "64MiB", "--max-restarts", "0"], stdout=out, stderr=subprocess.STDOUT,
             env=python_env() | {"KVPOOL_TEST_MARKER": marker})
     try:
-        deadline = time.monotonic() + 90
-        while "Ctrl-C to stop" not in log.read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
+        wait_for(lambda: "Ctrl-C to stop" in log.read_text(), 90.0, log.read_text, 0.1,
+                 procs=[proc])
         node = child_pid(marker, "store-node")
         os.kill(node, signal.SIGKILL)
         assert proc.wait(30) == 1, log.read_text()

@@ -4,8 +4,6 @@ batch_transfer_sync_write), across real processes, plus Mooncake's return codes.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 import torch
@@ -13,6 +11,7 @@ import torch
 from kvpool.compat.mooncake.engine import TransferEngine, TransferOpcode
 from tests.compat.kv import PAGE_BYTES, kv_cache, merge_runs, page_digest
 from tests.support.procs import running, spawn_python
+from tests.support.wait import wait_for
 
 DECODE_SIDE = """
 import sys
@@ -98,11 +97,8 @@ def test_async_batches_and_status(engine: TransferEngine) -> None:
         assert np.array_equal(src, dst)
         bid = engine.batch_transfer_async(target, [src.ctypes.data], [dst.ctypes.data], [16],
                                           TransferOpcode.Read)
-        status = engine.transfer_check_status(bid)
-        deadline = time.monotonic() + 5
-        while status == 0 and time.monotonic() < deadline:
-            time.sleep(0.005)
-            status = engine.transfer_check_status(bid)
+        status = wait_for(lambda: engine.transfer_check_status(bid) or None, 5.0,
+                          "the transfer to end", 0.005)
         assert status == 1
         assert engine.transfer_check_status(bid) == -1  # forgotten once reported
         bad = engine.batch_transfer_async_write(target, [src.ctypes.data], [1 << 20], [16])

@@ -3,8 +3,6 @@ counts, immutability, leases, bad arguments."""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 import pytest
 
@@ -16,6 +14,7 @@ from kvpool.compat.mooncake.store import (
     SoftPinAction,
 )
 from tests.compat.conftest import LEASE_MS, StoreFactory
+from tests.support.wait import wait_for
 
 
 def registered(store: MooncakeDistributedStore, nbytes: int, fill: int | None = None) -> np.ndarray:
@@ -116,10 +115,8 @@ def test_exist_remove_lease_and_force(store: MooncakeDistributedStore) -> None:
     assert store.batch_is_exist(["leased", "missing"]) == [1, 0]
     assert store.remove("leased") == -706
     assert store.remove("missing") == -704
-    deadline = time.monotonic() + LEASE_MS / 1000 * 3
-    while store.remove("leased") == -706:
-        assert time.monotonic() < deadline, "lease never expired"
-        time.sleep(0.05)
+    wait_for(lambda: store.remove("leased") != -706, LEASE_MS / 1000 * 3,
+             "the lease to expire", 0.05)
     assert store.is_exist("leased") == 0
     assert store.put("held", b"v") == 0 and store.get("held") == b"v"
     assert store.remove("held", force=True) == 0

@@ -37,6 +37,7 @@ from kvpool.errors import WorkerCallError
 from tests.engine.helpers import full_logits
 from tests.support.net import free_port, wait_port
 from tests.support.procs import running, spawn_kvpool
+from tests.support.wait import wait_for
 
 BS = 8
 SAMPLING = SamplingParams(max_tokens=10, ignore_eos=True)
@@ -139,10 +140,8 @@ def test_a_client_that_goes_away_aborts_its_request(workers: Workers) -> None:
             "sampling": {"max_tokens": 400, "ignore_eos": True}}
     with httpx.stream("POST", f"{workers.d}/generate", json=body, timeout=10) as reply:
         assert "token_id" in next(reply.iter_lines())
-    deadline = time.monotonic() + 10
-    while httpx.get(f"{workers.d}/load", timeout=10).json()["num_running"]:
-        assert time.monotonic() < deadline, "the request kept running"
-        time.sleep(0.05)
+    wait_for(lambda: not httpx.get(f"{workers.d}/load", timeout=10).json()["num_running"],
+             10.0, "the request to stop running", 0.05)
 
 
 def test_prefix_from_the_pool_written_by_another_prefill_worker(workers: Workers) -> None:

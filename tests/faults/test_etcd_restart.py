@@ -20,6 +20,7 @@ from kvpool.launch.store import HaPair, ha_cluster, wait_leader
 from kvpool.store.client.rpc import RpcClient
 from kvpool.store.client.store_client import StoreClient
 from kvpool.store.wire.protocol import Op
+from tests.support.wait import wait_for
 
 
 def answers_as_leader(port: int) -> bool:
@@ -63,9 +64,8 @@ def test_etcd_restart_keeps_one_leader_and_every_object(tmp_path: Path, down_s: 
             watch_terms(pair, etcd, term1, until=back + 8)
             new_addr, term2 = wait_leader(etcd, pair.cluster_id)
             done = len(load.successes)
-            deadline = time.monotonic() + 20
-            while len(load.successes) < done + 20 and time.monotonic() < deadline:
-                time.sleep(0.1)
+            wait_for(lambda: len(load.successes) >= done + 20, 20.0,
+                     "20 more puts acknowledged", 0.1)
             load.stop_event.set()
             load.join(30)
             assert len(load.successes) >= done + 20, "the workload did not resume"

@@ -13,6 +13,7 @@ from kvpool.bench.faults_procs import Ledger, PutLoad
 from kvpool.launch.etcd import EtcdProcess
 from kvpool.launch.store import ha_cluster, wait_leader
 from kvpool.store.client.store_client import StoreClient
+from tests.support.wait import wait_for
 
 
 def test_leader_sigkill_under_a_running_workload(tmp_path: Path) -> None:
@@ -29,10 +30,8 @@ def test_leader_sigkill_under_a_running_workload(tmp_path: Path) -> None:
             pair.masters[leader].wait()
             killed = time.monotonic()
             new_addr, term2 = wait_leader(etcd, pair.cluster_id, not_term=term1)
-            deadline = time.monotonic() + 30
-            while len([t for t in load.successes if t > killed]) < 50 and \
-                    time.monotonic() < deadline:
-                time.sleep(0.1)
+            wait_for(lambda: len([t for t in load.successes if t > killed]) >= 50, 30.0,
+                     "50 puts acknowledged by the new leader", 0.1)
             load.stop_event.set()
             load.join(30)
             resumed = [t for t in load.successes if t > killed]

@@ -12,38 +12,26 @@ import time
 import pytest
 
 from kvpool.errors import KvpoolError
-from kvpool.launch.children import Command, running, spawn_command, stop, stop_group
+from kvpool.launch.children import Command, running, spawn_command, stop_group
 from kvpool.launch.wait import wait_for, wait_port
-from tests.support.procs import python_env
-
-_PARENT = """
-import sys, time
-from kvpool.launch.children import Command, spawn_command
-child = spawn_command(Command((sys.executable, "-c", "import time; time.sleep(60)")))
-print(child.pid, flush=True)
-time.sleep(60)
-"""
-
-
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
+from tests.launch.orphans import gone, kill_parent_of
 
 
 def test_a_child_dies_with_its_parent_even_on_sigkill() -> None:
-    parent = subprocess.Popen([sys.executable, "-c", _PARENT], stdout=subprocess.PIPE,
-                              env=python_env())
-    try:
-        assert parent.stdout is not None
-        child_pid = int(parent.stdout.readline())
-        parent.kill()
-        parent.wait()
-        wait_for(lambda: _gone(child_pid), 5.0, f"child {child_pid} to exit")
-    finally:
-        stop(parent)
+    kill_parent_of("""
+        from kvpool.launch.children import Command, spawn_command
+        child = spawn_command(Command((sys.executable, "-c", "import time; time.sleep(60)")))
+        said = {"pid": child.pid}
+    """)
+
+
+def test_a_child_for_a_with_block_dies_with_its_parent() -> None:
+    kill_parent_of("""
+        from kvpool.launch.children import running
+        block = running([sys.executable, "-c", "import time; time.sleep(60)"])
+        child = block.__enter__()
+        said = {"pid": child.pid}
+    """)
 
 
 def test_stop_group_ends_what_the_child_started_in_its_session() -> None:
@@ -52,7 +40,7 @@ def test_stop_group_ends_what_the_child_started_in_its_session() -> None:
                        5.0, "sh and its sleep in the session")
     stop_group(leader, timeout_s=5.0)
     assert leader.returncode is not None
-    wait_for(lambda: all(_gone(p) for p in members), 5.0, "the session to be gone")
+    wait_for(lambda: all(gone(p) for p in members), 5.0, "the session to be gone")
 
 
 def _members(session: int) -> list[int]:
@@ -88,3 +76,13 @@ def test_wait_port_returns_once_something_listens() -> None:
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         wait_port(sock.getsockname()[1], timeout_s=2.0)
+
+
+def test_a_short_command_run_for_its_output() -> None:
+    from kvpool.launch.children import run_for_output
+
+    done = run_for_output([sys.executable, "-c", "import os, sys; print(os.environ['X']); "
+                           "sys.stderr.write('e'); sys.exit(3)"], 10.0, {**os.environ, "X": "x"})
+    assert (done.returncode, done.stdout, done.stderr) == (3, "x\n", "e")
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_for_output([sys.executable, "-c", "import time; time.sleep(30)"], 0.5)

@@ -1,8 +1,9 @@
 """etcd's one command line (kvpool.launch.etcd) and the etcd that keeps its ports and data
-across a kill and a start, over a real etcd."""
+across a kill and a start and dies with its parent, over a real etcd."""
 
 from __future__ import annotations
 
+import shutil
 from contextlib import ExitStack
 
 import httpx
@@ -10,6 +11,7 @@ import pytest
 
 from kvpool.errors import KvpoolError
 from kvpool.launch.etcd import EtcdProcess, etcd_argv
+from tests.launch.orphans import kill_parent_of
 
 
 def test_one_member_cluster_on_one_address() -> None:
@@ -38,3 +40,15 @@ def test_etcd_comes_back_on_its_ports_with_its_data() -> None:
         etcd.start()
         got = httpx.post(f"http://{etcd.endpoint}/v3/kv/range", json={"key": "a2V5"}, timeout=5)
         assert got.json()["kvs"][0]["value"] == "dmFsdWU="
+
+
+def test_etcd_dies_with_the_process_that_started_it() -> None:
+    said = kill_parent_of("""
+        from contextlib import ExitStack
+        from kvpool.launch.etcd import EtcdProcess
+        stack = ExitStack()
+        etcd = EtcdProcess(stack).start()
+        assert etcd.proc is not None
+        said = {"pid": etcd.proc.pid, "data_dir": etcd.data_dir}
+    """)
+    shutil.rmtree(str(said["data_dir"]))  # its parent, killed, could not

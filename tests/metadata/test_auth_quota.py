@@ -19,6 +19,7 @@ from kvpool.metadata.http_serving import HttpLimits, descriptor_cap, limits_for_
 from kvpool.metadata.server import MetadataLimits, MetadataServer
 from tests.support.net import free_port, wait_port
 from tests.support.procs import running, spawn_kvpool
+from tests.support.wait import wait_for
 
 TOKEN = "meta-secret"
 
@@ -113,10 +114,8 @@ def test_concurrency_is_limited() -> None:
         for sock in busy:     # a request whose body never comes: in progress
             sock.sendall(b"PUT /metadata?key=b HTTP/1.1\r\nhost: x\r\n"
                          b"content-length: 100\r\n\r\n")
-        deadline = time.monotonic() + 10  # until the server has read the three heads
-        while httpx.get(server.url, params={"key": "x"}).status_code != 503:
-            assert time.monotonic() < deadline, "busy connections did not fill the limit"
-            time.sleep(0.05)
+        wait_for(lambda: httpx.get(server.url, params={"key": "x"}).status_code == 503, 10.0,
+                 "busy connections to fill the limit (the server read the three heads)", 0.05)
         for sock in busy:
             sock.close()
         time.sleep(0.2)

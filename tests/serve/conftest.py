@@ -23,7 +23,7 @@ import pytest
 
 from kvpool.launch.children import spawn, stop
 from kvpool.launch.ports import free_port
-from kvpool.launch.wait import wait_http
+from kvpool.launch.wait import wait_for, wait_http
 from kvpool.serve.launch import ServingCluster, ensure_tiny_model
 from tests.support.procs import python_env
 
@@ -74,20 +74,18 @@ def parse_up_output(text: str, model: Path) -> ServingCluster:
 
 def wait_ready(proc: subprocess.Popen[str], url: str, log: Path | None = None,
                timeout_s: float = 120) -> None:
-    """Until the proxy answers /health and `kvpool up` has printed its banner to `log`."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise AssertionError(f"kvpool up exited with {proc.returncode}: "
-                                 f"{log.read_text() if log else ''}")
+    """Until the proxy answers /health and `kvpool up` has printed its banner to `log`;
+    KvpoolError with the log as soon as it exits, TimeoutError after `timeout_s`."""
+
+    def ready() -> bool:
         try:
             healthy = httpx.get(url + "/health", timeout=2).status_code == 200
         except httpx.HTTPError:
-            healthy = False
-        if healthy and (log is None or "try: curl" in log.read_text()):
-            return
-        time.sleep(0.2)
-    raise TimeoutError("kvpool up did not become ready")
+            return False
+        return healthy and (log is None or "try: curl" in log.read_text())
+
+    wait_for(ready, timeout_s, lambda: f"kvpool up to be ready: {log.read_text() if log else ''}",
+             0.2, procs=[proc])
 
 
 @pytest.fixture

@@ -30,6 +30,7 @@ from tests.serve.conftest import (
     wait_ready,
 )
 from tests.support.require import missing
+from tests.support.wait import wait_for
 
 
 def test_up_serves_restarts_a_killed_worker_and_sigterm_stops_everything(
@@ -427,7 +428,4 @@ def test_a_killed_master_and_store_node_come_back_and_the_cluster_serves_the_sam
 
 
 def _wait_line(log: Path, line: str, up: subprocess.Popen[str], timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while line not in log.read_text():
-        assert up.poll() is None and time.monotonic() < deadline, log.read_text()
-        time.sleep(0.1)
+    wait_for(lambda: line in log.read_text(), timeout_s, log.read_text, 0.1, procs=[up])

@@ -1,5 +1,7 @@
 """A real local store cluster for integration tests: `kvpool master` and `kvpool store-node`
-processes on loopback ports, plus helpers for deterministic object contents."""
+processes on loopback ports, started by kvpool's own launcher (kvpool.launch.store: children
+that die with the test process; the master waited for until it says it is ready), plus
+helpers for deterministic object contents."""
 
 from __future__ import annotations
 
@@ -13,8 +15,15 @@ from dataclasses import dataclass, field
 import httpx
 import numpy as np
 
-from tests.support.net import free_port, wait_port
-from tests.support.procs import running, spawn_kvpool
+from kvpool.launch.ports import free_port
+from kvpool.launch.store import owned, spawn_kvpool, start_ready
+from kvpool.launch.wait import wait_for
+
+LOG_LEVEL = "WARNING"
+"""The children's, as every test child's (tests.support.procs.python_env); their output is
+the test's."""
+STOP_TIMEOUT_S = 10.0
+"""SIGKILL a child this long after SIGTERM when the cluster closes."""
 
 
 def content(key: str, size: int) -> bytes:
@@ -39,16 +48,19 @@ class Cluster:
         self.master.wait()
 
     def start_master(self) -> None:
-        """A new master on the same ports (after kill_master)."""
+        """A new master on the same ports (after kill_master), once it says it serves."""
         assert self.stack is not None
-        self.master = self.stack.enter_context(running(spawn_kvpool(*self.master_args)))
-        wait_port(self.rpc_port), wait_port(self.admin_port)
+        self.master = _start_master(self.stack, self.master_args)
 
     def add_node(self, dram: str = "32MiB") -> subprocess.Popen[bytes]:
+        return self.start_node("--dram", dram, "--master", self.address,
+                               "--heartbeat-interval", "0.2", "--metadata", self.metadata)
+
+    def start_node(self, *args: str) -> subprocess.Popen[bytes]:
+        """`kvpool store-node ARGS`, one of `nodes` (not waited for: see wait_segments)."""
         assert self.stack is not None
-        node = self.stack.enter_context(running(spawn_kvpool(
-            "store-node", "--dram", dram, "--master", self.address,
-            "--heartbeat-interval", "0.2", "--metadata", self.metadata)))
+        node = owned(self.stack, spawn_kvpool("store-node", *args, quiet=False,
+                                              log_level=LOG_LEVEL), STOP_TIMEOUT_S)
         self.nodes.append(node)
         return node
 
@@ -64,13 +76,14 @@ class Cluster:
         return list(self.admin("/segments").json())
 
     def wait_segments(self, count: int, timeout_s: float = 20.0) -> list[dict[str, object]]:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        """The mounted segments once there are exactly `count`; TimeoutError naming those
+        there are."""
+        def exactly() -> tuple[list[dict[str, object]]] | None:
             segs = self.segments()
-            if len(segs) == count:
-                return segs
-            time.sleep(0.05)
-        raise TimeoutError(f"expected {count} segments, have {self.segments()}")
+            return (segs,) if len(segs) == count else None  # (segs,): true when none
+
+        return wait_for(exactly, timeout_s, lambda: f"{count} segments, have {self.segments()}",
+                        0.05)[0]
 
     def check_integrity(self) -> None:
         """The master's integrity check passes (waiting out its 10% lock budget: 429)."""
@@ -98,11 +111,16 @@ def store_cluster(num_nodes: int = 2, dram: str = "32MiB", *master_flags: str,
     args = ("master", "--rpc_port", str(rpc), "--metrics_port", str(admin), *meta_flags,
             *master_flags)
     with ExitStack() as stack:
-        master = stack.enter_context(running(spawn_kvpool(*args)))
-        wait_port(rpc), wait_port(admin)
+        master = _start_master(stack, args)
         cluster = Cluster(rpc, admin, master, master_args=args, metadata=metadata,
                           stack=stack)
         for _ in range(num_nodes):
             cluster.add_node(dram)
         cluster.wait_segments(num_nodes)
         yield cluster
+
+
+def _start_master(stack: ExitStack, args: tuple[str, ...]) -> subprocess.Popen[bytes]:
+    """`kvpool ARGS` (a master), once it says it serves (RPC and admin listening)."""
+    return start_ready(stack, *args, what="the master", quiet=False, log_level=LOG_LEVEL,
+                       stop_timeout_s=STOP_TIMEOUT_S)

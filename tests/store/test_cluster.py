@@ -16,6 +16,7 @@ from kvpool.store.config import ReplicateConfig
 from kvpool.store.wire.codes import ErrorCode as E
 from tests.store.cluster import Cluster, content, store_cluster
 from tests.support.procs import spawn_python
+from tests.support.wait import wait_for
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 WORKER = f"""
@@ -180,13 +181,8 @@ def test_watermark_eviction_in_a_running_master() -> None:
         with StoreClient(ClientConfig(master=cluster.address)) as store:
             for i in range(14):                      # 14 x 100 KB = 1.4 MB > 50 % of 2 MiB
                 assert store.put(f"e{i}", content(f"e{i}", 100_000)).ok
-            deadline = time.monotonic() + 5
-            while time.monotonic() < deadline:
-                health = cluster.admin("/health").json()
-                if health["used_bytes"] <= (1 << 20):
-                    break
-                time.sleep(0.05)
-            assert health["used_bytes"] <= 1 << 20
+            wait_for(lambda: cluster.admin("/health").json()["used_bytes"] <= 1 << 20, 5.0,
+                     lambda: f"eviction to 1 MiB: {cluster.admin('/health').json()}", 0.05)
             metrics = cluster.admin("/metrics").text
             assert "kvpool_master_evicted_objects_total 0.0" not in metrics
             assert store.get("e0").code == E.OBJECT_NOT_FOUND      # least recently used

@@ -1,4 +1,5 @@
-"""Child processes for multi-process tests: real interpreters, killed on exit."""
+"""Child processes for multi-process tests: real interpreters, killed on exit (`kvpool`
+children started by kvpool.launch, as `kvpool up` and the benchmarks start theirs)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from kvpool.launch import children
+from kvpool.launch import store as launch_store
 from tests.support.wait import wait_for
 
 
@@ -34,8 +36,9 @@ def spawn_python(code: str, *args: str, stdout: int | None = subprocess.PIPE) ->
 
 
 def spawn_kvpool(*args: str) -> subprocess.Popen[bytes]:
-    """Start the `kvpool` CLI as a user would, in its own process."""
-    return subprocess.Popen([sys.executable, "-m", "kvpool", *args], env=python_env())
+    """Start the `kvpool` CLI as a user would, in its own process, through kvpool's own
+    launcher (a child that dies with the test process), its output the test's."""
+    return launch_store.spawn_kvpool(*args, quiet=False, log_level="WARNING")
 
 
 def proc_state(pid: int) -> str:

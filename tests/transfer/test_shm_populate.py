@@ -12,7 +12,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -22,6 +21,7 @@ import pytest
 from kvpool.transfer import memory, populate
 from kvpool.transfer.memory import Buffer, SharedMemoryArena, shm_prefix
 from tests.support.require import missing
+from tests.support.wait import wait_for
 
 SIZE = 16 << 20
 
@@ -141,10 +141,7 @@ def test_a_peer_mapping_is_populated_where_transfers_use_it_not_at_first_contact
 @_SMAPS
 def test_the_rest_of_a_peer_mapping_is_populated_in_the_background() -> None:
     with _mapped_as_peer(0x5EF0, 64 << 20) as (_, _peer, start):
-        deadline = time.monotonic() + 10
-        while _rss_kib(start) < 64 << 10 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert _rss_kib(start) >= 64 << 10
+        wait_for(lambda: _rss_kib(start) >= 64 << 10, 10.0, "64 MiB resident", 0.01)
 
 
 def test_a_background_fill_stops_once_its_mapping_is_dropped() -> None:
@@ -160,9 +157,7 @@ def test_a_background_fill_stops_once_its_mapping_is_dropped() -> None:
 
     chunks = Gated(mmap.mmap(-1, 64 << 20), 0, 64 << 20)  # 32 chunks
     thread = populate.fill_in_background(chunks)
-    deadline = time.monotonic() + 10
-    while not calls and time.monotonic() < deadline:
-        time.sleep(0.001)
+    wait_for(lambda: calls, 10.0, "the filler's first chunk", 0.001)
     del chunks
     gate.set()
     thread.join(10)

@@ -397,8 +397,16 @@ def _kv_load(model_dir: Path, master: str, prefix: list[int], tail: list[int],
             if seq.num_pool_tokens != len(prefix):
                 raise RuntimeError(f"loaded {seq.num_pool_tokens} of {len(prefix)} tokens")
             path_s.append(seq.pool_load_s)
-    raw = total / statistics.median(raw_s) / 1e9
     shape = {"bytes": total, "objects": len(keys), "object_bytes": object_bytes}
+    return _kv_load_rows(shape, worker, load_s, path_s, raw_s)
+
+
+def _kv_load_rows(shape: dict[str, int], worker: float, load_s: float, path_s: list[float],
+                  raw_s: list[float]) -> list[dict[str, Any]]:
+    """The rows of _kv_load: the worker's rate `worker` (bytes/s, over `load_s`), then the
+    medians of the path's and the raw gets' times, all of `shape["bytes"]`."""
+    total = shape["bytes"]
+    raw = total / statistics.median(raw_s) / 1e9
     return [
         {"impl": "kvpool worker", "phase": "KV load, in the worker", "value": worker / 1e9,
          "unit": "GB/s", **shape, "load_ms": round(load_s * 1e3, 1),

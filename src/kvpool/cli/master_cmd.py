@@ -70,6 +70,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="serve HTTP metadata (default off, as mooncake_master)")
     p.add_argument("--no-http-metadata", dest="metadata", action="store_false", default=None,
                    help="do not embed the HTTP metadata server")
+    _add_object_args(p)
+    _add_kv_events_args(p)
+    add_security_args(p, "RPC clients must prove, and that metadata writes and admin "
+                         "listings must carry")
+    ha_flags.add_ha_args(p)
+    p.set_defaults(func=run)
+
+
+def _add_object_args(p: argparse.ArgumentParser) -> None:
+    """Leases, eviction, clients, pending puts, placement and the request loop."""
     p.add_argument("--lease-ttl-ms", "--default_kv_lease_ttl", dest="lease_ttl_ms",
                    type=_duration_ms, default=_DEF.lease_ttl_s * 1000, help="read lease, ms")
     p.add_argument("--soft-pin-ttl-ms", "--default_kv_soft_pin_ttl", dest="soft_pin_ttl_ms",
@@ -92,6 +102,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--request-poll-us", type=int, default=_SRV.request_poll_us,
                    help="poll for the next request this long before blocking while requests "
                    f"come that fast; 0 always blocks (default {_SRV.request_poll_us})")
+
+
+def _add_kv_events_args(p: argparse.ArgumentParser) -> None:
+    """The pool's blocks published as vLLM KV events."""
     p.add_argument("--kv-events-endpoint", default=None, metavar="tcp://HOST:PORT",
                    help="publish the pool's blocks as vLLM KV events (medium cpu/disk) to this "
                    "ZMQ endpoint: host:port connects (the router binds), tcp://*:PORT binds; "
@@ -102,10 +116,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="topic of the pool's KV events (default kvpool-pool)")
     p.add_argument("--kv-events-block-size", type=int, default=0,
                    help="block size written in the pool's BlockStored events (default 0: unknown)")
-    add_security_args(p, "RPC clients must prove, and that metadata writes and admin "
-                         "listings must carry")
-    ha_flags.add_ha_args(p)
-    p.set_defaults(func=run)
 
 
 def bind_host(args: argparse.Namespace) -> str:

@@ -32,6 +32,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="a decode worker; repeat for more")
     add_backend_args(p)
     add_process_args(p)
+    _add_scheduling_args(p)
+    _add_leg_args(p)
+    _add_front_args(p)
+    p.set_defaults(func=run)
+
+
+def _add_scheduling_args(p: argparse.ArgumentParser) -> None:
+    """The conductor: its policies, objectives and cost model."""
     p.add_argument("--prefill-policy", default=_D.prefill_policy, choices=sorted(PREFILL_POLICIES))
     p.add_argument("--admission", default=_D.admission, choices=sorted(ADMISSION_POLICIES))
     add_slo_args(p, _D.ttft_slo_s, _D.tbt_slo_s)
@@ -44,6 +52,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--direct-below-tokens", type=int, default=_D.direct_below_tokens,
                    metavar="N", help="conditional disaggregation: a request whose uncached "
                    "part is at most N tokens goes straight to its decode worker (0: never)")
+
+
+def _add_leg_args(p: argparse.ArgumentParser) -> None:
+    """How the legs are streamed and handed over, and how often workers are polled."""
     p.add_argument("--stream-interval", type=int, default=_D.stream_interval, metavar="N",
                    help="kvpool workers: after a stream's first frame, one frame (one SSE "
                    "chunk) every N output tokens (default: each worker's own)")
@@ -56,6 +68,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "or mooncake (vLLM's MooncakeConnector, a shared transfer id)")
     p.add_argument("--poll-interval", type=float, default=_D.poll_interval_s,
                    help="seconds between /load polls of each worker")
+
+
+def _add_front_args(p: argparse.ArgumentParser) -> None:
+    """What the proxy's clients must send and may open."""
     add_security_args(p, "the workers and the proxy's own admin endpoints (/workers/register, "
                       "/stats/samples) require")
     p.add_argument("--max-body-bytes", type=int, default=_D.max_body_bytes,
@@ -69,7 +85,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-connections", type=int, default=_D.http_limits.max_concurrency,
                    help="open connections and streams at once (the idlest is closed for a "
                         f"new one; 503 beyond; default {_D.http_limits.max_concurrency})")
-    p.set_defaults(func=run)
 
 
 def add_backend_args(p: argparse.ArgumentParser) -> None:

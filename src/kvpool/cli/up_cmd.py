@@ -69,6 +69,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV cache blocks per worker (default 1024)")
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV block (16)")
+    _add_scheduling_args(p)
+    _add_store_args(p)
+    _add_emulated_args(p)
+    _add_run_args(p)
+    add_security_args(p, "every process of the cluster requires (default: a random one "
+                      "made at start, except with --store-only)")
+    add_api_key_args(p)
+    _add_layout_args(p)
+    add_restart_args(p)
+    add_backend_args(p)
+    p.set_defaults(func=run)
+
+
+def _add_scheduling_args(p: argparse.ArgumentParser) -> None:
+    """The proxy's objectives and policies, and the workers of each role."""
     p.add_argument("--ttft-slo-s", dest="ttft_slo", type=float, default=None,
                    help="the proxy's TTFT objective, seconds (default: kvpool proxy's)")
     p.add_argument("--tbt-slo-s", dest="tbt_slo", type=float, default=None,
@@ -84,6 +99,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    choices=sorted(ADMISSION_POLICIES))
     p.add_argument("--kv-transfer", choices=("pool", "push"), default="pool",
                    help="prefill -> decode KV handoff")
+
+
+def _add_store_args(p: argparse.ArgumentParser) -> None:
+    """The KV store: --store-only, its nodes and ports."""
     p.add_argument("--store-only", action="store_true",
                    help="only the KV store (master + store nodes), as before the workers existed")
     p.add_argument("--store-nodes", type=int, default=None,
@@ -92,6 +111,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--rpc-port", type=int, default=0, help="--store-only: master RPC port")
     p.add_argument("--admin-port", type=int, default=0, help="--store-only: master admin port")
     p.add_argument("--metadata-port", type=int, default=0, help="--store-only: metadata port")
+
+
+def _add_emulated_args(p: argparse.ArgumentParser) -> None:
+    """--engine and what --engine emulated runs."""
     p.add_argument("--engine", choices=("torch", "emulated"), default="torch",
                    help="emulated: workers whose accelerator is emulated from --profile (real "
                         "scheduling, pool and KV bytes; docs/serve.md)")
@@ -102,18 +125,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(the proxy's cost model and SLOs are scaled alike)")
     p.add_argument("--kv-scale", type=float, default=1 / 1024,
                    help="--engine emulated: share of the profile's KV bytes moved")
+
+
+def _add_run_args(p: argparse.ArgumentParser) -> None:
+    """--demo and what it prints."""
     p.add_argument("--demo", action="store_true", help="run the demo workload, then shut down")
     p.add_argument("--quiet", action="store_true",
                    help="no line per start-up stage (the ready banner and errors only)")
     p.add_argument("--no-bench", action="store_true",
                    help="--store-only --demo: skip the transfer benchmark")
-    add_security_args(p, "every process of the cluster requires (default: a random one "
-                      "made at start, except with --store-only)")
-    add_api_key_args(p)
-    _add_layout_args(p)
-    add_restart_args(p)
-    add_backend_args(p)
-    p.set_defaults(func=run)
 
 
 def _add_layout_args(p: argparse.ArgumentParser) -> None:

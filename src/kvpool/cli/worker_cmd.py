@@ -34,6 +34,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-transfer", choices=("pool", "push"), default="pool",
                    help="how a prefill worker hands KV over when the request does not say")
     add_security_args(p, "every call to the worker (and its transfer engine) must carry")
+    _add_scheduler_args(p)
+    _add_emulated_args(p)
+    _add_runtime_args(p)
+    _add_vllm_face_args(p)
+    p.set_defaults(func=run)
+
+
+def _add_scheduler_args(p: argparse.ArgumentParser) -> None:
+    """The KV cache's size and the scheduler's limits."""
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV blocks (default 1024; emulated: the profile's KV capacity)")
@@ -49,6 +58,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="ignore the local cache's prefix hits")
     p.add_argument("--max-prefill-seqs", type=int, default=0,
                    help="prompts computed per step at most (0 = no limit)")
+
+
+def _add_emulated_args(p: argparse.ArgumentParser) -> None:
+    """--engine and what --engine emulated runs."""
     p.add_argument("--engine", choices=ENGINES, default="torch",
                    help="torch: the reference model; emulated: an accelerator profile's step "
                         "times, real KV bytes (docs/serve.md)")
@@ -61,6 +74,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--step-rules", choices=STEP_RULES, default="kvpool",
                    help="--engine emulated: how a step is charged, as the simulator charges "
                         "a kvpool instance or its colocated vLLM v0.5.1 baseline (docs/sim.md)")
+
+
+def _add_runtime_args(p: argparse.ArgumentParser) -> None:
+    """Where the model runs, what the worker gives the pool, and how it streams."""
     p.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                    help="weights and KV; auto: the checkpoint's torch_dtype (a float16 one "
                         "runs in float32 on the CPU)")
@@ -70,6 +87,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--stream-interval", type=int, default=1, metavar="N",
                    help="/generate: after the first frame, one frame every N output tokens "
                         "(fewer lines to relay; a request's own stream_interval wins)")
+
+
+def _add_vllm_face_args(p: argparse.ArgumentParser) -> None:
+    """--api vllm and what vLLM's face serves."""
     p.add_argument("--api", choices=("kvpool", "vllm"), default="kvpool",
                    help="the HTTP API served: kvpool's worker API, or vLLM's OpenAI server "
                         "endpoints over the same engine (for `kvpool proxy --backend vllm`)")
@@ -83,7 +104,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--prefix-caching-hash-algo", default="sha256",
                    choices=("sha256", "sha256_cbor"),
                    help="--api vllm: the block hashes its KV events carry")
-    p.set_defaults(func=run)
 
 
 def _num_blocks(args: argparse.Namespace) -> int:

@@ -1,6 +1,7 @@
 """Child processes: a child that dies with its parent (`die_with_parent`), any program as such
 a child (`Command`, `spawn_command`), `python -m kvpool ARGS` as one (`spawn`), a child for the
-length of a `with` block (`running`), and stopping one or its process group.
+length of a `with` block (`running`), a short one run to its end (`run_to_end`, and
+`run_for_output` for what it prints), and stopping one or its process group.
 
 A child of `kvpool up` must not outlive it, however it ends (Ctrl-C, SIGTERM, SIGKILL): every
 child spawned here is started with Linux's parent-death signal (`prctl(PR_SET_PDEATHSIG,
@@ -60,8 +61,10 @@ def kvpool_argv(*args: str) -> list[str]:
 
 @contextmanager
 def running(cmd: list[str], timeout_s: float = 10.0, **popen: Any) -> Iterator[subprocess.Popen[Any]]:
-    """A child process for the duration of a `with` block (stdout discarded unless given)."""
+    """A child process for the duration of a `with` block, dying with this process (stdout
+    discarded unless given)."""
     popen.setdefault("stdout", subprocess.DEVNULL)
+    popen.setdefault("preexec_fn", die_with_parent(os.getpid()))
     proc = subprocess.Popen(cmd, **popen)
     try:
         yield proc
@@ -115,6 +118,16 @@ def run_to_end(argv: Sequence[str]) -> None:
     discarded); CalledProcessError when it fails."""
     subprocess.run(argv, check=True, stdout=subprocess.DEVNULL,
                    preexec_fn=die_with_parent(os.getpid()))
+
+
+def run_for_output(argv: Sequence[str], timeout_s: float,
+                   env: Mapping[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """A short command run to its end as a child that dies with this process, its stdout and
+    stderr kept as text (a failing exit is the caller's to read); `env` is its whole
+    environment (None: this process's). subprocess.TimeoutExpired after `timeout_s` (the
+    child killed), OSError when it cannot start."""
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, env=env,
+                          preexec_fn=die_with_parent(os.getpid()))
 
 
 def spawn(*args: str, quiet: bool = True) -> subprocess.Popen[bytes]:

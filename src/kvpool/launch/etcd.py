@@ -1,9 +1,11 @@
 """etcd for kvpool's HA masters and segment directory: its one command line (`etcd_argv`: a
 one-member cluster on one address), and `EtcdProcess`, an etcd on loopback that keeps its
-ports and data across `kill`/`start` (the fault tests and benchmarks)."""
+ports and data across `kill`/`start` (the fault tests and benchmarks), and dies with the
+process that started it."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
@@ -11,7 +13,7 @@ import tempfile
 from contextlib import ExitStack
 
 from kvpool.errors import KvpoolError
-from kvpool.launch.children import stop
+from kvpool.launch.children import die_with_parent, stop
 from kvpool.launch.ports import free_port
 from kvpool.launch.wait import wait_port
 
@@ -58,7 +60,8 @@ class EtcdProcess:
         """Start it (again) and wait until it accepts clients."""
         argv = etcd_argv(self.name, self.data_dir, "127.0.0.1", self.client_port,
                          self.peer_port, self.binary)
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     preexec_fn=die_with_parent(os.getpid()))
         wait_port(self.client_port, timeout_s=timeout_s, procs=[self.proc])
         return self
 

@@ -1,21 +1,24 @@
-"""Store processes on loopback for the fault tests and benchmarks: `kvpool master` and
-`kvpool store-node` children on fresh ports (`start_master`, `start_nodes`), and an HA pair of
-masters on one etcd (`start_ha_pair`). Every child is stopped (SIGTERM, then SIGKILL) when the
-caller's ExitStack closes; children run this very kvpool (its source first on PYTHONPATH) and
-log errors only."""
+"""Store processes on loopback for the fault tests, the benchmarks and the tests' store
+cluster: `kvpool master` and `kvpool store-node` children on fresh ports (`start_master`,
+`start_nodes`), a child waited for until it says it is ready (`start_ready`), and an HA pair
+of masters on one etcd (`start_ha_pair`). Every child is stopped (SIGTERM, then SIGKILL) when
+the caller's ExitStack closes, and dies with the caller however it ends; children run this
+very kvpool (its source first on PYTHONPATH) and log errors only unless told otherwise."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvpool.launch.children import stop
+from kvpool.launch.children import die_with_parent, stop
 from kvpool.launch.etcd import EtcdProcess
 from kvpool.launch.ports import free_port
+from kvpool.launch.ready import ReadyPipe
 from kvpool.launch.wait import wait_for, wait_port
 from kvpool.store.client.config import ClientConfig
 from kvpool.store.wire.leader import Etcd, parse_endpoints, read_leader
@@ -24,20 +27,49 @@ HA_TTL_S = 2
 """The HA pair's leader lease (the least ha.py allows)."""
 
 
-def spawn_kvpool(*args: str, quiet: bool = True) -> subprocess.Popen[bytes]:
-    """`python -m kvpool args...` as its own process (stdout discarded when `quiet`)."""
+def spawn_kvpool(*args: str, quiet: bool = True, log_level: str = "ERROR",
+                 ready: ReadyPipe | None = None) -> subprocess.Popen[bytes]:
+    """`python -m kvpool args...` as its own process that dies with this one (stdout and
+    stderr discarded when `quiet`), logging at `log_level` unless $KVPOOL_LOG_LEVEL says
+    otherwise; with `ready`, announcing on that pipe (`ready.wait`)."""
     env = dict(os.environ)
-    env.setdefault("KVPOOL_LOG_LEVEL", "ERROR")
+    env.setdefault("KVPOOL_LOG_LEVEL", log_level)
     here = str(Path(__file__).resolve().parents[2])   # children run this very kvpool
     env["PYTHONPATH"] = here + os.pathsep + env.get("PYTHONPATH", "")
     out = subprocess.DEVNULL if quiet else None
-    return subprocess.Popen([sys.executable, "-m", "kvpool", *args], env=env, stdout=out,
-                            stderr=subprocess.DEVNULL if quiet else None)
+    argv: Sequence[str] = [sys.executable, "-m", "kvpool", *args]
+    if ready is not None:
+        argv = ready.argv(argv)
+    try:
+        return subprocess.Popen(argv, env=env, stdout=out,
+                                stderr=subprocess.DEVNULL if quiet else None,
+                                preexec_fn=die_with_parent(os.getpid()),
+                                pass_fds=() if ready is None else (ready.write_fd,))
+    finally:
+        if ready is not None:
+            ready.spawned()
 
 
-def owned(stack: ExitStack, proc: subprocess.Popen[bytes]) -> subprocess.Popen[bytes]:
-    """Stop `proc` (SIGTERM, then SIGKILL) when `stack` closes."""
-    stack.callback(stop, proc, 5.0)
+def owned(stack: ExitStack, proc: subprocess.Popen[bytes],
+          timeout_s: float = 5.0) -> subprocess.Popen[bytes]:
+    """Stop `proc` (SIGTERM, then SIGKILL after `timeout_s`) when `stack` closes."""
+    stack.callback(stop, proc, timeout_s)
+    return proc
+
+
+def start_ready(stack: ExitStack, *args: str, what: str, timeout_s: float = 30.0,
+                quiet: bool = True, log_level: str = "ERROR",
+                stop_timeout_s: float = 5.0) -> subprocess.Popen[bytes]:
+    """`kvpool ARGS` (a master or a store node: one that announces, kvpool.launch.ready)
+    owned by `stack`, once it has said it is ready; KvpoolError naming `what` if it exits
+    first, TimeoutError after `timeout_s`."""
+    pipe = ReadyPipe()
+    try:
+        proc = owned(stack, spawn_kvpool(*args, quiet=quiet, log_level=log_level, ready=pipe),
+                     stop_timeout_s)
+        pipe.wait(proc, what, timeout_s)
+    finally:
+        pipe.close()
     return proc
 
 

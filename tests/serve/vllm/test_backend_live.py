@@ -8,7 +8,6 @@ through the pool is test_backend_pd_live.py (slow job)."""
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ import pytest
 
 from kvpool.errors import InvalidArgument
 from kvpool.launch.ports import free_port
-from kvpool.launch.wait import wait_http
+from kvpool.launch.wait import wait_for, wait_http
 from kvpool.serve.vllm.backend import VllmBackend, model_hash
 from tests.serve.vllm.conftest import (
     BLOCK,
@@ -78,10 +77,8 @@ def test_urls_that_do_not_join_are_logged_with_the_reason(fleet: Fleet) -> None:
         return [ln for ln in fleet.proxy_logs["colocated"].read_text().splitlines()
                 if url in ln and "not joined" in ln]
 
-    deadline = time.monotonic() + 30
-    while not (not_joined(fleet.urls["dead"]) and not_joined(fleet.urls["other"])) and \
-            time.monotonic() < deadline:
-        time.sleep(0.1)
+    wait_for(lambda: not_joined(fleet.urls["dead"]) and not_joined(fleet.urls["other"]), 30.0,
+             "both bad URLs logged as not joined", 0.1)
     dead, other = not_joined(fleet.urls["dead"]), not_joined(fleet.urls["other"])
     assert len(dead) == 1 and "ConnectError" in dead[0] and "still trying" in dead[0], dead
     assert len(other) == 1 and "/health" in other[0] and "404" in other[0], other

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -20,6 +19,7 @@ from kvpool.store.wire.codes import ErrorCode as E
 from kvpool.store.wire.codes import GetResult
 from tests.store.cluster import content
 from tests.support.net import free_port
+from tests.support.wait import wait_for
 
 MIB = 1 << 20
 
@@ -169,9 +169,7 @@ def test_node_mounts_again_after_master_restart() -> None:
         first.stop()
         second = start_master(port)
         try:
-            deadline = time.monotonic() + 10
-            while not second.core.segments and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_for(lambda: second.core.segments, 10.0, "the node to mount again", 0.05)
             assert [s.segment_id for s in second.core.segment_infos()] == n.segment_ids
             (new,) = second.core.segments.values()     # fenced anew before mounting again
             assert new.fence not in (0, old.fence)

@@ -24,6 +24,7 @@ from tests.store.cluster import content
 from tests.support.etcd import etcd_server
 from tests.support.net import free_port, wait_port
 from tests.support.procs import running, spawn_kvpool
+from tests.support.wait import wait_for
 
 TTL_S = 2
 
@@ -41,13 +42,11 @@ def start_master(stack: ExitStack, etcd: str,
 
 
 def wait_leader(etcd: Etcd, not_term: int = 0, timeout_s: float = 20) -> tuple[str, int]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def leader() -> tuple[str, int] | None:
         found = read_leader(etcd)
-        if found is not None and found[1] != not_term:
-            return found
-        time.sleep(0.05)
-    raise TimeoutError("no leader elected")
+        return found if found is not None and found[1] != not_term else None
+
+    return wait_for(leader, timeout_s, "a leader elected", 0.05)
 
 
 def put_until(store: StoreClient, acked: dict[str, int], start: int, count: int,
@@ -108,10 +107,8 @@ def test_leader_sigkill_standby_serves_every_acknowledged_object(tmp_path: Path,
                 "store-node", "--dram", "16MiB", "--master", address,
                 "--heartbeat-interval", "0.2")))
         wait_port(leader[2])
-        deadline = time.monotonic() + 20
-        while len(httpx.get(f"http://127.0.0.1:{leader[2]}/segments").json()) < 2:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_for(lambda: len(httpx.get(f"http://127.0.0.1:{leader[2]}/segments").json()) >= 2,
+                 20.0, "2 segments mounted", 0.05)
         acked: dict[str, int] = {}
         with StoreClient(ClientConfig(master=address, rpc_timeout_s=1.0)) as store:
             nxt, _ = put_until(store, acked, 0, 100)

@@ -19,6 +19,7 @@ from kvpool.store.wire.framing import FrameDecoder, encode_frame
 from kvpool.store.wire.protocol import Op, decode_reply, encode_request
 from tests.support.net import free_port, wait_port
 from tests.support.procs import running, spawn_kvpool
+from tests.support.wait import wait_for
 
 
 @pytest.fixture
@@ -165,12 +166,8 @@ def test_store_node_waits_for_a_late_master() -> None:
                               "--no-http-metadata")
         with running(master):
             wait_port(admin)
-            deadline = time.monotonic() + 30
-            while time.monotonic() < deadline:
-                segs = httpx.get(f"http://127.0.0.1:{admin}/segments").json()
-                if segs:
-                    break
-                time.sleep(0.1)
+            segs = wait_for(lambda: httpx.get(f"http://127.0.0.1:{admin}/segments").json(),
+                            30.0, "a segment mounted", 0.1)
             assert [s["capacity_bytes"] for s in segs] == [4 << 20]
     assert node.returncode == 0
 
@@ -219,10 +216,8 @@ def test_store_node_whose_master_is_gone_stops_promptly_on_sigterm() -> None:
         wait_port(admin)
         node = spawn_kvpool("store-node", "--dram", "4MiB", "--master", f"127.0.0.1:{rpc}")
         with running(node):
-            deadline = time.monotonic() + 30
-            while not httpx.get(f"http://127.0.0.1:{admin}/segments").json():
-                assert time.monotonic() < deadline, "the node never mounted"
-                time.sleep(0.1)
+            wait_for(lambda: httpx.get(f"http://127.0.0.1:{admin}/segments").json(), 30.0,
+                     "the node to mount", 0.1)
             master.kill()
             master.wait(10)
             time.sleep(1.5)                     # heartbeats now fail

@@ -4,7 +4,6 @@ copy) still mounts again after the master forgets it: under the new fence, in fr
 from __future__ import annotations
 
 import signal
-import time
 
 from kvpool.store.client.config import ClientConfig
 from kvpool.store.client.store_client import StoreClient
@@ -13,6 +12,7 @@ from kvpool.store.master.server import MasterServer, MasterServerConfig
 from tests.store.cluster import content
 from tests.support.net import free_port
 from tests.support.procs import running, spawn_python, wait_stopped
+from tests.support.wait import wait_for
 from tests.transfer.test_fence_renew import LOCKED_WRITER
 
 MIB = 1 << 20
@@ -40,9 +40,7 @@ def test_a_stopped_writer_cannot_block_a_remount() -> None:
                 wait_stopped(writer.pid)
                 master.stop()
                 master = _master(port)                   # forgets the node
-                deadline = time.monotonic() + 10
-                while node.stats.remounts < 1 and time.monotonic() < deadline:
-                    time.sleep(0.05)
+                wait_for(lambda: node.stats.remounts >= 1, 10.0, "the node to remount", 0.05)
                 assert node.stats.remounts == 1
                 (fresh,) = node._segments.values()
                 assert fresh is not old and fresh.fence.value != old.fence.value

@@ -20,7 +20,6 @@ from kvpool.store import ClientConfig, StoreClient
 from kvpool.store.node.ssd import SUFFIX
 from kvpool.store.wire.codes import ErrorCode, Tier
 from tests.store.cluster import Cluster, content, store_cluster
-from tests.support.procs import running, spawn_kvpool
 from tests.support.wait import wait_for
 
 E = ErrorCode
@@ -29,13 +28,10 @@ SIZE = 256 * 1024
 
 def add_ssd_node(cluster: Cluster, disk: Path, ssd_size: str = "64MiB",
                  promote_after: int = 2, dram: str = "4MiB") -> object:
-    assert cluster.stack is not None
-    node = cluster.stack.enter_context(running(spawn_kvpool(
-        "store-node", "--dram", dram, "--master", cluster.address, "--heartbeat-interval",
+    return cluster.start_node(
+        "--dram", dram, "--master", cluster.address, "--heartbeat-interval",
         "0.2", "--ssd", str(disk), "--ssd-size", ssd_size, "--ssd-promote-after",
-        str(promote_after))))
-    cluster.nodes.append(node)
-    return node
+        str(promote_after))
 
 
 @contextmanager

@@ -84,17 +84,25 @@ def _authorizer(worker: Worker, now: Callable[[], float]) -> Callable[[Request],
 
 def create_app(worker: Worker, now: Callable[[], float] = time.time) -> FastAPI:
     """`now`: wall-clock seconds, for the time window of signed calls."""
-    role = worker.config.role
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
         await worker.close()
 
-    app = FastAPI(title=f"kvpool worker ({role})", lifespan=lifespan,
+    app = FastAPI(title=f"kvpool worker ({worker.config.role})", lifespan=lifespan,
                   dependencies=[Depends(_authorizer(worker, now))])
     app.add_middleware(PreAuthGate, now=now, open_paths=OPEN_PATHS, identity=lambda: GateIdentity(
         worker.config.token, worker.config.host, worker.config.port, worker.epoch))
+    _add_error_handlers(app)
+    _add_open_routes(app, worker)
+    _add_state_routes(app, worker)
+    _add_request_routes(app, worker)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Each error a route raises, as its status and error type."""
 
     @app.exception_handler(_Unauthorized)
     async def unauthorized(_: Request, __: Exception) -> JSONResponse:
@@ -116,13 +124,14 @@ def create_app(worker: Worker, now: Callable[[], float] = time.time) -> FastAPI:
     async def failed(_: Request, exc: RequestFailed) -> JSONResponse:
         return error(502, str(exc), "request_failed")
 
-    def needs(*roles: str) -> None:
-        if role not in roles:
-            raise _WrongRole(f"this is a {role} worker; the call needs {' or '.join(roles)}")
-
     @app.exception_handler(_WrongRole)
     async def wrong_role(_: Request, exc: Exception) -> JSONResponse:
         return error(400, str(exc), "invalid_request_error")
+
+
+def _add_open_routes(app: FastAPI, worker: Worker) -> None:
+    """The routes answered without the token (OPEN_PATHS): the challenge and /health."""
+    role = worker.config.role
 
     @app.post(CHALLENGE_PATH)
     async def challenge(request: Request) -> JSONResponse:
@@ -140,6 +149,10 @@ def create_app(worker: Worker, now: Callable[[], float] = time.time) -> FastAPI:
     async def health() -> dict[str, Any]:
         return {"ok": True, "role": role}
 
+
+def _add_state_routes(app: FastAPI, worker: Worker) -> None:
+    """What the worker is and holds: /info, /load, /metrics."""
+
     @app.get("/info")
     async def info() -> InfoReply:
         return worker.info()
@@ -152,6 +165,11 @@ def create_app(worker: Worker, now: Callable[[], float] = time.time) -> FastAPI:
     async def metrics() -> Response:
         values = worker_metrics.counters(worker.connector, worker.store)
         return Response(worker_metrics.render(values), media_type=worker_metrics.CONTENT_TYPE)
+
+
+def _add_request_routes(app: FastAPI, worker: Worker) -> None:
+    """The legs of a request (each refused by a worker of the wrong role) and their abort."""
+    needs = _role_check(worker.config.role)
 
     @app.post("/prefill")
     async def prefill(body: PrefillRequest) -> PrefillReply:
@@ -178,7 +196,15 @@ def create_app(worker: Worker, now: Callable[[], float] = time.time) -> FastAPI:
     async def abort(body: AbortRequest) -> AbortReply:
         return AbortReply(ok=await worker.abort(body.request_id))
 
-    return app
+
+def _role_check(role: str) -> Callable[..., None]:
+    """`needs(*roles)`: raises _WrongRole (a 400) unless this worker's `role` is one of them."""
+
+    def needs(*roles: str) -> None:
+        if role not in roles:
+            raise _WrongRole(f"this is a {role} worker; the call needs {' or '.join(roles)}")
+
+    return needs
 
 
 class _Unauthorized(Exception):

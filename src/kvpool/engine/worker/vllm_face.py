@@ -35,8 +35,8 @@ import json
 import os
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Literal, Protocol
 
 import httpx
@@ -251,6 +251,35 @@ def create_vllm_app(worker: Worker, served_name: str, events: EventSource | None
 
     held = HeldTransfers()
     peers = httpx.AsyncClient(timeout=30.0)
+    app = FastAPI(title="kvpool worker (vLLM API)",
+                  lifespan=_lifespan(worker, events, peers))
+    _add_api_key(app, worker.config.token)
+    _add_state_routes(app, worker, served_name, hash_algo)
+    _add_mooncake_routes(app, worker, held)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(request: Request) -> Response:
+        try:
+            body = CompletionBody.model_validate(json.loads(await request.body()))
+            if body.model != served_name:
+                return vllm_error(404, f"The model `{body.model}` does not exist.")
+            run = _Completion(worker, body, request.headers.get("x-request-id")
+                              or uuid.uuid4().hex)
+            names.learn(body.prompt, body.cache_salt)
+            return await _answer(run, held, peers)
+        except (ValueError, ValidationError) as exc:
+            return vllm_error(400, str(exc)[:500])
+        except RequestFailed as exc:
+            return vllm_error(500, str(exc))
+        except KvpoolError as exc:
+            return vllm_error(400, str(exc))
+
+    return app
+
+
+def _lifespan(worker: Worker, events: EventSource | None,
+              peers: httpx.AsyncClient) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """Runs `events` while the app serves; then closes `peers` and the worker."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -264,10 +293,10 @@ def create_vllm_app(worker: Worker, served_name: str, events: EventSource | None
             await peers.aclose()
             await worker.close()
 
-    app = FastAPI(title="kvpool worker (vLLM API)", lifespan=lifespan)
-    max_len = worker.engine.config.max_model_len
-    token = worker.config.token
+    return lifespan
 
+
+def _add_api_key(app: FastAPI, token: str | None) -> None:
     @app.middleware("http")
     async def api_key(request: Request, call_next: Any) -> Response:
         """As vLLM's --api-key: the /v1 routes need the bearer (here the worker's token)."""
@@ -275,6 +304,11 @@ def create_vllm_app(worker: Worker, served_name: str, events: EventSource | None
                 not bearer_matches(request.headers.get("authorization"), token):
             return JSONResponse({"error": "Unauthorized"}, status_code=401)
         return await call_next(request)  # type: ignore[no-any-return]
+
+
+def _add_state_routes(app: FastAPI, worker: Worker, served_name: str, hash_algo: str) -> None:
+    """/health, /v1/models, /info and /metrics."""
+    max_len = worker.engine.config.max_model_len
 
     @app.get("/health")
     async def health() -> Response:
@@ -290,6 +324,17 @@ def create_vllm_app(worker: Worker, served_name: str, events: EventSource | None
     async def info() -> InfoReply:
         return worker.info()
 
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        # from the current event number on: no list of every cached block per scrape
+        load = await worker.load(worker.epoch, worker.engine.blocks.num_events)
+        return PlainTextResponse(metrics_text(worker, served_name, load.num_running,
+                                              load.num_waiting, load.free_kv_tokens, hash_algo))
+
+
+def _add_mooncake_routes(app: FastAPI, worker: Worker, held: HeldTransfers) -> None:
+    """The prefill side of vLLM's MooncakeConnector (engine/worker/vllm_p2p.py)."""
+
     @app.get("/query")
     async def query() -> dict[str, Any]:
         return bootstrap_query(worker.epoch, f"{worker.config.host}:{worker.config.port}")
@@ -303,40 +348,20 @@ def create_vllm_app(worker: Worker, served_name: str, events: EventSource | None
             return JSONResponse({"error": "no such transfer"}, status_code=404)
         return JSONResponse({"num_tokens": num})
 
-    @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        # from the current event number on: no list of every cached block per scrape
-        load = await worker.load(worker.epoch, worker.engine.blocks.num_events)
-        return PlainTextResponse(metrics_text(worker, served_name, load.num_running,
-                                              load.num_waiting, load.free_kv_tokens, hash_algo))
 
-    @app.post("/v1/completions", response_model=None)
-    async def completions(request: Request) -> Response:
-        try:
-            body = CompletionBody.model_validate(json.loads(await request.body()))
-            if body.model != served_name:
-                return vllm_error(404, f"The model `{body.model}` does not exist.")
-            run = _Completion(worker, body, request.headers.get("x-request-id")
-                              or uuid.uuid4().hex)
-            names.learn(body.prompt, body.cache_salt)
-            kv = body.kv_transfer_params or {}
-            if run.mode == "prefill":
-                reply = await run.prefill()
-                if kv.get("transfer_id"):  # vLLM's MooncakeConnector: the decode leg pulls
-                    held.hold(str(kv["transfer_id"]), len(body.prompt))
-                    reply["kv_transfer_params"] = None
-                return JSONResponse(reply)
-            if kv.get("do_remote_prefill") and "transfer_id" in kv:
-                await pull(peers, kv)
-            if body.stream:
-                return StreamingResponse(run.stream(run.outputs()),
-                                         media_type="text/event-stream")
-            return JSONResponse(await run.whole())
-        except (ValueError, ValidationError) as exc:
-            return vllm_error(400, str(exc)[:500])
-        except RequestFailed as exc:
-            return vllm_error(500, str(exc))
-        except KvpoolError as exc:
-            return vllm_error(400, str(exc))
-
-    return app
+async def _answer(run: _Completion, held: HeldTransfers, peers: httpx.AsyncClient) -> Response:
+    """`run`'s reply: a prefill leg (held for the decode leg that pulls it, when it names a
+    transfer), or the outputs, streamed or whole (after pulling a named transfer)."""
+    body = run.body
+    kv = body.kv_transfer_params or {}
+    if run.mode == "prefill":
+        reply = await run.prefill()
+        if kv.get("transfer_id"):  # vLLM's MooncakeConnector: the decode leg pulls
+            held.hold(str(kv["transfer_id"]), len(body.prompt))
+            reply["kv_transfer_params"] = None
+        return JSONResponse(reply)
+    if kv.get("do_remote_prefill") and "transfer_id" in kv:
+        await pull(peers, kv)
+    if body.stream:
+        return StreamingResponse(run.stream(run.outputs()), media_type="text/event-stream")
+    return JSONResponse(await run.whole())

@@ -34,7 +34,7 @@ import kvpool
 from kvpool.compat.activate import activate
 from kvpool.engine.gguf_checkpoint import kvpool_cache
 from kvpool.errors import ConfigError
-from kvpool.launch.children import Command
+from kvpool.launch.children import Command, run_for_output
 from kvpool.launch.ports import free_port
 
 POOL_TOPIC = "kvpool-pool"
@@ -227,8 +227,7 @@ def _python_of(script: str | None) -> str:
 def probe(python: str, env: Mapping[str, str]) -> dict[str, object]:
     """What `python` imports (see _PROBE); {"error": why} when it does not run."""
     try:
-        done = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True,
-                              timeout=PROBE_TIMEOUT_S, env={**os.environ, **env})
+        done = run_for_output([python, "-c", _PROBE], PROBE_TIMEOUT_S, {**os.environ, **env})
     except (OSError, subprocess.TimeoutExpired) as exc:
         return {"error": repr(exc)[:300]}
     lines = done.stdout.strip().splitlines()

@@ -22,6 +22,7 @@ from kvpool.metadata.http_serving import bearer_matches
 from kvpool.store.master.core import MasterCore
 from kvpool.store.master.metrics import MasterMetrics
 from kvpool.store.master.views import MasterSnapshot, list_keys, object_info, snapshot
+from kvpool.store.wire.codes import ObjectInfo
 
 LOCK_WAIT_S = 1.0
 """How long /health waits for the master lock before it reports the master stuck."""
@@ -105,29 +106,41 @@ def create_admin_app(core: MasterCore, lock: threading.Lock, metrics: MasterMetr
     app = FastAPI(title="kvpool master admin", openapi_url=None, docs_url=None,
                   redoc_url=None)
     guarded = [Depends(_token_check(token))]
-    integrity_gate = _DutyCycle(INTEGRITY_MAX_SHARE)
 
     @app.get("/health")
     def health() -> Response:
         """200 with the pool's size while the RPC loop turns and the master lock is free
         within a second; 503 with the reason otherwise."""
-        problem = rpc_problem() if rpc_problem is not None else None
-        if problem is None and not lock.acquire(timeout=LOCK_WAIT_S):
-            problem = f"the master lock has been held for over {LOCK_WAIT_S}s"
-        elif problem is None:
-            try:
-                snap = snapshot(core)
-            finally:
-                lock.release()
-            return JSONResponse({"status": "ok", "keys": snap.keys,
-                                 "segments": len(snap.segments), "clients": snap.clients,
-                                 "capacity_bytes": snap.capacity_bytes,
-                                 "used_bytes": snap.used_bytes})
-        return JSONResponse({"status": "unhealthy", "reason": problem}, status_code=503)
+        return _health(core, lock, rpc_problem() if rpc_problem is not None else None)
 
     @app.get("/metrics")
     def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    _add_listings(app, core, lock, guarded)
+    _add_integrity(app, core, lock, guarded)
+    return app
+
+
+def _health(core: MasterCore, lock: threading.Lock, problem: str | None) -> Response:
+    """/health's answer, given the RPC server's `problem` (None while it serves)."""
+    if problem is None and not lock.acquire(timeout=LOCK_WAIT_S):
+        problem = f"the master lock has been held for over {LOCK_WAIT_S}s"
+    elif problem is None:
+        try:
+            snap = snapshot(core)
+        finally:
+            lock.release()
+        return JSONResponse({"status": "ok", "keys": snap.keys,
+                             "segments": len(snap.segments), "clients": snap.clients,
+                             "capacity_bytes": snap.capacity_bytes,
+                             "used_bytes": snap.used_bytes})
+    return JSONResponse({"status": "unhealthy", "reason": problem}, status_code=503)
+
+
+def _add_listings(app: FastAPI, core: MasterCore, lock: threading.Lock,
+                  guarded: list[Any]) -> None:
+    """The guarded reads of the master's tables: segments, one object, keys, the journal."""
 
     @app.get("/segments", dependencies=guarded)
     def segments() -> list[dict[str, Any]]:
@@ -149,27 +162,7 @@ def create_admin_app(core: MasterCore, lock: threading.Lock, metrics: MasterMetr
             info = object_info(core, key)
         if info is None:
             raise HTTPException(404, f"no object with key {key!r}")
-        return {"key": info.key, "size": info.size, "leased": info.leased,
-                "hard_pinned": info.hard_pinned, "soft_pinned": info.soft_pinned,
-                "replicas": [{"segment_id": r.segment_id, "endpoint": r.endpoint,
-                              "addr": r.addr, "size": r.size, "tier": r.tier.name,
-                              "state": r.state.name} for r in info.replicas]}
-
-    @app.get("/integrity", dependencies=guarded)
-    def integrity() -> dict[str, Any]:
-        """Run the master's integrity check (500 with the broken invariant if it fails); 429
-        while an earlier run's share of the master's time (INTEGRITY_MAX_SHARE) is used up."""
-        wait_s = integrity_gate.claim()
-        if wait_s > 0:
-            raise HTTPException(429, f"/integrity may hold the master lock at most "
-                                f"{INTEGRITY_MAX_SHARE:.0%} of the time; retry in "
-                                f"{wait_s:.3f}s", headers={"retry-after": str(math.ceil(wait_s))})
-        with lock:
-            start = integrity_gate.clock.now()
-            try:
-                return _check(core)
-            finally:
-                integrity_gate.release(integrity_gate.clock.now() - start)
+        return _object_json(info)
 
     @app.get("/journal", dependencies=guarded)
     def journal() -> dict[str, Any]:
@@ -187,4 +180,31 @@ def create_admin_app(core: MasterCore, lock: threading.Lock, metrics: MasterMetr
             found = list_keys(core, prefix, limit)
         return {"prefix": prefix, "count": len(found), "keys": found}
 
-    return app
+
+def _object_json(info: ObjectInfo) -> dict[str, Any]:
+    return {"key": info.key, "size": info.size, "leased": info.leased,
+            "hard_pinned": info.hard_pinned, "soft_pinned": info.soft_pinned,
+            "replicas": [{"segment_id": r.segment_id, "endpoint": r.endpoint,
+                          "addr": r.addr, "size": r.size, "tier": r.tier.name,
+                          "state": r.state.name} for r in info.replicas]}
+
+
+def _add_integrity(app: FastAPI, core: MasterCore, lock: threading.Lock,
+                   guarded: list[Any]) -> None:
+    integrity_gate = _DutyCycle(INTEGRITY_MAX_SHARE)
+
+    @app.get("/integrity", dependencies=guarded)
+    def integrity() -> dict[str, Any]:
+        """Run the master's integrity check (500 with the broken invariant if it fails); 429
+        while an earlier run's share of the master's time (INTEGRITY_MAX_SHARE) is used up."""
+        wait_s = integrity_gate.claim()
+        if wait_s > 0:
+            raise HTTPException(429, f"/integrity may hold the master lock at most "
+                                f"{INTEGRITY_MAX_SHARE:.0%} of the time; retry in "
+                                f"{wait_s:.3f}s", headers={"retry-after": str(math.ceil(wait_s))})
+        with lock:
+            start = integrity_gate.clock.now()
+            try:
+                return _check(core)
+            finally:
+                integrity_gate.release(integrity_gate.clock.now() - start)
