@@ -28,7 +28,7 @@ from kvpool.transfer.auth import (
 )
 from kvpool.transfer.batch import Batch, OpCode
 from kvpool.transfer.config import TransferConfig
-from kvpool.transfer.decoder import Control, FrameStart
+from kvpool.transfer.decoder import Control, Event, FrameStart
 from kvpool.transfer.protocol import (
     FENCED_REASON,
     HEADER_BYTES,
@@ -293,7 +293,8 @@ def _run_frame(conn: Connection, op: OpCode, addrs: list[int], lengths: list[int
                sent: Callable[[], None] | None = None) -> list[Status]:
     """Send one frame and receive its reply through the connection's frame decoder; returns
     the statuses. A READ's data goes from the socket straight into the OK descriptors' views
-    (a small one comes in the reply's first recv and is copied from there)."""
+    (a single descriptor's with the reply's status byte in one read, `reply_into`; a small
+    frame of several comes in the reply's first recv and is copied from there)."""
     rid = next(_request_ids)
     count = len(addrs)
     ftype = FrameType.WRITE if op == OpCode.WRITE else FrameType.READ
@@ -312,9 +313,16 @@ def _run_frame(conn: Connection, op: OpCode, addrs: list[int], lengths: list[int
         return reply.statuses
     conn.sock.sendall(head)  # a header and descriptors: small; a stall raises BlockingIOError
     payload = sum(lengths)
-    whole = reply_prefix + payload  # the reply when every descriptor is OK
-    reply = _expect(conn.reader, FrameType.READ_RESP, rid, count,
-                    whole if whole <= SCRATCH_BYTES else reply_prefix)
+    if count == 1:  # a refused descriptor gets no payload: nothing lands in its view
+        event, rest = conn.reader.reply_into(reply_prefix, views)
+        reply = _check_reply(event, FrameType.READ_RESP, rid, count)
+        if rest is not None:  # OK, and the payload's first bytes already in place
+            conn.reader.finish_frame(rest)
+            return reply.statuses
+    else:  # several: bytes landing ahead of the statuses could be a refused one's view's
+        whole = reply_prefix + payload  # the reply when every descriptor is OK
+        reply = _expect(conn.reader, FrameType.READ_RESP, rid, count,
+                        whole if whole <= SCRATCH_BYTES else reply_prefix)
     statuses = reply.statuses
     ok_views = views
     if statuses.count(Status.OK) != count:
@@ -330,7 +338,11 @@ def _expect(reader: FrameReader, ftype: FrameType, rid: int, count: int,
             reply_bytes: int) -> FrameStart:
     """The reply's FrameStart, reading up to `reply_bytes` at once: never more than the
     reply we expect, so nothing of a later frame is read ahead."""
-    event = reader.next_event(reply_bytes)
+    return _check_reply(reader.next_event(reply_bytes), ftype, rid, count)
+
+
+def _check_reply(event: Event | None, ftype: FrameType, rid: int, count: int) -> FrameStart:
+    """`event` if it starts the reply expected (type, request id, count), else why not."""
     if event is None:
         raise PeerUnavailable("peer closed the connection before replying")
     if isinstance(event, Control):
