@@ -174,6 +174,29 @@ class FrameReader:
             else:
                 raise RemoteProtocolError("frame did not end where its header said")
 
+    def finish_frame_in_steps(self, views: list[memoryview], arrived: Callable[[int, int], None],
+                              step_bytes: int) -> FrameEnd:
+        """As `finish_frame`, but the payload is taken a few whole views (about `step_bytes`)
+        at a time, and `arrived(lo, hi)` is called once views[lo:hi] are full, while the
+        rest of the frame still comes: the caller works on those bytes (the store client
+        hashes them) while the peer sends the others, instead of after the whole frame. For
+        a frame whose payload the decoder holds none of yet (a read that took only the
+        reply's header and statuses)."""
+        lo = 0
+        while lo < len(views):
+            hi, size = lo + 1, views[lo].nbytes
+            while hi < len(views) and size < step_bytes:
+                size += views[hi].nbytes
+                hi += 1
+            pending = views[lo:hi]
+            while pending:
+                if self.decoder.next_event() is not NEED_DATA:
+                    raise RemoteProtocolError("frame ended before its payload did")
+                pending = self._payload_into(pending, None)
+            arrived(lo, hi)
+            lo = hi
+        return self.finish_frame([])
+
     def _payload_into(self, pending: list[memoryview], deadline: float | None) -> list[memoryview]:
         """One scatter read of payload bytes straight into `pending`; the views left."""
         pending = [v for v in pending if v.nbytes]
