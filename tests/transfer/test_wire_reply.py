@@ -1,5 +1,6 @@
-"""FrameReader.reply_into: a one-descriptor READ_RESP read with its payload landing straight in
-the caller's view, and every other reply decoded as next_event would."""
+"""FrameReader's reply reads: `reply_into` (a one-descriptor READ_RESP with its payload landing
+straight in the caller's view, every other reply decoded as next_event would) and
+`finish_frame_in_steps` (a large payload reported view by view as it arrives)."""
 
 from __future__ import annotations
 
@@ -115,3 +116,42 @@ def test_a_close_before_or_inside_the_reply(pair: tuple[socket.socket, socket.so
     c.close()
     assert FrameReader(d, 5.0, None).reply_into(PREFIX, [memoryview(bytearray(4))]) == (None, None)
     d.close()
+
+
+def _multi_reply(payloads: list[bytes]) -> bytes:
+    body = b"".join(payloads)
+    return (encode_header(FrameType.READ_RESP, len(payloads), 9, len(payloads) + len(body))
+            + bytes(len(payloads)) + body)
+
+
+def test_a_large_payload_is_reported_in_steps_of_whole_views(
+        pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    payloads = [_payload(1000 + i) for i in range(8)]
+    sender = threading.Thread(target=a.sendall, args=(_multi_reply(payloads),))
+    sender.start()
+    reader = FrameReader(b, 5.0, None)
+    start = reader.next_event(HEADER_BYTES + 8)  # the statuses only: no payload buffered
+    assert isinstance(start, FrameStart) and start.statuses == [Status.OK] * 8
+    views = [memoryview(bytearray(b"\xee" * len(p))) for p in payloads]
+    steps: list[tuple[int, int]] = []
+
+    def arrived(lo: int, hi: int) -> None:
+        assert all(bytes(views[i]) == payloads[i] for i in range(lo, hi))  # in place
+        assert all(bytes(v) == b"\xee" * v.nbytes for v in views[hi:])  # not read yet
+        steps.append((lo, hi))
+    assert isinstance(reader.finish_frame_in_steps(views, arrived, 2500), FrameEnd)
+    assert steps == [(0, 3), (3, 6), (6, 8)]  # whole views, at least 2,500 bytes a step
+    sender.join()
+
+
+def test_steps_after_a_greedy_read_finish_whole(pair: tuple[socket.socket, socket.socket]) -> None:
+    a, b = pair
+    payloads = [b"abc", b"defg"]
+    a.sendall(_multi_reply(payloads))
+    reader = FrameReader(b, 5.0, None)
+    assert isinstance(reader.next_event(SCRATCH_BYTES), FrameStart)  # took the payload too
+    views = [memoryview(bytearray(3)), memoryview(bytearray(4))]
+    steps: list[tuple[int, int]] = []
+    reader.finish_frame_in_steps(views, lambda lo, hi: steps.append((lo, hi)), 1)
+    assert steps == [(0, 2)] and [bytes(v) for v in views] == payloads

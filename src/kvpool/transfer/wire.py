@@ -179,16 +179,20 @@ class FrameReader:
         """As `finish_frame`, but the payload is taken a few whole views (about `step_bytes`)
         at a time, and `arrived(lo, hi)` is called once views[lo:hi] are full, while the
         rest of the frame still comes: the caller works on those bytes (the store client
-        hashes them) while the peer sends the others, instead of after the whole frame. For
-        a frame whose payload the decoder holds none of yet (a read that took only the
-        reply's header and statuses)."""
+        hashes them) while the peer sends the others, instead of after the whole frame. A
+        frame whose payload the decoder already holds some of is finished whole, then
+        reported."""
+        if self.decoder.buffered:
+            end = self.finish_frame(views)
+            arrived(0, len(views))
+            return end
         lo = 0
         while lo < len(views):
             hi, size = lo + 1, views[lo].nbytes
             while hi < len(views) and size < step_bytes:
                 size += views[hi].nbytes
                 hi += 1
-            pending = views[lo:hi]
+            pending = [v for v in views[lo:hi] if v.nbytes]
             while pending:
                 if self.decoder.next_event() is not NEED_DATA:
                     raise RemoteProtocolError("frame ended before its payload did")
