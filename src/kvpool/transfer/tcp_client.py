@@ -56,8 +56,8 @@ close between the poll and the send always could."""
 ARRIVAL_STEP_BYTES = 512 << 10
 """A READ frame with an `arrived` hook takes its payload this much at a time (in whole
 descriptors) and reports each step, so the caller's work on it (hashing) overlaps the arrival of
-the rest: a batch of 32 x 64 KiB in 4 steps hides 3/4 of its 2 MiB hash behind the peer's
-send, for 3 more reads."""
+the rest: a batch of 32 x 64 KiB comes in 4 steps, so up to 3/4 of its 2 MiB hash overlaps
+the peer's send, for 3 more recvmsg calls (256 KiB and 1 MiB steps: docs/perf.md)."""
 _FAILURE_TEXT = {
     Status.OUT_OF_RANGE: "target range is not inside a buffer registered at the target",
     Status.READ_ONLY: "target buffer is registered read-only",
