@@ -252,9 +252,41 @@ def test_on_sent_reports_each_tcp_write_before_its_answer(target: Target) -> Non
             assert events.count(("sent", i)) == 1
             assert events.index(("sent", i)) < events.index(("done", i))
         reads = [TransferRequest(OpCode.READ, r.local_addr, size, r.target, r.target_addr)
-                 for r in requests]
+                 for r in requests[:2]]  # a frame within the reader's scratch: one read
         events.clear()
         assert all(s.ok for s in engine.transfer_sync(
             reads, on_done=lambda i: events.append(("done", i)),
             on_sent=lambda i: events.append(("sent", i))))
-        assert sorted(events) == [("done", i) for i in range(count)]  # reads: never "sent"
+        assert sorted(events) == [("done", 0), ("done", 1)]  # nothing to tell before the end
+
+
+def test_on_sent_reports_the_reads_of_a_large_frame_as_their_bytes_arrive(
+        target: Target) -> None:
+    """A read frame over ARRIVAL_STEP_BYTES comes in steps; each read is told once its bytes
+    are in local memory (checked in the hook), before the frame ends and before its done."""
+    with TransferEngine(TransferConfig(protocol="tcp", timeout_s=5.0)) as engine:
+        size, count = 64 << 10, 32  # 2 MiB in one frame (TransferConfig.small_frame_bytes)
+        target.fill(target.plain, size * count, seed=11)
+        local = engine.allocate_managed(size * count).numpy()
+        local[:] = 0xEE
+        reads = [TransferRequest(OpCode.READ, local.ctypes.data + i * size, size,
+                                 target.segment, target.plain + i * size) for i in range(count)]
+        expected = [target.digest(target.plain + i * size, size) for i in range(count)]
+        events: list[tuple[str, int]] = []
+        held: list[bool] = []
+        last_untouched: list[bool] = []
+
+        def arrived(i: int) -> None:
+            events.append(("sent", i))
+            held.append(sha(local[i * size:(i + 1) * size]) == expected[i])
+            last_untouched.append(bool((local[-size:] == 0xEE).all()))
+        statuses = engine.transfer_sync(reads, on_done=lambda i: events.append(("done", i)),
+                                        on_sent=arrived)
+        assert all(s.ok for s in statuses)
+        assert held == [True] * count  # the bytes were all there when told
+        for i in range(count):
+            assert events.count(("sent", i)) == 1
+            assert events.index(("sent", i)) < events.index(("done", i))
+        assert last_untouched[0]  # told of the first reads before the last one was read
+        assert events.index(("sent", 0)) < min(events.index(("done", i)) for i in range(count))
+        assert sha(local) == target.digest(target.plain, size * count)

@@ -59,6 +59,40 @@ def test_fences_are_per_descriptor_in_one_frame(engine: TransferEngine, target: 
         assert target.digest(base + i * 4096, 4096) == sha(local[i * 4096 : (i + 1) * 4096])
 
 
+def test_runs_of_one_fence_in_a_frame_are_admitted_or_refused_whole(
+        engine: TransferEngine, target: Target, transport: str) -> None:
+    base = remote_base(target, transport)
+    target.set_fence(base, 9)
+    fences = [9, 9, 9, 8, 8, 9, 0, 9]
+    before = [target.digest(base + i * 4096, 4096) for i in range(len(fences))]
+    local = _fill(engine, 7)
+    reqs = [TransferRequest(OpCode.WRITE, local.ctypes.data + i * 4096, 4096, target.segment,
+                            base + i * 4096, f) for i, f in enumerate(fences)]
+    statuses = engine.transfer_sync(reqs)
+    assert [s.ok for s in statuses] == [f == 9 for f in fences]
+    assert all(s.reason == FENCED_REASON for s, f in zip(statuses, fences, strict=True) if f != 9)
+    back = engine.allocate_managed(SIZE).numpy()
+    engine.transfer_sync([TransferRequest(OpCode.READ, back.ctypes.data, SIZE, target.segment,
+                                          base, 9)])
+    for i, f in enumerate(fences):  # the admitted runs landed, the refused ones touched nothing
+        want = sha(local[i * 4096:(i + 1) * 4096]) if f == 9 else before[i]
+        assert sha(back[i * 4096:(i + 1) * 4096]) == want
+
+
+def test_set_fence_waits_for_every_write_of_a_run() -> None:
+    fence = Fence(1)
+    token = fence.enter(1, write=True, count=3)
+    assert token is not None
+    returned = threading.Event()
+    setter = threading.Thread(target=lambda: (fence.set(2, 5.0), returned.set()))
+    setter.start()
+    fence.leave(token, 2)
+    assert not returned.wait(0.2)  # one of the three is still copying
+    fence.leave(token)
+    assert returned.wait(5)
+    setter.join()
+
+
 def test_unfenced_region_accepts_any_request_fence(engine: TransferEngine, target: Target,
                                                    transport: str) -> None:
     base = remote_base(target, transport)

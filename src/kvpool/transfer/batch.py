@@ -66,10 +66,13 @@ class Batch:
     the batch can count as finished: a waiter sees every call made. An exception in it is
     logged and ignored.
 
-    `on_sent(index)` (writes over tcp) is called once the last open slice of a request was
-    handed to the socket, before the peer answers: the source bytes are all sent, so a
-    writer can work on them (the store client hashes them) while the peer takes them in.
-    It may come before `on_done` or not at all (a request whose slices finish out of order).
+    `on_sent(index)` (tcp) is called once the last open slice of a request was handed to
+    the socket, before the peer answers: the source bytes are all sent, so a writer can
+    work on them (the store client hashes them) while the peer takes them in; for a read,
+    once its last open slice's bytes are in local memory while the rest of its frame still
+    arrives (a large frame of several requests). It may come before `on_done` or not at
+    all (a request whose slices finish out of order, a small read); a request whose frame
+    then fails is FAILED all the same.
     """
 
     def __init__(self, capacity: int, on_done: Callable[[int], None] | None = None,
@@ -123,8 +126,8 @@ class Batch:
                 log.debug("batch completion callback failed", exc_info=True)
 
     def sent(self, indices: list[int]) -> None:
-        """One slice of each request in `indices` was sent; calls `on_sent` for each request
-        whose last open slice it was."""
+        """One slice of each request in `indices` was sent (a read's: its bytes arrived);
+        calls `on_sent` for each request whose last open slice it was."""
         if self.on_sent is None:
             return
         with self._cond:

@@ -100,6 +100,11 @@ class FrameDecoder:
         """True between frames with nothing buffered: a clean place for the stream to end."""
         return self._header is None and not self._buf
 
+    @property
+    def buffered(self) -> int:
+        """Bytes fed and not yet handed out as events."""
+        return len(self._buf)
+
     def bytes_wanted(self) -> int:
         """How many more bytes the next event needs (at least 1); reading no more than this
         keeps every payload byte out of the decoder's buffer."""

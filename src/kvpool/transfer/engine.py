@@ -300,8 +300,9 @@ class TransferEngine:
         """Run requests to completion; returns per-request status, never raises for peer
         failures. `on_done(index)`: called for each request that succeeded, as soon as it
         did, in the thread that moved its bytes (see Batch), before this returns.
-        `on_sent(index)`: a write's bytes are all in a tcp socket, its answer not yet in (see
-        Batch; it may not be called for a request, and never is on the one-request path)."""
+        `on_sent(index)`: a write's bytes are all in a tcp socket, its answer not yet in, or
+        a read's bytes are in while the rest of its frame is not (see Batch; it may not be
+        called for a request, and never is on the one-request path)."""
         if not requests:
             return []
         router = self._router or self._started_router()

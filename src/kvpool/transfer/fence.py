@@ -47,22 +47,24 @@ class Fence:
     def value(self) -> int:
         return self._value
 
-    def enter(self, fence: int, write: bool) -> int | None:
-        """Admit a request planned against `fence`: a token for `leave`, or None if refused."""
+    def enter(self, fence: int, write: bool, count: int = 1) -> int | None:
+        """Admit a request planned against `fence` (`count` writes planned against it at
+        once, e.g. the descriptors of one frame into this region: all or none): a token for
+        `leave`, or None if refused."""
         if not write:
             return READ_ADMITTED if admits(self._value, fence) else None
         with self._cond:
             if not admits(self._value, fence):
                 return None
-            self._inflight[self._epoch] = self._inflight.get(self._epoch, 0) + 1
+            self._inflight[self._epoch] = self._inflight.get(self._epoch, 0) + count
             return self._epoch
 
-    def leave(self, token: int) -> None:
-        """The copy admitted with `token` ended (finished or failed)."""
+    def leave(self, token: int, count: int = 1) -> None:
+        """The copy admitted with `token` ended (finished or failed); `count` as entered."""
         if token == READ_ADMITTED:
             return
         with self._cond:
-            left = self._inflight[token] - 1
+            left = self._inflight[token] - count
             if left:
                 self._inflight[token] = left
             else:

@@ -28,7 +28,7 @@ from kvpool.transfer.auth import (
 )
 from kvpool.transfer.batch import Batch, OpCode
 from kvpool.transfer.config import TransferConfig
-from kvpool.transfer.decoder import Control, FrameStart
+from kvpool.transfer.decoder import Control, Event, FrameStart
 from kvpool.transfer.protocol import (
     FENCED_REASON,
     HEADER_BYTES,
@@ -53,6 +53,11 @@ _TRUST_IDLE_S = 0.01
 """A pooled connection used again within this long is not polled for a peer's close first
 (one syscall per frame saved); a peer that closes it in that window fails one frame, as a
 close between the poll and the send always could."""
+ARRIVAL_STEP_BYTES = 512 << 10
+"""A READ frame with an `arrived` hook takes its payload this much at a time (in whole
+descriptors) and reports each step, so the caller's work on it (hashing) overlaps the arrival of
+the rest: a batch of 32 x 64 KiB comes in 4 steps, so up to 3/4 of its 2 MiB hash overlaps
+the peer's send, for 3 more recvmsg calls (256 KiB and 1 MiB steps: docs/perf.md)."""
 _FAILURE_TEXT = {
     Status.OUT_OF_RANGE: "target range is not inside a buffer registered at the target",
     Status.READ_ONLY: "target buffer is registered read-only",
@@ -79,6 +84,11 @@ class Frame:
     def sent(self) -> None:
         """The frame's payload is in the socket (a WRITE), its answer not yet in."""
         self.batch.sent(self.indices)
+
+    def arrived(self, lo: int, hi: int) -> None:
+        """The data of descriptors lo..hi-1 of a READ is in local memory, the rest of the
+        frame not yet."""
+        self.batch.sent(self.indices[lo:hi])
 
     def finish(self, statuses: list[Status]) -> None:
         """Report the target's per-descriptor statuses to the batch."""
@@ -223,24 +233,26 @@ class PeerLink:
             self._run(frame)
 
     def _run(self, frame: Frame) -> None:
-        sent = frame.sent if frame.op == OpCode.WRITE and frame.batch.on_sent else None
+        hook = frame.batch.on_sent is not None
         outcome = self.exchange(frame.op, frame.addrs, frame.lengths, frame.views, frame.fences,
-                                sent)
+                                frame.sent if hook and frame.op == OpCode.WRITE else None,
+                                frame.arrived if hook and frame.op == OpCode.READ else None)
         if isinstance(outcome, str):
             frame.fail(outcome)
         else:
             frame.finish(outcome)
 
     def exchange(self, op: OpCode, addrs: list[int], lengths: list[int], views: list[memoryview],
-                 fences: list[int] | None,
-                 sent: Callable[[], None] | None = None) -> list[Status] | str:
+                 fences: list[int] | None, sent: Callable[[], None] | None = None,
+                 arrived: Callable[[int, int], None] | None = None) -> list[Status] | str:
         """Run one frame in the calling thread: the target's per-descriptor statuses, or why
         the whole frame failed (then no descriptor counts as done). `sent`: called once a
-        WRITE's payload is in the socket, before waiting for the answer."""
+        WRITE's payload is in the socket, before waiting for the answer. `arrived(lo, hi)`:
+        called as a large READ's descriptors lo..hi-1 have their data, before the rest."""
         conn: Connection | None = None
         try:
             conn = self._checkout()
-            statuses = _run_frame(conn, op, addrs, lengths, views, fences, sent)
+            statuses = _run_frame(conn, op, addrs, lengths, views, fences, sent, arrived)
         except Exception as exc:  # whatever happens, the frame ends and the worker lives
             if conn is not None:
                 conn.close()
@@ -290,10 +302,12 @@ def _describe(exc: BaseException) -> str:
 
 def _run_frame(conn: Connection, op: OpCode, addrs: list[int], lengths: list[int],
                views: list[memoryview], fences: list[int] | None,
-               sent: Callable[[], None] | None = None) -> list[Status]:
+               sent: Callable[[], None] | None = None,
+               arrived: Callable[[int, int], None] | None = None) -> list[Status]:
     """Send one frame and receive its reply through the connection's frame decoder; returns
     the statuses. A READ's data goes from the socket straight into the OK descriptors' views
-    (a small one comes in the reply's first recv and is copied from there)."""
+    (a single descriptor's with the reply's status byte in one read, `reply_into`; a small
+    frame of several comes in the reply's first recv and is copied from there)."""
     rid = next(_request_ids)
     count = len(addrs)
     ftype = FrameType.WRITE if op == OpCode.WRITE else FrameType.READ
@@ -312,9 +326,16 @@ def _run_frame(conn: Connection, op: OpCode, addrs: list[int], lengths: list[int
         return reply.statuses
     conn.sock.sendall(head)  # a header and descriptors: small; a stall raises BlockingIOError
     payload = sum(lengths)
-    whole = reply_prefix + payload  # the reply when every descriptor is OK
-    reply = _expect(conn.reader, FrameType.READ_RESP, rid, count,
-                    whole if whole <= SCRATCH_BYTES else reply_prefix)
+    if count == 1:  # a refused descriptor gets no payload: nothing lands in its view
+        event, rest = conn.reader.reply_into(reply_prefix, views)
+        reply = _check_reply(event, FrameType.READ_RESP, rid, count)
+        if rest is not None:  # OK, and the payload's first bytes already in place
+            conn.reader.finish_frame(rest)
+            return reply.statuses
+    else:  # several: bytes landing ahead of the statuses could be a refused one's view's
+        whole = reply_prefix + payload  # the reply when every descriptor is OK
+        reply = _expect(conn.reader, FrameType.READ_RESP, rid, count,
+                        whole if whole <= SCRATCH_BYTES else reply_prefix)
     statuses = reply.statuses
     ok_views = views
     if statuses.count(Status.OK) != count:
@@ -322,7 +343,10 @@ def _run_frame(conn: Connection, op: OpCode, addrs: list[int], lengths: list[int
         payload = sum(v.nbytes for v in ok_views)
     if reply.payload_bytes != payload:
         raise RemoteProtocolError("READ_RESP length does not match its OK descriptors")
-    conn.reader.finish_frame(ok_views)
+    if arrived is not None and ok_views is views and reply_prefix + payload > SCRATCH_BYTES:
+        conn.reader.finish_frame_in_steps(views, arrived, ARRIVAL_STEP_BYTES)
+    else:
+        conn.reader.finish_frame(ok_views)
     return statuses
 
 
@@ -330,7 +354,11 @@ def _expect(reader: FrameReader, ftype: FrameType, rid: int, count: int,
             reply_bytes: int) -> FrameStart:
     """The reply's FrameStart, reading up to `reply_bytes` at once: never more than the
     reply we expect, so nothing of a later frame is read ahead."""
-    event = reader.next_event(reply_bytes)
+    return _check_reply(reader.next_event(reply_bytes), ftype, rid, count)
+
+
+def _check_reply(event: Event | None, ftype: FrameType, rid: int, count: int) -> FrameStart:
+    """`event` if it starts the reply expected (type, request id, count), else why not."""
     if event is None:
         raise PeerUnavailable("peer closed the connection before replying")
     if isinstance(event, Control):

@@ -231,21 +231,16 @@ class TcpTarget:
         return True
 
     def _serve_write(self, conn: socket.socket, reader: FrameReader, start: FrameStart) -> None:
-        header, addrs, lengths, fences = start.header, start.addrs, start.lengths, start.fences
+        header = start.header
         statuses = bytearray(header.count)
-        views: list[memoryview] = []
-        admitted: list[tuple[Fence, int]] = []
-        cache: list[Buffer | None] = [None]
+        admitted: list[tuple[Fence, int, int]] = []
         try:
-            for i, (addr, length, fence) in enumerate(zip(addrs, lengths, fences, strict=True)):
-                status, view = self._resolve(addr, length, fence, admitted, cache)
-                statuses[i] = status
-                views.extend([view] if view is not None else _discard_views(length))
+            views = self._admit_writes(start, statuses, admitted)
             reader.finish_frame(views, time.monotonic() + self._config.timeout_s
                                 + start.payload_bytes / MIN_PAYLOAD_BYTES_PER_S)
         finally:
-            for region, token in admitted:
-                region.leave(token)
+            for region, token, count in admitted:
+                region.leave(token, count)
         send_views(conn, [encode_header(FrameType.WRITE_ACK, header.count, header.request_id,
                                         header.count), statuses], HEADER_BYTES + header.count)
 
@@ -253,7 +248,7 @@ class TcpTarget:
         header, addrs, lengths, fences = start.header, start.addrs, start.lengths, start.fences
         reader.finish_frame([])
         if header.count == 1:  # the one-request path: no loop, one reply buffer
-            status, view = self._resolve(addrs[0], lengths[0], fences[0], None, [None])
+            status, view = self._resolve(addrs[0], lengths[0], fences[0], [None])
             payload = lengths[0] if view is not None else 0
             head = encode_header(FrameType.READ_RESP, 1, header.request_id, 1 + payload)
             send_views(conn, [head + _STATUS_BYTE[status], view] if view is not None else
@@ -264,7 +259,7 @@ class TcpTarget:
         cache: list[Buffer | None] = [None]
         total = header.count
         for i, (addr, length, fence) in enumerate(zip(addrs, lengths, fences, strict=True)):
-            status, view = self._resolve(addr, length, fence, None, cache)
+            status, view = self._resolve(addr, length, fence, cache)
             statuses[i] = status
             if view is not None:
                 views.append(view)
@@ -272,22 +267,56 @@ class TcpTarget:
         head = encode_header(FrameType.READ_RESP, header.count, header.request_id, total)
         send_views(conn, [head, statuses, *views], HEADER_BYTES + total)
 
-    def _resolve(self, addr: int, length: int, fence: int, admitted: list[tuple[Fence, int]] | None,
+    def _admit_writes(self, start: FrameStart, statuses: bytearray,
+                      admitted: list[tuple[Fence, int, int]]) -> list[memoryview]:
+        """Where a WRITE frame's payload goes, in order: each descriptor's target range, or
+        discard space for one refused (its status set in `statuses`). The descriptors of a
+        run into one region under one fence are admitted together, all or none, by one
+        check of the region's fence (one lock round trip in and out, not one per
+        descriptor); each admission is appended to `admitted` as (fence, token, count)."""
+        addrs, lengths, fences = start.addrs, start.lengths, start.fences
+        bufs: list[Buffer | None] = []
+        buf: Buffer | None = None
+        for i, (addr, length) in enumerate(zip(addrs, lengths, strict=True)):
+            if buf is None or not buf.contains(addr, length):
+                buf = self._registry.find(addr, length)
+            if buf is None:
+                statuses[i] = Status.OUT_OF_RANGE
+            elif buf.readonly:
+                statuses[i] = Status.READ_ONLY
+            bufs.append(buf if statuses[i] == Status.OK else None)
+        i, count = 0, len(bufs)
+        while i < count:
+            run_buf, fence, j = bufs[i], fences[i], i + 1
+            if run_buf is not None:
+                while j < count and bufs[j] is run_buf and fences[j] == fence:
+                    j += 1
+                token = run_buf.fence.enter(fence, True, j - i)
+                if token is None:
+                    statuses[i:j] = bytes([Status.FENCED]) * (j - i)
+                    bufs[i:j] = [None] * (j - i)
+                else:
+                    admitted.append((run_buf.fence, token, j - i))
+            i = j
+        views: list[memoryview] = []
+        for addr, length, target in zip(addrs, lengths, bufs, strict=True):
+            if target is None:
+                views.extend(_discard_views(length))
+            else:
+                at = addr - target.addr
+                views.append(target.view[at : at + length])
+        return views
+
+    def _resolve(self, addr: int, length: int, fence: int,
                  cache: list[Buffer | None]) -> tuple[int, memoryview | None]:
-        """Status and target view of one descriptor; `cache[0]` is the last buffer hit. A write
-        (`admitted` is a list) admitted by the region's fence is appended to `admitted`."""
+        """Status and target view of one READ descriptor; `cache[0]` is the last buffer hit."""
         buf = cache[0]
         if buf is None or not buf.contains(addr, length):
             buf = cache[0] = self._registry.find(addr, length)
         if buf is None:
             return Status.OUT_OF_RANGE, None
-        if admitted is not None and buf.readonly:
-            return Status.READ_ONLY, None
-        token = buf.fence.enter(fence, admitted is not None)
-        if token is None:
+        if buf.fence.enter(fence, False) is None:
             return Status.FENCED, None
-        if admitted is not None:
-            admitted.append((buf.fence, token))
         start = addr - buf.addr
         return Status.OK, buf.view[start : start + length]
 

@@ -26,6 +26,7 @@ from kvpool.transfer.decoder import (
     FrameEnd,
     FrameStart,
 )
+from kvpool.transfer.protocol import HEADER_BYTES, FrameType
 
 IOV_MAX = 1024
 SCRATCH_BYTES = 16 << 10
@@ -35,6 +36,8 @@ POLL_PAYLOAD_BYTES = 256 << 10
 """A payload with at most this much left to come is polled for (kvpool.busypoll); a larger
 one waits in one MSG_WAITALL read."""
 _TIMEVAL = struct.Struct("@ll")
+_TYPE_AT, _LEN_AT, _LEN = 4, 20, struct.Struct("<Q")
+"""Where a frame header keeps its type byte and its payload length (protocol.HEADER)."""
 
 
 def use_kernel_timeouts(sock: socket.socket, recv_tick_s: float, send_timeout_s: float) -> None:
@@ -98,6 +101,61 @@ class FrameReader:
             decoder.receive_data(view[:got])
         return event
 
+    def reply_into(self, prefix: int,
+                   views: list[memoryview]) -> tuple[Event | None, list[memoryview] | None]:
+        """Start reading a reply whose header and status bytes take `prefix` bytes and whose
+        payload, when every descriptor is OK, fills `views` exactly: the same reads take the
+        prefix into scratch and let the payload behind it land straight in `views` (one
+        recvmsg for a small reply instead of a read, a copy out of the decoder and another
+        copy; the start of a large one instead of a separate read). Returns the decoder's
+        first event of the frame (None: the peer closed the connection before it) and, when
+        payload bytes landed, the views still to fill (for `finish_frame`; [] when all
+        came).
+
+        Any other reply (a failed descriptor, an ERROR frame, a length that differs) gets
+        the bytes that landed in `views` taken back and fed to the decoder behind the
+        prefix, so it is decoded exactly as by `next_event`, and None comes back for the
+        views: the caller's `finish_frame` then copies the payload where its statuses say.
+        Only for a reader at a frame boundary whose peer sends nothing after the reply
+        unasked."""
+        decoder = self.decoder
+        if not decoder.at_boundary or prefix > SCRATCH_BYTES or len(views) >= IOV_MAX:
+            return self.next_event(prefix), None
+        have, landed = 0, 0
+        while have < prefix:
+            iov = [self._view[have:prefix], *views]  # payload lands only behind a full prefix
+            got = self._read_iov(iov)
+            if not got:
+                if have:
+                    raise PeerUnavailable("peer closed the connection mid-frame")
+                return None, None
+            take = min(got, prefix - have)
+            have, landed = have + take, got - take
+        scratch = self._scratch
+        count = prefix - HEADER_BYTES
+        if scratch[_TYPE_AT] == FrameType.READ_RESP and scratch.count(0, HEADER_BYTES, prefix) \
+                == count and _LEN.unpack_from(scratch, _LEN_AT)[0] == count + sum(
+                    v.nbytes for v in views):
+            decoder.receive_data(self._view[:prefix])
+            event = decoder.next_event()
+            if not landed:
+                return event, None
+            decoder.payload_received(landed)
+            return event, _advance(views, landed)
+        decoder.receive_data(self._view[:prefix])
+        if landed:
+            decoder.receive_data(b"".join(_front(views, landed)))
+        return self.next_event(), None
+
+    def _read_iov(self, iov: list[memoryview]) -> int:
+        """One scatter read into `iov` of whatever has arrived (polled for first)."""
+        sock = self.sock
+        try:
+            return polled(lambda: sock.recvmsg_into(iov, 0, socket.MSG_DONTWAIT)[0],
+                          lambda: sock.recvmsg_into(iov)[0], self._poll)
+        except BlockingIOError:  # a tick of SO_RCVTIMEO passed
+            return self._wait(lambda: sock.recvmsg_into(iov)[0])
+
     def finish_frame(self, views: list[memoryview], deadline: float | None = None) -> FrameEnd:
         """Move the payload of the frame just started into `views` (their sizes must add up to
         it): first what the decoder already holds, then the rest straight from the socket.
@@ -115,6 +173,33 @@ class FrameReader:
                 pending = self._payload_into(pending, deadline)
             else:
                 raise RemoteProtocolError("frame did not end where its header said")
+
+    def finish_frame_in_steps(self, views: list[memoryview], arrived: Callable[[int, int], None],
+                              step_bytes: int) -> FrameEnd:
+        """As `finish_frame`, but the payload is taken a few whole views (about `step_bytes`)
+        at a time, and `arrived(lo, hi)` is called once views[lo:hi] are full, while the
+        rest of the frame still comes: the caller works on those bytes (the store client
+        hashes them) while the peer sends the others, instead of after the whole frame. A
+        frame whose payload the decoder already holds some of is finished whole, then
+        reported."""
+        if self.decoder.buffered:
+            end = self.finish_frame(views)
+            arrived(0, len(views))
+            return end
+        lo = 0
+        while lo < len(views):
+            hi, size = lo + 1, views[lo].nbytes
+            while hi < len(views) and size < step_bytes:
+                size += views[hi].nbytes
+                hi += 1
+            pending = [v for v in views[lo:hi] if v.nbytes]
+            while pending:
+                if self.decoder.next_event() is not NEED_DATA:
+                    raise RemoteProtocolError("frame ended before its payload did")
+                pending = self._payload_into(pending, None)
+            arrived(lo, hi)
+            lo = hi
+        return self.finish_frame([])
 
     def _payload_into(self, pending: list[memoryview], deadline: float | None) -> list[memoryview]:
         """One scatter read of payload bytes straight into `pending`; the views left."""
@@ -189,6 +274,17 @@ def send_views(sock: socket.socket, views: list[bytes | bytearray | memoryview],
             pending = _advance(pending, sent)
     except BlockingIOError:
         raise TimeoutError("peer took nothing within the send timeout") from None
+
+
+def _front(views: list[memoryview], n: int) -> list[memoryview]:
+    """The first n bytes of a list of views, as views."""
+    out = []
+    for view in views:
+        if n <= 0:
+            break
+        out.append(view[:n] if view.nbytes > n else view)
+        n -= view.nbytes
+    return out
 
 
 def _advance(views: list[memoryview], n: int) -> list[memoryview]:

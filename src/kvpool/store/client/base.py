@@ -330,8 +330,7 @@ class ClientBase(ReadPath):
                 arrivals.expect(owners)
             statuses = self.engine.transfer_sync(
                 requests, on_done=arrivals.request_done if arrivals is not None else None,
-                on_sent=arrivals.request_sent if arrivals is not None and op == OpCode.WRITE
-                else None)
+                on_sent=arrivals.request_sent if arrivals is not None else None)
             for idx, status in zip(owners, statuses, strict=True):
                 if not status.ok:
                     failed.add(idx)

@@ -115,9 +115,10 @@ class HashOnArrival:
         self._left = left
 
     def request_sent(self, request: int) -> None:
-        """A write's on_sent hook: its source bytes are all in the socket, so they count as
-        arrived and the object is hashed while the peer takes them in, off the wait for the
-        answer (a put of 32 x 64 KiB hashed 2 MiB after the answer before)."""
+        """The on_sent hook. A write's: its source bytes are all in the socket, so they count
+        as arrived and the object is hashed while the peer takes them in, off the wait for
+        the answer (a put of 32 x 64 KiB hashed 2 MiB after the answer before). A read's:
+        its bytes are in, and it is hashed while the rest of its frame still arrives."""
         self.request_done(request)
 
     def request_done(self, request: int) -> None:
