@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ from kvpool.engine.blocks import block_key, prefix_block_hashes, request_key
 from kvpool.engine.emulated.kvbytes import expected_output, ordinary_vocab
 from kvpool.launch.children import stop
 from kvpool.launch.ports import free_port
+from kvpool.launch.wait import wait_for
 from kvpool.serve.launch import ServingCluster, ServingSpec, ensure_emulated_model, serving_cluster
 from kvpool.store.wire.codes import ErrorCode
 
@@ -309,9 +309,8 @@ def test_failed_decode_legs_fail_no_complete_output_and_leave_no_partial_block(
         assert eight.json()["kvpool_trace"]["token_ids"] == expected(info, q, 8)
         assert 'kvpool_proxy_migrations_total{leg="decode"} 1.0' in httpx.get(
             url + "/metrics").text
-        deadline = time.monotonic() + 5  # the prefill worker's abort runs in the background
-        while kvreq_keys(cluster) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert kvreq_keys(cluster) == []
+        # the prefill worker's abort runs in the background
+        wait_for(lambda: kvreq_keys(cluster) == [], 5.0,
+                 lambda: f"no kvreq keys left (have {kvreq_keys(cluster)})", 0.05)
     finally:
         stop(proxy)

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from kvpool.launch.children import stop
-from kvpool.launch.wait import wait_http
+from kvpool.launch.wait import wait_for, wait_http
 from kvpool.serve.launch import ServingCluster
 from tests.serve.conftest import start_proxy, start_worker
 
@@ -95,10 +95,8 @@ def test_worker_killed_mid_request_ends_it_cleanly(cluster: ServingCluster) -> N
         answer = results["plain"]
         assert isinstance(answer, httpx.Response) and answer.status_code == 502
         assert answer.json()["error"]["code"] == "worker_failed"
-        deadline = time.monotonic() + 15
-        while httpx.get(url + "/health").json()["decode"] != 0:
-            assert time.monotonic() < deadline, "the dead worker stayed in rotation"
-            time.sleep(0.1)
+        wait_for(lambda: httpx.get(url + "/health").json()["decode"] == 0, 15.0,
+                 "the dead worker to leave the rotation", 0.1)
         after = httpx.post(url + "/v1/completions", json={**body, "max_tokens": 2}, timeout=30)
         assert after.status_code == 503 and after.json()["error"]["code"] == "no_workers"
     finally:
@@ -115,22 +113,18 @@ def test_a_client_that_goes_away_frees_its_request(cluster: ServingCluster) -> N
         lines = resp.iter_lines()
         next(line for line in lines if line.startswith("data: "))
         assert httpx.get(decode + "/load").json()["num_running"] == 1
-    deadline = time.monotonic() + 10  # the proxy aborts it on the decode worker
-    while httpx.get(decode + "/load").json()["num_running"] != 0:
-        assert time.monotonic() < deadline, "the abandoned request kept decoding"
-        time.sleep(0.1)
+    wait_for(lambda: httpx.get(decode + "/load").json()["num_running"] == 0, 10.0,
+             "the proxy to abort the abandoned request on the decode worker", 0.1)
     assert httpx.get(cluster.proxy_url + "/health").json()["ok"]
 
 
 def _running_on(urls: list[str]) -> str:
     """The one of `urls` whose worker runs a request now."""
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+    def the_one() -> str | None:
         busy = [u for u in urls if httpx.get(u + "/load", timeout=5).json()["num_running"] > 0]
-        if len(busy) == 1:
-            return busy[0]
-        time.sleep(0.05)
-    raise AssertionError("no single decode worker runs the request")
+        return busy[0] if len(busy) == 1 else None
+
+    return wait_for(the_one, 10.0, "a single decode worker to run the request", 0.05)
 
 
 @pytest.mark.parametrize("flags", [(), ("--worker-sse",)], ids=["proxy-text", "worker-sse"])

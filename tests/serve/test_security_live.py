@@ -26,6 +26,7 @@ import pytest
 from kvpool.bench.attacks import closed_by_peer
 from kvpool.launch.children import spawn, stop
 from kvpool.launch.ports import free_port
+from kvpool.launch.wait import answers, wait_for
 from kvpool.serve.launch import ServingCluster
 from tests.serve.conftest import start_proxy
 from tests.support.require import skip_outside_ci
@@ -668,16 +669,7 @@ def test_push_mode_signs_its_worker_calls(tokened_worker: str, tiny_model: Path)
 
 
 def _wait_healthy(proc: Any, url: str) -> None:
-    deadline = time.monotonic() + 90
-    while True:
-        assert proc.poll() is None, f"worker exited with {proc.returncode}"
-        assert time.monotonic() < deadline, "the worker did not start"
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
+    wait_for(lambda: answers(url + "/health"), 90.0, "the worker to start", 0.2, procs=[proc])
 
 
 @pytest.mark.slow  # two worker starts on one port

@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from kvpool.launch.wait import answers, wait_for
 from kvpool.serve.launch import ServingCluster
 from kvpool.serve.tokenizer import ModelTokenizer
 from tests.serve.test_proxy_live import client
@@ -34,15 +35,7 @@ def proxy(cluster: ServingCluster, tmp_path_factory: pytest.TempPathFactory
         proc = subprocess.Popen(args, stderr=err, env=python_env())
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
+        wait_for(lambda: answers(url + "/health"), 60.0, log.read_text, 0.2, procs=[proc])
         yield url, log
     finally:
         stop(proc)
@@ -114,18 +107,15 @@ def test_access_log_and_a_client_that_goes_away(proxy: tuple[str, Path],
             if i >= 4:
                 break  # and close the connection mid-stream
     deadline = time.monotonic() + 20
-    while "client gone" not in log.read_text():
-        assert time.monotonic() < deadline, log.read_text()
-        time.sleep(0.2)
+    wait_for(lambda: "client gone" in log.read_text(), 20.0, log.read_text, 0.2)
     text = log.read_text()
     assert "POST /v1/completions 200 prompt=" in text and "output=3" in text
     assert "POST /v1/completions 400 prompt=0" in text
     assert "Traceback" not in text, text
     # the abandoned request is not decoding on: the decode worker drains
     decode = cluster.worker_urls["decode"][0]
-    while httpx.get(decode + "/load", timeout=10).json()["num_running"]:
-        assert time.monotonic() < deadline + 20, "the abandoned request kept decoding"
-        time.sleep(0.1)
+    wait_for(lambda: not httpx.get(decode + "/load", timeout=10).json()["num_running"],
+             deadline + 20 - time.monotonic(), "the abandoned request to stop decoding", 0.1)
 
 
 @pytest.mark.slow
@@ -140,10 +130,8 @@ def test_a_dropped_non_streaming_request_stops_decoding(proxy: tuple[str, Path],
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
         httpx.post(url + "/v1/completions", json=body, timeout=1.5)
     decode = cluster.worker_urls["decode"][0]
-    deadline = time.monotonic() + 3
-    while httpx.get(decode + "/load", timeout=10).json()["num_running"]:
-        assert time.monotonic() < deadline, "the abandoned request kept decoding"
-        time.sleep(0.1)
+    wait_for(lambda: not httpx.get(decode + "/load", timeout=10).json()["num_running"], 3.0,
+             "the abandoned request to stop decoding", 0.1)
     assert log.read_text().count("client gone") >= 1 and "Traceback" not in log.read_text()
 
 
@@ -216,7 +204,5 @@ def test_responses_and_access_lines_say_where_the_conductor_ran_them(
     line = (f"prefill={r.headers['x-kvpool-prefill-worker']} "
             f"decode={r.headers['x-kvpool-decode-worker']} reused=local:{local},pool:{pool} "
             f"predicted_ttft={r.headers['x-kvpool-predicted-ttft-ms']}ms")
-    deadline = time.monotonic() + 10
-    while line not in log.read_text():
-        assert time.monotonic() < deadline, (line, log.read_text()[-2000:])
-        time.sleep(0.1)
+    wait_for(lambda: line in log.read_text(), 10.0,
+             lambda: (line, log.read_text()[-2000:]), 0.1)

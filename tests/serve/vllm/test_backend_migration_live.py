@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import json
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from kvpool.launch.wait import wait_http
+from kvpool.launch.wait import wait_for, wait_http
 from kvpool.serve.vllm.metrics_text import parse_metrics
 from tests.serve.vllm.conftest import NAME, Fleet
 
@@ -40,14 +39,12 @@ def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 
 def running_on(fleet: Fleet) -> str:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+    def the_one() -> str | None:
         busy = [n for n in ("c1", "c2") if (m := parse_metrics(
             httpx.get(fleet.urls[n] + "/metrics", timeout=5).text)) and m.num_running > 0]
-        if len(busy) == 1:
-            return busy[0]
-        time.sleep(0.05)
-    raise AssertionError("no single instance runs the request")
+        return busy[0] if len(busy) == 1 else None
+
+    return wait_for(the_one, 10.0, "a single instance to run the request", 0.05)
 
 
 def test_a_killed_instance_hands_the_stream_over(fleet: Fleet) -> None:

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from kvpool.launch.ports import free_port
-from kvpool.launch.wait import wait_http
+from kvpool.launch.wait import wait_for, wait_http
 from tests.serve.vllm.conftest import BLOCK, NAME, Fleet, complete, events_config, prompt
 
 
@@ -64,13 +64,12 @@ def cached(r: httpx.Response) -> int:
 
 
 def wait_blocks(url: str, at_least: int) -> dict[str, float]:
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+    def indexed() -> dict[str, float] | None:
         blocks = gauges(url, "kv_events_blocks")
-        if sum(blocks.values()) >= at_least:
-            return blocks
-        time.sleep(0.05)
-    raise AssertionError(f"the proxy indexed {gauges(url, 'kv_events_blocks')} blocks")
+        return blocks if sum(blocks.values()) >= at_least else None
+
+    return wait_for(indexed, 10.0, lambda: f"{at_least} blocks indexed by the proxy "
+                    f"(have {gauges(url, 'kv_events_blocks')})", 0.05)
 
 
 def test_a_prefix_sent_again_lands_where_it_is_cached(fleet: Fleet) -> None:
@@ -90,10 +89,8 @@ def test_events_that_never_match_a_computed_hash_are_said_loudly(fleet: Fleet) -
     for seed in range(20):
         assert complete(url, prompt(300 + seed, 2 * BLOCK), 1).status_code == 200
         time.sleep(0.06)  # its events arrive, so that later lookups meet its blocks
-    deadline = time.monotonic() + 10
-    while gauges(url, "kv_events_unmatched") != {fleet.urls["c3"]: 1.0}:
-        assert time.monotonic() < deadline, gauges(url, "kv_events_unmatched")
-        time.sleep(0.1)
+    wait_for(lambda: gauges(url, "kv_events_unmatched") == {fleet.urls["c3"]: 1.0}, 10.0,
+             lambda: gauges(url, "kv_events_unmatched"), 0.1)
     log = fleet.proxy_logs["seeded"].read_text()
     assert "never match a computed block hash" in log and fleet.urls["c3"] in log, log
 
