@@ -173,5 +173,6 @@ def run(args: argparse.Namespace) -> int:
     except (KvpoolError, OSError) as exc:
         print(f"kvpool proxy: {exc}", file=sys.stderr)
         return 2
-    serve(app, config.host, config.port, config.http_limits, timeout_graceful_shutdown=5)
+    serve(app, config.host, config.port, config.http_limits, fast=True,
+          timeout_graceful_shutdown=5)
     return 0

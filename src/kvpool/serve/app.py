@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -50,6 +50,7 @@ from kvpool.serve.errors import (
     unauthorized,
     worker_failed,
 )
+from kvpool.serve.front import EventStream, FrontDoor
 from kvpool.serve.metrics import ProxyMetrics
 from kvpool.serve.poller import Poller
 from kvpool.serve.protocol import (
@@ -133,11 +134,11 @@ class Proxy:
         if prep.score_only:
             return await self._scored(prep, choices, acc)
         if prep.stream:
-            return StreamingResponse(self._logged(sse_stream(self, prep, choices, acc), acc,
-                                                  prep, choices),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"}
-                                     | route_headers(choices[0].run))
+            return EventStream(self._logged(sse_stream(self, prep, choices, acc), acc,
+                                            prep, choices),
+                               media_type="text/event-stream",
+                               headers={"Cache-Control": "no-cache"}
+                               | route_headers(choices[0].run))
         return await self._collect(endpoint, prep, choices, acc, request)
 
     async def _scored(self, prep: PreparedRequest, choices: list[Choice],
@@ -146,8 +147,8 @@ class Proxy:
         headers = route_headers(choices[0].run)
         if prep.stream:
             events = self._logged(scored_events(self, prep, choices), acc, prep, choices)
-            return StreamingResponse(events, media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"} | headers)
+            return EventStream(events, media_type="text/event-stream",
+                               headers={"Cache-Control": "no-cache"} | headers)
         body = await scored_body(self, prep, choices)
         self._account(acc, prep, choices)
         return JSONResponse(body, headers=headers)
@@ -397,14 +398,14 @@ def _json_error(exc: ApiError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
-def create_app(config: ProxyConfig, clock: Clock | None = None) -> FastAPI:
+def create_app(config: ProxyConfig, clock: Clock | None = None) -> ApiKeyGate:
+    """The proxy's ASGI app: the API-key gate, then the completion endpoints
+    (`front.FrontDoor`), then FastAPI's routes for the rest (and the lifespan)."""
     proxy = Proxy(config, clock)
     app = FastAPI(title="kvpool proxy", lifespan=proxy.lifespan)
     app.state.proxy = proxy
-    app.add_middleware(ApiKeyGate, keys=config.api_keys,  # type: ignore[arg-type]
-                       salt_per_api_key=config.salt_per_api_key)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions")  # FrontDoor answers these; here for 405s (GET) and the docs
     async def completions(request: Request) -> Response:
         return await proxy.serve(request, "completion")
 
@@ -448,4 +449,5 @@ def create_app(config: ProxyConfig, clock: Clock | None = None) -> FastAPI:
         proxy.poller.watch(url)
         return JSONResponse({"ok": True, "url": url.rstrip("/")})
 
-    return app
+    return ApiKeyGate(FrontDoor(app, proxy.serve), keys=config.api_keys,
+                      salt_per_api_key=config.salt_per_api_key)
