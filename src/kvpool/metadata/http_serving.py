@@ -148,6 +148,9 @@ class _Defences(_ProtocolBase):
                             "longest for a request", self.max_concurrency)
         for victim in waiting[:count]:
             victim.transport.close()
+            # out of the count now: uvloop reports the loss an iteration or two later, when
+            # this connection's request may already be in (and over the limit: a 503)
+            self.connections.discard(victim)
 
 
 class _SilentConnectionTimeout(_Defences, H11Protocol):
