@@ -84,6 +84,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    choices=sorted(ADMISSION_POLICIES))
     p.add_argument("--kv-transfer", choices=("pool", "push"), default="pool",
                    help="prefill -> decode KV handoff")
+    p.add_argument("--stream-interval", type=int, default=None, metavar="N",
+                   help="the proxy's --stream-interval: one frame (one SSE chunk) every N "
+                   "output tokens after the first")
+    p.add_argument("--worker-sse", action="store_true",
+                   help="the proxy's --worker-sse: the decoding workers make the SSE text")
     p.add_argument("--store-only", action="store_true",
                    help="only the KV store (master + store nodes), as before the workers existed")
     p.add_argument("--store-nodes", type=int, default=None,
@@ -186,7 +191,9 @@ def _run_serving(args: argparse.Namespace) -> int:
             proxy_args += ("--fit-cost",)
         say(_model_flags_line(args, model))
         proxy_args += _given(args, "served_model_name", "ttft_slo", "tbt_slo",
-                             "ttft_slo_relative")
+                             "ttft_slo_relative", "stream_interval")
+        if args.worker_sse:
+            proxy_args += ("--worker-sse",)
         if args.salt_per_api_key:
             proxy_args += ("--salt-per-api-key",)
         if args.demo:

@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -206,7 +206,7 @@ class Proxy:
                 r.discard()
             raise
         streams = [r.chunks() for r in runs]
-        firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+        firsts = await _firsts(streams)
         failure = next((f for f in firsts if isinstance(f, BaseException)), None)
         if failure is not None:
             await close_all(*streams)
@@ -288,6 +288,17 @@ class Proxy:
                 "ttft_slo_s": cfg.ttft_slo_s, "tbt_slo_s": cfg.tbt_slo_s,
                 "decode_horizon_s": cfg.decode_horizon_s,
                 "cost": self.dispatcher.cost.to_dict()}
+
+
+async def _firsts(streams: list[AsyncGenerator[list[int]]]) -> list[Any]:
+    """Each stream's first chunk, or what it raised; one stream awaited in place (most
+    requests: no task for it)."""
+    if len(streams) == 1:
+        try:
+            return [await anext(streams[0])]
+        except Exception as exc:  # noqa: BLE001 - returned, as gather's return_exceptions does
+            return [exc]
+    return await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
 
 
 INLINE_PREPARE_BYTES = 8192
