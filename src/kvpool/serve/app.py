@@ -134,8 +134,8 @@ class Proxy:
         if prep.score_only:
             return await self._scored(prep, choices, acc)
         if prep.stream:
-            return EventStream(self._logged(sse_stream(self, prep, choices, acc), acc,
-                                            prep, choices),
+            return EventStream(sse_stream(self, prep, choices, acc),
+                               self._on_close(acc, prep, choices),
                                media_type="text/event-stream",
                                headers={"Cache-Control": "no-cache"}
                                | route_headers(choices[0].run))
@@ -146,25 +146,22 @@ class Proxy:
         """echo with max_tokens 0: the prompt scored, no completion (kvpool.serve.scoring)."""
         headers = route_headers(choices[0].run)
         if prep.stream:
-            events = self._logged(scored_events(self, prep, choices), acc, prep, choices)
-            return EventStream(events, media_type="text/event-stream",
+            return EventStream(scored_events(self, prep, choices),
+                               self._on_close(acc, prep, choices), media_type="text/event-stream",
                                headers={"Cache-Control": "no-cache"} | headers)
         body = await scored_body(self, prep, choices)
         self._account(acc, prep, choices)
         return JSONResponse(body, headers=headers)
 
-    async def _logged(self, events: AsyncIterator[bytes], acc: Access, prep: PreparedRequest,
-                      choices: list[Choice]) -> AsyncIterator[bytes]:
-        """`events`, then the access line, however the stream ends (a client that goes away
-        is one line too, not a traceback)."""
-        try:
-            async for event in events:
-                yield event
-        except (asyncio.CancelledError, GeneratorExit):
-            acc.note = acc.note or "client gone"
-            raise
-        finally:
+    def _on_close(self, acc: Access, prep: PreparedRequest,
+                  choices: list[Choice]) -> Callable[[bool], None]:
+        """The access line of a stream, however it ends (a client that goes away is one line
+        too, not a traceback)."""
+        def close(client_gone: bool) -> None:
+            if client_gone:
+                acc.note = acc.note or "client gone"
             self._account(acc, prep, choices)
+        return close
 
     def _account(self, acc: Access, prep: PreparedRequest, choices: list[Choice]) -> None:
         use = usage_of(prep, choices)

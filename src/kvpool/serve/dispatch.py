@@ -361,7 +361,9 @@ class Run:
                 except StopAsyncIteration:
                     raise WorkerCallError(worker.url, "/generate",
                                           "stream ended without a finish_reason") from None
-                self.d.cluster.decode_start(self.b, self.d.clock.now())
+                now = self.d.clock.now()
+                if not self.b.decode_started:
+                    self.d.cluster.decode_start(self.b, now)
                 if isinstance(line, FinishLine):
                     self.finish_reason, self.finish_sse = line.finish_reason, line.sse
                     if kv_source == "none" and not resumed:  # the prompt's reuse, if reported
@@ -375,10 +377,10 @@ class Run:
                         continue
                 if line.prompt_logprobs is not None:
                     self.prompt_logprobs = line.prompt_logprobs
-                self._record(ids, stamps, lps)
+                self._record(ids, stamps, lps, now)
                 if kv_source == "none" and self.b.prefill_pending:
                     self._colocated_first_token()
-                last_s = self._decode_gap(last_s, len(ids))
+                last_s = self._decode_gap(last_s, len(ids), now)
                 self.frame_sse = line.sse
                 yield ids
         finally:
@@ -386,17 +388,16 @@ class Run:
             await lines.aclose()
 
     def _record(self, tokens: list[int], stamps: list[float],
-                logprobs: list[TokenLogprob | None] | None) -> None:
+                logprobs: list[TokenLogprob | None] | None, now: float | None = None) -> None:
         n = len(tokens)
         self.token_ids += tokens
         self.logprobs += logprobs if logprobs is not None else [None] * n
         self.token_t += stamps
-        self.recv_t += [self.d.clock.now()] * n
+        self.recv_t += [self.d.clock.now() if now is None else now] * n
 
-    def _decode_gap(self, last_s: float | None, num_tokens: int) -> float:
-        """Record the gap since the previous decode-leg frame, per token of this one (a step's
-        time, at one token per step), with the decode worker's batch."""
-        now = self.d.clock.now()
+    def _decode_gap(self, last_s: float | None, num_tokens: int, now: float) -> float:
+        """Record the gap since the previous decode-leg frame (received at `now`), per token
+        of this one (a step's time, at one token per step), with the decode worker's batch."""
         if last_s is not None:
             d = self.b.decode_load
             self.d.measured.add_decode(d.num_active, d.active_tokens, (now - last_s) / num_tokens)

@@ -46,20 +46,30 @@ class FrontDoor:
 class EventStream(StreamingResponse):
     """A streamed response that ends when its client goes away: a watcher task reads the
     ASGI disconnect and cancels the task that streams (its generators then close, and with
-    them the request on the workers), which returns quietly, as starlette's would."""
+    them the request on the workers), which returns quietly, as starlette's would.
+    `on_close(client_gone)` is called once however it ends (the access line)."""
+
+    def __init__(self, content: Any, on_close: Callable[[bool], None] | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.on_close = on_close
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         task = asyncio.current_task()
         assert task is not None
         gone = asyncio.ensure_future(_disconnect(receive))
         gone.add_done_callback(lambda f: None if f.cancelled() else task.cancel())
+        cancelled = False
         try:
             await self.stream_response(send)
         except asyncio.CancelledError:
+            cancelled = True
             if not gone.done() or gone.cancelled() or task.uncancel() > 0:
                 raise  # cancelled from elsewhere (the server shutting down)
         finally:
             gone.cancel()
+            if self.on_close is not None:
+                self.on_close(cancelled)
         if self.background is not None:
             await self.background()
 
