@@ -263,32 +263,35 @@ class Run:
                     if not migratable(exc):
                         raise
                     self._migrated("prefill", self.b.prefill, exc)
-            async for chunk in self._decode_legs(first, kv):
-                yield chunk
+            worker: WorkerState | None = self.b.decode
+            while worker is not None:  # the decode legs (here, not in a generator of their own)
+                try:
+                    async for chunk in self._decode_leg(worker, first, kv):
+                        yield chunk
+                    return
+                except WorkerCallError as exc:
+                    worker = self._after_decode_failure(worker, kv, exc)
+                    first, kv = None, "none"
         finally:
             self._release()
 
-    async def _decode_legs(self, first: int | None, kv: KVSourceName) -> AsyncIterator[list[int]]:
-        worker = self.b.decode
-        while True:
-            try:
-                async for chunk in self._decode_leg(worker, first, kv):
-                    yield chunk
-                return
-            except WorkerCallError as exc:
-                if kv == "pool":  # the prefill's partial block: the failed leg may not read it
-                    self.d.abort_later(self.b.prefill.url, self.request_id)
-                if self.finish_reason is None and len(self.token_ids) >= self.sampling.max_tokens:
-                    self._complete(worker, exc)  # nothing left for another leg to do
-                    return
-                if not migratable(exc) or self.finish_reason is not None or \
-                        not self.d.client.features.migration:
-                    raise
-                nxt = self._next_decode(worker)
-                if nxt is None:
-                    raise
-                self._migrated("decode", worker, exc)
-                worker, first, kv = nxt, None, "none"
+    def _after_decode_failure(self, worker: WorkerState, kv: KVSourceName,
+                              exc: WorkerCallError) -> WorkerState | None:
+        """The decode worker to resume on after `exc`; None when the run is complete anyway;
+        `exc` raised when it cannot go on."""
+        if kv == "pool":  # the prefill's partial block: the failed leg may not read it
+            self.d.abort_later(self.b.prefill.url, self.request_id)
+        if self.finish_reason is None and len(self.token_ids) >= self.sampling.max_tokens:
+            self._complete(worker, exc)  # nothing left for another leg to do
+            return None
+        if not migratable(exc) or self.finish_reason is not None or \
+                not self.d.client.features.migration:
+            raise exc
+        nxt = self._next_decode(worker)
+        if nxt is None:
+            raise exc
+        self._migrated("decode", worker, exc)
+        return nxt
 
     def _complete(self, worker: WorkerState, exc: WorkerCallError) -> None:
         """The output already holds max_tokens tokens (the prefill's one, for max_tokens 1):
