@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-try:  # optional: the proxy's faster parser (pyproject's "fast" extra)
+try:  # the proxy's faster parser (a dependency; h11 where it is missing)
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 except ImportError:  # pragma: no cover - httptools not installed
     HttpToolsProtocol = None  # type: ignore[assignment,misc]
