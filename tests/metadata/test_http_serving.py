@@ -83,3 +83,17 @@ def test_on_httptools_silent_connections_give_way_and_a_trickled_head_is_cut() -
             s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n")  # and never the end of the head
             assert _closed(s, 3.0)
             assert 0.5 <= time.monotonic() - t0 <= 2.0
+
+
+def test_the_startup_heap_is_frozen_out_of_the_collectors_way() -> None:
+    import gc
+
+    from kvpool.metadata.http_serving import freeze_startup_heap
+
+    before = gc.get_freeze_count()
+    try:
+        freeze_startup_heap()
+        assert gc.get_freeze_count() > max(before, 1000)  # this process's modules at least
+        assert len(gc.get_objects(generation=2)) < gc.get_freeze_count()
+    finally:
+        gc.unfreeze()
