@@ -76,7 +76,7 @@ class WorkerState:
     decode_load: DecodeLoad | None = None
     shift_s: float = 0.0
     """Sum of the prediction errors applied to busy_until_s so far (as the simulator keeps)."""
-    down: Down = field(default_factory=lambda: Down())
+    down: Down = field(default_factory=Down)
     """Set when the worker leaves the rotation; in-flight legs on it end at once."""
 
     @property
