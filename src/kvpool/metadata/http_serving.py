@@ -272,22 +272,13 @@ def serve(app: Any, host: str, port: int, limits: HttpLimits,
     server.run()
 
 
-YOUNG_COLLECTION_AT = 10_000
-"""Container objects allocated (net) between two collections of the youngest generation
-(CPython's default: 700)."""
-
-
 def freeze_startup_heap() -> None:
     """Collect, then move every object alive (the imported libraries, the app, the tokenizer:
     about 100k objects in the proxy) to the collector's permanent generation: a full
     collection then no longer walks them. In the proxy it took about 60 ms every thousand
-    requests, 8% of its CPU under load (docs/serve.md, "The proxy's own cost"). The youngest
-    generation is collected every YOUNG_COLLECTION_AT allocations instead of 700: about 2
-    collections per thousand 16-token requests instead of 110 (8 ms instead of 40-60)."""
+    requests, 8% of its CPU under load (docs/serve.md, "The proxy's own cost")."""
     gc.collect()
     gc.freeze()
-    young, *older = gc.get_threshold()
-    gc.set_threshold(max(young, YOUNG_COLLECTION_AT), *older)
 
 
 class BodyTooLarge(InvalidArgument):
