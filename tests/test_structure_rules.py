@@ -34,10 +34,7 @@ MUTATORS = frozenset({
 SEAM_NAME = re.compile(r"(^|_)(store|transport|transfer)s?($|_)")
 MAX_FUNCTION_LINES = 50
 """STYLE.md: most functions fit on a screen; none is over this."""
-LONG_FUNCTIONS = {
-    "cli/up_cmd.py:_run_serving": 59,
-    "serve/app.py:create_app": 52,
-}
+LONG_FUNCTIONS: dict[str, int] = {}
 """The functions still over MAX_FUNCTION_LINES (path under src/kvpool:name -> lines)."""
 
 

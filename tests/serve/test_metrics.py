@@ -36,3 +36,29 @@ def test_no_restart_metric_without_a_file() -> None:
     metrics = ProxyMetrics()
     metrics.watch(LiveCluster(CostModel(), VirtualClock()))
     assert b"kvpool_up_restarts" not in metrics.render()
+
+
+def test_loop_histogram_and_counter_read_as_prometheus_clients_do() -> None:
+    """The lock-free TBT histogram and output-token counter expose the same samples as
+    prometheus_client's Histogram and Counter given the same updates."""
+    from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+    from kvpool.serve.metrics import _TBT_BUCKETS
+
+    reg = CollectorRegistry()
+    ref_tbt = Histogram("kvpool_proxy_tbt_seconds", "Time between output tokens", registry=reg,
+                        buckets=_TBT_BUCKETS)
+    ref_out = Counter("kvpool_proxy_output_tokens", "Tokens generated", registry=reg)
+    ours = ProxyMetrics()
+    for value in (0.0, 0.0005, 0.001, 0.0010001, 0.003, 0.7, 2.5, 9.0):  # bounds and beyond
+        ref_tbt.observe(value)
+        ours.tbt.observe(value)
+    ref_out.inc(7)
+    ours.output_tokens.inc(3)
+    ours.output_tokens.inc(4)
+
+    def lines(text: bytes) -> list[str]:
+        return [line for line in text.decode().splitlines() if "_created" not in line
+                and ("kvpool_proxy_tbt" in line or "kvpool_proxy_output" in line)]
+    assert lines(ours.render()) == lines(generate_latest(reg))
+    assert 'kvpool_proxy_tbt_seconds_bucket{le="0.001"} 3.0' in lines(ours.render())

@@ -163,7 +163,8 @@ def test_up_runs_an_emulated_fleet(cache_home: Path, tmp_path: Path) -> None:
     with log.open("w") as out:
         proc = kvpool_up(marker, cache_home, "--port", str(port), "--engine", "emulated",
                          "--speed-up", "20", "--prefill", "2", "--decode", "2",
-                         "--admission", "none", stdout=out)
+                         "--admission", "none", "--stream-interval", "4", "--worker-sse",
+                         stdout=out)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_ready(proc, url, log)
@@ -183,6 +184,14 @@ def test_up_runs_an_emulated_fleet(cache_home: Path, tmp_path: Path) -> None:
         trace = reply["kvpool_trace"]
         ttft = (trace["token_t"][0] - trace["received_t"]) * 20  # in the profile's seconds
         assert 0.3 < ttft < 3.0  # LLaMA-70B's 2,000-token prefill: ~0.37 s
+        # --stream-interval 4 reached the proxy: the prefill's token, the decode leg's first
+        # frame, then one frame per 4 tokens (and the rest with the finish): 4 text chunks
+        stream = httpx.post(url + "/v1/completions", timeout=60, json={
+            "model": model, "prompt": prompt, "max_tokens": 12, "ignore_eos": True,
+            "temperature": 0, "stream": True}).text
+        texts = [json.loads(e)["choices"][0]["text"] for e in
+                 re.findall(r"^data: (\{.*\})$", stream, re.M)]
+        assert 2 <= len([t for t in texts if t]) <= 5 and texts[-1] == "", texts
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
     finally:

@@ -99,6 +99,11 @@ def _add_scheduling_args(p: argparse.ArgumentParser) -> None:
                    choices=sorted(ADMISSION_POLICIES))
     p.add_argument("--kv-transfer", choices=("pool", "push"), default="pool",
                    help="prefill -> decode KV handoff")
+    p.add_argument("--stream-interval", type=int, default=None, metavar="N",
+                   help="the proxy's --stream-interval: one frame (one SSE chunk) every N "
+                   "output tokens after the first")
+    p.add_argument("--worker-sse", action="store_true",
+                   help="the proxy's --worker-sse: the decoding workers make the SSE text")
 
 
 def _add_store_args(p: argparse.ArgumentParser) -> None:
@@ -182,7 +187,6 @@ def _secure_or_refuse(args: argparse.Namespace) -> bool:
 
 def _run_serving(args: argparse.Namespace) -> int:
     from kvpool.engine.checkpoint import check_checkpoint
-    from kvpool.serve.launch import ServingSpec, serving_cluster
     from kvpool.serve.models import resolve_model
 
     refused = _prepare_serving(args)
@@ -205,31 +209,12 @@ def _run_serving(args: argparse.Namespace) -> int:
         else:
             proxy_args += ("--fit-cost",)
         say(_model_flags_line(args, model))
-        proxy_args += _given(args, "served_model_name", "ttft_slo", "tbt_slo",
-                             "ttft_slo_relative")
-        if args.salt_per_api_key:
-            proxy_args += ("--salt-per-api-key",)
-        if args.demo:
-            proxy_args += ("--no-access-log",)  # the demo prints its own lines
+        proxy_args += _proxy_flags(args)
         worker_args += _given(args, "dtype", "max_model_len", "num_blocks", "block_size",
                               "device")
         if args.hosts:
             return _run_hosts(args, model, proxy_args, worker_args)
-        if not args.demo:  # the proxy's /metrics shows the restart counts kept there
-            args.counts_file = counts_file(token_file(args.port))
-            proxy_args += ("--restart-counts", str(args.counts_file))
-        spec = ServingSpec(model, args.host, args.port, args.prefill, args.decode,
-                           args.colocated, args.dram, args.store_nodes or 1, proxy_args,
-                           worker_args, insecure=args.insecure, backend=args.backend,
-                           vllm=vllm_spec(args, worker_args))
-        with serving_cluster(spec, say) as cluster:
-            _print_serving(cluster, _token_line(args), args.served_model_name,
-                           bool(api_keys_from(args)))
-            if args.demo:
-                from kvpool.cli.demo import run_serving_demo
-
-                return run_serving_demo(cluster)
-            return supervise(cluster, args.restarts, args.counts_file)
+        return _serve_local(args, model, proxy_args, worker_args, say)
     except KeyboardInterrupt:
         return 0
     except (KvpoolError, OSError, TimeoutError, subprocess.CalledProcessError) as exc:
@@ -239,6 +224,39 @@ def _run_serving(args: argparse.Namespace) -> int:
         for made in ("token_file", "counts_file"):
             if getattr(args, made, None) is not None:
                 getattr(args, made).unlink(missing_ok=True)
+
+
+def _serve_local(args: argparse.Namespace, model: Path, proxy_args: tuple[str, ...],
+                 worker_args: tuple[str, ...], say: Callable[[str], None]) -> int:
+    """The cluster on this host, supervised (or the demo) until stopped."""
+    from kvpool.serve.launch import ServingSpec, serving_cluster
+
+    if not args.demo:  # the proxy's /metrics shows the restart counts kept there
+        args.counts_file = counts_file(token_file(args.port))
+        proxy_args += ("--restart-counts", str(args.counts_file))
+    spec = ServingSpec(model, args.host, args.port, args.prefill, args.decode,
+                       args.colocated, args.dram, args.store_nodes or 1, proxy_args,
+                       worker_args, insecure=args.insecure, backend=args.backend,
+                       vllm=vllm_spec(args, worker_args))
+    with serving_cluster(spec, say) as cluster:
+        _print_serving(cluster, _token_line(args), args.served_model_name,
+                       bool(api_keys_from(args)))
+        if args.demo:
+            from kvpool.cli.demo import run_serving_demo
+
+            return run_serving_demo(cluster)
+        return supervise(cluster, args.restarts, args.counts_file)
+
+
+def _proxy_flags(args: argparse.Namespace) -> tuple[str, ...]:
+    """The proxy flags `kvpool up` passes on as given."""
+    flags = _given(args, "served_model_name", "ttft_slo", "tbt_slo", "ttft_slo_relative",
+                   "stream_interval")
+    for on, flag in ((args.worker_sse, "--worker-sse"),
+                     (args.salt_per_api_key, "--salt-per-api-key"),
+                     (args.demo, "--no-access-log")):  # the demo prints its own lines
+        flags += (flag,) if on else ()
+    return flags
 
 
 def _prepare_serving(args: argparse.Namespace) -> int:

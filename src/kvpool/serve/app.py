@@ -15,12 +15,12 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -50,6 +50,7 @@ from kvpool.serve.errors import (
     unauthorized,
     worker_failed,
 )
+from kvpool.serve.front import EventStream, FrontDoor
 from kvpool.serve.metrics import ProxyMetrics
 from kvpool.serve.peer_link import PeerLink
 from kvpool.serve.poller import Poller
@@ -141,11 +142,11 @@ class Proxy:
         if prep.score_only:
             return await self._scored(prep, choices, acc)
         if prep.stream:
-            return StreamingResponse(self._logged(sse_stream(self, prep, choices, acc), acc,
-                                                  prep, choices),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"}
-                                     | route_headers(choices[0].run))
+            return EventStream(sse_stream(self, prep, choices, acc),
+                               self._on_close(acc, prep, choices),
+                               media_type="text/event-stream",
+                               headers={"Cache-Control": "no-cache"}
+                               | route_headers(choices[0].run))
         return await self._collect(endpoint, prep, choices, acc, request)
 
     async def _scored(self, prep: PreparedRequest, choices: list[Choice],
@@ -153,25 +154,22 @@ class Proxy:
         """echo with max_tokens 0: the prompt scored, no completion (kvpool.serve.scoring)."""
         headers = route_headers(choices[0].run)
         if prep.stream:
-            events = self._logged(scored_events(self, prep, choices), acc, prep, choices)
-            return StreamingResponse(events, media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"} | headers)
+            return EventStream(scored_events(self, prep, choices),
+                               self._on_close(acc, prep, choices), media_type="text/event-stream",
+                               headers={"Cache-Control": "no-cache"} | headers)
         body = await scored_body(self, prep, choices)
         self._account(acc, prep, choices)
         return JSONResponse(body, headers=headers)
 
-    async def _logged(self, events: AsyncIterator[bytes], acc: Access, prep: PreparedRequest,
-                      choices: list[Choice]) -> AsyncIterator[bytes]:
-        """`events`, then the access line, however the stream ends (a client that goes away
-        is one line too, not a traceback)."""
-        try:
-            async for event in events:
-                yield event
-        except (asyncio.CancelledError, GeneratorExit):
-            acc.note = acc.note or "client gone"
-            raise
-        finally:
+    def _on_close(self, acc: Access, prep: PreparedRequest,
+                  choices: list[Choice]) -> Callable[[bool], None]:
+        """The access line of a stream, however it ends (a client that goes away is one line
+        too, not a traceback)."""
+        def close(client_gone: bool) -> None:
+            if client_gone:
+                acc.note = acc.note or "client gone"
             self._account(acc, prep, choices)
+        return close
 
     def _account(self, acc: Access, prep: PreparedRequest, choices: list[Choice]) -> None:
         use = usage_of(prep, choices)
@@ -213,7 +211,7 @@ class Proxy:
                 r.discard()
             raise
         streams = [r.chunks() for r in runs]
-        firsts = await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
+        firsts = await _firsts(streams)
         failure = next((f for f in firsts if isinstance(f, BaseException)), None)
         if failure is not None:
             await close_all(*streams)
@@ -295,6 +293,17 @@ class Proxy:
                 "ttft_slo_s": cfg.ttft_slo_s, "tbt_slo_s": cfg.tbt_slo_s,
                 "decode_horizon_s": cfg.decode_horizon_s,
                 "cost": self.dispatcher.cost.to_dict()}
+
+
+async def _firsts(streams: list[AsyncGenerator[list[int]]]) -> list[Any]:
+    """Each stream's first chunk, or what it raised; one stream awaited in place (most
+    requests: no task for it)."""
+    if len(streams) == 1:
+        try:
+            return [await anext(streams[0])]
+        except Exception as exc:  # noqa: BLE001 - returned, as gather's return_exceptions does
+            return [exc]
+    return await asyncio.gather(*(anext(s) for s in streams), return_exceptions=True)
 
 
 INLINE_PREPARE_BYTES = 8192
@@ -405,14 +414,14 @@ def _json_error(exc: ApiError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
-def create_app(config: ProxyConfig, clock: Clock | None = None) -> FastAPI:
+def create_app(config: ProxyConfig, clock: Clock | None = None) -> ApiKeyGate:
+    """The proxy's ASGI app: the API-key gate, then the completion endpoints
+    (`front.FrontDoor`), then FastAPI's routes for the rest (and the lifespan)."""
     proxy = Proxy(config, clock)
     app = FastAPI(title="kvpool proxy", lifespan=proxy.lifespan)
     app.state.proxy = proxy
-    app.add_middleware(ApiKeyGate, keys=config.api_keys,  # type: ignore[arg-type]
-                       salt_per_api_key=config.salt_per_api_key)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions")  # FrontDoor answers these; here for 405s (GET) and the docs
     async def completions(request: Request) -> Response:
         return await proxy.serve(request, "completion")
 
@@ -425,6 +434,15 @@ def create_app(config: ProxyConfig, clock: Clock | None = None) -> FastAPI:
         return proxy.models()
 
     _vllm_routes(app, proxy)
+
+    _admin_routes(app, proxy)
+
+    return ApiKeyGate(FrontDoor(app, proxy.serve), keys=config.api_keys,
+                      salt_per_api_key=config.salt_per_api_key)
+
+
+def _admin_routes(app: FastAPI, proxy: Proxy) -> None:
+    """/health, /metrics, /stats/samples and /workers/register."""
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
@@ -455,5 +473,3 @@ def create_app(config: ProxyConfig, clock: Clock | None = None) -> FastAPI:
             return _json_error(bad_request(f"not an http URL: {url!r}"))
         proxy.poller.watch(url)
         return JSONResponse({"ok": True, "url": url.rstrip("/")})
-
-    return app

@@ -9,7 +9,7 @@ and books through them only while they are still in the view.
 
 from __future__ import annotations
 
-import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -34,6 +34,32 @@ PREFILL_ROLES = ("prefill", "both")
 DECODE_ROLES = ("decode", "both")
 
 
+class Down:
+    """A worker's leaving the rotation, set once: `is_set`, and callbacks called at `set`
+    (a leg's watch subscribes for its length: no task waiting on an event per leg)."""
+
+    def __init__(self) -> None:
+        self._set = False
+        self._callbacks: set[Callable[[], None]] = set()
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        if self._set:
+            return
+        self._set = True
+        callbacks, self._callbacks = self._callbacks, set()
+        for callback in callbacks:
+            callback()
+
+    def subscribe(self, callback: Callable[[], None]) -> None:
+        self._callbacks.add(callback)
+
+    def unsubscribe(self, callback: Callable[[], None]) -> None:
+        self._callbacks.discard(callback)
+
+
 @dataclass
 class WorkerState:
     url: str
@@ -51,7 +77,7 @@ class WorkerState:
     decode_load: DecodeLoad | None = None
     shift_s: float = 0.0
     """Sum of the prediction errors applied to busy_until_s so far (as the simulator keeps)."""
-    down: asyncio.Event = field(default_factory=asyncio.Event)
+    down: Down = field(default_factory=Down)
     """Set when the worker leaves the rotation; in-flight legs on it end at once."""
 
     @property
@@ -137,7 +163,7 @@ class LiveCluster:
                 f"hash covers the weights' contents, the dtype and the KV layout: start every "
                 f"worker on the same checkpoint with the same --dtype and --block-size)")
         w.info, w.alive, w.failures, w.last_ok_s = info, True, 0, self.clock.now()
-        w.down = asyncio.Event()
+        w.down = Down()
         w.prefill_load = PrefillLoad(0) if info.role in PREFILL_ROLES else None
         w.shift_s = 0.0
         w.decode_load = (DecodeLoad(0, info.kv_capacity_tokens)

@@ -263,32 +263,35 @@ class Run:
                     if not migratable(exc):
                         raise
                     self._migrated("prefill", self.b.prefill, exc)
-            async for chunk in self._decode_legs(first, kv):
-                yield chunk
+            worker: WorkerState | None = self.b.decode
+            while worker is not None:  # the decode legs (here, not in a generator of their own)
+                try:
+                    async for chunk in self._decode_leg(worker, first, kv):
+                        yield chunk
+                    return
+                except WorkerCallError as exc:
+                    worker = self._after_decode_failure(worker, kv, exc)
+                    first, kv = None, "none"
         finally:
             self._release()
 
-    async def _decode_legs(self, first: int | None, kv: KVSourceName) -> AsyncIterator[list[int]]:
-        worker = self.b.decode
-        while True:
-            try:
-                async for chunk in self._decode_leg(worker, first, kv):
-                    yield chunk
-                return
-            except WorkerCallError as exc:
-                if kv == "pool":  # the prefill's partial block: the failed leg may not read it
-                    self.d.abort_later(self.b.prefill.url, self.request_id)
-                if self.finish_reason is None and len(self.token_ids) >= self.sampling.max_tokens:
-                    self._complete(worker, exc)  # nothing left for another leg to do
-                    return
-                if not migratable(exc) or self.finish_reason is not None or \
-                        not self.d.client.features.migration:
-                    raise
-                nxt = self._next_decode(worker)
-                if nxt is None:
-                    raise
-                self._migrated("decode", worker, exc)
-                worker, first, kv = nxt, None, "none"
+    def _after_decode_failure(self, worker: WorkerState, kv: KVSourceName,
+                              exc: WorkerCallError) -> WorkerState | None:
+        """The decode worker to resume on after `exc`; None when the run is complete anyway;
+        `exc` raised when it cannot go on."""
+        if kv == "pool":  # the prefill's partial block: the failed leg may not read it
+            self.d.abort_later(self.b.prefill.url, self.request_id)
+        if self.finish_reason is None and len(self.token_ids) >= self.sampling.max_tokens:
+            self._complete(worker, exc)  # nothing left for another leg to do
+            return None
+        if not migratable(exc) or self.finish_reason is not None or \
+                not self.d.client.features.migration:
+            raise exc
+        nxt = self._next_decode(worker)
+        if nxt is None:
+            raise exc
+        self._migrated("decode", worker, exc)
+        return nxt
 
     def _complete(self, worker: WorkerState, exc: WorkerCallError) -> None:
         """The output already holds max_tokens tokens (the prefill's one, for max_tokens 1):
@@ -361,7 +364,9 @@ class Run:
                 except StopAsyncIteration:
                     raise WorkerCallError(worker.url, "/generate",
                                           "stream ended without a finish_reason") from None
-                self.d.cluster.decode_start(self.b, self.d.clock.now())
+                now = self.d.clock.now()
+                if not self.b.decode_started:
+                    self.d.cluster.decode_start(self.b, now)
                 if isinstance(line, FinishLine):
                     self.finish_reason, self.finish_sse = line.finish_reason, line.sse
                     if kv_source == "none" and not resumed:  # the prompt's reuse, if reported
@@ -375,10 +380,10 @@ class Run:
                         continue
                 if line.prompt_logprobs is not None:
                     self.prompt_logprobs = line.prompt_logprobs
-                self._record(ids, stamps, lps)
+                self._record(ids, stamps, lps, now)
                 if kv_source == "none" and self.b.prefill_pending:
                     self._colocated_first_token()
-                last_s = self._decode_gap(last_s, len(ids))
+                last_s = self._decode_gap(last_s, len(ids), now)
                 self.frame_sse = line.sse
                 yield ids
         finally:
@@ -386,17 +391,16 @@ class Run:
             await lines.aclose()
 
     def _record(self, tokens: list[int], stamps: list[float],
-                logprobs: list[TokenLogprob | None] | None) -> None:
+                logprobs: list[TokenLogprob | None] | None, now: float | None = None) -> None:
         n = len(tokens)
         self.token_ids += tokens
         self.logprobs += logprobs if logprobs is not None else [None] * n
         self.token_t += stamps
-        self.recv_t += [self.d.clock.now()] * n
+        self.recv_t += [self.d.clock.now() if now is None else now] * n
 
-    def _decode_gap(self, last_s: float | None, num_tokens: int) -> float:
-        """Record the gap since the previous decode-leg frame, per token of this one (a step's
-        time, at one token per step), with the decode worker's batch."""
-        now = self.d.clock.now()
+    def _decode_gap(self, last_s: float | None, num_tokens: int, now: float) -> float:
+        """Record the gap since the previous decode-leg frame (received at `now`), per token
+        of this one (a step's time, at one token per step), with the decode worker's batch."""
         if last_s is not None:
             d = self.b.decode_load
             self.d.measured.add_decode(d.num_active, d.active_tokens, (now - last_s) / num_tokens)

@@ -4,15 +4,15 @@ Racing each read against the worker's `down` event with two tasks, a wait and a 
 proxy once did) was its largest single cost per relayed token. With a `LegWatch` per leg
 instead, the proxy's CPU per relayed SSE chunk fell from 144-181 to 115-135 us (`kvpool up
 --engine emulated --speed-up 1000`, 100 streams of 256 tokens, before and after alternating
-in one run). A single call (the prefill leg) is `watched`. It holds one
-waiter on `down` for the whole leg and, only while a read is in progress (`read`), cancels
+in one run). A single call (the prefill leg) is `watched`. It is subscribed to `down` (a
+callback, no task) for the whole leg and, only while a read is in progress (`read`), cancels
 the reading task when it fires, as `asyncio.timeout` does:
 
-    leg starts       -> one waiter on worker.down (a done callback, no task per token)
+    leg starts       -> subscribed to worker.down (a callback, no task per leg or token)
     read(anext(...)) -> the task is armed; `down` fires -> task.cancel() -> the read ends
                         with WorkerCallError instead of CancelledError (uncancel())
     between reads    -> `down` fires -> the next read raises WorkerCallError at once
-    leg ends         -> close(): the waiter is cancelled
+    leg ends         -> close(): unsubscribed
 
 A cancellation from elsewhere (the client went away) stays a CancelledError.
 """
@@ -39,12 +39,9 @@ class LegWatch:
         self.worker, self.call = worker, call
         self._reader: asyncio.Task[object] | None = None
         self._fired = False
-        self._waiter: asyncio.Future[bool] = asyncio.ensure_future(worker.down.wait())
-        self._waiter.add_done_callback(self._on_down)
+        worker.down.subscribe(self._on_down)
 
-    def _on_down(self, waiter: asyncio.Future[bool]) -> None:
-        if waiter.cancelled():
-            return
+    def _on_down(self) -> None:
         self._fired = True
         if self._reader is not None:
             self._reader.cancel()
@@ -68,7 +65,7 @@ class LegWatch:
             self._reader = None
 
     def close(self) -> None:
-        self._waiter.cancel()
+        self.worker.down.unsubscribe(self._on_down)
 
 
 def _close(aw: Awaitable[object]) -> None:

@@ -1,16 +1,20 @@
 """The proxy's Prometheus metrics, on a registry of its own (several proxies may live in one
 test process). Worker gauges are read from the live cluster at scrape time, and the cost
-model's terms (and, once fitted, the fit's residual) from the model in use."""
+model's terms (and, once fitted, the fit's residual) from the model in use. What is counted
+per chunk of a stream (TBT, output tokens) goes to `LoopHistogram` and `LoopCounter`: plain
+numbers updated from the event loop alone (prometheus_client's take a lock per update)."""
 
 from __future__ import annotations
 
 import json
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from kvpool.conductor.cost import CostModel
 from kvpool.conductor.measured import MeasuredCostModel
@@ -31,8 +35,9 @@ class ProxyMetrics:
                                 ["endpoint", "status"], registry=r)
         self.ttft = Histogram("kvpool_proxy_ttft_seconds", "Time to first token", registry=r,
                               buckets=_TTFT_BUCKETS)
-        self.tbt = Histogram("kvpool_proxy_tbt_seconds", "Time between output tokens", registry=r,
-                             buckets=_TBT_BUCKETS)
+        self.tbt = LoopHistogram("kvpool_proxy_tbt_seconds", "Time between output tokens",
+                                 _TBT_BUCKETS)
+        r.register(self.tbt)
         self.decision = Histogram("kvpool_proxy_decision_seconds",
                                   "Time the conductor took to schedule a request", registry=r,
                                   buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1))
@@ -41,7 +46,8 @@ class ProxyMetrics:
         self.prefix_hit_tokens = Counter(
             "kvpool_proxy_prefix_hit_tokens",
             "Prompt tokens whose KV was reused from a worker's cache or the pool", registry=r)
-        self.output_tokens = Counter("kvpool_proxy_output_tokens", "Tokens generated", registry=r)
+        self.output_tokens = LoopCounter("kvpool_proxy_output_tokens", "Tokens generated")
+        r.register(self.output_tokens)
         self.migrations = Counter("kvpool_proxy_migrations",
                                   "Requests resumed on another worker after theirs failed, by "
                                   "the leg that failed", ["leg"], registry=r)
@@ -68,6 +74,41 @@ class ProxyMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class LoopHistogram(Collector):
+    """A histogram observed from the event loop only (no lock): counts per bucket (a value
+    goes in the first whose bound is >= it, as prometheus_client's) and the sum."""
+
+    def __init__(self, name: str, doc: str, buckets: tuple[float, ...]) -> None:
+        self.name, self.doc = name, doc
+        self.bounds = (*buckets, float("inf"))
+        self.counts = [0] * len(self.bounds)
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        cumulative, total = [], 0
+        for bound, count in zip(self.bounds, self.counts, strict=True):
+            total += count
+            cumulative.append((floatToGoString(bound), total))
+        yield HistogramMetricFamily(self.name, self.doc, buckets=cumulative, sum_value=self.sum)
+
+
+class LoopCounter(Collector):
+    """A counter incremented from the event loop only (no lock)."""
+
+    def __init__(self, name: str, doc: str) -> None:
+        self.name, self.doc, self.value = name, doc, 0
+
+    def inc(self, amount: int = 1) -> None:
+        self.value += amount
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(self.name, self.doc, value=self.value)
 
 
 class _WorkerCollector(Collector):

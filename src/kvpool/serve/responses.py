@@ -158,8 +158,10 @@ def _trace(prep: PreparedRequest, choices: list[Choice]) -> dict[str, Any]:
 
 async def sse_stream(proxy: Proxy, prep: PreparedRequest, choices: list[Choice],
                      acc: Access | None = None) -> AsyncIterator[bytes]:
+    events = _choice_events(proxy, prep, choices[0]) if len(choices) == 1 else \
+        _merged([_choice_events(proxy, prep, c) for c in choices])
     try:
-        async for event in _merged([_choice_events(proxy, prep, c) for c in choices]):
+        async for event in events:
             yield event
     except WorkerCallError as exc:
         if acc is not None:

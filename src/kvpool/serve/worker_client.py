@@ -183,17 +183,20 @@ class WorkerClient:
         lines = self._lean_lines if url.startswith("http://") else self._httpx_lines
         finish: FinishLine | None = None
         extra: bytes | str | None = None
-        async with contextlib.aclosing(lines(url, body)) as raw_lines:
+        async with contextlib.aclosing(lines(url, body)) as batches:
             try:
-                async for line in raw_lines:
-                    if finish is not None:
-                        extra = line
+                async for batch in batches:
+                    for line in batch:
+                        if finish is not None:
+                            extra = line
+                            break
+                        msg = generate_line(url, line)
+                        if isinstance(msg, FinishLine):
+                            finish = msg  # yielded once the stream has ended
+                        else:
+                            yield msg
+                    if extra is not None:
                         break
-                    msg = generate_line(url, line)
-                    if isinstance(msg, FinishLine):
-                        finish = msg  # yielded once the stream has ended
-                    else:
-                        yield msg
             except WorkerCallError as exc:
                 if finish is None:
                     raise
@@ -204,8 +207,9 @@ class WorkerClient:
         if finish is not None:
             yield finish
 
-    async def _lean_lines(self, url: str, body: bytes) -> AsyncGenerator[bytes]:
-        """The non-empty lines of /generate, read by the lean client."""
+    async def _lean_lines(self, url: str, body: bytes) -> AsyncGenerator[list[bytes]]:
+        """The non-empty lines of /generate, read by the lean client: those of each read at
+        once."""
         path = "/generate"
         try:
             call = await self.streams.open(url, path, self._headers(url, path, body), body,
@@ -216,15 +220,14 @@ class WorkerClient:
             if call.status != 200:
                 raise self._refused(url, path, call.status, await call.read_all())
             while batch := await call.next_lines():
-                for line in batch:
-                    yield line
+                yield batch
         except (OSError, ReplyError) as exc:
             raise self._failed(url, path, exc) from None
         finally:
             call.close()
 
-    async def _httpx_lines(self, url: str, body: bytes) -> AsyncGenerator[bytes | str]:
-        """The non-empty lines of /generate, read through httpx."""
+    async def _httpx_lines(self, url: str, body: bytes) -> AsyncGenerator[list[str]]:
+        """The non-empty lines of /generate, read through httpx (a list of one each)."""
         try:
             async with self.http.stream("POST", url + "/generate", content=body,
                                         headers=self._headers(url, "/generate", body)) as resp:
@@ -232,7 +235,7 @@ class WorkerClient:
                     raise self._refused(url, "/generate", resp.status_code, await resp.aread())
                 async for line in resp.aiter_lines():
                     if line.strip():
-                        yield line
+                        yield [line]
         except httpx.HTTPError as exc:
             raise self._failed(url, "/generate", exc) from None
 
