@@ -151,11 +151,11 @@ def test_the_proxy_bench_runs_with_its_nginx_anchor() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "kvpool", "bench", "proxy", "--json", "--rounds", "2",
          "--streams", "8", "--requests", "24", "--concurrency", "4", "--stream-interval", "4",
-         "--worker-sse"],
+         "--worker-sse", "--proxy-processes", "2"],
         capture_output=True, text=True, timeout=600, env=python_env())
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    relays = ["kvpool", "kvpool-wsse", "nginx"] if find_nginx() else ["kvpool", "kvpool-wsse"]
+    relays = ["kvpool", "kvpool-wsse", "kvpool-p2", *(["nginx"] if find_nginx() else [])]
     assert sorted((r["relay"], r["load"]) for r in rows) == sorted(
         (relay, load) for relay in relays for load in ("req16", "stream256"))
     for r in rows:
@@ -165,6 +165,6 @@ def test_the_proxy_bench_runs_with_its_nginx_anchor() -> None:
         assert r["relay_cpu_s"] >= 0 and r["stream_interval"] == 4
     kvpool = [r for r in rows if r["relay"].startswith("kvpool")]
     assert all(r["relay_us_per_token"] > 0 and r["relay_ms_per_request"] > 0 for r in kvpool)
-    if len(relays) == 3:
+    if len(relays) == 4:
         req16 = next(r for r in kvpool if r["load"] == "req16")
         assert req16["ratio_req_per_s"] > 0 and req16["ratio_relay_ms_per_request"] > 1

@@ -34,8 +34,9 @@ import httpx
 
 from kvpool.bench.http_load import Load, drive
 from kvpool.bench.nginx import INSTALL_HINT, find_nginx, running_nginx
-from kvpool.bench.proc_cpu import CpuMeter, per_unit
+from kvpool.bench.proc_cpu import CpuMeter, child_pids, per_unit
 from kvpool.errors import KvpoolError
+from kvpool.launch.wait import wait_for
 
 HOST = "127.0.0.1"
 PROMPT = "the pool keeps every block of the cache " * 4
@@ -60,6 +61,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--worker-sse", action="store_true",
                    help="also a proxy that relays the SSE text chunks the worker makes "
                    "(kvpool proxy --worker-sse), in the same rounds: relay kvpool-wsse")
+    p.add_argument("--proxy-processes", type=int, default=1, metavar="N",
+                   help="also a proxy of N processes (kvpool proxy --workers N), in the same "
+                   "rounds: relay kvpool-pN")
     p.add_argument("--no-nginx", action="store_true", help="kvpool's proxy alone")
     p.add_argument("--baseline-src", type=Path, default=None, metavar="DIR",
                    help="also a proxy run from another kvpool's sources (DIR holds its kvpool "
@@ -105,7 +109,8 @@ def _main(args: argparse.Namespace) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="kvpool-bench-proxy-") as tmp, \
                 relays(Path(tmp), args.speed_up, exe, args.baseline_src,
-                       args.stream_interval, args.worker_sse) as (relays_up, worker_pid):
+                       args.stream_interval, args.worker_sse,
+                       args.proxy_processes) as (relays_up, worker_pid):
             rows = measure(relays_up, worker_pid, args)
     except (ValueError, KvpoolError, OSError) as exc:
         print(f"kvpool bench proxy: {exc}", flush=True)
@@ -183,7 +188,8 @@ def fmt(row: dict[str, Any]) -> str:
 def relays(tmp: Path, speed_up: float, nginx_exe: str | None,
            baseline_src: Path | None = None,
            stream_interval: int = 1,
-           worker_sse: bool = False) -> Iterator[tuple[list[Relay], int]]:
+           worker_sse: bool = False,
+           processes: int = 1) -> Iterator[tuple[list[Relay], int]]:
     """The emulated worker, the proxy in front of it, nginx (with `nginx_exe`) and a proxy
     from `baseline_src` (if given): the relays and the worker's pid; all stopped on exit."""
     from kvpool.bench.proxy_cluster import start_proxy, start_worker
@@ -200,6 +206,12 @@ def relays(tmp: Path, speed_up: float, nginx_exe: str | None,
                                              flags=("--worker-sse",))
             out.append(Relay("kvpool-wsse", wsse_port, [wsse.pid], _completion(model),
                              _sse_tokens))
+        if processes > 1:  # the group's processes are the children of the one started
+            group, group_port, _ = start_proxy(stack, tmp, worker, worker_port, speed_up,
+                                               flags=("--workers", str(processes)))
+            wait_for(lambda: len(child_pids(group.pid)) == processes, 30, "the group")
+            out.append(Relay(f"kvpool-p{processes}", group_port, child_pids(group.pid),
+                             _completion(model), _sse_tokens))
         if baseline_src is not None:
             base, base_port, _ = start_proxy(stack, tmp, worker, worker_port, speed_up,
                                              baseline_src)
