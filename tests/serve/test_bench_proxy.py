@@ -167,4 +167,9 @@ def test_the_proxy_bench_runs_with_its_nginx_anchor() -> None:
     assert all(r["relay_us_per_token"] > 0 and r["relay_ms_per_request"] > 0 for r in kvpool)
     if len(relays) == 4:
         req16 = next(r for r in kvpool if r["load"] == "req16")
-        assert req16["ratio_req_per_s"] > 0 and req16["ratio_relay_ms_per_request"] > 1
+        nginx16 = next(r for r in rows if (r["relay"], r["load"]) == ("nginx", "req16"))
+        assert req16["ratio_req_per_s"] > 0
+        if nginx16["relay_cpu_s"] > 0:  # /proc counts 10 ms ticks: a short load can read 0
+            assert req16["ratio_relay_ms_per_request"] > 1
+        else:
+            assert req16["ratio_relay_ms_per_request"] is None
