@@ -26,13 +26,18 @@ def load(blocks: list[int], queued: int = 0) -> LoadReply:
                      block_hashes=blocks)
 
 
-@pytest.fixture
-def cluster(vclock: VirtualClock) -> LiveCluster:
-    c = LiveCluster(SIMPLE_COST, vclock, dead_after_failures=2, silent_dead_s=5.0)
+def two_prefill_one_decode(clock: VirtualClock) -> LiveCluster:
+    """p1, p2 (prefill) and d1 (decode) joined."""
+    c = LiveCluster(SIMPLE_COST, clock, dead_after_failures=2, silent_dead_s=5.0)
     for url, role in ((P2, "prefill"), (P1, "prefill"), (D1, "decode")):
         c.add(url)
         c.join(url, info(role))
     return c
+
+
+@pytest.fixture
+def cluster(vclock: VirtualClock) -> LiveCluster:
+    return two_prefill_one_decode(vclock)
 
 
 def test_load_reports_become_the_prefix_index(cluster: LiveCluster) -> None:

@@ -6,7 +6,9 @@ malformed datagram is counted and changes nothing."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -17,15 +19,9 @@ from kvpool.serve.cluster import LiveCluster
 from kvpool.serve.peer_link import PeerLink, peer_socket
 from kvpool.serve.shared_bookings import SILENT_S, SharedBookings
 from tests.conductor.conftest import SIMPLE_COST
-from tests.serve.test_cluster import D1, P1, P2, info
+from tests.serve.test_cluster import P1, P2, info, two_prefill_one_decode
 
-
-def live(clock: VirtualClock) -> LiveCluster:
-    c = LiveCluster(SIMPLE_COST, clock, dead_after_failures=2, silent_dead_s=5.0)
-    for url, role in ((P2, "prefill"), (P1, "prefill"), (D1, "decode")):
-        c.add(url)
-        c.join(url, info(role))
-    return c
+live = two_prefill_one_decode
 
 
 def book(c: LiveCluster, rid: int, now: float = 0.0) -> object:
@@ -33,6 +29,21 @@ def book(c: LiveCluster, rid: int, now: float = 0.0) -> object:
         RequestInfo(rid, 100, 4, ()), c.view, now)
     assert isinstance(decision, Accepted)
     return c.book(RequestInfo(rid, 100, 4, ()), decision, now)
+
+
+@contextlib.asynccontextmanager
+async def linked(folder: Path, clock: VirtualClock) -> AsyncIterator[
+        tuple[LiveCluster, LiveCluster, PeerLink, PeerLink]]:
+    """Two processes' views, each told the other's bookings over real sockets in `folder`."""
+    a, b = live(clock), live(clock)
+    la, lb = PeerLink.attach(a, folder, 0, 2, clock), PeerLink.attach(b, folder, 1, 2, clock)
+    la.start()
+    lb.start()
+    try:
+        yield a, b, la, lb
+    finally:
+        await la.stop()
+        await lb.stop()
 
 
 async def settle(*links: PeerLink) -> None:
@@ -43,12 +54,7 @@ async def settle(*links: PeerLink) -> None:
 def test_a_booking_on_one_process_is_seen_by_the_other(tmp_path: Path,
                                                         vclock: VirtualClock) -> None:
     async def run() -> None:
-        a, b = live(vclock), live(vclock)
-        la, lb = (PeerLink.attach(a, tmp_path, 0, 2, vclock),
-                  PeerLink.attach(b, tmp_path, 1, 2, vclock))
-        la.start()
-        lb.start()
-        try:
+        async with linked(tmp_path, vclock) as (a, b, la, lb):
             booking = book(a, 1)
             await settle(la, lb)
             p_a = [p.busy_until_s for p in a.view.prefill]
@@ -67,21 +73,13 @@ def test_a_booking_on_one_process_is_seen_by_the_other(tmp_path: Path,
             assert b.view.decode[0].num_assigned == 1  # b's own request only
             assert lb.shared.num_remote() == 0 and la.shared.num_remote() == 1
             assert lb.shared.num_bad == 0 and la.num_unsent == 0
-        finally:
-            await la.stop()
-            await lb.stop()
 
     asyncio.run(run())
 
 
 def test_a_silent_peers_bookings_are_released(tmp_path: Path, vclock: VirtualClock) -> None:
     async def run() -> None:
-        a, b = live(vclock), live(vclock)
-        la, lb = (PeerLink.attach(a, tmp_path, 0, 2, vclock),
-                  PeerLink.attach(b, tmp_path, 1, 2, vclock))
-        la.start()
-        lb.start()
-        try:
+        async with linked(tmp_path, vclock) as (a, b, la, lb):
             book(a, 1)
             book(a, 2)
             await settle(la, lb)
@@ -91,8 +89,6 @@ def test_a_silent_peers_bookings_are_released(tmp_path: Path, vclock: VirtualClo
             lb.shared.expire(vclock.now())
             assert sum(p.num_queued for p in b.view.prefill) == 0
             assert b.view.decode[0].num_assigned == 0 and lb.shared.num_remote() == 0
-        finally:
-            await lb.stop()
 
     asyncio.run(run())
 
