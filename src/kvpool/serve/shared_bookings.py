@@ -124,9 +124,7 @@ class SharedBookings:
         if p is None or d is None or not (p.alive and d.alive) or p.prefill_load is None \
                 or d.decode_load is None:
             return  # not in this view's rotation: nothing to queue it on
-        view = self.cluster.view
-        p_id = next(i for i, load in enumerate(view.prefill) if load is p.prefill_load)
-        d_id = next(i for i, load in enumerate(view.decode) if load is d.decode_load)
+        p_id, d_id = p.prefill_load.instance_id, d.decode_load.instance_id  # alive: in view
         req = RequestInfo(-(peer_index * REMOTE_IDS + rid), int(f[3]), int(f[4]), ())
         choice = PrefillChoice(p_id, int(f[5]), int(f[6]), None, 0.0, float(f[7]), float(f[8]))
         booking = self.cluster.book(req, Accepted(choice, DecodeChoice(d_id, float(f[9]))), now,
