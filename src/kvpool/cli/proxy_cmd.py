@@ -107,6 +107,10 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pool-topic", default=_D.pool_topic, metavar="TOPIC",
                    help="vllm: the topic of the pool's KV events (the kvpool master's "
                         "--kv-events-topic, sent to --kv-events; '' = ignore the pool)")
+    p.add_argument("--pd-pool-wait-s", type=float, default=_D.pd_pool_wait_s, metavar="S",
+                   help="vllm, P/D through a store connector: the decode leg waits up to S s "
+                        "after the prefill reply for the pool's events to show the prompt's "
+                        "blocks (the connector writes them after replying); 0 = no wait")
     p.add_argument("--hash-algo", default=_D.hash_algo, choices=("", "sha256", "sha256_cbor"),
                    help="vllm: the instances' --prefix-caching-hash-algo (default: what their "
                         "/metrics report, else sha256)")
@@ -162,7 +166,8 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         direct_below_tokens=args.direct_below_tokens, stream_interval=args.stream_interval,
         worker_sse=args.worker_sse,
         engine_model=args.engine_model, engine_block_size=args.engine_block_size,
-        kv_events=args.kv_events, pool_topic=args.pool_topic, hash_algo=args.hash_algo, hash_seed=args.hash_seed,
+        kv_events=args.kv_events, pool_topic=args.pool_topic,
+        pd_pool_wait_s=args.pd_pool_wait_s, hash_algo=args.hash_algo, hash_seed=args.hash_seed,
         kv_events_replay=tuple(_pair(v, "--kv-events-replay") for v in args.kv_events_replay),
         mooncake_bootstrap=tuple(_pair(v, "--mooncake-bootstrap")
                                  for v in args.mooncake_bootstrap),

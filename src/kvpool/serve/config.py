@@ -59,6 +59,10 @@ class ProxyConfig:
     pool_topic: str = "kvpool-pool"
     """vllm with kv_events: the topic of the pool's events (the kvpool master's
     --kv-events-topic, publishing to the same endpoint); "" = ignore the pool."""
+    pd_pool_wait_s: float = 5.0
+    """vllm with kv_events, P/D through a store connector: after the prefill reply, the decode
+    leg waits up to this long for the pool's events to show the prompt's full blocks (the
+    connector writes them after the reply); 0 = no wait."""
     hash_algo: str = ""
     """vllm with kv_events: the instances' --prefix-caching-hash-algo (sha256, sha256_cbor);
     "" = what their /metrics report (cache_config_info), else sha256."""
@@ -129,6 +133,8 @@ class ProxyConfig:
         if self.num_peers > 1 and self.kv_events:
             raise ConfigError("--workers N with --kv-events: the events' endpoint is bound by "
                               "one process; run one proxy process to consume KV events")
+        if self.pd_pool_wait_s < 0:
+            raise ConfigError(f"pd_pool_wait_s must be >= 0, got {self.pd_pool_wait_s}")
         if self.direct_below_tokens < 0:
             raise ConfigError(f"direct_below_tokens must be >= 0, got {self.direct_below_tokens}")
         if self.stream_interval is not None and not \

@@ -20,6 +20,7 @@ connection aborts it there, so `abort` has nothing left to do.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import time
@@ -62,6 +63,13 @@ DEFAULT_BLOCK_SIZE = 16
 UNKNOWN_LEN = 1 << 30
 """max_model_len of an instance whose /v1/models does not say (the model's own limit holds)."""
 UNKNOWN_CAPACITY_TOKENS = 1 << 20
+HANDOFF_STEP_S = 0.005
+"""How often a P/D handoff through the pool looks for the prompt's blocks in the pool."""
+HANDOFF_STALL_S = 0.5
+"""A handoff whose blocks stopped landing in the pool this long ago goes on without the rest."""
+SILENT_POOL_WAITS = 3
+"""Handoff waits that found nothing of a pool that never published, after which no more are
+made until it publishes (a proxy with --kv-events but no master publishing to it)."""
 
 
 class EventFeed(Protocol):
@@ -71,6 +79,10 @@ class EventFeed(Protocol):
                reported_algo: str | None) -> list[int]: ...
 
     def prefixes(self, prefill_urls: Sequence[str]) -> InstancePrefixes: ...
+
+    def pool_blocks(self, hashes: Sequence[int]) -> int: ...
+
+    def pool_heard(self) -> bool: ...
 
     def check(self, url: str) -> bool: ...
 
@@ -94,7 +106,7 @@ class VllmBackend:
 
     def __init__(self, roles: dict[str, Role], timeout_s: float, api_key: str | None = None,
                  model: str = "", block_size: int = 0, events: EventFeed | None = None,
-                 p2p: MooncakeP2P | None = None) -> None:
+                 p2p: MooncakeP2P | None = None, handoff_wait_s: float = 0.0) -> None:
         self.roles = {url.rstrip("/"): role for url, role in roles.items()}
         self.model = model
         """The served model name every instance must serve ("" until the first joins)."""
@@ -111,6 +123,12 @@ class VllmBackend:
         self.p2p = p2p
         """vLLM's MooncakeConnector protocol (--kv-transfer mooncake), or None: the prefill
         reply's kv_transfer_params are relayed."""
+        self.handoff_wait_s = handoff_wait_s
+        """P/D through a store connector: how long the decode leg waits, after the prefill
+        reply, for the pool to hold the prompt's full blocks (0 = it does not wait)."""
+        self._chains: dict[str, tuple[int, str | None]] = {}
+        """url -> (block size, hash algorithm reported) of its block hash chain, as joined."""
+        self._silent_waits = 0
 
     @classmethod
     def from_config(cls, config: ProxyConfig) -> VllmBackend:
@@ -131,7 +149,7 @@ class VllmBackend:
         p2p = (MooncakeP2P(dict(config.mooncake_bootstrap))
                if config.kv_transfer == "mooncake" else None)
         return cls(roles, config.worker_timeout_s, config.token, config.engine_model,
-                   config.engine_block_size, events, p2p)
+                   config.engine_block_size, events, p2p, config.pd_pool_wait_s)
 
     async def aclose(self) -> None:
         await self.http.aclose()
@@ -207,6 +225,7 @@ class VllmBackend:
             await self._learn_engine_id(url, timeout_s)
         self.model = self.model or served
         self.capacity[url] = capacity
+        self._chains[url] = (block_size, metrics.hash_algo)
         if self.events is not None:  # (re)joining: its cache may be another process's now
             self.events.rejoined(url)
         return InfoReply(role=role, model=served,
@@ -263,12 +282,44 @@ class VllmBackend:
         got = self._reply(url, resp.status_code, resp.content)
         if not got.token_ids:
             raise WorkerCallError(url, "/v1/completions", "the prefill leg made no token")
+        prefill_s = time.monotonic() - t0
+        if self.p2p is None:
+            await self._pool_handoff(url, req)
         return PrefillReply(request_id=req.request_id, first_token_id=got.token_ids[0],
                             num_prompt_tokens=len(req.prompt_token_ids),
                             num_cached_tokens=got.num_cached_tokens or 0,
-                            prefill_s=round(time.monotonic() - t0, 6),
+                            prefill_s=round(prefill_s, 6),
                             kv_transfer_params=got.kv_transfer_params if self.p2p is None
                             else self.p2p.decode_params(url, transfer_id))
+
+    async def _pool_handoff(self, url: str, req: PrefillRequest) -> None:
+        """Wait until the pool's events show every full block of the prompt: a store connector
+        writes the prefill's blocks to the pool after its reply has gone out, and a decode leg
+        that looked them up before they landed would compute the whole prompt again. It goes
+        on anyway after handoff_wait_s, or HANDOFF_STALL_S after the last block that landed
+        (the pool refused the rest: it is full). Nothing to wait for without the pool's
+        events, for a salted prompt (its blocks are not the chain computed here), or once a
+        pool that never published has been waited for in vain SILENT_POOL_WAITS times."""
+        events = self.events
+        if events is None or self.handoff_wait_s <= 0 or req.sampling.cache_salt is not None:
+            return
+        heard = events.pool_heard()
+        if not heard and self._silent_waits >= SILENT_POOL_WAITS:
+            return
+        block_size, algo = self._chains.get(url, (self.block_size or DEFAULT_BLOCK_SIZE, None))
+        hashes = events.hashes(req.prompt_token_ids, block_size, algo)
+        start = last_t = time.monotonic()
+        last = 0
+        while (held := events.pool_blocks(hashes)) < len(hashes):
+            now = time.monotonic()
+            last, last_t = (held, now) if held > last else (last, last_t)
+            if now - start >= self.handoff_wait_s or (held and now - last_t >= HANDOFF_STALL_S):
+                log.info("request %s: the pool holds %d of its prompt's %d blocks %.2f s after "
+                         "its prefill on %s; the decode leg goes on (it computes the rest)",
+                         req.request_id, held, len(hashes), now - start, url)
+                self._silent_waits = 0 if heard or held else self._silent_waits + 1
+                return
+            await asyncio.sleep(HANDOFF_STEP_S)
 
     def _reply(self, url: str, status: int, raw: bytes) -> Any:
         try:

@@ -58,6 +58,16 @@ class KvEventsFeed:
             self._hashers[(algo, block_size)] = hasher
         return [int(h) for h in hasher.block_hashes(prompt_ids)]
 
+    def pool_blocks(self, hashes: Sequence[int]) -> int:
+        """How many leading blocks of `hashes` the pool holds (0 without a pool topic)."""
+        if not self.pool_topic:
+            return 0
+        return self.index.matched_on_any(self.pool_topic, hashes, POOL_MEDIA)  # type: ignore[arg-type]
+
+    def pool_heard(self) -> bool:
+        """Whether the pool has published any event since this proxy started."""
+        return bool(self.pool_topic) and self.pool_topic in self.index.instances()
+
     def prefixes(self, prefill_urls: Sequence[str]) -> InstancePrefixes:
         return InstancePrefixes(self.index, prefill_urls, self.pool_topic)  # type: ignore[arg-type]
 
