@@ -79,6 +79,28 @@ def test_runs_of_one_fence_in_a_frame_are_admitted_or_refused_whole(
         assert sha(back[i * 4096:(i + 1) * 4096]) == want
 
 
+def test_reads_of_a_frame_are_admitted_per_run_of_one_fence(
+        engine: TransferEngine, target: Target, transport: str) -> None:
+    base = remote_base(target, transport)
+    target.set_fence(base, 9)
+    written = _fill(engine, 11)
+    assert _write(engine, written, target.segment, base, 9)[0].ok
+    fences = [9, 9, 8, 8, 9, 0, 9, 9, 9]
+    addrs = [base + i * 4096 for i in range(len(fences))]
+    addrs[7] = 1 << 62                               # outside every region, then back in
+    back = engine.allocate_managed(SIZE).numpy()
+    back[:] = 0xAB
+    reqs = [TransferRequest(OpCode.READ, back.ctypes.data + i * 4096, 4096, target.segment,
+                            addr, f) for i, (addr, f) in enumerate(zip(addrs, fences, strict=True))]
+    statuses = engine.transfer_sync(reqs)
+    assert [s.ok for s in statuses] == [f == 9 and i != 7 for i, f in enumerate(fences)]
+    assert all(statuses[i].reason == FENCED_REASON for i in (2, 3, 5))
+    for i, s in enumerate(statuses):  # admitted reads brought the bytes, refused ones none
+        got = back[i * 4096:(i + 1) * 4096]
+        assert sha(got) == (sha(written[i * 4096:(i + 1) * 4096]) if s.ok else
+                            sha(np.full(4096, 0xAB, dtype=np.uint8)))
+
+
 def test_set_fence_waits_for_every_write_of_a_run() -> None:
     fence = Fence(1)
     token = fence.enter(1, write=True, count=3)

@@ -255,17 +255,42 @@ class TcpTarget:
                        [head + _STATUS_BYTE[status]], HEADER_BYTES + 1 + payload)
             return
         statuses = bytearray(header.count)
-        views: list[bytes | bytearray | memoryview] = []
-        cache: list[Buffer | None] = [None]
-        total = header.count
-        for i, (addr, length, fence) in enumerate(zip(addrs, lengths, fences, strict=True)):
-            status, view = self._resolve(addr, length, fence, cache)
-            statuses[i] = status
-            if view is not None:
-                views.append(view)
-                total += length
+        views, payload = self._admit_reads(start, statuses)
+        total = header.count + payload
         head = encode_header(FrameType.READ_RESP, header.count, header.request_id, total)
         send_views(conn, [head, statuses, *views], HEADER_BYTES + total)
+
+    def _admit_reads(self, start: FrameStart,
+                     statuses: bytearray) -> tuple[list[memoryview], int]:
+        """The source ranges a READ frame's reply sends, in order, and their bytes; a
+        refused descriptor (its status set in `statuses`) sends none. Each descriptor is
+        checked against the registry; the fence is checked once per run of descriptors
+        into one region under one fence value. A read holds nothing in flight (the fence
+        only admits it), so one check for the run admits what one check per descriptor
+        would: every byte is sent after all of them, in either case."""
+        views: list[memoryview] = []
+        payload = 0
+        buf: Buffer | None = None
+        lo = hi = admitted = -1  # buf's range; the fence value last admitted into it
+        for i, (addr, length, fence) in enumerate(
+                zip(start.addrs, start.lengths, start.fences, strict=True)):
+            if not (lo <= addr and addr + length <= hi):
+                buf = self._registry.find(addr, length)
+                if buf is None:
+                    lo = hi = -1
+                    statuses[i] = Status.OUT_OF_RANGE
+                    continue
+                lo, hi, admitted = buf.addr, buf.addr + buf.length, -1
+            assert buf is not None
+            if fence != admitted:
+                if buf.fence.enter(fence, False) is None:
+                    statuses[i] = Status.FENCED
+                    continue
+                admitted = fence
+            at = addr - lo
+            views.append(buf.view[at : at + length])
+            payload += length
+        return views, payload
 
     def _admit_writes(self, start: FrameStart, statuses: bytearray,
                       admitted: list[tuple[Fence, int, int]]) -> list[memoryview]:

@@ -237,6 +237,29 @@ def test_batch_fast_path_places_a_run_and_falls_back(vclock: VirtualClock) -> No
     core.check_integrity()
 
 
+def test_batch_put_end_publishes_a_run_and_falls_back(vclock: VirtualClock) -> None:
+    core = make_core(vclock, num_segments=2, capacity=16 * KIB)
+    core.put_start("w", ["a", "b", "c"], [100, 64, 1000], ReplicateConfig(with_soft_pin=True))
+    core.put_start("x", ["d"], [64])
+    assert core.put_end("w", ["a", "b"], [1, 2]) == [E.OK, E.OK]            # the run
+    assert [o.checksum for o in core.get_replicas(["a", "b"])] == [1, 2]
+    assert core.objects["a"].soft_pin_until == vclock.now() + core.config.soft_pin_ttl_s
+    assert core.segments.placeable()[0].pending_keys | core.segments.placeable()[1] \
+        .pending_keys == {"c", "d"}
+    core.check_integrity()
+    assert core.put_end("w", ["c", "d"], [3, 4]) == [E.OK, E.OBJECT_NOT_FOUND]  # not w's
+    assert core.put_end("x", ["d", "d"], [4, 4]) == [E.OK, E.OBJECT_NOT_FOUND]  # twice
+    core.put_start("w", ["e", "f", "g"], [64, 64, 64])
+    assert core.put_end("w", ["e", "f"], [5, True]) == [E.OK, E.INVALID_PARAMS]
+    assert core.put_end("w", ["f", "g"], [None, 1 << 64]) == [E.OK, E.INVALID_PARAMS]
+    assert core.put_end("w", ["g"], [7]) == [E.OK]
+    core.put_start("w", ["a", "h"], [64, 64], upsert=True)
+    assert core.put_end("w", ["a", "h"], [9, 9]) == [E.OK, E.OK]       # replaces "a"
+    assert core.get_replicas(["a"])[0].checksum == 9
+    assert not core.pending
+    core.check_integrity()
+
+
 def test_put_end_records_checksums_and_lookups_return_them(core: MasterCore) -> None:
     core.put_start("w", ["a", "b", "c", "d"], [100, 100, 100, 100])
     assert core.put_end("w", ["a"], [1, 2]) == [E.INVALID_PARAMS]      # lengths differ

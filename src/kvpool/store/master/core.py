@@ -257,6 +257,10 @@ class MasterCore:
             checksums = [None] * len(keys)
         elif len(checksums) != len(keys):
             return [E.INVALID_PARAMS] * len(keys)
+        if len(keys) > 1:
+            run = master_batch.put_end_run(self, client_id, keys, checksums, self.clock.now())
+            if run is not None:
+                return run
         return [self.put_end_one(client_id, key, checksum)
                 for key, checksum in zip(keys, checksums, strict=True)]
 

@@ -3,7 +3,7 @@ rows in `_by_key` and is read like a mapping; only its own methods write."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, KeysView, ValuesView
+from collections.abc import Iterable, Iterator, KeysView, ValuesView
 from typing import Generic, TypeVar
 
 V = TypeVar("V")
@@ -17,6 +17,10 @@ class KeyedReads(Generic[V]):
 
     def __contains__(self, key: object) -> bool:
         return key in self._by_key
+
+    def holds_any(self, keys: Iterable[str]) -> bool:
+        """Whether any of `keys` has a row (one C call for a whole batch)."""
+        return not self._by_key.keys().isdisjoint(keys)
 
     def __len__(self) -> int:
         return len(self._by_key)

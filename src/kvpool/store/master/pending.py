@@ -6,8 +6,12 @@ A reservation (reserve.py) is a pending put filed under its token until it is co
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 from kvpool.store.master.keyed import KeyedReads
-from kvpool.store.master.state import PendingPut
+from kvpool.store.master.state import PendingPut, Segment
+
+_client_of = attrgetter("client_id")
 
 
 class PendingPuts(KeyedReads[PendingPut]):
@@ -33,6 +37,33 @@ class PendingPuts(KeyedReads[PendingPut]):
         self._by_key[put.key] = put
         for r in put.replicas:
             r.segment.pending_keys.add(put.key)
+
+    def add_run(self, puts: list[PendingPut], segment: Segment) -> None:
+        """add() of each of `puts`, whose keys are distinct and free and whose one replica
+        each lies on `segment` (a batch's allocation run): one update of each index."""
+        new = {put.key: put for put in puts}
+        assert len(new) == len(puts) and self._by_key.keys().isdisjoint(new), \
+            "a key pending twice"
+        self._by_key.update(new)
+        segment.pending_keys.update(new)
+
+    def pop_run(self, client_id: str, keys: list[str]) -> list[PendingPut] | None:
+        """pop() of each of `keys` (distinct) when every one is a put of `client_id`; None,
+        changing nothing, when any is not. Each put's keys leave the index of every segment
+        of the run (a key is indexed only where its own put is)."""
+        by_key = self._by_key
+        try:
+            puts = list(map(by_key.get, keys))
+        except TypeError:  # an unhashable key: none of this table's
+            return None
+        if None in puts or set(map(_client_of, puts)) != {client_id} \
+                or len(set(keys)) != len(keys):
+            return None
+        for key in keys:
+            del by_key[key]
+        for segment in {r.segment for put in puts for r in put.replicas}:  # type: ignore[union-attr]
+            segment.pending_keys.difference_update(keys)
+        return puts  # type: ignore[return-value]
 
     def pop(self, key: str) -> PendingPut:
         """Forget the put of `key` and its index entries (its memory is the caller's)."""

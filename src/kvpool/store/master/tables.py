@@ -59,6 +59,21 @@ class ObjectTable(KeyedReads[StoredObject]):
         if self.events is not None:
             report_change(self.events, obj.key, set(), media_of(obj.replicas))
 
+    def insert_run(self, objs: list[StoredObject]) -> None:
+        """insert() of each of `objs` (keys distinct and free, all evictable), the table
+        and the segments' indexes updated once per batch where they can be."""
+        new = {obj.key: obj for obj in objs}
+        assert len(new) == len(objs) and self._by_key.keys().isdisjoint(new), \
+            "a key inserted twice"
+        self._by_key.update(new)
+        on_insert, events = self.policy.on_insert, self.events
+        for key, obj in new.items():
+            for r in obj.replicas:
+                r.segment.keys.add(key)
+            on_insert(key)
+            if events is not None:
+                report_change(events, key, set(), media_of(obj.replicas))
+
     def remove(self, obj: StoredObject) -> None:
         """Forget `obj` and its index entries (its memory is the caller's to free)."""
         del self._by_key[obj.key]

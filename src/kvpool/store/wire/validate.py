@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvpool.store.config import MAX_KEY_BYTES
 from kvpool.store.wire.codes import Tier
 
@@ -31,8 +33,32 @@ def valid_key(key: object) -> bool:
     return key_problem(key) is None
 
 
+def valid_keys(keys: Sequence[object]) -> bool:
+    """valid_key of every key. A batch of short printable ASCII keys is decided in a few
+    C calls on their concatenation (each property holds per character, so it holds for
+    every key exactly when it holds for the whole); anything else key by key."""
+    try:
+        joined = "".join(keys)  # type: ignore[arg-type]  # TypeError: not all str
+    except TypeError:
+        return all(map(valid_key, keys))
+    lengths = list(map(len, keys))  # type: ignore[arg-type]
+    if joined.isascii() and joined.isprintable() and " " not in joined \
+            and (not lengths or (min(lengths) > 0 and max(lengths) <= 256)):
+        return True
+    return all(map(valid_key, keys))
+
+
 def valid_size(size: object, max_bytes: int) -> bool:
     return type(size) is int and 0 < size <= max_bytes
+
+
+def valid_sizes(sizes: Sequence[object], max_bytes: int) -> bool:
+    """valid_size of every size, in a few C calls."""
+    if not sizes:
+        return True
+    if set(map(type, sizes)) != {int}:
+        return False
+    return 0 < min(sizes) and max(sizes) <= max_bytes  # type: ignore[type-var, operator]
 
 
 ADDRESS_LIMIT = 1 << 64
