@@ -245,3 +245,21 @@ def test_a_pushed_request_pays_the_join_cost_once_as_the_simulator_does(tmp_path
     (rec,) = run_disagg(reqs, cost, DisaggConfig(num_prefill=1, num_decode=1),
                         admission="none").records
     assert rec.finish_s - rec.first_token_s == pytest.approx(0.025)
+
+
+def test_the_rest_of_a_prompt_prefilled_elsewhere_joins_as_a_decode() -> None:
+    """vLLM's P/D decode leg: its prompt's blocks come in through the connector (here, the
+    local cache), and the rest is a chunk in the running batch with the join's cost, not a
+    prefill with its base and the prefix's load."""
+    e = engine()
+    e.generate([PROMPTS[0]], SamplingParams(max_tokens=2, ignore_eos=True))
+    plain = e.add_request("plain", PROMPTS[2], SamplingParams(max_tokens=2, ignore_eos=True))
+    work = e.step_work(e.scheduler.schedule(lambda s: None))
+    assert plain.num_cached_tokens == 96
+    assert work.chunks == (PromptChunk(96, 9, True),) and work.joins == 0
+    e.abort("plain")
+    joined = e.add_request("joined", PROMPTS[2], SamplingParams(max_tokens=2, ignore_eos=True),
+                           joins_prefilled=True)
+    work = e.step_work(e.scheduler.schedule(lambda s: None))
+    assert joined.num_cached_tokens == 96
+    assert work.chunks == (PromptChunk(96, 9, False),) and work.joins == 1

@@ -58,6 +58,10 @@ class Sequence:
     prefill_only: bool = False
     """Stop after the first token and keep nothing running (a prefill worker's leg)."""
     kv_source: KVSource = KVSource.COMPUTE
+    joins_prefilled: bool = False
+    """The prompt was prefilled on another instance, whose blocks this one loads through its
+    store connector beside its steps (vLLM's P/D decode leg): what is left of the prompt joins
+    the running batch, priced by the emulated engine as a decode join, not a new prefill."""
     status: SeqStatus = SeqStatus.WAITING
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

@@ -135,7 +135,11 @@ class EmulatedEngine(EngineCore):
                 joins += seq.kv_source is not KVSource.COMPUTE and start == seq.num_prompt_tokens
             else:
                 reused = seq.num_cached_tokens + seq.num_pool_tokens
-                chunks.append(PromptChunk(start, n, first=start <= reused))
+                first = start <= reused
+                if first and seq.joins_prefilled:  # the rest of a prompt prefilled elsewhere
+                    joins += 1
+                    first = False
+                chunks.append(PromptChunk(start, n, first=first))
         return StepWork(tuple(chunks), num_decodes, context, longest, joins)
 
     def step_s(self, batch: ScheduledBatch) -> float:

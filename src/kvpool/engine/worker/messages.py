@@ -102,6 +102,9 @@ class GenerateRequest(_Request):
     alone."""
     kv_transfer_params: dict[str, Any] | None = None
     """The prefill leg's handoff, for engines that have one (vLLM backend); None here."""
+    joins_prefilled: bool = False
+    """The vLLM face's P/D decode leg (kv_source none: the prompt's blocks come from the pool
+    as any request's do): `Sequence.joins_prefilled`."""
     sse: SseSpec | None = None
     """The frames carry the response's SSE bytes too (the text streamed so far is that of
     `resume_output_ids` and `first_token_id`: the proxy sent it already)."""

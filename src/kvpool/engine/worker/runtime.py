@@ -329,7 +329,7 @@ class Worker:
                 engine.start_pushed(request_id, prompt, first_token or 0, sampling, reserved)
                 return
             seq = engine.add_request(request_id, prompt, sampling, outputs=resumed,
-                                     kv_source=source)
+                                     kv_source=source, joins_prefilled=req.joins_prefilled)
             if resumed:  # a leg before this one failed: whatever it did not read is unread
                 self._drop_partial(request_id)
             if first_token is not None:

@@ -20,7 +20,10 @@ P/D as vLLM does it over a KV store connector (MooncakeStoreConnector): a reques
 `kv_transfer_params.do_remote_decode` is a prefill leg (its full blocks go to the pool, one
 token comes back, with kv_transfer_params naming the request for the decode instance); a
 request with `do_remote_prefill` loads the prompt's blocks from the pool, computes the rest and
-makes every output token, the first included. What a real vLLM does differently: its NIXL
+makes every output token, the first included (on the emulated engine, the rest of its prompt
+is priced as a decode joining the batch, `Sequence.joins_prefilled`: vLLM's connector loads the
+blocks beside the engine's steps, and the rest is a short chunk in a running batch, not a new
+prefill with its fixed cost). What a real vLLM does differently: its NIXL
 connector pulls the blocks from the prefill instance's GPU instead of the pool; the fields
 relayed are the same. A prefill leg whose kv_transfer_params carry a `transfer_id` is one of
 vLLM's MooncakeConnector instead: it returns no kv_transfer_params and holds the transfer for
@@ -172,9 +175,10 @@ class _Completion:
 
     def outputs(self) -> AsyncIterator[StepOutput]:
         b = self.body
+        joins = bool((b.kv_transfer_params or {}).get("do_remote_prefill"))
         return _each(self.worker.generate(GenerateRequest(
             request_id=self.request_id, prompt_token_ids=b.prompt, sampling=b.sampling(),
-            kv_source="none")))
+            kv_source="none", joins_prefilled=joins)))
 
     async def whole(self) -> dict[str, Any]:
         tokens: list[int] = []
