@@ -328,6 +328,8 @@ class Run:
         self.d.cluster.prefill_done(self.b, self.d.clock.now())
         self._reused(reply.num_cached_tokens + reply.num_pool_tokens, reply.num_pool_tokens)
         self._handoff = reply.kv_transfer_params
+        if reply.handoff_wait_s is not None:
+            self.d.metrics.handoff_wait.observe(reply.handoff_wait_s)
         first = self.d.client.features.first_token_from_prefill
         if first:
             self.prompt_logprobs = reply.prompt_logprobs

@@ -51,6 +51,11 @@ class ProxyMetrics:
         self.migrations = Counter("kvpool_proxy_migrations",
                                   "Requests resumed on another worker after theirs failed, by "
                                   "the leg that failed", ["leg"], registry=r)
+        self.handoff_wait = Histogram(
+            "kvpool_proxy_pd_handoff_wait_seconds",
+            "vllm backend, P/D through a store connector: how long a decode leg waited for "
+            "its prompt's blocks to land in the pool", registry=r,
+            buckets=(1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0, 10.0))
         self.direct = Counter("kvpool_proxy_direct_requests",
                               "Requests sent straight to a decode worker, their uncached part "
                               "being short (conditional disaggregation)", registry=r)

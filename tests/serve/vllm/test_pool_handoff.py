@@ -55,11 +55,14 @@ def publisher(feed: KvEventsFeed) -> KvEventPublisher:
 
 
 def handoff(b: VllmBackend, salt: str | None = None) -> float:
+    """How long the decode leg was held (checked against what the backend says it waited)."""
     req = PrefillRequest(request_id="r", prompt_token_ids=PROMPT,
                          sampling=SamplingParams(max_tokens=1, cache_salt=salt))
     start = time.monotonic()
-    asyncio.run(b._pool_handoff(URL, req))
-    return time.monotonic() - start
+    waited = asyncio.run(b._pool_handoff(URL, req))
+    took = time.monotonic() - start
+    assert waited is None and took < 0.05 or waited is not None and 0 <= waited <= took
+    return took
 
 
 def later(delay_s: float, pub: KvEventPublisher, hashes: list[int]) -> None:

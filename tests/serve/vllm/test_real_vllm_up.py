@@ -145,6 +145,11 @@ def test_pd_through_the_pool_is_token_exact(cache_home: Path, tmp_path: Path) ->
             want = (loaded[-1] if loaded else 0.0) + len(prompt) // 128 * 128
             loaded.append(wait_for(lambda d=decode, w=want: (n := external_hits(d)) >= w and n,
                                    timeout_s=20, what=lambda d=decode: (loaded, external_hits(d))))
+        # each decode leg was held until the pool's events showed the prompt's blocks
+        # (the connector writes them after the prefill reply)
+        held = re.search(r"^kvpool_proxy_pd_handoff_wait_seconds_count (\S+)$",
+                         httpx.get(url + "/metrics", timeout=10).text, re.M)
+        assert held and float(held.group(1)) == 3, held
         decode_log = log.read_text()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(120) == 0, decode_log[-3000:]

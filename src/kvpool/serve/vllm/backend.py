@@ -283,29 +283,30 @@ class VllmBackend:
         if not got.token_ids:
             raise WorkerCallError(url, "/v1/completions", "the prefill leg made no token")
         prefill_s = time.monotonic() - t0
-        if self.p2p is None:
-            await self._pool_handoff(url, req)
+        waited = await self._pool_handoff(url, req) if self.p2p is None else None
         return PrefillReply(request_id=req.request_id, first_token_id=got.token_ids[0],
                             num_prompt_tokens=len(req.prompt_token_ids),
                             num_cached_tokens=got.num_cached_tokens or 0,
                             prefill_s=round(prefill_s, 6),
                             kv_transfer_params=got.kv_transfer_params if self.p2p is None
-                            else self.p2p.decode_params(url, transfer_id))
+                            else self.p2p.decode_params(url, transfer_id),
+                            handoff_wait_s=waited)
 
-    async def _pool_handoff(self, url: str, req: PrefillRequest) -> None:
+    async def _pool_handoff(self, url: str, req: PrefillRequest) -> float | None:
         """Wait until the pool's events show every full block of the prompt: a store connector
         writes the prefill's blocks to the pool after its reply has gone out, and a decode leg
         that looked them up before they landed would compute the whole prompt again. It goes
         on anyway after handoff_wait_s, or HANDOFF_STALL_S after the last block that landed
         (the pool refused the rest: it is full). Nothing to wait for without the pool's
         events, for a salted prompt (its blocks are not the chain computed here), or once a
-        pool that never published has been waited for in vain SILENT_POOL_WAITS times."""
+        pool that never published has been waited for in vain SILENT_POOL_WAITS times. The
+        seconds waited, or None where there was nothing to wait for."""
         events = self.events
         if events is None or self.handoff_wait_s <= 0 or req.sampling.cache_salt is not None:
-            return
+            return None
         heard = events.pool_heard()
         if not heard and self._silent_waits >= SILENT_POOL_WAITS:
-            return
+            return None
         block_size, algo = self._chains.get(url, (self.block_size or DEFAULT_BLOCK_SIZE, None))
         hashes = events.hashes(req.prompt_token_ids, block_size, algo)
         start = last_t = time.monotonic()
@@ -318,8 +319,9 @@ class VllmBackend:
                          "its prefill on %s; the decode leg goes on (it computes the rest)",
                          req.request_id, held, len(hashes), now - start, url)
                 self._silent_waits = 0 if heard or held else self._silent_waits + 1
-                return
+                return now - start
             await asyncio.sleep(HANDOFF_STEP_S)
+        return time.monotonic() - start
 
     def _reply(self, url: str, status: int, raw: bytes) -> Any:
         try:
