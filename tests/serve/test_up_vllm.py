@@ -68,7 +68,7 @@ def test_up_backend_vllm_the_pool_is_seen_through_its_events(cache_home: Path,
                                                             tmp_path: Path) -> None:
     """A prefill instance leaves a prompt's blocks in the pool under the keys vLLM's store
     connector writes; the master publishes them, and the proxy's index holds every full block
-    (600 tokens: 37 blocks of 16) on the pool's cpu tier."""
+    (600 tokens: 37 blocks of 16) on the pool's cpu tier; the decode leg was held until then."""
     marker = f"up-{uuid.uuid4().hex}"
     port = free_port()
     log = tmp_path / "up.log"
@@ -86,6 +86,11 @@ def test_up_backend_vllm_the_pool_is_seen_through_its_events(cache_home: Path,
         text = log.read_text()
         wait_for(lambda: _pool_blocks(url, text) == 37, 30, lambda: "37 pool blocks at the "
                  f"proxy, not {_pool_blocks(url, text)}")
+        # the decode leg was held until the pool showed them (at most --pd-pool-wait-s)
+        metrics = httpx.get(url + "/metrics", timeout=10, headers=token_header(text)).text
+        assert re.search(r"^kvpool_proxy_pd_handoff_wait_seconds_count 1\.0$", metrics, re.M)
+        waited = re.search(r"^kvpool_proxy_pd_handoff_wait_seconds_sum (\S+)$", metrics, re.M)
+        assert waited and float(waited.group(1)) < 5.0, waited
     finally:
         reap(proc, marker)
 

@@ -25,7 +25,7 @@ import pytest
 
 from kvpool.launch.ports import free_port
 from kvpool.serve.models import resolve_model
-from tests.serve.conftest import kvpool_up, marked_pids, wait_gone, wait_ready
+from tests.serve.conftest import kvpool_up, marked_pids, token_header, wait_gone, wait_ready
 from tests.serve.vllm.conftest import real_vllm_python
 from tests.support.wait import wait_for
 
@@ -147,9 +147,9 @@ def test_pd_through_the_pool_is_token_exact(cache_home: Path, tmp_path: Path) ->
                                    timeout_s=20, what=lambda d=decode: (loaded, external_hits(d))))
         # each decode leg was held until the pool's events showed the prompt's blocks
         # (the connector writes them after the prefill reply)
-        held = re.search(r"^kvpool_proxy_pd_handoff_wait_seconds_count (\S+)$",
-                         httpx.get(url + "/metrics", timeout=10).text, re.M)
-        assert held and float(held.group(1)) == 3, held
         decode_log = log.read_text()
+        metrics = httpx.get(url + "/metrics", timeout=10, headers=token_header(decode_log)).text
+        held = re.search(r"^kvpool_proxy_pd_handoff_wait_seconds_count (\S+)$", metrics, re.M)
+        assert held and float(held.group(1)) == 3, metrics[-3000:]
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(120) == 0, decode_log[-3000:]
