@@ -328,8 +328,6 @@ class Run:
         self.d.cluster.prefill_done(self.b, self.d.clock.now())
         self._reused(reply.num_cached_tokens + reply.num_pool_tokens, reply.num_pool_tokens)
         self._handoff = reply.kv_transfer_params
-        if reply.handoff_wait_s is not None:
-            self.d.metrics.handoff_wait.observe(reply.handoff_wait_s)
         first = self.d.client.features.first_token_from_prefill
         if first:
             self.prompt_logprobs = reply.prompt_logprobs
@@ -340,6 +338,9 @@ class Run:
         self.d.metrics.prefix_hit_tokens.inc(self.cached_len)
         self.d.learn(self.b, self.cached_len, reply.prefill_s)
         self.d.check_decode(self.b)
+        waited = await self.d.client.handoff(self.b.prefill.url, req)
+        if waited is not None:
+            self.d.metrics.handoff_wait.observe(waited)
         return reply.first_token_id if first else None
 
     async def _decode_leg(self, worker: WorkerState, first: int | None,

@@ -161,6 +161,10 @@ class WorkerClient:
             raise self._refused(url, path, resp.status_code, resp.content)
         return reply_from(url, path, model, resp.content)
 
+    async def handoff(self, url: str, req: PrefillRequest) -> float | None:
+        """Nothing to wait for: a worker's prefill reply promises its KV is in place."""
+        return None
+
     async def prefill(self, url: str, req: PrefillRequest) -> PrefillReply:
         try:
             body = req.model_dump_json().encode()

@@ -59,7 +59,7 @@ def handoff(b: VllmBackend, salt: str | None = None) -> float:
     req = PrefillRequest(request_id="r", prompt_token_ids=PROMPT,
                          sampling=SamplingParams(max_tokens=1, cache_salt=salt))
     start = time.monotonic()
-    waited = asyncio.run(b._pool_handoff(URL, req))
+    waited = asyncio.run(b.handoff(URL, req))
     took = time.monotonic() - start
     assert waited is None and took < 0.05 or waited is not None and 0 <= waited <= took
     return took

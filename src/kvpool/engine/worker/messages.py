@@ -72,9 +72,6 @@ class PrefillReply(_Reply):
     kv_transfer_params: dict[str, Any] | None = None
     """An engine's own handoff to the decode leg (vLLM's `kv_transfer_params`, relayed as
     is); kvpool workers send none."""
-    handoff_wait_s: float | None = None
-    """Set by the proxy's vllm backend, not a worker: how long the decode leg was held for
-    the prefill's blocks to land in the pool (None: no such wait)."""
 
 
 class SseSpec(_Request):

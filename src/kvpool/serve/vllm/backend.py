@@ -282,18 +282,15 @@ class VllmBackend:
         got = self._reply(url, resp.status_code, resp.content)
         if not got.token_ids:
             raise WorkerCallError(url, "/v1/completions", "the prefill leg made no token")
-        prefill_s = time.monotonic() - t0
-        waited = await self._pool_handoff(url, req) if self.p2p is None else None
         return PrefillReply(request_id=req.request_id, first_token_id=got.token_ids[0],
                             num_prompt_tokens=len(req.prompt_token_ids),
                             num_cached_tokens=got.num_cached_tokens or 0,
-                            prefill_s=round(prefill_s, 6),
+                            prefill_s=round(time.monotonic() - t0, 6),
                             kv_transfer_params=got.kv_transfer_params if self.p2p is None
-                            else self.p2p.decode_params(url, transfer_id),
-                            handoff_wait_s=waited)
+                            else self.p2p.decode_params(url, transfer_id))
 
-    async def _pool_handoff(self, url: str, req: PrefillRequest) -> float | None:
-        """Wait until the pool's events show every full block of the prompt: a store connector
+    async def handoff(self, url: str, req: PrefillRequest) -> float | None:
+        """Through a store connector (not --kv-transfer mooncake), wait until the pool's events show every full block of the prompt: a store connector
         writes the prefill's blocks to the pool after its reply has gone out, and a decode leg
         that looked them up before they landed would compute the whole prompt again. It goes
         on anyway after handoff_wait_s, or HANDOFF_STALL_S after the last block that landed
@@ -302,7 +299,8 @@ class VllmBackend:
         pool that never published has been waited for in vain SILENT_POOL_WAITS times. The
         seconds waited, or None where there was nothing to wait for."""
         events = self.events
-        if events is None or self.handoff_wait_s <= 0 or req.sampling.cache_salt is not None:
+        if events is None or self.p2p is not None or self.handoff_wait_s <= 0 or \
+                req.sampling.cache_salt is not None:
             return None
         heard = events.pool_heard()
         if not heard and self._silent_waits >= SILENT_POOL_WAITS:
