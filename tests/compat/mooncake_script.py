@@ -31,6 +31,17 @@ def store_calls():
     meta = os.environ.get("MOONCAKE_TE_META_DATA_SERVER", "P2PHANDSHAKE")
     record("setup", store.setup("127.0.0.1", meta, 64 * 1024 * 1024, 16 * 1024 * 1024, "tcp",
                                 "", os.environ["MOONCAKE_MASTER"]))
+    key_calls(store)
+    src, registered = buffer_calls(store)  # the memory lives until the store is closed
+    value_calls(store)
+    record("unregister", [store.unregister_buffer(src), store.unregister_buffer(src)])
+    record("remove_all", store.remove_all(True))
+    record("health", store.health_check())
+    record("close", [store.close(), store.health_check()])
+
+
+def key_calls(store):
+    """Bytes in and out by key, existence, removal, refusals."""
     record("put", [store.put("k1", b"hello"), store.put("k1", b"other")])
     record("get", [store.get("k1").decode(), store.get("missing").decode()])
     record("get_buffer_missing", store.get_buffer("missing") is None)
@@ -41,6 +52,11 @@ def store_calls():
     record("remove_missing", store.remove("missing"))
     record("get_size_missing", store.get_size("missing"))
     record("bad_puts", [store.put("empty", b""), store.put("", b"x")])
+
+
+def buffer_calls(store):
+    """Registered buffers: zero-copy puts and gets, single, batched and multi-buffer, with
+    the sizes that do not fit. The source buffer's address, and both buffers (registered)."""
     src_raw, src = buffer(4096, 3)
     dst_raw, dst = buffer(8192, 0)
     record("register", [store.register_buffer(src, 4096), store.register_buffer(dst, 8192),
@@ -66,6 +82,12 @@ def store_calls():
                                                              [[100, 40]]))
     record("multi_mismatch", [store.batch_get_into_multi_buffers(["m1", "m2"], [[dst]], [[150]]),
                               store.batch_put_from_multi_buffers(["x1", "x2"], [[src]], [[10]])])
+    return src, (src_raw, dst_raw)
+
+
+def value_calls(store):
+    """Upserts, parts, buffer handles, batches, regex and batch removal, replica
+    descriptors, a replicate config, a keyword the wheel refuses."""
     record("upsert", [store.upsert("z", b"xx"), store.get("z").decode()])
     record("put_parts", [store.put_parts("pp", b"ab", b"cd", bytearray(b"ef")),
                          store.get("pp").decode()])
@@ -94,10 +116,6 @@ def store_calls():
         record("get_keyword", "accepted")
     except TypeError:
         record("get_keyword", "TypeError")
-    record("unregister", [store.unregister_buffer(src), store.unregister_buffer(src)])
-    record("remove_all", store.remove_all(True))
-    record("health", store.health_check())
-    record("close", [store.close(), store.health_check()])
 
 
 def tensor_calls():
