@@ -102,10 +102,11 @@ class EngineBackend(Protocol):
     async def prefill(self, url: str, req: PrefillRequest) -> PrefillReply:
         """The prefill leg; its reply's `kv_transfer_params` (if any) go to the decode leg."""
 
-    async def handoff(self, url: str, req: PrefillRequest) -> float | None:
+    async def handoff(self, url: str, request_id: str,
+                      block_hashes: Sequence[int]) -> float | None:
         """Hold the decode leg until what the prefill leg on `url` left for it is in place
-        (vllm: its blocks landing in the pool, which its store connector writes after the
-        reply). The seconds held, or None where there is nothing to wait for (kvpool: the
+        (vllm: the blocks of `block_hashes`, the chain `block_hashes` gave the request, landing
+        in the pool, which its store connector writes after the reply). The seconds held, or None where there is nothing to wait for (kvpool: the
         prefill's reply promises the KV is in place)."""
 
     def generate(self, url: str, req: GenerateRequest) -> AsyncGenerator[TokensLine | FinishLine]:

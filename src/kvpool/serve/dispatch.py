@@ -338,7 +338,8 @@ class Run:
         self.d.metrics.prefix_hit_tokens.inc(self.cached_len)
         self.d.learn(self.b, self.cached_len, reply.prefill_s)
         self.d.check_decode(self.b)
-        waited = await self.d.client.handoff(self.b.prefill.url, req)
+        waited = await self.d.client.handoff(self.b.prefill.url, self.request_id,
+                                             self.b.req.block_hashes)
         if waited is not None:
             self.d.metrics.handoff_wait.observe(waited)
         return reply.first_token_id if first else None

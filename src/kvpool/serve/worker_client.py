@@ -161,7 +161,8 @@ class WorkerClient:
             raise self._refused(url, path, resp.status_code, resp.content)
         return reply_from(url, path, model, resp.content)
 
-    async def handoff(self, url: str, req: PrefillRequest) -> float | None:
+    async def handoff(self, url: str, request_id: str,
+                      block_hashes: Sequence[int]) -> float | None:
         """Nothing to wait for: a worker's prefill reply promises its KV is in place."""
         return None
 

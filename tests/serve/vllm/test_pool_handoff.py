@@ -12,8 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvpool.engine.config import SamplingParams
-from kvpool.engine.worker.messages import PrefillRequest
+from kvpool.engine.worker.messages import InfoReply
 from kvpool.kvevents.events import BlockStored, EventBatch
 from kvpool.kvevents.publisher import KvEventPublisher
 from kvpool.serve.vllm.backend import HANDOFF_STALL_S, SILENT_POOL_WAITS, VllmBackend
@@ -23,6 +22,9 @@ from tests.support.wait import wait_for
 BLOCK = 16
 URL = "http://127.0.0.1:1"
 PROMPT = list(range(1, 5 * BLOCK + 4))  # five full blocks
+REFERENCE = InfoReply(role="prefill", model="m", model_hash=1, block_size=BLOCK,
+                      max_model_len=4096, kv_capacity_tokens=1 << 16,
+                      engine={"kind": "vllm", "hash_algo": "sha256"})
 
 
 @pytest.fixture
@@ -55,11 +57,11 @@ def publisher(feed: KvEventsFeed) -> KvEventPublisher:
 
 
 def handoff(b: VllmBackend, salt: str | None = None) -> float:
-    """How long the decode leg was held (checked against what the backend says it waited)."""
-    req = PrefillRequest(request_id="r", prompt_token_ids=PROMPT,
-                         sampling=SamplingParams(max_tokens=1, cache_salt=salt))
+    """How long the decode leg was held (checked against what the backend says it waited),
+    for the chain the backend gives the prompt when it is scheduled."""
+    chain = b.block_hashes(PROMPT, salt, REFERENCE)
     start = time.monotonic()
-    waited = asyncio.run(b.handoff(URL, req))
+    waited = asyncio.run(b.handoff(URL, "r", chain))
     took = time.monotonic() - start
     assert waited is None and took < 0.05 or waited is not None and 0 <= waited <= took
     return took

@@ -126,8 +126,6 @@ class VllmBackend:
         self.handoff_wait_s = handoff_wait_s
         """P/D through a store connector: how long the decode leg waits, after the prefill
         reply, for the pool to hold the prompt's full blocks (0 = it does not wait)."""
-        self._chains: dict[str, tuple[int, str | None]] = {}
-        """url -> (block size, hash algorithm reported) of its block hash chain, as joined."""
         self._silent_waits = 0
 
     @classmethod
@@ -225,7 +223,6 @@ class VllmBackend:
             await self._learn_engine_id(url, timeout_s)
         self.model = self.model or served
         self.capacity[url] = capacity
-        self._chains[url] = (block_size, metrics.hash_algo)
         if self.events is not None:  # (re)joining: its cache may be another process's now
             self.events.rejoined(url)
         return InfoReply(role=role, model=served,
@@ -289,33 +286,33 @@ class VllmBackend:
                             kv_transfer_params=got.kv_transfer_params if self.p2p is None
                             else self.p2p.decode_params(url, transfer_id))
 
-    async def handoff(self, url: str, req: PrefillRequest) -> float | None:
-        """Through a store connector (not --kv-transfer mooncake), wait until the pool's events show every full block of the prompt: a store connector
-        writes the prefill's blocks to the pool after its reply has gone out, and a decode leg
-        that looked them up before they landed would compute the whole prompt again. It goes
-        on anyway after handoff_wait_s, or HANDOFF_STALL_S after the last block that landed
-        (the pool refused the rest: it is full). Nothing to wait for without the pool's
-        events, for a salted prompt (its blocks are not the chain computed here), or once a
-        pool that never published has been waited for in vain SILENT_POOL_WAITS times. The
-        seconds waited, or None where there was nothing to wait for."""
+    async def handoff(self, url: str, request_id: str,
+                      block_hashes: Sequence[int]) -> float | None:
+        """Through a store connector (not --kv-transfer mooncake), wait until the pool's
+        events show every block of `block_hashes` (the request's chain, as scheduled): the
+        connector writes the prefill's blocks to the pool after its reply has gone out, and a
+        decode leg that looked them up before they landed would compute the whole prompt
+        again. It goes on anyway after handoff_wait_s, or HANDOFF_STALL_S after the last block
+        that landed (the pool refused the rest: it is full). Nothing to wait for without the
+        pool's events or a chain (a salted prompt has none here), or once a pool that never
+        published has been waited for in vain SILENT_POOL_WAITS times. The seconds waited,
+        or None where there was nothing to wait for."""
         events = self.events
         if events is None or self.p2p is not None or self.handoff_wait_s <= 0 or \
-                req.sampling.cache_salt is not None:
+                not block_hashes:
             return None
         heard = events.pool_heard()
         if not heard and self._silent_waits >= SILENT_POOL_WAITS:
             return None
-        block_size, algo = self._chains.get(url, (self.block_size or DEFAULT_BLOCK_SIZE, None))
-        hashes = events.hashes(req.prompt_token_ids, block_size, algo)
         start = last_t = time.monotonic()
         last = 0
-        while (held := events.pool_blocks(hashes)) < len(hashes):
+        while (held := events.pool_blocks(block_hashes)) < len(block_hashes):
             now = time.monotonic()
             last, last_t = (held, now) if held > last else (last, last_t)
             if now - start >= self.handoff_wait_s or (held and now - last_t >= HANDOFF_STALL_S):
                 log.info("request %s: the pool holds %d of its prompt's %d blocks %.2f s after "
                          "its prefill on %s; the decode leg goes on (it computes the rest)",
-                         req.request_id, held, len(hashes), now - start, url)
+                         request_id, held, len(block_hashes), now - start, url)
                 self._silent_waits = 0 if heard or held else self._silent_waits + 1
                 return now - start
             await asyncio.sleep(HANDOFF_STEP_S)
