@@ -41,6 +41,13 @@ def test_up_refuses_a_bad_restart_budget() -> None:
     assert out.stderr == "kvpool up: max_restarts must be >= 0, not -1\n"
 
 
+def test_up_refuses_no_proxy_process() -> None:
+    out = subprocess.run([sys.executable, "-m", "kvpool", "up", "--proxy-workers", "0"],
+                         capture_output=True, text=True, timeout=60, env=python_env())
+    assert out.returncode == 2
+    assert out.stderr == "kvpool up: --proxy-workers must be >= 1\n"
+
+
 def test_up_needs_a_prefill_and_a_decode_worker() -> None:
     out = subprocess.run([sys.executable, "-m", "kvpool", "up", "--decode", "0"],
                          capture_output=True, text=True, timeout=60, env=python_env())

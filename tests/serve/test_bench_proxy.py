@@ -4,6 +4,7 @@ job."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -14,10 +15,18 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.bench.http_load import read_reply, request_bytes
+from kvpool.bench.http_load import Load, drive, read_reply, request_bytes
 from kvpool.bench.nginx import find_nginx, nginx_conf
 from kvpool.bench.proc_cpu import TICKS_PER_S, CpuMeter, child_pids, cpu_s, per_unit, stat_ticks
-from kvpool.bench.proxy import _ndjson_tokens, _sse_tokens, with_ratios
+from kvpool.bench.proxy import _completion_tokens, _ints, _loads, _ndjson_tokens, _sse_tokens
+from kvpool.bench.proxy_rows import (
+    Tally,
+    bucket_delta,
+    histogram_quantile,
+    rows,
+    with_added_latency,
+    with_ratios,
+)
 from tests.support.procs import python_env
 from tests.support.require import missing
 
@@ -75,9 +84,9 @@ def test_per_unit() -> None:
 
 
 def test_nginx_conf_relays_unbuffered_over_kept_alive_connections(tmp_path: Path) -> None:
-    text = nginx_conf(tmp_path, 18001, 18002)
+    text = nginx_conf(tmp_path, 18001, [18002, 18003])
     for line in ("worker_processes 1;", "listen 127.0.0.1:18001;",
-                 "server 127.0.0.1:18002;", "proxy_buffering off;", "proxy_http_version 1.1;",
+                 "server 127.0.0.1:18002;", "server 127.0.0.1:18003;", "proxy_buffering off;", "proxy_http_version 1.1;",
                  'proxy_set_header Connection "";', "access_log off;",
                  f"pid {tmp_path / 'nginx.pid'};", f"proxy_temp_path {tmp_path / 'proxy'};"):
         assert line in text, line
@@ -130,6 +139,74 @@ def test_replies_are_checked_whole() -> None:
     assert _ndjson_tokens(ndjson, 3) == 3
     with pytest.raises(ValueError, match=r"\(1 tokens\)"):
         _ndjson_tokens(ndjson.split(b"\n", 1)[1], 3)
+    whole = json.dumps({"choices": [{"finish_reason": "length"}],
+                        "usage": {"completion_tokens": 16}}).encode()
+    assert _completion_tokens(whole, 16, False) == 16
+    assert _completion_tokens(sse, 16, True) == 16
+    for bad in (whole.replace(b"16", b"15"), whole.replace(b"length", b"stop"), b"{}",
+                b"not json", sse):
+        with pytest.raises(ValueError, match="completion is not whole"):
+            _completion_tokens(bad, 16, False)
+
+
+def test_concurrency_and_load_lists_are_checked() -> None:
+    assert _ints("1,8,32") == [1, 8, 32] and _loads("req16, json16") == ["req16", "json16"]
+    for bad in ("", "0", "a,1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _ints(bad)
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown"):
+        _loads("req16,req17")
+
+
+def test_histogram_quantiles_interpolate_inside_the_bucket() -> None:
+    inf = float("inf")
+    before = {1e-4: 10.0, 2e-4: 10.0, 1e-3: 10.0, inf: 10.0}
+    after = {1e-4: 60.0, 2e-4: 110.0, 1e-3: 110.0, inf: 110.0}
+    delta = bucket_delta(before, after)
+    assert delta == {1e-4: 50.0, 2e-4: 100.0, 1e-3: 100.0, inf: 100.0}
+    assert histogram_quantile(delta, 0.5) == pytest.approx(1e-4)
+    assert histogram_quantile(delta, 0.25) == pytest.approx(0.5e-4)  # from 0 in the first
+    assert histogram_quantile(delta, 0.99) == pytest.approx(1e-4 + 1e-4 * 49 / 50)
+    assert histogram_quantile({1e-4: 0.0, inf: 4.0}, 0.5) == 1e-4     # +Inf: its lower bound
+    assert histogram_quantile({1e-4: 0.0, inf: 0.0}, 0.5) is None
+    assert histogram_quantile({}, 0.5) is None
+
+
+def test_rows_carry_latency_added_over_direct_and_decisions() -> None:
+    tallies = {("kvpool", "req16", 1): Tally(), ("direct", "req16", 1): Tally()}
+    tallies["kvpool", "req16", 1].add(Load(4, 64, 0.02, (0.005, 0.005, 0.006, 0.010)), 0.008,
+                                      0.004, {1e-4: 3.0, 2e-4: 4.0, float("inf"): 4.0})
+    tallies["direct", "req16", 1].add(Load(4, 64, 0.016, (0.004,) * 4), 0.0, 0.004)
+    out = {r["relay"]: r for r in rows(tallies, {"engines": 1})}
+    k, d = out["kvpool"], out["direct"]
+    assert (k["requests"], k["relay_ms_per_request"], k["req_per_relay_cpu_s"]) == (4, 2.0, 500)
+    assert k["latency_p50_ms"] == 5.5 and d["latency_p50_ms"] == 4.0
+    assert k["added_p50_ms"] == 1.5 and "added_p50_ms" not in d
+    assert k["decision_p50_us"] == pytest.approx(66.7, abs=0.1)
+    assert "decision_p50_us" not in d and d["req_per_relay_cpu_s"] is None
+    assert with_added_latency([{"relay": "kvpool", "load": "x", "concurrency": 1,
+                                "latency_p50_ms": 1.0}]) == [
+        {"relay": "kvpool", "load": "x", "concurrency": 1, "latency_p50_ms": 1.0}]
+
+
+def test_the_load_client_times_each_request(tmp_path: Path) -> None:
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while await reader.readuntil(b"\r\n\r\n"):
+            await reader.readexactly(2)
+            await asyncio.sleep(0.01)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\nx")
+
+    async def go() -> Load:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            return await drive("127.0.0.1", port, lambda i: ("/p", b"{}"), lambda b: len(b), 6, 2)
+        finally:
+            server.close()
+    load = asyncio.run(go())
+    assert (load.requests, load.units, len(load.latencies_s)) == (6, 6, 6)
+    assert all(0.009 <= t < 1.0 for t in load.latencies_s)
+    assert load.wall_s >= 0.03
 
 
 def test_ratios_are_kvpool_over_nginx_on_the_same_load() -> None:
@@ -150,24 +227,31 @@ def test_ratios_are_kvpool_over_nginx_on_the_same_load() -> None:
 def test_the_proxy_bench_runs_with_its_nginx_anchor() -> None:
     out = subprocess.run(
         [sys.executable, "-m", "kvpool", "bench", "proxy", "--json", "--rounds", "2",
-         "--streams", "8", "--requests", "24", "--concurrency", "4", "--stream-interval", "4",
+         "--streams", "8", "--requests", "24", "--concurrency", "1,4", "--stream-interval", "4",
+         "--loads", "stream256,req16,json16", "--engines", "2",
          "--worker-sse", "--proxy-processes", "2"],
         capture_output=True, text=True, timeout=600, env=python_env())
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    relays = ["kvpool", "kvpool-wsse", "kvpool-p2", *(["nginx"] if find_nginx() else [])]
-    assert sorted((r["relay"], r["load"]) for r in rows) == sorted(
-        (relay, load) for relay in relays for load in ("req16", "stream256"))
+    relays = ["kvpool", "kvpool-wsse", "kvpool-p2", "direct", *(["nginx"] if find_nginx() else [])]
+    assert sorted((r["relay"], r["load"], r["concurrency"]) for r in rows) == sorted(
+        (relay, load, c) for relay in relays for load in ("req16", "stream256", "json16")
+        for c in (1, 4))
     for r in rows:
         per = 256 if r["load"] == "stream256" else 16
         assert r["requests"] == 2 * (8 if per == 256 else 24) and r["tokens"] == r["requests"] * per
         assert r["req_per_s"] > 0 and r["tokens_per_s"] > 0 and r["worker_us_per_token"] > 0
-        assert r["relay_cpu_s"] >= 0 and r["stream_interval"] == 4
+        assert r["relay_cpu_s"] >= 0 and r["stream_interval"] == 4 and r["engines"] == 2
+        assert 0 < r["latency_p50_ms"] <= r["latency_p99_ms"]
+        assert ("added_p50_ms" in r) == (r["relay"] != "direct")
     kvpool = [r for r in rows if r["relay"].startswith("kvpool")]
     assert all(r["relay_us_per_token"] > 0 and r["relay_ms_per_request"] > 0 for r in kvpool)
-    if len(relays) == 4:
-        req16 = next(r for r in kvpool if r["load"] == "req16")
-        nginx16 = next(r for r in rows if (r["relay"], r["load"]) == ("nginx", "req16"))
+    for r in kvpool:  # one process's histogram is read; a group's is not
+        assert (r.get("decision_p50_us") is not None) == (r["relay"] != "kvpool-p2"), r
+    if "nginx" in relays:
+        req16 = next(r for r in kvpool if r["load"] == "req16" and r["concurrency"] == 4)
+        nginx16 = next(r for r in rows if (r["relay"], r["load"], r["concurrency"]) ==
+                       ("nginx", "req16", 4))
         assert req16["ratio_req_per_s"] > 0
         if nginx16["relay_cpu_s"] > 0:  # /proc counts 10 ms ticks: a short load can read 0
             assert req16["ratio_relay_ms_per_request"] > 1

@@ -19,6 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvpool.bench.proc_cpu import child_pids
 from kvpool.launch.ports import free_port
 from tests.serve.conftest import (
     child_pid,
@@ -153,8 +154,8 @@ def test_up_demo_streams_and_shows_prefix_reuse(cache_home: Path) -> None:
 @pytest.mark.slow
 def test_up_runs_an_emulated_fleet(cache_home: Path, tmp_path: Path) -> None:
     """`kvpool up --engine emulated`: every worker emulated from the shipped profile, the
-    proxy's SLOs and cost model on the sped-up clock; the answer is the prompt's expected
-    function of its KV."""
+    proxy's SLOs and cost model on the sped-up clock, the proxy as two processes
+    (`--proxy-workers 2`); the answer is the prompt's expected function of its KV."""
     from kvpool.engine.emulated.kvbytes import expected_output, ordinary_vocab
 
     marker = f"up-{uuid.uuid4().hex}"
@@ -164,10 +165,12 @@ def test_up_runs_an_emulated_fleet(cache_home: Path, tmp_path: Path) -> None:
         proc = kvpool_up(marker, cache_home, "--port", str(port), "--engine", "emulated",
                          "--speed-up", "20", "--prefill", "2", "--decode", "2",
                          "--admission", "none", "--stream-interval", "4", "--worker-sse",
-                         stdout=out)
+                         "--proxy-workers", "2", stdout=out)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_ready(proc, url, log)
+        group = child_pid(marker, "--workers 2")  # --proxy-workers 2: two serving processes
+        wait_for(lambda: len(child_pids(group)) == 2, 30, "the proxy's two processes")
         workers = re.findall(r"prefill\s+workers\s+(\S+)", log.read_text())
         info = httpx.get(workers[0] + "/info", timeout=10,
                          headers=token_header(log.read_text())).json()

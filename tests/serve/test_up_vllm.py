@@ -130,6 +130,7 @@ def test_without_vllm_one_line_names_the_package_and_nothing_starts(cache_home: 
 @pytest.mark.parametrize("args, why", [
     (("--kv-transfer", "push"), "through the pool"),
     (("--hosts", "3"), "this host only"),
+    (("--proxy-workers", "2"), "one proxy process"),
 ])
 def test_layouts_vllm_cannot_serve_are_refused(cache_home: Path, args: tuple[str, ...],
                                                why: str) -> None:

@@ -1,6 +1,6 @@
-"""WorkerClient.generate against a real socket: each stream is read to its end, so one kept-alive
-connection carries request after request; what follows a finish line, or a stream that breaks
-before it, is a WorkerCallError."""
+"""WorkerClient against a real socket: each stream is read to its end, so one kept-alive
+connection carries request after request (polls and prefill legs too); what follows a finish
+line, or a stream that breaks before it, is a WorkerCallError."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 import pytest
 
 from kvpool.engine.config import SamplingParams
-from kvpool.engine.worker.messages import FinishLine, GenerateRequest, TokensLine
+from kvpool.engine.worker.messages import FinishLine, GenerateRequest, PrefillRequest, TokensLine
 from kvpool.errors import WorkerCallError
 from kvpool.serve.worker_client import WorkerClient
 
@@ -149,4 +149,53 @@ def test_a_stream_that_breaks_after_its_finish_line_still_finishes() -> None:
                 assert len(accepted) == 2  # a stream cut short: its connection is not reused
         finally:
             await client.aclose()
+    asyncio.run(go())
+
+
+def test_polls_and_prefill_legs_share_the_kept_alive_connection() -> None:
+    """/load (GET), /prefill and /generate go over one kept-alive connection of the proxy's
+    own client; a refused poll is a WorkerCallError with its status, and the connection stays."""
+    seen: list[bytes] = []
+    accepted: list[int] = []
+    replies = {b"GET /load?since=0": (200, b'{"num_waiting": 2, "events_to": 5}'),
+               b"GET /load?since=9": (409, b'{"error": {"message": "stale cursor"}}'),
+               b"POST /prefill": (200, b'{"request_id": "p", "first_token_id": 7, '
+                                       b'"num_prompt_tokens": 3}')}
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(1)
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                size = next(int(h.split(b":")[1]) for h in head.split(b"\r\n")
+                            if h.lower().startswith(b"content-length"))
+                await reader.readexactly(size)
+                line = head.split(b" HTTP/1.1")[0]
+                seen.append(line)
+                status, body = replies[line]
+                writer.write(b"HTTP/1.1 %d X\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (status, len(body), body))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def go() -> None:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        client = WorkerClient(5.0)
+        try:
+            load = await client.load(url, "/load?since=0", 5.0)
+            assert (load.num_waiting, load.events_to) == (2, 5)
+            with pytest.raises(WorkerCallError, match="stale cursor") as err:
+                await client.load(url, "/load?since=9", 5.0)
+            assert err.value.status == 409
+            reply = await client.prefill(url, PrefillRequest(
+                request_id="p", prompt_token_ids=[1, 2, 3], sampling=SamplingParams()))
+            assert reply.first_token_id == 7
+            assert seen == [b"GET /load?since=0", b"GET /load?since=9", b"POST /prefill"]
+            assert len(accepted) == 1
+        finally:
+            await client.aclose()
+            server.close()
     asyncio.run(go())

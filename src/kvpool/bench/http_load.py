@@ -2,7 +2,8 @@
 request as soon as the last reply has been read to its end. Raw sockets (asyncio streams), so
 the client's own CPU stays small beside what it measures.
 
-    drive(host, port, make, check, num_requests, concurrency) -> Load(requests, units, wall)
+    drive(host, port, make, check, num_requests, concurrency)
+        -> Load(requests, units, wall, latencies: each request's send to its reply's end)
       make(i)    -> (path, body)  the i-th request, POSTed as application/json
       check(body) -> units         what the reply carried (tokens); ValueError when it is wrong
 
@@ -24,6 +25,8 @@ class Load:
     units: int
     """What `check` counted over every reply (output tokens)."""
     wall_s: float
+    latencies_s: tuple[float, ...] = ()
+    """Each request's time from its send to the end of its reply, in completion order."""
 
 
 def request_bytes(host: str, port: int, path: str, body: bytes) -> bytes:
@@ -85,6 +88,8 @@ async def drive(host: str, port: int, make: Callable[[int], tuple[str, bytes]],
     wrong reply raises ValueError."""
     counter = iter(range(num_requests))
     units = 0
+    latencies: list[float] = []
+    clock = time.perf_counter
 
     async def connection() -> None:
         nonlocal units
@@ -92,12 +97,14 @@ async def drive(host: str, port: int, make: Callable[[int], tuple[str, bytes]],
         try:
             for i in counter:
                 path, body = make(i)
+                sent = clock()
                 writer.write(request_bytes(host, port, path, body))
-                got = check(await read_reply(reader))
-                units += got  # after the await: `units += check(await ...)` loses updates
+                reply = await read_reply(reader)
+                latencies.append(clock() - sent)
+                units += check(reply)  # after the await: `units += check(await ...)` loses updates
         finally:
             writer.close()
 
-    start = time.perf_counter()
+    start = clock()
     await asyncio.gather(*(connection() for _ in range(min(concurrency, num_requests))))
-    return Load(num_requests, units, time.perf_counter() - start)
+    return Load(num_requests, units, clock() - start, tuple(latencies))

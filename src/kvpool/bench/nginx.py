@@ -1,5 +1,5 @@
 """nginx as a relay to compare kvpool's proxy against: a minimal configuration that passes every
-request on to one upstream over kept-alive connections and relays the reply as it comes
+request on to its upstreams (in turn) over kept-alive connections and relays the reply as it comes
 (`proxy_buffering off`: each chunk of a stream is written on as soon as it is read), run as a
 child in a folder of its own.
 
@@ -16,7 +16,7 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,10 +38,13 @@ def find_nginx() -> str | None:
     return "/usr/sbin/nginx" if os.access("/usr/sbin/nginx", os.X_OK) else None
 
 
-def nginx_conf(prefix: Path, listen_port: int, upstream_port: int,
+def nginx_conf(prefix: Path, listen_port: int, upstream_ports: int | Sequence[int],
                host: str = "127.0.0.1") -> str:
     """The configuration: one worker, no access log, every path relayed unbuffered to
-    `host:upstream_port` over HTTP/1.1 kept-alive connections; temp files inside `prefix`."""
+    `host:upstream_port` (several: round robin) over HTTP/1.1 kept-alive connections; temp
+    files inside `prefix`."""
+    ports = [upstream_ports] if isinstance(upstream_ports, int) else list(upstream_ports)
+    servers = "\n".join(f"        server {host}:{port};" for port in ports)
     temps = "\n".join(f"    {kind}_temp_path {prefix / kind};"
                       for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
     return f"""worker_processes 1;
@@ -54,7 +57,7 @@ http {{
     access_log off;
 {temps}
     upstream worker {{
-        server {host}:{upstream_port};
+{servers}
         keepalive 256;
     }}
     server {{
@@ -86,14 +89,14 @@ class RunningNginx:
 
 
 @contextmanager
-def running_nginx(exe: str, folder: Path, upstream_port: int,
+def running_nginx(exe: str, folder: Path, upstream_ports: int | Sequence[int],
                   host: str = "127.0.0.1") -> Iterator[RunningNginx]:
-    """nginx in front of `host:upstream_port`, in `folder`, stopped on exit. KvpoolError with
+    """nginx in front of `host:upstream_port(s)`, in `folder`, stopped on exit. KvpoolError with
     its error log if it does not listen within 10 s."""
     folder.mkdir(parents=True, exist_ok=True)
     port = free_port(host)
     conf = folder / "nginx.conf"
-    conf.write_text(nginx_conf(folder, port, upstream_port, host))
+    conf.write_text(nginx_conf(folder, port, upstream_ports, host))
     proc = subprocess.Popen([exe, "-p", str(folder), "-c", str(conf), "-e",
                              str(folder / "error.log"), "-g", "daemon off;"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,

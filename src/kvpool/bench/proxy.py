@@ -1,19 +1,24 @@
 """`kvpool bench proxy`: what kvpool's proxy costs to relay a stream, beside nginx relaying the
-same worker's stream, in one run.
+same worker's stream and the client asking the worker straight, in one run.
 
-    client (closed loop, kept-alive) --> kvpool proxy --> emulated colocated worker
-                                     --> nginx -------/   (--speed-up 1000: its steps cost
-                                                           almost nothing)
+    client (closed loop, kept-alive) --> kvpool proxy --> emulated colocated worker(s)
+                                     --> nginx -------/   (--speed-up 1000: their steps cost
+                                     --> direct ------/    almost nothing)
 
-Through the proxy the client asks `/v1/completions` (streamed SSE); through nginx it asks the
-worker's own `/generate` (its NDJSON lines) for the same prompt's tokens, so both relay the
-same number of tokens from the same worker. Rounds alternate between the two (and their order
-each round), so a machine that drifts drifts for both. Two loads: streams of 256 tokens (the
-CPU per relayed token) and requests of 16 tokens (the CPU per request). The CPU is the relay
-processes' user + system time from /proc (the proxy; nginx's master and worker), also the
-worker's, over the wall time of the load; the ratio is kvpool's over nginx's.
+Through the proxy the client asks `/v1/completions` (SSE, or one JSON body for the `json*`
+loads); through nginx and straight it asks the worker's own `/generate` (its NDJSON lines) for
+the same prompt's tokens, so every way carries the same number of tokens from the same worker.
+Rounds alternate between the ways (and their order each round), so a machine that drifts
+drifts for all. Loads: streams of 256 tokens (the CPU per relayed token), requests of 16
+tokens (the CPU per request), each at every `--concurrency`. The CPU is the relay processes'
+user + system time from /proc (the proxy; nginx's master and worker), also the workers', over
+the wall time of the load; latency is each request's send to its reply's end, and `added` is a
+relay's over the direct way's; the conductor's decision time comes from the proxy's
+kvpool_proxy_decision_seconds histogram, read before and after each run. `--engines N` puts N
+workers behind the relays (the proxy schedules among them, nginx takes turns; the direct way
+asks the first), for the scheduling cost per request at scale.
 
-Without nginx installed the bench says so and prints kvpool's figures alone.
+Without nginx installed the bench says so and prints kvpool's figures (and direct's) alone.
 """
 
 from __future__ import annotations
@@ -34,14 +39,17 @@ import httpx
 
 from kvpool.bench.http_load import Load, drive
 from kvpool.bench.nginx import INSTALL_HINT, find_nginx, running_nginx
-from kvpool.bench.proc_cpu import CpuMeter, child_pids, per_unit
+from kvpool.bench.proc_cpu import CpuMeter, child_pids
+from kvpool.bench.proxy_rows import DECISION_METRIC, DIRECT, Buckets, Tally, bucket_delta, fmt, rows
 from kvpool.errors import KvpoolError
 from kvpool.launch.wait import wait_for
 
 HOST = "127.0.0.1"
 PROMPT = "the pool keeps every block of the cache " * 4
-LOADS = (("stream256", 256), ("req16", 16))
-"""(name, output tokens per request)."""
+LOADS = {"stream256": (256, True), "req16": (16, True), "json16": (16, False),
+         "json256": (256, False)}
+"""name -> (output tokens per request, streamed)."""
+DEFAULT_LOADS = "stream256,req16"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -52,7 +60,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="256-token streams per relay per round")
     p.add_argument("--requests", type=int, default=256,
                    help="16-token requests per relay per round")
-    p.add_argument("--concurrency", type=int, default=8, help="kept-alive connections")
+    p.add_argument("--concurrency", type=_ints, default=[8], metavar="C[,C...]",
+                   help="kept-alive connections; a list runs each (e.g. 1,8,32)")
+    p.add_argument("--loads", type=_loads, default=_loads(DEFAULT_LOADS), metavar="NAME[,...]",
+                   help=f"of {', '.join(LOADS)} (json*: one JSON body, not a stream; default "
+                   f"{DEFAULT_LOADS})")
+    p.add_argument("--engines", type=int, default=1, metavar="N",
+                   help="emulated workers behind the relays (the proxy schedules among them)")
     p.add_argument("--speed-up", type=float, default=1000.0,
                    help="the emulated worker's speed-up over its profile")
     p.add_argument("--stream-interval", type=int, default=1, metavar="N",
@@ -64,7 +78,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--proxy-processes", type=int, default=1, metavar="N",
                    help="also a proxy of N processes (kvpool proxy --workers N), in the same "
                    "rounds: relay kvpool-pN")
-    p.add_argument("--no-nginx", action="store_true", help="kvpool's proxy alone")
+    p.add_argument("--no-nginx", action="store_true", help="without nginx's rows")
     p.add_argument("--baseline-src", type=Path, default=None, metavar="DIR",
                    help="also a proxy run from another kvpool's sources (DIR holds its kvpool "
                    "package), in the same rounds: relay kvpool-base")
@@ -72,34 +86,38 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_main)
 
 
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"need integers of at least 1: {text!r}")
+    return values
+
+
+def _loads(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [n for n in names if n not in LOADS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown load(s) {unknown or text!r}; of {list(LOADS)}")
+    return names
+
+
 @dataclass
 class Relay:
-    """One way to the worker: its name, port, path, the pids that do the relaying, and how a
-    request is made and its reply checked."""
+    """One way to the worker: its name, port, path, the pids that do the relaying (none for
+    the direct way), how a request is made and its reply checked, and where its decision
+    times are read (a single proxy process's base URL; None elsewhere)."""
 
     name: str
     port: int
     pids: list[int]
-    make: Callable[[int, int], tuple[str, bytes]]
-    """(request number, max_tokens) -> (path, body)."""
-    check: Callable[[bytes, int], int]
-    """(body, max_tokens) -> output tokens; ValueError when the reply is not whole."""
-
-
-@dataclass
-class Tally:
-    requests: int = 0
-    tokens: int = 0
-    wall_s: float = 0.0
-    relay_cpu_s: float = 0.0
-    worker_cpu_s: float = 0.0
-
-    def add(self, load: Load, relay_cpu_s: float, worker_cpu_s: float) -> None:
-        self.requests += load.requests
-        self.tokens += load.units
-        self.wall_s += load.wall_s
-        self.relay_cpu_s += relay_cpu_s
-        self.worker_cpu_s += worker_cpu_s
+    make: Callable[[int, int, bool], tuple[str, bytes]]
+    """(request number, max_tokens, streamed) -> (path, body)."""
+    check: Callable[[bytes, int, bool], int]
+    """(body, max_tokens, streamed) -> output tokens; ValueError when the reply is not whole."""
+    metrics_url: str | None = None
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -110,78 +128,63 @@ def _main(args: argparse.Namespace) -> int:
         with tempfile.TemporaryDirectory(prefix="kvpool-bench-proxy-") as tmp, \
                 relays(Path(tmp), args.speed_up, exe, args.baseline_src,
                        args.stream_interval, args.worker_sse,
-                       args.proxy_processes) as (relays_up, worker_pid):
-            rows = measure(relays_up, worker_pid, args)
+                       args.proxy_processes, args.engines) as (relays_up, worker_pids):
+            found = measure(relays_up, worker_pids, args)
     except (ValueError, KvpoolError, OSError) as exc:
         print(f"kvpool bench proxy: {exc}", flush=True)
         return 1
-    for row in rows:
+    for row in found:
         print(json.dumps(row) if args.json else fmt(row), flush=True)
     return 0
 
 
-def measure(relays_up: list[Relay], worker_pid: int, args: argparse.Namespace) -> list[dict[str, Any]]:
-    tallies = {(r.name, load): Tally() for r in relays_up for load, _ in LOADS}
-    counts = {"stream256": args.streams, "req16": args.requests}
+def measure(relays_up: list[Relay], worker_pids: list[int],
+            args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every relay, load and concurrency, `args.rounds` times, alternating: the rows."""
+    loads = getattr(args, "loads", DEFAULT_LOADS.split(","))
+    levels = args.concurrency if isinstance(args.concurrency, list) else [args.concurrency]
+    tallies = {(r.name, load, c): Tally() for load in loads for c in levels for r in relays_up}
     for r in relays_up:  # warm up: connections, the worker's prefix cache, the proxy's code
-        _run(r, args.concurrency, args.concurrency, 16, worker_pid)
+        _run(r, max(levels), max(levels), 16, True, worker_pids)
     for i in range(args.rounds):
         order = relays_up if i % 2 == 0 else relays_up[::-1]
-        for load, max_tokens in LOADS:
-            for r in order:
-                tallies[r.name, load].add(*_run(r, counts[load], args.concurrency, max_tokens,
-                                                worker_pid))
-    return rows(tallies, args)
+        for load in loads:
+            max_tokens, stream = LOADS[load]
+            num = args.streams if max_tokens > 16 else args.requests
+            for c in levels:
+                for r in order:
+                    tallies[r.name, load, c].add(*_run(r, num, c, max_tokens, stream,
+                                                       worker_pids))
+    return rows(tallies, {"speed_up": args.speed_up, "stream_interval": args.stream_interval,
+                          "engines": getattr(args, "engines", 1)})
 
 
-def _run(r: Relay, num: int, concurrency: int, max_tokens: int,
-         worker_pid: int) -> tuple[Load, float, float]:
-    relay, worker = CpuMeter(r.pids), CpuMeter([worker_pid])
-    relay.start()
+def _run(r: Relay, num: int, concurrency: int, max_tokens: int, stream: bool,
+         worker_pids: list[int]) -> tuple[Load, float, float, Buckets | None]:
+    before = _decisions(r.metrics_url)
+    relay = CpuMeter(r.pids) if r.pids else None
+    worker = CpuMeter(worker_pids)
+    if relay:
+        relay.start()
     worker.start()
-    load = asyncio.run(drive(HOST, r.port, lambda i: r.make(i, max_tokens),
-                             lambda body: r.check(body, max_tokens), num, concurrency))
-    return load, relay.seconds(), worker.seconds()
+    load = asyncio.run(drive(HOST, r.port, lambda i: r.make(i, max_tokens, stream),
+                             lambda body: r.check(body, max_tokens, stream), num, concurrency))
+    relay_s, worker_s = relay.seconds() if relay else 0.0, worker.seconds()
+    after = _decisions(r.metrics_url)
+    return load, relay_s, worker_s, \
+        bucket_delta(before, after) if before is not None and after is not None else None
 
 
-def rows(tallies: dict[tuple[str, str], Tally], args: argparse.Namespace) -> list[dict[str, Any]]:
-    out = []
-    for (name, load), t in tallies.items():
-        row = {"bench": "proxy", "relay": name, "load": load, "concurrency": args.concurrency,
-               "speed_up": args.speed_up, "stream_interval": args.stream_interval,
-               "requests": t.requests, "tokens": t.tokens,
-               "wall_s": round(t.wall_s, 3),
-               "req_per_s": round(t.requests / t.wall_s, 1) if t.wall_s else 0.0,
-               "tokens_per_s": round(t.tokens / t.wall_s, 1) if t.wall_s else 0.0,
-               "relay_cpu_s": round(t.relay_cpu_s, 3),
-               "relay_us_per_token": round(per_unit(t.relay_cpu_s, t.tokens, 1e6), 1),
-               "relay_ms_per_request": round(per_unit(t.relay_cpu_s, t.requests, 1e3), 3),
-               "worker_us_per_token": round(per_unit(t.worker_cpu_s, t.tokens, 1e6), 1)}
-        out.append(row)
-    return with_ratios(out)
+def _decisions(url: str | None) -> Buckets | None:
+    """The proxy's decision histogram now (cumulative count by `le`), or None."""
+    if url is None:
+        return None
+    from prometheus_client.parser import text_string_to_metric_families
 
-
-def with_ratios(out: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """kvpool's rows (kvpool-base's too) get `ratio_*`: their figure over nginx's on the same
-    load (None without nginx)."""
-    nginx = {r["load"]: r for r in out if r["relay"] == "nginx"}
-    for r in out:
-        if not r["relay"].startswith("kvpool"):
-            continue
-        n = nginx.get(r["load"])
-        for key in ("relay_us_per_token", "relay_ms_per_request", "req_per_s"):
-            r[f"ratio_{key}"] = round(r[key] / n[key], 2) if n and n[key] else None
-    return out
-
-
-def fmt(row: dict[str, Any]) -> str:
-    ratio = row.get("ratio_relay_us_per_token")
-    vs = (f"  x{ratio:.1f} nginx per token, x{row['ratio_relay_ms_per_request']:.1f} per "
-          f"request, x{row['ratio_req_per_s']:.2f} req/s" if ratio else "")
-    return (f"{row['relay']:<11} {row['load']:<10} c={row['concurrency']:<3} "
-            f"{row['req_per_s']:8.1f} req/s {row['tokens_per_s']:9.0f} tok/s  relay CPU "
-            f"{row['relay_us_per_token']:7.1f} us/token {row['relay_ms_per_request']:7.3f} "
-            f"ms/request  (worker {row['worker_us_per_token']:.1f} us/token){vs}")
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return {float(s.labels["le"]): s.value for family in text_string_to_metric_families(text)
+            if family.name == DECISION_METRIC for s in family.samples
+            if s.name == DECISION_METRIC + "_bucket"}
 
 
 @contextmanager
@@ -189,59 +192,72 @@ def relays(tmp: Path, speed_up: float, nginx_exe: str | None,
            baseline_src: Path | None = None,
            stream_interval: int = 1,
            worker_sse: bool = False,
-           processes: int = 1) -> Iterator[tuple[list[Relay], int]]:
-    """The emulated worker, the proxy in front of it, nginx (with `nginx_exe`) and a proxy
-    from `baseline_src` (if given): the relays and the worker's pid; all stopped on exit."""
-    from kvpool.bench.proxy_cluster import start_proxy, start_worker
+           processes: int = 1,
+           engines: int = 1) -> Iterator[tuple[list[Relay], list[int]]]:
+    """`engines` emulated workers, the proxy in front of them, nginx (with `nginx_exe`), the
+    direct way (to the first worker) and a proxy from `baseline_src` (if given): the relays
+    and the workers' pids; all stopped on exit."""
+    from kvpool.bench.proxy_cluster import start_proxy, start_workers
 
     with ExitStack() as stack:
-        worker, worker_port = start_worker(stack, tmp, speed_up,
-                                           "--stream-interval", str(stream_interval))
-        proxy, proxy_port, model = start_proxy(stack, tmp, worker, worker_port, speed_up)
-        prompt_ids = httpx.post(f"http://{HOST}:{proxy_port}/tokenize",
+        workers = start_workers(stack, tmp, speed_up, engines,
+                                "--stream-interval", str(stream_interval))
+        worker, worker_port = workers[0]
+        behind = tuple(f for _, port in workers for f in ("--prefill", f"http://{HOST}:{port}"))
+
+        def proxy(name: str, flags: tuple[str, ...] = (), src: Path | None = None) -> Relay:
+            proc, port, model = start_proxy(stack, tmp, worker, worker_port, speed_up, src,
+                                            flags=(*behind, *flags), named=False)
+            return Relay(name, port, [proc.pid], _completion(model), _completion_tokens,
+                         f"http://{HOST}:{port}")
+
+        out = [proxy("kvpool")]
+        prompt_ids = httpx.post(f"http://{HOST}:{out[0].port}/tokenize",
                                 json={"prompt": PROMPT}, timeout=30).json()["tokens"]
-        out = [Relay("kvpool", proxy_port, [proxy.pid], _completion(model), _sse_tokens)]
         if worker_sse:
-            wsse, wsse_port, _ = start_proxy(stack, tmp, worker, worker_port, speed_up,
-                                             flags=("--worker-sse",))
-            out.append(Relay("kvpool-wsse", wsse_port, [wsse.pid], _completion(model),
-                             _sse_tokens))
+            out.append(proxy("kvpool-wsse", ("--worker-sse",)))
         if processes > 1:  # the group's processes are the children of the one started
-            group, group_port, _ = start_proxy(stack, tmp, worker, worker_port, speed_up,
-                                               flags=("--workers", str(processes)))
-            wait_for(lambda: len(child_pids(group.pid)) == processes, 30, "the group")
-            out.append(Relay(f"kvpool-p{processes}", group_port, child_pids(group.pid),
-                             _completion(model), _sse_tokens))
+            group = proxy(f"kvpool-p{processes}", ("--workers", str(processes)))
+            wait_for(lambda: len(child_pids(group.pids[0])) == processes, 30, "the group")
+            group.pids, group.metrics_url = child_pids(group.pids[0]), None
+            out.append(group)
         if baseline_src is not None:
-            base, base_port, _ = start_proxy(stack, tmp, worker, worker_port, speed_up,
-                                             baseline_src)
-            out.append(Relay("kvpool-base", base_port, [base.pid], _completion(model),
-                             _sse_tokens))
+            out.append(proxy("kvpool-base", src=baseline_src))
+            out[-1].metrics_url = None  # its histogram's buckets may differ
         if nginx_exe is not None:
-            ng = stack.enter_context(running_nginx(nginx_exe, tmp / "nginx", worker_port, HOST))
+            ng = stack.enter_context(running_nginx(nginx_exe, tmp / "nginx",
+                                                   [port for _, port in workers], HOST))
             out.append(Relay("nginx", ng.port, ng.pids, _generate(prompt_ids), _ndjson_tokens))
-        yield out, worker.pid
+        out.append(Relay(DIRECT, worker_port, [], _generate(prompt_ids), _ndjson_tokens))
+        yield out, [w.pid for w, _ in workers]
 
 
-def _completion(model: str) -> Callable[[int, int], tuple[str, bytes]]:
-    def make(i: int, max_tokens: int) -> tuple[str, bytes]:
-        body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "stream": True,
+def _completion(model: str) -> Callable[[int, int, bool], tuple[str, bytes]]:
+    def make(i: int, max_tokens: int, stream: bool) -> tuple[str, bytes]:
+        body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "stream": stream,
                 "ignore_eos": True, "temperature": 0}
         return "/v1/completions", json.dumps(body).encode()
     return make
 
 
-def _generate(prompt_ids: list[int]) -> Callable[[int, int], tuple[str, bytes]]:
+def _generate(prompt_ids: list[int]) -> Callable[[int, int, bool], tuple[str, bytes]]:
+    """The worker's own stream, whatever the client's request streams (the worker has no
+    other reply)."""
     pid = os.getpid()
 
-    def make(i: int, max_tokens: int) -> tuple[str, bytes]:
-        body = {"request_id": f"bench-{pid}-{max_tokens}-{i}", "prompt_token_ids": prompt_ids,
+    def make(i: int, max_tokens: int, stream: bool) -> tuple[str, bytes]:
+        body = {"request_id": f"bench-{pid}-{max_tokens}-{int(stream)}-{i}",
+                "prompt_token_ids": prompt_ids,
                 "sampling": {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}}
         return "/generate", json.dumps(body).encode()
     return make
 
 
-def _sse_tokens(body: bytes, max_tokens: int) -> int:
+def _completion_tokens(body: bytes, max_tokens: int, stream: bool) -> int:
+    return _sse_tokens(body, max_tokens) if stream else _json_tokens(body, max_tokens)
+
+
+def _sse_tokens(body: bytes, max_tokens: int, stream: bool = True) -> int:
     """A whole stream ends in `[DONE]` after a chunk whose finish_reason is length: with
     ignore_eos that is max_tokens tokens."""
     if not body.endswith(b"data: [DONE]\n\n") or b'"finish_reason":"length"' not in body:
@@ -249,7 +265,19 @@ def _sse_tokens(body: bytes, max_tokens: int) -> int:
     return max_tokens
 
 
-def _ndjson_tokens(body: bytes, max_tokens: int) -> int:
+def _json_tokens(body: bytes, max_tokens: int) -> int:
+    """A whole completion: finish_reason length and usage.completion_tokens max_tokens."""
+    try:
+        reply = json.loads(body)
+        done = reply["choices"][0]["finish_reason"], reply["usage"]["completion_tokens"]
+    except (ValueError, KeyError, IndexError, TypeError):
+        raise ValueError(f"the proxy's completion is not whole: {body[:300]!r}") from None
+    if done != ("length", max_tokens):
+        raise ValueError(f"the proxy's completion is not whole: {done}")
+    return max_tokens
+
+
+def _ndjson_tokens(body: bytes, max_tokens: int, stream: bool = True) -> int:
     """The tokens of the frames (and of one-token lines), which must be max_tokens, followed
     by the finish line. Counted with a regular expression, not a JSON parse per line: the
     client shares the machine with the relays it measures."""

@@ -1,4 +1,4 @@
-"""The processes `kvpool bench proxy` relays through: one emulated colocated worker (no pool,
+"""The processes `kvpool bench proxy` relays through: emulated colocated workers (no pool,
 no master: the proxy's cost is measured, not the cluster's) and kvpool's proxy in front of it,
 with the profile's cost model on the sped-up clock as `kvpool up --engine emulated` sets it,
 and no admission control (the closed loop keeps `--concurrency` requests running; none may be
@@ -48,15 +48,24 @@ def start_worker(stack: ExitStack, tmp: Path, speed_up: float,
                  *extra: str) -> tuple[subprocess.Popen[bytes], int]:
     """The emulated colocated worker (`extra`: more `kvpool worker` flags), ready; (process,
     port)."""
+    return start_workers(stack, tmp, speed_up, 1, *extra)[0]
+
+
+def start_workers(stack: ExitStack, tmp: Path, speed_up: float, count: int,
+                  *extra: str) -> list[tuple[subprocess.Popen[bytes], int]]:
+    """`count` emulated colocated workers, started together, each ready; (process, port)."""
     model = _model(tmp)
-    port = free_port(HOST)
-    proc = _child(stack, "worker", "--role", "both", "--engine", "emulated", "--profile",
-                  DEFAULT_PROFILE, "--speed-up", str(speed_up), "--model", str(model),
-                  "--host", HOST, "--port", str(port),
-                  "--max-model-len", str(EMULATED_MAX_MODEL_LEN),
-                  "--max-prefill-chunk", str(EMULATED_MAX_MODEL_LEN), *extra)
-    wait_http(f"http://{HOST}:{port}/health", [proc], "the emulated worker", 120)
-    return proc, port
+    out = []
+    for _ in range(count):
+        port = free_port(HOST)
+        out.append((_child(stack, "worker", "--role", "both", "--engine", "emulated",
+                           "--profile", DEFAULT_PROFILE, "--speed-up", str(speed_up),
+                           "--model", str(model), "--host", HOST, "--port", str(port),
+                           "--max-model-len", str(EMULATED_MAX_MODEL_LEN),
+                           "--max-prefill-chunk", str(EMULATED_MAX_MODEL_LEN), *extra), port))
+    for proc, port in out:
+        wait_http(f"http://{HOST}:{port}/health", [proc], "an emulated worker", 120 + 10 * count)
+    return out
 
 
 def start_proxy(stack: ExitStack, tmp: Path, worker: subprocess.Popen[bytes], worker_port: int,

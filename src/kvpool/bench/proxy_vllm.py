@@ -24,7 +24,8 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-from kvpool.bench.proxy import HOST, Relay, fmt, measure
+from kvpool.bench.proxy import HOST, Relay, measure
+from kvpool.bench.proxy_rows import fmt
 from kvpool.errors import KvpoolError
 
 SERVED = "emu"
@@ -50,7 +51,7 @@ def _main(args: argparse.Namespace) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="kvpool-bench-proxy-vllm-") as tmp, \
                 ways(Path(tmp), args.speed_up) as (relays_up, worker_pid):
-            rows = with_direct_ratios(measure(relays_up, worker_pid, args))
+            rows = with_direct_ratios(measure(relays_up, [worker_pid], args))
     except (ValueError, KvpoolError, OSError) as exc:
         print(f"kvpool bench proxy-vllm: {exc}", flush=True)
         return 1
@@ -72,19 +73,20 @@ def ways(tmp: Path, speed_up: float) -> Iterator[tuple[list[Relay], int]]:
             stack, tmp, worker, port, speed_up,
             flags=("--backend", "vllm", "--colocated", f"http://{HOST}:{port}"),
             named=False)
-        yield [Relay("kvpool-vllm", proxy_port, [proxy.pid], _completion(model), _whole),
+        yield [Relay("kvpool-vllm", proxy_port, [proxy.pid], _completion(model), _whole,
+                     f"http://{HOST}:{proxy_port}"),
                Relay("vllm-direct", port, [worker.pid], _completion(SERVED), _whole)], worker.pid
 
 
-def _completion(model: str) -> Callable[[int, int], tuple[str, bytes]]:
-    def make(i: int, max_tokens: int) -> tuple[str, bytes]:
+def _completion(model: str) -> Callable[[int, int, bool], tuple[str, bytes]]:
+    def make(i: int, max_tokens: int, stream: bool = True) -> tuple[str, bytes]:
         body = {"model": model, "prompt": PROMPT_IDS, "max_tokens": max_tokens, "stream": True,
                 "ignore_eos": True, "temperature": 0}
         return "/v1/completions", json.dumps(body).encode()
     return make
 
 
-def _whole(body: bytes, max_tokens: int) -> int:
+def _whole(body: bytes, max_tokens: int, stream: bool = True) -> int:
     """A stream that ends in `[DONE]` after a finish reason of length: with ignore_eos that
     is max_tokens tokens (both vLLM's and the proxy's chunks; their spacing differs)."""
     if not body.endswith(b"data: [DONE]\n\n") or b'"length"' not in body:

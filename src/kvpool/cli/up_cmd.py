@@ -104,6 +104,10 @@ def _add_scheduling_args(p: argparse.ArgumentParser) -> None:
                    "output tokens after the first")
     p.add_argument("--worker-sse", action="store_true",
                    help="the proxy's --worker-sse: the decoding workers make the SSE text")
+    p.add_argument("--proxy-workers", type=int, default=1, metavar="N",
+                   help="the proxy's --workers: N proxy processes on the port, sharing their "
+                   "bookings (one core each; not with --backend vllm, whose KV events one "
+                   "process binds)")
 
 
 def _add_store_args(p: argparse.ArgumentParser) -> None:
@@ -256,6 +260,8 @@ def _proxy_flags(args: argparse.Namespace) -> tuple[str, ...]:
                      (args.salt_per_api_key, "--salt-per-api-key"),
                      (args.demo, "--no-access-log")):  # the demo prints its own lines
         flags += (flag,) if on else ()
+    if args.proxy_workers > 1:
+        flags += ("--workers", str(args.proxy_workers))
     return flags
 
 
@@ -269,6 +275,9 @@ def _prepare_serving(args: argparse.Namespace) -> int:
     if args.prefill + args.colocated < 1 or args.decode + args.colocated < 1:
         print("kvpool up: need at least one prefill and one decode worker "
               "(--prefill/--decode, or --colocated)", file=sys.stderr)
+        return 2
+    if args.proxy_workers < 1:
+        print("kvpool up: --proxy-workers must be >= 1", file=sys.stderr)
         return 2
     refused = backend_refusal(args)
     if refused:

@@ -53,4 +53,7 @@ def refusal(args: argparse.Namespace) -> str | None:
         return "--backend vllm runs on this host only (not with --hosts)"
     if args.kv_transfer == "push":
         return "--backend vllm moves KV through the pool (vLLM's store connector), not push"
+    if getattr(args, "proxy_workers", 1) > 1:
+        return ("--backend vllm runs one proxy process (it binds the instances' KV events "
+                "endpoint), not --proxy-workers")
     return None

@@ -40,7 +40,8 @@ class ProxyMetrics:
         r.register(self.tbt)
         self.decision = Histogram("kvpool_proxy_decision_seconds",
                                   "Time the conductor took to schedule a request", registry=r,
-                                  buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1))
+                                  buckets=(1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3,
+                                           1e-2, 3e-2, 0.1))
         self.prompt_tokens = Counter("kvpool_proxy_prompt_tokens", "Prompt tokens prefilled",
                                      registry=r)
         self.prefix_hit_tokens = Counter(

@@ -152,14 +152,41 @@ class WorkerClient:
         return await self._get(url, path, LoadReply, timeout_s)
 
     async def _get(self, url: str, path: str, model: type[M], timeout_s: float) -> M:
+        return reply_from(url, path, model, await self._call(url, path, b"", "GET", timeout_s))
+
+    async def _call(self, url: str, path: str, body: bytes, method: str,
+                    timeout_s: float) -> bytes:
+        """The body of a 200 reply to one call (`body` POSTed, or a GET): http:// workers
+        through the lean client's kept-alive connections, others through httpx.
+        WorkerCallError when the call fails or is refused."""
+        headers = self._headers(url, path, body, method=method)
+        if not url.startswith("http://"):
+            return await self._httpx_call(url, path, body, method, headers, timeout_s)
         try:
-            resp = await self.http.get(url + path, timeout=timeout_s,
-                                       headers=self._headers(url, path, method="GET"))
+            call = await self.streams.open(url, path, headers, body, CONNECT_S, timeout_s,
+                                           method)
+        except (OSError, ValueError) as exc:  # ReplyError, a URL it cannot use
+            raise self._failed(url, path, exc) from None
+        try:
+            content = await call.read_all()
+        except (OSError, ReplyError) as exc:
+            raise self._failed(url, path, exc) from None
+        finally:
+            call.close()
+        if call.status != 200:
+            raise self._refused(url, path, call.status, content)
+        return content
+
+    async def _httpx_call(self, url: str, path: str, body: bytes, method: str,
+                          headers: dict[str, str], timeout_s: float) -> bytes:
+        try:
+            resp = await self.http.request(method, url + path, content=body or None,
+                                           timeout=timeout_s, headers=headers)
         except httpx.HTTPError as exc:
             raise self._failed(url, path, exc) from None
         if resp.status_code != 200:
             raise self._refused(url, path, resp.status_code, resp.content)
-        return reply_from(url, path, model, resp.content)
+        return resp.content
 
     async def handoff(self, url: str, request_id: str,
                       block_hashes: Sequence[int]) -> float | None:
@@ -167,15 +194,9 @@ class WorkerClient:
         return None
 
     async def prefill(self, url: str, req: PrefillRequest) -> PrefillReply:
-        try:
-            body = req.model_dump_json().encode()
-            resp = await self.http.post(url + "/prefill", content=body,
-                                        headers=self._headers(url, "/prefill", body))
-        except httpx.HTTPError as exc:
-            raise self._failed(url, "/prefill", exc) from None
-        if resp.status_code != 200:
-            raise self._refused(url, "/prefill", resp.status_code, resp.content)
-        return reply_from(url, "/prefill", PrefillReply, resp.content)
+        body = req.model_dump_json().encode()
+        return reply_from(url, "/prefill", PrefillReply,
+                          await self._call(url, "/prefill", body, "POST", self.timeout_s))
 
     async def generate(self, url: str,
                        req: GenerateRequest) -> AsyncGenerator[TokensLine | FinishLine]:

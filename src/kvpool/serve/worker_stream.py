@@ -1,13 +1,14 @@
-"""Streamed POSTs to workers over kept-alive HTTP/1.1 connections of the proxy's own (asyncio
-streams feeding `ndjson_reply.ReplyReader`), for the one call whose lines the proxy reads per
-token: /generate. Every other call stays on httpx.
+"""Calls to workers over kept-alive HTTP/1.1 connections of the proxy's own (asyncio streams
+feeding `ndjson_reply.ReplyReader`), for the calls on the proxy's hot paths: /generate (whose
+lines the proxy reads per frame), /prefill, and the /load polls (16 workers polled through
+httpx took a fifth of the proxy's CPU). The rest (the challenge, aborts) stays on httpx.
 
 Through httpx each streamed request checked every idle connection of the pool with a system
 call, and each line went through four nested async generators and a text decoder; the lean
 reader reads whatever has arrived and hands over all of its complete lines at once (figures in
 docs/serve.md, "The proxy's own cost").
 
-    call = await pool.open(url, path, headers, body, connect_s, read_s)   # the head is in
+    call = await pool.open(url, path, headers, body, connect_s, read_s[, method])  # head in
     call.status;  await call.next_lines() -> [line, ...] ([] once the body has ended)
     await call.read_all() -> the body (an error reply);  call.close()  (always)
 
@@ -102,10 +103,10 @@ class StreamPool:
         self._idle: dict[tuple[str, int], list[_Conn]] = {}
 
     async def open(self, url: str, path: str, headers: dict[str, str], body: bytes,
-                   connect_s: float, read_s: float) -> StreamCall:
-        """POST `body` to `url + path`; the call once the reply's head is in."""
+                   connect_s: float, read_s: float, method: str = "POST") -> StreamCall:
+        """`method` (POST: `body`) to `url + path`; the call once the reply's head is in."""
         key, netloc = _host_port(url)
-        data = _request(netloc, path, headers, body)
+        data = _request(method, netloc, path, headers, body)
         conn = self._take(key)
         if conn is not None:
             try:
@@ -172,7 +173,8 @@ def _host_port(url: str) -> tuple[tuple[str, int], str]:
     return (parts.hostname, parts.port or 80), parts.netloc
 
 
-def _request(netloc: str, path: str, headers: dict[str, str], body: bytes) -> bytes:
-    lines = [f"POST {path} HTTP/1.1", f"Host: {netloc}", f"Content-Length: {len(body)}",
+def _request(method: str, netloc: str, path: str, headers: dict[str, str],
+             body: bytes) -> bytes:
+    lines = [f"{method} {path} HTTP/1.1", f"Host: {netloc}", f"Content-Length: {len(body)}",
              *(f"{k}: {v}" for k, v in headers.items())]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
