@@ -19,7 +19,6 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvpool.bench.proc_cpu import child_pids
 from kvpool.launch.ports import free_port
 from tests.serve.conftest import (
     child_pid,
@@ -151,6 +150,20 @@ def test_up_demo_streams_and_shows_prefix_reuse(cache_home: Path) -> None:
     assert wait_gone(marker) == []
 
 
+def _proxy_peers(marker: str) -> list[int]:
+    """The serving processes of a proxy group (`kvpool proxy --workers N` starts them with
+    `--peer-index`)."""
+    found = []
+    for pid in marked_pids(marker):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                if b"\0--peer-index\0" in fh.read():
+                    found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
 @pytest.mark.slow
 def test_up_runs_an_emulated_fleet(cache_home: Path, tmp_path: Path) -> None:
     """`kvpool up --engine emulated`: every worker emulated from the shipped profile, the
@@ -169,8 +182,7 @@ def test_up_runs_an_emulated_fleet(cache_home: Path, tmp_path: Path) -> None:
     try:
         url = f"http://127.0.0.1:{port}"
         wait_ready(proc, url, log)
-        group = child_pid(marker, "--workers 2")  # --proxy-workers 2: two serving processes
-        wait_for(lambda: len(child_pids(group)) == 2, 30, "the proxy's two processes")
+        wait_for(lambda: len(_proxy_peers(marker)) == 2, 30, "the proxy's two processes")
         workers = re.findall(r"prefill\s+workers\s+(\S+)", log.read_text())
         info = httpx.get(workers[0] + "/info", timeout=10,
                          headers=token_header(log.read_text())).json()
