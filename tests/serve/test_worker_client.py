@@ -158,6 +158,7 @@ def test_polls_and_prefill_legs_share_the_kept_alive_connection() -> None:
     seen: list[bytes] = []
     accepted: list[int] = []
     replies = {b"GET /load?since=0": (200, b'{"num_waiting": 2, "events_to": 5}'),
+               b"GET /under/load?since=0": (200, b'{"num_waiting": 3}'),
                b"GET /load?since=9": (409, b'{"error": {"message": "stale cursor"}}'),
                b"POST /prefill": (200, b'{"request_id": "p", "first_token_id": 7, '
                                        b'"num_prompt_tokens": 3}')}
@@ -193,7 +194,10 @@ def test_polls_and_prefill_legs_share_the_kept_alive_connection() -> None:
             reply = await client.prefill(url, PrefillRequest(
                 request_id="p", prompt_token_ids=[1, 2, 3], sampling=SamplingParams()))
             assert reply.first_token_id == 7
-            assert seen == [b"GET /load?since=0", b"GET /load?since=9", b"POST /prefill"]
+            under = await client.load(url + "/under/", "/load?since=0", 5.0)  # a URL's path
+            assert under.num_waiting == 3
+            assert seen == [b"GET /load?since=0", b"GET /load?since=9", b"POST /prefill",
+                            b"GET /under/load?since=0"]
             assert len(accepted) == 1
         finally:
             await client.aclose()

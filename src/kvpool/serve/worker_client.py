@@ -35,7 +35,7 @@ from kvpool.log import get_logger
 from kvpool.metadata.http_serving import CLIENT_KEEPALIVE_S
 from kvpool.serve.backend import BackendFeatures, EnginePrefixes
 from kvpool.serve.ndjson_reply import ReplyError
-from kvpool.serve.worker_stream import StreamPool
+from kvpool.serve.worker_stream import StreamPool, call_once
 
 log = get_logger("serve.worker_client")
 M = TypeVar("M", InfoReply, LoadReply, PrefillReply)
@@ -163,18 +163,12 @@ class WorkerClient:
         if not url.startswith("http://"):
             return await self._httpx_call(url, path, body, method, headers, timeout_s)
         try:
-            call = await self.streams.open(url, path, headers, body, CONNECT_S, timeout_s,
-                                           method)
+            status, content = await call_once(self.streams, url, path, headers, body, CONNECT_S,
+                                              timeout_s, method)
         except (OSError, ValueError) as exc:  # ReplyError, a URL it cannot use
             raise self._failed(url, path, exc) from None
-        try:
-            content = await call.read_all()
-        except (OSError, ReplyError) as exc:
-            raise self._failed(url, path, exc) from None
-        finally:
-            call.close()
-        if call.status != 200:
-            raise self._refused(url, path, call.status, content)
+        if status != 200:
+            raise self._refused(url, path, status, content)
         return content
 
     async def _httpx_call(self, url: str, path: str, body: bytes, method: str,

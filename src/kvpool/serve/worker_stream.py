@@ -105,8 +105,8 @@ class StreamPool:
     async def open(self, url: str, path: str, headers: dict[str, str], body: bytes,
                    connect_s: float, read_s: float, method: str = "POST") -> StreamCall:
         """`method` (POST: `body`) to `url + path`; the call once the reply's head is in."""
-        key, netloc = _host_port(url)
-        data = _request(method, netloc, path, headers, body)
+        key, netloc, base = _host_port(url)
+        data = _request(method, netloc, base + path, headers, body)
         conn = self._take(key)
         if conn is not None:
             try:
@@ -160,17 +160,30 @@ class StreamPool:
         self._idle.clear()
 
 
+async def call_once(pool: StreamPool, url: str, path: str, headers: dict[str, str], body: bytes,
+                    connect_s: float, read_s: float, method: str = "POST") -> tuple[int, bytes]:
+    """One call read whole on one of `pool`'s connections: (status, body). Raises what
+    `open` and the reads raise (OSError, TimeoutError, ReplyError, ValueError for a URL it
+    cannot use)."""
+    call = await pool.open(url, path, headers, body, connect_s, read_s, method)
+    try:
+        return call.status, await call.read_all()
+    finally:
+        call.close()
+
+
 class _Stale(Exception):
     def __init__(self, cause: OSError | ReplyError) -> None:
         self.cause = cause
 
 
-def _host_port(url: str) -> tuple[tuple[str, int], str]:
-    """((host, port), the Host header's value) of an http:// URL; ValueError otherwise."""
+def _host_port(url: str) -> tuple[tuple[str, int], str, str]:
+    """((host, port), the Host header's value, the path the URL ends with, no trailing /) of
+    an http:// URL (a call's path goes after that one); ValueError otherwise."""
     parts = urlsplit(url)
     if parts.scheme != "http" or not parts.hostname:
         raise ValueError(f"not an http:// URL: {url!r}")
-    return (parts.hostname, parts.port or 80), parts.netloc
+    return (parts.hostname, parts.port or 80), parts.netloc, parts.path.rstrip("/")
 
 
 def _request(method: str, netloc: str, path: str, headers: dict[str, str],

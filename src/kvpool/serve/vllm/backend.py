@@ -24,7 +24,7 @@ import asyncio
 import hashlib
 import json
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import replace
 from typing import Any, Protocol
 
@@ -46,6 +46,7 @@ from kvpool.log import get_logger
 from kvpool.metadata.http_serving import CLIENT_KEEPALIVE_S
 from kvpool.serve.backend import BackendFeatures, EnginePrefixes
 from kvpool.serve.config import ProxyConfig
+from kvpool.serve.ndjson_reply import ReplyError as HttpReplyError
 from kvpool.serve.vllm.metrics_text import METRICS_PATH, EngineMetrics, parse_metrics
 from kvpool.serve.vllm.mooncake_p2p import MooncakeP2P, new_transfer_id
 from kvpool.serve.vllm.prefixes import InstancePrefixes
@@ -56,9 +57,13 @@ from kvpool.serve.vllm.wire import (
     read_choice,
     sse_data,
 )
+from kvpool.serve.worker_client import CONNECT_S
+from kvpool.serve.worker_stream import StreamCall, StreamPool, call_once
 
 log = get_logger("serve.vllm")
 DEFAULT_BLOCK_SIZE = 16
+COMPLETIONS = "/v1/completions"
+JSON_TYPE = {"Content-Type": "application/json"}
 """vLLM's default --block-size on GPUs, when neither the flag nor /metrics says."""
 UNKNOWN_LEN = 1 << 30
 """max_model_len of an instance whose /v1/models does not say (the model's own limit holds)."""
@@ -111,11 +116,16 @@ class VllmBackend:
         self.model = model
         """The served model name every instance must serve ("" until the first joins)."""
         self.block_size = block_size
+        self.timeout_s = timeout_s
+        self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout_s, connect=5.0),
-            headers={"Authorization": f"Bearer {api_key}"} if api_key else {},
+            timeout=httpx.Timeout(timeout_s, connect=CONNECT_S), headers=self._auth,
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64,
                                 keepalive_expiry=CLIENT_KEEPALIVE_S))
+        """For https:// instances; http:// ones go through `streams`."""
+        self.streams = StreamPool(CLIENT_KEEPALIVE_S)
+        """Kept-alive connections of the proxy's own client (serve/worker_stream.py) for the
+        polls of /metrics, the prefill legs and the decode streams."""
         self.capacity: dict[str, int] = {}
         """url -> KV tokens, as read at join."""
         self.events = events
@@ -150,6 +160,7 @@ class VllmBackend:
                    config.engine_block_size, events, p2p, config.pd_pool_wait_s)
 
     async def aclose(self) -> None:
+        self.streams.close()
         await self.http.aclose()
         if self.events is not None:
             self.events.close()
@@ -180,30 +191,41 @@ class VllmBackend:
 
     # -- joining and polling -----------------------------------------------------------------
 
-    async def _get(self, url: str, path: str, timeout_s: float) -> httpx.Response:
+    async def _call(self, url: str, path: str, timeout_s: float, body: bytes = b"",
+                    method: str = "GET",
+                    headers: dict[str, str] | None = None) -> tuple[int, bytes]:
+        """(status, body) of one call, read whole; WorkerCallError when it fails."""
+        sent = {**self._auth, **JSON_TYPE, **(headers or {})}
         try:
-            resp = await self.http.get(url + path, timeout=timeout_s)
-        except httpx.HTTPError as exc:
+            if url.startswith("http://"):
+                return await call_once(self.streams, url, path, sent, body, CONNECT_S,
+                                       timeout_s, method)
+            resp = await self.http.request(method, url + path, content=body or None,
+                                           headers=sent, timeout=timeout_s)
+            return resp.status_code, resp.content
+        except (OSError, ValueError, httpx.HTTPError) as exc:  # ValueError: HttpReplyError
             raise WorkerCallError(url, path, repr(exc)) from None
-        if resp.status_code != 200:
-            raise WorkerCallError(url, path, f"HTTP {resp.status_code}: {resp.text[:200]!r}",
-                                  resp.status_code)
-        return resp
+
+    async def _get(self, url: str, path: str, timeout_s: float) -> bytes:
+        status, content = await self._call(url, path, timeout_s)
+        if status != 200:
+            raise WorkerCallError(url, path, f"HTTP {status}: {content[:200]!r}", status)
+        return content
 
     async def _metrics(self, url: str, timeout_s: float) -> EngineMetrics:
-        text = (await self._get(url, METRICS_PATH, timeout_s)).text
+        text = (await self._get(url, METRICS_PATH, timeout_s)).decode("utf-8", "replace")
         found = parse_metrics(text)
         if found is None:
             raise InvalidArgument(f"{url}/metrics has no vllm: samples: not a vLLM server")
         return found
 
     async def _served(self, url: str, timeout_s: float) -> tuple[str, int]:
-        resp = await self._get(url, "/v1/models", timeout_s)
+        raw = await self._get(url, "/v1/models", timeout_s)
         try:
-            cards = [c for c in resp.json()["data"] if isinstance(c, dict)]
+            cards = [c for c in json.loads(raw)["data"] if isinstance(c, dict)]
         except (ValueError, KeyError, TypeError):
             raise InvalidArgument(f"{url}/v1/models is not an OpenAI model list: "
-                                  f"{resp.text[:200]!r}") from None
+                                  f"{raw[:200]!r}") from None
         names = [str(c.get("id")) for c in cards]
         want = self.model or (names[0] if names else "")
         if want not in names:
@@ -236,7 +258,7 @@ class VllmBackend:
         assert self.p2p is not None
         bootstrap = self.p2p.bootstrap(url)
         try:
-            query = (await self._get(bootstrap, "/query", timeout_s)).json()
+            query = json.loads(await self._get(bootstrap, "/query", timeout_s))
         except WorkerCallError as exc:
             raise InvalidArgument(f"{url}: its Mooncake bootstrap server {bootstrap} does not "
                                   f"answer ({exc}); --kv-transfer mooncake needs vLLM's "
@@ -271,14 +293,12 @@ class VllmBackend:
         body = completion_body(self.model, req.prompt_token_ids, req.sampling, max_tokens=1,
                                stream=False, kv_transfer_params=params)
         body.pop("logprobs", None)
-        try:
-            resp = await self.http.post(url + "/v1/completions", json=body,
-                                        headers=self._headers(req.request_id))
-        except httpx.HTTPError as exc:
-            raise WorkerCallError(url, "/v1/completions", repr(exc)) from None
-        got = self._reply(url, resp.status_code, resp.content)
+        status, content = await self._call(url, COMPLETIONS, self.timeout_s,
+                                           json.dumps(body).encode(), "POST",
+                                           self._headers(req.request_id))
+        got = self._reply(url, status, content)
         if not got.token_ids:
-            raise WorkerCallError(url, "/v1/completions", "the prefill leg made no token")
+            raise WorkerCallError(url, COMPLETIONS, "the prefill leg made no token")
         return PrefillReply(request_id=req.request_id, first_token_id=got.token_ids[0],
                             num_prompt_tokens=len(req.prompt_token_ids),
                             num_cached_tokens=got.num_cached_tokens or 0,
@@ -324,28 +344,50 @@ class VllmBackend:
             if status != 200:
                 err = obj.get("error", obj) if isinstance(obj, dict) else obj
                 message = err.get("message") if isinstance(err, dict) else err
-                raise WorkerCallError(url, "/v1/completions", f"HTTP {status}: {message}",
+                raise WorkerCallError(url, COMPLETIONS, f"HTTP {status}: {message}",
                                       status)
             return read_choice(obj, None)
         except ReplyError as exc:
-            raise WorkerCallError(url, "/v1/completions", str(exc),
+            raise WorkerCallError(url, COMPLETIONS, str(exc),
                                   None if status == 200 else status) from None
 
     async def generate(self, url: str,
                        req: GenerateRequest) -> AsyncGenerator[TokensLine | FinishLine]:
         if req.first_token_id is not None:
-            raise WorkerCallError(url, "/v1/completions", "a vLLM decode leg makes every output "
+            raise WorkerCallError(url, COMPLETIONS, "a vLLM decode leg makes every output "
                                   "token itself: no first_token_id", 400)
-        body = self._generate_body(url, req)
+        body = json.dumps(self._generate_body(url, req)).encode()
+        headers = {**self._auth, **JSON_TYPE, **self._headers(req.request_id)}
+        if not url.startswith("http://"):
+            async for line in self._httpx_generate(url, body, headers, req.sampling.logprobs):
+                yield line
+            return
         try:
-            async with self.http.stream("POST", url + "/v1/completions", json=body,
-                                        headers=self._headers(req.request_id)) as resp:
+            call = await self.streams.open(url, COMPLETIONS, headers, body, CONNECT_S,
+                                           self.timeout_s)
+        except (OSError, ValueError) as exc:  # HttpReplyError, a URL it cannot use
+            raise WorkerCallError(url, COMPLETIONS, repr(exc)) from None
+        try:
+            if call.status != 200:
+                self._reply(url, call.status, await call.read_all())
+            async for line in self._lines(url, _call_lines(call), req.sampling.logprobs):
+                yield line
+        except (OSError, HttpReplyError) as exc:
+            raise WorkerCallError(url, COMPLETIONS, repr(exc)) from None
+        finally:
+            call.close()  # one not read to its end is closed: vLLM aborts the request
+
+    async def _httpx_generate(self, url: str, body: bytes, headers: dict[str, str],
+                              logprobs_k: int | None) -> AsyncGenerator[TokensLine | FinishLine]:
+        try:
+            async with self.http.stream("POST", url + COMPLETIONS, content=body,
+                                        headers=headers) as resp:
                 if resp.status_code != 200:
                     self._reply(url, resp.status_code, await resp.aread())
-                async for line in self._lines(url, resp, req.sampling.logprobs):
+                async for line in self._lines(url, resp.aiter_lines(), logprobs_k):
                     yield line
         except httpx.HTTPError as exc:
-            raise WorkerCallError(url, "/v1/completions", repr(exc)) from None
+            raise WorkerCallError(url, COMPLETIONS, repr(exc)) from None
 
     def _generate_body(self, url: str, req: GenerateRequest) -> dict[str, Any]:
         """The decode leg's body; a resumed one (migration) sends the output the client has as
@@ -355,7 +397,7 @@ class VllmBackend:
         s, done = req.sampling, len(req.resume_output_ids)
         if done and (s.presence_penalty or s.frequency_penalty or s.min_tokens > done
                      or (s.temperature > 0 and s.seed is not None)):
-            raise WorkerCallError(url, "/v1/completions", "this request cannot go on exactly on "
+            raise WorkerCallError(url, COMPLETIONS, "this request cannot go on exactly on "
                                   "another vLLM instance (output penalties, min_tokens or a "
                                   "seed)", 400)
         if done:
@@ -364,20 +406,20 @@ class VllmBackend:
                                max_tokens=max(1, s.max_tokens - done), stream=True,
                                kv_transfer_params=req.kv_transfer_params)
 
-    async def _lines(self, url: str, resp: httpx.Response,
+    async def _lines(self, url: str, raws: AsyncIterator[str],
                      logprobs_k: int | None) -> AsyncGenerator[TokensLine | FinishLine]:
         """The stream's tokens (a frame per chunk), then one finish line once the stream is done (after vLLM's
         usage chunk, which says how many prompt tokens were cached)."""
         finish: str | None = None
         num_tokens, cached = 0, 0
-        async for raw in resp.aiter_lines():
+        async for raw in raws:
             try:
                 obj = sse_data(raw)
                 if obj is None:
                     continue
                 delta = read_choice(obj, logprobs_k)
             except ReplyError as exc:
-                raise WorkerCallError(url, "/v1/completions", str(exc)) from None
+                raise WorkerCallError(url, COMPLETIONS, str(exc)) from None
             if delta.token_ids:
                 num_tokens += len(delta.token_ids)
                 lps = None if all(lp is None for lp in delta.logprobs) else list(delta.logprobs)
@@ -392,6 +434,13 @@ class VllmBackend:
     async def abort(self, url: str, request_id: str) -> None:
         """Nothing to send: vLLM aborts a request when its connection closes, which the
         dispatcher's leg did already."""
+
+
+async def _call_lines(call: StreamCall) -> AsyncIterator[str]:
+    """The lines of a reply read by the lean client, as text."""
+    while batch := await call.next_lines():
+        for line in batch:
+            yield line.decode("utf-8", "replace")
 
 
 def _json(raw: bytes) -> Any:
