@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from kvpool.bench.proc_cpu import cpu_s
 from kvpool.bench.trace_prompts import TRACE_BLOCK_TOKENS, block_ids, pct
 from kvpool.conductor.cost import CostModel
 from kvpool.engine.emulated.kvbytes import expected_output, ordinary_vocab
@@ -324,14 +325,6 @@ def leftovers(cluster: Any, backend: str = "kvpool") -> tuple[list[str], float]:
         found.append(f"{keys['count']} request KV objects left in the pool "
                      f"({', '.join(keys['keys'][:3])})")
     return found, lost_s
-
-
-def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process `pid` so far (/proc/PID/stat)."""
-    import os
-
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def proxy_counter(url: str, name: str) -> float:
