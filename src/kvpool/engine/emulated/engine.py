@@ -179,12 +179,12 @@ class EmulatedEngine(EngineCore):
         self.emulated_s += step
         wall = step / self.speed_up
         self._timeline = t0 + wall
-        rows = [self._base_rows(seq, n) for seq, n in batch]
+        blocks, offsets, base = self._targets(batch)
         self.connector.before_forward(batch)
-        layers = self.cache.num_layers
+        kv, layers = self.cache.kv, self.cache.num_layers
         for layer in range(layers):
-            for (seq, n), base in zip(batch, rows, strict=True):
-                self._write(seq, seq.num_computed_tokens, n, base, layer)
+            for kind in (0, 1):  # every row of the step in one assignment per layer and kind
+                kv[layer, blocks, kind, offsets] = base ^ self._constants[layer][kind]
             self.connector.on_layer(layer)
             self._wait(t0 + wall * (layer + 1) / layers)
         self.connector.after_forward()
@@ -207,17 +207,20 @@ class EmulatedEngine(EngineCore):
         return kvbytes.rows_for(seq.token_ids, start, start + n, bs, hashes, self.root_hash,
                                 self.cache.row_bytes)
 
-    def _write(self, seq: Sequence, start: int, n: int, base: np.ndarray, layer: int) -> None:
+    def _targets(self, batch: ScheduledBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Where the step's new KV rows go, for the whole batch: (block id, offset in the
+        block, base row) of each position every sequence computes, in batch order."""
         bs = self.config.block_size
-        pos = start
-        while pos < start + n:
-            block, offset = divmod(pos, bs)
-            take = min(bs - offset, start + n - pos)
-            part = base[pos - start:pos - start + take]
-            for kind in (0, 1):
-                self.cache.write(layer, kind, seq.block_table[block], offset,
-                                 part ^ self._constants[layer][kind])
-            pos += take
+        blocks, offsets, rows = [], [], []
+        for seq, n in batch:
+            start = seq.num_computed_tokens
+            pos = np.arange(start, start + n)
+            first, last = start // bs, (start + n - 1) // bs
+            table = np.asarray(seq.block_table[first:last + 1], dtype=np.intp)
+            blocks.append(table[pos // bs - first])
+            offsets.append(pos % bs)
+            rows.append(self._base_rows(seq, n))
+        return np.concatenate(blocks), np.concatenate(offsets), np.concatenate(rows)
 
     def _sample(self, seq: Sequence, n: int) -> int:
         """Output token j of the prompt's KV digest; the digest is read from the cache when
