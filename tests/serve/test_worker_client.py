@@ -20,6 +20,15 @@ LINES = [b'{"type":"tokens","token_ids":[5,6],"t":[1.5,1.5]}\n',
          b'{"type":"finish","finish_reason":"length","num_output_tokens":3}\n']
 
 
+async def read_request(reader: asyncio.StreamReader) -> bytes:
+    """The next request's head (its body, Content-Length bytes, read and dropped)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    size = next(int(h.split(b":")[1]) for h in head.split(b"\r\n")
+                if h.lower().startswith(b"content-length"))
+    await reader.readexactly(size)
+    return head
+
+
 @asynccontextmanager
 async def ndjson_server(lines: list[bytes], end: bool = True, status: int = 200,
                         one_reply: bool = False) -> AsyncIterator[tuple[str, list[int]]]:
@@ -33,10 +42,7 @@ async def ndjson_server(lines: list[bytes], end: bool = True, status: int = 200,
         accepted.append(1)
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                size = next(int(h.split(b":")[1]) for h in head.split(b"\r\n")
-                            if h.lower().startswith(b"content-length"))
-                await reader.readexactly(size)
+                await read_request(reader)
                 writer.write(b"HTTP/1.1 %d OK\r\nContent-Type: application/x-ndjson\r\n"
                              b"Transfer-Encoding: chunked\r\n\r\n" % status)
                 for line in lines:
@@ -167,11 +173,7 @@ def test_polls_and_prefill_legs_share_the_kept_alive_connection() -> None:
         accepted.append(1)
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                size = next(int(h.split(b":")[1]) for h in head.split(b"\r\n")
-                            if h.lower().startswith(b"content-length"))
-                await reader.readexactly(size)
-                line = head.split(b" HTTP/1.1")[0]
+                line = (await read_request(reader)).split(b" HTTP/1.1")[0]
                 seen.append(line)
                 status, body = replies[line]
                 writer.write(b"HTTP/1.1 %d X\r\nContent-Type: application/json\r\n"
