@@ -5,12 +5,15 @@ no process left."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 import pty
 import re
 import select
+import signal
 import subprocess
 import sys
+import termios
 import time
 import uuid
 from pathlib import Path
@@ -33,6 +36,15 @@ def read_until(fd: int, pattern: str, seen: list[str], timeout_s: float) -> None
                 return
 
 
+def _as_a_shell_starts_it() -> None:
+    """In the child, before exec: the pseudo-terminal as its controlling terminal, and SIGINT
+    as an interactive shell leaves it. A test run started in the background by a
+    non-interactive shell ignores SIGINT, and an ignored SIGINT is inherited (Python then
+    installs no KeyboardInterrupt handler): Ctrl-C would do nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+
+
 def test_a_terminal_sees_each_stage_and_ctrl_c_stops_it_cleanly(cache_home: Path) -> None:
     marker = f"up-{uuid.uuid4().hex}"
     env = python_env() | {"KVPOOL_TEST_MARKER": marker, "XDG_CACHE_HOME": str(cache_home),
@@ -42,7 +54,7 @@ def test_a_terminal_sees_each_stage_and_ctrl_c_stops_it_cleanly(cache_home: Path
         [sys.executable, "-m", "kvpool", "up", "--model", "tiny", "--engine", "emulated",
          "--speed-up", "100", "--port", str(free_port())],
         stdin=child, stdout=child, stderr=child, env=env, start_new_session=True,
-        preexec_fn=lambda: __import__("fcntl").ioctl(0, __import__("termios").TIOCSCTTY, 0))
+        preexec_fn=_as_a_shell_starts_it)
     os.close(child)
     seen: list[str] = []
     try:
