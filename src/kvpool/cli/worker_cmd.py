@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     except KvpoolError as exc:
         log.error("%s", exc)
         return 2
-    serve(app, config.host, config.port, limits, on_ready=lambda: announce_ready(
+    serve(app, config.host, config.port, limits, fast=True, on_ready=lambda: announce_ready(
         f"kvpool worker ({config.role}) serving on http://{config.host}:{config.port}",
         echo=False))
     return 0

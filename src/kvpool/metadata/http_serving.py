@@ -8,9 +8,10 @@ concurrency and idle time, shared by every server so that they defend alike.
 - `idle_timeout_s`: a keep-alive connection with no new request, and (unlike plain uvicorn)
   a fresh connection that has not sent a byte yet, is closed after this long, so a flood of
   silent connections gives its descriptors back.
-- `fast=True` (the proxy): uvloop's event loop and httptools' parser when they are installed
-  (`fast_stack`), with the same defences (they live in a mixin over either protocol class);
-  otherwise, and for every other server, asyncio's loop and h11.
+- `fast=True` (the proxy and the workers, the servers on the per-token path): uvloop's event
+  loop and httptools' parser when they are installed (`fast_stack`), with the same defences
+  (they live in a mixin over either protocol class); otherwise, and for every other server,
+  asyncio's loop and h11.
 - When accept() runs out of descriptors, asyncio rests the listener for a second, but logs
   a traceback for every attempt (a backlog's worth each second); `QuietServer` logs one
   line per interval instead.
