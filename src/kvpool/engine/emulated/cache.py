@@ -27,8 +27,11 @@ class ByteKVCache(KVLayout):
     def base_addr(self) -> int:
         return int(self.kv.ctypes.data)
 
-    def write(self, layer: int, kind: int, block_id: int, offset: int, rows: np.ndarray) -> None:
-        self.kv[layer, block_id, kind, offset:offset + len(rows)] = rows
+    def write(self, layer: int, kind: int, block_ids: np.ndarray, offsets: np.ndarray,
+              rows: np.ndarray) -> None:
+        """Token row i of `rows` into block `block_ids[i]` at `offset[i]`, in one assignment
+        (a whole step's rows, every sequence of the batch)."""
+        self.kv[layer, block_ids, kind, offsets] = rows
 
     def rows(self, layer: int, kind: int, block_id: int, count: int) -> np.ndarray:
         """The first `count` token rows of one block's K or V (a view)."""

@@ -181,10 +181,10 @@ class EmulatedEngine(EngineCore):
         self._timeline = t0 + wall
         blocks, offsets, base = self._targets(batch)
         self.connector.before_forward(batch)
-        kv, layers = self.cache.kv, self.cache.num_layers
+        layers = self.cache.num_layers
         for layer in range(layers):
             for kind in (0, 1):  # every row of the step in one assignment per layer and kind
-                kv[layer, blocks, kind, offsets] = base ^ self._constants[layer][kind]
+                self.cache.write(layer, kind, blocks, offsets, base ^ self._constants[layer][kind])
             self.connector.on_layer(layer)
             self._wait(t0 + wall * (layer + 1) / layers)
         self.connector.after_forward()
