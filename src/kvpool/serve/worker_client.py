@@ -35,7 +35,7 @@ from kvpool.log import get_logger
 from kvpool.metadata.http_serving import CLIENT_KEEPALIVE_S
 from kvpool.serve.backend import BackendFeatures, EnginePrefixes
 from kvpool.serve.ndjson_reply import ReplyError
-from kvpool.serve.worker_stream import StreamPool, call_once
+from kvpool.serve.worker_stream import StreamPool, call_whole
 
 log = get_logger("serve.worker_client")
 M = TypeVar("M", InfoReply, LoadReply, PrefillReply)
@@ -156,31 +156,18 @@ class WorkerClient:
 
     async def _call(self, url: str, path: str, body: bytes, method: str,
                     timeout_s: float) -> bytes:
-        """The body of a 200 reply to one call (`body` POSTed, or a GET): http:// workers
-        through the lean client's kept-alive connections, others through httpx.
-        WorkerCallError when the call fails or is refused."""
+        """The body of a 200 reply to one call (`body` POSTed, or a GET), on the lean client's
+        kept-alive connections (https:// workers through httpx). WorkerCallError when the
+        call fails or is refused."""
         headers = self._headers(url, path, body, method=method)
-        if not url.startswith("http://"):
-            return await self._httpx_call(url, path, body, method, headers, timeout_s)
         try:
-            status, content = await call_once(self.streams, url, path, headers, body, CONNECT_S,
-                                              timeout_s, method)
-        except (OSError, ValueError) as exc:  # ReplyError, a URL it cannot use
+            status, content = await call_whole(self.streams, self.http, url, path, headers,
+                                               body, CONNECT_S, timeout_s, method)
+        except (OSError, ValueError, httpx.HTTPError) as exc:  # ValueError: ReplyError, a URL
             raise self._failed(url, path, exc) from None
         if status != 200:
             raise self._refused(url, path, status, content)
         return content
-
-    async def _httpx_call(self, url: str, path: str, body: bytes, method: str,
-                          headers: dict[str, str], timeout_s: float) -> bytes:
-        try:
-            resp = await self.http.request(method, url + path, content=body or None,
-                                           timeout=timeout_s, headers=headers)
-        except httpx.HTTPError as exc:
-            raise self._failed(url, path, exc) from None
-        if resp.status_code != 200:
-            raise self._refused(url, path, resp.status_code, resp.content)
-        return resp.content
 
     async def handoff(self, url: str, request_id: str,
                       block_hashes: Sequence[int]) -> float | None:

@@ -11,6 +11,8 @@ docs/serve.md, "The proxy's own cost").
     call = await pool.open(url, path, headers, body, connect_s, read_s[, method])  # head in
     call.status;  await call.next_lines() -> [line, ...] ([] once the body has ended)
     await call.read_all() -> the body (an error reply);  call.close()  (always)
+    await call_whole(pool, http, url, path, headers, body, ...) -> (status, body)  (one call,
+        read whole; an https:// URL through httpx)
 
 A connection goes back to the pool only after a whole reply was read; one closed early (a stop
 string, a client gone, a cancel) is closed. An idle connection is used again within
@@ -28,6 +30,8 @@ import asyncio
 import time
 from collections.abc import Callable
 from urllib.parse import urlsplit
+
+import httpx
 
 from kvpool.serve.ndjson_reply import ReplyError, ReplyReader
 
@@ -170,6 +174,18 @@ async def call_once(pool: StreamPool, url: str, path: str, headers: dict[str, st
         return call.status, await call.read_all()
     finally:
         call.close()
+
+
+async def call_whole(pool: StreamPool, http: httpx.AsyncClient, url: str, path: str,
+                     headers: dict[str, str], body: bytes, connect_s: float, read_s: float,
+                     method: str = "POST") -> tuple[int, bytes]:
+    """`call_once` for an http:// URL; another (https://) goes through `http`. Raises what
+    `call_once` raises, or httpx.HTTPError."""
+    if url.startswith("http://"):
+        return await call_once(pool, url, path, headers, body, connect_s, read_s, method)
+    resp = await http.request(method, url + path, content=body or None, headers=headers,
+                              timeout=read_s)
+    return resp.status_code, resp.content
 
 
 class _Stale(Exception):

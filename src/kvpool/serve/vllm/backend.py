@@ -58,7 +58,7 @@ from kvpool.serve.vllm.wire import (
     sse_data,
 )
 from kvpool.serve.worker_client import CONNECT_S
-from kvpool.serve.worker_stream import StreamCall, StreamPool, call_once
+from kvpool.serve.worker_stream import StreamCall, StreamPool, call_whole
 
 log = get_logger("serve.vllm")
 DEFAULT_BLOCK_SIZE = 16
@@ -197,12 +197,8 @@ class VllmBackend:
         """(status, body) of one call, read whole; WorkerCallError when it fails."""
         sent = {**self._auth, **JSON_TYPE, **(headers or {})}
         try:
-            if url.startswith("http://"):
-                return await call_once(self.streams, url, path, sent, body, CONNECT_S,
-                                       timeout_s, method)
-            resp = await self.http.request(method, url + path, content=body or None,
-                                           headers=sent, timeout=timeout_s)
-            return resp.status_code, resp.content
+            return await call_whole(self.streams, self.http, url, path, sent, body, CONNECT_S,
+                                    timeout_s, method)
         except (OSError, ValueError, httpx.HTTPError) as exc:  # ValueError: HttpReplyError
             raise WorkerCallError(url, path, repr(exc)) from None
 
