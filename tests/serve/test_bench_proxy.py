@@ -18,7 +18,7 @@ import pytest
 from kvpool.bench.http_load import Load, drive, read_reply, request_bytes
 from kvpool.bench.nginx import find_nginx, nginx_conf
 from kvpool.bench.proc_cpu import TICKS_PER_S, CpuMeter, child_pids, cpu_s, per_unit, stat_ticks
-from kvpool.bench.proxy import _completion_tokens, _ints, _loads, _ndjson_tokens, _sse_tokens
+from kvpool.bench.proxy import _completion_tokens, _loads, _ndjson_tokens, _sse_tokens, int_list
 from kvpool.bench.proxy_rows import (
     Tally,
     bucket_delta,
@@ -150,10 +150,10 @@ def test_replies_are_checked_whole() -> None:
 
 
 def test_concurrency_and_load_lists_are_checked() -> None:
-    assert _ints("1,8,32") == [1, 8, 32] and _loads("req16, json16") == ["req16", "json16"]
+    assert int_list("1,8,32") == [1, 8, 32] and _loads("req16, json16") == ["req16", "json16"]
     for bad in ("", "0", "a,1"):
         with pytest.raises(argparse.ArgumentTypeError):
-            _ints(bad)
+            int_list(bad)
     with pytest.raises(argparse.ArgumentTypeError, match="unknown"):
         _loads("req16,req17")
 

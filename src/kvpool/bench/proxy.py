@@ -60,7 +60,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="256-token streams per relay per round")
     p.add_argument("--requests", type=int, default=256,
                    help="16-token requests per relay per round")
-    p.add_argument("--concurrency", type=_ints, default=[8], metavar="C[,C...]",
+    p.add_argument("--concurrency", type=int_list, default=[8], metavar="C[,C...]",
                    help="kept-alive connections; a list runs each (e.g. 1,8,32)")
     p.add_argument("--loads", type=_loads, default=_loads(DEFAULT_LOADS), metavar="NAME[,...]",
                    help=f"of {', '.join(LOADS)} (json*: one JSON body, not a stream; default "
@@ -86,7 +86,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_main)
 
 
-def _ints(text: str) -> list[int]:
+def int_list(text: str) -> list[int]:
+    """Comma-separated integers of at least 1 (an argparse type)."""
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -141,8 +142,7 @@ def _main(args: argparse.Namespace) -> int:
 def measure(relays_up: list[Relay], worker_pids: list[int],
             args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every relay, load and concurrency, `args.rounds` times, alternating: the rows."""
-    loads = getattr(args, "loads", DEFAULT_LOADS.split(","))
-    levels = args.concurrency if isinstance(args.concurrency, list) else [args.concurrency]
+    loads, levels = args.loads, args.concurrency
     tallies = {(r.name, load, c): Tally() for load in loads for c in levels for r in relays_up}
     for r in relays_up:  # warm up: connections, the worker's prefix cache, the proxy's code
         _run(r, max(levels), max(levels), 16, True, worker_pids)
@@ -156,7 +156,7 @@ def measure(relays_up: list[Relay], worker_pids: list[int],
                     tallies[r.name, load, c].add(*_run(r, num, c, max_tokens, stream,
                                                        worker_pids))
     return rows(tallies, {"speed_up": args.speed_up, "stream_interval": args.stream_interval,
-                          "engines": getattr(args, "engines", 1)})
+                          "engines": args.engines})
 
 
 def _run(r: Relay, num: int, concurrency: int, max_tokens: int, stream: bool,
@@ -205,11 +205,13 @@ def relays(tmp: Path, speed_up: float, nginx_exe: str | None,
         worker, worker_port = workers[0]
         behind = tuple(f for _, port in workers for f in ("--prefill", f"http://{HOST}:{port}"))
 
-        def proxy(name: str, flags: tuple[str, ...] = (), src: Path | None = None) -> Relay:
+        def proxy(name: str, flags: tuple[str, ...] = (), src: Path | None = None,
+                  decisions: bool = True) -> Relay:
+            """`decisions`: its decision histogram is read (one process, these sources)."""
             proc, port, model = start_proxy(stack, tmp, worker, worker_port, speed_up, src,
                                             flags=(*behind, *flags), named=False)
             return Relay(name, port, [proc.pid], _completion(model), _completion_tokens,
-                         f"http://{HOST}:{port}")
+                         f"http://{HOST}:{port}" if decisions else None)
 
         out = [proxy("kvpool")]
         prompt_ids = httpx.post(f"http://{HOST}:{out[0].port}/tokenize",
@@ -217,13 +219,13 @@ def relays(tmp: Path, speed_up: float, nginx_exe: str | None,
         if worker_sse:
             out.append(proxy("kvpool-wsse", ("--worker-sse",)))
         if processes > 1:  # the group's processes are the children of the one started
-            group = proxy(f"kvpool-p{processes}", ("--workers", str(processes)))
+            group = proxy(f"kvpool-p{processes}", ("--workers", str(processes)),
+                          decisions=False)  # a scrape sees one of its processes
             wait_for(lambda: len(child_pids(group.pids[0])) == processes, 30, "the group")
-            group.pids, group.metrics_url = child_pids(group.pids[0]), None
+            group.pids = child_pids(group.pids[0])
             out.append(group)
-        if baseline_src is not None:
-            out.append(proxy("kvpool-base", src=baseline_src))
-            out[-1].metrics_url = None  # its histogram's buckets may differ
+        if baseline_src is not None:  # its histogram's buckets may differ
+            out.append(proxy("kvpool-base", src=baseline_src, decisions=False))
         if nginx_exe is not None:
             ng = stack.enter_context(running_nginx(nginx_exe, tmp / "nginx",
                                                    [port for _, port in workers], HOST))
@@ -257,7 +259,7 @@ def _completion_tokens(body: bytes, max_tokens: int, stream: bool) -> int:
     return _sse_tokens(body, max_tokens) if stream else _json_tokens(body, max_tokens)
 
 
-def _sse_tokens(body: bytes, max_tokens: int, stream: bool = True) -> int:
+def _sse_tokens(body: bytes, max_tokens: int) -> int:
     """A whole stream ends in `[DONE]` after a chunk whose finish_reason is length: with
     ignore_eos that is max_tokens tokens."""
     if not body.endswith(b"data: [DONE]\n\n") or b'"finish_reason":"length"' not in body:

@@ -24,7 +24,7 @@ from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
-from kvpool.bench.proxy import HOST, Relay, measure
+from kvpool.bench.proxy import DEFAULT_LOADS, HOST, Relay, int_list, measure
 from kvpool.bench.proxy_rows import fmt
 from kvpool.errors import KvpoolError
 
@@ -40,11 +40,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--streams", type=int, default=32, help="256-token streams per way per round")
     p.add_argument("--requests", type=int, default=128,
                    help="16-token requests per way per round")
-    p.add_argument("--concurrency", type=int, default=8, help="kept-alive connections")
+    p.add_argument("--concurrency", type=int_list, default=[8], metavar="C[,C...]",
+                   help="kept-alive connections; a list runs each (e.g. 1,8,32)")
     p.add_argument("--speed-up", type=float, default=1000.0,
                    help="the emulated engine's speed-up over its profile")
     p.add_argument("--json", action="store_true", help="one JSON object per row")
-    p.set_defaults(func=_main, stream_interval=1)
+    p.set_defaults(func=_main, stream_interval=1, loads=DEFAULT_LOADS.split(","), engines=1)
 
 
 def _main(args: argparse.Namespace) -> int:
