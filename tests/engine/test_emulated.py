@@ -15,6 +15,7 @@ from kvpool.clock import VirtualClock
 from kvpool.conductor.cost import CostModel
 from kvpool.engine.block_manager import BlockManager
 from kvpool.engine.config import EngineConfig, SamplingParams
+from kvpool.engine.emulated import kvbytes
 from kvpool.engine.emulated.engine import EmulatedEngine
 from kvpool.engine.emulated.kvbytes import ordinary_vocab
 from kvpool.engine.emulated.profile import EngineProfile, load_profile, write_profile
@@ -96,6 +97,30 @@ def test_outputs_are_the_prompts_expected_function(kw: dict[str, object]) -> Non
     assert outs == [e.expected_output(p, 24) for p in PROMPTS]
     e.blocks.check_integrity()
     assert e.blocks.num_free_blocks == e.config.num_blocks
+
+
+def test_the_scalar_mix_is_the_array_mix() -> None:
+    xs = [0, 1, 2**63, 2**64 - 1, 0x9E3779B97F4A7C15, 123456789012345678]
+    with np.errstate(over="ignore"):
+        mixed = kvbytes.splitmix(np.array(xs, dtype=np.uint64))
+    assert [kvbytes.splitmix_int(x) for x in xs] == [int(v) for v in mixed]
+
+
+def test_decode_rows_are_the_rows_of_the_whole_sequence() -> None:
+    """A decode's row (made from Python ints, batched with a prompt chunk's arrays) is the
+    row the array formula gives that position, across block boundaries."""
+    e = engine()
+    seq = e.add_request("r", PROMPTS[1], SamplingParams(max_tokens=30, ignore_eos=True))
+    e.step()
+    other = e.add_request("o", PROMPTS[0], SamplingParams(max_tokens=2, ignore_eos=True))
+    while seq.num_output_tokens < 25:
+        e.step()
+    n, bs = seq.num_computed_tokens, 16
+    want = kvbytes.rows_for(seq.token_ids, 0, n, bs, seq.block_hashes, 12345, e.cache.row_bytes)
+    got = np.concatenate([e.cache.rows(0, 0, seq.block_table[b // bs], min(bs, n - b))
+                          for b in range(0, n, bs)])
+    assert n > 48 and other.num_computed_tokens > 0
+    assert np.array_equal(got ^ kvbytes.layer_constant(0, 0, e.cache.row_bytes), want)
 
 
 def test_prefix_caching_reuses_the_shared_prompt_and_whole_mode_pauses_decodes() -> None:

@@ -239,7 +239,7 @@ class EngineCore:
                 "num_cached_tokens": seq.num_cached_tokens,
                 "num_pool_tokens": seq.num_pool_tokens,
                 "pool_load_s": seq.pool_load_s,
-                "num_output_tokens": len(seq.output_ids)}
+                "num_output_tokens": seq.num_output_tokens}
 
     # -- pushed KV ---------------------------------------------------------------------------
 

@@ -93,6 +93,10 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
     def reuses_kv(self) -> bool:
         """Whether cached or pooled KV may stand in for computing the prompt: not when the
         prompt's own logprobs are wanted (a reused token has no logits)."""
@@ -122,7 +126,7 @@ class Sequence:
             self.generator = torch.Generator()
             self.generator.seed()
         if self.sampling.seed is not None:
-            position_seed = self.sampling.seed * 1_000_003 + len(self.output_ids)
+            position_seed = self.sampling.seed * 1_000_003 + self.num_output_tokens
             self.generator.manual_seed(position_seed % SEED_SPACE)  # any int64 seed
         return self.generator
 

@@ -2,7 +2,7 @@
 
 One step, as the torch engine's forward, layer by layer:
 
-    rows of every token computed now  (kvbytes.rows_for; the same for every layer but a constant)
+    rows of every token computed now  (kvbytes.token_rows; the same for every layer but a constant)
     for each layer: write its K and V rows into the cache, on_layer(i) (the pool connector puts
                     that layer's finished blocks meanwhile), sleep to the layer's share of
                     step_cost.step_s(...) / speed_up
@@ -199,28 +199,42 @@ class EmulatedEngine(EngineCore):
                                   "torch engine")
         return super().new_sequence(request_id, prompt, sampling, outputs, **kw)
 
-    def _base_rows(self, seq: Sequence, n: int) -> np.ndarray:
-        start, bs = seq.num_computed_tokens, self.config.block_size
-        hashes = seq.block_hashes
-        if seq.root_hash != self.root_hash:  # a salted request: the same bytes as unsalted
-            hashes = prefix_block_hashes(seq.token_ids[:start + n], bs, self.root_hash)
-        return kvbytes.rows_for(seq.token_ids, start, start + n, bs, hashes, self.root_hash,
-                                self.cache.row_bytes)
+    def _hashes(self, seq: Sequence, stop: int) -> list[int]:
+        """The block hashes the bytes of `seq` derive from: its own, or for a salted request
+        the unsalted ones (the same bytes as unsalted)."""
+        if seq.root_hash == self.root_hash:
+            return seq.block_hashes
+        return prefix_block_hashes(seq.token_ids[:stop], self.config.block_size, self.root_hash)
 
     def _targets(self, batch: ScheduledBatch) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Where the step's new KV rows go, for the whole batch: (block id, offset in the
-        block, base row) of each position every sequence computes, in batch order."""
+        block, base row) of each position every sequence computes. A sequence that computes
+        one token (a decode) is read as Python ints; a prompt chunk as arrays; the rows of
+        all of them are made in one `kvbytes.token_rows`."""
         bs = self.config.block_size
-        blocks, offsets, rows = [], [], []
+        singles: list[tuple[int, int, int, int, int]] = []
+        """(block id, offset, parent hash, position, token) of each one-token sequence."""
+        chunks: list[tuple[np.ndarray, np.ndarray, kvbytes.RowKeys]] = []
         for seq, n in batch:
             start = seq.num_computed_tokens
+            hashes = self._hashes(seq, start + n)
+            if n == 1:
+                key = kvbytes.row_key(seq.token_ids, start, bs, hashes, self.root_hash)
+                singles.append((seq.block_table[start // bs], start % bs, *key))
+                continue
             pos = np.arange(start, start + n)
             first, last = start // bs, (start + n - 1) // bs
             table = np.asarray(seq.block_table[first:last + 1], dtype=np.intp)
-            blocks.append(table[pos // bs - first])
-            offsets.append(pos % bs)
-            rows.append(self._base_rows(seq, n))
-        return np.concatenate(blocks), np.concatenate(offsets), np.concatenate(rows)
+            keys = kvbytes.keys_for(seq.token_ids, start, start + n, bs, hashes, self.root_hash)
+            chunks.append((table[pos // bs - first], pos % bs, keys))
+        cols = list(zip(*singles, strict=True)) or [(), (), (), (), ()]
+        blocks = np.concatenate([np.array(cols[0], dtype=np.intp), *(c[0] for c in chunks)])
+        offsets = np.concatenate([np.array(cols[1], dtype=np.intp), *(c[1] for c in chunks)])
+        parents, positions, tokens = (
+            np.concatenate([np.array(cols[2 + i], dtype=np.uint64), *(c[2][i] for c in chunks)])
+            for i in range(3))
+        return blocks, offsets, kvbytes.token_rows(parents, positions, tokens,
+                                                   self.cache.row_bytes)
 
     def _sample(self, seq: Sequence, n: int) -> int:
         """Output token j of the prompt's KV digest; the digest is read from the cache when
@@ -229,7 +243,7 @@ class EmulatedEngine(EngineCore):
         if n > 1 or seq.num_computed_tokens < seq.num_prompt_tokens or seq not in self._digests:
             self._digests[seq] = self._prompt_digest(seq)
         digest = self._digests[seq]
-        return kvbytes.output_tokens(digest, len(seq.output_ids), 1, self.vocab)[0]
+        return kvbytes.output_tokens(digest, seq.num_output_tokens, 1, self.vocab)[0]
 
     def _prompt_digest(self, seq: Sequence) -> int:
         bs, n = self.config.block_size, seq.num_prompt_tokens

@@ -24,6 +24,7 @@ from kvpool.engine.blocks import prefix_block_hashes
 
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_MASK = (1 << 64) - 1
 
 
 def splitmix(x: np.ndarray) -> np.ndarray:
@@ -32,6 +33,14 @@ def splitmix(x: np.ndarray) -> np.ndarray:
     z = (z ^ (z >> np.uint64(30))) * _M1
     z = (z ^ (z >> np.uint64(27))) * _M2
     return z ^ (z >> np.uint64(31))
+
+
+def splitmix_int(x: int) -> int:
+    """`splitmix` of one value, on Python ints (no array for a single token)."""
+    z = (x + 0x9E3779B97F4A7C15) & _MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
 
 
 def ordinary_vocab(vocab_size: int) -> range:
@@ -57,23 +66,41 @@ def layer_constant(layer: int, kind: int, row_bytes: int) -> np.ndarray:
     return np.tile(word.view(np.uint8), row_bytes // 8)
 
 
-def rows_for(token_ids: Sequence[int], start: int, stop: int, block_size: int,
-             block_hashes: Sequence[int], root_hash: int, row_bytes: int) -> np.ndarray:
-    """Base rows of positions start..stop-1 of a sequence whose full blocks hash to
+RowKeys = tuple[np.ndarray, np.ndarray, np.ndarray]
+"""(parent hashes, positions, tokens) of n token rows, uint64 each: what `token_rows` takes."""
+
+
+def row_key(token_ids: Sequence[int], position: int, block_size: int,
+            block_hashes: Sequence[int], root_hash: int) -> tuple[int, int, int]:
+    """(parent hash, position, token) of one position: `keys_for` of a single token."""
+    index = min(position // block_size, len(block_hashes))
+    parent = block_hashes[index - 1] if index else root_hash
+    return parent, position, token_ids[position]
+
+
+def keys_for(token_ids: Sequence[int], start: int, stop: int, block_size: int,
+             block_hashes: Sequence[int], root_hash: int) -> RowKeys:
+    """The row keys of positions start..stop-1 of a sequence whose full blocks hash to
     `block_hashes` (those before `stop` must be known)."""
     positions = np.arange(start, stop, dtype=np.uint64)
     blocks = np.arange(start, stop) // block_size
     chain = np.array([root_hash, *block_hashes], dtype=np.uint64)
     parents = chain[np.minimum(blocks, len(chain) - 1)]
     tokens = np.asarray(token_ids[start:stop], dtype=np.int64).astype(np.uint64)
-    return token_rows(parents, positions, tokens, row_bytes)
+    return parents, positions, tokens
+
+
+def rows_for(token_ids: Sequence[int], start: int, stop: int, block_size: int,
+             block_hashes: Sequence[int], root_hash: int, row_bytes: int) -> np.ndarray:
+    """Base rows of positions start..stop-1 (`keys_for`)."""
+    return token_rows(*keys_for(token_ids, start, stop, block_size, block_hashes, root_hash),
+                      row_bytes)
 
 
 def output_tokens(digest: int, first: int, count: int, vocab: range) -> list[int]:
     """Output tokens first..first+count-1 of a prompt whose KV digests to `digest`."""
-    with np.errstate(over="ignore"):
-        x = splitmix(np.uint64(digest) + np.arange(first, first + count, dtype=np.uint64))
-    return [vocab.start + int(v) % len(vocab) for v in x]
+    return [vocab.start + splitmix_int((digest + j) & _MASK) % len(vocab)
+            for j in range(first, first + count)]
 
 
 def digest_rows(chunks: Sequence[np.ndarray]) -> int:
