@@ -5,6 +5,7 @@ the mailbox that wakes the event loop once per engine step, and the proxy's fram
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import threading
 
@@ -16,7 +17,13 @@ from kvpool.engine.core import StepOutput
 from kvpool.engine.sequence import TokenLogprob
 from kvpool.engine.worker.frames import FrameBuilder
 from kvpool.engine.worker.mailbox import StepMailbox
-from kvpool.engine.worker.messages import FinishLine, TokenLine, TokensLine, generate_line
+from kvpool.engine.worker.messages import (
+    FinishLine,
+    TokenLine,
+    TokensLine,
+    generate_line,
+    ndjson_line,
+)
 from kvpool.errors import WorkerCallError
 from kvpool.serve.ndjson_reply import ReplyReader
 
@@ -112,7 +119,7 @@ def frame_bytes(rng: random.Random) -> tuple[list[bytes], list[int]]:
         lps = [TokenLogprob(t, -rng.random(), ((t, -0.1),)) for t in frame] \
             if rng.random() < 0.5 else None
         line = TokensLine(token_ids=frame, t=[rng.random()] * len(frame), logprobs=lps)
-        lines.append(line.model_dump_json(exclude_none=True).encode() + b"\n")
+        lines.append(ndjson_line(line))
         ids += frame
     lines.append(FinishLine(finish_reason="length", num_output_tokens=len(ids))
                  .model_dump_json().encode() + b"\n")
@@ -138,6 +145,18 @@ def test_frames_read_back_whatever_the_chunking_and_splits() -> None:
         assert reader.done
         assert [t for m in got if isinstance(m, TokensLine) for t in m.token_ids] == ids
         assert isinstance(got[-1], FinishLine)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=2**31), min_size=1, max_size=8),
+       st.floats(allow_nan=False, allow_infinity=False), st.booleans())
+def test_a_frame_line_is_pydantics_json(ids: list[int], t: float, with_sse: bool) -> None:
+    """The plain frame's own encoder and pydantic's give the same JSON, read back alike."""
+    line = TokensLine(token_ids=ids, t=[t] * len(ids), sse="data: x\n\n" if with_sse else None)
+    fast = ndjson_line(line)
+    assert fast.endswith(b"\n") and json.loads(fast) == json.loads(
+        line.model_dump_json(exclude_none=True))
+    assert generate_line("http://w", fast) == line
 
 
 @settings(max_examples=300, deadline=None)

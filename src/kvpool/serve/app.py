@@ -32,6 +32,7 @@ from kvpool.engine.gguf_checkpoint import served_name
 from kvpool.engine.worker.messages import SseSpec
 from kvpool.errors import WorkerCallError
 from kvpool.log import get_logger
+from kvpool.metadata.http_front import EventStream
 from kvpool.metadata.http_serving import BodyTooLarge, bearer_matches, read_body
 from kvpool.serve import access
 from kvpool.serve.access import Access
@@ -50,7 +51,7 @@ from kvpool.serve.errors import (
     unauthorized,
     worker_failed,
 )
-from kvpool.serve.front import EventStream, FrontDoor
+from kvpool.serve.front import front_door
 from kvpool.serve.metrics import ProxyMetrics
 from kvpool.serve.peer_link import PeerLink
 from kvpool.serve.poller import Poller
@@ -416,12 +417,12 @@ def _json_error(exc: ApiError) -> JSONResponse:
 
 def create_app(config: ProxyConfig, clock: Clock | None = None) -> ApiKeyGate:
     """The proxy's ASGI app: the API-key gate, then the completion endpoints
-    (`front.FrontDoor`), then FastAPI's routes for the rest (and the lifespan)."""
+    (`front.front_door`), then FastAPI's routes for the rest (and the lifespan)."""
     proxy = Proxy(config, clock)
     app = FastAPI(title="kvpool proxy", lifespan=proxy.lifespan)
     app.state.proxy = proxy
 
-    @app.post("/v1/completions")  # FrontDoor answers these; here for 405s (GET) and the docs
+    @app.post("/v1/completions")  # front_door answers these; here for 405s (GET) and the docs
     async def completions(request: Request) -> Response:
         return await proxy.serve(request, "completion")
 
@@ -437,7 +438,7 @@ def create_app(config: ProxyConfig, clock: Clock | None = None) -> ApiKeyGate:
 
     _admin_routes(app, proxy)
 
-    return ApiKeyGate(FrontDoor(app, proxy.serve), keys=config.api_keys,
+    return ApiKeyGate(front_door(app, proxy.serve), keys=config.api_keys,
                       salt_per_api_key=config.salt_per_api_key)
 
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
 
 from kvpool.engine.core import StepOutput
 from kvpool.engine.worker import auth
@@ -31,11 +31,13 @@ from kvpool.engine.worker.messages import (
     PrefillRequest,
     ReserveReply,
     ReserveRequest,
+    ndjson_line,
 )
 from kvpool.engine.worker.runtime import Worker
 from kvpool.engine.worker.sse_text import SseText
 from kvpool.errors import AuthError, KvpoolError, RemoteProtocolError, RequestFailed, ShuttingDown
 from kvpool.log import RateLimitedLog, get_logger
+from kvpool.metadata.http_front import EventStream, FastRoutes
 from kvpool.metadata.http_serving import bearer_matches, read_body
 
 log = get_logger("engine.worker.http")
@@ -82,51 +84,54 @@ def _authorizer(worker: Worker, now: Callable[[], float]) -> Callable[[Request],
     return authorized
 
 
-def create_app(worker: Worker, now: Callable[[], float] = time.time) -> FastAPI:
-    """`now`: wall-clock seconds, for the time window of signed calls."""
+def create_app(worker: Worker, now: Callable[[], float] = time.time) -> PreAuthGate:
+    """`now`: wall-clock seconds, for the time window of signed calls. The gate, then POST
+    /generate straight to its handler (`http_front.FastRoutes`: the route every token of a
+    request passes), then FastAPI's routes for the rest (and the lifespan)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
         await worker.close()
 
+    authorized = _authorizer(worker, now)
     app = FastAPI(title=f"kvpool worker ({worker.config.role})", lifespan=lifespan,
-                  dependencies=[Depends(_authorizer(worker, now))])
-    app.add_middleware(PreAuthGate, now=now, open_paths=OPEN_PATHS, identity=lambda: GateIdentity(
-        worker.config.token, worker.config.host, worker.config.port, worker.epoch))
+                  dependencies=[Depends(authorized)])
     _add_error_handlers(app)
     _add_open_routes(app, worker)
     _add_state_routes(app, worker)
     _add_request_routes(app, worker)
-    return app
+    routes = FastRoutes(app, {("POST", "/generate"): _generate_route(worker, authorized)})
+    return PreAuthGate(routes, now=now, open_paths=OPEN_PATHS, identity=lambda: GateIdentity(
+        worker.config.token, worker.config.host, worker.config.port, worker.epoch))
+
+
+def error_reply(exc: BaseException) -> JSONResponse | None:
+    """The error body of what a route raised, as its status and error type; None for what
+    is not one of these (a 500)."""
+    if isinstance(exc, _Unauthorized):
+        return error(401, "missing or wrong bearer token", "authentication_error")
+    if isinstance(exc, RequestValidationError | ValidationError):
+        return error(400, str(exc.errors()[:3]), "invalid_request_error")
+    if isinstance(exc, ShuttingDown):
+        return error(503, str(exc), "unavailable")
+    if isinstance(exc, RequestFailed):
+        return error(502, str(exc), "request_failed")
+    if isinstance(exc, KvpoolError | _WrongRole):
+        return error(400, str(exc), "invalid_request_error")
+    return None
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    """Each error a route raises, as its status and error type."""
+    """Each error a route raises, as `error_reply` answers it."""
 
-    @app.exception_handler(_Unauthorized)
-    async def unauthorized(_: Request, __: Exception) -> JSONResponse:
-        return error(401, "missing or wrong bearer token", "authentication_error")
+    async def handler(_: Request, exc: Exception) -> JSONResponse:
+        reply = error_reply(exc)
+        assert reply is not None  # registered only for the kinds it answers
+        return reply
 
-    @app.exception_handler(RequestValidationError)
-    async def bad_body(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error(400, str(exc.errors()[:3]), "invalid_request_error")
-
-    @app.exception_handler(KvpoolError)
-    async def bad_request(_: Request, exc: KvpoolError) -> JSONResponse:
-        return error(400, str(exc), "invalid_request_error")
-
-    @app.exception_handler(ShuttingDown)
-    async def shutting_down(_: Request, exc: Exception) -> JSONResponse:
-        return error(503, str(exc), "unavailable")
-
-    @app.exception_handler(RequestFailed)
-    async def failed(_: Request, exc: RequestFailed) -> JSONResponse:
-        return error(502, str(exc), "request_failed")
-
-    @app.exception_handler(_WrongRole)
-    async def wrong_role(_: Request, exc: Exception) -> JSONResponse:
-        return error(400, str(exc), "invalid_request_error")
+    for kind in (_Unauthorized, RequestValidationError, KvpoolError, _WrongRole):
+        app.add_exception_handler(kind, handler)
 
 
 def _add_open_routes(app: FastAPI, worker: Worker) -> None:
@@ -176,13 +181,9 @@ def _add_request_routes(app: FastAPI, worker: Worker) -> None:
         needs("prefill", "both")
         return await worker.prefill(body)
 
-    @app.post("/generate")
-    async def generate(body: GenerateRequest) -> StreamingResponse:
-        needs("decode", "both")
-        interval = body.stream_interval or worker.config.stream_interval
-        outputs = worker.generate(body)
-        return StreamingResponse(ndjson(outputs, interval, worker.sse_text(body)),
-                                 media_type="application/x-ndjson")
+    @app.post("/generate")  # answered by _generate_route; here for 405s and the docs
+    async def generate(body: GenerateRequest) -> Response:
+        return _generate_stream(worker, needs, body)
 
     @app.post("/kv/reserve", response_model=None)
     async def reserve(body: ReserveRequest) -> ReserveReply | JSONResponse:
@@ -195,6 +196,37 @@ def _add_request_routes(app: FastAPI, worker: Worker) -> None:
     @app.post("/abort")
     async def abort(body: AbortRequest) -> AbortReply:
         return AbortReply(ok=await worker.abort(body.request_id))
+
+
+def _generate_route(worker: Worker, authorized: Callable[[Request], Awaitable[None]]
+                    ) -> Callable[[Request], Awaitable[Response]]:
+    """POST /generate without FastAPI's layers: the same checks (the token, the role, the
+    body) and the same error bodies as its routes."""
+    needs = _role_check(worker.config.role)
+
+    async def generate(request: Request) -> Response:
+        try:
+            await authorized(request)
+            body = GenerateRequest.model_validate_json(await request.body())
+            return _generate_stream(worker, needs, body)
+        except Exception as exc:
+            reply = error_reply(exc)
+            if reply is None:
+                raise
+            return reply
+
+    return generate
+
+
+def _generate_stream(worker: Worker, needs: Callable[..., None],
+                     body: GenerateRequest) -> Response:
+    """The request's NDJSON stream (`ndjson`); a client that goes away ends it, and with it
+    the request."""
+    needs("decode", "both")
+    interval = body.stream_interval or worker.config.stream_interval
+    outputs = worker.generate(body)
+    return EventStream(ndjson(outputs, interval, worker.sse_text(body)),
+                       media_type="application/x-ndjson")
 
 
 def _role_check(role: str) -> Callable[..., None]:
@@ -226,15 +258,12 @@ async def ndjson(outputs: AsyncGenerator[list[StepOutput]], interval: int = 1,
             async for outs in outputs:
                 lines = frames.add(outs)
                 if lines:
-                    yield b"".join(_line(msg) for msg in lines)
+                    yield b"".join(ndjson_line(msg) for msg in lines)
                 if frames.done:
                     break
     except KvpoolError as exc:
-        yield _line(ErrorLine(error=str(exc)))
+        yield ndjson_line(ErrorLine(error=str(exc)))
     except Exception as exc:
         log.exception("generate failed")
-        yield _line(ErrorLine(error=f"{type(exc).__name__}: {exc}"))
+        yield ndjson_line(ErrorLine(error=f"{type(exc).__name__}: {exc}"))
 
-
-def _line(msg: BaseModel) -> bytes:
-    return msg.model_dump_json(exclude_none=True).encode() + b"\n"

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, TypeVar
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
 from kvpool.engine.config import SamplingParams
@@ -253,6 +254,19 @@ def reply_from(url: str, call: str, model: type[M], raw: bytes) -> M:
         return parse(model, json.loads(raw), f"{call} reply")
     except ValueError as exc:  # not JSON, or InvalidArgument
         raise WorkerCallError(url, call, f"{exc} (reply {raw[:200]!r})") from None
+
+
+_JSON = msgspec.json.Encoder()
+
+
+def ndjson_line(msg: BaseModel) -> bytes:
+    """One /generate line's bytes. A plain frame (tokens and stamps only, the line of every
+    step of most streams) is encoded without pydantic; the same JSON either way."""
+    if isinstance(msg, TokensLine) and msg.logprobs is None and msg.prompt_logprobs is None \
+            and msg.sse is None:
+        return b'{"type":"tokens","token_ids":%b,"t":%b}\n' % (
+            _JSON.encode(msg.token_ids), _JSON.encode(msg.t))
+    return msg.model_dump_json(exclude_none=True).encode() + b"\n"
 
 
 def generate_line(url: str, line: str | bytes) -> TokensLine | FinishLine:
