@@ -21,19 +21,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import tempfile
 import time
 import warnings
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvpool.launch.children import kvpool_argv, running
-from kvpool.launch.ports import free_port
-from kvpool.launch.wait import wait_port
+from kvpool.launch.engines import start_engines
 
 if TYPE_CHECKING:
     from kvpool.engine.worker.messages import PrefillReply
@@ -420,26 +417,9 @@ def _kv_load_rows(shape: dict[str, int], worker: float, load_s: float, path_s: l
 
 @contextmanager
 def _cluster(model_dir: Path, length: int) -> Iterator[tuple[str, str, str]]:
-    rpc, admin = free_port(), free_port()
+    """A store and two prefill workers alike (one chunk for the whole prompt)."""
+    args = ("--role", "prefill", "--model", str(model_dir), "--max-prefill-chunk", str(length),
+            "--max-model-len", str(length + 64), "--num-blocks", str(length // 16 * 3 + 64))
     with ExitStack() as stack:
-        stack.enter_context(_proc("master", "--rpc_port", str(rpc), "--metrics_port", str(admin),
-                                  "--no-http-metadata"))
-        wait_port(rpc, timeout_s=30)
-        master = f"127.0.0.1:{rpc}"
-        stack.enter_context(_proc("store-node", "--dram", "2GiB", "--master", master))
-        urls = []
-        for _ in range(2):
-            port = free_port()
-            stack.enter_context(_proc("worker", "--role", "prefill", "--model", str(model_dir),
-                                      "--master", master, "--port", str(port),
-                                      "--max-prefill-chunk", str(length),
-                                      "--max-model-len", str(length + 64),
-                                      "--num-blocks", str(length // 16 * 3 + 64)))
-            urls.append((f"http://127.0.0.1:{port}", port))
-        for _, port in urls:
-            wait_port(port, timeout_s=120)
-        yield master, urls[0][0], urls[1][0]
-
-
-def _proc(*args: str) -> AbstractContextManager[subprocess.Popen[bytes]]:
-    return running(kvpool_argv(*args))
+        fleet = start_engines(stack, [args, args])
+        yield fleet.master, fleet.urls[0], fleet.urls[1]

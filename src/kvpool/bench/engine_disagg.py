@@ -20,9 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from kvpool.launch.children import kvpool_argv, running
-from kvpool.launch.ports import free_port
-from kvpool.launch.wait import wait_port
+from kvpool.launch.engines import start_engines
 
 if TYPE_CHECKING:
     from kvpool.engine.worker.messages import KVMode
@@ -105,25 +103,11 @@ def _timers(fleet: Fleet) -> dict[str, Callable[[list[int]], float]]:
 def _fleet(model_dir: Path, length: int) -> Iterator[Fleet]:
     """Master, one store node, and a `both`, a `prefill` and a `decode` worker alike in every
     engine flag (one chunk for the whole prompt, blocks for a few of them)."""
-    rpc, admin = free_port(), free_port()
     engine = ("--model", str(model_dir), "--max-prefill-chunk", str(length),
               "--max-model-len", str(length + 64), "--num-blocks", str(length // 16 * 3 + 64))
     with ExitStack() as stack:
-        stack.enter_context(_proc("master", "--rpc_port", str(rpc), "--metrics_port",
-                                  str(admin), "--no-http-metadata"))
-        wait_port(rpc, timeout_s=30)
-        master = f"127.0.0.1:{rpc}"
-        stack.enter_context(_proc("store-node", "--dram", "2GiB", "--master", master))
-        urls = {}
-        for role in ("both", "prefill", "decode"):
-            port = free_port()
-            stack.enter_context(_proc("worker", "--role", role, "--master", master,
-                                      "--port", str(port), *engine))
-            urls[role] = port
-        for port in urls.values():
-            wait_port(port, timeout_s=120)
-        yield Fleet(*(f"http://127.0.0.1:{urls[r]}" for r in ("both", "prefill", "decode")))
+        fleet = start_engines(stack, [("--role", role, *engine)
+                                      for role in ("both", "prefill", "decode")])
+        yield Fleet(*fleet.urls)
 
 
-def _proc(*args: str) -> Any:
-    return running(kvpool_argv(*args))

@@ -1,6 +1,7 @@
 """Store processes on loopback for the fault tests, the benchmarks and the tests' store
 cluster: `kvpool master` and `kvpool store-node` children on fresh ports (`start_master`,
-`start_nodes`), a child waited for until it says it is ready (`start_ready`), and an HA pair
+`start_nodes`), a kvpool child (or several started together) waited for until it says it is
+ready (`start_ready`, `start_all_ready`: masters, store nodes, workers), and an HA pair
 of masters on one etcd (`start_ha_pair`). Every child is stopped (SIGTERM, then SIGKILL) when
 the caller's ExitStack closes, and dies with the caller however it ends; children run this
 very kvpool (its source first on PYTHONPATH) and log errors only unless told otherwise."""
@@ -19,7 +20,7 @@ from kvpool.launch.children import die_with_parent, stop
 from kvpool.launch.etcd import EtcdProcess
 from kvpool.launch.ports import free_port
 from kvpool.launch.ready import ReadyPipe
-from kvpool.launch.wait import wait_for, wait_port
+from kvpool.launch.wait import wait_for
 from kvpool.store.client.config import ClientConfig
 from kvpool.store.wire.leader import Etcd, parse_endpoints, read_leader
 
@@ -28,21 +29,22 @@ HA_TTL_S = 2
 
 
 def spawn_kvpool(*args: str, quiet: bool = True, log_level: str = "ERROR",
-                 ready: ReadyPipe | None = None) -> subprocess.Popen[bytes]:
+                 ready: ReadyPipe | None = None,
+                 show_errors: bool = False) -> subprocess.Popen[bytes]:
     """`python -m kvpool args...` as its own process that dies with this one (stdout and
-    stderr discarded when `quiet`), logging at `log_level` unless $KVPOOL_LOG_LEVEL says
-    otherwise; with `ready`, announcing on that pipe (`ready.wait`)."""
+    stderr discarded when `quiet`, stderr kept with `show_errors`), logging at `log_level`
+    unless $KVPOOL_LOG_LEVEL says otherwise; with `ready`, announcing on that pipe
+    (`ready.wait`)."""
     env = dict(os.environ)
     env.setdefault("KVPOOL_LOG_LEVEL", log_level)
     here = str(Path(__file__).resolve().parents[2])   # children run this very kvpool
     env["PYTHONPATH"] = here + os.pathsep + env.get("PYTHONPATH", "")
-    out = subprocess.DEVNULL if quiet else None
     argv: Sequence[str] = [sys.executable, "-m", "kvpool", *args]
     if ready is not None:
         argv = ready.argv(argv)
     try:
-        return subprocess.Popen(argv, env=env, stdout=out,
-                                stderr=subprocess.DEVNULL if quiet else None,
+        return subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL if quiet else None,
+                                stderr=subprocess.DEVNULL if quiet and not show_errors else None,
                                 preexec_fn=die_with_parent(os.getpid()),
                                 pass_fds=() if ready is None else (ready.write_fd,))
     finally:
@@ -60,17 +62,32 @@ def owned(stack: ExitStack, proc: subprocess.Popen[bytes],
 def start_ready(stack: ExitStack, *args: str, what: str, timeout_s: float = 30.0,
                 quiet: bool = True, log_level: str = "ERROR",
                 stop_timeout_s: float = 5.0) -> subprocess.Popen[bytes]:
-    """`kvpool ARGS` (a master or a store node: one that announces, kvpool.launch.ready)
-    owned by `stack`, once it has said it is ready; KvpoolError naming `what` if it exits
-    first, TimeoutError after `timeout_s`."""
-    pipe = ReadyPipe()
+    """`kvpool ARGS` (a command that announces, kvpool.launch.ready: a master, a store node,
+    a worker) owned by `stack`, once it has said it is ready; KvpoolError naming `what` if
+    it exits first, TimeoutError after `timeout_s`."""
+    return start_all_ready(stack, [args], what, timeout_s, quiet=quiet, log_level=log_level,
+                           stop_timeout_s=stop_timeout_s)[0]
+
+
+def start_all_ready(stack: ExitStack, commands: Sequence[Sequence[str]], what: str,
+                    timeout_s: float = 30.0, quiet: bool = True, log_level: str = "ERROR",
+                    stop_timeout_s: float = 5.0,
+                    show_errors: bool = False) -> list[subprocess.Popen[bytes]]:
+    """`start_ready` for several commands started together (workers loading their models
+    side by side), returned once every one has said it is ready; a failure names `what`
+    and the command's index."""
+    pipes = [ReadyPipe() for _ in commands]
     try:
-        proc = owned(stack, spawn_kvpool(*args, quiet=quiet, log_level=log_level, ready=pipe),
-                     stop_timeout_s)
-        pipe.wait(proc, what, timeout_s)
+        procs = [owned(stack, spawn_kvpool(*args, quiet=quiet, log_level=log_level, ready=pipe,
+                                           show_errors=show_errors), stop_timeout_s)
+                 for args, pipe in zip(commands, pipes, strict=True)]
+        for i, (proc, pipe) in enumerate(zip(procs, pipes, strict=True)):
+            name = what if len(commands) == 1 else f"{what} {i}"
+            pipe.wait(proc, name, timeout_s, others=procs)
     finally:
-        pipe.close()
-    return proc
+        for pipe in pipes:
+            pipe.close()
+    return procs
 
 
 @dataclass
@@ -113,12 +130,12 @@ def start_ha_pair(stack: ExitStack, etcd: EtcdProcess, state_dir: Path | None, c
 
 
 def start_master(stack: ExitStack, *flags: str) -> tuple[subprocess.Popen[bytes], str, list[str]]:
-    """A plain master on fresh ports: (process, rpc address, its argv for a restart)."""
+    """A plain master on fresh ports, once it listens: (process, rpc address, its argv for
+    a restart)."""
     rpc, admin = free_port(), free_port()
     argv = ["master", "--rpc_port", str(rpc), "--metrics_port", str(admin),
             "--no-http-metadata", *flags]
-    proc = owned(stack, spawn_kvpool(*argv))
-    wait_port(rpc, timeout_s=30)
+    proc = start_ready(stack, *argv, what="the master")
     return proc, f"127.0.0.1:{rpc}", argv
 
 
