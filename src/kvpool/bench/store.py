@@ -26,7 +26,8 @@ import numpy as np
 from kvpool.bench import anchors
 from kvpool.launch.children import running
 from kvpool.launch.ports import free_port
-from kvpool.launch.wait import wait_for, wait_port
+from kvpool.launch.store import start_master, start_ready
+from kvpool.launch.wait import wait_port
 from kvpool.units import format_size, parse_size
 
 Record = dict[str, Any]
@@ -256,21 +257,10 @@ def _kvpool_systems(stack: ExitStack, dram: int, lease_ms: int, checksums: str =
     """A master and a store node; one client with checksums on ("kvpool") and/or one with
     them off ("kvpool-nosum"), both against the same node."""
     from kvpool.store.client.config import ClientConfig
-    from kvpool.store.client.rpc import RpcClient
     from kvpool.store.client.store_client import StoreClient
-    rpc, admin = free_port(), free_port()
-    stack.enter_context(running([sys.executable, "-m", "kvpool", "master", "--rpc_port",
-                                  str(rpc), "--metrics_port", str(admin),
-                                  "--no-http-metadata", "--default_kv_lease_ttl",
-                                  str(lease_ms)], stderr=subprocess.DEVNULL))
-    master = f"127.0.0.1:{rpc}"
-    wait_port(rpc)
-    stack.enter_context(running([sys.executable, "-m", "kvpool", "store-node", "--dram",
-                                  str(dram), "--master", master], stderr=subprocess.DEVNULL))
-    with RpcClient(master, "bench-probe") as probe:
-        from kvpool.store.wire.messages import SegmentsMsg
-        wait_for(lambda: len(probe.call(SegmentsMsg())) == 1, 20.0, "the store node to mount",
-                 0.05)
+    _, master, _ = start_master(stack, "--default_kv_lease_ttl", str(lease_ms))
+    start_ready(stack, "store-node", "--dram", str(dram), "--master", master,
+                what="the store node")  # announced once its memory is mounted
     out = []
     for name, on in (("kvpool", True), ("kvpool-nosum", False)):
         if checksums == "both" or (checksums == "on") == on:

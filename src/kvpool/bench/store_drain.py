@@ -18,9 +18,8 @@ from contextlib import ExitStack
 
 import numpy as np
 
-from kvpool.launch.children import running
-from kvpool.launch.ports import free_port
-from kvpool.launch.wait import wait_for, wait_port
+from kvpool.launch.store import start_all_ready, start_master
+from kvpool.launch.wait import wait_for
 from kvpool.store.client.config import ClientConfig
 from kvpool.store.client.rpc import RpcClient
 from kvpool.store.client.store_client import StoreClient
@@ -36,17 +35,9 @@ def _value(i: int, size: int) -> bytes:
 
 
 def _start(stack: ExitStack, dram: str) -> tuple[str, list[subprocess.Popen[bytes]]]:
-    rpc, admin = free_port(), free_port()
-    stack.enter_context(running([sys.executable, "-m", "kvpool", "master", "--rpc_port",
-                                 str(rpc), "--metrics_port", str(admin), "--no-http-metadata",
-                                 "--client_ttl", "2"], stderr=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL))
-    master = f"127.0.0.1:{rpc}"
-    wait_port(rpc)
-    nodes = [stack.enter_context(running(
-        [sys.executable, "-m", "kvpool", "store-node", "--dram", dram, "--master", master],
-        stdout=subprocess.DEVNULL)) for _ in range(2)]
-    _wait_segments(master, 2)
+    _, master, _ = start_master(stack, "--client_ttl", "2")
+    nodes = start_all_ready(stack, [("store-node", "--dram", dram, "--master", master)] * 2,
+                            "a store node", show_errors=True)  # announced once mounted
     return master, nodes
 
 

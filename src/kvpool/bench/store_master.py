@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from typing import Any
 
 from kvpool.store.client.rpc import RpcClient
@@ -103,18 +104,13 @@ def _service_bench_tuned(seconds: float) -> Iterator[dict[str, Any]]:
 
 
 def _rpc_bench(seconds: float, num_clients: int) -> Iterator[dict[str, Any]]:
-    from kvpool.launch.children import running
-    from kvpool.launch.ports import free_port
-    from kvpool.launch.wait import wait_port
-    rpc, admin = free_port(), free_port()
-    with running([sys.executable, "-m", "kvpool", "master", "--rpc_port", str(rpc),
-                   "--metrics_port", str(admin), "--no-http-metadata"],
-                  stderr=subprocess.DEVNULL):
-        wait_port(rpc)
-        with RpcClient(f"127.0.0.1:{rpc}", "bench") as client:
+    from kvpool.launch.store import start_master
+    with ExitStack() as stack:
+        _, master, _ = start_master(stack)
+        with RpcClient(master, "bench") as client:
             yield from _run("master-rpc", client.call, seconds, "rpc")
         if num_clients > 1:
-            yield _concurrent(f"127.0.0.1:{rpc}", num_clients, seconds)
+            yield _concurrent(master, num_clients, seconds)
     yield from _echo_floors(seconds, num_clients)
 
 
