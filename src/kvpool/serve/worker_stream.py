@@ -33,19 +33,25 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from kvpool.idle_timeout import IdleTimeout
 from kvpool.serve.ndjson_reply import ReplyError, ReplyReader
 
 READ_BYTES = 1 << 16
 
 
 class _Conn:
-    __slots__ = ("reader", "writer", "idle_since")
+    """One kept-alive connection; its reads share one timer (`IdleTimeout`): a stream is read
+    once per frame."""
+
+    __slots__ = ("reader", "writer", "idle_since", "deadline")
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.reader, self.writer = reader, writer
         self.idle_since = 0.0
+        self.deadline = IdleTimeout()
 
     def close(self) -> None:
+        self.deadline.close()
         self.writer.close()
 
 
@@ -90,8 +96,7 @@ class StreamCall:
 
 async def _read_into(conn: _Conn, reply: ReplyReader, read_s: float) -> int:
     """Read what has come (waiting up to `read_s`) into `reply`; the bytes read."""
-    async with asyncio.timeout(read_s):
-        data = await conn.reader.read(READ_BYTES)
+    data = await conn.deadline.wait(conn.reader.read(READ_BYTES), read_s)
     if not data:
         reply.end_of_input()
         return 0

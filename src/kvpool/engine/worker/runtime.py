@@ -36,6 +36,7 @@ from kvpool.engine.worker.peers import PeerCalls
 from kvpool.engine.worker.pool import PoolConnector, PoolPlan, PushPlan, push_parts
 from kvpool.engine.worker.reservations import Reservations
 from kvpool.errors import ConfigError, InvalidArgument, KvpoolError, RequestFailed, ShuttingDown
+from kvpool.idle_timeout import IdleTimeout
 from kvpool.log import get_logger
 from kvpool.metadata.http_serving import CLIENT_KEEPALIVE_S
 
@@ -402,10 +403,11 @@ class Worker:
                 raise
         await self._on_engine(start)
         finished = False
+        silence = IdleTimeout()  # one timer for the whole stream, not one per step
         try:
             while not finished:
                 try:
-                    outs = await asyncio.wait_for(outputs.get(), self.config.request_timeout_s)
+                    outs = await silence.wait(outputs.get(), self.config.request_timeout_s)
                 except TimeoutError:
                     raise RequestFailed(f"request {request_id} produced nothing for "
                                         f"{self.config.request_timeout_s}s") from None
@@ -417,6 +419,7 @@ class Worker:
                 finished = any(o.finish_reason is not None for o in outs)
                 yield outs
         finally:
+            silence.close()
             if not finished:
                 self.loop.call(lambda e: self._drop(e, request_id))
 

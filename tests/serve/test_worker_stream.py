@@ -1,0 +1,86 @@
+"""The proxy's lean client's read timeout (`worker_stream`): one timer per connection, not one
+per read. A read that waits longer than its limit is a TimeoutError; a stream whose frames keep
+coming is never cut however long it runs; a cancel from elsewhere stays a cancel."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+
+from kvpool.serve.worker_stream import StreamPool
+from tests.serve.test_worker_client import read_request
+
+HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+@asynccontextmanager
+async def paced_server(gaps_s: list[float]) -> AsyncIterator[str]:
+    """Answers one POST with a line after each gap of `gaps_s`, then ends the reply."""
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await read_request(reader)
+            writer.write(HEAD)
+            for i, gap in enumerate(gaps_s):
+                await asyncio.sleep(gap)
+                line = b'{"n":%d}\n' % i
+                writer.write(b"%x\r\n%s\r\n" % (len(line), line))
+                await writer.drain()
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+            await reader.read()  # until the client closes
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+
+
+async def _lines(url: str, read_s: float) -> list[bytes]:
+    pool = StreamPool(5.0)
+    call = await pool.open(url, "/generate", {}, b"{}", 1.0, read_s)
+    try:
+        out: list[bytes] = []
+        while batch := await call.next_lines():
+            out += batch
+        return out
+    finally:
+        call.close()
+        pool.close()
+
+
+def test_a_stream_whose_frames_keep_coming_is_never_cut() -> None:
+    """20 frames 0.05 s apart (1 s in all) with a 0.3 s read limit: each read is short."""
+    async def go() -> None:
+        async with paced_server([0.05] * 20) as url:
+            assert len(await _lines(url, 0.3)) == 20
+    asyncio.run(go())
+
+
+def test_a_read_that_waits_past_its_limit_is_a_timeout() -> None:
+    async def go() -> None:
+        async with paced_server([0.0, 0.05, 2.0]) as url:
+            t0 = time.monotonic()
+            with pytest.raises(TimeoutError):
+                await _lines(url, 0.3)
+            assert 0.3 <= time.monotonic() - t0 < 1.5
+    asyncio.run(go())
+
+
+def test_a_cancel_from_elsewhere_stays_a_cancel() -> None:
+    async def go() -> None:
+        async with paced_server([0.0, 2.0]) as url:
+            task = asyncio.ensure_future(_lines(url, 0.3))
+            await asyncio.sleep(0.1)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+    asyncio.run(go())
