@@ -18,6 +18,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +54,8 @@ def _fmt(row: dict[str, Any]) -> str:
 
 
 def measure(cluster: Any, runs: int, kill_at: int) -> dict[str, Any]:
-    from kvpool.launch.children import spawn, stop
     from kvpool.launch.ports import free_port
-    from kvpool.launch.wait import wait_http
+    from kvpool.launch.store import start_ready
     from kvpool.metadata.http_serving import bearer_header
     from kvpool.token import env_token
 
@@ -67,28 +67,23 @@ def measure(cluster: Any, runs: int, kill_at: int) -> dict[str, Any]:
     tbts = [b - a for a, b in zip(base_stamps, base_stamps[1:], strict=False)]
     decode = [p for name, p in cluster.procs.items() if name.startswith("decode-")]
     workers = dict(zip(cluster.worker_urls["decode"], decode, strict=True))
-    extra: list[subprocess.Popen[bytes]] = []
     gaps, exact = [], 0
-    try:
+    with ExitStack() as replacements:
         for _ in range(runs):
             stamps, texts = _stream_and_kill(url, body, kill_at, workers)
             deltas = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
             gaps.append(max(deltas[kill_at - 1:]))  # the pause that follows the kill
             exact += "".join(texts) == expected
             port = free_port()  # a replacement, so that the next run has two again
-            proc = spawn("worker", "--role", "decode", "--model", str(cluster.model_dir),
-                         "--host", cluster.host, "--port", str(port),
-                         "--master", cluster.master_address)
-            extra.append(proc)
+            proc = start_ready(replacements, "worker", "--role", "decode",
+                               "--model", str(cluster.model_dir), "--host", cluster.host,
+                               "--port", str(port), "--master", cluster.master_address,
+                               what="a replacement worker", timeout_s=120)
             new = f"http://{cluster.host}:{port}"
-            wait_http(new + "/health", [proc], "a worker", 120)
             workers[new] = proc
             httpx.post(url + "/workers/register", json={"url": new},
                        headers=bearer_header(env_token()))
             time.sleep(1.0)  # joined by the proxy's poller
-    finally:
-        for proc in extra:
-            stop(proc)
     q = statistics.quantiles
     return {"runs": runs, "kill_at": kill_at, "exact": exact,
             "gap_p50_ms": round(statistics.median(gaps) * 1e3, 1),

@@ -20,6 +20,7 @@ from kvpool.engine.emulated.profile import DEFAULT_PROFILE, load_profile, scaled
 from kvpool.engine.gguf_checkpoint import served_name
 from kvpool.launch.children import die_with_parent, kvpool_argv, stop
 from kvpool.launch.ports import free_port
+from kvpool.launch.store import start_all_ready
 from kvpool.launch.wait import wait_http
 from kvpool.serve.launch import (
     EMULATED_MAX_MODEL_LEN,
@@ -35,13 +36,18 @@ HOST = "127.0.0.1"
 def _child(stack: ExitStack, *args: str, src: Path | None = None) -> subprocess.Popen[bytes]:
     """`kvpool ARGS` without the cluster token (from the sources in `src`, if given), stopped
     when `stack` closes."""
-    env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+    env = _untokened()
     if src is not None:
         env["PYTHONPATH"] = str(src.resolve())
     proc = subprocess.Popen(kvpool_argv(*args), stdout=subprocess.DEVNULL, env=env,
                             preexec_fn=die_with_parent(os.getpid()), start_new_session=True)
     stack.callback(stop, proc)
     return proc
+
+
+def _untokened() -> dict[str, str]:
+    """This process's environment without the cluster token."""
+    return {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
 
 
 def start_worker(stack: ExitStack, tmp: Path, speed_up: float,
@@ -53,19 +59,19 @@ def start_worker(stack: ExitStack, tmp: Path, speed_up: float,
 
 def start_workers(stack: ExitStack, tmp: Path, speed_up: float, count: int,
                   *extra: str) -> list[tuple[subprocess.Popen[bytes], int]]:
-    """`count` emulated colocated workers, started together, each ready; (process, port)."""
+    """`count` emulated colocated workers, started together, each waited for by its
+    announcement; (process, port)."""
     model = _model(tmp)
-    out = []
-    for _ in range(count):
-        port = free_port(HOST)
-        out.append((_child(stack, "worker", "--role", "both", "--engine", "emulated",
-                           "--profile", DEFAULT_PROFILE, "--speed-up", str(speed_up),
-                           "--model", str(model), "--host", HOST, "--port", str(port),
-                           "--max-model-len", str(EMULATED_MAX_MODEL_LEN),
-                           "--max-prefill-chunk", str(EMULATED_MAX_MODEL_LEN), *extra), port))
-    for proc, port in out:
-        wait_http(f"http://{HOST}:{port}/health", [proc], "an emulated worker", 120 + 10 * count)
-    return out
+    ports = [free_port(HOST) for _ in range(count)]
+    procs = start_all_ready(
+        stack, [("worker", "--role", "both", "--engine", "emulated", "--profile",
+                 DEFAULT_PROFILE, "--speed-up", str(speed_up), "--model", str(model),
+                 "--host", HOST, "--port", str(port),
+                 "--max-model-len", str(EMULATED_MAX_MODEL_LEN),
+                 "--max-prefill-chunk", str(EMULATED_MAX_MODEL_LEN), *extra) for port in ports],
+        "an emulated worker", 120 + 10 * count, log_level="WARNING", show_errors=True,
+        environ=_untokened())
+    return list(zip(procs, ports, strict=True))
 
 
 def start_proxy(stack: ExitStack, tmp: Path, worker: subprocess.Popen[bytes], worker_port: int,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,13 +29,13 @@ HA_TTL_S = 2
 
 
 def spawn_kvpool(*args: str, quiet: bool = True, log_level: str = "ERROR",
-                 ready: ReadyPipe | None = None,
-                 show_errors: bool = False) -> subprocess.Popen[bytes]:
+                 ready: ReadyPipe | None = None, show_errors: bool = False,
+                 environ: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
     """`python -m kvpool args...` as its own process that dies with this one (stdout and
     stderr discarded when `quiet`, stderr kept with `show_errors`), logging at `log_level`
     unless $KVPOOL_LOG_LEVEL says otherwise; with `ready`, announcing on that pipe
-    (`ready.wait`)."""
-    env = dict(os.environ)
+    (`ready.wait`). `environ`: the environment it starts from (None: this process's)."""
+    env = dict(os.environ if environ is None else environ)
     env.setdefault("KVPOOL_LOG_LEVEL", log_level)
     here = str(Path(__file__).resolve().parents[2])   # children run this very kvpool
     env["PYTHONPATH"] = here + os.pathsep + env.get("PYTHONPATH", "")
@@ -71,15 +71,16 @@ def start_ready(stack: ExitStack, *args: str, what: str, timeout_s: float = 30.0
 
 def start_all_ready(stack: ExitStack, commands: Sequence[Sequence[str]], what: str,
                     timeout_s: float = 30.0, quiet: bool = True, log_level: str = "ERROR",
-                    stop_timeout_s: float = 5.0,
-                    show_errors: bool = False) -> list[subprocess.Popen[bytes]]:
+                    stop_timeout_s: float = 5.0, show_errors: bool = False,
+                    environ: Mapping[str, str] | None = None) -> list[subprocess.Popen[bytes]]:
     """`start_ready` for several commands started together (workers loading their models
     side by side), returned once every one has said it is ready; a failure names `what`
-    and the command's index."""
+    and the command's index. `environ` as `spawn_kvpool`'s."""
     pipes = [ReadyPipe() for _ in commands]
     try:
         procs = [owned(stack, spawn_kvpool(*args, quiet=quiet, log_level=log_level, ready=pipe,
-                                           show_errors=show_errors), stop_timeout_s)
+                                           show_errors=show_errors, environ=environ),
+                       stop_timeout_s)
                  for args, pipe in zip(commands, pipes, strict=True)]
         for i, (proc, pipe) in enumerate(zip(procs, pipes, strict=True)):
             name = what if len(commands) == 1 else f"{what} {i}"
