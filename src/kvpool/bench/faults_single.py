@@ -9,8 +9,7 @@ from contextlib import ExitStack
 from typing import Any
 
 from kvpool.bench.faults_procs import Ledger, wait_until
-from kvpool.launch.store import owned, spawn_kvpool, start_master, start_nodes
-from kvpool.launch.wait import wait_port
+from kvpool.launch.store import start_master, start_nodes, start_ready
 from kvpool.store.client.config import ClientConfig
 from kvpool.store.client.store_client import StoreClient
 
@@ -30,8 +29,7 @@ def bench_master_restart(num_objects: int = 200) -> dict[str, Any]:
             master.kill()
             master.wait()
             killed = time.monotonic()
-            owned(stack, spawn_kvpool(*argv))
-            wait_port(int(address.rsplit(":", 1)[1]), timeout_s=60)
+            start_ready(stack, *argv, what="the restarted master", timeout_s=60)  # listening
             answering = time.monotonic()
             lost, wrong = ledger.check_all(store, timeout_s=60.0)
             all_back = time.monotonic()
