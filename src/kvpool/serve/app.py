@@ -144,7 +144,7 @@ class Proxy:
             return await self._scored(prep, choices, acc)
         if prep.stream:
             return EventStream(sse_stream(self, prep, choices, acc),
-                               self._on_close(acc, prep, choices),
+                               self._on_close(acc, prep, choices), coalesce=True,
                                media_type="text/event-stream",
                                headers={"Cache-Control": "no-cache"}
                                | route_headers(choices[0].run))

@@ -1,0 +1,120 @@
+"""The hot-route helpers: `Outbox` (a stream's chunks made by a task of their own, written in
+one write for all that came meanwhile) and `EventStream(coalesce=True)` through a real ASGI
+call: the same bytes, fewer writes, errors after what came before, a slow client holding the
+maker back, and a client gone closing the stream's generators."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from kvpool.metadata.http_front import EventStream, Outbox
+
+
+async def _burst(sizes: list[int], pause_s: float = 0.0) -> AsyncIterator[bytes]:
+    """Chunks made in bursts: `sizes[i]` chunks without waiting, then a pause."""
+    n = 0
+    for size in sizes:
+        for _ in range(size):
+            yield b"c%d;" % n
+            n += 1
+        await asyncio.sleep(pause_s)
+
+
+def test_what_is_made_while_the_writer_waits_goes_out_in_one_take() -> None:
+    async def go() -> list[bytes]:
+        box = Outbox()
+        maker = asyncio.ensure_future(box.fill(_burst([3, 1, 4], 0.02)))
+        got = []
+        while (data := await box.take()) is not None:
+            got.append(data)
+        await maker
+        return got
+    assert asyncio.run(go()) == [b"c0;c1;c2;", b"c3;", b"c4;c5;c6;c7;"]
+
+
+def test_an_error_comes_after_the_chunks_before_it() -> None:
+    async def failing() -> AsyncIterator[bytes]:
+        yield b"a"
+        yield "b"  # str is encoded
+        raise RuntimeError("broke")
+
+    async def go() -> None:
+        box = Outbox()
+        maker = asyncio.ensure_future(box.fill(failing()))
+        assert await box.take() == b"ab"
+        with pytest.raises(RuntimeError, match="broke"):
+            await box.take()
+        await maker
+    asyncio.run(go())
+
+
+def test_a_slow_writer_holds_the_maker_back() -> None:
+    made = []
+
+    async def endless() -> AsyncIterator[bytes]:
+        while True:
+            made.append(1)
+            yield b"x" * 100
+
+    async def go() -> None:
+        box = Outbox(limit=1000)
+        maker = asyncio.ensure_future(box.fill(endless()))
+        await asyncio.sleep(0.05)
+        assert len(made) == 10  # waits at the limit, nobody takes
+        assert len(await box.take()) == 1000
+        await asyncio.sleep(0.05)
+        assert len(made) == 20
+        maker.cancel()
+        await asyncio.wait([maker])
+    asyncio.run(go())
+
+
+def _asgi_call(stream: EventStream, disconnect_after_s: float | None = None
+               ) -> tuple[list[dict[str, object]], bool]:
+    """Run the response as uvicorn would; (the messages sent, whether on_close saw the
+    client gone)."""
+    sent: list[dict[str, object]] = []
+    closed: list[bool] = []
+    stream.on_close = closed.append
+
+    async def receive() -> dict[str, object]:
+        if disconnect_after_s is None:
+            await asyncio.Event().wait()
+        await asyncio.sleep(disconnect_after_s or 0)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, object]) -> None:
+        sent.append(message)
+
+    async def go() -> None:
+        await stream({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
+    asyncio.run(go())
+    return sent, closed[0]
+
+
+def test_a_coalesced_stream_sends_the_same_bytes_in_fewer_writes() -> None:
+    plain, _ = _asgi_call(EventStream(_burst([3, 1, 4], 0.02)))
+    joined, gone = _asgi_call(EventStream(_burst([3, 1, 4], 0.02), coalesce=True))
+    body = [m for m in plain if m["type"] == "http.response.body"]
+    fewer = [m for m in joined if m["type"] == "http.response.body"]
+    assert b"".join(m["body"] for m in body) == b"".join(m["body"] for m in fewer)  # type: ignore[misc]
+    assert (len(body), len(fewer)) == (9, 4) and not gone  # 8 chunks + the end; 3 + the end
+
+
+def test_a_client_gone_closes_the_coalesced_streams_generator() -> None:
+    closed = []
+
+    async def endless() -> AsyncIterator[bytes]:
+        try:
+            while True:
+                yield b"x"
+                await asyncio.sleep(0.01)
+        finally:
+            closed.append(True)
+
+    sent, gone = _asgi_call(EventStream(endless(), coalesce=True), disconnect_after_s=0.1)
+    assert gone and closed == [True]
+    assert sent[-1]["type"] == "http.response.body" and sent[-1]["more_body"] is True
