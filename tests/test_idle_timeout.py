@@ -58,3 +58,43 @@ def test_a_cancel_from_elsewhere_stays_a_cancel_and_close_drops_the_timer() -> N
         deadline.close()
         assert not deadline.armed
     asyncio.run(go())
+
+
+def test_a_shorter_limit_after_a_longer_one_is_kept() -> None:
+    """One connection's reads: a stream's (a long limit) leaves its timer set; a poll on the
+    same connection next (a short limit) still times out at its own limit."""
+    async def go() -> float:
+        loop = asyncio.get_running_loop()
+        deadline = IdleTimeout()
+        done = loop.create_future()
+        done.set_result(1)
+        assert await deadline.wait(done, 600.0) == 1
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError):
+            await deadline.wait(loop.create_future(), 0.2)
+        deadline.close()
+        return time.monotonic() - t0
+    assert 0.2 <= asyncio.run(go()) < 1.0
+
+
+def test_a_task_already_being_cancelled_still_gets_its_timeout() -> None:
+    """As with asyncio.timeout: the timer's own cancel is told apart by the count on entry."""
+    async def go() -> str:
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()
+        try:
+            await asyncio.sleep(1)
+        except asyncio.CancelledError:
+            pass  # caught, not uncancelled: one request still counted
+        deadline = IdleTimeout()
+        try:
+            await deadline.wait(asyncio.get_running_loop().create_future(), 0.1)
+        except TimeoutError:
+            return "timeout"
+        except asyncio.CancelledError:
+            return "cancelled"
+        finally:
+            deadline.close()
+        return "none"
+    assert asyncio.run(go()) == "timeout"

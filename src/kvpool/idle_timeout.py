@@ -13,7 +13,9 @@ the next await sets it. So a stream of frames 10 ms apart pays for one timer per
     deadline.close()                                     # when the stream is done
 
 Only one await at a time (one task reading the stream). A cancel from elsewhere stays a
-CancelledError, as with `asyncio.timeout`.
+CancelledError, and a task already being cancelled when it awaits still gets its TimeoutError,
+as with `asyncio.timeout` (which the cancel counts follow: `uncancel` against the count on
+entry).
 """
 
 from __future__ import annotations
@@ -26,31 +28,46 @@ T = TypeVar("T")
 
 
 class IdleTimeout:
-    __slots__ = ("_task", "_started", "_limit", "_timer", "_expired")
+    __slots__ = ("_task", "_started", "_limit", "_timer", "_due", "_expired")
 
     def __init__(self) -> None:
         self._task: asyncio.Task[object] | None = None
         """The task whose await is in progress (None between awaits)."""
         self._started = self._limit = 0.0
         self._timer: asyncio.TimerHandle | None = None
+        self._due = 0.0
+        """When the timer fires (loop time)."""
         self._expired = False
 
     async def wait(self, aw: Awaitable[T], limit_s: float) -> T:
-        """`await aw`, or TimeoutError once it has waited `limit_s`."""
+        """`await aw`, or TimeoutError once it has waited `limit_s`. A timer set for a later
+        time (an earlier, longer limit) is set again for this one's."""
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()
         assert task is not None
         self._task, self._started, self._limit, self._expired = task, loop.time(), limit_s, False
-        if self._timer is None:
-            self._timer = loop.call_at(self._started + limit_s, self._fire)
+        due = self._started + limit_s
+        if self._timer is None or self._due > due:
+            self._arm(loop, due)
+        entered = task.cancelling()
         try:
             return await aw
         except asyncio.CancelledError:
-            if self._expired and task.uncancel() == 0:
-                raise TimeoutError(f"nothing within {limit_s} s") from None
+            if self._expired:
+                self._expired = False
+                if task.uncancel() <= entered:
+                    raise TimeoutError(f"nothing within {limit_s} s") from None
             raise
         finally:
             self._task = None
+            if self._expired:  # `aw` swallowed the timer's cancel: take it back
+                self._expired = False
+                task.uncancel()
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, due: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer, self._due = loop.call_at(due, self._fire), due
 
     def _fire(self) -> None:
         self._timer = None
@@ -63,7 +80,7 @@ class IdleTimeout:
             self._expired = True
             task.cancel()
         else:
-            self._timer = loop.call_at(due, self._fire)
+            self._arm(loop, due)
 
     @property
     def armed(self) -> bool:

@@ -43,6 +43,24 @@ def test_bad_bodies_and_roles_are_400(client: TestClient) -> None:
     assert wrong.status_code == 400 and "decode worker" in wrong.json()["error"]["message"]
 
 
+def test_generate_takes_json_only_and_other_methods_fall_through(client: TestClient) -> None:
+    """POST /generate is answered before FastAPI's layers, with its checks: a body typed as
+    something else than JSON is refused (a cross-site form post), a bad token is a 401, and
+    another method still gets FastAPI's 405."""
+    body = json.dumps({"request_id": "t", "prompt_token_ids": [5],
+                       "sampling": {"max_tokens": 1}})
+    plain = client.post("/generate", content=body,
+                        headers=AUTH | {"Content-Type": "text/plain"})
+    assert plain.status_code == 400 and "application/json" in plain.json()["error"]["message"]
+    bad = client.post("/generate", content=body, headers={"Authorization": "Bearer nope",
+                                                          "Content-Type": "application/json"})
+    assert bad.status_code == 401 and bad.json()["error"]["type"] == "authentication_error"
+    assert client.get("/generate", headers=AUTH).status_code == 405
+    typed = client.post("/generate", content=body,
+                        headers=AUTH | {"Content-Type": "application/json; charset=utf-8"})
+    assert typed.status_code == 200
+
+
 def test_reserve_until_full_then_503_and_abort_gives_back(client: TestClient) -> None:
     one = client.post("/kv/reserve", json={"request_id": "a", "num_tokens": 20}, headers=AUTH)
     assert one.status_code == 200 and len(one.json()["regions"]) == 3 * 2 * 2

@@ -118,3 +118,39 @@ def test_a_client_gone_closes_the_coalesced_streams_generator() -> None:
     sent, gone = _asgi_call(EventStream(endless(), coalesce=True), disconnect_after_s=0.1)
     assert gone and closed == [True]
     assert sent[-1]["type"] == "http.response.body" and sent[-1]["more_body"] is True
+
+
+def test_a_maker_stopped_while_it_waits_for_room_closes_the_stream() -> None:
+    """A client that takes nothing and then goes: the stream's `finally` runs when the maker
+    stops, not at some later collection."""
+    closed = []
+
+    async def endless() -> AsyncIterator[bytes]:
+        try:
+            while True:
+                yield b"x" * 100
+        finally:
+            closed.append(True)
+
+    async def go() -> None:
+        box = Outbox(limit=1000)
+        maker = asyncio.ensure_future(box.fill(endless()))
+        await asyncio.sleep(0.05)  # waiting for room now
+        box.stop(maker)
+        await asyncio.wait([maker])
+        assert maker.cancelled() and closed == [True]
+    asyncio.run(go())
+
+
+def test_a_cancel_from_inside_the_content_is_not_a_clean_end() -> None:
+    """A CancelledError the writer did not ask for ends the response as one (no final empty
+    chunk, the close told the client is gone), as it did before the outbox."""
+    async def cancelled_inside() -> AsyncIterator[bytes]:
+        yield b"a"
+        gone = asyncio.get_running_loop().create_future()
+        gone.cancel()
+        await gone
+
+    for coalesce in (False, True):
+        with pytest.raises(asyncio.CancelledError):
+            _asgi_call(EventStream(cancelled_inside(), coalesce=coalesce))

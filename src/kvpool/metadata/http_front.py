@@ -31,6 +31,10 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from kvpool.log import get_logger
+
+log = get_logger("http.front")
+
 Handler = Callable[[Request], Awaitable[Response]]
 
 
@@ -72,8 +76,7 @@ class EventStream(StreamingResponse):
             while (data := await outbox.take()) is not None:
                 await send({"type": "http.response.body", "body": data, "more_body": True})
         finally:
-            if not maker.done():
-                maker.cancel()  # the stream's generators close (and what they drive)
+            outbox.stop(maker)  # if it still runs: the stream's generators close
             await asyncio.wait([maker])
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
@@ -112,13 +115,17 @@ class Outbox:
         self._chunks: list[bytes] = []
         self._size = 0
         self._ended = False
+        self._stopping = False
         self._error: BaseException | None = None
         self._ready = asyncio.Event()
         self._room = asyncio.Event()
         self._room.set()
 
     async def fill(self, content: AsyncIterable[bytes | str | memoryview]) -> None:
-        """The maker: every chunk of `content` (str encoded as UTF-8)."""
+        """The maker: every chunk of `content` (str encoded as UTF-8). However it ends, the
+        content is closed (an async generator's `finally` blocks run here, not at a later
+        collection). What ends it, unless the writer did (`stop`), the writer raises, a
+        CancelledError from inside the content too."""
         try:
             async for chunk in content:
                 data = chunk.encode() if isinstance(chunk, str) else bytes(chunk)
@@ -128,11 +135,37 @@ class Outbox:
                 if self._size >= self.limit:
                     self._room.clear()
                     await self._room.wait()
-        except Exception as exc:  # the writer raises it, after what came before
+        except asyncio.CancelledError as exc:
+            if self._stopping:
+                raise
             self._error = exc
+        except Exception as exc:
+            self._failed(exc)
         finally:
             self._ended = True
             self._ready.set()
+            await self._close(content)
+
+    def _failed(self, exc: Exception) -> None:
+        if self._stopping:  # nobody reads it any more
+            log.warning("a stream's content failed after its writer stopped: %r", exc)
+        else:
+            self._error = exc
+
+    async def _close(self, content: object) -> None:
+        aclose = getattr(content, "aclose", None)
+        if aclose is None:
+            return
+        try:
+            await aclose()
+        except Exception as exc:
+            self._failed(exc)
+
+    def stop(self, maker: asyncio.Future[None]) -> None:
+        """The writer is done (its client gone, or cancelled): cancel the maker."""
+        self._stopping = True
+        if not maker.done():
+            maker.cancel()
 
     async def take(self) -> bytes | None:
         while not self._chunks:

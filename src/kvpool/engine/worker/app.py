@@ -13,6 +13,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 
 from kvpool.engine.core import StepOutput
 from kvpool.engine.worker import auth
@@ -35,7 +36,14 @@ from kvpool.engine.worker.messages import (
 )
 from kvpool.engine.worker.runtime import Worker
 from kvpool.engine.worker.sse_text import SseText
-from kvpool.errors import AuthError, KvpoolError, RemoteProtocolError, RequestFailed, ShuttingDown
+from kvpool.errors import (
+    AuthError,
+    InvalidArgument,
+    KvpoolError,
+    RemoteProtocolError,
+    RequestFailed,
+    ShuttingDown,
+)
 from kvpool.log import RateLimitedLog, get_logger
 from kvpool.metadata.http_front import EventStream, FastRoutes
 from kvpool.metadata.http_serving import bearer_matches, read_body
@@ -111,6 +119,8 @@ def error_reply(exc: BaseException) -> JSONResponse | None:
     is not one of these (a 500)."""
     if isinstance(exc, _Unauthorized):
         return error(401, "missing or wrong bearer token", "authentication_error")
+    if isinstance(exc, ClientDisconnect):
+        return error(400, "the client went away before its body was in", "invalid_request_error")
     if isinstance(exc, RequestValidationError | ValidationError):
         return error(400, str(exc.errors()[:3]), "invalid_request_error")
     if isinstance(exc, ShuttingDown):
@@ -207,6 +217,7 @@ def _generate_route(worker: Worker, authorized: Callable[[Request], Awaitable[No
     async def generate(request: Request) -> Response:
         try:
             await authorized(request)
+            _check_json(request.headers.get("content-type"))
             body = GenerateRequest.model_validate_json(await request.body())
             return _generate_stream(worker, needs, body)
         except Exception as exc:
@@ -216,6 +227,18 @@ def _generate_route(worker: Worker, authorized: Callable[[Request], Awaitable[No
             return reply
 
     return generate
+
+
+def _check_json(content_type: str | None) -> None:
+    """A body typed as anything but JSON is refused, as FastAPI's routes refuse it (none
+    given: read as JSON). A browser's cross-site form post (text/plain) cannot start a
+    request on a worker that runs without a token."""
+    if content_type is None:
+        return
+    kind = content_type.split(";", 1)[0].strip().lower()
+    if kind != "application/json" and not (kind.startswith("application/")
+                                           and kind.endswith("+json")):
+        raise InvalidArgument(f"the body must be application/json, not {kind or 'empty'}")
 
 
 def _generate_stream(worker: Worker, needs: Callable[..., None],
