@@ -109,5 +109,3 @@ def _fleet(model_dir: Path, length: int) -> Iterator[Fleet]:
         fleet = start_engines(stack, [("--role", role, *engine)
                                       for role in ("both", "prefill", "decode")])
         yield Fleet(*fleet.urls)
-
-

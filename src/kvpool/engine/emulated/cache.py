@@ -29,7 +29,7 @@ class ByteKVCache(KVLayout):
 
     def write(self, layer: int, kind: int, block_ids: np.ndarray, offsets: np.ndarray,
               rows: np.ndarray) -> None:
-        """Token row i of `rows` into block `block_ids[i]` at `offset[i]`, in one assignment
+        """Token row i of `rows` into block `block_ids[i]` at `offsets[i]`, in one assignment
         (a whole step's rows, every sequence of the batch)."""
         self.kv[layer, block_ids, kind, offsets] = rows
 

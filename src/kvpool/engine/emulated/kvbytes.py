@@ -22,8 +22,10 @@ import xxhash
 
 from kvpool.engine.blocks import prefix_block_hashes
 
-GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_GOLDEN, _MUL1, _MUL2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+"""splitmix64's constants, for both its forms (arrays and Python ints)."""
+GOLDEN = np.uint64(_GOLDEN)
+_M1, _M2 = np.uint64(_MUL1), np.uint64(_MUL2)
 _MASK = (1 << 64) - 1
 
 
@@ -37,9 +39,9 @@ def splitmix(x: np.ndarray) -> np.ndarray:
 
 def splitmix_int(x: int) -> int:
     """`splitmix` of one value, on Python ints (no array for a single token)."""
-    z = (x + 0x9E3779B97F4A7C15) & _MASK
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    z = (x + _GOLDEN) & _MASK
+    z = ((z ^ (z >> 30)) * _MUL1) & _MASK
+    z = ((z ^ (z >> 27)) * _MUL2) & _MASK
     return z ^ (z >> 31)
 
 
