@@ -12,6 +12,7 @@ from kvpool.serve.vllm.wire import (
     completion_body,
     read_choice,
     sse_data,
+    stream_delta,
 )
 
 
@@ -77,3 +78,48 @@ def test_errors_and_replies_vllm_does_not_send() -> None:
         sse_data("data: {not json")
     with pytest.raises(ReplyError, match="not a JSON object"):
         read_choice([1], None)
+
+
+CHUNKS = [
+    b'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":[{"index"'
+    b':0,"text":" hi","logprobs":null,"finish_reason":null,"stop_reason":null,"token_ids":[7,8]'
+    b'}],"usage":null}',
+    b'data: {"choices":[{"index":0,"text":"","token_ids":[2],"finish_reason":"stop",'
+    b'"stop_reason":2}]}',
+    b'data: {"id":"cmpl-1","choices":[],"usage":{"prompt_tokens":9,"completion_tokens":3,'
+    b'"prompt_tokens_details":{"cached_tokens":4}}}',
+    b'data: {"choices":[],"usage":{"prompt_tokens":9,"prompt_tokens_details":null}}',
+    b'data: {"choices":[{"text":"","token_ids":[]}],"kv_transfer_params":{"a":1}}',
+    b'data:{"choices":[{"token_ids":[3]}]}',
+]
+
+
+@pytest.mark.parametrize("raw", CHUNKS)
+def test_a_stream_chunk_read_fast_is_what_read_choice_reads(raw: bytes) -> None:
+    for line in (raw, raw.decode()):
+        assert stream_delta(line, None) == read_choice(sse_data(raw.decode()), None)
+
+
+@pytest.mark.parametrize("raw,match", [
+    (b'data: {"object":"error","message":"prompt too long","code":400}', "too long"),
+    (b'data: {"error":{"message":"engine dead"}}', "engine dead"),
+    (b'data: {"choices":[{"text":"hi","finish_reason":null}]}', "return_token_ids"),
+    (b'data: {not json', "malformed"),
+    (b'data: [1, 2]', "not a JSON object"),
+    (b'data: {"choices":{"text":"x"}}', "no choices"),
+])
+def test_a_stream_chunk_that_is_an_error_or_not_vllms_is_refused(raw: bytes, match: str) -> None:
+    with pytest.raises(ReplyError, match=match):
+        stream_delta(raw, None)
+
+
+def test_lines_other_than_data_and_the_done_line_add_nothing() -> None:
+    for line in (b": keep-alive", b"", b"event: x", b"data: [DONE]", "data: [DONE]"):
+        assert stream_delta(line, None) is None
+
+
+def test_a_chunk_with_logprobs_is_read_with_them() -> None:
+    raw = (b'data: {"choices":[{"text":"a","token_ids":[5],"logprobs":{"tokens":["token_id:5"],'
+           b'"token_logprobs":[-0.5],"top_logprobs":[{"token_id:5":-0.5,"token_id:9":-0.7}]}}]}')
+    got = stream_delta(raw, 1)
+    assert got is not None and got.logprobs == [TokenLogprob(5, -0.5, ((5, -0.5),))]

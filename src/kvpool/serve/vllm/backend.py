@@ -31,6 +31,7 @@ from typing import Any, Protocol
 import httpx
 
 from kvpool.engine.config import SamplingParams
+from kvpool.engine.sequence import TokenLogprob
 from kvpool.engine.worker.messages import (
     FinishLine,
     GenerateRequest,
@@ -55,7 +56,7 @@ from kvpool.serve.vllm.wire import (
     ReplyError,
     completion_body,
     read_choice,
-    sse_data,
+    stream_delta,
 )
 from kvpool.serve.worker_client import CONNECT_S
 from kvpool.serve.worker_stream import StreamCall, StreamPool, call_whole
@@ -380,7 +381,7 @@ class VllmBackend:
                                         headers=headers) as resp:
                 if resp.status_code != 200:
                     self._reply(url, resp.status_code, await resp.aread())
-                async for line in self._lines(url, resp.aiter_lines(), logprobs_k):
+                async for line in self._lines(url, _one_by_one(resp.aiter_lines()), logprobs_k):
                     yield line
         except httpx.HTTPError as exc:
             raise WorkerCallError(url, COMPLETIONS, repr(exc)) from None
@@ -402,27 +403,32 @@ class VllmBackend:
                                max_tokens=max(1, s.max_tokens - done), stream=True,
                                kv_transfer_params=req.kv_transfer_params)
 
-    async def _lines(self, url: str, raws: AsyncIterator[str],
+    async def _lines(self, url: str, batches: AsyncIterator[Sequence[str | bytes]],
                      logprobs_k: int | None) -> AsyncGenerator[TokensLine | FinishLine]:
-        """The stream's tokens (a frame per chunk), then one finish line once the stream is done (after vLLM's
-        usage chunk, which says how many prompt tokens were cached)."""
+        """The stream's tokens, a frame per read (the chunks that came in together, as one
+        engine step's would), then one finish line once the stream is done (after vLLM's usage
+        chunk, which says how many prompt tokens were cached)."""
         finish: str | None = None
         num_tokens, cached = 0, 0
-        async for raw in raws:
-            try:
-                obj = sse_data(raw)
-                if obj is None:
+        async for batch in batches:
+            ids: list[int] = []
+            lps: list[TokenLogprob | None] = []
+            for raw in batch:
+                try:
+                    delta = stream_delta(raw, logprobs_k)
+                except ReplyError as exc:
+                    raise WorkerCallError(url, COMPLETIONS, str(exc)) from None
+                if delta is None:
                     continue
-                delta = read_choice(obj, logprobs_k)
-            except ReplyError as exc:
-                raise WorkerCallError(url, COMPLETIONS, str(exc)) from None
-            if delta.token_ids:
-                num_tokens += len(delta.token_ids)
-                lps = None if all(lp is None for lp in delta.logprobs) else list(delta.logprobs)
-                yield TokensLine(token_ids=list(delta.token_ids),
-                                 t=[time.monotonic()] * len(delta.token_ids), logprobs=lps)
-            finish = delta.finish_reason or finish
-            cached = delta.num_cached_tokens if delta.num_cached_tokens is not None else cached
+                ids += delta.token_ids
+                lps += delta.logprobs
+                finish = delta.finish_reason or finish
+                cached = delta.num_cached_tokens if delta.num_cached_tokens is not None \
+                    else cached
+            if ids:
+                num_tokens += len(ids)
+                yield TokensLine(token_ids=ids, t=[time.monotonic()] * len(ids),
+                                 logprobs=None if logprobs_k is None else lps)
         if finish is not None:
             yield FinishLine(finish_reason=finish, num_output_tokens=num_tokens,
                              num_cached_tokens=cached)
@@ -432,11 +438,15 @@ class VllmBackend:
         dispatcher's leg did already."""
 
 
-async def _call_lines(call: StreamCall) -> AsyncIterator[str]:
-    """The lines of a reply read by the lean client, as text."""
+async def _call_lines(call: StreamCall) -> AsyncIterator[list[bytes]]:
+    """The lines of a reply read by the lean client, a list per read."""
     while batch := await call.next_lines():
-        for line in batch:
-            yield line.decode("utf-8", "replace")
+        yield batch
+
+
+async def _one_by_one(lines: AsyncIterator[str]) -> AsyncIterator[list[str]]:
+    async for line in lines:
+        yield [line]
 
 
 def _json(raw: bytes) -> Any:
