@@ -283,6 +283,31 @@ def test_prefill_reuses_pool_blocks(tiny_llama: Path) -> None:
     assert seq.output_ids == plain.generate([shared + [3, 4, 5]], GREEDY)[0]
 
 
+def test_as_nixl_only_a_decode_leg_loads_its_prompt_from_the_pool(tiny_llama: Path) -> None:
+    """The vLLM face's --kv-connector nixl: a request computed here loads no prefix the pool
+    holds (the instance's own cache is its reuse); a P/D decode leg loads its prompt's blocks
+    (standing in for the pull from its prefill instance), and its output is the same."""
+    store = MemoryStore()
+    shared = prompt(24, 6)
+    a, conn_a = make(tiny_llama, store, save=True)
+    a.add_request("a", shared + [1, 2], GREEDY, prefill_only=True)
+    drain(a)
+    conn_a.saver.flush()  # type: ignore[union-attr]
+    b, conn_b = make(tiny_llama, store, save=True)
+    conn_b.reads_prefixes = False
+    plain_seq = b.add_request("b", shared + [3, 4, 5], GREEDY)
+    drain(b)
+    joined = b.add_request("c", prompt(16, 8) + [1, 2], GREEDY, joins_prefilled=True)
+    a.add_request("a2", joined.token_ids[:joined.num_prompt_tokens], GREEDY, prefill_only=True)
+    drain(a)
+    conn_a.saver.flush()  # type: ignore[union-attr]
+    drain(b)
+    assert (plain_seq.num_pool_tokens, joined.num_pool_tokens) == (0, 16)
+    plain = LLMEngine.from_dir(tiny_llama, EngineConfig(block_size=BS))
+    assert [plain_seq.output_ids, joined.output_ids] == plain.generate(
+        [shared + [3, 4, 5], joined.token_ids[:joined.num_prompt_tokens]], GREEDY)
+
+
 def test_a_full_pool_fails_a_pool_prefill(tiny_llama: Path) -> None:
     prefill, conn = make(tiny_llama, FullStore(), save=True)
     conn.plans["r"] = PoolPlan()

@@ -265,6 +265,8 @@ def worker_args(spec: RunSpec, args: argparse.Namespace) -> tuple[str, ...]:
         "--max-model-len", str(EMULATED_MAX_MODEL_LEN), "--max-num-seqs", "256")
     if spec.baseline:  # priced as the simulator's colocated vLLM v0.5.1
         common = (*common, "--step-rules", "vllm")
+    if args.backend == "vllm":
+        common = (*common, "--kv-connector", args.kv_connector)
     if spec.baseline == "vllm":
         return (*common, "--prefill-mode", "whole", "--max-prefill-chunk", str(EMULATED_MAX_MODEL_LEN),
                 "--no-prefix-caching")
@@ -273,13 +275,19 @@ def worker_args(spec: RunSpec, args: argparse.Namespace) -> tuple[str, ...]:
     return (*common, "--max-prefill-chunk", str(EMULATED_MAX_MODEL_LEN), "--max-prefill-seqs", "1")
 
 
+NIXL_PROXY_ARGS = ("--pool-topic", "", "--pd-pool-wait-s", "0")
+"""A fleet on vLLM's NIXL connector: no pool its instances load prefixes from (the conductor
+prices none) and no wait for one at the handoff (the decode instance pulls the blocks)."""
+
+
 def proxy_args(spec: RunSpec, args: argparse.Namespace, cost: Path) -> tuple[str, ...]:
     s = args.speed_up
     return ("--prefill-policy", spec.policy, "--admission", spec.admission,
             "--poll-interval", str(args.poll_interval),
             "--ttft-slo", str(TTFT_SLO_S / s), "--tbt-slo", str(TBT_SLOS_S[0] / s),
             "--decode-horizon", str(10.0 / s), "--cost", str(cost),
-            *(("--direct-below-tokens", str(spec.direct_below)) if spec.direct_below else ()))
+            *(("--direct-below-tokens", str(spec.direct_below)) if spec.direct_below else ()),
+            *(NIXL_PROXY_ARGS if args.backend == "vllm" and args.kv_connector == "nixl" else ()))
 
 
 def _facts(url: str) -> WorkerFacts:
@@ -417,6 +425,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", choices=("kvpool", "vllm"), default="kvpool",
                    help="vllm: the workers serve vLLM's API (kvpool worker --api vllm) and the "
                         "proxy drives them through its vllm backend")
+    g.add_argument("--kv-connector", choices=("store", "nixl"), default="store",
+                   help="--backend vllm: the vLLM KV connector the instances act as: store "
+                        "(MooncakeStoreConnector: every instance loads the prefixes the pool "
+                        "holds, whatever the policy) or nixl (P/D moves a request's blocks from "
+                        "its prefill instance, and reuse is each instance's own cache)")
     g.add_argument("--direct-below-tokens", type=int, default=0,
                    help="also run kvcache_centric with the proxy's conditional disaggregation at "
                         "this threshold (run 9; the simulator column shows n/a)")

@@ -101,6 +101,12 @@ def _add_vllm_face_args(p: argparse.ArgumentParser) -> None:
                         '(\'{"enable_kv_cache_events": true, "publisher": "zmq", '
                         '"endpoint": "tcp://H:P", "topic": "URL"}\'; hashes seeded by '
                         "$PYTHONHASHSEED)")
+    p.add_argument("--kv-connector", choices=("store", "nixl"), default="store",
+                   help="--api vllm: which vLLM KV connector the face acts as: store (vLLM's "
+                        "MooncakeStoreConnector: every request loads the prefix the pool holds) "
+                        "or nixl (only a P/D decode leg loads, its prompt's blocks, standing in "
+                        "for NIXL's pull from the prefill instance; reuse is the instance's own "
+                        "cache alone)")
     p.add_argument("--prefix-caching-hash-algo", default="sha256",
                    choices=("sha256", "sha256_cbor"),
                    help="--api vllm: the block hashes its KV events carry")
@@ -184,6 +190,7 @@ def _app(args: argparse.Namespace, worker: Any) -> Any:
     from kvpool.engine.worker.vllm_face import block_names, create_vllm_app
 
     name = args.served_model_name or served_name(Path(worker.config.model_dir))
+    worker.connector.reads_prefixes = args.kv_connector == "store"
     algo = args.prefix_caching_hash_algo
     names = block_names(worker, name, algo)
     if not args.kv_events_config:

@@ -121,6 +121,11 @@ class PoolConnector(KVConnector):
         self.num_recomputed = 0
         """Requests whose KV the pool held damaged, computed here instead (`_recompute`)."""
         self.key_of: BlockKeyFn = block_key
+        self.reads_prefixes = True
+        """Whether a request computed here loads the prefix blocks the pool holds (a store
+        connector's lookup). False: only a P/D decode leg's prompt blocks are loaded
+        (`Sequence.joins_prefilled`), as vLLM's NIXL connector pulls the prefill instance's
+        blocks and nothing else (the vLLM face's --kv-connector nixl)."""
 
     def name_blocks(self, key_of: BlockKeyFn) -> None:
         """Key full blocks in the pool by `key_of` from now on (the vLLM face names them as
@@ -136,7 +141,8 @@ class PoolConnector(KVConnector):
     # -- loading at admission ----------------------------------------------------------------
 
     def load(self, seq: Sequence) -> KVFailure | None:
-        if seq.kv_source is KVSource.COMPUTE and not seq.reuses_kv:
+        if seq.kv_source is KVSource.COMPUTE and \
+                (not seq.reuses_kv or not (self.reads_prefixes or seq.joins_prefilled)):
             return None
         limit = (len(seq) - 1) // self.bs  # full blocks that may be loaded
         first = seq.num_computed_tokens // self.bs
