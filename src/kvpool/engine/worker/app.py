@@ -280,7 +280,9 @@ async def ndjson(outputs: AsyncGenerator[list[StepOutput]], interval: int = 1,
         async with contextlib.aclosing(outputs):
             async for outs in outputs:
                 lines = frames.add(outs)
-                if lines:
+                if len(lines) == 1:  # most steps
+                    yield ndjson_line(lines[0])
+                elif lines:
                     yield b"".join(ndjson_line(msg) for msg in lines)
                 if frames.done:
                     break

