@@ -268,13 +268,18 @@ def test_a_failed_load_names_the_blocks_left_without_kv(tiny_llama: Path) -> Non
     assert len(table) == 3 and outs[-1].error == failure.reason
 
 
+def prefilled(engine: LLMEngine, conn: PoolConnector, request_id: str,
+              prompt_ids: list[int]) -> None:
+    """`prompt_ids` prefilled on `engine`, its full blocks in the pool once this returns."""
+    engine.add_request(request_id, prompt_ids, GREEDY, prefill_only=True)
+    drain(engine)
+    conn.saver.flush()  # type: ignore[union-attr]
+
+
 def test_prefill_reuses_pool_blocks(tiny_llama: Path) -> None:
     store = MemoryStore()
     shared = prompt(24, 6)
-    a, conn_a = make(tiny_llama, store, save=True)
-    a.add_request("a", shared + [1, 2], GREEDY, prefill_only=True)
-    drain(a)
-    conn_a.saver.flush()  # type: ignore[union-attr]
+    prefilled(*make(tiny_llama, store, save=True), "a", shared + [1, 2])
     b, _ = make(tiny_llama, store, save=True)
     seq = b.add_request("b", shared + [3, 4, 5], GREEDY)
     drain(b)
@@ -290,17 +295,13 @@ def test_as_nixl_only_a_decode_leg_loads_its_prompt_from_the_pool(tiny_llama: Pa
     store = MemoryStore()
     shared = prompt(24, 6)
     a, conn_a = make(tiny_llama, store, save=True)
-    a.add_request("a", shared + [1, 2], GREEDY, prefill_only=True)
-    drain(a)
-    conn_a.saver.flush()  # type: ignore[union-attr]
+    prefilled(a, conn_a, "a", shared + [1, 2])
     b, conn_b = make(tiny_llama, store, save=True)
     conn_b.reads_prefixes = False
     plain_seq = b.add_request("b", shared + [3, 4, 5], GREEDY)
     drain(b)
     joined = b.add_request("c", prompt(16, 8) + [1, 2], GREEDY, joins_prefilled=True)
-    a.add_request("a2", joined.token_ids[:joined.num_prompt_tokens], GREEDY, prefill_only=True)
-    drain(a)
-    conn_a.saver.flush()  # type: ignore[union-attr]
+    prefilled(a, conn_a, "a2", joined.token_ids[:joined.num_prompt_tokens])  # before b steps
     drain(b)
     assert (plain_seq.num_pool_tokens, joined.num_pool_tokens) == (0, 16)
     plain = LLMEngine.from_dir(tiny_llama, EngineConfig(block_size=BS))
