@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from pathlib import Path
 
 from kvpool.serve.text import TextStream
 
@@ -92,3 +93,33 @@ def test_a_chunk_gives_the_text_its_tokens_give_one_by_one() -> None:
         assert "".join(deltas) == "".join(singles[:one.num_tokens])
         assert (many.stopped, many.num_tokens) == (one.stopped, one.num_tokens)
         assert many.flush() == one.flush() and many.text == one.text
+
+
+def test_a_piece_after_tokens_that_decode_to_nothing_keeps_its_space(tmp_path: Path) -> None:
+    """A SentencePiece-style decoder (metaspace, byte fallback, strip of the first space), its
+    byte tokens special here so that many pieces decode to nothing: the streamed text is the
+    whole output's. A piece decoded after a context that decodes to nothing lost its leading
+    space to the strip before the context reached back past such tokens: 10 of these 201
+    outputs, "The quick brown fox 🙂 jumps" among them (its emoji bytes skipped, "fox  jumps"
+    streamed as "fox jumps")."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from kvpool.serve.tokenizer import ModelTokenizer
+
+    raw = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    raw.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    raw.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                     decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    raw.train_from_iterator(["The quick brown fox jumps over the lazy dog, é 你好"] * 20,
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=[
+                                "<unk>", "<s>", *(f"<0x{i:02X}>" for i in range(256))]))
+    raw.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    tok = ModelTokenizer(tmp_path)
+    rng = random.Random(2)
+    outputs = [tok.encode("The quick brown fox \U0001f642 jumps", add_special_tokens=False)]
+    outputs += [[rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 40))]
+                for _ in range(200)]
+    for ids in outputs:
+        s = TextStream(tok.decode)
+        assert "".join(feed(s, ids)) + s.flush() == tok.decode(ids), ids

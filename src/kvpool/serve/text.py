@@ -99,9 +99,17 @@ class TextStream:
         return self._emit(full, len(full)).text
 
     def _pending(self) -> str:
-        """Text of the tokens after `_read`, decoded in the context of `_prefix.._read`."""
-        context = self._decode(self._ids[self._prefix:self._read]) if self._read > self._prefix else ""
-        return self._decode(self._ids[self._prefix:])[len(context):]
+        """Text of the tokens after `_read`, decoded in the context of `_prefix.._read`, or of
+        more tokens before when that context decodes to nothing (skipped special tokens):
+        a decoder that strips the first space of its text (SentencePiece's) would otherwise
+        strip the space of the piece after them, which decoding the whole output keeps."""
+        start, context = self._prefix, ""
+        while self._read > start:
+            context = self._decode(self._ids[start:self._read])
+            if context or start == 0:
+                break
+            start -= 1
+        return self._decode(self._ids[start:])[len(context):]
 
     def _emit(self, full: str, end: int) -> TextDelta:
         piece = full[self._emitted:end]
