@@ -123,3 +123,25 @@ def test_a_piece_after_tokens_that_decode_to_nothing_keeps_its_space(tmp_path: P
     for ids in outputs:
         s = TextStream(tok.decode)
         assert "".join(feed(s, ids)) + s.flush() == tok.decode(ids), ids
+
+
+def test_a_long_run_of_skipped_tokens_costs_a_short_decode_each(tiny_model: object) -> None:
+    """Skipped special tokens after some text (a model that repeats its end token under
+    ignore_eos) are dropped from the decoded window, so each costs a decode of a few ids, not
+    of the whole run; before any text they are kept (the whole output decodes from them)."""
+    from kvpool.serve.tokenizer import ModelTokenizer
+
+    tok = ModelTokenizer(str(tiny_model))
+    special = next(i for i in range(tok.vocab_size) if tok.decode([i]) == "")
+    for ids in (tok.encode("Hello there") + [special] * 2000 + tok.encode(" world"),
+                [special] * 50 + tok.encode(" world")):
+        decoded = 0
+
+        def counting(part: Sequence[int]) -> str:
+            nonlocal decoded
+            decoded += len(part)
+            return tok.decode(part)
+        s = TextStream(counting)
+        assert "".join(feed(s, ids)) + s.flush() == tok.decode(ids)
+        assert s.num_tokens == len(ids)
+        assert decoded < 10 * len(ids) + 50 * 50, decoded

@@ -36,8 +36,12 @@ class TextStream:
         self._stop = [s for s in stop if s]
         self._longest = max((len(s) for s in self._stop), default=0)
         self._ids: list[int] = []
+        """The output's ids as decoded: without the tokens of pieces that decoded to nothing
+        (skipped special tokens, `_advance`)."""
+        self._count = 0
+        """Output tokens pushed (counted until a stop)."""
         self._prefix = self._read = 0
-        """Token offsets: `_prefix.._read` decoded to the context of the next piece."""
+        """Offsets in `_ids`: `_prefix.._read` decoded to the context of the next piece."""
         self._full = ""
         """The output's text up to `_read` (complete characters only)."""
         self._emitted = 0
@@ -47,17 +51,17 @@ class TextStream:
 
     @property
     def num_tokens(self) -> int:
-        return len(self._ids)
+        return self._count
 
     def push(self, token_id: int) -> TextDelta:
         """Add one output token. After a stop (`stopped`), further tokens are ignored."""
         if self.stopped:
             return TextDelta("", True)
         self._ids.append(token_id)
+        self._count += 1
         piece = self._pending()
         if not piece.endswith(_PARTIAL):
-            self._full += piece
-            self._prefix, self._read = self._read, len(self._ids)
+            self._advance(piece)
         full = self._full
         if not self._stop:
             return self._emit(full, len(full))
@@ -79,8 +83,8 @@ class TextStream:
             self._ids += token_ids
             piece = self._pending()
             if not piece.endswith(_PARTIAL):
-                self._full += piece
-                self._prefix, self._read = self._read, len(self._ids)
+                self._count += len(token_ids)
+                self._advance(piece)
                 return self._emit(self._full, len(self._full))
             del self._ids[-len(token_ids):]
         texts = []
@@ -98,18 +102,26 @@ class TextStream:
         full = self._full + self._pending()
         return self._emit(full, len(full)).text
 
+    def _advance(self, piece: str) -> None:
+        """`piece` (whole characters) is the text of the tokens after `_read`: the next
+        piece's context is those tokens. An empty piece leaves the context as it was: one
+        that decodes to nothing would let a decoder that strips its text's first space
+        (SentencePiece's) strip the next piece's space, which decoding the whole output keeps.
+        After some text its tokens (skipped special tokens) are dropped, as decoding the whole
+        output drops them; before any, they are kept (the strip at the start depends on
+        them), so the next piece is decoded from the first token."""
+        if piece:
+            self._full += piece
+            self._prefix, self._read = self._read, len(self._ids)
+        elif self._full:
+            del self._ids[self._read:]
+        else:
+            self._read = len(self._ids)
+
     def _pending(self) -> str:
-        """Text of the tokens after `_read`, decoded in the context of `_prefix.._read`, or of
-        more tokens before when that context decodes to nothing (skipped special tokens):
-        a decoder that strips the first space of its text (SentencePiece's) would otherwise
-        strip the space of the piece after them, which decoding the whole output keeps."""
-        start, context = self._prefix, ""
-        while self._read > start:
-            context = self._decode(self._ids[start:self._read])
-            if context or start == 0:
-                break
-            start -= 1
-        return self._decode(self._ids[start:])[len(context):]
+        """Text of the tokens after `_read`, decoded in the context of `_prefix.._read`."""
+        context = self._decode(self._ids[self._prefix:self._read]) if self._read > self._prefix else ""
+        return self._decode(self._ids[self._prefix:])[len(context):]
 
     def _emit(self, full: str, end: int) -> TextDelta:
         piece = full[self._emitted:end]
