@@ -421,7 +421,8 @@ class VllmBackend:
                 if delta is None:
                     continue
                 ids += delta.token_ids
-                lps += delta.logprobs
+                if logprobs_k is not None:
+                    lps += delta.logprobs
                 finish = delta.finish_reason or finish
                 cached = delta.num_cached_tokens if delta.num_cached_tokens is not None \
                     else cached

@@ -34,6 +34,8 @@ PREFILL_KV_PARAMS: dict[str, Any] = {
     "remote_block_ids": None, "remote_host": None, "remote_port": None}
 """What a prefill instance is sent so that it keeps the KV for a remote decode."""
 TOKEN_ID_PREFIX = "token_id:"
+NO_TOKEN_IDS = ("the reply carries text but no token_ids: the instance is a vLLM without "
+                "return_token_ids (0.10.2 or later is needed)")
 
 
 class ReplyError(ValueError):
@@ -120,8 +122,7 @@ def read_choice(obj: Any, logprobs_k: int | None) -> ChoiceDelta:
     choice = choices[0]
     ids = choice.get("token_ids")
     if ids is None and choice.get("text"):
-        raise ReplyError("the reply carries text but no token_ids: the instance is a vLLM "
-                         "without return_token_ids (0.10.2 or later is needed)")
+        raise ReplyError(NO_TOKEN_IDS)
     delta.token_ids = [int(t) for t in ids or ()]
     delta.logprobs = _logprobs(choice.get("logprobs"), delta.token_ids, logprobs_k)
     delta.finish_reason = choice.get("finish_reason")
@@ -185,8 +186,7 @@ def _delta(chunk: _Chunk) -> ChoiceDelta:
         return delta  # the usage chunk
     choice = chunk.choices[0]
     if choice.token_ids is None and choice.text:
-        raise ReplyError("the reply carries text but no token_ids: the instance is a vLLM "
-                         "without return_token_ids (0.10.2 or later is needed)")
+        raise ReplyError(NO_TOKEN_IDS)
     delta.token_ids = choice.token_ids or []
     delta.logprobs = [None] * len(delta.token_ids)
     delta.finish_reason = choice.finish_reason
