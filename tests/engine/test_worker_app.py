@@ -1,17 +1,20 @@
 """The worker's HTTP edge in one process (FastAPI's TestClient): auth, bad bodies, roles,
-reservations."""
+reservations; and the steps a busy event loop merges (`merge_steps`)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
 
-from kvpool.engine.config import EngineConfig
+from kvpool.engine.config import EngineConfig, SamplingParams
 from kvpool.engine.worker.app import create_app
+from kvpool.engine.worker.messages import GenerateRequest
 from kvpool.engine.worker.runtime import Worker, WorkerConfig
 
 AUTH = {"Authorization": "Bearer s3cret"}
@@ -159,3 +162,34 @@ def test_frames_carry_the_responses_text_chunks_and_a_stop_string_ends_them(
     assert last["choices"][0]["finish_reason"] == "stop" and finish["finish_reason"] == "stop"
     assert stopped_ids == ids[:len(stopped_ids)] and len(stopped_ids) < 24
     assert finish["num_output_tokens"] == len(stopped_ids)
+
+
+def _step_lists(tiny_llama: Path, merge: bool) -> list[list[int]]:
+    """A colocated request's outputs as `Worker.generate` hands them over, the event loop
+    blocked for 0.5 s after the first (the engine thread keeps stepping meanwhile)."""
+    async def go() -> list[list[int]]:
+        worker = Worker(WorkerConfig(str(tiny_llama), role="both",
+                                     engine=EngineConfig(block_size=8, num_blocks=8,
+                                                         max_model_len=64)))
+        try:
+            req = GenerateRequest(request_id="m", prompt_token_ids=[5, 6, 7], merge_steps=merge,
+                                  sampling=SamplingParams(max_tokens=12, ignore_eos=True,
+                                                          temperature=0))
+            got: list[list[int]] = []
+            async for outs in worker.generate(req):
+                if not got:
+                    time.sleep(0.5)  # blocks the loop, not the engine thread
+                got.append([o.token_id for o in outs if o.token_id is not None])
+            return got
+        finally:
+            await worker.close()
+    return asyncio.run(go())
+
+
+def test_steps_waiting_for_a_busy_loop_are_merged_only_when_asked(tiny_llama: Path) -> None:
+    """merge_steps: the steps that ended while the loop was busy come as one list (one frame);
+    without it, one list per step. The same tokens either way."""
+    merged, per_step = _step_lists(tiny_llama, True), _step_lists(tiny_llama, False)
+    assert [t for ts in merged for t in ts] == [t for ts in per_step for t in ts]
+    assert len([t for ts in merged for t in ts]) == 12
+    assert all(len(ts) <= 1 for ts in per_step) and len(merged) <= 3

@@ -1,6 +1,7 @@
 """The /generate stream's frames: FrameBuilder (per step, or every N tokens after the first),
 the mailbox that wakes the event loop once per engine step, and the proxy's frame parser
-(`generate_line` over `ReplyReader`) fuzzed with seeded random frames, splits and mutations."""
+(`generate_line` over `ReplyReader`) fuzzed with seeded random frames, splits and mutations,
+and `read_frames`, which merges the plain frames of one read."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from kvpool.engine.worker.messages import (
     TokensLine,
     generate_line,
     ndjson_line,
+    read_frames,
 )
 from kvpool.errors import WorkerCallError
 from kvpool.serve.ndjson_reply import ReplyReader
@@ -183,3 +185,70 @@ def test_a_one_token_line_is_a_frame_of_one_and_misaligned_frames_are_refused() 
                 b'{"type":"tokens","token_ids":[1],"t":[1.0],"logprobs":[]}'):
         with pytest.raises(WorkerCallError, match="malformed line"):
             generate_line("http://w", bad)
+
+
+def _per_line(lines: list[bytes]) -> list[TokensLine | FinishLine]:
+    return [generate_line("http://w", line) for line in lines]
+
+
+def test_read_frames_merges_runs_of_plain_frames_and_keeps_the_rest() -> None:
+    """Seeded random streams (frames with and without logprobs, a finish line) cut at random
+    into reads: unmerged, read_frames gives generate_line's frames; merged, the same tokens,
+    stamps and logprob frames, and no two plain frames in a row from one read."""
+    rng = random.Random(11)
+    for _ in range(300):
+        lines, ids = frame_bytes(rng)
+        cuts = sorted(rng.sample(range(1, len(lines)), min(len(lines) - 1, rng.randint(0, 4))))
+        plain: list[TokensLine | FinishLine] = []
+        merged: list[TokensLine | FinishLine] = []
+        for a, b in zip([0, *cuts], [*cuts, len(lines)], strict=True):
+            one, used, error = read_frames("http://w", lines[a:b], merge=False)
+            assert (used, error) == (b - a, None)
+            plain += one
+            one, used, error = read_frames("http://w", lines[a:b])
+            assert (used, error) == (b - a, None)
+            assert not any(_plain(x) and _plain(y) for x, y in zip(one, one[1:], strict=False))
+            merged += one
+        assert plain == _per_line(lines)
+        assert _tokens(merged) == _tokens(plain) and _tokens(merged)[0] == ids
+        assert [m for m in merged if not _plain(m)] == [m for m in plain if not _plain(m)]
+
+
+def _plain(m: TokensLine | FinishLine) -> bool:
+    return isinstance(m, TokensLine) and m.logprobs is None
+
+
+def _tokens(frames: list[TokensLine | FinishLine]) -> tuple[list[int], list[float]]:
+    lines = [m for m in frames if isinstance(m, TokensLine)]
+    return [t for m in lines for t in m.token_ids], [t for m in lines for t in m.t]
+
+
+def test_read_frames_stops_at_the_finish_and_at_a_bad_line_after_its_frames() -> None:
+    plain = [b'{"type":"tokens","token_ids":[%d],"t":[1.0]}' % i for i in range(3)]
+    finish = b'{"type":"finish","finish_reason":"stop","num_output_tokens":3}'
+    frames, used, error = read_frames("http://w", [*plain, finish, plain[0]])
+    assert used == 4 and error is None
+    assert isinstance(frames[0], TokensLine) and frames[0].token_ids == [0, 1, 2]
+    assert frames[1:] == [FinishLine(finish_reason="stop", num_output_tokens=3)]
+    for bad, match in ((b'{"type":"error","error":"engine died"}', "engine died"),
+                       (b'{"type":"tokens","token_ids":[1,2],"t":[1.0]}', "malformed line")):
+        frames, used, error = read_frames("http://w", [*plain[:2], bad, plain[2]])
+        assert used == 2 and isinstance(error, WorkerCallError) and match in str(error)
+        assert frames == [TokensLine(token_ids=[0, 1], t=[1.0, 1.0])]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200), st.integers(min_value=0))
+def test_read_frames_reads_a_mangled_line_as_generate_line_does(junk: bytes, where: int) -> None:
+    """The plain frames' own reader takes nothing that generate_line would refuse, and reads
+    alike what both take."""
+    line = b'{"type":"tokens","token_ids":[3,4],"t":[1.0,1.0]}'
+    at = where % (len(line) + 1)
+    for candidate in (junk, line[:at] + junk + line[at:], line[:at]):
+        frames, used, error = read_frames("http://w", [candidate])
+        try:
+            want = generate_line("http://w", candidate)
+        except WorkerCallError as exc:
+            assert (frames, used, str(error)) == ([], 0, str(exc))
+            continue
+        assert (frames, used, error) == ([want], 1, None)

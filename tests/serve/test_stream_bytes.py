@@ -96,15 +96,62 @@ _EMPTY = ('"text":"","logprobs":null,"finish_reason":null',
           '"delta":{"content":""},"logprobs":null,"finish_reason":null')
 
 
+def _workers(cluster: ServingCluster) -> tuple[str, ...]:
+    return ("--prefill", cluster.worker_urls["prefill"][0],
+            "--decode", cluster.worker_urls["decode"][0])
+
+
+def _responses_through(cluster: ServingCluster, *flags: str) -> dict[str, str]:
+    """`responses` through a proxy of its own with `flags`, over the cluster's workers."""
+    proc, url = start_proxy(cluster.model_dir, *flags, *_workers(cluster))
+    try:
+        return responses(url, cluster.model_name)
+    finally:
+        stop(proc)
+
+
 def test_responses_equal_the_recorded_bytes(cluster: ServingCluster) -> None:
     """Recorded before frames, less the empty delta streams then sent before each finish
-    chunk (no text, no logprobs: nothing for the client)."""
+    chunk (no text, no logprobs: nothing for the client). A chunk per frame (--no-merge-frames):
+    the default merges what one read brings, so its boundaries depend on timing."""
     want = json.loads(GOLDEN.read_text())
-    got = responses(cluster.proxy_url, cluster.model_name)
+    got = _responses_through(cluster, "--no-merge-frames")
     assert sorted(got) == sorted(want)
     for name in want:
         assert got[name] == want[name], name
         assert not any(e in got[name] for e in _EMPTY), name
+
+
+def _events(body: str) -> list[dict[str, Any]]:
+    return [json.loads(e[6:]) for e in body.split("\n\n") if e.startswith("data: {")]
+
+
+def _texts(body: str) -> dict[int, str]:
+    """A masked body's text per choice: a stream's deltas joined, or the body's choices."""
+    if not body.startswith("data: "):
+        return {c["index"]: json.dumps(c, sort_keys=True) for c in json.loads(body)["choices"]}
+    out: dict[int, str] = {}
+    for event in _events(body):
+        for c in event["choices"]:
+            piece = c["delta"].get("content") if "delta" in c else c["text"]
+            out[c["index"]] = out.get(c["index"], "") + (piece or "")
+    return out
+
+
+def test_merged_frames_give_the_recorded_text_and_usage(cluster: ServingCluster) -> None:
+    """The default proxy (frames one read brings as one chunk): every response has the
+    recorded text per choice, and the recorded usage."""
+    want = json.loads(GOLDEN.read_text())
+    got = responses(cluster.proxy_url, cluster.model_name)
+    for name in want:
+        assert _texts(got[name]) == _texts(want[name]), name
+        assert _usage(got[name]) == _usage(want[name]), name
+
+
+def _usage(body: str) -> Any:
+    if not body.startswith("data: "):
+        return json.loads(body)["usage"]
+    return [e["usage"] for e in _events(body) if e.get("usage")]
 
 
 def test_text_chunks_made_by_the_decoding_workers_are_the_same_bytes(
@@ -112,13 +159,7 @@ def test_text_chunks_made_by_the_decoding_workers_are_the_same_bytes(
     """--worker-sse: the streamed choices without logprobs or echo (greedy, seeded n=3, a
     list of prompts, stop strings, chat) get their chunks from the decode worker, the rest from
     the proxy: every response equals the recorded bytes."""
-    proc, url = start_proxy(cluster.model_dir, "--worker-sse",
-                            "--prefill", cluster.worker_urls["prefill"][0],
-                            "--decode", cluster.worker_urls["decode"][0])
-    try:
-        got = responses(url, cluster.model_name)
-    finally:
-        stop(proc)
+    got = _responses_through(cluster, "--worker-sse", "--no-merge-frames")
     want = json.loads(GOLDEN.read_text())
     for name in want:
         assert got[name] == want[name], name
@@ -136,11 +177,14 @@ def test_a_stream_interval_gives_the_same_text_in_fewer_chunks(cluster: ServingC
     body = {"model": cluster.model_name, "prompt": PROMPT, "max_tokens": 24, "seed": 7,
             "temperature": 0.9, "ignore_eos": True, "cache_salt": uuid.uuid4().hex,
             "stop": ["ldone"]}
-    one = _stream_texts(cluster.proxy_url, body)
-    workers = ("--prefill", cluster.worker_urls["prefill"][0],
-               "--decode", cluster.worker_urls["decode"][0])
-    for flags in ((), ("--worker-sse",)):
-        proc, url = start_proxy(cluster.model_dir, "--stream-interval", "4", *workers, *flags)
+    proc, url = start_proxy(cluster.model_dir, "--no-merge-frames", *_workers(cluster))
+    try:
+        one = _stream_texts(url, body)
+    finally:
+        stop(proc)
+    for flags in (("--no-merge-frames",), ("--worker-sse", "--no-merge-frames")):
+        proc, url = start_proxy(cluster.model_dir, "--stream-interval", "4", *_workers(cluster),
+                                *flags)
         try:
             four = _stream_texts(url, body)
         finally:

@@ -7,7 +7,9 @@ same worker's stream and the client asking the worker straight, in one run.
 
 Through the proxy the client asks `/v1/completions` (SSE, or one JSON body for the `json*`
 loads); through nginx and straight it asks the worker's own `/generate` (its NDJSON lines) for
-the same prompt's tokens, so every way carries the same number of tokens from the same worker.
+the same prompt's tokens, so every way carries the same number of tokens from the same worker
+in the same frames (the steps the worker's loop fell behind as one, `merge_steps`, as the proxy
+asks by default).
 Rounds alternate between the ways (and their order each round), so a machine that drifts
 drifts for all. Loads: streams of 256 tokens (the CPU per relayed token), requests of 16
 tokens (the CPU per request), each at every `--concurrency`. The CPU is the relay processes'
@@ -250,7 +252,8 @@ def _generate(prompt_ids: list[int]) -> Callable[[int, int, bool], tuple[str, by
     def make(i: int, max_tokens: int, stream: bool) -> tuple[str, bytes]:
         body = {"request_id": f"bench-{pid}-{max_tokens}-{int(stream)}-{i}",
                 "prompt_token_ids": prompt_ids,
-                "sampling": {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}}
+                "sampling": {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 0},
+                "merge_steps": True}  # the frames the proxy asks for by default
         return "/generate", json.dumps(body).encode()
     return make
 

@@ -59,6 +59,9 @@ def _add_leg_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream-interval", type=int, default=_D.stream_interval, metavar="N",
                    help="kvpool workers: after a stream's first frame, one frame (one SSE "
                    "chunk) every N output tokens (default: each worker's own)")
+    p.add_argument("--no-merge-frames", dest="merge_frames", action="store_false",
+                   help="kvpool workers: one SSE chunk per frame, even when one read of a "
+                   "stream brings several (default: those of one read go as one chunk)")
     p.add_argument("--worker-sse", action="store_true",
                    help="kvpool workers: streamed single choices without logprobs or echo get "
                    "their SSE text chunks from the decoding worker, relayed as they come")
@@ -164,7 +167,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         prefill_urls=tuple(args.prefill), decode_urls=tuple(args.decode),
         colocated_urls=tuple(args.colocated), backend=args.backend,
         direct_below_tokens=args.direct_below_tokens, stream_interval=args.stream_interval,
-        worker_sse=args.worker_sse,
+        worker_sse=args.worker_sse, merge_frames=args.merge_frames,
         engine_model=args.engine_model, engine_block_size=args.engine_block_size,
         kv_events=args.kv_events, pool_topic=args.pool_topic,
         pd_pool_wait_s=args.pd_pool_wait_s, hash_algo=args.hash_algo, hash_seed=args.hash_seed,

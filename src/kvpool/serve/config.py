@@ -41,6 +41,11 @@ class ProxyConfig:
     stream_interval: int | None = None
     """kvpool workers: output tokens per frame of a decode leg after the first (fewer frames to
     relay, fewer chunks to the client); None = each worker's own --stream-interval."""
+    merge_frames: bool = True
+    """kvpool workers: the steps a decode worker's event loop fell behind go as one frame
+    (GenerateRequest.merge_steps), and the frames one read brings as one chunk, as vLLM
+    merges its outputs when its API server is behind; False: a chunk per engine step (per
+    stream interval), boundaries that do not depend on timing."""
     worker_sse: bool = False
     peer_dir: str = ""
     """`kvpool proxy --workers N`: the folder of the processes' booking sockets ("" = one

@@ -355,7 +355,8 @@ class Run:
                               sampling=sampling, first_token_id=first, kv_source=kv_source,
                               resume_output_ids=resumed,
                               kv_transfer_params=self._handoff if kv_source != "none" else None,
-                              stream_interval=self.d.config.stream_interval, sse=self.sse)
+                              stream_interval=self.d.config.stream_interval, sse=self.sse,
+                              merge_steps=self.d.config.merge_frames)
         self._decode_url = worker.url
         lines = self.d.client.generate(worker.url, req)
         skip_echo = first is not None

@@ -27,7 +27,7 @@ from kvpool.engine.worker.messages import (
     PrefillReply,
     PrefillRequest,
     TokensLine,
-    generate_line,
+    read_frames,
     reply_from,
 )
 from kvpool.errors import AuthError, WorkerCallError
@@ -60,8 +60,10 @@ class WorkerClient:
                                first_token_from_prefill=True)
 
     def __init__(self, timeout_s: float, token: str | None = None,
-                 now: Callable[[], float] = time.time) -> None:
+                 now: Callable[[], float] = time.time, merge_frames: bool = True) -> None:
         self.token, self.now, self.timeout_s = token, now, timeout_s
+        self.merge_frames = merge_frames
+        """The plain frames one read of a stream brings are one frame (`read_frames`)."""
         self.http = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=CONNECT_S),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64,
@@ -181,8 +183,8 @@ class WorkerClient:
 
     async def generate(self, url: str,
                        req: GenerateRequest) -> AsyncGenerator[TokensLine | FinishLine]:
-        """The frames of /generate; an error line, a malformed line or a broken stream
-        raises. The finish line comes once the stream has been read to its end: its connection
+        """The frames of /generate (those of one read merged, `merge_frames`); an error line,
+        a malformed line or a broken stream raises. The finish line comes once the stream has been read to its end: its connection
         then goes back to the pool for the next call (a stream left unread is a connection
         closed, and a new one, TIME-WAIT included, for every request). http:// workers are
         read by the lean client (serve/worker_stream.py), others through httpx."""
@@ -193,16 +195,19 @@ class WorkerClient:
         async with contextlib.aclosing(lines(url, body)) as batches:
             try:
                 async for batch in batches:
-                    for line in batch:
-                        if finish is not None:
-                            extra = line
-                            break
-                        msg = generate_line(url, line)
+                    if finish is not None:
+                        extra = batch[0]
+                        break
+                    frames, used, error = read_frames(url, batch, self.merge_frames)
+                    for msg in frames:
                         if isinstance(msg, FinishLine):
                             finish = msg  # yielded once the stream has ended
                         else:
                             yield msg
-                    if extra is not None:
+                    if error is not None:
+                        raise error
+                    if used < len(batch):
+                        extra = batch[used]
                         break
             except WorkerCallError as exc:
                 if finish is None:

@@ -16,6 +16,7 @@ lines carry their `type`.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
@@ -112,6 +113,11 @@ class GenerateRequest(_Request):
     stream_interval: int | None = Field(default=None, ge=1, le=MAX_STREAM_INTERVAL)
     """Output tokens per frame: the first frame goes at once, then one every this many
     tokens (and the last with the finish); None: the worker's --stream-interval."""
+    merge_steps: bool = False
+    """The steps that ended while the worker's event loop was busy elsewhere go as one frame
+    (a worker behind its engine writes, and its reader relays, one frame per wake-up instead
+    of one per step); False: a frame per step (or per `stream_interval`), whatever the
+    timing."""
 
 
 class TokenLine(_Reply):
@@ -267,6 +273,63 @@ def ndjson_line(msg: BaseModel) -> bytes:
         return b'{"type":"tokens","token_ids":%b,"t":%b}\n' % (
             _JSON.encode(msg.token_ids), _JSON.encode(msg.t))
     return msg.model_dump_json(exclude_none=True).encode() + b"\n"
+
+
+class _PlainFrame(msgspec.Struct, forbid_unknown_fields=True):
+    """A plain frame's fields (a TokensLine of ids and stamps only, the line of most steps),
+    read without pydantic. Any other field makes the line go through `generate_line`."""
+
+    type: Literal["tokens"]
+    token_ids: list[int]
+    t: list[float]
+
+
+_PLAIN_FRAME = msgspec.json.Decoder(_PlainFrame)
+
+
+def _plain_frame(line: str | bytes) -> _PlainFrame | None:
+    """`line` as a plain frame, or None (any other line, a malformed one included: for
+    `generate_line` to read or refuse with its own message)."""
+    try:
+        frame = _PLAIN_FRAME.decode(line)
+    except msgspec.DecodeError:  # a msgspec.ValidationError too
+        return None
+    return frame if frame.token_ids and len(frame.t) == len(frame.token_ids) else None
+
+
+def read_frames(url: str, lines: Sequence[str | bytes],
+                merge: bool = True) -> tuple[list[TokensLine | FinishLine], int, WorkerCallError | None]:
+    """The frames of one read of a /generate stream, up to its finish line: (frames, how many
+    of `lines` they took, the error of the line that ended them early). Lines after a finish
+    line are not read (the caller's error to report); frames before a malformed or error line
+    are returned with its error, so the caller relays them first. With `merge`, consecutive
+    plain frames become one: a reader behind the worker relays one frame per read, not one
+    per engine step, as vLLM's API server merges the outputs of the steps it fell behind."""
+    out: list[TokensLine | FinishLine] = []
+    ids: list[int] = []
+    stamps: list[float] = []
+    for i, line in enumerate(lines):
+        plain = _plain_frame(line)
+        if plain is not None and merge:
+            ids += plain.token_ids
+            stamps += plain.t
+            continue
+        if ids:
+            out.append(TokensLine(token_ids=ids, t=stamps))
+            ids, stamps = [], []
+        if plain is not None:
+            out.append(TokensLine(token_ids=plain.token_ids, t=plain.t))
+            continue
+        try:
+            msg = generate_line(url, line)
+        except WorkerCallError as exc:
+            return out, i, exc
+        out.append(msg)
+        if isinstance(msg, FinishLine):
+            return out, i + 1, None
+    if ids:
+        out.append(TokensLine(token_ids=ids, t=stamps))
+    return out, len(lines), None
 
 
 def generate_line(url: str, line: str | bytes) -> TokensLine | FinishLine:

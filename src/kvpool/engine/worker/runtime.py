@@ -305,7 +305,8 @@ class Worker:
         return reply
 
     def generate(self, req: GenerateRequest) -> AsyncGenerator[list[StepOutput]]:
-        """The request's outputs, one list per engine step."""
+        """The request's outputs, one list per engine step (with `req.merge_steps`, the steps
+        that ended while the event loop was busy elsewhere in one list)."""
         request_id, prompt, sampling = req.request_id, req.prompt_token_ids, req.sampling
         first_token, source = req.first_token_id, KVSource(req.kv_source)
         if source is not KVSource.COMPUTE and first_token is None:
@@ -337,7 +338,7 @@ class Worker:
                 engine.continue_with(seq, first_token)
             if seq.status is SeqStatus.FINISHED and source is KVSource.POOL:
                 self._drop_partial(request_id)  # done with the prefill's token: nobody reads it
-        return self._follow(request_id, add)
+        return self._follow(request_id, add, req.merge_steps)
 
     def sse_text(self, req: GenerateRequest) -> SseText | None:
         """The SSE text state of a request that asks its frames to carry the response's bytes
@@ -387,10 +388,13 @@ class Worker:
     async def _on_engine(self, fn: Any) -> Any:
         return await asyncio.wrap_future(self.loop.call(fn))
 
-    async def _follow(self, request_id: str, add: Any) -> AsyncGenerator[list[StepOutput]]:
-        """Add a request on the engine thread and yield its outputs, a list per engine step;
-        raise RequestFailed on an error (after the outputs before it) or silence; abort it if
-        the caller stops listening."""
+    async def _follow(self, request_id: str, add: Any,
+                      merge: bool = False) -> AsyncGenerator[list[StepOutput]]:
+        """Add a request on the engine thread and yield its outputs, a list per engine step
+        (`merge`: every step waiting when the loop gets to the request, in one list: a loop
+        behind the engine writes one frame per request per wake-up, not one per step); raise
+        RequestFailed on an error (after the outputs before it) or silence; abort it if the
+        caller stops listening."""
         outputs: asyncio.Queue[list[StepOutput]] = asyncio.Queue()
         listen = self.mailbox.listener(asyncio.get_running_loop(), outputs)
 
@@ -411,6 +415,8 @@ class Worker:
                 except TimeoutError:
                     raise RequestFailed(f"request {request_id} produced nothing for "
                                         f"{self.config.request_timeout_s}s") from None
+                while merge and not outputs.empty():
+                    outs = outs + outputs.get_nowait()
                 failed, finished = _scan(outs)
                 if failed is not None:
                     if failed:
