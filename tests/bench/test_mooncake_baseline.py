@@ -55,13 +55,33 @@ def test_a_ratio_below_its_band_less_the_tolerance_regresses() -> None:
 
 
 def test_a_recorded_run_widens_the_band() -> None:
-    grown = bl.add_run(BASE, {PUT: 1.1}, ["--rounds", "5"], (2.345, 3.0))
+    grown = bl.add_run(BASE, {PUT: 1.1}, ["--rounds", "5"], (2.345, 3.0), 4)
     assert grown["command"] == ["--rounds", "5"] and len(BASE["runs"]) == 3
-    assert grown["runs"][-1] == {"load": [2.35, 3.0],
+    assert grown["runs"][-1] == {"load": [2.35, 3.0], "cpus": 4,
                                  "ratios": {"put_from batched 65536 32": 1.1}}
     assert bl.bands(grown)[PUT] == bl.Band(1.1, 1.55, 1.7, 4)
-    assert bl.add_run(None, {GET: 0.9}, [], (1, 1))["runs"] == [
-        {"load": [1, 1], "ratios": {"get single 4096 1": 0.9}}]
+    assert bl.add_run(None, {GET: 0.9}, [], (1, 1), 2)["runs"] == [
+        {"load": [1, 1], "cpus": 2, "ratios": {"get single 4096 1": 0.9}}]
+
+
+def test_a_run_is_compared_with_the_runs_of_its_regime() -> None:
+    """Quiet runs (load at most one per CPU at the start and the end) against quiet runs,
+    crowded against crowded; a regime the baseline lacks against every run."""
+    base = {"runs": [{"load": [0.8, 1.9], "cpus": 2, "ratios": {"get single 4096 1": 1.5}},
+                     {"load": [1.0, 1.2], "cpus": 2, "ratios": {"get single 4096 1": 1.3}},
+                     {"load": [9.0, 12.0], "cpus": 2, "ratios": {"get single 4096 1": 0.4}},
+                     {"load": [3.0, 1.0], "ratios": {"get single 4096 1": 0.6}}]}
+    assert bl.regime((0.5, 2.0), 2) == "quiet" and bl.regime((2.1, 0.3), 2) == "crowded"
+    assert bl.bands(base, (1.0, 1.5), 2)[GET] == bl.Band(1.3, 1.4, 1.5, 2, "quiet")
+    assert bl.bands(base, (5.0, 6.0), 2)[GET] == bl.Band(0.4, 0.5, 0.6, 2, "crowded")
+    assert bl.bands(base, (5.0, 6.0), 4)[GET] == bl.Band(0.4, 0.4, 0.4, 1, "crowded")
+    assert bl.bands(base)[GET].runs == 4
+    only_quiet = {"runs": base["runs"][:2]}
+    assert bl.bands(only_quiet, (9.0, 9.0), 2)[GET] == bl.Band(1.3, 1.4, 1.5, 2, "any")
+    verdict, = bl.compare({GET: 1.0}, base, 0.2, (1.0, 1.0), 2)
+    assert verdict.regressed and verdict.floor == pytest.approx(1.04)
+    assert "over 2 quiet runs" in bl.report([verdict], 0.2)[0]
+    assert not bl.compare({GET: 1.0}, base, 0.2, (9.0, 9.0), 2)[0].regressed
 
 
 @pytest.mark.parametrize("content, complaint", [
@@ -81,11 +101,14 @@ def test_a_bad_baseline_file_is_refused_by_name(tmp_path: Path, content: str,
 
 
 def test_the_shipped_baseline_loads_and_covers_the_issue_cases() -> None:
-    cases = bl.bands(bl.load(bl.default_path()))
-    for op in ("put_from", "get_into"):
-        for size in (4096, 65536):
-            assert cases[(op, "batched", size, 32)].runs >= 3
-            assert cases[(op, "single", size, 1)].runs >= 3
+    """In both regimes: a quiet machine gets the quiet band, a crowded one the crowded."""
+    shipped = bl.load(bl.default_path())
+    for load in ((0.5, 0.5), (100.0, 100.0)):
+        cases = bl.bands(shipped, load, 2)
+        for op in ("put_from", "get_into"):
+            for size in (4096, 65536):
+                for key in ((op, "batched", size, 32), (op, "single", size, 1)):
+                    assert cases[key].runs >= 3 and cases[key].regime != "any"
 
 
 def args_for(tmp_path: Path, *extra: str) -> argparse.Namespace:

@@ -163,8 +163,8 @@ def guard(args: argparse.Namespace, figures: dict[baseline.Case, float],
     recorded, known = _baseline_files(args)
     if args.record_baseline:
         path = Path(args.record_baseline)
-        path.write_text(json.dumps(baseline.add_run(known, figures, settings(args), load),
-                                   indent=1) + "\n")
+        path.write_text(json.dumps(baseline.add_run(known, figures, settings(args), load,
+                                                    os.cpu_count() or 1), indent=1) + "\n")
         print(f"recorded in {path}", file=out)
     if recorded is None or not figures:
         return 0
@@ -176,7 +176,7 @@ def guard(args: argparse.Namespace, figures: dict[baseline.Case, float],
         print(f"not compared: recorded with --load {their_load}, this run --load {args.load}",
               file=out)
         return 0
-    verdicts = baseline.compare(figures, recorded, args.tolerance)
+    verdicts = baseline.compare(figures, recorded, args.tolerance, load, os.cpu_count() or 1)
     for line in baseline.report(verdicts, args.tolerance) or ["no case in common"]:
         print(line, file=out)
     regressed = any(v.regressed for v in verdicts)

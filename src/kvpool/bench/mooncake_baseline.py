@@ -9,9 +9,16 @@ changed. A run regresses on a case when its figure falls below the band's low en
 than `tolerance` (a fraction of it). Cases present on one side only are not compared, so a
 run with other sizes is compared on what it shares with the baseline.
 
-File format (JSON): {"command": [...], "runs": [{"load": [1 min at start, at end], "ratios":
-{case: ratio}}]}, a case written "op mode size batch" (e.g. "put_from batched 65536 32",
-batch 1 for single keys). Pure functions here; the bench does the I/O.
+The ratios move with the machine's load (on a crowded machine Mooncake's busy-polling
+threads lose more than kvpool's clients, or less, case by case), so a run is compared with
+the runs recorded in its own regime: quiet (the higher of its 1-min load averages at the start
+and the end at most one per CPU) or crowded. A baseline without runs of the run's regime
+is compared whole.
+
+File format (JSON): {"command": [...], "runs": [{"load": [1 min at start, at end], "cpus": N,
+"ratios": {case: ratio}}]}, a case written "op mode size batch" (e.g. "put_from batched 65536
+32", batch 1 for single keys; "cpus" absent: the comparing machine's). Pure functions here; the
+bench does the I/O.
 """
 
 from __future__ import annotations
@@ -31,6 +38,8 @@ Case = tuple[str, str, int, int]
 """(op, mode, object size in bytes, keys per call)."""
 
 DEFAULT_TOLERANCE = 0.2
+QUIET_LOAD_PER_CPU = 1.0
+"""A run whose higher 1-min load average (start, end) is at most this per CPU is quiet."""
 
 
 def default_path() -> Path:
@@ -41,12 +50,19 @@ def default_path() -> Path:
 
 @dataclass(frozen=True)
 class Band:
-    """The recorded figures of one case: lowest, median and highest over `runs` runs."""
+    """The recorded figures of one case: lowest, median and highest over `runs` runs (of
+    `regime`, or "any")."""
 
     low: float
     median: float
     high: float
     runs: int
+    regime: str = "any"
+
+
+def regime(load: Sequence[float], cpus: int) -> str:
+    """quiet or crowded: a run's 1-min load averages (start, end) on `cpus` CPUs."""
+    return "quiet" if max(load) <= QUIET_LOAD_PER_CPU * cpus else "crowded"
 
 
 @dataclass(frozen=True)
@@ -81,31 +97,41 @@ def run_figures(round_ratios: Mapping[tuple[str, str, int], Sequence[float]],
             for (op, mode, size), values in round_ratios.items() if values}
 
 
-def bands(baseline: Mapping[str, Any]) -> dict[Case, Band]:
-    """Each case's band over the baseline's recorded runs."""
+def bands(baseline: Mapping[str, Any], load: Sequence[float] | None = None,
+          cpus: int = 1) -> dict[Case, Band]:
+    """Each case's band over the baseline's recorded runs: with a run's `load` (on `cpus`
+    CPUs), over those of its regime if the baseline has any."""
+    runs, which = list(baseline.get("runs", [])), "any"
+    if load is not None:
+        which = regime(load, cpus)
+        alike = [r for r in runs if "load" in r and
+                 regime(r["load"], int(r.get("cpus", cpus))) == which]
+        runs, which = (alike, which) if alike else (runs, "any")
     figures: dict[Case, list[float]] = {}
-    for run in baseline.get("runs", []):
+    for run in runs:
         for name, ratio in run["ratios"].items():
             figures.setdefault(parse_case(name), []).append(float(ratio))
-    return {case: Band(min(v), statistics.median(v), max(v), len(v))
+    return {case: Band(min(v), statistics.median(v), max(v), len(v), which)
             for case, v in figures.items()}
 
 
 def compare(figures: Mapping[Case, float], baseline: Mapping[str, Any],
-            tolerance: float = DEFAULT_TOLERANCE) -> list[Verdict]:
-    """A verdict for each case of the run that the baseline holds, in the run's order."""
+            tolerance: float = DEFAULT_TOLERANCE, load: Sequence[float] | None = None,
+            cpus: int = 1) -> list[Verdict]:
+    """A verdict for each case of the run that the baseline holds, in the run's order,
+    against the runs of the run's regime (`bands`)."""
     if not 0 <= tolerance < 1:
         raise ConfigError(f"tolerance must be in [0, 1), got {tolerance}")
-    known = bands(baseline)
+    known = bands(baseline, load, cpus)
     return [Verdict(case, ratio, known[case], known[case].low * (1 - tolerance))
             for case, ratio in figures.items() if case in known]
 
 
 def add_run(baseline: Mapping[str, Any] | None, figures: Mapping[Case, float],
-            command: Sequence[str], load: Sequence[float]) -> dict[str, Any]:
+            command: Sequence[str], load: Sequence[float], cpus: int) -> dict[str, Any]:
     """The baseline with one more run recorded (a new one when `baseline` is None)."""
     out = {"command": list(command), "runs": list((baseline or {}).get("runs", []))}
-    out["runs"].append({"load": [round(x, 2) for x in load],
+    out["runs"].append({"load": [round(x, 2) for x in load], "cpus": cpus,
                         "ratios": {case_name(c): round(r, 3) for c, r in figures.items()}})
     return out
 
@@ -136,6 +162,7 @@ def report(verdicts: Sequence[Verdict], tolerance: float) -> list[str]:
         what = f"{op} {mode} {format_size(size)}" + (f" x{batch}" if mode == "batched" else "")
         word = "REGRESSION" if v.regressed else "ok"
         lines.append(f"{word:10} {what:28} kv/mc {v.ratio:5.2f}  floor {v.floor:5.2f}  (band "
-                     f"{v.band.low:.2f}-{v.band.high:.2f} over {v.band.runs} runs, "
+                     f"{v.band.low:.2f}-{v.band.high:.2f} over {v.band.runs} "
+                     f"{'' if v.band.regime == 'any' else v.band.regime + ' '}runs, "
                      f"-{tolerance:.0%})")
     return lines

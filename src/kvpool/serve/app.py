@@ -142,9 +142,10 @@ class Proxy:
         self.metrics.requests.labels(endpoint, "200").inc()
         if prep.score_only:
             return await self._scored(prep, choices, acc)
-        if prep.stream:
+        if prep.stream:  # frames merged upstream make a chunk per read: nothing to coalesce
             return EventStream(sse_stream(self, prep, choices, acc),
-                               self._on_close(acc, prep, choices), coalesce=True,
+                               self._on_close(acc, prep, choices),
+                               coalesce=not self.config.merge_frames,
                                media_type="text/event-stream",
                                headers={"Cache-Control": "no-cache"}
                                | route_headers(choices[0].run))
