@@ -9,6 +9,7 @@ from kvpool.clock import VirtualClock
 from kvpool.conductor import CostModel
 from kvpool.serve.cluster import LiveCluster
 from kvpool.serve.metrics import ProxyMetrics
+from kvpool.serve.samples import MeasuredSamples
 
 
 def restart_lines(path: Path) -> list[str]:
@@ -62,3 +63,15 @@ def test_loop_histogram_and_counter_read_as_prometheus_clients_do() -> None:
                 and ("kvpool_proxy_tbt" in line or "kvpool_proxy_output" in line)]
     assert lines(ours.render()) == lines(generate_latest(reg))
     assert 'kvpool_proxy_tbt_seconds_bucket{le="0.001"} 3.0' in lines(ours.render())
+
+
+def test_a_frame_of_several_tokens_is_a_decode_sample_per_token() -> None:
+    """A merged frame's gap is shared among its tokens: as many samples as frames of one
+    token would give, counted, and bounded as the rest."""
+    samples = MeasuredSamples(max_samples=5)
+    samples.add_decode(2, 100, 0.01)
+    samples.add_decode(3, 120, 0.004, 3)
+    assert list(samples.decode) == [(2, 100, 0.01)] + [(3, 120, 0.004)] * 3
+    samples.add_decode(3, 130, 0.002, 4)
+    assert samples.num_decode == 8 and len(samples.decode) == 5
+    assert samples.to_json()["decode"][-1] == [3, 130, 0.002]

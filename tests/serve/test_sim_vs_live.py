@@ -117,7 +117,9 @@ def test_simulated_row_uses_the_cost_fitted_to_the_replay(cluster: ServingCluste
     assert (stats.num_prefill, stats.num_decode, stats.num_colocated) == (2, 1, 0)
     assert len(cal) == 6 and sum(r.status == 200 for r in results) == 8
     assert len(stats.prefill) == 6 + 8
-    assert stats.block_size == 16 and len(stats.decode) >= 8 * 4
+    # 5 decode-leg tokens each: a gap sample per token after the leg's first frame, which may
+    # hold several (frames merged when the proxy reads behind the worker)
+    assert stats.block_size == 16 and 8 <= len(stats.decode) <= 8 * 4
 
     row = summarise(results, wall)
     c = compare(row, reqs, stats, cal)

@@ -405,10 +405,12 @@ class Run:
 
     def _decode_gap(self, last_s: float | None, num_tokens: int, now: float) -> float:
         """Record the gap since the previous decode-leg frame (received at `now`), per token
-        of this one (a step's time, at one token per step), with the decode worker's batch."""
+        of this one (a step's time, at one token per step), once for each of its tokens, with
+        the decode worker's batch."""
         if last_s is not None:
             d = self.b.decode_load
-            self.d.measured.add_decode(d.num_active, d.active_tokens, (now - last_s) / num_tokens)
+            self.d.measured.add_decode(d.num_active, d.active_tokens, (now - last_s) / num_tokens,
+                                       num_tokens)
         return now
 
     def _colocated_reuse(self, finish: FinishLine) -> None:

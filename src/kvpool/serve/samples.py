@@ -30,9 +30,11 @@ class MeasuredSamples:
         self.prefill.append((input_len, prefix_len, prefill_s, alone))
         self.num_prefill += 1
 
-    def add_decode(self, batch: int, context_tokens: int, gap_s: float) -> None:
-        self.decode.append((batch, context_tokens, gap_s))
-        self.num_decode += 1
+    def add_decode(self, batch: int, context_tokens: int, gap_s: float, count: int = 1) -> None:
+        """`count` gaps of `gap_s` each (a frame of several tokens: its gap shared among
+        them, one sample per token as frames of one would give)."""
+        self.decode.extend([(batch, context_tokens, gap_s)] * count)
+        self.num_decode += count
 
     def to_json(self) -> dict[str, Any]:
         return {"num_prefill_samples": self.num_prefill, "num_decode_samples": self.num_decode,
