@@ -89,6 +89,8 @@ def test_a_run_is_compared_with_the_runs_of_its_regime() -> None:
     ('{"runs": [{"ratios": {"put 4096": 1.0}}]}', "not 'op mode size batch'"),
     ('{"runs": [{"ratios": {"put single 4096 1": -1}}]}', "not a positive number"),
     ('{"command": []}', "runs"),
+    ('{"runs": [{"load": [], "ratios": {}}]}', "load .* is not"),
+    ('{"runs": [{"load": [1, 2], "cpus": null, "ratios": {}}]}', "cpus None is not"),
 ])
 def test_a_bad_baseline_file_is_refused_by_name(tmp_path: Path, content: str,
                                                 complaint: str) -> None:

@@ -154,3 +154,35 @@ def test_a_cancel_from_inside_the_content_is_not_a_clean_end() -> None:
     for coalesce in (False, True):
         with pytest.raises(asyncio.CancelledError):
             _asgi_call(EventStream(cancelled_inside(), coalesce=coalesce))
+
+
+def test_a_client_gone_while_a_plain_stream_sends_closes_its_generator_first() -> None:
+    """Without an outbox, a cancel that lands inside `send` (a server whose send waits for a
+    slow client) still closes the stream's generator, before `on_close` runs: its legs end
+    when the response does, not at a later collection."""
+    order: list[str] = []
+
+    async def endless() -> AsyncIterator[bytes]:
+        try:
+            while True:
+                yield b"x"
+        finally:
+            order.append("generator closed")
+
+    async def go() -> None:
+        stream = EventStream(endless())
+        stream.on_close = lambda gone: order.append(f"on_close {gone}")
+        held = asyncio.Event()
+
+        async def receive() -> dict[str, object]:
+            await held.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, object]) -> None:
+            if message.get("more_body"):
+                held.set()
+                await asyncio.Event().wait()  # blocked until the cancel comes
+
+        await stream({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
+    asyncio.run(go())
+    assert order == ["generator closed", "on_close True"]

@@ -164,7 +164,7 @@ def guard(args: argparse.Namespace, figures: dict[baseline.Case, float],
     if args.record_baseline:
         path = Path(args.record_baseline)
         path.write_text(json.dumps(baseline.add_run(known, figures, settings(args), load,
-                                                    os.cpu_count() or 1), indent=1) + "\n")
+                                                    baseline.usable_cpus()), indent=1) + "\n")
         print(f"recorded in {path}", file=out)
     if recorded is None or not figures:
         return 0
@@ -176,7 +176,8 @@ def guard(args: argparse.Namespace, figures: dict[baseline.Case, float],
         print(f"not compared: recorded with --load {their_load}, this run --load {args.load}",
               file=out)
         return 0
-    verdicts = baseline.compare(figures, recorded, args.tolerance, load, os.cpu_count() or 1)
+    verdicts = baseline.compare(figures, recorded, args.tolerance, load,
+                                baseline.usable_cpus())
     for line in baseline.report(verdicts, args.tolerance) or ["no case in common"]:
         print(line, file=out)
     regressed = any(v.regressed for v in verdicts)

@@ -24,6 +24,7 @@ bench does the I/O.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -145,6 +146,7 @@ def load(path: Path) -> dict[str, Any]:
         if not isinstance(runs, list) or not all(isinstance(r["ratios"], dict) for r in runs):
             raise TypeError("runs must be a list of objects with a 'ratios' object")
         for run in runs:
+            _check_machine(run)
             for name, ratio in run["ratios"].items():
                 parse_case(name)
                 if not isinstance(ratio, int | float) or ratio <= 0:
@@ -152,6 +154,25 @@ def load(path: Path) -> dict[str, Any]:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigError(f"baseline {path}: {exc}") from exc
     return data
+
+
+def _check_machine(run: Mapping[str, Any]) -> None:
+    """A run's `load` (two load averages) and `cpus` (a positive count), where given."""
+    load = run.get("load")
+    if load is not None and (not isinstance(load, list) or len(load) != 2 or
+                             not all(isinstance(x, int | float) and x >= 0 for x in load)):
+        raise TypeError(f"load {load!r} is not [1-min load at the start, at the end]")
+    cpus = run.get("cpus", 1)
+    if not isinstance(cpus, int) or isinstance(cpus, bool) or cpus < 1:
+        raise TypeError(f"cpus {cpus!r} is not a positive count")
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity), which the load average is shared by."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def report(verdicts: Sequence[Verdict], tolerance: float) -> list[str]:

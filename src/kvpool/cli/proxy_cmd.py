@@ -60,8 +60,9 @@ def _add_leg_args(p: argparse.ArgumentParser) -> None:
                    help="kvpool workers: after a stream's first frame, one frame (one SSE "
                    "chunk) every N output tokens (default: each worker's own)")
     p.add_argument("--no-merge-frames", dest="merge_frames", action="store_false",
-                   help="kvpool workers: one SSE chunk per frame, even when one read of a "
-                   "stream brings several (default: those of one read go as one chunk)")
+                   help="kvpool workers: one SSE chunk per engine step, even when the worker "
+                   "or the proxy fell behind (default: the steps missed go as one chunk); with "
+                   "either backend, a stream's chunks are then written together per wake-up")
     p.add_argument("--worker-sse", action="store_true",
                    help="kvpool workers: streamed single choices without logprobs or echo get "
                    "their SSE text chunks from the decoding worker, relayed as they come")

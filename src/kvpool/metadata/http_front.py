@@ -66,7 +66,12 @@ class EventStream(StreamingResponse):
 
     async def stream_response(self, send: Send) -> None:
         if not self.coalesce:
-            await super().stream_response(send)
+            try:
+                await super().stream_response(send)
+            finally:  # however it ends (a cancel inside `send` too), the content is closed now
+                aclose = getattr(self.body_iterator, "aclose", None)
+                if aclose is not None:
+                    await aclose()
             return
         await send({"type": "http.response.start", "status": self.status_code,
                     "headers": self.raw_headers})

@@ -142,10 +142,10 @@ class Proxy:
         self.metrics.requests.labels(endpoint, "200").inc()
         if prep.score_only:
             return await self._scored(prep, choices, acc)
-        if prep.stream:  # frames merged upstream make a chunk per read: nothing to coalesce
+        if prep.stream:
             return EventStream(sse_stream(self, prep, choices, acc),
                                self._on_close(acc, prep, choices),
-                               coalesce=not self.config.merge_frames,
+                               coalesce=self._coalesce(choices),
                                media_type="text/event-stream",
                                headers={"Cache-Control": "no-cache"}
                                | route_headers(choices[0].run))
@@ -188,6 +188,12 @@ class Proxy:
             return None
         return SseSpec(kind=prep.kind, id=prep.request_id, model=self.model_name, index=index,
                        stop=prep.stop)
+
+    def _coalesce(self, choices: list[Choice]) -> bool:
+        """Whether a stream's chunks go through an outbox, written together: not for one
+        choice whose frames are merged upstream (a chunk per read already; the outbox's task
+        switch would be all it adds)."""
+        return len(choices) > 1 or not self.config.merge_frames
 
     async def _start(self, prep: PreparedRequest, received_t: float) -> list[Choice]:
         """Schedule every choice, then wait for each one's first token (a failure of any ends

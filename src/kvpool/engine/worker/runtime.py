@@ -415,8 +415,10 @@ class Worker:
                 except TimeoutError:
                     raise RequestFailed(f"request {request_id} produced nothing for "
                                         f"{self.config.request_timeout_s}s") from None
-                while merge and not outputs.empty():
-                    outs = outs + outputs.get_nowait()
+                if merge and not outputs.empty():
+                    outs = list(outs)  # the mailbox's list stays as it was
+                    while not outputs.empty():
+                        outs += outputs.get_nowait()
                 failed, finished = _scan(outs)
                 if failed is not None:
                     if failed:
