@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -17,7 +18,15 @@ import pytest
 
 from kvpool.bench.http_load import Load, drive, read_reply, request_bytes
 from kvpool.bench.nginx import find_nginx, nginx_conf
-from kvpool.bench.proc_cpu import TICKS_PER_S, CpuMeter, child_pids, cpu_s, per_unit, stat_ticks
+from kvpool.bench.proc_cpu import (
+    TICKS_PER_S,
+    CpuMeter,
+    child_pids,
+    cpu_s,
+    per_unit,
+    stat_ticks,
+    thread_cpu_s,
+)
 from kvpool.bench.proxy import _completion_tokens, _loads, _ndjson_tokens, _sse_tokens, int_list
 from kvpool.bench.proxy_rows import (
     Tally,
@@ -27,6 +36,7 @@ from kvpool.bench.proxy_rows import (
     with_added_latency,
     with_ratios,
 )
+from kvpool.thread_name import name_os_thread
 from tests.support.procs import python_env
 from tests.support.require import missing
 
@@ -74,6 +84,38 @@ def test_a_meter_keeps_what_an_exited_process_had_used() -> None:
     assert meter.seconds() == used  # gone: the last reading stands
     with pytest.raises(ValueError, match="at least one pid"):
         CpuMeter([])
+
+
+def test_a_named_threads_cpu_is_metered_apart_from_its_process() -> None:
+    """The OS name a thread gives itself (the worker's engine thread does) is what /proc
+    shows, and a meter of that name counts that thread's work and not the others'."""
+    ready, done = threading.Event(), threading.Event()
+
+    def named() -> None:
+        name_os_thread("kvpool-test-burn")
+        ready.set()
+        end = time.thread_time() + 0.3
+        while time.thread_time() < end:
+            pass
+        done.wait()
+
+    worker = threading.Thread(target=named)
+    worker.start()
+    ready.wait()
+    try:
+        meter, whole = CpuMeter([os.getpid()], "kvpool-test-burn"), CpuMeter([os.getpid()])
+        meter.start()
+        whole.start()
+        end = time.thread_time() + 0.2  # this thread works too, uncounted by the named meter
+        while time.thread_time() < end:
+            pass
+        time.sleep(0.4)
+        assert 0.1 <= meter.seconds() <= 0.45
+        assert whole.seconds() >= meter.seconds() + 0.1
+        assert thread_cpu_s(os.getpid(), "no-such-thread") == 0.0
+    finally:
+        done.set()
+        worker.join()
 
 
 def test_per_unit() -> None:
@@ -241,6 +283,7 @@ def test_the_proxy_bench_runs_with_its_nginx_anchor() -> None:
         per = 256 if r["load"] == "stream256" else 16
         assert r["requests"] == 2 * (8 if per == 256 else 24) and r["tokens"] == r["requests"] * per
         assert r["req_per_s"] > 0 and r["tokens_per_s"] > 0 and r["worker_us_per_token"] > 0
+        assert 0 <= r["worker_engine_us_per_token"] <= r["worker_us_per_token"]
         assert r["relay_cpu_s"] >= 0 and r["stream_interval"] == 4 and r["engines"] == 2
         assert 0 < r["latency_p50_ms"] <= r["latency_p99_ms"]
         assert ("added_p50_ms" in r) == (r["relay"] != "direct")

@@ -4,6 +4,7 @@
                      ticks, every thread of the process summed; comm may hold spaces and ')',
                      so fields are counted after the last ')')
     /proc/PID/task/TID/children   the pids of its children (nginx's workers under its master)
+    /proc/PID/task/TID/stat       the same fields for one thread (its comm: the OS thread name)
 
 `CpuMeter` sums the user + system seconds of a fixed set of processes between `start()` and
 `seconds()`. A process that has exited counts what it had used when last read. The resolution
@@ -33,6 +34,25 @@ def cpu_s(pid: int) -> float:
     return stat_ticks(Path(f"/proc/{pid}/stat").read_text()) / TICKS_PER_S
 
 
+def stat_comm(stat: str) -> str:
+    """The `comm` of a /proc/PID/stat (or task) line: the name between the parentheses."""
+    return stat[stat.find("(") + 1:stat.rfind(")")]
+
+
+def thread_cpu_s(pid: int, comm: str) -> float:
+    """User + system CPU seconds of the threads of process `pid` named `comm` (the OS name,
+    kvpool.thread_name); 0 when none is; OSError if the process is gone."""
+    ticks, comm = 0, comm.encode()[:15].decode(errors="ignore")  # as the OS keeps it
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:  # the thread ended meanwhile
+            continue
+        if stat_comm(stat) == comm:
+            ticks += stat_ticks(stat)
+    return ticks / TICKS_PER_S
+
+
 def child_pids(pid: int) -> list[int]:
     """The pids of the live children of `pid` (every thread's list); [] if it is gone."""
     out: list[int] = []
@@ -55,19 +75,21 @@ def per_unit(cpu_seconds: float, units: int, scale: float) -> float:
 
 
 class CpuMeter:
-    """The CPU seconds `pids` use together between `start()` and `seconds()`."""
+    """The CPU seconds `pids` use together between `start()` and `seconds()` (with `thread`,
+    only their threads of that OS name)."""
 
-    def __init__(self, pids: list[int]) -> None:
+    def __init__(self, pids: list[int], thread: str | None = None) -> None:
         if not pids:
             raise ValueError("CpuMeter needs at least one pid")
         self.pids = list(pids)
+        self.thread = thread
         self._last = {p: 0.0 for p in self.pids}
         self._start = 0.0
 
     def _read(self) -> float:
         for p in self.pids:
             try:
-                self._last[p] = cpu_s(p)
+                self._last[p] = cpu_s(p) if self.thread is None else thread_cpu_s(p, self.thread)
             except OSError:  # exited: keep what it had used when last read
                 pass
         return sum(self._last.values())

@@ -43,6 +43,7 @@ from kvpool.bench.http_load import Load, drive
 from kvpool.bench.nginx import INSTALL_HINT, find_nginx, running_nginx
 from kvpool.bench.proc_cpu import CpuMeter, child_pids
 from kvpool.bench.proxy_rows import DECISION_METRIC, DIRECT, Buckets, Tally, bucket_delta, fmt, rows
+from kvpool.engine.worker.loop import ENGINE_THREAD
 from kvpool.errors import KvpoolError
 from kvpool.launch.wait import wait_for
 
@@ -162,19 +163,23 @@ def measure(relays_up: list[Relay], worker_pids: list[int],
 
 
 def _run(r: Relay, num: int, concurrency: int, max_tokens: int, stream: bool,
-         worker_pids: list[int]) -> tuple[Load, float, float, Buckets | None]:
+         worker_pids: list[int]) -> tuple[Load, float, float, Buckets | None, float]:
+    """(the load's figures, the relay's CPU, the workers', the decisions, the workers' engine
+    threads')."""
     before = _decisions(r.metrics_url)
     relay = CpuMeter(r.pids) if r.pids else None
-    worker = CpuMeter(worker_pids)
+    worker, engine = CpuMeter(worker_pids), CpuMeter(worker_pids, ENGINE_THREAD)
     if relay:
         relay.start()
     worker.start()
+    engine.start()
     load = asyncio.run(drive(HOST, r.port, lambda i: r.make(i, max_tokens, stream),
                              lambda body: r.check(body, max_tokens, stream), num, concurrency))
     relay_s, worker_s = relay.seconds() if relay else 0.0, worker.seconds()
+    engine_s = engine.seconds()
     after = _decisions(r.metrics_url)
     return load, relay_s, worker_s, \
-        bucket_delta(before, after) if before is not None and after is not None else None
+        bucket_delta(before, after) if before is not None and after is not None else None, engine_s
 
 
 def _decisions(url: str | None) -> Buckets | None:

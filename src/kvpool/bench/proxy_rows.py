@@ -35,12 +35,15 @@ class Tally:
     wall_s: float = 0.0
     relay_cpu_s: float = 0.0
     worker_cpu_s: float = 0.0
+    engine_cpu_s: float = 0.0
+    """Of worker_cpu_s, the workers' engine threads' (the step a GPU would take over)."""
     latencies_s: list[float] = field(default_factory=list)
     decisions: Buckets | None = None
     """The decision histogram's counts over these runs (None: not read for this relay)."""
 
     def add(self, load: Load, relay_cpu_s: float, worker_cpu_s: float,
-            decisions: Buckets | None = None) -> None:
+            decisions: Buckets | None = None, engine_cpu_s: float = 0.0) -> None:
+        self.engine_cpu_s += engine_cpu_s
         self.requests += load.requests
         self.tokens += load.units
         self.wall_s += load.wall_s
@@ -98,6 +101,7 @@ def rows(tallies: dict[tuple[str, str, int], Tally],
             "relay_ms_per_request": round(per_unit(t.relay_cpu_s, t.requests, 1e3), 3),
             "req_per_relay_cpu_s": round(t.requests / t.relay_cpu_s) if t.relay_cpu_s else None,
             "worker_us_per_token": round(per_unit(t.worker_cpu_s, t.tokens, 1e6), 1),
+            "worker_engine_us_per_token": round(per_unit(t.engine_cpu_s, t.tokens, 1e6), 1),
             "latency_p50_ms": round(pct(t.latencies_s, 50) * 1e3, 3),
             "latency_p99_ms": round(pct(t.latencies_s, 99) * 1e3, 3)}
         if t.decisions is not None:
@@ -138,6 +142,14 @@ def with_added_latency(out: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def worker_text(row: dict[str, Any]) -> str:
+    """The workers' CPU per token, and how much of it their engine threads spent (the
+    emulated step a GPU engine would take over; the rest is serving: HTTP, frames)."""
+    text = f"  (worker {row['worker_us_per_token']:.1f} us/token"
+    engine = row.get("worker_engine_us_per_token")
+    return text + (f", engine thread {engine:.1f})" if engine else ")")
+
+
 def fmt(row: dict[str, Any]) -> str:
     head = (f"{row['relay']:<11} {row['load']:<10} c={row['concurrency']:<3} "
             f"{row['req_per_s']:8.1f} req/s {row['tokens_per_s']:9.0f} tok/s  "
@@ -145,12 +157,12 @@ def fmt(row: dict[str, Any]) -> str:
     if "added_p50_ms" in row:
         head += f" (+{row['added_p50_ms']:.2f}/+{row['added_p99_ms']:.2f} over direct)"
     if row["relay"] == DIRECT:
-        return head + f"  (worker {row['worker_us_per_token']:.1f} us/token)"
+        return head + worker_text(row)
     line = (f"{head}  relay CPU {row['relay_us_per_token']:7.1f} us/token "
             f"{row['relay_ms_per_request']:7.3f} ms/request")
     if row.get("req_per_relay_cpu_s"):
         line += f" ({row['req_per_relay_cpu_s']} req/CPU-s)"
-    line += f"  (worker {row['worker_us_per_token']:.1f} us/token)"
+    line += worker_text(row)
     if row.get("decision_p50_us") is not None:
         line += f"  decision p50/p99 {row['decision_p50_us']}/{row['decision_p99_us']} us"
     ratio = row.get("ratio_relay_us_per_token")

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from kvpool.bench.proxy import DEFAULT_LOADS, HOST, Relay, int_list, measure
-from kvpool.bench.proxy_rows import fmt
+from kvpool.bench.proxy_rows import fmt, worker_text
 from kvpool.errors import KvpoolError
 
 SERVED = "emu"
@@ -112,8 +112,7 @@ def with_direct_ratios(out: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _fmt(row: dict[str, Any]) -> str:
     line = fmt(row)
     if row["relay"] == "vllm-direct":  # no relay: the worker's own CPU is in the brackets
-        line = line.split("  relay CPU")[0] + "  (straight to the server) " + \
-            f"(worker {row['worker_us_per_token']:.1f} us/token)"
+        line = line.split("  relay CPU")[0] + "  (straight to the server)" + worker_text(row)
     elif row.get("ratio_req_per_s"):
         line += f"  x{row['ratio_req_per_s']:.2f} req/s of straight"
     return line

@@ -14,9 +14,12 @@ from typing import Any
 from kvpool.engine.core import EngineCore, StepOutput
 from kvpool.errors import ShuttingDown
 from kvpool.log import get_logger
+from kvpool.thread_name import name_os_thread
 
 log = get_logger("engine.loop")
 Listener = Callable[[list[StepOutput]], None]
+ENGINE_THREAD = "kvpool-engine"
+"""The engine thread's name, in Python and in the OS (a benchmark charges its CPU apart)."""
 
 
 class EngineLoop:
@@ -28,7 +31,7 @@ class EngineLoop:
         self._listeners: dict[str, Listener] = {}
         self._idle_tick_s, self._on_idle, self._on_step = idle_tick_s, on_idle, on_step
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="kvpool-engine")
+        self._thread = threading.Thread(target=self._run, daemon=True, name=ENGINE_THREAD)
 
     def start(self) -> EngineLoop:
         self._thread.start()
@@ -61,6 +64,7 @@ class EngineLoop:
         self._listeners.pop(request_id, None)
 
     def _run(self) -> None:
+        name_os_thread(ENGINE_THREAD)
         while not self._stop.is_set():
             self._drain(block=not self.engine.has_work)
             if self.engine.has_work:
