@@ -12,6 +12,7 @@ from typing import Any
 
 from kvpool.engine.chat_template import compile_template, read_chat_template
 from kvpool.engine.model_files import open_tokenizer, read_json_object
+from kvpool.serve.byte_decode import ByteDecoder
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,8 @@ class ModelTokenizer:
     def __init__(self, model_dir: str | Path) -> None:
         folder = Path(model_dir)
         self._tok = open_tokenizer(folder / "tokenizer.json")
+        self._bytes = ByteDecoder.of(self._tok)
+        """A byte-level tokenizer's ids decoded by a table (serve/byte_decode.py); None else."""
         cfg = read_json_object(folder / "tokenizer_config.json")
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
@@ -54,6 +57,11 @@ class ModelTokenizer:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, token_ids: Sequence[int]) -> str:
+        if self._bytes is not None:
+            try:
+                return self._bytes(token_ids)
+            except KeyError:  # an id the table lacks: the library skips or refuses it
+                pass
         return str(self._tok.decode(list(token_ids), skip_special_tokens=True))
 
     def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
