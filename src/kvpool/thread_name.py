@@ -9,12 +9,19 @@ import ctypes
 import sys
 
 _PR_SET_NAME = 15
+_OS_NAME_BYTES = 15
+
+
+def os_name(name: str) -> str:
+    """`name` as the OS keeps a thread's name: its first 15 bytes (a character cut there
+    dropped). What /proc/PID/task/TID/comm shows for a thread named `name` here."""
+    return name.encode()[:_OS_NAME_BYTES].decode(errors="ignore")
 
 
 def name_os_thread(name: str) -> None:
     if not sys.platform.startswith("linux"):
         return
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_NAME, os_name(name).encode(), 0, 0, 0)
     except (OSError, AttributeError):  # no prctl: the thread keeps the process's name
         pass

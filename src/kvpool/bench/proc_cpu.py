@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from kvpool.thread_name import os_name
+
 TICKS_PER_S = os.sysconf("SC_CLK_TCK")
 
 
@@ -42,7 +44,7 @@ def stat_comm(stat: str) -> str:
 def thread_cpu_s(pid: int, comm: str) -> float:
     """User + system CPU seconds of the threads of process `pid` named `comm` (the OS name,
     kvpool.thread_name); 0 when none is; OSError if the process is gone."""
-    ticks, comm = 0, comm.encode()[:15].decode(errors="ignore")  # as the OS keeps it
+    ticks, comm = 0, os_name(comm)
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             stat = (task / "stat").read_text()
