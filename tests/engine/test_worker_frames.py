@@ -18,8 +18,10 @@ from kvpool.engine.core import StepOutput
 from kvpool.engine.sequence import TokenLogprob
 from kvpool.engine.worker.frames import FrameBuilder
 from kvpool.engine.worker.mailbox import StepMailbox
+from kvpool.engine.worker.sse_text import SseText
 from kvpool.engine.worker.messages import (
     FinishLine,
+    SseSpec,
     TokenLine,
     TokensLine,
     generate_line,
@@ -67,6 +69,24 @@ def test_a_frame_carries_its_logprobs_and_stamps_in_order() -> None:
     assert [lp.token_id for lp in frame.logprobs or [] if lp] == [2, 3]
     again = TokensLine.model_validate_json(frame.model_dump_json(exclude_none=True))
     assert again == frame and [one.token_id for one in again.split()] == [2, 3]
+
+
+def test_a_stop_string_ends_the_stream_with_the_prompts_reuse() -> None:
+    """With the response's SSE text made here, a stop string ends the stream at the token
+    that completes it: the finish line `stop` reports the prompt's reuse from the first
+    token's output (the engine's own finish, which carries it too, never comes)."""
+    spec = SseSpec(kind="completion", id="cmpl-1", model="m", stop=["cd"])
+    f = FrameBuilder(1, SseText(spec, lambda ids: "".join("abcdef"[i] for i in ids)))
+    # ("c" is held as the start of "cd"; "d" completes it; "e" is never reached)
+    first = StepOutput("r", 0, time_s=1.0, stats={"num_cached_tokens": 32.0,
+                                                  "num_pool_tokens": 16.0})
+    assert shape(f.add([first])) == [[0]]
+    assert shape(f.add([tok(1)])) == [[1]]
+    got = f.add([tok(2), tok(3), tok(4)])
+    assert shape(got) == [[2, 3], ("stop", 4)] and f.done
+    assert isinstance(got[1], FinishLine)
+    assert (got[1].num_cached_tokens, got[1].num_pool_tokens) == (32, 16)
+    assert got[1].sse is not None and '"finish_reason":"stop"' in got[1].sse
 
 
 def test_random_steps_and_intervals_lose_and_reorder_nothing() -> None:
@@ -212,6 +232,32 @@ def test_read_frames_merges_runs_of_plain_frames_and_keeps_the_rest() -> None:
         assert plain == _per_line(lines)
         assert _tokens(merged) == _tokens(plain) and _tokens(merged)[0] == ids
         assert [m for m in merged if not _plain(m)] == [m for m in plain if not _plain(m)]
+
+
+def test_read_frames_merges_sse_frames_into_their_text_in_order() -> None:
+    """Frames that carry SSE text (GenerateRequest.sse, held text as "") are plain frames:
+    merged, one frame per run holds the tokens, stamps and the text's events in order, as
+    the unmerged frames do; a merged run of held text carries none."""
+    rng = random.Random(23)
+    for _ in range(300):
+        lines, ids, events = [], [], []
+        for k in range(rng.randint(1, 10)):
+            frame = [rng.randint(0, 50000) for _ in range(rng.randint(1, 4))]
+            text = rng.choice(["", f'data: {{"text": "\u00e9{k}\\n\""}}\n\n'])
+            lines.append(ndjson_line(TokensLine(token_ids=frame, t=[float(k)] * len(frame),
+                                                sse=text)))
+            ids += frame
+            events.append(text)
+        cuts = sorted(rng.sample(range(1, len(lines)), min(len(lines) - 1, rng.randint(0, 3))))
+        got: list[TokensLine | FinishLine] = []
+        for a, b in zip([0, *cuts], [*cuts, len(lines)], strict=True):
+            one, used, error = read_frames("http://w", lines[a:b])
+            assert (used, error) == (b - a, None) and len(one) == 1
+            assert "".join(events[a:b]) == (one[0].sse or "")  # type: ignore[union-attr]
+            got += one
+        assert _tokens(got)[0] == ids
+        unmerged, _, _ = read_frames("http://w", lines, merge=False)
+        assert [m.sse for m in unmerged] == events  # type: ignore[union-attr]
 
 
 def _plain(m: TokensLine | FinishLine) -> bool:

@@ -40,6 +40,8 @@ class StepOutput:
     finish_reason: str | None = None
     error: str | None = None
     stats: dict[str, float] = field(default_factory=dict)
+    """The request's figures (`EngineCore.stats`): with its finish, and with its first output
+    token (the prompt's reuse is known then: a stream cut short still reports it)."""
     time_s: float = 0.0
     """The engine clock when the step that made this output ended (0 for outputs made between
     steps): TTFT and TBT are measured on these stamps, not on delivery."""
@@ -173,7 +175,9 @@ class EngineCore:
             token = choice.token_id
             seq.append(token)
             outputs.append(StepOutput(seq.request_id, token, time_s=now, logprob=choice.logprob,
-                                      prompt_logprobs=self._take_prompt_logprobs(seq)))
+                                      prompt_logprobs=self._take_prompt_logprobs(seq),
+                                      stats=self.stats(seq) if seq.num_output_tokens == 1
+                                      else {}))
             reason = self._stop_reason(seq)
             if reason is not None:
                 self._finish(seq, reason)

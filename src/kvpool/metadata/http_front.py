@@ -8,6 +8,8 @@ without FastAPI's routing, and their streams without starlette's task group.
                               (one watcher task, not an anyio task group with two); with
                               `coalesce`, the chunks made while the stream was not waiting
                               go out in one write (`Outbox`)
+    LastChunk(data)           a stream's last bytes: the end of the body goes out with them,
+                              in one write (uvicorn writes an empty end of its own otherwise)
 
 FastAPI's layers (its error, telemetry, body-limit and exit-stack middleware, the router, the
 dependency solver) cost about as much per request as the rest of a short request's own
@@ -52,6 +54,11 @@ class FastRoutes:
         await response(scope, receive, send)
 
 
+class LastChunk(bytes):
+    """The last bytes of an `EventStream`'s content: sent as the end of the body (the chunked
+    encoding's end in the same write), and the content is closed without being read on."""
+
+
 class EventStream(StreamingResponse):
     """A streamed response that ends when its client goes away: a watcher task reads the
     ASGI disconnect and cancels the task that streams (its generators then close, and with
@@ -67,7 +74,7 @@ class EventStream(StreamingResponse):
     async def stream_response(self, send: Send) -> None:
         if not self.coalesce:
             try:
-                await super().stream_response(send)
+                await self._stream_each(send)
             finally:  # however it ends (a cancel inside `send` too), the content is closed now
                 aclose = getattr(self.body_iterator, "aclose", None)
                 if aclose is not None:
@@ -83,6 +90,17 @@ class EventStream(StreamingResponse):
         finally:
             outbox.stop(maker)  # if it still runs: the stream's generators close
             await asyncio.wait([maker])
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _stream_each(self, send: Send) -> None:
+        """A send per chunk; a `LastChunk` ends the body."""
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+        async for data in self.body_iterator:
+            last = isinstance(data, LastChunk)
+            await send({"type": "http.response.body", "body": data, "more_body": not last})
+            if last:
+                return
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:

@@ -46,15 +46,16 @@ class ProxyConfig:
     (GenerateRequest.merge_steps), and the frames one read brings as one chunk, as vLLM
     merges its outputs when its API server is behind; False: a chunk per engine step (per
     stream interval), boundaries that do not depend on timing."""
-    worker_sse: bool = False
+    worker_sse: bool = True
+    """kvpool workers: a streamed choice without logprobs, echo or trace gets its text chunks
+    from its decoding worker (detokenized, stop strings applied there), relayed as they come
+    (GenerateRequest.sse); the proxy makes only the first chunk and the usage chunk. False:
+    the proxy detokenizes every choice."""
     peer_dir: str = ""
     """`kvpool proxy --workers N`: the folder of the processes' booking sockets ("" = one
     process); `peer_index` is this process's, `num_peers` N."""
     peer_index: int = 0
     num_peers: int = 1
-    """kvpool workers: a streamed single choice without logprobs or echo gets its text chunks
-    from the decoding worker (detokenized, stop strings applied there), relayed as they come
-    (GenerateRequest.sse); the proxy makes only the first chunk and the usage chunk."""
     kv_events: str | None = None
     """vllm: the ZMQ endpoint the proxy binds for the instances' KV events (tcp://HOST:PORT);
     None = no events (the conductor sees no instance's cached prefix)."""

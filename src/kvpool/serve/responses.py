@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvpool.errors import WorkerCallError
+from kvpool.metadata.http_front import LastChunk
 from kvpool.serve.access import Access
 from kvpool.serve.cancel import cancel_and_wait
 from kvpool.serve.dispatch import Run
@@ -156,23 +157,37 @@ def _trace(prep: PreparedRequest, choices: list[Choice]) -> dict[str, Any]:
                                      run.recv_t, run.kv_bytes_moved)}
 
 
+class _Finish(bytes):
+    """A choice's finish chunk: with one choice, written with what follows it (the usage
+    chunk, [DONE] and the body's end) in one write."""
+
+
 async def sse_stream(proxy: Proxy, prep: PreparedRequest, choices: list[Choice],
                      acc: Access | None = None) -> AsyncIterator[bytes]:
-    events = _choice_events(proxy, prep, choices[0]) if len(choices) == 1 else \
-        _merged([_choice_events(proxy, prep, c) for c in choices])
+    one = len(choices) == 1
+    events = _events(proxy, prep, choices[0]) if one else \
+        _merged([_events(proxy, prep, c) for c in choices])
+    tail = b""
     try:
         async for event in events:
+            if one and isinstance(event, _Finish):  # the last event of the choice
+                tail = event
+                continue
             yield event
     except WorkerCallError as exc:
         if acc is not None:
             acc.note = "worker_failed"
-        yield worker_failed(str(exc)).sse()
-        yield SSE_DONE
+        yield LastChunk(tail + worker_failed(str(exc)).sse() + SSE_DONE)
         return
     if prep.include_usage or prep.trace:
-        yield sse(usage_chunk(prep.kind, prep.request_id, proxy.model_name,
-                              usage_of(prep, choices)) | _trace(prep, choices))
-    yield SSE_DONE
+        tail += sse(usage_chunk(prep.kind, prep.request_id, proxy.model_name,
+                                usage_of(prep, choices)) | _trace(prep, choices))
+    yield LastChunk(tail + SSE_DONE)
+
+
+def _events(proxy: Proxy, prep: PreparedRequest, c: Choice) -> AsyncIterator[bytes]:
+    """A choice's SSE events: relayed from its decode worker (--worker-sse), or made here."""
+    return _relayed(proxy, prep, c) if c.run.sse is not None else _choice_events(proxy, prep, c)
 
 
 async def _relayed(proxy: Proxy, prep: PreparedRequest, c: Choice) -> AsyncIterator[bytes]:
@@ -180,6 +195,9 @@ async def _relayed(proxy: Proxy, prep: PreparedRequest, c: Choice) -> AsyncItera
     frame, by the same text stream the worker runs), then each frame's events and the finish's
     as the decoding worker made them: no detokenizing, no JSON made here per frame."""
     m, texts = proxy.metrics, TextChunks(prep.kind, prep.request_id, proxy.model_name, c.job.index)
+    if prep.kind == "chat":
+        yield sse(chunk(prep.kind, prep.request_id, proxy.model_name, "", None, first=True,
+                        index=c.job.index))
     finish: str | None = None
     async with contextlib.aclosing(c.chunks):
         delta = c.text.push_many(c.first)
@@ -199,21 +217,15 @@ async def _relayed(proxy: Proxy, prep: PreparedRequest, c: Choice) -> AsyncItera
                     yield c.run.frame_sse.encode()
     c.finish = finish or c.run.finish_reason or "stop"
     if finish is None and c.run.finish_sse is not None:
-        yield c.run.finish_sse.encode()
+        yield _Finish(c.run.finish_sse.encode())
     else:
-        yield sse(chunk(prep.kind, prep.request_id, proxy.model_name, None, c.finish,
-                        index=c.job.index))
+        yield _Finish(sse(chunk(prep.kind, prep.request_id, proxy.model_name, None, c.finish,
+                                index=c.job.index)))
 
 
 async def _choice_events(proxy: Proxy, prep: PreparedRequest,
                          c: Choice) -> AsyncIterator[bytes]:
     kind, rid, model, i = prep.kind, prep.request_id, proxy.model_name, c.job.index
-    if c.run.sse is not None:
-        if kind == "chat":
-            yield sse(chunk(kind, rid, model, "", None, first=True, index=i))
-        async for event in _relayed(proxy, prep, c):
-            yield event
-        return
     if kind == "chat":
         yield sse(chunk(kind, rid, model, "", None, first=True, index=i))
     elif prep.echo:
@@ -228,7 +240,7 @@ async def _choice_events(proxy: Proxy, prep: PreparedRequest,
             yield texts.sse(piece) if lp is None else sse(chunk(kind, rid, model, piece, None,
                                                                 index=i, logprobs=lp))
         if finish is not None:
-            yield sse(chunk(kind, rid, model, None, finish, index=i))
+            yield _Finish(sse(chunk(kind, rid, model, None, finish, index=i)))
 
 
 async def _merged(streams: list[AsyncIterator[bytes]]) -> AsyncIterator[bytes]:

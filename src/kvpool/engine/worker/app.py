@@ -45,7 +45,7 @@ from kvpool.errors import (
     ShuttingDown,
 )
 from kvpool.log import RateLimitedLog, get_logger
-from kvpool.metadata.http_front import EventStream, FastRoutes
+from kvpool.metadata.http_front import EventStream, FastRoutes, LastChunk
 from kvpool.metadata.http_serving import bearer_matches, read_body
 
 log = get_logger("engine.worker.http")
@@ -99,6 +99,8 @@ def create_app(worker: Worker, now: Callable[[], float] = time.time) -> PreAuthG
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if worker.config.role != "prefill":  # its streams' SSE text (GenerateRequest.sse)
+            worker.load_tokenizer()
         yield
         await worker.close()
 
@@ -193,7 +195,7 @@ def _add_request_routes(app: FastAPI, worker: Worker) -> None:
 
     @app.post("/generate")  # answered by _generate_route; here for 405s and the docs
     async def generate(body: GenerateRequest) -> Response:
-        return _generate_stream(worker, needs, body)
+        return await _generate_stream(worker, needs, body)
 
     @app.post("/kv/reserve", response_model=None)
     async def reserve(body: ReserveRequest) -> ReserveReply | JSONResponse:
@@ -219,7 +221,7 @@ def _generate_route(worker: Worker, authorized: Callable[[Request], Awaitable[No
             await authorized(request)
             _check_json(request.headers.get("content-type"))
             body = GenerateRequest.model_validate_json(await request.body())
-            return _generate_stream(worker, needs, body)
+            return await _generate_stream(worker, needs, body)
         except Exception as exc:
             reply = error_reply(exc)
             if reply is None:
@@ -241,14 +243,15 @@ def _check_json(content_type: str | None) -> None:
         raise InvalidArgument(f"the body must be application/json, not {kind or 'empty'}")
 
 
-def _generate_stream(worker: Worker, needs: Callable[..., None],
-                     body: GenerateRequest) -> Response:
+async def _generate_stream(worker: Worker, needs: Callable[..., None],
+                           body: GenerateRequest) -> Response:
     """The request's NDJSON stream (`ndjson`); a client that goes away ends it, and with it
     the request."""
     needs("decode", "both")
     interval = body.stream_interval or worker.config.stream_interval
+    text = await worker.sse_text(body)
     outputs = worker.generate(body)
-    return EventStream(ndjson(outputs, interval, worker.sse_text(body)),
+    return EventStream(ndjson(outputs, interval, text),
                        media_type="application/x-ndjson")
 
 
@@ -280,15 +283,16 @@ async def ndjson(outputs: AsyncGenerator[list[StepOutput]], interval: int = 1,
         async with contextlib.aclosing(outputs):
             async for outs in outputs:
                 lines = frames.add(outs)
-                if len(lines) == 1:  # most steps
-                    yield ndjson_line(lines[0])
-                elif lines:
-                    yield b"".join(ndjson_line(msg) for msg in lines)
-                if frames.done:
-                    break
+                data = ndjson_line(lines[0]) if len(lines) == 1 else \
+                    b"".join(ndjson_line(msg) for msg in lines)  # one line: most steps
+                if frames.done:  # with the end of the body, in one write
+                    yield LastChunk(data)
+                    return
+                if data:
+                    yield data
     except KvpoolError as exc:
-        yield ndjson_line(ErrorLine(error=str(exc)))
+        yield LastChunk(ndjson_line(ErrorLine(error=str(exc))))
     except Exception as exc:
         log.exception("generate failed")
-        yield ndjson_line(ErrorLine(error=f"{type(exc).__name__}: {exc}"))
+        yield LastChunk(ndjson_line(ErrorLine(error=f"{type(exc).__name__}: {exc}")))
 

@@ -33,6 +33,9 @@ class FrameBuilder:
         self.num_tokens = 0
         """Tokens in the frames made so far."""
         self._held: list[StepOutput] = []
+        self._stats: dict[str, float] = {}
+        """The request's figures, from its first token's output (for a finish at a stop
+        string, which the engine's own finish never follows)."""
 
     def add(self, outputs: list[StepOutput]) -> list[TokensLine | FinishLine]:
         """The lines to send after one step's `outputs` (of this request, in order)."""
@@ -42,6 +45,7 @@ class FrameBuilder:
         for out in outputs:
             if out.token_id is not None:
                 self._held.append(out)
+                self._stats = out.stats or self._stats
             if out.finish_reason is not None:
                 lines.extend(self._frame())
                 if not self.done:
@@ -77,14 +81,18 @@ class FrameBuilder:
                                     prompt_logprobs=None if prompt is None else list(prompt),
                                     sse=events))
         if self.text is not None and self.text.stopped:
-            lines.append(FinishLine(finish_reason="stop", num_output_tokens=self.num_tokens,
-                                    sse=self.text.finish_events("stop")))
+            lines.append(self._finish_line("stop", self._stats,
+                                           self.text.finish_events("stop")))
             self.done = True
         return lines
 
     def _finish(self, out: StepOutput) -> FinishLine:
         assert out.finish_reason is not None
         events = None if self.text is None else self.text.finish_events(out.finish_reason)
-        return FinishLine(finish_reason=out.finish_reason, num_output_tokens=self.num_tokens,
-                          num_cached_tokens=int(out.stats.get("num_cached_tokens", 0)),
-                          num_pool_tokens=int(out.stats.get("num_pool_tokens", 0)), sse=events)
+        return self._finish_line(out.finish_reason, out.stats, events)
+
+    def _finish_line(self, reason: str, stats: dict[str, float],
+                     events: str | None) -> FinishLine:
+        return FinishLine(finish_reason=reason, num_output_tokens=self.num_tokens,
+                          num_cached_tokens=int(stats.get("num_cached_tokens", 0)),
+                          num_pool_tokens=int(stats.get("num_pool_tokens", 0)), sse=events)

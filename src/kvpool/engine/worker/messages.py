@@ -267,21 +267,26 @@ _JSON = msgspec.json.Encoder()
 
 def ndjson_line(msg: BaseModel) -> bytes:
     """One /generate line's bytes. A plain frame (tokens and stamps only, the line of every
-    step of most streams) is encoded without pydantic; the same JSON either way."""
-    if isinstance(msg, TokensLine) and msg.logprobs is None and msg.prompt_logprobs is None \
-            and msg.sse is None:
-        return b'{"type":"tokens","token_ids":%b,"t":%b}\n' % (
-            _JSON.encode(msg.token_ids), _JSON.encode(msg.t))
+    step of most streams, and its SSE text with GenerateRequest.sse) is encoded without
+    pydantic; the same JSON either way."""
+    if isinstance(msg, TokensLine) and msg.logprobs is None and msg.prompt_logprobs is None:
+        if msg.sse is None:
+            return b'{"type":"tokens","token_ids":%b,"t":%b}\n' % (
+                _JSON.encode(msg.token_ids), _JSON.encode(msg.t))
+        return b'{"type":"tokens","token_ids":%b,"t":%b,"sse":%b}\n' % (
+            _JSON.encode(msg.token_ids), _JSON.encode(msg.t), _JSON.encode(msg.sse))
     return msg.model_dump_json(exclude_none=True).encode() + b"\n"
 
 
 class _PlainFrame(msgspec.Struct, forbid_unknown_fields=True):
-    """A plain frame's fields (a TokensLine of ids and stamps only, the line of most steps),
-    read without pydantic. Any other field makes the line go through `generate_line`."""
+    """A plain frame's fields (a TokensLine of ids and stamps only, the line of most steps,
+    with its SSE text where the request asked), read without pydantic. Any other field makes
+    the line go through `generate_line`."""
 
     type: Literal["tokens"]
     token_ids: list[int]
     t: list[float]
+    sse: str | None = None
 
 
 _PLAIN_FRAME = msgspec.json.Decoder(_PlainFrame)
@@ -308,17 +313,20 @@ def read_frames(url: str, lines: Sequence[str | bytes],
     out: list[TokensLine | FinishLine] = []
     ids: list[int] = []
     stamps: list[float] = []
+    texts: list[str] = []
     for i, line in enumerate(lines):
         plain = _plain_frame(line)
         if plain is not None and merge:
             ids += plain.token_ids
             stamps += plain.t
+            if plain.sse:
+                texts.append(plain.sse)
             continue
         if ids:
-            out.append(TokensLine(token_ids=ids, t=stamps))
-            ids, stamps = [], []
+            out.append(_merged(ids, stamps, texts))
+            ids, stamps, texts = [], [], []
         if plain is not None:
-            out.append(TokensLine(token_ids=plain.token_ids, t=plain.t))
+            out.append(TokensLine(token_ids=plain.token_ids, t=plain.t, sse=plain.sse))
             continue
         try:
             msg = generate_line(url, line)
@@ -328,8 +336,13 @@ def read_frames(url: str, lines: Sequence[str | bytes],
         if isinstance(msg, FinishLine):
             return out, i + 1, None
     if ids:
-        out.append(TokensLine(token_ids=ids, t=stamps))
+        out.append(_merged(ids, stamps, texts))
     return out, len(lines), None
+
+
+def _merged(ids: list[int], stamps: list[float], texts: list[str]) -> TokensLine:
+    """One frame of consecutive plain frames: their tokens, stamps and SSE text in order."""
+    return TokensLine(token_ids=ids, t=stamps, sse="".join(texts) if texts else None)
 
 
 def generate_line(url: str, line: str | bytes) -> TokensLine | FinishLine:

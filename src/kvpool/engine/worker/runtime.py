@@ -137,8 +137,9 @@ class Worker:
         self.http = httpx.AsyncClient(timeout=config.remote_timeout_s,
                                       limits=httpx.Limits(keepalive_expiry=CLIENT_KEEPALIVE_S))
         self.peers = PeerCalls(self.http, config.token, wall_clock)
-        self._tokenizer: ModelTokenizer | None = None
-        """Loaded for the first request that asks for SSE text (GenerateRequest.sse)."""
+        self._tokenizer: asyncio.Future[ModelTokenizer] | None = None
+        """Loaded off the event loop, once (`load_tokenizer`), for the SSE text of the requests
+        that ask (GenerateRequest.sse)."""
 
     def _connect(self) -> tuple[StoreClient | None, TransferEngine]:
         from kvpool.store.client.config import ClientConfig
@@ -340,17 +341,27 @@ class Worker:
                 self._drop_partial(request_id)  # done with the prefill's token: nobody reads it
         return self._follow(request_id, add, req.merge_steps)
 
-    def sse_text(self, req: GenerateRequest) -> SseText | None:
+    def load_tokenizer(self) -> asyncio.Future[ModelTokenizer]:
+        """The model's tokenizer, loaded in a thread the first time it is asked for (a
+        decoding worker asks as it starts, so the first stream that needs it does not wait
+        for its load and its byte table's check)."""
+        if self._tokenizer is None:
+            from kvpool.serve.tokenizer import ModelTokenizer
+
+            self._tokenizer = asyncio.ensure_future(
+                asyncio.to_thread(ModelTokenizer, self.config.model_dir))
+            self._tokenizer.add_done_callback(_retrieved)
+        return self._tokenizer
+
+    async def sse_text(self, req: GenerateRequest) -> SseText | None:
         """The SSE text state of a request that asks its frames to carry the response's bytes
         (`req.sse`), after the output the client has; None otherwise."""
         if req.sse is None:
             return None
         from kvpool.engine.worker.sse_text import SseText
-        from kvpool.serve.tokenizer import ModelTokenizer
 
-        if self._tokenizer is None:
-            self._tokenizer = ModelTokenizer(self.config.model_dir)
-        return SseText(req.sse, self._tokenizer.decode, req.resume_output_ids,
+        tokenizer = await asyncio.shield(self.load_tokenizer())
+        return SseText(req.sse, tokenizer.decode, req.resume_output_ids,
                        skip=int(req.first_token_id is not None))
 
     async def _already_over(self, request_id: str,
@@ -456,3 +467,10 @@ def _load_report(engine: EngineCore) -> dict[str, Any]:
             "free_kv_tokens": engine.blocks.num_free_blocks * bs,
             "kv_capacity_tokens": engine.config.kv_capacity_tokens,
             "engine_lost_s": round(engine.lost_s, 6)}
+
+
+def _retrieved(done: asyncio.Future[Any]) -> None:
+    """A load that failed raises for each request that awaits it, and is not logged as an
+    exception nobody retrieved where none did."""
+    if not done.cancelled():
+        done.exception()
