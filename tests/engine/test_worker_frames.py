@@ -18,7 +18,6 @@ from kvpool.engine.core import StepOutput
 from kvpool.engine.sequence import TokenLogprob
 from kvpool.engine.worker.frames import FrameBuilder
 from kvpool.engine.worker.mailbox import StepMailbox
-from kvpool.engine.worker.sse_text import SseText
 from kvpool.engine.worker.messages import (
     FinishLine,
     SseSpec,
@@ -28,6 +27,7 @@ from kvpool.engine.worker.messages import (
     ndjson_line,
     read_frames,
 )
+from kvpool.engine.worker.sse_text import SseText
 from kvpool.errors import WorkerCallError
 from kvpool.serve.ndjson_reply import ReplyReader
 
