@@ -37,6 +37,7 @@ except ImportError:  # pragma: no cover - httptools not installed
     HttpToolsProtocol = None  # type: ignore[assignment,misc]
 
 from kvpool.errors import ConfigError, InvalidArgument
+from kvpool.metadata.held_head import HeldHead
 from kvpool.log import RateLimitedLog, get_logger
 
 LOG_INTERVAL_S = 5.0
@@ -91,8 +92,12 @@ class _Defences(_ProtocolBase):
     head_timeout_s = 10.0
     body_idle_s = 2.0
     max_concurrency = 256
+    hold_heads = False
+    """Write each response's head with its body's first bytes (`HeldHead`)."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        if self.hold_heads:
+            transport = HeldHead(transport, self.loop)  # type: ignore[assignment]
         super().connection_made(transport)
         self.data_since = self.loop.time()
         self.timeout_keep_alive_task = self.loop.call_later(
@@ -162,7 +167,10 @@ class _SilentConnectionTimeout(_Defences, H11Protocol):
 _HttpToolsDefences: type | None = None
 if HttpToolsProtocol is not None:
     class _HttpToolsDefences(_Defences, HttpToolsProtocol):  # type: ignore[no-redef,misc]
-        """The defences over uvicorn's httptools protocol."""
+        """The defences over uvicorn's httptools protocol (the servers on the per-token
+        path), a response's head written with its first body bytes."""
+
+        hold_heads = True
 
 
 def fast_stack() -> tuple[str, bool]:
