@@ -28,9 +28,12 @@ T = TypeVar("T")
 
 
 class IdleTimeout:
-    __slots__ = ("_task", "_started", "_limit", "_timer", "_due", "_expired")
+    __slots__ = ("_loop", "_task", "_started", "_limit", "_timer", "_due", "_expired")
 
     def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        """The loop of the first await (the stream's): asked once, as asking the running
+        loop costs a getpid() system call each time on Python 3.11."""
         self._task: asyncio.Task[object] | None = None
         """The task whose await is in progress (None between awaits)."""
         self._started = self._limit = 0.0
@@ -42,8 +45,8 @@ class IdleTimeout:
     async def wait(self, aw: Awaitable[T], limit_s: float) -> T:
         """`await aw`, or TimeoutError once it has waited `limit_s`. A timer set for a later
         time (an earlier, longer limit) is set again for this one's."""
-        loop = asyncio.get_running_loop()
-        task = asyncio.current_task()
+        loop = self._loop or self._bind()
+        task = asyncio.current_task(loop)
         assert task is not None
         self._task, self._started, self._limit, self._expired = task, loop.time(), limit_s, False
         due = self._started + limit_s
@@ -75,12 +78,16 @@ class IdleTimeout:
         if task is None:  # no await in progress: the next one sets the timer again
             return
         due = self._started + self._limit
-        loop = asyncio.get_running_loop()
+        loop = self._loop or self._bind()
         if loop.time() >= due:
             self._expired = True
             task.cancel()
         else:
             self._arm(loop, due)
+
+    def _bind(self) -> asyncio.AbstractEventLoop:
+        self._loop = asyncio.get_running_loop()
+        return self._loop
 
     @property
     def armed(self) -> bool:

@@ -39,6 +39,8 @@ class LegWatch:
         self.worker, self.call = worker, call
         self._reader: asyncio.Task[object] | None = None
         self._fired = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        """The leg's loop, asked once (each ask is a getpid() system call on Python 3.11)."""
         worker.down.subscribe(self._on_down)
 
     def _on_down(self) -> None:
@@ -52,7 +54,9 @@ class LegWatch:
         if self._fired or self.worker.down.is_set():
             _close(aw)
             raise WorkerCallError(self.worker.url, self.call, OUT_OF_ROTATION)
-        reader = asyncio.current_task()
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        reader = asyncio.current_task(self._loop)
         assert reader is not None
         self._reader = reader
         try:
