@@ -20,6 +20,8 @@ from kvpool.engine.worker.frames import FrameBuilder
 from kvpool.engine.worker.mailbox import StepMailbox
 from kvpool.engine.worker.messages import (
     FinishLine,
+    Frame,
+    PlainFrame,
     SseSpec,
     TokenLine,
     TokensLine,
@@ -40,8 +42,8 @@ def end(reason: str = "length") -> StepOutput:
     return StepOutput("r", None, reason, stats={"num_cached_tokens": 4.0})
 
 
-def shape(lines: list[TokensLine | FinishLine]) -> list[object]:
-    return [line.token_ids if isinstance(line, TokensLine) else
+def shape(lines: list[Frame | FinishLine]) -> list[object]:
+    return [line.token_ids if isinstance(line, Frame) else
             (line.finish_reason, line.num_output_tokens) for line in lines]
 
 
@@ -51,7 +53,7 @@ def test_interval_one_is_a_frame_per_step() -> None:
     assert shape(f.add([tok(2, 2.0)])) == [[2]]
     got = f.add([tok(3, 3.0), end()])
     assert shape(got) == [[3], ("length", 3)]
-    assert isinstance(got[0], TokensLine) and got[0].t == [3.0] and got[0].logprobs is None
+    assert isinstance(got[0], PlainFrame) and got[0].t == [3.0] and got[0].logprobs is None
     assert isinstance(got[1], FinishLine) and got[1].num_cached_tokens == 4
 
 
@@ -99,7 +101,7 @@ def test_random_steps_and_intervals_lose_and_reorder_nothing() -> None:
         steps[-1] = [*steps[-1], end()]
         f = FrameBuilder(interval)
         lines = [line for s in steps for line in f.add(s)]
-        frames = [x for x in lines if isinstance(x, TokensLine)]
+        frames = [x for x in lines if isinstance(x, Frame)]
         assert [t for x in frames for t in x.token_ids] == list(range(n))
         assert frames[0].token_ids == [o.token_id for o in steps[0] if o.token_id is not None]
         assert all(len(x.token_ids) >= interval for x in frames[1:-1])
@@ -165,7 +167,7 @@ def test_frames_read_back_whatever_the_chunking_and_splits() -> None:
             at += step
             got += [generate_line("http://w", line) for line in reader.lines()]
         assert reader.done
-        assert [t for m in got if isinstance(m, TokensLine) for t in m.token_ids] == ids
+        assert [t for m in got if isinstance(m, Frame) for t in m.token_ids] == ids
         assert isinstance(got[-1], FinishLine)
 
 
@@ -207,6 +209,12 @@ def test_a_one_token_line_is_a_frame_of_one_and_misaligned_frames_are_refused() 
             generate_line("http://w", bad)
 
 
+def as_lines(frames: list[Frame | FinishLine]) -> list[TokensLine | FinishLine]:
+    """Plain frames as the TokensLine of the same JSON (what generate_line reads)."""
+    return [TokensLine(token_ids=m.token_ids, t=m.t, sse=m.sse) if isinstance(m, PlainFrame)
+            else m for m in frames]
+
+
 def _per_line(lines: list[bytes]) -> list[TokensLine | FinishLine]:
     return [generate_line("http://w", line) for line in lines]
 
@@ -219,8 +227,8 @@ def test_read_frames_merges_runs_of_plain_frames_and_keeps_the_rest() -> None:
     for _ in range(300):
         lines, ids = frame_bytes(rng)
         cuts = sorted(rng.sample(range(1, len(lines)), min(len(lines) - 1, rng.randint(0, 4))))
-        plain: list[TokensLine | FinishLine] = []
-        merged: list[TokensLine | FinishLine] = []
+        plain: list[Frame | FinishLine] = []
+        merged: list[Frame | FinishLine] = []
         for a, b in zip([0, *cuts], [*cuts, len(lines)], strict=True):
             one, used, error = read_frames("http://w", lines[a:b], merge=False)
             assert (used, error) == (b - a, None)
@@ -229,7 +237,7 @@ def test_read_frames_merges_runs_of_plain_frames_and_keeps_the_rest() -> None:
             assert (used, error) == (b - a, None)
             assert not any(_plain(x) and _plain(y) for x, y in zip(one, one[1:], strict=False))
             merged += one
-        assert plain == _per_line(lines)
+        assert as_lines(plain) == _per_line(lines)
         assert _tokens(merged) == _tokens(plain) and _tokens(merged)[0] == ids
         assert [m for m in merged if not _plain(m)] == [m for m in plain if not _plain(m)]
 
@@ -249,7 +257,7 @@ def test_read_frames_merges_sse_frames_into_their_text_in_order() -> None:
             ids += frame
             events.append(text)
         cuts = sorted(rng.sample(range(1, len(lines)), min(len(lines) - 1, rng.randint(0, 3))))
-        got: list[TokensLine | FinishLine] = []
+        got: list[Frame | FinishLine] = []
         for a, b in zip([0, *cuts], [*cuts, len(lines)], strict=True):
             one, used, error = read_frames("http://w", lines[a:b])
             assert (used, error) == (b - a, None) and len(one) == 1
@@ -260,12 +268,12 @@ def test_read_frames_merges_sse_frames_into_their_text_in_order() -> None:
         assert [m.sse for m in unmerged] == events  # type: ignore[union-attr]
 
 
-def _plain(m: TokensLine | FinishLine) -> bool:
-    return isinstance(m, TokensLine) and m.logprobs is None
+def _plain(m: Frame | FinishLine) -> bool:
+    return isinstance(m, Frame) and m.logprobs is None
 
 
-def _tokens(frames: list[TokensLine | FinishLine]) -> tuple[list[int], list[float]]:
-    lines = [m for m in frames if isinstance(m, TokensLine)]
+def _tokens(frames: list[Frame | FinishLine]) -> tuple[list[int], list[float]]:
+    lines = [m for m in frames if isinstance(m, Frame)]
     return [t for m in lines for t in m.token_ids], [t for m in lines for t in m.t]
 
 
@@ -274,13 +282,13 @@ def test_read_frames_stops_at_the_finish_and_at_a_bad_line_after_its_frames() ->
     finish = b'{"type":"finish","finish_reason":"stop","num_output_tokens":3}'
     frames, used, error = read_frames("http://w", [*plain, finish, plain[0]])
     assert used == 4 and error is None
-    assert isinstance(frames[0], TokensLine) and frames[0].token_ids == [0, 1, 2]
+    assert isinstance(frames[0], PlainFrame) and frames[0].token_ids == [0, 1, 2]
     assert frames[1:] == [FinishLine(finish_reason="stop", num_output_tokens=3)]
     for bad, match in ((b'{"type":"error","error":"engine died"}', "engine died"),
                        (b'{"type":"tokens","token_ids":[1,2],"t":[1.0]}', "malformed line")):
         frames, used, error = read_frames("http://w", [*plain[:2], bad, plain[2]])
         assert used == 2 and isinstance(error, WorkerCallError) and match in str(error)
-        assert frames == [TokensLine(token_ids=[0, 1], t=[1.0, 1.0])]
+        assert frames == [PlainFrame([0, 1], [1.0, 1.0])]
 
 
 @settings(max_examples=300, deadline=None)
@@ -297,4 +305,4 @@ def test_read_frames_reads_a_mangled_line_as_generate_line_does(junk: bytes, whe
         except WorkerCallError as exc:
             assert (frames, used, str(error)) == ([], 0, str(exc))
             continue
-        assert (frames, used, error) == ([want], 1, None)
+        assert (as_lines(frames), used, error) == ([want], 1, None)

@@ -11,7 +11,13 @@ from contextlib import asynccontextmanager
 import pytest
 
 from kvpool.engine.config import SamplingParams
-from kvpool.engine.worker.messages import FinishLine, GenerateRequest, PrefillRequest, TokensLine
+from kvpool.engine.worker.messages import (
+    FinishLine,
+    Frame,
+    GenerateRequest,
+    PlainFrame,
+    PrefillRequest,
+)
 from kvpool.errors import WorkerCallError
 from kvpool.serve.worker_client import WorkerClient
 
@@ -72,7 +78,7 @@ def _request(i: int) -> GenerateRequest:
                            sampling=SamplingParams(max_tokens=2))
 
 
-async def _all(client: WorkerClient, url: str, i: int) -> list[TokensLine | FinishLine]:
+async def _all(client: WorkerClient, url: str, i: int) -> list[Frame | FinishLine]:
     return [line async for line in client.generate(url, _request(i))]
 
 
@@ -83,11 +89,11 @@ def test_streams_are_read_to_the_end_and_reuse_one_connection() -> None:
             async with ndjson_server(LINES) as (url, accepted):
                 for i in range(3):
                     got = await _all(client, url, i)
-                    assert [type(g).__name__ for g in got] == ["TokensLine", "TokensLine",
+                    assert [type(g).__name__ for g in got] == ["PlainFrame", "TokensLine",
                                                                "FinishLine"]
-                    assert isinstance(got[0], TokensLine) and got[0].token_ids == [5, 6]
+                    assert isinstance(got[0], PlainFrame) and got[0].token_ids == [5, 6]
                     assert got[0].t == [1.5, 1.5]
-                    assert isinstance(got[1], TokensLine) and got[1].token_ids == [7]
+                    assert isinstance(got[1], Frame) and got[1].token_ids == [7]
                     assert isinstance(got[2], FinishLine) and got[2].num_output_tokens == 3
                 assert len(accepted) == 1
         finally:

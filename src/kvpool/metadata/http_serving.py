@@ -37,8 +37,8 @@ except ImportError:  # pragma: no cover - httptools not installed
     HttpToolsProtocol = None  # type: ignore[assignment,misc]
 
 from kvpool.errors import ConfigError, InvalidArgument
-from kvpool.metadata.held_head import HeldHead
 from kvpool.log import RateLimitedLog, get_logger
+from kvpool.metadata.held_head import HeldHead
 
 LOG_INTERVAL_S = 5.0
 _ACCEPT_FAILED = "socket.accept() out of system resource"

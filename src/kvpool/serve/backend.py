@@ -27,12 +27,12 @@ from kvpool.conductor import PrefixLookup
 from kvpool.engine.config import SamplingParams
 from kvpool.engine.worker.messages import (
     FinishLine,
+    Frame,
     GenerateRequest,
     InfoReply,
     LoadReply,
     PrefillReply,
     PrefillRequest,
-    TokensLine,
 )
 
 
@@ -109,7 +109,7 @@ class EngineBackend(Protocol):
         in the pool, which its store connector writes after the reply). The seconds held, or None where there is nothing to wait for (kvpool: the
         prefill's reply promises the KV is in place)."""
 
-    def generate(self, url: str, req: GenerateRequest) -> AsyncGenerator[TokensLine | FinishLine]:
+    def generate(self, url: str, req: GenerateRequest) -> AsyncGenerator[Frame | FinishLine]:
         """The decode (or colocated) leg's frames (each the tokens one engine step made, or
         several steps' with a stream interval), then one finish line. A malformed line, an
         error line or a broken stream raises."""

@@ -21,12 +21,12 @@ from kvpool.engine.worker.auth import CHALLENGE_PATH
 from kvpool.engine.worker.messages import (
     AbortRequest,
     FinishLine,
+    Frame,
     GenerateRequest,
     InfoReply,
     LoadReply,
     PrefillReply,
     PrefillRequest,
-    TokensLine,
     read_frames,
     reply_from,
 )
@@ -182,7 +182,7 @@ class WorkerClient:
                           await self._call(url, "/prefill", body, "POST", self.timeout_s))
 
     async def generate(self, url: str,
-                       req: GenerateRequest) -> AsyncGenerator[TokensLine | FinishLine]:
+                       req: GenerateRequest) -> AsyncGenerator[Frame | FinishLine]:
         """The frames of /generate (those of one read merged, `merge_frames`); an error line,
         a malformed line or a broken stream raises. The finish line comes once the stream has been read to its end: its connection
         then goes back to the pool for the next call (a stream left unread is a connection

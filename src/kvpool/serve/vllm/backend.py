@@ -34,6 +34,7 @@ from kvpool.engine.config import SamplingParams
 from kvpool.engine.sequence import TokenLogprob
 from kvpool.engine.worker.messages import (
     FinishLine,
+    Frame,
     GenerateRequest,
     InfoReply,
     LoadReply,
@@ -349,7 +350,7 @@ class VllmBackend:
                                   None if status == 200 else status) from None
 
     async def generate(self, url: str,
-                       req: GenerateRequest) -> AsyncGenerator[TokensLine | FinishLine]:
+                       req: GenerateRequest) -> AsyncGenerator[Frame | FinishLine]:
         if req.first_token_id is not None:
             raise WorkerCallError(url, COMPLETIONS, "a vLLM decode leg makes every output "
                                   "token itself: no first_token_id", 400)
@@ -375,7 +376,7 @@ class VllmBackend:
             call.close()  # one not read to its end is closed: vLLM aborts the request
 
     async def _httpx_generate(self, url: str, body: bytes, headers: dict[str, str],
-                              logprobs_k: int | None) -> AsyncGenerator[TokensLine | FinishLine]:
+                              logprobs_k: int | None) -> AsyncGenerator[Frame | FinishLine]:
         try:
             async with self.http.stream("POST", url + COMPLETIONS, content=body,
                                         headers=headers) as resp:
@@ -404,7 +405,7 @@ class VllmBackend:
                                kv_transfer_params=req.kv_transfer_params)
 
     async def _lines(self, url: str, batches: AsyncIterator[Sequence[str | bytes]],
-                     logprobs_k: int | None) -> AsyncGenerator[TokensLine | FinishLine]:
+                     logprobs_k: int | None) -> AsyncGenerator[Frame | FinishLine]:
         """The stream's tokens, a frame per read (the chunks that came in together, as one
         engine step's would), then one finish line once the stream is done (after vLLM's usage
         chunk, which says how many prompt tokens were cached)."""
