@@ -130,10 +130,11 @@ def test_a_stopped_engine_answers_503(tiny_llama: Path) -> None:
         assert reply.status_code == 503 and "shutting down" in reply.json()["error"]["message"]
 
 
-def _sse_run(client: TestClient, rid: str, stop: list[str]) -> tuple[list[dict], list[int]]:
+def _sse_run(client: TestClient, rid: str, stop: list[str],
+             prompt: tuple[int, ...] = (5, 6, 7)) -> tuple[list[dict], list[int]]:
     """/generate with `sse`: the events the frames and the finish carry (parsed), and the
     frames' token ids."""
-    body = {"request_id": rid, "prompt_token_ids": [5, 6, 7],
+    body = {"request_id": rid, "prompt_token_ids": list(prompt),
             "sampling": {"max_tokens": 24, "ignore_eos": True, "temperature": 0},
             "sse": {"kind": "completion", "id": "cmpl-x", "model": "m", "stop": stop}}
     reply = client.post("/generate", json=body, headers=AUTH)
@@ -162,6 +163,37 @@ def test_frames_carry_the_responses_text_chunks_and_a_stop_string_ends_them(
     assert last["choices"][0]["finish_reason"] == "stop" and finish["finish_reason"] == "stop"
     assert stopped_ids == ids[:len(stopped_ids)] and len(stopped_ids) < 24
     assert finish["num_output_tokens"] == len(stopped_ids)
+
+
+def test_a_stop_string_at_the_worker_still_reports_the_prompts_reuse(
+        client: TestClient) -> None:
+    """A 17-token prompt run once, then again with a stop string that ends it early: the
+    finish line of the stopped run reports its two cached blocks, as an unstopped run's."""
+    prompt = tuple(range(40, 57))
+    events, _ = _sse_run(client, "reuse-a", [], prompt)
+    text = "".join(c["choices"][0]["text"] for c in events[:-2])
+    events, ids = _sse_run(client, "reuse-b", [text[4:6]], prompt)
+    finish = events[-1]
+    assert finish["finish_reason"] == "stop" and len(ids) < 24
+    assert finish["num_cached_tokens"] == 16
+
+
+def test_info_says_whether_it_makes_sse_text(client: TestClient, tiny_llama: Path,
+                                             tmp_path: Path) -> None:
+    """A decoding worker with a tokenizer makes SSE text (InfoReply.sse_text); one whose
+    folder has none does not, nor does a prefill worker: the proxy makes the text for them."""
+    assert client.get("/info", headers=AUTH).json()["sse_text"] is True
+    bare = tmp_path / "model"
+    bare.mkdir()
+    for f in tiny_llama.iterdir():
+        if f.name != "tokenizer.json":
+            (bare / f.name).symlink_to(f)
+    for folder, role in ((bare, "decode"), (tiny_llama, "prefill")):
+        worker = Worker(WorkerConfig(str(folder), role=role,
+                                     engine=EngineConfig(block_size=8, num_blocks=8,
+                                                         max_model_len=64)))
+        with TestClient(create_app(worker)) as c:
+            assert c.get("/info").json()["sse_text"] is False, role
 
 
 def _step_lists(tiny_llama: Path, merge: bool) -> list[list[int]]:

@@ -39,7 +39,7 @@ from kvpool.serve.access import Access
 from kvpool.serve.auth import TENANT_KEY, ApiKeyGate
 from kvpool.serve.backends import create_backend
 from kvpool.serve.cancel import cancel_and_wait, close_all
-from kvpool.serve.cluster import DECODE_ROLES, PREFILL_ROLES, LiveCluster
+from kvpool.serve.cluster import DECODE_ROLES, PREFILL_ROLES, LiveCluster, WorkerState
 from kvpool.serve.config import ProxyConfig
 from kvpool.serve.dispatch import Dispatcher, Run
 from kvpool.serve.errors import (
@@ -180,11 +180,14 @@ class Proxy:
         acc.route = route_note(choices[0].run) if choices else ""
         acc.done(time.perf_counter())
 
-    def _worker_sse(self, prep: PreparedRequest, index: int) -> SseSpec | None:
+    def _worker_sse(self, prep: PreparedRequest, index: int,
+                    decode: WorkerState) -> SseSpec | None:
         """--worker-sse: the decoding worker makes the text chunks of a streamed choice
-        without logprobs, echo or trace (kvpool workers); None: the proxy makes them."""
+        without logprobs, echo or trace, where it says it can (kvpool workers, InfoReply
+        .sse_text); None: the proxy makes them."""
         if not (self.config.worker_sse and self.client.name == "kvpool" and prep.stream) or \
-                prep.logprobs is not None or prep.echo or prep.trace or prep.score_only:
+                prep.logprobs is not None or prep.echo or prep.trace or prep.score_only or \
+                not (decode.info is not None and decode.info.sse_text):
             return None
         return SseSpec(kind=prep.kind, id=prep.request_id, model=self.model_name, index=index,
                        stop=prep.stop)
@@ -211,7 +214,7 @@ class Proxy:
                 rid = prep.request_id if len(prep.jobs) == 1 else f"{prep.request_id}-{job.index}"
                 run = self.dispatcher.run(booking, rid, job.prompt_ids, job.sampling)
                 run.received_t, run.decision_s = received_t, time.perf_counter() - decide_t
-                run.sse = self._worker_sse(prep, job.index)
+                run.sse = self._worker_sse(prep, job.index, booking.decode)
                 self.metrics.decision.observe(run.decision_s)
                 runs.append(run)
         except BaseException:

@@ -222,6 +222,10 @@ class InfoReply(_Reply):
     segment: str = ""
     engine: dict[str, Any] = Field(default_factory=dict)
     """The engine's facts (kind; for the emulated one its profile and scales)."""
+    sse_text: bool = False
+    """It makes a stream's SSE text when asked (GenerateRequest.sse): a decoding worker whose
+    model folder has a tokenizer that has not failed to load. False from a worker before
+    this field: a proxy then makes the text itself."""
 
 
 class LoadReply(_Reply):

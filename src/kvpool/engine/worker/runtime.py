@@ -173,7 +173,8 @@ class Worker:
                          model=str(Path(self.config.model_dir)), model_hash=e.root_hash,
                          block_size=e.config.block_size, max_model_len=e.config.max_model_len,
                          kv_capacity_tokens=e.config.kv_capacity_tokens,
-                         segment=self.transfer.segment_name, engine=self._engine_facts())
+                         segment=self.transfer.segment_name, engine=self._engine_facts(),
+                         sse_text=self._makes_text())
 
     def _engine_facts(self) -> dict[str, Any]:
         from kvpool.engine.emulated.engine import EmulatedEngine
@@ -352,6 +353,15 @@ class Worker:
                 asyncio.to_thread(ModelTokenizer, self.config.model_dir))
             self._tokenizer.add_done_callback(_retrieved)
         return self._tokenizer
+
+    def _makes_text(self) -> bool:
+        """Whether it can make SSE text (InfoReply.sse_text): it decodes, its folder has a
+        tokenizer, and its load has not failed."""
+        load = self._tokenizer
+        if self.config.role == "prefill" or \
+                not (Path(self.config.model_dir) / "tokenizer.json").is_file():
+            return False
+        return load is None or not load.done() or load.cancelled() or load.exception() is None
 
     async def sse_text(self, req: GenerateRequest) -> SseText | None:
         """The SSE text state of a request that asks its frames to carry the response's bytes
