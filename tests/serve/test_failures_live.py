@@ -127,7 +127,7 @@ def _running_on(urls: list[str]) -> str:
     return wait_for(the_one, 10.0, "a single decode worker to run the request", 0.05)
 
 
-@pytest.mark.parametrize("flags", [("--no-worker-sse",), ()], ids=["proxy-text", "worker-sse"])
+@pytest.mark.parametrize("flags", [(), ("--worker-sse",)], ids=["proxy-text", "worker-sse"])
 def test_a_decode_worker_killed_mid_stream_hands_the_request_over(
         cluster: ServingCluster, flags: tuple[str, ...]) -> None:
     """Two decode workers; the one streaming a greedy completion is SIGKILLed after some

@@ -112,11 +112,11 @@ def _responses_through(cluster: ServingCluster, *flags: str) -> dict[str, str]:
 
 def test_responses_equal_the_recorded_bytes(cluster: ServingCluster) -> None:
     """Recorded before frames, less the empty delta streams then sent before each finish
-    chunk (no text, no logprobs: nothing for the client). The proxy makes every chunk
-    (--no-worker-sse), one per frame (--no-merge-frames): the default merges what one read
-    brings, so its boundaries depend on timing."""
+    chunk (no text, no logprobs: nothing for the client). A chunk per frame
+    (--no-merge-frames): the default merges what one read brings, so its boundaries depend
+    on timing."""
     want = json.loads(GOLDEN.read_text())
-    got = _responses_through(cluster, "--no-worker-sse", "--no-merge-frames")
+    got = _responses_through(cluster, "--no-merge-frames")
     assert sorted(got) == sorted(want)
     for name in want:
         assert got[name] == want[name], name
@@ -157,10 +157,10 @@ def _usage(body: str) -> Any:
 
 def test_text_chunks_made_by_the_decoding_workers_are_the_same_bytes(
         cluster: ServingCluster) -> None:
-    """--worker-sse (the default): the streamed choices without logprobs or echo (greedy,
-    seeded n=3, a list of prompts, stop strings, chat) get their chunks from the decode
-    worker, the rest from the proxy: every response equals the recorded bytes."""
-    got = _responses_through(cluster, "--no-merge-frames")
+    """--worker-sse: the streamed choices without logprobs or echo (greedy, seeded n=3, a
+    list of prompts, stop strings, chat) get their chunks from the decode worker, the rest
+    from the proxy: every response equals the recorded bytes."""
+    got = _responses_through(cluster, "--worker-sse", "--no-merge-frames")
     want = json.loads(GOLDEN.read_text())
     for name in want:
         assert got[name] == want[name], name
@@ -183,7 +183,7 @@ def test_a_stream_interval_gives_the_same_text_in_fewer_chunks(cluster: ServingC
         one = _stream_texts(url, body)
     finally:
         stop(proc)
-    for flags in (("--no-worker-sse", "--no-merge-frames"), ("--no-merge-frames",)):
+    for flags in (("--no-merge-frames",), ("--worker-sse", "--no-merge-frames")):
         proc, url = start_proxy(cluster.model_dir, "--stream-interval", "4", *_workers(cluster),
                                 *flags)
         try:

@@ -75,10 +75,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--stream-interval", type=int, default=1, metavar="N",
                    help="the worker's frames: one every N output tokens after the first (for "
                    "both relays: nginx relays the same frames)")
-    p.add_argument("--proxy-text", action="store_true",
-                   help="also a proxy that makes the SSE text itself (kvpool proxy "
-                   "--no-worker-sse; the default relays the chunks the worker makes), in the "
-                   "same rounds: relay kvpool-ptext")
+    p.add_argument("--worker-sse", action="store_true",
+                   help="also a proxy that relays the SSE text chunks the worker makes "
+                   "(kvpool proxy --worker-sse), in the same rounds: relay kvpool-wsse")
     p.add_argument("--proxy-processes", type=int, default=1, metavar="N",
                    help="also a proxy of N processes (kvpool proxy --workers N), in the same "
                    "rounds: relay kvpool-pN")
@@ -132,7 +131,7 @@ def _main(args: argparse.Namespace) -> int:
     try:
         with tempfile.TemporaryDirectory(prefix="kvpool-bench-proxy-") as tmp, \
                 relays(Path(tmp), args.speed_up, exe, args.baseline_src,
-                       args.stream_interval, args.proxy_text,
+                       args.stream_interval, args.worker_sse,
                        args.proxy_processes, args.engines) as (relays_up, worker_pids):
             found = measure(relays_up, worker_pids, args)
     except (ValueError, KvpoolError, OSError) as exc:
@@ -199,7 +198,7 @@ def _decisions(url: str | None) -> Buckets | None:
 def relays(tmp: Path, speed_up: float, nginx_exe: str | None,
            baseline_src: Path | None = None,
            stream_interval: int = 1,
-           proxy_text: bool = False,
+           worker_sse: bool = False,
            processes: int = 1,
            engines: int = 1) -> Iterator[tuple[list[Relay], list[int]]]:
     """`engines` emulated workers, the proxy in front of them, nginx (with `nginx_exe`), the
@@ -224,8 +223,8 @@ def relays(tmp: Path, speed_up: float, nginx_exe: str | None,
         out = [proxy("kvpool")]
         prompt_ids = httpx.post(f"http://{HOST}:{out[0].port}/tokenize",
                                 json={"prompt": PROMPT}, timeout=30).json()["tokens"]
-        if proxy_text:
-            out.append(proxy("kvpool-ptext", ("--no-worker-sse",)))
+        if worker_sse:
+            out.append(proxy("kvpool-wsse", ("--worker-sse",)))
         if processes > 1:  # the group's processes are the children of the one started
             group = proxy(f"kvpool-p{processes}", ("--workers", str(processes)),
                           decisions=False)  # a scrape sees one of its processes

@@ -63,10 +63,10 @@ def _add_leg_args(p: argparse.ArgumentParser) -> None:
                    help="kvpool workers: one SSE chunk per engine step, even when the worker "
                    "or the proxy fell behind (default: the steps missed go as one chunk); with "
                    "either backend, a stream's chunks are then written together per wake-up")
-    p.add_argument("--worker-sse", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--worker-sse", action="store_true",
                    help="kvpool workers: streamed choices without logprobs or echo get their "
-                   "SSE text chunks from the decoding worker, relayed as they come (default); "
-                   "--no-worker-sse: the proxy detokenizes and makes them")
+                   "SSE text chunks from the decoding worker, relayed as they come (default: "
+                   "the proxy detokenizes and makes them)")
     p.add_argument("--kv-transfer", default=_D.kv_transfer, choices=KV_TRANSFER_MODES,
                    help="prefill -> decode KV handoff: through the pool, or pushed (kvpool "
                         "workers); vllm: pool (a store connector, or NIXL's params relayed) "

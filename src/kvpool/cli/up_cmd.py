@@ -102,9 +102,8 @@ def _add_scheduling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream-interval", type=int, default=None, metavar="N",
                    help="the proxy's --stream-interval: one frame (one SSE chunk) every N "
                    "output tokens after the first")
-    p.add_argument("--worker-sse", action=argparse.BooleanOptionalAction, default=True,
-                   help="the proxy's --worker-sse: the decoding workers make the SSE text "
-                   "(default); --no-worker-sse: the proxy makes it")
+    p.add_argument("--worker-sse", action="store_true",
+                   help="the proxy's --worker-sse: the decoding workers make the SSE text")
     p.add_argument("--proxy-workers", type=int, default=1, metavar="N",
                    help="the proxy's --workers: N proxy processes on the port, sharing their "
                    "bookings (one core each; not with --backend vllm, whose KV events one "
@@ -257,7 +256,7 @@ def _proxy_flags(args: argparse.Namespace) -> tuple[str, ...]:
     """The proxy flags `kvpool up` passes on as given."""
     flags = _given(args, "served_model_name", "ttft_slo", "tbt_slo", "ttft_slo_relative",
                    "stream_interval")
-    for on, flag in ((not args.worker_sse, "--no-worker-sse"),
+    for on, flag in ((args.worker_sse, "--worker-sse"),
                      (args.salt_per_api_key, "--salt-per-api-key"),
                      (args.demo, "--no-access-log")):  # the demo prints its own lines
         flags += (flag,) if on else ()

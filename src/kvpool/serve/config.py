@@ -46,11 +46,12 @@ class ProxyConfig:
     (GenerateRequest.merge_steps), and the frames one read brings as one chunk, as vLLM
     merges its outputs when its API server is behind; False: a chunk per engine step (per
     stream interval), boundaries that do not depend on timing."""
-    worker_sse: bool = True
+    worker_sse: bool = False
     """kvpool workers: a streamed choice without logprobs, echo or trace gets its text chunks
     from its decoding worker (detokenized, stop strings applied there), relayed as they come
-    (GenerateRequest.sse); the proxy makes only the first chunk and the usage chunk. False:
-    the proxy detokenizes every choice."""
+    (GenerateRequest.sse); the proxy makes only the first chunk and the usage chunk. Off by
+    default: the worker makes text per engine step where the proxy makes it per read, and it
+    cost the emulated worker more than it saved the proxy (docs/serve.md)."""
     peer_dir: str = ""
     """`kvpool proxy --workers N`: the folder of the processes' booking sockets ("" = one
     process); `peer_index` is this process's, `num_peers` N."""

@@ -99,8 +99,6 @@ def create_app(worker: Worker, now: Callable[[], float] = time.time) -> PreAuthG
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if worker.config.role != "prefill":  # its streams' SSE text (GenerateRequest.sse)
-            worker.load_tokenizer()
         yield
         await worker.close()
 

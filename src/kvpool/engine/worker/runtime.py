@@ -343,9 +343,9 @@ class Worker:
         return self._follow(request_id, add, req.merge_steps)
 
     def load_tokenizer(self) -> asyncio.Future[ModelTokenizer]:
-        """The model's tokenizer, loaded in a thread the first time it is asked for (a
-        decoding worker asks as it starts, so the first stream that needs it does not wait
-        for its load and its byte table's check)."""
+        """The model's tokenizer, loaded in a thread the first time it is asked for (the
+        first stream that asks for SSE text waits for its load and its byte table's check;
+        the worker's other streams do not)."""
         if self._tokenizer is None:
             from kvpool.serve.tokenizer import ModelTokenizer
 
