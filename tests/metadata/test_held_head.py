@@ -77,8 +77,8 @@ def test_an_abort_drops_what_is_held_and_the_rest_is_the_transports() -> None:
 
 
 def test_the_fast_protocol_writes_each_response_once() -> None:
-    """The per-token path's protocol (uvicorn's httptools one, with kvpool's defences) over
-    a recording transport: a JSON response and a stream of two chunks, each request's
+    """The proxy's protocol (uvicorn's httptools one, with kvpool's defences, holding heads)
+    over a recording transport: a JSON response and a stream of two chunks, each request's
     head written with its body's first bytes."""
     from starlette.applications import Starlette
     from starlette.responses import JSONResponse, StreamingResponse
@@ -86,7 +86,7 @@ def test_the_fast_protocol_writes_each_response_once() -> None:
     from uvicorn.config import Config
     from uvicorn.server import ServerState
 
-    from kvpool.metadata.http_serving import _HttpToolsDefences
+    from kvpool.metadata.http_serving import HttpLimits, _protocol
 
     async def hello(_: Any) -> JSONResponse:
         return JSONResponse({"ok": True})
@@ -101,12 +101,12 @@ def test_the_fast_protocol_writes_each_response_once() -> None:
 
     app = Starlette(routes=[Route("/hello", hello), Route("/stream", stream)])
 
-    async def run() -> list[bytes]:
-        assert _HttpToolsDefences is not None
+    async def run(hold: bool) -> list[bytes]:
         config = Config(app=app, http="httptools", lifespan="off", access_log=False)
         rec = Recorder()
-        proto = _HttpToolsDefences(config=config, server_state=ServerState(), app_state={},
-                                   _loop=asyncio.get_running_loop())
+        protocol = _protocol(HttpLimits(), httptools=True, hold_heads=hold)
+        proto = protocol(config=config, server_state=ServerState(), app_state={},
+                         _loop=asyncio.get_running_loop())
         proto.connection_made(rec)
         proto.data_received(b"GET /hello HTTP/1.1\r\nHost: x\r\n\r\n")
         await asyncio.sleep(0.05)
@@ -115,7 +115,8 @@ def test_the_fast_protocol_writes_each_response_once() -> None:
         proto.connection_lost(None)
         return rec.writes
 
-    writes = asyncio.run(run())
+    assert len(asyncio.run(run(False))) == 6  # without: each head a write of its own
+    writes = asyncio.run(run(True))
     assert len(writes) == 4, writes
     assert writes[0].startswith(b"HTTP/1.1 200 OK\r\n") and writes[0].endswith(b'{"ok":true}')
     assert writes[1].startswith(b"HTTP/1.1 200 OK\r\n") and writes[1].endswith(b"3\r\none\r\n")

@@ -218,6 +218,6 @@ def run(args: argparse.Namespace) -> int:
         return 2
     sockets = None if args.listen_fd is None else [socket.socket(fileno=args.listen_fd)]
     serve(app, config.host, config.port, config.http_limits, sockets=sockets,
-          fast=True,
+          fast=True, hold_heads=True,  # a response's first bytes follow its head at once
           timeout_graceful_shutdown=5)
     return 0

@@ -93,7 +93,9 @@ class _Defences(_ProtocolBase):
     body_idle_s = 2.0
     max_concurrency = 256
     hold_heads = False
-    """Write each response's head with its body's first bytes (`HeldHead`)."""
+    """Write each response's head with its body's first bytes (`HeldHead`): for a server
+    whose responses' first bytes follow their head at once (the proxy's). Where they do not
+    (a worker's stream waits for its engine), it only costs a turn of the loop."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         if self.hold_heads:
@@ -168,9 +170,7 @@ _HttpToolsDefences: type | None = None
 if HttpToolsProtocol is not None:
     class _HttpToolsDefences(_Defences, HttpToolsProtocol):  # type: ignore[no-redef,misc]
         """The defences over uvicorn's httptools protocol (the servers on the per-token
-        path), a response's head written with its first body bytes."""
-
-        hold_heads = True
+        path)."""
 
 
 def fast_stack() -> tuple[str, bool]:
@@ -184,12 +184,12 @@ def fast_stack() -> tuple[str, bool]:
     return loop, _HttpToolsDefences is not None
 
 
-def _protocol(limits: HttpLimits, httptools: bool = False) -> type:
+def _protocol(limits: HttpLimits, httptools: bool = False, hold_heads: bool = False) -> type:
     base = _HttpToolsDefences if httptools and _HttpToolsDefences is not None \
         else _SilentConnectionTimeout
     return type("BoundedHttpProtocol", (base,), {
         "head_timeout_s": limits.head_timeout_s, "body_idle_s": limits.body_idle_s,
-        "max_concurrency": limits.max_concurrency})
+        "max_concurrency": limits.max_concurrency, "hold_heads": hold_heads})
 
 
 class QuietServer(uvicorn.Server):
@@ -218,14 +218,15 @@ class QuietServer(uvicorn.Server):
         await super().serve(sockets)
 
 
-def uvicorn_config(app: Any, limits: HttpLimits, fast: bool = False,
+def uvicorn_config(app: Any, limits: HttpLimits, fast: bool = False, hold_heads: bool = False,
                    **overrides: Any) -> uvicorn.Config:
     """A uvicorn.Config for `app` (no access log, no lifespan) with `limits` applied; on
-    asyncio's loop and h11, or with `fast` on uvloop and httptools where installed."""
+    asyncio's loop and h11, or with `fast` on uvloop and httptools where installed;
+    `hold_heads`: `_Defences.hold_heads`."""
     loop, httptools = fast_stack() if fast else ("asyncio", False)
     options: dict[str, Any] = dict(
         log_level="warning", access_log=False, lifespan="off", loop=loop,
-        http=_protocol(limits, httptools),
+        http=_protocol(limits, httptools, hold_heads),
         limit_concurrency=limits.max_concurrency, timeout_keep_alive=limits.idle_timeout_s,
         backlog=limits.backlog)
     options.update(overrides)
@@ -263,18 +264,18 @@ def limits_for_descriptors(limits: HttpLimits, open_files: int) -> HttpLimits:
 
 def serve(app: Any, host: str, port: int, limits: HttpLimits,
           on_ready: Callable[[], None] | None = None, fast: bool = False,
-          sockets: list[Any] | None = None,
+          sockets: list[Any] | None = None, hold_heads: bool = False,
           **overrides: Any) -> None:
     """Run `app` on host:port until stopped (SIGINT/SIGTERM), defended by `limits` (its
     connection cap within the descriptors this process may open), with its lifespan: the
     way kvpool's long-running HTTP commands (proxy, worker) serve. `on_ready`: called once it
-    listens; `fast`: uvicorn_config's; `sockets`: listening sockets to accept on instead of
+    listens; `fast`, `hold_heads`: uvicorn_config's; `sockets`: listening sockets to accept on instead of
     binding host:port (the processes of `kvpool proxy --workers N` share one). Once it
     listens, what start-up made is frozen out of the garbage collector's way
     (`freeze_startup_heap`)."""
     limits = limits_for_descriptors(limits, raise_open_files_limit())
     options = {"lifespan": "on", "host": host, "port": port, **overrides}
-    server = QuietServer(uvicorn_config(app, limits, fast, **options))
+    server = QuietServer(uvicorn_config(app, limits, fast, hold_heads, **options))
 
     def ready() -> None:
         freeze_startup_heap()
