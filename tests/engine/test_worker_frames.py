@@ -285,7 +285,9 @@ def test_read_frames_stops_at_the_finish_and_at_a_bad_line_after_its_frames() ->
     assert isinstance(frames[0], PlainFrame) and frames[0].token_ids == [0, 1, 2]
     assert frames[1:] == [FinishLine(finish_reason="stop", num_output_tokens=3)]
     for bad, match in ((b'{"type":"error","error":"engine died"}', "engine died"),
-                       (b'{"type":"tokens","token_ids":[1,2],"t":[1.0]}', "malformed line")):
+                       (b'{"type":"tokens","token_ids":[1,2],"t":[1.0]}', "malformed line"),
+                       (b'{"token_ids":[1],"t":[1.0]}', "malformed line"),  # no type
+                       (b'{"type":"~"}', "malformed line")):
         frames, used, error = read_frames("http://w", [*plain[:2], bad, plain[2]])
         assert used == 2 and isinstance(error, WorkerCallError) and match in str(error)
         assert frames == [PlainFrame([0, 1], [1.0, 1.0])]

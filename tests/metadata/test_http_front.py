@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from kvpool.metadata.http_front import EventStream, Outbox
+from kvpool.metadata.http_front import EventStream, LastChunk, Outbox
 
 
 async def _burst(sizes: list[int], pause_s: float = 0.0) -> AsyncIterator[bytes]:
@@ -186,3 +186,24 @@ def test_a_client_gone_while_a_plain_stream_sends_closes_its_generator_first() -
         await stream({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
     asyncio.run(go())
     assert order == ["generator closed", "on_close True"]
+
+
+def test_a_last_chunk_ends_the_body_and_its_disconnect_is_no_client_gone() -> None:
+    """A `LastChunk` goes out as the end of the body (one message), and the content is then
+    closed; the disconnect that follows the finished response (uvicorn reports one) does not
+    cancel a cleanup that awaits, nor count as a client gone."""
+    order: list[str] = []
+
+    async def content() -> AsyncIterator[bytes]:
+        try:
+            yield b"one"
+            yield LastChunk(b"two")
+            order.append("read on")  # never: the stream stops at the last chunk
+        finally:
+            await asyncio.sleep(0.05)  # a cleanup that awaits (an abort, a close)
+            order.append("cleaned up")
+
+    sent, gone = _asgi_call(EventStream(content()), disconnect_after_s=0.0)
+    bodies = [(m["body"], m["more_body"]) for m in sent if m["type"] == "http.response.body"]
+    assert bodies == [(b"one", True), (b"two", False)]
+    assert order == ["cleaned up"] and gone is False

@@ -8,6 +8,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvpool.clock import VirtualClock
 from kvpool.conductor import Accepted, CostModel
 from kvpool.conductor.measured import learn_prefill
+from kvpool.engine.config import SamplingParams
 from kvpool.serve.cluster import LiveCluster
 from kvpool.serve.config import ProxyConfig
 from kvpool.serve.dispatch import REFIT_EVERY, Dispatcher
@@ -196,3 +197,28 @@ def test_a_short_uncached_part_goes_straight_to_the_decode_worker(vclock: Virtua
     assert not long.direct and p.busy_until_s == pytest.approx(0.2)
     off = dispatcher(vclock, admission="none")
     assert not off.schedule([1], 4).direct
+
+
+def test_a_run_whose_text_its_decode_legs_make_moves_only_to_a_worker_that_makes_text(
+        vclock: VirtualClock) -> None:
+    """After its decode worker fails, a run that relays its decode legs' SSE text goes on
+    on a worker whose /info says it makes text (sse_text), never on one that would refuse
+    the request or leave the client without the text; a run whose text the proxy makes goes
+    on on either."""
+    from kvpool.engine.worker.messages import SseSpec
+
+    d = dispatcher(vclock)
+    texts = info("decode").model_copy(update={"sse_text": True})
+    for url, reply in (("http://d2", info("decode")), ("http://d3", texts)):
+        d.cluster.add(url)
+        d.cluster.join(url, reply)
+        d.cluster.apply_load(url, load([]), 0.0)
+    failed = d.cluster.workers[D1]
+    plain = d.run(d.schedule(list(range(8)), 2), "a", list(range(8)), SamplingParams())
+    relayed = d.run(d.schedule(list(range(8)), 2), "b", list(range(8)), SamplingParams())
+    relayed.sse = SseSpec(kind="completion", id="cmpl-b", model="m")
+    assert {w.url for w in d.cluster.alive(("decode",))} >= {"http://d2", "http://d3"}
+    got = relayed._next_decode(failed)
+    assert got is not None and got.url == "http://d3"
+    assert relayed._next_decode(got) is None  # d2 cannot make its text
+    assert plain._next_decode(failed) is not None

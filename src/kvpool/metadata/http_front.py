@@ -70,6 +70,9 @@ class EventStream(StreamingResponse):
         super().__init__(content, **kwargs)
         self.on_close = on_close
         self.coalesce = coalesce
+        self.complete = False
+        """The body has ended: the disconnect that follows is no client gone (the content
+        may still be closing)."""
 
     async def stream_response(self, send: Send) -> None:
         if not self.coalesce:
@@ -90,6 +93,7 @@ class EventStream(StreamingResponse):
         finally:
             outbox.stop(maker)  # if it still runs: the stream's generators close
             await asyncio.wait([maker])
+        self.complete = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _stream_each(self, send: Send) -> None:
@@ -98,16 +102,21 @@ class EventStream(StreamingResponse):
                     "headers": self.raw_headers})
         async for data in self.body_iterator:
             last = isinstance(data, LastChunk)
+            if not isinstance(data, bytes | memoryview):
+                data = data.encode(self.charset)
+            self.complete = last
             await send({"type": "http.response.body", "body": data, "more_body": not last})
             if last:
                 return
+        self.complete = True
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         task = asyncio.current_task()
         assert task is not None
         gone = asyncio.ensure_future(_disconnect(receive))
-        gone.add_done_callback(lambda f: None if f.cancelled() else task.cancel())
+        gone.add_done_callback(
+            lambda f: None if f.cancelled() or self.complete else task.cancel())
         cancelled = False
         try:
             await self.stream_response(send)

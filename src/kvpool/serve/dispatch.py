@@ -303,9 +303,11 @@ class Run:
 
     def _next_decode(self, failed: WorkerState) -> WorkerState | None:
         """Another decode worker in rotation that this request has not tried (fewest running
-        requests first), or None."""
+        requests first; one that makes SSE text where the run's text comes from its decode
+        legs), or None."""
         self._tried.add(failed.url)
-        left = [w for w in self.d.cluster.alive(DECODE_ROLES) if w.url not in self._tried]
+        left = [w for w in self.d.cluster.alive(DECODE_ROLES) if w.url not in self._tried
+                and (self.sse is None or (w.info is not None and w.info.sse_text))]
         return min(left, key=lambda w: w.load.num_running) if left else None
 
     def _migrated(self, leg: str, worker: WorkerState, exc: WorkerCallError) -> None:

@@ -99,6 +99,7 @@ def create_app(worker: Worker, now: Callable[[], float] = time.time) -> PreAuthG
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await worker.ready_text()  # before /info can say whether it makes SSE text
         yield
         await worker.close()
 

@@ -298,7 +298,12 @@ def ndjson_line(msg: BaseModel | PlainFrame) -> bytes:
     return msg.model_dump_json(exclude_none=True).encode() + b"\n"
 
 
-_PLAIN_FRAME = msgspec.json.Decoder(PlainFrame)
+class _NotAFrame(msgspec.Struct, tag_field="type", tag="~"):
+    """There only so that a plain frame's `type` is required (msgspec reads a lone tagged
+    struct without its tag, a union of them with it); what decodes as this is no frame."""
+
+
+_PLAIN_FRAME = msgspec.json.Decoder(PlainFrame | _NotAFrame)
 
 
 def _plain_frame(line: str | bytes) -> PlainFrame | None:
@@ -307,6 +312,8 @@ def _plain_frame(line: str | bytes) -> PlainFrame | None:
     try:
         frame = _PLAIN_FRAME.decode(line)
     except msgspec.DecodeError:  # a msgspec.ValidationError too
+        return None
+    if not isinstance(frame, PlainFrame):
         return None
     return frame if frame.token_ids and len(frame.t) == len(frame.token_ids) else None
 

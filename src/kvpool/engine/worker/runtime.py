@@ -138,8 +138,8 @@ class Worker:
                                       limits=httpx.Limits(keepalive_expiry=CLIENT_KEEPALIVE_S))
         self.peers = PeerCalls(self.http, config.token, wall_clock)
         self._tokenizer: asyncio.Future[ModelTokenizer] | None = None
-        """Loaded off the event loop, once (`load_tokenizer`), for the SSE text of the requests
-        that ask (GenerateRequest.sse)."""
+        """Loaded off the event loop, once, as a decoding worker starts (`ready_text`), for
+        the SSE text of the requests that ask (GenerateRequest.sse)."""
 
     def _connect(self) -> tuple[StoreClient | None, TransferEngine]:
         from kvpool.store.client.config import ClientConfig
@@ -343,9 +343,7 @@ class Worker:
         return self._follow(request_id, add, req.merge_steps)
 
     def load_tokenizer(self) -> asyncio.Future[ModelTokenizer]:
-        """The model's tokenizer, loaded in a thread the first time it is asked for (the
-        first stream that asks for SSE text waits for its load and its byte table's check;
-        the worker's other streams do not)."""
+        """The model's tokenizer, loaded in a thread once (`ready_text`, as it starts)."""
         if self._tokenizer is None:
             from kvpool.serve.tokenizer import ModelTokenizer
 
@@ -353,6 +351,18 @@ class Worker:
                 asyncio.to_thread(ModelTokenizer, self.config.model_dir))
             self._tokenizer.add_done_callback(_retrieved)
         return self._tokenizer
+
+    async def ready_text(self) -> None:
+        """A decoding worker with a tokenizer loads it (in a thread) before it serves, so
+        that `/info` says whether it can make SSE text; a load that fails is logged, and the
+        worker says it cannot."""
+        if self.config.role == "prefill" or \
+                not (Path(self.config.model_dir) / "tokenizer.json").is_file():
+            return
+        try:
+            await asyncio.shield(self.load_tokenizer())
+        except KvpoolError as exc:
+            log.warning("no SSE text from this worker: its tokenizer did not load: %s", exc)
 
     def _makes_text(self) -> bool:
         """Whether it can make SSE text (InfoReply.sse_text): it decodes, its folder has a
