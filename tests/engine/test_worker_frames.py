@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from kvpool.engine.core import StepOutput
 from kvpool.engine.sequence import TokenLogprob
 from kvpool.engine.worker.frames import FrameBuilder
-from kvpool.engine.worker.mailbox import StepMailbox
+from kvpool.engine.worker.mailbox import StepMailbox, StepQueue
 from kvpool.engine.worker.messages import (
     FinishLine,
     Frame,
@@ -119,7 +119,7 @@ def test_the_mailbox_wakes_each_loop_once_per_step() -> None:
             return real(*args)  # type: ignore[arg-type]
         loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
         box = StepMailbox()
-        queues: list[asyncio.Queue[list[StepOutput]]] = [asyncio.Queue() for _ in range(8)]
+        queues = [StepQueue(loop) for _ in range(8)]
         listeners = [box.listener(loop, q) for q in queues]
 
         def engine_thread() -> None:  # two steps, each with a token for every request
@@ -133,6 +133,24 @@ def test_the_mailbox_wakes_each_loop_once_per_step() -> None:
         got = [[(await q.get())[0].token_id, (await q.get())[0].token_id] for q in queues]
         thread.join()
         assert got == [[0, 1]] * 8 and len(wakes) == 2
+    asyncio.run(go())
+
+
+def test_a_step_queue_hands_outputs_over_in_order_and_keeps_them_through_a_cancel() -> None:
+    async def go() -> None:
+        q = StepQueue(asyncio.get_running_loop())
+        waiting = asyncio.ensure_future(q.get())
+        await asyncio.sleep(0)
+        waiting.cancel()  # as the stream's silence timer cancels a read
+        await asyncio.wait([waiting])
+        q.put_nowait([StepOutput("r", 1)])
+        q.put_nowait([StepOutput("r", 2)])
+        assert not q.empty() and (await q.get())[0].token_id == 1
+        assert q.get_nowait()[0].token_id == 2 and q.empty()
+        later = asyncio.ensure_future(q.get())
+        await asyncio.sleep(0)
+        q.put_nowait([StepOutput("r", 3)])
+        assert (await later)[0].token_id == 3
     asyncio.run(go())
 
 

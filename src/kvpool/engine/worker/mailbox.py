@@ -4,7 +4,7 @@ engine step, however many requests and tokens the step served.
     engine thread:  listener(outputs of one request in one step) -> pending   (no wake-up)
                     flush() once the step's outputs are all handed out  -> one
                     call_soon_threadsafe per event loop with waiting requests
-    event loop:     each request's queue gets its step's outputs as one list
+    event loop:     each request's queue (`StepQueue`) gets its step's outputs as one list
 
 Handing each output over with its own `call_soon_threadsafe` woke the event loop (a write to
 its self-pipe) once per token per request: 13% of the emulated worker's CPU per token in
@@ -15,12 +15,50 @@ them); `_deliver` on the event loop.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Callable
 
 from kvpool.engine.core import StepOutput
 
 Outputs = list[StepOutput]
-Queue = asyncio.Queue[Outputs]
+
+
+class StepQueue:
+    """One request's step outputs on its event loop, for its one reader: asyncio.Queue's
+    `put_nowait`, `get`, `get_nowait` and `empty`, without its loop lookup per wait (a
+    getpid() system call each on Python 3.11: one per request per engine step) or its
+    bookkeeping for several getters and a bound. A cancelled `get` leaves the outputs."""
+
+    __slots__ = ("_loop", "_items", "_waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._items: deque[Outputs] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def put_nowait(self, outputs: Outputs) -> None:
+        self._items.append(outputs)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def get(self) -> Outputs:
+        while not self._items:
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self._items.popleft()
+
+    def get_nowait(self) -> Outputs:
+        return self._items.popleft()  # IndexError when empty
+
+    def empty(self) -> bool:
+        return not self._items
+
+
+Queue = StepQueue
 
 
 class StepMailbox:

@@ -19,7 +19,7 @@ from kvpool.engine.config import EngineConfig, SamplingParams
 from kvpool.engine.core import EngineCore, StepOutput
 from kvpool.engine.sequence import KVSource, SeqStatus
 from kvpool.engine.worker.loop import EngineLoop
-from kvpool.engine.worker.mailbox import StepMailbox
+from kvpool.engine.worker.mailbox import StepMailbox, StepQueue
 from kvpool.engine.worker.messages import (
     MAX_STREAM_INTERVAL,
     AbortRequest,
@@ -426,8 +426,9 @@ class Worker:
         behind the engine writes one frame per request per wake-up, not one per step); raise
         RequestFailed on an error (after the outputs before it) or silence; abort it if the
         caller stops listening."""
-        outputs: asyncio.Queue[list[StepOutput]] = asyncio.Queue()
-        listen = self.mailbox.listener(asyncio.get_running_loop(), outputs)
+        loop = asyncio.get_running_loop()
+        outputs = StepQueue(loop)
+        listen = self.mailbox.listener(loop, outputs)
 
         def start(engine: EngineCore) -> None:
             self.loop.subscribe(request_id, listen)
