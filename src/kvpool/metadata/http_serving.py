@@ -269,9 +269,9 @@ def serve(app: Any, host: str, port: int, limits: HttpLimits,
     """Run `app` on host:port until stopped (SIGINT/SIGTERM), defended by `limits` (its
     connection cap within the descriptors this process may open), with its lifespan: the
     way kvpool's long-running HTTP commands (proxy, worker) serve. `on_ready`: called once it
-    listens; `fast`, `hold_heads`: uvicorn_config's; `sockets`: listening sockets to accept on instead of
-    binding host:port (the processes of `kvpool proxy --workers N` share one). Once it
-    listens, what start-up made is frozen out of the garbage collector's way
+    listens; `fast`, `hold_heads`: uvicorn_config's; `sockets`: listening sockets to accept on
+    instead of binding host:port (the processes of `kvpool proxy --workers N` share one).
+    Once it listens, what start-up made is frozen out of the garbage collector's way
     (`freeze_startup_heap`)."""
     limits = limits_for_descriptors(limits, raise_open_files_limit())
     options = {"lifespan": "on", "host": host, "port": port, **overrides}

@@ -187,7 +187,7 @@ class Proxy:
         .sse_text); None: the proxy makes them."""
         if not (self.config.worker_sse and self.client.name == "kvpool" and prep.stream) or \
                 prep.logprobs is not None or prep.echo or prep.trace or prep.score_only or \
-                not (decode.info is not None and decode.info.sse_text):
+                not decode.makes_text:
             return None
         return SseSpec(kind=prep.kind, id=prep.request_id, model=self.model_name, index=index,
                        stop=prep.stop)

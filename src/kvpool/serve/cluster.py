@@ -84,6 +84,11 @@ class WorkerState:
     def role(self) -> str:
         return self.info.role if self.info else "unknown"
 
+    @property
+    def makes_text(self) -> bool:
+        """Its /info says it makes a stream's SSE text when asked (InfoReply.sse_text)."""
+        return self.info is not None and self.info.sse_text
+
 
 @dataclass
 class Booking:

@@ -307,7 +307,7 @@ class Run:
         legs), or None."""
         self._tried.add(failed.url)
         left = [w for w in self.d.cluster.alive(DECODE_ROLES) if w.url not in self._tried
-                and (self.sse is None or (w.info is not None and w.info.sse_text))]
+                and (self.sse is None or w.makes_text)]
         return min(left, key=lambda w: w.load.num_running) if left else None
 
     def _migrated(self, leg: str, worker: WorkerState, exc: WorkerCallError) -> None:

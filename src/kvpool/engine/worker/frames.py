@@ -1,7 +1,8 @@
 """A /generate stream's frames from the engine's step outputs (sans-I/O: lists in, messages
-out). A frame (`PlainFrame`, or a `TokensLine` with logprobs) holds every token of its request that one engine step made; with
-a stream interval N > 1, the first frame goes at once (time to first token is not traded),
-then one every N tokens, and whatever is held goes with the finish:
+out). A frame (`PlainFrame`, or a `TokensLine` with logprobs) holds every token of its
+request that one engine step made; with a stream interval N > 1, the first frame goes at once
+(time to first token is not traded), then one every N tokens, and whatever is held goes with
+the finish:
 
     steps:     [t1]  [t2]  [t3]  [t4]  [t5, finish]
     interval 1: F(t1) F(t2) F(t3) F(t4) F(t5) Finish

@@ -58,14 +58,13 @@ class StepQueue:
         return not self._items
 
 
-Queue = StepQueue
-
 
 class StepMailbox:
     def __init__(self) -> None:
-        self._pending: list[tuple[asyncio.AbstractEventLoop, Queue, Outputs]] = []
+        self._pending: list[tuple[asyncio.AbstractEventLoop, StepQueue, Outputs]] = []
 
-    def listener(self, loop: asyncio.AbstractEventLoop, queue: Queue) -> Callable[[Outputs], None]:
+    def listener(self, loop: asyncio.AbstractEventLoop,
+                 queue: StepQueue) -> Callable[[Outputs], None]:
         """A request's listener: its outputs of a step go to `queue` (on `loop`) at the next
         `flush`."""
         def put(outputs: Outputs) -> None:
@@ -78,7 +77,7 @@ class StepMailbox:
         if not self._pending:
             return
         pending, self._pending = self._pending, []
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Queue, Outputs]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[StepQueue, Outputs]]] = {}
         for loop, queue, outputs in pending:
             by_loop.setdefault(loop, []).append((queue, outputs))
         for loop, items in by_loop.items():
@@ -88,6 +87,6 @@ class StepMailbox:
                 pass
 
 
-def _deliver(items: list[tuple[Queue, Outputs]]) -> None:
+def _deliver(items: list[tuple[StepQueue, Outputs]]) -> None:
     for queue, outputs in items:
         queue.put_nowait(outputs)

@@ -356,8 +356,7 @@ class Worker:
         """A decoding worker with a tokenizer loads it (in a thread) before it serves, so
         that `/info` says whether it can make SSE text; a load that fails is logged, and the
         worker says it cannot."""
-        if self.config.role == "prefill" or \
-                not (Path(self.config.model_dir) / "tokenizer.json").is_file():
+        if not self._has_tokenizer():
             return
         try:
             await asyncio.shield(self.load_tokenizer())
@@ -368,10 +367,14 @@ class Worker:
         """Whether it can make SSE text (InfoReply.sse_text): it decodes, its folder has a
         tokenizer, and its load has not failed."""
         load = self._tokenizer
-        if self.config.role == "prefill" or \
-                not (Path(self.config.model_dir) / "tokenizer.json").is_file():
+        if not self._has_tokenizer():
             return False
         return load is None or not load.done() or load.cancelled() or load.exception() is None
+
+    def _has_tokenizer(self) -> bool:
+        """It decodes, and its model folder has a tokenizer to make SSE text with."""
+        return self.config.role != "prefill" and \
+            (Path(self.config.model_dir) / "tokenizer.json").is_file()
 
     async def sse_text(self, req: GenerateRequest) -> SseText | None:
         """The SSE text state of a request that asks its frames to carry the response's bytes
