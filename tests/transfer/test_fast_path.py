@@ -1,4 +1,5 @@
-"""The one-request fast path (Router.run_one) and the frame reader it drives: the bytes served
+"""The fast paths without a batch (Router.run_one for one request, Router.run_frame for one
+frame) and the frame reader they drive: the bytes served
 must be the bytes registered, and fences and unregistered ranges are refused as on the batch
 path, leaving the local buffer untouched."""
 
@@ -21,7 +22,7 @@ from tests.transfer.conftest import Target, remote_base, sha
 
 
 def _refuse(*args: object, **kwargs: object) -> None:
-    raise AssertionError("a single request took the batch path")
+    raise AssertionError("a request took the batch path")
 
 
 def _pattern(engine: TransferEngine, size: int, seed: int) -> np.ndarray:
@@ -117,23 +118,75 @@ def test_unregistered_local_memory_is_refused(engine: TransferEngine, target: Ta
 
 
 def test_small_frame_with_refused_descriptors_fills_only_the_ok_views(engine: TransferEngine,
-                                                                      target: Target) -> None:
+                                                                      target: Target,
+                                                                      transport: str) -> None:
     """One frame, read in one recv, whose reply carries fewer payload bytes than asked."""
     base = target.plain
+    engine.write(target.segment, _pattern(engine, 16, 6).ctypes.data, base, 16)  # cache the peer
     target.fill(base, 8 << 10, seed=5)
     target.set_fence(base, 3)
     back = engine.allocate_managed(8 << 10).numpy()
     back[:] = 0xEE
     reqs = [TransferRequest(OpCode.READ, back.ctypes.data + i * 1024, 1024, target.segment,
                             base + i * 1024, 3 if i % 2 else 2) for i in range(8)]
-    statuses = engine.transfer_sync(reqs)
+    with pytest.MonkeyPatch.context() as patch:
+        if transport == "tcp":  # one frame to one peer: Router.run_frame
+            patch.setattr(Router, "dispatch", _refuse)
+        statuses = engine.transfer_sync(reqs)
     assert [s.ok for s in statuses] == [False, True] * 4
+    assert {s.reason for s in statuses[::2]} == {FENCED_REASON}
     for i in range(8):
         chunk = back[i * 1024 : (i + 1) * 1024]
         if i % 2:
             assert sha(chunk) == target.digest(base + i * 1024, 1024)
         else:
             assert (chunk == 0xEE).all()
+
+
+def _batch(op: OpCode, local: np.ndarray, target: Target, base: int, size: int,
+           count: int) -> list[TransferRequest]:
+    return [TransferRequest(op, local.ctypes.data + i * size, size, target.segment,
+                            base + i * size) for i in range(count)]
+
+
+@pytest.mark.parametrize("size", [4096, 64 << 10])
+def test_a_batch_to_one_peer_runs_as_one_frame_and_reports_every_request(
+        engine: TransferEngine, target: Target, transport: str, size: int) -> None:
+    """Router.run_frame: no Batch, the same bytes, every hook called as the batch path does."""
+    count, base = 32, remote_base(target, transport)
+    local = _pattern(engine, size * count, seed=size)
+    engine.write(target.segment, local.ctypes.data, base, 16)  # first contact: caches the peer
+    sent: list[int] = []
+    done: list[int] = []
+    with pytest.MonkeyPatch.context() as patch:
+        if transport == "tcp":  # a same-host peer's shared buffer is copied over shm instead
+            patch.setattr(Router, "dispatch", _refuse)
+        statuses = engine.transfer_sync(_batch(OpCode.WRITE, local, target, base, size, count),
+                                        on_done=done.append, on_sent=sent.append)
+        assert [s.state for s in statuses] == [RequestState.DONE] * count
+        assert target.digest(base, size * count) == sha(local)
+        back = engine.allocate_managed(size * count).numpy()
+        statuses = engine.transfer_sync(_batch(OpCode.READ, back, target, base, size, count),
+                                        on_done=done.append, on_sent=sent.append)
+    assert [s.state for s in statuses] == [RequestState.DONE] * count
+    assert sha(back) == sha(local)
+    assert sorted(done) == sorted(list(range(count)) * 2)
+    if transport == "tcp":  # every write when its frame was in the socket; a large read's too
+        assert sent[:count] == list(range(count))
+        assert sent[count:] == (list(range(count)) if size * count > SCRATCH_BYTES else [])
+
+
+def test_a_frame_with_an_unregistered_local_range_takes_the_batch_path(
+        engine: TransferEngine, target: Target) -> None:
+    """One bad request: reported in the batch path's words, the others still move."""
+    local = _pattern(engine, 4 * 4096, seed=7)
+    engine.write(target.segment, local.ctypes.data, target.plain, 16)
+    stray = np.zeros(4096, dtype=np.uint8)  # never registered
+    reqs = _batch(OpCode.READ, local, target, target.plain, 4096, 4)
+    reqs[2] = reqs[2]._replace(local_addr=stray.ctypes.data)
+    statuses = engine.transfer_sync(reqs)
+    assert [s.ok for s in statuses] == [True, True, False, True]
+    assert "not registered" in (statuses[2].reason or "")
 
 
 @pytest.fixture

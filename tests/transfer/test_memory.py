@@ -39,6 +39,20 @@ def test_registry_finds_exact_containing_buffer() -> None:
         registry.remove(ba.addr)
 
 
+def test_registry_never_finds_a_buffer_after_its_removal() -> None:
+    """`find` remembers the buffer it found last; a removal must make it forget it."""
+    registry = MemoryRegistry()
+    a, b = np.zeros(4096, dtype=np.uint8), np.zeros(4096, dtype=np.uint8)
+    ba, bb = registry.add(buffer_of(a)), registry.add(buffer_of(b))
+    for _ in range(2):  # the second lookup is answered from the remembered buffer
+        assert registry.find(ba.addr + 8, 16) is ba
+    registry.remove(ba.addr)
+    assert registry.find(ba.addr + 8, 16) is None
+    assert registry.find(bb.addr, 4096) is bb
+    again = registry.add(buffer_of(a))
+    assert registry.find(ba.addr + 8, 16) is again
+
+
 def test_register_kinds() -> None:
     arr = np.arange(16, dtype=np.float32)
     assert buffer_of(arr).length == 64

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import random
+
 from kvpool.transfer.batch import Batch, OpCode, RequestState
 from kvpool.transfer.config import TransferConfig
-from kvpool.transfer.planner import Pieces, count_slices, plan_frames
+from kvpool.transfer.planner import Pieces, count_slices, fits_one_frame, plan_frames
 
 CONFIG = TransferConfig(slice_bytes=8192, frame_bytes=8192, frame_requests=3)
 
@@ -60,3 +62,20 @@ def test_small_requests_fill_larger_frames_than_large_ones() -> None:
     default = TransferConfig()
     assert plan_frames(OpCode.READ, Batch(32), pieces(*[65536] * 32), default)[0].indices == \
         list(range(32))
+
+
+def test_one_frame_exactly_when_the_plan_is_one_frame() -> None:
+    """fits_one_frame (the frame fast path's test) agrees with plan_frames everywhere."""
+    rng = random.Random(5)
+    configs = [CONFIG, TransferConfig(), TransferConfig(slice_bytes=4096, frame_bytes=16384,
+                                                       small_frame_bytes=65536, frame_requests=8)]
+    sizes = [1, 100, 1024, 4095, 4096, 4097, 8192, 8193, 20000, 65536, 1 << 20, (1 << 20) + 1]
+    seen = {True: 0, False: 0}
+    for _ in range(3000):
+        config = rng.choice(configs)
+        lengths = [rng.choice(sizes) for _ in range(rng.randint(1, 12))]
+        one = len(plan_frames(OpCode.READ, Batch(12), pieces(*lengths), config)) == 1
+        assert fits_one_frame(lengths, config) == one, (lengths, config)
+        seen[one] += 1
+    assert min(seen.values()) > 100  # both answers were exercised
+    assert not fits_one_frame([], CONFIG) and not fits_one_frame([0, 10], CONFIG)

@@ -310,6 +310,8 @@ class TransferEngine:
             if on_done is not None and status.ok:
                 notify_done(on_done, 0)
             return [status]
+        if len(requests) > 1 and (statuses := router.run_frame(requests, on_done, on_sent)):
+            return statuses
         batch = Batch(len(requests), on_done, on_sent)
         router.dispatch(batch, requests, inline=True)
         return self._finish(batch, timeout_s)

@@ -105,6 +105,9 @@ class MemoryRegistry:
         self._lock = threading.Lock()
         self._starts: tuple[int, ...] = ()
         self._buffers: tuple[Buffer, ...] = ()
+        self._last: tuple[tuple[Buffer, ...], Buffer] | None = None
+        """The buffer `find` found last, with the registrations it was found among: a batch
+        walks through one buffer, and each of its objects is checked in several layers."""
 
     def add(self, buf: Buffer) -> Buffer:
         if buf.length <= 0:
@@ -128,11 +131,14 @@ class MemoryRegistry:
 
     def find(self, addr: int, length: int) -> Buffer | None:
         """The registered buffer that holds all of [addr, addr+length), or None."""
-        buffers, starts = self._buffers, self._starts
+        buffers, starts, last = self._buffers, self._starts, self._last
+        if last is not None and last[0] is buffers and last[1].contains(addr, length):
+            return last[1]  # (registrations replace the tuple, so a removed one never hits)
         i = bisect.bisect_right(starts, addr) - 1
         while i >= 0:
             buf = buffers[i]
             if buf.contains(addr, length):
+                self._last = (buffers, buf)
                 return buf
             i -= 1
         return None

@@ -38,6 +38,24 @@ def count_slices(length: int, slice_bytes: int) -> int:
     return 1 if length <= slice_bytes else -(-length // slice_bytes)
 
 
+def fits_one_frame(lengths: list[int], config: TransferConfig) -> bool:
+    """Whether `plan_frames` makes exactly one frame of requests of these (positive)
+    lengths: none is sliced, and the frame fills up no earlier than at its last request."""
+    if not lengths or len(lengths) > config.frame_requests:
+        return False
+    slice_bytes, small = config.slice_bytes, config.frame_bytes // 4
+    used, limit, last = 0, config.small_frame_bytes, len(lengths) - 1
+    for i, length in enumerate(lengths):
+        if not 0 < length <= slice_bytes:
+            return False
+        used += length
+        if length >= small:
+            limit = config.frame_bytes
+        if used >= limit and i < last:
+            return False
+    return True
+
+
 def plan_frames(op: OpCode, batch: Batch, pieces: Pieces, config: TransferConfig) -> list[Frame]:
     frames: list[Frame] = []
     slice_bytes, frame_bytes, frame_requests = config.slice_bytes, config.frame_bytes, config.frame_requests

@@ -122,9 +122,11 @@ class HashOnArrival:
         self.request_done(request)
 
     def request_done(self, request: int) -> None:
+        if request in self._counted:  # reported already when it was sent (never removed)
+            return
         obj = self._owners[request]
         with self._lock:
-            if request in self._counted:  # reported already when it was sent
+            if request in self._counted:
                 return
             self._counted.add(request)
             left = self._left[obj] = self._left[obj] - 1

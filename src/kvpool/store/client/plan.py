@@ -19,6 +19,7 @@ from typing import NamedTuple
 from kvpool.store.wire.codes import ReplicaDesc
 from kvpool.transfer.batch import OpCode, TransferRequest
 
+_new = tuple.__new__
 Part = tuple[int, int]
 """(local address, length in bytes)."""
 
@@ -35,7 +36,7 @@ class Copy(NamedTuple):
     """The replica's write fence (ReplicaDesc.fence): the owner refuses it once stale."""
 
     def request(self, op: OpCode) -> TransferRequest:
-        return TransferRequest(op, *self)
+        return _new(TransferRequest, (op, *self))  # (the named tuple's own __new__: 2x slower)
 
 
 def parts_total(parts: Sequence[Part]) -> int:
@@ -65,7 +66,7 @@ def copies_for(parts: Sequence[Part], replica: ReplicaDesc, num_bytes: int) -> l
     target, base, fence = replica.endpoint, replica.addr, replica.fence
     if len(parts) == 1:  # the common case: one piece, one copy
         n = min(parts[0][1], num_bytes)
-        return [Copy(parts[0][0], n, target, base, fence)] if n else []
+        return [_new(Copy, (parts[0][0], n, target, base, fence))] if n else []
     copies: list[Copy] = []
     offset = 0
     for addr, length in parts:
