@@ -27,8 +27,19 @@ def test_small_requests_coalesce_up_to_the_descriptor_limit() -> None:
 
 
 def test_frames_close_at_the_byte_limit() -> None:
-    frames = plan_frames(OpCode.READ, Batch(10), pieces(5000, 5000, 100), CONFIG)
+    config = TransferConfig(slice_bytes=8192, frame_bytes=8192, small_frame_bytes=8192)
+    frames = plan_frames(OpCode.READ, Batch(10), pieces(5000, 5000, 100), config)
     assert [f.indices for f in frames] == [[0, 1], [2]]
+
+
+def test_a_batch_within_the_small_frame_limit_is_one_frame_whatever_its_sizes() -> None:
+    default = TransferConfig()
+    four = plan_frames(OpCode.WRITE, Batch(4), pieces(*[1 << 20] * 4), default)
+    assert [f.indices for f in four] == [[0, 1, 2, 3]]  # not four frames of 1 MiB
+    five = plan_frames(OpCode.WRITE, Batch(5), pieces(*[1 << 20] * 5), default)
+    assert [f.indices for f in five] == [[0], [1], [2], [3], [4]]  # over 4 MiB: frame_bytes
+    sliced = plan_frames(OpCode.WRITE, Batch(2), pieces((1 << 20) + 1, 10), default)
+    assert len(sliced) == 3  # a sliced request keeps the old rules
 
 
 def test_large_requests_are_sliced() -> None:
@@ -55,10 +66,10 @@ def test_small_requests_fill_larger_frames_than_large_ones() -> None:
     config = TransferConfig(slice_bytes=8192, frame_bytes=8192, small_frame_bytes=32768)
     small = plan_frames(OpCode.READ, Batch(20), pieces(*[1024] * 20), config)
     assert [len(f.indices) for f in small] == [20]  # 20 KiB of requests under 2 KiB: one frame
-    large = plan_frames(OpCode.READ, Batch(20), pieces(*[4096] * 5), config)
-    assert [f.indices for f in large] == [[0, 1], [2, 3], [4]]  # 4 KiB each: frame_bytes
-    mixed = plan_frames(OpCode.READ, Batch(20), pieces(*[1024] * 7, 4096, 1024), config)
-    assert [f.indices for f in mixed] == [list(range(8)), [8]]  # a large one: frame_bytes
+    large = plan_frames(OpCode.READ, Batch(20), pieces(*[4096] * 9), config)  # over 32 KiB
+    assert [f.indices for f in large] == [[0, 1], [2, 3], [4, 5], [6, 7], [8]]  # frame_bytes
+    mixed = plan_frames(OpCode.READ, Batch(40), pieces(*[1024] * 7, 4096, *[1024] * 25), config)
+    assert [len(f.indices) for f in mixed] == [8, 25]  # a large one: frame_bytes, then small
     default = TransferConfig()
     assert plan_frames(OpCode.READ, Batch(32), pieces(*[65536] * 32), default)[0].indices == \
         list(range(32))
