@@ -17,6 +17,7 @@ from kvpool.transfer import OpCode, RequestState, TransferConfig, TransferEngine
 from kvpool.transfer.decoder import FrameEnd, FrameStart
 from kvpool.transfer.protocol import FENCED_REASON, FrameType, encode_descriptors, encode_header
 from kvpool.transfer.routing import Router
+from kvpool.transfer.segment import SegmentDescriptor
 from kvpool.transfer.wire import SCRATCH_BYTES, FrameReader
 from tests.transfer.conftest import Target, remote_base, sha
 
@@ -187,6 +188,30 @@ def test_a_frame_with_an_unregistered_local_range_takes_the_batch_path(
     statuses = engine.transfer_sync(reqs)
     assert [s.ok for s in statuses] == [True, True, False, True]
     assert "not registered" in (statuses[2].reason or "")
+
+
+def test_forced_shm_to_another_host_never_sends_a_frame(target: Target) -> None:
+    """With protocol 'shm' a peer on another host is refused, not reached over tcp."""
+    with TransferEngine(TransferConfig(protocol="shm")) as eng, pytest.MonkeyPatch.context() as patch:
+        local = eng.allocate_managed(2 * 4096)
+        assert eng.transfer_sync([TransferRequest(OpCode.WRITE, local.addr, 16, target.segment,
+                                                  target.managed)])[0].ok  # caches the peer
+        patch.setattr(SegmentDescriptor, "same_host", lambda self: False)
+        reqs = [TransferRequest(OpCode.WRITE, local.addr + i * 4096, 4096, target.segment,
+                                target.plain + i * 4096) for i in range(2)]
+        statuses = eng.transfer_sync(reqs)
+        assert all("'shm' is forced" in (s.reason or "") for s in statuses)
+        assert not eng._started_router()._links  # no tcp data connection was made
+
+
+def test_a_request_field_of_the_wrong_type_fails_its_requests_and_raises_nothing(
+        engine: TransferEngine, target: Target) -> None:
+    local = _pattern(engine, 2 * 4096, seed=8)
+    engine.write(target.segment, local.ctypes.data, target.plain, 16)
+    reqs = _batch(OpCode.WRITE, local, target, target.plain, 4096, 2)
+    reqs[1] = reqs[1]._replace(fence=None)  # type: ignore[arg-type]
+    statuses = engine.transfer_sync(reqs)
+    assert [s.state for s in statuses] == [RequestState.FAILED] * 2
 
 
 @pytest.fixture

@@ -53,6 +53,19 @@ def test_registry_never_finds_a_buffer_after_its_removal() -> None:
     assert registry.find(ba.addr + 8, 16) is again
 
 
+def test_registry_answers_the_innermost_of_overlapping_buffers_every_time() -> None:
+    """A read-only range registered inside a larger buffer is found as itself, whatever was
+    found before (its read-only flag and fence hold there)."""
+    registry = MemoryRegistry()
+    whole = np.zeros(8192, dtype=np.uint8)
+    outer = registry.add(buffer_of(whole))
+    inner = registry.add(Buffer(outer.addr + 4096, 1024, view_at(outer.addr + 4096, 1024),
+                                readonly=True))
+    for _ in range(2):
+        assert registry.find(outer.addr, 16) is outer
+        assert registry.find(inner.addr, 16) is inner
+
+
 def test_register_kinds() -> None:
     arr = np.arange(16, dtype=np.float32)
     assert buffer_of(arr).length == 64

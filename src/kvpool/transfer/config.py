@@ -43,8 +43,10 @@ class TransferConfig:
     a batch of 32 x 64 KiB then goes as one frame in the caller's thread. As two 1 MiB frames
     the caller and a worker thread polled for their replies at once, fighting over the GIL:
     a put cost 100-470 us more CPU in four A/B runs of four, a get 115-420 us in four of
-    five (docs/perf.md). Larger requests keep frame_bytes: 16 x 1 MiB in 4 MiB frames was no
-    cheaper and at times slower."""
+    five (docs/perf.md). Larger requests keep frame_bytes, except that a sync call's batch of
+    at most this many bytes to one peer is one frame whatever its sizes (4 x 1 MiB: puts 2.4
+    -> 3.0 GB/s, gets 2.7 -> 4.0); 16 x 1 MiB in 4 MiB frames was no cheaper and at times
+    slower."""
     frame_requests: int = 512
     """...and at most this many descriptors per frame (sendmsg's iovec limit is 1024)."""
     handshake_timeout_s: float = 10.0

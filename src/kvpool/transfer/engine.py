@@ -302,7 +302,10 @@ class TransferEngine:
         did, in the thread that moved its bytes (see Batch), before this returns.
         `on_sent(index)`: a write's bytes are all in a tcp socket, its answer not yet in, or
         a read's bytes are in while the rest of its frame is not (see Batch; it may not be
-        called for a request, and never is on the one-request path)."""
+        called for a request, and never is on the one-request path). `timeout_s` bounds the
+        wait for frames on worker threads; the frame the caller's thread runs itself (all of
+        it for one request, or requests that make one frame) is bounded by `config.timeout_s`
+        per read and write instead."""
         if not requests:
             return []
         router = self._router or self._started_router()

@@ -22,6 +22,7 @@ file), and a torn 8-byte read is not possible for the aligned word on the platfo
 from __future__ import annotations
 
 import bisect
+import itertools
 import ctypes
 import fcntl
 import mmap
@@ -105,9 +106,12 @@ class MemoryRegistry:
         self._lock = threading.Lock()
         self._starts: tuple[int, ...] = ()
         self._buffers: tuple[Buffer, ...] = ()
+        self._disjoint = True
         self._last: tuple[tuple[Buffer, ...], Buffer] | None = None
         """The buffer `find` found last, with the registrations it was found among: a batch
-        walks through one buffer, and each of its objects is checked in several layers."""
+        walks through one buffer, and each of its objects is checked in several layers. Used
+        only while no two registrations overlap (else `find` must keep answering the one with
+        the highest start, whose read-only flag and fence hold there)."""
 
     def add(self, buf: Buffer) -> Buffer:
         if buf.length <= 0:
@@ -117,15 +121,20 @@ class MemoryRegistry:
                 if existing.addr == buf.addr and existing.length == buf.length:
                     return existing
             items = sorted((*self._buffers, buf), key=lambda b: b.addr)
-            self._buffers, self._starts = tuple(items), tuple(b.addr for b in items)
+            self._set(tuple(items))
         return buf
+
+    def _set(self, items: tuple[Buffer, ...]) -> None:
+        """Install sorted registrations (under the lock); `find` forgets its last answer."""
+        self._last, self._disjoint = None, False  # no caching while the tuple changes
+        self._buffers, self._starts = items, tuple(b.addr for b in items)
+        self._disjoint = all(a.addr + a.length <= b.addr for a, b in itertools.pairwise(items))
 
     def remove(self, addr: int) -> Buffer:
         with self._lock:
             for i, existing in enumerate(self._buffers):
                 if existing.addr == addr:
-                    items = self._buffers[:i] + self._buffers[i + 1 :]
-                    self._buffers, self._starts = items, tuple(b.addr for b in items)
+                    self._set(self._buffers[:i] + self._buffers[i + 1 :])
                     return existing
         raise MemoryRegistrationError(f"no buffer registered at {addr:#x}")
 
@@ -138,7 +147,8 @@ class MemoryRegistry:
         while i >= 0:
             buf = buffers[i]
             if buf.contains(addr, length):
-                self._last = (buffers, buf)
+                if self._disjoint:
+                    self._last = (buffers, buf)
                 return buf
             i -= 1
         return None

@@ -3,8 +3,9 @@
 Pure policy over lengths: no sockets. A request larger than `slice_bytes` travels as several
 slices (spread by the connection pool); requests up to it are packed together into frames of at
 most `frame_bytes` payload (`small_frame_bytes` while every request in the frame is under a
-quarter of `frame_bytes`) and `frame_requests` descriptors. Requests to one peer that need no
-slice and add up to at most `small_frame_bytes` go as one frame whatever their sizes. Inputs are parallel lists because
+quarter of `frame_bytes`) and `frame_requests` descriptors. A sync call's requests to one
+peer that need no slice and add up to at most `small_frame_bytes` go as one frame whatever
+their sizes. Inputs are parallel lists because
 this runs per request on the hot path.
 """
 
@@ -54,9 +55,9 @@ def _whole(lengths: list[int], config: TransferConfig) -> bool:
 
 
 def fits_one_frame(lengths: list[int], config: TransferConfig) -> bool:
-    """Whether `plan_frames` makes exactly one frame of requests of these (positive)
-    lengths: a whole batch (`_whole`), or none sliced and the frame filling up no earlier
-    than at its last request."""
+    """Whether `plan_frames` (for a sync call) makes exactly one frame of requests of these
+    (positive) lengths: a whole batch (`_whole`), or none sliced and the frame filling up no
+    earlier than at its last request."""
     if _whole(lengths, config):
         return True
     if not lengths or len(lengths) > config.frame_requests:
@@ -74,8 +75,11 @@ def fits_one_frame(lengths: list[int], config: TransferConfig) -> bool:
     return True
 
 
-def plan_frames(op: OpCode, batch: Batch, pieces: Pieces, config: TransferConfig) -> list[Frame]:
-    if _whole(pieces.lengths, config):
+def plan_frames(op: OpCode, batch: Batch, pieces: Pieces, config: TransferConfig,
+                whole: bool = True) -> list[Frame]:
+    """The frames of `pieces`; with `whole` (a sync call, whose first frame runs in the
+    caller's thread) a batch within `small_frame_bytes` is one frame whatever its sizes."""
+    if whole and _whole(pieces.lengths, config):
         return [_frame(op, batch, pieces, 0, len(pieces.lengths))]
     frames: list[Frame] = []
     slice_bytes, frame_bytes, frame_requests = config.slice_bytes, config.frame_bytes, config.frame_requests

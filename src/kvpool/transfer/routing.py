@@ -119,13 +119,17 @@ class Router:
         general path is needed: several peers or ops, our own segment, shm, a request the
         planner would slice or a second frame, nothing cached about the peer yet, or any
         request failing a check (so it is reported in the general path's words)."""
-        op, target = requests[0].op, requests[0].target
+        op, target, protocol = requests[0].op, requests[0].target, self._config.protocol
         descriptor = self._peers.cached(target)
-        lengths = [r.length for r in requests]
-        if target == self._me or descriptor is None or not fits_one_frame(lengths, self._config) \
-                or (self._config.protocol != "tcp" and descriptor.same_host()):
+        if target == self._me or descriptor is None or protocol == "shm" \
+                or (protocol != "tcp" and descriptor.same_host()):
             return None
-        views = self._frame_views(op, target, requests)
+        try:  # a field of the wrong type: the batch path fails that request, not the call
+            lengths = [r.length for r in requests]
+            views = self._frame_views(op, target, requests) \
+                if fits_one_frame(lengths, self._config) else None
+        except (TypeError, ValueError):
+            return None
         if views is None:
             return None
         self.traffic.add("tcp", target, len(requests), sum(lengths))
@@ -192,7 +196,8 @@ class Router:
             self._shm.run(op, batch, shm_items, shm_peer, inline)
         if pieces.indices:
             self.traffic.add("tcp", target, len(pieces.indices), sum(pieces.lengths))
-            link, frames = self._link(target, descriptor), plan_frames(op, batch, pieces, self._config)
+            link = self._link(target, descriptor)
+            frames = plan_frames(op, batch, pieces, self._config, whole=inline)
             link.run_inline(frames) if inline else link.send(frames)
 
     def _dispatch_local(self, batch: Batch, op: OpCode, items: list[tuple[int, TransferRequest]],
