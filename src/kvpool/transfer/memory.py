@@ -22,9 +22,9 @@ file), and a torn 8-byte read is not possible for the aligned word on the platfo
 from __future__ import annotations
 
 import bisect
-import itertools
 import ctypes
 import fcntl
+import itertools
 import mmap
 import os
 import re
