@@ -53,6 +53,7 @@ def new_fence() -> int:
 
 _PUT_OK = PutResult(ErrorCode.OK)
 _DEFAULT_CFG = ReplicateConfig()
+_new = tuple.__new__
 
 
 class ClientBase(ReadPath):
@@ -421,7 +422,7 @@ class ClientBase(ReadPath):
         PUT_START answer."""
         if len(parts) == 1 and len(replicas) == 1:  # the common case: one piece, one copy
             r = replicas[0]
-            return [Copy(parts[0][0], size, r.endpoint, r.addr, r.fence)]
+            return [_new(Copy, (parts[0][0], size, r.endpoint, r.addr, r.fence))]
         return [c for r in replicas for c in copies_for(parts, r, size)]
 
     def _revoke(self, keys: list[str]) -> None:
