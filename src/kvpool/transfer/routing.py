@@ -12,15 +12,8 @@ import threading
 from collections.abc import Callable
 
 from kvpool.errors import KvpoolError
-from kvpool.transfer.batch import (
-    DONE,
-    Batch,
-    OpCode,
-    RequestState,
-    RequestStatus,
-    TransferRequest,
-    notify_done,
-)
+from kvpool.transfer import batch as _batch
+from kvpool.transfer.batch import DONE, Batch, OpCode, RequestState, RequestStatus, TransferRequest
 from kvpool.transfer.config import TransferConfig
 from kvpool.transfer.memory import Buffer, MemoryRegistry
 from kvpool.transfer.peers import PeerDirectory
@@ -144,7 +137,7 @@ class Router:
         if on_done is not None:
             for index, status in enumerate(out):
                 if status is DONE:
-                    notify_done(on_done, index)
+                    _batch.notify_done(on_done, index)
         return out
 
     def _frame_views(self, op: OpCode, target: str,
@@ -278,7 +271,7 @@ def _frame_hooks(op: OpCode, on_sent: Callable[[int], None] | None, count: int) 
 
     def arrived(lo: int, hi: int) -> None:
         for index in range(lo, hi):
-            notify_done(hook, index)
+            _batch.notify_done(hook, index)
     if op == OpCode.WRITE:
         return lambda: arrived(0, count), None
     return None, arrived
