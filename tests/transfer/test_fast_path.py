@@ -190,6 +190,25 @@ def test_a_frame_with_an_unregistered_local_range_takes_the_batch_path(
     assert "not registered" in (statuses[2].reason or "")
 
 
+def test_a_read_into_a_read_only_range_inside_a_writable_buffer_is_refused(
+        engine: TransferEngine, target: Target) -> None:
+    """Overlapping registrations: the innermost buffer's read-only flag holds on every path,
+    whatever buffer was found before."""
+    whole = _pattern(engine, 4 * 4096, seed=10)
+    outer = engine.register(whole)
+    engine.register(memoryview(whole[8192:12288]).toreadonly())
+    engine.write(target.segment, outer.addr, target.plain, 16)
+    target.fill(target.plain, 4096, seed=11)
+    protected = sha(whole[8192:12288])
+    for count in (1, 2):  # one request (run_one), then a frame of two (run_frame)
+        reqs = [TransferRequest(OpCode.READ, outer.addr + i * 4096, 4096, target.segment,
+                                target.plain) for i in range(count)]
+        reqs[-1] = reqs[-1]._replace(local_addr=outer.addr + 8192)
+        statuses = engine.transfer_sync(reqs)
+        assert "read-only" in (statuses[-1].reason or "")
+        assert sha(whole[8192:12288]) == protected
+
+
 def test_forced_shm_to_another_host_never_sends_a_frame(target: Target) -> None:
     """With protocol 'shm' a peer on another host is refused, not reached over tcp."""
     with TransferEngine(TransferConfig(protocol="shm")) as eng, pytest.MonkeyPatch.context() as patch:

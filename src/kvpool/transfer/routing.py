@@ -15,7 +15,7 @@ from kvpool.errors import KvpoolError
 from kvpool.transfer import batch as _batch
 from kvpool.transfer.batch import DONE, Batch, OpCode, RequestState, RequestStatus, TransferRequest
 from kvpool.transfer.config import TransferConfig
-from kvpool.transfer.memory import Buffer, MemoryRegistry
+from kvpool.transfer.memory import MemoryRegistry
 from kvpool.transfer.peers import PeerDirectory
 from kvpool.transfer.planner import Pieces, count_slices, fits_one_frame, plan_frames
 from kvpool.transfer.protocol import Status
@@ -144,16 +144,15 @@ class Router:
                      requests: list[TransferRequest]) -> list[memoryview] | None:
         """The local view of each request, or None when any fails a check `dispatch` makes."""
         views: list[memoryview] = []
-        find, buf = self._registry.find, None
+        find = self._registry.find  # (it remembers the last buffer: a batch walks through one)
         for req in requests:
             addr, length = req.local_addr, req.length
             if req.target != target or req.op != op or not (
                     0 <= req.target_addr < _ADDR_LIMIT and 0 <= req.fence < _ADDR_LIMIT):
                 return None
-            if buf is None or not buf.contains(addr, length):
-                buf = find(addr, length)
-                if buf is None or (op == OpCode.READ and buf.readonly):
-                    return None
+            buf = find(addr, length)
+            if buf is None or (op == OpCode.READ and buf.readonly):
+                return None
             start = addr - buf.addr
             views.append(buf.view[start : start + length])
         return views
@@ -171,10 +170,9 @@ class Router:
         shm_peer = self._shm_peer_for(target, descriptor)
         shm_items: list[ShmItem] = []
         pieces = Pieces()
-        cache: list[Buffer | None] = [None]
         checked: Checked = {}
         for index, req in items:
-            local = self._local_view(batch, index, req, op, cache)
+            local = self._local_view(batch, index, req, op)
             if local is None:
                 continue
             remote = shm_peer.resolve(req.target_addr, req.length, checked) if shm_peer else None
@@ -197,7 +195,7 @@ class Router:
                         inline: bool) -> None:
         copies: list[ShmItem] = []
         for index, req in items:
-            local = self._local_view(batch, index, req, op, [None])
+            local = self._local_view(batch, index, req, op)
             if local is None:
                 continue
             target = self._registry.find(req.target_addr, req.length)
@@ -210,18 +208,15 @@ class Router:
             self.traffic.add("local", self._me, len(copies), sum(c[1].nbytes for c in copies))
             self._shm.run(op, batch, copies, None, inline)
 
-    def _local_view(self, batch: Batch, index: int, req: TransferRequest, op: OpCode,
-                    cache: list[Buffer | None]) -> memoryview | None:
-        """The local side of `req`, or None after failing it. `cache[0]` remembers the last
-        buffer found, since a batch usually walks through one buffer."""
+    def _local_view(self, batch: Batch, index: int, req: TransferRequest,
+                    op: OpCode) -> memoryview | None:
+        """The local side of `req`, or None after failing it."""
         if not (0 <= req.target_addr < _ADDR_LIMIT and 0 <= req.length < _ADDR_LIMIT
                 and 0 <= req.fence < _ADDR_LIMIT):
             batch.complete([index], f"invalid target address {req.target_addr}, length {req.length} "
                                     f"or fence {req.fence}")
             return None
-        buf = cache[0]
-        if buf is None or not buf.contains(req.local_addr, req.length):
-            buf = cache[0] = self._registry.find(req.local_addr, req.length)
+        buf = self._registry.find(req.local_addr, req.length)  # (remembers the last buffer)
         if buf is None:
             batch.complete([index], f"local range {req.local_addr:#x}+{req.length} is not registered")
             return None
