@@ -5,6 +5,8 @@ argv[1]: JSON of TransferConfig fields; argv[2]: buffer size. Prints one JSON li
   fill ADDR LEN SEED   -> "ok"           (pseudo-random bytes from SEED)
   digest ADDR LEN      -> hex sha256
   fence ADDR VALUE     -> "ok"           (set_fence of the region registered at ADDR)
+  nest ADDR LEN FENCE RO -> "ok"         (register a region inside the plain buffer, with its
+                                          own fence, read-only when RO is 1)
   exhaust              -> "ok N"         (lower RLIMIT_NOFILE and hold fds until EMFILE)
   release              -> "ok"           (close them again)
   quit
@@ -44,6 +46,12 @@ def main() -> None:
                 continue
             if parts[0] == "fence":
                 engine.set_fence(int(parts[1]), int(parts[2]))
+                print("ok", flush=True)
+                continue
+            if parts[0] == "nest":
+                inner = view_at(int(parts[1]), int(parts[2]))
+                engine.register(inner.toreadonly() if parts[4] == "1" else inner,
+                                fence=int(parts[3]))
                 print("ok", flush=True)
                 continue
             addr, length = int(parts[1]), int(parts[2])

@@ -209,6 +209,33 @@ def test_a_read_into_a_read_only_range_inside_a_writable_buffer_is_refused(
         assert sha(whole[8192:12288]) == protected
 
 
+def test_the_target_checks_an_inner_region_for_itself(engine: TransferEngine,
+                                                     target: Target) -> None:
+    """Regions registered inside a larger buffer at the target: a read-only one refuses
+    writes and a fenced one a stale fence, in a frame whose first descriptor went to the
+    outer buffer."""
+    base = target.plain
+    ro, fenced = base + 8192, base + 16384
+    assert target.command(f"nest {ro} 4096 0 1") == "ok"
+    assert target.command(f"nest {fenced} 4096 5 0") == "ok"
+    engine.write(target.segment, _pattern(engine, 16, 14).ctypes.data, base, 16)
+    target.fill(base, 32768, seed=12)
+    kept = [target.digest(ro, 4096), target.digest(fenced, 4096)]
+    local = _pattern(engine, 3 * 4096, seed=13)
+    writes = [TransferRequest(OpCode.WRITE, local.ctypes.data + i * 4096, 4096, target.segment,
+                              addr) for i, addr in enumerate((base, ro, fenced))]
+    statuses = engine.transfer_sync(writes)
+    assert statuses[0].ok
+    assert "read-only" in (statuses[1].reason or "")
+    assert statuses[2].reason == FENCED_REASON
+    assert [target.digest(ro, 4096), target.digest(fenced, 4096)] == kept
+    back = engine.allocate_managed(2 * 4096).numpy()
+    reads = [TransferRequest(OpCode.READ, back.ctypes.data, 4096, target.segment, base),
+             TransferRequest(OpCode.READ, back.ctypes.data + 4096, 4096, target.segment, fenced)]
+    assert engine.transfer_sync(reads)[1].reason == FENCED_REASON
+    assert all(s.ok for s in engine.transfer_sync([reads[0], reads[1]._replace(fence=5)]))
+
+
 def test_forced_shm_to_another_host_never_sends_a_frame(target: Target) -> None:
     """With protocol 'shm' a peer on another host is refused, not reached over tcp."""
     with TransferEngine(TransferConfig(protocol="shm")) as eng, pytest.MonkeyPatch.context() as patch:

@@ -270,24 +270,22 @@ class TcpTarget:
         would: every byte is sent after all of them, in either case."""
         views: list[memoryview] = []
         payload = 0
-        buf: Buffer | None = None
-        lo = hi = admitted = -1  # buf's range; the fence value last admitted into it
+        find, last = self._registry.find, None  # (find remembers the last buffer it found)
+        admitted = -1  # the fence value last admitted into `last`
         for i, (addr, length, fence) in enumerate(
                 zip(start.addrs, start.lengths, start.fences, strict=True)):
-            if not (lo <= addr and addr + length <= hi):
-                buf = self._registry.find(addr, length)
-                if buf is None:
-                    lo = hi = -1
-                    statuses[i] = Status.OUT_OF_RANGE
-                    continue
-                lo, hi, admitted = buf.addr, buf.addr + buf.length, -1
-            assert buf is not None
+            buf = find(addr, length)  # per descriptor: an inner region answers for itself
+            if buf is None:
+                statuses[i] = Status.OUT_OF_RANGE
+                continue
+            if buf is not last:
+                last, admitted = buf, -1
             if fence != admitted:
                 if buf.fence.enter(fence, False) is None:
                     statuses[i] = Status.FENCED
                     continue
                 admitted = fence
-            at = addr - lo
+            at = addr - buf.addr
             views.append(buf.view[at : at + length])
             payload += length
         return views, payload
@@ -301,10 +299,9 @@ class TcpTarget:
         descriptor); each admission is appended to `admitted` as (fence, token, count)."""
         addrs, lengths, fences = start.addrs, start.lengths, start.fences
         bufs: list[Buffer | None] = []
-        buf: Buffer | None = None
+        find = self._registry.find  # per descriptor: an inner region answers for itself
         for i, (addr, length) in enumerate(zip(addrs, lengths, strict=True)):
-            if buf is None or not buf.contains(addr, length):
-                buf = self._registry.find(addr, length)
+            buf = find(addr, length)
             if buf is None:
                 statuses[i] = Status.OUT_OF_RANGE
             elif buf.readonly:
