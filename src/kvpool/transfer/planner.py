@@ -54,52 +54,54 @@ def _whole(lengths: list[int], config: TransferConfig) -> bool:
     return total <= config.small_frame_bytes
 
 
-def fits_one_frame(lengths: list[int], config: TransferConfig) -> bool:
-    """Whether `plan_frames` (for a sync call) makes exactly one frame of requests of these
-    (positive) lengths: a whole batch (`_whole`), or none sliced and the frame filling up no
-    earlier than at its last request."""
-    if _whole(lengths, config):
-        return True
-    if not lengths or len(lengths) > config.frame_requests:
-        return False
-    slice_bytes, small = config.slice_bytes, config.frame_bytes // 4
-    used, limit, last = 0, config.small_frame_bytes, len(lengths) - 1
-    for i, length in enumerate(lengths):
-        if not 0 < length <= slice_bytes:
-            return False
-        used += length
-        if length >= small:
-            limit = config.frame_bytes
-        if used >= limit and i < last:
-            return False
-    return True
-
-
-def plan_frames(op: OpCode, batch: Batch, pieces: Pieces, config: TransferConfig,
-                whole: bool = True) -> list[Frame]:
-    """The frames of `pieces`; with `whole` (a sync call, whose first frame runs in the
-    caller's thread) a batch within `small_frame_bytes` is one frame whatever its sizes."""
-    if whole and _whole(pieces.lengths, config):
-        return [_frame(op, batch, pieces, 0, len(pieces.lengths))]
-    frames: list[Frame] = []
+def frame_spans(lengths: list[int], config: TransferConfig,
+                whole: bool = True) -> list[tuple[int, int]]:
+    """The requests of each frame, as index ranges [start, end); a request over
+    `slice_bytes` is a range of its own, sent as slices. With `whole` (a sync call, whose
+    first frame runs in the caller's thread) a batch within `small_frame_bytes` is one frame
+    whatever its sizes."""
+    if whole and _whole(lengths, config):
+        return [(0, len(lengths))]
+    spans: list[tuple[int, int]] = []
     slice_bytes, frame_bytes, frame_requests = config.slice_bytes, config.frame_bytes, config.frame_requests
     small, small_frame = frame_bytes // 4, config.small_frame_bytes
     start, used, limit = 0, 0, small_frame
-    for i, length in enumerate(pieces.lengths):
+    for i, length in enumerate(lengths):
         if length > slice_bytes:
             if i > start:
-                frames.append(_frame(op, batch, pieces, start, i))
-            frames.extend(_slices(op, batch, pieces, i, slice_bytes))
+                spans.append((start, i))
+            spans.append((i, i + 1))
             start, used, limit = i + 1, 0, small_frame
             continue
         used += length
         if length >= small:
             limit = frame_bytes
         if used >= limit or i + 1 - start >= frame_requests:
-            frames.append(_frame(op, batch, pieces, start, i + 1))
+            spans.append((start, i + 1))
             start, used, limit = i + 1, 0, small_frame
-    if start < len(pieces.lengths):
-        frames.append(_frame(op, batch, pieces, start, len(pieces.lengths)))
+    if start < len(lengths):
+        spans.append((start, len(lengths)))
+    return spans
+
+
+def fits_one_frame(lengths: list[int], config: TransferConfig) -> bool:
+    """Whether `plan_frames` (for a sync call) makes exactly one frame, unsliced, of
+    requests of these lengths, all of them positive."""
+    return all(length > 0 for length in lengths) and \
+        frame_spans(lengths, config) == [(0, len(lengths))] and \
+        (len(lengths) > 1 or lengths[0] <= config.slice_bytes)
+
+
+def plan_frames(op: OpCode, batch: Batch, pieces: Pieces, config: TransferConfig,
+                whole: bool = True) -> list[Frame]:
+    """The frames of `pieces` (`frame_spans`)."""
+    frames: list[Frame] = []
+    lengths, slice_bytes = pieces.lengths, config.slice_bytes
+    for start, end in frame_spans(lengths, config, whole):
+        if end - start == 1 and lengths[start] > slice_bytes:
+            frames.extend(_slices(op, batch, pieces, start, slice_bytes))
+        else:
+            frames.append(_frame(op, batch, pieces, start, end))
     return frames
 
 

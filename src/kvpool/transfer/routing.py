@@ -144,17 +144,11 @@ class Router:
                      requests: list[TransferRequest]) -> list[memoryview] | None:
         """The local view of each request, or None when any fails a check `dispatch` makes."""
         views: list[memoryview] = []
-        find = self._registry.find  # (it remembers the last buffer: a batch walks through one)
         for req in requests:
-            addr, length = req.local_addr, req.length
-            if req.target != target or req.op != op or not (
-                    0 <= req.target_addr < _ADDR_LIMIT and 0 <= req.fence < _ADDR_LIMIT):
+            view = self._view(req, op) if req.target == target and req.op == op else None
+            if not isinstance(view, memoryview):
                 return None
-            buf = find(addr, length)
-            if buf is None or (op == OpCode.READ and buf.readonly):
-                return None
-            start = addr - buf.addr
-            views.append(buf.view[start : start + length])
+            views.append(view)
         return views
 
     def _dispatch_group(self, batch: Batch, op: OpCode, target: str,
@@ -210,22 +204,29 @@ class Router:
 
     def _local_view(self, batch: Batch, index: int, req: TransferRequest,
                     op: OpCode) -> memoryview | None:
-        """The local side of `req`, or None after failing it."""
-        if not (0 <= req.target_addr < _ADDR_LIMIT and 0 <= req.length < _ADDR_LIMIT
-                and 0 <= req.fence < _ADDR_LIMIT):
-            batch.complete([index], f"invalid target address {req.target_addr}, length {req.length} "
-                                    f"or fence {req.fence}")
-            return None
-        buf = self._registry.find(req.local_addr, req.length)  # (remembers the last buffer)
-        if buf is None:
-            batch.complete([index], f"local range {req.local_addr:#x}+{req.length} is not registered")
-            return None
-        if op == OpCode.READ and buf.readonly:
-            batch.complete([index], "local buffer is read-only; cannot read into it")
+        """The local side of `req`, or None after failing it (or completing it: empty)."""
+        view = self._view(req, op)
+        if isinstance(view, str):
+            batch.complete([index], view)
             return None
         if req.length == 0:
             batch.complete([index], whole=True)
             return None
+        return view
+
+    def _view(self, req: TransferRequest, op: OpCode) -> memoryview | str:
+        """The local side of `req`, or why it fails. The registry is asked for every request
+        (it remembers the last buffer it found: a batch walks through one), so a region
+        registered inside a larger buffer answers for itself."""
+        if not (0 <= req.target_addr < _ADDR_LIMIT and 0 <= req.length < _ADDR_LIMIT
+                and 0 <= req.fence < _ADDR_LIMIT):
+            return f"invalid target address {req.target_addr}, length {req.length} " \
+                   f"or fence {req.fence}"
+        buf = self._registry.find(req.local_addr, req.length)
+        if buf is None:
+            return f"local range {req.local_addr:#x}+{req.length} is not registered"
+        if op == OpCode.READ and buf.readonly:
+            return "local buffer is read-only; cannot read into it"
         start = req.local_addr - buf.addr
         return buf.view[start : start + req.length]
 

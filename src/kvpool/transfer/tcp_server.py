@@ -248,7 +248,7 @@ class TcpTarget:
         header, addrs, lengths, fences = start.header, start.addrs, start.lengths, start.fences
         reader.finish_frame([])
         if header.count == 1:  # the one-request path: no loop, one reply buffer
-            status, view = self._resolve(addrs[0], lengths[0], fences[0], [None])
+            status, view = self._resolve(addrs[0], lengths[0], fences[0])
             payload = lengths[0] if view is not None else 0
             head = encode_header(FrameType.READ_RESP, 1, header.request_id, 1 + payload)
             send_views(conn, [head + _STATUS_BYTE[status], view] if view is not None else
@@ -329,12 +329,9 @@ class TcpTarget:
                 views.append(target.view[at : at + length])
         return views
 
-    def _resolve(self, addr: int, length: int, fence: int,
-                 cache: list[Buffer | None]) -> tuple[int, memoryview | None]:
-        """Status and target view of one READ descriptor; `cache[0]` is the last buffer hit."""
-        buf = cache[0]
-        if buf is None or not buf.contains(addr, length):
-            buf = cache[0] = self._registry.find(addr, length)
+    def _resolve(self, addr: int, length: int, fence: int) -> tuple[int, memoryview | None]:
+        """Status and target view of one READ descriptor."""
+        buf = self._registry.find(addr, length)
         if buf is None:
             return Status.OUT_OF_RANGE, None
         if buf.fence.enter(fence, False) is None:

@@ -53,7 +53,6 @@ def new_fence() -> int:
 
 _PUT_OK = PutResult(ErrorCode.OK)
 _DEFAULT_CFG = ReplicateConfig()
-_new = tuple.__new__
 
 
 class ClientBase(ReadPath):
@@ -420,9 +419,8 @@ class ClientBase(ReadPath):
                    size: int) -> list[Copy]:
         """The copies writing `size` object bytes from `parts` to every replica of a
         PUT_START answer."""
-        if len(parts) == 1 and len(replicas) == 1:  # the common case: one piece, one copy
-            r = replicas[0]
-            return [_new(Copy, (parts[0][0], size, r.endpoint, r.addr, r.fence))]
+        if len(replicas) == 1:  # the common case
+            return copies_for(parts, replicas[0], size)
         return [c for r in replicas for c in copies_for(parts, r, size)]
 
     def _revoke(self, keys: list[str]) -> None:
