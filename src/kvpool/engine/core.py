@@ -166,12 +166,14 @@ class EngineCore:
                     sampled: dict[Sequence, Sampled]) -> list[StepOutput]:
         outputs, self._finished = self._finished, []
         now = self.step_end_s()
+        bs = self.blocks.block_size
         for seq, n in batch:
             seq.num_computed_tokens += n
-            self.blocks.commit(seq)
-            if seq not in sampled:
+            if seq.num_computed_tokens // bs > seq.num_committed_blocks:  # a block filled
+                self.blocks.commit(seq)
+            choice = sampled.get(seq)
+            if choice is None:
                 continue
-            choice = sampled[seq]
             token = choice.token_id
             seq.append(token)
             outputs.append(StepOutput(seq.request_id, token, time_s=now, logprob=choice.logprob,
@@ -201,7 +203,8 @@ class EngineCore:
 
     def _stop_reason(self, seq: Sequence) -> str | None:
         """Why `seq` ends after the token just appended, or None."""
-        reason = self.finish_reason_of(seq.sampling, seq.output_ids)
+        count = seq.num_output_tokens
+        reason = self._reason(seq.sampling, seq.token_ids[-1], count) if count else None
         if reason is None and (seq.prefill_only or len(seq) >= self.config.max_model_len):
             return "length"
         return reason
@@ -210,14 +213,15 @@ class EngineCore:
         """Whether a request whose output so far is `outputs` is over: "stop" after a stop
         token (or an EOS, unless ignored) past min_tokens, "length" at max_tokens, else
         None. (A resumed leg whose tokens are already over has nothing to compute.)"""
-        if not outputs:
-            return None
-        last = outputs[-1]
+        return self._reason(sampling, outputs[-1], len(outputs)) if outputs else None
+
+    def _reason(self, sampling: SamplingParams, last: int, count: int) -> str | None:
+        """`finish_reason_of` an output of `count` tokens that ends with `last`."""
         stops = last in sampling.stop_set or (last in self.eos_ids
                                                    and not sampling.ignore_eos)
-        if stops and len(outputs) > sampling.min_tokens:
+        if stops and count > sampling.min_tokens:
             return "stop"
-        return "length" if len(outputs) >= sampling.max_tokens else None
+        return "length" if count >= sampling.max_tokens else None
 
     def _finish(self, seq: Sequence, reason: str | None, error: str | None = None) -> None:
         if seq.status is SeqStatus.FINISHED:

@@ -113,6 +113,8 @@ class Scheduler:
         return batch
 
     def _make_room(self, seq: Sequence) -> bool:
+        if len(seq.token_ids) <= len(seq.block_table) * self.blocks.block_size:
+            return True  # its last block has room (most decode steps)
         while not self.blocks.can_append(seq):
             victim = self.running[-1]
             self.preempt(victim)
