@@ -95,3 +95,29 @@ def test_a_reply_cut_short_and_data_after_the_end() -> None:
     r.feed(b"")
     with pytest.raises(ReplyError, match="data after the end"):
         r.feed(b"x")
+
+
+def test_a_worker_reply_with_many_chunks_a_read_and_data_after_its_end_in_the_same_read() -> None:
+    """A reader behind its worker gets several chunks in one read: every line comes out in
+    order; bytes after the terminating chunk in that read are refused, the lines before them
+    kept."""
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    chunks = b"".join(b"%x\r\n%s\r\n" % (len(line) + 1, line + b"\n") for line in LINES)
+    r = ReplyReader()
+    r.feed(head + chunks[:len(chunks) // 2])
+    first = r.lines()
+    r.feed(chunks[len(chunks) // 2:])
+    assert first + r.lines() == LINES and not r.done
+    with pytest.raises(ReplyError, match="data after the end"):
+        r.feed(b"0\r\n\r\nHTTP/1.1 200 OK\r\n\r\n")
+    assert r.done and r.lines() == []
+
+
+@pytest.mark.parametrize("raw", [
+    # both lengths at once, or two different ones: a request-smuggling shape, refused
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 5\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n",
+])
+def test_ambiguous_lengths_are_refused(raw: bytes) -> None:
+    with pytest.raises(ReplyError, match="not an HTTP/1.1 reply"):
+        ReplyReader().feed(raw)
