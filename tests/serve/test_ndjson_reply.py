@@ -121,3 +121,30 @@ def test_a_worker_reply_with_many_chunks_a_read_and_data_after_its_end_in_the_sa
 def test_ambiguous_lengths_are_refused(raw: bytes) -> None:
     with pytest.raises(ReplyError, match="not an HTTP/1.1 reply"):
         ReplyReader().feed(raw)
+
+
+@pytest.mark.parametrize(("raw", "keep"), [
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nx\n", True),
+    (b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nx\n", False),  # 1.0: closes unless asked
+    (b"HTTP/1.1 200 OK\r\nConnection: Close, foo\r\nContent-Length: 2\r\n\r\nx\n", False),
+    # a trailer is not the head: it cannot take back the head's `Connection: close`
+    (b"HTTP/1.1 200 OK\r\nConnection: close\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nx\n\r\n"
+     b"0\r\nConnection: keep-alive\r\n\r\n", False),
+    # an interim reply (103) before the final one is skipped
+    (b"HTTP/1.1 103 Early Hints\r\nLink: x\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nx\n",
+     True),
+])
+def test_whether_the_connection_may_carry_the_next_request(raw: bytes, keep: bool) -> None:
+    """A connection goes back to the pool only where the server keeps it open (llhttp's
+    verdict at the reply's end), whole or a byte at a time."""
+    for cuts in ([], list(range(1, len(raw)))):
+        r, got = read(raw, cuts)
+        assert (r.status, r.done, got, r.keep_alive) == (200, True, [b"x"], keep)
+        assert "link" not in r.headers
+
+
+def test_a_status_below_100_and_an_upgrade_are_refused() -> None:
+    with pytest.raises(ReplyError, match="status 0"):
+        ReplyReader().feed(b"HTTP/1.1 000 X\r\n\r\n")
+    with pytest.raises(ReplyError, match="an upgrade"):
+        ReplyReader().feed(b"HTTP/1.1 101 Switching\r\nUpgrade: x\r\nConnection: upgrade\r\n\r\n")

@@ -7,7 +7,8 @@ and headers, then the body's complete lines as they come, chunked or not.
     reader.lines()               complete body lines since the last call, without b"\\n"
     reader.done                  the body has ended (terminating chunk, Content-Length reached)
     reader.body()                the whole body so far (an error reply's JSON)
-    reader.keep_alive            the connection may carry the next request once done
+    reader.keep_alive            the connection may carry the next request once done (llhttp:
+                                 HTTP/1.1 or a 1.0 keep-alive, no `Connection: close`)
 
     chunked:  SIZE(hex)[;ext] CRLF  DATA CRLF ... 0 CRLF [trailers CRLF] CRLF
 
@@ -38,16 +39,26 @@ class ReplyReader:
         self._body = bytearray()
         self._head_bytes = 0
         """Bytes fed before the head was complete."""
+        self._interim = False
+        """The head just read was a 1xx reply's: the final reply follows it."""
+        self._keep = False
+        """llhttp's verdict at the reply's end: the connection may carry another (HTTP/1.1 or
+        a 1.0 keep-alive, no `Connection: close` among its tokens, the body delimited). Read
+        when the reply completes: llhttp resets it for the next one."""
         self._parser = httptools.HttpResponseParser(self)
 
     @property
     def keep_alive(self) -> bool:
-        delimited = self._chunked or "content-length" in self.headers
-        return self.done and delimited and self.headers.get("connection", "").lower() != "close"
+        return self.done and self._keep
 
     @property
-    def _chunked(self) -> bool:
-        return "chunked" in self.headers.get("transfer-encoding", "").lower()
+    def _until_eof(self) -> bool:
+        """The body ends with the connection: not chunked (the last transfer coding, as llhttp
+        reads it), and another transfer coding or no Content-Length."""
+        te = self.headers.get("transfer-encoding")
+        if te is not None:
+            return te.rsplit(",", 1)[-1].strip().lower() != "chunked"
+        return "content-length" not in self.headers
 
     def feed(self, data: bytes) -> None:
         if self.done:
@@ -73,7 +84,7 @@ class ReplyReader:
         reply was cut short."""
         if self.done:
             return
-        if self.status and not self._chunked and "content-length" not in self.headers:
+        if self.status and self._until_eof:
             self.done = True
             return
         raise ReplyError("the connection closed before the reply ended")
@@ -95,15 +106,28 @@ class ReplyReader:
     # -- the parser's callbacks ------------------------------------------------------------
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self.status:  # a chunked body's trailer: not the reply's head
+            return
         self.headers[name.decode("latin-1").strip().lower()] = value.decode("latin-1").strip()
 
     def on_headers_complete(self) -> None:
-        self.status = self._parser.get_status_code()
+        code = self._parser.get_status_code()
+        if code < 100:
+            raise ReplyError(f"status {code}")
+        if code < 200:  # 1xx (101 is refused as an upgrade): the final reply follows
+            self._interim = True
+            self.headers = {}
+            return
+        self.status = code
 
     def on_body(self, body: bytes) -> None:
         self._body += body
 
     def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
+        self._keep = self._parser.should_keep_alive()
         self.done = True
 
     def on_message_begin(self) -> None:
