@@ -314,3 +314,21 @@ def test_failed_decode_legs_fail_no_complete_output_and_leave_no_partial_block(
                  lambda: f"no kvreq keys left (have {kvreq_keys(cluster)})", 0.05)
     finally:
         stop(proxy)
+
+
+def test_a_long_prompt_prepared_off_the_loop_is_exact_and_found_again(
+        pool: tuple[ServingCluster, Any]) -> None:
+    """A body over the proxy's inline limit is tokenized and its block hashes made in a
+    thread (app._prepare_hashed); the conductor schedules with those hashes: the output is the
+    prompt's function, and the same prompt again finds its prefix cached."""
+    cluster, _ = pool
+    info = facts(cluster.worker_urls["prefill"][0])
+    p = prompt(11, 2600)
+    assert len(json.dumps({"prompt": p})) > 8192  # app.INLINE_PREPARE_BYTES
+    first = complete(cluster.proxy_url, cluster.model_name, p, 6)
+    again = complete(cluster.proxy_url, cluster.model_name, p, 6)
+    for r in (first, again):
+        assert r.status_code == 200, r.text
+        assert r.json()["kvpool_trace"]["token_ids"] == expected(info, p, 6)
+    cached = again.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= 2600 // info["block_size"] * info["block_size"] - info["block_size"]
