@@ -11,7 +11,7 @@ from kvpool.conductor.measured import learn_prefill
 from kvpool.engine.config import SamplingParams
 from kvpool.serve.cluster import LiveCluster
 from kvpool.serve.config import ProxyConfig
-from kvpool.serve.dispatch import REFIT_EVERY, Dispatcher, Hashed
+from kvpool.serve.dispatch import REFIT_EVERY, Dispatcher
 from kvpool.serve.errors import ApiError
 from kvpool.serve.metrics import ProxyMetrics
 from kvpool.serve.worker_client import WorkerClient
@@ -222,21 +222,3 @@ def test_a_run_whose_text_its_decode_legs_make_moves_only_to_a_worker_that_makes
     assert got is not None and got.url == "http://d3"
     assert relayed._next_decode(got) is None  # d2 cannot make its text
     assert plain._next_decode(failed) is not None
-
-
-def test_hashes_made_with_the_prompt_are_taken_only_under_the_reference_they_were_made_under(
-        vclock: VirtualClock) -> None:
-    """A long prompt's block hashes are made off the event loop with the prompt
-    (`prompt_hashes`); `schedule` takes them while the workers' reference is the one they were
-    made under, and makes its own otherwise (another worker's identity in the meantime)."""
-    d = dispatcher(vclock, admission="none")
-    prompt = list(range(40, 62))
-    ref = d.cluster.reference
-    assert ref is not None
-    made = d.prompt_hashes(prompt, "salt", ref)
-    assert made.hashes == d.client.block_hashes(prompt, "salt", ref) and len(made.hashes) == 5
-    assert list(d.schedule(prompt, 4, "salt", made).req.block_hashes) == made.hashes
-    wrong = Hashed(ref, [1, 2, 3])  # taken as given under the same reference
-    assert list(d.schedule(prompt, 4, "salt", wrong).req.block_hashes) == [1, 2, 3]
-    stale = Hashed(info("prefill", model_hash=8), [1, 2, 3])  # made under another reference
-    assert list(d.schedule(prompt, 4, "salt", stale).req.block_hashes) == made.hashes

@@ -316,11 +316,10 @@ def test_failed_decode_legs_fail_no_complete_output_and_leave_no_partial_block(
         stop(proxy)
 
 
-def test_a_long_prompt_prepared_off_the_loop_is_exact_and_found_again(
+def test_a_long_prompt_prepared_in_a_thread_is_exact_and_found_again(
         pool: tuple[ServingCluster, Any]) -> None:
-    """A body over the proxy's inline limit is tokenized and its block hashes made in a
-    thread (app._prepare_hashed); the conductor schedules with those hashes: the output is the
-    prompt's function, and the same prompt again finds its prefix cached."""
+    """A body over the proxy's inline limit (tokenized in a thread, app._prepared): the
+    output is the prompt's function, and the same prompt again finds its prefix cached."""
     cluster, _ = pool
     info = facts(cluster.worker_urls["prefill"][0])
     p = prompt(11, 2600)

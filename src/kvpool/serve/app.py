@@ -29,7 +29,7 @@ from kvpool.clock import Clock, MonotonicClock
 from kvpool.conductor import load_cost_model
 from kvpool.conductor.cost import CostModel
 from kvpool.engine.gguf_checkpoint import served_name
-from kvpool.engine.worker.messages import InfoReply, SseSpec
+from kvpool.engine.worker.messages import SseSpec
 from kvpool.errors import WorkerCallError
 from kvpool.log import get_logger
 from kvpool.metadata.http_front import EventStream
@@ -41,7 +41,7 @@ from kvpool.serve.backends import create_backend
 from kvpool.serve.cancel import cancel_and_wait, close_all
 from kvpool.serve.cluster import DECODE_ROLES, PREFILL_ROLES, LiveCluster, WorkerState
 from kvpool.serve.config import ProxyConfig
-from kvpool.serve.dispatch import Dispatcher, Hashed, Run
+from kvpool.serve.dispatch import Dispatcher, Run
 from kvpool.serve.errors import (
     ApiError,
     bad_request,
@@ -128,9 +128,9 @@ class Proxy:
             parsed = await _parse(request, CompletionRequest if kind == "completion" else ChatRequest,
                                   self.config.max_body_bytes)
             tenant = getattr(request.state, TENANT_KEY, None)
-            prep, hashed = await _prepared(request, parsed, kind, self, tenant)
+            prep = await _prepared(request, parsed, kind, self, tenant)
             acc.prompt_tokens = sum(len(p) for p in prep.prompts)  # a refusal's line too
-            choices = await self._start(prep, received_t, hashed)
+            choices = await self._start(prep, received_t)
             acc.ttft_s = time.perf_counter() - arrival_s
             self.metrics.ttft.observe(acc.ttft_s)
         except WorkerCallError as exc:
@@ -198,11 +198,9 @@ class Proxy:
         switch would be all it adds)."""
         return len(choices) > 1 or not self.config.merge_frames
 
-    async def _start(self, prep: PreparedRequest, received_t: float,
-                     hashed: dict[int, Hashed]) -> list[Choice]:
-        """Schedule every choice (with its prompt's block hashes from `hashed` where they
-        were made already), then wait for each one's first token (a failure of any ends them
-        all and is raised)."""
+    async def _start(self, prep: PreparedRequest, received_t: float) -> list[Choice]:
+        """Schedule every choice, then wait for each one's first token (a failure of any ends
+        them all and is raised)."""
         runs: list[Run] = []
         try:
             for job in prep.jobs:
@@ -212,8 +210,7 @@ class Proxy:
                                       f"engines behind this proxy", param=refused)
                 decide_t = time.perf_counter()
                 booking = self.dispatcher.schedule(job.prompt_ids, job.sampling.max_tokens,
-                                                   job.sampling.cache_salt,
-                                                   hashed.get(job.prompt_index))
+                                                   job.sampling.cache_salt)
                 rid = prep.request_id if len(prep.jobs) == 1 else f"{prep.request_id}-{job.index}"
                 run = self.dispatcher.run(booking, rid, job.prompt_ids, job.sampling)
                 run.received_t, run.decision_s = received_t, time.perf_counter() - decide_t
@@ -326,27 +323,14 @@ more than tokenizing its prompt (docs/serve.md, "The proxy's own cost")."""
 
 
 async def _prepared(request: Request, parsed: BaseModel, kind: str, proxy: Proxy,
-                    tenant: str | None) -> tuple[PreparedRequest, dict[int, Hashed]]:
+                    tenant: str | None) -> PreparedRequest:
     """`prepare`, off the event loop for a big request (tokenizing it, rendering its chat
-    template and making its prompts' block hashes would stall the other streams), inline for
-    a small one; with the hashes made, by prompt index."""
+    template, would stall the other streams), inline for a small one."""
     size = request.headers.get("content-length", "")
     if size.isdigit() and int(size) <= INLINE_PREPARE_BYTES:
-        return prepare(parsed, kind, proxy, tenant), {}  # type: ignore[arg-type]
-    return await asyncio.to_thread(_prepare_hashed, parsed, kind, proxy, tenant,
-                                   proxy.cluster.reference)
-
-
-def _prepare_hashed(parsed: BaseModel, kind: str, proxy: Proxy, tenant: str | None,
-                    ref: InfoReply | None) -> tuple[PreparedRequest, dict[int, Hashed]]:
-    """`prepare`, then each prompt's block hashes under `ref` (none without a worker)."""
-    prep = prepare(parsed, kind, proxy, tenant)  # type: ignore[arg-type]
-    hashed: dict[int, Hashed] = {}
-    for job in prep.jobs if ref is not None else ():
-        if job.prompt_index not in hashed:  # (every prompt of a request has the same salt)
-            hashed[job.prompt_index] = proxy.dispatcher.prompt_hashes(
-                job.prompt_ids, job.sampling.cache_salt, ref)  # type: ignore[arg-type]
-    return prep, hashed
+        return prepare(parsed, kind, proxy, tenant)  # type: ignore[arg-type]
+    return await asyncio.to_thread(prepare, parsed, kind, proxy,  # type: ignore[arg-type]
+                                   tenant)
 
 
 async def _body(request: Request, limit: int) -> bytes:

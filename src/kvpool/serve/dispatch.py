@@ -21,7 +21,7 @@ import math
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import replace
-from typing import Any, NamedTuple
+from typing import Any
 
 from kvpool.clock import Clock
 from kvpool.conductor import (
@@ -38,7 +38,6 @@ from kvpool.engine.sequence import TokenLogprob
 from kvpool.engine.worker.messages import (
     FinishLine,
     GenerateRequest,
-    InfoReply,
     KVMode,
     KVSourceName,
     KVTransfer,
@@ -59,13 +58,6 @@ log = get_logger("serve.dispatch")
 
 REFIT_EVERY = 8
 """Prefill samples between two refits of the cost model (with --fit-cost)."""
-
-
-class Hashed(NamedTuple):
-    """A prompt's block hashes and the workers' reference they were made under."""
-
-    reference: InfoReply
-    hashes: list[int]
 
 
 class Dispatcher:
@@ -95,26 +87,14 @@ class Dispatcher:
                                        self.cost, self.clock)
         return self.conductor
 
-    def prompt_hashes(self, prompt_ids: Sequence[int], cache_salt: str | None,
-                      ref: InfoReply) -> Hashed:
-        """The prompt's block hashes under the workers' reference `ref` (read on the loop),
-        for `schedule` to take: made where the prompt is made, off the event loop for a long
-        one (the chain of 32k tokens is milliseconds of Python, vLLM's sha256 chain several)
-        instead of on the loop at scheduling. Safe off the loop: the backends' chains read
-        only `ref` and the prompt."""
-        return Hashed(ref, self.client.block_hashes(prompt_ids, cache_salt, ref))
-
     def schedule(self, prompt_ids: Sequence[int], max_tokens: int,
-                 cache_salt: str | None = None, hashed: Hashed | None = None) -> Booking:
-        """`hashed`: the prompt's hashes from `prompt_hashes`, taken while the reference they
-        were made under is still the workers' (else made again here)."""
+                 cache_salt: str | None = None) -> Booking:
         ref = self.cluster.reference
         view = self.cluster.view
         if ref is None or not view.prefill or not view.decode:
             raise no_workers(f"no worker in rotation (prefill: {len(view.prefill)}, "
                              f"decode: {len(view.decode)}); retry when workers are up")
-        hashes = hashed.hashes if hashed is not None and hashed.reference is ref else \
-            self.client.block_hashes(prompt_ids, cache_salt, ref)
+        hashes = self.client.block_hashes(prompt_ids, cache_salt, ref)
         req = RequestInfo(next(self._ids), len(prompt_ids), max_tokens, tuple(hashes))
         now = self.clock.now()
         prefixes = self.client.prefixes(self.cluster.prefill_urls)
