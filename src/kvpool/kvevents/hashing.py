@@ -134,10 +134,28 @@ def _cbor(obj: Any, out: bytearray) -> None:
         out += data
     elif isinstance(obj, (tuple, list)):
         _head(4, len(obj), out)
+        if all(type(item) is int for item in obj):  # a block's tokens: one lookup each
+            out += b"".join([_INTS.get(item) or _int_bytes(item) for item in obj])
+            return
         for item in obj:
             _cbor(item, out)
     else:
         raise InvalidArgument(f"cannot hash a {type(obj).__name__} in a block key: {obj!r}")
+
+
+_INTS: dict[int, bytes] = {}
+"""The encodings of the ints seen (token ids): a block of 16 took 13 us encoded item by item."""
+MAX_CACHED_INTS = 1 << 20
+"""A vocabulary's worth and more; past it an int is encoded each time."""
+
+
+def _int_bytes(value: int) -> bytes:
+    out = bytearray()
+    _cbor(value, out)
+    data = bytes(out)
+    if len(_INTS) < MAX_CACHED_INTS:
+        _INTS[value] = data
+    return data
 
 
 def _head(major: int, value: int, out: bytearray) -> None:
