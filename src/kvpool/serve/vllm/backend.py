@@ -38,6 +38,7 @@ from kvpool.engine.worker.messages import (
     GenerateRequest,
     InfoReply,
     LoadReply,
+    PlainFrame,
     PrefillReply,
     PrefillRequest,
     Role,
@@ -429,8 +430,9 @@ class VllmBackend:
                     else cached
             if ids:
                 num_tokens += len(ids)
-                yield TokensLine(token_ids=ids, t=[time.monotonic()] * len(ids),
-                                 logprobs=None if logprobs_k is None else lps)
+                stamps = [time.monotonic()] * len(ids)
+                yield PlainFrame(ids, stamps) if logprobs_k is None else \
+                    TokensLine(token_ids=ids, t=stamps, logprobs=lps)
         if finish is not None:
             yield FinishLine(finish_reason=finish, num_output_tokens=num_tokens,
                              num_cached_tokens=cached)
