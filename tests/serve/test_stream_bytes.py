@@ -191,3 +191,31 @@ def test_a_stream_interval_gives_the_same_text_in_fewer_chunks(cluster: ServingC
         finally:
             stop(proc)
         assert "".join(four) == "".join(one) and len(four) < len(one), flags
+
+
+def _chunks_relayed(url: str) -> float:
+    """The proxy's count of relayed chunks (one TBT observation each)."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    found = re.search(r"^kvpool_proxy_tbt_seconds_count (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def test_a_whole_response_is_relayed_from_a_few_frames(cluster: ServingCluster) -> None:
+    """A response that is one JSON body (no stop string) has its decode leg sent in frames of
+    --whole-interval tokens: the same text as frames per step (a stop string that never
+    matches keeps those), from two frames (the first goes at once) instead of one a step."""
+    body = {"model": cluster.model_name, "prompt": PROMPT, "max_tokens": 40, "seed": 7,
+            "temperature": 0.9, "ignore_eos": True, "cache_salt": uuid.uuid4().hex}
+    proc, url = start_proxy(cluster.model_dir, "--no-merge-frames", *_workers(cluster))
+    try:
+        counts, texts = [], []
+        for extra in ({}, {"stop": ["never in this text \x01"]}):
+            before = _chunks_relayed(url)
+            resp = httpx.post(f"{url}/v1/completions", json=body | extra, timeout=120)
+            assert resp.status_code == 200, resp.text
+            counts.append(_chunks_relayed(url) - before)
+            texts.append(resp.json()["choices"][0]["text"])
+    finally:
+        stop(proc)
+    assert texts[0] == texts[1]
+    assert counts[0] <= 2 and counts[1] >= 30, counts  # the leg's first frame, then the rest

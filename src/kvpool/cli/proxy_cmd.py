@@ -59,6 +59,11 @@ def _add_leg_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream-interval", type=int, default=_D.stream_interval, metavar="N",
                    help="kvpool workers: after a stream's first frame, one frame (one SSE "
                    "chunk) every N output tokens (default: each worker's own)")
+    p.add_argument("--whole-interval", type=int, default=_D.whole_interval, metavar="N",
+                   help="kvpool workers: a response that is not streamed (and has no stop "
+                   "strings) is relayed from frames of N output tokens: fewer reads, and at "
+                   "most N tokens recomputed when its decode worker fails (0: as streams; "
+                   f"default {_D.whole_interval})")
     p.add_argument("--no-merge-frames", dest="merge_frames", action="store_false",
                    help="kvpool workers: one SSE chunk per engine step, even when the worker "
                    "or the proxy fell behind (default: the steps missed go as one chunk); with "
@@ -169,6 +174,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         prefill_urls=tuple(args.prefill), decode_urls=tuple(args.decode),
         colocated_urls=tuple(args.colocated), backend=args.backend,
         direct_below_tokens=args.direct_below_tokens, stream_interval=args.stream_interval,
+        whole_interval=args.whole_interval,
         worker_sse=args.worker_sse, merge_frames=args.merge_frames,
         engine_model=args.engine_model, engine_block_size=args.engine_block_size,
         kv_events=args.kv_events, pool_topic=args.pool_topic,

@@ -192,6 +192,13 @@ class Proxy:
         return SseSpec(kind=prep.kind, id=prep.request_id, model=self.model_name, index=index,
                        stop=prep.stop)
 
+    def _whole(self, prep: PreparedRequest) -> bool:
+        """Whether a request's decode legs go in frames of `whole_interval` tokens: its
+        response is one body (nobody reads its tokens before the end), no stop string ends it
+        early (the worker would go on to the frame's end), no trace stamps its tokens."""
+        return (self.config.whole_interval > 0 and not prep.stream and not prep.stop
+                and not prep.trace)
+
     def _coalesce(self, choices: list[Choice]) -> bool:
         """Whether a stream's chunks go through an outbox, written together: not for one
         choice whose frames are merged upstream (a chunk per read already; the outbox's task
@@ -215,6 +222,8 @@ class Proxy:
                 run = self.dispatcher.run(booking, rid, job.prompt_ids, job.sampling)
                 run.received_t, run.decision_s = received_t, time.perf_counter() - decide_t
                 run.sse = self._worker_sse(prep, job.index, booking.decode)
+                if self._whole(prep):
+                    run.stream_interval = self.config.whole_interval
                 self.metrics.decision.observe(run.decision_s)
                 runs.append(run)
         except BaseException:

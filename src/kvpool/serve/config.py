@@ -41,6 +41,12 @@ class ProxyConfig:
     stream_interval: int | None = None
     """kvpool workers: output tokens per frame of a decode leg after the first (fewer frames to
     relay, fewer chunks to the client); None = each worker's own --stream-interval."""
+    whole_interval: int = 64
+    """kvpool workers: output tokens per frame of a decode leg whose response is one JSON body
+    (not streamed, no stop strings, no trace): nobody sees its tokens before the end, so the
+    proxy reads a few frames instead of one per step. A frame is also what a leg resumed
+    elsewhere starts from: a decode worker that fails costs its replacement at most this many
+    tokens recomputed. 0 = as `stream_interval`."""
     merge_frames: bool = True
     """kvpool workers: the steps a decode worker's event loop fell behind go as one frame
     (GenerateRequest.merge_steps), and the frames one read brings as one chunk, as vLLM
@@ -148,6 +154,9 @@ class ProxyConfig:
                 1 <= self.stream_interval <= MAX_STREAM_INTERVAL:
             raise ConfigError(f"stream_interval must be in 1..{MAX_STREAM_INTERVAL}, "
                               f"got {self.stream_interval}")
+        if not 0 <= self.whole_interval <= MAX_STREAM_INTERVAL:
+            raise ConfigError(f"whole_interval must be in 0..{MAX_STREAM_INTERVAL}, "
+                              f"got {self.whole_interval}")
         if self.engine_block_size < 0:
             raise ConfigError(f"engine_block_size must be >= 0, got {self.engine_block_size}")
         if self.kv_transfer not in KV_TRANSFER_MODES:

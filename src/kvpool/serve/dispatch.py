@@ -229,6 +229,9 @@ class Run:
         each frame's then is `frame_sse` when it is yielded, and the finish's `finish_sse`."""
         self.frame_sse: str | None = None
         self.finish_sse: str | None = None
+        self.stream_interval = dispatcher.config.stream_interval
+        """Output tokens per frame of its decode legs (None: the worker's own); the app sets
+        `whole_interval` for a response nobody reads before its end."""
 
     @property
     def decode_url(self) -> str:
@@ -357,7 +360,7 @@ class Run:
                               sampling=sampling, first_token_id=first, kv_source=kv_source,
                               resume_output_ids=resumed,
                               kv_transfer_params=self._handoff if kv_source != "none" else None,
-                              stream_interval=self.d.config.stream_interval, sse=self.sse,
+                              stream_interval=self.stream_interval, sse=self.sse,
                               merge_steps=self.d.config.merge_frames)
         self._decode_url = worker.url
         lines = self.d.client.generate(worker.url, req)

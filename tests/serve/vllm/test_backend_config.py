@@ -36,6 +36,10 @@ def test_push_and_unknown_backends_are_refused() -> None:
         ProxyConfig(model_dir="m", backend="sglang")
     with pytest.raises(ConfigError, match="direct_below_tokens"):
         ProxyConfig(model_dir="m", direct_below_tokens=-1)
+    with pytest.raises(ConfigError, match="whole_interval must be in 0..1024, got 1025"):
+        ProxyConfig(model_dir="m", whole_interval=1025)
+    with pytest.raises(ConfigError, match="whole_interval"):
+        ProxyConfig(model_dir="m", whole_interval=-1)
 
 
 def test_a_resumed_decode_leg_sends_the_output_as_prompt_or_is_refused() -> None:
