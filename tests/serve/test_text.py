@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvpool.serve.text import TextStream
+from kvpool.serve.tokenizer import ModelTokenizer
 
 PIECES = {0: "Hel", 1: "lo", 2: " wor", 3: "ld", 4: "!", 5: "\ufffd", 6: "é", 7: "EN", 8: "D"}
 
@@ -63,10 +64,6 @@ def test_stop_at_the_very_start_and_empty_stops_ignored() -> None:
 
 def test_incremental_text_equals_decoding_the_whole_output(tiny_model: object) -> None:
     """Against the real byte-level tokenizer: pieces joined == one decode of all ids."""
-    import random
-
-    from kvpool.serve.tokenizer import ModelTokenizer
-
     tok = ModelTokenizer(str(tiny_model))
     rng = random.Random(5)
     for _ in range(20):
@@ -102,9 +99,20 @@ def test_a_piece_after_tokens_that_decode_to_nothing_keeps_its_space(tmp_path: P
     space to the strip before the context reached back past such tokens: 10 of these 201
     outputs, "The quick brown fox 🙂 jumps" among them (its emoji bytes skipped, "fox  jumps"
     streamed as "fox jumps")."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = _sentencepiece_style(tmp_path)
+    rng = random.Random(2)
+    outputs = [tok.encode("The quick brown fox \U0001f642 jumps", add_special_tokens=False)]
+    outputs += [[rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 40))]
+                for _ in range(200)]
+    for ids in outputs:
+        s = TextStream(tok.decode)
+        assert "".join(feed(s, ids)) + s.flush() == tok.decode(ids), ids
 
-    from kvpool.serve.tokenizer import ModelTokenizer
+
+def _sentencepiece_style(tmp_path: Path) -> ModelTokenizer:
+    """A SentencePiece-style tokenizer (metaspace, byte fallback, strip of the first space)
+    whose byte tokens are special, so that many pieces decode to nothing."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     raw = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
     raw.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
@@ -115,22 +123,32 @@ def test_a_piece_after_tokens_that_decode_to_nothing_keeps_its_space(tmp_path: P
                                 "<unk>", "<s>", *(f"<0x{i:02X}>" for i in range(256))]))
     raw.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text("{}")
-    tok = ModelTokenizer(tmp_path)
-    rng = random.Random(2)
-    outputs = [tok.encode("The quick brown fox \U0001f642 jumps", add_special_tokens=False)]
-    outputs += [[rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 40))]
-                for _ in range(200)]
-    for ids in outputs:
-        s = TextStream(tok.decode)
-        assert "".join(feed(s, ids)) + s.flush() == tok.decode(ids), ids
+    return ModelTokenizer(tmp_path)
+
+
+def test_chunks_of_real_tokenizers_give_each_chunk_its_tokens_text(tiny_model: object,
+                                                                   tmp_path: Path) -> None:
+    """push_many of random chunks of random ids (unfinished characters at many chunks' ends,
+    skipped special tokens inside them): each chunk's delta is the text its tokens give pushed
+    one by one, for a byte-level tokenizer and a SentencePiece-style one."""
+    rng = random.Random(11)
+    for tok in (ModelTokenizer(str(tiny_model)), _sentencepiece_style(tmp_path)):
+        for _ in range(150):
+            ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 60))]
+            one, many = TextStream(tok.decode), TextStream(tok.decode)
+            at = 0
+            while at < len(ids):
+                chunk = ids[at:at + rng.randint(1, 6)]
+                at += len(chunk)
+                assert many.push_many(chunk).text == "".join(feed(one, chunk)), ids
+            assert (many.flush(), many.text) == (one.flush(), one.text) \
+                and many.text == tok.decode(ids) and many.num_tokens == len(ids)
 
 
 def test_a_long_run_of_skipped_tokens_costs_a_short_decode_each(tiny_model: object) -> None:
     """Skipped special tokens after some text (a model that repeats its end token under
     ignore_eos) are dropped from the decoded window, so each costs a decode of a few ids, not
     of the whole run; before any text they are kept (the whole output decodes from them)."""
-    from kvpool.serve.tokenizer import ModelTokenizer
-
     tok = ModelTokenizer(str(tiny_model))
     special = next(i for i in range(tok.vocab_size) if tok.decode([i]) == "")
     for ids in (tok.encode("Hello there") + [special] * 2000 + tok.encode(" world"),

@@ -80,13 +80,7 @@ class TextStream:
         if len(token_ids) == 1:
             return self.push(token_ids[0])
         if not self._stop and not self.stopped:
-            self._ids += token_ids
-            piece = self._pending()
-            if not piece.endswith(_PARTIAL):
-                self._count += len(token_ids)
-                self._advance(piece)
-                return self._emit(self._full, len(self._full))
-            del self._ids[-len(token_ids):]
+            return self._push_whole(token_ids)
         texts = []
         for tok in token_ids:
             delta = self.push(tok)
@@ -94,6 +88,27 @@ class TextStream:
             if delta.stopped:
                 break
         return TextDelta("".join(texts), self.stopped)
+
+    def _push_whole(self, token_ids: Sequence[int]) -> TextDelta:
+        """`push_many` without stop strings: the text up to the chunk's last token after which
+        it decodes to whole characters (a decode for the chunk, and one more for each token
+        of an unfinished character at its end, instead of two per token); the tokens after it
+        wait, as `push` leaves them."""
+        n = len(token_ids)
+        self._count += n
+        ids, start = self._ids, self._prefix
+        ids += token_ids
+        context = len(self._context())
+        for rest in range(n):  # the chunk's last `rest` tokens wait
+            end = len(ids) - rest
+            piece = self._decode(ids[start:end])[context:]
+            if not piece.endswith(_PARTIAL):
+                held = ids[end:]
+                del ids[end:]
+                self._advance(piece)
+                self._ids += held
+                break
+        return self._emit(self._full, len(self._full))
 
     def flush(self) -> str:
         """The held-back tail, once the output has ended without a stop string."""
@@ -120,8 +135,10 @@ class TextStream:
 
     def _pending(self) -> str:
         """Text of the tokens after `_read`, decoded in the context of `_prefix.._read`."""
-        context = self._decode(self._ids[self._prefix:self._read]) if self._read > self._prefix else ""
-        return self._decode(self._ids[self._prefix:])[len(context):]
+        return self._decode(self._ids[self._prefix:])[len(self._context()):]
+
+    def _context(self) -> str:
+        return self._decode(self._ids[self._prefix:self._read]) if self._read > self._prefix else ""
 
     def _emit(self, full: str, end: int) -> TextDelta:
         piece = full[self._emitted:end]
