@@ -129,20 +129,43 @@ def _sentencepiece_style(tmp_path: Path) -> ModelTokenizer:
 def test_chunks_of_real_tokenizers_give_each_chunk_its_tokens_text(tiny_model: object,
                                                                    tmp_path: Path) -> None:
     """push_many of random chunks of random ids (unfinished characters at many chunks' ends,
-    skipped special tokens inside them): each chunk's delta is the text its tokens give pushed
-    one by one, for a byte-level tokenizer and a SentencePiece-style one."""
+    skipped special tokens inside them, a stop string taken from the text or none), with
+    decoding through the tokenizer and, for the byte-level one, from its bytes per id: each
+    chunk's delta is the text its tokens give pushed one by one through the tokenizer, for
+    a byte-level tokenizer and a SentencePiece-style one."""
     rng = random.Random(11)
     for tok in (ModelTokenizer(str(tiny_model)), _sentencepiece_style(tmp_path)):
         for _ in range(150):
             ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randrange(1, 60))]
-            one, many = TextStream(tok.decode), TextStream(tok.decode)
+            whole = tok.decode(ids)
+            at = rng.randrange(max(1, len(whole) - 3))
+            stop = rng.choice([(), (whole[at:at + 3],)])
+            one = TextStream(tok.decode, stop)
+            streams = [TextStream(tok.decode, stop), TextStream(tok.decode, stop, tok.byte_pieces)]
             at = 0
-            while at < len(ids):
+            while at < len(ids) and not one.stopped:
                 chunk = ids[at:at + rng.randint(1, 6)]
                 at += len(chunk)
-                assert many.push_many(chunk).text == "".join(feed(one, chunk)), ids
-            assert (many.flush(), many.text) == (one.flush(), one.text) \
-                and many.text == tok.decode(ids) and many.num_tokens == len(ids)
+                want = "".join(feed(one, chunk))
+                assert all(s.push_many(chunk).text == want for s in streams), (ids, stop)
+            tail = one.flush()
+            for s in streams:
+                assert (s.flush(), s.text, s.stopped, s.num_tokens) == \
+                    (tail, one.text, one.stopped, one.num_tokens)
+            assert stop or one.text == whole
+
+
+def test_the_byte_path_decodes_an_id_outside_its_table_through_the_tokenizer(
+        tiny_model: object) -> None:
+    """An id the byte table lacks (one past the vocabulary) turns a stream that decodes from
+    bytes to decoding through the tokenizer, which skips it: the text is the same."""
+    tok = ModelTokenizer(str(tiny_model))
+    assert tok.byte_pieces is not None
+    ids = tok.encode("héllo wörld", add_special_tokens=False)
+    odd = [*ids[:3], tok.vocab_size + 7, *ids[3:]]
+    for pieces in (None, tok.byte_pieces):
+        s = TextStream(tok.decode, (), pieces)
+        assert "".join(feed(s, odd)) + s.flush() == tok.decode(ids) == s.text
 
 
 def test_a_long_run_of_skipped_tokens_costs_a_short_decode_each(tiny_model: object) -> None:

@@ -237,7 +237,7 @@ class Proxy:
             await close_all(*streams)
             raise failure
         return [Choice(job, run, first, s,  # type: ignore[arg-type]  # no failure here
-                       TextStream(self.tokenizer.decode, prep.stop))
+                       TextStream(self.tokenizer.decode, prep.stop, self.tokenizer.byte_pieces))
                 for job, run, first, s in zip(prep.jobs, runs, firsts, streams, strict=True)]
 
     async def _collect(self, endpoint: str, prep: PreparedRequest, choices: list[Choice],

@@ -13,7 +13,7 @@ library's 1.4 for two ids, 1.2 against 4.2 for eight.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 
@@ -58,6 +58,11 @@ class ByteDecoder:
                 return None
             pieces[i] = piece
         return cls(pieces)
+
+    @property
+    def pieces(self) -> Mapping[int, bytes]:
+        """The bytes of each id (a special token's empty)."""
+        return self._pieces
 
     def __call__(self, ids: Sequence[int]) -> str:
         """The text of `ids`; KeyError for an id outside the table."""

@@ -16,7 +16,7 @@ Two things are held back from the client:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 _PARTIAL = "\ufffd"
@@ -31,8 +31,16 @@ class TextDelta:
 
 
 class TextStream:
-    def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = ()) -> None:
+    def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = (),
+                 pieces: Mapping[int, bytes] | None = None) -> None:
         self._decode = decode
+        self._pieces = pieces
+        """A byte-level tokenizer's bytes of each id (`ModelTokenizer.byte_pieces`): the text
+        after the last piece is then its tokens' bytes read as UTF-8 (no context needed:
+        the decoder was between characters there), one short decode a token instead of two
+        of the window. None, or an id it lacks: every decode through `decode`."""
+        self._parts: list[bytes] = []
+        """With `pieces`: the bytes of each token of `_ids` (those after the last piece)."""
         self._stop = [s for s in stop if s]
         self._longest = max((len(s) for s in self._stop), default=0)
         self._ids: list[int] = []
@@ -57,8 +65,8 @@ class TextStream:
         """Add one output token. After a stop (`stopped`), further tokens are ignored."""
         if self.stopped:
             return TextDelta("", True)
-        self._ids.append(token_id)
         self._count += 1
+        self._append((token_id,))
         piece = self._pending()
         if not piece.endswith(_PARTIAL):
             self._advance(piece)
@@ -94,19 +102,12 @@ class TextStream:
         it decodes to whole characters (a decode for the chunk, and one more for each token
         of an unfinished character at its end, instead of two per token); the tokens after it
         wait, as `push` leaves them."""
-        n = len(token_ids)
-        self._count += n
-        ids, start = self._ids, self._prefix
-        ids += token_ids
-        context = len(self._context())
-        for rest in range(n):  # the chunk's last `rest` tokens wait
-            end = len(ids) - rest
-            piece = self._decode(ids[start:end])[context:]
+        self._count += len(token_ids)
+        self._append(token_ids)
+        for rest in range(len(token_ids)):  # the chunk's last `rest` tokens wait
+            piece = self._pending(rest)
             if not piece.endswith(_PARTIAL):
-                held = ids[end:]
-                del ids[end:]
-                self._advance(piece)
-                self._ids += held
+                self._advance(piece, rest)
                 break
         return self._emit(self._full, len(self._full))
 
@@ -117,28 +118,51 @@ class TextStream:
         full = self._full + self._pending()
         return self._emit(full, len(full)).text
 
-    def _advance(self, piece: str) -> None:
-        """`piece` (whole characters) is the text of the tokens after `_read`: the next
-        piece's context is those tokens. An empty piece leaves the context as it was: one
-        that decodes to nothing would let a decoder that strips its text's first space
-        (SentencePiece's) strip the next piece's space, which decoding the whole output keeps.
-        After some text its tokens (skipped special tokens) are dropped, as decoding the whole
-        output drops them; before any, they are kept (the strip at the start depends on
-        them), so the next piece is decoded from the first token."""
+    def _append(self, token_ids: Sequence[int]) -> None:
+        self._ids += token_ids
+        if self._pieces is not None:
+            try:
+                self._parts += [self._pieces[i] for i in token_ids]
+            except KeyError:  # an id outside the table: `decode` from here on (the ids
+                self._pieces = None  # after the last piece need no context to decode)
+                self._parts = []
+
+    def _advance(self, piece: str, keep: int = 0) -> None:
+        """`piece` (whole characters) is the text of the tokens after `_read` but the last
+        `keep`: the next piece's context is those tokens, and the `keep` wait after it. An
+        empty piece leaves the context as it was: one that decodes to nothing would let a
+        decoder that strips its text's first space (SentencePiece's) strip the next piece's
+        space, which decoding the whole output keeps. After some text its tokens (skipped
+        special tokens) are dropped, as decoding the whole output drops them; before any,
+        they are kept (the strip at the start depends on them), so the next piece is decoded
+        from the first token."""
+        ids = self._ids
+        end = len(ids) - keep
+        if self._pieces is not None:  # bytes need no context: only the waiting stay
+            self._full += piece
+            del ids[:end], self._parts[:end]
+            return
+        held = ids[end:]
+        del ids[end:]
         if piece:
             self._full += piece
-            self._prefix, self._read = self._read, len(self._ids)
+            self._prefix, self._read = self._read, end
         elif self._full:
-            del self._ids[self._read:]
+            del ids[self._read:]
         else:
-            self._read = len(self._ids)
+            self._read = end
+        ids += held
 
-    def _pending(self) -> str:
-        """Text of the tokens after `_read`, decoded in the context of `_prefix.._read`."""
-        return self._decode(self._ids[self._prefix:])[len(self._context()):]
-
-    def _context(self) -> str:
-        return self._decode(self._ids[self._prefix:self._read]) if self._read > self._prefix else ""
+    def _pending(self, less: int = 0) -> str:
+        """Text of the tokens after `_read` but the last `less`, decoded in the context of
+        `_prefix.._read`."""
+        if self._pieces is not None:
+            parts = self._parts
+            return b"".join(parts[:len(parts) - less] if less else parts).decode("utf-8",
+                                                                                 "replace")
+        ids = self._ids
+        context = self._decode(ids[self._prefix:self._read]) if self._read > self._prefix else ""
+        return self._decode(ids[self._prefix:len(ids) - less])[len(context):]
 
     def _emit(self, full: str, end: int) -> TextDelta:
         piece = full[self._emitted:end]

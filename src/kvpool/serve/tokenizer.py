@@ -6,7 +6,7 @@ warning that says so."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,11 @@ class ModelTokenizer:
     @property
     def vocab_size(self) -> int:
         return int(self._tok.get_vocab_size())
+
+    @property
+    def byte_pieces(self) -> Mapping[int, bytes] | None:
+        """A byte-level tokenizer's bytes of each id (`ByteDecoder.pieces`); None for another."""
+        return None if self._bytes is None else self._bytes.pieces
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)

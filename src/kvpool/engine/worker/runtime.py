@@ -385,7 +385,7 @@ class Worker:
 
         tokenizer = await asyncio.shield(self.load_tokenizer())
         return SseText(req.sse, tokenizer.decode, req.resume_output_ids,
-                       skip=int(req.first_token_id is not None))
+                       skip=int(req.first_token_id is not None), pieces=tokenizer.byte_pieces)
 
     async def _already_over(self, request_id: str,
                             reason: str) -> AsyncGenerator[list[StepOutput]]:

@@ -15,7 +15,7 @@ stream is deterministic), so a resumed leg goes on with neither a gap nor a repe
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from kvpool.engine.worker.messages import SseSpec
 from kvpool.serve.protocol import TextChunks, chunk, sse
@@ -24,9 +24,10 @@ from kvpool.serve.text import TextStream
 
 class SseText:
     def __init__(self, spec: SseSpec, decode: Callable[[Sequence[int]], str],
-                 sent_ids: Sequence[int] = (), skip: int = 0) -> None:
+                 sent_ids: Sequence[int] = (), skip: int = 0,
+                 pieces: Mapping[int, bytes] | None = None) -> None:
         self.spec = spec
-        self.text = TextStream(decode, spec.stop)
+        self.text = TextStream(decode, spec.stop, pieces)
         if sent_ids:
             self.text.push_many(sent_ids)
         self._skip = skip
