@@ -99,6 +99,30 @@ def test_outputs_are_the_prompts_expected_function(kw: dict[str, object]) -> Non
     assert e.blocks.num_free_blocks == e.config.num_blocks
 
 
+def test_a_batch_of_many_sequences_gives_each_its_expected_output() -> None:
+    """Twelve sequences decoding together (a step's tokens made through arrays,
+    kvbytes.NUMPY_FROM) and prompts of their own: each output is its prompt's function."""
+    e = engine(num_blocks=256)
+    prompts = [[20 + (i * 13 + j * 7) % 400 for j in range(10 + 3 * i)] for i in range(12)]
+    outs = e.generate(prompts, SamplingParams(max_tokens=20, ignore_eos=True))
+    assert len(prompts) >= kvbytes.NUMPY_FROM
+    assert outs == [e.expected_output(p, 20) for p in prompts]
+
+
+def test_a_steps_next_tokens_are_each_sequences_own() -> None:
+    """next_tokens (ints below NUMPY_FROM sequences, arrays from it) == output_tokens of one
+    token each, for digests across the whole 64-bit range."""
+    import random
+
+    rng, vocab = random.Random(4), ordinary_vocab(512)
+    for size in range(1, 3 * kvbytes.NUMPY_FROM):
+        digests = [rng.choice([0, 2**64 - 1, rng.getrandbits(64)]) for _ in range(size)]
+        positions = [rng.randrange(5000) for _ in range(size)]
+        want = [kvbytes.output_tokens(d, j, 1, vocab)[0] for d, j in zip(digests, positions,
+                                                                        strict=True)]
+        assert kvbytes.next_tokens(digests, positions, vocab) == want
+
+
 def test_the_scalar_mix_is_the_array_mix() -> None:
     xs = [0, 1, 2**63, 2**64 - 1, 0x9E3779B97F4A7C15, 123456789012345678]
     with np.errstate(over="ignore"):

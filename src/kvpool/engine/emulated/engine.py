@@ -188,8 +188,10 @@ class EmulatedEngine(EngineCore):
             self.connector.on_layer(layer)
             self._wait(t0 + wall * (layer + 1) / layers)
         self.connector.after_forward()
-        return {seq: Sampled(self._sample(seq, n)) for seq, n in batch
-                if seq.num_computed_tokens + n == len(seq)}
+        done = [(seq, n) for seq, n in batch if seq.num_computed_tokens + n == len(seq)]
+        tokens = kvbytes.next_tokens([self._digest(seq, n) for seq, n in done],
+                                     [seq.num_output_tokens for seq, _ in done], self.vocab)
+        return {seq: Sampled(token) for (seq, _), token in zip(done, tokens, strict=True)}
 
     def new_sequence(self, request_id: str, prompt: list[int], sampling: SamplingParams,
                      outputs: Iterable[int] = (), **kw: Any) -> Sequence:
@@ -211,23 +213,28 @@ class EmulatedEngine(EngineCore):
         block, base row) of each position every sequence computes. A sequence that computes
         one token (a decode) is read as Python ints; a prompt chunk as arrays; the rows of
         all of them are made in one `kvbytes.token_rows`."""
-        bs = self.config.block_size
-        singles: list[tuple[int, int, int, int, int]] = []
-        """(block id, offset, parent hash, position, token) of each one-token sequence."""
+        bs, root = self.config.block_size, self.root_hash
+        cols: tuple[list[int], list[int], list[int], list[int], list[int]] = ([], [], [], [], [])
+        """Block id, offset, parent hash, position and token of each one-token sequence."""
+        blocks_of, offsets_of, parents_of, positions_of, tokens_of = cols
         chunks: list[tuple[np.ndarray, np.ndarray, kvbytes.RowKeys]] = []
         for seq, n in batch:
             start = seq.num_computed_tokens
-            hashes = self._hashes(seq, start + n)
-            if n == 1:
-                key = kvbytes.row_key(seq.token_ids, start, bs, hashes, self.root_hash)
-                singles.append((seq.block_table[start // bs], start % bs, *key))
+            hashes = seq.block_hashes if seq.root_hash == root else self._hashes(seq, start + n)
+            if n == 1:  # kvbytes.keys_for of one position, as ints (every decode of a step)
+                block = start // bs
+                index = min(block, len(hashes))
+                blocks_of.append(seq.block_table[block])
+                offsets_of.append(start - block * bs)
+                parents_of.append(hashes[index - 1] if index else root)
+                positions_of.append(start)
+                tokens_of.append(seq.token_ids[start])
                 continue
             pos = np.arange(start, start + n)
             first, last = start // bs, (start + n - 1) // bs
             table = np.asarray(seq.block_table[first:last + 1], dtype=np.intp)
             keys = kvbytes.keys_for(seq.token_ids, start, start + n, bs, hashes, self.root_hash)
             chunks.append((table[pos // bs - first], pos % bs, keys))
-        cols = list(zip(*singles, strict=True)) or [(), (), (), (), ()]
         blocks = np.concatenate([np.array(cols[0], dtype=np.intp), *(c[0] for c in chunks)])
         offsets = np.concatenate([np.array(cols[1], dtype=np.intp), *(c[1] for c in chunks)])
         parents, positions, tokens = (
@@ -236,14 +243,14 @@ class EmulatedEngine(EngineCore):
         return blocks, offsets, kvbytes.token_rows(parents, positions, tokens,
                                                    self.cache.row_bytes)
 
-    def _sample(self, seq: Sequence, n: int) -> int:
-        """Output token j of the prompt's KV digest; the digest is read from the cache when
-        the prompt (or its recomputation) completes, or when this engine first samples for
-        the sequence (its prompt KV was loaded or pushed)."""
+    def _digest(self, seq: Sequence, n: int) -> int:
+        """The prompt's KV digest, whose output token j the sequence samples next (all of a
+        step's at once, `kvbytes.next_tokens`); read from the cache when the prompt (or its
+        recomputation) completes, or when this engine first samples for the sequence (its
+        prompt KV was loaded or pushed)."""
         if n > 1 or seq.num_computed_tokens < seq.num_prompt_tokens or seq not in self._digests:
             self._digests[seq] = self._prompt_digest(seq)
-        digest = self._digests[seq]
-        return kvbytes.output_tokens(digest, seq.num_output_tokens, 1, self.vocab)[0]
+        return self._digests[seq]
 
     def _prompt_digest(self, seq: Sequence) -> int:
         bs, n = self.config.block_size, seq.num_prompt_tokens

@@ -72,14 +72,6 @@ RowKeys = tuple[np.ndarray, np.ndarray, np.ndarray]
 """(parent hashes, positions, tokens) of n token rows, uint64 each: what `token_rows` takes."""
 
 
-def row_key(token_ids: Sequence[int], position: int, block_size: int,
-            block_hashes: Sequence[int], root_hash: int) -> tuple[int, int, int]:
-    """(parent hash, position, token) of one position: `keys_for` of a single token."""
-    index = min(position // block_size, len(block_hashes))
-    parent = block_hashes[index - 1] if index else root_hash
-    return parent, position, token_ids[position]
-
-
 def keys_for(token_ids: Sequence[int], start: int, stop: int, block_size: int,
              block_hashes: Sequence[int], root_hash: int) -> RowKeys:
     """The row keys of positions start..stop-1 of a sequence whose full blocks hash to
@@ -103,6 +95,22 @@ def output_tokens(digest: int, first: int, count: int, vocab: range) -> list[int
     """Output tokens first..first+count-1 of a prompt whose KV digests to `digest`."""
     return [vocab.start + splitmix_int((digest + j) & _MASK) % len(vocab)
             for j in range(first, first + count)]
+
+
+NUMPY_FROM = 8
+"""`next_tokens` of at least this many sequences goes through arrays (below it, the ints are
+cheaper than making the arrays)."""
+
+
+def next_tokens(digests: Sequence[int], positions: Sequence[int], vocab: range) -> list[int]:
+    """Output token `positions[i]` of the prompt whose KV digests to `digests[i]`, for every i
+    (`output_tokens` of one token each, a whole engine step's at once)."""
+    if len(digests) < NUMPY_FROM:
+        return [vocab.start + splitmix_int((d + j) & _MASK) % len(vocab)
+                for d, j in zip(digests, positions, strict=True)]
+    with np.errstate(over="ignore"):
+        z = splitmix(np.array(digests, dtype=np.uint64) + np.array(positions, dtype=np.uint64))
+    return (z % np.uint64(len(vocab)) + np.uint64(vocab.start)).tolist()
 
 
 def digest_rows(chunks: Sequence[np.ndarray]) -> int:
