@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -127,13 +128,16 @@ def _running_on(urls: list[str]) -> str:
     return wait_for(the_one, 10.0, "a single decode worker to run the request", 0.05)
 
 
-@pytest.mark.parametrize("flags", [(), ("--worker-sse",)], ids=["proxy-text", "worker-sse"])
+@pytest.mark.parametrize("flags,stream", [((), True), (("--worker-sse",), True), ((), False)],
+                         ids=["proxy-text", "worker-sse", "whole"])
 def test_a_decode_worker_killed_mid_stream_hands_the_request_over(
-        cluster: ServingCluster, flags: tuple[str, ...]) -> None:
+        cluster: ServingCluster, flags: tuple[str, ...], stream: bool) -> None:
     """Two decode workers; the one streaming a greedy completion is SIGKILLed after some
     tokens: the stream goes on from another worker (the prompt's KV from the pool, the tokens
     sent recomputed) and its text equals an undisturbed run's, no token twice or missing.
-    With --worker-sse the next worker's text chunks go on from the text the client has."""
+    With --worker-sse the next worker's text chunks go on from the text the client has. A
+    whole (not streamed) response, relayed in frames of --whole-interval tokens, is killed
+    after a few of those frames: it goes on from the last one, the same body."""
     # (one after the other: a child started from a short-lived thread gets its parent-death
     # signal when that thread exits)
     workers = [start_worker(cluster.model_dir, "decode", cluster) for _ in range(2)]
@@ -147,6 +151,13 @@ def test_a_decode_worker_killed_mid_stream_hands_the_request_over(
     try:
         whole = httpx.post(url + "/v1/completions", json=body, timeout=120)
         assert whole.status_code == 200, whole.text
+        if not stream:
+            again = _whole_killing_its_decode_worker(url, body, urls, workers)
+            assert again.status_code == 200 and again.json()["choices"] == \
+                whole.json()["choices"], again.text
+            metrics = httpx.get(url + "/metrics").text
+            assert 'kvpool_proxy_migrations_total{leg="decode"} 1.0' in metrics
+            return
         texts: list[str] = []
         events: list[str] = []
         with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True},
@@ -169,6 +180,25 @@ def test_a_decode_worker_killed_mid_stream_hands_the_request_over(
         for proc, _ in workers:
             stop(proc)
         stop(proxy)
+
+
+def _whole_killing_its_decode_worker(url: str, body: dict[str, object], urls: list[str],
+                                     workers: list[tuple[subprocess.Popen[bytes], str]]
+                                     ) -> httpx.Response:
+    """`body` as one JSON response; its decode worker SIGKILLed once it has made 150 tokens
+    more than when first seen running (a few 64-token frames relayed)."""
+    answer: list[httpx.Response] = []
+    call = threading.Thread(target=lambda: answer.append(
+        httpx.post(url + "/v1/completions", json=body, timeout=120)))
+    call.start()
+    victim = _running_on(urls)
+    start = httpx.get(victim + "/load", timeout=5).json()["running_tokens"]
+    wait_for(lambda: httpx.get(victim + "/load", timeout=5).json()["running_tokens"] >=
+             start + 150, 30.0, "150 tokens decoded", 0.01)
+    workers[urls.index(victim)][0].send_signal(signal.SIGKILL)
+    call.join(120)
+    assert answer, "the whole response never came"
+    return answer[0]
 
 
 @pytest.mark.slow  # the stopped worker leaves the rotation after silent_dead_s (10 s)
