@@ -33,8 +33,12 @@ from kvpool.errors import InvalidArgument
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class StepOutput:
+    """One request's output of an engine step (a token, a finish or an error). Not frozen:
+    a frozen dataclass sets each field through object.__setattr__, 2.0 against 0.7 us to make
+    one, and one is made per output token; nothing changes one after the step."""
+
     request_id: str
     token_id: int | None = None
     finish_reason: str | None = None
