@@ -33,9 +33,10 @@ class TokenLogprob:
     """(token id, logprob) of the most likely tokens there."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Sampled:
-    """The token an engine step chose for a sequence, with its logprob if the request asks."""
+    """The token an engine step chose for a sequence, with its logprob if the request asks.
+    Not frozen, as `StepOutput` (0.65 against 0.15 us to make one; one per output token)."""
 
     token_id: int
     logprob: TokenLogprob | None = None

@@ -235,11 +235,10 @@ class EmulatedEngine(EngineCore):
             table = np.asarray(seq.block_table[first:last + 1], dtype=np.intp)
             keys = kvbytes.keys_for(seq.token_ids, start, start + n, bs, hashes, self.root_hash)
             chunks.append((table[pos // bs - first], pos % bs, keys))
-        blocks = np.concatenate([np.array(cols[0], dtype=np.intp), *(c[0] for c in chunks)])
-        offsets = np.concatenate([np.array(cols[1], dtype=np.intp), *(c[1] for c in chunks)])
-        parents, positions, tokens = (
-            np.concatenate([np.array(cols[2 + i], dtype=np.uint64), *(c[2][i] for c in chunks)])
-            for i in range(3))
+        blocks = _joined(cols[0], np.intp, [c[0] for c in chunks])
+        offsets = _joined(cols[1], np.intp, [c[1] for c in chunks])
+        parents, positions, tokens = (_joined(cols[2 + i], np.uint64, [c[2][i] for c in chunks])
+                                      for i in range(3))
         return blocks, offsets, kvbytes.token_rows(parents, positions, tokens,
                                                    self.cache.row_bytes)
 
@@ -271,3 +270,10 @@ class EmulatedEngine(EngineCore):
         return kvbytes.expected_output(prompt, num_tokens, self.config.block_size,
                                        self.root_hash, self.cache.num_layers,
                                        self.cache.row_bytes, self.vocab)
+
+
+def _joined(ints: list[int], dtype: type, arrays: list[np.ndarray]) -> np.ndarray:
+    """`ints` as an array of `dtype`, then `arrays` after it (no concatenation for a step of
+    decodes alone)."""
+    head: np.ndarray = np.array(ints, dtype=dtype)
+    return np.concatenate([head, *arrays]) if arrays else head
