@@ -180,11 +180,10 @@ class EngineCore:
                 continue
             token = choice.token_id
             seq.append(token)
-            count = len(seq.token_ids) - seq.num_prompt_tokens  # seq.num_output_tokens
             outputs.append(StepOutput(seq.request_id, token, time_s=now, logprob=choice.logprob,
-                                      prompt_logprobs=self._take_prompt_logprobs(seq)
-                                      if seq.sampling.prompt_logprobs is not None else None,
-                                      stats=self.stats(seq) if count == 1 else {}))
+                                      prompt_logprobs=self._take_prompt_logprobs(seq),
+                                      stats=self.stats(seq) if seq.num_output_tokens == 1
+                                      else {}))
             reason = self._stop_reason(seq)
             if reason is not None:
                 self._finish(seq, reason)

@@ -214,13 +214,17 @@ class EmulatedEngine(EngineCore):
         one token (a decode) is read as Python ints; a prompt chunk as arrays; the rows of
         all of them are made in one `kvbytes.token_rows`."""
         bs, root = self.config.block_size, self.root_hash
-        cols: tuple[list[int], list[int], list[int], list[int], list[int]] = ([], [], [], [], [])
-        """Block id, offset, parent hash, position and token of each one-token sequence."""
-        blocks_of, offsets_of, parents_of, positions_of, tokens_of = cols
+        blocks_of: list[int] = []
+        offsets_of: list[int] = []
+        parents_of: list[int] = []
+        positions_of: list[int] = []
+        tokens_of: list[int] = []
+        """Block id, offset, parent hash, position and token of each one-token sequence, a
+        list each."""
         chunks: list[tuple[np.ndarray, np.ndarray, kvbytes.RowKeys]] = []
         for seq, n in batch:
             start = seq.num_computed_tokens
-            hashes = seq.block_hashes if seq.root_hash == root else self._hashes(seq, start + n)
+            hashes = self._hashes(seq, start + n)
             if n == 1:  # kvbytes.keys_for of one position, as ints (every decode of a step)
                 block = start // bs
                 index = min(block, len(hashes))
@@ -235,10 +239,11 @@ class EmulatedEngine(EngineCore):
             table = np.asarray(seq.block_table[first:last + 1], dtype=np.intp)
             keys = kvbytes.keys_for(seq.token_ids, start, start + n, bs, hashes, self.root_hash)
             chunks.append((table[pos // bs - first], pos % bs, keys))
-        blocks = _joined(cols[0], np.intp, [c[0] for c in chunks])
-        offsets = _joined(cols[1], np.intp, [c[1] for c in chunks])
-        parents, positions, tokens = (_joined(cols[2 + i], np.uint64, [c[2][i] for c in chunks])
-                                      for i in range(3))
+        blocks = _joined(blocks_of, np.intp, [c[0] for c in chunks])
+        offsets = _joined(offsets_of, np.intp, [c[1] for c in chunks])
+        parents, positions, tokens = (_joined(col, np.uint64, [c[2][i] for c in chunks])
+                                      for i, col in enumerate((parents_of, positions_of,
+                                                               tokens_of)))
         return blocks, offsets, kvbytes.token_rows(parents, positions, tokens,
                                                    self.cache.row_bytes)
 
