@@ -81,7 +81,11 @@ def test_urls_that_do_not_join_are_logged_with_the_reason(fleet: Fleet) -> None:
              "both bad URLs logged as not joined", 0.1)
     dead, other = not_joined(fleet.urls["dead"]), not_joined(fleet.urls["other"])
     assert len(dead) == 1 and "Connection refused" in dead[0] and "still trying" in dead[0], dead
-    assert len(other) == 1 and "/health" in other[0] and "404" in other[0], other
+    # its server (c1) starts with the proxy: a first poll may find nothing listening yet, a
+    # reason of its own, logged before the 404; each reason is logged once
+    reasons = [ln.split(" has not joined: ", 1)[1] for ln in other]
+    assert len(set(reasons)) == len(reasons) <= 2, other
+    assert "/health" in other[-1] and "404" in other[-1], other
     health = httpx.get(fleet.urls["colocated"] + "/health", timeout=10).json()
     assert {u: w["alive"] for u, w in health["workers"].items()} == {
         fleet.urls["c1"]: True, fleet.urls["c2"]: True, fleet.urls["dead"]: False,
