@@ -12,7 +12,8 @@ from kvpool.serve.worker_client import WorkerClient
 def create_backend(config: ProxyConfig) -> EngineBackend:
     if config.backend == "kvpool":
         return WorkerClient(config.worker_timeout_s, config.token,
-                            merge_frames=config.merge_frames)
+                            merge_frames=config.merge_frames,
+                            channels=config.worker_channels)
     if config.backend == "vllm":
         from kvpool.serve.vllm.backend import VllmBackend
 
