@@ -177,9 +177,10 @@ def run(args: argparse.Namespace) -> int:
     except KvpoolError as exc:
         log.error("%s", exc)
         return 2
-    serve(app, config.host, config.port, limits, fast=True, on_ready=lambda: announce_ready(
-        f"kvpool worker ({config.role}) serving on http://{config.host}:{config.port}",
-        echo=False), on_shutdown=channels.close_all)
+    # hold_heads: a channel's /generate answers its JSON at once, its head with it
+    ready = f"kvpool worker ({config.role}) serving on http://{config.host}:{config.port}"
+    serve(app, config.host, config.port, limits, fast=True, hold_heads=True,
+          on_ready=lambda: announce_ready(ready, echo=False), on_shutdown=channels.close_all)
     return 0
 
 
