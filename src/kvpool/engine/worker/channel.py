@@ -105,7 +105,10 @@ class Channel:
 
     def put_lines(self, prefix: bytes, data: bytes) -> None:
         """Every line of `data` (each ends with a newline) behind `prefix` ("<sid> ")."""
-        self._put(prefix + data[:-1].replace(b"\n", b"\n" + prefix) + b"\n")
+        if data.count(b"\n") == 1:  # one line: most steps
+            self._put(prefix + data)
+        else:
+            self._put(prefix + data[:-1].replace(b"\n", b"\n" + prefix) + b"\n")
 
     def end(self, lines: RequestLines) -> None:
         """A request's last line was put: its end marker."""
@@ -172,7 +175,8 @@ class RequestLines:
         try:
             failed, finished = scan(outs)
             lines = self.frames.add(outs if failed is None else outs[:failed])
-            data = b"".join([ndjson_line(msg) for msg in lines])
+            data = ndjson_line(lines[0]) if len(lines) == 1 else \
+                b"".join([ndjson_line(msg) for msg in lines])
             if failed is not None:
                 data += ndjson_line(ErrorLine(error=str(outs[failed].error)))
         except Exception as exc:

@@ -40,9 +40,16 @@ class FrameBuilder:
 
     def add(self, outputs: list[StepOutput]) -> list[Frame | FinishLine]:
         """The lines to send after one step's `outputs` (of this request, in order)."""
-        lines: list[Frame | FinishLine] = []
         if self.done:
-            return lines
+            return []
+        if len(outputs) == 1 and self.interval == 1 and self.text is None and not self._held:
+            out = outputs[0]  # most steps: one token, no logprobs, not the last
+            if out.token_id is not None and out.finish_reason is None and \
+                    out.logprob is None and out.prompt_logprobs is None:
+                self._stats = out.stats or self._stats
+                self.num_tokens += 1
+                return [PlainFrame([out.token_id], [out.time_s], None)]
+        lines: list[Frame | FinishLine] = []
         for out in outputs:
             if out.token_id is not None:
                 self._held.append(out)
