@@ -108,6 +108,26 @@ def test_random_steps_and_intervals_lose_and_reorder_nothing() -> None:
         assert isinstance(lines[-1], FinishLine) and lines[-1].num_output_tokens == n
 
 
+def test_a_step_of_one_token_makes_the_frame_the_general_path_makes() -> None:
+    """Most steps bring one token without logprobs, which goes straight to its frame: the
+    same lines as a step that also carries an output without a token (which takes the
+    general path), over random runs with logprob steps, stats and a finish."""
+    rng = random.Random(5)
+    for _ in range(200):
+        n = rng.randint(1, 30)
+        steps = [[StepOutput("r", i, time_s=float(i), stats={"num_cached_tokens": float(i)}
+                             if rng.random() < 0.2 else {},
+                             logprob=TokenLogprob(i, -0.5, ((i, -0.5),))
+                             if rng.random() < 0.2 else None)] for i in range(n)]
+        steps[-1] = [*steps[-1], end()]
+        fast, general = FrameBuilder(), FrameBuilder()
+        got = [line for s in steps for line in fast.add(s)]
+        want = [line for s in steps for line in general.add([*s, StepOutput("r", None)])]
+        assert got == want and fast.num_tokens == general.num_tokens == n
+        assert all(isinstance(x, PlainFrame) == (x.logprobs is None) for x in got  # type: ignore[union-attr]
+                   if isinstance(x, Frame))
+
+
 def test_the_mailbox_wakes_each_loop_once_per_step() -> None:
     async def go() -> None:
         loop = asyncio.get_running_loop()

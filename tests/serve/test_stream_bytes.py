@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
 from kvpool.launch.children import stop
 from kvpool.serve.launch import ServingCluster
@@ -111,16 +110,13 @@ def _responses_through(cluster: ServingCluster, *flags: str) -> dict[str, str]:
         stop(proc)
 
 
-@pytest.mark.parametrize("channels", [True, False], ids=["channels", "own-streams"])
-def test_responses_equal_the_recorded_bytes(cluster: ServingCluster, channels: bool) -> None:
+def test_responses_equal_the_recorded_bytes(cluster: ServingCluster) -> None:
     """Recorded before frames, less the empty delta streams then sent before each finish
     chunk (no text, no logprobs: nothing for the client). A chunk per frame
     (--no-merge-frames): the default merges what one read brings, so its boundaries depend
-    on timing. The decode legs' lines on the workers' channels (the default), and on a
-    stream per leg (--no-worker-channels)."""
+    on timing."""
     want = json.loads(GOLDEN.read_text())
-    got = _responses_through(cluster, "--no-merge-frames",
-                             *(() if channels else ("--no-worker-channels",)))
+    got = _responses_through(cluster, "--no-merge-frames")
     assert sorted(got) == sorted(want)
     for name in want:
         assert got[name] == want[name], name

@@ -68,10 +68,6 @@ def _add_leg_args(p: argparse.ArgumentParser) -> None:
                    help="kvpool workers: one SSE chunk per engine step, even when the worker "
                    "or the proxy fell behind (default: the steps missed go as one chunk); with "
                    "either backend, a stream's chunks are then written together per wake-up")
-    p.add_argument("--no-worker-channels", dest="worker_channels", action="store_false",
-                   help="kvpool workers: read each decode leg's own /generate stream (default: "
-                   "one channel per worker carries every request's lines, written and read "
-                   "once per wake-up for all of them)")
     p.add_argument("--worker-sse", action="store_true",
                    help="kvpool workers: streamed choices without logprobs or echo get their "
                    "SSE text chunks from the decoding worker, relayed as they come (default: "
@@ -180,7 +176,6 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         direct_below_tokens=args.direct_below_tokens, stream_interval=args.stream_interval,
         whole_interval=args.whole_interval,
         worker_sse=args.worker_sse, merge_frames=args.merge_frames,
-        worker_channels=args.worker_channels,
         engine_model=args.engine_model, engine_block_size=args.engine_block_size,
         kv_events=args.kv_events, pool_topic=args.pool_topic,
         pd_pool_wait_s=args.pd_pool_wait_s, hash_algo=args.hash_algo, hash_seed=args.hash_seed,

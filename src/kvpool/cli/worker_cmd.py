@@ -169,28 +169,23 @@ def run(args: argparse.Namespace) -> int:
     # Keep idle connections longer than clients do (CLIENT_KEEPALIVE_S), so a client never
     # reuses one the worker is closing; a proxy holds one connection per stream.
     limits = HttpLimits(max_concurrency=1024, idle_timeout_s=30.0)
-    from kvpool.engine.worker.channel import Channels
-
-    channels = Channels()
     try:
-        app = _app(args, worker, channels)
+        app = _app(args, worker)
     except KvpoolError as exc:
         log.error("%s", exc)
         return 2
-    # hold_heads: a channel's /generate answers its JSON at once, its head with it
-    ready = f"kvpool worker ({config.role}) serving on http://{config.host}:{config.port}"
-    serve(app, config.host, config.port, limits, fast=True, hold_heads=True,
-          on_ready=lambda: announce_ready(ready, echo=False), on_shutdown=channels.close_all)
+    serve(app, config.host, config.port, limits, fast=True, on_ready=lambda: announce_ready(
+        f"kvpool worker ({config.role}) serving on http://{config.host}:{config.port}",
+        echo=False))
     return 0
 
 
-def _app(args: argparse.Namespace, worker: Any, channels: Any) -> Any:
-    """The worker API (its /generate channels: `channels`), or the vLLM face over the same
-    worker."""
+def _app(args: argparse.Namespace, worker: Any) -> Any:
+    """The worker API, or the vLLM face over the same worker."""
     from kvpool.engine.worker.app import create_app
 
     if args.api != "vllm":
-        return create_app(worker, channels=channels)
+        return create_app(worker)
     from kvpool.engine.gguf_checkpoint import served_name
     from kvpool.engine.worker.vllm_face import block_names, create_vllm_app
 

@@ -198,9 +198,6 @@ class QuietServer(uvicorn.Server):
     listens (its lifespan started)."""
 
     on_ready: Callable[[], None] | None = None
-    on_shutdown: Callable[[], None] | None = None
-    """Called as the shutdown starts, before it waits for the open connections' responses
-    (to end the streams that would not end by themselves)."""
 
     async def startup(self, sockets: list[Any] | None = None) -> None:
         await super().startup(sockets)
@@ -219,11 +216,6 @@ class QuietServer(uvicorn.Server):
 
         asyncio.get_running_loop().set_exception_handler(handle)
         await super().serve(sockets)
-
-    async def shutdown(self, sockets: list[Any] | None = None) -> None:
-        if self.on_shutdown is not None:
-            self.on_shutdown()
-        await super().shutdown(sockets)
 
 
 def uvicorn_config(app: Any, limits: HttpLimits, fast: bool = False, hold_heads: bool = False,
@@ -273,13 +265,12 @@ def limits_for_descriptors(limits: HttpLimits, open_files: int) -> HttpLimits:
 def serve(app: Any, host: str, port: int, limits: HttpLimits,
           on_ready: Callable[[], None] | None = None, fast: bool = False,
           sockets: list[Any] | None = None, hold_heads: bool = False,
-          on_shutdown: Callable[[], None] | None = None, **overrides: Any) -> None:
+          **overrides: Any) -> None:
     """Run `app` on host:port until stopped (SIGINT/SIGTERM), defended by `limits` (its
     connection cap within the descriptors this process may open), with its lifespan: the
     way kvpool's long-running HTTP commands (proxy, worker) serve. `on_ready`: called once it
-    listens; `on_shutdown`: QuietServer's; `fast`, `hold_heads`: uvicorn_config's; `sockets`:
-    listening sockets to accept on instead of binding host:port (the processes of `kvpool
-    proxy --workers N` share one).
+    listens; `fast`, `hold_heads`: uvicorn_config's; `sockets`: listening sockets to accept on
+    instead of binding host:port (the processes of `kvpool proxy --workers N` share one).
     Once it listens, what start-up made is frozen out of the garbage collector's way
     (`freeze_startup_heap`)."""
     limits = limits_for_descriptors(limits, raise_open_files_limit())
@@ -290,7 +281,7 @@ def serve(app: Any, host: str, port: int, limits: HttpLimits,
         freeze_startup_heap()
         if on_ready is not None:
             on_ready()
-    server.on_ready, server.on_shutdown = ready, on_shutdown
+    server.on_ready = ready
     server.run(sockets)
 
 

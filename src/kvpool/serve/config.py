@@ -52,11 +52,6 @@ class ProxyConfig:
     (GenerateRequest.merge_steps), and the frames one read brings as one chunk, as vLLM
     merges its outputs when its API server is behind; False: a chunk per engine step (per
     stream interval), boundaries that do not depend on timing."""
-    worker_channels: bool = True
-    """kvpool workers: each decode leg's lines come on one channel per worker (GET /channel,
-    engine/worker/channel.py) that carries every request the proxy runs there, so the worker
-    writes, and the proxy reads, once per wake-up for all of them; False (or a worker
-    without channels): a stream per request."""
     worker_sse: bool = False
     """kvpool workers: a streamed choice without logprobs, echo or trace gets its text chunks
     from its decoding worker (detokenized, stop strings applied there), relayed as they come

@@ -6,7 +6,6 @@ raises."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import time
@@ -36,8 +35,7 @@ from kvpool.log import get_logger
 from kvpool.metadata.http_serving import CLIENT_KEEPALIVE_S
 from kvpool.serve.backend import BackendFeatures, EnginePrefixes
 from kvpool.serve.ndjson_reply import ReplyError
-from kvpool.serve.worker_channel import CHANNEL_PATH, ChannelRefused, WorkerChannel
-from kvpool.serve.worker_stream import StreamPool, call_once, call_whole
+from kvpool.serve.worker_stream import StreamPool, call_whole
 
 log = get_logger("serve.worker_client")
 M = TypeVar("M", InfoReply, LoadReply, PrefillReply)
@@ -62,16 +60,10 @@ class WorkerClient:
                                first_token_from_prefill=True)
 
     def __init__(self, timeout_s: float, token: str | None = None,
-                 now: Callable[[], float] = time.time, merge_frames: bool = True,
-                 channels: bool = True) -> None:
+                 now: Callable[[], float] = time.time, merge_frames: bool = True) -> None:
         self.token, self.now, self.timeout_s = token, now, timeout_s
         self.merge_frames = merge_frames
         """The plain frames one read of a stream brings are one frame (`read_frames`)."""
-        self.channels = channels
-        """/generate lines on a channel per worker, where its /info says it has them."""
-        self._channel_urls: set[str] = set()
-        self._channels: dict[str, WorkerChannel] = {}
-        self._channel_locks: dict[str, asyncio.Lock] = {}
         self.http = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=CONNECT_S),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64,
@@ -82,8 +74,6 @@ class WorkerClient:
         """url -> the incarnation that proved itself there (every call is signed for it)."""
 
     async def aclose(self) -> None:
-        for channel in self._channels.values():
-            await channel.aclose()
         self.streams.close()
         await self.http.aclose()
 
@@ -157,13 +147,7 @@ class WorkerClient:
         return None
 
     async def info(self, url: str, timeout_s: float) -> InfoReply:
-        """The worker's /info; whether it has /generate channels is noted for its URL."""
-        reply = await self._get(url, "/info", InfoReply, timeout_s)
-        if reply.channels and self.channels and url.startswith("http://"):
-            self._channel_urls.add(url)
-        else:
-            self._channel_urls.discard(url)
-        return reply
+        return await self._get(url, "/info", InfoReply, timeout_s)
 
     async def load(self, url: str, path: str, timeout_s: float) -> LoadReply:
         """`path`: /load with its query (the event numbering to continue from)."""
@@ -200,22 +184,15 @@ class WorkerClient:
     async def generate(self, url: str,
                        req: GenerateRequest) -> AsyncGenerator[Frame | FinishLine]:
         """The frames of /generate (those of one read merged, `merge_frames`); an error line,
-        a malformed line or a broken stream raises. The finish line comes once the stream has
-        been read to its end: its connection then goes back to the pool for the next call (a
-        stream left unread is a connection closed, and a new one, TIME-WAIT included, for
-        every request). A worker with channels carries the lines on its channel
-        (serve/worker_channel.py); other http:// workers are read by the lean client
-        (serve/worker_stream.py), others through httpx."""
-        lines: AsyncGenerator[list[bytes]] | AsyncGenerator[list[str]]
-        if url in self._channel_urls:
-            lines = self._channel_lines(url, req)
-        elif url.startswith("http://"):
-            lines = self._lean_lines(url, req.model_dump_json().encode())
-        else:
-            lines = self._httpx_lines(url, req.model_dump_json().encode())
+        a malformed line or a broken stream raises. The finish line comes once the stream has been read to its end: its connection
+        then goes back to the pool for the next call (a stream left unread is a connection
+        closed, and a new one, TIME-WAIT included, for every request). http:// workers are
+        read by the lean client (serve/worker_stream.py), others through httpx."""
+        body = req.model_dump_json().encode()
+        lines = self._lean_lines if url.startswith("http://") else self._httpx_lines
         finish: FinishLine | None = None
         extra: bytes | str | None = None
-        async with contextlib.aclosing(lines) as batches:
+        async with contextlib.aclosing(lines(url, body)) as batches:
             try:
                 async for batch in batches:
                     if finish is not None:
@@ -260,45 +237,6 @@ class WorkerClient:
             raise self._failed(url, path, exc) from None
         finally:
             call.close()
-
-    async def _channel_lines(self, url: str, req: GenerateRequest) -> AsyncGenerator[list[bytes]]:
-        """The non-empty lines of /generate carried by the worker's channel (`channel`): the
-        request names the channel and its stream id, the reply says it started."""
-        path = "/generate"
-        try:
-            call = (await self._channel(url)).call()
-        except (OSError, ValueError) as exc:  # ReplyError too
-            raise self._failed(url, CHANNEL_PATH, exc) from None
-        except ChannelRefused as exc:
-            raise self._refused(url, CHANNEL_PATH, exc.status, exc.body) from None
-        try:
-            body = req.model_copy(update={"channel": call.channel_id,
-                                          "channel_sid": call.sid}).model_dump_json().encode()
-            status, reply = await call_once(self.streams, url, path,
-                                            self._headers(url, path, body), body, CONNECT_S,
-                                            self.timeout_s)
-            if status != 200:
-                raise self._refused(url, path, status, reply)
-            while batch := await call.next_lines():
-                yield batch
-        except (OSError, ValueError) as exc:  # ReplyError too
-            raise self._failed(url, path, exc) from None
-        finally:
-            call.close()
-
-    async def _channel(self, url: str) -> WorkerChannel:
-        """The open channel to `url`, opened now if there is none (one opening at a time)."""
-        channel = self._channels.get(url)
-        if channel is not None and not channel.closed:
-            return channel
-        async with self._channel_locks.setdefault(url, asyncio.Lock()):
-            channel = self._channels.get(url)
-            if channel is None or channel.closed:
-                headers = self._headers(url, CHANNEL_PATH, b"", method="GET")
-                channel = await WorkerChannel.open(self.streams, url, headers, CONNECT_S,
-                                                   self.timeout_s)
-                self._channels[url] = channel
-            return channel
 
     async def _httpx_lines(self, url: str, body: bytes) -> AsyncGenerator[list[str]]:
         """The non-empty lines of /generate, read through httpx (a list of one each)."""

@@ -60,7 +60,6 @@ class StreamCall:
 
     def __init__(self, pool: StreamPool, key: tuple[str, int], conn: _Conn, read_s: float,
                  reply: ReplyReader) -> None:
-        self._read_s: float | None
         self._pool, self._key, self._conn, self._read_s = pool, key, conn, read_s
         self.reply = reply
         self._closed = False
@@ -68,11 +67,6 @@ class StreamCall:
     @property
     def status(self) -> int:
         return self.reply.status
-
-    def unbounded(self) -> None:
-        """Its reads wait as long as it takes from now on (a stream that may be silent for
-        long: a worker's channel, whose calls time out on their own)."""
-        self._read_s = None
 
     async def next_lines(self) -> list[bytes]:
         """The body's complete lines that have come since the last call (waiting for at least
@@ -100,11 +94,9 @@ class StreamCall:
             conn.close()
 
 
-async def _read_into(conn: _Conn, reply: ReplyReader, read_s: float | None) -> int:
-    """Read what has come (waiting up to `read_s`; None: however long) into `reply`; the
-    bytes read."""
-    read = conn.reader.read(READ_BYTES)
-    data = await (read if read_s is None else conn.deadline.wait(read, read_s))
+async def _read_into(conn: _Conn, reply: ReplyReader, read_s: float) -> int:
+    """Read what has come (waiting up to `read_s`) into `reply`; the bytes read."""
+    data = await conn.deadline.wait(conn.reader.read(READ_BYTES), read_s)
     if not data:
         reply.end_of_input()
         return 0

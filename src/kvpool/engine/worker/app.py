@@ -19,7 +19,6 @@ from kvpool.engine.core import StepOutput
 from kvpool.engine.worker import auth
 from kvpool.engine.worker import metrics as worker_metrics
 from kvpool.engine.worker.auth import CHALLENGE_PATH
-from kvpool.engine.worker.channel import Channel, Channels, RequestLines
 from kvpool.engine.worker.frames import FrameBuilder
 from kvpool.engine.worker.gate import GateIdentity, PreAuthGate
 from kvpool.engine.worker.messages import (
@@ -93,21 +92,15 @@ def _authorizer(worker: Worker, now: Callable[[], float]) -> Callable[[Request],
     return authorized
 
 
-def create_app(worker: Worker, now: Callable[[], float] = time.time,
-               channels: Channels | None = None) -> PreAuthGate:
+def create_app(worker: Worker, now: Callable[[], float] = time.time) -> PreAuthGate:
     """`now`: wall-clock seconds, for the time window of signed calls. The gate, then POST
-    /generate and GET /channel straight to their handlers (`http_front.FastRoutes`: the
-    routes every token of a request passes), then FastAPI's routes for the rest (and the
-    lifespan). `channels`: the worker's (closed by whoever stops the server first: an open
-    channel's stream would hold its connection, and the server's shutdown, open)."""
-
-    channels = channels if channels is not None else Channels()
+    /generate straight to its handler (`http_front.FastRoutes`: the route every token of a
+    request passes), then FastAPI's routes for the rest (and the lifespan)."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await worker.ready_text()  # before /info can say whether it makes SSE text
         yield
-        channels.close_all()
         await worker.close()
 
     authorized = _authorizer(worker, now)
@@ -116,9 +109,8 @@ def create_app(worker: Worker, now: Callable[[], float] = time.time,
     _add_error_handlers(app)
     _add_open_routes(app, worker)
     _add_state_routes(app, worker)
-    _add_request_routes(app, worker, channels)
-    routes = FastRoutes(app, {("POST", "/generate"): _generate_route(worker, authorized, channels),
-                              ("GET", "/channel"): _channel_route(worker, authorized, channels)})
+    _add_request_routes(app, worker)
+    routes = FastRoutes(app, {("POST", "/generate"): _generate_route(worker, authorized)})
     return PreAuthGate(routes, now=now, open_paths=OPEN_PATHS, identity=lambda: GateIdentity(
         worker.config.token, worker.config.host, worker.config.port, worker.epoch))
 
@@ -179,7 +171,7 @@ def _add_state_routes(app: FastAPI, worker: Worker) -> None:
 
     @app.get("/info")
     async def info() -> InfoReply:
-        return worker.info().model_copy(update={"channels": True})  # this app serves them
+        return worker.info()
 
     @app.get("/load", response_model_exclude_none=True)  # block_hashes or block_events
     async def load(epoch: str = "", since: int | None = None) -> LoadReply:
@@ -191,7 +183,7 @@ def _add_state_routes(app: FastAPI, worker: Worker) -> None:
         return Response(worker_metrics.render(values), media_type=worker_metrics.CONTENT_TYPE)
 
 
-def _add_request_routes(app: FastAPI, worker: Worker, channels: Channels) -> None:
+def _add_request_routes(app: FastAPI, worker: Worker) -> None:
     """The legs of a request (each refused by a worker of the wrong role) and their abort."""
     needs = _role_check(worker.config.role)
 
@@ -202,7 +194,7 @@ def _add_request_routes(app: FastAPI, worker: Worker, channels: Channels) -> Non
 
     @app.post("/generate")  # answered by _generate_route; here for 405s and the docs
     async def generate(body: GenerateRequest) -> Response:
-        return await _generate_stream(worker, needs, body, channels)
+        return await _generate_stream(worker, needs, body)
 
     @app.post("/kv/reserve", response_model=None)
     async def reserve(body: ReserveRequest) -> ReserveReply | JSONResponse:
@@ -217,8 +209,8 @@ def _add_request_routes(app: FastAPI, worker: Worker, channels: Channels) -> Non
         return AbortReply(ok=await worker.abort(body.request_id))
 
 
-def _generate_route(worker: Worker, authorized: Callable[[Request], Awaitable[None]],
-                    channels: Channels) -> Callable[[Request], Awaitable[Response]]:
+def _generate_route(worker: Worker, authorized: Callable[[Request], Awaitable[None]]
+                    ) -> Callable[[Request], Awaitable[Response]]:
     """POST /generate without FastAPI's layers: the same checks (the token, the role, the
     body) and the same error bodies as its routes."""
     needs = _role_check(worker.config.role)
@@ -228,37 +220,14 @@ def _generate_route(worker: Worker, authorized: Callable[[Request], Awaitable[No
             await authorized(request)
             _check_json(request.headers.get("content-type"))
             body = GenerateRequest.model_validate_json(await request.body())
-            return await _generate_stream(worker, needs, body, channels)
+            return await _generate_stream(worker, needs, body)
         except Exception as exc:
-            return _error_or_raise(exc)
+            reply = error_reply(exc)
+            if reply is None:
+                raise
+            return reply
 
     return generate
-
-
-def _channel_route(worker: Worker, authorized: Callable[[Request], Awaitable[None]],
-                   channels: Channels) -> Callable[[Request], Awaitable[Response]]:
-    """GET /channel: a new channel's stream (engine/worker/channel.py), open until its reader
-    goes away, which ends the requests it carries."""
-    needs = _role_check(worker.config.role)
-
-    async def channel(request: Request) -> Response:
-        try:
-            await authorized(request)
-            needs("decode", "both")
-        except Exception as exc:
-            return _error_or_raise(exc)
-        opened = channels.open()
-        return EventStream(opened.stream(), lambda _gone: channels.close(opened),
-                           media_type="application/x-ndjson")
-
-    return channel
-
-
-def _error_or_raise(exc: Exception) -> Response:
-    reply = error_reply(exc)
-    if reply is None:
-        raise exc
-    return reply
 
 
 def _check_json(content_type: str | None) -> None:
@@ -274,40 +243,15 @@ def _check_json(content_type: str | None) -> None:
 
 
 async def _generate_stream(worker: Worker, needs: Callable[..., None],
-                           body: GenerateRequest, channels: Channels) -> Response:
+                           body: GenerateRequest) -> Response:
     """The request's NDJSON stream (`ndjson`); a client that goes away ends it, and with it
-    the request. With `body.channel`, the stream goes on that channel and the reply says so
-    at once."""
+    the request."""
     needs("decode", "both")
-    channel = channels.get(body.channel) if body.channel is not None else None
     interval = body.stream_interval or worker.config.stream_interval
     text = await worker.sse_text(body)
-    if channel is None:
-        return EventStream(ndjson(worker.generate(body), interval, text),
-                           media_type="application/x-ndjson")
-    await _on_channel(worker, body, channel, FrameBuilder(interval, text))
-    return JSONResponse({"channel": channel.id, "sid": body.channel_sid})
-
-
-async def _on_channel(worker: Worker, body: GenerateRequest, channel: Channel,
-                      frames: FrameBuilder) -> None:
-    """Start the request with its lines on `channel` (engine/worker/channel.py), made in the
-    engine steps' wake-ups; a resumed leg with nothing left to do, by `ndjson`."""
-    rid = body.request_id
-    lines = RequestLines(channel, body.channel_sid, rid, frames, lambda: worker.detach(rid),
-                         worker.config.request_timeout_s)
-    channel.add(lines)
-    try:
-        started = await worker.attach(body, lines.deliver)
-    except BaseException:
-        channel.discard(lines)
-        raise
-    if not started:
-        channel.discard(lines)
-        channel.start(body.channel_sid, ndjson(worker.generate(body), frames.interval,
-                                               frames.text))
-    elif lines.done:  # the channel ended while the request was being added: stop it now
-        worker.detach(rid)
+    outputs = worker.generate(body)
+    return EventStream(ndjson(outputs, interval, text),
+                       media_type="application/x-ndjson")
 
 
 def _role_check(role: str) -> Callable[..., None]:
@@ -329,7 +273,7 @@ class _WrongRole(Exception):
 
 
 async def ndjson(outputs: AsyncGenerator[list[StepOutput]], interval: int = 1,
-                 text: SseText | None = None) -> AsyncGenerator[bytes]:
+                 text: SseText | None = None) -> AsyncIterator[bytes]:
     """The frames of the outputs (engine/worker/frames.py), then the finish line; an error
     ends the stream with its line. All the lines one step makes are written at once. A stream
     that a stop string ended stops reading `outputs`, which aborts the request."""

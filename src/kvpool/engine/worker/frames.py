@@ -102,14 +102,3 @@ class FrameBuilder:
         return FinishLine(finish_reason=reason, num_output_tokens=self.num_tokens,
                           num_cached_tokens=int(stats.get("num_cached_tokens", 0)),
                           num_pool_tokens=int(stats.get("num_pool_tokens", 0)), sse=events)
-
-
-def scan(outs: list[StepOutput]) -> tuple[int | None, bool]:
-    """(index of the first output with an error or None, whether one finishes the request):
-    one pass, once per request per step."""
-    finished = False
-    for i, out in enumerate(outs):
-        if out.error is not None:
-            return i, finished
-        finished = finished or out.finish_reason is not None
-    return None, finished

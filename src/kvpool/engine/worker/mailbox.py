@@ -4,8 +4,7 @@ engine step, however many requests and tokens the step served.
     engine thread:  listener(outputs of one request in one step) -> pending   (no wake-up)
                     flush() once the step's outputs are all handed out  -> one
                     call_soon_threadsafe per event loop with waiting requests
-    event loop:     each request's queue (`StepQueue`) gets its step's outputs as one list,
-                    or its `StepSink`'s function is called with them
+    event loop:     each request's queue (`StepQueue`) gets its step's outputs as one list
 
 Handing each output over with its own `call_soon_threadsafe` woke the event loop (a write to
 its self-pipe) once per token per request: 13% of the emulated worker's CPU per token in
@@ -60,25 +59,12 @@ class StepQueue:
 
 
 
-class StepSink:
-    """A request's step outputs handed to a function on its event loop, in the step's wake-up
-    itself: no queue and no task of its own (`deliver` must not raise)."""
-
-    __slots__ = ("put_nowait",)
-
-    def __init__(self, deliver: Callable[[Outputs], None]) -> None:
-        self.put_nowait = deliver
-
-
-Receiver = StepQueue | StepSink
-
-
 class StepMailbox:
     def __init__(self) -> None:
-        self._pending: list[tuple[asyncio.AbstractEventLoop, Receiver, Outputs]] = []
+        self._pending: list[tuple[asyncio.AbstractEventLoop, StepQueue, Outputs]] = []
 
     def listener(self, loop: asyncio.AbstractEventLoop,
-                 queue: Receiver) -> Callable[[Outputs], None]:
+                 queue: StepQueue) -> Callable[[Outputs], None]:
         """A request's listener: its outputs of a step go to `queue` (on `loop`) at the next
         `flush`."""
         def put(outputs: Outputs) -> None:
@@ -91,7 +77,7 @@ class StepMailbox:
         if not self._pending:
             return
         pending, self._pending = self._pending, []
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Receiver, Outputs]]] = {}
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[StepQueue, Outputs]]] = {}
         for loop, queue, outputs in pending:
             by_loop.setdefault(loop, []).append((queue, outputs))
         for loop, items in by_loop.items():
@@ -101,6 +87,6 @@ class StepMailbox:
                 pass
 
 
-def _deliver(items: list[tuple[Receiver, Outputs]]) -> None:
+def _deliver(items: list[tuple[StepQueue, Outputs]]) -> None:
     for queue, outputs in items:
         queue.put_nowait(outputs)

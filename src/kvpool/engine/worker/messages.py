@@ -3,8 +3,6 @@ the one definition that the workers, the proxy and the worker clients all import
 
     POST /prefill     PrefillRequest  -> PrefillReply
     POST /generate    GenerateRequest -> NDJSON lines: TokensLine ... FinishLine | ErrorLine
-                      (with `channel`: {"channel", "sid"}, the lines on the channel)
-    GET  /channel     "channel <id>", then "<sid> <line>" ...  (engine/worker/channel.py)
     POST /kv/reserve  ReserveRequest  -> ReserveReply        (503 when there is no room)
     POST /abort       AbortRequest    -> AbortReply
     GET  /info        InfoReply;  GET /load  LoadReply
@@ -120,11 +118,6 @@ class GenerateRequest(_Request):
     (a worker behind its engine writes, and its reader relays, one frame per wake-up instead
     of one per step); False: a frame per step (or per `stream_interval`), whatever the
     timing."""
-    channel: str | None = Field(default=None, min_length=1, max_length=64)
-    """The id of a channel of this worker (GET /channel, engine/worker/channel.py) that carries
-    the request's lines: the reply is then {"channel", "sid"} at once, and the lines follow on
-    the channel as `channel_sid`'s."""
-    channel_sid: int = Field(default=0, ge=0)
 
 
 class TokenLine(_Reply):
@@ -233,9 +226,6 @@ class InfoReply(_Reply):
     """It makes a stream's SSE text when asked (GenerateRequest.sse): a decoding worker whose
     model folder has a tokenizer that has not failed to load. False from a worker before
     this field: a proxy then makes the text itself."""
-    channels: bool = False
-    """It carries /generate lines on channels (GET /channel). False from a worker before this
-    field: a proxy then reads each request's own stream."""
 
 
 class LoadReply(_Reply):

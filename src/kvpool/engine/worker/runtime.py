@@ -18,9 +18,8 @@ from kvpool.engine.blocks import request_key
 from kvpool.engine.config import EngineConfig, SamplingParams
 from kvpool.engine.core import EngineCore, StepOutput
 from kvpool.engine.sequence import KVSource, SeqStatus
-from kvpool.engine.worker.frames import scan
 from kvpool.engine.worker.loop import EngineLoop
-from kvpool.engine.worker.mailbox import Outputs, StepMailbox, StepQueue, StepSink
+from kvpool.engine.worker.mailbox import StepMailbox, StepQueue
 from kvpool.engine.worker.messages import (
     MAX_STREAM_INTERVAL,
     AbortRequest,
@@ -310,44 +309,6 @@ class Worker:
     def generate(self, req: GenerateRequest) -> AsyncGenerator[list[StepOutput]]:
         """The request's outputs, one list per engine step (with `req.merge_steps`, the steps
         that ended while the event loop was busy elsewhere in one list)."""
-        add, over = self._request(req)
-        if over is not None:  # the legs before this one produced the whole output
-            return self._already_over(req.request_id, over)
-        return self._follow(req.request_id, add, req.merge_steps)
-
-    async def attach(self, req: GenerateRequest, deliver: Callable[[Outputs], None]) -> bool:
-        """Start the request with each engine step's outputs handed to `deliver` on this event
-        loop, in the step's own wake-up (no task or queue per request: a channel's requests,
-        engine/worker/channel.py; `deliver` must not raise). Its outputs stop after one that
-        finishes it or carries an error; `detach` stops it before. False, and nothing started,
-        for a resumed leg whose output is complete already (`generate` answers that one).
-        Raises what the request's checks and its start on the engine raise."""
-        add, over = self._request(req)
-        if over is not None:
-            return False
-        listen = self.mailbox.listener(asyncio.get_running_loop(), StepSink(deliver))
-        await self._on_engine(self._starter(req.request_id, add, listen))
-        return True
-
-    def detach(self, request_id: str) -> None:
-        """Stop a request started by `attach` (aborted on the engine if it has not finished)."""
-        self.loop.call(lambda e: self._drop(e, request_id))
-
-    def _starter(self, request_id: str, add: Any,
-                 listen: Callable[[Outputs], None]) -> Callable[[EngineCore], None]:
-        """What adds a request on the engine thread with its listener subscribed first."""
-        def start(engine: EngineCore) -> None:
-            self.loop.subscribe(request_id, listen)
-            try:
-                add(engine)
-            except BaseException:
-                self.loop.unsubscribe(request_id)
-                raise
-        return start
-
-    def _request(self, req: GenerateRequest) -> tuple[Callable[[EngineCore], None], str | None]:
-        """(what adds the request on the engine thread, the finish reason of a resumed leg
-        with nothing left to do or None), once its fields are checked (InvalidArgument)."""
         request_id, prompt, sampling = req.request_id, req.prompt_token_ids, req.sampling
         first_token, source = req.first_token_id, KVSource(req.kv_source)
         if source is not KVSource.COMPUTE and first_token is None:
@@ -356,8 +317,8 @@ class Worker:
         if resumed and (source is not KVSource.COMPUTE or first_token is not None):
             raise InvalidArgument("resume_output_ids needs kv_source none and no first_token_id")
         over = self.engine.finish_reason_of(sampling, resumed)
-        if over is not None:
-            return _nothing, over
+        if over is not None:  # the legs before this one produced the whole output
+            return self._already_over(request_id, over)
         self.engine.new_sequence(request_id, prompt, sampling, outputs=resumed)  # validate
 
         def add(engine: EngineCore) -> None:
@@ -379,7 +340,7 @@ class Worker:
                 engine.continue_with(seq, first_token)
             if seq.status is SeqStatus.FINISHED and source is KVSource.POOL:
                 self._drop_partial(request_id)  # done with the prefill's token: nobody reads it
-        return add, None
+        return self._follow(request_id, add, req.merge_steps)
 
     def load_tokenizer(self) -> asyncio.Future[ModelTokenizer]:
         """The model's tokenizer, loaded in a thread once (`ready_text`, as it starts)."""
@@ -470,7 +431,16 @@ class Worker:
         caller stops listening."""
         loop = asyncio.get_running_loop()
         outputs = StepQueue(loop)
-        await self._on_engine(self._starter(request_id, add, self.mailbox.listener(loop, outputs)))
+        listen = self.mailbox.listener(loop, outputs)
+
+        def start(engine: EngineCore) -> None:
+            self.loop.subscribe(request_id, listen)
+            try:
+                add(engine)
+            except BaseException:
+                self.loop.unsubscribe(request_id)
+                raise
+        await self._on_engine(start)
         finished = False
         silence = IdleTimeout()  # one timer for the whole stream, not one per step
         try:
@@ -484,7 +454,7 @@ class Worker:
                     outs = list(outs)  # the mailbox's list stays as it was
                     while not outputs.empty():
                         outs += outputs.get_nowait()
-                failed, finished = scan(outs)
+                failed, finished = _scan(outs)
                 if failed is not None:
                     if failed:
                         yield outs[:failed]
@@ -500,8 +470,15 @@ class Worker:
         engine.abort(request_id, "client went away")
 
 
-def _nothing(engine: EngineCore) -> None:
-    """Adds nothing (a resumed leg with nothing left to do)."""
+def _scan(outs: list[StepOutput]) -> tuple[int | None, bool]:
+    """(index of the first output with an error or None, whether one finishes the request):
+    one pass, once per request per step."""
+    finished = False
+    for i, out in enumerate(outs):
+        if out.error is not None:
+            return i, finished
+        finished = finished or out.finish_reason is not None
+    return None, finished
 
 
 def _load_report(engine: EngineCore) -> dict[str, Any]:
