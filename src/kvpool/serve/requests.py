@@ -89,8 +89,8 @@ def prepare(req: CompletionRequest | ChatRequest, kind: Kind, proxy: Proxy,
     jobs: list[ChoiceJob] = []
     for i, ids in enumerate(prompts):
         sampling = _sampling(req, ids, proxy.max_model_len, echo, tenant)
-        for j in range(req.n):
-            jobs.append(ChoiceJob(len(jobs), i, ids,
+        for j in range(req.n):  # the first choice keeps the request's seed, and its params
+            jobs.append(ChoiceJob(len(jobs), i, ids, sampling if j == 0 else
                                   replace(sampling, seed=choice_seed(req.seed, j))))
     return PreparedRequest(kind, new_id(kind, next(_ids)), prompts, jobs, req.stop_list,
                            req.stream, req.include_usage, echo, req.output_logprobs(),
