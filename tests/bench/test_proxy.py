@@ -271,11 +271,12 @@ def test_the_proxy_bench_runs_with_its_nginx_anchor() -> None:
         [sys.executable, "-m", "kvpool", "bench", "proxy", "--json", "--rounds", "2",
          "--streams", "8", "--requests", "24", "--concurrency", "1,4", "--stream-interval", "4",
          "--loads", "stream256,req16,json16", "--engines", "2",
-         "--worker-sse", "--proxy-processes", "2"],
+         "--worker-sse", "--proxy-processes", "2", "--py-relay"],
         capture_output=True, text=True, timeout=600, env=python_env())
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    relays = ["kvpool", "kvpool-wsse", "kvpool-p2", "direct", *(["nginx"] if find_nginx() else [])]
+    relays = ["kvpool", "kvpool-wsse", "kvpool-p2", "py-relay", "direct",
+              *(["nginx"] if find_nginx() else [])]
     assert sorted((r["relay"], r["load"], r["concurrency"]) for r in rows) == sorted(
         (relay, load, c) for relay in relays for load in ("req16", "stream256", "json16")
         for c in (1, 4))

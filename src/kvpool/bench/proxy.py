@@ -20,6 +20,10 @@ kvpool_proxy_decision_seconds histogram, read before and after each run. `--engi
 workers behind the relays (the proxy schedules among them, nginx takes turns; the direct way
 asks the first), for the scheduling cost per request at scale.
 
+With `--py-relay` a bare byte relay in Python on uvloop (kvpool.bench.loop_relay) stands in
+front of the worker too, relaying what nginx relays: the floor of a relay written in Python,
+so that what the proxy spends above it is seen to be its own work, not the interpreter's.
+
 Without nginx installed the bench says so and prints kvpool's figures (and direct's) alone.
 """
 
@@ -40,6 +44,7 @@ from typing import Any
 import httpx
 
 from kvpool.bench.http_load import Load, drive
+from kvpool.bench.loop_relay import running_loop_relay
 from kvpool.bench.nginx import INSTALL_HINT, find_nginx, running_nginx
 from kvpool.bench.proc_cpu import CpuMeter, child_pids
 from kvpool.bench.proxy_rows import DECISION_METRIC, DIRECT, Buckets, Tally, bucket_delta, fmt, rows
@@ -53,6 +58,8 @@ LOADS = {"stream256": (256, True), "req16": (16, True), "json16": (16, False),
          "json256": (256, False)}
 """name -> (output tokens per request, streamed)."""
 DEFAULT_LOADS = "stream256,req16"
+PY_RELAY = "py-relay"
+"""The bare Python relay's row (`--py-relay`)."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -81,6 +88,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--proxy-processes", type=int, default=1, metavar="N",
                    help="also a proxy of N processes (kvpool proxy --workers N), in the same "
                    "rounds: relay kvpool-pN")
+    p.add_argument("--py-relay", action="store_true",
+                   help="also a bare byte relay in Python on uvloop in front of the worker "
+                   "(kvpool.bench.loop_relay: no parsing, a write per read), the floor of any "
+                   "relay written in Python: relay py-relay")
     p.add_argument("--no-nginx", action="store_true", help="without nginx's rows")
     p.add_argument("--baseline-src", type=Path, default=None, metavar="DIR",
                    help="also a proxy run from another kvpool's sources (DIR holds its kvpool "
@@ -132,7 +143,8 @@ def _main(args: argparse.Namespace) -> int:
         with tempfile.TemporaryDirectory(prefix="kvpool-bench-proxy-") as tmp, \
                 relays(Path(tmp), args.speed_up, exe, args.baseline_src,
                        args.stream_interval, args.worker_sse,
-                       args.proxy_processes, args.engines) as (relays_up, worker_pids):
+                       args.proxy_processes, args.engines,
+                       args.py_relay) as (relays_up, worker_pids):
             found = measure(relays_up, worker_pids, args)
     except (ValueError, KvpoolError, OSError) as exc:
         print(f"kvpool bench proxy: {exc}", flush=True)
@@ -200,7 +212,8 @@ def relays(tmp: Path, speed_up: float, nginx_exe: str | None,
            stream_interval: int = 1,
            worker_sse: bool = False,
            processes: int = 1,
-           engines: int = 1) -> Iterator[tuple[list[Relay], list[int]]]:
+           engines: int = 1,
+           py_relay: bool = False) -> Iterator[tuple[list[Relay], list[int]]]:
     """`engines` emulated workers, the proxy in front of them, nginx (with `nginx_exe`), the
     direct way (to the first worker) and a proxy from `baseline_src` (if given): the relays
     and the workers' pids; all stopped on exit."""
@@ -237,6 +250,9 @@ def relays(tmp: Path, speed_up: float, nginx_exe: str | None,
             ng = stack.enter_context(running_nginx(nginx_exe, tmp / "nginx",
                                                    [port for _, port in workers], HOST))
             out.append(Relay("nginx", ng.port, ng.pids, _generate(prompt_ids), _ndjson_tokens))
+        if py_relay:
+            port, pid = stack.enter_context(running_loop_relay(worker_port))
+            out.append(Relay(PY_RELAY, port, [pid], _generate(prompt_ids), _ndjson_tokens))
         out.append(Relay(DIRECT, worker_port, [], _generate(prompt_ids), _ndjson_tokens))
         yield out, [w.pid for w, _ in workers]
 
