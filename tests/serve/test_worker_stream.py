@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from kvpool.serve.worker_stream import StreamPool
+from kvpool.serve.worker_stream import PAUSE_BYTES, StreamPool
 from tests.serve.test_worker_client import read_request
 
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -83,4 +83,76 @@ def test_a_cancel_from_elsewhere_stays_a_cancel() -> None:
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
+    asyncio.run(go())
+
+
+@asynccontextmanager
+async def burst_server(lines: int, line_bytes: int, extra: bytes = b"") -> AsyncIterator[str]:
+    """Answers each POST with `lines` lines of `line_bytes` at once (one chunk each), then
+    `extra` a little after the reply's end (a server that talks out of turn)."""
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                await read_request(reader)
+                writer.write(HEAD)
+                for i in range(lines):
+                    line = (b'{"n":%d,"pad":"' % i).ljust(line_bytes - 3, b"x") + b'"}\n'
+                    writer.write(b"%x\r\n%s\r\n" % (len(line), line))
+                writer.write(b"0\r\n\r\n")
+                await writer.drain()
+                if extra:
+                    await asyncio.sleep(0.05)  # after the client has read the reply
+                    writer.write(extra)
+        except (ConnectionError, asyncio.IncompleteReadError, ValueError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+
+
+def test_a_reader_that_falls_behind_stops_the_socket_and_loses_nothing() -> None:
+    """4 MiB of lines sent at once to a reader that does not read for a while: the connection
+    stops reading past PAUSE_BYTES unread (the kernel's buffers hold the rest, and the sender
+    waits), and once read every line comes whole and in order; the connection then carries
+    the next call."""
+    async def go() -> None:
+        async with burst_server(4096, 1024) as url:
+            pool = StreamPool(5.0)
+            call = await pool.open(url, "/generate", {}, b"{}", 1.0, 5.0)
+            conn = call._conn
+            await asyncio.sleep(0.3)  # nobody reads: all of it would be in by now
+            assert call.reply.pending_bytes <= 2 * PAUSE_BYTES + 4096  # a read past the mark
+            seen: list[int] = []
+            while batch := await call.next_lines():
+                seen += [int(line[5:line.index(b",")]) for line in batch]
+            call.close()
+            assert seen == list(range(4096))
+            again = await pool.open(url, "/generate", {}, b"{}", 1.0, 5.0)
+            assert again._conn is conn  # read whole: kept alive
+            assert len(await again.read_all()) == 4096 * 1024
+            again.close()
+            pool.close()
+    asyncio.run(go())
+
+
+def test_a_server_that_talks_between_replies_loses_its_connection() -> None:
+    async def go() -> None:
+        async with burst_server(2, 64, extra=b"HTTP/1.1 200 OK\r\n\r\n") as url:
+            pool = StreamPool(5.0)
+            call = await pool.open(url, "/generate", {}, b"{}", 1.0, 5.0)
+            conn = call._conn
+            assert len(await call.read_all()) == 128
+            call.close()
+            await asyncio.sleep(0.1)  # the stray bytes arrive while it is idle
+            assert not conn.usable
+            again = await pool.open(url, "/generate", {}, b"{}", 1.0, 5.0)
+            assert again._conn is not conn
+            assert len(await again.read_all()) == 128
+            again.close()
+            pool.close()
     asyncio.run(go())

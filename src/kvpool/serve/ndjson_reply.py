@@ -48,6 +48,11 @@ class ReplyReader:
         self._parser = httptools.HttpResponseParser(self)
 
     @property
+    def pending_bytes(self) -> int:
+        """Body bytes fed that `lines()` has not returned yet."""
+        return len(self._body)
+
+    @property
     def keep_alive(self) -> bool:
         return self.done and self._keep
 

@@ -1,7 +1,8 @@
-"""Calls to workers over kept-alive HTTP/1.1 connections of the proxy's own (asyncio streams
-feeding `ndjson_reply.ReplyReader`), for the calls on the proxy's hot paths: /generate (whose
-lines the proxy reads per frame), /prefill, and the /load polls (16 workers polled through
-httpx took a fifth of the proxy's CPU). The rest (the challenge, aborts) stays on httpx.
+"""Calls to workers over kept-alive HTTP/1.1 connections of the proxy's own (an asyncio
+protocol feeding `ndjson_reply.ReplyReader` in the transport's own callback), for the calls on
+the proxy's hot paths: /generate (whose lines the proxy reads per frame), /prefill, and the
+/load polls (16 workers polled through httpx took a fifth of the proxy's CPU). The rest (the
+challenge, aborts) stays on httpx.
 
 Through httpx each streamed request checked every idle connection of the pool with a system
 call, and each line went through four nested async generators and a text decoder; the lean
@@ -36,23 +37,107 @@ import httpx
 from kvpool.idle_timeout import IdleTimeout
 from kvpool.serve.ndjson_reply import ReplyError, ReplyReader
 
-READ_BYTES = 1 << 16
+PAUSE_BYTES = 1 << 18
+"""Body bytes a connection holds unread (its lines not yet taken) before it stops reading the
+socket; it reads again when its reader asks for more."""
 
 
-class _Conn:
-    """One kept-alive connection; its reads share one timer (`IdleTimeout`): a stream is read
-    once per frame."""
+class _Conn(asyncio.Protocol):
+    """One kept-alive connection. What arrives goes into the reply being read (its
+    `ReplyReader`) in the transport's own callback, and the reading task is woken only while it
+    waits; its waits share one timer (`IdleTimeout`). Between replies nothing may arrive: a
+    server that talks out of turn has its connection closed."""
 
-    __slots__ = ("reader", "writer", "idle_since", "deadline")
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.reply: ReplyReader | None = None
+        """The reply being read (None between calls)."""
+        self.received = 0
+        """Bytes of the current reply received so far."""
+        self.failure: BaseException | None = None
+        """Why the connection cannot go on (a ReplyError for bytes that are not the reply, an
+        OSError for a connection lost), raised to the reader when it asks for more."""
+        self.ended = False
+        """The server ended its side (or the connection is lost)."""
         self.idle_since = 0.0
         self.deadline = IdleTimeout()
+        self._waiter: asyncio.Future[None] | None = None
+        self._paused = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self._loop = asyncio.get_running_loop()
+
+    def data_received(self, data: bytes) -> None:
+        reply = self.reply
+        if reply is None:
+            self._fail(ReplyError(f"data between replies: {data[:60]!r}"))
+            return
+        self.received += len(data)
+        if self.failure is None:
+            try:
+                reply.feed(data)
+            except ReplyError as exc:
+                self._fail(exc)
+                return
+        if reply.pending_bytes > PAUSE_BYTES and not self._paused:
+            self._paused = True
+            self.transport.pause_reading()  # type: ignore[union-attr]
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self.ended = True
+        self._wake()
+        return False  # the transport closes itself
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.ended = True
+        if exc is not None and self.failure is None:
+            self.failure = exc
+        self._wake()
+
+    def _fail(self, exc: BaseException) -> None:
+        self.failure = exc
+        if self.transport is not None:
+            self.transport.close()
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    @property
+    def usable(self) -> bool:
+        """Whether it may carry another request."""
+        return not self.ended and self.failure is None and self.transport is not None \
+            and not self.transport.is_closing()
+
+    async def more(self, read_s: float) -> None:
+        """Wait (up to `read_s`: TimeoutError) until something new has come for the reply:
+        bytes, or its end (then `end_of_input`: ReplyError if it was cut short). Raises why
+        the connection failed, if it did."""
+        reply = self.reply
+        assert reply is not None
+        if self._paused:
+            self._paused = False
+            self.transport.resume_reading()  # type: ignore[union-attr]
+        if self.failure is None and not self.ended:
+            waiter = self._waiter = self._loop.create_future()  # type: ignore[union-attr]
+            try:
+                await self.deadline.wait(waiter, read_s)
+            finally:
+                self._waiter = None
+        if self.failure is not None:
+            raise self.failure
+        if self.ended:
+            reply.end_of_input()
 
     def close(self) -> None:
         self.deadline.close()
-        self.writer.close()
+        if self.transport is not None:
+            self.transport.close()
 
 
 class StreamCall:
@@ -76,11 +161,11 @@ class StreamCall:
             lines = reply.lines()
             if lines or reply.done:
                 return lines
-            await _read_into(self._conn, reply, self._read_s)
+            await self._conn.more(self._read_s)
 
     async def read_all(self) -> bytes:
         while not self.reply.done:
-            await _read_into(self._conn, self.reply, self._read_s)
+            await self._conn.more(self._read_s)
         return self.reply.body()
 
     def close(self) -> None:
@@ -88,20 +173,10 @@ class StreamCall:
         if self._closed:
             return
         self._closed = True
-        if self.reply.keep_alive and not conn.reader.at_eof():
+        if self.reply.keep_alive and conn.usable:
             self._pool.put_back(self._key, conn)
         else:
             conn.close()
-
-
-async def _read_into(conn: _Conn, reply: ReplyReader, read_s: float) -> int:
-    """Read what has come (waiting up to `read_s`) into `reply`; the bytes read."""
-    data = await conn.deadline.wait(conn.reader.read(READ_BYTES), read_s)
-    if not data:
-        reply.end_of_input()
-        return 0
-    reply.feed(data)
-    return len(data)
 
 
 class StreamPool:
@@ -122,9 +197,10 @@ class StreamPool:
                 return await self._send(key, conn, data, read_s)
             except _Stale:  # closed by the server while idle: once more, on a new one
                 pass
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(*key), connect_s)
+        loop = asyncio.get_running_loop()
+        _, fresh = await asyncio.wait_for(loop.create_connection(_Conn, *key), connect_s)
         try:
-            return await self._send(key, _Conn(reader, writer), data, read_s)
+            return await self._send(key, fresh, data, read_s)
         except _Stale as exc:
             raise exc.cause from None
 
@@ -132,15 +208,15 @@ class StreamPool:
                     read_s: float) -> StreamCall:
         """Send `data` on `conn`, read the reply's head. _Stale when the connection failed
         before a byte of the reply came back."""
-        reply = ReplyReader()
-        received = 0
+        reply = conn.reply = ReplyReader()
+        conn.received = 0
         try:
-            conn.writer.write(data)
+            conn.transport.write(data)  # type: ignore[union-attr]
             while not reply.status:
-                received += await _read_into(conn, reply, read_s)
+                await conn.more(read_s)
         except (OSError, ReplyError) as exc:
             conn.close()
-            if received or isinstance(exc, TimeoutError):
+            if conn.received or isinstance(exc, TimeoutError):
                 raise
             raise _Stale(exc) from None
         except BaseException:
@@ -153,12 +229,13 @@ class StreamPool:
         now = self.now()
         while idle:
             conn = idle.pop()
-            if now - conn.idle_since < self.keepalive_s and not conn.reader.at_eof():
+            if now - conn.idle_since < self.keepalive_s and conn.usable:
                 return conn
             conn.close()
         return None
 
     def put_back(self, key: tuple[str, int], conn: _Conn) -> None:
+        conn.reply = None
         conn.idle_since = self.now()
         self._idle.setdefault(key, []).append(conn)
 
