@@ -21,11 +21,13 @@ from kvpool.bench.nginx import find_nginx, nginx_conf
 from kvpool.bench.proc_cpu import (
     TICKS_PER_S,
     CpuMeter,
+    WriteMeter,
     child_pids,
     cpu_s,
     per_unit,
     stat_ticks,
     thread_cpu_s,
+    write_calls,
 )
 from kvpool.bench.proxy import _completion_tokens, _loads, _ndjson_tokens, _sse_tokens, int_list
 from kvpool.bench.proxy_rows import (
@@ -116,6 +118,30 @@ def test_a_named_threads_cpu_is_metered_apart_from_its_process() -> None:
     finally:
         done.set()
         worker.join()
+
+
+def test_a_write_meter_counts_the_write_calls_a_process_makes() -> None:
+    """300 writes of a child (each a write() call on a pipe) are counted, at least, by its
+    meter; what it had written is kept once it has exited."""
+    child = subprocess.Popen([sys.executable, "-c", "import os, sys\nsys.stdin.readline()\n"
+                              "for _ in range(300): os.write(1, b'x')\nsys.stdin.read()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+    assert child.stdin is not None
+    meter = WriteMeter([child.pid])
+    meter.start()
+    before = write_calls(child.pid)
+    child.stdin.write(b"go\n")
+    child.stdin.flush()
+    deadline = time.monotonic() + 10
+    while write_calls(child.pid) - before < 300 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    counted = meter.seconds()
+    assert 300 <= counted < 400
+    child.stdin.close()
+    child.wait()
+    assert meter.seconds() == counted
+    with pytest.raises(OSError):
+        write_calls(child.pid)
 
 
 def test_per_unit() -> None:
@@ -217,11 +243,14 @@ def test_histogram_quantiles_interpolate_inside_the_bucket() -> None:
 def test_rows_carry_latency_added_over_direct_and_decisions() -> None:
     tallies = {("kvpool", "req16", 1): Tally(), ("direct", "req16", 1): Tally()}
     tallies["kvpool", "req16", 1].add(Load(4, 64, 0.02, (0.005, 0.005, 0.006, 0.010)), 0.008,
-                                      0.004, {1e-4: 3.0, 2e-4: 4.0, float("inf"): 4.0})
+                                      0.004, {1e-4: 3.0, 2e-4: 4.0, float("inf"): 4.0},
+                                      relay_writes=16)
     tallies["direct", "req16", 1].add(Load(4, 64, 0.016, (0.004,) * 4), 0.0, 0.004)
     out = {r["relay"]: r for r in rows(tallies, {"engines": 1})}
     k, d = out["kvpool"], out["direct"]
     assert (k["requests"], k["relay_ms_per_request"], k["req_per_relay_cpu_s"]) == (4, 2.0, 500)
+    assert (k["relay_writes_per_token"], k["relay_us_per_write"]) == (0.25, 500.0)
+    assert (d["relay_writes_per_token"], d["relay_us_per_write"]) == (0.0, 0.0)
     assert k["latency_p50_ms"] == 5.5 and d["latency_p50_ms"] == 4.0
     assert k["added_p50_ms"] == 1.5 and "added_p50_ms" not in d
     assert k["decision_p50_us"] == pytest.approx(66.7, abs=0.1)

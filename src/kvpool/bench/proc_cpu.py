@@ -5,10 +5,13 @@
                      so fields are counted after the last ')')
     /proc/PID/task/TID/children   the pids of its children (nginx's workers under its master)
     /proc/PID/task/TID/stat       the same fields for one thread (its comm: the OS thread name)
+    /proc/PID/io     "syscw: N": the write-family system calls it made (write, writev: a
+                     relay's writes to its sockets; send and sendmsg are not counted)
 
 `CpuMeter` sums the user + system seconds of a fixed set of processes between `start()` and
 `seconds()`. A process that has exited counts what it had used when last read. The resolution
-is one clock tick (10 ms at 100 Hz): measure stretches of at least a second.
+is one clock tick (10 ms at 100 Hz): measure stretches of at least a second. `WriteMeter`
+counts their write calls the same way.
 """
 
 from __future__ import annotations
@@ -55,6 +58,15 @@ def thread_cpu_s(pid: int, comm: str) -> float:
     return ticks / TICKS_PER_S
 
 
+def write_calls(pid: int) -> int:
+    """The write-family system calls process `pid` has made so far (/proc/PID/io `syscw`);
+    OSError if it is gone or the file cannot be read."""
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+        if line.startswith("syscw:"):
+            return int(line.split()[1])
+    raise OSError(f"/proc/{pid}/io has no syscw line")
+
+
 def child_pids(pid: int) -> list[int]:
     """The pids of the live children of `pid` (every thread's list); [] if it is gone."""
     out: list[int] = []
@@ -88,10 +100,13 @@ class CpuMeter:
         self._last = {p: 0.0 for p in self.pids}
         self._start = 0.0
 
+    def _value(self, pid: int) -> float:
+        return cpu_s(pid) if self.thread is None else thread_cpu_s(pid, self.thread)
+
     def _read(self) -> float:
         for p in self.pids:
             try:
-                self._last[p] = cpu_s(p) if self.thread is None else thread_cpu_s(p, self.thread)
+                self._last[p] = self._value(p)
             except OSError:  # exited: keep what it had used when last read
                 pass
         return sum(self._last.values())
@@ -102,3 +117,11 @@ class CpuMeter:
     def seconds(self) -> float:
         """CPU seconds used since `start()`."""
         return self._read() - self._start
+
+
+class WriteMeter(CpuMeter):
+    """The write calls `pids` make together between `start()` and `seconds()` (a count,
+    despite the name it shares with CpuMeter)."""
+
+    def _value(self, pid: int) -> float:
+        return float(write_calls(pid))

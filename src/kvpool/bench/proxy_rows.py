@@ -37,13 +37,18 @@ class Tally:
     worker_cpu_s: float = 0.0
     engine_cpu_s: float = 0.0
     """Of worker_cpu_s, the workers' engine threads' (the step a GPU would take over)."""
+    relay_writes: int = 0
+    """The relay processes' write calls (`proc_cpu.WriteMeter`): its writes to the client
+    and the worker."""
     latencies_s: list[float] = field(default_factory=list)
     decisions: Buckets | None = None
     """The decision histogram's counts over these runs (None: not read for this relay)."""
 
     def add(self, load: Load, relay_cpu_s: float, worker_cpu_s: float,
-            decisions: Buckets | None = None, engine_cpu_s: float = 0.0) -> None:
+            decisions: Buckets | None = None, engine_cpu_s: float = 0.0,
+            relay_writes: int = 0) -> None:
         self.engine_cpu_s += engine_cpu_s
+        self.relay_writes += relay_writes
         self.requests += load.requests
         self.tokens += load.units
         self.wall_s += load.wall_s
@@ -100,6 +105,8 @@ def rows(tallies: dict[tuple[str, str, int], Tally],
             "relay_us_per_token": round(per_unit(t.relay_cpu_s, t.tokens, 1e6), 1),
             "relay_ms_per_request": round(per_unit(t.relay_cpu_s, t.requests, 1e3), 3),
             "req_per_relay_cpu_s": round(t.requests / t.relay_cpu_s) if t.relay_cpu_s else None,
+            "relay_writes_per_token": round(t.relay_writes / t.tokens, 3) if t.tokens else 0.0,
+            "relay_us_per_write": round(per_unit(t.relay_cpu_s, t.relay_writes, 1e6), 1),
             "worker_us_per_token": round(per_unit(t.worker_cpu_s, t.tokens, 1e6), 1),
             "worker_engine_us_per_token": round(per_unit(t.engine_cpu_s, t.tokens, 1e6), 1),
             "latency_p50_ms": round(pct(t.latencies_s, 50) * 1e3, 3),
@@ -162,6 +169,9 @@ def fmt(row: dict[str, Any]) -> str:
             f"{row['relay_ms_per_request']:7.3f} ms/request")
     if row.get("req_per_relay_cpu_s"):
         line += f" ({row['req_per_relay_cpu_s']} req/CPU-s)"
+    if row.get("relay_writes_per_token"):
+        line += (f" {row['relay_writes_per_token']:.2f} writes/token "
+                 f"{row['relay_us_per_write']:.1f} us/write")
     line += worker_text(row)
     if row.get("decision_p50_us") is not None:
         line += f"  decision p50/p99 {row['decision_p50_us']}/{row['decision_p99_us']} us"
