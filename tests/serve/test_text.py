@@ -92,6 +92,38 @@ def test_a_chunk_gives_the_text_its_tokens_give_one_by_one() -> None:
         assert many.flush() == one.flush() and many.text == one.text
 
 
+BYTES = {0: b"Hel", 1: b"lo", 2: b" wor", 3: b"ld", 4: b"!", 5: b"\xc3", 6: b"\xa9", 7: b"EN",
+         8: b"D", 9: b""}
+"""A byte-level table: 5 then 6 is "é", 9 a skipped special token."""
+
+
+def _byte_decode(ids: Sequence[int]) -> str:
+    return b"".join(BYTES[i] for i in ids).decode("utf-8", "replace")
+
+
+def test_a_byte_level_chunk_with_stop_strings_gives_what_its_tokens_give_one_by_one() -> None:
+    """With stop strings and a byte table, a chunk in which no stop string can end goes
+    whole (one decode): push_many still equals a push of each token in turn, joined, for
+    random chunkings, stop strings that end inside a chunk, across chunks, inside a
+    two-byte character ("é") and never."""
+    rng = random.Random(5)
+    stops = [("o w",), ("ld!", "é"), ("EN",), ("lo wor", "DD"), ("\u00e9l",), ("zz",)]
+    for _ in range(3000):
+        ids = [rng.randrange(len(BYTES)) for _ in range(rng.randint(1, 24))]
+        stop = rng.choice(stops)
+        one = TextStream(_byte_decode, stop, BYTES)
+        many = TextStream(_byte_decode, stop, BYTES)
+        singles = feed(one, ids)
+        deltas, at = [], 0
+        while at < len(ids) and not many.stopped:
+            n = rng.randint(1, 7)
+            deltas.append(many.push_many(ids[at:at + n]).text)
+            at += n
+        assert "".join(deltas) == "".join(singles[:one.num_tokens]), (ids, stop)
+        assert (many.stopped, many.num_tokens) == (one.stopped, one.num_tokens), (ids, stop)
+        assert many.flush() == one.flush() and many.text == one.text, (ids, stop)
+
+
 def test_a_piece_after_tokens_that_decode_to_nothing_keeps_its_space(tmp_path: Path) -> None:
     """A SentencePiece-style decoder (metaspace, byte fallback, strip of the first space), its
     byte tokens special here so that many pieces decode to nothing: the streamed text is the

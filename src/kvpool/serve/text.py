@@ -43,6 +43,8 @@ class TextStream:
         """With `pieces`: the bytes of each token of `_ids` (those after the last piece)."""
         self._stop = [s for s in stop if s]
         self._longest = max((len(s) for s in self._stop), default=0)
+        self._starts = {s[:n] for s in self._stop for n in range(1, len(s) + 1)}
+        """Every beginning of a stop string (`_held`)."""
         self._ids: list[int] = []
         """The output's ids as decoded: without the tokens of pieces that decoded to nothing
         (skipped special tokens, `_advance`)."""
@@ -87,7 +89,7 @@ class TextStream:
         a stop string ends the request at the token that completes it)."""
         if len(token_ids) == 1:
             return self.push(token_ids[0])
-        if not self._stop and not self.stopped:
+        if not self.stopped and (not self._stop or self._stop_cannot_end(token_ids)):
             return self._push_whole(token_ids)
         texts = []
         for tok in token_ids:
@@ -98,10 +100,11 @@ class TextStream:
         return TextDelta("".join(texts), self.stopped)
 
     def _push_whole(self, token_ids: Sequence[int]) -> TextDelta:
-        """`push_many` without stop strings: the text up to the chunk's last token after which
-        it decodes to whole characters (a decode for the chunk, and one more for each token
-        of an unfinished character at its end, instead of two per token); the tokens after it
-        wait, as `push` leaves them."""
+        """`push_many` of a chunk in which no stop string can end: the text up to the chunk's
+        last token after which it decodes to whole characters (a decode for the chunk, and one
+        more for each token of an unfinished character at its end, instead of two per token);
+        the tokens after it wait, as `push` leaves them, and so does the tail that may begin a
+        stop string."""
         self._count += len(token_ids)
         self._append(token_ids)
         for rest in range(len(token_ids)):  # the chunk's last `rest` tokens wait
@@ -109,7 +112,27 @@ class TextStream:
             if not piece.endswith(_PARTIAL):
                 self._advance(piece, rest)
                 break
-        return self._emit(self._full, len(self._full))
+        full = self._full
+        if not self._stop:
+            return self._emit(full, len(full))
+        return self._emit(full, max(len(full) - self._held(full), self._emitted))
+
+    def _stop_cannot_end(self, token_ids: Sequence[int]) -> bool:
+        """Whether no stop string can end inside this chunk, so that it can go whole: with a
+        byte-level tokenizer, none is in the text it may make after what was emitted (its
+        tokens' bytes, with those still waiting, read as UTF-8: more text than the chunk can
+        make, never less, so a stop string it ends is always seen; one seen falls back to a
+        token at a time, which finds the token that ends it)."""
+        pieces = self._pieces
+        if pieces is None:
+            return False
+        try:
+            new = b"".join([*self._parts, *(pieces[i] for i in token_ids)])
+        except KeyError:
+            return False
+        text = self._full[max(0, self._emitted - self._longest + 1):] + \
+            new.decode("utf-8", "replace")
+        return not any(s in text for s in self._stop)
 
     def flush(self) -> str:
         """The held-back tail, once the output has ended without a stop string."""
@@ -176,7 +199,9 @@ class TextStream:
         return min(hits) if hits else None
 
     def _held(self, full: str) -> int:
+        """The length of the longest tail of `full` that begins a stop string."""
+        starts = self._starts
         for n in range(min(len(full), self._longest), 0, -1):
-            if any(s.startswith(full[-n:]) for s in self._stop):
+            if full[-n:] in starts:
                 return n
         return 0
