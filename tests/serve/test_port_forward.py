@@ -11,41 +11,14 @@ from collections.abc import Iterator
 import pytest
 
 from kvpool.serve.port_forward import PortForward
+from tests.support.net import ask, serving_upper
 
 
 @pytest.fixture
 def upper_server() -> Iterator[tuple[str, int]]:
     """Reads a connection to its end, answers the bytes upper-cased, closes."""
-    listener = socket.create_server(("127.0.0.1", 0))
-
-    def serve(conn: socket.socket) -> None:
-        with conn:
-            got = b""
-            while data := conn.recv(65536):
-                got += data
-            conn.sendall(got.upper())
-
-    def accept() -> None:
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=serve, args=(conn,), daemon=True).start()
-
-    threading.Thread(target=accept, daemon=True).start()
-    yield listener.getsockname()
-    listener.close()
-
-
-def ask(port: int, payload: bytes) -> bytes:
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-        s.sendall(payload)
-        s.shutdown(socket.SHUT_WR)
-        out = b""
-        while data := s.recv(65536):
-            out += data
-        return out
+    with serving_upper() as address:
+        yield address
 
 
 def test_bytes_go_both_ways_with_the_half_close(upper_server: tuple[str, int]) -> None:

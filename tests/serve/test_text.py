@@ -80,16 +80,22 @@ def test_a_chunk_gives_the_text_its_tokens_give_one_by_one() -> None:
     for _ in range(400):
         ids = [rng.randrange(len(PIECES)) for _ in range(rng.randint(1, 14))]
         stop = rng.choice([(), ("o w",), ("ld!", "é"), ("EN",)])
-        one, many = TextStream(decode, stop), TextStream(decode, stop)
-        singles = feed(one, ids)
-        deltas, at = [], 0
-        while at < len(ids) and not many.stopped:
-            n = rng.randint(1, 4)
-            deltas.append(many.push_many(ids[at:at + n]).text)
-            at += n
-        assert "".join(deltas) == "".join(singles[:one.num_tokens])
-        assert (many.stopped, many.num_tokens) == (one.stopped, one.num_tokens)
-        assert many.flush() == one.flush() and many.text == one.text
+        _chunks_as_singles(TextStream(decode, stop), TextStream(decode, stop), ids, rng, 4)
+
+
+def _chunks_as_singles(one: TextStream, many: TextStream, ids: list[int], rng: random.Random,
+                       most: int) -> None:
+    """`many` fed `ids` in random chunks of up to `most` equals `one` fed them one by one:
+    the text, the stop, the count and the tail."""
+    singles = feed(one, ids)
+    deltas, at = [], 0
+    while at < len(ids) and not many.stopped:
+        n = rng.randint(1, most)
+        deltas.append(many.push_many(ids[at:at + n]).text)
+        at += n
+    assert "".join(deltas) == "".join(singles[:one.num_tokens]), ids
+    assert (many.stopped, many.num_tokens) == (one.stopped, one.num_tokens), ids
+    assert many.flush() == one.flush() and many.text == one.text, ids
 
 
 BYTES = {0: b"Hel", 1: b"lo", 2: b" wor", 3: b"ld", 4: b"!", 5: b"\xc3", 6: b"\xa9", 7: b"EN",
@@ -111,17 +117,8 @@ def test_a_byte_level_chunk_with_stop_strings_gives_what_its_tokens_give_one_by_
     for _ in range(3000):
         ids = [rng.randrange(len(BYTES)) for _ in range(rng.randint(1, 24))]
         stop = rng.choice(stops)
-        one = TextStream(_byte_decode, stop, BYTES)
-        many = TextStream(_byte_decode, stop, BYTES)
-        singles = feed(one, ids)
-        deltas, at = [], 0
-        while at < len(ids) and not many.stopped:
-            n = rng.randint(1, 7)
-            deltas.append(many.push_many(ids[at:at + n]).text)
-            at += n
-        assert "".join(deltas) == "".join(singles[:one.num_tokens]), (ids, stop)
-        assert (many.stopped, many.num_tokens) == (one.stopped, one.num_tokens), (ids, stop)
-        assert many.flush() == one.flush() and many.text == one.text, (ids, stop)
+        _chunks_as_singles(TextStream(_byte_decode, stop, BYTES),
+                           TextStream(_byte_decode, stop, BYTES), ids, rng, 7)
 
 
 def test_a_piece_after_tokens_that_decode_to_nothing_keeps_its_space(tmp_path: Path) -> None:

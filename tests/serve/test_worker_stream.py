@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import pytest
@@ -15,6 +15,17 @@ from kvpool.serve.worker_stream import PAUSE_BYTES, StreamPool
 from tests.serve.test_worker_client import read_request
 
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+@asynccontextmanager
+async def _serving(serve: Callable[[asyncio.StreamReader, asyncio.StreamWriter],
+                                   Awaitable[None]]) -> AsyncIterator[str]:
+    """`serve` on a port of its own: its base URL."""
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
 
 
 @asynccontextmanager
@@ -37,11 +48,8 @@ async def paced_server(gaps_s: list[float]) -> AsyncIterator[str]:
         finally:
             writer.close()
 
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    finally:
-        server.close()
+    async with _serving(serve) as url:
+        yield url
 
 
 async def _lines(url: str, read_s: float) -> list[bytes]:
@@ -108,11 +116,8 @@ async def burst_server(lines: int, line_bytes: int, extra: bytes = b"") -> Async
         finally:
             writer.close()
 
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
-    finally:
-        server.close()
+    async with _serving(serve) as url:
+        yield url
 
 
 def test_a_reader_that_falls_behind_stops_the_socket_and_loses_nothing() -> None:
