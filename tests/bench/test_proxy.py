@@ -135,11 +135,11 @@ def test_a_write_meter_counts_the_write_calls_a_process_makes() -> None:
     deadline = time.monotonic() + 10
     while write_calls(child.pid) - before < 300 and time.monotonic() < deadline:
         time.sleep(0.02)
-    counted = meter.seconds()
+    counted = meter.calls()
     assert 300 <= counted < 400
     child.stdin.close()
     child.wait()
-    assert meter.seconds() == counted
+    assert meter.calls() == counted
     with pytest.raises(OSError):
         write_calls(child.pid)
 

@@ -16,16 +16,14 @@ import asyncio
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import uvloop
 
-from kvpool.errors import KvpoolError
 from kvpool.launch.children import die_with_parent, stop
 from kvpool.launch.ports import free_port
-from kvpool.launch.wait import accepts
+from kvpool.launch.wait import wait_port
 
 HOST = "127.0.0.1"
 
@@ -116,20 +114,13 @@ async def serve(port: int, upstream: tuple[str, int]) -> None:
 
 @contextmanager
 def running_loop_relay(upstream_port: int) -> Iterator[tuple[int, int]]:
-    """A relay (a child process) to `HOST:upstream_port`: (its port, its pid) once it listens;
-    stopped on exit."""
+    """A relay (a child process) to `HOST:upstream_port`: (its port, its pid) once it listens
+    (KvpoolError if it exits first, TimeoutError after 10 s); stopped on exit."""
     port = free_port(HOST)
     proc = subprocess.Popen([sys.executable, "-m", __name__, str(port), HOST, str(upstream_port)],
                             stdout=subprocess.DEVNULL, preexec_fn=die_with_parent(os.getpid()))
     try:
-        for _ in range(200):
-            if proc.poll() is not None:
-                raise KvpoolError(f"the Python relay exited with code {proc.returncode}")
-            if accepts(port, HOST):
-                break
-            time.sleep(0.05)
-        else:
-            raise KvpoolError(f"the Python relay did not listen on {HOST}:{port} within 10 s")
+        wait_port(port, HOST, 10.0, procs=[proc])  # KvpoolError if it exits first
         yield port, proc.pid
     finally:
         stop(proc, timeout_s=5.0, sig=15)

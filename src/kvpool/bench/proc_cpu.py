@@ -120,8 +120,11 @@ class CpuMeter:
 
 
 class WriteMeter(CpuMeter):
-    """The write calls `pids` make together between `start()` and `seconds()` (a count,
-    despite the name it shares with CpuMeter)."""
+    """The write calls `pids` make together between `start()` and `calls()`."""
 
     def _value(self, pid: int) -> float:
         return float(write_calls(pid))
+
+    def calls(self) -> int:
+        """Write calls made since `start()`."""
+        return round(self.seconds())

@@ -179,8 +179,7 @@ def _run(r: Relay, num: int, concurrency: int, max_tokens: int, stream: bool,
     """(the load's figures, the relay's CPU, the workers', the decisions, the workers' engine
     threads', the relay's write calls)."""
     before = _decisions(r.metrics_url)
-    relay = CpuMeter(r.pids) if r.pids else None
-    writes = WriteMeter(r.pids) if r.pids else None
+    relay, writes = (CpuMeter(r.pids), WriteMeter(r.pids)) if r.pids else (None, None)
     worker, engine = CpuMeter(worker_pids), CpuMeter(worker_pids, ENGINE_THREAD)
     if relay and writes:
         relay.start()
@@ -190,7 +189,7 @@ def _run(r: Relay, num: int, concurrency: int, max_tokens: int, stream: bool,
     load = asyncio.run(drive(HOST, r.port, lambda i: r.make(i, max_tokens, stream),
                              lambda body: r.check(body, max_tokens, stream), num, concurrency))
     relay_s, worker_s = relay.seconds() if relay else 0.0, worker.seconds()
-    engine_s, written = engine.seconds(), int(writes.seconds()) if writes else 0
+    engine_s, written = engine.seconds(), writes.calls() if writes else 0
     after = _decisions(r.metrics_url)
     return load, relay_s, worker_s, \
         bucket_delta(before, after) if before is not None and after is not None else None, \

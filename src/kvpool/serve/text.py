@@ -79,8 +79,7 @@ class TextStream:
         if hit is not None:
             self.stopped = True
             return self._emit(full, hit)
-        end = len(full) - self._held(full)
-        return self._emit(full, max(end, self._emitted))
+        return self._emit_unheld(full)
 
     def push_many(self, token_ids: Sequence[int]) -> TextDelta:
         """Add a chunk of output tokens: the text they add, as `push` of each in turn would
@@ -113,9 +112,7 @@ class TextStream:
                 self._advance(piece, rest)
                 break
         full = self._full
-        if not self._stop:
-            return self._emit(full, len(full))
-        return self._emit(full, max(len(full) - self._held(full), self._emitted))
+        return self._emit_unheld(full) if self._stop else self._emit(full, len(full))
 
     def _stop_cannot_end(self, token_ids: Sequence[int]) -> bool:
         """Whether no stop string can end inside this chunk, so that it can go whole: with a
@@ -130,8 +127,7 @@ class TextStream:
             new = b"".join([*self._parts, *(pieces[i] for i in token_ids)])
         except KeyError:
             return False
-        text = self._full[max(0, self._emitted - self._longest + 1):] + \
-            new.decode("utf-8", "replace")
+        text = self._full[self._search_from:] + new.decode("utf-8", "replace")
         return not any(s in text for s in self._stop)
 
     def flush(self) -> str:
@@ -193,8 +189,17 @@ class TextStream:
         self.text += piece
         return TextDelta(piece, self.stopped)
 
+    def _emit_unheld(self, full: str) -> TextDelta:
+        """`full` emitted but for its tail that may begin a stop string."""
+        return self._emit(full, max(len(full) - self._held(full), self._emitted))
+
+    @property
+    def _search_from(self) -> int:
+        """Where a stop string completed by new text may begin: none is in what was emitted."""
+        return max(0, self._emitted - self._longest + 1)
+
     def _find_stop(self, full: str) -> int | None:
-        start = max(0, self._emitted - self._longest + 1)
+        start = self._search_from
         hits = [i for i in (full.find(s, start) for s in self._stop) if i >= 0]
         return min(hits) if hits else None
 
