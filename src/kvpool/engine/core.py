@@ -168,22 +168,28 @@ class EngineCore:
 
     def postprocess(self, batch: ScheduledBatch,
                     sampled: dict[Sequence, Sampled]) -> list[StepOutput]:
+        """Advance each sequence of the batch by what it computed; append and report each
+        sampled token (with the request's figures on its first output, its prompt logprobs
+        once); finish what stops. Once per token of every step: written for speed (fields
+        and lengths read directly, not through properties)."""
         outputs, self._finished = self._finished, []
         now = self.step_end_s()
         bs = self.blocks.block_size
         for seq, n in batch:
-            seq.num_computed_tokens += n
-            if seq.num_computed_tokens // bs > seq.num_committed_blocks:  # a block filled
+            computed = seq.num_computed_tokens = seq.num_computed_tokens + n
+            if computed // bs > seq.num_committed_blocks:  # a block filled
                 self.blocks.commit(seq)
             choice = sampled.get(seq)
             if choice is None:
                 continue
             token = choice.token_id
             seq.append(token)
-            outputs.append(StepOutput(seq.request_id, token, time_s=now, logprob=choice.logprob,
-                                      prompt_logprobs=self._take_prompt_logprobs(seq),
-                                      stats=self.stats(seq) if seq.num_output_tokens == 1
-                                      else {}))
+            out = StepOutput(seq.request_id, token, time_s=now, logprob=choice.logprob)
+            if len(seq.token_ids) - seq.num_prompt_tokens == 1:
+                out.stats = self.stats(seq)
+            if seq.sampling.prompt_logprobs is not None:
+                out.prompt_logprobs = self._take_prompt_logprobs(seq)
+            outputs.append(out)
             reason = self._stop_reason(seq)
             if reason is not None:
                 self._finish(seq, reason)
@@ -207,9 +213,10 @@ class EngineCore:
 
     def _stop_reason(self, seq: Sequence) -> str | None:
         """Why `seq` ends after the token just appended, or None."""
-        count = seq.num_output_tokens
-        reason = self._reason(seq.sampling, seq.token_ids[-1], count) if count else None
-        if reason is None and (seq.prefill_only or len(seq) >= self.config.max_model_len):
+        ids = seq.token_ids
+        count = len(ids) - seq.num_prompt_tokens
+        reason = self._reason(seq.sampling, ids[-1], count) if count else None
+        if reason is None and (seq.prefill_only or len(ids) >= self.config.max_model_len):
             return "length"
         return reason
 

@@ -50,11 +50,14 @@ class Scheduler:
         budget = self.config.max_prefill_chunk
         batch: ScheduledBatch = []
         prompts = 0
+        room = self.blocks.block_size
         for seq in list(self.running):
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted while making room for an earlier one
-            if seq.num_uncomputed == 1:
-                if self._make_room(seq):
+            length = len(seq.token_ids)
+            if length - seq.num_computed_tokens == 1:  # a decode
+                # its last block has room (most steps), else _make_room's work
+                if length <= len(seq.block_table) * room or self._make_room(seq):
                     batch.append((seq, 1))
             elif budget > 0 and self._prompt_room(prompts):
                 n = min(seq.num_uncomputed, budget)

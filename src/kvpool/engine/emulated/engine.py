@@ -128,7 +128,7 @@ class EmulatedEngine(EngineCore):
         num_decodes = context = longest = joins = 0
         for seq, n in batch:
             start = seq.num_computed_tokens
-            if n == 1 and start == len(seq) - 1 and start >= seq.num_prompt_tokens:
+            if n == 1 and start == len(seq.token_ids) - 1 and start >= seq.num_prompt_tokens:
                 num_decodes += 1
                 context += start
                 longest = max(longest, start)
@@ -188,10 +188,17 @@ class EmulatedEngine(EngineCore):
             self.connector.on_layer(layer)
             self._wait(t0 + wall * (layer + 1) / layers)
         self.connector.after_forward()
-        done = [(seq, n) for seq, n in batch if seq.num_computed_tokens + n == len(seq)]
-        tokens = kvbytes.next_tokens([self._digest(seq, n) for seq, n in done],
-                                     [seq.num_output_tokens for seq, _ in done], self.vocab)
-        return {seq: Sampled(token) for (seq, _), token in zip(done, tokens, strict=True)}
+        done: list[Sequence] = []
+        digests: list[int] = []
+        positions: list[int] = []
+        for seq, n in batch:  # each sequence whose last token was computed now samples
+            ids = seq.token_ids
+            if seq.num_computed_tokens + n == len(ids):
+                done.append(seq)
+                digests.append(self._digest(seq, n))
+                positions.append(len(ids) - seq.num_prompt_tokens)
+        tokens = kvbytes.next_tokens(digests, positions, self.vocab)
+        return {seq: Sampled(token) for seq, token in zip(done, tokens, strict=True)}
 
     def new_sequence(self, request_id: str, prompt: list[int], sampling: SamplingParams,
                      outputs: Iterable[int] = (), **kw: Any) -> Sequence:
@@ -252,9 +259,10 @@ class EmulatedEngine(EngineCore):
         step's at once, `kvbytes.next_tokens`); read from the cache when the prompt (or its
         recomputation) completes, or when this engine first samples for the sequence (its
         prompt KV was loaded or pushed)."""
-        if n > 1 or seq.num_computed_tokens < seq.num_prompt_tokens or seq not in self._digests:
-            self._digests[seq] = self._prompt_digest(seq)
-        return self._digests[seq]
+        digest = self._digests.get(seq)
+        if digest is None or n > 1 or seq.num_computed_tokens < seq.num_prompt_tokens:
+            digest = self._digests[seq] = self._prompt_digest(seq)
+        return digest
 
     def _prompt_digest(self, seq: Sequence) -> int:
         bs, n = self.config.block_size, seq.num_prompt_tokens

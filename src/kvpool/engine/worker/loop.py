@@ -102,14 +102,21 @@ class EngineLoop:
     def _dispatch(self, outputs: list[StepOutput]) -> None:
         """Each request's outputs of the step, in order, to its listener in one call."""
         mine: dict[str, list[StepOutput]] = {}
-        for out in outputs:
-            mine.setdefault(out.request_id, []).append(out)
+        for out in outputs:  # once per token: no setdefault's list made for every output
+            outs = mine.get(out.request_id)
+            if outs is None:
+                mine[out.request_id] = [out]
+            else:
+                outs.append(out)
+        listeners = self._listeners
         for request_id, outs in mine.items():
-            listener = self._listeners.get(request_id)
+            listener = listeners.get(request_id)
             if listener is not None:
                 listener(outs)
-            if any(o.finish_reason is not None or o.error is not None for o in outs):
-                self._listeners.pop(request_id, None)
+            for o in outs:
+                if o.finish_reason is not None or o.error is not None:
+                    listeners.pop(request_id, None)
+                    break
         if self._on_step is not None:
             self._on_step()
 
