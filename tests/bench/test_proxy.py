@@ -91,11 +91,12 @@ def test_a_meter_keeps_what_an_exited_process_had_used() -> None:
 def test_a_named_threads_cpu_is_metered_apart_from_its_process() -> None:
     """The OS name a thread gives itself (the worker's engine thread does) is what /proc
     shows, and a meter of that name counts that thread's work and not the others'."""
-    ready, done = threading.Event(), threading.Event()
+    ready, go, done = threading.Event(), threading.Event(), threading.Event()
 
     def named() -> None:
         name_os_thread("kvpool-test-burn")
         ready.set()
+        go.wait()  # all of its work after the meters start (it holds the GIL while it works)
         end = time.thread_time() + 0.3
         while time.thread_time() < end:
             pass
@@ -108,6 +109,7 @@ def test_a_named_threads_cpu_is_metered_apart_from_its_process() -> None:
         meter, whole = CpuMeter([os.getpid()], "kvpool-test-burn"), CpuMeter([os.getpid()])
         meter.start()
         whole.start()
+        go.set()
         end = time.thread_time() + 0.2  # this thread works too, uncounted by the named meter
         while time.thread_time() < end:
             pass
