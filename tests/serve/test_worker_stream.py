@@ -52,8 +52,11 @@ async def paced_server(gaps_s: list[float]) -> AsyncIterator[str]:
         yield url
 
 
-async def _lines(url: str, read_s: float) -> list[bytes]:
+async def _lines(url: str, read_s: float,
+                 on_lines: Callable[[], None] | None = None) -> list[bytes]:
     pool = StreamPool(5.0)
+    if on_lines is not None:
+        pool.on_lines = on_lines
     call = await pool.open(url, "/generate", {}, b"{}", 1.0, read_s)
     try:
         out: list[bytes] = []
@@ -71,6 +74,18 @@ def test_a_stream_whose_frames_keep_coming_is_never_cut() -> None:
         async with paced_server([0.05] * 20) as url:
             assert len(await _lines(url, 0.3)) == 20
     asyncio.run(go())
+
+
+def test_the_pool_is_told_as_a_streamed_replys_lines_are_taken() -> None:
+    """`on_lines` (the proxy's loop poller) is called each time lines are taken: once per
+    frame sent apart from the others, and once at the end."""
+    taken: list[float] = []
+
+    async def go() -> None:
+        async with paced_server([0.02] * 5) as url:
+            assert len(await _lines(url, 1.0, lambda: taken.append(time.monotonic()))) == 5
+    asyncio.run(go())
+    assert len(taken) == 6
 
 
 def test_a_read_that_waits_past_its_limit_is_a_timeout() -> None:

@@ -32,6 +32,7 @@ from kvpool.engine.gguf_checkpoint import served_name
 from kvpool.engine.worker.messages import SseSpec
 from kvpool.errors import WorkerCallError
 from kvpool.log import get_logger
+from kvpool.loop_poll import LoopPoller
 from kvpool.metadata.http_front import EventStream
 from kvpool.metadata.http_serving import BodyTooLarge, bearer_matches, read_body
 from kvpool.serve import access
@@ -71,6 +72,10 @@ from kvpool.serve.tokenize import detokenize, tokenize
 from kvpool.serve.tokenizer import ModelTokenizer
 
 log = get_logger("serve.app")
+LOOP_POLL_MAX_IN_FLIGHT = 4
+"""The loop polls (config.loop_poll_us) only while at most this many requests are in flight:
+with more, their events keep it awake, and polling through the short gaps between them cost
+CPU per relayed token (docs/serve.md, "Polling the loop")."""
 M = TypeVar("M", bound=BaseModel)
 BODY_DEADLINE_S = 30.0
 """A request body must be in within this long of its head (a 408 after)."""
@@ -96,6 +101,9 @@ class Proxy:
                                      self.metrics)
         self.metrics.watch_cost(self.dispatcher.cost_in_use)
         self.poller = Poller(self.cluster, self.client, config.poll_interval_s)
+        self.loop_poll = LoopPoller(config.loop_poll_us,
+                                    lambda: self.cluster.num_booked > LOOP_POLL_MAX_IN_FLIGHT)
+        self.client.streams.on_lines = self.loop_poll.kick
         self.peers = (PeerLink.attach(self.cluster, Path(config.peer_dir), config.peer_index,
                                       config.num_peers, self.clock)
                       if config.peer_dir else None)
@@ -105,6 +113,7 @@ class Proxy:
         c = self.config
         for url in (*c.prefill_urls, *c.decode_urls, *c.colocated_urls):
             self.poller.watch(url)
+        self.loop_poll.start()
         if self.peers is not None:
             self.peers.start()
         try:
@@ -112,6 +121,7 @@ class Proxy:
         finally:
             if self.peers is not None:
                 await self.peers.stop()
+            await self.loop_poll.stop()
             await self.poller.stop()
             await self.client.aclose()
 
@@ -121,6 +131,7 @@ class Proxy:
         return min(self.cluster.max_model_len or self.context_len, self.context_len)
 
     async def serve(self, request: Request, kind: str) -> Response:
+        self.loop_poll.kick()
         arrival_s, received_t = time.perf_counter(), time.monotonic()
         endpoint = "completions" if kind == "completion" else "chat"
         acc = Access("POST", request.scope["path"], arrival_s)  # request.url: a URL object, 6 us

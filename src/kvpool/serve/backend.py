@@ -34,6 +34,7 @@ from kvpool.engine.worker.messages import (
     PrefillReply,
     PrefillRequest,
 )
+from kvpool.serve.worker_stream import StreamPool
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +73,8 @@ class EngineBackend(Protocol):
 
     name: str
     features: BackendFeatures
+    streams: StreamPool
+    """The kept-alive connections of its calls on the hot paths (serve/worker_stream.py)."""
 
     async def prove(self, url: str, timeout_s: float) -> None:
         """Make sure the instance at `url` may be sent requests (kvpool: it proves it holds the

@@ -141,6 +141,8 @@ class LiveCluster:
         self.view = ClusterView([], [], PrefixIndex())
         self.sink: BookingSink | None = None
         """Told of every booking event of this process's own (`--workers N`)."""
+        self.num_booked = 0
+        """This process's own bookings not yet finished (requests in flight here)."""
         self._prefill: list[WorkerState] = []
         self._decode: list[WorkerState] = []
 
@@ -275,8 +277,10 @@ class LiveCluster:
         self.view.record_accept(req, decision, now)
         b = Booking(req, p, d, p.prefill_load, d.decode_load, decision, alone,
                     p.prefill_load.busy_until_s, p.shift_s, remote=remote)
-        if self.sink is not None and not remote:
-            self.sink.booked(b)
+        if not remote:
+            self.num_booked += 1
+            if self.sink is not None:
+                self.sink.booked(b)
         return b
 
     def _in_view(self, b: Booking, prefill: bool) -> bool:
@@ -313,8 +317,10 @@ class LiveCluster:
             return
         self.prefill_done(b, now)
         b.finished = True
-        if self.sink is not None and not b.remote:
-            self.sink.finished(b)
+        if not b.remote:
+            self.num_booked -= 1
+            if self.sink is not None:
+                self.sink.finished(b)
         if self._in_view(b, prefill=False):
             self.view.record_decode_end(b.decode_load.instance_id, b.req, b.decode_started)
 

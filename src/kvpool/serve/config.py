@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvpool.busypoll import check_window_us
 from kvpool.engine.worker.messages import MAX_STREAM_INTERVAL
 from kvpool.errors import ConfigError
 from kvpool.metadata.http_serving import HttpLimits
@@ -105,6 +106,10 @@ class ProxyConfig:
     not named has it on its own host at vLLM's default port 8998."""
     poll_interval_s: float = 0.15
     """How often each worker's /load is read."""
+    loop_poll_us: int = 1000
+    """The event loop polls its sockets instead of sleeping until this long after the last
+    request or worker bytes came (kvpool.loop_poll: a sleeping loop pays for a wake-up per
+    event, most of what the proxy adds to a request at low load); 0 = it always sleeps."""
     dead_after_failures: int = 2
     """Refused polls in a row after which a worker leaves the rotation."""
     silent_dead_s: float = 10.0
@@ -164,6 +169,7 @@ class ProxyConfig:
                               f"got {self.kv_transfer!r}")
         if min(self.poll_interval_s, self.worker_timeout_s, self.silent_dead_s) <= 0:
             raise ConfigError("poll_interval_s, silent_dead_s and worker_timeout_s must be > 0")
+        check_window_us("loop_poll_us", self.loop_poll_us)
         if self.dead_after_failures < 1:
             raise ConfigError(f"dead_after_failures must be >= 1, got {self.dead_after_failures}")
         if not 0 <= self.port < 65536:

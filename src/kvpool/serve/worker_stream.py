@@ -160,6 +160,7 @@ class StreamCall:
         while True:
             lines = reply.lines()
             if lines or reply.done:
+                self._pool.on_lines()
                 return lines
             await self._conn.more(self._read_s)
 
@@ -185,6 +186,9 @@ class StreamPool:
     def __init__(self, keepalive_s: float, now: Callable[[], float] = time.monotonic) -> None:
         self.keepalive_s, self.now = keepalive_s, now
         self._idle: dict[tuple[str, int], list[_Conn]] = {}
+        self.on_lines: Callable[[], None] = _nothing
+        """Called as a streamed reply's lines are taken (`StreamCall.next_lines`): more are
+        expected soon (the proxy's loop poller; not for replies read whole, such as polls)."""
 
     async def open(self, url: str, path: str, headers: dict[str, str], body: bytes,
                    connect_s: float, read_s: float, method: str = "POST") -> StreamCall:
@@ -268,6 +272,10 @@ async def call_whole(pool: StreamPool, http: httpx.AsyncClient, url: str, path: 
     resp = await http.request(method, url + path, content=body or None, headers=headers,
                               timeout=read_s)
     return resp.status_code, resp.content
+
+
+def _nothing() -> None:
+    pass
 
 
 class _Stale(Exception):
