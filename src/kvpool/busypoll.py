@@ -63,9 +63,10 @@ class Crowd:
         self.pauses = 0
         """Times polling stood aside for a crowded machine."""
 
-    def seen(self, now: float) -> None:
-        """A wait lost its CPU to other work at `now`: no polling for CROWDED_PAUSE_S."""
-        self.resume_at = now + CROWDED_PAUSE_S
+    def seen(self, now: float, pause_s: float | None = None) -> None:
+        """A wait lost its CPU to other work at `now`: no polling for `pause_s` (default
+        CROWDED_PAUSE_S)."""
+        self.resume_at = now + (CROWDED_PAUSE_S if pause_s is None else pause_s)
         self.pauses += 1
 
 

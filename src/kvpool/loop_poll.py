@@ -14,18 +14,21 @@ worker's first reply) find the loop awake; after a longer silence the loop block
 so an idle proxy, or one waiting on slow engine steps, costs no more than a window per event.
 A stretch stands aside for a crowded machine (busypoll.CROWD): a turn that did not come back
 within busypoll.CROWDED_GAP_S (other processes held the CPU, or the loop itself was that busy,
-when polling gains nothing either) pauses every poller of the process for
-busypoll.CROWDED_PAUSE_S. And nothing polls while `busy()` (the proxy: more than a few
-requests in flight, whose events keep the loop awake anyway).
+when polling gains nothing either) pauses every poller of the process for CROWDED_PAUSE_S,
+shorter than the sockets' pause: a request at low load lasts milliseconds, and a quarter of a
+second would sit out dozens of them for one lost time slice (on this 2-core machine, where the
+proxy, its worker and the client share the cores, that cost most of the gain). And nothing
+polls while more than `max_in_flight` requests are in flight (`load.in_flight`), whose events
+keep the loop awake anyway.
 
 Mechanism: one task per loop. During a stretch it yields to the loop with `sleep(0)` (a
 callback is then ready, so the loop polls its sockets with no timeout and runs what came)
 and the CPU with sched_yield() between turns (a peer on the same CPU runs first); between
 stretches it waits for the next kick.
 
-    poller = LoopPoller(300)
-    poller.start()              # on the loop
-    poller.kick()               # on each event (cheap: a clock read, an event set now and then)
+    poller = LoopPoller(1000, cluster, 4)   # cluster.in_flight: requests in flight
+    poller.start()                          # on the loop
+    poller.kick()                           # on each event (a count, most of the time)
     await poller.stop()
 """
 
@@ -35,29 +38,38 @@ import asyncio
 import os
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 from kvpool import busypoll
 from kvpool.busypoll import check_window_us
 
 _yield = os.sched_yield
+CROWDED_PAUSE_S = 0.02
+"""How long a turn that lost the CPU stops the loop's polling (busypoll.CROWDED_PAUSE_S for
+the sockets' waits)."""
+
+
+class InFlight(Protocol):
+    in_flight: int
+    """Requests in flight (the proxy: its LiveCluster's own bookings not yet finished)."""
 
 
 class LoopPoller:
-    __slots__ = ("window_s", "stretches", "_busy", "_clock", "_last", "_wake", "_polling",
-                 "_task")
+    __slots__ = ("window_s", "max_in_flight", "stretches", "_load", "_clock", "_events",
+                 "_wake", "_polling", "_task")
 
-    def __init__(self, window_us: int, busy: Callable[[], bool] = lambda: False,
+    def __init__(self, window_us: int, load: InFlight, max_in_flight: int,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         check_window_us("the loop's poll window", window_us)
         self.window_s = window_us / 1e6
-        self._busy = busy
-        """True while the loop has so much in flight that its events keep it awake anyway:
-        no polling then (it would spin through gaps too short to be worth it, at a cost)."""
+        self.max_in_flight = max_in_flight
+        """With more requests in flight than this the loop does not poll: their events keep
+        it awake anyway, and it would spin through gaps too short to be worth their CPU."""
         self.stretches = 0
         """Stretches of polling so far."""
-        self._clock = clock
-        self._last = float("-inf")
-        """When the last event came (the clock's time)."""
+        self._load, self._clock = load, clock
+        self._events = 0
+        """Kicks so far: a stretch sees a new one at its next turn (kick reads no clock)."""
         self._wake: asyncio.Event | None = None
         self._polling = False
         self._task: asyncio.Task[None] | None = None
@@ -75,13 +87,14 @@ class LoopPoller:
             await asyncio.gather(task, return_exceptions=True)
 
     def kick(self) -> None:
-        """An event: keep the loop polling until a window after it."""
-        now = self._clock()
-        self._last = now
-        wake = self._wake
-        if wake is not None and not self._polling and now >= busypoll.CROWD.resume_at \
-                and not self._busy():
-            wake.set()
+        """An event: keep the loop polling until a window after it. Called per read of a
+        stream: a count while a stretch runs, two attribute reads while many requests are in
+        flight."""
+        self._events += 1
+        if self._polling or self._wake is None or self._load.in_flight > self.max_in_flight:
+            return
+        if self._clock() >= busypoll.CROWD.resume_at:
+            self._wake.set()
 
     async def _run(self) -> None:
         wake = self._wake
@@ -97,13 +110,17 @@ class LoopPoller:
                 self._polling = False
 
     async def _stretch(self) -> None:
-        clock, window, crowd, busy = self._clock, self.window_s, busypoll.CROWD, self._busy
-        turn = clock()
-        while turn - self._last <= window and turn >= crowd.resume_at and not busy():
+        clock, window, crowd, load = self._clock, self.window_s, busypoll.CROWD, self._load
+        turn = last = clock()
+        seen = self._events
+        while turn - last <= window and turn >= crowd.resume_at \
+                and load.in_flight <= self.max_in_flight:
             await asyncio.sleep(0)
             now = clock()
             if now - turn > busypoll.CROWDED_GAP_S:
-                crowd.seen(now)
+                crowd.seen(now, CROWDED_PAUSE_S)
                 return
             turn = now
+            if self._events != seen:  # kicked since the last turn: the window starts again
+                seen, last = self._events, now
             _yield()

@@ -110,7 +110,7 @@ def test_booking_follows_the_conductor_and_releases_once(cluster: LiveCluster) -
     assert decision.prefill.instance_id == 1 and decision.prefill.prefix_len == 8  # p2 holds 2
     b = cluster.book(req, decision, 0.0)
     assert b.prefill.url == P2 and b.decode.url == D1 and not b.colocated
-    assert cluster.num_booked == 1
+    assert cluster.in_flight == 1
     d = cluster.view.decode[0]
     assert (d.num_assigned, d.num_active, cluster.view.prefill[1].num_queued) == (1, 0, 1)
     cluster.prefill_done(b, 0.01)
@@ -120,11 +120,11 @@ def test_booking_follows_the_conductor_and_releases_once(cluster: LiveCluster) -
     cluster.finish(b, 0.02)
     cluster.finish(b, 0.03)
     assert (d.num_assigned, d.num_active, d.planned) == (0, 0, {})
-    assert cluster.num_booked == 0
+    assert cluster.in_flight == 0
     remote = cluster.book(req, decision, 0.1, remote=True)  # another process's: not in flight here
-    assert cluster.num_booked == 0
+    assert cluster.in_flight == 0
     cluster.finish(remote, 0.2)
-    assert cluster.num_booked == 0
+    assert cluster.in_flight == 0
     cluster.check_integrity()
 
 

@@ -101,8 +101,7 @@ class Proxy:
                                      self.metrics)
         self.metrics.watch_cost(self.dispatcher.cost_in_use)
         self.poller = Poller(self.cluster, self.client, config.poll_interval_s)
-        self.loop_poll = LoopPoller(config.loop_poll_us,
-                                    lambda: self.cluster.num_booked > LOOP_POLL_MAX_IN_FLIGHT)
+        self.loop_poll = LoopPoller(config.loop_poll_us, self.cluster, LOOP_POLL_MAX_IN_FLIGHT)
         self.client.streams.on_lines = self.loop_poll.kick
         self.peers = (PeerLink.attach(self.cluster, Path(config.peer_dir), config.peer_index,
                                       config.num_peers, self.clock)

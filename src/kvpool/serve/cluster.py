@@ -141,7 +141,7 @@ class LiveCluster:
         self.view = ClusterView([], [], PrefixIndex())
         self.sink: BookingSink | None = None
         """Told of every booking event of this process's own (`--workers N`)."""
-        self.num_booked = 0
+        self.in_flight = 0
         """This process's own bookings not yet finished (requests in flight here)."""
         self._prefill: list[WorkerState] = []
         self._decode: list[WorkerState] = []
@@ -278,7 +278,7 @@ class LiveCluster:
         b = Booking(req, p, d, p.prefill_load, d.decode_load, decision, alone,
                     p.prefill_load.busy_until_s, p.shift_s, remote=remote)
         if not remote:
-            self.num_booked += 1
+            self.in_flight += 1
             if self.sink is not None:
                 self.sink.booked(b)
         return b
@@ -318,7 +318,7 @@ class LiveCluster:
         self.prefill_done(b, now)
         b.finished = True
         if not b.remote:
-            self.num_booked -= 1
+            self.in_flight -= 1
             if self.sink is not None:
                 self.sink.finished(b)
         if self._in_view(b, prefill=False):
