@@ -21,6 +21,7 @@ from kvpool.bench.nginx import find_nginx, nginx_conf
 from kvpool.bench.proc_cpu import (
     TICKS_PER_S,
     CpuMeter,
+    ThreadShareMeter,
     WriteMeter,
     child_pids,
     cpu_s,
@@ -90,7 +91,8 @@ def test_a_meter_keeps_what_an_exited_process_had_used() -> None:
 
 def test_a_named_threads_cpu_is_metered_apart_from_its_process() -> None:
     """The OS name a thread gives itself (the worker's engine thread does) is what /proc
-    shows, and a meter of that name counts that thread's work and not the others'."""
+    shows, and a meter of that name counts that thread's work and not the others'; a
+    ThreadShareMeter gives the process's threads' whole and that thread's share of it."""
     ready, go, done = threading.Event(), threading.Event(), threading.Event()
 
     def named() -> None:
@@ -107,8 +109,10 @@ def test_a_named_threads_cpu_is_metered_apart_from_its_process() -> None:
     ready.wait()
     try:
         meter, whole = CpuMeter([os.getpid()], "kvpool-test-burn"), CpuMeter([os.getpid()])
+        share = ThreadShareMeter([os.getpid()], "kvpool-test-burn")
         meter.start()
         whole.start()
+        share.start()
         go.set()
         end = time.thread_time() + 0.2  # this thread works too, uncounted by the named meter
         while time.thread_time() < end:
@@ -116,6 +120,8 @@ def test_a_named_threads_cpu_is_metered_apart_from_its_process() -> None:
         time.sleep(0.4)
         assert 0.1 <= meter.seconds() <= 0.45
         assert whole.seconds() >= meter.seconds() + 0.1
+        every, named = share.seconds()  # one read of each thread: the share within the whole
+        assert 0.1 <= named <= 0.45 and every >= named + 0.1
         assert thread_cpu_s(os.getpid(), "no-such-thread") == 0.0
     finally:
         done.set()

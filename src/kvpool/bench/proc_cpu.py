@@ -11,7 +11,8 @@
 `CpuMeter` sums the user + system seconds of a fixed set of processes between `start()` and
 `seconds()`. A process that has exited counts what it had used when last read. The resolution
 is one clock tick (10 ms at 100 Hz): measure stretches of at least a second. `WriteMeter`
-counts their write calls the same way.
+counts their write calls the same way; `ThreadShareMeter` splits processes' CPU into all of
+their threads' and that of the threads of one name, from the same reads.
 """
 
 from __future__ import annotations
@@ -44,18 +45,24 @@ def stat_comm(stat: str) -> str:
     return stat[stat.find("(") + 1:stat.rfind(")")]
 
 
-def thread_cpu_s(pid: int, comm: str) -> float:
-    """User + system CPU seconds of the threads of process `pid` named `comm` (the OS name,
-    kvpool.thread_name); 0 when none is; OSError if the process is gone."""
-    ticks, comm = 0, os_name(comm)
+def thread_ticks(pid: int) -> dict[int, tuple[int, str]]:
+    """{thread id: (utime + stime ticks, its OS name)} of the live threads of process `pid`;
+    OSError if the process is gone."""
+    out: dict[int, tuple[int, str]] = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             stat = (task / "stat").read_text()
         except OSError:  # the thread ended meanwhile
             continue
-        if stat_comm(stat) == comm:
-            ticks += stat_ticks(stat)
-    return ticks / TICKS_PER_S
+        out[int(task.name)] = (stat_ticks(stat), stat_comm(stat))
+    return out
+
+
+def thread_cpu_s(pid: int, comm: str) -> float:
+    """User + system CPU seconds of the threads of process `pid` named `comm` (the OS name,
+    kvpool.thread_name); 0 when none is; OSError if the process is gone."""
+    comm = os_name(comm)
+    return sum(t for t, name in thread_ticks(pid).values() if name == comm) / TICKS_PER_S
 
 
 def write_calls(pid: int) -> int:
@@ -117,6 +124,42 @@ class CpuMeter:
     def seconds(self) -> float:
         """CPU seconds used since `start()`."""
         return self._read() - self._start
+
+
+class ThreadShareMeter:
+    """The CPU seconds the live threads of `pids` use between `start()` and `seconds()`, and
+    the share of it their threads named `thread` use: (all, named), from one read of each
+    thread, so the share never exceeds the whole. (Read apart, /proc/PID/stat and the
+    threads' own figures are scaled separately by the kernel: a worker's engine thread once
+    came out 50 ms above its whole process over half a second.) A thread that ends between
+    the two reads is not counted; a thread that starts counts from zero."""
+
+    def __init__(self, pids: list[int], thread: str) -> None:
+        if not pids:
+            raise ValueError("ThreadShareMeter needs at least one pid")
+        self.pids, self.thread = list(pids), os_name(thread)
+        self._start: dict[tuple[int, int], int] = {}
+
+    def _read(self) -> dict[tuple[int, int], tuple[int, str]]:
+        out: dict[tuple[int, int], tuple[int, str]] = {}
+        for p in self.pids:
+            try:
+                out.update({(p, tid): v for tid, v in thread_ticks(p).items()})
+            except OSError:  # the process is gone
+                pass
+        return out
+
+    def start(self) -> None:
+        self._start = {key: ticks for key, (ticks, _) in self._read().items()}
+
+    def seconds(self) -> tuple[float, float]:
+        """(all threads', the named threads') CPU seconds since `start()`."""
+        whole = named = 0
+        for key, (ticks, name) in self._read().items():
+            used = ticks - self._start.get(key, 0)
+            whole += used
+            named += used if name == self.thread else 0
+        return whole / TICKS_PER_S, named / TICKS_PER_S
 
 
 class WriteMeter(CpuMeter):

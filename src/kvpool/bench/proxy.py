@@ -46,7 +46,7 @@ import httpx
 from kvpool.bench.http_load import Load, drive
 from kvpool.bench.loop_relay import running_loop_relay
 from kvpool.bench.nginx import INSTALL_HINT, find_nginx, running_nginx
-from kvpool.bench.proc_cpu import CpuMeter, WriteMeter, child_pids
+from kvpool.bench.proc_cpu import CpuMeter, ThreadShareMeter, WriteMeter, child_pids
 from kvpool.bench.proxy_rows import DECISION_METRIC, DIRECT, Buckets, Tally, bucket_delta, fmt, rows
 from kvpool.engine.worker.loop import ENGINE_THREAD
 from kvpool.errors import KvpoolError
@@ -180,16 +180,15 @@ def _run(r: Relay, num: int, concurrency: int, max_tokens: int, stream: bool,
     threads', the relay's write calls)."""
     before = _decisions(r.metrics_url)
     relay, writes = (CpuMeter(r.pids), WriteMeter(r.pids)) if r.pids else (None, None)
-    worker, engine = CpuMeter(worker_pids), CpuMeter(worker_pids, ENGINE_THREAD)
+    worker = ThreadShareMeter(worker_pids, ENGINE_THREAD)
     if relay and writes:
         relay.start()
         writes.start()
     worker.start()
-    engine.start()
     load = asyncio.run(drive(HOST, r.port, lambda i: r.make(i, max_tokens, stream),
                              lambda body: r.check(body, max_tokens, stream), num, concurrency))
-    relay_s, worker_s = relay.seconds() if relay else 0.0, worker.seconds()
-    engine_s, written = engine.seconds(), writes.calls() if writes else 0
+    relay_s, (worker_s, engine_s) = relay.seconds() if relay else 0.0, worker.seconds()
+    written = writes.calls() if writes else 0
     after = _decisions(r.metrics_url)
     return load, relay_s, worker_s, \
         bucket_delta(before, after) if before is not None and after is not None else None, \
