@@ -233,11 +233,19 @@ def test_models_health_and_metrics(cluster: ServingCluster) -> None:
     assert [m.id for m in models.data] == [cluster.model_name]
     health = httpx.get(cluster.proxy_url + "/health").json()
     assert health["ok"] and (health["prefill"], health["decode"]) == (2, 1)
+    client(cluster.proxy_url).completions.create(model=cluster.model_name, prompt="hi",
+                                                 max_tokens=2)
     metrics = httpx.get(cluster.proxy_url + "/metrics").text
     for name in ("kvpool_proxy_ttft_seconds_bucket", "kvpool_proxy_tbt_seconds_bucket",
                  "kvpool_proxy_worker_up{", "kvpool_proxy_worker_cached_blocks{",
-                 "kvpool_proxy_requests_total{", "kvpool_proxy_cost_prefill_term{"):
+                 "kvpool_proxy_requests_total{", "kvpool_proxy_cost_prefill_term{",
+                 "kvpool_proxy_loop_poll_pauses_total "):
         assert name in metrics, name
+    # the first request the process served found its loop free to poll (nothing in flight,
+    # no pause yet: a pause is only set while polling)
+    stretches = next(line for line in metrics.splitlines()
+                     if line.startswith("kvpool_proxy_loop_poll_stretches_total "))
+    assert float(stretches.split()[1]) >= 1
 
 
 def test_sse_framing_on_the_wire(cluster: ServingCluster) -> None:

@@ -102,6 +102,7 @@ class Proxy:
         self.metrics.watch_cost(self.dispatcher.cost_in_use)
         self.poller = Poller(self.cluster, self.client, config.poll_interval_s)
         self.loop_poll = LoopPoller(config.loop_poll_us, self.cluster, LOOP_POLL_MAX_IN_FLIGHT)
+        self.metrics.watch_loop_poll(self.loop_poll)
         self.client.streams.on_lines = self.loop_poll.kick
         self.peers = (PeerLink.attach(self.cluster, Path(config.peer_dir), config.peer_index,
                                       config.num_peers, self.clock)

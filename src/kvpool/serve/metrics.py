@@ -16,10 +16,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from kvpool import busypoll
 from kvpool.conductor.cost import CostModel
 from kvpool.conductor.measured import MeasuredCostModel
 
 if TYPE_CHECKING:
+    from kvpool.loop_poll import LoopPoller
     from kvpool.serve.backend import EngineBackend
     from kvpool.serve.cluster import LiveCluster
 
@@ -77,6 +79,10 @@ class ProxyMetrics:
     def watch_cost(self, in_use: Callable[[], tuple[CostModel, str]]) -> None:
         """Export the cost model `in_use()` returns (the model, its source) at each scrape."""
         self.registry.register(_CostCollector(in_use))
+
+    def watch_loop_poll(self, poller: LoopPoller) -> None:
+        """Export the event loop's polling (kvpool.loop_poll) at each scrape."""
+        self.registry.register(_LoopPollCollector(poller))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -145,6 +151,19 @@ class _WorkerCollector(Collector):
             if w.decode_load is not None:
                 fams["assigned"].add_metric(lv, w.decode_load.num_assigned)
         yield from fams.values()
+
+
+class _LoopPollCollector(Collector):
+    def __init__(self, poller: LoopPoller) -> None:
+        self.poller = poller
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(
+            "kvpool_proxy_loop_poll_stretches", "Stretches the event loop polled instead of "
+            "sleeping (--loop-poll-us)", value=self.poller.stretches)
+        yield CounterMetricFamily(
+            "kvpool_proxy_loop_poll_pauses", "Times polling stood aside for a crowded machine",
+            value=busypoll.CROWD.pauses)
 
 
 class _CostCollector(Collector):
