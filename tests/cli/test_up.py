@@ -84,3 +84,18 @@ def test_up_stops_with_status_1_when_it_gives_up_on_a_process(tmp_path: Path) ->
         wait_gone(marker)
         assert marked_pids(marker) == []
 
+
+def test_up_passes_the_proxys_flags_on_as_given() -> None:
+    """The proxy flags `kvpool up` takes reach the proxy's command line, and those not given
+    are left to the proxy's own defaults."""
+    from kvpool.cli.main import build_parser
+    from kvpool.cli.up_cmd import _proxy_flags
+
+    args = build_parser().parse_args(["up", "--loop-poll-us", "0", "--stream-interval", "4",
+                                      "--worker-sse"])
+    flags = _proxy_flags(args)
+    assert ("--loop-poll-us", "0") == flags[flags.index("--loop-poll-us"):][:2]
+    assert ("--stream-interval", "4") == flags[flags.index("--stream-interval"):][:2]
+    assert "--worker-sse" in flags
+    assert "--loop-poll-us" not in _proxy_flags(build_parser().parse_args(["up"]))
+

@@ -178,7 +178,7 @@ def test_up_runs_an_emulated_fleet(cache_home: Path, tmp_path: Path) -> None:
         proc = kvpool_up(marker, cache_home, "--port", str(port), "--engine", "emulated",
                          "--speed-up", "20", "--prefill", "2", "--decode", "2",
                          "--admission", "none", "--stream-interval", "4", "--worker-sse",
-                         "--proxy-workers", "2", stdout=out)
+                         "--loop-poll-us", "0", "--proxy-workers", "2", stdout=out)
     try:
         url = f"http://127.0.0.1:{port}"
         wait_ready(proc, url, log)

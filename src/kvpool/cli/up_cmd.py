@@ -104,6 +104,9 @@ def _add_scheduling_args(p: argparse.ArgumentParser) -> None:
                    "output tokens after the first")
     p.add_argument("--worker-sse", action="store_true",
                    help="the proxy's --worker-sse: the decoding workers make the SSE text")
+    p.add_argument("--loop-poll-us", type=int, default=None, metavar="US",
+                   help="the proxy's --loop-poll-us: how long its event loop polls after an "
+                   "event at low load (0: it always sleeps)")
     p.add_argument("--proxy-workers", type=int, default=1, metavar="N",
                    help="the proxy's --workers: N proxy processes on the port, sharing their "
                    "bookings (one core each; not with --backend vllm, whose KV events one "
@@ -255,7 +258,7 @@ def _serve_local(args: argparse.Namespace, model: Path, proxy_args: tuple[str, .
 def _proxy_flags(args: argparse.Namespace) -> tuple[str, ...]:
     """The proxy flags `kvpool up` passes on as given."""
     flags = _given(args, "served_model_name", "ttft_slo", "tbt_slo", "ttft_slo_relative",
-                   "stream_interval")
+                   "stream_interval", "loop_poll_us")
     for on, flag in ((args.worker_sse, "--worker-sse"),
                      (args.salt_per_api_key, "--salt-per-api-key"),
                      (args.demo, "--no-access-log")):  # the demo prints its own lines
