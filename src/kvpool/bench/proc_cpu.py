@@ -58,13 +58,6 @@ def thread_ticks(pid: int) -> dict[int, tuple[int, str]]:
     return out
 
 
-def thread_cpu_s(pid: int, comm: str) -> float:
-    """User + system CPU seconds of the threads of process `pid` named `comm` (the OS name,
-    kvpool.thread_name); 0 when none is; OSError if the process is gone."""
-    comm = os_name(comm)
-    return sum(t for t, name in thread_ticks(pid).values() if name == comm) / TICKS_PER_S
-
-
 def write_calls(pid: int) -> int:
     """The write-family system calls process `pid` has made so far (/proc/PID/io `syscw`);
     OSError if it is gone or the file cannot be read."""
@@ -96,19 +89,18 @@ def per_unit(cpu_seconds: float, units: int, scale: float) -> float:
 
 
 class CpuMeter:
-    """The CPU seconds `pids` use together between `start()` and `seconds()` (with `thread`,
-    only their threads of that OS name)."""
+    """The CPU seconds `pids` use together between `start()` and `seconds()` (a thread's
+    share of it: `ThreadShareMeter`)."""
 
-    def __init__(self, pids: list[int], thread: str | None = None) -> None:
+    def __init__(self, pids: list[int]) -> None:
         if not pids:
             raise ValueError("CpuMeter needs at least one pid")
         self.pids = list(pids)
-        self.thread = thread
         self._last = {p: 0.0 for p in self.pids}
         self._start = 0.0
 
     def _value(self, pid: int) -> float:
-        return cpu_s(pid) if self.thread is None else thread_cpu_s(pid, self.thread)
+        return cpu_s(pid)
 
     def _read(self) -> float:
         for p in self.pids:
