@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvpool import __version__
@@ -34,7 +34,7 @@ from kvpool.errors import WorkerCallError
 from kvpool.log import get_logger
 from kvpool.loop_poll import LoopPoller
 from kvpool.metadata.http_front import EventStream
-from kvpool.metadata.http_serving import BodyTooLarge, bearer_matches, read_body
+from kvpool.metadata.http_serving import bearer_matches
 from kvpool.serve import access
 from kvpool.serve.access import Access
 from kvpool.serve.auth import TENANT_KEY, ApiKeyGate
@@ -48,7 +48,6 @@ from kvpool.serve.errors import (
     bad_request,
     model_not_found,
     not_found,
-    too_large,
     unauthorized,
     worker_failed,
 )
@@ -61,9 +60,8 @@ from kvpool.serve.protocol import (
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    unsupported,
 )
-from kvpool.serve.requests import PreparedRequest, prepare
+from kvpool.serve.requests import PreparedRequest, parse_body, prepare
 from kvpool.serve.responses import Choice, full_body, sse_stream, usage_of
 from kvpool.serve.route import route_headers, route_note
 from kvpool.serve.scoring import scored_body, scored_events
@@ -77,8 +75,6 @@ LOOP_POLL_MAX_IN_FLIGHT = 4
 with more, their events keep it awake, and polling through the short gaps between them cost
 CPU per relayed token (docs/serve.md, "Polling the loop")."""
 M = TypeVar("M", bound=BaseModel)
-BODY_DEADLINE_S = 30.0
-"""A request body must be in within this long of its head (a 408 after)."""
 
 
 class Proxy:
@@ -136,7 +132,7 @@ class Proxy:
         endpoint = "completions" if kind == "completion" else "chat"
         acc = Access("POST", request.scope["path"], arrival_s)  # request.url: a URL object, 6 us
         try:
-            parsed = await _parse(request, CompletionRequest if kind == "completion" else ChatRequest,
+            parsed = await parse_body(request, CompletionRequest if kind == "completion" else ChatRequest,
                                   self.config.max_body_bytes)
             tenant = getattr(request.state, TENANT_KEY, None)
             prep = await _prepared(request, parsed, kind, self, tenant)
@@ -353,43 +349,6 @@ async def _prepared(request: Request, parsed: BaseModel, kind: str, proxy: Proxy
                                    tenant)
 
 
-async def _body(request: Request, limit: int) -> bytes:
-    """The request body (http_serving.read_body): a 413 over `limit`, a 408 when it takes
-    longer than BODY_DEADLINE_S to arrive."""
-    try:
-        return await read_body(request, limit, BODY_DEADLINE_S)
-    except BodyTooLarge as exc:
-        raise too_large(exc.size, exc.limit) from None
-    except TimeoutError:
-        raise ApiError(408, f"the request body did not arrive within {BODY_DEADLINE_S:g} s",
-                       code="request_timeout") from None
-
-
-async def _parse(request: Request, model: type[M], limit: int) -> M:
-    raw = await _body(request, limit)
-    try:
-        obj = json.loads(raw)
-    except ValueError as exc:
-        raise bad_request(f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(obj, dict):
-        raise bad_request("the request body must be a JSON object")
-    name = unsupported(obj)
-    if name is not None:
-        raise bad_request(f"'{name}' is not supported by this server (got {obj[name]!r:.100})",
-                          param=name)
-    ignored = sorted(set(obj) - set(model.model_fields))
-    if ignored:
-        log.debug("ignored request fields: %s", ", ".join(ignored))
-    try:
-        return model.model_validate(obj)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        path = ".".join(str(p) for p in err["loc"])  # with pydantic's union branch tags
-        # `param` names the top-level parameter, as OpenAI's errors do; the message the path
-        raise bad_request(f"invalid '{path}': {err['msg']}",
-                          param=str(err["loc"][0]) if err["loc"] else None) from None
-
-
 async def _disconnected(request: Request) -> None:
     """Returns when the client has closed the connection (the body was read already, so the
     next ASGI message is the disconnect)."""
@@ -421,7 +380,7 @@ def _vllm_routes(app: FastAPI, proxy: Proxy) -> None:
     async def answer(request: Request, model: type[M],
                      fn: Callable[[Proxy, M], dict[str, Any]]) -> JSONResponse:
         try:
-            return JSONResponse(fn(proxy, await _parse(request, model,
+            return JSONResponse(fn(proxy, await parse_body(request, model,
                                                        proxy.config.max_body_bytes)))
         except ApiError as exc:
             return _json_error(exc)

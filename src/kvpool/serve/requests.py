@@ -1,16 +1,22 @@
-"""A parsed OpenAI request -> what the dispatcher needs: one `ChoiceJob` per choice (each
-prompt of a completion, n times), with its prompt ids and the engine's sampling parameters.
-Every check a client can fail is here, as a 4xx ApiError."""
+"""An OpenAI request's body -> the parsed request (`parse_body`) -> what the dispatcher needs
+(`prepare`): one `ChoiceJob` per choice (each prompt of a completion, n times), with its prompt
+ids and the engine's sampling parameters. Every check a client can fail is here, as a 4xx
+ApiError."""
 
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
+
+from pydantic import BaseModel, ValidationError
 
 from kvpool.engine.config import SamplingParams
-from kvpool.serve.errors import bad_request, model_not_found
+from kvpool.log import get_logger
+from kvpool.metadata.http_serving import BodyTooLarge, read_body
+from kvpool.serve.errors import ApiError, bad_request, model_not_found, too_large
 from kvpool.serve.metrics import ProxyMetrics
 from kvpool.serve.protocol import (
     MAX_CHOICES,
@@ -19,8 +25,11 @@ from kvpool.serve.protocol import (
     CompletionRequest,
     Kind,
     new_id,
+    unsupported,
 )
 from kvpool.serve.tokenizer import ModelTokenizer
+
+log = get_logger("serve.requests")
 
 
 class Proxy(Protocol):
@@ -194,3 +203,49 @@ def chat_ids(chat: Sequence[ChatMessage], proxy: Proxy) -> list[int]:
     except TemplateError as exc:
         raise bad_request(f"the chat template refused the messages: {exc}",
                           param="messages") from None
+
+
+BODY_DEADLINE_S = 30.0
+"""A request body must be in within this long of its head (a 408 after)."""
+M = TypeVar("M", bound=BaseModel)
+
+
+async def _body(request: Any, limit: int) -> bytes:
+    """The request body (http_serving.read_body): a 413 over `limit`, a 408 when it takes
+    longer than BODY_DEADLINE_S to arrive."""
+    try:
+        return await read_body(request, limit, BODY_DEADLINE_S)
+    except BodyTooLarge as exc:
+        raise too_large(exc.size, exc.limit) from None
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {BODY_DEADLINE_S:g} s",
+                       code="request_timeout") from None
+
+
+async def parse_body(request: Any, model: type[M], limit: int) -> M:
+    """A Starlette request's JSON body as `model`: a 4xx ApiError for a body too large or too
+    slow (`_body`), not JSON, not an object, naming a parameter this server does not serve, or
+    not the model (naming the parameter, as OpenAI's errors do); fields it does not know are
+    ignored (logged)."""
+    raw = await _body(request, limit)
+    try:
+        obj = json.loads(raw)
+    except ValueError as exc:
+        raise bad_request(f"the request body is not valid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise bad_request("the request body must be a JSON object")
+    name = unsupported(obj)
+    if name is not None:
+        raise bad_request(f"'{name}' is not supported by this server (got {obj[name]!r:.100})",
+                          param=name)
+    ignored = sorted(set(obj) - set(model.model_fields))
+    if ignored:
+        log.debug("ignored request fields: %s", ", ".join(ignored))
+    try:
+        return model.model_validate(obj)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        path = ".".join(str(p) for p in err["loc"])  # with pydantic's union branch tags
+        # `param` names the top-level parameter, as OpenAI's errors do; the message the path
+        raise bad_request(f"invalid '{path}': {err['msg']}",
+                          param=str(err["loc"][0]) if err["loc"] else None) from None
