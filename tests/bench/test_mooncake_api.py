@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Callable
 
 import pytest
 
+from kvpool.bench import anchors
 from kvpool.bench import mooncake_api as bench
 from kvpool.bench.common import Measurement
+from kvpool.bench.mooncake_client import Phase, timed_calls
 
 
 def m(impl: str, op: str, gbps: float, reqs: float, mode: str = "batched") -> Measurement:
@@ -47,13 +50,77 @@ def test_ratios_within_each_round(capsys: pytest.CaptureFixture[str]) -> None:
     assert lines[-2].split() == ["put", "batched", "4", "KiB", "0.75", "1.00", "2.00"]
 
 
+class Ticks:
+    """A clock that moves `step` seconds each time it is read."""
+
+    def __init__(self, step: float) -> None:
+        self.now, self.step = 0.0, step
+
+    def __call__(self) -> float:
+        self.now += self.step
+        return self.now
+
+
+def test_a_put_takes_new_keys_up_to_the_cap_and_reads_go_over_all_of_them_again() -> None:
+    phase = Phase(lambda i: f"k{i}", 3, cap=5)
+    assert [phase.key(i, new=True) for i in range(6)] == ["k0", "k1", "k2", "k3", "k4", None]
+    assert [phase.key(i, new=False) for i in range(7)] == \
+        ["k0", "k1", "k2", "k3", "k4", "k0", "k1"]
+    assert Phase(lambda i: i, 4).key(4, new=True) is None  # no cap: its keys alone
+
+
+def noting(seen: list[str]) -> Callable[[str], bool]:
+    """A call that notes its key and answers True."""
+    def call(key: str) -> bool:
+        seen.append(key)
+        return True
+    return call
+
+
+def test_timed_calls_last_their_time_and_make_their_calls() -> None:
+    seen: list[str] = []
+    phase = Phase(lambda i: f"k{i}", 2, cap=100)
+    calls, elapsed, failed = timed_calls(phase, noting(seen), True, 2,
+                                         min_s=1.0, clock=Ticks(0.125))
+    assert failed is None and elapsed >= 1.0 and calls == len(seen) > 2
+    assert seen == [f"k{i}" for i in range(calls)] == phase.keys  # each put a new key
+    reads: list[str] = []
+    calls, _, _ = timed_calls(phase, noting(reads), False, len(phase.keys),
+                              min_s=0.0, clock=Ticks(0.1))
+    assert reads == phase.keys  # every key put is read, even once the time has passed
+
+
+def test_a_put_out_of_new_keys_ends_its_measurement_early() -> None:
+    phase = Phase(lambda i: i, 2, cap=4)
+    calls, elapsed, failed = timed_calls(phase, lambda k: True, True, 2, min_s=60.0,
+                                         clock=Ticks(0.1))
+    assert (calls, failed) == (4, None) and elapsed < 1.0
+
+
+def test_timed_calls_stop_at_the_first_wrong_answer() -> None:
+    phase = Phase(lambda i: i, 10)
+    calls, _, failed = timed_calls(phase, lambda k: True if k < 3 else [-704], False, 10,
+                                   min_s=0.0, clock=Ticks(0.1))
+    assert (calls, failed) == (3, (3, [-704]))
+
+
+def test_the_raw_socket_anchor_lasts_its_minimum_time() -> None:
+    import time
+
+    with anchors.raw_socket() as raw:
+        t0 = time.perf_counter()
+        _, per_s = raw.round_trips(64, 3, min_s=0.2)
+        took = time.perf_counter() - t0
+    assert took >= 0.2 and per_s * 0.2 > 3  # more than the 3 asked for, within the time
+
+
 def test_kvpool_only_run(capsys: pytest.CaptureFixture[str]) -> None:
     parser = argparse.ArgumentParser()
     bench.register(parser.add_subparsers())
     args = parser.parse_args(["mooncake-api", "--impl", "kvpool", "--sizes", "4KiB",
                               "--ops", "20", "--batch-sizes", "64KiB", "--batch", "4",
                               "--phase-bytes", "256KiB", "--dram", "16MiB", "--rounds", "2",
-                              "--seconds", "0.05", "--shm", "--json"])
+                              "--seconds", "0.05", "--min-seconds", "0.05", "--shm", "--json"])
     assert args.func(args) == 0
     rows = [Measurement(**json.loads(line)) for line in capsys.readouterr().out.splitlines()]
     ours = [(r.op, r.mode, r.size_bytes) for r in rows if r.impl == "kvpool"]

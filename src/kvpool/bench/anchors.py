@@ -17,13 +17,12 @@ import socket
 import struct
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import numpy as np
 
-from kvpool.bench.common import warm_up
+from kvpool.bench.common import time_calls
 
 _HEADER = struct.Struct("<II")
 _ECHO = r"""
@@ -65,25 +64,18 @@ class RawSocket:
         while got < reply_len:
             got += self.sock.recv_into(view[got:reply_len])
 
-    def round_trips(self, size: int, count: int) -> tuple[float, float]:
-        """`count` requests of `size` bytes, each answered with 8 bytes."""
-        payload = memoryview(bytes(size))
-        warm_up(lambda: self._request(payload, 8))
-        t0 = time.perf_counter()
-        for _ in range(count):
-            self._request(payload, 8)
-        elapsed = time.perf_counter() - t0
-        return size * count / elapsed / 1e9, count / elapsed
+    def round_trips(self, size: int, count: int, min_s: float = 0.0) -> tuple[float, float]:
+        """`count` requests of `size` bytes (more while `min_s` lasts), each answered with
+        8 bytes."""
+        return self.stream(size, 1, count, min_s)
 
-    def stream(self, size: int, batch: int, count: int) -> tuple[float, float]:
-        """`count` requests of batch x size bytes, one small answer each."""
+    def stream(self, size: int, batch: int, count: int,
+               min_s: float = 0.0) -> tuple[float, float]:
+        """`count` requests of batch x size bytes (more while `min_s` lasts), one small
+        answer each."""
         payload = memoryview(bytes(size * batch))
-        warm_up(lambda: self._request(payload, 8))
-        t0 = time.perf_counter()
-        for _ in range(count):
-            self._request(payload, 8)
-        elapsed = time.perf_counter() - t0
-        return size * batch * count / elapsed / 1e9, batch * count / elapsed
+        calls, elapsed = time_calls(lambda: self._request(payload, 8), min_s, count)
+        return size * batch * calls / elapsed / 1e9, batch * calls / elapsed
 
     def close(self) -> None:
         self.sock.close()
@@ -105,13 +97,10 @@ def raw_socket() -> Iterator[RawSocket]:
         proc.wait()
 
 
-def memcpy(size: int, batch: int, count: int) -> tuple[float, float]:
-    """numpy copies of batch x size bytes between two buffers: (GB/s, objects/s)."""
+def memcpy(size: int, batch: int, count: int, min_s: float = 0.0) -> tuple[float, float]:
+    """numpy copies of batch x size bytes between two buffers (`count`, more while `min_s`
+    lasts): (GB/s, objects/s)."""
     src = np.ones(size * batch, np.uint8)
     dst = np.zeros(size * batch, np.uint8)
-    warm_up(lambda: np.copyto(dst, src))
-    t0 = time.perf_counter()
-    for _ in range(count):
-        np.copyto(dst, src)
-    elapsed = time.perf_counter() - t0
-    return size * batch * count / elapsed / 1e9, batch * count / elapsed
+    calls, elapsed = time_calls(lambda: np.copyto(dst, src), min_s, count)
+    return size * batch * calls / elapsed / 1e9, batch * calls / elapsed
