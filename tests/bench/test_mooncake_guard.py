@@ -36,7 +36,7 @@ def quiet_enough() -> None:
     if bench.mooncake_master_binary() is None:
         missing("the real Mooncake wheel is not installed")
     load, cpus = os.getloadavg()[0], os.cpu_count() or 1
-    if load > 8 * cpus:  # (its crowded runs were recorded at 8-16 on 2 CPUs; passes at 11)
+    if load > 8 * cpus:  # (its crowded runs were recorded at 8-9 on 2 CPUs)
         skip_outside_ci(f"load average {load:.1f} on {cpus} CPUs: ratios would be noise")
 
 
@@ -44,16 +44,18 @@ def quiet_enough() -> None:
 def test_a_slowed_client_is_caught_and_the_real_one_passes(
         quiet_enough: None, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The slowed client against the shipped baseline (the band of the machine's regime);
-    the real one against its crowded runs alone, the loosest band: this machine's load
-    average does not show a neighbour's share of its cores."""
+    the real one against every recorded run, quiet and crowded, as one band (runs without
+    their loads are compared whole): the loosest band, as this machine's load average does
+    not show a neighbour's share of its cores."""
     assert run_bench("--handicap-us", "5000") == 3
     out = capsys.readouterr().out
     flagged = [line.split()[1:3] for line in out.splitlines() if line.startswith("REGRESSION")]
     assert ["get", "single"] in flagged and ["put_from", "batched"] in flagged
     shipped = baseline.load(baseline.default_path())
-    crowded = [r for r in shipped["runs"] if baseline.regime(r["load"], r["cpus"]) == "crowded"]
-    assert len(crowded) >= 3
-    loosest = tmp_path / "crowded.json"
-    loosest.write_text(json.dumps(shipped | {"runs": crowded}))
+    regimes = [baseline.regime(r["load"], r["cpus"]) for r in shipped["runs"]]
+    assert regimes.count("quiet") >= 3 and regimes.count("crowded") >= 3
+    loosest = tmp_path / "any.json"
+    loosest.write_text(json.dumps(shipped | {"runs": [
+        {k: v for k, v in run.items() if k != "load"} for run in shipped["runs"]]}))
     assert run_bench("--tolerance", "0.6", "--baseline", str(loosest)) == 0, \
         capsys.readouterr().out
