@@ -43,8 +43,9 @@ from kvpool.units import format_size, parse_size
 _CLIENT = "kvpool.bench.mooncake_client"
 MIN_SECONDS = 0.3
 """Default shortest measurement. A few calls are too short to time on a shared machine: with
---phase-bytes 8MiB a batched 64 KiB measurement was 4 calls, about 6 ms, and its rounds'
-ratios spread 0.8-2.4x; lasting 0.3-0.4 s each, 1.3-1.8x (docs/perf.md)."""
+--phase-bytes 8MiB a batched 64 KiB measurement was 4 calls, about 6 ms, and the medians of
+its runs moved by a third from run to run; measured for 0.3 s, five runs' medians of the
+batched 64 KiB put were 1.53-1.76x (docs/perf.md, fourteenth round)."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
