@@ -15,6 +15,7 @@ alone: any KV that came from the wrong place, or was damaged on the way, changes
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import numpy as np
@@ -26,15 +27,21 @@ _GOLDEN, _MUL1, _MUL2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111
 """splitmix64's constants, for both its forms (arrays and Python ints)."""
 GOLDEN = np.uint64(_GOLDEN)
 _M1, _M2 = np.uint64(_MUL1), np.uint64(_MUL2)
+_S27, _S30, _S31, _S32 = np.uint64(27), np.uint64(30), np.uint64(31), np.uint64(32)
 _MASK = (1 << 64) - 1
 
 
 def splitmix(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser over a uint64 array (wrapping arithmetic)."""
+    """splitmix64's finaliser over a uint64 array (wrapping arithmetic). Once per engine step
+    on small arrays, so in place, with its constants made once: each numpy call here costs
+    more than its arithmetic."""
     z = x + GOLDEN
-    z = (z ^ (z >> np.uint64(30))) * _M1
-    z = (z ^ (z >> np.uint64(27))) * _M2
-    return z ^ (z >> np.uint64(31))
+    z ^= z >> _S30
+    z *= _M1
+    z ^= z >> _S27
+    z *= _M2
+    z ^= z >> _S31
+    return z
 
 
 def splitmix_int(x: int) -> int:
@@ -55,10 +62,18 @@ def token_rows(parents: np.ndarray, positions: np.ndarray, tokens: np.ndarray,
                row_bytes: int) -> np.ndarray:
     """[n, row_bytes] uint8: the base rows of n tokens (before the layer/kind constant)."""
     with np.errstate(over="ignore"):
-        seeds = splitmix(parents ^ splitmix((positions << np.uint64(32)) ^ tokens))
-        words = np.arange(row_bytes // 8, dtype=np.uint64) * GOLDEN
-        rows = splitmix(seeds[:, None] + words[None, :])
+        seeds = splitmix(parents ^ splitmix((positions << _S32) ^ tokens))
+        rows = splitmix(seeds[:, None] + _words(row_bytes)[None, :])
     return rows.view(np.uint8).reshape(len(tokens), row_bytes)
+
+
+@functools.cache
+def _words(row_bytes: int) -> np.ndarray:
+    """k * GOLDEN for each 8-byte word k of a row (read-only: shared by every call)."""
+    with np.errstate(over="ignore"):
+        words = np.arange(row_bytes // 8, dtype=np.uint64) * GOLDEN
+    words.flags.writeable = False
+    return words
 
 
 def layer_constant(layer: int, kind: int, row_bytes: int) -> np.ndarray:
