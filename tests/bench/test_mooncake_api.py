@@ -13,6 +13,7 @@ from kvpool.bench import anchors
 from kvpool.bench import mooncake_api as bench
 from kvpool.bench.common import Measurement
 from kvpool.bench.mooncake_client import Phase, timed_calls
+from kvpool.bench.mooncake_goals import goal_lines
 
 
 def m(impl: str, op: str, gbps: float, reqs: float, mode: str = "batched") -> Measurement:
@@ -48,6 +49,32 @@ def test_ratios_within_each_round(capsys: pytest.CaptureFixture[str]) -> None:
     bench.print_spread(ratios)
     lines = capsys.readouterr().out.splitlines()
     assert lines[-2].split() == ["put", "batched", "4", "KiB", "0.75", "1.00", "2.00"]
+
+
+def test_goals_judge_small_objects_against_mooncake_and_large_ones_against_the_socket() -> None:
+    def row(impl: str, op: str, mode: str, size: int, gbps: float, ratio: float | None = None,
+            ) -> Measurement:
+        out = Measurement("mooncake-api-store", impl, "tcp", op, mode, size, gbps, 1.0)
+        out.ratio = ratio
+        return out
+    rows = [row("kvpool", "put_from", "batched", 65536, 1.0, 1.6),
+            row("kvpool", "get_into", "batched", 65536, 1.0, 1.4),
+            row("kvpool", "is_exist", "batched", 65536, 0.0, 0.5),   # no goal
+            row("kvpool", "get", "single", 4096, 0.1, 1.1),
+            row("kvpool", "put", "single", 4096, 0.1, 1.2),
+            row("kvpool", "put_from", "batched", 262144, 1.0, 0.5),  # between the two: none
+            row("kvpool", "put_from", "batched", 1 << 20, 3.0, 1.8),
+            row("kvpool", "get_into", "batched", 1 << 20, 3.0, 1.8),  # gets: no raw goal
+            row("kvpool", "put_from", "batched", 16 << 20, 3.6, 1.7),
+            row("raw-socket", "stream", "batched", 1 << 20, 4.0),
+            row("raw-socket", "stream", "batched", 16 << 20, 4.0)]
+    assert [line.split() for line in goal_lines(rows)] == [
+        ["met", "put_from", "batched", "64", "KiB", "1.60", "x", "mooncake", ">=", "1.5"],
+        ["MISS", "get_into", "batched", "64", "KiB", "1.40", "x", "mooncake", ">=", "1.5"],
+        ["MISS", "get", "single", "4", "KiB", "1.10", "x", "mooncake", ">=", "1.2"],
+        ["met", "put", "single", "4", "KiB", "1.20", "x", "mooncake", ">=", "1.2"],
+        ["MISS", "put_from", "batched", "1", "MiB", "0.75", "x", "raw", "socket", ">=", "0.9"],
+        ["met", "put_from", "batched", "16", "MiB", "0.90", "x", "raw", "socket", ">=", "0.9"]]
 
 
 class Ticks:

@@ -93,3 +93,15 @@ def child(module: str, *args: str) -> Iterator[dict[str, Any]]:
 def emit(results: list[Measurement], as_json: bool) -> None:
     for m in results:
         print(json.dumps(asdict(m)) if as_json else m.row(), flush=True)
+
+
+def goal_line(met: bool, text: str) -> str:
+    """One line of a benchmark's goals: met, or MISS."""
+    return f"  {'met ' if met else 'MISS'}  {text}"
+
+
+def print_goals(lines: list[str]) -> None:
+    """A benchmark's goal lines under their heading (nothing when there are none)."""
+    if lines:
+        print("\ngoals (ratios of medians within this run):")
+        print("\n".join(lines))

@@ -33,7 +33,8 @@ from typing import Any
 from kvpool.bench import anchors
 from kvpool.bench import mooncake_baseline as baseline
 from kvpool.bench.burners import burning
-from kvpool.bench.common import Measurement
+from kvpool.bench.common import Measurement, print_goals
+from kvpool.bench.mooncake_goals import goal_lines
 from kvpool.errors import ConfigError
 from kvpool.launch.children import kvpool_argv, stop
 from kvpool.launch.ports import free_port
@@ -138,6 +139,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         print_table(results, args.rounds)
         print_spread(round_ratios(rounds))
+        print_goals(goal_lines(results))
         print(f"\nload average (1 min): {load[0]:.2f} at the start, {load[1]:.2f} at the end")
     return guard(args, baseline.run_figures(round_ratios(rounds), args.batch), load)
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvpool.bench.common import Measurement, child, emit, rate
+from kvpool.bench.common import Measurement, child, emit, goal_line, print_goals, rate
 from kvpool.transfer import OpCode, TransferConfig, TransferEngine, TransferRequest
 from kvpool.units import format_size
 
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
         emit(results, True)
     else:
         print_table(results, rounds, seconds)
-        print_goals(results)
+        print_goals(goal_lines(results))
     return 0
 
 
@@ -293,7 +293,7 @@ def goal_lines(results: list[Measurement]) -> list[str]:
         moon = _find(results, "mooncake", "tcp", 4 << 10, op, "single")
         if m and moon:
             us, moon_us = 1e6 / m.req_per_s, 1e6 / moon.req_per_s
-            lines.append(_verdict(us <= moon_us, f"tcp 4 KiB {op} round trip {us:.0f} us "
+            lines.append(goal_line(us <= moon_us, f"tcp 4 KiB {op} round trip {us:.0f} us "
                                   f"<= mooncake {moon_us:.0f} us"))
     for size in (1 << 20, 8 << 20):
         for op in OPS:
@@ -303,23 +303,14 @@ def goal_lines(results: list[Measurement]) -> list[str]:
                 raw = _find(results, "raw-socket", "tcp", size, op, mode)
                 if m and moon and raw:
                     need = min(2 * moon.gb_per_s, 0.9 * raw.gb_per_s)
-                    lines.append(_verdict(m.gb_per_s >= need, f"tcp {format_size(size)} {op} {mode} "
+                    lines.append(goal_line(m.gb_per_s >= need, f"tcp {format_size(size)} {op} {mode} "
                                           f"{m.gb_per_s:.2f} GB/s >= min(2 x mooncake, 0.9 x raw) = {need:.2f}"))
                 copy = _find(results, "memcpy", "shm", size, op, mode)
                 shm = _find(results, "kvpool", "shm", size, op, mode)
                 if shm and copy:
-                    lines.append(_verdict(shm.gb_per_s >= 0.7 * copy.gb_per_s,
+                    lines.append(goal_line(shm.gb_per_s >= 0.7 * copy.gb_per_s,
                                           f"shm {format_size(size)} {op} {mode} "
                                           f"{shm.gb_per_s / copy.gb_per_s:.2f} x memcpy >= 0.7"))
     return lines
 
 
-def _verdict(ok: bool, text: str) -> str:
-    return f"  {'met ' if ok else 'MISS'}  {text}"
-
-
-def print_goals(results: list[Measurement]) -> None:
-    lines = goal_lines(results)
-    if lines:
-        print("\ngoals (ratios of medians within this run):")
-        print("\n".join(lines))
