@@ -16,6 +16,7 @@ from kvpool.conductor.cost import CostModel
 from kvpool.engine.block_manager import BlockManager
 from kvpool.engine.config import EngineConfig, SamplingParams
 from kvpool.engine.emulated import kvbytes
+from kvpool.engine.emulated.cache import ByteKVCache
 from kvpool.engine.emulated.engine import EmulatedEngine
 from kvpool.engine.emulated.kvbytes import ordinary_vocab
 from kvpool.engine.emulated.profile import EngineProfile, load_profile, write_profile
@@ -145,6 +146,26 @@ def test_decode_rows_are_the_rows_of_the_whole_sequence() -> None:
                           for b in range(0, n, bs)])
     assert n > 48 and other.num_computed_tokens > 0
     assert np.array_equal(got ^ kvbytes.layer_constant(0, 0, e.cache.row_bytes), want)
+
+
+def test_a_steps_rows_go_to_every_layer_and_kind_and_nowhere_else() -> None:
+    """ByteKVCache.write_all against an assignment per layer and kind, on bytes."""
+    layers, blocks, bs, row = 3, 10, 4, 24
+    cache, want = ByteKVCache(layers, blocks, bs, row), ByteKVCache(layers, blocks, bs, row)
+    rng = np.random.default_rng(5)
+    cache.kv[:] = want.kv[:] = rng.integers(0, 256, cache.kv.shape, dtype=np.uint8)
+    where = rng.choice(blocks * bs, 7, replace=False)               # distinct positions
+    block_ids, offsets = (where // bs).astype(np.intp), (where % bs).astype(np.intp)
+    base = rng.integers(0, 256, (7, row), dtype=np.uint8)
+    constants = np.stack([kvbytes.layer_constant(layer, kind, row)
+                          for layer in range(layers) for kind in (0, 1)])
+    cache.write_all(block_ids, offsets, base, constants)
+    for layer in range(layers):
+        for kind in (0, 1):
+            for i in range(7):
+                want.kv[layer, block_ids[i], kind, offsets[i]] = base[i] ^ constants[2 * layer
+                                                                                    + kind]
+    assert np.array_equal(cache.kv, want.kv)
 
 
 def test_prefix_caching_reuses_the_shared_prompt_and_whole_mode_pauses_decodes() -> None:

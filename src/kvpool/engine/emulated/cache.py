@@ -22,16 +22,30 @@ class ByteKVCache(KVLayout):
         self.row_bytes = row_bytes
         self.kv = np.zeros((num_layers, num_blocks, 2, block_size, row_bytes), dtype=np.uint8)
         self.block_bytes = block_size * row_bytes
+        per_layer = num_blocks * 2 * block_size
+        self._plane_starts = np.array([layer * per_layer + kind * block_size
+                                       for layer in range(num_layers) for kind in (0, 1)],
+                                      dtype=np.intp)
+        """Row of block 0, offset 0 of each layer and kind (layer-major) among all the
+        cache's token rows (`write_all`)."""
 
     @property
     def base_addr(self) -> int:
         return int(self.kv.ctypes.data)
 
-    def write(self, layer: int, kind: int, block_ids: np.ndarray, offsets: np.ndarray,
-              rows: np.ndarray) -> None:
-        """Token row i of `rows` into block `block_ids[i]` at `offsets[i]`, in one assignment
-        (a whole step's rows, every sequence of the batch)."""
-        self.kv[layer, block_ids, kind, offsets] = rows
+    def write_all(self, block_ids: np.ndarray, offsets: np.ndarray, base: np.ndarray,
+                  constants: np.ndarray) -> None:
+        """Token row i of every layer and kind into block `block_ids[i]` at `offsets[i]`: in
+        layer l's K (k = 0) or V (k = 1), `base[i] ^ constants[2 * l + k]` (`constants`:
+        [num_layers * 2, row_bytes] uint8). A whole step's rows, every sequence of the batch,
+        in one XOR and one assignment of 8-byte words over the cache's rows (an assignment
+        per layer and kind, on bytes, made four times the numpy calls). Rows are whole
+        words, as the emulated engine's are (`row_bytes_for`)."""
+        words = self.row_bytes // 8
+        flat = self.kv.view(np.uint64).reshape(-1, words)
+        rows = base.view(np.uint64)[None, :, :] ^ constants.view(np.uint64)[:, None, :]
+        at = block_ids * (2 * self.block_size) + offsets
+        flat[(self._plane_starts[:, None] + at[None, :]).ravel()] = rows.reshape(-1, words)
 
     def rows(self, layer: int, kind: int, block_id: int, count: int) -> np.ndarray:
         """The first `count` token rows of one block's K or V (a view)."""

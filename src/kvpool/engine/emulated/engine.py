@@ -3,9 +3,9 @@
 One step, as the torch engine's forward, layer by layer:
 
     rows of every token computed now  (kvbytes.token_rows; the same for every layer but a constant)
-    for each layer: write its K and V rows into the cache, on_layer(i) (the pool connector puts
-                    that layer's finished blocks meanwhile), sleep to the layer's share of
-                    step_cost.step_s(...) / speed_up
+    write them into every layer's K and V at once (ByteKVCache.write_all)
+    for each layer: on_layer(i) (the pool connector puts that layer's finished blocks
+                    meanwhile), sleep to the layer's share of step_cost.step_s(...) / speed_up
     sample: a sequence whose last token was computed now gets output token j of the digest of
             its prompt's KV as its cache holds it (computed once per prompt completion)
 
@@ -85,8 +85,9 @@ class EmulatedEngine(EngineCore):
         """How a step is charged (default: a kvpool instance in this prefill mode)."""
         self.kv_scale = 2 * profile.kv_layers * row_bytes / profile.cost.kv_bytes_per_token
         """The scale actually used (row bytes are whole words)."""
-        self._constants = [[kvbytes.layer_constant(layer, kind, row_bytes) for kind in (0, 1)]
-                           for layer in range(profile.kv_layers)]
+        self._constants = np.stack([kvbytes.layer_constant(layer, kind, row_bytes)
+                                    for layer in range(profile.kv_layers) for kind in (0, 1)])
+        """[kv_layers * 2, row_bytes]: the constant of each layer's K, then V."""
         self._digests: dict[Sequence, int] = {}
         self.emulated_s = 0.0
         """Profile seconds of every step so far (before the speed-up)."""
@@ -182,9 +183,8 @@ class EmulatedEngine(EngineCore):
         blocks, offsets, base = self._targets(batch)
         self.connector.before_forward(batch)
         layers = self.cache.num_layers
+        self.cache.write_all(blocks, offsets, base, self._constants)  # every layer, at once
         for layer in range(layers):
-            for kind in (0, 1):  # every row of the step in one assignment per layer and kind
-                self.cache.write(layer, kind, blocks, offsets, base ^ self._constants[layer][kind])
             self.connector.on_layer(layer)
             self._wait(t0 + wall * (layer + 1) / layers)
         self.connector.after_forward()
