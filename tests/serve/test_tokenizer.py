@@ -41,6 +41,22 @@ def test_encode_decode_round_trip(tmp_path: Path) -> None:
     assert ids and t.decode(ids) == "hello world"
 
 
+def test_encode_is_the_librarys_encode(tmp_path: Path) -> None:
+    """The ids without offsets (`encode_batch_fast`) are `Tokenizer.encode`'s, with and
+    without special tokens."""
+    from tokenizers import Tokenizer, processors
+    folder = write_model(tmp_path / "m", TEMPLATE)
+    lib = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    lib.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[
+        ("<s>", lib.token_to_id("<s>"))])
+    lib.save(str(folder / "tokenizer.json"))
+    t = ModelTokenizer(folder)
+    for text in ("hello world", "", " the  quick\nbrown fox \u00e9\u6f22", "<s>hello</s>"):
+        for special in (True, False):
+            assert t.encode(text, special) == lib.encode(text, add_special_tokens=special).ids
+    assert t.encode("hello")[0] == lib.token_to_id("<s>") != t.encode("hello", False)[0]
+
+
 def test_chat_template_renders_with_special_tokens(tmp_path: Path) -> None:
     t = ModelTokenizer(write_model(tmp_path / "m", TEMPLATE))
     msgs = [{"role": "user", "content": "hi"}]

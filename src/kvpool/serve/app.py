@@ -134,7 +134,7 @@ class Proxy:
         try:
             parsed = await parse_body(request, CompletionRequest if kind == "completion" else ChatRequest,
                                   self.config.max_body_bytes)
-            tenant = getattr(request.state, TENANT_KEY, None)
+            tenant = request.scope.get("state", {}).get(TENANT_KEY)  # request.state: raises
             prep = await _prepared(request, parsed, kind, self, tenant)
             acc.prompt_tokens = sum(len(p) for p in prep.prompts)  # a refusal's line too
             choices = await self._start(prep, received_t)

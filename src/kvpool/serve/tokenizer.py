@@ -6,6 +6,7 @@ warning that says so."""
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,9 @@ class ModelTokenizer:
     tokenizer_config.json or chat template does not."""
 
     def __init__(self, model_dir: str | Path) -> None:
+        # One text at a time: the library's thread pool would only add a thread hop to each
+        # encode_batch_fast (an explicit setting is kept).
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
         folder = Path(model_dir)
         self._tok = open_tokenizer(folder / "tokenizer.json")
         self._bytes = ByteDecoder.of(self._tok)
@@ -59,7 +63,9 @@ class ModelTokenizer:
         return None if self._bytes is None else self._bytes.pieces
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        """The ids of `text`, without the offsets `Tokenizer.encode` also computes (a
+        quarter of its time for a short prompt)."""
+        return self._tok.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, token_ids: Sequence[int]) -> str:
         if self._bytes is not None:
