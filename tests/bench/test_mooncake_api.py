@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
+import struct
 from collections.abc import Callable
 
 import pytest
@@ -139,6 +141,26 @@ def test_the_raw_socket_anchor_lasts_its_minimum_time() -> None:
         _, per_s = raw.round_trips(64, 3, min_s=0.2)
         took = time.perf_counter() - t0
     assert took >= 0.2 and per_s * 0.2 > 3  # more than the 3 asked for, within the time
+
+
+def test_the_raw_socket_anchor_moves_more_than_its_echo_buffer() -> None:
+    """16 x 16 MiB in one request, past the echo process's 64 MiB buffer (it used to spin
+    on an empty view there and the bench hung); a dead echo process is an error, not a hang."""
+    import threading
+
+    done: list[tuple[float, float]] = []
+    with anchors.raw_socket() as raw:
+        mover = threading.Thread(target=lambda: done.append(raw.stream(16 << 20, 16, 1)),
+                                 daemon=True)
+        mover.start()
+        mover.join(60)
+    assert not mover.is_alive() and len(done) == 1 and done[0][0] > 0
+    with anchors.raw_socket() as raw:
+        raw.round_trips(64, 1)
+        raw.sock.sendall(struct.pack("<II", 100, 8) + b"x" * 10)  # 90 bytes short, then EOF
+        raw.sock.shutdown(socket.SHUT_WR)
+        with pytest.raises(ConnectionError, match="closed the connection"):
+            raw._reply(8)
 
 
 def test_kvpool_only_run(capsys: pytest.CaptureFixture[str]) -> None:

@@ -41,8 +41,13 @@ while True:
                 break
             n, reply = struct.unpack("<II", head)
             got = 0
-            while got < n:
-                got += conn.recv_into(view[got:n])
+            while got < n:  # a payload larger than the buffer goes round it
+                k = conn.recv_into(view[:min(len(view), n - got)])
+                if not k:
+                    break
+                got += k
+            if got < n:
+                break
             conn.sendall(bytes(reply))
     finally:
         conn.close()
@@ -60,9 +65,15 @@ class RawSocket:
     def _request(self, payload: memoryview, reply_len: int) -> None:
         self.sock.sendall(_HEADER.pack(len(payload), reply_len))
         self.sock.sendall(payload)
+        self._reply(reply_len)
+
+    def _reply(self, reply_len: int) -> None:
         view, got = memoryview(self._buf), 0
         while got < reply_len:
-            got += self.sock.recv_into(view[got:reply_len])
+            k = self.sock.recv_into(view[got:reply_len])
+            if not k:
+                raise ConnectionError("the raw socket's echo process closed the connection")
+            got += k
 
     def round_trips(self, size: int, count: int, min_s: float = 0.0) -> tuple[float, float]:
         """`count` requests of `size` bytes (more while `min_s` lasts), each answered with
