@@ -295,11 +295,14 @@ def test_ratios_are_kvpool_over_nginx_on_the_same_load() -> None:
              "relay_ms_per_request": 0.5, "req_per_s": 200.0},
             {"relay": "kvpool", "load": "b", "relay_us_per_token": 1.0,
              "relay_ms_per_request": 1.0, "req_per_s": 1.0}]
+    rows[0]["relay_us_per_write"], rows[1]["relay_us_per_write"] = 60.0, 15.0
     out = with_ratios(rows)
     assert (out[0]["ratio_relay_us_per_token"], out[0]["ratio_relay_ms_per_request"],
-            out[0]["ratio_req_per_s"]) == (12.5, 12.0, 0.25)
+            out[0]["ratio_req_per_s"], out[0]["ratio_relay_us_per_write"]) == (12.5, 12.0, 0.25,
+                                                                                4.0)
     assert "ratio_req_per_s" not in out[1]
     assert out[2]["ratio_relay_us_per_token"] is None  # no nginx row for that load
+    assert out[2]["ratio_relay_us_per_write"] is None  # nor a write count of its own
 
 
 @pytest.mark.slow

@@ -125,14 +125,18 @@ def _same(rows_: Iterable[dict[str, Any]], relay: str) -> dict[tuple[str, int], 
 
 def with_ratios(out: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """kvpool's rows (kvpool-base's too) get `ratio_*`: their figure over nginx's on the same
-    load and concurrency (None without nginx)."""
+    load and concurrency (None without nginx). Per write as well as per token: a relay that
+    relays fewer, larger pieces than nginx (its worker's frames merged while it was busy)
+    looks cheaper per token than its cost per piece says."""
     nginx = _same(out, "nginx")
     for r in out:
         if not r["relay"].startswith("kvpool"):
             continue
         n = nginx.get((r["load"], r.get("concurrency", 0)))
-        for key in ("relay_us_per_token", "relay_ms_per_request", "req_per_s"):
-            r[f"ratio_{key}"] = round(r[key] / n[key], 2) if n and n[key] else None
+        for key in ("relay_us_per_token", "relay_ms_per_request", "req_per_s",
+                    "relay_us_per_write"):
+            r[f"ratio_{key}"] = round(r[key] / n[key], 2) if n and n.get(key) and \
+                r.get(key) is not None else None
     return out
 
 
@@ -179,4 +183,6 @@ def fmt(row: dict[str, Any]) -> str:
     if ratio:
         line += (f"  x{ratio:.1f} nginx per token, x{row['ratio_relay_ms_per_request']:.1f} "
                  f"per request, x{row['ratio_req_per_s']:.2f} req/s")
+        if row.get("ratio_relay_us_per_write"):
+            line += f", x{row['ratio_relay_us_per_write']:.1f} per write"
     return line
