@@ -28,6 +28,9 @@ class ByteKVCache(KVLayout):
                                       dtype=np.intp)
         """Row of block 0, offset 0 of each layer and kind (layer-major) among all the
         cache's token rows (`write_all`)."""
+        self._word_rows = self.kv.view(np.uint64).reshape(-1, row_bytes // 8) \
+            if row_bytes % 8 == 0 else None
+        """Every token row of the cache as 8-byte words (`write_all`), a view made once."""
 
     @property
     def base_addr(self) -> int:
@@ -41,11 +44,11 @@ class ByteKVCache(KVLayout):
         in one XOR and one assignment of 8-byte words over the cache's rows (an assignment
         per layer and kind, on bytes, made four times the numpy calls). Rows are whole
         words, as the emulated engine's are (`row_bytes_for`)."""
-        words = self.row_bytes // 8
-        flat = self.kv.view(np.uint64).reshape(-1, words)
+        flat = self._word_rows
+        assert flat is not None, f"rows of {self.row_bytes} bytes are not whole words"
         rows = base.view(np.uint64)[None, :, :] ^ constants.view(np.uint64)[:, None, :]
         at = block_ids * (2 * self.block_size) + offsets
-        flat[(self._plane_starts[:, None] + at[None, :]).ravel()] = rows.reshape(-1, words)
+        flat[(self._plane_starts[:, None] + at[None, :]).ravel()] = rows.reshape(-1, flat.shape[1])
 
     def rows(self, layer: int, kind: int, block_id: int, count: int) -> np.ndarray:
         """The first `count` token rows of one block's K or V (a view)."""
