@@ -67,6 +67,12 @@ class IdleTimeout:
                 self._expired = False
                 task.uncancel()
 
+    def touch(self) -> None:
+        """What the await in progress waits for moved on without ending it (a stream's bytes
+        taken in the transport's callback): its `limit_s` counts from now."""
+        if self._task is not None and self._loop is not None:
+            self._started = self._loop.time()
+
     def _arm(self, loop: asyncio.AbstractEventLoop, due: float) -> None:
         if self._timer is not None:
             self._timer.cancel()

@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from kvpool.serve.worker_stream import PAUSE_BYTES, StreamPool
+from kvpool.serve.worker_stream import PAUSE_BYTES, LineRelay, StreamPool
 from tests.serve.test_worker_client import read_request
 
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -52,13 +52,16 @@ async def paced_server(gaps_s: list[float]) -> AsyncIterator[str]:
         yield url
 
 
-async def _lines(url: str, read_s: float,
-                 on_lines: Callable[[], None] | None = None) -> list[bytes]:
+async def _lines(url: str, read_s: float, on_lines: Callable[[], None] | None = None,
+                 relay: LineRelay | None = None) -> list[bytes]:
+    """The lines of one streamed call (`relay`: relayed in the read callback meanwhile)."""
     pool = StreamPool(5.0)
     if on_lines is not None:
         pool.on_lines = on_lines
     call = await pool.open(url, "/generate", {}, b"{}", 1.0, read_s)
     try:
+        if relay is not None:
+            call.relay_with(relay)
         out: list[bytes] = []
         while batch := await call.next_lines():
             out += batch

@@ -68,6 +68,10 @@ def _add_leg_args(p: argparse.ArgumentParser) -> None:
                    help="kvpool workers: one SSE chunk per engine step, even when the worker "
                    "or the proxy fell behind (default: the steps missed go as one chunk); with "
                    "either backend, a stream's chunks are then written together per wake-up")
+    p.add_argument("--no-read-relay", dest="read_relay", action="store_false",
+                   help="every chunk of a stream through the proxy's generators (default: a "
+                   "streamed choice of text alone, without stop strings, is relayed in the "
+                   "worker connection's read callback)")
     p.add_argument("--worker-sse", action="store_true",
                    help="kvpool workers: streamed choices without logprobs or echo get their "
                    "SSE text chunks from the decoding worker, relayed as they come (default: "
@@ -179,7 +183,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         colocated_urls=tuple(args.colocated), backend=args.backend,
         direct_below_tokens=args.direct_below_tokens, stream_interval=args.stream_interval,
         whole_interval=args.whole_interval,
-        worker_sse=args.worker_sse, merge_frames=args.merge_frames,
+        worker_sse=args.worker_sse, merge_frames=args.merge_frames, read_relay=args.read_relay,
         engine_model=args.engine_model, engine_block_size=args.engine_block_size,
         kv_events=args.kv_events, pool_topic=args.pool_topic,
         pd_pool_wait_s=args.pd_pool_wait_s, hash_algo=args.hash_algo, hash_seed=args.hash_seed,

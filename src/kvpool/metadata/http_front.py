@@ -10,6 +10,9 @@ without FastAPI's routing, and their streams without starlette's task group.
                               go out in one write (`Outbox`)
     LastChunk(data)           a stream's last bytes: the end of the body goes out with them,
                               in one write (uvicorn writes an empty end of its own otherwise)
+    EventStream(..., on_writer=f)  f(the request's BodyWriter) once the head is sent, where the
+                              server offers one: the content's maker may then write chunks
+                              itself while the stream waits for its next one
 
 FastAPI's layers (its error, telemetry, body-limit and exit-stack middleware, the router, the
 dependency solver) cost about as much per request as the rest of a short request's own
@@ -34,6 +37,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from kvpool.log import get_logger
+from kvpool.metadata.http_serving import BODY_WRITER, BodyWriter
 
 log = get_logger("http.front")
 
@@ -66,10 +70,16 @@ class EventStream(StreamingResponse):
     `on_close(client_gone)` is called once however it ends."""
 
     def __init__(self, content: Any, on_close: Callable[[bool], None] | None = None,
-                 coalesce: bool = False, **kwargs: Any) -> None:
+                 coalesce: bool = False, on_writer: Callable[[BodyWriter], None] | None = None,
+                 **kwargs: Any) -> None:
         super().__init__(content, **kwargs)
         self.on_close = on_close
         self.coalesce = coalesce
+        self.on_writer = on_writer
+        """Given the request's `BodyWriter` once the head is sent (where the server offers
+        one, and not with `coalesce`): the content's maker may write chunks itself then,
+        while the stream waits for its next chunk."""
+        self._extensions: dict[str, Any] = {}
         self.complete = False
         """The body has ended: the disconnect that follows is no client gone (the content
         may still be closing)."""
@@ -100,6 +110,9 @@ class EventStream(StreamingResponse):
         """A send per chunk; a `LastChunk` ends the body."""
         await send({"type": "http.response.start", "status": self.status_code,
                     "headers": self.raw_headers})
+        writer = self._extensions.get(BODY_WRITER)
+        if self.on_writer is not None and writer is not None:
+            self.on_writer(writer)
         async for data in self.body_iterator:
             last = isinstance(data, LastChunk)
             if not isinstance(data, bytes | memoryview):
@@ -112,6 +125,7 @@ class EventStream(StreamingResponse):
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        self._extensions = scope.get("extensions") or {}
         task = asyncio.current_task()
         assert task is not None
         gone = asyncio.ensure_future(_disconnect(receive))

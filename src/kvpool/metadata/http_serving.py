@@ -162,6 +162,33 @@ class _Defences(_ProtocolBase):
             self.connections.discard(victim)
 
 
+BODY_WRITER = "kvpool.body_writer"
+"""The ASGI scope extension under which kvpool's httptools servers offer a request's
+`BodyWriter`."""
+
+
+class BodyWriter:
+    """Writes bytes of a started, chunked response body at once, outside the ASGI `send`:
+    from a transport's callback, where nothing can be awaited. `ready()` says whether it may
+    (the body is under way, the client is there, its transport not over its high-water mark);
+    where it may not, the caller uses `send`, which waits for the client. The same bytes as
+    uvicorn's `send` of a body chunk, on the same transport, so the two can take turns."""
+
+    __slots__ = ("_cycle",)
+
+    def __init__(self, cycle: Any) -> None:
+        self._cycle = cycle
+
+    def ready(self) -> bool:
+        c = self._cycle
+        return c.response_started and not c.response_complete and not c.disconnected \
+            and c.chunked_encoding and not c.flow.write_paused
+
+    def write(self, data: bytes) -> None:
+        """One chunk of the body (call `ready()` first)."""
+        self._cycle.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+
+
 class _SilentConnectionTimeout(_Defences, H11Protocol):
     """The defences over uvicorn's h11 protocol."""
 
@@ -170,7 +197,14 @@ _HttpToolsDefences: type | None = None
 if HttpToolsProtocol is not None:
     class _HttpToolsDefences(_Defences, HttpToolsProtocol):  # type: ignore[no-redef,misc]
         """The defences over uvicorn's httptools protocol (the servers on the per-token
-        path)."""
+        path), and each request's `BodyWriter` in its scope's extensions."""
+
+        def on_headers_complete(self) -> None:
+            super().on_headers_complete()
+            cycle = self.cycle
+            if cycle is not None and cycle.scope is self.scope:  # not after an upgrade
+                extensions: dict[str, Any] = self.scope.setdefault("extensions", {})  # type: ignore[assignment]
+                extensions[BODY_WRITER] = BodyWriter(cycle)
 
 
 def fast_stack() -> tuple[str, bool]:

@@ -62,7 +62,14 @@ from kvpool.serve.protocol import (
     TokenizeRequest,
 )
 from kvpool.serve.requests import PreparedRequest, parse_body, prepare
-from kvpool.serve.responses import Choice, full_body, sse_stream, usage_of
+from kvpool.serve.responses import (
+    Choice,
+    ChoiceRelay,
+    full_body,
+    relayable,
+    sse_stream,
+    usage_of,
+)
 from kvpool.serve.route import route_headers, route_note
 from kvpool.serve.scoring import scored_body, scored_events
 from kvpool.serve.text import TextStream
@@ -150,9 +157,11 @@ class Proxy:
         if prep.score_only:
             return await self._scored(prep, choices, acc)
         if prep.stream:
+            relay = choices[0].run.relay_chunk
             return EventStream(sse_stream(self, prep, choices, acc),
                                self._on_close(acc, prep, choices),
                                coalesce=self._coalesce(choices),
+                               on_writer=relay.attach if isinstance(relay, ChoiceRelay) else None,
                                media_type="text/event-stream",
                                headers={"Cache-Control": "no-cache"}
                                | route_headers(choices[0].run))
@@ -237,15 +246,28 @@ class Proxy:
             for r in runs:
                 r.discard()
             raise
+        relay = self._relay(prep, runs)
         streams = [r.chunks() for r in runs]
         firsts = await _firsts(streams)
         failure = next((f for f in firsts if isinstance(f, BaseException)), None)
         if failure is not None:
             await close_all(*streams)
             raise failure
-        return [Choice(job, run, first, s,  # type: ignore[arg-type]  # no failure here
-                       TextStream(self.tokenizer.decode, prep.stop, self.tokenizer.byte_pieces))
-                for job, run, first, s in zip(prep.jobs, runs, firsts, streams, strict=True)]
+        choices = [Choice(job, run, first, s,  # type: ignore[arg-type]  # no failure here
+                          TextStream(self.tokenizer.decode, prep.stop, self.tokenizer.byte_pieces))
+                   for job, run, first, s in zip(prep.jobs, runs, firsts, streams, strict=True)]
+        if relay is not None:
+            relay.choice = choices[0]
+        return choices
+
+    def _relay(self, prep: PreparedRequest, runs: list[Run]) -> ChoiceRelay | None:
+        """The one streamed choice's relay in the read callback (config.read_relay), set on
+        its run before its legs start; None where its chunks all go through the generators."""
+        if not (self.config.read_relay and self.config.merge_frames and len(runs) == 1
+                and relayable(prep, len(runs)) and runs[0].sse is None):
+            return None
+        relay = runs[0].relay_chunk = ChoiceRelay(self.metrics)
+        return relay
 
     async def _collect(self, endpoint: str, prep: PreparedRequest, choices: list[Choice],
                        acc: Access, request: Request) -> Response:

@@ -31,6 +31,7 @@ from kvpool.engine.worker.messages import (
     GenerateRequest,
     InfoReply,
     LoadReply,
+    PlainFrame,
     PrefillReply,
     PrefillRequest,
 )
@@ -66,6 +67,18 @@ class EnginePrefixes(PrefixLookup, Protocol):
     cluster view), and the note of where each request went."""
 
     def routed(self, instance_id: int, block_hashes: Sequence[int]) -> None: ...
+
+
+class FrameRelay(Protocol):
+    """A decode leg's reader of plain frames in the connection's read callback, for the
+    frames that come while the leg's task waits (kvpool's lean client; the task reads the
+    rest: the finish line, anything else, and all frames while `ready` is False)."""
+
+    def ready(self) -> bool:
+        """Whether a frame may be taken now."""
+
+    def take(self, frame: PlainFrame) -> None:
+        """One frame (those of one read merged), taken instead of the task's reading it."""
 
 
 class EngineBackend(Protocol):
@@ -112,10 +125,12 @@ class EngineBackend(Protocol):
         in the pool, which its store connector writes after the reply). The seconds held, or None where there is nothing to wait for (kvpool: the
         prefill's reply promises the KV is in place)."""
 
-    def generate(self, url: str, req: GenerateRequest) -> AsyncGenerator[Frame | FinishLine]:
+    def generate(self, url: str, req: GenerateRequest,
+                 relay: FrameRelay | None = None) -> AsyncGenerator[Frame | FinishLine]:
         """The decode (or colocated) leg's frames (each the tokens one engine step made, or
         several steps' with a stream interval), then one finish line. A malformed line, an
-        error line or a broken stream raises."""
+        error line or a broken stream raises. `relay`: where the backend may hand plain
+        frames in its read callback instead (a backend without one ignores it)."""
 
     async def abort(self, url: str, request_id: str) -> None:
         """Stop `request_id` on the instance; best-effort, never raises."""

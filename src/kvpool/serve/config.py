@@ -53,6 +53,12 @@ class ProxyConfig:
     (GenerateRequest.merge_steps), and the frames one read brings as one chunk, as vLLM
     merges its outputs when its API server is behind; False: a chunk per engine step (per
     stream interval), boundaries that do not depend on timing."""
+    read_relay: bool = True
+    """A streamed choice whose chunks are text alone (no logprobs, echo, trace, stop strings;
+    one choice) takes its decode leg's frames in the worker connection's read callback and
+    writes their chunks there (serve/responses.py `ChoiceRelay`): the same bytes, without a
+    task switch and the generators between the two streams per chunk. False: every chunk
+    goes through them."""
     worker_sse: bool = False
     """kvpool workers: a streamed choice without logprobs, echo or trace gets its text chunks
     from its decoding worker (detokenized, stop strings applied there), relayed as they come

@@ -20,8 +20,8 @@ import itertools
 import math
 from collections import deque
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from dataclasses import replace
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Protocol
 
 from kvpool.clock import Clock
 from kvpool.conductor import (
@@ -37,10 +37,12 @@ from kvpool.engine.config import SamplingParams
 from kvpool.engine.sequence import TokenLogprob
 from kvpool.engine.worker.messages import (
     FinishLine,
+    Frame,
     GenerateRequest,
     KVMode,
     KVSourceName,
     KVTransfer,
+    PlainFrame,
     PrefillRequest,
     SseSpec,
 )
@@ -190,6 +192,29 @@ def migratable(exc: WorkerCallError) -> bool:
     return exc.status is None or exc.status >= 500
 
 
+class ChunkRelay(Protocol):
+    """Where a run's chunks go when they are taken in the read callback (the response's)."""
+
+    def ready(self) -> bool: ...
+
+    def take(self, ids: list[int]) -> None: ...
+
+
+@dataclass(slots=True)
+class _Leg:
+    """A decode leg's own state (kept on the run: frames are taken by the leg's generator
+    or, relayed, in the read callback)."""
+
+    kv_source: KVSourceName
+    resumed: bool
+    """It resumes a run whose tokens went out already (their prompt reuse is not reported
+    again)."""
+    skip_echo: bool
+    """Its first frame begins with the prefill leg's token, which went out already."""
+    last_s: float | None = None
+    """When its last frame came (the decode gaps)."""
+
+
 class Run:
     def __init__(self, dispatcher: Dispatcher, booking: Booking, request_id: str,
                  prompt_ids: list[int], sampling: SamplingParams) -> None:
@@ -232,6 +257,12 @@ class Run:
         self.stream_interval = dispatcher.config.stream_interval
         """Output tokens per frame of its decode legs (None: the worker's own); the app sets
         `whole_interval` for a response nobody reads before its end."""
+        self.relay_chunk: ChunkRelay | None = None
+        """Set (by the app) where the response takes the decode legs' chunks in the worker
+        connection's read callback too (`ready`/`take`: the Run is then the legs'
+        FrameRelay); None: every chunk comes through `chunks()`."""
+        self._leg: _Leg | None = None
+        """The current decode leg's state."""
 
     @property
     def decode_url(self) -> str:
@@ -363,9 +394,9 @@ class Run:
                               stream_interval=self.stream_interval, sse=self.sse,
                               merge_steps=self.d.config.merge_frames)
         self._decode_url = worker.url
-        lines = self.d.client.generate(worker.url, req)
-        skip_echo = first is not None
-        last_s: float | None = None
+        self._leg = _Leg(kv_source, resumed=bool(resumed), skip_echo=first is not None)
+        lines = self.d.client.generate(worker.url, req,
+                                       self if self.relay_chunk is not None else None)
         watch = LegWatch(worker, "/generate")  # one watcher for the stream, not one per line
         try:
             while True:
@@ -374,31 +405,58 @@ class Run:
                 except StopAsyncIteration:
                     raise WorkerCallError(worker.url, "/generate",
                                           "stream ended without a finish_reason") from None
-                now = self.d.clock.now()
-                if not self.b.decode_started:
-                    self.d.cluster.decode_start(self.b, now)
                 if isinstance(line, FinishLine):
-                    self.finish_reason, self.finish_sse = line.finish_reason, line.sse
-                    if kv_source == "none" and not resumed:  # the prompt's reuse, if reported
-                        self._colocated_reuse(line)
+                    self._finished(line)
                     return
-                ids, stamps, lps = line.token_ids, line.t, line.logprobs
-                if skip_echo:  # the first token came from the prefill leg already
-                    skip_echo = False
-                    ids, stamps, lps = ids[1:], stamps[1:], None if lps is None else lps[1:]
-                    if not ids:
-                        continue
-                if line.prompt_logprobs is not None:
-                    self.prompt_logprobs = line.prompt_logprobs
-                self._record(ids, stamps, lps, now)
-                if kv_source == "none" and self.b.prefill_pending:
-                    self._colocated_first_token()
-                last_s = self._decode_gap(last_s, len(ids), now)
-                self.frame_sse = line.sse
-                yield ids
+                ids = self._frame_ids(line, self.d.clock.now())
+                if ids:
+                    yield ids
         finally:
             watch.close()
             await lines.aclose()
+
+    def ready(self) -> bool:
+        """FrameRelay: a frame of the decode leg may be taken in the read callback."""
+        return self.relay_chunk is not None and self.relay_chunk.ready()
+
+    def take(self, frame: PlainFrame) -> None:
+        """FrameRelay: a frame of the decode leg, from the read callback: what the leg would
+        have yielded goes to the response's `relay_chunk`."""
+        ids = self._frame_ids(frame, self.d.clock.now())
+        if ids:
+            self.relay_chunk.take(ids)  # type: ignore[union-attr]  # ready() said it is set
+
+    def _frame_ids(self, line: Frame, now: float) -> list[int] | None:
+        """A frame of the current decode leg (received at `now`) recorded: its output ids,
+        or None when it brought none (the prefill leg's token echoed alone)."""
+        if not self.b.decode_started:
+            self.d.cluster.decode_start(self.b, now)
+        leg = self._leg
+        assert leg is not None
+        ids, stamps, lps = line.token_ids, line.t, line.logprobs
+        if leg.skip_echo:  # the first token came from the prefill leg already
+            leg.skip_echo = False
+            ids, stamps, lps = ids[1:], stamps[1:], None if lps is None else lps[1:]
+            if not ids:
+                return None
+        if line.prompt_logprobs is not None:
+            self.prompt_logprobs = line.prompt_logprobs
+        self._record(ids, stamps, lps, now)
+        if leg.kv_source == "none" and self.b.prefill_pending:
+            self._colocated_first_token()
+        leg.last_s = self._decode_gap(leg.last_s, len(ids), now)
+        self.frame_sse = line.sse
+        return ids
+
+    def _finished(self, line: FinishLine) -> None:
+        """The current decode leg's finish line."""
+        if not self.b.decode_started:
+            self.d.cluster.decode_start(self.b, self.d.clock.now())
+        self.finish_reason, self.finish_sse = line.finish_reason, line.sse
+        leg = self._leg
+        assert leg is not None
+        if leg.kv_source == "none" and not leg.resumed:  # the prompt's reuse, if reported
+            self._colocated_reuse(line)
 
     def _record(self, tokens: list[int], stamps: list[float],
                 logprobs: list[TokenLogprob | None] | None, now: float | None = None) -> None:

@@ -51,6 +51,11 @@ class ProxyMetrics:
             "Prompt tokens whose KV was reused from a worker's cache or the pool", registry=r)
         self.output_tokens = LoopCounter("kvpool_proxy_output_tokens", "Tokens generated")
         r.register(self.output_tokens)
+        self.read_relay_frames = LoopCounter(
+            "kvpool_proxy_read_relay_frames",
+            "Frames of streams taken in the worker connection's read callback (the others "
+            "went through the proxy's generators)")
+        r.register(self.read_relay_frames)
         self.migrations = Counter("kvpool_proxy_migrations",
                                   "Requests resumed on another worker after theirs failed, by "
                                   "the leg that failed", ["leg"], registry=r)

@@ -5,6 +5,8 @@ and headers, then the body's complete lines as they come, chunked or not.
     reader.feed(data)            # any split of the bytes, a byte at a time included
     reader.status, reader.headers  once the head is in (status 0 before)
     reader.lines()               complete body lines since the last call, without b"\\n"
+    reader.put_back(lines)       the last call's lines from the first not taken: the next
+                                 call returns them first
     reader.done                  the body has ended (terminating chunk, Content-Length reached)
     reader.body()                the whole body so far (an error reply's JSON)
     reader.keep_alive            the connection may carry the next request once done (llhttp:
@@ -37,6 +39,8 @@ class ReplyReader:
         self.headers: dict[str, str] = {}
         self.done = False
         self._body = bytearray()
+        self._back: list[bytes] = []
+        """Lines `lines()` returned and the caller gave back (`put_back`): returned first."""
         self._head_bytes = 0
         """Bytes fed before the head was complete."""
         self._interim = False
@@ -95,6 +99,18 @@ class ReplyReader:
         raise ReplyError("the connection closed before the reply ended")
 
     def lines(self) -> list[bytes]:
+        back = self._back
+        if back:
+            self._back = []
+            return back + self._new_lines()
+        return self._new_lines()
+
+    def put_back(self, lines: list[bytes]) -> None:
+        """Give back the tail of what the last `lines()` returned (the caller took the lines
+        before it): the next `lines()` returns them first, in order."""
+        self._back = lines + self._back
+
+    def _new_lines(self) -> list[bytes]:
         end = self._body.rfind(b"\n")
         if end < 0:
             if not (self.done and self._body):

@@ -20,11 +20,13 @@ from typing import Any, TypeVar
 
 from kvpool.errors import WorkerCallError
 from kvpool.metadata.http_front import LastChunk
+from kvpool.metadata.http_serving import BodyWriter
 from kvpool.serve.access import Access
 from kvpool.serve.cancel import cancel_and_wait
 from kvpool.serve.dispatch import Run
 from kvpool.serve.errors import worker_failed
 from kvpool.serve.logprobs import chat_logprobs, completion_logprobs, merge_completion
+from kvpool.serve.metrics import ProxyMetrics
 from kvpool.serve.protocol import (
     SSE_DONE,
     TextChunks,
@@ -56,6 +58,10 @@ class Choice:
     offset: int = 0
     """Characters of the token texts before the next logprobs (completions' text_offset)."""
     finish: str = "stop"
+    last_t: float = 0.0
+    """When its last chunk came (perf_counter): TBT is observed from it."""
+    texts: TextChunks | None = None
+    """Its text chunks' maker, once its events begin (shared with its `ChoiceRelay`)."""
 
     @property
     def num_tokens(self) -> int:
@@ -71,7 +77,7 @@ async def _deltas(proxy: Proxy, c: Choice) -> AsyncIterator[tuple[str, str | Non
     delta. TBT is observed once per chunk, as the gap per token since the last one."""
     m, text = proxy.metrics, c.text
     async with contextlib.aclosing(c.chunks):
-        ids, last = c.first, time.perf_counter()
+        ids, c.last_t = c.first, time.perf_counter()
         while True:
             before = text.num_tokens
             delta = text.push_many(ids)
@@ -86,9 +92,58 @@ async def _deltas(proxy: Proxy, c: Choice) -> AsyncIterator[tuple[str, str | Non
             except StopAsyncIteration:
                 break
             now = time.perf_counter()
-            m.tbt.observe((now - last) / len(ids))
-            last = now
+            m.tbt.observe((now - c.last_t) / len(ids))
+            c.last_t = now
     yield text.flush(), c.run.finish_reason or "stop"
+
+
+class ChoiceRelay:
+    """A streamed choice's chunks taken in its decode worker connection's read callback
+    (`Run.relay_chunk`): each one's text and SSE chunk made and written there and then, as
+    `_deltas` and `_choice_events` make them (the same TBT and token counts, the same bytes),
+    without a task switch or the generators between the worker's stream and the client's.
+    Only for what those make without looking ahead or back (`relayable`): the frames that come
+    before the stream's head is out, or while the client is slow, go the usual way."""
+
+    __slots__ = ("_metrics", "choice", "_writer")
+
+    def __init__(self, metrics: ProxyMetrics) -> None:
+        self._metrics = metrics
+        self.choice: Choice | None = None
+        """Set once the choice exists (its first chunk came)."""
+        self._writer: BodyWriter | None = None
+
+    def attach(self, writer: BodyWriter) -> None:
+        """The response's body writer, once its head is sent (EventStream's `on_writer`)."""
+        self._writer = writer
+
+    def ready(self) -> bool:
+        c = self.choice
+        return self._writer is not None and c is not None and c.texts is not None \
+            and self._writer.ready()
+
+    def take(self, ids: list[int]) -> None:
+        c, m = self.choice, self._metrics
+        assert c is not None and c.texts is not None and self._writer is not None  # ready()
+        m.read_relay_frames.inc()
+        now = time.perf_counter()
+        m.tbt.observe((now - c.last_t) / len(ids))
+        c.last_t = now
+        text = c.text
+        before = text.num_tokens
+        delta = text.push_many(ids)
+        m.output_tokens.inc(text.num_tokens - before)
+        assert not delta.stopped, "a relayed choice has no stop strings"
+        if delta.text:
+            self._writer.write(c.texts.sse(delta.text))
+
+
+def relayable(prep: PreparedRequest, jobs: int) -> bool:
+    """Whether a request's one streamed choice may take its chunks in the read callback
+    (`ChoiceRelay`): its chunks are text alone (no logprobs, echo, trace or scoring) and no
+    stop string may end it (what a chunk writes never depends on the next)."""
+    return prep.stream and jobs == 1 and prep.logprobs is None and not prep.echo \
+        and not prep.trace and not prep.score_only and not prep.stop
 
 
 def usage_of(prep: PreparedRequest, choices: list[Choice]) -> dict[str, Any]:
@@ -232,7 +287,7 @@ async def _choice_events(proxy: Proxy, prep: PreparedRequest,
         prompt_text = proxy.tokenizer.decode(c.job.prompt_ids)
         lp = _logprobs(proxy, prep, c, 0, True)
         yield sse(chunk(kind, rid, model, prompt_text, None, index=i, logprobs=lp))
-    texts = TextChunks(kind, rid, model, i)
+    texts = c.texts = TextChunks(kind, rid, model, i)
     async for piece, finish in _deltas(proxy, c):
         upto = c.text.num_tokens
         if piece or (finish is not None and prep.logprobs is not None and upto > c.sent):

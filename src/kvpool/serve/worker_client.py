@@ -27,15 +27,16 @@ from kvpool.engine.worker.messages import (
     LoadReply,
     PrefillReply,
     PrefillRequest,
+    plain_prefix,
     read_frames,
     reply_from,
 )
 from kvpool.errors import AuthError, WorkerCallError
 from kvpool.log import get_logger
 from kvpool.metadata.http_serving import CLIENT_KEEPALIVE_S
-from kvpool.serve.backend import BackendFeatures, EnginePrefixes
-from kvpool.serve.ndjson_reply import ReplyError
-from kvpool.serve.worker_stream import StreamPool, call_whole
+from kvpool.serve.backend import BackendFeatures, EnginePrefixes, FrameRelay
+from kvpool.serve.ndjson_reply import ReplyError, ReplyReader
+from kvpool.serve.worker_stream import LineRelay, StreamPool, call_whole
 
 log = get_logger("serve.worker_client")
 M = TypeVar("M", InfoReply, LoadReply, PrefillReply)
@@ -181,18 +182,22 @@ class WorkerClient:
         return reply_from(url, "/prefill", PrefillReply,
                           await self._call(url, "/prefill", body, "POST", self.timeout_s))
 
-    async def generate(self, url: str,
-                       req: GenerateRequest) -> AsyncGenerator[Frame | FinishLine]:
+    async def generate(self, url: str, req: GenerateRequest,
+                       relay: FrameRelay | None = None) -> AsyncGenerator[Frame | FinishLine]:
         """The frames of /generate (those of one read merged, `merge_frames`); an error line,
         a malformed line or a broken stream raises. The finish line comes once the stream has been read to its end: its connection
         then goes back to the pool for the next call (a stream left unread is a connection
         closed, and a new one, TIME-WAIT included, for every request). http:// workers are
-        read by the lean client (serve/worker_stream.py), others through httpx."""
+        read by the lean client (serve/worker_stream.py), others through httpx; with `relay`
+        (and merged frames), the lean client hands it the plain frames that come while this
+        generator waits, in the connection's read callback (`_relay_lines`)."""
         body = req.model_dump_json().encode()
-        lines = self._lean_lines if url.startswith("http://") else self._httpx_lines
+        lines: AsyncGenerator[list[bytes]] | AsyncGenerator[list[str]] = \
+            self._lean_lines(url, body, relay if self.merge_frames else None) \
+            if url.startswith("http://") else self._httpx_lines(url, body)
         finish: FinishLine | None = None
         extra: bytes | str | None = None
-        async with contextlib.aclosing(lines(url, body)) as batches:
+        async with contextlib.aclosing(lines) as batches:
             try:
                 async for batch in batches:
                     if finish is not None:
@@ -219,9 +224,10 @@ class WorkerClient:
         if finish is not None:
             yield finish
 
-    async def _lean_lines(self, url: str, body: bytes) -> AsyncGenerator[list[bytes]]:
+    async def _lean_lines(self, url: str, body: bytes,
+                          relay: FrameRelay | None = None) -> AsyncGenerator[list[bytes]]:
         """The non-empty lines of /generate, read by the lean client: those of each read at
-        once."""
+        once (less those `relay` took)."""
         path = "/generate"
         try:
             call = await self.streams.open(url, path, self._headers(url, path, body), body,
@@ -231,6 +237,8 @@ class WorkerClient:
         try:
             if call.status != 200:
                 raise self._refused(url, path, call.status, await call.read_all())
+            if relay is not None:
+                call.relay_with(_relay_lines(relay, self.streams.on_lines))
             while batch := await call.next_lines():
                 yield batch
         except (OSError, ReplyError) as exc:
@@ -258,6 +266,31 @@ class WorkerClient:
                                  headers=self._headers(url, "/abort", body), timeout=2.0)
         except (httpx.HTTPError, WorkerCallError) as exc:
             log.debug("abort of %s on %s failed: %r", request_id, url, exc)
+
+
+def _relay_lines(relay: FrameRelay, on_lines: Callable[[], None]) -> LineRelay:
+    """A stream's relay in the read callback: the plain frames a read begins with go to
+    `relay`, merged, while it is ready. The first line that is no plain frame (the finish, an
+    error line, a frame with logprobs, a malformed line) and everything after it go to the
+    reader, and so does the rest of the stream: what follows such a line is the reader's to
+    judge."""
+    stopped = False
+
+    def take(reply: ReplyReader) -> bool:
+        nonlocal stopped
+        if stopped or not relay.ready():
+            return False
+        lines = reply.lines()
+        count, frame = plain_prefix(lines)
+        if count < len(lines):
+            stopped = True
+            reply.put_back(lines[count:])
+        if frame is not None:
+            relay.take(frame)
+            on_lines()
+        return not stopped and not reply.done
+
+    return take
 
 
 JSON = {"Content-Type": "application/json"}

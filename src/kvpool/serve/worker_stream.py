@@ -15,6 +15,13 @@ docs/serve.md, "The proxy's own cost").
     await call_whole(pool, http, url, path, headers, body, ...) -> (status, body)  (one call,
         read whole; an https:// URL through httpx)
 
+A streamed call may relay its lines in the transport's callback (`call.relay_with(take)`):
+while its reader waits for more, what arrives goes to `take(reply)` first, which takes the
+complete lines it can relay (`reply.lines()`), gives back those it cannot (`put_back`) and
+says whether anything is left for the reader; the reader is woken only then. So a frame
+relayed this way costs no task switch and none of the reader's layers (docs/serve.md, "Relayed
+in the read callback").
+
 A connection goes back to the pool only after a whole reply was read; one closed early (a stop
 string, a client gone, a cancel) is closed. An idle connection is used again within
 `keepalive_s` of its last reply (CLIENT_KEEPALIVE_S, well before the server drops it); if the
@@ -30,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from typing import Protocol
 from urllib.parse import urlsplit
 
 import httpx
@@ -40,6 +48,12 @@ from kvpool.serve.ndjson_reply import ReplyError, ReplyReader
 PAUSE_BYTES = 1 << 18
 """Body bytes a connection holds unread (its lines not yet taken) before it stops reading the
 socket; it reads again when its reader asks for more."""
+
+
+class LineRelay(Protocol):
+    def __call__(self, reply: ReplyReader) -> bool:
+        """Take what can be relayed now of `reply`'s complete lines (giving the rest back);
+        True when nothing is left for the reader (it is not woken)."""
 
 
 class _Conn(asyncio.Protocol):
@@ -62,6 +76,8 @@ class _Conn(asyncio.Protocol):
         self.idle_since = 0.0
         self.deadline = IdleTimeout()
         self._waiter: asyncio.Future[None] | None = None
+        self.relay: LineRelay | None = None
+        """The current call's relay (`StreamCall.relay_with`), if any."""
         self._paused = False
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -81,10 +97,30 @@ class _Conn(asyncio.Protocol):
             except ReplyError as exc:
                 self._fail(exc)
                 return
+            if self.relay is not None and self._waiting() and self._relayed(reply):
+                return  # all of it relayed (the reader waits on), or the relay failed
         if reply.pending_bytes > PAUSE_BYTES and not self._paused:
             self._paused = True
             self.transport.pause_reading()  # type: ignore[union-attr]
         self._wake()
+
+    def _waiting(self) -> bool:
+        """The reader waits in `more` (not cancelled meanwhile)."""
+        waiter = self._waiter
+        return waiter is not None and not waiter.done()
+
+    def _relayed(self, reply: ReplyReader) -> bool:
+        """Relay what came while the reader waits (only then: whatever it has not read yet
+        goes first); True when nothing is left to do here: all of it relayed, or the relay
+        failed, which fails the connection (the reader is woken to raise the error)."""
+        try:
+            done = self.relay(reply)  # type: ignore[misc]
+        except Exception as exc:  # noqa: BLE001 - raised to the reader, not lost in the loop
+            self._fail(exc)
+            return True
+        if done:
+            self.deadline.touch()
+        return done
 
     def eof_received(self) -> bool:
         self.ended = True
@@ -169,11 +205,17 @@ class StreamCall:
             await self._conn.more(self._read_s)
         return self.reply.body()
 
+    def relay_with(self, relay: LineRelay) -> None:
+        """Relay this reply's lines in the transport's callback from now on (while the
+        reader waits in `next_lines`)."""
+        self._conn.relay = relay
+
     def close(self) -> None:
         conn = self._conn
         if self._closed:
             return
         self._closed = True
+        conn.relay = None
         if self.reply.keep_alive and conn.usable:
             self._pool.put_back(self._key, conn)
         else:

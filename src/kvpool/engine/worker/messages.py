@@ -356,6 +356,27 @@ def read_frames(url: str, lines: Sequence[str | bytes],
     return out, len(lines), None
 
 
+def plain_prefix(lines: Sequence[str | bytes]) -> tuple[int, PlainFrame | None]:
+    """The plain frames `lines` begin with, merged into one as `read_frames` merges them:
+    (how many lines they are, the frame or None when the first line is no plain frame)."""
+    ids: list[int] = []
+    stamps: list[float] = []
+    texts: list[str] = []
+    count = 0
+    for line in lines:
+        plain = _plain_frame(line)
+        if plain is None:
+            break
+        count += 1
+        if count == 1 and len(lines) == 1:
+            return 1, plain
+        ids += plain.token_ids
+        stamps += plain.t
+        if plain.sse:
+            texts.append(plain.sse)
+    return count, _merged(ids, stamps, texts) if count else None
+
+
 def _merged(ids: list[int], stamps: list[float], texts: list[str]) -> PlainFrame:
     """One frame of consecutive plain frames: their tokens, stamps and SSE text in order."""
     return PlainFrame(ids, stamps, "".join(texts) if texts else None)

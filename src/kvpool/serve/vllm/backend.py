@@ -47,7 +47,7 @@ from kvpool.engine.worker.messages import (
 from kvpool.errors import InvalidArgument, WorkerCallError
 from kvpool.log import get_logger
 from kvpool.metadata.http_serving import CLIENT_KEEPALIVE_S
-from kvpool.serve.backend import BackendFeatures, EnginePrefixes
+from kvpool.serve.backend import BackendFeatures, EnginePrefixes, FrameRelay
 from kvpool.serve.config import ProxyConfig
 from kvpool.serve.ndjson_reply import ReplyError as HttpReplyError
 from kvpool.serve.vllm.metrics_text import METRICS_PATH, EngineMetrics, parse_metrics
@@ -350,8 +350,8 @@ class VllmBackend:
             raise WorkerCallError(url, COMPLETIONS, str(exc),
                                   None if status == 200 else status) from None
 
-    async def generate(self, url: str,
-                       req: GenerateRequest) -> AsyncGenerator[Frame | FinishLine]:
+    async def generate(self, url: str, req: GenerateRequest,
+                       relay: FrameRelay | None = None) -> AsyncGenerator[Frame | FinishLine]:
         if req.first_token_id is not None:
             raise WorkerCallError(url, COMPLETIONS, "a vLLM decode leg makes every output "
                                   "token itself: no first_token_id", 400)
