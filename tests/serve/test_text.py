@@ -215,3 +215,26 @@ def test_a_long_run_of_skipped_tokens_costs_a_short_decode_each(tiny_model: obje
         assert "".join(feed(s, ids)) + s.flush() == tok.decode(ids)
         assert s.num_tokens == len(ids)
         assert decoded < 10 * len(ids) + 50 * 50, decoded
+
+
+def test_a_long_outputs_text_is_not_kept_whole_in_the_window(tiny_model: object) -> None:
+    """40,000 tokens, one at a time and in chunks, with and without a stop string that
+    comes at the very end: the same text as decoding the whole output, and the window the
+    stream keeps (`_full`) stays short, so a token's cost does not grow with the output."""
+    tok = ModelTokenizer(str(tiny_model))
+    ids = tok.encode("héllo wörld, the cache block pool 日本語 " * 2000, add_special_tokens=False)
+    want = tok.decode(ids)
+    for stop in ([], ["zzzq"]):
+        for size in (1, 7):
+            s = TextStream(tok.decode, stop, tok.byte_pieces)
+            longest = 0
+            got = []
+            for i in range(0, len(ids), size):
+                got.append(s.push_many(ids[i:i + size]).text)
+                longest = max(longest, len(s._full))
+            got.append(s.flush())
+            assert "".join(got) == want == s.text and not s.stopped
+            assert longest < 4096, (stop, size, longest)  # of about 100,000 characters
+    s = TextStream(tok.decode, ["日本語 héllo"], tok.byte_pieces)
+    text = "".join(s.push(i).text for i in ids)
+    assert s.stopped and text == want[:want.index("日本語 héllo")] == s.text

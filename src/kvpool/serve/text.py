@@ -20,6 +20,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 _PARTIAL = "\ufffd"
+TRIM_CHARS = 1024
+"""Emitted characters a stream's text keeps before it drops those no call reads again."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,15 +55,28 @@ class TextStream:
         self._prefix = self._read = 0
         """Offsets in `_ids`: `_prefix.._read` decoded to the context of the next piece."""
         self._full = ""
-        """The output's text up to `_read` (complete characters only)."""
+        """The output's text up to `_read` (complete characters only), less what lies before
+        both what was emitted and where a stop string may still begin (`_trim`): a long
+        output's text is not copied again with every piece."""
         self._emitted = 0
-        self.text = ""
-        """Everything emitted so far."""
+        """Characters of `_full` emitted."""
+        self._dropped = 0
+        """Characters dropped from the front of `_full` (`_trim`)."""
+        self._texts: list[str] = []
+        """Everything emitted so far, in pieces (`text` joins them)."""
         self.stopped = False
 
     @property
     def num_tokens(self) -> int:
         return self._count
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        texts = self._texts
+        if len(texts) > 1:
+            texts[:] = ["".join(texts)]
+        return texts[0] if texts else ""
 
     def push(self, token_id: int) -> TextDelta:
         """Add one output token. After a stop (`stopped`), further tokens are ignored."""
@@ -166,7 +181,7 @@ class TextStream:
         if piece:
             self._full += piece
             self._prefix, self._read = self._read, end
-        elif self._full:
+        elif self._full or self._dropped:
             del ids[self._read:]
         else:
             self._read = end
@@ -186,8 +201,19 @@ class TextStream:
     def _emit(self, full: str, end: int) -> TextDelta:
         piece = full[self._emitted:end]
         self._emitted = max(self._emitted, end)
-        self.text += piece
+        if piece:
+            self._texts.append(piece)
+            if self._emitted > TRIM_CHARS:
+                self._trim()
         return TextDelta(piece, self.stopped)
+
+    def _trim(self) -> None:
+        """Drop the text no call reads again: before what was emitted and before where a stop
+        string may still begin (offsets into `_full` move with it)."""
+        cut = min(self._emitted, self._search_from)
+        self._full = self._full[cut:]
+        self._emitted -= cut
+        self._dropped += cut
 
     def _emit_unheld(self, full: str) -> TextDelta:
         """`full` emitted but for its tail that may begin a stop string."""
