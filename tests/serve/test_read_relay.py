@@ -12,7 +12,7 @@ import re
 import socket
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import ExitStack
 from pathlib import Path
 from types import SimpleNamespace
@@ -56,8 +56,9 @@ class _Relay:
     def ready(self) -> bool:
         return self.is_ready
 
-    def take(self, frame: PlainFrame) -> None:
+    def take(self, frame: PlainFrame) -> bool:
         self.frames.append(frame.token_ids)
+        return True
 
 
 def _reply(*body_lines: bytes) -> ReplyReader:
@@ -87,6 +88,21 @@ def test_a_finish_line_and_all_after_it_are_the_readers() -> None:
     reply.feed(_chunk(_frame([3])))
     assert take(reply) is False and relay.frames == [[1]]
     assert reply.lines() == [_frame([3]).rstrip()]
+
+
+def test_a_frame_the_relay_declines_goes_back_with_the_rest() -> None:
+    """A relay that does not take a frame (a stop string may end in it): those lines and all
+    after them are the reader's, and nothing of the stream is taken from then on."""
+    class Declining(_Relay):
+        def take(self, frame: PlainFrame) -> bool:
+            return False
+
+    take = _relay_lines(Declining(), lambda: None)
+    reply = _reply(_frame([1]), _frame([2]))
+    assert take(reply) is False
+    assert reply.lines() == [_frame([1]).rstrip(), _frame([2]).rstrip()]
+    reply.feed(_chunk(_frame([3])))
+    assert take(reply) is False and reply.lines() == [_frame([3]).rstrip()]
 
 
 def test_a_relay_not_ready_takes_nothing() -> None:
@@ -157,8 +173,9 @@ def test_frames_a_relay_stands_aside_for_reach_the_reader_in_order() -> None:
         def ready(self) -> bool:
             return not 5 <= len(seq) < 10
 
-        def take(self, frame: PlainFrame) -> None:
+        def take(self, frame: PlainFrame) -> bool:
             seq.extend(frame.token_ids)
+            return True
 
     relay = Stepping()
 
@@ -211,32 +228,44 @@ async def _generated(proxy: Any, prep: PreparedRequest, choice: Choice) -> bytes
     return b"".join([e async for e in _choice_events(proxy, prep, choice)])
 
 
-async def _relayed(proxy: Any, prep: PreparedRequest, choice: Choice, rest: list[list[int]],
-                   relay: ChoiceRelay) -> bytes:
+async def _relayed(proxy: Any, prep: PreparedRequest, rest: list[list[int]],
+                   choice: Callable[[list[list[int]]], Choice], relay: ChoiceRelay) -> bytes:
     """The generators' events for the first chunk, then `rest` through `relay` while they wait
-    for the next, then the end (flush and finish) from the generators."""
+    for the next, as long as it accepts them, then the rest of `rest` and the end (flush and
+    finish) from the generators."""
     written: list[bytes] = []
-    relay.choice = choice
+    left: list[list[int]] = []
+    c = relay.choice = choice(left)  # the generators read `left` once they wait again
     relay.attach(SimpleNamespace(ready=lambda: True, write=written.append))  # type: ignore[arg-type]
-    events = _choice_events(proxy, prep, choice)
+    events = _choice_events(proxy, prep, c)
     head = [await anext(events)]  # the first chunk's text (a chat's role chunk first)
     if prep.kind == "chat":
         head.append(await anext(events))
-    for ids in rest:
+    for i, ids in enumerate(rest):
+        if not relay.accepts(ids):
+            left += rest[i:]
+            break
         relay.take(ids)
     tail = [e async for e in events]
     return b"".join(head + written + tail)
 
 
-@pytest.mark.parametrize("kind", ["completion", "chat"])
-def test_relayed_chunks_are_the_bytes_the_generators_make(tiny_model: Path, kind: str) -> None:
+CASES = [("completion", []), ("chat", []), ("completion", ["日本"]), ("chat", ["ö"]),
+         ("completion", ["wörldX", "zq"])]
+"""(kind, stop strings): none; one that ends the text early (the relay stands aside at the
+chunk that may end it); ones that never match, though their beginnings are held back."""
+
+
+@pytest.mark.parametrize(("kind", "stop"), CASES)
+def test_relayed_chunks_are_the_bytes_the_generators_make(tiny_model: Path, kind: str,
+                                                         stop: list[str]) -> None:
     tok = ModelTokenizer(str(tiny_model))
     ids = tok.encode(TEXT, add_special_tokens=False)
     first, *rest = _chunks(ids)
     metrics = ProxyMetrics()
     proxy = SimpleNamespace(metrics=metrics, model_name="m", tokenizer=tok)
     job = ChoiceJob(0, 0, [5, 6], SamplingParams(max_tokens=len(ids)))
-    prep = PreparedRequest(kind, "cmpl-1", [[5, 6]], [job], [], True, False)  # type: ignore[arg-type]
+    prep = PreparedRequest(kind, "cmpl-1", [[5, 6]], [job], stop, True, False)  # type: ignore[arg-type]
     assert relayable(prep, 1)
 
     def choice(chunks: list[list[int]]) -> Choice:
@@ -244,16 +273,20 @@ def test_relayed_chunks_are_the_bytes_the_generators_make(tiny_model: Path, kind
             for c in chunks:
                 yield c
         run = SimpleNamespace(finish_reason="length", sse=None)
-        return Choice(job, run, first, gen(), TextStream(tok.decode, [], tok.byte_pieces))  # type: ignore[arg-type]
+        return Choice(job, run, first, gen(),  # type: ignore[arg-type]
+                      TextStream(tok.decode, stop, tok.byte_pieces))
 
     want = asyncio.run(_generated(proxy, prep, choice(rest)))
     relay = ChoiceRelay(metrics)
-    got = asyncio.run(_relayed(proxy, prep, choice([]), rest, relay))
+    got = asyncio.run(_relayed(proxy, prep, rest, choice, relay))
     assert _events(got) == _events(want)
-    assert metrics.read_relay_frames.value == len(rest)
-    assert "".join(json.loads(e[6:])["choices"][0].get("text", "") or
-                   json.loads(e[6:])["choices"][0].get("delta", {}).get("content", "") or ""
-                   for e in got.decode().split("\n\n") if e.startswith("data: {")) == TEXT
+    texts = "".join(json.loads(e[6:])["choices"][0].get("text", "") or
+                    json.loads(e[6:])["choices"][0].get("delta", {}).get("content", "") or ""
+                    for e in got.decode().split("\n\n") if e.startswith("data: {"))
+    cut = min((TEXT.index(x) for x in stop if x in TEXT), default=len(TEXT))
+    assert texts == TEXT[:cut]
+    relayed = metrics.read_relay_frames.value
+    assert (relayed == len(rest)) if cut == len(TEXT) else (0 < relayed < len(rest))
 
 
 def _events(body: bytes) -> list[bytes]:
@@ -266,7 +299,8 @@ def test_what_is_not_text_alone_is_not_relayed() -> None:
     base = PreparedRequest("completion", "cmpl-1", [[5]], [job], [], True, False)
     assert relayable(base, 1)
     from dataclasses import replace
-    for other in (replace(base, stream=False), replace(base, stop=["x"]),
+    assert relayable(replace(base, stop=["x"]), 1)  # as long as no stop string may end
+    for other in (replace(base, stream=False),
                   replace(base, logprobs=1), replace(base, echo=True),
                   replace(base, trace=True), replace(base, score_only=True)):
         assert not relayable(other, 1), other
@@ -325,6 +359,25 @@ def test_a_stream_relayed_in_the_read_callback_is_the_streams_text(proxies: Prox
     (relay_text, relayed), (plain_text, not_relayed) = got["relay"], got["plain"]
     assert relay_text == plain_text and relay_text[1][0]["completion_tokens"] == 400
     assert relayed > 100 and not_relayed == 0
+
+
+def test_a_stop_string_ends_a_relayed_stream_where_it_ends_the_others(
+        proxies: Proxies) -> None:
+    """A stop string from the middle of a stream's text: both proxies end the text right
+    before it, finish with `stop`, and the relaying one relayed the frames before it."""
+    body = LONG | {"max_tokens": 400}
+    text, _ = _text_and_usage(httpx.post(proxies["plain"] + "/v1/completions", json=body,
+                                         timeout=120).text)
+    stop = text[len(text) // 2:len(text) // 2 + 4]
+    got = {}
+    for name, url in proxies.items():
+        before = _relayed_frames(url)
+        resp = httpx.post(url + "/v1/completions", json=body | {"stop": [stop]}, timeout=120)
+        events = [json.loads(e[6:]) for e in resp.text.split("\n\n") if e.startswith("data: {")]
+        reasons = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
+        got[name] = (_text_and_usage(resp.text)[0], reasons, _relayed_frames(url) - before)
+    assert got["relay"][:2] == got["plain"][:2] == (text[:text.index(stop)], ["stop"])
+    assert got["relay"][2] > 10 and got["plain"][2] == 0
 
 
 def _raw_stream(url: str, body: dict[str, Any], pause_s: float) -> bytes:

@@ -70,7 +70,7 @@ def _add_leg_args(p: argparse.ArgumentParser) -> None:
                    "either backend, a stream's chunks are then written together per wake-up")
     p.add_argument("--no-read-relay", dest="read_relay", action="store_false",
                    help="every chunk of a stream through the proxy's generators (default: a "
-                   "streamed choice of text alone, without stop strings, is relayed in the "
+                   "streamed choice of text alone is relayed in the "
                    "worker connection's read callback)")
     p.add_argument("--worker-sse", action="store_true",
                    help="kvpool workers: streamed choices without logprobs or echo get their "

@@ -77,8 +77,9 @@ class FrameRelay(Protocol):
     def ready(self) -> bool:
         """Whether a frame may be taken now."""
 
-    def take(self, frame: PlainFrame) -> None:
-        """One frame (those of one read merged), taken instead of the task's reading it."""
+    def take(self, frame: PlainFrame) -> bool:
+        """One frame (those of one read merged), taken instead of the task's reading it; False
+        when it is not taken after all (the task reads it, and the rest of the stream)."""
 
 
 class EngineBackend(Protocol):

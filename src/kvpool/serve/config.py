@@ -54,11 +54,11 @@ class ProxyConfig:
     merges its outputs when its API server is behind; False: a chunk per engine step (per
     stream interval), boundaries that do not depend on timing."""
     read_relay: bool = True
-    """A streamed choice whose chunks are text alone (no logprobs, echo, trace, stop strings;
-    one choice) takes its decode leg's frames in the worker connection's read callback and
-    writes their chunks there (serve/responses.py `ChoiceRelay`): the same bytes, without a
-    task switch and the generators between the two streams per chunk. False: every chunk
-    goes through them."""
+    """A streamed choice whose chunks are text alone (no logprobs, echo or trace; one choice)
+    takes its decode leg's frames in the worker connection's read callback and writes their
+    chunks there, up to a frame in which a stop string may end (serve/responses.py
+    `ChoiceRelay`): the same bytes, without a task switch and the generators between the two
+    streams per chunk. False: every chunk goes through them."""
     worker_sse: bool = False
     """kvpool workers: a streamed choice without logprobs, echo or trace gets its text chunks
     from its decoding worker (detokenized, stop strings applied there), relayed as they come

@@ -197,6 +197,10 @@ class ChunkRelay(Protocol):
 
     def ready(self) -> bool: ...
 
+    def accepts(self, ids: list[int]) -> bool:
+        """Whether it can take these tokens there and then (else the generators take them,
+        and the rest of the leg)."""
+
     def take(self, ids: list[int]) -> None: ...
 
 
@@ -419,12 +423,19 @@ class Run:
         """FrameRelay: a frame of the decode leg may be taken in the read callback."""
         return self.relay_chunk is not None and self.relay_chunk.ready()
 
-    def take(self, frame: PlainFrame) -> None:
+    def take(self, frame: PlainFrame) -> bool:
         """FrameRelay: a frame of the decode leg, from the read callback: what the leg would
-        have yielded goes to the response's `relay_chunk`."""
+        have yielded goes to the response's `relay_chunk`, unless it does not accept those
+        tokens (then nothing is recorded: the leg's generator reads the frame)."""
+        relay = self.relay_chunk
+        assert relay is not None and self._leg is not None  # ready() said so
+        new = frame.token_ids[1:] if self._leg.skip_echo else frame.token_ids  # _frame_ids's
+        if new and not relay.accepts(new):
+            return False
         ids = self._frame_ids(frame, self.d.clock.now())
         if ids:
-            self.relay_chunk.take(ids)  # type: ignore[union-attr]  # ready() said it is set
+            relay.take(ids)
+        return True
 
     def _frame_ids(self, line: Frame, now: float) -> list[int] | None:
         """A frame of the current decode leg (received at `now`) recorded: its output ids,

@@ -122,6 +122,11 @@ class ChoiceRelay:
         return self._writer is not None and c is not None and c.texts is not None \
             and self._writer.ready()
 
+    def accepts(self, ids: list[int]) -> bool:
+        """No stop string can end in these tokens (a stop ends the stream: the generators'
+        part)."""
+        return self.choice is not None and self.choice.text.cannot_stop(ids)
+
     def take(self, ids: list[int]) -> None:
         c, m = self.choice, self._metrics
         assert c is not None and c.texts is not None and self._writer is not None  # ready()
@@ -133,17 +138,18 @@ class ChoiceRelay:
         before = text.num_tokens
         delta = text.push_many(ids)
         m.output_tokens.inc(text.num_tokens - before)
-        assert not delta.stopped, "a relayed choice has no stop strings"
+        assert not delta.stopped, "accepts() said no stop string ends here"
         if delta.text:
             self._writer.write(c.texts.sse(delta.text))
 
 
 def relayable(prep: PreparedRequest, jobs: int) -> bool:
     """Whether a request's one streamed choice may take its chunks in the read callback
-    (`ChoiceRelay`): its chunks are text alone (no logprobs, echo, trace or scoring) and no
-    stop string may end it (what a chunk writes never depends on the next)."""
+    (`ChoiceRelay`): its chunks are text alone (no logprobs, echo, trace or scoring). With stop
+    strings, only chunks in which none can end (`TextStream.cannot_stop`): from the first that
+    might, the generators take the stream."""
     return prep.stream and jobs == 1 and prep.logprobs is None and not prep.echo \
-        and not prep.trace and not prep.score_only and not prep.stop
+        and not prep.trace and not prep.score_only
 
 
 def usage_of(prep: PreparedRequest, choices: list[Choice]) -> dict[str, Any]:

@@ -103,7 +103,7 @@ class TextStream:
         a stop string ends the request at the token that completes it)."""
         if len(token_ids) == 1:
             return self.push(token_ids[0])
-        if not self.stopped and (not self._stop or self._stop_cannot_end(token_ids)):
+        if not self.stopped and self.cannot_stop(token_ids):
             return self._push_whole(token_ids)
         texts = []
         for tok in token_ids:
@@ -128,6 +128,11 @@ class TextStream:
                 break
         full = self._full
         return self._emit_unheld(full) if self._stop else self._emit(full, len(full))
+
+    def cannot_stop(self, token_ids: Sequence[int]) -> bool:
+        """Whether no stop string can end in this chunk (`push_many` of it never stops): there
+        is none, or `_stop_cannot_end` says so."""
+        return not self._stop or self._stop_cannot_end(token_ids)
 
     def _stop_cannot_end(self, token_ids: Sequence[int]) -> bool:
         """Whether no stop string can end inside this chunk, so that it can go whole: with a

@@ -271,9 +271,9 @@ class WorkerClient:
 def _relay_lines(relay: FrameRelay, on_lines: Callable[[], None]) -> LineRelay:
     """A stream's relay in the read callback: the plain frames a read begins with go to
     `relay`, merged, while it is ready. The first line that is no plain frame (the finish, an
-    error line, a frame with logprobs, a malformed line) and everything after it go to the
-    reader, and so does the rest of the stream: what follows such a line is the reader's to
-    judge."""
+    error line, a frame with logprobs, a malformed line), or a frame the relay does not take,
+    and everything after it go to the reader, and so does the rest of the stream: what follows
+    is the reader's to judge."""
     stopped = False
 
     def take(reply: ReplyReader) -> bool:
@@ -282,12 +282,13 @@ def _relay_lines(relay: FrameRelay, on_lines: Callable[[], None]) -> LineRelay:
             return False
         lines = reply.lines()
         count, frame = plain_prefix(lines)
+        if frame is not None and relay.take(frame):
+            on_lines()
+        else:
+            count = 0
         if count < len(lines):
             stopped = True
             reply.put_back(lines[count:])
-        if frame is not None:
-            relay.take(frame)
-            on_lines()
         return not stopped and not reply.done
 
     return take
