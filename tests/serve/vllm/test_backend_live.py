@@ -8,6 +8,7 @@ through the pool is test_backend_pd_live.py (slow job)."""
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,23 @@ def test_streaming_and_what_the_backend_does_not_serve(fleet: Fleet) -> None:
     assert streamed(url, p, 6) == (whole["choices"][0]["text"], 6)
     refused = complete(url, p, 2, echo=True, logprobs=1)
     assert refused.status_code == 400 and "prompt_logprobs" in refused.text
+
+
+def _relayed_frames(url: str) -> float:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return float(re.search(r"^kvpool_proxy_read_relay_frames_total (\S+)$", text, re.M)
+                 .group(1))  # type: ignore[union-attr]
+
+
+def test_a_long_stream_is_relayed_in_the_read_callback(fleet: Fleet) -> None:
+    """vLLM's stream chunks of tokens, taken in the read callback (most of a 200-token
+    stream's), give the text and the token count the whole response gives."""
+    url = fleet.urls["colocated"]
+    p = prompt(71, 20)
+    whole = complete(url, p, 200).json()
+    before = _relayed_frames(url)
+    assert streamed(url, p, 200) == (whole["choices"][0]["text"], 200)
+    assert _relayed_frames(url) - before > 50
 
 
 def test_urls_that_do_not_join_are_logged_with_the_reason(fleet: Fleet) -> None:

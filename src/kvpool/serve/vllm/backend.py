@@ -24,8 +24,8 @@ import asyncio
 import hashlib
 import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from dataclasses import replace
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import httpx
@@ -50,6 +50,7 @@ from kvpool.metadata.http_serving import CLIENT_KEEPALIVE_S
 from kvpool.serve.backend import BackendFeatures, EnginePrefixes, FrameRelay
 from kvpool.serve.config import ProxyConfig
 from kvpool.serve.ndjson_reply import ReplyError as HttpReplyError
+from kvpool.serve.ndjson_reply import ReplyReader
 from kvpool.serve.vllm.metrics_text import METRICS_PATH, EngineMetrics, parse_metrics
 from kvpool.serve.vllm.mooncake_p2p import MooncakeP2P, new_transfer_id
 from kvpool.serve.vllm.prefixes import InstancePrefixes
@@ -61,7 +62,7 @@ from kvpool.serve.vllm.wire import (
     stream_delta,
 )
 from kvpool.serve.worker_client import CONNECT_S
-from kvpool.serve.worker_stream import StreamCall, StreamPool, call_whole
+from kvpool.serve.worker_stream import LineRelay, StreamCall, StreamPool, call_whole
 
 log = get_logger("serve.vllm")
 DEFAULT_BLOCK_SIZE = 16
@@ -366,10 +367,13 @@ class VllmBackend:
                                            self.timeout_s)
         except (OSError, ValueError) as exc:  # HttpReplyError, a URL it cannot use
             raise WorkerCallError(url, COMPLETIONS, repr(exc)) from None
+        tally = _Tally()
         try:
             if call.status != 200:
                 self._reply(url, call.status, await call.read_all())
-            async for line in self._lines(url, _call_lines(call), req.sampling.logprobs):
+            if relay is not None and req.sampling.logprobs is None:
+                call.relay_with(_relay_chunks(relay, tally, self.streams.on_lines))
+            async for line in self._lines(url, _call_lines(call), req.sampling.logprobs, tally):
                 yield line
         except (OSError, HttpReplyError) as exc:
             raise WorkerCallError(url, COMPLETIONS, repr(exc)) from None
@@ -406,12 +410,15 @@ class VllmBackend:
                                kv_transfer_params=req.kv_transfer_params)
 
     async def _lines(self, url: str, batches: AsyncIterator[Sequence[str | bytes]],
-                     logprobs_k: int | None) -> AsyncGenerator[Frame | FinishLine]:
+                     logprobs_k: int | None,
+                     tally: _Tally | None = None) -> AsyncGenerator[Frame | FinishLine]:
         """The stream's tokens, a frame per read (the chunks that came in together, as one
         engine step's would), then one finish line once the stream is done (after vLLM's usage
-        chunk, which says how many prompt tokens were cached)."""
+        chunk, which says how many prompt tokens were cached). `tally` counts the output
+        tokens, those a relay took in the read callback too (`_relay_chunks`)."""
         finish: str | None = None
-        num_tokens, cached = 0, 0
+        cached = 0
+        tally = tally or _Tally()
         async for batch in batches:
             ids: list[int] = []
             lps: list[TokenLogprob | None] = []
@@ -429,17 +436,69 @@ class VllmBackend:
                 cached = delta.num_cached_tokens if delta.num_cached_tokens is not None \
                     else cached
             if ids:
-                num_tokens += len(ids)
+                tally.num_tokens += len(ids)
                 stamps = [time.monotonic()] * len(ids)
                 yield PlainFrame(ids, stamps) if logprobs_k is None else \
                     TokensLine(token_ids=ids, t=stamps, logprobs=lps)
         if finish is not None:
-            yield FinishLine(finish_reason=finish, num_output_tokens=num_tokens,
+            yield FinishLine(finish_reason=finish, num_output_tokens=tally.num_tokens,
                              num_cached_tokens=cached)
 
     async def abort(self, url: str, request_id: str) -> None:
         """Nothing to send: vLLM aborts a request when its connection closes, which the
         dispatcher's leg did already."""
+
+
+@dataclass(slots=True)
+class _Tally:
+    """A decode leg's output tokens so far, counted by its reader and its relay alike."""
+
+    num_tokens: int = 0
+
+
+def _relay_chunks(relay: FrameRelay, tally: _Tally, on_lines: Callable[[], None]) -> LineRelay:
+    """A vLLM stream's relay in the read callback (as `worker_client._relay_lines` for
+    kvpool's frames): the chunks of tokens a read begins with go to `relay` as one frame,
+    while it is ready. The first chunk that ends the stream or says more (a finish reason,
+    the usage, handoff parameters, an error, a line it cannot read), or a frame the relay does
+    not take, and everything after it go to the reader, and so does the rest of the stream."""
+    stopped = False
+
+    def take(reply: ReplyReader) -> bool:
+        nonlocal stopped
+        if stopped or not relay.ready():
+            return False
+        lines = reply.lines()
+        count, ids = _token_chunks(lines)
+        if ids and relay.take(PlainFrame(ids, [time.monotonic()] * len(ids))):
+            tally.num_tokens += len(ids)
+            on_lines()
+        elif ids:
+            count = 0
+        if count < len(lines):
+            stopped = True
+            reply.put_back(lines[count:])
+        return not stopped and not reply.done
+
+    return take
+
+
+def _token_chunks(lines: Sequence[bytes]) -> tuple[int, list[int]]:
+    """How many of `lines` are, from the first, chunks of tokens alone (or lines without a
+    chunk: `[DONE]`, comments), and their tokens."""
+    ids: list[int] = []
+    for count, raw in enumerate(lines):
+        try:
+            delta = stream_delta(raw, None)
+        except ReplyError:
+            return count, ids
+        if delta is None:
+            continue
+        if delta.finish_reason is not None or delta.num_cached_tokens is not None \
+                or delta.kv_transfer_params is not None:
+            return count, ids
+        ids += delta.token_ids
+    return len(lines), ids
 
 
 async def _call_lines(call: StreamCall) -> AsyncIterator[list[bytes]]:
