@@ -22,17 +22,22 @@ import httpx
 import pytest
 
 from kvpool.engine.config import SamplingParams
-from kvpool.engine.worker.messages import FinishLine, PlainFrame, ndjson_line
+from kvpool.engine.worker.messages import FinishLine, PlainFrame, ndjson_line, plain_prefix
+from kvpool.serve.backend import FrameRelay, read_relay
 from kvpool.serve.metrics import ProxyMetrics
 from kvpool.serve.ndjson_reply import ReplyReader
 from kvpool.serve.requests import ChoiceJob, PreparedRequest
 from kvpool.serve.responses import Choice, ChoiceRelay, _choice_events, relayable
 from kvpool.serve.text import TextStream
 from kvpool.serve.tokenizer import ModelTokenizer
-from kvpool.serve.worker_client import _relay_lines
-from kvpool.serve.worker_stream import StreamPool
+from kvpool.serve.worker_stream import LineRelay, StreamPool
 from tests.serve.test_worker_client import read_request
 from tests.serve.test_worker_stream import HEAD, _lines, _serving
+
+
+def _relay_lines(relay: FrameRelay, on_lines: Callable[[], None]) -> LineRelay:
+    """kvpool's lean reader's relay (worker_client.generate)."""
+    return read_relay(relay, plain_prefix, on_lines)
 
 
 def _frame(ids: list[int]) -> bytes:

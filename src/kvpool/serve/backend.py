@@ -19,7 +19,7 @@ admitted.
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -35,7 +35,8 @@ from kvpool.engine.worker.messages import (
     PrefillReply,
     PrefillRequest,
 )
-from kvpool.serve.worker_stream import StreamPool
+from kvpool.serve.ndjson_reply import ReplyReader
+from kvpool.serve.worker_stream import LineRelay, StreamPool
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +81,42 @@ class FrameRelay(Protocol):
     def take(self, frame: PlainFrame) -> bool:
         """One frame (those of one read merged), taken instead of the task's reading it; False
         when it is not taken after all (the task reads it, and the rest of the stream)."""
+
+
+FramePrefix = Callable[[list[bytes]], tuple[int, PlainFrame | None]]
+"""How many of a read's lines, from the first, a relay may take, and their tokens as one frame
+(None: no tokens among them)."""
+
+
+def read_relay(relay: FrameRelay, prefix: FramePrefix, on_lines: Callable[[], None],
+               on_taken: Callable[[PlainFrame], None] | None = None) -> LineRelay:
+    """A stream's relay in the read callback, for a backend's lean reader: the lines a read
+    begins with that `prefix` admits go to `relay` as one frame, while it is ready
+    (`on_taken` told of each frame it took). The first line `prefix` does not admit (a finish,
+    an error, a line it cannot read), or a frame the relay does not take, and everything
+    after it go to the reader, and so does the rest of the stream: what follows is the
+    reader's to judge."""
+    stopped = False
+
+    def take(reply: ReplyReader) -> bool:
+        nonlocal stopped
+        if stopped or not relay.ready():
+            return False
+        lines = reply.lines()
+        count, frame = prefix(lines)
+        if frame is not None:
+            if relay.take(frame):
+                if on_taken is not None:
+                    on_taken(frame)
+                on_lines()
+            else:
+                count = 0
+        if count < len(lines):
+            stopped = True
+            reply.put_back(lines[count:])
+        return not stopped and not reply.done
+
+    return take
 
 
 class EngineBackend(Protocol):

@@ -34,9 +34,9 @@ from kvpool.engine.worker.messages import (
 from kvpool.errors import AuthError, WorkerCallError
 from kvpool.log import get_logger
 from kvpool.metadata.http_serving import CLIENT_KEEPALIVE_S
-from kvpool.serve.backend import BackendFeatures, EnginePrefixes, FrameRelay
-from kvpool.serve.ndjson_reply import ReplyError, ReplyReader
-from kvpool.serve.worker_stream import LineRelay, StreamPool, call_whole
+from kvpool.serve.backend import BackendFeatures, EnginePrefixes, FrameRelay, read_relay
+from kvpool.serve.ndjson_reply import ReplyError
+from kvpool.serve.worker_stream import StreamPool, call_whole
 
 log = get_logger("serve.worker_client")
 M = TypeVar("M", InfoReply, LoadReply, PrefillReply)
@@ -190,7 +190,7 @@ class WorkerClient:
         closed, and a new one, TIME-WAIT included, for every request). http:// workers are
         read by the lean client (serve/worker_stream.py), others through httpx; with `relay`
         (and merged frames), the lean client hands it the plain frames that come while this
-        generator waits, in the connection's read callback (`_relay_lines`)."""
+        generator waits, in the connection's read callback (`backend.read_relay`)."""
         body = req.model_dump_json().encode()
         lines: AsyncGenerator[list[bytes]] | AsyncGenerator[list[str]] = \
             self._lean_lines(url, body, relay if self.merge_frames else None) \
@@ -238,7 +238,7 @@ class WorkerClient:
             if call.status != 200:
                 raise self._refused(url, path, call.status, await call.read_all())
             if relay is not None:
-                call.relay_with(_relay_lines(relay, self.streams.on_lines))
+                call.relay_with(read_relay(relay, plain_prefix, self.streams.on_lines))
             while batch := await call.next_lines():
                 yield batch
         except (OSError, ReplyError) as exc:
@@ -266,32 +266,6 @@ class WorkerClient:
                                  headers=self._headers(url, "/abort", body), timeout=2.0)
         except (httpx.HTTPError, WorkerCallError) as exc:
             log.debug("abort of %s on %s failed: %r", request_id, url, exc)
-
-
-def _relay_lines(relay: FrameRelay, on_lines: Callable[[], None]) -> LineRelay:
-    """A stream's relay in the read callback: the plain frames a read begins with go to
-    `relay`, merged, while it is ready. The first line that is no plain frame (the finish, an
-    error line, a frame with logprobs, a malformed line), or a frame the relay does not take,
-    and everything after it go to the reader, and so does the rest of the stream: what follows
-    is the reader's to judge."""
-    stopped = False
-
-    def take(reply: ReplyReader) -> bool:
-        nonlocal stopped
-        if stopped or not relay.ready():
-            return False
-        lines = reply.lines()
-        count, frame = plain_prefix(lines)
-        if frame is not None and relay.take(frame):
-            on_lines()
-        else:
-            count = 0
-        if count < len(lines):
-            stopped = True
-            reply.put_back(lines[count:])
-        return not stopped and not reply.done
-
-    return take
 
 
 JSON = {"Content-Type": "application/json"}

@@ -1,12 +1,13 @@
-"""The vllm backend's relay in the read callback (`_relay_chunks`): the chunks of tokens a read
+"""The vllm backend's relay in the read callback (`read_relay` over `_token_chunks`): the chunks of tokens a read
 of a vLLM stream begins with go to the run as one frame; the chunk with the finish reason, the
 usage, handoff parameters, an error, and everything after them are the reader's."""
 
 from __future__ import annotations
 
 from kvpool.engine.worker.messages import PlainFrame
+from kvpool.serve.backend import read_relay
 from kvpool.serve.ndjson_reply import ReplyReader
-from kvpool.serve.vllm.backend import _relay_chunks, _Tally, _token_chunks
+from kvpool.serve.vllm.backend import _Tally, _token_chunks
 from tests.serve.test_worker_stream import HEAD
 
 TOKENS = b'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":' \
@@ -40,16 +41,22 @@ def _reply(*lines: bytes) -> ReplyReader:
     return reply
 
 
+def _ids(lines: list[bytes]) -> tuple[int, list[int] | None]:
+    count, frame = _token_chunks(lines)
+    return count, None if frame is None else frame.token_ids
+
+
 def test_the_chunks_of_tokens_a_read_begins_with_are_counted() -> None:
-    assert _token_chunks([TOKENS, b": keep-alive", MORE, FINISH, MORE]) == (3, [7, 8, 9])
+    assert _ids([TOKENS, b": keep-alive", MORE, FINISH, MORE]) == (3, [7, 8, 9])
     for end in (FINISH, USAGE, HANDOFF, ERROR, b"data: {not json"):
-        assert _token_chunks([TOKENS, end, MORE]) == (1, [7, 8]), end
-    assert _token_chunks([MORE, b"data: [DONE]"]) == (2, [9])
+        assert _ids([TOKENS, end, MORE]) == (1, [7, 8]), end
+    assert _ids([MORE, b"data: [DONE]"]) == (2, [9])
+    assert _ids([b"data: [DONE]"]) == (1, None) and _ids([FINISH]) == (0, None)
 
 
 def test_a_relayed_vllm_stream_leaves_its_end_to_the_reader() -> None:
     relay, tally, told = _Relay(), _Tally(), []
-    take = _relay_chunks(relay, tally, lambda: told.append(1))
+    take = read_relay(relay, _token_chunks, lambda: told.append(1), tally.add)
     reply = _reply(TOKENS, MORE)
     assert take(reply) is True and relay.frames == [[7, 8, 9]] and tally.num_tokens == 3
     reply.feed(b"%x\r\n%s\r\n" % (len(MORE + b"\n\n" + FINISH + b"\n\n" + USAGE + b"\n\n"),
@@ -63,7 +70,7 @@ def test_a_relayed_vllm_stream_leaves_its_end_to_the_reader() -> None:
 
 def test_a_frame_the_run_does_not_take_goes_back_whole() -> None:
     tally = _Tally()
-    take = _relay_chunks(_Relay(takes=False), tally, lambda: None)
+    take = read_relay(_Relay(takes=False), _token_chunks, lambda: None, tally.add)
     reply = _reply(TOKENS, MORE)
     assert take(reply) is False and tally.num_tokens == 0
     assert reply.lines() == [TOKENS, MORE]

@@ -24,7 +24,7 @@ import asyncio
 import hashlib
 import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
@@ -47,10 +47,9 @@ from kvpool.engine.worker.messages import (
 from kvpool.errors import InvalidArgument, WorkerCallError
 from kvpool.log import get_logger
 from kvpool.metadata.http_serving import CLIENT_KEEPALIVE_S
-from kvpool.serve.backend import BackendFeatures, EnginePrefixes, FrameRelay
+from kvpool.serve.backend import BackendFeatures, EnginePrefixes, FrameRelay, read_relay
 from kvpool.serve.config import ProxyConfig
 from kvpool.serve.ndjson_reply import ReplyError as HttpReplyError
-from kvpool.serve.ndjson_reply import ReplyReader
 from kvpool.serve.vllm.metrics_text import METRICS_PATH, EngineMetrics, parse_metrics
 from kvpool.serve.vllm.mooncake_p2p import MooncakeP2P, new_transfer_id
 from kvpool.serve.vllm.prefixes import InstancePrefixes
@@ -62,7 +61,7 @@ from kvpool.serve.vllm.wire import (
     stream_delta,
 )
 from kvpool.serve.worker_client import CONNECT_S
-from kvpool.serve.worker_stream import LineRelay, StreamCall, StreamPool, call_whole
+from kvpool.serve.worker_stream import StreamCall, StreamPool, call_whole
 
 log = get_logger("serve.vllm")
 DEFAULT_BLOCK_SIZE = 16
@@ -372,7 +371,8 @@ class VllmBackend:
             if call.status != 200:
                 self._reply(url, call.status, await call.read_all())
             if relay is not None and req.sampling.logprobs is None:
-                call.relay_with(_relay_chunks(relay, tally, self.streams.on_lines))
+                call.relay_with(read_relay(relay, _token_chunks, self.streams.on_lines,
+                                           tally.add))
             async for line in self._lines(url, _call_lines(call), req.sampling.logprobs, tally):
                 yield line
         except (OSError, HttpReplyError) as exc:
@@ -415,7 +415,7 @@ class VllmBackend:
         """The stream's tokens, a frame per read (the chunks that came in together, as one
         engine step's would), then one finish line once the stream is done (after vLLM's usage
         chunk, which says how many prompt tokens were cached). `tally` counts the output
-        tokens, those a relay took in the read callback too (`_relay_chunks`)."""
+        tokens, those a relay took in the read callback too (`read_relay`, `_token_chunks`)."""
         finish: str | None = None
         cached = 0
         tally = tally or _Tally()
@@ -455,50 +455,31 @@ class _Tally:
 
     num_tokens: int = 0
 
-
-def _relay_chunks(relay: FrameRelay, tally: _Tally, on_lines: Callable[[], None]) -> LineRelay:
-    """A vLLM stream's relay in the read callback (as `worker_client._relay_lines` for
-    kvpool's frames): the chunks of tokens a read begins with go to `relay` as one frame,
-    while it is ready. The first chunk that ends the stream or says more (a finish reason,
-    the usage, handoff parameters, an error, a line it cannot read), or a frame the relay does
-    not take, and everything after it go to the reader, and so does the rest of the stream."""
-    stopped = False
-
-    def take(reply: ReplyReader) -> bool:
-        nonlocal stopped
-        if stopped or not relay.ready():
-            return False
-        lines = reply.lines()
-        count, ids = _token_chunks(lines)
-        if ids and relay.take(PlainFrame(ids, [time.monotonic()] * len(ids))):
-            tally.num_tokens += len(ids)
-            on_lines()
-        elif ids:
-            count = 0
-        if count < len(lines):
-            stopped = True
-            reply.put_back(lines[count:])
-        return not stopped and not reply.done
-
-    return take
+    def add(self, frame: PlainFrame) -> None:
+        self.num_tokens += len(frame.token_ids)
 
 
-def _token_chunks(lines: Sequence[bytes]) -> tuple[int, list[int]]:
+def _token_chunks(lines: Sequence[bytes]) -> tuple[int, PlainFrame | None]:
     """How many of `lines` are, from the first, chunks of tokens alone (or lines without a
-    chunk: `[DONE]`, comments), and their tokens."""
+    chunk: `[DONE]`, comments), and their tokens as one frame (None: none). A chunk that ends
+    the stream or says more (a finish reason, the usage, handoff parameters, an error, a line
+    it cannot read) ends them: the vllm backend's relay in the read callback takes these."""
     ids: list[int] = []
-    for count, raw in enumerate(lines):
+    count = len(lines)
+    for i, raw in enumerate(lines):
         try:
             delta = stream_delta(raw, None)
         except ReplyError:
-            return count, ids
+            count = i
+            break
         if delta is None:
             continue
         if delta.finish_reason is not None or delta.num_cached_tokens is not None \
                 or delta.kv_transfer_params is not None:
-            return count, ids
+            count = i
+            break
         ids += delta.token_ids
-    return len(lines), ids
+    return count, PlainFrame(ids, [time.monotonic()] * len(ids)) if ids else None
 
 
 async def _call_lines(call: StreamCall) -> AsyncIterator[list[bytes]]:
