@@ -31,8 +31,10 @@ from kvpool.bench.proc_cpu import (
 )
 from kvpool.bench.proxy import _completion_tokens, _loads, _ndjson_tokens, _sse_tokens, int_list
 from kvpool.bench.proxy_rows import (
+    Scrape,
     Tally,
     bucket_delta,
+    fmt,
     histogram_quantile,
     rows,
     with_added_latency,
@@ -251,7 +253,8 @@ def test_histogram_quantiles_interpolate_inside_the_bucket() -> None:
 def test_rows_carry_latency_added_over_direct_and_decisions() -> None:
     tallies = {("kvpool", "req16", 1): Tally(), ("direct", "req16", 1): Tally()}
     tallies["kvpool", "req16", 1].add(Load(4, 64, 0.02, (0.005, 0.005, 0.006, 0.010)), 0.008,
-                                      0.004, {1e-4: 3.0, 2e-4: 4.0, float("inf"): 4.0},
+                                      0.004, Scrape({1e-4: 3.0, 2e-4: 4.0, float("inf"): 4.0},
+                                                    chunks=40.0, relayed=30.0),
                                       relay_writes=16)
     tallies["direct", "req16", 1].add(Load(4, 64, 0.016, (0.004,) * 4), 0.0, 0.004)
     out = {r["relay"]: r for r in rows(tallies, {"engines": 1})}
@@ -263,6 +266,8 @@ def test_rows_carry_latency_added_over_direct_and_decisions() -> None:
     assert k["added_p50_ms"] == 1.5 and "added_p50_ms" not in d
     assert k["decision_p50_us"] == pytest.approx(66.7, abs=0.1)
     assert "decision_p50_us" not in d and d["req_per_relay_cpu_s"] is None
+    assert k["read_relay_share"] == 0.75 and "read_relay_share" not in d
+    assert "75% of chunks relayed in the read callback" in fmt(k)
     assert with_added_latency([{"relay": "kvpool", "load": "x", "concurrency": 1,
                                 "latency_p50_ms": 1.0}]) == [
         {"relay": "kvpool", "load": "x", "concurrency": 1, "latency_p50_ms": 1.0}]

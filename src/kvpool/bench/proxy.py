@@ -47,7 +47,16 @@ from kvpool.bench.http_load import Load, drive
 from kvpool.bench.loop_relay import running_loop_relay
 from kvpool.bench.nginx import INSTALL_HINT, find_nginx, running_nginx
 from kvpool.bench.proc_cpu import CpuMeter, ThreadShareMeter, WriteMeter, child_pids
-from kvpool.bench.proxy_rows import DECISION_METRIC, DIRECT, Buckets, Tally, bucket_delta, fmt, rows
+from kvpool.bench.proxy_rows import (
+    CHUNKS_METRIC,
+    DECISION_METRIC,
+    DIRECT,
+    RELAYED_METRIC,
+    Scrape,
+    Tally,
+    fmt,
+    rows,
+)
 from kvpool.engine.worker.loop import ENGINE_THREAD
 from kvpool.errors import KvpoolError
 from kvpool.launch.wait import wait_for
@@ -175,10 +184,10 @@ def measure(relays_up: list[Relay], worker_pids: list[int],
 
 
 def _run(r: Relay, num: int, concurrency: int, max_tokens: int, stream: bool,
-         worker_pids: list[int]) -> tuple[Load, float, float, Buckets | None, float, int]:
-    """(the load's figures, the relay's CPU, the workers', the decisions, the workers' engine
-    threads', the relay's write calls)."""
-    before = _decisions(r.metrics_url)
+         worker_pids: list[int]) -> tuple[Load, float, float, Scrape | None, float, int]:
+    """(the load's figures, the relay's CPU, the workers', what the proxy's /metrics counted
+    meanwhile, the workers' engine threads', the relay's write calls)."""
+    before = _scrape(r.metrics_url)
     relay, writes = (CpuMeter(r.pids), WriteMeter(r.pids)) if r.pids else (None, None)
     worker = ThreadShareMeter(worker_pids, ENGINE_THREAD)
     if relay and writes:
@@ -189,22 +198,30 @@ def _run(r: Relay, num: int, concurrency: int, max_tokens: int, stream: bool,
                              lambda body: r.check(body, max_tokens, stream), num, concurrency))
     relay_s, (worker_s, engine_s) = relay.seconds() if relay else 0.0, worker.seconds()
     written = writes.calls() if writes else 0
-    after = _decisions(r.metrics_url)
+    after = _scrape(r.metrics_url)
     return load, relay_s, worker_s, \
-        bucket_delta(before, after) if before is not None and after is not None else None, \
+        before.delta(after) if before is not None and after is not None else None, \
         engine_s, written
 
 
-def _decisions(url: str | None) -> Buckets | None:
-    """The proxy's decision histogram now (cumulative count by `le`), or None."""
+def _scrape(url: str | None) -> Scrape | None:
+    """The proxy's decision histogram (cumulative count by `le`) and its stream chunk counts
+    now, or None."""
     if url is None:
         return None
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{url}/metrics", timeout=30).text
-    return {float(s.labels["le"]): s.value for family in text_string_to_metric_families(text)
-            if family.name == DECISION_METRIC for s in family.samples
-            if s.name == DECISION_METRIC + "_bucket"}
+    out = Scrape({})
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == DECISION_METRIC + "_bucket":
+                out.decisions[float(s.labels["le"])] = s.value
+            elif s.name == CHUNKS_METRIC:
+                out.chunks = s.value
+            elif s.name == RELAYED_METRIC:
+                out.relayed = s.value
+    return out
 
 
 @contextmanager

@@ -5,7 +5,8 @@ client asking the worker straight). Pure: no processes, no sockets.
     row (one per relay, load, concurrency): req/s, tokens/s, the relay's CPU per token and per
     request and requests per relay-CPU second, the worker's CPU per token, latency p50/p99,
     added latency p50/p99 over `direct`, the conductor's decision time p50/p99 (from the
-    proxy's kvpool_proxy_decision_seconds histogram), and `ratio_*` over nginx.
+    proxy's kvpool_proxy_decision_seconds histogram), the share of its streams' chunks after
+    the first taken in the read callback (`read_relay_share`), and `ratio_*` over nginx.
 """
 
 from __future__ import annotations
@@ -21,9 +22,26 @@ from kvpool.bench.trace_prompts import pct
 DIRECT = "direct"
 """The relay name of the client asking the worker straight (no relay: the latency anchor)."""
 DECISION_METRIC = "kvpool_proxy_decision_seconds"
+CHUNKS_METRIC = "kvpool_proxy_tbt_seconds_count"
+"""The chunks of streams after their first (one TBT observation each)."""
+RELAYED_METRIC = "kvpool_proxy_read_relay_frames_total"
+"""Of those, the frames taken in the worker connection's read callback."""
 
 Buckets = dict[float, float]
 """A Prometheus histogram's cumulative counts by upper bound (`le`; inf included)."""
+
+
+@dataclass
+class Scrape:
+    """What a proxy's /metrics says (a reading, or what it counted between two)."""
+
+    decisions: Buckets
+    chunks: float = 0.0
+    relayed: float = 0.0
+
+    def delta(self, after: Scrape) -> Scrape:
+        return Scrape(bucket_delta(self.decisions, after.decisions),
+                      after.chunks - self.chunks, after.relayed - self.relayed)
 
 
 @dataclass
@@ -43,9 +61,13 @@ class Tally:
     latencies_s: list[float] = field(default_factory=list)
     decisions: Buckets | None = None
     """The decision histogram's counts over these runs (None: not read for this relay)."""
+    chunks: float = 0.0
+    relayed: float = 0.0
+    """Chunks of streams after their first, and of those the frames relayed in the read
+    callback (from /metrics, where it is read)."""
 
     def add(self, load: Load, relay_cpu_s: float, worker_cpu_s: float,
-            decisions: Buckets | None = None, engine_cpu_s: float = 0.0,
+            scrape: Scrape | None = None, engine_cpu_s: float = 0.0,
             relay_writes: int = 0) -> None:
         self.engine_cpu_s += engine_cpu_s
         self.relay_writes += relay_writes
@@ -55,8 +77,10 @@ class Tally:
         self.relay_cpu_s += relay_cpu_s
         self.worker_cpu_s += worker_cpu_s
         self.latencies_s += load.latencies_s
-        if decisions is not None:
-            self.decisions = add_buckets(self.decisions or {}, decisions)
+        if scrape is not None:
+            self.decisions = add_buckets(self.decisions or {}, scrape.decisions)
+            self.chunks += scrape.chunks
+            self.relayed += scrape.relayed
 
 
 def add_buckets(a: Buckets, b: Buckets) -> Buckets:
@@ -115,6 +139,8 @@ def rows(tallies: dict[tuple[str, str, int], Tally],
             for q in (50, 99):
                 got = histogram_quantile(t.decisions, q / 100)
                 row[f"decision_p{q}_us"] = None if got is None else round(got * 1e6, 1)
+        if t.chunks:
+            row["read_relay_share"] = round(t.relayed / t.chunks, 3)
         out.append(row)
     return with_added_latency(with_ratios(out))
 
@@ -179,6 +205,8 @@ def fmt(row: dict[str, Any]) -> str:
     line += worker_text(row)
     if row.get("decision_p50_us") is not None:
         line += f"  decision p50/p99 {row['decision_p50_us']}/{row['decision_p99_us']} us"
+    if row.get("read_relay_share") is not None:
+        line += f"  {100 * row['read_relay_share']:.0f}% of chunks relayed in the read callback"
     ratio = row.get("ratio_relay_us_per_token")
     if ratio:
         line += (f"  x{ratio:.1f} nginx per token, x{row['ratio_relay_ms_per_request']:.1f} "
