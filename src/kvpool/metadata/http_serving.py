@@ -26,7 +26,7 @@ import gc
 import hmac
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -203,7 +203,7 @@ if HttpToolsProtocol is not None:
             super().on_headers_complete()
             cycle = self.cycle
             if cycle is not None and cycle.scope is self.scope:  # not after an upgrade
-                extensions: dict[str, Any] = self.scope.setdefault("extensions", {})  # type: ignore[assignment]
+                extensions = cast(dict[str, Any], self.scope.setdefault("extensions", {}))
                 extensions[BODY_WRITER] = BodyWriter(cycle)
 
 

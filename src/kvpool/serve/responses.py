@@ -102,8 +102,9 @@ class ChoiceRelay:
     (`Run.relay_chunk`): each one's text and SSE chunk made and written there and then, as
     `_deltas` and `_choice_events` make them (the same TBT and token counts, the same bytes),
     without a task switch or the generators between the worker's stream and the client's.
-    Only for what those make without looking ahead or back (`relayable`): the frames that come
-    before the stream's head is out, or while the client is slow, go the usual way."""
+    Only for what those make without looking ahead or back (`relayable`, `accepts`): the
+    frames that come before the stream's head is out, or while the client is slow, and from
+    one in which a stop string may end, go the usual way."""
 
     __slots__ = ("_metrics", "choice", "_writer")
 
@@ -123,9 +124,10 @@ class ChoiceRelay:
             and self._writer.ready()
 
     def accepts(self, ids: list[int]) -> bool:
-        """No stop string can end in these tokens (a stop ends the stream: the generators'
-        part)."""
-        return self.choice is not None and self.choice.text.cannot_stop(ids)
+        """No stop string can end in these tokens, nor ended the text already (a stop ends
+        the stream: the generators' part)."""
+        c = self.choice
+        return c is not None and not c.text.stopped and c.text.cannot_stop(ids)
 
     def take(self, ids: list[int]) -> None:
         c, m = self.choice, self._metrics
