@@ -7,6 +7,7 @@ import argparse
 import pytest
 
 from kvpool.bench.transfer import Case, goal_lines, medians, rotated, run
+from kvpool.bench.transfer_peers import raw_offsets
 
 
 def test_rounds_rotate_the_order_of_implementations() -> None:
@@ -37,3 +38,31 @@ def test_a_short_run_prints_the_table(capsys: pytest.CaptureFixture[str]) -> Non
     assert "median of 2 alternating rounds" in out
     assert "kvpool tcp" in out and "raw socket" in out and "memcpy" in out
     assert "128 KiB read  batched" in out
+
+
+def test_the_raw_anchors_batch_uses_distinct_places_as_the_engines_do() -> None:
+    """A batch of the raw anchor's messages comes from (and lands in) distinct places of the
+    arena, as the engines' batches read and write distinct buffers; the places start over
+    where the next would not fit."""
+    assert raw_offsets(1 << 20, 4, 64 << 20) == [0, 1 << 20, 2 << 20, 3 << 20]
+    assert raw_offsets(16 << 20, 4, 64 << 20) == [0, 16 << 20, 32 << 20, 48 << 20]
+    assert raw_offsets(16 << 20, 5, 32 << 20) == [0, 16 << 20, 0, 16 << 20, 0]
+    assert raw_offsets(4096, 1, 4096) == [0]
+    for size, count in ((4096, 1024), (1 << 20, 32), (16 << 20, 4)):
+        offsets = raw_offsets(size, count, 64 << 20)
+        assert len(set(offsets)) == count and max(offsets) + size <= 64 << 20
+
+
+def test_the_raw_anchor_moves_a_batch_of_distinct_messages() -> None:
+    """Through the real sink process: a batched case of 4 x 16 MiB (the whole arena) and one
+    of 1,024 x 4 KiB are acknowledged, round after round."""
+    from contextlib import ExitStack
+
+    from kvpool.bench.transfer import ARENA_BYTES, raw_socket
+
+    with ExitStack() as stack:
+        call_for = raw_socket(stack, ARENA_BYTES)
+        for case in (Case(16 << 20, "write", "batched"), Case(4096, "write", "batched")):
+            call = call_for(case)
+            for _ in range(3):
+                call()

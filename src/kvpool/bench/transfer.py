@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvpool.bench.common import Measurement, child, emit, goal_line, print_goals, rate
+from kvpool.bench.transfer_peers import raw_offsets
 from kvpool.transfer import OpCode, TransferConfig, TransferEngine, TransferRequest
 from kvpool.units import format_size
 
@@ -98,7 +99,7 @@ def start_impls(stack: ExitStack, transports: list[str], with_mooncake: bool,
     """Start every peer process and initiator once; they serve all rounds."""
     impls: dict[Impl, Callable[[Case], Call]] = {}
     if "tcp" in transports:
-        impls["raw-socket", "tcp"] = raw_socket(stack, max(sizes))
+        impls["raw-socket", "tcp"] = raw_socket(stack, ARENA_BYTES)
         if with_mooncake:
             impls["mooncake", "tcp"] = mooncake(stack)
     if "shm" in transports:
@@ -153,19 +154,24 @@ def mooncake(stack: ExitStack) -> Callable[[Case], Call]:
     return call_for
 
 
-def raw_socket(stack: ExitStack, max_size: int) -> Callable[[Case], Call]:
-    """The loopback anchor: the bytes of a case as plain socket sends, one ack per call."""
-    peer = stack.enter_context(child(PEERS, "raw", str(max_size)))
+def raw_socket(stack: ExitStack, arena: int) -> Callable[[Case], Call]:
+    """The loopback anchor: the bytes of a case as plain socket sends, one ack per call. A
+    batch's messages come from distinct places of an `arena` of memory and land in distinct
+    places of the sink's, as the engines' batches read and write distinct buffers (one message
+    sent from and received into the same place each time stays in the CPU's caches, which a
+    batch of distinct buffers cannot)."""
+    peer = stack.enter_context(child(PEERS, "raw", str(arena)))
     sock = stack.enter_context(socket.create_connection(("127.0.0.1", int(peer["port"]))))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    source = memoryview(bytearray(max_size))
+    source = memoryview(bytearray(arena))
 
     def call_for(case: Case) -> Call:
-        head, payload = struct.pack("<II", case.size, case.count), source[: case.size]
+        head = struct.pack("<II", case.size, case.count)
+        payloads = [source[at:at + case.size] for at in raw_offsets(case.size, case.count, arena)]
 
         def call() -> None:
             sock.sendall(head)
-            for _ in range(case.count):
+            for payload in payloads:
                 sock.sendall(payload)
             if sock.recv(1) != b"k":
                 raise RuntimeError("raw socket sink went away")

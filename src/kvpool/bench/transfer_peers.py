@@ -43,6 +43,13 @@ def serve_mooncake(size: int) -> None:
     sys.stdin.read()
 
 
+def raw_offsets(size: int, count: int, arena: int) -> list[int]:
+    """Where the raw anchor's `count` messages of `size` bytes lie in an arena of `arena`
+    bytes: one after another, from the start again where the next would not fit."""
+    per_round = max(1, arena // size)
+    return [(i % per_round) * size for i in range(count)]
+
+
 def serve_raw(size: int) -> None:
     listener = socket.create_server(("127.0.0.1", 0))
     _announce({"port": listener.getsockname()[1], "length": size})
@@ -57,8 +64,8 @@ def _raw_accept(listener: socket.socket, size: int) -> None:
     head = bytearray(RAW_HEADER.size)
     while conn.recv_into(head, RAW_HEADER.size, socket.MSG_WAITALL) == RAW_HEADER.size:
         msg_bytes, count = RAW_HEADER.unpack(head)
-        for _ in range(count):
-            view, left = sink[:msg_bytes], msg_bytes
+        for at in raw_offsets(msg_bytes, count, size):  # distinct places, as the initiator's
+            view, left = sink[at:at + msg_bytes], msg_bytes
             while left:
                 got = conn.recv_into(view[msg_bytes - left :], left)
                 if not got:
