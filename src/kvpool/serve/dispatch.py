@@ -429,7 +429,7 @@ class Run:
         tokens (then nothing is recorded: the leg's generator reads the frame)."""
         relay = self.relay_chunk
         assert relay is not None and self._leg is not None  # ready() said so
-        new = frame.token_ids[1:] if self._leg.skip_echo else frame.token_ids  # _frame_ids's
+        new = self._unseen(frame, self._leg.skip_echo)[0]
         if new and not relay.accepts(new):
             return False
         ids = self._frame_ids(frame, self.d.clock.now())
@@ -444,12 +444,10 @@ class Run:
             self.d.cluster.decode_start(self.b, now)
         leg = self._leg
         assert leg is not None
-        ids, stamps, lps = line.token_ids, line.t, line.logprobs
-        if leg.skip_echo:  # the first token came from the prefill leg already
-            leg.skip_echo = False
-            ids, stamps, lps = ids[1:], stamps[1:], None if lps is None else lps[1:]
-            if not ids:
-                return None
+        echoed, leg.skip_echo = leg.skip_echo, False
+        ids, stamps, lps = self._unseen(line, echoed)
+        if echoed and not ids:
+            return None
         if line.prompt_logprobs is not None:
             self.prompt_logprobs = line.prompt_logprobs
         self._record(ids, stamps, lps, now)
@@ -458,6 +456,17 @@ class Run:
         leg.last_s = self._decode_gap(leg.last_s, len(ids), now)
         self.frame_sse = line.sse
         return ids
+
+    @staticmethod
+    def _unseen(line: Frame, echoed: bool) -> tuple[list[int], list[float],
+                                                   list[TokenLogprob | None] | None]:
+        """A frame's ids, stamps and logprobs, less the prefill leg's token where it is
+        `echoed` (a leg's first frame begins with it, and it went out already:
+        `_Leg.skip_echo`)."""
+        if echoed:
+            lps = line.logprobs
+            return line.token_ids[1:], line.t[1:], None if lps is None else lps[1:]
+        return line.token_ids, line.t, line.logprobs
 
     def _finished(self, line: FinishLine) -> None:
         """The current decode leg's finish line."""

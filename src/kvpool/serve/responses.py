@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -39,7 +39,7 @@ from kvpool.serve.protocol import (
     usage_chunk,
 )
 from kvpool.serve.requests import ChoiceJob, PreparedRequest, Proxy
-from kvpool.serve.text import TextStream
+from kvpool.serve.text import TextDelta, TextStream
 
 T = TypeVar("T")
 
@@ -63,6 +63,22 @@ class Choice:
     texts: TextChunks | None = None
     """Its text chunks' maker, once its events begin (shared with its `ChoiceRelay`)."""
 
+    def push(self, metrics: ProxyMetrics, ids: Sequence[int]) -> TextDelta:
+        """A chunk's tokens into the choice's text, counted as output (as far as its text
+        took them)."""
+        text = self.text
+        before = text.num_tokens
+        delta = text.push_many(ids)
+        metrics.output_tokens.inc(text.num_tokens - before)
+        return delta
+
+    def arrived(self, metrics: ProxyMetrics, num_tokens: int) -> None:
+        """A chunk of `num_tokens` came now: TBT observed as the gap since the last one, per
+        token."""
+        now = time.perf_counter()
+        metrics.tbt.observe((now - self.last_t) / num_tokens)
+        self.last_t = now
+
     @property
     def num_tokens(self) -> int:
         """Output tokens of the choice: as many as its text took, or, for a choice whose
@@ -75,13 +91,11 @@ class Choice:
 async def _deltas(proxy: Proxy, c: Choice) -> AsyncIterator[tuple[str, str | None]]:
     """(new text, finish reason or None) per chunk; the finish reason comes with the last
     delta. TBT is observed once per chunk, as the gap per token since the last one."""
-    m, text = proxy.metrics, c.text
+    m = proxy.metrics
     async with contextlib.aclosing(c.chunks):
         ids, c.last_t = c.first, time.perf_counter()
         while True:
-            before = text.num_tokens
-            delta = text.push_many(ids)
-            m.output_tokens.inc(text.num_tokens - before)
+            delta = c.push(m, ids)
             if delta.stopped:
                 yield delta.text, "stop"
                 return
@@ -91,10 +105,8 @@ async def _deltas(proxy: Proxy, c: Choice) -> AsyncIterator[tuple[str, str | Non
                 ids = await anext(c.chunks)
             except StopAsyncIteration:
                 break
-            now = time.perf_counter()
-            m.tbt.observe((now - c.last_t) / len(ids))
-            c.last_t = now
-    yield text.flush(), c.run.finish_reason or "stop"
+            c.arrived(m, len(ids))
+    yield c.text.flush(), c.run.finish_reason or "stop"
 
 
 class ChoiceRelay:
@@ -133,13 +145,8 @@ class ChoiceRelay:
         c, m = self.choice, self._metrics
         assert c is not None and c.texts is not None and self._writer is not None  # ready()
         m.read_relay_frames.inc()
-        now = time.perf_counter()
-        m.tbt.observe((now - c.last_t) / len(ids))
-        c.last_t = now
-        text = c.text
-        before = text.num_tokens
-        delta = text.push_many(ids)
-        m.output_tokens.inc(text.num_tokens - before)
+        c.arrived(m, len(ids))
+        delta = c.push(m, ids)
         assert not delta.stopped, "accepts() said no stop string ends here"
         if delta.text:
             self._writer.write(c.texts.sse(delta.text))
@@ -263,19 +270,16 @@ async def _relayed(proxy: Proxy, prep: PreparedRequest, c: Choice) -> AsyncItera
                         index=c.job.index))
     finish: str | None = None
     async with contextlib.aclosing(c.chunks):
-        delta = c.text.push_many(c.first)
-        m.output_tokens.inc(c.text.num_tokens)
+        delta = c.push(m, c.first)
         if delta.text:
             yield texts.sse(delta.text)
         if delta.stopped:
             finish = "stop"
         else:
-            last = time.perf_counter()
+            c.last_t = time.perf_counter()
             async for ids in c.chunks:
-                now = time.perf_counter()
-                m.tbt.observe((now - last) / len(ids))
-                m.output_tokens.inc(len(ids))
-                last = now
+                c.arrived(m, len(ids))
+                m.output_tokens.inc(len(ids))  # the worker's text: its frames' tokens
                 if c.run.frame_sse:
                     yield c.run.frame_sse.encode()
     c.finish = finish or c.run.finish_reason or "stop"

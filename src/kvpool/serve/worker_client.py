@@ -188,13 +188,13 @@ class WorkerClient:
         a malformed line or a broken stream raises. The finish line comes once the stream has been read to its end: its connection
         then goes back to the pool for the next call (a stream left unread is a connection
         closed, and a new one, TIME-WAIT included, for every request). http:// workers are
-        read by the lean client (serve/worker_stream.py), others through httpx; with `relay`
-        (and merged frames), the lean client hands it the plain frames that come while this
-        generator waits, in the connection's read callback (`backend.read_relay`)."""
+        read by the lean client (serve/worker_stream.py), others through httpx; with `relay`,
+        the lean client hands it the plain frames that come while this generator waits, in
+        the connection's read callback (`backend.read_relay`)."""
         body = req.model_dump_json().encode()
         lines: AsyncGenerator[list[bytes]] | AsyncGenerator[list[str]] = \
-            self._lean_lines(url, body, relay if self.merge_frames else None) \
-            if url.startswith("http://") else self._httpx_lines(url, body)
+            self._lean_lines(url, body, relay) if url.startswith("http://") \
+            else self._httpx_lines(url, body)
         finish: FinishLine | None = None
         extra: bytes | str | None = None
         async with contextlib.aclosing(lines) as batches:

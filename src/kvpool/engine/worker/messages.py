@@ -15,6 +15,7 @@ lines carry their `type`.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal, TypeVar
@@ -324,62 +325,52 @@ def read_frames(url: str, lines: Sequence[str | bytes],
     of `lines` they took, the error of the line that ended them early). Lines after a finish
     line are not read (the caller's error to report); frames before a malformed or error line
     are returned with its error, so the caller relays them first. With `merge`, consecutive
-    plain frames become one: a reader behind the worker relays one frame per read, not one
-    per engine step, as vLLM's API server merges the outputs of the steps it fell behind."""
+    plain frames become one (`plain_prefix`): a reader behind the worker relays one frame per
+    read, not one per engine step, as vLLM's API server merges the outputs of the steps it
+    fell behind."""
     out: list[Frame | FinishLine] = []
-    ids: list[int] = []
-    stamps: list[float] = []
-    texts: list[str] = []
-    for i, line in enumerate(lines):
-        plain = _plain_frame(line)
-        if plain is not None and merge:
-            ids += plain.token_ids
-            stamps += plain.t
-            if plain.sse:
-                texts.append(plain.sse)
-            continue
-        if ids:
-            out.append(_merged(ids, stamps, texts))
-            ids, stamps, texts = [], [], []
+    i = 0
+    while i < len(lines):
+        if merge:
+            count, frame = plain_prefix(lines, i)
+            if frame is not None:
+                out.append(frame)
+                i += count
+                continue
+            plain = None  # plain_prefix found no plain frame here
+        else:
+            plain = _plain_frame(lines[i])
         if plain is not None:
             out.append(plain)
+            i += 1
             continue
         try:
-            msg = generate_line(url, line)
+            msg = generate_line(url, lines[i])
         except WorkerCallError as exc:
             return out, i, exc
         out.append(msg)
+        i += 1
         if isinstance(msg, FinishLine):
-            return out, i + 1, None
-    if ids:
-        out.append(_merged(ids, stamps, texts))
+            return out, i, None
     return out, len(lines), None
 
 
-def plain_prefix(lines: Sequence[str | bytes]) -> tuple[int, PlainFrame | None]:
-    """The plain frames `lines` begin with, merged into one as `read_frames` merges them:
-    (how many lines they are, the frame or None when the first line is no plain frame)."""
-    ids: list[int] = []
-    stamps: list[float] = []
-    texts: list[str] = []
-    count = 0
-    for line in lines:
+def plain_prefix(lines: Sequence[str | bytes], start: int = 0) -> tuple[int, PlainFrame | None]:
+    """The plain frames `lines` has from `start` on, merged into one: (how many lines they
+    are, the frame or None when the line at `start` is no plain frame). Their tokens, stamps
+    and SSE text in order; a lone frame as it is."""
+    plains: list[PlainFrame] = []
+    for line in itertools.islice(lines, start, None):
         plain = _plain_frame(line)
         if plain is None:
             break
-        count += 1
-        if count == 1 and len(lines) == 1:
-            return 1, plain
-        ids += plain.token_ids
-        stamps += plain.t
-        if plain.sse:
-            texts.append(plain.sse)
-    return count, _merged(ids, stamps, texts) if count else None
-
-
-def _merged(ids: list[int], stamps: list[float], texts: list[str]) -> PlainFrame:
-    """One frame of consecutive plain frames: their tokens, stamps and SSE text in order."""
-    return PlainFrame(ids, stamps, "".join(texts) if texts else None)
+        plains.append(plain)
+    if len(plains) <= 1:
+        return len(plains), plains[0] if plains else None
+    texts = [p.sse for p in plains if p.sse]
+    return len(plains), PlainFrame([t for p in plains for t in p.token_ids],
+                                   [t for p in plains for t in p.t],
+                                   "".join(texts) if texts else None)
 
 
 def generate_line(url: str, line: str | bytes) -> TokensLine | FinishLine:
