@@ -14,6 +14,7 @@ from kvpool.serve.config import ProxyConfig
 from kvpool.serve.dispatch import REFIT_EVERY, Dispatcher
 from kvpool.serve.errors import ApiError
 from kvpool.serve.metrics import ProxyMetrics
+from kvpool.serve.run import Run
 from kvpool.serve.worker_client import WorkerClient
 from tests.conductor.busy_host import BUSY_HOST
 from tests.serve.test_cluster import D1, P1, info, load
@@ -214,8 +215,8 @@ def test_a_run_whose_text_its_decode_legs_make_moves_only_to_a_worker_that_makes
         d.cluster.join(url, reply)
         d.cluster.apply_load(url, load([]), 0.0)
     failed = d.cluster.workers[D1]
-    plain = d.run(d.schedule(list(range(8)), 2), "a", list(range(8)), SamplingParams())
-    relayed = d.run(d.schedule(list(range(8)), 2), "b", list(range(8)), SamplingParams())
+    plain = Run(d, d.schedule(list(range(8)), 2), "a", list(range(8)), SamplingParams())
+    relayed = Run(d, d.schedule(list(range(8)), 2), "b", list(range(8)), SamplingParams())
     relayed.sse = SseSpec(kind="completion", id="cmpl-b", model="m")
     assert {w.url for w in d.cluster.alive(("decode",))} >= {"http://d2", "http://d3"}
     got = relayed._next_decode(failed)

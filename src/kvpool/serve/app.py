@@ -42,7 +42,7 @@ from kvpool.serve.backends import create_backend
 from kvpool.serve.cancel import cancel_and_wait, close_all
 from kvpool.serve.cluster import DECODE_ROLES, PREFILL_ROLES, LiveCluster, WorkerState
 from kvpool.serve.config import ProxyConfig
-from kvpool.serve.dispatch import Dispatcher, Run
+from kvpool.serve.dispatch import Dispatcher
 from kvpool.serve.errors import (
     ApiError,
     bad_request,
@@ -71,6 +71,7 @@ from kvpool.serve.responses import (
     usage_of,
 )
 from kvpool.serve.route import route_headers, route_note
+from kvpool.serve.run import Run
 from kvpool.serve.scoring import scored_body, scored_events
 from kvpool.serve.text import TextStream
 from kvpool.serve.tokenize import detokenize, tokenize
@@ -235,7 +236,7 @@ class Proxy:
                 booking = self.dispatcher.schedule(job.prompt_ids, job.sampling.max_tokens,
                                                    job.sampling.cache_salt)
                 rid = prep.request_id if len(prep.jobs) == 1 else f"{prep.request_id}-{job.index}"
-                run = self.dispatcher.run(booking, rid, job.prompt_ids, job.sampling)
+                run = Run(self.dispatcher, booking, rid, job.prompt_ids, job.sampling)
                 run.received_t, run.decision_s = received_t, time.perf_counter() - decide_t
                 run.sse = self._worker_sse(prep, job.index, booking.decode)
                 if self._whole(prep):

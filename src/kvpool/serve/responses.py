@@ -23,7 +23,6 @@ from kvpool.metadata.http_front import LastChunk
 from kvpool.metadata.http_serving import BodyWriter
 from kvpool.serve.access import Access
 from kvpool.serve.cancel import cancel_and_wait
-from kvpool.serve.dispatch import Run
 from kvpool.serve.errors import worker_failed
 from kvpool.serve.logprobs import chat_logprobs, completion_logprobs, merge_completion
 from kvpool.serve.metrics import ProxyMetrics
@@ -39,6 +38,7 @@ from kvpool.serve.protocol import (
     usage_chunk,
 )
 from kvpool.serve.requests import ChoiceJob, PreparedRequest, Proxy
+from kvpool.serve.run import Run
 from kvpool.serve.text import TextDelta, TextStream
 
 T = TypeVar("T")

@@ -15,7 +15,7 @@ reuse is known only at its finish). For `n` > 1 or several prompts, the first ch
 
 from __future__ import annotations
 
-from kvpool.serve.dispatch import Run
+from kvpool.serve.run import Run
 
 
 def route_headers(run: Run) -> dict[str, str]:
