@@ -30,6 +30,7 @@ from kvpool.bench.proc_cpu import (
     write_calls,
 )
 from kvpool.bench.proxy import _completion_tokens, _loads, _ndjson_tokens, _sse_tokens, int_list
+from kvpool.bench.proxy_goals import goal_lines
 from kvpool.bench.proxy_rows import (
     Scrape,
     Tally,
@@ -346,3 +347,38 @@ def test_the_proxy_bench_runs_with_its_nginx_anchor() -> None:
             assert req16["ratio_relay_ms_per_request"] > 1
         else:
             assert req16["ratio_relay_ms_per_request"] is None
+
+
+def _goal_row(relay: str, load: str, c: int, **figures: float) -> dict[str, object]:
+    return {"relay": relay, "load": load, "concurrency": c, "speed_up": 1000.0,
+            "stream_interval": 1, "engines": 1, "relay_us_per_token": 1.0,
+            "relay_ms_per_request": 1.0, "req_per_s": 100.0, "worker_us_per_token": 3.0,
+            **figures}
+
+
+def test_goals_are_judged_on_the_proxy_row_against_nginx_on_the_same_load() -> None:
+    rows = [_goal_row("kvpool", "stream256", 32, relay_us_per_token=4.1,
+                      relay_ms_per_request=1.4, worker_us_per_token=6.0),
+            _goal_row("nginx", "stream256", 32, relay_us_per_token=2.0),
+            _goal_row("kvpool", "req16", 32, req_per_s=79.0, worker_us_per_token=9.1),
+            _goal_row("nginx", "req16", 32, relay_us_per_token=3.0),
+            _goal_row("kvpool", "req16", 1, added_p50_ms=0.4),
+            _goal_row("kvpool-base", "req16", 1, added_p50_ms=9.0)]
+    lines = goal_lines(rows)
+    assert [line.split(":")[0].split() for line in lines] == [
+        ["MISS", "stream256", "c=32"], ["met", "stream256", "c=32"], ["met", "stream256", "c=32"],
+        ["MISS", "req16", "c=32"], ["MISS", "req16", "c=32"], ["met", "req16", "c=1"]]
+    assert [line.split()[-1] for line in lines] == ["2.0", "1.5", "3.0", "0.8", "3.0", "1.0"]
+    assert "2.05 x nginx" in lines[0] and "1.400 ms" in lines[1]
+    assert "3.0 x nginx's" in lines[2] and "0.79 x nginx" in lines[3] and "+0.40 ms" in lines[5]
+
+
+def test_goals_need_the_settings_they_are_set_at() -> None:
+    sped = [_goal_row("kvpool", "req16", 1, added_p50_ms=0.4, speed_up=20.0)]
+    framed = [_goal_row("kvpool", "req16", 1, added_p50_ms=0.4, stream_interval=4)]
+    assert goal_lines(sped) == goal_lines(framed) == []
+    many = [_goal_row("kvpool", "req16", 32, engines=16, req_per_relay_cpu_s=499)]
+    assert any(line.startswith("  MISS") and "499 requests per proxy CPU-second" in line
+               for line in goal_lines(many))
+    assert not any("per proxy CPU-second" in line for line in goal_lines(
+        [_goal_row("kvpool", "req16", 32, engines=8, req_per_relay_cpu_s=499)]))

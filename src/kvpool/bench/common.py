@@ -100,8 +100,8 @@ def goal_line(met: bool, text: str) -> str:
     return f"  {'met ' if met else 'MISS'}  {text}"
 
 
-def print_goals(lines: list[str]) -> None:
+def print_goals(lines: list[str], of: str = "ratios of medians within this run") -> None:
     """A benchmark's goal lines under their heading (nothing when there are none)."""
     if lines:
-        print("\ngoals (ratios of medians within this run):")
+        print(f"\ngoals ({of}):")
         print("\n".join(lines))

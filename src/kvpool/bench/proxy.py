@@ -43,10 +43,12 @@ from typing import Any
 
 import httpx
 
+from kvpool.bench.common import print_goals
 from kvpool.bench.http_load import Load, drive
 from kvpool.bench.loop_relay import running_loop_relay
 from kvpool.bench.nginx import INSTALL_HINT, find_nginx, running_nginx
 from kvpool.bench.proc_cpu import CpuMeter, ThreadShareMeter, WriteMeter, child_pids
+from kvpool.bench.proxy_goals import goal_lines
 from kvpool.bench.proxy_rows import (
     CHUNKS_METRIC,
     DECISION_METRIC,
@@ -160,6 +162,8 @@ def _main(args: argparse.Namespace) -> int:
         return 1
     for row in found:
         print(json.dumps(row) if args.json else fmt(row), flush=True)
+    if not args.json:
+        print_goals(goal_lines(found), "each relay's totals over the rounds of this run")
     return 0
 
 
