@@ -131,6 +131,27 @@ def test_the_scalar_mix_is_the_array_mix() -> None:
     assert [kvbytes.splitmix_int(x) for x in xs] == [int(v) for v in mixed]
 
 
+def test_rows_made_on_ints_are_the_rows_made_on_arrays() -> None:
+    """token_rows below INT_WORDS (Python ints) == the same keys' rows among many (arrays), for
+    keys across the whole 64-bit range and rows of several widths."""
+    import random
+
+    rng = random.Random(9)
+    for row_bytes in (8, 16, 80):
+        n = kvbytes.INT_WORDS // (row_bytes // 8) + 3  # past INT_WORDS: the arrays
+        parents = [rng.choice([0, 2**64 - 1, rng.getrandbits(64)]) for _ in range(n)]
+        positions = [rng.choice([0, 2**32 - 1, 2**40 + 3, rng.randrange(10**6)]) for _ in range(n)]
+        tokens = [rng.randrange(2**31) for _ in range(n)]
+        many = kvbytes.token_rows(np.array(parents, dtype=np.uint64),
+                                  np.array(positions, dtype=np.uint64),
+                                  np.array(tokens, dtype=np.uint64), row_bytes)
+        assert many.shape == (n, row_bytes) and many.dtype == np.uint8
+        for i in range(n):
+            one = kvbytes.token_rows([parents[i]], [positions[i]], [tokens[i]], row_bytes)
+            assert one.shape == (1, row_bytes) and one.dtype == np.uint8
+            assert one.tobytes() == many[i].tobytes(), (row_bytes, i)
+
+
 def test_decode_rows_are_the_rows_of_the_whole_sequence() -> None:
     """A decode's row (made from Python ints, batched with a prompt chunk's arrays) is the
     row the array formula gives that position, across block boundaries."""

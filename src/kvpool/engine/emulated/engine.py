@@ -248,6 +248,9 @@ class EmulatedEngine(EngineCore):
             chunks.append((table[pos // bs - first], pos % bs, keys))
         blocks = _joined(blocks_of, np.intp, [c[0] for c in chunks])
         offsets = _joined(offsets_of, np.intp, [c[1] for c in chunks])
+        if not chunks:  # decodes alone: their keys as the ints they are (kvbytes.INT_WORDS)
+            return blocks, offsets, kvbytes.token_rows(parents_of, positions_of, tokens_of,
+                                                       self.cache.row_bytes)
         parents, positions, tokens = (_joined(col, np.uint64, [c[2][i] for c in chunks])
                                       for i, col in enumerate((parents_of, positions_of,
                                                                tokens_of)))
