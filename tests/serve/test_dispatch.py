@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import gc
+import weakref
+from collections.abc import AsyncIterator
+
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -9,12 +14,16 @@ from kvpool.clock import VirtualClock
 from kvpool.conductor import Accepted, CostModel
 from kvpool.conductor.measured import learn_prefill
 from kvpool.engine.config import SamplingParams
+from kvpool.engine.worker.messages import FinishLine, PlainFrame, PrefillReply
 from kvpool.serve.cluster import LiveCluster
 from kvpool.serve.config import ProxyConfig
 from kvpool.serve.dispatch import REFIT_EVERY, Dispatcher
 from kvpool.serve.errors import ApiError
 from kvpool.serve.metrics import ProxyMetrics
+from kvpool.serve.requests import ChoiceJob
+from kvpool.serve.responses import Choice, ChoiceRelay
 from kvpool.serve.run import Run
+from kvpool.serve.text import TextStream
 from kvpool.serve.worker_client import WorkerClient
 from tests.conductor.busy_host import BUSY_HOST
 from tests.serve.test_cluster import D1, P1, info, load
@@ -223,3 +232,40 @@ def test_a_run_whose_text_its_decode_legs_make_moves_only_to_a_worker_that_makes
     assert got is not None and got.url == "http://d3"
     assert relayed._next_decode(got) is None  # d2 cannot make its text
     assert plain._next_decode(failed) is not None
+
+
+def test_a_relayed_run_is_freed_when_its_legs_end(vclock: VirtualClock) -> None:
+    """A run whose frames a ChoiceRelay takes (`relay_chunk`) lets go of it once its legs
+    end: the run, its choice and the relay (which holds the client's connection) go when the
+    request does, not at the cyclic collector's next pass."""
+    d = dispatcher(vclock)
+
+    async def prefill(url: str, req: object) -> PrefillReply:
+        return PrefillReply(request_id="r", first_token_id=7, num_prompt_tokens=8,
+                            num_cached_tokens=0, num_pool_tokens=0, kv_bytes_moved=0)
+
+    async def generate(url: str, req: object,
+                       relay: object = None) -> AsyncIterator[PlainFrame | FinishLine]:
+        yield PlainFrame([7, 8], [1.0, 1.0])
+        yield FinishLine(finish_reason="length", num_output_tokens=2)
+
+    d.client.prefill = prefill  # type: ignore[method-assign]
+    d.client.generate = generate  # type: ignore[method-assign,assignment]
+    prompt = list(range(8))
+
+    async def go() -> weakref.ref[Run]:
+        run = Run(d, d.schedule(prompt, 2), "r", prompt, SamplingParams(max_tokens=2))
+        relay = run.relay_chunk = ChoiceRelay(d.metrics)
+        stream = run.chunks()
+        relay.choice = Choice(ChoiceJob(0, 0, prompt, SamplingParams(max_tokens=2)), run,
+                              await anext(stream), stream, TextStream(str))
+        assert [ids async for ids in stream] == [[8]]
+        assert run.relay_chunk is None
+        return weakref.ref(run)
+
+    gc.disable()
+    try:
+        freed = asyncio.run(go())
+        assert freed() is None, "kept alive by a reference cycle"
+    finally:
+        gc.enable()

@@ -22,7 +22,14 @@ import httpx
 import pytest
 
 from kvpool.engine.config import SamplingParams
-from kvpool.engine.worker.messages import FinishLine, PlainFrame, ndjson_line, plain_prefix
+from kvpool.engine.worker.messages import (
+    FinishLine,
+    GenerateRequest,
+    PlainFrame,
+    ndjson_line,
+    plain_prefix,
+)
+from kvpool.errors import WorkerCallError
 from kvpool.serve.backend import FrameRelay, read_relay
 from kvpool.serve.metrics import ProxyMetrics
 from kvpool.serve.ndjson_reply import ReplyReader
@@ -30,6 +37,7 @@ from kvpool.serve.requests import ChoiceJob, PreparedRequest
 from kvpool.serve.responses import Choice, ChoiceRelay, _choice_events, relayable
 from kvpool.serve.text import TextStream
 from kvpool.serve.tokenizer import ModelTokenizer
+from kvpool.serve.worker_client import WorkerClient
 from kvpool.serve.worker_stream import LineRelay, StreamPool
 from tests.serve.test_worker_client import read_request
 from tests.serve.test_worker_stream import HEAD, _lines, _serving
@@ -213,6 +221,33 @@ def test_a_relay_that_fails_fails_the_read() -> None:
             with pytest.raises(RuntimeError, match="relay bug"):
                 await _lines(url, 1.0, relay=broken)
     asyncio.run(go())
+
+
+def test_a_frame_after_a_finish_the_reader_read_fails_the_leg_as_without_the_relay() -> None:
+    """The relay not ready while a frame and the finish line come (a slow client: the reader
+    reads both), ready again when a frame follows the finish (a worker that misbehaves): the
+    frame is not relayed; the leg fails on it, as it does with no relay at all."""
+    class Late(_Relay):
+        calls = 0
+
+        def ready(self) -> bool:
+            self.calls += 1
+            return self.calls > 2
+
+    async def leg(relay: FrameRelay | None) -> list[object]:
+        client = WorkerClient(5.0)
+        req = GenerateRequest(request_id="r", prompt_token_ids=[1, 2, 3],
+                              sampling=SamplingParams(max_tokens=8))
+        try:
+            async with _paced([_frame([1]), FINISH, _frame([2])], 0.05) as url:
+                return [m async for m in client.generate(url, req, relay)]
+        finally:
+            await client.aclose()
+
+    for relay in (None, Late()):
+        with pytest.raises(WorkerCallError, match="a line after the finish line"):
+            asyncio.run(leg(relay))
+        assert relay is None or relay.frames == []
 
 
 # -- the same bytes as the generators make ---------------------------------------------------

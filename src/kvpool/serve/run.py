@@ -376,6 +376,7 @@ class Run:
         self.d.cluster.finish(self.b, self.d.clock.now())
 
     def _release(self) -> None:
+        self.relay_chunk = None  # its choice holds this run: no cycle left for the collector
         b = self.b
         if self.finish_reason is None:
             if not b.colocated and not b.direct:  # it may hold KV for this run

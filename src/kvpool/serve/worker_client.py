@@ -25,6 +25,7 @@ from kvpool.engine.worker.messages import (
     GenerateRequest,
     InfoReply,
     LoadReply,
+    PlainFrame,
     PrefillReply,
     PrefillRequest,
     plain_prefix,
@@ -192,8 +193,9 @@ class WorkerClient:
         the lean client hands it the plain frames that come while this generator waits, in
         the connection's read callback (`backend.read_relay`)."""
         body = req.model_dump_json().encode()
+        gate = None if relay is None else _UntilFinish(relay)
         lines: AsyncGenerator[list[bytes]] | AsyncGenerator[list[str]] = \
-            self._lean_lines(url, body, relay) if url.startswith("http://") \
+            self._lean_lines(url, body, gate) if url.startswith("http://") \
             else self._httpx_lines(url, body)
         finish: FinishLine | None = None
         extra: bytes | str | None = None
@@ -207,6 +209,8 @@ class WorkerClient:
                     for msg in frames:
                         if isinstance(msg, FinishLine):
                             finish = msg  # yielded once the stream has ended
+                            if gate is not None:  # a line after it is for this loop to refuse
+                                gate.finished = True
                         else:
                             yield msg
                     if error is not None:
@@ -266,6 +270,24 @@ class WorkerClient:
                                  headers=self._headers(url, "/abort", body), timeout=2.0)
         except (httpx.HTTPError, WorkerCallError) as exc:
             log.debug("abort of %s on %s failed: %r", request_id, url, exc)
+
+
+class _UntilFinish:
+    """A stream's FrameRelay until the reader has read the finish line itself (the relay was
+    not ready for it: a slow client): what comes after the finish is the reader's to refuse, as
+    it is without a relay, not a frame to relay."""
+
+    __slots__ = ("_relay", "finished")
+
+    def __init__(self, relay: FrameRelay) -> None:
+        self._relay = relay
+        self.finished = False
+
+    def ready(self) -> bool:
+        return not self.finished and self._relay.ready()
+
+    def take(self, frame: PlainFrame) -> bool:
+        return self._relay.take(frame)
 
 
 JSON = {"Content-Type": "application/json"}
