@@ -91,6 +91,26 @@ def test_a_stop_string_ends_the_stream_with_the_prompts_reuse() -> None:
     assert got[1].sse is not None and '"finish_reason":"stop"' in got[1].sse
 
 
+def test_a_stop_string_in_the_character_the_output_ended_inside_of_is_a_stop() -> None:
+    """The engine's last token leaves a character unfinished, and a stop string ends in
+    what the stream held: the finish chunk and line say `stop`, and the stop string's text
+    is not sent."""
+    spec = SseSpec(kind="completion", id="cmpl-1", model="m", stop=["\ufffd"])
+    pieces = {0: b"ab", 1: b" \xc3"}  # 1: a space and half of a character
+
+    def decode(ids: list[int]) -> str:
+        return b"".join(pieces[i] for i in ids).decode("utf-8", "replace")
+
+    f = FrameBuilder(1, SseText(spec, decode, pieces=pieces))
+    assert shape(f.add([tok(0)])) == [[0]]
+    got = f.add([tok(1), end("length")])
+    assert shape(got) == [[1], ("stop", 2)] and f.done
+    assert isinstance(got[1], FinishLine) and got[1].sse is not None
+    texts = [json.loads(e[len("data: "):])["choices"][0]["text"]
+             for e in got[1].sse.split("\n\n") if e.startswith("data: ")]
+    assert texts == [" ", ""] and '"finish_reason":"stop"' in got[1].sse
+
+
 def test_random_steps_and_intervals_lose_and_reorder_nothing() -> None:
     rng = random.Random(11)
     for _ in range(300):

@@ -12,7 +12,7 @@ import re
 import socket
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import ExitStack
 from pathlib import Path
 from types import SimpleNamespace
@@ -327,6 +327,29 @@ def test_relayed_chunks_are_the_bytes_the_generators_make(tiny_model: Path, kind
     assert texts == TEXT[:cut]
     relayed = metrics.read_relay_frames.value
     assert (relayed == len(rest)) if cut == len(TEXT) else (0 < relayed < len(rest))
+
+
+def test_a_stop_string_in_the_character_the_output_ended_inside_of_finishes_with_stop() -> None:
+    """The engine ended (`length`) inside a character, and a stop string ends in the text
+    held for it: the stream sends the text before the stop string and finishes `stop`."""
+    pieces = {0: b"ab", 1: b" \xc3"}  # 1: a space and half of a character
+
+    def decode(ids: Sequence[int]) -> str:
+        return b"".join(pieces[i] for i in ids).decode("utf-8", "replace")
+
+    async def rest() -> AsyncIterator[list[int]]:
+        yield [1]
+
+    proxy = SimpleNamespace(metrics=ProxyMetrics(), model_name="m", tokenizer=None)
+    job = ChoiceJob(0, 0, [5, 6], SamplingParams(max_tokens=2))
+    prep = PreparedRequest("completion", "cmpl-1", [[5, 6]], [job], ["\ufffd"], True, False)
+    run = SimpleNamespace(finish_reason="length", sse=None)
+    c = Choice(job, run, [0], rest(), TextStream(decode, ["\ufffd"], pieces))  # type: ignore[arg-type]
+    body = asyncio.run(_generated(proxy, prep, c)).decode()
+    chunks = [json.loads(e[6:])["choices"][0] for e in body.split("\n\n")
+              if e.startswith("data: {")]
+    assert "".join(ch["text"] for ch in chunks) == "ab "
+    assert chunks[-1]["finish_reason"] == "stop"
 
 
 def _events(body: bytes) -> list[bytes]:

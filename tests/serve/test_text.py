@@ -121,6 +121,40 @@ def test_a_byte_level_chunk_with_stop_strings_gives_what_its_tokens_give_one_by_
                            TextStream(_byte_decode, stop, BYTES), ids, rng, 7)
 
 
+WHOLE_THEN_PART = {0: b"Hi", 1: b" \xc3", 2: b"\xa9!", 3: b"\xd0\xbe\xd0", 4: b"\xb1"}
+"""A byte table whose tokens end with a whole character and the first byte of the next (1:
+" " and half of "é"; 3: "о" and half of "б")."""
+
+
+def _whole_then_part(ids: Sequence[int]) -> str:
+    return b"".join(WHOLE_THEN_PART[i] for i in ids).decode("utf-8", "replace")
+
+
+def test_a_stop_in_the_whole_characters_before_a_partial_one_ends_at_its_token() -> None:
+    """A token that ends with a whole character and half of the next: a stop string in the
+    whole ones ends the text at that token (not at the one that finishes the character), on
+    both decode paths."""
+    for pieces in (WHOLE_THEN_PART, None):
+        s = TextStream(_whole_then_part, [" "], pieces)
+        assert feed(s, [0, 1]) == ["Hi", ""]
+        assert s.stopped and s.num_tokens == 2 and s.text == "Hi"
+        s = TextStream(_whole_then_part, ["о"], pieces)  # Cyrillic o
+        assert feed(s, [0, 3]) == ["Hi", ""] and s.stopped and s.num_tokens == 2
+
+
+def test_a_stop_in_the_tail_the_output_ended_inside_of_is_applied_at_flush() -> None:
+    """The output ends inside a character: flush emits what it held up to a stop string in
+    it, and says it stopped (the client never sees the stop string); one that holds none
+    comes whole, with U+FFFD for the unfinished character."""
+    for pieces in (WHOLE_THEN_PART, None):
+        s = TextStream(_whole_then_part, ["\ufffd"], pieces)
+        assert feed(s, [0, 1]) == ["Hi", ""]
+        assert s.flush() == " " and s.stopped and s.text == "Hi "
+        s = TextStream(_whole_then_part, ["zz"], pieces)
+        assert feed(s, [0, 1]) == ["Hi", ""]
+        assert s.flush() == " \ufffd" and not s.stopped
+
+
 def test_a_piece_after_tokens_that_decode_to_nothing_keeps_its_space(tmp_path: Path) -> None:
     """A SentencePiece-style decoder (metaspace, byte fallback, strip of the first space), its
     byte tokens special here so that many pieces decode to nothing: the streamed text is the

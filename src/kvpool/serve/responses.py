@@ -106,7 +106,8 @@ async def _deltas(proxy: Proxy, c: Choice) -> AsyncIterator[tuple[str, str | Non
             except StopAsyncIteration:
                 break
             c.arrived(m, len(ids))
-    yield c.text.flush(), c.run.finish_reason or "stop"
+    tail = c.text.flush()  # a stop string may end in the character the output ended inside
+    yield tail, "stop" if c.text.stopped else c.run.finish_reason or "stop"
 
 
 class ChoiceRelay:

@@ -85,12 +85,17 @@ class TextStream:
         self._count += 1
         self._append((token_id,))
         piece = self._pending()
-        if not piece.endswith(_PARTIAL):
+        partial = piece.endswith(_PARTIAL)
+        if not partial:
             self._advance(piece)
         full = self._full
         if not self._stop:
             return self._emit(full, len(full))
         hit = self._find_stop(full)
+        if hit is None and partial:  # its whole characters, before the one still to come
+            seen = full + piece.rstrip(_PARTIAL)
+            hit = self._find_stop(seen)
+            full = seen if hit is not None else full
         if hit is not None:
             self.stopped = True
             return self._emit(full, hit)
@@ -151,10 +156,15 @@ class TextStream:
         return not any(s in text for s in self._stop)
 
     def flush(self) -> str:
-        """The held-back tail, once the output has ended without a stop string."""
+        """The held-back tail, once the output has ended, up to a stop string in it, if any
+        (then `stopped`: one in a character the output ended inside of)."""
         if self.stopped:
             return ""
         full = self._full + self._pending()
+        hit = self._find_stop(full) if self._stop else None
+        if hit is not None:
+            self.stopped = True
+            return self._emit(full, hit).text
         return self._emit(full, len(full)).text
 
     def _append(self, token_ids: Sequence[int]) -> None:

@@ -94,8 +94,10 @@ class FrameBuilder:
 
     def _finish(self, out: StepOutput) -> FinishLine:
         assert out.finish_reason is not None
-        events = None if self.text is None else self.text.finish_events(out.finish_reason)
-        return self._finish_line(out.finish_reason, out.stats, events)
+        if self.text is None:
+            return self._finish_line(out.finish_reason, out.stats, None)
+        events = self.text.finish_events(out.finish_reason)  # may find a stop in its tail
+        return self._finish_line(self.text.finish_reason(out.finish_reason), out.stats, events)
 
     def _finish_line(self, reason: str, stats: dict[str, float],
                      events: str | None) -> FinishLine:

@@ -49,10 +49,18 @@ class SseText:
         return n + self.text.num_tokens - before, self._events(delta.text)
 
     def finish_events(self, reason: str) -> str:
+        """The held text's event, if any, then the finish chunk: `reason`, or "stop" where a
+        stop string ends in the held text (`finish_reason` says which)."""
         tail = "" if self.text.stopped else self.text.flush()
+        reason = self.finish_reason(reason)
         s = self.spec
         return self._events(tail) + sse(chunk(s.kind, s.id, s.model, None, reason,
                                               index=s.index)).decode()
+
+    def finish_reason(self, reason: str) -> str:
+        """The stream's finish reason, given the engine's: "stop" once a stop string ended
+        the text (in the held tail too, found at the finish)."""
+        return "stop" if self.text.stopped else reason
 
     def _events(self, text: str) -> str:
         return self._chunks.sse(text).decode() if text else ""
