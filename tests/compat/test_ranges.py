@@ -152,3 +152,34 @@ def test_bind_to_numa_node_keeps_working() -> None:
         bind_to_numa_node(4096)  # no such node: left as it was
     finally:
         os.sched_setaffinity(0, before)
+
+
+@pytest.mark.parametrize("call", ["session", "get_into_ranges"])
+def test_a_ranged_read_that_outlives_its_lease_is_refused(store: MooncakeDistributedStore,
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          call: str) -> None:
+    """The reader is held up between its lookup and its copy past the read lease while the
+    object is removed and another put may take its memory: the read answers -707 (lease
+    expired), never the byte count over bytes that may be another object's (ranged reads
+    have no checksum to tell)."""
+    raw, ptr = _buffer(64 * 1024, 5)
+    dst_raw, dst = _buffer(64 * 1024, 0)
+    assert store.register_buffer(ptr, len(raw)) == 0 and store.register_buffer(dst, len(dst_raw)) == 0
+    assert store.put_from("a", ptr, 32 * 1024) == 0
+    run_copies = store.client._run_copies
+
+    def late(*args: object, **kw: object) -> object:
+        assert store.remove("a", force=True) == 0
+        assert store.put_from("filler", ptr + 32 * 1024, 32 * 1024) == 0
+        time.sleep(LEASE_MS / 1000 + 0.2)
+        return run_copies(*args, **kw)  # type: ignore[arg-type]
+
+    if call == "session":
+        assert store.batch_get_session_start(["a"]) == [0]
+        monkeypatch.setattr(store.client, "_run_copies", late)
+        got: object = store.batch_get_into_multi_buffer_ranges(["a"], [[dst]], [[4096]], [[0]])
+        assert got == [-707]
+    else:
+        monkeypatch.setattr(store.client, "_run_copies", late)
+        got = store.get_into_ranges([dst], [["a"]], [[[0]]], [[[0]]], [[[4096]]])
+        assert got == [[[-707]]]

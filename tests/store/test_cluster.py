@@ -188,3 +188,34 @@ def test_watermark_eviction_in_a_running_master() -> None:
             assert store.get("e0").code == E.OBJECT_NOT_FOUND      # least recently used
             assert store.get("e13").data == content("e13", 100_000)
         cluster.check_integrity()
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_each_object_of_a_batch_read_is_held_to_its_own_lease(verify: bool) -> None:
+    """A batch read in which one object's lease is short (a copy loaded from disk gets
+    `transient_lease_s`; here the lookup's lease is cut for "b"), and runs out before the
+    copy while "b" is removed and its memory taken by another put: "b" answers
+    LEASE_EXPIRED (not another object's bytes, not a checksum failure reported as damage),
+    "a" its own bytes."""
+    with store_cluster(1, "4MiB") as cluster:
+        with StoreClient(ClientConfig(master=cluster.address, verify_checksums=verify)) as store:
+            a, b = b"A" * 65536, b"B" * 65536
+            assert store.put("a", a).ok and store.put("b", b).ok
+            lookup, run_copies = store._lookup, store._run_copies
+
+            def short(keys):  # type: ignore[no-untyped-def]
+                looks, t0 = lookup(keys)
+                return [x._replace(lease_ttl_s=0.05) if k == "b" else x
+                        for k, x in zip(keys, looks, strict=True)], t0
+
+            def late(*args, **kw):  # type: ignore[no-untyped-def]
+                assert store.remove("b", force=True) == E.OK
+                assert store.put("filler", b"F" * 65536).ok
+                time.sleep(0.1)
+                return run_copies(*args, **kw)
+
+            store._lookup, store._run_copies = short, late  # type: ignore[method-assign]
+            got = store.get_batch(["a", "b"])
+            assert (got[0].code, got[0].data) == (E.OK, a)
+            assert got[1].code == E.LEASE_EXPIRED
+            assert store.stats.damaged_dropped == 0

@@ -32,6 +32,7 @@ from kvpool.transfer import OpCode
 
 E = ErrorCode
 TRANSFER_FAIL = int(E.TRANSFER_FAIL)
+LEASE_EXPIRED = int(E.LEASE_EXPIRED)
 Range = tuple[int, int, int]
 """(local address, offset in the object, length)."""
 
@@ -61,13 +62,13 @@ class StoreRanges(StoreTensors):
     def batch_get_session_start(self, keys: Sequence[str]) -> list[int]:
         """0 per key whose replicas are now cached (and leased), else its lookup's code
         (-704 for a key that cannot exist, as in Mooncake)."""
+        found, t0 = self.client.leased_lookup(list(keys))
         looks = [look if look.code is not E.INVALID_PARAMS else LookupResult(E.OBJECT_NOT_FOUND)
-                 for look in self.client.replica_desc_batch(list(keys))]
-        now = self.client.clock.now()
+                 for look in found]
         with self._ranges_lock:
             for key, look in zip(keys, looks, strict=True):
                 if look.code is E.OK:
-                    self._get_sessions[key] = _GetSession(look, now)
+                    self._get_sessions[key] = _GetSession(look, t0)
         return [int(look.code) for look in looks]
 
     def batch_get_session_end(self, keys: Sequence[str]) -> int:
@@ -76,19 +77,20 @@ class StoreRanges(StoreTensors):
                 self._get_sessions.pop(key, None)
         return 0
 
-    def _session_look(self, key: str) -> LookupResult | None:
+    def _session_look(self, key: str) -> _GetSession | None:
         with self._ranges_lock:
             session = self._get_sessions.get(key)
         if session is None:
             return None
         if self.client.clock.now() > session.started_s + session.look.lease_ttl_s:
-            fresh = self.client.replica_desc(key)  # the lease ran out: never read stale copies
+            # the lease ran out: never read stale copies
+            (fresh,), t0 = self.client.leased_lookup([key])
             if fresh.code is not E.OK:
                 return None
-            session = _GetSession(fresh, self.client.clock.now())
+            session = _GetSession(fresh, t0)
             with self._ranges_lock:
                 self._get_sessions[key] = session
-        return session.look
+        return session
 
     @needs_setup(per_key)
     def batch_get_into_multi_buffer_ranges(self, keys: Sequence[str],
@@ -101,8 +103,9 @@ class StoreRanges(StoreTensors):
             return [INVALID] * len(keys)
         ranges = [_ranges(p, s, o) for p, s, o in
                   zip(all_buffer_ptrs, all_sizes, all_src_offsets, strict=True)]
-        looks = [self._session_look(key) for key in keys]
-        return self._read_ranges(looks, ranges)
+        sessions = [self._session_look(key) for key in keys]
+        return self._read_ranges([None if s is None else s.look for s in sessions], ranges,
+                                 [0.0 if s is None else s.started_s for s in sessions])
 
     @needs_setup(per_key)
     def get_into_ranges(self, buffer_ptrs: Sequence[int], all_keys: Sequence[Sequence[str]],
@@ -114,30 +117,36 @@ class StoreRanges(StoreTensors):
         if not n == len(all_keys) == len(all_dst_offsets) == len(all_src_offsets) == len(all_sizes):
             return [[[INVALID]] for _ in range(n)]
         names = list(dict.fromkeys(key for keys in all_keys for key in keys))
-        found = dict(zip(names, self.client.replica_desc_batch(names), strict=True))
+        looks, t0 = self.client.leased_lookup(names)
+        found = dict(zip(names, looks, strict=True))
         out: list[list[list[int]]] = []
         for i, keys in enumerate(all_keys):
             dsts, srcs, sizes = all_dst_offsets[i], all_src_offsets[i], all_sizes[i]
             if not len(keys) == len(dsts) == len(srcs) == len(sizes):
                 out.append([[INVALID] for _ in keys])  # Mooncake fails the whole buffer
                 continue
-            out.append([self._read_key_ranges(found[key], buffer_ptrs[i], dsts[j], srcs[j],
+            out.append([self._read_key_ranges(found[key], t0, buffer_ptrs[i], dsts[j], srcs[j],
                                               sizes[j]) for j, key in enumerate(keys)])
         return out
 
-    def _read_key_ranges(self, look: LookupResult, base: int, dsts: Sequence[int],
+    def _read_key_ranges(self, look: LookupResult, t0: float, base: int, dsts: Sequence[int],
                          srcs: Sequence[int], sizes: Sequence[int]) -> list[int]:
-        """One object's ranges into one buffer, a result per range (per dst offset)."""
+        """One object's ranges into one buffer, a result per range (per dst offset); `t0`:
+        when its lease began."""
         ranges = _ranges([base + d for d in dsts], sizes, srcs)
         if ranges is None:
             return [INVALID] * max(1, len(dsts))
         if look.code is not E.OK:
             missing = look.code in (E.OBJECT_NOT_FOUND, E.INVALID_PARAMS)  # -704 as Mooncake
             return [int(E.OBJECT_NOT_FOUND) if missing else int(look.code)] * len(ranges)
-        return [self._read_ranges([look], [[r]])[0] for r in ranges]
+        return [self._read_ranges([look], [[r]], [t0])[0] for r in ranges]
 
     def _read_ranges(self, looks: Sequence[LookupResult | None],
-                     ranges: Sequence[list[Range] | None]) -> list[int]:
+                     ranges: Sequence[list[Range] | None], leased: Sequence[float]) -> list[int]:
+        """Each object's ranges from its closest replica that answers: bytes read per object,
+        or a negative code; -707 (LEASE_EXPIRED) when its lease (begun at `leased[i]`) ran
+        out before its bytes were in: its replica's memory may hold another object's by then
+        (ranged reads have no checksum to tell)."""
         out = [INVALID] * len(looks)
         todo: dict[int, list[ReplicaDesc]] = {}
         for i, (look, rs) in enumerate(zip(looks, ranges, strict=True)):
@@ -156,7 +165,9 @@ class StoreRanges(StoreTensors):
             for i in set(todo) - failed:
                 out[i] = sum(n for _, _, n in ranges[i] or ())
             todo = {i: todo[i][1:] for i in failed if len(todo[i]) > 1}
-        return out
+        now = self.client.clock.now()
+        return [LEASE_EXPIRED if n >= 0 and look is not None and now > begun + look.lease_ttl_s
+                else n for n, look, begun in zip(out, looks, leased, strict=True)]
 
     # -- put sessions ----------------------------------------------------------------------
 

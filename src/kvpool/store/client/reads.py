@@ -152,9 +152,14 @@ class ReadPath:
                 results[i] = ReadResult(E.CHECKSUM_MISMATCH if i in mismatched
                                         else E.TRANSFER_FAIL)
                 del queues[i]
-        if looks and self.clock.now() > t0 + max([x.lease_ttl_s for x in looks]):
-            return [ReadResult(E.LEASE_EXPIRED) if r.ok else r for r in results]
-        if damaged:  # (bytes read after the lease ended may have been reused: not damage)
+        now = self.clock.now()  # each object against its own lease (a loaded copy's is short)
+        expired = {i for i, look in enumerate(looks) if now > t0 + look.lease_ttl_s}
+        if expired:  # bytes read after the lease ended may be reused memory: not theirs, and
+            results = [ReadResult(E.LEASE_EXPIRED)  # not damage either
+                       if i in expired and (r.ok or i in mismatched) else r
+                       for i, r in enumerate(results)]
+            damaged = [(i, replica) for i, replica in damaged if i not in expired]
+        if damaged:
             self._drop_damaged(keys, looks, damaged)
         return results
 

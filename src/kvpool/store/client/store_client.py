@@ -166,6 +166,13 @@ class StoreClient(ClientBase):
         """Where each object's replicas live (this lookup grants a read lease)."""
         return self._lookup(keys)[0]
 
+    def leased_lookup(self, keys: Sequence[str]) -> tuple[list[LookupResult], float]:
+        """`replica_desc_batch`, and the clock reading each lookup's `lease_ttl_s` counts
+        from (taken before it was asked for): bytes read from a replica after
+        `t0 + lease_ttl_s` may be another object's (its memory reused) and must not be
+        trusted."""
+        return self._lookup(keys)
+
     def remove(self, key: str, force: bool = False) -> ErrorCode:
         return self.batch_remove([key], force)[0]
 
