@@ -12,6 +12,7 @@ from kvpool.errors import RpcFailed
 from kvpool.store.client.config import ClientConfig
 from kvpool.store.client.reserved import MAX_AGE_S, ReservedPuts
 from kvpool.store.client.store_client import StoreClient
+from kvpool.store.config import ReplicateConfig
 from kvpool.store.master.reserve import Reservations
 from kvpool.store.master.server import MasterServer
 from kvpool.store.master.service import MasterService
@@ -104,6 +105,25 @@ def test_unused_reservations_are_discarded_like_pending_puts(vclock: VirtualCloc
     svc.core.check_integrity()
 
 
+def test_a_reservation_takes_free_space_only(vclock: VirtualClock) -> None:
+    """A pool full of objects no lease holds: a reservation (space for a put that may not
+    come) is refused and evicts nothing; a put that is asked for evicts to make room."""
+    svc = MasterService(make_core(vclock, num_segments=1, capacity=64 * 1024))
+    core = svc.core
+    for i in range(4):
+        started = core.put_start_one("w", f"o{i}", 16 * 1024, ReplicateConfig(), False, [],
+                                     vclock.now())
+        assert started.code is E.OK and core.put_end_one("w", f"o{i}", None) is E.OK
+    status, reply = ask(svc, commit([], [], reserve=[16 * 1024]))
+    assert status == 0 and isinstance(reply, m.PutCommitReply)
+    assert [r.code for r in reply.reserved] == [E.NO_AVAILABLE_HANDLE]
+    assert all(f"o{i}" in core.objects for i in range(4))
+    assert core.put_start_one("w", "real", 16 * 1024, ReplicateConfig(), False, [],
+                              vclock.now()).code is E.OK
+    assert sum(f"o{i}" in core.objects for i in range(4)) < 4
+    core.check_integrity()
+
+
 def test_tokens_of_two_masters_differ(vclock: VirtualClock) -> None:
     core = make_core(vclock)
     a, b = Reservations(core), Reservations(core)
@@ -128,6 +148,7 @@ def held_puts(svc: MasterService, vclock: VirtualClock) -> ReservedPuts:
 def test_held_reservations_age_on_the_clients_clock(vclock: VirtualClock) -> None:
     svc = MasterService(make_core(vclock, put_discard_timeout_s=60.0))
     puts = held_puts(svc, vclock)
+    assert puts.put("k0", [(0, 64)], 64, upsert=False) is None  # a size's first: two-phase
     assert puts.put("k1", [(0, 64)], 64, upsert=False) == PutResult(E.OK)
     (next_token,) = puts.held()[64]
     assert next_token in svc.core.pending
@@ -179,6 +200,8 @@ def test_single_key_puts_go_through_reservations(
         cluster: tuple[MasterServer, StoreClient, StoreClient]) -> None:
     master, node, writer = cluster
     assert writer.put("a", b"1" * 5000).ok
+    assert _reservations(master) == []                      # a size's first put: two-phase
+    assert writer.put("b0", b"0" * 5000).ok
     held = _reservations(master)
     assert len(held) == 1                                  # kept for the next 5000-byte put
     assert writer.put("b", b"2" * 5000).ok and _reservations(master) != held
@@ -197,8 +220,9 @@ def test_single_key_puts_go_through_reservations(
 def test_a_lost_reservation_falls_back_to_the_two_phase_put(
         cluster: tuple[MasterServer, StoreClient, StoreClient]) -> None:
     master, node, writer = cluster
-    assert writer.put("a", b"1" * 100).ok
+    assert writer.put("a0", b"0" * 100).ok and writer.put("a", b"1" * 100).ok
     held = _reservations(master)
+    assert len(held) == 1
     with master.lock:                                       # the master forgets it
         assert master.core.put_revoke(writer.client_id, held) == [E.OK]
     assert writer.put("b", b"2" * 100).ok
@@ -211,3 +235,19 @@ def test_a_lost_reservation_falls_back_to_the_two_phase_put(
                        if master.core.pending[k].client_id == off.client_id)
     finally:
         off.close()
+
+
+def test_reservations_that_fill_the_pool_are_given_back_for_a_put(
+        cluster: tuple[MasterServer, StoreClient, StoreClient]) -> None:
+    """Upserts of a few keys cycling through a dozen sizes near 1 MiB, into an 8 MiB node:
+    the reservations kept for each size would hold most of the pool; a put that finds no
+    space gives this client's back and tries once more, so none fails."""
+    master, node, writer = cluster
+    sizes = [(600 + 37 * i) * 1024 for i in range(12)]
+    for n in range(96):
+        size = sizes[n % len(sizes)]
+        assert writer.upsert(f"k{n % 4}", bytes([n % 251]) * size).ok, n
+    got = node.get("k3")  # the last put (the others may have been evicted for space since)
+    assert (got.code, got.data) == (E.OK, bytes([95 % 251]) * sizes[95 % len(sizes)])
+    with master.lock:
+        master.core.check_integrity()

@@ -51,6 +51,7 @@ def new_fence() -> int:
     return secrets.randbits(64) or 1
 
 
+_NO_SPACE = PutResult(E.NO_AVAILABLE_HANDLE)
 _PUT_OK = PutResult(ErrorCode.OK)
 _DEFAULT_CFG = ReplicateConfig()
 
@@ -350,6 +351,13 @@ class ClientBase(ReadPath):
             try:
                 if not self._write_reserved(todo, keys, parts, cfg, upsert, results):
                     self._write_valid(todo, keys, parts, cfg, upsert, results)
+                full = [i for i in todo if results[i] == _NO_SPACE]
+                held = self._reserved.take_stale(0.0) if full else []
+                if held:  # this client's own reservations hold space: give it back, try again
+                    self._revoke_reservations(self._rpc, held, None)
+                    for i in full:
+                        results[i] = None
+                    self._write_valid(full, keys, parts, cfg, upsert, results)
             except RpcFailed as exc:
                 results = [r or PutResult(exc.code) for r in results]
         return [r or PutResult(E.RPC_FAIL) for r in results]

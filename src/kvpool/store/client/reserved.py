@@ -38,6 +38,8 @@ MAX_AGE_S = 5.0
 """Reservations unused this long are revoked (the master discards them after
 put_discard_timeout_s, 30 s by default, and reuses such space only much later)."""
 MAX_PER_SIZE = 2
+MAX_SIZES = 4096
+"""Sizes remembered as seen (`_seen`) before the memory of them starts again."""
 
 
 class _Held(NamedTuple):
@@ -59,6 +61,8 @@ class ReservedPuts:
         self._clock = clock
         self._write_checksums = write_checksums
         self._held: dict[int, list[_Held]] = {}
+        self._sizes: set[int] = set()
+        """Sizes put before (`_seen`)."""
         self._lock = threading.Lock()
         self.enabled = True
         """False once the master refused PUT_COMMIT (an older master)."""
@@ -67,7 +71,7 @@ class ReservedPuts:
         """The put of `key` through a reservation; None when it must take the two-phase
         path (nothing was published). Raises RpcFailed when the master cannot be reached
         during the commit (the put's outcome is then unknown, as with PUT_END)."""
-        held = self._take(size) or self._reserve(size)
+        held = self._take(size) or (self._reserve(size) if self._seen(size) else None)
         if held is None:
             return None
         if self._copy(OpCode.WRITE, {0: self._copies_to(held.replicas, parts, size)}):
@@ -85,6 +89,18 @@ class ReservedPuts:
         if code is E.OBJECT_ALREADY_EXISTS and not upsert:
             return PutResult(E.OK, already_existed=True)
         return PutResult(code)
+
+    def _seen(self, size: int) -> bool:
+        """Whether a put of this size came before (and note this one): a size's first put
+        takes the two-phase path, so that sizes that never repeat leave no reservation to
+        hold space for them."""
+        with self._lock:
+            if size in self._sizes:
+                return True
+            if len(self._sizes) >= MAX_SIZES:
+                self._sizes.clear()
+            self._sizes.add(size)
+            return False
 
     def _take(self, size: int) -> _Held | None:
         with self._lock:

@@ -194,14 +194,17 @@ class MasterCore:
                       upsert: bool, preferred: list[str], now: float,
                       reserved: bool = False) -> PutStartResult:
         """put_start of one key. `reserved`: `key` is a reservation token
-        (master/reserve.py), not a user key."""
+        (master/reserve.py), not a user key: it takes free space only, never evicting an
+        object for a put that may not come (the object just committed included)."""
         if not (reserved or valid_key(key)) or not valid_size(size, self.config.max_object_bytes):
             return PutStartResult(E.INVALID_PARAMS)
         if key in self.pending or (not upsert and key in self.objects):
             return PutStartResult(E.OBJECT_ALREADY_EXISTS)
-        replicas = self.allocate(size, config.replica_num, preferred, now)
+        replicas = self._place(size, config.replica_num, preferred) if reserved else \
+            self.allocate(size, config.replica_num, preferred, now)
         if replicas is None:
-            self.stats.no_space += 1
+            if not reserved:
+                self.stats.no_space += 1
             return PutStartResult(E.NO_AVAILABLE_HANDLE)
         self.pending.add(_new(PendingPut, (key, size, replicas, client_id, now, upsert,
                                            config.with_hard_pin, config.with_soft_pin)))
