@@ -219,3 +219,27 @@ def test_each_object_of_a_batch_read_is_held_to_its_own_lease(verify: bool) -> N
             assert (got[0].code, got[0].data) == (E.OK, a)
             assert got[1].code == E.LEASE_EXPIRED
             assert store.stats.damaged_dropped == 0
+
+
+def test_no_replica_is_read_once_an_objects_lease_has_ended() -> None:
+    """An object whose lease has ended before its copy (or before a copy from its next
+    replica) is not read at all: LEASE_EXPIRED, and no transfer touches its replica."""
+    with store_cluster(1, "4MiB") as cluster:
+        with StoreClient(ClientConfig(master=cluster.address)) as store:
+            assert store.put("a", b"A" * 4096).ok and store.put("b", b"B" * 4096).ok
+            lookup, run_copies = store._lookup, store._run_copies
+            copied: list[int] = []
+
+            def ended(keys):  # type: ignore[no-untyped-def]
+                looks, t0 = lookup(keys)
+                return [x._replace(lease_ttl_s=-1.0) if k == "b" else x
+                        for k, x in zip(keys, looks, strict=True)], t0
+
+            def counted(op, copies, *args, **kw):  # type: ignore[no-untyped-def]
+                copied.extend(copies)
+                return run_copies(op, copies, *args, **kw)
+
+            store._lookup, store._run_copies = ended, counted  # type: ignore[method-assign]
+            got = store.get_batch(["a", "b"])
+            assert (got[0].code, got[0].data) == (E.OK, b"A" * 4096)
+            assert got[1].code == E.LEASE_EXPIRED and copied == [0]

@@ -137,6 +137,12 @@ class ReadPath:
                 results.append(ReadResult(E.TRANSFER_FAIL))
         verify = self.config.verify_checksums
         while queues:
+            now = self.clock.now()
+            for i in [i for i in queues if now > t0 + looks[i].lease_ttl_s]:
+                results[i] = ReadResult(E.LEASE_EXPIRED)  # no replica of it is read any more:
+                del queues[i]                             # its memory may hold another's
+            if not queues:
+                break
             copies = {i: copies_for(parts[i] or (), q[0], looks[i].size)
                       for i, q in queues.items()}
             arrivals = HashOnArrival({i: (parts[i] or (), looks[i].size) for i in queues
