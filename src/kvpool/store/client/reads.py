@@ -158,10 +158,18 @@ class ReadPath:
                 results[i] = ReadResult(E.CHECKSUM_MISMATCH if i in mismatched
                                         else E.TRANSFER_FAIL)
                 del queues[i]
-        now = self.clock.now()  # each object against its own lease (a loaded copy's is short)
+        return self._within_leases(keys, looks, t0, results, mismatched, damaged)
+
+    def _within_leases(self, keys: Sequence[str], looks: Sequence[LookupResult], t0: float,
+                       results: list[ReadResult], mismatched: set[int],
+                       damaged: list[tuple[int, ReplicaDesc]]) -> list[ReadResult]:
+        """A read's results, each object held to its own lease (a loaded copy's is short):
+        bytes read after it ended may be reused memory, not the object's, and not damage
+        either (LEASE_EXPIRED); the replicas whose bytes failed within it are reported."""
+        now = self.clock.now()
         expired = {i for i, look in enumerate(looks) if now > t0 + look.lease_ttl_s}
-        if expired:  # bytes read after the lease ended may be reused memory: not theirs, and
-            results = [ReadResult(E.LEASE_EXPIRED)  # not damage either
+        if expired:
+            results = [ReadResult(E.LEASE_EXPIRED)
                        if i in expired and (r.ok or i in mismatched) else r
                        for i, r in enumerate(results)]
             damaged = [(i, replica) for i, replica in damaged if i not in expired]
