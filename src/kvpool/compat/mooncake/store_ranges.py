@@ -82,7 +82,7 @@ class StoreRanges(StoreTensors):
             session = self._get_sessions.get(key)
         if session is None:
             return None
-        if self.client.clock.now() > session.started_s + session.look.lease_ttl_s:
+        if session.look.lease_over(session.started_s, self.client.clock.now()):
             # the lease ran out: never read stale copies
             (fresh,), t0 = self.client.leased_lookup([key])
             if fresh.code is not E.OK:
@@ -166,7 +166,7 @@ class StoreRanges(StoreTensors):
                 out[i] = sum(n for _, _, n in ranges[i] or ())
             todo = {i: todo[i][1:] for i in failed if len(todo[i]) > 1}
         now = self.client.clock.now()
-        return [LEASE_EXPIRED if n >= 0 and look is not None and now > begun + look.lease_ttl_s
+        return [LEASE_EXPIRED if n >= 0 and look is not None and look.lease_over(begun, now)
                 else n for n, look, begun in zip(out, looks, leased, strict=True)]
 
     # -- put sessions ----------------------------------------------------------------------

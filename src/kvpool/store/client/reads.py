@@ -138,7 +138,7 @@ class ReadPath:
         verify = self.config.verify_checksums
         while queues:
             now = self.clock.now()
-            for i in [i for i in queues if now > t0 + looks[i].lease_ttl_s]:
+            for i in [i for i in queues if looks[i].lease_over(t0, now)]:
                 results[i] = ReadResult(E.LEASE_EXPIRED)  # no replica of it is read any more:
                 del queues[i]                             # its memory may hold another's
             if not queues:
@@ -167,7 +167,7 @@ class ReadPath:
         bytes read after it ended may be reused memory, not the object's, and not damage
         either (LEASE_EXPIRED); the replicas whose bytes failed within it are reported."""
         now = self.clock.now()
-        expired = {i for i, look in enumerate(looks) if now > t0 + look.lease_ttl_s}
+        expired = {i for i, look in enumerate(looks) if look.lease_over(t0, now)}
         if expired:
             results = [ReadResult(E.LEASE_EXPIRED)
                        if i in expired and (r.ok or i in mismatched) else r

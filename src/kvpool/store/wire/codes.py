@@ -94,6 +94,11 @@ class LookupResult(NamedTuple):
     checksum: int | None = None
     """xxh3_64 of the object's bytes recorded at put_end (None: put without one)."""
 
+    def lease_over(self, since: float, now: float) -> bool:
+        """Whether the read lease, counted from `since` (before the lookup was asked for),
+        has ended by `now`: a replica's bytes read after it may be another object's."""
+        return now > since + self.lease_ttl_s
+
 
 @dataclass(frozen=True, slots=True)
 class GetResult:
