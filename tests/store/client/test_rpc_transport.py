@@ -163,6 +163,47 @@ def test_unreachable_master_times_out_at_the_call_timeout() -> None:
             assert 0.2 < time.monotonic() - t0 < 2
 
 
+def call_in_thread(client: RpcClient) -> tuple[threading.Thread, list[BaseException]]:
+    failed: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            client.call(PingMsg())
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            failed.append(exc)
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    return thread, failed
+
+
+@pytest.mark.parametrize("master", ["silent", "gone"])
+def test_close_ends_a_call_in_flight_at_once(master: str) -> None:
+    """A process stopping while its heartbeat waits on a master that is gone (or silent) is
+    not held for the call's timeout: close() ends the call with RpcError and returns."""
+    def silent(conn: socket.socket, index: int) -> None:
+        with contextlib.suppress(OSError):
+            read_request_ids(conn, 2)
+    with contextlib.ExitStack() as stack:
+        if master == "silent":
+            address, _ = stack.enter_context(scripted_server(silent))
+        else:
+            holder = stack.enter_context(socket.socket())
+            holder.bind(("127.0.0.1", 0))             # bound, not listening: refused
+            address = f"127.0.0.1:{holder.getsockname()[1]}"
+        client = RpcClient(address, "c", timeout_s=20)
+        thread, failed = call_in_thread(client)
+        time.sleep(0.3)
+        assert thread.is_alive()                      # waiting on the master
+        t0 = time.monotonic()
+        client.close()
+        thread.join(2)
+        assert time.monotonic() - t0 < 1.5
+        assert not thread.is_alive()
+        assert len(failed) == 1 and isinstance(failed[0], RpcError), failed
+        with pytest.raises(RpcError, match="RPC client is closed"):
+            client.call(PingMsg())
+
+
 def test_a_call_waiting_on_a_silent_leader_goes_to_the_new_one_at_once() -> None:
     """HA: the leader's host is cut (it takes the request and answers nothing); once etcd
     names another leader the call is sent there, within LEADER_CHECK_S, not after its whole

@@ -259,6 +259,7 @@ class ClientBase(ReadPath):
         if self._stop.is_set():
             return
         self._stop.set()
+        self._hb_rpc.close()  # a heartbeat waiting on a master that is gone ends now
         deadline = self.clock.now() + self.config.close_timeout_s
         self._hb.join(self.config.close_timeout_s)
         self._revoke_reservations(self._rpc, self._reserved.take_stale(0.0),
@@ -274,7 +275,6 @@ class ClientBase(ReadPath):
         self._staging.close()
         self._hasher.close()
         self._rpc.close()
-        self._hb_rpc.close()
         self.engine.close()
 
     # -- data paths ------------------------------------------------------------------------

@@ -200,6 +200,8 @@ class RpcClient:
 
     def _connect(self, timeout_s: float, deadline: float) -> socket.socket:
         while True:
+            if self._closed:
+                raise RpcError("RPC client is closed")
             remaining = deadline - time.monotonic()
             try:
                 if self._resolve is not None:
@@ -311,10 +313,18 @@ class RpcClient:
         self._frames = []
 
     def close(self) -> None:
+        """Closed for good, at once: a call in flight on another thread (a heartbeat to a
+        master that is gone) is not waited for. Its connection is shut down and its
+        connection attempts stop, so it ends with RpcError."""
+        self._closed = True
+        sock = self._sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:  # closed meanwhile, or never connected
+                pass
         with self._lock:
-            if not self._closed:
-                self._closed = True
-                self._disconnect()
+            self._disconnect()
 
     def __enter__(self) -> RpcClient:
         return self
