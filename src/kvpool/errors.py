@@ -76,8 +76,14 @@ class StoreError(KvpoolError):
 
 class JournalWriteError(StoreError):
     """The master's journal could not write or sync records (a full disk, an I/O error, etcd
-    unreachable). Nothing of the failed write is acknowledged; the journal is back on a
-    record boundary when this is raised."""
+    unreachable). Nothing of the failed write is acknowledged. `may_have_landed`: the
+    records may be in the journal all the same (etcd applied a transaction whose answer was
+    lost, the log could not be cut back, an fsync failed after the write), so a replay may
+    still find them until later records void them."""
+
+    def __init__(self, message: str, may_have_landed: bool = True) -> None:
+        super().__init__(message)
+        self.may_have_landed = may_have_landed
 
 
 class StateDamaged(StoreError):

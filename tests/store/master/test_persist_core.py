@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvpool.clock import VirtualClock
+from kvpool.errors import JournalWriteError
 from kvpool.store.config import MasterConfig, ReplicateConfig
 from kvpool.store.master.core import MasterCore
 from kvpool.store.master.persist import Journal, PersistConfig, load_state
@@ -180,6 +181,109 @@ def test_remove_during_recovery_is_final(tmp_path: Path) -> None:
     assert core2.journal is not None
     core2.journal.commit()
     assert load_state(tmp_path)[0].objects == {}
+
+
+def live_and_replayed(core: MasterCore, state_dir: Path) -> tuple[set[str], set[str]]:
+    assert core.journal is not None
+    assert core.journal.commit()
+    return set(core.objects), set(load_state(state_dir)[0].objects)
+
+
+def test_a_key_put_again_and_removed_during_recovery_stays_removed(tmp_path: Path) -> None:
+    """Its old value, recorded on a segment that mounts only later, does not come back."""
+    clock = VirtualClock()
+    core = open_core(clock, tmp_path)
+    mount(core, 0, 11), mount(core, 1, 12)
+    (res,) = core.put_start("w", ["k"], [KIB], ReplicateConfig(
+        preferred_segment="127.0.0.1:9000/10000"))
+    assert core.put_end("w", ["k"], [1]) == [E.OK]
+    assert core.journal is not None and core.journal.commit()
+    core2 = open_core(clock, tmp_path)
+    mount(core2, 1, 22)
+    put(core2, "k", checksum=2)                     # on segment 1: the old value is gone
+    assert core2.remove(["k"], force=True) == [E.OK]
+    mount(core2, 0, 21)                             # the old value's segment
+    assert live_and_replayed(core2, tmp_path) == (set(), set())
+    core2.check_integrity()
+
+
+def test_an_object_back_then_dropped_with_its_segment_is_not_replayed_on_another(
+        tmp_path: Path) -> None:
+    """Replicas on A and B; after a restart A mounts (the object is back), then leaves (the
+    object goes with it), then B mounts: the journal must not still place the object on B,
+    where the next put is given its memory."""
+    clock = VirtualClock()
+    core = open_core(clock, tmp_path)
+    a, b = mount(core, 0, 11), mount(core, 1, 12)
+    put(core, "k", replicas=2, checksum=1)
+    core2 = open_core(clock, tmp_path)
+    mount(core2, 0, 21)
+    assert core2.unmount_segment("c0", a) == E.OK
+    mount(core2, 1, 22)
+    assert live_and_replayed(core2, tmp_path) == (set(), set())
+    (res,) = core2.put_start("w", ["y"], [KIB], ReplicateConfig(preferred_segment=b))
+    assert core2.put_end("w", ["y"], [2]) == [E.OK]
+    assert live_and_replayed(core2, tmp_path) == ({"y"}, {"y"})
+    core3 = open_core(clock, tmp_path)
+    mount(core3, 1, 32)
+    assert set(core3.objects) == {"y"} and core3.objects["y"].checksum == 2
+    core3.check_integrity()
+
+
+def test_a_write_that_outlasts_the_lease_is_not_acknowledged(tmp_path: Path) -> None:
+    """Shared directory HA: the lease lapses while the append is under way (a pause between
+    the fence check and the write): a successor may have loaded the journal already, so the
+    put is refused and its memory held, not given to the next put."""
+    clock = VirtualClock()
+    core = open_core(clock, tmp_path)
+    assert core.journal is not None
+    leads = [True]
+    core.journal.fence = lambda: leads[0]
+    mount(core, 0, 11)
+    append = core.journal.store.append
+
+    def paused_append(records: list[bytes]) -> bool:
+        leads[0] = False
+        return append(records)
+    core.journal.store.append = paused_append  # type: ignore[method-assign]
+    (res,) = core.put_start("w", ["k"], [KIB], ReplicateConfig())
+    assert core.put_end("w", ["k"], [1]) == [E.OK]
+    assert not core.journal.commit()
+    assert "k" not in core.objects
+    (again,) = core.put_start("w", ["y"], [KIB], ReplicateConfig())
+    assert again.replicas[0].addr != res.replicas[0].addr
+    core.check_integrity()
+
+
+def test_a_put_whose_failed_write_stayed_in_the_log_is_voided(tmp_path: Path) -> None:
+    """The write failed after its records reached the file, and cutting them off failed too
+    (the log store's `_dirty` case): the put is refused, and since the log may keep its
+    record, its memory is held until a remove of it is written. A restart then has neither
+    it nor another object on its memory."""
+    clock = VirtualClock()
+    core = open_core(clock, tmp_path)
+    assert core.journal is not None
+    mount(core, 0, 11)
+    append, failures = core.journal.store.append, [1]
+
+    def landed_then_failed(records: list[bytes]) -> bool:
+        done = append(records)
+        if failures:
+            failures.pop()
+            raise JournalWriteError("write failed, and so did cutting it off (injected)")
+        return done
+    core.journal.store.append = landed_then_failed  # type: ignore[method-assign]
+    (lost,) = core.put_start("w", ["lost"], [KIB], ReplicateConfig())
+    assert core.put_end("w", ["lost"], [1]) == [E.OK]
+    assert not core.journal.commit()
+    (res,) = core.put_start("w", ["y"], [KIB], ReplicateConfig())
+    assert res.replicas[0].addr != lost.replicas[0].addr
+    assert core.put_end("w", ["y"], [2]) == [E.OK]
+    assert live_and_replayed(core, tmp_path) == ({"y"}, {"y"})
+    core2 = open_core(clock, tmp_path)
+    mount(core2, 0, 21)
+    assert set(core2.objects) == {"y"}
+    core2.check_integrity()
 
 
 def test_random_histories_replay_to_the_same_tables(tmp_path: Path) -> None:

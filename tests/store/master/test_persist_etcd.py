@@ -7,11 +7,12 @@ import base64
 import itertools
 import random
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from kvpool.clock import VirtualClock
-from kvpool.errors import StoreError
+from kvpool.errors import KvpoolError, StoreError
 from kvpool.store.config import MasterConfig, ReplicateConfig
 from kvpool.store.master.core import MasterCore
 from kvpool.store.master.election import LeaderElection
@@ -168,6 +169,45 @@ def test_an_append_etcd_does_not_answer_takes_the_put_back(etcd: str) -> None:
     core2 = open_core(clock, etcd, cluster, term)
     mount(core2, 0, 6)
     assert sorted(core2.objects) == ["kept"]
+
+
+def test_memory_of_an_append_etcd_may_have_applied_is_not_reused_until_voided(
+        etcd: str) -> None:
+    """etcd applies an append whose answer the master never gets: the put is refused and
+    taken back, but its memory stays allocated until a later append has voided its record.
+    Otherwise the next put gets that memory, and a leader that takes over before that append
+    replays the refused put onto the other put's bytes."""
+    clock, cluster = VirtualClock(), f"unsure{next(_clusters)}"
+    term = elect(etcd, cluster).term
+    core = open_core(clock, etcd, cluster, term)
+    mount(core, 0, 5)
+    assert isinstance(core.journal, Journal)
+    store = core.journal.store
+    assert isinstance(store, EtcdLogStore)
+    post, answered = store.etcd.post, [False]
+
+    def applied_unanswered(path: str, body: Any) -> Any:
+        out = post(path, body)
+        if path == "/kv/txn" and not answered[0]:
+            answered[0] = True
+            raise KvpoolError("etcd unreachable for /kv/txn: timed out")
+        return out
+    store.etcd.post = applied_unanswered  # type: ignore[method-assign]
+    (lost,) = core.put_start("w", ["lost"], [KIB], ReplicateConfig())
+    assert core.put_end("w", ["lost"], [None]) == [E.OK]
+    assert not core.journal.commit()
+    assert core.get_replicas(["lost"])[0].code == E.OBJECT_NOT_FOUND
+    (pending,) = core.put_start("w", ["next"], [KIB], ReplicateConfig())
+    assert pending.replicas[0].addr != lost.replicas[0].addr
+    core.check_integrity()
+    assert core.put_end("w", ["next"], [2]) == [E.OK]  # the next append voids "lost"
+    assert core.journal.commit()
+    (reused,) = core.put_start("w", ["again"], [KIB], ReplicateConfig())
+    assert reused.replicas[0].addr == lost.replicas[0].addr   # released
+    core.check_integrity()
+    after = open_core(clock, etcd, cluster, term)
+    mount(after, 0, 7)
+    assert sorted(after.objects) == ["next"]
 
 
 def _b64(text: str) -> str:

@@ -411,17 +411,21 @@ class MasterCore:
         for r in obj.replicas:
             self.space.free_after(r, obj.lease_until if defer else 0.0)
 
-    def unpublish(self, obj: StoredObject) -> None:
-        """Take back a put whose record the journal could not write, before anyone read
-        it: the object goes without a record (none of it is on disk) and its memory is free
-        at once (the put's reply says it failed, so no writer or reader uses it)."""
+    def unpublish(self, obj: StoredObject, hold: bool = False) -> None:
+        """Take back a put whose record the journal did not write, before anyone read it:
+        the object goes without a record. Its memory is free at once (the put's reply says
+        it failed, so no writer or reader uses it), or with `hold` kept allocated until
+        `space.release_held` (the write failed, and may have landed all the same)."""
         if self.objects.get(obj.key) is not obj:
             return
         if self.tiering.mounts:
             self.tiering.on_remove(obj)
         self.objects.remove(obj)
         for r in obj.replicas:
-            self.space.free_after(r, 0.0)
+            if hold:
+                self.space.hold(r)
+            else:
+                self.space.free_after(r, 0.0)
 
     def release_deferred(self) -> int:
         """Free the ranges whose release time has come (see space.FreeSpace)."""

@@ -189,9 +189,10 @@ class FileLogStore:
             self._truncate(offset)
         except OSError:
             pass  # retried before the next append
+        where = "could not be cut back to byte" if self._dirty else "is cut back to byte"
         raise JournalWriteError(f"{self.dir}/log.{self._seq}: write failed ({exc}); nothing "
-                                f"of it is acknowledged, the log is cut back to byte "
-                                f"{offset}") from exc
+                                f"of it is acknowledged, the log {where} {offset}",
+                                may_have_landed=self._dirty) from exc
 
     def _truncate(self, offset: int) -> None:
         os.ftruncate(self._fd, offset)

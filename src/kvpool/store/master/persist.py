@@ -144,6 +144,8 @@ class Journal:
         and object, if the write fails)."""
         self._carry: list[bytes] = []
         """Records of failed writes that stay done in memory, written ahead of the next."""
+        self._holding = False
+        """Whether memory of voided puts is held (`_void`)."""
         self.num_write_failures = 0
         self._num_failing = 0
         """Failed writes since the last one that succeeded."""
@@ -162,6 +164,7 @@ class Journal:
         self.store.rotate([encode_record(r) for r in records], self.term)
         self._log_bytes = 0
         self._carry = []  # the snapshot holds what they recorded
+        self._release_held()  # and none of the failed writes' records
 
     # -- hooks called by the core (under the master's lock) ------------------------------
 
@@ -171,8 +174,11 @@ class Journal:
                 self._append(["D", seg.segment_id])
         self._append(SegRec(seg.segment_id, seg.client_id, seg.endpoint, seg.base_addr,
                             seg.capacity, int(seg.tier), seg.fence).record())
-        for key in self.recovery.reattach(core, seg):
+        dropped, changed = self.recovery.reattach(core, seg)
+        for key in dropped:
             self._append(["R", key])
+        for obj in changed:
+            self.on_put(obj)
 
     def on_drop(self, segment_id: str) -> None:
         self._append(["D", segment_id])
@@ -184,12 +190,17 @@ class Journal:
                       obj.checksum, obj.hard_pinned])
 
     def on_publish(self, obj: StoredObject) -> None:
-        """`obj` was just put: if its record cannot be written, the object is taken back."""
+        """`obj` was just put: if its record cannot be written, the object is taken back.
+        A recovered value of the same key still waiting for its node is gone for good."""
         self.on_put(obj)
         self._published.append((obj, self._buf[-1]))
+        if not self.recovery.done:
+            self.recovery.forget(obj.key)
 
     def on_remove(self, key: str) -> None:
         self._append(["R", key])
+        if not self.recovery.done:
+            self.recovery.forget(key)
 
     def remove_recovering(self, key: str) -> bool:
         """Remove an object whose segment has not come back yet; whether there was one
@@ -246,6 +257,11 @@ class Journal:
             self._failed(records, published, exc)
             return False
         self._wrote(records)
+        if self.fence is not None and not self.fence():
+            # the lease lapsed during the write: a successor may have loaded the journal
+            # before it landed, so it is acknowledged to nobody
+            self._void(published)
+            return False
         return True
 
     def _failed(self, records: list[bytes], published: list[tuple[StoredObject, bytes]],
@@ -253,7 +269,10 @@ class Journal:
         """Keep what stays done in memory for the next write; take back the puts."""
         unpublished = {id(rec) for _, rec in published}
         self._carry = [r for r in records if id(r) not in unpublished]
-        self._take_back(published)
+        if exc.may_have_landed:
+            self._void(published)
+        else:
+            self._take_back(published)
         self.num_write_failures += 1
         self._num_failing += 1
         self.write_error = str(exc)
@@ -261,8 +280,25 @@ class Journal:
                             "for the next write: %s", len(published), len(self._carry), exc)
 
     def _take_back(self, published: list[tuple[StoredObject, bytes]]) -> None:
+        """Take back puts none of whose records was written."""
         for obj, _ in published:
             self._core.unpublish(obj)
+
+    def _void(self, published: list[tuple[StoredObject, bytes]]) -> None:
+        """Take back puts whose records a write that failed may have written all the same
+        (etcd applied it, the log kept it): a remove of each is carried to the next write,
+        and their memory is held until that write has voided them (released in `_wrote`,
+        `_rotate`), so no other put can reuse it under a record that a replay may still
+        find."""
+        self._carry += [encode_record(["R", obj.key]) for obj, _ in published]
+        for obj, _ in published:
+            self._core.unpublish(obj, hold=True)
+        self._holding = self._holding or bool(published)
+
+    def _release_held(self) -> None:
+        if self._holding:
+            self._core.space.release_held()
+            self._holding = False
 
     def _wrote(self, records: list[bytes]) -> None:
         if self._num_failing:
@@ -270,6 +306,7 @@ class Journal:
                         self._num_failing, len(self._carry))
             self._num_failing, self.write_error = 0, None
         self._carry = []
+        self._release_held()
         self._log_bytes += sum(len(r) for r in records)
 
     def _sync(self, now: float) -> None:

@@ -42,26 +42,35 @@ class Recovery:
         self._by_segment.pop(segment_id, None)
         return self.segments.pop(segment_id, None) is not None
 
-    def reattach(self, core: CoreApi, seg: Segment) -> list[str]:
-        """Put back the objects of a recovered segment its node mounted again; returns the
-        keys dropped instead (a put of the same key is in flight: the old value is gone)."""
+    def reattach(self, core: CoreApi, seg: Segment) -> tuple[list[str], list[StoredObject]]:
+        """Put back the objects of a recovered segment its node mounted again. Returns the
+        keys to record as removed (their recovered record would otherwise still place them
+        here) and the objects to record again (they came back without this replica)."""
         if not self.matches(seg):
-            return []
+            return [], []
         del self.segments[seg.segment_id]
-        dropped = []
+        dropped: list[str] = []
+        changed: list[StoredObject] = []
         attached = 0
         for rec in self._by_segment.pop(seg.segment_id, {}).values():
             offset = next(o for s, o in rec.replicas if s == seg.segment_id)
             obj = core.objects.get(rec.key)
             ours = self._attached.get(rec.key)
-            if rec.key in core.pending and obj is None and ours is None:
+            if obj is not None and ours is not obj:
+                continue  # put again since: its own record comes later in the log
+            if obj is None and (ours is not None or rec.key in core.pending):
+                # back elsewhere and gone since (its segment left), or a put of the same
+                # key is in flight (the old value is gone)
                 dropped.append(rec.key)
-            elif ((obj is None and ours is None) or (obj is not None and ours is obj)) \
-                    and seg.allocator.reserve(offset, rec.size):
+            elif seg.allocator.reserve(offset, rec.size):
                 self._attach(core, seg, rec, offset, obj)
                 attached += 1
+            elif obj is None:
+                dropped.append(rec.key)
+            else:
+                changed.append(obj)
         log.info("segment %s mounted again: %d objects back", seg.segment_id, attached)
-        return dropped
+        return dropped, changed
 
     def _attach(self, core: CoreApi, seg: Segment, rec: ObjRec, offset: int,
                 obj: StoredObject | None) -> None:

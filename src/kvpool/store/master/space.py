@@ -4,6 +4,10 @@ held in quarantine. The only writer of both; everyone else frees memory through 
 - **Deferred.** A range a reader may still copy from (its read lease runs) or a writer may
   still copy into (a put or move the master gave up on) is freed at its release time, by
   `release_due` (the core's tick).
+- **Held.** A range of a put the journal could not write (`hold`) stays allocated until the
+  journal has written what voids that put's record, in case the failed write landed anyway
+  (`release_held`): until then a successor replaying the record would serve it from memory
+  that another put reused.
 - **Quarantine.** When a segment is dropped, its deferred ranges are remembered under its id
   and fence: if the same memory is mounted again under the same fence before they are due,
   they are held allocated again, since a late writer or reader may still touch them (with a
@@ -12,6 +16,7 @@ held in quarantine. The only writer of both; everyone else frees memory through 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -20,6 +25,10 @@ from kvpool.store.master.state import Replica, Segment
 
 if TYPE_CHECKING:
     from kvpool.store.master.tables import SegmentTable
+
+
+HELD = math.inf
+"""The release time of a held range: none until `release_held`."""
 
 
 class FreeSpace:
@@ -58,6 +67,24 @@ class FreeSpace:
             self._deferred.append((lease_until, replica.segment, replica.offset))
         else:
             self.free(replica.segment, replica.offset)
+
+    def hold(self, replica: Replica) -> None:
+        """Keep a replica's range allocated until `release_held`."""
+        self._deferred.append((HELD, replica.segment, replica.offset))
+
+    def release_held(self) -> None:
+        """Free every range `hold` kept, and forget those of segments dropped meanwhile."""
+        held = [d for d in self._deferred if d[0] == HELD]
+        if held:
+            self._deferred = [d for d in self._deferred if d[0] != HELD]
+            for _, seg, offset in held:
+                self.free(seg, offset)
+        for sid, (fence, ranges) in list(self._quarantine.items()):
+            kept = [r for r in ranges if r[0] != HELD]
+            if kept:
+                self._quarantine[sid] = (fence, kept)
+            else:
+                del self._quarantine[sid]
 
     def release_due(self) -> int:
         """Free the deferred ranges whose time has come and forget quarantined ranges that
