@@ -9,7 +9,7 @@ from kvpool.clock import VirtualClock
 from kvpool.store.master.core import MasterCore
 from kvpool.store.master.tier_tasks import DELETE, DONE, FAILED, FILE_BAD, LOAD, OFFLOAD, Task
 from kvpool.store.wire.codes import ErrorCode, Tier
-from tests.store.conftest import KIB, make_core
+from tests.store.conftest import KIB, live_for, make_core
 
 E = ErrorCode
 OBJ = 4 * KIB
@@ -268,3 +268,65 @@ def test_a_load_target_dropped_holds_its_range(vclock: VirtualClock) -> None:
     assert key not in core.tiering.under_way.loading and tiers(core, key) == [Tier.SSD]
     finish(core, ssd_id, tasks(core, ssd_id, vclock))   # the late report changes nothing
     assert tiers(core, key) == [Tier.SSD]
+
+
+def disk_of_another_node(core: MasterCore) -> str:
+    code, ssd_id = core.tiering.attach("d0", "127.0.0.1:9100", 64 * KIB, 2)
+    assert code == E.OK
+    return ssd_id
+
+
+def lose_disk_node(core: MasterCore, vclock: VirtualClock) -> None:
+    """d0 stops heartbeating until the master drops it; the others stay."""
+    live_for(core, vclock, core.config.client_ttl_s + 5, clients=("w", "c0"))
+    assert not core.tiering.mounts
+    core.check_integrity()
+
+
+def test_a_file_whose_delete_was_not_run_is_refused_when_its_node_returns(
+        vclock: VirtualClock) -> None:
+    """Removed while its node was down: the DELETE goes with the node, the file stays on
+    its disk. When the node mounts again its registration of that file is refused (the
+    node deletes it), so the removed value never comes back."""
+    core, ssd_id, key = offloaded(vclock)
+    gen = core.tiering.on_disk.gens[(ssd_id, key)]
+    checksum = core.objects[key].checksum
+    assert core.remove([key], force=True) == [E.OK]
+    vclock.advance(core.config.client_ttl_s + 1)
+    core.heartbeat("w")
+    core.expire_clients()                      # before the node ran its DELETE
+    assert not core.tiering.mounts
+    core.check_integrity()
+    code, again = core.tiering.attach("c0", "127.0.0.1:9000", 64 * KIB, 2)
+    assert code == E.OK
+    assert core.tiering.register("c0", again, [key], [OBJ], [checksum], [gen]) \
+        == [E.OBJECT_ALREADY_EXISTS]
+    assert key not in core.objects
+    core.check_integrity()
+
+
+def test_a_file_left_on_a_lost_disk_comes_back_only_while_its_value_stands(
+        vclock: VirtualClock) -> None:
+    """An object in DRAM with a copy on d0's disk; d0 is lost. If nobody removed or
+    replaced the object meanwhile its file is taken back; if they did, it is refused."""
+    core = make_core(vclock, num_segments=1)
+    ssd_id = disk_of_another_node(core)
+    for key in ("kept", "removed", "replaced"):
+        assert put(core, key) == E.OK
+    sums = {k: core.objects[k].checksum for k in core.objects}
+    gens = {"kept": 11, "removed": 12, "replaced": 13}
+    assert core.tiering.register("d0", ssd_id, list(gens), [OBJ] * 3,
+                                 [sums[k] for k in gens], list(gens.values())) == [E.OK] * 3
+    lose_disk_node(core, vclock)
+    assert sorted(core.objects) == ["kept", "removed", "replaced"]   # DRAM copies stay
+    assert core.remove(["removed"], force=True) == [E.OK]
+    started = core.put_start("w", ["replaced"], [OBJ], upsert=True)[0]
+    assert started.code == E.OK
+    assert core.put_end("w", ["replaced"], [sums["replaced"]]) == [E.OK]  # same checksum
+    ssd_id = disk_of_another_node(core)
+    codes = core.tiering.register("d0", ssd_id, list(gens), [OBJ] * 3,
+                                  [sums[k] for k in gens], list(gens.values()))
+    assert codes == [E.OK, E.OBJECT_ALREADY_EXISTS, E.OBJECT_ALREADY_EXISTS]
+    assert "removed" not in core.objects
+    assert tiers(core, "replaced") == [Tier.DRAM]
+    core.check_integrity()

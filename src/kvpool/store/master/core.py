@@ -403,7 +403,7 @@ class MasterCore:
     def remove_object(self, obj: StoredObject, defer: bool) -> None:
         """Drop an object; with `defer`, memory a live lease may still be read from is
         freed only when the lease ends."""
-        if self.tiering.mounts:
+        if self.tiering.watching:
             self.tiering.on_remove(obj)  # may hold ranges a node task is using
         self.objects.remove(obj)
         if self.journal is not None:
@@ -418,7 +418,7 @@ class MasterCore:
         `space.release_held` (the write failed, and may have landed all the same)."""
         if self.objects.get(obj.key) is not obj:
             return
-        if self.tiering.mounts:
+        if self.tiering.watching:
             self.tiering.on_remove(obj)
         self.objects.remove(obj)
         for r in obj.replicas:

@@ -127,6 +127,8 @@ def _register_one(t: TierState, mount: SsdMount, key: str, size: int, checksum: 
             and type(checksum) is int and 0 <= checksum < 1 << 64
             and type(gen) is int and 0 <= gen < 1 << 64):
         return E.INVALID_PARAMS
+    if t.left.refuse(key, gen):  # removed or replaced while its node was gone
+        return E.OBJECT_ALREADY_EXISTS
     obj = core.objects.get(key)
     if key in core.pending or (obj is not None and (obj.size != size
                                                     or obj.checksum != checksum)):

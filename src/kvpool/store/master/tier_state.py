@@ -4,10 +4,10 @@ space and disk eviction. `Tiering` (tiering.py) adds the requests and hooks that
 offload side (tier_offload.py) and the read side (tier_reads.py) over this state; those
 two modules import this one, never tiering.py.
 
-Rule: one writer per table. The state is four tables, each the only writer of its fields:
+Rule: one writer per table. The state is five tables, each the only writer of its fields:
 the mounts (`mounts`, written here; each `SsdMount` writes its own task queue), the keys on
 disk (`on_disk`, a `DiskKeys`), the transfers under way (`under_way`, a `TierTransfers`;
-both in tier_tables.py). The offload and read sides read their fields and change them only
+both in tier_tables.py), the files of lost disks (`left`, a `LeftFiles`, tier_left.py). The offload and read sides read their fields and change them only
 through their methods; `stats` holds counters that either side adds to. `check_integrity`
 checks each table and then the tables against the object table.
 """
@@ -19,6 +19,7 @@ import random
 from typing import TYPE_CHECKING
 
 from kvpool.store.master.state import Replica, Segment, StoredObject
+from kvpool.store.master.tier_left import LeftFiles
 from kvpool.store.master.tier_tables import DiskKeys, TierTransfers
 from kvpool.store.master.tier_tasks import (
     DELETE,
@@ -50,6 +51,8 @@ class TierState:
         """SSD segment id -> the node's disk tier."""
         self.on_disk = DiskKeys()
         self.under_way = TierTransfers()
+        self.left = LeftFiles()
+        """Files on disks the master lost, refused at registration once stale."""
         self.stats = TierStats()
         self._ids = itertools.count(1)
         self._rng = random.Random()
@@ -185,9 +188,16 @@ class TierState:
 
     # -- removal, segments, time ---------------------------------------------------------
 
+    @property
+    def watching(self) -> bool:
+        """Whether the core must report removals (`on_remove`): a disk is mounted, or
+        files of a lost one may come back."""
+        return bool(self.mounts) or bool(self.left)
+
     def on_remove(self, obj: StoredObject) -> None:
         """`obj` is being removed (core.remove_object, before its ranges are freed)."""
         key = obj.key
+        self.left.key_gone(key)
         offload = self.under_way.offloading.get(key)
         if offload is not None:  # the node may be reading the DRAM range: hold it
             self.under_way.untrack_offload(offload)
@@ -205,6 +215,7 @@ class TierState:
         """`seg` is gone (and objects left without a replica with it)."""
         mount = self.mounts.pop(seg.segment_id, None)
         for task in list(mount.tasks.values()) if mount is not None else []:
+            self._leave(task)
             self._cancel(task)
         for table in (self.under_way.offloading, self.under_way.loading):
             for task in [t for t in table.values() if t.dram and t.dram.segment is seg]:
@@ -214,7 +225,18 @@ class TierState:
             if self.core.objects.get(key) is not None and key not in on_disk.transient:
                 self.core.objects.set_evictable(key, True)
             on_disk.untier(key)
+        for (segment_id, key), gen in on_disk.gens.items():
+            if segment_id == seg.segment_id:
+                self.left.left(key, gen)
         on_disk.forget_segment(seg.segment_id)
+
+    def _leave(self, task: Task) -> None:
+        """A task of a lost disk: the file its node may still hold (a DELETE not run, an
+        offload written but not reported) is remembered (LeftFiles)."""
+        if task.kind == DELETE or (task.kind == OFFLOAD and task.obj is None):
+            self.left.void(task.key, task.gen)
+        elif task.kind == OFFLOAD:
+            self.left.left(task.key, task.gen)
 
     def _disk_replicas(self, key: str) -> int:
         obj = self.core.objects.get(key)
@@ -266,6 +288,7 @@ class TierState:
         """AssertionError unless each table holds its own invariants and every mount is
         filed under its segment's id."""
         self.on_disk.check_integrity(self._disk_replicas)
+        self.left.check_integrity()
         self.under_way.check_integrity(self.core.objects.get)
         for segment_id, mount in self.mounts.items():
             mount.check_integrity()
