@@ -127,6 +127,21 @@ def test_managed_buffers_live_in_dev_shm_and_are_removed() -> None:
             open(f"/dev/shm/{buf.shm_name}", "rb")
 
 
+def test_engines_started_again_in_one_process_never_reuse_file_names() -> None:
+    """A peer that cached an engine's descriptor maps its files by name: an engine started
+    after it in the same process (it may get the old one's id) must name its files anew,
+    or the peer would take the new file for the old one at the old address."""
+    import gc
+    names = []
+    for _ in range(40):
+        engine = TransferEngine(TransferConfig()).start()
+        names.append(engine.allocate_managed(4096).shm_name)
+        engine.close()
+        del engine
+        gc.collect()
+    assert len(set(names)) == len(names)
+
+
 def test_sweep_removes_files_of_dead_processes_of_our_pid_namespace(tmp_path) -> None:  # type: ignore[no-untyped-def]
     ours, other = f"{pid_namespace():x}", f"{pid_namespace() + 1:x}"
     (tmp_path / f"kvpool-999999999-{ours}-abc-1").write_bytes(b"x")

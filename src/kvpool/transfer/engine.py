@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import secrets
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -34,6 +35,7 @@ from kvpool.transfer.batch import (
 from kvpool.transfer.config import TransferConfig
 from kvpool.transfer.fence import Fence, check_fence
 from kvpool.transfer.memory import (
+    SHM_TAG_BITS,
     Buffer,
     MemoryRegistry,
     SharedMemoryArena,
@@ -59,7 +61,10 @@ class TransferEngine:
     def __init__(self, config: TransferConfig | None = None) -> None:
         self.config = config or TransferConfig()
         self.registry = MemoryRegistry()
-        self._arena = SharedMemoryArena(shm_prefix(id(self)))
+        # a random tag, not id(self): an engine started again in this process could get the
+        # old one's id, and its files the old names, which a peer still holding the old
+        # descriptor would then map at the old addresses
+        self._arena = SharedMemoryArena(shm_prefix(secrets.randbits(SHM_TAG_BITS)))
         self._batches: dict[int, Batch] = {}
         self._batch_ids = itertools.count(1)
         self._lock = threading.Lock()

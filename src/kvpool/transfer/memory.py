@@ -277,9 +277,13 @@ def pid_namespace() -> int:
         return 0
 
 
+SHM_TAG_BITS = 64
+"""Bits of an engine's tag in its files' names (random: no two engines share names)."""
+
+
 def shm_prefix(tag: int) -> str:
     """The prefix of one engine's managed-buffer files (see SHM_NAME)."""
-    return f"kvpool-{os.getpid()}-{pid_namespace():x}-{tag & 0xFFFFFF:x}"
+    return f"kvpool-{os.getpid()}-{pid_namespace():x}-{tag & ((1 << SHM_TAG_BITS) - 1):x}"
 
 
 @dataclass(frozen=True, eq=False)
