@@ -197,7 +197,17 @@ class TransferEngine:
         return self.allocate_managed(buf.length, fence)
 
     def unregister(self, addr: int) -> None:
-        self.registry.remove(addr)
+        """Stop serving the region registered at `addr`. On return no write admitted into it
+        (over tcp, or an own-segment copy) is still copying, so the caller may reuse the
+        memory; TransferTimeout if one still is after 2 x timeout_s (a writer stalled
+        mid-frame: the memory must not be reused yet). Reads from it that started before
+        may still be sending. MemoryRegistrationError when no region starts at `addr`, or
+        when it is a managed buffer (same-host peers write those through the file: free it
+        with `free_managed`)."""
+        if self.registry.at(addr).shm_name is not None:
+            raise MemoryRegistrationError(f"the buffer at {addr:#x} is a managed buffer: "
+                                          "free it with free_managed, not unregister")
+        self.registry.remove(addr).fence.retire(self.config.timeout_s * 2)
 
     def allocate_managed(self, length: int, fence: int = 0) -> Buffer:
         """Shared-memory buffer, registered and published so same-host peers can memcpy it;

@@ -42,6 +42,8 @@ class Fence:
         self._cond = threading.Condition()
         self._epoch = 0
         self._inflight: dict[int, int] = {}  # epoch -> writes admitted under it, still copying
+        self._retired = False
+        """The region was unregistered: nothing more is admitted (`retire`)."""
 
     @property
     def value(self) -> int:
@@ -52,9 +54,9 @@ class Fence:
         once, e.g. the descriptors of one frame into this region: all or none): a token for
         `leave`, or None if refused."""
         if not write:
-            return READ_ADMITTED if admits(self._value, fence) else None
+            return READ_ADMITTED if admits(self._value, fence) and not self._retired else None
         with self._cond:
-            if not admits(self._value, fence):
+            if self._retired or not admits(self._value, fence):
                 return None
             self._inflight[self._epoch] = self._inflight.get(self._epoch, 0) + count
             return self._epoch
@@ -70,6 +72,13 @@ class Fence:
             else:
                 del self._inflight[token]
                 self._cond.notify_all()
+
+    def retire(self, timeout_s: float) -> None:
+        """Admit nothing more (the region is being unregistered: a request that found it
+        just before is refused), then wait as `set` does for the writes admitted before."""
+        with self._cond:
+            self._retired = True
+        self.set(self._value, timeout_s)
 
     def set(self, value: int, timeout_s: float) -> None:
         """Change the fence, then wait until every write admitted before is done copying.
