@@ -1,17 +1,22 @@
-"""Unregistering memory: once `unregister` returns, no write admitted before it still lands
+"""Memory handed back: once `unregister` returns, no write admitted before it still lands
 (the caller may free or reuse the memory), and a managed buffer is refused (peers write it
-through its file: `free_managed` is the way out)."""
+through its file: `free_managed` is the way out); once a wait has failed a batch, none of
+its frames still moves bytes."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 
 from kvpool.errors import MemoryRegistrationError
 from kvpool.transfer import OpCode, TransferConfig, TransferEngine, TransferRequest
+from tests.transfer.conftest import Target
 
 SIZE = 128 << 20
 
@@ -59,3 +64,30 @@ def test_a_managed_buffer_is_freed_not_unregistered() -> None:
         assert engine.descriptor().shm_regions[0].addr == buf.addr   # still served
         engine.free_managed(buf)
         assert not engine.descriptor().shm_regions
+
+
+def test_a_batch_given_up_lands_no_byte_after_its_wait_returns(
+        target_factory: Callable[..., Target]) -> None:
+    """The peer is stopped (SIGSTOP) while a read of 4 MiB is under way on a worker thread:
+    the wait fails it, and once it has returned the memory is the caller's again. When the
+    peer resumes, nothing lands in it."""
+    target = target_factory()
+    size = 4 << 20
+    target.fill(target.plain, size, seed=5)
+    with TransferEngine(TransferConfig(protocol="tcp", timeout_s=5.0)) as engine:
+        dst = np.zeros(size, np.uint8)
+        engine.register(dst)
+        engine.read(target.segment, dst.ctypes.data, target.plain, 4096)   # connected
+        os.kill(target.proc.pid, signal.SIGSTOP)
+        try:
+            batch = engine.allocate_batch(1)
+            engine.submit(batch, [TransferRequest(OpCode.READ, dst.ctypes.data, size,
+                                                  target.segment, target.plain)])
+            (status,) = engine.wait(batch, 0.5)
+            assert not status.ok and "not finished" in (status.reason or "")
+            engine.unregister(dst.ctypes.data)
+            dst[:] = 0x11                                  # the memory is reused
+        finally:
+            os.kill(target.proc.pid, signal.SIGCONT)
+        time.sleep(1.0)
+        assert int(np.count_nonzero(dst != 0x11)) == 0, "bytes landed after the wait failed"

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
+import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -85,6 +87,9 @@ class Batch:
         self._status: list[RequestStatus] = []
         self._open = 0
         self._callbacks: list[Callable[[], None]] = []
+        self._running: dict[int, socket.socket] = {}
+        """Connections of the frames of this batch moving bytes on worker threads."""
+        self._given_up = False
 
     def add(self, slices_per_request: list[int]) -> int:
         """Reserve slots for new requests; returns the index of the first."""
@@ -161,6 +166,34 @@ class Batch:
         callbacks, self._callbacks = self._callbacks, []
         return callbacks
 
+
+    def frame_started(self, sock: socket.socket) -> bool:
+        """A frame of this batch starts moving bytes on `sock`; False when the batch was
+        given up (the frame must not run)."""
+        with self._cond:
+            if self._given_up:
+                return False
+            self._running[id(sock)] = sock
+            return True
+
+    def frame_ended(self, sock: socket.socket) -> None:
+        with self._cond:
+            if self._running.pop(id(sock), None) is not None and not self._running:
+                self._cond.notify_all()
+
+    def give_up(self, reason: str, timeout_s: float) -> bool:
+        """Fail the requests still open, once the frames still moving their bytes have
+        stopped: their connections are shut down (a stalled peer that resumes must not land
+        bytes in memory the caller reuses once this returns), and no queued frame starts.
+        False if a frame still ran after `timeout_s`."""
+        with self._cond:  # (a frame that ends meanwhile waits: no connection it handed
+            self._given_up = True  # back is shut down)
+            for sock in self._running.values():
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+            stopped = self._cond.wait_for(lambda: not self._running, timeout_s)
+        self.fail_open(reason)
+        return stopped
 
     def fail_open(self, reason: str) -> None:
         """Mark every still-pending request failed (used on timeout and engine close)."""

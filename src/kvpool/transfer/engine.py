@@ -280,10 +280,13 @@ class TransferEngine:
         return self._finish(batch, timeout_s)
 
     def _finish(self, batch: Batch, timeout_s: float | None) -> list[RequestStatus]:
-        """Wait for `batch` (default 2 x timeout_s); requests unfinished by then are failed."""
+        """Wait for `batch` (default 2 x timeout_s); requests unfinished by then are failed,
+        once their frames have stopped moving bytes (Batch.give_up)."""
         limit = self.config.timeout_s * 2 if timeout_s is None else timeout_s
-        if not batch.wait(limit):
-            batch.fail_open(f"not finished within {limit:g}s")
+        if not batch.wait(limit) and \
+                not batch.give_up(f"not finished within {limit:g}s", self.config.timeout_s):
+            log.error("a frame of a batch given up after %gs still runs %gs later: its "
+                      "memory may still be written", limit, self.config.timeout_s)
         return batch.status()
 
     def free_batch(self, batch_id: int) -> None:

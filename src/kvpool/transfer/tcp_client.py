@@ -236,7 +236,8 @@ class PeerLink:
         hook = frame.batch.on_sent is not None
         outcome = self.exchange(frame.op, frame.addrs, frame.lengths, frame.views, frame.fences,
                                 frame.sent if hook and frame.op == OpCode.WRITE else None,
-                                frame.arrived if hook and frame.op == OpCode.READ else None)
+                                frame.arrived if hook and frame.op == OpCode.READ else None,
+                                frame.batch)
         if isinstance(outcome, str):
             frame.fail(outcome)
         else:
@@ -244,15 +245,24 @@ class PeerLink:
 
     def exchange(self, op: OpCode, addrs: list[int], lengths: list[int], views: list[memoryview],
                  fences: list[int] | None, sent: Callable[[], None] | None = None,
-                 arrived: Callable[[int, int], None] | None = None) -> list[Status] | str:
+                 arrived: Callable[[int, int], None] | None = None,
+                 batch: Batch | None = None) -> list[Status] | str:
         """Run one frame in the calling thread: the target's per-descriptor statuses, or why
         the whole frame failed (then no descriptor counts as done). `sent`: called once a
         WRITE's payload is in the socket, before waiting for the answer. `arrived(lo, hi)`:
-        called as a large READ's descriptors lo..hi-1 have their data, before the rest."""
+        called as a large READ's descriptors lo..hi-1 have their data, before the rest.
+        `batch`: the frame's, which may give it up (`Batch.give_up`) while it runs."""
         conn: Connection | None = None
         try:
             conn = self._checkout()
-            statuses = _run_frame(conn, op, addrs, lengths, views, fences, sent, arrived)
+            if batch is not None and not batch.frame_started(conn.sock):
+                self._checkin(conn)
+                return "the batch was given up before this frame started"
+            try:
+                statuses = _run_frame(conn, op, addrs, lengths, views, fences, sent, arrived)
+            finally:
+                if batch is not None:
+                    batch.frame_ended(conn.sock)
         except Exception as exc:  # whatever happens, the frame ends and the worker lives
             if conn is not None:
                 conn.close()
