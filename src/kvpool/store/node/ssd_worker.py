@@ -191,6 +191,15 @@ class SsdWorker:
 
     def _offload(self, key: str, addr: int, size: int, checksum: int | None, gen: int,
                  fence: int) -> int:
+        held = self.store.entries.get(key)
+        if held is not None and held.gen != gen:
+            # another generation's file holds the key: the master orders a file's DELETE
+            # before a new offload of its key, so this offload is older than that file (a
+            # task handed out again after its reply was lost): replacing the file would
+            # lose the newer copy the master counts on
+            log.warning("offload of %r (generation %x) refused: the file holds generation %x",
+                        key, gen, held.gen)
+            return FAILED
         local, view = self._buffer(size)
         self.client.engine.copy_local(OpCode.READ, local, addr, size, fence)
         actual = xxhash.xxh3_64_intdigest(view)
