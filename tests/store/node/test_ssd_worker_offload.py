@@ -1,9 +1,12 @@
 """The disk tier's worker against a real master: an offload older than the file its key
 already has (a task handed out again after its reply was lost, overtaken by later ones) is
-refused, so the newer copy the master counts on is never replaced by an older one."""
+refused, so the newer copy the master counts on is never replaced by an older one; and an
+unexpected failure does not end the disk tier's thread."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -51,3 +54,27 @@ def test_an_offload_older_than_the_keys_file_is_refused(
     assert ssd.store.read_into("k", 0x2222, back) and bytes(back) == new.tobytes()
     assert ssd._offload("k", new.ctypes.data, 4096, xxhash.xxh3_64_intdigest(new),
                         0x2222, 0) == DONE                 # the same generation again: fine
+
+
+def test_an_unexpected_failure_does_not_end_the_disk_tier(
+        worker: tuple[SsdWorker, StoreClient], monkeypatch: pytest.MonkeyPatch) -> None:
+    ssd, _ = worker
+    attach, calls = ssd._attach, []
+
+    def failing_once() -> bool:
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("a bug")
+        return attach()
+    monkeypatch.setattr(ssd, "_attach", failing_once)
+    stop = threading.Event()
+    thread = threading.Thread(target=ssd.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while ssd.segment_id is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ssd.segment_id is not None and len(calls) >= 2
+    finally:
+        stop.set()
+        thread.join(10)

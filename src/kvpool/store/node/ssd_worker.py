@@ -96,6 +96,10 @@ class SsdWorker:
                 log.warning("disk tier: %s", exc)
                 busy = False
                 stop.wait(1.0)
+            except Exception:  # a bug must not end the disk tier silently: say it, go on
+                log.exception("disk tier: unexpected failure; polling again in 1 s")
+                busy = False
+                stop.wait(1.0)
             now = self.client.clock.now()
             if busy:
                 last_busy = now
