@@ -91,3 +91,4 @@ def test_a_batch_given_up_lands_no_byte_after_its_wait_returns(
             os.kill(target.proc.pid, signal.SIGCONT)
         time.sleep(1.0)
         assert int(np.count_nonzero(dst != 0x11)) == 0, "bytes landed after the wait failed"
+

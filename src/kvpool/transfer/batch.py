@@ -186,14 +186,14 @@ class Batch:
         stopped: their connections are shut down (a stalled peer that resumes must not land
         bytes in memory the caller reuses once this returns), and no queued frame starts.
         False if a frame still ran after `timeout_s`."""
+        with self._cond:
+            self._given_up = True
+        self.fail_open(reason)  # first: the stopped frames' own failures come after it
         with self._cond:  # (a frame that ends meanwhile waits: no connection it handed
-            self._given_up = True  # back is shut down)
-            for sock in self._running.values():
+            for sock in self._running.values():  # back is shut down)
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
-            stopped = self._cond.wait_for(lambda: not self._running, timeout_s)
-        self.fail_open(reason)
-        return stopped
+            return self._cond.wait_for(lambda: not self._running, timeout_s)
 
     def fail_open(self, reason: str) -> None:
         """Mark every still-pending request failed (used on timeout and engine close)."""
