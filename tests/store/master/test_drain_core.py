@@ -280,3 +280,34 @@ def test_random_interleavings_keep_integrity(vclock: VirtualClock) -> None:
             core.unmount_segment(f"c{i}", f"127.0.0.1:{9000 + i}/10000")
             core.mount_segment(f"c{i}", f"127.0.0.1:{9000 + i}", 0x10000, 32 * KIB)
         core.check_integrity()
+
+
+def _silent_until_dropped(core: MasterCore, clock: VirtualClock, client: str,
+                          others: tuple[str, ...]) -> None:
+    """`client` stops heartbeating until the master drops it; then it mounts the same memory
+    again under fence 0 (a node without fences)."""
+    live_for(core, clock, core.config.client_ttl_s + 3, clients=others)
+    assert not any(s.client_id == client for s in core.segments.values())
+    assert core.heartbeat(client) != E.OK
+    code, _ = core.mount_segment(client, "127.0.0.1:9000", 0x10000, 64 * KIB, fence=0)
+    assert code == E.OK
+
+
+def test_a_move_target_on_a_dropped_segment_is_not_handed_out_while_written(
+        vclock: VirtualClock) -> None:
+    """A move's writer may still be copying into its target when the target's node is
+    dropped; if the same memory comes back under the same fence, that range is not given
+    to a new put until the writer's time is up."""
+    core = make_core(vclock)
+    c1 = "127.0.0.1:9001/10000"
+    (res,) = core.put_start("w", ["obj"], [KIB], ReplicateConfig(preferred_segment=c1))
+    assert core.put_end("w", ["obj"], [1]) == [E.OK]
+    core.drain.begin("127.0.0.1:9001")
+    step = core.drain.start("d", "127.0.0.1:9001", 16, 1 << 20)
+    target = step.moves[0].target
+    _silent_until_dropped(core, vclock, "c0", ("w", "d", "c1"))
+    (new,) = core.put_start("w", ["new"], [KIB], ReplicateConfig(
+        preferred_segment=target.segment_id))
+    assert new.code == E.OK and new.replicas[0].addr != target.addr
+    core.check_integrity()
+

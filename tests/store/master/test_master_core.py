@@ -355,3 +355,25 @@ def test_leases_only_grow_through_the_object_table(core: MasterCore,
     vclock.advance(0.2)
     assert core.remove(["k"]) == [E.OK]
     core.check_integrity()
+
+
+def test_a_leased_range_on_a_dropped_segment_is_not_handed_out_under_the_lease(
+        vclock: VirtualClock) -> None:
+    """A reader looked the object up (its lease runs) just before the node was dropped; the
+    same memory mounted again under the same fence keeps that range until the lease ends."""
+    core = make_core(vclock)
+    c0 = "127.0.0.1:9000/10000"
+    assert core.put_start("w", ["obj"], [KIB], ReplicateConfig(preferred_segment=c0))[0].code \
+        == E.OK
+    assert core.put_end("w", ["obj"], [1]) == [E.OK]
+    live_for(core, vclock, core.config.client_ttl_s - 1, clients=("w", "c1"), step=1.0)
+    (look,) = core.get_replicas(["obj"])
+    leased, lease_ends = look.replicas[0].addr, vclock.now() + look.lease_ttl_s
+    live_for(core, vclock, 2, clients=("w", "c1"), step=1.0)     # c0 is dropped
+    assert c0 not in core.segments
+    assert core.heartbeat("c0") != E.OK
+    assert core.mount_segment("c0", "127.0.0.1:9000", 0x10000, 64 * KIB, fence=0)[0] == E.OK
+    assert vclock.now() < lease_ends
+    (new,) = core.put_start("w", ["new"], [KIB], ReplicateConfig(preferred_segment=c0))
+    assert new.code == E.OK and new.replicas[0].addr != leased
+    core.check_integrity()

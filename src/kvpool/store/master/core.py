@@ -152,9 +152,21 @@ class MasterCore:
             client.segment_ids.discard(seg.segment_id)
         for key in list(seg.pending_keys):
             self._revoke(self.pending[key], by_master=True)
+        self._hold_leased(seg)
         self.objects.drop_segment(seg)
         self.space.quarantine(seg)
         self.tiering.after_segment_dropped(seg)
+
+    def _hold_leased(self, seg: Segment) -> None:
+        """Ranges of `seg` a reader's lease still covers go on the release delay, so that
+        quarantine keeps them if the same memory is mounted again under the same fence."""
+        now = self.clock.now()
+        for key in seg.keys:
+            obj = self.objects.get(key)
+            if obj is not None and obj.lease_until > now:
+                for r in obj.replicas:
+                    if r.segment is seg:
+                        self.space.release_at(obj.lease_until, seg, r.offset)
 
     def expire_clients(self) -> list[str]:
         """Declare dead every client silent for longer than client_ttl_s."""

@@ -257,10 +257,14 @@ class DrainManager:
     # -- hooks called by the core -----------------------------------------------------------
 
     def on_drop(self, seg: Segment) -> None:
-        """`seg` left the pool: moves into it are void (its memory is gone), and it no longer
-        belongs to a drain."""
+        """`seg` left the pool: moves into it are void (its memory is gone; their targets go
+        on the release delay, which quarantine keeps should the same memory come back under
+        the same fence while their writers may still copy), and it no longer belongs to a
+        drain."""
+        release = self.core.clock.now() + self.core.config.put_release_timeout_s
         for key in [k for k, m in self.moves.items() if m.target.segment is seg]:
-            del self.moves[key]
+            target = self.moves.pop(key).target
+            self.core.space.release_at(release, seg, target.offset)
         for address, drain in list(self.drains.items()):
             drain.segments = [s for s in drain.segments if s is not seg]
             if not drain.segments:
