@@ -256,6 +256,25 @@ def test_a_corrupted_replica_falls_back_to_an_intact_one_and_is_dropped(
         master.core.check_integrity()
 
 
+def test_a_readers_own_overlapping_buffers_drop_nothing_from_the_pool(
+        master: MasterServer, node: StoreClient) -> None:
+    """The destinations of a batched read overlap, so the first object's bytes are partly
+    overwritten by the second's: the reader gets CHECKSUM_MISMATCH for it, but the stored
+    replica is intact (read again into the client's own memory), so nothing is reported as
+    damage and every other client still reads it."""
+    with StoreClient(ClientConfig(master=master.address, global_segment_size=MIB)) as me, \
+            StoreClient(ClientConfig(master=master.address)) as other:
+        mine = ReplicateConfig(preferred_segment=me.endpoint)   # copied in turn, then hashed
+        a, b = content("a", 100), content("b", 300)
+        assert me.put("a", a, mine).ok and me.put("b", b, mine).ok
+        out = np.zeros(1000, np.uint8)
+        me.register_buffer(out)
+        got = me.batch_get_into(["a", "b"], [out.ctypes.data, out.ctypes.data + 50], [100, 300])
+        assert got[0].code == E.CHECKSUM_MISMATCH and got[1].ok
+        assert me.stats.damaged_dropped == 0 and master.core.stats.damaged_dropped == 0
+        assert other.get("a").data == a and other.get("b").data == b
+
+
 def test_objects_put_without_checksums_are_read_unverified(master: MasterServer,
                                                            node: StoreClient) -> None:
     with StoreClient(ClientConfig(master=master.address, write_checksums=False)) as c:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpool.clock import Clock
 from kvpool.log import get_logger
-from kvpool.store.client.checksum import Hasher, HashOnArrival
+from kvpool.store.client.checksum import Hasher, HashOnArrival, parts_checksum
 from kvpool.store.client.config import ClientConfig
 from kvpool.store.client.plan import (
     Copy,
@@ -20,6 +20,7 @@ from kvpool.store.client.plan import (
     parts_total,
     valid_parts,
 )
+from kvpool.store.client.staging import StagingArea
 from kvpool.store.client.types import ClientStats
 from kvpool.store.wire import messages as m
 from kvpool.store.wire.codes import ErrorCode, LookupResult, ReadResult, ReplicaDesc, Tier
@@ -61,6 +62,7 @@ class ReadPath:
     host: str
     stats: ClientStats
     _hasher: Hasher
+    _staging: StagingArea
 
     if TYPE_CHECKING:
         def _call_keyed(self, keys: Sequence[str],
@@ -173,9 +175,30 @@ class ReadPath:
                        if i in expired and (r.ok or i in mismatched) else r
                        for i, r in enumerate(results)]
             damaged = [(i, replica) for i, replica in damaged if i not in expired]
+        damaged = self._confirmed(looks, t0, damaged) if damaged else damaged
         if damaged:
             self._drop_damaged(keys, looks, damaged)
         return results
+
+    def _confirmed(self, looks: Sequence[LookupResult], t0: float,
+                   damaged: list[tuple[int, ReplicaDesc]]) -> list[tuple[int, ReplicaDesc]]:
+        """Of `damaged`, the replicas whose bytes fail again when read into this client's own
+        memory, within the lease. The caller's memory may have changed under the read
+        (destination buffers that overlap, another thread writing them): the caller then
+        gets CHECKSUM_MISMATCH all the same, but no healthy replica is dropped for it."""
+        confirmed = []
+        for i, replica in damaged:
+            size, checksum = looks[i].size, looks[i].checksum
+            addr, _, token = self._staging.acquire(size)
+            try:
+                failed = self._run_copies(OpCode.READ, {i: copies_for([(addr, size)], replica,
+                                                                      size)})
+                if not failed and not looks[i].lease_over(t0, self.clock.now()) and \
+                        parts_checksum([(addr, size)], size) != checksum:
+                    confirmed.append((i, replica))
+            finally:
+                self._staging.release(token)
+        return confirmed
 
     def _drop_damaged(self, keys: Sequence[str], looks: Sequence[LookupResult],
                       damaged: list[tuple[int, ReplicaDesc]]) -> None:
