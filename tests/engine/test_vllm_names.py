@@ -37,7 +37,22 @@ def test_each_full_block_is_named_as_vllm_names_it_and_keyed_as_its_store_connec
                 digest = mooncake_block_digest(key)
                 assert digest is not None and to_event_hash(digest) == theirs[i], key
             assert n.pool_key(h, 0) != n.pool_key(h, 1)  # one object per layer
-            assert n.pool_key(h, 0).startswith("emu@kvpool_layer:0@tp_rank:0@")
+            assert n.pool_key(h, 0).startswith(
+                f"emu@kvpool_layer:0@kvpool_weights:{ROOT:016x}@tp_rank:0@")
+
+
+def test_other_weights_under_the_same_served_name_never_share_a_key() -> None:
+    """vLLM's connector keys a block by the served name and the tokens; two checkpoints in
+    folders of the same name are served under one name, so the face adds the weights."""
+    a, b = names(), VllmBlockNames(16, ROOT + 1, "sha256", "0", "emu", 1000)
+    a.learn(PROMPT, None)
+    b.learn(PROMPT, None)
+    h_a = ours(PROMPT)[0]
+    h_b = prefix_block_hashes(PROMPT, 16, salted_root(ROOT + 1, None))[0]
+    for layer in (0, None):
+        assert a.pool_key(h_a, layer) != b.pool_key(h_b, layer)
+        assert mooncake_block_digest(a.pool_key(h_a, layer)) == \
+            mooncake_block_digest(b.pool_key(h_b, layer))     # the same block to a router
 
 
 def test_unnamed_blocks_keep_kvpools_own_key() -> None:

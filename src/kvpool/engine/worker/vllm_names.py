@@ -11,8 +11,11 @@ learned `capacity` names.
 Pool keys. A vLLM with the MooncakeStoreConnector keys a block by its 32-byte hash
 (`MODEL@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@HEX`), which is how the master's pool events
 (kvevents.pool) tell a router which prefixes the pool holds. The face keys its per-layer objects
-the same way, the layer in the key's namespace (`MODEL@kvpool_layer:L@tp_rank:0@...@HEX`), so an
-emulated vLLM fleet's pool is visible to the conductor exactly as a real one's is. A block the
+the same way, with the layer and the engine's identity root (the weights' digest) in the key's
+namespace (`MODEL@kvpool_layer:L@kvpool_weights:ROOT@tp_rank:0@...@HEX`), so an emulated vLLM
+fleet's pool is visible to the conductor exactly as a real one's is, and two checkpoints served
+under one name (folders of the same name) never read each other's blocks: vLLM's own key holds
+the served name and the tokens only. A block the
 face has no name for (an output block, a salted prompt's) keeps kvpool's own key
 (`engine.blocks.block_key`); the pool publishes nothing for it, and no block is ever read under
 another block's key: both names are chains over the same tokens.
@@ -26,6 +29,8 @@ from typing import NamedTuple
 
 from kvpool.engine.blocks import block_key, prefix_block_hashes, salted_root
 from kvpool.kvevents.hashing import BlockHasher, HashAlgo, to_event_hash
+
+_U64 = (1 << 64) - 1
 
 
 class BlockName(NamedTuple):
@@ -77,5 +82,5 @@ class VllmBlockNames:
         if name is None:
             return block_key(block_hash, layer)
         namespace = "" if layer is None else f"@kvpool_layer:{layer}"
-        return (f"{self.model}{namespace}@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@"
-                f"{name.digest.hex()}")
+        return (f"{self.model}{namespace}@kvpool_weights:{self.root_hash & _U64:016x}"
+                f"@tp_rank:0@pcp0@dcp0@pp_rank:0@group:0@{name.digest.hex()}")
