@@ -124,6 +124,9 @@ def test_memory_codes(engine: TransferEngine) -> None:
     assert engine.batch_register_memory([addr], [4096, 1]) == -1
     assert engine.batch_register_memory([addr, addr + 2048], [2048, 2048]) == 0
     assert engine.batch_unregister_memory([addr, addr + 2048]) == 0
+    # all or nothing: the second region overlaps the first, so neither stays registered
+    assert engine.batch_register_memory([addr, addr + 1024], [2048, 2048]) == -7
+    assert engine.unregister_memory(addr) == -3
     managed = engine.allocate_managed_buffer(8192)
     assert managed != 0
     assert engine.write_bytes_to_buffer(managed, b"hello", 5) == 0

@@ -152,12 +152,19 @@ class EngineBase:
 
     def batch_register_memory(self, buffer_addresses: Sequence[int], capacities: Sequence[int],
                               location: str = "*") -> int:
+        """All or nothing, as Mooncake's: on a failure the regions this call registered
+        before it are unregistered again (the caller takes the memory back, so no peer may
+        still write into it)."""
         if len(buffer_addresses) != len(capacities):
             return ERR_INVALID_ARGUMENT
+        done: list[int] = []
         for addr, length in zip(buffer_addresses, capacities, strict=True):
             code = self.register_memory(addr, length, location)
             if code != OK:
+                for registered in reversed(done):
+                    self.unregister_memory(registered)
                 return code
+            done.append(addr)
         return OK
 
     def batch_unregister_memory(self, buffer_addresses: Sequence[int], /) -> int:
