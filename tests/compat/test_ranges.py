@@ -99,6 +99,19 @@ def test_put_sessions(store: MooncakeDistributedStore) -> None:
     assert store.batch_is_exist(["n1", "n2"]) == [1, 0]
 
 
+def test_a_put_session_that_lost_its_key_to_another_put_says_so(
+        store: MooncakeDistributedStore) -> None:
+    """Another client puts the key while the session is open: the session's end answers
+    -705 (its bytes are not stored) instead of 0 over the other client's value."""
+    raw, ptr = _buffer(64, 9)
+    assert store.register_buffer(ptr, 64) == 0
+    assert store.batch_put_session_start(["k"], [64]) == [0]
+    assert store.batch_put_from_multi_buffer_ranges(["k"], [[ptr]], [[64]], [[0]]) == [64]
+    assert store.put("k", b"the other client's") == 0
+    assert store.batch_put_session_end(["k"]) == [-705]
+    assert store.get("k") == b"the other client's"
+
+
 def test_get_into_ranges(store: MooncakeDistributedStore) -> None:
     raw, ptr = _buffer(256, 9)
     dst_raw, dst = _buffer(256, 0)

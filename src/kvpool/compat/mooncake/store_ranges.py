@@ -27,7 +27,8 @@ from kvpool.compat.mooncake.store_base import INVALID, needs_setup, per_key
 from kvpool.compat.mooncake.store_tensors import StoreTensors
 from kvpool.compat.mooncake.types import ReplicateConfig
 from kvpool.store.client.plan import Copy, order_replicas
-from kvpool.store.wire.codes import ErrorCode, LookupResult, ReplicaDesc
+from kvpool.store.config import ReplicateConfig as NativeReplicateConfig
+from kvpool.store.wire.codes import ErrorCode, LookupResult, PutResult, ReplicaDesc
 from kvpool.transfer import OpCode
 
 E = ErrorCode
@@ -217,16 +218,24 @@ class StoreRanges(StoreTensors):
 
     @needs_setup(per_key)
     def batch_put_session_end(self, keys: Sequence[str]) -> list[int]:
-        """Store each session's object (now readable); its put's code per key."""
+        """Store each session's object (now readable); its put's code per key:
+        OBJECT_ALREADY_EXISTS when another client put the key while the session was open
+        (the session's bytes are not stored; space is claimed only here, see
+        docs/mooncake.md)."""
         with self._ranges_lock:
             sessions = [self._put_sessions.pop(key, None) for key in keys]
-        out = []
-        for key, session in zip(keys, sessions, strict=True):
-            if session is None:
-                out.append(INVALID)
-            else:
-                out.append(self._put_values([key], [session[0]], session[1], upsert=False)[0])
-        return out
+        return [INVALID if session is None else self._end_session(key, *session)
+                for key, session in zip(keys, sessions, strict=True)]
+
+    def _end_session(self, key: str, data: bytearray, config: ReplicateConfig | None) -> int:
+        stored: list[bool] = []
+
+        def put(idx: list[int], cfg: NativeReplicateConfig) -> list[PutResult]:
+            results = self.client.put_batch([key], [memoryview(data)], cfg, False)
+            stored[:] = [not r.already_existed for r in results]
+            return results
+        code = self._put(1, config, put)[0]
+        return int(E.OBJECT_ALREADY_EXISTS) if code == 0 and stored == [False] else code
 
     def batch_put_session_revoke(self, keys: Sequence[str]) -> list[int]:
         with self._ranges_lock:
