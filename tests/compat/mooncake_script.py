@@ -82,6 +82,14 @@ def buffer_calls(store):
                                                              [[100, 40]]))
     record("multi_mismatch", [store.batch_get_into_multi_buffers(["m1", "m2"], [[dst]], [[150]]),
                               store.batch_put_from_multi_buffers(["x1", "x2"], [[src]], [[10]])])
+    record("multi_empty_piece", [  # an empty layer among the pieces is skipped
+        store.batch_put_from_multi_buffers(["m3"], [[src, src + 100, src + 200]],
+                                           [[100, 0, 50]]),
+        store.get_size("m3"),
+        store.batch_get_into_multi_buffers(["m3"], [[dst, dst + 1000, dst + 2000]],
+                                           [[100, 0, 50]]),
+        bytes(dst_raw[:100]) + bytes(dst_raw[2000:2050]) == bytes(src_raw[:100])
+        + bytes(src_raw[200:250])])
     return src, (src_raw, dst_raw)
 
 
@@ -217,7 +225,8 @@ def range_calls():
         store.batch_put_session_end(["zz"]), store.batch_put_session_revoke(["zz"]),
         store.batch_put_session_end(["z2"]), store.batch_put_session_revoke(["z2"]),
         store.get_into_ranges([dst], [["r1", "w1"]], [[[0]]], [[[0]]], [[[8]]]),
-        store.get_into_ranges([dst], [[""]], [[[0]]], [[[0]]], [[[8]]])])
+        store.get_into_ranges([dst], [[""]], [[[0]]], [[[0]]], [[[8]]]),
+        store.get_into_ranges([dst], [["r1"]], [[[0]]], [[[0]]], [[[0]]])])
     record("rg_remove_all", store.remove_all(True))
     store.close()
 

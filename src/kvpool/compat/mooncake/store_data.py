@@ -212,13 +212,16 @@ def _join(parts: Sequence[Any]) -> bytes:
 
 def _zip_parts(keys: Sequence[str], ptrs: Sequence[Sequence[int]],
                sizes: Sequence[Sequence[int]]) -> list[Parts | None] | None:
-    """Per-key piece lists; None when the outer lists differ in length, a None entry for a
-    key whose pointer and size lists differ."""
+    """Per-key piece lists, without their empty pieces (an empty layer: Mooncake skips
+    them too); None when the outer lists differ in length, a None entry for a key whose
+    pointer and size lists differ or whose pieces are all empty."""
     if not len(keys) == len(ptrs) == len(sizes):
         return None
     out: list[Parts | None] = []
     for p, s in zip(ptrs, sizes, strict=True):
-        out.append(list(zip(p, s, strict=True)) if len(p) == len(s) and p else None)
+        pieces = [(a, n) for a, n in zip(p, s, strict=True) if n != 0] \
+            if len(p) == len(s) else []
+        out.append(pieces or None)
     return out
 
 

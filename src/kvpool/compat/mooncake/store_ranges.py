@@ -134,13 +134,13 @@ class StoreRanges(StoreTensors):
                          srcs: Sequence[int], sizes: Sequence[int]) -> list[int]:
         """One object's ranges into one buffer, a result per range (per dst offset); `t0`:
         when its lease began."""
-        ranges = _ranges([base + d for d in dsts], sizes, srcs)
+        ranges = _ranges([base + d for d in dsts], sizes, srcs, keep_empty=True)
         if ranges is None:
             return [INVALID] * max(1, len(dsts))
         if look.code is not E.OK:
             missing = look.code in (E.OBJECT_NOT_FOUND, E.INVALID_PARAMS)  # -704 as Mooncake
             return [int(E.OBJECT_NOT_FOUND) if missing else int(look.code)] * len(ranges)
-        return [self._read_ranges([look], [[r]], [t0])[0] for r in ranges]
+        return [self._read_ranges([look], [[r]], [t0])[0] if r[2] else 0 for r in ranges]
 
     def _read_ranges(self, looks: Sequence[LookupResult | None],
                      ranges: Sequence[list[Range] | None], leased: Sequence[float]) -> list[int]:
@@ -243,11 +243,14 @@ class StoreRanges(StoreTensors):
         return [0 if g is not None else INVALID for g in gone]
 
 
-def _ranges(ptrs: Sequence[int], sizes: Sequence[int],
-            offsets: Sequence[int]) -> list[Range] | None:
-    """(local, offset, length) triples; None when the lists differ in length, are empty, or
-    hold a non-positive length."""
+def _ranges(ptrs: Sequence[int], sizes: Sequence[int], offsets: Sequence[int],
+            keep_empty: bool = False) -> list[Range] | None:
+    """(local, offset, length) triples, without the empty ones unless `keep_empty`
+    (Mooncake skips them); None when the lists differ in length, hold a negative length, or
+    nothing but empty ones."""
     if not len(ptrs) == len(sizes) == len(offsets) or not len(ptrs):
         return None
     out = [(int(p), int(o), int(n)) for p, n, o in zip(ptrs, sizes, offsets, strict=True)]
-    return out if all(n > 0 for _, _, n in out) else None
+    if any(n < 0 for _, _, n in out):
+        return None
+    return out if keep_empty else [r for r in out if r[2]] or None
