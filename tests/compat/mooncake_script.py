@@ -159,6 +159,11 @@ def edge_calls():
     record("edge_duplicate_keys_in_batch", store.batch_put_from(["d", "d"], [ptr, ptr + 10],
                                                                 [10, 10]))
     record("edge_duplicate_stored_once", store.get_size("d"))
+    record("edge_duplicate_upserts", [  # an upsert batch naming a key twice stores one value
+        store.batch_upsert_from(["u", "u"], [ptr, ptr + 10], [10, 20]),
+        store.get_size("u"),
+        store.upsert_batch(["v", "v"], [b"first", b"second!"]),
+        store.get("v").decode()])
     record("edge_get_into_zero", store.get_into("d", ptr + 100, 0))
     config = ReplicateConfig()
     config.replica_num = 0

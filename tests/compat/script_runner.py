@@ -33,8 +33,9 @@ MOONCAKE_RESULTS = {
     "tensor_batch_put": [0, 0], "tensor_batch_get": [True, True, True], "tensor_register": 0,
     "tensor_get_into": [True, True], "tensor_remove_all": 3,
     "edge_register_empty": [-600, 0], "edge_duplicate_keys_in_batch": [0, 0],
-    "edge_duplicate_stored_once": 10, "edge_get_into_zero": -600, "edge_zero_replicas": -600,
-    "edge_empty_batches": [[], 0, [], [], []], "edge_regex_everything": [0, 2, -704, 0],
+    "edge_duplicate_stored_once": 10,
+    "edge_duplicate_upserts": [[0, 0], 20, 0, "first"], "edge_get_into_zero": -600, "edge_zero_replicas": -600,
+    "edge_empty_batches": [[], 0, [], [], []], "edge_regex_everything": [0, 4, -704, 0],
     # sessions and ranges, tensor-parallel and from-buffer tensors, stored tensor bytes
     "rg_after_end": [-600],
     "rg_bytes_equal": [True, True, True],

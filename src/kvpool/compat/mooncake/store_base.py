@@ -57,6 +57,27 @@ def scatter(num: int, indices: Sequence[int], values: Sequence[int]) -> list[int
     return out
 
 
+def upsert_once(keys: Sequence[str], indices: list[int], upsert: bool,
+                last: bool) -> tuple[list[int], dict[int, int]]:
+    """Of `indices` (into `keys`), the ones to put: with `upsert`, one of each key, the last
+    or the first (Mooncake's batched upserts that name a key twice answer 0 for each and
+    store one value: the last from buffers, the first from values), and for each one left
+    out, the index whose result it shares."""
+    if not upsert:
+        return indices, {}
+    kept: dict[str, int] = {}
+    for i in (indices if last else reversed(indices)):
+        kept[keys[i]] = i
+    return [i for i in indices if kept[keys[i]] == i], \
+        {i: kept[keys[i]] for i in indices if kept[keys[i]] != i}
+
+
+def share_results(out: list[int], shared: dict[int, int]) -> list[int]:
+    for i, j in shared.items():
+        out[i] = out[j]
+    return out
+
+
 class StoreBase:
     """Holds the kvpool StoreClient once `setup` succeeded."""
 

@@ -21,6 +21,8 @@ from kvpool.compat.mooncake.store_base import (
     needs_setup,
     per_key,
     scatter,
+    share_results,
+    upsert_once,
 )
 from kvpool.compat.mooncake.types import BufferHandle, ReplicateConfig
 from kvpool.errors import KvpoolError
@@ -75,12 +77,13 @@ class StoreData(StoreBase):
     def _put_values(self, keys: Sequence[str], values: Sequence[Any],
                     config: ReplicateConfig | None, upsert: bool) -> list[int]:
         views = [_bytes_of(v) for v in values]
-        ok = [i for i, v in enumerate(views) if v is not None]
+        ok, shared = upsert_once(keys, [i for i, v in enumerate(views) if v is not None],
+                                 upsert, last=False)
         sub_keys = [keys[i] for i in ok]
         sub_views = [views[i] for i in ok]
         results = self._put(len(ok), config, lambda idx, cfg: self.client.put_batch(
             [sub_keys[i] for i in idx], [sub_views[i] for i in idx], cfg, upsert))
-        return scatter(len(keys), ok, results)
+        return share_results(scatter(len(keys), ok, results), shared)
 
     def get(self, key: str, /) -> bytes:
         if self._client is None:
@@ -169,12 +172,14 @@ class StoreData(StoreBase):
 
     def _put_parts(self, keys: Sequence[str], parts: Sequence[Parts | None],
                    config: ReplicateConfig | None, upsert: bool) -> list[int]:
-        ok = [i for i, p in enumerate(parts) if p is not None and self._registered(p)]
+        ok, shared = upsert_once(keys, [i for i, p in enumerate(parts)
+                                        if p is not None and self._registered(p)], upsert,
+                                 last=True)
         sub_keys = [keys[i] for i in ok]
         sub_parts = [parts[i] or [] for i in ok]
         results = self._put(len(ok), config, lambda idx, cfg: self.client.batch_put_from_parts(
             [sub_keys[i] for i in idx], [sub_parts[i] for i in idx], cfg, upsert))
-        return scatter(len(keys), ok, results)
+        return share_results(scatter(len(keys), ok, results), shared)
 
     @needs_setup(code)
     def get_into(self, key: str, buffer_ptr: int, size: int) -> int:
