@@ -311,3 +311,27 @@ def test_a_move_target_on_a_dropped_segment_is_not_handed_out_while_written(
     assert new.code == E.OK and new.replicas[0].addr != target.addr
     core.check_integrity()
 
+
+
+def test_a_put_with_no_room_evicts_where_it_can_be_placed_not_on_the_drained_node(
+        vclock: VirtualClock) -> None:
+    """The least recently used objects are on a draining node, where no put is placed:
+    evicting them would free nothing the put can use (it would fail, and they would be
+    gone). The put evicts on the segments that take it instead."""
+    core = MasterCore(MasterConfig(seed=1, high_watermark=0.99), vclock)
+    for i in range(2):
+        assert core.mount_segment(f"c{i}", f"127.0.0.1:{9000 + i}", 0x100000,
+                                  640 * KIB)[0] == E.OK
+    drained, kept = "127.0.0.1:9000/100000", "127.0.0.1:9001/100000"
+    for prefix, segment, n in (("a", drained, 9), ("b", kept, 10)):
+        for i in range(n):
+            core.put_start("w", [f"{prefix}{i}"], [64 * KIB],
+                           ReplicateConfig(preferred_segment=segment))
+            assert core.put_end("w", [f"{prefix}{i}"], [i]) == [E.OK]
+        vclock.advance(1)
+    vclock.advance(20)                                   # no lease left
+    core.drain.begin("127.0.0.1:9000")
+    for n in range(3):
+        assert core.put_start("w", [f"new{n}"], [64 * KIB])[0].code == E.OK
+    assert len(core.segments[drained].keys) == 9         # still there, to be moved
+    core.check_integrity()

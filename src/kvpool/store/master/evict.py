@@ -52,11 +52,14 @@ class Evictor:
         freeing can satisfy (more replicas than big-enough segments) evicts nothing."""
         if now < self._idle_until:
             return False
-        big_enough = sum(1 for s in self.core.segment_list()
-                         if s.capacity >= s.allocator.rounded(size))
+        placeable = self.core.segment_list()
+        big_enough = sum(1 for s in placeable if s.capacity >= s.allocator.rounded(size))
         if big_enough < count:
             return False
-        if self.evict(max(self.target(), size * count)):
+        # only memory a placement can use: not a draining node's objects, which are waiting
+        # to be moved, and whose freed space no put is given
+        if evict(self.core, self.tiering, max(self.target(), size * count), self.stats,
+                 {id(s) for s in placeable}):
             return True
         self._idle_until = now + FUTILE_EVICTION_S
         return False
@@ -71,12 +74,14 @@ def eviction_target(core: CoreApi) -> int:
     return max(int(cfg.eviction_ratio * capacity), above, 1)
 
 
-def evict(core: CoreApi, tiering: Tiering, num_bytes: int, stats: EvictionStats) -> bool:
+def evict(core: CoreApi, tiering: Tiering, num_bytes: int, stats: EvictionStats,
+          on: set[int] | None = None) -> bool:
     """Free about `num_bytes` of DRAM by dropping least valuable objects. Leased,
     hard-pinned and pending objects are never evicted; soft-pinned ones only in a second
     pass. Victims a disk tier takes (tiering.py) are offloaded instead (or, already copied
     ahead, freed at once), and bytes already being offloaded count toward `num_bytes`.
-    Returns whether anything was freed now."""
+    `on`: ids of the segments whose memory counts (None: every one); objects with none of
+    their DRAM there are left alone. Returns whether anything was freed now."""
     stats.rounds += 1
     num_bytes -= tiering.under_way.offloading_bytes
     if num_bytes <= 0:
@@ -95,7 +100,7 @@ def evict(core: CoreApi, tiering: Tiering, num_bytes: int, stats: EvictionStats)
                 continue
             if (obj.soft_pin_until > now) != second_pass:
                 continue
-            dram = _dram_bytes(obj)
+            dram = _dram_bytes(obj, on)
             if dram:  # (an object only on disk has nothing to give)
                 freed += dram
                 chosen.append(obj)
@@ -112,6 +117,6 @@ def evict(core: CoreApi, tiering: Tiering, num_bytes: int, stats: EvictionStats)
     return freed_now > 0
 
 
-def _dram_bytes(obj: StoredObject) -> int:
+def _dram_bytes(obj: StoredObject, on: set[int] | None = None) -> int:
     return sum(r.segment.allocator.rounded(r.size) for r in obj.replicas
-               if r.segment.tier is Tier.DRAM)
+               if r.segment.tier is Tier.DRAM and (on is None or id(r.segment) in on))
