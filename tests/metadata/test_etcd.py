@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+import threading
 import time
 
 import pytest
@@ -47,6 +49,33 @@ def test_failover_to_the_live_endpoint(etcd_endpoint: str) -> None:
         backend.put("etcd/failover", b"ok")
         assert backend.get("etcd/failover") == b"ok"
         assert backend.delete("etcd/failover") is True
+
+
+def test_an_endpoint_that_breaks_off_its_reply_fails_over(etcd_endpoint: str) -> None:
+    """A reply cut short (an endpoint dying mid-answer) raises requests' own error, not
+    etcd3gw's: it counts as unreachable, and the next endpoint answers."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def cut_short() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(65536)
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: 500\r\n\r\n{\"header\":{")
+    threading.Thread(target=cut_short, daemon=True).start()
+    try:
+        backend = connect_metadata(
+            f"etcd://127.0.0.1:{listener.getsockname()[1]},{etcd_endpoint}")
+        assert isinstance(backend, EtcdMetadataBackend)
+        with backend:
+            backend.put("etcd/cut", b"ok")
+            assert backend.get("etcd/cut") == b"ok"
+    finally:
+        listener.close()
 
 
 def test_all_endpoints_down_names_each_one() -> None:

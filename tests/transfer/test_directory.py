@@ -59,3 +59,31 @@ def test_p2p_handshake_learns_shared_regions(target: Target) -> None:
         engine.write(target.segment, local.addr, target.managed, 4096)
         shm_peer = engine._started_router()._shm_peers[target.segment]
         assert shm_peer.descriptor.shm_regions[0].addr == target.managed
+
+
+def test_an_engine_unpublishes_while_its_port_is_still_its_own() -> None:
+    """A successor started on the same port publishes as soon as it can bind it: the
+    engine closing must have deleted its descriptor by then, or its late DELETE removes the
+    successor's."""
+    import socket
+
+    with MetadataServer(port=0) as server:
+        engine = TransferEngine(TransferConfig(metadata=server.url, protocol="tcp")).start()
+        port = int(engine.segment_name.rsplit(":", 1)[1])
+        assert engine._backend is not None
+        delete, port_free_at_delete = engine._backend.delete, []
+
+        def checked_delete(key: str) -> bool:
+            probe = socket.socket()
+            try:
+                probe.bind(("127.0.0.1", port))
+                port_free_at_delete.append(True)
+            except OSError:
+                port_free_at_delete.append(False)
+            finally:
+                probe.close()
+            return delete(key)
+        engine._backend.delete = checked_delete  # type: ignore[method-assign]
+        engine.close()
+        assert port_free_at_delete == [False]
+        assert connect_metadata(server.url).get(segment_key(engine.segment_name)) is None

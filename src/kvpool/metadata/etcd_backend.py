@@ -21,7 +21,11 @@ from kvpool.errors import MetadataError, MetadataUnavailable
 from kvpool.metadata.base import MetadataBackend, MetadataClientConfig
 
 ETCD_API_PATH = "/v3/"
-_UNREACHABLE = (etcd_exc.ConnectionFailedError, etcd_exc.ConnectionTimeoutError)
+_UNREACHABLE = (etcd_exc.ConnectionFailedError, etcd_exc.ConnectionTimeoutError,
+                requests.exceptions.ChunkedEncodingError, requests.exceptions.ConnectionError,
+                requests.exceptions.Timeout)
+"""An endpoint that cannot be reached, or broke off its reply (a truncated body raises
+requests' own errors, not etcd3gw's): the next endpoint is tried."""
 _GARBAGE = (etcd_exc.Etcd3Exception, ValueError, KeyError, TypeError)
 
 T = TypeVar("T")

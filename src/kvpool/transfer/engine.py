@@ -102,13 +102,14 @@ class TransferEngine:
             self._router.close()
         for batch in list(self._batches.values()):
             batch.fail_open("transfer engine is closed")
-        if self._target is not None:
-            self._target.close()
-        if self._backend is not None:
-            try:
+        if self._backend is not None:  # first, while the port is ours: once the listener is
+            try:                       # closed, a successor may bind it and publish
                 self._backend.delete(segment_key(self.segment_name))
             except KvpoolError as exc:
                 log.warning("could not unpublish %s: %s", self.segment_name, exc)
+        if self._target is not None:
+            self._target.close()
+        if self._backend is not None:
             self._backend.close()
         self._arena.close()
 
