@@ -64,6 +64,13 @@ def test_registry_answers_the_innermost_of_overlapping_buffers_every_time() -> N
     for _ in range(2):
         assert registry.find(outer.addr, 16) is outer
         assert registry.find(inner.addr, 16) is inner
+    # a range that runs into or out of the inner region is no one region's: refused, never
+    # answered by the outer buffer, whose flags do not hold over the inner one
+    assert registry.find(inner.addr - 16, 32) is None
+    assert registry.find(inner.addr + 1024 - 16, 32) is None
+    assert registry.find(outer.addr, 8192) is None
+    assert registry.find(inner.addr + 1024, 16) is outer
+    assert registry.find(inner.addr - 16, 16) is outer
 
 
 def test_register_kinds() -> None:

@@ -99,6 +99,19 @@ def _tensor_buffer(tensor: Any) -> Buffer:
     return Buffer(addr, length, view_at(addr, length), owner=tensor)
 
 
+def _straddles(buffers: tuple[Buffer, ...], starts: tuple[int, ...], found: int, top: int,
+               addr: int, length: int) -> bool:
+    """Whether [addr, addr+length), inside `buffers[found]`, also runs into or out of a
+    region registered within it (at `found`+1.. on): then no one region's read-only flag and
+    fence hold for all of it, and the request is refused (OUT_OF_RANGE) rather than checked
+    against the outer region alone. `top`: the last registration starting at or before
+    `addr`."""
+    end = addr + length
+    if top + 1 < len(starts) and starts[top + 1] < end:
+        return True  # one starts inside the range
+    return any(buffers[k].addr + buffers[k].length > addr for k in range(found + 1, top + 1))
+
+
 class MemoryRegistry:
     """The registered buffers of one engine, sorted by address."""
 
@@ -143,12 +156,14 @@ class MemoryRegistry:
         buffers, starts, last = self._buffers, self._starts, self._last
         if last is not None and last[0] is buffers and last[1].contains(addr, length):
             return last[1]  # (registrations replace the tuple, so a removed one never hits)
-        i = bisect.bisect_right(starts, addr) - 1
+        top = i = bisect.bisect_right(starts, addr) - 1
         while i >= 0:
             buf = buffers[i]
             if buf.contains(addr, length):
                 if self._disjoint:
                     self._last = (buffers, buf)
+                elif _straddles(buffers, starts, i, top, addr, length):
+                    return None
                 return buf
             i -= 1
         return None
