@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 
 import numpy as np
+import pytest
 
 from kvpool.transfer import OpCode, TransferConfig, TransferEngine, TransferRequest
 from kvpool.transfer.protocol import FrameType, encode_descriptors, encode_header
@@ -95,18 +96,22 @@ def test_idle_authenticated_connections_are_closed(target_factory: Callable[...,
         engine.write(target.segment, local.addr, target.plain, 4096)
 
 
-def test_a_trickled_write_frame_is_cut_off(target_factory: Callable[..., Target]) -> None:
+@pytest.mark.parametrize("size, where", [(256 << 10, "registered"), (1 << 34, "anywhere")])
+def test_a_trickled_write_frame_is_cut_off(target_factory: Callable[..., Target], size: int,
+                                           where: str) -> None:
     """A peer that sends a write's payload one byte at a time, each just inside the read
     timeout, formerly held the admitted write (and the region's fence) for as long as it
-    liked; now the whole payload has timeout_s plus its size at 1 MiB/s."""
+    liked; now the payload must keep arriving at 1 MiB/s after timeout_s, counted on what
+    arrived: announcing 16 GiB (into an unregistered address: discarded as it comes) buys
+    no more time than 256 KiB."""
     target = target_factory(timeout_s=0.5)
     with TransferEngine(TransferConfig(protocol="tcp")) as engine:
         host, port = _address(target)
         sock, _ = open_connection(host, port, engine.config, engine.segment_name)
         with sock:
-            size = 256 << 10        # allowed: 0.5 s + 0.25 s
+            addr = target.plain if where == "registered" else 0x1000
             sock.sendall(encode_header(FrameType.WRITE, 1, 1, size)
-                         + encode_descriptors([target.plain], [size], [0]))
+                         + encode_descriptors([addr], [size], [0]))
             start, closed = time.monotonic(), False
             while not closed and time.monotonic() - start < 6:
                 try:

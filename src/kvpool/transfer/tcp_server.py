@@ -35,6 +35,7 @@ from kvpool.transfer.protocol import HEADER_BYTES, FrameType, Status, encode_con
 from kvpool.transfer.wire import (
     SCRATCH_BYTES,
     FrameReader,
+    Pace,
     recv_control,
     send_views,
 )
@@ -45,8 +46,9 @@ _EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM}
 _RETRY_ACCEPT = _EXHAUSTED | {errno.ECONNABORTED, errno.EINTR, errno.EPROTO, errno.EPERM}
 _BACKOFF_S = 0.1
 MIN_PAYLOAD_BYTES_PER_S = 1 << 20
-"""A write frame's payload must arrive within timeout_s plus its size at this rate, so a peer
-cannot hold a write admitted under a fence (and a thread) by trickling it."""
+"""A write frame's payload must keep arriving at this rate after a grace of timeout_s (counted
+on the bytes received, not the size announced), so a peer cannot hold a write admitted under a
+fence (and a thread, and a connection slot of its address) by trickling it."""
 _STATUS_BYTE = {int(status): bytes([status]) for status in Status}
 _HANDSHAKE, _IDLE, _BUSY, _EVICTED = "handshake", "idle", "busy", "evicted"
 _WARN_INTERVAL_S = 10.0
@@ -236,8 +238,7 @@ class TcpTarget:
         admitted: list[tuple[Fence, int, int]] = []
         try:
             views = self._admit_writes(start, statuses, admitted)
-            reader.finish_frame(views, time.monotonic() + self._config.timeout_s
-                                + start.payload_bytes / MIN_PAYLOAD_BYTES_PER_S)
+            reader.finish_frame(views, Pace(self._config.timeout_s, MIN_PAYLOAD_BYTES_PER_S))
         finally:
             for region, token, count in admitted:
                 region.leave(token, count)

@@ -53,6 +53,25 @@ def _timeval(seconds: float) -> bytes:
     return _TIMEVAL.pack(*divmod(micros, 1_000_000))
 
 
+class Pace:
+    """The least a payload must keep arriving at: after a grace of `grace_s`, `min_rate`
+    bytes/s over the bytes received so far (not the bytes announced: a peer that declares
+    a huge frame and trickles it is cut off after the grace, whatever it declared)."""
+
+    __slots__ = ("start", "grace_s", "min_rate", "received")
+
+    def __init__(self, grace_s: float, min_rate: float) -> None:
+        self.start = time.monotonic()
+        self.grace_s, self.min_rate = grace_s, min_rate
+        self.received = 0
+
+    def check(self) -> None:
+        if time.monotonic() - self.start > self.grace_s + self.received / self.min_rate:
+            raise TransferTimeout(f"frame payload falls behind {self.min_rate:g} bytes/s "
+                                  f"({self.received} bytes after the {self.grace_s:g}s grace: "
+                                  "too slow a peer)")
+
+
 class FrameReader:
     """Feeds one connection's `FrameDecoder`, for frames (after the handshake).
 
@@ -156,11 +175,11 @@ class FrameReader:
         except BlockingIOError:  # a tick of SO_RCVTIMEO passed
             return self._wait(lambda: sock.recvmsg_into(iov)[0])
 
-    def finish_frame(self, views: list[memoryview], deadline: float | None = None) -> FrameEnd:
+    def finish_frame(self, views: list[memoryview], pace: Pace | None = None) -> FrameEnd:
         """Move the payload of the frame just started into `views` (their sizes must add up to
         it): first what the decoder already holds, then the rest straight from the socket.
-        With a `deadline` (time.monotonic()), TransferTimeout once it passed between two
-        reads, so a peer trickling bytes cannot stretch a frame forever."""
+        With a `pace`, TransferTimeout once the payload fell behind it (checked between two
+        reads), so a peer trickling bytes cannot stretch a frame for long."""
         pending = views
         decoder = self.decoder
         while True:
@@ -170,7 +189,7 @@ class FrameReader:
             if type(event) is Data:
                 pending = _fill(pending, event.data)
             elif event is NEED_DATA:
-                pending = self._payload_into(pending, deadline)
+                pending = self._payload_into(pending, pace)
             else:
                 raise RemoteProtocolError("frame did not end where its header said")
 
@@ -201,13 +220,13 @@ class FrameReader:
             lo = hi
         return self.finish_frame([])
 
-    def _payload_into(self, pending: list[memoryview], deadline: float | None) -> list[memoryview]:
+    def _payload_into(self, pending: list[memoryview], pace: Pace | None) -> list[memoryview]:
         """One scatter read of payload bytes straight into `pending`; the views left."""
         pending = [v for v in pending if v.nbytes]
         if not pending:
             raise LocalProtocolError("payload views are shorter than the frame's payload")
-        if deadline is not None and time.monotonic() > deadline:
-            raise TransferTimeout("frame payload not received in time (too slow a peer)")
+        if pace is not None:
+            pace.check()
         chunk = pending[:IOV_MAX]
         # MSG_WAITALL: the kernel keeps filling until the views are full or a tick ran out,
         # instead of one return to Python per arriving segment (a large write took ~16);
@@ -224,6 +243,8 @@ class FrameReader:
         if got == 0:
             raise PeerUnavailable("peer closed the connection mid-frame")
         self.decoder.payload_received(got)
+        if pace is not None:
+            pace.received += got
         return _advance(pending, got)
 
     def _wait(self, read: Callable[[], int]) -> int:
