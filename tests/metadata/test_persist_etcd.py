@@ -76,3 +76,44 @@ def test_both_backings_at_once_is_a_clear_error(tmp_path: object) -> None:
                           "--state-file", "x", "--etcd", "127.0.0.1:1"], env=python_env(),
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 1 and "give --state-file or --etcd, not both" in out.stderr
+
+
+def test_reads_are_served_from_memory_while_a_write_waits_on_a_hung_etcd() -> None:
+    """etcd stopped (SIGSTOP: it takes connections and answers nothing): a write waits out
+    its timeout and is refused, and meanwhile reads of what the server holds answer at once
+    (the write neither holds the readers' lock nor the event loop)."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from kvpool.metadata import connect_metadata
+
+    with ExitStack() as stack:
+        etcd = EtcdProcess(stack, "hung").start()
+        port = free_port()
+        proc = start(etcd.endpoint, f"/test/{uuid.uuid4().hex}/", port)
+        stack.callback(proc.wait)
+        stack.callback(proc.kill)
+        url = f"http://127.0.0.1:{port}/metadata"
+        writer = connect_metadata(url, timeout_s=30.0, token="")
+        reader = connect_metadata(url, timeout_s=2.0, token="")
+        writer.put("seg/a", b"a")
+        assert etcd.proc is not None
+        os.kill(etcd.proc.pid, signal.SIGSTOP)
+        stack.callback(os.kill, etcd.proc.pid, signal.SIGCONT)
+        refused: list[BaseException] = []
+
+        def write() -> None:
+            try:
+                writer.put("seg/b", b"b")
+            except MetadataError as exc:
+                refused.append(exc)
+        thread = threading.Thread(target=write)
+        thread.start()
+        time.sleep(0.3)                               # the write waits on etcd
+        started = time.monotonic()
+        assert reader.get("seg/a") == b"a"
+        assert time.monotonic() - started < 1.0
+        thread.join(30)
+        assert len(refused) == 1 and "503" in str(refused[0])

@@ -33,6 +33,8 @@ class DurableBackend(MemoryBackend):
     """Thread-safe like MemoryBackend; `put`/`delete` raise MetadataError when the state
     file cannot be written (the change is then not made)."""
 
+    writes_block = True
+
     def __init__(self, path: str | os.PathLike[str], fsync: bool = True,
                  compact_factor: float = 2.0) -> None:
         super().__init__()
@@ -43,7 +45,7 @@ class DurableBackend(MemoryBackend):
         self._total_bytes = sum(len(v) for v in self._items.values())
         self._file_bytes = 0
         self._fd = -1
-        with self._lock:
+        with self._write_lock:
             self._rewrite()
         _log.info("metadata state %s: %d keys restored", self.path, len(self._items))
 
@@ -54,7 +56,7 @@ class DurableBackend(MemoryBackend):
         self._append(DeleteRecord(key))
 
     def _append(self, record: Record) -> None:
-        """Log one change (under the lock, before it is made); first compact the file when
+        """Log one change (under the write lock, before it is made); first compact the file when
         it has grown well past the live data."""
         if self._file_bytes > self.compact_factor * self._total_bytes + COMPACT_SLACK_BYTES:
             self._rewrite()
@@ -72,7 +74,7 @@ class DurableBackend(MemoryBackend):
 
     def _rewrite(self) -> None:
         """Write the live items as a new state file and append to it from now on (under the
-        lock)."""
+        write lock)."""
         data = b"".join(encode_frame(PutRecord(k, v)) for k, v in self._items.items())
         tmp = self.path.with_name(self.path.name + ".tmp")
         try:
@@ -87,7 +89,7 @@ class DurableBackend(MemoryBackend):
         self._fd, self._file_bytes = fd, len(data)
 
     def _release(self) -> None:
-        with self._lock:
+        with self._write_lock:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1

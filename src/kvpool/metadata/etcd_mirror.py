@@ -21,6 +21,8 @@ _log = get_logger("metadata.etcd_mirror")
 
 
 class EtcdMirroredBackend(MemoryBackend):
+    writes_block = True
+
     def __init__(self, endpoints: Sequence[tuple[str, int]],
                  prefix: str = DEFAULT_PREFIX) -> None:
         super().__init__()

@@ -18,6 +18,7 @@ concurrent uploads cannot hold more than `max_total_bytes` between them either.
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import socket
 import threading
@@ -151,7 +152,14 @@ class _WriteBudget:
                 held += len(chunk)
                 chunks.append(chunk)
             try:
-                stored = self._store.put_within(key, b"".join(chunks), self._max_total_bytes)
+                value = b"".join(chunks)
+                # off the event loop when it waits on I/O: a durable store's fsync or etcd
+                # round trip (seconds while etcd is down) must not hold up the GETs it
+                # serves from memory (meanwhile the quota may count the value twice)
+                stored = await asyncio.to_thread(
+                    self._store.put_within, key, value, self._max_total_bytes) \
+                    if self._store.writes_block else \
+                    self._store.put_within(key, value, self._max_total_bytes)
             except MetadataError as exc:   # a durable store could not log the change
                 return _text(503, f"metadata not stored: {exc}")
             if not stored:
