@@ -126,6 +126,26 @@ def test_abort_frees_blocks(tiny_llama: Path) -> None:
     eng.blocks.check_integrity()
 
 
+def test_a_token_id_outside_the_vocabulary_is_refused_and_harms_no_other_request(
+        tiny_llama: Path) -> None:
+    """An id past the vocabulary (or negative), in a prompt or a resumed request's outputs,
+    is refused when the request arrives; it used to fail the batched step, and with it
+    every request the engine was running."""
+    eng = engine(tiny_llama)
+    vocab = eng.vocab_size
+    eng.add_request("ok", prompt(20), GREEDY)
+    for bad in ([1, vocab], [-3, 4]):
+        with pytest.raises(InvalidArgument, match="outside the model's vocabulary"):
+            eng.add_request("bad", bad, GREEDY)
+    with pytest.raises(InvalidArgument, match="outside the model's vocabulary"):
+        eng.add_request("bad", prompt(5), GREEDY, outputs=[vocab + 1])
+    outs = []
+    while eng.has_work:
+        outs += eng.step()
+    assert not [o for o in outs if o.error is not None]
+    assert sum(1 for o in outs if o.request_id == "ok" and o.token_id is not None) == 12
+
+
 def test_any_64_bit_seed_samples(tiny_llama: Path) -> None:
     """Per-position seeds are taken modulo 2^64: a seed of 10^15 (x 1,000,003 is beyond
     torch's seed range) samples, and the same seed gives the same tokens."""

@@ -279,6 +279,7 @@ def test_fuzz_chat_completions(cluster: ServingCluster) -> None:
 @pytest.mark.parametrize("body", [
     {"temperature": float("nan")}, {"top_p": float("nan")}, {"temperature": 1e-20},
     {"repetition_penalty": 1e30}, {"repetition_penalty": float("nan")},
+    {"repetition_penalty": 1e-40}, {"repetition_penalty": 1e-300},
     {"presence_penalty": float("nan")}, {"logit_bias": {"1": float("nan")}},
     {"seed": 10**30}, {"seed": -(2**63) - 1}, {"top_k": 2**63}, {"stop_token_ids": [2**63]},
     {"prompt": [2**63]}, {"prompt": [-1]}, {"prompt": [[]]}, {"prompt": []},

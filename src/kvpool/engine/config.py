@@ -143,8 +143,9 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2 <= getattr(self, name) <= 2:
                 raise ConfigError(f"{name} must be in -2..2, got {getattr(self, name)}")
-        if self.repetition_penalty <= 0:
-            raise ConfigError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not 0.01 <= self.repetition_penalty <= 100:
+            raise ConfigError("repetition_penalty must be in 0.01..100 (the logits it scales "
+                              f"stay finite), got {self.repetition_penalty}")
         for name, cap in (("stop_token_ids", MAX_STOP_TOKEN_IDS), ("logit_bias", MAX_LOGIT_BIAS)):
             if len(getattr(self, name)) > cap:
                 raise ConfigError(f"{name} takes at most {cap} entries, got "

@@ -64,6 +64,9 @@ class EngineCore:
         self.scheduler = Scheduler(config, self.blocks)
         self.connector = connector or NullConnector()
         self.eos_ids = set(eos_ids)
+        self.vocab_size = 0
+        """Token ids a request may hold are 0..vocab_size-1 (set by the engines; 0: none
+        checked). An id past it would fail the batched step of every request with it."""
         self._finished: list[StepOutput] = []
         self.lost_s = 0.0
         """Seconds steps started late while work waited (the emulated engine measures it:
@@ -88,6 +91,11 @@ class EngineCore:
         if len(done) >= sampling.max_tokens:
             raise InvalidArgument(f"request {request_id}: {len(done)} tokens already produced, "
                                   f"max_tokens is {sampling.max_tokens}: nothing to resume")
+        vocab = self.vocab_size
+        if vocab and (min(prompt) < 0 or max(prompt) >= vocab
+                      or any(not 0 <= t < vocab for t in done)):
+            raise InvalidArgument(f"request {request_id}: a token id outside the model's "
+                                  f"vocabulary (0..{vocab - 1})")
         if len(prompt) + sampling.max_tokens > self.config.max_model_len:
             raise InvalidArgument(f"request {request_id}: {len(prompt)} prompt tokens + "
                                   f"max_tokens {sampling.max_tokens} exceed max_model_len "

@@ -36,6 +36,7 @@ class LLMEngine(EngineCore):
                  connector: KVConnector | None = None) -> None:
         cache = KVCache(model.config, config, DTYPES[config.dtype], config.device)
         super().__init__(config, cache, root_hash, connector, model.config.eos_token_ids)
+        self.vocab_size = model.config.vocab_size
         self.model = model
         self.model_config = model.config
 

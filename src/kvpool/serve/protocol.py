@@ -47,10 +47,11 @@ class StreamOptions(BaseModel):
 
 
 MAX_STOPS, MAX_STOP_CHARS = 16, 512
-MAX_REPETITION_PENALTY = 100.0
-"""Beyond it every seen token is as good as banned; the bound keeps the value finite."""
 """Stop strings per request and characters per stop string (each costs work per output token
 on the proxy)."""
+MAX_REPETITION_PENALTY = 100.0
+"""Beyond it (or below its inverse) every seen token is as good as banned (or forced); the
+bounds keep the scaled logits finite."""
 MAX_CHOICES = 64
 """The most choices one request may ask for (n, times the prompts of a completion)."""
 
@@ -88,7 +89,8 @@ class _Sampling(BaseModel):
     min_tokens: int = Field(default=0, ge=0)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=MAX_REPETITION_PENALTY)
+    repetition_penalty: float = Field(default=1.0, ge=1 / MAX_REPETITION_PENALTY,
+                                      le=MAX_REPETITION_PENALTY)
     logit_bias: dict[int, float] | None = None
     """Token id (a string key in JSON) -> bias in -100..100."""
     stream: bool = False

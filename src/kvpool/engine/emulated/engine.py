@@ -80,6 +80,7 @@ class EmulatedEngine(EngineCore):
         row_bytes = row_bytes_for(profile, kv_scale)
         cache = ByteKVCache(profile.kv_layers, config.num_blocks, config.block_size, row_bytes)
         super().__init__(config, cache, root_hash, connector, eos_ids, clock)
+        self.vocab_size = vocab.stop
         self.profile, self.vocab, self.speed_up = profile, vocab, speed_up
         self.rules = rules or profile.step_rules(config.prefill_mode)
         """How a step is charged (default: a kvpool instance in this prefill mode)."""
