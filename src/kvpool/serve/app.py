@@ -402,9 +402,14 @@ def _vllm_routes(app: FastAPI, proxy: Proxy) -> None:
 
     async def answer(request: Request, model: type[M],
                      fn: Callable[[Proxy, M], dict[str, Any]]) -> JSONResponse:
+        """`fn` on the parsed body: inline for a small one, in a thread for a big one (as
+        a completion is prepared, `_prepared`: tokenizing megabytes stalls every stream)."""
         try:
-            return JSONResponse(fn(proxy, await parse_body(request, model,
-                                                       proxy.config.max_body_bytes)))
+            parsed = await parse_body(request, model, proxy.config.max_body_bytes)
+            size = request.headers.get("content-length", "")
+            inline = size.isdigit() and int(size) <= INLINE_PREPARE_BYTES
+            return JSONResponse(fn(proxy, parsed) if inline
+                                else await asyncio.to_thread(fn, proxy, parsed))
         except ApiError as exc:
             return _json_error(exc)
 

@@ -313,12 +313,14 @@ async def _choice_events(proxy: Proxy, prep: PreparedRequest,
 
 async def _merged(streams: list[AsyncIterator[bytes]]) -> AsyncIterator[bytes]:
     """The items of every stream as they come; the first failure is raised and the other
-    streams closed (as they are when the consumer stops early)."""
+    streams closed (as they are when the consumer stops early). A few items per stream wait
+    at most: a client that reads slowly holds back the streams (and their workers) as it
+    does a single one, instead of the proxy holding every choice's whole output."""
     if len(streams) == 1:
         async for one in streams[0]:
             yield one
         return
-    queue: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue()
+    queue: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue(2 * len(streams))
 
     async def pump(s: AsyncIterator[bytes]) -> None:
         try:
