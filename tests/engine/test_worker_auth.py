@@ -66,3 +66,22 @@ def test_a_signed_call_verifies_once_for_its_worker_body_and_time() -> None:
     check()
     with pytest.raises(AuthError, match="replayed"):
         check()
+
+
+def test_a_signed_head_is_refused_by_its_cheap_checks_before_its_name_is_resolved(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A caller without the token names any host it likes: the time window, the nonce and
+    the incarnation are checked before that name is looked up (a slow DNS answer would
+    stall the worker's event loop), and a port of thousands of digits is no name."""
+    looked_up: list[str] = []
+    monkeypatch.setattr(auth, "_addresses", lambda host: looked_up.append(host) or set())
+    auth.is_own_name.cache_clear()
+    head = "KvpoolHMAC ts=1000.0,nonce=n,name=x1.attacker.example:8123,inc=zz,sig=s"
+    for now, inc in ((1000.0, "be"), (float("nan"), "zz"), (5000.0, "zz")):
+        with pytest.raises(AuthError):
+            auth.check_signed_head(head.replace("ts=1000.0", f"ts={now}") if now != 1000.0
+                                   else head, "127.0.0.1", 8123, 1000.0, incarnation=inc)
+    assert looked_up == []
+    huge = "KvpoolHMAC ts=1000.0,nonce=n,name=h:" + "9" * 5000 + ",inc=zz,sig=s"
+    with pytest.raises(AuthError, match="not this worker"):
+        auth.check_signed_head(huge, "127.0.0.1", 8123, 1000.0, incarnation="zz")

@@ -48,8 +48,8 @@ def name_of(url: str) -> str:
 
 def _split(name: str) -> tuple[str, int]:
     host, _, port = name.rpartition(":")
-    if not port.isdigit():
-        raise AuthError(f"not a host:port name: {name!r}")
+    if not port.isdigit() or len(port) > 5:
+        raise AuthError(f"not a host:port name: {name[:80]!r}")
     return host.strip("[]"), int(port)
 
 
@@ -201,14 +201,15 @@ def check_signed_head(header: str, host: str, port: int, now: float, *,
         stamp = float(fields["ts"])
     except ValueError:
         raise AuthError("signed call without a timestamp") from None
-    if scheme != SCHEME or abs(now - stamp) > SIGNATURE_WINDOW_S:
+    if scheme != SCHEME or not abs(now - stamp) <= SIGNATURE_WINDOW_S:  # (NaN too)
         raise AuthError("signed call outside its time window")
-    if not is_own_name(fields["name"], host, port):
-        raise AuthError(f"signed call for {fields['name']!r}, not this worker")
     if not fields["nonce"] or not fields["sig"]:
         raise AuthError("signed call without a nonce or signature")
     if not hmac.compare_digest(fields["inc"].encode(), incarnation.encode()):
         raise AuthError(STALE_INCARNATION)
+    # last: it may resolve the name (remembered), which the cheap checks spare most callers
+    if not is_own_name(fields["name"], host, port):
+        raise AuthError(f"signed call for {fields['name'][:80]!r}, not this worker")
     return fields
 
 
