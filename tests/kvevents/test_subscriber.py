@@ -243,3 +243,34 @@ def test_connecting_to_publishers_that_bind(index: CacheIndex) -> None:
     finally:
         one.close(), two.close()
         sub.close()
+
+
+def test_a_publisher_restarted_past_its_old_counter_is_resynced(index: CacheIndex) -> None:
+    """vLLM's publisher binds and the subscriber connects: a new process on the same port
+    sends its first batches before the subscriber's socket reconnects, so they are lost, and
+    the first seq seen can be at or past the old process's. The replay shows another batch
+    at the seq applied last: the instance is rebuilt from the new process's history, and the
+    dead process's blocks leave the index."""
+    port, replay_port, topic = free_port(), free_port(), "http://inst-a:8000"
+    endpoint, replay = f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}"
+    old = KvEventPublisher(endpoint, replay, topic=topic, bind=True)
+    sub = KvEventSubscriber(endpoint, index, bind=False,
+                            replay_endpoints={topic: replay}).start()
+    try:
+        until(lambda: old.publish(stored(111)),
+              lambda: index.matched_blocks(topic, [111]) == 1)
+        old.close()
+        time.sleep(0.3)                                  # the process is gone
+        new = KvEventPublisher(endpoint, replay, topic=topic, bind=True)
+        try:
+            for h in (222, 333, 444):
+                new.publish(stored(h))
+            new.flush()
+            until(lambda: new.publish(stored(555)),
+                  lambda: index.matched_blocks(topic, [555]) == 1)
+            assert index.matched_blocks(topic, [111]) == 0
+            assert index.matched_blocks(topic, [222]) == 1
+        finally:
+            new.close()
+    finally:
+        sub.close()

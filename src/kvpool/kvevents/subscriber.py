@@ -22,10 +22,12 @@ sockets; nothing is applied after it returns.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+import xxhash
 import zmq
 
 from kvpool.errors import RemoteProtocolError
@@ -37,6 +39,10 @@ from kvpool.log import get_logger
 
 log = get_logger("kvevents.subscriber")
 POLL_MS = 50
+QUIET_S = 1.0
+"""A batch in order after this long without one is checked against the publisher's replay
+(is the batch before it the one applied last?): a publisher that restarted may have lost
+exactly the batches that bring its new counter back to where the old one stopped."""
 
 
 class EventSink(Protocol):
@@ -81,6 +87,9 @@ class KvEventSubscriber:
         self._stop = threading.Event()
         self._to_connect: list[str] = []
         self._to_forget: list[bytes] = []
+        self._last: dict[bytes, tuple[int, int, float]] = {}
+        """Topic -> (seq, xxh3_64 of the payload, time.monotonic()) of the batch applied
+        last: what a replay of that seq must show unless the publisher restarted."""
         self._ctx: zmq.Context = zmq.Context.instance()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
@@ -159,12 +168,32 @@ class KvEventSubscriber:
             forgotten, self._to_forget = self._to_forget, []
         for gone in forgotten:
             self._tracker.forget(gone)
+            self._last.pop(gone, None)
         seen = self._tracker.observe(topic, seq)
-        if seen.verdict in (Verdict.FIRST, Verdict.RESTART):
-            self._resync(instance, topic, seq, f"{seen.verdict.value} at seq {seq}")
-        elif seen.verdict is Verdict.GAP:
+        verdict = seen.verdict
+        if verdict is Verdict.GAP or (verdict is Verdict.IN_ORDER and self._quiet(topic)):
+            if self._restarted(instance, topic):
+                verdict = Verdict.RESTART
+        if verdict in (Verdict.FIRST, Verdict.RESTART):
+            self._resync(instance, topic, seq, f"{verdict.value} at seq {seq}")
+        elif verdict is Verdict.GAP:
             self._fill_gap(instance, topic, seen.missing_from, seq)
         self._apply(instance, topic, seq, payload)
+
+    def _quiet(self, topic: bytes) -> bool:
+        last = self._last.get(topic)
+        return last is not None and time.monotonic() - last[2] >= QUIET_S
+
+    def _restarted(self, instance: str, topic: bytes) -> bool:
+        """Whether the publisher's replay shows another batch at the seq applied last than
+        the one applied (a new process counting again, whose first batches were lost while
+        it connected, so its counter passed the old one's unnoticed); False when it cannot
+        tell (no replay, or that batch no longer kept)."""
+        last = self._last.get(topic)
+        if last is None:
+            return False
+        frames, complete = self._fetch(instance, last[0], last[0] + 1)
+        return complete and xxhash.xxh3_64_intdigest(frames[0][1]) != last[1]
 
     def _apply(self, instance: str, topic: bytes, seq: int, payload: bytes) -> bool:
         try:
@@ -176,6 +205,7 @@ class KvEventSubscriber:
             return False
         self._sink.apply(instance, batch)
         self._tracker.advance(topic, seq)
+        self._last[topic] = (seq, xxhash.xxh3_64_intdigest(payload), time.monotonic())
         with self._lock:
             stats = self._stats.setdefault(instance, FeedStats())
             stats.num_batches += 1
