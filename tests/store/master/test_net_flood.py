@@ -81,3 +81,41 @@ def test_descriptor_flood_is_survived(tmp_path: Path) -> None:
         assert proc.poll() is None
     finally:
         stop(proc)
+
+
+def _rss_mib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) // 1024 for line in f if line.startswith("VmRSS"))
+
+
+def test_a_client_that_never_reads_cannot_make_the_master_queue_replies_without_bound() -> None:
+    """One send of 23,000 small requests, each answered with a 300-segment table (17 KB), on
+    a connection that reads nothing: the master holds a few MiB of replies for it, not the
+    400 MB they come to, and the other clients are served meanwhile."""
+    from contextlib import ExitStack
+
+    from kvpool.launch.store import start_master
+    from kvpool.store.wire.framing import encode_frame
+    from kvpool.store.wire.protocol import encode_request
+
+    with ExitStack() as stack:
+        proc, address, _ = start_master(stack)
+        good = stack.enter_context(RpcClient(address, "good"))
+        for i in range(300):
+            good.call_unchecked(Op.MOUNT, f"127.0.0.1:{7000 + i}", 1 << 30, 1 << 20, 1)
+        before = _rss_mib(proc.pid)
+        burst = b"".join(encode_frame(encode_request(Op.SEGMENTS, i + 1, "hog"))
+                         for i in range(23_000))
+        host, port = address.rsplit(":", 1)
+        hog = stack.enter_context(socket.create_connection((host, int(port))))
+        hog.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        hog.setblocking(False)
+        try:
+            hog.send(burst)
+        except BlockingIOError:
+            pass
+        started = time.monotonic()
+        good.call_unchecked(Op.PING, timeout_s=30)
+        assert time.monotonic() - started < 1.5
+        time.sleep(0.5)
+        assert _rss_mib(proc.pid) - before < 40, "replies queued without bound"

@@ -4,7 +4,8 @@ service inside.
 Each connection carries length-prefixed msgpack frames (framing.py); replies go back on the
 same connection in request order. Sockets are non-blocking: partial reads are reassembled by
 a per-connection FrameDecoder, partial writes wait in a per-connection buffer (and the
-connection is not read again until it is flushed, so a client that never reads cannot make
+connection is not read again until it is flushed, and the requests of one read are handled
+only while that buffer stays under OUT_CAP_BYTES, so a client that never reads cannot make
 the master queue without bound). A frame with an oversized length gets one error reply and
 then that connection is closed; nobody else notices. Between requests, and at least every
 `tick_interval_s`, the loop runs the core's timeouts and closes connections past their
@@ -49,8 +50,16 @@ _OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.
 _READ, _WRITE = selectors.EVENT_READ, selectors.EVENT_WRITE
 
 
+OUT_CAP_BYTES = 4 << 20
+"""Replies waiting for one connection's socket beyond which its next requests wait too: a
+client that sends many requests and reads none cannot make the master queue without bound
+(one read of small requests that each answer the segment table was hundreds of MiB)."""
+FRAMES_PER_BATCH = 256
+"""Requests handled at once under the lock before their replies' size is looked at."""
+
+
 class _Conn:
-    __slots__ = ("sock", "decoder", "out", "closing", "handshake", "deadline_s")
+    __slots__ = ("sock", "decoder", "out", "closing", "handshake", "deadline_s", "pending")
 
     def __init__(self, sock: socket.socket, handshake: ServerHandshake | None,
                  deadline_s: float) -> None:
@@ -64,6 +73,8 @@ class _Conn:
         """Until the peer authenticated (a master with a token): its handshake; else None."""
         self.deadline_s = deadline_s
         """Monotonic time at which the connection is closed unless it makes progress."""
+        self.pending: list[bytes] = []
+        """Requests read but not handled yet (their replies would exceed OUT_CAP_BYTES)."""
 
 
 class RpcServer:
@@ -272,8 +283,19 @@ class RpcServer:
         if handshaking:
             frames = self._authenticate(conn, frames)
         if frames:
+            conn.pending += frames
+            self._serve(conn)
+
+    def _serve(self, conn: _Conn) -> None:
+        """Handle the connection's pending requests while its waiting replies stay under
+        OUT_CAP_BYTES; the rest wait until the socket has taken those (`_flush`)."""
+        while conn.pending and len(conn.out) < OUT_CAP_BYTES and not conn.closing:
+            frames = conn.pending[:FRAMES_PER_BATCH]
+            del conn.pending[:FRAMES_PER_BATCH]
             replies = self._handle(frames)
             self._send(conn, replies[0] if len(replies) == 1 else b"".join(replies))
+            if conn.sock.fileno() < 0:  # dropped: the peer went away
+                return
 
     def _authenticate(self, conn: _Conn, frames: list[bytes]) -> list[bytes]:
         """Feed handshake frames; the frames left once it completed (none before)."""
@@ -348,6 +370,10 @@ class RpcServer:
         del conn.out[:sent]
         if conn.handshake is None and sent:
             conn.deadline_s = self.clock.now() + self.limits.idle_timeout_s
+        if len(conn.out) < OUT_CAP_BYTES and conn.pending:
+            self._serve(conn)
+            if conn.sock.fileno() < 0:
+                return
         if conn.out:
             return
         if conn.closing:
