@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import threading
 from collections.abc import Iterator
 
 import numpy as np
@@ -192,6 +193,35 @@ def test_asyncio_client(master: MasterServer, node: StoreClient) -> None:
             assert await client.remove("a3", force=True) == E.OK
             assert [g.code for g in await client.get_batch(["a3", "a4"])] == [
                 E.OBJECT_NOT_FOUND, E.OK]
+    asyncio.run(main())
+
+
+def test_a_cancelled_async_call_ends_only_once_its_blocking_call_has_returned() -> None:
+    """Cancelling the task of an async get_into raises CancelledError only once the thread
+    has stopped copying into the caller's buffer (which the caller then reuses)."""
+    release, finished = threading.Event(), []
+
+    class Copying:  # the blocking client, copying until released
+        def get_into(self, key: str, addr: int, size: int) -> str:
+            release.wait(5)
+            finished.append(key)
+            return "done"
+
+        def close(self) -> None:
+            pass
+
+    async def main() -> None:
+        client = AsyncStoreClient(Copying())  # type: ignore[arg-type]
+        task = asyncio.ensure_future(client.get_into("k", 0, 1))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.sleep(0.2)
+        assert not task.done()                     # still copying: the buffer is not back
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert finished == ["k"]
+        await client.close()
     asyncio.run(main())
 
 

@@ -3,12 +3,17 @@
 Each call runs the blocking StoreClient call on a small thread pool, so the event loop never
 blocks on the master or on a transfer; results are the same typed values. Calls from many
 coroutines overlap their transfers; master RPCs are serialized on one connection.
+
+A call whose task is cancelled (asyncio.wait_for, an aborted request) raises CancelledError
+only once the blocking call has returned: until then it may still read or write the caller's
+memory, which is the caller's again only after that. A cancelled put may still be stored.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
@@ -31,12 +36,17 @@ class AsyncStoreClient:
     async def connect(cls, config: ClientConfig, max_workers: int = 4) -> AsyncStoreClient:
         """Start a StoreClient (transfer engine, master connection, mounts) off the loop."""
         loop = asyncio.get_running_loop()
-        client = await loop.run_in_executor(None, StoreClient, config)
+        started = loop.run_in_executor(None, StoreClient, config)
+        try:
+            client = await asyncio.shield(started)
+        except asyncio.CancelledError:  # a client built after all is closed, not leaked
+            started.add_done_callback(_close_built)
+            raise
         return cls(client, max_workers)
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, functools.partial(fn, *args))
+        return await _to_the_end(asyncio.get_running_loop().run_in_executor(
+            self._pool, functools.partial(fn, *args)))
 
     async def put(self, key: str, value: Any, config: ReplicateConfig = DEFAULT) -> PutResult:
         return await self._run(self.client.put, key, value, config)
@@ -111,3 +121,28 @@ class AsyncStoreClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
+
+
+async def _to_the_end(call: asyncio.Future[T]) -> T:
+    """`call`'s result; when the awaiting task is cancelled, CancelledError only once `call`
+    has returned (its thread may be copying into the caller's memory until then)."""
+    try:
+        return await asyncio.shield(call)
+    except asyncio.CancelledError:
+        while not call.done():
+            try:
+                await asyncio.shield(call)
+            except asyncio.CancelledError:
+                pass
+            except Exception:  # noqa: BLE001 - the call's own failure: the cancel wins
+                break
+        raise
+
+
+def _close_built(started: asyncio.Future[StoreClient]) -> None:
+    """Close the client a cancelled `connect` built after all (in a thread: closing waits on
+    the master)."""
+    if not started.cancelled() and started.exception() is None:
+        threading.Thread(target=started.result().close, name="kvpool-store-aio-close",
+                         daemon=True).start()
+
