@@ -403,3 +403,6 @@ def test_hasher_matches_the_inline_checksum_on_every_path() -> None:
             assert arrivals.complete(range(len(items)), hasher) == dict(enumerate(want))
     finally:
         hasher.close()
+    threads = threading.active_count()
+    assert hasher.many(large) == [parts_checksum(parts, n) for parts, n in large]
+    assert threading.active_count() == threads  # closed: hashed alone, no thread left over

@@ -50,10 +50,13 @@ class Hasher:
     def __init__(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        self._closed = False
 
-    def _executor(self) -> ThreadPoolExecutor:
+    def _executor(self) -> ThreadPoolExecutor | None:
+        """The helper thread's pool; None once closed (a call still running hashes alone
+        instead of starting a thread nobody stops)."""
         with self._lock:
-            if self._pool is None:
+            if self._pool is None and not self._closed:
                 self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvpool-store-hash")
             return self._pool
 
@@ -68,7 +71,10 @@ class Hasher:
             acc += items[cut][1]
             cut += 1
         cut = max(cut, 1)
-        first = self._executor().submit(_hash_all, items[:cut])
+        pool = self._executor()
+        if pool is None:
+            return _hash_all(items)
+        first = pool.submit(_hash_all, items[:cut])
         try:
             rest = _hash_all(items[cut:])
         finally:
@@ -77,6 +83,7 @@ class Hasher:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             if self._pool is not None:
                 self._pool.shutdown(wait=True)
                 self._pool = None
