@@ -91,6 +91,21 @@ def test_a_stop_string_ends_the_stream_with_the_prompts_reuse() -> None:
     assert got[1].sse is not None and '"finish_reason":"stop"' in got[1].sse
 
 
+@pytest.mark.parametrize("interval", [1, 3])
+def test_the_first_frame_says_the_prompts_reuse(interval: int) -> None:
+    """A proxy that ends the stream at a stop string itself never reads the finish line:
+    the request's first frame carries the prompt's reuse too ([own cache, pool]), and no
+    other frame does."""
+    f = FrameBuilder(interval)
+    first = StepOutput("r", 0, time_s=1.0, stats={"num_cached_tokens": 32.0,
+                                                  "num_pool_tokens": 16.0})
+    lines = f.add([first]) + f.add([tok(1)]) + f.add([tok(2)]) + f.add([tok(3), end()])
+    frames = [x for x in lines if isinstance(x, PlainFrame)]
+    assert frames[0].reuse == [32, 16] and all(x.reuse is None for x in frames[1:])
+    assert b'"reuse":[32,16]' in ndjson_line(frames[0])
+    assert b"reuse" not in ndjson_line(frames[1])
+
+
 def test_a_stop_string_in_the_character_the_output_ended_inside_of_is_a_stop() -> None:
     """The engine's last token leaves a character unfinished, and a stop string ends in
     what the stream held: the finish chunk and line say `stop`, and the stop string's text

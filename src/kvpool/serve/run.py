@@ -106,6 +106,8 @@ class Run:
         """Prompt tokens whose KV was reused (local cache + pool), as the prefill worker says."""
         self.pool_len = 0
         """Of those, tokens whose KV came from the pool (the rest: the worker's own cache)."""
+        self._reuse_known = False
+        """A colocated leg reported the prompt's reuse (with its first frame, or its finish)."""
         self._tried: set[str] = set()
         """Workers this request failed on (it is resumed on each other worker once at most)."""
         self._decode_url: str | None = None
@@ -312,6 +314,8 @@ class Run:
         self._record(ids, stamps, lps, now)
         if leg.kv_source == "none" and self.b.prefill_pending:
             self._colocated_first_token()
+        if line.reuse is not None and leg.kv_source == "none" and not leg.resumed:
+            self._colocated_reuse(*line.reuse)  # (a stream cut at a stop never finishes)
         leg.last_s = self._decode_gap(leg.last_s, len(ids), now)
         self.frame_sse = line.sse
         return ids
@@ -335,7 +339,7 @@ class Run:
         leg = self._leg
         assert leg is not None
         if leg.kv_source == "none" and not leg.resumed:  # the prompt's reuse, if reported
-            self._colocated_reuse(line)
+            self._colocated_reuse(line.num_cached_tokens, line.num_pool_tokens)
 
     def _record(self, tokens: list[int], stamps: list[float],
                 logprobs: list[TokenLogprob | None] | None, now: float | None = None) -> None:
@@ -355,8 +359,13 @@ class Run:
                                        num_tokens)
         return now
 
-    def _colocated_reuse(self, finish: FinishLine) -> None:
-        self._reused(finish.num_cached_tokens + finish.num_pool_tokens, finish.num_pool_tokens)
+    def _colocated_reuse(self, cached: int, pool: int) -> None:
+        """A colocated leg's prompt reuse, counted once (the first frame and the finish
+        line both say it)."""
+        if self._reuse_known:
+            return
+        self._reuse_known = True
+        self._reused(cached + pool, pool)
         self.d.metrics.prefix_hit_tokens.inc(self.cached_len)
 
     def _reused(self, total: int, pool: int) -> None:

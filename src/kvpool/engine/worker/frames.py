@@ -47,8 +47,10 @@ class FrameBuilder:
             if out.token_id is not None and out.finish_reason is None and \
                     out.logprob is None and out.prompt_logprobs is None:
                 self._stats = out.stats or self._stats
+                first = self.num_tokens == 0
                 self.num_tokens += 1
-                return [PlainFrame([out.token_id], [out.time_s], None)]
+                return [PlainFrame([out.token_id], [out.time_s], None,
+                                   reuse=self._reuse() if first else None)]
         lines: list[Frame | FinishLine] = []
         for out in outputs:
             if out.token_id is not None:
@@ -72,6 +74,7 @@ class FrameBuilder:
         if self.text is not None:
             n, events = self.text.take([o.token_id for o in held if o.token_id is not None])
             held = held[:n]
+        reuse = self._reuse() if self.num_tokens == 0 and held else None
         self.num_tokens += len(held)
         logprobs: list[TokenLogprob | None] | None = None
         if any(o.logprob is not None for o in held):
@@ -81,16 +84,23 @@ class FrameBuilder:
         ids = [o.token_id for o in held if o.token_id is not None]  # every held one has one
         stamps = [o.time_s for o in held]
         if held and logprobs is None and prompt is None:  # most steps: no pydantic
-            lines.append(PlainFrame(ids, stamps, events))
+            lines.append(PlainFrame(ids, stamps, events, reuse=reuse))
         elif held:
             lines.append(TokensLine(token_ids=ids, t=stamps, logprobs=logprobs,
                                     prompt_logprobs=None if prompt is None else list(prompt),
-                                    sse=events))
+                                    sse=events, reuse=reuse))
         if self.text is not None and self.text.stopped:
             lines.append(self._finish_line("stop", self._stats,
                                            self.text.finish_events("stop")))
             self.done = True
         return lines
+
+    def _reuse(self) -> list[int] | None:
+        """The first frame's [cached, pool] prompt tokens, where the engine reported them."""
+        stats = self._stats
+        if "num_cached_tokens" not in stats:
+            return None
+        return [int(stats["num_cached_tokens"]), int(stats.get("num_pool_tokens", 0))]
 
     def _finish(self, out: StepOutput) -> FinishLine:
         assert out.finish_reason is not None

@@ -148,6 +148,8 @@ class TokensLine(_Reply):
     """With the frame that holds the first token of a colocated request that asks for them."""
     sse: str | None = None
     """With GenerateRequest.sse: the SSE events of this frame's text ("" while it is held)."""
+    reuse: list[int] | None = None
+    """With a request's first frame: as `PlainFrame.reuse`."""
 
     @model_validator(mode="after")
     def _aligned(self) -> TokensLine:
@@ -283,6 +285,9 @@ class PlainFrame(msgspec.Struct, tag_field="type", tag="tokens", forbid_unknown_
     sse: str | None = None
     logprobs: None = None
     prompt_logprobs: None = None
+    reuse: list[int] | None = None
+    """With a request's first frame: [prompt tokens reused from the worker's own cache,
+    from the pool] (as the finish line says them, for a stream that ends before it)."""
 
 
 Frame = TokensLine | PlainFrame
@@ -295,7 +300,7 @@ def ndjson_line(msg: BaseModel | PlainFrame) -> bytes:
     if isinstance(msg, PlainFrame):
         return _JSON.encode(msg) + b"\n"
     if isinstance(msg, TokensLine) and msg.logprobs is None and msg.prompt_logprobs is None:
-        return _JSON.encode(PlainFrame(msg.token_ids, msg.t, msg.sse)) + b"\n"
+        return _JSON.encode(PlainFrame(msg.token_ids, msg.t, msg.sse, reuse=msg.reuse)) + b"\n"
     return msg.model_dump_json(exclude_none=True).encode() + b"\n"
 
 
@@ -370,7 +375,8 @@ def plain_prefix(lines: Sequence[str | bytes], start: int = 0) -> tuple[int, Pla
     texts = [p.sse for p in plains if p.sse]
     return len(plains), PlainFrame([t for p in plains for t in p.token_ids],
                                    [t for p in plains for t in p.t],
-                                   "".join(texts) if texts else None)
+                                   "".join(texts) if texts else None,
+                                   reuse=next((p.reuse for p in plains if p.reuse), None))
 
 
 def generate_line(url: str, line: str | bytes) -> TokensLine | FinishLine:
