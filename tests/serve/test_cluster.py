@@ -165,3 +165,37 @@ def test_malformed_reports_are_invalid_arguments() -> None:
                           "max_model_len": 8, "kv_capacity_tokens": 8}, "/info")
     with pytest.raises(InvalidArgument, match="malformed /load: block_events.0"):
         parse(LoadReply, {"block_events": [[1]]}, "/load")
+
+
+def test_bookings_released_before_their_prefill_ran_leave_no_phantom_queue() -> None:
+    """27 of 28 queued requests go away before their prefill ran (clients gone, choices
+    refused): their release is no prediction error to shift the queue by. Once the one
+    that ran has answered, nothing is queued, the worker is idle in the view, and a fresh
+    long request is accepted (it was refused for a queue of ~28 s that nobody was in)."""
+    from kvpool.conductor import CostModel, Rejected
+
+    clock = VirtualClock(0.0)
+    cost = CostModel()
+    live = LiveCluster(cost, clock)
+    for url, role in (("http://p", "prefill"), ("http://d", "decode")):
+        live.add(url)
+        live.join(url, InfoReply(role=role, model_hash=1, block_size=16, max_model_len=100000,
+                                 kv_capacity_tokens=10**6))
+    conductor = Conductor(ConductorConfig(block_size=16, ttft_slo_s=30.0), cost, clock)
+
+    def req(i: int, n: int = 8000) -> RequestInfo:
+        return RequestInfo(i, n, 16, tuple(range(i * 10**6, i * 10**6 + n // 16)))
+    books = []
+    for i in range(1, 29):
+        decision = conductor.schedule(req(i), live.view, clock.now())
+        assert isinstance(decision, Accepted)
+        books.append(live.book(req(i), decision, clock.now()))
+    clock.advance(0.1)
+    for b in books[1:]:
+        live.finish(b, clock.now())
+    clock.advance(1.0)                                   # the first one's prefill ends
+    live.prefill_done(books[0], clock.now())
+    live.finish(books[0], clock.now())
+    load = live.view.prefill[0]
+    assert load.num_queued == 0 and load.queue_s(clock.now()) == 0.0
+    assert not isinstance(conductor.schedule(req(99, 12000), live.view, clock.now()), Rejected)

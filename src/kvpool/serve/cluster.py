@@ -288,7 +288,10 @@ class LiveCluster:
             return any(load is b.prefill_load for load in self.view.prefill)
         return any(load is b.decode_load for load in self.view.decode)
 
-    def prefill_done(self, b: Booking, now: float) -> None:
+    def prefill_done(self, b: Booking, now: float, ran: bool = True) -> None:
+        """The booking's prefill answered (`ran`), or it ends without having run (refused,
+        failed, closed before its reply): it leaves the queue either way, but only a prefill
+        that ran says how far off the queue's prediction was."""
         if not b.prefill_pending:
             return
         b.prefill_pending = False
@@ -296,11 +299,15 @@ class LiveCluster:
             self.sink.prefill_done(b)
         if self._in_view(b, prefill=True):
             self.view.record_prefill_done(b.prefill_load.instance_id)
-            # the queue behind this request starts later (or earlier) than predicted: shift it
-            # by the error, exactly as kvpool.sim.disagg does
-            delta = now - (b.predicted_end_s + b.prefill.shift_s - b.shift_then_s)
-            b.prefill_load.busy_until_s += delta
-            b.prefill.shift_s += delta
+            load = b.prefill_load
+            if ran:
+                # the queue behind this request starts later (or earlier) than predicted:
+                # shift it by the error, exactly as kvpool.sim.disagg does
+                delta = now - (b.predicted_end_s + b.prefill.shift_s - b.shift_then_s)
+                load.busy_until_s += delta
+                b.prefill.shift_s += delta
+            if load.num_queued <= 0:  # nothing booked there any more: it is idle
+                load.busy_until_s = min(load.busy_until_s, now)
 
     def decode_start(self, b: Booking, now: float) -> None:
         if b.decode_started or b.finished:
@@ -315,7 +322,7 @@ class LiveCluster:
         """Release the booking (finished, failed or abandoned); idempotent."""
         if b.finished:
             return
-        self.prefill_done(b, now)
+        self.prefill_done(b, now, ran=False)  # (when it ran, its reply said so already)
         b.finished = True
         if not b.remote:
             self.in_flight -= 1
