@@ -107,6 +107,28 @@ def test_a_restarted_peers_old_bookings_are_released(vclock: VirtualClock) -> No
     assert sb.num_remote() == 0 and sum(p.num_queued for p in b.view.prefill) == 0
 
 
+def test_a_lost_finish_is_released_by_the_next_heartbeat(vclock: VirtualClock) -> None:
+    """Datagrams to a busy process can be dropped (its queue holds a handful): the next
+    heartbeat lists the peer's open bookings, and one it no longer lists is released."""
+    a, b = live(vclock), live(vclock)
+    sa, sb = SharedBookings(a, 0, 111), SharedBookings(b, 1, 333)
+    a.sink = sa
+    first, second = book(a, 1), book(a, 2)
+    a.finish(first, 0.5)  # type: ignore[arg-type]
+    sent, sa.outbox = sa.outbox, []
+    for msg in sent[:-1]:  # the "f" of request 1 is lost on the way
+        sb.apply(msg, 0.5)
+    assert sb.num_remote() == 2
+    sa.heartbeat()
+    sb.apply(sa.outbox.pop(), 1.0)
+    assert sb.num_remote() == 1 and sum(p.num_queued for p in b.view.prefill) == 1
+    a.finish(second, 1.5)  # type: ignore[arg-type]
+    sa.heartbeat()
+    for msg in sa.outbox:
+        sb.apply(msg, 2.0)
+    assert sb.num_remote() == 0 and b.view.decode[0].num_assigned == 0
+
+
 @pytest.mark.parametrize("raw", [b"", b"\xc1", b"\x93\xa1b\x00\x01", b"\x93\xa1z\x00\x01",
                                  b"\x94\xa1b\x00\x01\xa1x"])
 def test_a_malformed_datagram_is_counted_and_changes_nothing(raw: bytes,

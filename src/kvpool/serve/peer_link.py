@@ -20,7 +20,7 @@ from kvpool.clock import Clock
 from kvpool.serve.cluster import Booking, LiveCluster
 from kvpool.serve.shared_bookings import HEARTBEAT_S, SharedBookings
 
-MAX_DATAGRAM = 4096
+MAX_DATAGRAM = 64 << 10
 
 
 def peer_socket(folder: Path, index: int) -> Path:

@@ -17,8 +17,12 @@ incarnation):
     ["p", peer, inc, rid]                                  its prefill ended
     ["d", peer, inc, rid]                                  its decode started
     ["f", peer, inc, rid]                                  finished (or failed)
-    ["h", peer, inc]                                       heartbeat, every HEARTBEAT_S
+    ["h", peer, inc, [rid, ...]]                           heartbeat, every HEARTBEAT_S,
+                                                           with the open bookings' ids
 
+Datagrams to a busy process can be dropped (its socket's queue is short): a booking whose id a
+heartbeat no longer lists is released here, so a lost "f" leaks nothing past the next beat (a
+heartbeat lists at most HEARTBEAT_IDS ids; past that, none, and nothing is released by it).
 A peer whose heartbeat has not come for SILENT_S, or that comes back as another incarnation
 (it was restarted), has every booking it made released in this view (`expire`): a dead
 process's requests are gone with it. A booking whose workers this process does not have in
@@ -42,6 +46,8 @@ from kvpool.serve.cluster import Booking, LiveCluster
 log = get_logger("serve.shared_bookings")
 HEARTBEAT_S = 1.0
 SILENT_S = 5.0
+HEARTBEAT_IDS = 6000
+"""Open bookings a heartbeat lists at most (a datagram of about 54 KiB, peer_link's bound)."""
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(list[Any])
 REMOTE_IDS = 1 << 40
@@ -64,10 +70,13 @@ class SharedBookings:
         self.peers: dict[int, _Peer] = {}
         self.num_bad = 0
         """Messages that could not be read (malformed, or of an unknown kind)."""
+        self._open: set[int] = set()
+        """This process's bookings not finished yet (listed in its heartbeats)."""
 
     # -- this process's events ---------------------------------------------------------------
 
     def booked(self, b: Booking) -> None:
+        self._open.add(b.req.request_id)
         c = b.decision.prefill
         self._send("b", b.req.request_id, b.prefill.url, b.decode.url, b.req.input_len,
                    b.req.output_len, c.prefix_len, c.local_prefix_len, c.transfer_s,
@@ -80,10 +89,12 @@ class SharedBookings:
         self._send("d", b.req.request_id)
 
     def finished(self, b: Booking) -> None:
+        self._open.discard(b.req.request_id)
         self._send("f", b.req.request_id)
 
     def heartbeat(self) -> None:
-        self.outbox.append(_ENCODER.encode(["h", self.index, self.incarnation]))
+        listed = sorted(self._open) if len(self._open) <= HEARTBEAT_IDS else None
+        self.outbox.append(_ENCODER.encode(["h", self.index, self.incarnation, listed]))
 
     def _send(self, kind: str, *fields: Any) -> None:
         self.outbox.append(_ENCODER.encode([kind, self.index, self.incarnation, *fields]))
@@ -102,7 +113,10 @@ class SharedBookings:
                 self._book(peer, peer_index, msg[3:], now)
             elif kind in ("p", "d", "f"):
                 self._event(peer, kind, int(msg[3]), now)
-            elif kind != "h":
+            elif kind == "h":
+                if len(msg) > 3 and msg[3] is not None:
+                    self._keep_only(peer, {int(rid) for rid in msg[3]}, now)
+            else:
                 raise InvalidArgument(f"unknown kind {kind!r}")
         except (msgspec.DecodeError, IndexError, TypeError, ValueError, InvalidArgument) as exc:
             self.num_bad += 1
@@ -142,6 +156,11 @@ class SharedBookings:
         else:
             self.cluster.finish(b, now)
             del peer.bookings[rid]
+
+    def _keep_only(self, peer: _Peer, open_ids: set[int], now: float) -> None:
+        """Release the peer's bookings its heartbeat no longer lists (their "f" was lost)."""
+        for rid in [rid for rid in peer.bookings if rid not in open_ids]:
+            self.cluster.finish(peer.bookings.pop(rid), now)
 
     # -- silence -------------------------------------------------------------------------------
 
