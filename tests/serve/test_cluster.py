@@ -199,3 +199,37 @@ def test_bookings_released_before_their_prefill_ran_leave_no_phantom_queue() -> 
     load = live.view.prefill[0]
     assert load.num_queued == 0 and load.queue_s(clock.now()) == 0.0
     assert not isinstance(conductor.schedule(req(99, 12000), live.view, clock.now()), Rejected)
+
+
+def test_a_migrated_decode_moves_its_load_to_the_worker_that_resumes_it() -> None:
+    """The decode worker fails mid-stream and another resumes the request: the view counts
+    it on the new worker (assigned, then running from its next frame), not on the old one,
+    and releases it there."""
+    from kvpool.conductor import CostModel
+
+    clock = VirtualClock(0.0)
+    live = LiveCluster(CostModel(), clock)
+    for url, role in (("http://p", "prefill"), ("http://d1", "decode"),
+                      ("http://d2", "decode")):
+        live.add(url)
+        live.join(url, InfoReply(role=role, model_hash=1, block_size=16, max_model_len=100000,
+                                 kv_capacity_tokens=10**6))
+    conductor = Conductor(ConductorConfig(block_size=16), CostModel(), clock)
+    req = RequestInfo(1, 800, 16, tuple(range(50)))
+    decision = conductor.schedule(req, live.view, 0.0)
+    assert isinstance(decision, Accepted)
+    b = live.book(req, decision, 0.0)
+    live.prefill_done(b, 0.5)
+    live.decode_start(b, 0.6)
+    old = b.decode_load
+    other = next(w for w in live.workers.values() if w.role == "decode" and w is not b.decode)
+    live.move_decode(b, other, 1.0)
+    assert (old.num_assigned, old.num_active, old.assigned_tokens) == (0, 0, 0)
+    new = other.decode_load
+    assert new is not None and b.decode_load is new
+    assert (new.num_assigned, new.num_active, new.assigned_tokens) == (1, 0, 800)
+    live.decode_start(b, 1.2)
+    assert (new.num_active, new.active_tokens) == (1, 800)
+    live.finish(b, 2.0)
+    assert (new.num_assigned, new.num_active, new.assigned_tokens) == (0, 0, 0)
+    assert (old.num_assigned, old.num_active) == (0, 0)

@@ -159,6 +159,14 @@ class ClusterView:
             d.assigned_tokens += req.input_len
             d.planned[req.request_id] = (now + choice.ttft_s, req.input_len)
 
+    def record_decode_moved(self, decode_id: int, req: RequestInfo, now: float) -> None:
+        """A request's decode moved to instance `decode_id` (migration): assigned there;
+        `record_decode_start` follows with its first token."""
+        d = self.decode[decode_id]
+        d.num_assigned += 1
+        d.assigned_tokens += req.input_len
+        d.planned[req.request_id] = (now, req.input_len)
+
     def record_prefill_done(self, instance_id: int) -> None:
         self.prefill[instance_id].num_queued -= 1
 

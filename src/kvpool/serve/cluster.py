@@ -318,6 +318,17 @@ class LiveCluster:
         if self._in_view(b, prefill=False):
             self.view.record_decode_start(b.decode_load.instance_id, b.req, now)
 
+    def move_decode(self, b: Booking, to: WorkerState, now: float) -> None:
+        """The booking's decode moves to `to` (a failed leg resumed there): it leaves the old
+        worker's load in the view and joins the new one's, decoding from its next frame."""
+        if b.finished or to.decode_load is None or \
+                not any(load is to.decode_load for load in self.view.decode):
+            return
+        if self._in_view(b, prefill=False):
+            self.view.record_decode_end(b.decode_load.instance_id, b.req, b.decode_started)
+        b.decode, b.decode_load, b.decode_started = to, to.decode_load, False
+        self.view.record_decode_moved(to.decode_load.instance_id, b.req, now)
+
     def finish(self, b: Booking, now: float) -> None:
         """Release the booking (finished, failed or abandoned); idempotent."""
         if b.finished:

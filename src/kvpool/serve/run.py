@@ -190,6 +190,7 @@ class Run:
         if nxt is None:
             raise exc
         self._migrated("decode", worker, exc)
+        self.d.cluster.move_decode(self.b, nxt, self.d.clock.now())  # its load goes along
         return nxt
 
     def _complete(self, worker: WorkerState, exc: WorkerCallError) -> None:
