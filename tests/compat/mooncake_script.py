@@ -104,6 +104,9 @@ def value_calls(store):
     record("put_batch", [store.put_batch(["pb1", "pb2"], [b"1", b"22"]),
                          store.put_batch(["pb3"], [b"1", b"2"])])
     record("get_batch", [v.decode() for v in store.get_batch(["pb1", "missing", "pb2"])])
+    record("put_batch_one_empty", [  # all or nothing: an empty value stores no item
+        store.put_batch(["pe1", "pe2", "pe3"], [b"a", b"", b"c"]),
+        store.batch_is_exist(["pe1", "pe2", "pe3"])])
     record("regex", [store.put("rx1", b"1"), store.put("rx2", b"2"),
                      store.remove_by_regex("^rx"), store.remove_by_regex("^rx"),
                      store.remove_by_regex("[", True)])

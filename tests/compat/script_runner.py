@@ -22,7 +22,7 @@ MOONCAKE_RESULTS = {
     "get_size_missing": -704, "health": 0, "is_exist": [1, 0], "multi_bytes_equal": True,
     "multi_get": [150, 300, -704], "multi_mismatch": [[-600, -600], [-600, -600]],
     "multi_put": [0, 0], "multi_small": [-600], "multi_empty_piece": [[0], 150, [150], True], "put": [0, 0], "put_batch": [0, -600],
-    "put_from": 0, "put_parts": [0, "abcdef"], "put_with_config": 0,
+    "put_from": 0, "put_parts": [0, "abcdef"], "put_batch_one_empty": [-600, [0, 0, 0]], "put_with_config": 0,
     "regex": [0, 0, 2, 0, -600], "register": [0, 0, -600], "remove_all": 9, "remove_force": 0,
     "remove_leased": -706, "remove_missing": -704, "replica_desc": [1, True, 6, "127.0.0.1"],
     "replica_desc_missing": [], "setup": 0, "te_async": [True, 0], "te_batch_write": 0,

@@ -32,10 +32,16 @@ Parts = list[tuple[int, int]]
 
 
 def _bytes_of(value: Any) -> memoryview | None:
+    """`value`'s bytes (a view; a copy for a buffer that is not contiguous, which Mooncake
+    stores too), None for no buffer or an empty one."""
     try:
-        view = memoryview(value).cast("B")
+        view = memoryview(value)
     except TypeError:
         return None
+    try:
+        view = view.cast("B")
+    except TypeError:  # not C-contiguous
+        view = memoryview(view.tobytes())
     return view if view.nbytes else None
 
 
@@ -53,15 +59,16 @@ class StoreData(StoreBase):
     @needs_setup(code)
     def put_batch(self, keys: Sequence[str], values: Sequence[Any],
                   config: ReplicateConfig | None = None) -> int:
-        """0 when every value is stored, else the first failure code."""
-        if len(keys) != len(values):
+        """0 when every value is stored, else the first failure code; nothing is stored
+        when a value is no bytes (or empty), as in Mooncake."""
+        if len(keys) != len(values) or any(_bytes_of(v) is None for v in values):
             return INVALID
         return next((c for c in self._put_values(keys, values, config, False) if c), 0)
 
     @needs_setup(code)
     def upsert_batch(self, keys: Sequence[str], values: Sequence[Any],
                      config: ReplicateConfig | None = None) -> int:
-        if len(keys) != len(values):
+        if len(keys) != len(values) or any(_bytes_of(v) is None for v in values):
             return INVALID
         return next((c for c in self._put_values(keys, values, config, True) if c), 0)
 
