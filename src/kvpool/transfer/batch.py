@@ -90,6 +90,9 @@ class Batch:
         self._running: dict[int, socket.socket] = {}
         """Connections of the frames of this batch moving bytes on worker threads."""
         self._given_up = False
+        self._failed = False
+        """A request failed: other frames of the batch (its other slices, the others'
+        requests) may still be under way, or queued, when every request is decided."""
 
     def add(self, slices_per_request: list[int]) -> int:
         """Reserve slots for new requests; returns the index of the first."""
@@ -149,6 +152,7 @@ class Batch:
         if reason is not None:
             self._status[index] = RequestStatus(RequestState.FAILED, reason)
             self._open -= 1
+            self._failed = True
             return False
         self._remaining[index] -= 1
         if self._remaining[index] == 0:
@@ -181,6 +185,16 @@ class Batch:
             if self._running.pop(id(sock), None) is not None and not self._running:
                 self._cond.notify_all()
 
+    def settle(self, timeout_s: float) -> bool:
+        """After every request is decided: when one failed, stop the frames still moving
+        bytes for the batch (a failed slice decides its request while its siblings still
+        copy; queued ones would start later) before the caller's memory is its own again.
+        False if a frame still ran after `timeout_s`."""
+        with self._cond:
+            if not self._failed:
+                return True  # every request done: every frame ended before it was counted
+        return self.give_up("", timeout_s)
+
     def give_up(self, reason: str, timeout_s: float) -> bool:
         """Fail the requests still open, once the frames still moving their bytes have
         stopped: their connections are shut down (a stalled peer that resumes must not land
@@ -188,7 +202,8 @@ class Batch:
         False if a frame still ran after `timeout_s`."""
         with self._cond:
             self._given_up = True
-        self.fail_open(reason)  # first: the stopped frames' own failures come after it
+        if reason:
+            self.fail_open(reason)  # first: the stopped frames' own failures come after it
         with self._cond:  # (a frame that ends meanwhile waits: no connection it handed
             for sock in self._running.values():  # back is shut down)
                 with contextlib.suppress(OSError):

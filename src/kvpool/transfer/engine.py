@@ -8,6 +8,7 @@ reports per-request outcomes to the batch -> status / wait.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import os
 import secrets
@@ -284,10 +285,11 @@ class TransferEngine:
         """Wait for `batch` (default 2 x timeout_s); requests unfinished by then are failed,
         once their frames have stopped moving bytes (Batch.give_up)."""
         limit = self.config.timeout_s * 2 if timeout_s is None else timeout_s
-        if not batch.wait(limit) and \
-                not batch.give_up(f"not finished within {limit:g}s", self.config.timeout_s):
-            log.error("a frame of a batch given up after %gs still runs %gs later: its "
-                      "memory may still be written", limit, self.config.timeout_s)
+        stopped = batch.settle(self.config.timeout_s) if batch.wait(limit) else \
+            batch.give_up(f"not finished within {limit:g}s", self.config.timeout_s)
+        if not stopped:
+            log.error("a frame of a failed batch still runs %gs after it was stopped: its "
+                      "memory may still be written", self.config.timeout_s)
         return batch.status()
 
     def free_batch(self, batch_id: int) -> None:
@@ -348,8 +350,15 @@ class TransferEngine:
         batch.on_finish(lambda: _call_soon(loop, done))
         try:
             await asyncio.wait_for(asyncio.shield(done), self.config.timeout_s * 2)
+            stop = None if all(s.ok for s in batch.status()) else functools.partial(
+                batch.settle, self.config.timeout_s)
         except TimeoutError:
-            batch.fail_open("not finished within the timeout")
+            stop = functools.partial(batch.give_up, "not finished within the timeout",
+                                     self.config.timeout_s)
+        # the batch's frames stop before the caller's memory is its own again
+        if stop is not None and not await loop.run_in_executor(None, stop):
+            log.error("a frame of a failed async transfer still runs %gs after it was "
+                      "stopped: its memory may still be written", self.config.timeout_s)
         return batch.status()
 
     def write(self, target: str, local_addr: int, target_addr: int, length: int, fence: int = 0) -> None:

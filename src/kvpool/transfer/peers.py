@@ -55,6 +55,7 @@ class PeerDirectory:
             if raw is None:
                 raise SegmentNotFound(f"segment {name!r} is not in the metadata directory")
             descriptor = SegmentDescriptor.from_json(raw)
+        _check_names(descriptor, name)
         with self._lock:
             self._cache[name] = descriptor
             self._fetched_at[name] = self._clock.now()
@@ -65,3 +66,14 @@ class PeerDirectory:
         sock, body = open_connection(host, port, self._config, self._me)
         sock.close()
         return SegmentDescriptor.from_dict(body)
+
+
+def _check_names(descriptor: SegmentDescriptor, name: str) -> None:
+    """The descriptor fetched for segment `name` describes that segment, at that address:
+    a peer (or a directory entry) that answers with another's would send our transfers
+    elsewhere, reported OK."""
+    if descriptor.name != name or \
+            (descriptor.host.strip("[]"), descriptor.port) != parse_segment_name(name):
+        raise SegmentNotFound(f"the descriptor found for segment {name!r} describes "
+                              f"{descriptor.name!r} at {descriptor.host}:{descriptor.port}")
+

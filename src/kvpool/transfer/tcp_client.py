@@ -42,8 +42,10 @@ from kvpool.transfer.protocol import (
 )
 from kvpool.transfer.segment import readable_now
 from kvpool.transfer.wire import (
+    MIN_PAYLOAD_BYTES_PER_S,
     SCRATCH_BYTES,
     FrameReader,
+    Pace,
     recv_control,
     send_views,
 )
@@ -259,7 +261,8 @@ class PeerLink:
                 self._checkin(conn)
                 return "the batch was given up before this frame started"
             try:
-                statuses = _run_frame(conn, op, addrs, lengths, views, fences, sent, arrived)
+                statuses = _run_frame(conn, op, addrs, lengths, views, fences, sent, arrived,
+                                      Pace(self._config.timeout_s, MIN_PAYLOAD_BYTES_PER_S))
             finally:
                 if batch is not None:
                     batch.frame_ended(conn.sock)
@@ -313,9 +316,11 @@ def _describe(exc: BaseException) -> str:
 def _run_frame(conn: Connection, op: OpCode, addrs: list[int], lengths: list[int],
                views: list[memoryview], fences: list[int] | None,
                sent: Callable[[], None] | None = None,
-               arrived: Callable[[int, int], None] | None = None) -> list[Status]:
+               arrived: Callable[[int, int], None] | None = None,
+               pace: Pace | None = None) -> list[Status]:
     """Send one frame and receive its reply through the connection's frame decoder; returns
-    the statuses. A READ's data goes from the socket straight into the OK descriptors' views
+    the statuses; a READ's payload that falls behind `pace` fails the frame (a peer trickling
+    it would hold the call for as long as it liked). A READ's data goes from the socket straight into the OK descriptors' views
     (a single descriptor's with the reply's status byte in one read, `reply_into`; a small
     frame of several comes in the reply's first recv and is copied from there)."""
     rid = next(_request_ids)
@@ -340,7 +345,7 @@ def _run_frame(conn: Connection, op: OpCode, addrs: list[int], lengths: list[int
         event, rest = conn.reader.reply_into(reply_prefix, views)
         reply = _check_reply(event, FrameType.READ_RESP, rid, count)
         if rest is not None:  # OK, and the payload's first bytes already in place
-            conn.reader.finish_frame(rest)
+            conn.reader.finish_frame(rest, pace)
             return reply.statuses
     else:  # several: bytes landing ahead of the statuses could be a refused one's view's
         whole = reply_prefix + payload  # the reply when every descriptor is OK
@@ -354,9 +359,9 @@ def _run_frame(conn: Connection, op: OpCode, addrs: list[int], lengths: list[int
     if reply.payload_bytes != payload:
         raise RemoteProtocolError("READ_RESP length does not match its OK descriptors")
     if arrived is not None and ok_views is views and reply_prefix + payload > SCRATCH_BYTES:
-        conn.reader.finish_frame_in_steps(views, arrived, ARRIVAL_STEP_BYTES)
+        conn.reader.finish_frame_in_steps(views, arrived, ARRIVAL_STEP_BYTES, pace)
     else:
-        conn.reader.finish_frame(ok_views)
+        conn.reader.finish_frame(ok_views, pace)
     return statuses
 
 

@@ -7,8 +7,8 @@ stays counted as in flight until its bytes are in (or the frame failed), so `set
 for it. A malformed frame or a failed handshake closes that connection only.
 
 Bounds, so hostile or broken peers cost little: the whole handshake has one deadline
-(`handshake_timeout_s`), a frame in progress `timeout_s` per read (and a write's payload
-`timeout_s` plus its size at MIN_PAYLOAD_BYTES_PER_S in all), an idle authenticated
+(`handshake_timeout_s`), a frame in progress `timeout_s` per read (and a write's payload must
+keep arriving at MIN_PAYLOAD_BYTES_PER_S after `timeout_s`, on the bytes received: `Pace`), an idle authenticated
 connection `idle_timeout_s` (optional); at most `max_connections_per_address` connections per
 remote address (at the limit the one of that address idle longest, in the handshake or
 between frames, is closed for the newcomer); and accept() failing for want of fds or memory
@@ -33,6 +33,7 @@ from kvpool.transfer.fence import Fence
 from kvpool.transfer.memory import Buffer, MemoryRegistry
 from kvpool.transfer.protocol import HEADER_BYTES, FrameType, Status, encode_control, encode_header
 from kvpool.transfer.wire import (
+    MIN_PAYLOAD_BYTES_PER_S,
     SCRATCH_BYTES,
     FrameReader,
     Pace,
@@ -45,10 +46,6 @@ _DISCARD = memoryview(bytearray(1 << 20))
 _EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 _RETRY_ACCEPT = _EXHAUSTED | {errno.ECONNABORTED, errno.EINTR, errno.EPROTO, errno.EPERM}
 _BACKOFF_S = 0.1
-MIN_PAYLOAD_BYTES_PER_S = 1 << 20
-"""A write frame's payload must keep arriving at this rate after a grace of timeout_s (counted
-on the bytes received, not the size announced), so a peer cannot hold a write admitted under a
-fence (and a thread, and a connection slot of its address) by trickling it."""
 _STATUS_BYTE = {int(status): bytes([status]) for status in Status}
 _HANDSHAKE, _IDLE, _BUSY, _EVICTED = "handshake", "idle", "busy", "evicted"
 _WARN_INTERVAL_S = 10.0

@@ -53,6 +53,11 @@ def _timeval(seconds: float) -> bytes:
     return _TIMEVAL.pack(*divmod(micros, 1_000_000))
 
 
+MIN_PAYLOAD_BYTES_PER_S = 1 << 20
+"""The least a frame's payload must keep arriving at after its grace (`Pace`), on either side:
+a peer that trickles bytes holds neither a target's write nor an initiator's read for long."""
+
+
 class Pace:
     """The least a payload must keep arriving at: after a grace of `grace_s`, `min_rate`
     bytes/s over the bytes received so far (not the bytes announced: a peer that declares
@@ -194,7 +199,7 @@ class FrameReader:
                 raise RemoteProtocolError("frame did not end where its header said")
 
     def finish_frame_in_steps(self, views: list[memoryview], arrived: Callable[[int, int], None],
-                              step_bytes: int) -> FrameEnd:
+                              step_bytes: int, pace: Pace | None = None) -> FrameEnd:
         """As `finish_frame`, but the payload is taken a few whole views (about `step_bytes`)
         at a time, and `arrived(lo, hi)` is called once views[lo:hi] are full, while the
         rest of the frame still comes: the caller works on those bytes (the store client
@@ -202,7 +207,7 @@ class FrameReader:
         frame whose payload the decoder already holds some of is finished whole, then
         reported."""
         if self.decoder.buffered:
-            end = self.finish_frame(views)
+            end = self.finish_frame(views, pace)
             arrived(0, len(views))
             return end
         lo = 0
@@ -215,10 +220,10 @@ class FrameReader:
             while pending:
                 if self.decoder.next_event() is not NEED_DATA:
                     raise RemoteProtocolError("frame ended before its payload did")
-                pending = self._payload_into(pending, None)
+                pending = self._payload_into(pending, pace)
             arrived(lo, hi)
             lo = hi
-        return self.finish_frame([])
+        return self.finish_frame([], pace)
 
     def _payload_into(self, pending: list[memoryview], pace: Pace | None) -> list[memoryview]:
         """One scatter read of payload bytes straight into `pending`; the views left."""
