@@ -213,3 +213,12 @@ def test_what_is_not_served_is_a_400_naming_it(cluster: ServingCluster, extra: d
     assert isinstance(body, dict)
     err = body.get("error", body)
     assert err["param"] == param and param in err["message"], body
+
+
+def test_chat_max_completion_tokens_wins_over_max_tokens(cluster: ServingCluster) -> None:
+    """`max_completion_tokens` replaced the deprecated `max_tokens` on chat: given both, it
+    decides (as OpenAI and vLLM do)."""
+    r = httpx.post(cluster.proxy_url + "/v1/chat/completions", timeout=60, json={
+        "model": cluster.model_name, "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2, "max_completion_tokens": 5, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5

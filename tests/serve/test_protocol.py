@@ -62,6 +62,7 @@ def test_sampling_defaults_and_worker_object() -> None:
     {"model": "m", "prompt": "x", "presence_penalty": 2.5},
     {"model": "m", "prompt": "x", "repetition_penalty": 0},
     {"model": "m", "prompt": "x", "repetition_penalty": 1e-40},
+    {"model": "m", "prompt": "x", "stream_options": {"include_usage": True}},
     {"model": "m", "prompt": "x", "logit_bias": {"5": 101}},
     {"model": "m", "prompt": "x", "logit_bias": {"a": 1}},
     {"model": "m", "prompt": "x", "min_tokens": -1},

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -124,6 +124,12 @@ class _Sampling(BaseModel):
         if bad:
             raise ValueError(f"needs token ids >= 0 and biases in -100..100 (token {bad[0]})")
         return v
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> Self:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be given with stream: true")
+        return self
 
     @property
     def stop_list(self) -> list[str]:
