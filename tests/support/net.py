@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 from kvpool.launch import wait as launch_wait
 from kvpool.launch.ports import free_port
 
-__all__ = ["ask", "free_port", "serving_upper", "wait_port"]
+__all__ = ["accept_in_threads", "ask", "free_port", "serving_upper", "wait_port"]
 
 
 def wait_port(port: int, host: str = "127.0.0.1", timeout_s: float = 15.0) -> None:
@@ -31,6 +31,16 @@ def serving_upper() -> Iterator[tuple[str, int]]:
                 got += data
             conn.sendall(got.upper())
 
+    accept_in_threads(listener, serve)
+    try:
+        yield listener.getsockname()
+    finally:
+        listener.close()
+
+
+def accept_in_threads(listener: socket.socket, serve: Callable[[socket.socket], None]) -> None:
+    """Accept on `listener` in a thread of its own, each connection served by `serve` in a
+    thread of its own, until the listener is closed."""
     def accept() -> None:
         while True:
             try:
@@ -38,12 +48,7 @@ def serving_upper() -> Iterator[tuple[str, int]]:
             except OSError:
                 return
             threading.Thread(target=serve, args=(conn,), daemon=True).start()
-
     threading.Thread(target=accept, daemon=True).start()
-    try:
-        yield listener.getsockname()
-    finally:
-        listener.close()
 
 
 def ask(port: int, payload: bytes) -> bytes:

@@ -27,6 +27,7 @@ from kvpool.transfer.protocol import (
     encode_control,
     encode_header,
 )
+from tests.support.net import accept_in_threads
 from tests.transfer.conftest import Target
 
 Answer = Callable[[socket.socket, int, int], None]
@@ -68,14 +69,7 @@ def fake_target(answer: Answer, descriptor: dict[str, object] | None = None
             except (EOFError, OSError):
                 pass
 
-    def accept() -> None:
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            threading.Thread(target=serve, args=(conn,), daemon=True).start()
-    threading.Thread(target=accept, daemon=True).start()
+    accept_in_threads(listener, serve)
     try:
         yield name
     finally:
