@@ -5,9 +5,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +17,7 @@ import numpy as np
 import pytest
 
 from kvpool.transfer import TransferConfig, TransferEngine
-from tests.support.procs import python_env
+from tests.support.procs import python_env, wait_stopped
 
 TARGET = os.path.join(os.path.dirname(__file__), "target_proc.py")
 BUFFER_BYTES = 8 << 20
@@ -43,6 +45,17 @@ class Target:
 
     def set_fence(self, addr: int, fence: int) -> None:
         assert self.command(f"fence {addr} {fence}") == "ok"
+
+    @contextmanager
+    def stopped(self) -> Iterator[None]:
+        """The target process stopped (SIGSTOP, taken effect) for the block, and resumed
+        (SIGCONT) however the block ends."""
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        try:
+            wait_stopped(self.proc.pid)
+            yield
+        finally:
+            os.kill(self.proc.pid, signal.SIGCONT)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

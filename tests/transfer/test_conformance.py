@@ -14,7 +14,6 @@ import pytest
 from kvpool.errors import TransferError
 from kvpool.transfer import OpCode, RequestState, TransferConfig, TransferEngine, TransferRequest
 from tests.support.net import free_port
-from tests.support.procs import wait_stopped
 from tests.transfer.conftest import Target, remote_base, sha
 
 
@@ -171,16 +170,12 @@ def test_hung_peer_fails_within_timeout(target_factory: Callable[..., Target]) -
     with TransferEngine(TransferConfig(protocol="tcp", timeout_s=1.0)) as eng:
         local = _local(eng, 1 << 20, seed=2)
         eng.write(target.segment, local.ctypes.data, target.plain, 4096)  # connect while alive
-        target.proc.send_signal(signal.SIGSTOP)
-        wait_stopped(target.proc.pid)
-        try:
+        with target.stopped():
             start = time.monotonic()
             statuses = eng.transfer_sync([TransferRequest(OpCode.READ, local.ctypes.data, 1 << 20,
                                                           target.segment, target.plain)], timeout_s=10)
             assert statuses[0].state == RequestState.FAILED
             assert time.monotonic() - start < 5
-        finally:
-            target.proc.send_signal(signal.SIGCONT)
 
 
 def test_asyncio_variants(engine: TransferEngine, target: Target, transport: str) -> None:

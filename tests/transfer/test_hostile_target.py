@@ -5,8 +5,6 @@ descriptor; and a real target stopped (SIGSTOP) under an async transfer."""
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import socket
 import struct
 import threading
@@ -135,15 +133,12 @@ def test_a_failed_transfer_lands_no_byte_after_it_returns(
         dst = np.zeros(size, np.uint8)
         engine.register(dst)
         engine.read(target.segment, dst.ctypes.data, target.plain, 4096)   # connected
-        os.kill(target.proc.pid, signal.SIGSTOP)
-        try:
+        with target.stopped():
             requests = [TransferRequest(OpCode.READ, dst.ctypes.data, size, target.segment,
                                         target.plain)]
             statuses = asyncio.run(engine.async_transfer(requests)) if call == "async" \
                 else engine.transfer_sync(requests)
             assert not statuses[0].ok
             dst[:] = 0x11                                  # the memory is the caller's again
-        finally:
-            os.kill(target.proc.pid, signal.SIGCONT)
         time.sleep(1.0)
         assert int(np.count_nonzero(dst != 0x11)) == 0

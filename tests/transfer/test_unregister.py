@@ -5,8 +5,6 @@ its frames still moves bytes."""
 
 from __future__ import annotations
 
-import os
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -78,8 +76,7 @@ def test_a_batch_given_up_lands_no_byte_after_its_wait_returns(
         dst = np.zeros(size, np.uint8)
         engine.register(dst)
         engine.read(target.segment, dst.ctypes.data, target.plain, 4096)   # connected
-        os.kill(target.proc.pid, signal.SIGSTOP)
-        try:
+        with target.stopped():
             batch = engine.allocate_batch(1)
             engine.submit(batch, [TransferRequest(OpCode.READ, dst.ctypes.data, size,
                                                   target.segment, target.plain)])
@@ -87,8 +84,6 @@ def test_a_batch_given_up_lands_no_byte_after_its_wait_returns(
             assert not status.ok and "not finished" in (status.reason or "")
             engine.unregister(dst.ctypes.data)
             dst[:] = 0x11                                  # the memory is reused
-        finally:
-            os.kill(target.proc.pid, signal.SIGCONT)
         time.sleep(1.0)
         assert int(np.count_nonzero(dst != 0x11)) == 0, "bytes landed after the wait failed"
 
