@@ -185,6 +185,11 @@ class Batch:
             if self._running.pop(id(sock), None) is not None and not self._running:
                 self._cond.notify_all()
 
+    @property
+    def failed(self) -> bool:
+        """A request of the batch failed."""
+        return self._failed
+
     def settle(self, timeout_s: float) -> bool:
         """After every request is decided: when one failed, stop the frames still moving
         bytes for the batch (a failed slice decides its request while its siblings still
@@ -193,7 +198,8 @@ class Batch:
         with self._cond:
             if not self._failed:
                 return True  # every request done: every frame ended before it was counted
-        return self.give_up("", timeout_s)
+            self._given_up = True
+        return self._stop_frames(timeout_s)
 
     def give_up(self, reason: str, timeout_s: float) -> bool:
         """Fail the requests still open, once the frames still moving their bytes have
@@ -202,8 +208,12 @@ class Batch:
         False if a frame still ran after `timeout_s`."""
         with self._cond:
             self._given_up = True
-        if reason:
-            self.fail_open(reason)  # first: the stopped frames' own failures come after it
+        self.fail_open(reason)  # first: the stopped frames' own failures come after it
+        return self._stop_frames(timeout_s)
+
+    def _stop_frames(self, timeout_s: float) -> bool:
+        """Shut down the connections of the frames still running (no frame starts any more:
+        `_given_up`) and wait up to `timeout_s` for them to end."""
         with self._cond:  # (a frame that ends meanwhile waits: no connection it handed
             for sock in self._running.values():  # back is shut down)
                 with contextlib.suppress(OSError):

@@ -8,7 +8,6 @@ reports per-request outcomes to the batch -> status / wait.
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 import os
 import secrets
@@ -285,12 +284,17 @@ class TransferEngine:
         """Wait for `batch` (default 2 x timeout_s); requests unfinished by then are failed,
         once their frames have stopped moving bytes (Batch.give_up)."""
         limit = self.config.timeout_s * 2 if timeout_s is None else timeout_s
-        stopped = batch.settle(self.config.timeout_s) if batch.wait(limit) else \
-            batch.give_up(f"not finished within {limit:g}s", self.config.timeout_s)
+        self._settle(batch, batch.wait(limit), f"not finished within {limit:g}s")
+        return batch.status()
+
+    def _settle(self, batch: Batch, finished: bool, reason: str) -> None:
+        """Before a batch's caller has its memory back (blocking): a batch not `finished` in
+        time is failed with `reason`, and a failed one's frames are stopped."""
+        stopped = batch.settle(self.config.timeout_s) if finished else \
+            batch.give_up(reason, self.config.timeout_s)
         if not stopped:
             log.error("a frame of a failed batch still runs %gs after it was stopped: its "
                       "memory may still be written", self.config.timeout_s)
-        return batch.status()
 
     def free_batch(self, batch_id: int) -> None:
         with self._lock:
@@ -350,15 +354,12 @@ class TransferEngine:
         batch.on_finish(lambda: _call_soon(loop, done))
         try:
             await asyncio.wait_for(asyncio.shield(done), self.config.timeout_s * 2)
-            stop = None if all(s.ok for s in batch.status()) else functools.partial(
-                batch.settle, self.config.timeout_s)
+            finished = True
         except TimeoutError:
-            stop = functools.partial(batch.give_up, "not finished within the timeout",
-                                     self.config.timeout_s)
-        # the batch's frames stop before the caller's memory is its own again
-        if stop is not None and not await loop.run_in_executor(None, stop):
-            log.error("a frame of a failed async transfer still runs %gs after it was "
-                      "stopped: its memory may still be written", self.config.timeout_s)
+            finished = False
+        if not finished or batch.failed:  # (off the loop: stopping frames waits for them)
+            await loop.run_in_executor(None, self._settle, batch, finished,
+                                       "not finished within the timeout")
         return batch.status()
 
     def write(self, target: str, local_addr: int, target_addr: int, length: int, fence: int = 0) -> None:

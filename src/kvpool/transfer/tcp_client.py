@@ -260,9 +260,11 @@ class PeerLink:
             if batch is not None and not batch.frame_started(conn.sock):
                 self._checkin(conn)
                 return "the batch was given up before this frame started"
+            pace = Pace(self._config.timeout_s, MIN_PAYLOAD_BYTES_PER_S) \
+                if op == OpCode.READ else None  # (a write's reply carries no payload)
             try:
                 statuses = _run_frame(conn, op, addrs, lengths, views, fences, sent, arrived,
-                                      Pace(self._config.timeout_s, MIN_PAYLOAD_BYTES_PER_S))
+                                      pace)
             finally:
                 if batch is not None:
                     batch.frame_ended(conn.sock)
@@ -320,9 +322,10 @@ def _run_frame(conn: Connection, op: OpCode, addrs: list[int], lengths: list[int
                pace: Pace | None = None) -> list[Status]:
     """Send one frame and receive its reply through the connection's frame decoder; returns
     the statuses; a READ's payload that falls behind `pace` fails the frame (a peer trickling
-    it would hold the call for as long as it liked). A READ's data goes from the socket straight into the OK descriptors' views
-    (a single descriptor's with the reply's status byte in one read, `reply_into`; a small
-    frame of several comes in the reply's first recv and is copied from there)."""
+    it would hold the call for as long as it liked). A READ's data goes from the socket
+    straight into the OK descriptors' views (a single descriptor's with the reply's status
+    byte in one read, `reply_into`; a small frame of several comes in the reply's first recv
+    and is copied from there)."""
     rid = next(_request_ids)
     count = len(addrs)
     ftype = FrameType.WRITE if op == OpCode.WRITE else FrameType.READ
