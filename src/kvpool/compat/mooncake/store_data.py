@@ -61,16 +61,18 @@ class StoreData(StoreBase):
                   config: ReplicateConfig | None = None) -> int:
         """0 when every value is stored, else the first failure code; nothing is stored
         when a value is no bytes (or empty), as in Mooncake."""
-        if len(keys) != len(values) or any(_bytes_of(v) is None for v in values):
+        if len(keys) != len(values):
             return INVALID
-        return next((c for c in self._put_values(keys, values, config, False) if c), 0)
+        return next((c for c in self._put_values(keys, values, config, False, whole=True)
+                     if c), 0)
 
     @needs_setup(code)
     def upsert_batch(self, keys: Sequence[str], values: Sequence[Any],
                      config: ReplicateConfig | None = None) -> int:
-        if len(keys) != len(values) or any(_bytes_of(v) is None for v in values):
+        if len(keys) != len(values):
             return INVALID
-        return next((c for c in self._put_values(keys, values, config, True) if c), 0)
+        return next((c for c in self._put_values(keys, values, config, True, whole=True)
+                     if c), 0)
 
     @needs_setup(code)
     def put_parts(self, key: str, *args: Any, config: ReplicateConfig | None = None) -> int:
@@ -82,8 +84,12 @@ class StoreData(StoreBase):
         return self._put_values([key], [_join(args)], config, upsert=True)[0]
 
     def _put_values(self, keys: Sequence[str], values: Sequence[Any],
-                    config: ReplicateConfig | None, upsert: bool) -> list[int]:
+                    config: ReplicateConfig | None, upsert: bool,
+                    whole: bool = False) -> list[int]:
+        """Each value's put code; with `whole`, none is stored when one is no bytes."""
         views = [_bytes_of(v) for v in values]
+        if whole and any(v is None for v in views):
+            return [INVALID] * len(keys)
         ok, shared = upsert_once(keys, [i for i, v in enumerate(views) if v is not None],
                                  upsert, last=False)
         sub_keys = [keys[i] for i in ok]

@@ -92,12 +92,11 @@ class SsdWorker:
         while not stop.is_set():
             try:
                 busy = self._attach() if self.segment_id is None else self._poll()
-            except (RpcError, KvpoolError) as exc:
-                log.warning("disk tier: %s", exc)
-                busy = False
-                stop.wait(1.0)
-            except Exception:  # a bug must not end the disk tier silently: say it, go on
-                log.exception("disk tier: unexpected failure; polling again in 1 s")
+            except Exception as exc:  # a bug must not end the disk tier silently: say it, go on
+                if isinstance(exc, RpcError | KvpoolError):
+                    log.warning("disk tier: %s", exc)
+                else:
+                    log.exception("disk tier: unexpected failure; polling again in 1 s")
                 busy = False
                 stop.wait(1.0)
             now = self.client.clock.now()
