@@ -365,11 +365,16 @@ async def _prepared(request: Request, parsed: BaseModel, kind: str, proxy: Proxy
                     tenant: str | None) -> PreparedRequest:
     """`prepare`, off the event loop for a big request (tokenizing it, rendering its chat
     template, would stall the other streams), inline for a small one."""
-    size = request.headers.get("content-length", "")
-    if size.isdigit() and int(size) <= INLINE_PREPARE_BYTES:
+    if _small(request):
         return prepare(parsed, kind, proxy, tenant)  # type: ignore[arg-type]
     return await asyncio.to_thread(prepare, parsed, kind, proxy,  # type: ignore[arg-type]
                                    tenant)
+
+
+def _small(request: Request) -> bool:
+    """Whether the request's body is small enough to work on inline (INLINE_PREPARE_BYTES)."""
+    size = request.headers.get("content-length", "")
+    return size.isdigit() and int(size) <= INLINE_PREPARE_BYTES
 
 
 async def _disconnected(request: Request) -> None:
@@ -406,9 +411,7 @@ def _vllm_routes(app: FastAPI, proxy: Proxy) -> None:
         a completion is prepared, `_prepared`: tokenizing megabytes stalls every stream)."""
         try:
             parsed = await parse_body(request, model, proxy.config.max_body_bytes)
-            size = request.headers.get("content-length", "")
-            inline = size.isdigit() and int(size) <= INLINE_PREPARE_BYTES
-            return JSONResponse(fn(proxy, parsed) if inline
+            return JSONResponse(fn(proxy, parsed) if _small(request)
                                 else await asyncio.to_thread(fn, proxy, parsed))
         except ApiError as exc:
             return _json_error(exc)

@@ -286,7 +286,10 @@ class LiveCluster:
     def _in_view(self, b: Booking, prefill: bool) -> bool:
         if prefill:
             return any(load is b.prefill_load for load in self.view.prefill)
-        return any(load is b.decode_load for load in self.view.decode)
+        return self._decoding_in_view(b.decode_load)
+
+    def _decoding_in_view(self, load: DecodeLoad | None) -> bool:
+        return any(x is load for x in self.view.decode)
 
     def prefill_done(self, b: Booking, now: float, ran: bool = True) -> None:
         """The booking's prefill answered (`ran`), or it ends without having run (refused,
@@ -321,8 +324,7 @@ class LiveCluster:
     def move_decode(self, b: Booking, to: WorkerState, now: float) -> None:
         """The booking's decode moves to `to` (a failed leg resumed there): it leaves the old
         worker's load in the view and joins the new one's, decoding from its next frame."""
-        if b.finished or to.decode_load is None or \
-                not any(load is to.decode_load for load in self.view.decode):
+        if b.finished or to.decode_load is None or not self._decoding_in_view(to.decode_load):
             return
         if self._in_view(b, prefill=False):
             self.view.record_decode_end(b.decode_load.instance_id, b.req, b.decode_started)

@@ -145,6 +145,14 @@ class _Sampling(BaseModel):
         """Top alternatives per output token (None: no logprobs)."""
         return None
 
+    def default_max_tokens(self) -> int | None:
+        """The output cap when `max_tokens` names none (None: up to the context length)."""
+        return None
+
+    def max_output_tokens(self) -> int | None:
+        """The output tokens the request asks for (None: up to the context length)."""
+        return self.max_tokens or self.default_max_tokens()
+
     def sampling(self, max_tokens: int, seed: int | None,
                  cache_salt: str | None = None) -> SamplingParams:
         """The engine's parameters for one choice (`cache_salt`: the one it caches under)."""
@@ -211,6 +219,10 @@ class ChatRequest(_Sampling):
 
     def default_max_tokens(self) -> int | None:
         return self.max_completion_tokens  # None: up to the context length
+
+    def max_output_tokens(self) -> int | None:
+        """`max_completion_tokens` first: it replaced the deprecated `max_tokens` on chat."""
+        return self.default_max_tokens() or self.max_tokens
 
     def output_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None

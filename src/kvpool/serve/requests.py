@@ -146,9 +146,7 @@ def _max_tokens(req: CompletionRequest | ChatRequest, prompt_len: int, limit: in
             raise bad_request("max_tokens 0 is served only with echo: true on /v1/completions "
                               "(it scores the prompt)", param="max_tokens")
         return 1
-    if isinstance(req, ChatRequest) and req.max_completion_tokens:
-        return req.max_completion_tokens  # the field that replaced max_tokens on chat wins
-    return req.max_tokens or req.default_max_tokens() or limit - prompt_len
+    return req.max_output_tokens() or limit - prompt_len
 
 
 def _check_vocab(req: CompletionRequest | ChatRequest, proxy: Proxy) -> None:
