@@ -320,12 +320,11 @@ def _run_frame(conn: Connection, op: OpCode, addrs: list[int], lengths: list[int
                sent: Callable[[], None] | None = None,
                arrived: Callable[[int, int], None] | None = None,
                pace: Pace | None = None) -> list[Status]:
-    """Send one frame and receive its reply through the connection's frame decoder; returns
-    the statuses; a READ's payload that falls behind `pace` fails the frame (a peer trickling
-    it would hold the call for as long as it liked). A READ's data goes from the socket
-    straight into the OK descriptors' views (a single descriptor's with the reply's status
-    byte in one read, `reply_into`; a small frame of several comes in the reply's first recv
-    and is copied from there)."""
+    """Send one frame and receive its reply; returns the statuses. A READ's payload that
+    falls behind `pace` fails the frame (a trickling peer would hold the call). Its data goes
+    from the socket straight into the OK descriptors' views (a single descriptor's with the
+    reply's status byte in one read, `reply_into`; a small frame of several comes in the
+    reply's first recv and is copied from there)."""
     rid = next(_request_ids)
     count = len(addrs)
     ftype = FrameType.WRITE if op == OpCode.WRITE else FrameType.READ
