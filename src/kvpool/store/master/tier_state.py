@@ -225,10 +225,8 @@ class TierState:
             if self.core.objects.get(key) is not None and key not in on_disk.transient:
                 self.core.objects.set_evictable(key, True)
             on_disk.untier(key)
-        for (segment_id, key), gen in on_disk.gens.items():
-            if segment_id == seg.segment_id:
-                self.left.left(key, gen)
-        on_disk.forget_segment(seg.segment_id)
+        for key, gen in on_disk.forget_segment(seg.segment_id).items():
+            self.left.left(key, gen)
 
     def _leave(self, task: Task) -> None:
         """A task of a lost disk: the file its node may still hold (a DELETE not run, an

@@ -52,10 +52,11 @@ class DiskKeys:
         """Forget the file of `key` on `segment_id`; its generation, if one was known."""
         return self.gens.pop((segment_id, key), None)
 
-    def forget_segment(self, segment_id: str) -> None:
-        """Forget every file generation on `segment_id` (the segment is gone)."""
-        for gk in [gk for gk in self.gens if gk[0] == segment_id]:
-            del self.gens[gk]
+    def forget_segment(self, segment_id: str) -> dict[str, int]:
+        """Forget every file generation on `segment_id` (the segment is gone); key ->
+        generation of the files forgotten."""
+        gone = [gk for gk in self.gens if gk[0] == segment_id]
+        return {key: self.gens.pop((sid, key)) for sid, key in gone}
 
     def untier(self, key: str) -> None:
         """`key` has no disk replica left: a plain DRAM object again (a transient copy
