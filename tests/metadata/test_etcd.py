@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import socket
-import threading
 import time
 
 import pytest
@@ -13,7 +12,7 @@ from kvpool.errors import MetadataError, MetadataUnavailable
 from kvpool.metadata import MetadataClientConfig, connect_metadata
 from kvpool.metadata.etcd_backend import EtcdMetadataBackend
 from tests.metadata.rawserver import raw_server
-from tests.support.net import free_port
+from tests.support.net import accept_in_threads, free_port
 
 
 def _raw_client(endpoint: str) -> Etcd3Client:
@@ -56,17 +55,12 @@ def test_an_endpoint_that_breaks_off_its_reply_fails_over(etcd_endpoint: str) ->
     etcd3gw's: it counts as unreachable, and the next endpoint answers."""
     listener = socket.create_server(("127.0.0.1", 0))
 
-    def cut_short() -> None:
-        while True:
-            try:
-                conn, _ = listener.accept()
-            except OSError:
-                return
-            with conn:
-                conn.recv(65536)
-                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
-                             b"Content-Length: 500\r\n\r\n{\"header\":{")
-    threading.Thread(target=cut_short, daemon=True).start()
+    def cut_short(conn: socket.socket) -> None:
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 500\r\n\r\n{\"header\":{")
+    accept_in_threads(listener, cut_short)
     try:
         backend = connect_metadata(
             f"etcd://127.0.0.1:{listener.getsockname()[1]},{etcd_endpoint}")
