@@ -236,3 +236,45 @@ def test_parse_address() -> None:
     for bad in ("h:0", "h:65536", "h:x"):
         with pytest.raises(RpcError, match="bad master address"):
             parse_address(bad)
+
+
+def test_meanwhile_runs_once_between_the_send_and_the_wait_for_the_reply() -> None:
+    """`call(..., meanwhile=f)`: f runs after the master has the request and before its reply
+    is read; once, even when the request is sent again to a new leader; never when the
+    request could not be sent."""
+    seen, go = threading.Event(), threading.Event()
+
+    def script(conn: socket.socket, index: int) -> None:
+        (rid,) = read_request_ids(conn, 1)
+        seen.set()                                     # the request is here
+        go.wait(5)
+        answer(conn, rid)
+    runs: list[bool] = []
+
+    def meanwhile() -> None:
+        runs.append(seen.wait(5))                      # sent before it runs
+        go.set()
+    with scripted_server(script) as (address, _), RpcClient(address, "c") as client:
+        assert client.call(PingMsg(), meanwhile=meanwhile) == "pong"
+    assert runs == [True]
+
+    def silent(conn: socket.socket, index: int) -> None:
+        with contextlib.suppress(OSError):
+            read_request_ids(conn, 2)
+
+    def serving(conn: socket.socket, index: int) -> None:
+        answer(conn, read_request_ids(conn, 1)[0])
+    runs.clear()
+    with scripted_server(silent) as (old, _), scripted_server(serving) as (new, _):
+        moved_at = time.monotonic() + 0.3
+        leaders = {False: parse_address(old), True: parse_address(new)}
+        with RpcClient("etcd://unused", "c", timeout_s=10,
+                       leader=lambda: leaders[time.monotonic() > moved_at]) as client:
+            assert client.call(PingMsg(), meanwhile=lambda: runs.append(True)) == "pong"
+    assert runs == [True]
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))                  # bound, not listening: refused
+        with RpcClient(f"127.0.0.1:{holder.getsockname()[1]}", "c") as client:
+            with pytest.raises(RpcTimeout):
+                client.call(PingMsg(), timeout_s=0.3, meanwhile=lambda: runs.append(False))
+    assert runs == [True]

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 from kvpool.clock import VirtualClock
 from kvpool.store.client.base import ClientBase
+from kvpool.store.client.early import Places
 from kvpool.store.wire.codes import ErrorCode, LookupResult
 
 E = ErrorCode
@@ -24,6 +25,10 @@ class ScriptedMaster:
         self.config = SimpleNamespace(rpc_timeout_s=timeout_s)
         self.ready = ready
         self.calls: list[tuple[float, list[str]]] = []
+        self._places = Places()
+        self.endpoint, self.host = "127.0.0.1:1", "127.0.0.1"
+
+    _remember = ClientBase._remember
 
     def _lookup_once(self, keys: Sequence[str]) -> list[LookupResult]:
         now = self.clock.now()

@@ -24,6 +24,7 @@ from kvpool.log import get_logger
 from kvpool.store.client.batches import key_chunks, refusal_code
 from kvpool.store.client.checksum import Hasher, HashOnArrival
 from kvpool.store.client.config import ClientConfig
+from kvpool.store.client.early import Places
 from kvpool.store.client.plan import Copy, Part, copies_for, parts_total, valid_parts
 from kvpool.store.client.reads import ReadPath
 from kvpool.store.client.reserved import RESERVE_MAX_BYTES, ReservedPuts
@@ -82,6 +83,7 @@ class ClientBase(ReadPath):
             """Mounted again, but the segment descriptor is not yet published again."""
             self._staging = StagingArea(self.engine, config.local_buffer_size)
             self._hasher = Hasher()
+            self._places = Places()
             self._reserved = ReservedPuts(self._call, self._run_copies, self._copies_to,
                                           config.write_checksums, clock)
             self._reserved.enabled = config.reserved_puts
@@ -101,12 +103,13 @@ class ClientBase(ReadPath):
 
     # -- master RPC, segments, liveness ----------------------------------------------------
 
-    def _call(self, msg: m.Msg) -> Any:
+    def _call(self, msg: m.Msg, meanwhile: Callable[[], None] | None = None) -> Any:
         """The result of `msg` (typed: `msg.Reply`), or RpcFailed with the code users see:
         RPC_TIMEOUT, the status of a reply that refused the whole request (a batch over the
-        master's limit: INVALID_PARAMS), RPC_FAIL for a broken connection."""
+        master's limit: INVALID_PARAMS), RPC_FAIL for a broken connection. `meanwhile`: as
+        `RpcClient.call`'s."""
         try:
-            return self._rpc.call(msg)
+            return self._rpc.call(msg, meanwhile=meanwhile)
         except RpcTimeout:
             raise RpcFailed(E.RPC_TIMEOUT) from None
         except RpcError as exc:

@@ -9,9 +9,11 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvpool.clock import Clock
+from kvpool.errors import RpcFailed
 from kvpool.log import get_logger
 from kvpool.store.client.checksum import Hasher, HashOnArrival, parts_checksum
 from kvpool.store.client.config import ClientConfig
+from kvpool.store.client.early import Place, Places, vouched
 from kvpool.store.client.plan import (
     Copy,
     Part,
@@ -38,7 +40,7 @@ NOT_READY_MAX_PAUSE_S = 0.05
 _READ_OK: dict[int, ReadResult] = {}
 
 
-def _read_ok(size: int) -> ReadResult:
+def read_ok(size: int) -> ReadResult:
     """ReadResult(OK, size), one shared instance per size (it is immutable)."""
     got = _READ_OK.get(size)
     if got is None:
@@ -63,8 +65,11 @@ class ReadPath:
     stats: ClientStats
     _hasher: Hasher
     _staging: StagingArea
+    _places: Places
 
     if TYPE_CHECKING:
+        def _call(self, msg: m.Msg, meanwhile: Callable[[], None] | None = None) -> Any: ...
+
         def _call_keyed(self, keys: Sequence[str],
                         make: Callable[[list[str], int, int], m.Msg], refused: Any,
                         unpack: Callable[[Any], Any] = ...) -> list[Any]: ...
@@ -101,7 +106,51 @@ class ReadPath:
                            and granted[i] < since_t0
                            and now - granted[i] > (r.lease_ttl_s - granted[i]) / 2]
                 pause = 0.0 if waiting else pause
+        if len(keys) == 1:
+            self._remember(keys[0], out[0])
         return out, t0
+
+    def _remember(self, key: str, look: LookupResult) -> None:
+        """Keep where a single-key lookup found `key` (its closest DRAM replica)."""
+        dram = _dram_first(look.replicas, self.endpoint, self.host) if look.code is _OK \
+            else None
+        self._places.remember(key, look.size, look.checksum, dram[0] if dram else None)
+
+    def _last_place(self, keys: Sequence[str]) -> Place | None:
+        """Where the last lookup found a single key to read early (`_read_early`), if any."""
+        return self._places.get(keys[0]) if len(keys) == 1 and self.config.early_reads \
+            and self.config.verify_checksums else None
+
+    def _read_early(self, key: str, last: Place,
+                    parts: Sequence[Part]) -> tuple[LookupResult, float, bool] | None:
+        """Read `key` into `parts` from the place its last lookup found it (`last`) while
+        the master answers a new lookup (early.py): (the new lookup, the time it was asked
+        for, whether the bytes now in `parts` are the object's). None when nothing can be
+        read early (the caller reads the ordinary way); when the bytes are not vouched for,
+        the caller reads again from the new lookup (whose lease counts from that time)."""
+        size, _, place = last
+        if not valid_parts(parts) or parts_total(parts) < size \
+                or not self._registered(parts, writable=True):
+            return None
+        landed = [False]
+
+        def read() -> None:
+            try:
+                landed[0] = not self._run_copies(OpCode.READ,
+                                                 {0: copies_for(parts, place, size)})
+            except Exception:  # noqa: BLE001 - what failed here is read the ordinary way
+                log.debug("an early read of %r failed", key, exc_info=True)
+
+        t0 = self.clock.now()
+        try:
+            fresh: LookupResult = self._call(m.GetReplicasMsg(keys=[key]), read).items[0]
+        except RpcFailed as exc:
+            fresh = LookupResult(exc.code)
+        served = vouched(size, place, fresh, landed[0], parts)
+        self._remember(key, fresh)
+        self.stats.early_reads += 1
+        self.stats.early_reads_refused += not served
+        return fresh, t0, served
 
     def _lookup_once(self, keys: Sequence[str]) -> list[LookupResult]:
         valid = [i for i, k in enumerate(keys) if valid_key(k)]
@@ -133,7 +182,7 @@ class ReadPath:
                     or not self._registered(p, writable=True):
                 results.append(ReadResult(E.INVALID_PARAMS))
             elif queue := _dram_first(look.replicas, self.endpoint, self.host):
-                results.append(_read_ok(look.size))
+                results.append(read_ok(look.size))
                 queues[i] = queue
             else:  # disk replicas are read through a load, never directly
                 results.append(ReadResult(E.TRANSFER_FAIL))

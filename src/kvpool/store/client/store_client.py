@@ -21,6 +21,7 @@ from typing import Any
 from kvpool.errors import RpcFailed
 from kvpool.store.client.base import ClientBase
 from kvpool.store.client.plan import Part
+from kvpool.store.client.reads import read_ok
 from kvpool.store.config import ReplicateConfig
 from kvpool.store.wire import messages as m
 from kvpool.store.wire.codes import ErrorCode, GetResult, LookupResult, PutResult, ReadResult
@@ -73,7 +74,17 @@ class StoreClient(ClientBase):
         return self.get_batch([key])[0]
 
     def get_batch(self, keys: Sequence[str]) -> list[GetResult]:
-        looks, t0 = self._lookup(keys)
+        looked = None
+        if (last := self._last_place(keys)) is not None:
+            addr, view, token = self._staging.acquire(last[0])
+            try:
+                early = self._read_early(keys[0], last, [(addr, last[0])])
+                if early is not None and early[2]:
+                    return [GetResult(E.OK, bytes(view[:early[0].size]))]
+            finally:
+                self._staging.release(token)
+            looked = _looked(early)
+        looks, t0 = looked or self._lookup(keys)
         staged: list[tuple[memoryview, Any] | None] = []
         parts: list[list[Part] | None] = []
         try:
@@ -140,7 +151,13 @@ class StoreClient(ClientBase):
         hold at least the object's size (INVALID_PARAMS otherwise)."""
         if len(keys) != len(parts):
             return [ReadResult(E.INVALID_PARAMS)] * max(len(keys), len(parts))
-        looks, t0 = self._lookup(keys)
+        looked = None
+        if (last := self._last_place(keys)) is not None:
+            early = self._read_early(keys[0], last, parts[0])
+            if early is not None and early[2]:
+                return [read_ok(early[0].size)]
+            looked = _looked(early)
+        looks, t0 = looked or self._lookup(keys)
         return self._read(keys, looks, parts, t0)
 
     # -- metadata operations -----------------------------------------------------------------
@@ -210,3 +227,12 @@ class StoreClient(ClientBase):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _looked(early: tuple[LookupResult, float, bool] | None) -> tuple[list[LookupResult],
+                                                                      float] | None:
+    """The lookup an early read made, for the ordinary read that follows it: None when there
+    was none, or when its object is still being loaded from disk (`_lookup` waits that out)."""
+    if early is None or early[0].code == E.REPLICA_IS_NOT_READY:
+        return None
+    return [early[0]], early[1]

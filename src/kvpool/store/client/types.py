@@ -16,3 +16,8 @@ class ClientStats:
     """Of those, replicas the master dropped from the pool on this client's report."""
     remounts: int = 0
     """Times the master had forgotten this client and its segments were mounted again."""
+    early_reads: int = 0
+    """Single-key reads of a small object from the place its last lookup named, sent while
+    the master answered a new lookup (store/client/early.py)."""
+    early_reads_refused: int = 0
+    """Of those, reads the master's answer did not vouch for (read again the ordinary way)."""
