@@ -47,14 +47,21 @@ def store(master: MasterServer, node: StoreClient) -> Iterator[StoreClient]:
         yield c
 
 
+@pytest.fixture
+def writer(master: MasterServer, node: StoreClient) -> Iterator[StoreClient]:
+    """Another client, whose puts and removes `store` does not see."""
+    with StoreClient(ClientConfig(master=master.address, local_buffer_size=MIB)) as c:
+        yield c
+
+
 def early(c: StoreClient) -> tuple[int, int]:
     return c.stats.early_reads, c.stats.early_reads_refused
 
 
 def test_a_get_after_a_lookup_reads_early_and_serves_the_objects_bytes(
-        store: StoreClient) -> None:
+        store: StoreClient, writer: StoreClient) -> None:
     value = content("k", 5000)
-    assert store.put("k", value).ok
+    assert writer.put("k", value).ok
     assert store.get("k").data == value               # the ordinary way: the place is kept
     assert early(store) == (0, 0)
     assert store.get("k").data == value
@@ -66,22 +73,38 @@ def test_a_get_after_a_lookup_reads_early_and_serves_the_objects_bytes(
     assert store.batch_get_into_parts(["k"], parts)[0].ok and out.tobytes() == value
     assert early(store) == (3, 0)
     big = content("big", EARLY_READ_MAX_BYTES + 1)    # too large to read early
-    assert store.put("big", big).ok and store.get("big").data == big
+    assert writer.put("big", big).ok and store.get("big").data == big
     assert store.get("big").data == big
     assert [g.data for g in store.get_batch(["k", "k"])] == [value, value]  # a batch: ordinary
     assert early(store) == (3, 0)
 
 
+def test_a_clients_own_put_is_read_early_at_once(store: StoreClient) -> None:
+    """Where its single-key put placed an object, two-phase (a size's first put) or through a
+    reservation (the next ones), is where the lookup then finds it."""
+    values = [content(f"v{i}", 3000) for i in range(3)]
+    for i, value in enumerate(values):
+        assert store.put(f"k{i}", value).ok
+    out = np.zeros(3000, np.uint8)
+    store.register_buffer(out)
+    assert store.put_from("z", out.ctypes.data, 3000).ok
+    assert [store.get(f"k{i}").data for i in range(3)] == values
+    assert store.get_into("z", out.ctypes.data, 3000).ok
+    assert early(store) == (4, 0)
+    assert all(r.ok for r in store.put_batch(["b1", "b2"], values[:2]))   # a batch: not kept
+    assert store.get("b1").data == values[0] and early(store) == (4, 0)
+
+
 def test_another_objects_bytes_at_a_remembered_place_are_never_served(
-        master: MasterServer, store: StoreClient) -> None:
+        master: MasterServer, store: StoreClient, writer: StoreClient) -> None:
     old, new, other = content("old", 4096), content("new", 4096), content("other", 4096)
-    assert store.put("k", old).ok
+    assert writer.put("k", old).ok
     (place,) = store.replica_desc("k").replicas        # a lookup: the place is kept
-    assert store.remove("k", force=True) == E.OK
+    assert writer.remove("k", force=True) == E.OK
     time.sleep(4 * LEASE_S)                            # its lease over, the place is free
-    assert store.put("other", other).ok
+    assert writer.put("other", other).ok
     assert master.core.get_replicas(["other"])[0].replicas[0].addr == place.addr
-    assert store.put("k", new).ok
+    assert writer.put("k", new).ok
     assert store.get("k").data == new                  # read early from `other`'s bytes
     assert early(store) == (1, 1)
     assert store.stats.checksum_mismatches == 0 and master.core.stats.damaged_dropped == 0
@@ -101,10 +124,11 @@ def test_damaged_bytes_at_the_place_are_refused_then_reported_by_the_ordinary_re
         assert me.get("c").code == E.OBJECT_NOT_FOUND
 
 
-def test_a_key_removed_since_its_last_lookup_is_not_found(store: StoreClient) -> None:
-    assert store.put("k", b"v" * 100).ok
+def test_a_key_removed_since_its_last_lookup_is_not_found(store: StoreClient,
+                                                          writer: StoreClient) -> None:
+    assert writer.put("k", b"v" * 100).ok
     assert store.get("k").ok
-    assert store.remove("k", force=True) == E.OK
+    assert writer.remove("k", force=True) == E.OK
     assert store.get("k") == GetResult(E.OBJECT_NOT_FOUND)
     assert early(store) == (1, 1)
     assert store.get("k") == GetResult(E.OBJECT_NOT_FOUND)  # forgotten: no early read
@@ -120,7 +144,7 @@ def test_bytes_read_early_are_not_served_without_the_masters_answer(
         assert c.put("k", value).ok and c.get("k").data == value
         with master.lock:
             assert c.get("k") == GetResult(E.RPC_TIMEOUT)
-        assert early(c) == (1, 1)
+        assert early(c) == (2, 1)
         assert c.get("k").data == value
 
 
@@ -150,8 +174,8 @@ def test_places_keep_the_latest_single_key_lookups_of_small_checksummed_objects(
     assert places.get("e") is None
 
 
-def test_a_batched_lookup_is_not_remembered(store: StoreClient) -> None:
-    assert all(r.ok for r in store.put_batch(["a", "b"], [b"1" * 10, b"2" * 10]))
+def test_a_batched_lookup_is_not_remembered(store: StoreClient, writer: StoreClient) -> None:
+    assert all(r.ok for r in writer.put_batch(["a", "b"], [b"1" * 10, b"2" * 10]))
     assert [g.data for g in store.get_batch(["a", "b"])] == [b"1" * 10, b"2" * 10]
     assert len(store._places) == 0
     assert store.get("a").data == b"1" * 10 and len(store._places) == 1

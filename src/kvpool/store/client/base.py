@@ -85,7 +85,7 @@ class ClientBase(ReadPath):
             self._hasher = Hasher()
             self._places = Places()
             self._reserved = ReservedPuts(self._call, self._run_copies, self._copies_to,
-                                          config.write_checksums, clock)
+                                          config.write_checksums, clock, self._placed)
             self._reserved.enabled = config.reserved_puts
         except BaseException:
             self.engine.close()  # a bad master address must not leak the started engine
@@ -402,6 +402,7 @@ class ClientBase(ReadPath):
                 upsert=upsert),
             PutStartResult)
         copies: dict[int, list[Copy]] = {}
+        placed: dict[int, tuple[ReplicaDesc, ...]] = {}
         for i, size, (code, replicas) in zip(todo, sizes, started, strict=True):
             if code == E.OBJECT_ALREADY_EXISTS and not upsert:
                 results[i] = PutResult(E.OK, already_existed=True)
@@ -409,6 +410,7 @@ class ClientBase(ReadPath):
                 results[i] = PutResult(code)
             else:
                 copies[i] = self._copies_to(replicas, parts[i], size)
+                placed[i] = replicas
         failed = self._run_copies(OpCode.WRITE, copies, arrivals)
         ok = [i for i in copies if i not in failed]
         if failed:
@@ -424,6 +426,8 @@ class ClientBase(ReadPath):
                 lambda code: code)
             for i, code in zip(ok, ended, strict=True):
                 results[i] = _PUT_OK if code == 0 else PutResult(code)
+            if len(keys) == 1 and results[ok[0]] is _PUT_OK:
+                self._placed(keys[0], sizes[0], sums[0], placed[ok[0]])
 
     @staticmethod
     def _copies_to(replicas: Sequence[ReplicaDesc], parts: Sequence[Part],

@@ -25,7 +25,14 @@ from kvpool.store.client.plan import (
 from kvpool.store.client.staging import StagingArea
 from kvpool.store.client.types import ClientStats
 from kvpool.store.wire import messages as m
-from kvpool.store.wire.codes import ErrorCode, LookupResult, ReadResult, ReplicaDesc, Tier
+from kvpool.store.wire.codes import (
+    ErrorCode,
+    LookupResult,
+    ReadResult,
+    ReplicaDesc,
+    ReplicaState,
+    Tier,
+)
 from kvpool.store.wire.validate import valid_key
 from kvpool.transfer import OpCode
 
@@ -115,6 +122,14 @@ class ReadPath:
         dram = _dram_first(look.replicas, self.endpoint, self.host) if look.code is _OK \
             else None
         self._places.remember(key, look.size, look.checksum, dram[0] if dram else None)
+
+    def _placed(self, key: str, size: int, checksum: int | None,
+                replicas: Sequence[ReplicaDesc]) -> None:
+        """Keep where this client's own single-key put placed `key`: its first read is then
+        an early one too (the replicas as a lookup names them once the put has ended)."""
+        dram = _dram_first(replicas, self.endpoint, self.host)
+        self._places.remember(key, size, checksum,
+                              dram[0]._replace(state=ReplicaState.COMPLETE) if dram else None)
 
     def _last_place(self, keys: Sequence[str]) -> Place | None:
         """Where the last lookup found a single key to read early (`_read_early`), if any."""

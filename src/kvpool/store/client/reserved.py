@@ -56,8 +56,12 @@ class ReservedPuts:
     def __init__(self, call: Callable[[m.Msg], Any],
                  copy: Callable[[OpCode, dict[int, list[Copy]]], set[int]],
                  copies_to: Callable[[Sequence[ReplicaDesc], Sequence[Part], int], list[Copy]],
-                 write_checksums: bool, clock: Clock = SYSTEM_CLOCK) -> None:
+                 write_checksums: bool, clock: Clock = SYSTEM_CLOCK,
+                 placed: Callable[[str, int, int | None, tuple[ReplicaDesc, ...]], None]
+                 = lambda key, size, checksum, replicas: None) -> None:
         self._call, self._copy, self._copies_to = call, copy, copies_to
+        self._placed = placed
+        """Told where each put published here placed its key (for reads from there)."""
         self._clock = clock
         self._write_checksums = write_checksums
         self._held: dict[int, list[_Held]] = {}
@@ -88,6 +92,8 @@ class ReservedPuts:
             self._keep(size, [Reservation(E.OK, held.token, held.replicas)])
         if code is E.OBJECT_ALREADY_EXISTS and not upsert:
             return PutResult(E.OK, already_existed=True)
+        if code is E.OK:
+            self._placed(key, size, checksum, held.replicas)
         return PutResult(code)
 
     def _seen(self, size: int) -> bool:
