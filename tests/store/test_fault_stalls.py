@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -188,3 +189,29 @@ def write_fenced(engine: TransferEngine, local: int, replica: ReplicaDesc) -> No
                                                       replica.addr + 100, replica.fence)])
     assert status.ok, status.reason
 
+
+
+def test_an_early_read_from_a_stopped_node_holds_no_other_call() -> None:
+    """A get that reads early (store/client/early.py) from a node that is then SIGSTOPped
+    waits for that node alone: the client's other calls to the master go on meanwhile, the
+    get fails within its transfer timeout, and once the node runs again it serves."""
+    with store_cluster(1, "8MiB") as cluster, \
+            client(cluster, protocol="tcp", transfer_timeout_s=1.5) as c:
+        value = content("k", 4000)
+        assert c.put("k", value).ok                    # placed by this client: read early
+        (node,) = cluster.nodes
+        node.send_signal(signal.SIGSTOP)
+        try:
+            got: list[object] = []
+            thread = threading.Thread(target=lambda: got.append(c.get("k")), daemon=True)
+            thread.start()
+            time.sleep(0.3)                            # the get waits on the node
+            t0 = time.monotonic()
+            assert c.exists("k") == E.OK and c.exists("other") == E.OBJECT_NOT_FOUND
+            assert time.monotonic() - t0 < 0.5
+            thread.join(10)
+            assert not thread.is_alive() and got[0].code == E.TRANSFER_FAIL  # type: ignore[attr-defined]
+            assert c.stats.early_reads == 1
+        finally:
+            node.send_signal(signal.SIGCONT)
+        assert c.get("k").data == value

@@ -344,6 +344,16 @@ class TransferEngine:
         router.dispatch(batch, requests, inline=True)
         return self._finish(batch, timeout_s)
 
+    def begin_read(self, req: TransferRequest) -> Callable[[], RequestStatus] | None:
+        """One READ in two steps, for a caller with other work to overlap with its round trip:
+        over tcp its frame is sent now and the function returned (to be called once, in any
+        case) waits for the reply; over shm it is copied now. None when it needs the general
+        path (`transfer_sync`): our own segment, a request to slice, a peer not yet known, or
+        a request that is not a READ."""
+        if req.op != OpCode.READ:
+            return None
+        return (self._router or self._started_router()).begin_one(req)
+
     async def async_transfer(self, requests: list[TransferRequest]) -> list[RequestStatus]:
         if not requests:
             return []

@@ -74,6 +74,13 @@ class Router:
         when the request needs the general path: our own segment, several tcp slices, nothing
         cached about the peer yet, or any failure before the transport (so it is reported in
         the general path's words)."""
+        began = self.begin_one(req)
+        return None if began is None else began()
+
+    def begin_one(self, req: TransferRequest) -> Callable[[], RequestStatus] | None:
+        """`run_one` in two steps: a tcp READ's frame is sent now and the function returned
+        (to be called once) reads its reply; anything else runs now, and the function returns
+        its outcome. None where `run_one` gives None."""
         if req.target == self._me or not (0 <= req.target_addr < _ADDR_LIMIT and
                                           0 < req.length < _ADDR_LIMIT and
                                           0 <= req.fence < _ADDR_LIMIT):
@@ -90,16 +97,18 @@ class Router:
             self.traffic.add("shm", req.target, 1, req.length)
             reason = copy_one(req.op, (0, local, remote[0], remote[1], req.fence),
                               self._shm.pool)
-            return DONE if reason is None else RequestStatus(RequestState.FAILED, reason)
+            copied = DONE if reason is None else RequestStatus(RequestState.FAILED, reason)
+            return lambda: copied
         if self._config.protocol == "shm" or req.length > self._config.slice_bytes:
             return None
         self.traffic.add("tcp", req.target, 1, req.length)
-        outcome = self._link(req.target, descriptor).exchange(
-            req.op, [req.target_addr], [req.length], [local], [req.fence])
-        if isinstance(outcome, str):
-            return RequestStatus(RequestState.FAILED, outcome)
-        return DONE if outcome[0] == Status.OK else \
-            RequestStatus(RequestState.FAILED, failure_text(outcome[0]))
+        link = self._link(req.target, descriptor)
+        if req.op == OpCode.READ:
+            finish = link.begin_read(req.target_addr, req.length, local, req.fence)
+            return lambda: _one_status(finish())
+        status = _one_status(link.exchange(req.op, [req.target_addr], [req.length], [local],
+                                           [req.fence]))
+        return lambda: status
 
     def run_frame(self, requests: list[TransferRequest],
                   on_done: Callable[[int], None] | None = None,
@@ -271,3 +280,11 @@ def _frame_hooks(op: OpCode, on_sent: Callable[[int], None] | None, count: int) 
     if op == OpCode.WRITE:
         return lambda: arrived(0, count), None
     return None, arrived
+
+
+def _one_status(outcome: list[Status] | str) -> RequestStatus:
+    """A one-request frame's outcome (`PeerLink.exchange`) as the request's status."""
+    if isinstance(outcome, str):
+        return RequestStatus(RequestState.FAILED, outcome)
+    return DONE if outcome[0] == Status.OK else \
+        RequestStatus(RequestState.FAILED, failure_text(outcome[0]))

@@ -275,6 +275,34 @@ class PeerLink:
         self._checkin(conn)
         return statuses
 
+    def begin_read(self, addr: int, length: int, view: memoryview,
+                   fence: int) -> Callable[[], list[Status] | str]:
+        """A one-descriptor READ in two steps, for a caller with something to do meanwhile:
+        its frame is sent now, and the function returned reads the reply into `view` and
+        returns what `exchange` would (call it once: it gives the connection back). The
+        connection is this call's alone in between, so nothing else waits on it."""
+        conn: Connection | None = None
+        try:
+            conn = self._checkout()
+            rid = _send_frame(conn, OpCode.READ, [addr], [length], [view], [fence])
+        except Exception as exc:  # noqa: BLE001 - reported as the frame's failure
+            if conn is not None:
+                conn.close()
+            reason = f"{self.host}:{self.port}: {_describe(exc)}"
+            return lambda: reason
+        sent = conn
+
+        def finish() -> list[Status] | str:
+            try:
+                statuses = _read_reply(sent, rid, [length], [view], None,
+                                       Pace(self._config.timeout_s, MIN_PAYLOAD_BYTES_PER_S))
+            except Exception as exc:  # noqa: BLE001 - as in exchange
+                sent.close()
+                return f"{self.host}:{self.port}: {_describe(exc)}"
+            self._checkin(sent)
+            return statuses
+        return finish
+
     def _checkout(self) -> Connection:
         with self._lock:
             if self._closed:
@@ -321,10 +349,21 @@ def _run_frame(conn: Connection, op: OpCode, addrs: list[int], lengths: list[int
                arrived: Callable[[int, int], None] | None = None,
                pace: Pace | None = None) -> list[Status]:
     """Send one frame and receive its reply; returns the statuses. A READ's payload that
-    falls behind `pace` fails the frame (a trickling peer would hold the call). Its data goes
-    from the socket straight into the OK descriptors' views (a single descriptor's with the
-    reply's status byte in one read, `reply_into`; a small frame of several comes in the
-    reply's first recv and is copied from there)."""
+    falls behind `pace` fails the frame (a trickling peer would hold the call)."""
+    rid = _send_frame(conn, op, addrs, lengths, views, fences)
+    if op == OpCode.WRITE:
+        if sent is not None:
+            sent()  # e.g. hash the bytes just sent while the peer takes them in
+        count = len(addrs)
+        reply = _expect(conn.reader, FrameType.WRITE_ACK, rid, count, HEADER_BYTES + count)
+        conn.reader.finish_frame([])
+        return reply.statuses
+    return _read_reply(conn, rid, lengths, views, arrived, pace)
+
+
+def _send_frame(conn: Connection, op: OpCode, addrs: list[int], lengths: list[int],
+                views: list[memoryview], fences: list[int] | None) -> int:
+    """Send one frame (a WRITE with its payload); returns its request id."""
     rid = next(_request_ids)
     count = len(addrs)
     ftype = FrameType.WRITE if op == OpCode.WRITE else FrameType.READ
@@ -333,15 +372,22 @@ def _run_frame(conn: Connection, op: OpCode, addrs: list[int], lengths: list[int
     else:
         payload_len = sum(lengths) if op == OpCode.WRITE else 0
         head = encode_header(ftype, count, rid, payload_len) + encode_descriptors(addrs, lengths, fences)
-    reply_prefix = HEADER_BYTES + count
     if op == OpCode.WRITE:
         send_views(conn.sock, [head, *views], len(head) + sum(lengths))
-        if sent is not None:
-            sent()  # e.g. hash the bytes just sent while the peer takes them in
-        reply = _expect(conn.reader, FrameType.WRITE_ACK, rid, count, reply_prefix)
-        conn.reader.finish_frame([])
-        return reply.statuses
-    conn.sock.sendall(head)  # a header and descriptors: small; a stall raises BlockingIOError
+    else:
+        conn.sock.sendall(head)  # a header and descriptors: small; a stall raises BlockingIOError
+    return rid
+
+
+def _read_reply(conn: Connection, rid: int, lengths: list[int], views: list[memoryview],
+                arrived: Callable[[int, int], None] | None = None,
+                pace: Pace | None = None) -> list[Status]:
+    """The reply to READ frame `rid`: its statuses, the data gone from the socket straight
+    into the OK descriptors' views (a single descriptor's with the reply's status byte in
+    one read, `reply_into`; a small frame of several comes in the reply's first recv and is
+    copied from there)."""
+    count = len(lengths)
+    reply_prefix = HEADER_BYTES + count
     payload = sum(lengths)
     if count == 1:  # a refused descriptor gets no payload: nothing lands in its view
         event, rest = conn.reader.reply_into(reply_prefix, views)

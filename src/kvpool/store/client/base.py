@@ -103,13 +103,12 @@ class ClientBase(ReadPath):
 
     # -- master RPC, segments, liveness ----------------------------------------------------
 
-    def _call(self, msg: m.Msg, meanwhile: Callable[[], None] | None = None) -> Any:
+    def _call(self, msg: m.Msg) -> Any:
         """The result of `msg` (typed: `msg.Reply`), or RpcFailed with the code users see:
         RPC_TIMEOUT, the status of a reply that refused the whole request (a batch over the
-        master's limit: INVALID_PARAMS), RPC_FAIL for a broken connection. `meanwhile`: as
-        `RpcClient.call`'s."""
+        master's limit: INVALID_PARAMS), RPC_FAIL for a broken connection."""
         try:
-            return self._rpc.call(msg, meanwhile=meanwhile)
+            return self._rpc.call(msg)
         except RpcTimeout:
             raise RpcFailed(E.RPC_TIMEOUT) from None
         except RpcError as exc:

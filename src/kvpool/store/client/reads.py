@@ -34,7 +34,7 @@ from kvpool.store.wire.codes import (
     Tier,
 )
 from kvpool.store.wire.validate import valid_key
-from kvpool.transfer import OpCode
+from kvpool.transfer import OpCode, TransferEngine
 
 E = ErrorCode
 log = get_logger("store.client")
@@ -73,9 +73,10 @@ class ReadPath:
     _hasher: Hasher
     _staging: StagingArea
     _places: Places
+    engine: TransferEngine
 
     if TYPE_CHECKING:
-        def _call(self, msg: m.Msg, meanwhile: Callable[[], None] | None = None) -> Any: ...
+        def _call(self, msg: m.Msg) -> Any: ...
 
         def _call_keyed(self, keys: Sequence[str],
                         make: Callable[[list[str], int, int], m.Msg], refused: Any,
@@ -139,29 +140,29 @@ class ReadPath:
     def _read_early(self, key: str, last: Place,
                     parts: Sequence[Part]) -> tuple[LookupResult, float, bool] | None:
         """Read `key` into `parts` from the place its last lookup found it (`last`) while
-        the master answers a new lookup (early.py): (the new lookup, the time it was asked
-        for, whether the bytes now in `parts` are the object's). None when nothing can be
-        read early (the caller reads the ordinary way); when the bytes are not vouched for,
-        the caller reads again from the new lookup (whose lease counts from that time)."""
+        the master answers a new lookup (early.py): the read's frame goes out first, then the
+        lookup, then the read's reply is taken (so the master connection is never held while
+        a node answers). (the new lookup, the time it was asked for, whether the bytes now in
+        `parts` are the object's); None when nothing can be read early (one part, another
+        process's segment, a peer the engine knows: else the caller reads the ordinary way).
+        When the bytes are not vouched for, the caller reads again from the new lookup
+        (whose lease counts from that time)."""
         size, _, place = last
-        if not valid_parts(parts) or parts_total(parts) < size \
-                or not self._registered(parts, writable=True):
+        if len(parts) != 1 or place.endpoint == self.endpoint or not valid_parts(parts) \
+                or parts[0][1] < size or not self._registered(parts, writable=True):
             return None
-        landed = [False]
-
-        def read() -> None:
-            try:
-                landed[0] = not self._run_copies(OpCode.READ,
-                                                 {0: copies_for(parts, place, size)})
-            except Exception:  # noqa: BLE001 - what failed here is read the ordinary way
-                log.debug("an early read of %r failed", key, exc_info=True)
-
+        (copy,) = copies_for(parts, place, size)
         t0 = self.clock.now()
+        finish = self.engine.begin_read(copy.request(OpCode.READ))
+        if finish is None:
+            return None
         try:
-            fresh: LookupResult = self._call(m.GetReplicasMsg(keys=[key]), read).items[0]
+            fresh: LookupResult = self._call(m.GetReplicasMsg(keys=[key])).items[0]
         except RpcFailed as exc:
             fresh = LookupResult(exc.code)
-        served = vouched(size, place, fresh, landed[0], parts)
+        finally:
+            landed = finish().ok
+        served = vouched(size, place, fresh, landed, parts)
         self._remember(key, fresh)
         self.stats.early_reads += 1
         self.stats.early_reads_refused += not served

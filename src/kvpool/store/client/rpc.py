@@ -104,23 +104,19 @@ class RpcClient:
         self._replied_at = 0.0
         """time.monotonic() of the last reply on the open connection."""
 
-    def call(self, msg: Msg, timeout_s: float | None = None,
-             meanwhile: Callable[[], None] | None = None) -> Any:
+    def call(self, msg: Msg, timeout_s: float | None = None) -> Any:
         """The result of request `msg` (typed: `msg.Reply`). RpcTimeout when no reply comes
         in time, RpcError when the master refuses the request (the message says why,
         `status` carries the reply's code), when the request is too large for a frame
         (status INVALID_PARAMS, nothing sent), when the reply does not fit `msg.Reply`, or
-        when the connection broke (status None). Stamps `msg` with this client's header.
-        `meanwhile`: run once the request is sent, before its reply is waited for (work that
-        overlaps the master's round trip; it must not raise, nor call this client); not run
-        when the request could not be sent."""
+        when the connection broke (status None). Stamps `msg` with this client's header."""
         frame_id = next(self._ids)
         msg.req_id, msg.client_id = frame_id, self.client_id
         try:
             frame = encode_frame(encode_msg(msg))
         except LocalProtocolError as exc:
             raise _not_sent(msg.op, exc) from None
-        return self._result(type(msg), msg.op, frame, frame_id, timeout_s, meanwhile)
+        return self._result(type(msg), msg.op, frame, frame_id, timeout_s)
 
     def call_unchecked(self, op: Op, *fields: Any, timeout_s: float | None = None) -> Any:
         """Request `op` with `fields` as they are, for tests and tools that must send what no
@@ -134,9 +130,9 @@ class RpcClient:
         return self._result(Msg, op, frame, frame_id, timeout_s)
 
     def _result(self, cls: type[Msg], op: Op, frame: bytes, frame_id: int,
-                timeout_s: float | None, meanwhile: Callable[[], None] | None = None) -> Any:
+                timeout_s: float | None) -> Any:
         """Send `frame` and return its reply's result, decoded against `cls.Reply`."""
-        head = self._exchange(frame, frame_id, timeout_s, meanwhile)
+        head = self._exchange(frame, frame_id, timeout_s)
         if head.status != 0:
             raise RpcError(f"master refused {op.name} (code {head.status}): "
                            f"{_plain(head.result)}", status=head.status)
@@ -145,8 +141,7 @@ class RpcClient:
         except RemoteProtocolError as exc:
             raise RpcError(f"malformed reply from {self.address}: {exc}") from None
 
-    def _exchange(self, frame: bytes, frame_id: int, timeout_s: float | None,
-                  meanwhile: Callable[[], None] | None = None) -> ReplyHead:
+    def _exchange(self, frame: bytes, frame_id: int, timeout_s: float | None) -> ReplyHead:
         with self._lock:
             if self._closed:
                 raise RpcError("RPC client is closed")
@@ -159,10 +154,6 @@ class RpcClient:
                 except RpcError:
                     self._disconnect()
                     raise
-                if meanwhile is not None:  # once, however often the request is sent
-                    run = meanwhile
-                    meanwhile = None
-                    run()
                 try:
                     return self._wait(sock, frame_id, timeout, deadline)
                 except _LeaderMoved:  # the deposed leader commits nothing: ask the new one
