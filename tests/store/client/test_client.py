@@ -39,13 +39,6 @@ def master() -> Iterator[MasterServer]:
 
 
 @pytest.fixture
-def node(master: MasterServer) -> Iterator[StoreClient]:
-    with StoreClient(ClientConfig(master=master.address, global_segment_size=8 * MIB,
-                                  local_buffer_size=0, heartbeat_interval_s=0.2)) as n:
-        yield n
-
-
-@pytest.fixture
 def store(master: MasterServer, node: StoreClient) -> Iterator[StoreClient]:
     with StoreClient(ClientConfig(master=master.address, local_buffer_size=MIB)) as c:
         yield c
