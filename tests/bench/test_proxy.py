@@ -24,6 +24,7 @@ from kvpool.bench.proc_cpu import (
     ThreadShareMeter,
     WriteMeter,
     child_pids,
+    cpu_ns,
     cpu_s,
     per_unit,
     stat_ticks,
@@ -382,3 +383,28 @@ def test_goals_need_the_settings_they_are_set_at() -> None:
                for line in goal_lines(many))
     assert not any("per proxy CPU-second" in line for line in goal_lines(
         [_goal_row("kvpool", "req16", 32, engines=8, req_per_relay_cpu_s=499)]))
+
+
+def test_a_cpu_meter_reads_below_a_tick_and_keeps_an_ended_threads_share() -> None:
+    """Time on a CPU in nanoseconds (schedstat): 25 ms of work reads as 25 ms, not as the two
+    or three ticks it spans; and a thread that ends between the readings, taking its
+    nanoseconds with it, is still counted (the ticks are taken for that process)."""
+    def burn(seconds: float) -> None:
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+    if cpu_ns(os.getpid()) is None:
+        pytest.skip("this kernel has no schedstat")
+    meter = CpuMeter([os.getpid()])
+    for _ in range(5):  # this thread alone works (others of the test process may not)
+        meter.start()
+        burn(0.025)
+        used = meter.seconds()
+        if used < 0.028:
+            break
+    assert 0.025 <= used < 0.028
+    meter.start()
+    worker = threading.Thread(target=burn, args=(0.3,))
+    worker.start()
+    worker.join()
+    assert meter.seconds() >= 0.25
