@@ -64,16 +64,21 @@ def stat_comm(stat: str) -> str:
     return stat[stat.find("(") + 1:stat.rfind(")")]
 
 
-def thread_ticks(pid: int) -> dict[int, tuple[int, str]]:
-    """{thread id: (utime + stime ticks, its OS name)} of the live threads of process `pid`;
-    OSError if the process is gone."""
-    out: dict[int, tuple[int, str]] = {}
+def thread_cpu(pid: int) -> dict[int, tuple[float, str]]:
+    """{thread id: (CPU seconds, its OS name)} of the live threads of process `pid`: its time
+    on a CPU in nanoseconds (schedstat), or its utime + stime ticks where the kernel has no
+    schedstat; OSError if the process is gone."""
+    out: dict[int, tuple[float, str]] = {}
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
             stat = (task / "stat").read_text()
+            try:
+                used = int((task / "schedstat").read_text().split()[0]) / 1e9
+            except FileNotFoundError:
+                used = stat_ticks(stat) / TICKS_PER_S
         except OSError:  # the thread ended meanwhile
             continue
-        out[int(task.name)] = (stat_ticks(stat), stat_comm(stat))
+        out[int(task.name)] = (used, stat_comm(stat))
     return out
 
 
@@ -158,28 +163,28 @@ class ThreadShareMeter:
         if not pids:
             raise ValueError("ThreadShareMeter needs at least one pid")
         self.pids, self.thread = list(pids), os_name(thread)
-        self._start: dict[tuple[int, int], int] = {}
+        self._start: dict[tuple[int, int], float] = {}
 
-    def _read(self) -> dict[tuple[int, int], tuple[int, str]]:
-        out: dict[tuple[int, int], tuple[int, str]] = {}
+    def _read(self) -> dict[tuple[int, int], tuple[float, str]]:
+        out: dict[tuple[int, int], tuple[float, str]] = {}
         for p in self.pids:
             try:
-                out.update({(p, tid): v for tid, v in thread_ticks(p).items()})
+                out.update({(p, tid): v for tid, v in thread_cpu(p).items()})
             except OSError:  # the process is gone
                 pass
         return out
 
     def start(self) -> None:
-        self._start = {key: ticks for key, (ticks, _) in self._read().items()}
+        self._start = {key: used for key, (used, _) in self._read().items()}
 
     def seconds(self) -> tuple[float, float]:
         """(all threads', the named threads') CPU seconds since `start()`."""
-        whole = named = 0
-        for key, (ticks, name) in self._read().items():
-            used = ticks - self._start.get(key, 0)
+        whole = named = 0.0
+        for key, (now, name) in self._read().items():
+            used = now - self._start.get(key, 0.0)
             whole += used
-            named += used if name == self.thread else 0
-        return whole / TICKS_PER_S, named / TICKS_PER_S
+            named += used if name == self.thread else 0.0
+        return whole, named
 
 
 class WriteMeter:
