@@ -194,7 +194,8 @@ def write_fenced(engine: TransferEngine, local: int, replica: ReplicaDesc) -> No
 def test_an_early_read_from_a_stopped_node_holds_no_other_call() -> None:
     """A get that reads early (store/client/early.py) from a node that is then SIGSTOPped
     waits for that node alone: the client's other calls to the master go on meanwhile, the
-    get fails within its transfer timeout, and once the node runs again it serves."""
+    get fails within its transfer timeout (the ordinary read that follows does not wait for
+    the same node again), and once the node runs again it serves."""
     with store_cluster(1, "8MiB") as cluster, \
             client(cluster, protocol="tcp", transfer_timeout_s=1.5) as c:
         value = content("k", 4000)
@@ -205,13 +206,40 @@ def test_an_early_read_from_a_stopped_node_holds_no_other_call() -> None:
             got: list[object] = []
             thread = threading.Thread(target=lambda: got.append(c.get("k")), daemon=True)
             thread.start()
+            started = time.monotonic()
             time.sleep(0.3)                            # the get waits on the node
             t0 = time.monotonic()
             assert c.exists("k") == E.OK and c.exists("other") == E.OBJECT_NOT_FOUND
             assert time.monotonic() - t0 < 0.5
             thread.join(10)
             assert not thread.is_alive() and got[0].code == E.TRANSFER_FAIL  # type: ignore[attr-defined]
+            assert time.monotonic() - started < 1.5 * 1.4  # not waited for twice
             assert c.stats.early_reads == 1
         finally:
             node.send_signal(signal.SIGCONT)
         assert c.get("k").data == value
+
+
+def test_a_get_whose_remembered_node_stopped_reads_the_new_place_at_once() -> None:
+    """The key moved (removed, put again on another node) while the node it was read from
+    stopped: the master's answer no longer names that place, so the early read's reply is
+    given up unread and the get reads the new place at once."""
+    with store_cluster(1, "8MiB") as cluster, client(cluster) as writer, \
+            client(cluster, protocol="tcp", transfer_timeout_s=3.0) as c:
+        old, new = content("old", 4000), content("new", 4000)
+        assert writer.put("k", old).ok
+        assert c.get("k").data == old                  # c keeps where it found k (node A)
+        (first,) = writer.replica_desc("k").replicas
+        cluster.add_node("8MiB")
+        (second,) = [s["segment_id"] for s in cluster.wait_segments(2)
+                     if s["segment_id"] != first.segment_id]
+        cluster.nodes[0].send_signal(signal.SIGSTOP)
+        try:
+            assert writer.remove("k", force=True) == E.OK
+            assert writer.put("k", new, ReplicateConfig(preferred_segment=str(second))).ok
+            t0 = time.monotonic()
+            assert c.get("k").data == new
+            assert time.monotonic() - t0 < 1.0
+            assert (c.stats.early_reads, c.stats.early_reads_refused) == (1, 1)
+        finally:
+            cluster.nodes[0].send_signal(signal.SIGCONT)

@@ -45,7 +45,7 @@ from kvpool.transfer.memory import (
 )
 from kvpool.transfer.peers import PeerDirectory
 from kvpool.transfer.protocol import FENCED_REASON
-from kvpool.transfer.routing import Router
+from kvpool.transfer.routing import BegunRead, Router
 from kvpool.transfer.segment import SegmentDescriptor, ShmRegion, host_identity, segment_key
 from kvpool.transfer.shm import copy_bytes
 from kvpool.transfer.shm_sweep import sweep_stale_shm
@@ -344,15 +344,13 @@ class TransferEngine:
         router.dispatch(batch, requests, inline=True)
         return self._finish(batch, timeout_s)
 
-    def begin_read(self, req: TransferRequest) -> Callable[[], RequestStatus] | None:
-        """One READ in two steps, for a caller with other work to overlap with its round trip:
-        over tcp its frame is sent now and the function returned (to be called once, in any
-        case) waits for the reply; over shm it is copied now. None when it needs the general
-        path (`transfer_sync`): our own segment, a request to slice, a peer not yet known, or
-        a request that is not a READ."""
-        if req.op != OpCode.READ:
-            return None
-        return (self._router or self._started_router()).begin_one(req)
+    def begin_read(self, req: TransferRequest) -> BegunRead | None:
+        """One READ in two steps, for a caller with other work to overlap with its round trip
+        (`Router.begin_read`): over tcp its frame is sent now on an idle pooled connection
+        and `finish()` takes the reply (or `abandon()` gives it up); over shm it is copied now.
+        None when it takes the general path (`transfer_sync`): our own segment, a request to
+        slice, a peer not yet known or without an idle connection, or not a READ."""
+        return (self._router or self._started_router()).begin_read(req)
 
     async def async_transfer(self, requests: list[TransferRequest]) -> list[RequestStatus]:
         if not requests:

@@ -21,7 +21,7 @@ from kvpool.transfer.planner import Pieces, count_slices, fits_one_frame, plan_f
 from kvpool.transfer.protocol import Status
 from kvpool.transfer.segment import SegmentDescriptor
 from kvpool.transfer.shm import Checked, ShmItem, ShmPeer, ShmTransport, copy_one
-from kvpool.transfer.tcp_client import PeerLink, failure_text
+from kvpool.transfer.tcp_client import PeerLink, PendingRead, failure_text
 from kvpool.transfer.traffic import Traffic
 
 _ADDR_LIMIT = 1 << 64
@@ -74,13 +74,33 @@ class Router:
         when the request needs the general path: our own segment, several tcp slices, nothing
         cached about the peer yet, or any failure before the transport (so it is reported in
         the general path's words)."""
-        began = self.begin_one(req)
-        return None if began is None else began()
+        one = self._one(req)
+        if one is None or isinstance(one, RequestStatus):
+            return one
+        link, local = one
+        self.traffic.add("tcp", req.target, 1, req.length)
+        return _one_status(link.exchange(req.op, [req.target_addr], [req.length], [local],
+                                         [req.fence]))
 
-    def begin_one(self, req: TransferRequest) -> Callable[[], RequestStatus] | None:
-        """`run_one` in two steps: a tcp READ's frame is sent now and the function returned
-        (to be called once) reads its reply; anything else runs now, and the function returns
-        its outcome. None where `run_one` gives None."""
+    def begin_read(self, req: TransferRequest) -> BegunRead | None:
+        """A READ `run_one` would run, in two steps (`BegunRead`): over tcp its frame goes out
+        now on an idle pooled connection, over shm it is copied now. None where `run_one`
+        gives None, and over tcp when no idle connection to the peer is at hand."""
+        one = self._one(req) if req.op == OpCode.READ else None
+        if one is None or isinstance(one, RequestStatus):
+            return None if one is None else BegunRead(None, one)
+        link, local = one
+        pending = link.begin_read(req.target_addr, req.length, local, req.fence)
+        if pending is None:
+            return None
+        self.traffic.add("tcp", req.target, 1, req.length)
+        if isinstance(pending, str):
+            return BegunRead(None, RequestStatus(RequestState.FAILED, pending))
+        return BegunRead(pending, None)
+
+    def _one(self, req: TransferRequest) -> tuple[PeerLink, memoryview] | RequestStatus | None:
+        """A request `run_one` may run: its peer's link and local view for tcp, or its status
+        once copied over shm; None where it needs the general path."""
         if req.target == self._me or not (0 <= req.target_addr < _ADDR_LIMIT and
                                           0 < req.length < _ADDR_LIMIT and
                                           0 <= req.fence < _ADDR_LIMIT):
@@ -97,18 +117,10 @@ class Router:
             self.traffic.add("shm", req.target, 1, req.length)
             reason = copy_one(req.op, (0, local, remote[0], remote[1], req.fence),
                               self._shm.pool)
-            copied = DONE if reason is None else RequestStatus(RequestState.FAILED, reason)
-            return lambda: copied
+            return DONE if reason is None else RequestStatus(RequestState.FAILED, reason)
         if self._config.protocol == "shm" or req.length > self._config.slice_bytes:
             return None
-        self.traffic.add("tcp", req.target, 1, req.length)
-        link = self._link(req.target, descriptor)
-        if req.op == OpCode.READ:
-            finish = link.begin_read(req.target_addr, req.length, local, req.fence)
-            return lambda: _one_status(finish())
-        status = _one_status(link.exchange(req.op, [req.target_addr], [req.length], [local],
-                                           [req.fence]))
-        return lambda: status
+        return self._link(req.target, descriptor), local
 
     def run_frame(self, requests: list[TransferRequest],
                   on_done: Callable[[int], None] | None = None,
@@ -280,6 +292,32 @@ def _frame_hooks(op: OpCode, on_sent: Callable[[int], None] | None, count: int) 
     if op == OpCode.WRITE:
         return lambda: arrived(0, count), None
     return None, arrived
+
+
+class BegunRead:
+    """A READ begun by `Router.begin_read`: over tcp its frame is out (`pending`), over shm
+    it is done (`done`). `finish()` gives the request's status (taking a tcp reply);
+    `abandon()` gives a tcp reply up unread, closing its connection. One of them, once."""
+
+    __slots__ = ("_pending", "_done")
+
+    def __init__(self, pending: PendingRead | None, done: RequestStatus | None) -> None:
+        self._pending, self._done = pending, done
+
+    @property
+    def timed_out(self) -> bool:
+        """The peer did not answer within the timeout (known once `finish` returned)."""
+        return self._pending is not None and self._pending.timed_out
+
+    def finish(self) -> RequestStatus:
+        if self._pending is None:
+            assert self._done is not None
+            return self._done
+        return _one_status(self._pending.finish())
+
+    def abandon(self) -> None:
+        if self._pending is not None:
+            self._pending.abandon()
 
 
 def _one_status(outcome: list[Status] | str) -> RequestStatus:

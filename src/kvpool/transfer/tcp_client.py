@@ -175,6 +175,39 @@ class Connection:
         self.sock.close()
 
 
+class PendingRead:
+    """A one-descriptor READ whose frame is out (`PeerLink.begin_read`). `finish()` reads the
+    reply into its view and returns what `PeerLink.exchange` would; `abandon()` closes the
+    connection unread (a reply no longer wanted: nothing lands in the view later, and the
+    connection never goes back to the pool mid-frame). Call one of them, once."""
+
+    __slots__ = ("_link", "_conn", "_rid", "_length", "_view", "timed_out")
+
+    def __init__(self, link: PeerLink, conn: Connection, rid: int, length: int,
+                 view: memoryview) -> None:
+        self._link, self._conn, self._rid = link, conn, rid
+        self._length, self._view = length, view
+        self.timed_out = False
+        """Set by `finish` when the peer did not answer within the timeout."""
+
+    def finish(self) -> list[Status] | str:
+        link = self._link
+        try:
+            statuses = _read_reply(self._conn, self._rid, [self._length], [self._view], None,
+                                   Pace(link.timeout_s, MIN_PAYLOAD_BYTES_PER_S))
+        except BaseException as exc:
+            self._conn.close()
+            if not isinstance(exc, Exception):
+                raise
+            self.timed_out = isinstance(exc, TimeoutError | socket.timeout | BlockingIOError)
+            return f"{link.host}:{link.port}: {_describe(exc)}"
+        link.checkin(self._conn)
+        return statuses
+
+    def abandon(self) -> None:
+        self._conn.close()
+
+
 class PeerLink:
     """Connections to one peer segment.
 
@@ -258,7 +291,7 @@ class PeerLink:
         try:
             conn = self._checkout()
             if batch is not None and not batch.frame_started(conn.sock):
-                self._checkin(conn)
+                self.checkin(conn)
                 return "the batch was given up before this frame started"
             pace = Pace(self._config.timeout_s, MIN_PAYLOAD_BYTES_PER_S) \
                 if op == OpCode.READ else None  # (a write's reply carries no payload)
@@ -272,36 +305,35 @@ class PeerLink:
             if conn is not None:
                 conn.close()
             return f"{self.host}:{self.port}: {_describe(exc)}"
-        self._checkin(conn)
+        self.checkin(conn)
         return statuses
 
     def begin_read(self, addr: int, length: int, view: memoryview,
-                   fence: int) -> Callable[[], list[Status] | str]:
+                   fence: int) -> PendingRead | str | None:
         """A one-descriptor READ in two steps, for a caller with something to do meanwhile:
-        its frame is sent now, and the function returned reads the reply into `view` and
-        returns what `exchange` would (call it once: it gives the connection back). The
-        connection is this call's alone in between, so nothing else waits on it."""
-        conn: Connection | None = None
+        its frame is sent now on an idle pooled connection (None when there is none: a new
+        connection's handshake is not begun ahead of anything), and the `PendingRead` takes
+        the reply or gives it up. The connection is this read's alone in between. A string
+        says why the frame could not be sent."""
+        conn = self._idle_connection()
+        if conn is None:
+            return None
         try:
-            conn = self._checkout()
             rid = _send_frame(conn, OpCode.READ, [addr], [length], [view], [fence])
         except Exception as exc:  # noqa: BLE001 - reported as the frame's failure
-            if conn is not None:
-                conn.close()
-            reason = f"{self.host}:{self.port}: {_describe(exc)}"
-            return lambda: reason
-        sent = conn
+            conn.close()
+            return f"{self.host}:{self.port}: {_describe(exc)}"
+        return PendingRead(self, conn, rid, length, view)
 
-        def finish() -> list[Status] | str:
-            try:
-                statuses = _read_reply(sent, rid, [length], [view], None,
-                                       Pace(self._config.timeout_s, MIN_PAYLOAD_BYTES_PER_S))
-            except Exception as exc:  # noqa: BLE001 - as in exchange
-                sent.close()
-                return f"{self.host}:{self.port}: {_describe(exc)}"
-            self._checkin(sent)
-            return statuses
-        return finish
+    def _idle_connection(self) -> Connection | None:
+        """A pooled connection that is still open, or None (none idle, or closed)."""
+        with self._lock:
+            idle = self._idle.pop() if self._idle and not self._closed else None
+        if idle is not None and time.monotonic() - idle.idle_since >= _TRUST_IDLE_S \
+                and not _still_open(idle.sock):
+            idle.close()
+            return None
+        return idle
 
     def _checkout(self) -> Connection:
         with self._lock:
@@ -315,7 +347,11 @@ class PeerLink:
             idle.close()  # the peer closed it while idle (e.g. it restarted)
         return Connection.open(self.host, self.port, self._config, self._me)
 
-    def _checkin(self, conn: Connection) -> None:
+    @property
+    def timeout_s(self) -> float:
+        return self._config.timeout_s
+
+    def checkin(self, conn: Connection) -> None:
         """Keep `conn` for the next frame: up to one connection per worker thread plus the
         one a sync caller runs its first frame on (`run_inline`), which are all in use at once
         in a large batch; keeping one fewer reopened a connection, handshake included, on

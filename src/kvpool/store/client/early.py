@@ -83,11 +83,17 @@ class Places:
                 self._found.pop(key, None)
 
 
+def still_named(size: int, place: ReplicaDesc, fresh: LookupResult) -> bool:
+    """Whether the master's answer `fresh` still names `place` for an object of `size` bytes
+    with a checksum: else bytes read there can never be served (nor need to be waited for)."""
+    return fresh.code is _OK and fresh.size == size and fresh.checksum is not None \
+        and place in fresh.replicas
+
+
 def vouched(size: int, place: ReplicaDesc, fresh: LookupResult, landed: bool,
             parts: Sequence[Part]) -> bool:
     """Whether `size` bytes read from `place` into `parts` before the master's answer
-    `fresh` came are the object's: the read succeeded, the object is still there with the
-    same size, `place` is still one of its replicas, and the bytes hash to its checksum."""
-    return landed and fresh.code is _OK and fresh.size == size \
-        and fresh.checksum is not None and place in fresh.replicas \
+    `fresh` came are the object's: the read succeeded, the answer still names the place
+    (`still_named`), and the bytes hash to its checksum."""
+    return landed and still_named(size, place, fresh) \
         and parts_checksum(parts, size) == fresh.checksum

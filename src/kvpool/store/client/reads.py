@@ -13,7 +13,7 @@ from kvpool.errors import RpcFailed
 from kvpool.log import get_logger
 from kvpool.store.client.checksum import Hasher, HashOnArrival, parts_checksum
 from kvpool.store.client.config import ClientConfig
-from kvpool.store.client.early import Place, Places, vouched
+from kvpool.store.client.early import Place, Places, still_named, vouched
 from kvpool.store.client.plan import (
     Copy,
     Part,
@@ -35,6 +35,7 @@ from kvpool.store.wire.codes import (
 )
 from kvpool.store.wire.validate import valid_key
 from kvpool.transfer import OpCode, TransferEngine
+from kvpool.transfer.routing import BegunRead
 
 E = ErrorCode
 log = get_logger("store.client")
@@ -140,33 +141,46 @@ class ReadPath:
     def _read_early(self, key: str, last: Place,
                     parts: Sequence[Part]) -> tuple[LookupResult, float, bool] | None:
         """Read `key` into `parts` from the place its last lookup found it (`last`) while
-        the master answers a new lookup (early.py): the read's frame goes out first, then the
-        lookup, then the read's reply is taken (so the master connection is never held while
-        a node answers). (the new lookup, the time it was asked for, whether the bytes now in
-        `parts` are the object's); None when nothing can be read early (one part, another
-        process's segment, a peer the engine knows: else the caller reads the ordinary way).
-        When the bytes are not vouched for, the caller reads again from the new lookup
-        (whose lease counts from that time)."""
+        the master answers a new lookup (early.py): the read's frame goes out first on an
+        idle connection, then the lookup, then the read's reply is taken if the answer still
+        names the place (else the reply is given up unread), so the master connection is
+        never held while a node answers, and a node the answer left is not waited for.
+        (the new lookup, the time it was asked for, whether the bytes now in `parts` are the
+        object's); None when nothing can be read early (the caller reads the ordinary way).
+        When the bytes are not vouched for, the caller reads from the new lookup, less the
+        place if its node did not answer in time (it is not waited for twice)."""
         size, _, place = last
         if len(parts) != 1 or place.endpoint == self.endpoint or not valid_parts(parts) \
                 or parts[0][1] < size or not self._registered(parts, writable=True):
             return None
         (copy,) = copies_for(parts, place, size)
-        t0 = self.clock.now()
-        finish = self.engine.begin_read(copy.request(OpCode.READ))
-        if finish is None:
+        began = self.engine.begin_read(copy.request(OpCode.READ))
+        if began is None:
             return None
-        try:
-            fresh: LookupResult = self._call(m.GetReplicasMsg(keys=[key])).items[0]
-        except RpcFailed as exc:
-            fresh = LookupResult(exc.code)
-        finally:
-            landed = finish().ok
+        t0 = self.clock.now()
+        fresh = self._lookup_begun(key, began)
+        if still_named(size, place, fresh):
+            landed = began.finish().ok
+            if began.timed_out:  # not waited for again by the ordinary read
+                fresh = fresh._replace(replicas=tuple(r for r in fresh.replicas if r != place))
+        else:
+            began.abandon()
+            landed = False
         served = vouched(size, place, fresh, landed, parts)
         self._remember(key, fresh)
         self.stats.early_reads += 1
         self.stats.early_reads_refused += not served
         return fresh, t0, served
+
+    def _lookup_begun(self, key: str, began: BegunRead) -> LookupResult:
+        """The lookup of `key` while `began` is out; it is given up if the lookup raises."""
+        try:
+            return self._call(m.GetReplicasMsg(keys=[key])).items[0]  # type: ignore[no-any-return]
+        except RpcFailed as exc:
+            return LookupResult(exc.code)
+        except BaseException:
+            began.abandon()
+            raise
 
     def _lookup_once(self, keys: Sequence[str]) -> list[LookupResult]:
         valid = [i for i, k in enumerate(keys) if valid_key(k)]
