@@ -180,3 +180,9 @@ def test_a_batched_lookup_is_not_remembered(store: StoreClient, writer: StoreCli
     assert [g.data for g in store.get_batch(["a", "b"])] == [b"1" * 10, b"2" * 10]
     assert store._places.get("a") is None and store._places.get("b") is None
     assert store.get("a").data == b"1" * 10 and store._places.get("a") is not None
+
+
+def test_a_clients_own_remove_forgets_the_place(store: StoreClient) -> None:
+    assert store.put("k", b"v" * 10).ok
+    assert store.remove("k", force=True) == E.OK
+    assert store.get("k") == GetResult(E.OBJECT_NOT_FOUND) and early(store) == (0, 0)

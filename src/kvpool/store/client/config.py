@@ -60,11 +60,11 @@ class ClientConfig:
     into space reserved ahead and publish with one PUT_COMMIT (which also reserves for the
     next put of that size): one master round trip per put instead of two."""
     early_reads: bool = True
-    """Single-key gets of objects up to EARLY_READ_MAX_BYTES that this client looked up
-    lately read the bytes from the replica the last lookup named while the master answers a
-    new one, and serve them only when that answer vouches for them (same replica, size and
-    checksum; store/client/early.py): one master round trip's wait less per get. Needs
-    verify_checksums."""
+    """Single-key gets of objects up to EARLY_READ_MAX_BYTES that this client placed with a
+    single-key put or found with a single-key lookup lately read the bytes from that replica
+    while the master answers a new lookup, and serve them only when that answer vouches for
+    them (same replica, size and checksum; store/client/early.py): one master round trip's
+    wait less per get. Needs verify_checksums."""
 
     def __post_init__(self) -> None:
         if self.global_segment_size < 0 or self.local_buffer_size < 0:

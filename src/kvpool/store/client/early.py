@@ -1,6 +1,7 @@
-"""Reads from a remembered place: a single-key get of a small object whose last lookup this
-client remembers sends its replica lookup to the master and, while the master answers, reads
-the bytes from the replica that lookup named. One round trip's wait instead of two.
+"""Reads from a remembered place: a single-key get of a small object whose place this client
+knows (its own single-key put placed it, or a single-key lookup found it) sends a read to that
+replica, then its lookup to the master, then takes the read's reply (reads.py,
+`ReadPath._read_early`). One round trip's wait instead of two.
 
 The bytes are served only when the master's fresh answer vouches for them: the object is
 there (OK), with the same size, the replica read is still one of its replicas (same segment,
@@ -11,8 +12,9 @@ again: the checksum or the replica list refuses it). Otherwise the read is done 
 ordinary way, from the fresh lookup (no second one), and nothing read early is reported as
 damage. Objects without a checksum, or clients that do not verify, never read early.
 
-    places = Places(limit)          # key -> (size, checksum, replica) of its last lookup
+    places = Places(limit)          # key -> (size, checksum, replica) where it was last seen
     places.remember(key, size, checksum, replica);  places.get(key);  places.forget(keys)
+    still_named(size, place, fresh) -> bool   # is the reply worth waiting for
     vouched(size, place, fresh, landed, parts) -> bool   # may the early bytes be served
 
 Only single-key lookups are remembered (batches are never read early), as plain tuples of

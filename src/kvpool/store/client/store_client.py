@@ -194,6 +194,7 @@ class StoreClient(ClientBase):
         return self.batch_remove([key], force)[0]
 
     def batch_remove(self, keys: Sequence[str], force: bool = False) -> list[ErrorCode]:
+        self._places.forget(keys)  # (no early read from where a removed key was)
         return self._keyed(keys, lambda chunk: m.RemoveMsg(keys=chunk, force=force))
 
     def remove_all(self, force: bool = False) -> int:
