@@ -7,16 +7,19 @@ reporting partial success) and is re-established for the next frame.
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import queue
 import socket
+import struct
+import termios
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvpool.errors import AuthError, PeerUnavailable, RemoteProtocolError
+from kvpool.errors import AuthError, PeerUnavailable, RemoteProtocolError, TransferTimeout
 from kvpool.transfer.auth import (
     INITIATOR,
     TARGET,
@@ -199,13 +202,20 @@ class PendingRead:
             self._conn.close()
             if not isinstance(exc, Exception):
                 raise
-            self.timed_out = isinstance(exc, TimeoutError | socket.timeout | BlockingIOError)
+            self.timed_out = isinstance(exc, TimeoutError | socket.timeout | BlockingIOError
+                                        | TransferTimeout)
             return f"{link.host}:{link.port}: {_describe(exc)}"
         link.checkin(self._conn)
         return statuses
 
     def abandon(self) -> None:
-        self._conn.close()
+        """Give the reply up: read at once if all of it is in already (after a master round
+        trip it nearly always is: the connection then goes back to the pool, not closed, so a
+        key that keeps moving costs no new connection per get), else close the connection."""
+        if _bytes_waiting(self._conn.sock) >= HEADER_BYTES + 1 + self._length:
+            self.finish()
+        else:
+            self._conn.close()
 
 
 class PeerLink:
@@ -362,6 +372,14 @@ class PeerLink:
                 self._idle.append(conn)
                 return
         conn.close()
+
+
+def _bytes_waiting(sock: socket.socket) -> int:
+    """Bytes that a read of `sock` would return now (FIONREAD); 0 when that cannot be told."""
+    try:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0" * 4))[0]
+    except OSError:
+        return 0
 
 
 def _still_open(sock: socket.socket) -> bool:
