@@ -297,7 +297,7 @@ def _frame_hooks(op: OpCode, on_sent: Callable[[int], None] | None, count: int) 
 class BegunRead:
     """A READ begun by `Router.begin_read`: over tcp its frame is out (`pending`), over shm
     it is done (`done`). `finish()` gives the request's status (taking a tcp reply);
-    `abandon()` gives a tcp reply up unread, closing its connection. One of them, once."""
+    `abandon()` gives a tcp reply up (`PendingRead.abandon`). One of them, once."""
 
     __slots__ = ("_pending", "_done")
 

@@ -180,9 +180,10 @@ class Connection:
 
 class PendingRead:
     """A one-descriptor READ whose frame is out (`PeerLink.begin_read`). `finish()` reads the
-    reply into its view and returns what `PeerLink.exchange` would; `abandon()` closes the
-    connection unread (a reply no longer wanted: nothing lands in the view later, and the
-    connection never goes back to the pool mid-frame). Call one of them, once."""
+    reply into its view and returns what `PeerLink.exchange` would; `abandon()` gives a reply
+    no longer wanted up (read off now if all of it is in, else its connection closed: nothing
+    lands in the view after it returns, and the connection never goes back to the pool
+    mid-frame). Call one of them, once."""
 
     __slots__ = ("_link", "_conn", "_rid", "_length", "_view", "timed_out")
 
