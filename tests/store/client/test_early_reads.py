@@ -182,7 +182,15 @@ def test_a_batched_lookup_is_not_remembered(store: StoreClient, writer: StoreCli
     assert store.get("a").data == b"1" * 10 and store._places.get("a") is not None
 
 
-def test_a_clients_own_remove_forgets_the_place(store: StoreClient) -> None:
+def test_a_clients_own_removes_and_batched_upserts_forget_places(store: StoreClient) -> None:
     assert store.put("k", b"v" * 10).ok
     assert store.remove("k", force=True) == E.OK
     assert store.get("k") == GetResult(E.OBJECT_NOT_FOUND) and early(store) == (0, 0)
+    for remove in (lambda: store.remove_all(True), lambda: store.remove_regex("^a", True)):
+        assert store.put("a", b"v" * 10).ok and store._places.get("a") is not None
+        assert remove() >= 1 and store._places.get("a") is None
+    assert store.put("b", b"1" * 10).ok and store.put("c", b"2" * 10).ok
+    assert all(r.ok for r in store.put_batch(["b", "c"], [b"3" * 10, b"4" * 10], upsert=True))
+    assert store._places.get("b") is None and store._places.get("c") is None
+    assert store.upsert("b", b"5" * 10).ok and store._places.get("b") is not None
+    assert store.get("b").data == b"5" * 10 and early(store) == (1, 0)

@@ -342,6 +342,8 @@ class ClientBase(ReadPath):
     def _write(self, keys: Sequence[str], parts: Sequence[Sequence[Part]],
                cfg: ReplicateConfig, upsert: bool) -> list[PutResult]:
         """Two-phase put of each key from its local parts: start, write, end or revoke."""
+        if upsert:  # their places move (a single key's new one is kept once it is published)
+            self._places.forget(keys)
         results: list[PutResult | None] = [None] * len(keys)
         todo = []
         for i, (key, p) in enumerate(zip(keys, parts, strict=True)):

@@ -13,7 +13,8 @@ ordinary way, from the fresh lookup (no second one), and nothing read early is r
 damage. Objects without a checksum, or clients that do not verify, never read early.
 
     places = Places(limit)          # key -> (size, checksum, replica) where it was last seen
-    places.remember(key, size, checksum, replica);  places.get(key);  places.forget(keys)
+    places.remember(key, size, checksum, replica);  places.get(key)
+    places.forget(keys);  places.clear()      # a client's own removes and upserts
     still_named(size, place, fresh) -> bool   # is the reply worth waiting for
     vouched(size, place, fresh, landed, parts) -> bool   # may the early bytes be served
 
@@ -83,6 +84,10 @@ class Places:
         with self._lock:
             for key in keys:
                 self._found.pop(key, None)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._found.clear()
 
 
 def still_named(size: int, place: ReplicaDesc, fresh: LookupResult) -> bool:

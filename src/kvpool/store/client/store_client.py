@@ -199,12 +199,14 @@ class StoreClient(ClientBase):
 
     def remove_all(self, force: bool = False) -> int:
         """Number of objects removed, or a negative ErrorCode."""
+        self._places.clear()
         try:
             return int(self._call(m.RemoveAllMsg(force=force)))
         except RpcFailed as exc:
             return int(exc.code)
 
     def remove_regex(self, pattern: str, force: bool = False) -> int:
+        self._places.clear()  # (whichever keys the pattern names)
         try:
             return int(self._call(m.RemoveRegexMsg(pattern=pattern, force=force)))
         except RpcFailed as exc:
