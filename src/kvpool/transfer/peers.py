@@ -76,4 +76,3 @@ def _check_names(descriptor: SegmentDescriptor, name: str) -> None:
             (descriptor.host.strip("[]"), descriptor.port) != parse_segment_name(name):
         raise SegmentNotFound(f"the descriptor found for segment {name!r} describes "
                               f"{descriptor.name!r} at {descriptor.host}:{descriptor.port}")
-

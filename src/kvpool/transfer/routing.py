@@ -87,8 +87,10 @@ class Router:
         now on an idle pooled connection, over shm it is copied now. None where `run_one`
         gives None, and over tcp when no idle connection to the peer is at hand."""
         one = self._one(req) if req.op == OpCode.READ else None
-        if one is None or isinstance(one, RequestStatus):
-            return None if one is None else BegunRead(None, one)
+        if one is None:
+            return None
+        if isinstance(one, RequestStatus):  # copied over shm
+            return BegunRead(None, one)
         link, local = one
         pending = link.begin_read(req.target_addr, req.length, local, req.fence)
         if pending is None:

@@ -337,12 +337,12 @@ class PeerLink:
         return PendingRead(self, conn, rid, length, view)
 
     def _idle_connection(self) -> Connection | None:
-        """A pooled connection that is still open, or None (none idle, or closed)."""
+        """A pooled connection that is still open, or None (none idle, or the link closed)."""
         with self._lock:
             idle = self._idle.pop() if self._idle and not self._closed else None
         if idle is not None and time.monotonic() - idle.idle_since >= _TRUST_IDLE_S \
                 and not _still_open(idle.sock):
-            idle.close()
+            idle.close()  # the peer closed it while idle (e.g. it restarted)
             return None
         return idle
 
@@ -350,13 +350,8 @@ class PeerLink:
         with self._lock:
             if self._closed:
                 raise PeerUnavailable("transfer engine is closed")
-            idle = self._idle.pop() if self._idle else None
-        if idle is not None and (time.monotonic() - idle.idle_since < _TRUST_IDLE_S
-                                 or _still_open(idle.sock)):
-            return idle
-        if idle is not None:
-            idle.close()  # the peer closed it while idle (e.g. it restarted)
-        return Connection.open(self.host, self.port, self._config, self._me)
+        return self._idle_connection() or \
+            Connection.open(self.host, self.port, self._config, self._me)
 
     @property
     def timeout_s(self) -> float:
