@@ -29,6 +29,7 @@ class ScriptedMaster:
         self.endpoint, self.host = "127.0.0.1:1", "127.0.0.1"
 
     _remember = ClientBase._remember
+    _placed = ClientBase._placed
 
     def _lookup_once(self, keys: Sequence[str]) -> list[LookupResult]:
         now = self.clock.now()

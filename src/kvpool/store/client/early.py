@@ -15,8 +15,8 @@ damage. Objects without a checksum, or clients that do not verify, never read ea
     places = Places(limit)          # key -> (size, checksum, replica) where it was last seen
     places.remember(key, size, checksum, replica);  places.get(key)
     places.forget(keys);  places.clear()      # a client's own removes and upserts
-    still_named(size, place, fresh) -> bool   # is the reply worth waiting for
-    vouched(size, place, fresh, landed, parts) -> bool   # may the early bytes be served
+    still_named(size, place, fresh) -> bool   # is the reply worth waiting for (then the bytes
+                                              # are served if they hash to fresh.checksum)
 
 Only single-key lookups are remembered (batches are never read early), as plain tuples of
 strings and ints: the garbage collector stops tracking those, so a client that looks up many
@@ -29,8 +29,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 
-from kvpool.store.client.checksum import parts_checksum
-from kvpool.store.client.plan import Part
 from kvpool.store.wire.codes import ErrorCode, LookupResult, ReplicaDesc, ReplicaState, Tier
 
 EARLY_READ_MAX_BYTES = 256 << 10
@@ -95,12 +93,3 @@ def still_named(size: int, place: ReplicaDesc, fresh: LookupResult) -> bool:
     with a checksum: else bytes read there can never be served (nor need to be waited for)."""
     return fresh.code is _OK and fresh.size == size and fresh.checksum is not None \
         and place in fresh.replicas
-
-
-def vouched(size: int, place: ReplicaDesc, fresh: LookupResult, landed: bool,
-            parts: Sequence[Part]) -> bool:
-    """Whether `size` bytes read from `place` into `parts` before the master's answer
-    `fresh` came are the object's: the read succeeded, the answer still names the place
-    (`still_named`), and the bytes hash to its checksum."""
-    return landed and still_named(size, place, fresh) \
-        and parts_checksum(parts, size) == fresh.checksum

@@ -13,7 +13,7 @@ from kvpool.errors import RpcFailed
 from kvpool.log import get_logger
 from kvpool.store.client.checksum import Hasher, HashOnArrival, parts_checksum
 from kvpool.store.client.config import ClientConfig
-from kvpool.store.client.early import Place, Places, still_named, vouched
+from kvpool.store.client.early import Place, Places, still_named
 from kvpool.store.client.plan import (
     Copy,
     Part,
@@ -121,14 +121,13 @@ class ReadPath:
 
     def _remember(self, key: str, look: LookupResult) -> None:
         """Keep where a single-key lookup found `key` (its closest DRAM replica)."""
-        dram = _dram_first(look.replicas, self.endpoint, self.host) if look.code is _OK \
-            else None
-        self._places.remember(key, look.size, look.checksum, dram[0] if dram else None)
+        self._placed(key, look.size, look.checksum, look.replicas if look.code is _OK else ())
 
     def _placed(self, key: str, size: int, checksum: int | None,
                 replicas: Sequence[ReplicaDesc]) -> None:
-        """Keep where this client's own single-key put placed `key`: its first read is then
-        an early one too (the replicas as a lookup names them once the put has ended)."""
+        """Keep where `key` lives, among `replicas` (a single-key lookup's, or those this
+        client's own single-key put wrote: its first read is then an early one too; named as
+        a lookup names them once the put has ended)."""
         dram = _dram_first(replicas, self.endpoint, self.host)
         self._places.remember(key, size, checksum,
                               dram[0]._replace(state=ReplicaState.COMPLETE) if dram else None)
@@ -159,14 +158,13 @@ class ReadPath:
             return None
         t0 = self.clock.now()
         fresh = self._lookup_begun(key, began)
-        if still_named(size, place, fresh):
-            landed = began.finish().ok
+        served = still_named(size, place, fresh)
+        if served:  # the bytes are the object's if they landed and hash to its checksum
+            served = began.finish().ok and parts_checksum(parts, size) == fresh.checksum
             if began.timed_out:  # not waited for again by the ordinary read
                 fresh = fresh._replace(replicas=tuple(r for r in fresh.replicas if r != place))
         else:
             began.abandon()
-            landed = False
-        served = vouched(size, place, fresh, landed, parts)
         self._remember(key, fresh)
         self.stats.early_reads += 1
         self.stats.early_reads_refused += not served
