@@ -46,13 +46,19 @@ def cpu_s(pid: int) -> float:
     return stat_ticks(Path(f"/proc/{pid}/stat").read_text()) / TICKS_PER_S
 
 
+def task_ns(task: Path) -> int:
+    """Nanoseconds on a CPU of one thread (`task`: /proc/PID/task/TID); FileNotFoundError if
+    it ended, or the kernel has no schedstat."""
+    return int((task / "schedstat").read_text().split()[0])
+
+
 def cpu_ns(pid: int) -> int | None:
     """Nanoseconds on a CPU of the live threads of process `pid` (their schedstat summed);
     None where the kernel has no schedstat; OSError if the process is gone."""
     total, seen = 0, False
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
-            total += int((task / "schedstat").read_text().split()[0])
+            total += task_ns(task)
             seen = True
         except FileNotFoundError:  # the thread ended meanwhile, or no schedstat at all
             continue
@@ -73,7 +79,7 @@ def thread_cpu(pid: int) -> dict[int, tuple[float, str]]:
         try:
             stat = (task / "stat").read_text()
             try:
-                used = int((task / "schedstat").read_text().split()[0]) / 1e9
+                used = task_ns(task) / 1e9
             except FileNotFoundError:
                 used = stat_ticks(stat) / TICKS_PER_S
         except OSError:  # the thread ended meanwhile
