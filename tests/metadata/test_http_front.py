@@ -207,3 +207,53 @@ def test_a_last_chunk_ends_the_body_and_its_disconnect_is_no_client_gone() -> No
     bodies = [(m["body"], m["more_body"]) for m in sent if m["type"] == "http.response.body"]
     assert bodies == [(b"one", True), (b"two", False)]
     assert order == ["cleaned up"] and gone is False
+
+
+def test_on_httptools_a_client_gone_ends_the_stream_without_a_watcher_task() -> None:
+    """The server tells the stream of its client's going (`BodyWriter.watch_disconnect`): the
+    generator closes and `on_close(True)` runs at once, no task reads the disconnect; a
+    stream that ended, on a connection kept alive and then closed, is no client gone."""
+    import socket
+    import time
+
+    from tests.metadata.test_http_serving import _post_head, _serving
+    from kvpool.metadata.http_serving import HttpLimits
+
+    events: list[str] = []
+
+    async def endless() -> AsyncIterator[bytes]:
+        try:
+            while True:
+                yield b"x"
+                await asyncio.sleep(0.01)
+        finally:
+            events.append("closed")
+
+    async def short() -> AsyncIterator[bytes]:
+        yield LastChunk(b"done")
+
+    async def app(scope: dict, receive: object, send: object) -> None:  # type: ignore[type-arg]
+        tasks = len(asyncio.all_tasks())
+        stream = EventStream(endless() if scope["path"] == "/endless" else short())
+        stream.on_close = lambda gone: events.append(f"on_close {gone} {tasks}")
+        await stream(scope, receive, send)
+        events.append(f"tasks {len(asyncio.all_tasks())}")
+
+    with _serving(HttpLimits(idle_timeout_s=30), app) as port:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(_post_head(0).replace(b"POST / ", b"POST /short "))
+            reply = b""
+            while not reply.endswith(b"0\r\n\r\n"):
+                reply += s.recv(4096)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(_post_head(0).replace(b"POST / ", b"POST /endless "))
+            assert s.recv(4096).startswith(b"HTTP/1.1 200")
+        deadline = time.monotonic() + 2
+        while "closed" not in events and time.monotonic() < deadline:
+            time.sleep(0.01)
+    # the short stream: no client gone, and no task left beside the request's own
+    # (the tasks counted before the stream began, then after it ended)
+    (_, short_gone, before), after = events[0].split(), events[1]
+    assert short_gone == "False" and after == f"tasks {before}"
+    # the endless one: its generator closed, then on_close told the client went
+    assert events[2] == "closed" and events[3].split()[:2] == ["on_close", "True"]

@@ -8,12 +8,20 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import httpx
 import pytest
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from kvpool.metadata.http_serving import HttpLimits, QuietServer, fast_stack, uvicorn_config
+from kvpool.metadata.http_serving import (
+    HttpLimits,
+    QuietServer,
+    fast_stack,
+    _all_in,
+    read_body,
+    uvicorn_config,
+)
 from tests.support.net import free_port
 
 httptools_impl = pytest.importorskip("uvicorn.protocols.http.httptools_impl")
@@ -40,9 +48,9 @@ def test_fast_means_uvloop_and_httptools_with_the_defences() -> None:
 
 
 @contextmanager
-def _serving(limits: HttpLimits) -> Iterator[int]:
+def _serving(limits: HttpLimits, app: Any = _app) -> Iterator[int]:
     port = free_port()
-    server = QuietServer(uvicorn_config(_app, limits, fast=True, host="127.0.0.1", port=port))
+    server = QuietServer(uvicorn_config(app, limits, fast=True, host="127.0.0.1", port=port))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 10
@@ -97,3 +105,48 @@ def test_the_startup_heap_is_frozen_out_of_the_collectors_way() -> None:
         assert len(gc.get_objects(generation=2)) < gc.get_freeze_count()
     finally:
         gc.unfreeze()
+
+
+_WHOLE: list[bool] = []
+"""Whether each request `_echo_body` answered had its whole body in when it began."""
+
+
+async def _echo_body(scope: dict, receive: Any, send: Any) -> None:  # type: ignore[type-arg]
+    """Answers the body read with `read_body` (a 0.4 s deadline), or 408 when it is late."""
+    from starlette.requests import Request
+
+    request = Request(scope, receive)
+    _WHOLE.append(_all_in(request))
+    try:
+        body, status = await read_body(request, 1 << 16, 0.4), 200
+    except TimeoutError:
+        body, status = b"late", 408
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _post_head(size: int) -> bytes:
+    return f"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: {size}\r\n\r\n".encode()
+
+
+def test_a_body_that_came_whole_is_read_and_one_still_coming_keeps_its_deadline() -> None:
+    """A body in with its head is read without arming the deadline; one whose end has not come
+    yet is still held to it, however the first part came with the head."""
+    _WHOLE.clear()
+    with _serving(HttpLimits(idle_timeout_s=30), _echo_body) as port:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(_post_head(5000) + b"x" * 5000)  # one write: all in with the head
+            reply = b""
+            while not reply.endswith(b"x" * 5000):
+                part = s.recv(65536)
+                assert part, reply
+                reply += part
+            assert reply.startswith(b"HTTP/1.1 200")
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            t0 = time.monotonic()
+            s.sendall(_post_head(10) + b"12345")  # and the other five bytes never
+            reply = s.recv(4096)
+            assert reply.startswith(b"HTTP/1.1 408") and reply.endswith(b"late"), reply
+            assert 0.3 <= time.monotonic() - t0 <= 2.0
+    assert _WHOLE == [True, False]

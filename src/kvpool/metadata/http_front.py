@@ -5,7 +5,9 @@ without FastAPI's routing, and their streams without starlette's task group.
                               straight to its handler (Request -> Response); every other
                               request (and the lifespan) to `app` (the FastAPI app)
     EventStream(content)      a StreamingResponse whose client going away cancels the stream
-                              (one watcher task, not an anyio task group with two); with
+                              (told by the server's connection loss where it offers a
+                              BodyWriter, else one watcher task; not an anyio task group
+                              with two); with
                               `coalesce`, the chunks made while the stream was not waiting
                               go out in one write (`Outbox`)
     LastChunk(data)           a stream's last bytes: the end of the body goes out with them,
@@ -128,18 +130,19 @@ class EventStream(StreamingResponse):
         self._extensions = scope.get("extensions") or {}
         task = asyncio.current_task()
         assert task is not None
-        gone = asyncio.ensure_future(_disconnect(receive))
-        gone.add_done_callback(
-            lambda f: None if f.cancelled() or self.complete else task.cancel())
+        gone = _Gone(task, self)
+        writer: BodyWriter | None = self._extensions.get(BODY_WRITER)
+        stop = writer.watch_disconnect(gone) if writer is not None \
+            else _watch_receive(receive, gone)
         cancelled = False
         try:
             await self.stream_response(send)
         except asyncio.CancelledError:
             cancelled = True
-            if not gone.done() or gone.cancelled() or task.uncancel() > 0:
+            if not gone.fired or task.uncancel() > 0:
                 raise  # cancelled from elsewhere (the server shutting down)
         finally:
-            gone.cancel()
+            stop()
             if self.on_close is not None:
                 self.on_close(cancelled)
         if self.background is not None:
@@ -226,6 +229,30 @@ class Outbox:
         self._size = 0
         self._room.set()
         return data
+
+
+class _Gone:
+    """Told that the client went: cancels the streaming task unless the body had ended."""
+
+    __slots__ = ("_task", "_stream", "fired")
+
+    def __init__(self, task: asyncio.Task[Any], stream: EventStream) -> None:
+        self._task, self._stream = task, stream
+        self.fired = False
+        """The task was cancelled for the client's going."""
+
+    def __call__(self) -> None:
+        if not self._stream.complete:
+            self.fired = True
+            self._task.cancel()
+
+
+def _watch_receive(receive: Any, gone: _Gone) -> Callable[[], None]:
+    """Where the server offers no `BodyWriter` (h11): a task reads the ASGI disconnect and
+    tells `gone`; returns what stops it."""
+    watcher = asyncio.ensure_future(_disconnect(receive))
+    watcher.add_done_callback(lambda f: None if f.cancelled() else gone())
+    return watcher.cancel
 
 
 async def _disconnect(receive: Any) -> None:

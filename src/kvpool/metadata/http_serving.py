@@ -174,10 +174,10 @@ class BodyWriter:
     where it may not, the caller uses `send`, which waits for the client. The same bytes as
     uvicorn's `send` of a body chunk, on the same transport, so the two can take turns."""
 
-    __slots__ = ("_cycle",)
+    __slots__ = ("_cycle", "_proto")
 
-    def __init__(self, cycle: Any) -> None:
-        self._cycle = cycle
+    def __init__(self, cycle: Any, proto: Any) -> None:
+        self._cycle, self._proto = cycle, proto
 
     def ready(self) -> bool:
         c = self._cycle
@@ -187,6 +187,21 @@ class BodyWriter:
     def write(self, data: bytes) -> None:
         """One chunk of the body (call `ready()` first)."""
         self._cycle.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+
+    def watch_disconnect(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """`callback()` once the client goes before the response is complete (called from
+        the loop, in the connection's loss; at once, through the loop, if it went already):
+        what a task reading the ASGI disconnect would learn, without the task. Returns what
+        stops the watch."""
+        cycle, proto = self._cycle, self._proto
+        if cycle.disconnected:
+            return cast(Callable[[], None], proto.loop.call_soon(callback).cancel)
+        proto.lost_watch = (cycle, callback)
+
+        def stop() -> None:
+            if proto.lost_watch is not None and proto.lost_watch[0] is cycle:
+                proto.lost_watch = None
+        return stop
 
 
 class _SilentConnectionTimeout(_Defences, H11Protocol):
@@ -199,12 +214,22 @@ if HttpToolsProtocol is not None:
         """The defences over uvicorn's httptools protocol (the servers on the per-token
         path), and each request's `BodyWriter` in its scope's extensions."""
 
+        lost_watch: tuple[Any, Callable[[], None]] | None = None
+        """The request cycle whose client going away is watched, and whom to tell
+        (`BodyWriter.watch_disconnect`)."""
+
         def on_headers_complete(self) -> None:
             super().on_headers_complete()
             cycle = self.cycle
             if cycle is not None and cycle.scope is self.scope:  # not after an upgrade
                 extensions = cast(dict[str, Any], self.scope.setdefault("extensions", {}))
-                extensions[BODY_WRITER] = BodyWriter(cycle)
+                extensions[BODY_WRITER] = BodyWriter(cycle, self)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            watch, self.lost_watch = self.lost_watch, None
+            super().connection_lost(exc)
+            if watch is not None and watch[0] is self.cycle and watch[0].disconnected:
+                watch[1]()
 
 
 def fast_stack() -> tuple[str, bool]:
@@ -341,14 +366,27 @@ async def read_body(request: Any, limit: int, deadline_s: float) -> bytes:
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge(int(declared), limit)
-    parts, size = [], 0
+    if _all_in(request):  # most requests: nothing to wait for, so no deadline to arm
+        return await _read_parts(request, limit)
     async with asyncio.timeout(deadline_s):
-        async for part in request.stream():
-            size += len(part)
-            if size > limit:
-                raise BodyTooLarge(size, limit)
-            parts.append(part)
+        return await _read_parts(request, limit)
+
+
+async def _read_parts(request: Any, limit: int) -> bytes:
+    parts, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > limit:
+            raise BodyTooLarge(size, limit)
+        parts.append(part)
     return b"".join(parts)
+
+
+def _all_in(request: Any) -> bool:
+    """The whole body has arrived already: uvicorn's request cycle (the ASGI `receive`'s
+    owner) has read the message's end, so reading it cannot wait."""
+    cycle = getattr(getattr(request, "receive", None), "__self__", None)
+    return getattr(cycle, "more_body", True) is False
 
 
 CLIENT_KEEPALIVE_S = 2.0
