@@ -6,11 +6,15 @@ maker back, and a client gone closing the stream's generators."""
 from __future__ import annotations
 
 import asyncio
+import socket
+import time
 from collections.abc import AsyncIterator
 
 import pytest
 
 from kvpool.metadata.http_front import EventStream, LastChunk, Outbox
+from kvpool.metadata.http_serving import HttpLimits
+from tests.metadata.test_http_serving import _post_head, _serving
 
 
 async def _burst(sizes: list[int], pause_s: float = 0.0) -> AsyncIterator[bytes]:
@@ -213,12 +217,6 @@ def test_on_httptools_a_client_gone_ends_the_stream_without_a_watcher_task() -> 
     """The server tells the stream of its client's going (`BodyWriter.watch_disconnect`): the
     generator closes and `on_close(True)` runs at once, no task reads the disconnect; a
     stream that ended, on a connection kept alive and then closed, is no client gone."""
-    import socket
-    import time
-
-    from tests.metadata.test_http_serving import _post_head, _serving
-    from kvpool.metadata.http_serving import HttpLimits
-
     events: list[str] = []
 
     async def endless() -> AsyncIterator[bytes]:

@@ -252,7 +252,10 @@ def _watch_receive(receive: Any, gone: _Gone) -> Callable[[], None]:
     tells `gone`; returns what stops it."""
     watcher = asyncio.ensure_future(_disconnect(receive))
     watcher.add_done_callback(lambda f: None if f.cancelled() else gone())
-    return watcher.cancel
+
+    def stop() -> None:
+        watcher.cancel()
+    return stop
 
 
 async def _disconnect(receive: Any) -> None:
