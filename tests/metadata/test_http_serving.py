@@ -17,8 +17,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from kvpool.metadata.http_serving import (
     HttpLimits,
     QuietServer,
-    fast_stack,
     _all_in,
+    fast_stack,
     read_body,
     uvicorn_config,
 )
