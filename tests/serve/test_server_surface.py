@@ -60,6 +60,28 @@ def test_tokenize_and_detokenize(proxy: tuple[str, Path], cluster: ServingCluste
     assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
 
 
+def _cache_tokens(url: str, result: str) -> float:
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(f'kvpool_proxy_tokenizer_cache_tokens_total{{result="{result}"}}'):
+            return float(line.split()[-1])
+    raise AssertionError("no tokenizer cache metric")
+
+
+def test_a_conversations_earlier_turns_are_looked_up_not_encoded_again(
+        proxy: tuple[str, Path], cluster: ServingCluster) -> None:
+    url, _ = proxy
+    tok = ModelTokenizer(cluster.model_dir, cache_bytes=0)
+    turns = [{"role": "system", "content": "You keep the pool, block by block. " * 20},
+             {"role": "user", "content": "What does a prefix cost the second time? " * 10}]
+    first = httpx.post(url + "/tokenize", json={"messages": turns}).json()["tokens"]
+    hits = _cache_tokens(url, "hit")
+    turns += [{"role": "assistant", "content": "Almost nothing."},
+              {"role": "user", "content": "And a third?"}]
+    second = httpx.post(url + "/tokenize", json={"messages": turns}).json()["tokens"]
+    assert first == tok.encode_chat(turns[:2]) and second == tok.encode_chat(turns)
+    assert _cache_tokens(url, "hit") - hits >= len(first) - 10  # the first two turns' pieces
+
+
 def test_a_text_longer_than_the_context_could_hold_is_refused_before_tokenizing(
         proxy: tuple[str, Path]) -> None:
     """A prompt over 32 characters per context token is a 400 at once (tokenizing megabytes

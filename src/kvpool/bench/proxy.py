@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import re
@@ -280,9 +281,14 @@ def relays(tmp: Path, speed_up: float, nginx_exe: str | None,
 
 
 def _completion(model: str) -> Callable[[int, int, bool], tuple[str, bytes]]:
+    """Each request's prompt ends apart (a number no other request of the run has), so the
+    proxy tokenizes every one whole, as it would users' prompts: its tokenizer remembers the
+    prompts it has seen (serve/token_cache.py)."""
+    numbers = itertools.count()
+
     def make(i: int, max_tokens: int, stream: bool) -> tuple[str, bytes]:
-        body = {"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "stream": stream,
-                "ignore_eos": True, "temperature": 0}
+        body = {"model": model, "prompt": f"{PROMPT}{next(numbers)}", "max_tokens": max_tokens,
+                "stream": stream, "ignore_eos": True, "temperature": 0}
         return "/v1/completions", json.dumps(body).encode()
     return make
 

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from kvpool.loop_poll import LoopPoller
     from kvpool.serve.backend import EngineBackend
     from kvpool.serve.cluster import LiveCluster
+    from kvpool.serve.token_cache import PieceCache
 
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _TBT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -84,6 +85,11 @@ class ProxyMetrics:
     def watch_cost(self, in_use: Callable[[], tuple[CostModel, str]]) -> None:
         """Export the cost model `in_use()` returns (the model, its source) at each scrape."""
         self.registry.register(_CostCollector(in_use))
+
+    def watch_tokenizer(self, cache: PieceCache) -> None:
+        """Export what the tokenizer's cache of prompt pieces found and kept, at each
+        scrape."""
+        self.registry.register(_TokenCacheCollector(cache))
 
     def watch_loop_poll(self, poller: LoopPoller) -> None:
         """Export the event loop's polling (kvpool.loop_poll) at each scrape."""
@@ -156,6 +162,24 @@ class _WorkerCollector(Collector):
             if w.decode_load is not None:
                 fams["assigned"].add_metric(lv, w.decode_load.num_assigned)
         yield from fams.values()
+
+
+class _TokenCacheCollector(Collector):
+    def __init__(self, cache: PieceCache) -> None:
+        self.cache = cache
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        c = self.cache
+        tokens = CounterMetricFamily(
+            "kvpool_proxy_tokenizer_cache_tokens", "Prompt tokens (between special tokens) "
+            "looked up in the tokenizer's cache: found, or encoded", labels=["result"])
+        tokens.add_metric(["hit"], c.hit_tokens)
+        tokens.add_metric(["miss"], c.miss_tokens)
+        yield tokens
+        yield CounterMetricFamily("kvpool_proxy_tokenizer_cache_evictions",
+                                  "Pieces the tokenizer's cache let go for room", value=c.evicted)
+        yield GaugeMetricFamily("kvpool_proxy_tokenizer_cache_bytes",
+                                "About what the tokenizer's cached pieces take", value=c.size_bytes)
 
 
 class _LoopPollCollector(Collector):

@@ -1,0 +1,121 @@
+"""`kvpool bench tokenize`: what the proxy's tokenizer costs per request: kvpool's
+(`ModelTokenizer`, which remembers the pieces of prompts between special tokens,
+serve/token_cache.py) beside the `tokenizers` library encoding each prompt whole (the anchor:
+the same tokenizer with the cache off), in the same run, on the same prompts:
+
+    chat     conversations that grow a turn at a time, each request the whole conversation
+             so far as the chat API sends it (the turns sent before are looked up), the
+             conversations' requests interleaved as a server sees them
+    unique   completion prompts that no request repeats (every piece missed: what the cache
+             costs where it cannot help)
+
+Every request's ids are checked against the anchor's; the rounds alternate the two and the
+figures are each one's median over them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+from kvpool.serve.tokenizer import ModelTokenizer
+
+_WORDS = ("the pool keeps every block of the cache so that a prefix computed once is reused "
+          "by any instance of the cluster while the conductor picks where each request runs "
+          "and what it costs to move its blocks over the network or read them from disk "
+          "été 中文 12345").split()
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("tokenize", help="the proxy's tokenizer per request, with its "
+                              "cache of prompt pieces, beside the library encoding each whole")
+    p.add_argument("--model", default="tiny", help="tiny, smollm2 or a model folder")
+    p.add_argument("--conversations", type=int, default=8)
+    p.add_argument("--turns", type=int, default=16, help="requests per conversation")
+    p.add_argument("--message-words", type=int, default=150, help="words per message")
+    p.add_argument("--unique", type=int, default=400, help="unique completion prompts")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--json", action="store_true", help="one JSON object per row")
+    p.set_defaults(func=_main)
+
+
+def _message(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(words)) + "."
+
+
+def chat_texts(tok: ModelTokenizer, conversations: int, turns: int, words: int) -> list[str]:
+    """Each request's rendered prompt: turn t of every conversation, then turn t + 1."""
+    rng = random.Random(1)
+    convs = [[{"role": "system", "content": f"You are assistant {c}. " + _message(rng, words)}]
+             for c in range(conversations)]
+    texts = []
+    for _ in range(turns):
+        for conv in convs:
+            conv.append({"role": "user", "content": _message(rng, words)})
+            texts.append(tok.render_chat(conv))
+            conv.append({"role": "assistant", "content": _message(rng, words)})
+    return texts
+
+
+def unique_texts(count: int, words: int) -> list[str]:
+    rng = random.Random(2)
+    return [f"{i}: {_message(rng, words)}" for i in range(count)]
+
+
+def _timed(encode: Callable[[str], list[int]], texts: list[str]) -> tuple[float, list[list[int]]]:
+    start = time.perf_counter()
+    ids = [encode(t) for t in texts]
+    return time.perf_counter() - start, ids
+
+
+def measure(model: str, texts: list[str], add_special_tokens: bool,
+            rounds: int) -> dict[str, Any]:
+    from kvpool.serve.models import resolve_model
+
+    folder = resolve_model(model)
+    anchor = ModelTokenizer(folder, cache_bytes=0)
+    took: dict[str, list[float]] = {"library": [], "kvpool": []}
+    hit = 0.0
+    for _ in range(rounds):
+        base_s, want = _timed(lambda t: anchor.encode(t, add_special_tokens), texts)
+        ours = ModelTokenizer(folder)  # a cache as a proxy starts with: empty
+        ours_s, got = _timed(lambda t: ours.encode(t, add_special_tokens), texts)
+        if got != want:
+            raise AssertionError("kvpool's tokenizer gave other ids than the library's")
+        took["library"].append(base_s)
+        took["kvpool"].append(ours_s)
+        c = ours.cache
+        hit = c.hit_tokens / max(1, c.hit_tokens + c.miss_tokens) if c is not None else 0.0
+    n, tokens = len(texts), sum(len(ids) for ids in want)
+    lib_s, our_s = statistics.median(took["library"]), statistics.median(took["kvpool"])
+    return {"requests": n, "tokens_per_request": round(tokens / n),
+            "library_us_per_request": round(lib_s / n * 1e6, 1),
+            "kvpool_us_per_request": round(our_s / n * 1e6, 1),
+            "speed_up": round(lib_s / our_s, 2), "cached_share": round(hit, 3),
+            "cache": ours.cache is not None}
+
+
+def _main(args: argparse.Namespace) -> int:
+    from kvpool.serve.models import resolve_model
+
+    tok = ModelTokenizer(resolve_model(args.model), cache_bytes=0)
+    loads = {"chat": (chat_texts(tok, args.conversations, args.turns, args.message_words),
+                      False),
+             "unique": (unique_texts(args.unique, args.message_words), True)}
+    for name, (texts, add) in loads.items():
+        row = {"load": name, "model": args.model, **measure(args.model, texts, add, args.rounds)}
+        print(json.dumps(row) if args.json else _fmt(row), flush=True)
+    return 0
+
+
+def _fmt(r: dict[str, Any]) -> str:
+    cache = "" if r["cache"] else "  (no cache: this tokenizer's pieces read differently alone)"
+    return (f"{r['load']:<7} {r['requests']:5d} requests, {r['tokens_per_request']:6d} tokens "
+            f"each: library {r['library_us_per_request']:9.1f} us/request, kvpool "
+            f"{r['kvpool_us_per_request']:9.1f} us/request  x{r['speed_up']:.2f}  "
+            f"({100 * r['cached_share']:.0f}% of the tokens looked up){cache}")
