@@ -20,7 +20,6 @@ import json
 import random
 import statistics
 import time
-from collections.abc import Callable
 from typing import Any
 
 from kvpool.serve.tokenizer import ModelTokenizer
@@ -67,9 +66,10 @@ def unique_texts(count: int, words: int) -> list[str]:
     return [f"{i}: {_message(rng, words)}" for i in range(count)]
 
 
-def _timed(encode: Callable[[str], list[int]], texts: list[str]) -> tuple[float, list[list[int]]]:
+def _timed(tok: ModelTokenizer, texts: list[str],
+           add_special_tokens: bool) -> tuple[float, list[list[int]]]:
     start = time.perf_counter()
-    ids = [encode(t) for t in texts]
+    ids = [tok.encode(t, add_special_tokens) for t in texts]
     return time.perf_counter() - start, ids
 
 
@@ -80,24 +80,27 @@ def measure(model: str, texts: list[str], add_special_tokens: bool,
     folder = resolve_model(model)
     anchor = ModelTokenizer(folder, cache_bytes=0)
     took: dict[str, list[float]] = {"library": [], "kvpool": []}
-    hit = 0.0
-    for _ in range(rounds):
-        base_s, want = _timed(lambda t: anchor.encode(t, add_special_tokens), texts)
+    for r in range(rounds):
         ours = ModelTokenizer(folder)  # a cache as a proxy starts with: empty
-        ours_s, got = _timed(lambda t: ours.encode(t, add_special_tokens), texts)
+        for name in ("library", "kvpool") if r % 2 == 0 else ("kvpool", "library"):
+            took_s, ids = _timed(anchor if name == "library" else ours, texts,
+                                 add_special_tokens)
+            took[name].append(took_s)
+            if name == "library":
+                want = ids
+            else:
+                got = ids
         if got != want:
             raise AssertionError("kvpool's tokenizer gave other ids than the library's")
-        took["library"].append(base_s)
-        took["kvpool"].append(ours_s)
-        c = ours.cache
-        hit = c.hit_tokens / max(1, c.hit_tokens + c.miss_tokens) if c is not None else 0.0
+    c = ours.cache
+    hit = c.hit_tokens / max(1, c.hit_tokens + c.miss_tokens) if c is not None else 0.0
     n, tokens = len(texts), sum(len(ids) for ids in want)
     lib_s, our_s = statistics.median(took["library"]), statistics.median(took["kvpool"])
     return {"requests": n, "tokens_per_request": round(tokens / n),
             "library_us_per_request": round(lib_s / n * 1e6, 1),
             "kvpool_us_per_request": round(our_s / n * 1e6, 1),
             "speed_up": round(lib_s / our_s, 2), "cached_share": round(hit, 3),
-            "cache": ours.cache is not None}
+            "cache": c is not None}
 
 
 def _main(args: argparse.Namespace) -> int:
