@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from kvpool.engine.blocks import chain_hash, prefix_block_hashes
+from kvpool.engine.blocks import ChainMemo, chain_hash, prefix_block_hashes
 from kvpool.errors import InvalidArgument
 
 MASK = (1 << 64) - 1
@@ -49,3 +49,23 @@ def test_a_partial_block_has_no_hash_and_a_bad_block_size_is_refused() -> None:
 
 def test_a_root_over_64_bits_is_taken_modulo_as_before() -> None:
     assert prefix_block_hashes([5] * 4, 4, (1 << 64) + 9) == formula([5] * 4, 4, 9)
+
+
+def test_a_memo_gives_the_formulas_hashes_and_looks_up_the_blocks_it_holds() -> None:
+    """Conversations that grow by a turn (each prompt the last one and more), roots of two
+    tenants, and a memo too small for all of them: every chain is the formula's; a prompt's
+    blocks seen just before are looked up, and the memo keeps to its size."""
+    rng = random.Random(5)
+    memo = ChainMemo(200 * ChainMemo.ENTRY_BYTES)
+    roots = [rng.randrange(0, 1 << 64) for _ in range(2)]
+    convs = [[rng.randrange(0, 50_000) for _ in range(40)] for _ in range(6)]
+    for _ in range(8):
+        for conv in convs:
+            conv += [rng.randrange(0, 50_000) for _ in range(rng.randrange(0, 30))]
+            root = roots[len(conv) % 2]
+            assert prefix_block_hashes(conv, 16, root, memo) == formula(conv, 16, root)
+            hits = memo.hits
+            assert prefix_block_hashes(conv, 16, root, memo) == formula(conv, 16, root)
+            assert memo.hits - hits == len(conv) // 16  # the second time: every block
+            assert memo.blocks <= 200
+    assert memo.hits > memo.misses > 0

@@ -60,11 +60,25 @@ def test_tokenize_and_detokenize(proxy: tuple[str, Path], cluster: ServingCluste
     assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
 
 
-def _cache_tokens(url: str, result: str) -> float:
+def _counted(url: str, metric: str, result: str) -> float:
     for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.startswith(f'kvpool_proxy_tokenizer_cache_tokens_total{{result="{result}"}}'):
+        if line.startswith(f'{metric}_total{{result="{result}"}}'):
             return float(line.split()[-1])
-    raise AssertionError("no tokenizer cache metric")
+    raise AssertionError(f"no {metric}")
+
+
+def _cache_tokens(url: str, result: str) -> float:
+    return _counted(url, "kvpool_proxy_tokenizer_cache_tokens", result)
+
+
+def test_a_prompts_blocks_seen_before_are_looked_up_for_their_hashes(
+        proxy: tuple[str, Path]) -> None:
+    url, _ = proxy
+    body = {"model": "served-name", "prompt": "the pool keeps every block " * 20, "max_tokens": 1}
+    assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 200
+    hits = _counted(url, "kvpool_proxy_block_hash_memo_blocks", "hit")
+    assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 200
+    assert _counted(url, "kvpool_proxy_block_hash_memo_blocks", "hit") - hits >= 6
 
 
 def test_a_conversations_earlier_turns_are_looked_up_not_encoded_again(

@@ -18,7 +18,7 @@ _BENCH_MODULES = (
     "kvpool.bench.migration",
     "kvpool.bench.proxy",
     "kvpool.bench.proxy_vllm",
-    "kvpool.bench.tokenize",
+    "kvpool.bench.prompts",
 )
 
 

@@ -68,9 +68,10 @@ def _add_leg_args(p: argparse.ArgumentParser) -> None:
                    help="kvpool workers: one SSE chunk per engine step, even when the worker "
                    "or the proxy fell behind (default: the steps missed go as one chunk); with "
                    "either backend, a stream's chunks are then written together per wake-up")
-    p.add_argument("--tokenizer-cache-mib", type=float, default=_D.tokenizer_cache_mib,
-                   metavar="MIB", help="memory for the prompt pieces the tokenizer remembers "
-                   "(between special tokens: a chat's earlier turns, its system prompt); 0: off")
+    p.add_argument("--prompt-cache-mib", type=float, default=_D.prompt_cache_mib,
+                   metavar="MIB", help="memory for what the proxy remembers of prompts: the "
+                   "token ids of their pieces between special tokens (a chat's earlier turns, "
+                   "its system prompt) and their blocks' hashes; 0: off")
     p.add_argument("--no-read-relay", dest="read_relay", action="store_false",
                    help="every chunk of a stream through the proxy's generators (default: a "
                    "streamed choice of text alone is relayed in the "
@@ -187,7 +188,7 @@ def config_from_args(args: argparse.Namespace) -> ProxyConfig:
         direct_below_tokens=args.direct_below_tokens, stream_interval=args.stream_interval,
         whole_interval=args.whole_interval,
         worker_sse=args.worker_sse, merge_frames=args.merge_frames,
-        read_relay=args.read_relay, tokenizer_cache_mib=args.tokenizer_cache_mib,
+        read_relay=args.read_relay, prompt_cache_mib=args.prompt_cache_mib,
         engine_model=args.engine_model, engine_block_size=args.engine_block_size,
         kv_events=args.kv_events, pool_topic=args.pool_topic,
         pd_pool_wait_s=args.pd_pool_wait_s, hash_algo=args.hash_algo, hash_seed=args.hash_seed,

@@ -65,10 +65,12 @@ class ProxyConfig:
     (GenerateRequest.sse); the proxy makes only the first chunk and the usage chunk. Off by
     default: the worker makes text per engine step where the proxy makes it per read, and it
     cost the emulated worker more than it saved the proxy (docs/serve.md)."""
-    tokenizer_cache_mib: float = 64.0
-    """What the tokenizer's remembered prompt pieces may take (serve/token_cache.py: the
-    pieces between special tokens, a chat's earlier turns and system prompt, are looked up
-    instead of encoded again); 0 = every prompt encoded whole."""
+    prompt_cache_mib: float = 64.0
+    """What the proxy may keep of the prompts it has seen, half for the tokenizer's pieces
+    (serve/token_cache.py: the pieces between special tokens, a chat's earlier turns and
+    system prompt, are looked up instead of encoded again), half for their blocks' hashes
+    (kvpool workers: engine/blocks.py `ChainMemo`); 0 = every prompt encoded and hashed
+    whole."""
     peer_dir: str = ""
     """`kvpool proxy --workers N`: the folder of the processes' booking sockets ("" = one
     process); `peer_index` is this process's, `num_peers` N."""
@@ -146,6 +148,10 @@ class ProxyConfig:
     """A JSON file {process: restarts} kept by the cluster's supervisor (`kvpool up`),
     exported on /metrics as kvpool_up_restarts_total."""
 
+    @property
+    def prompt_cache_bytes(self) -> int:
+        return int(self.prompt_cache_mib * (1 << 20))
+
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
@@ -163,8 +169,8 @@ class ProxyConfig:
                               "one process; run one proxy process to consume KV events")
         if self.pd_pool_wait_s < 0:
             raise ConfigError(f"pd_pool_wait_s must be >= 0, got {self.pd_pool_wait_s}")
-        if self.tokenizer_cache_mib < 0:
-            raise ConfigError(f"tokenizer_cache_mib must be >= 0, got {self.tokenizer_cache_mib}")
+        if self.prompt_cache_mib < 0:
+            raise ConfigError(f"prompt_cache_mib must be >= 0, got {self.prompt_cache_mib}")
         if self.direct_below_tokens < 0:
             raise ConfigError(f"direct_below_tokens must be >= 0, got {self.direct_below_tokens}")
         if self.stream_interval is not None and not \

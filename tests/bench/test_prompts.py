@@ -1,4 +1,5 @@
-"""`kvpool bench tokenize`: its rows, each request's ids checked against the library's."""
+"""`kvpool bench prompts`: its rows, each request's ids and hashes checked against the
+library's and the chain's."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.bench import tokenize
+from kvpool.bench import prompts
 from kvpool.cli.main import main
 from kvpool.serve.launch import ensure_tiny_model
 from kvpool.serve.tokenizer import ModelTokenizer
@@ -20,7 +21,7 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_a_short_run_prints_a_row_per_load(tiny_model: Path, capsys: pytest.CaptureFixture[str]
                                            ) -> None:
-    assert main(["bench", "tokenize", "--model", str(tiny_model), "--conversations", "2",
+    assert main(["bench", "prompts", "--model", str(tiny_model), "--conversations", "2",
                  "--turns", "4", "--message-words", "30", "--unique", "20", "--rounds", "1",
                  "--json"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
@@ -28,11 +29,12 @@ def test_a_short_run_prints_a_row_per_load(tiny_model: Path, capsys: pytest.Capt
     assert (chat["load"], chat["requests"], unique["load"], unique["requests"]) == \
         ("chat", 8, "unique", 20)
     assert chat["cache"] and chat["cached_share"] > 0.5 and unique["cached_share"] == 0
+    assert chat["blocks_looked_up"] > 0.5 and unique["blocks_looked_up"] == 0
 
 
 def test_a_conversation_grows_a_turn_per_request(tiny_model: Path) -> None:
     tok = ModelTokenizer(tiny_model, cache_bytes=0)
-    texts = tokenize.chat_texts(tok, 2, 3, 5)
+    texts = prompts.chat_texts(tok, 2, 3, 5)
     assert len(texts) == 6
     for a, b in zip(texts, texts[2:], strict=False):  # each conversation's next request
         assert b.startswith(a[:a.rindex("<|im_start|>assistant")])

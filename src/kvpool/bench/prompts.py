@@ -1,7 +1,8 @@
-"""`kvpool bench tokenize`: what the proxy's tokenizer costs per request: kvpool's
-(`ModelTokenizer`, which remembers the pieces of prompts between special tokens,
-serve/token_cache.py) beside the `tokenizers` library encoding each prompt whole (the anchor:
-the same tokenizer with the cache off), in the same run, on the same prompts:
+"""`kvpool bench prompts`: what a prompt costs the proxy before it is scheduled (its token ids
+and its blocks' hashes): kvpool's way (`ModelTokenizer`, which remembers the pieces of prompts
+between special tokens, serve/token_cache.py; the blocks' hashes through a `ChainMemo`) beside
+the `tokenizers` library encoding each prompt whole and every block hashed (the anchor: the
+same tokenizer and chain with nothing remembered), in the same run, on the same prompts:
 
     chat     conversations that grow a turn at a time, each request the whole conversation
              so far as the chat API sends it (the turns sent before are looked up), the
@@ -9,7 +10,7 @@ the same tokenizer with the cache off), in the same run, on the same prompts:
     unique   completion prompts that no request repeats (every piece missed: what the cache
              costs where it cannot help)
 
-Every request's ids are checked against the anchor's; the rounds alternate the two and the
+Every request's ids and hashes are checked against the anchor's; the rounds alternate the two and the
 figures are each one's median over them.
 """
 
@@ -22,7 +23,12 @@ import statistics
 import time
 from typing import Any
 
-from kvpool.serve.tokenizer import ModelTokenizer
+from kvpool.engine.blocks import ChainMemo, prefix_block_hashes
+from kvpool.serve.tokenizer import DEFAULT_CACHE_BYTES, ModelTokenizer
+
+BLOCK_SIZE = 16
+ROOT = 0x6B76706F6F6C
+"""The chain's root (a model identity's stands in: any 64-bit value costs the same)."""
 
 _WORDS = ("the pool keeps every block of the cache so that a prefix computed once is reused "
           "by any instance of the cluster while the conductor picks where each request runs "
@@ -31,8 +37,8 @@ _WORDS = ("the pool keeps every block of the cache so that a prefix computed onc
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("tokenize", help="the proxy's tokenizer per request, with its "
-                              "cache of prompt pieces, beside the library encoding each whole")
+    p = subparsers.add_parser("prompts", help="a prompt's ids and block hashes on the proxy, "
+                              "its pieces remembered, beside the library encoding each whole")
     p.add_argument("--model", default="tiny", help="tiny, smollm2 or a model folder")
     p.add_argument("--conversations", type=int, default=8)
     p.add_argument("--turns", type=int, default=16, help="requests per conversation")
@@ -66,11 +72,14 @@ def unique_texts(count: int, words: int) -> list[str]:
     return [f"{i}: {_message(rng, words)}" for i in range(count)]
 
 
-def _timed(tok: ModelTokenizer, texts: list[str],
-           add_special_tokens: bool) -> tuple[float, list[list[int]]]:
+def _timed(tok: ModelTokenizer, memo: ChainMemo | None, texts: list[str],
+           add_special_tokens: bool) -> tuple[float, list[tuple[list[int], list[int]]]]:
     start = time.perf_counter()
-    ids = [tok.encode(t, add_special_tokens) for t in texts]
-    return time.perf_counter() - start, ids
+    out = []
+    for t in texts:
+        ids = tok.encode(t, add_special_tokens)
+        out.append((ids, prefix_block_hashes(ids, BLOCK_SIZE, ROOT, memo)))
+    return time.perf_counter() - start, out
 
 
 def measure(model: str, texts: list[str], add_special_tokens: bool,
@@ -82,24 +91,26 @@ def measure(model: str, texts: list[str], add_special_tokens: bool,
     took: dict[str, list[float]] = {"library": [], "kvpool": []}
     for r in range(rounds):
         ours = ModelTokenizer(folder)  # a cache as a proxy starts with: empty
+        memo = ChainMemo(DEFAULT_CACHE_BYTES)
         for name in ("library", "kvpool") if r % 2 == 0 else ("kvpool", "library"):
-            took_s, ids = _timed(anchor if name == "library" else ours, texts,
-                                 add_special_tokens)
+            took_s, ids = _timed(anchor, None, texts, add_special_tokens) if name == "library" \
+                else _timed(ours, memo, texts, add_special_tokens)
             took[name].append(took_s)
             if name == "library":
                 want = ids
             else:
                 got = ids
         if got != want:
-            raise AssertionError("kvpool's tokenizer gave other ids than the library's")
+            raise AssertionError("kvpool gave other ids or hashes than the library and chain")
     c = ours.cache
     hit = c.hit_tokens / max(1, c.hit_tokens + c.miss_tokens) if c is not None else 0.0
-    n, tokens = len(texts), sum(len(ids) for ids in want)
+    n, tokens = len(texts), sum(len(ids) for ids, _ in want)
     lib_s, our_s = statistics.median(took["library"]), statistics.median(took["kvpool"])
     return {"requests": n, "tokens_per_request": round(tokens / n),
             "library_us_per_request": round(lib_s / n * 1e6, 1),
             "kvpool_us_per_request": round(our_s / n * 1e6, 1),
             "speed_up": round(lib_s / our_s, 2), "cached_share": round(hit, 3),
+            "blocks_looked_up": round(memo.hits / max(1, memo.hits + memo.misses), 3),
             "cache": c is not None}
 
 
