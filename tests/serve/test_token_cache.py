@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from kvpool.serve.token_cache import PieceCache, checked
 from kvpool.serve.tokenizer import ModelTokenizer
@@ -81,6 +81,9 @@ def _trained(folder: Path, scheme: str) -> Path:
     tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme=scheme)
     corpus = ["the pool keeps every block", "a prefix computed once", "été 中文 12345"] * 20
     tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=120, special_tokens=SPECIALS))
+    # an added token that is no special token, and that begins before a special one begins:
+    # the library takes the leftmost match, the longest first, and so must the cache's cuts
+    tok.add_tokens([AddedToken("x<|im", normalized=False)])
     folder.mkdir()
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({}))
@@ -101,6 +104,9 @@ def test_a_tokenizer_whose_pieces_read_differently_alone_gets_no_cache(
     assert (ours.cache is not None) is cached
     rng = random.Random(3)
     texts = [_random_text(rng, SPECIALS) for _ in range(200)]
+    texts += [t.replace("<|im_", "x<|im_", 1) for t in texts]
+    added = ref.token_to_id("x<|im")
+    assert any(added in ref.encode(t).ids for t in texts)
     _assert_exact(ours, ref, texts)
     _assert_exact(ours, ref, texts)
 

@@ -67,8 +67,10 @@ class ModelTokenizer:
         tok = self._tok
         if getattr(tok.model, "dropout", None):  # sampled merges: no text has one answer
             return None, None
+        # the added tokens the library cuts a text at before its normalizer reads it (special
+        # or not, leftmost and longest first, as the cache's split)
         specials = {t.content: i for i, t in tok.get_added_tokens_decoder().items()
-                    if t.special and not (t.lstrip or t.rstrip or t.single_word or t.normalized)}
+                    if not (t.lstrip or t.rstrip or t.single_word or t.normalized)}
         cache = PieceCache(self._encode_many, specials, budget)
         exact, edges = checked(cache, self._whole, list(specials))
         if not exact:
