@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 import threading
 from pathlib import Path
 
 import pytest
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from kvpool.serve.token_cache import PieceCache, checked
+from kvpool.serve.token_cache import ENTRY_BYTES, PieceCache, checked
 from kvpool.serve.tokenizer import ModelTokenizer
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
@@ -146,11 +147,12 @@ def test_the_cache_keeps_to_its_budget_least_recently_used_first() -> None:
         return _fake_encode(texts)
 
     cache = PieceCache(encode, {"|": 0}, budget_bytes=4000)
-    pieces = [f"piece {i:03d} " * 4 for i in range(30)]  # 40 characters, 320 bytes each
+    pieces = [f"piece {i:03d} " * 4 for i in range(30)]  # 40 characters, 160 bytes of ids
+    cost = sys.getsizeof(pieces[0]) + 4 * 40 + ENTRY_BYTES
     for p in pieces:
         assert cache.ids(p) == [ord(c) for c in p]
     assert cache.size_bytes <= 4000 and cache.evicted == 30 - cache.entries
-    assert cache.entries == 4000 // (40 + 4 * 40 + 120)
+    assert cache.entries == 4000 // cost
     calls.clear()
     assert cache.ids(pieces[-1]) == [ord(c) for c in pieces[-1]] and not calls  # kept
     assert cache.ids(pieces[0]) == [ord(c) for c in pieces[0]] and calls == [[pieces[0]]]

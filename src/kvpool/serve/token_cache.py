@@ -19,6 +19,7 @@ first piece, BPE dropout).
 from __future__ import annotations
 
 import re
+import sys
 import threading
 from array import array
 from collections import OrderedDict
@@ -27,8 +28,8 @@ from collections.abc import Callable, Mapping
 EncodeMany = Callable[[list[str]], list[list[int]]]
 """Each text's ids, without the post-processor's tokens (one call for every missed piece)."""
 
-ENTRY_BYTES = 120
-"""What an entry costs beyond its text and ids (the dict slot, the key and array objects)."""
+ENTRY_BYTES = 150
+"""What an entry costs beyond its text and ids (the dict slot and the array object)."""
 MAX_ENTRY_SHARE = 8
 """A piece bigger than 1/8 of the budget is encoded every time, not kept."""
 
@@ -129,7 +130,8 @@ class PieceCache:
 
 
 def _cost(piece: str, ids: array[int]) -> int:
-    return len(piece) + ids.itemsize * len(ids) + ENTRY_BYTES
+    """The text as stored (1, 2 or 4 bytes a character), the ids, and the entry."""
+    return sys.getsizeof(piece) + ids.itemsize * len(ids) + ENTRY_BYTES
 
 
 Whole = Callable[[str, bool], list[int]]
