@@ -69,3 +69,22 @@ def test_a_memo_gives_the_formulas_hashes_and_looks_up_the_blocks_it_holds() -> 
             assert memo.hits - hits == len(conv) // 16  # the second time: every block
             assert memo.blocks <= 200
     assert memo.hits > memo.misses > 0
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_a_memo_keeps_to_its_budget_whatever_the_block_size(block_size: int) -> None:
+    """What the memo holds, as tracemalloc counts it, stays within its budget: a block's
+    tokens are counted, not only a fixed cost per block."""
+    import tracemalloc
+
+    rng = random.Random(2)
+    tokens = [rng.randrange(0, 1 << 17) for _ in range(block_size * 12_000)]
+    tracemalloc.start()
+    try:
+        memo = ChainMemo(2_000_000)
+        prefix_block_hashes(tokens, block_size, 9, memo)
+        held, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert memo.size_bytes <= 2_000_000 and held <= 1.1 * 2_000_000
+    assert memo.blocks < 12_000  # some let go

@@ -112,6 +112,28 @@ def test_a_tokenizer_whose_pieces_read_differently_alone_gets_no_cache(
     _assert_exact(ours, ref, texts)
 
 
+@pytest.mark.parametrize("flag", ["lstrip", "rstrip", "single_word", "truncation"])
+def test_a_tokenizer_that_looks_past_a_pieces_edge_gets_no_cache(tmp_path: Path,
+                                                                 flag: str) -> None:
+    """An added token that takes the spaces around it or needs a whole word is matched on the
+    whole text (at "hiUser", a whole-word "hi" is no match: "U" follows), and a text cut to a
+    length is cut whole: such tokenizers encode every prompt whole."""
+    folder = _trained(tmp_path / "t", "always")
+    tok = _reference(folder)
+    if flag == "truncation":
+        tok.enable_truncation(64)
+    else:
+        tok.add_special_tokens([AddedToken("User", normalized=False)])
+        tok.add_tokens([AddedToken("hi", normalized=False, **{flag: True})])
+    tok.save(str(folder / "tokenizer.json"))
+    ours, ref = ModelTokenizer(folder), _reference(folder)
+    assert ours.cache is None
+    rng = random.Random(5)
+    texts = ["hiUser", "say hiUser: ok", " hi User hi", "Userhi  hi"]
+    texts += [_random_text(rng, [*SPECIALS, "User", "hi"], 120) for _ in range(50)]
+    _assert_exact(ours, ref, texts)
+
+
 def test_threads_encoding_at_once_get_the_librarys_ids(tiny_model: Path) -> None:
     ours, ref = ModelTokenizer(tiny_model, cache_bytes=64 << 10), _reference(tiny_model)
     rng = random.Random(11)

@@ -91,11 +91,13 @@ class ChainMemo:
     hashes are then looked up (about a quarter of computing them) instead of computed. The
     values are those of `_chained` for the same inputs."""
 
-    ENTRY_BYTES = 400
-    """About what one remembered block takes (its key's tuple, int and bytes, the value)."""
+    ENTRY_BYTES = 270
+    """About what one remembered block takes beyond its tokens' bytes (the dict slot, the
+    key's tuple, its int and bytes object, the value)."""
 
     def __init__(self, budget_bytes: int) -> None:
-        self.max_blocks = max(1, budget_bytes // self.ENTRY_BYTES)
+        self.budget_bytes = budget_bytes
+        self.size_bytes = 0
         self._hashes: OrderedDict[tuple[int, bytes], int] = OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0
@@ -116,8 +118,9 @@ class ChainMemo:
                 if h is None:
                     h = held[key] = _chained(parent, key[1])
                     self.misses += 1
-                    if len(held) > self.max_blocks:
-                        held.popitem(last=False)
+                    self.size_bytes += step + self.ENTRY_BYTES
+                    while self.size_bytes > self.budget_bytes and held:
+                        self.size_bytes -= len(held.popitem(last=False)[0][1]) + self.ENTRY_BYTES
                 else:
                     held.move_to_end(key)
                     self.hits += 1

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,21 @@ _FALLBACK_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}")
 """Used when the model folder has no chat template: plain `role: content` lines."""
+
+
+def _no_cache_reason(tok: Any, added: Iterable[Any]) -> str | None:
+    """Why this tokenizer's prompts must be encoded whole, if they must: a piece read alone
+    would not read as in the whole text (an added token that takes the spaces around it or
+    needs a whole word looks past a piece's edge), a whole text is cut or padded to a length,
+    or merges are sampled."""
+    if getattr(tok.model, "dropout", None):
+        return "BPE dropout samples its merges"
+    if tok.truncation or tok.padding:
+        return "the tokenizer truncates or pads to a length"
+    flagged = [t.content for t in added if t.lstrip or t.rstrip or t.single_word]
+    if flagged:
+        return f"added tokens with lstrip, rstrip or single_word ({', '.join(flagged[:3])})"
+    return None
 
 
 def _token_text(value: Any) -> str | None:
@@ -65,12 +80,14 @@ class ModelTokenizer:
 
     def _piece_cache(self, budget: int) -> tuple[PieceCache | None, Edges | None]:
         tok = self._tok
-        if getattr(tok.model, "dropout", None):  # sampled merges: no text has one answer
+        added = tok.get_added_tokens_decoder()
+        why = _no_cache_reason(tok, added.values())
+        if why is not None:
+            log.info("prompts are encoded whole, without a cache: %s", why)
             return None, None
         # the added tokens the library cuts a text at before its normalizer reads it (special
         # or not, leftmost and longest first, as the cache's split)
-        specials = {t.content: i for i, t in tok.get_added_tokens_decoder().items()
-                    if not (t.lstrip or t.rstrip or t.single_word or t.normalized)}
+        specials = {t.content: i for i, t in added.items() if not t.normalized}
         cache = PieceCache(self._encode_many, specials, budget)
         exact, edges = checked(cache, self._whole, list(specials))
         if not exact:
