@@ -255,3 +255,32 @@ def test_on_httptools_a_client_gone_ends_the_stream_without_a_watcher_task() -> 
     assert short_gone == "False" and after == f"tasks {before}"
     # the endless one: its generator closed, then on_close told the client went
     assert events[2] == "closed" and events[3].split()[:2] == ["on_close", "True"]
+
+
+def test_a_client_gone_with_a_request_pipelined_behind_its_stream_ends_the_stream() -> None:
+    """uvicorn marks a lost connection on its newest request only: with a second request
+    pipelined behind a stream, the stream itself is told all the same (its generator closes,
+    `on_close(True)`)."""
+    events: list[str] = []
+
+    async def endless() -> AsyncIterator[bytes]:
+        try:
+            while True:
+                yield b"x"
+                await asyncio.sleep(0.01)
+        finally:
+            events.append("closed")
+
+    async def app(scope: dict, receive: object, send: object) -> None:  # type: ignore[type-arg]
+        stream = EventStream(endless())
+        stream.on_close = lambda gone: events.append(f"on_close {gone}")
+        await stream(scope, receive, send)
+
+    with _serving(HttpLimits(idle_timeout_s=30), app) as port:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.sendall(_post_head(0) + _post_head(0))  # the second waits behind the first
+            assert s.recv(4096).startswith(b"HTTP/1.1 200")
+        deadline = time.monotonic() + 2
+        while "on_close True" not in events and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert events == ["closed", "on_close True"]

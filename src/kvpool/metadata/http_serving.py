@@ -228,8 +228,15 @@ if HttpToolsProtocol is not None:
         def connection_lost(self, exc: Exception | None) -> None:
             watch, self.lost_watch = self.lost_watch, None
             super().connection_lost(exc)
-            if watch is not None and watch[0] is self.cycle and watch[0].disconnected:
-                watch[1]()
+            if watch is None:
+                return
+            cycle, callback = watch
+            if not cycle.response_complete:
+                # uvicorn marks only its newest cycle; with a request pipelined behind this
+                # one, that is the queued request's, and this response would go on writing
+                cycle.disconnected = True
+                cycle.message_event.set()
+                callback()
 
 
 def fast_stack() -> tuple[str, bool]:
