@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from kvpool.engine.blocks import ChainMemo, chain_hash, prefix_block_hashes
+from kvpool.engine.blocks import chain_hash, prefix_block_hashes
 from kvpool.errors import InvalidArgument
 
 MASK = (1 << 64) - 1
@@ -49,42 +49,3 @@ def test_a_partial_block_has_no_hash_and_a_bad_block_size_is_refused() -> None:
 
 def test_a_root_over_64_bits_is_taken_modulo_as_before() -> None:
     assert prefix_block_hashes([5] * 4, 4, (1 << 64) + 9) == formula([5] * 4, 4, 9)
-
-
-def test_a_memo_gives_the_formulas_hashes_and_looks_up_the_blocks_it_holds() -> None:
-    """Conversations that grow by a turn (each prompt the last one and more), roots of two
-    tenants, and a memo too small for all of them: every chain is the formula's; a prompt's
-    blocks seen just before are looked up, and the memo keeps to its size."""
-    rng = random.Random(5)
-    memo = ChainMemo(200 * ChainMemo.ENTRY_BYTES)
-    roots = [rng.randrange(0, 1 << 64) for _ in range(2)]
-    convs = [[rng.randrange(0, 50_000) for _ in range(40)] for _ in range(6)]
-    for _ in range(8):
-        for conv in convs:
-            conv += [rng.randrange(0, 50_000) for _ in range(rng.randrange(0, 30))]
-            root = roots[len(conv) % 2]
-            assert prefix_block_hashes(conv, 16, root, memo) == formula(conv, 16, root)
-            hits = memo.hits
-            assert prefix_block_hashes(conv, 16, root, memo) == formula(conv, 16, root)
-            assert memo.hits - hits == len(conv) // 16  # the second time: every block
-            assert memo.blocks <= 200
-    assert memo.hits > memo.misses > 0
-
-
-@pytest.mark.parametrize("block_size", [16, 256])
-def test_a_memo_keeps_to_its_budget_whatever_the_block_size(block_size: int) -> None:
-    """What the memo holds, as tracemalloc counts it, stays within its budget: a block's
-    tokens are counted, not only a fixed cost per block."""
-    import tracemalloc
-
-    rng = random.Random(2)
-    tokens = [rng.randrange(0, 1 << 17) for _ in range(block_size * 12_000)]
-    tracemalloc.start()
-    try:
-        memo = ChainMemo(2_000_000)
-        prefix_block_hashes(tokens, block_size, 9, memo)
-        held, _ = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert memo.size_bytes <= 2_000_000 and held <= 1.1 * 2_000_000
-    assert memo.blocks < 12_000  # some let go

@@ -45,6 +45,30 @@ def test_every_recorded_block_hash_is_computed_equal(algo: str) -> None:
     assert DATA["produced_by"]["vllm_version"] == "0.32.0"
 
 
+def test_a_memo_gives_vllms_recorded_hashes_and_looks_up_the_blocks_it_holds() -> None:
+    """sha256_cbor: each recorded case hashed twice through one hasher with a memo (the second
+    time from it), and a memo too small to hold them all: every digest is vLLM's. sha256
+    (pickle) costs about what a lookup does: no memo."""
+    algo = "sha256_cbor"
+    assert BlockHasher("sha256", 16, memo_bytes=1 << 20).memo is None
+    for memo_bytes in (1 << 24, 40_000):
+        hashers: dict[tuple[int, str], BlockHasher] = {}
+        for case in [c for c in DATA["cases"] if c["algo"] == algo] * 2:
+            key = (case["block_size"], case["hash_seed"])
+            hasher = hashers.setdefault(key, BlockHasher(algo, *key, memo_bytes=memo_bytes))
+            tokens = DATA["prompts"][case["prompt"]]
+            extra = extra_keys_for(case["extra_keys"], len(tokens) // case["block_size"])
+            assert [d.hex() for d in hasher.digests(tokens, extra)] == case["hashes_hex"]
+        memos = [h.memo for h in hashers.values()]
+        assert all(m is not None and m.size_bytes <= memo_bytes for m in memos)
+        hits = sum(h.memo_hits for h in hashers.values())
+        misses = sum(h.memo_misses for h in hashers.values())
+        if memo_bytes > 1 << 20:  # the second pass all looked up
+            assert hits >= misses > 0
+        else:  # blocks let go for room
+            assert sum(m.evicted for m in memos if m is not None) > 0
+
+
 def test_bytes_form_and_partial_blocks() -> None:
     hasher = BlockHasher("sha256", 4, int_hashes=False)
     digests = hasher.digests(list(range(11)))

@@ -71,31 +71,6 @@ def _cache_tokens(url: str, result: str) -> float:
     return _counted(url, "kvpool_proxy_tokenizer_cache_tokens", result)
 
 
-def test_a_prompts_blocks_seen_before_are_looked_up_for_their_hashes(
-        proxy: tuple[str, Path]) -> None:
-    url, _ = proxy
-    body = {"model": "served-name", "prompt": "the pool keeps every block " * 20, "max_tokens": 1}
-    assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 200
-    hits = _counted(url, "kvpool_proxy_block_hash_memo_blocks", "hit")
-    assert httpx.post(url + "/v1/completions", json=body, timeout=30).status_code == 200
-    assert _counted(url, "kvpool_proxy_block_hash_memo_blocks", "hit") - hits >= 6
-
-
-def test_a_conversations_earlier_turns_are_looked_up_not_encoded_again(
-        proxy: tuple[str, Path], cluster: ServingCluster) -> None:
-    url, _ = proxy
-    tok = ModelTokenizer(cluster.model_dir, cache_bytes=0)
-    turns = [{"role": "system", "content": "You keep the pool, block by block. " * 20},
-             {"role": "user", "content": "What does a prefix cost the second time? " * 10}]
-    first = httpx.post(url + "/tokenize", json={"messages": turns}).json()["tokens"]
-    hits = _cache_tokens(url, "hit")
-    turns += [{"role": "assistant", "content": "Almost nothing."},
-              {"role": "user", "content": "And a third?"}]
-    second = httpx.post(url + "/tokenize", json={"messages": turns}).json()["tokens"]
-    assert first == tok.encode_chat(turns[:2]) and second == tok.encode_chat(turns)
-    assert _cache_tokens(url, "hit") - hits >= len(first) - 10  # the first two turns' pieces
-
-
 def test_a_text_longer_than_the_context_could_hold_is_refused_before_tokenizing(
         proxy: tuple[str, Path]) -> None:
     """A prompt over 32 characters per context token is a 400 at once (tokenizing megabytes

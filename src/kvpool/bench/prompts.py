@@ -1,8 +1,9 @@
 """`kvpool bench prompts`: what a prompt costs the proxy before it is scheduled (its token ids
 and its blocks' hashes): kvpool's way (`ModelTokenizer`, which remembers the pieces of prompts
-between special tokens, serve/token_cache.py; the blocks' hashes through a `ChainMemo`) beside
-the `tokenizers` library encoding each prompt whole and every block hashed (the anchor: the
-same tokenizer and chain with nothing remembered), in the same run, on the same prompts:
+between special tokens, serve/token_cache.py; vLLM's sha256_cbor chain through its memo,
+kvevents/hashing.py) beside the `tokenizers` library encoding each prompt whole and every block
+hashed (the anchor: the same tokenizer and chain with nothing remembered), in the same run, on
+the same prompts:
 
     chat     conversations that grow a turn at a time, each request the whole conversation
              so far as the chat API sends it (the turns sent before are looked up), the
@@ -23,7 +24,8 @@ import statistics
 import time
 from typing import Any
 
-from kvpool.engine.blocks import ChainMemo, prefix_block_hashes
+from kvpool.engine.blocks import prefix_block_hashes
+from kvpool.kvevents.hashing import BlockHasher
 from kvpool.serve.tokenizer import DEFAULT_CACHE_BYTES, ModelTokenizer
 
 BLOCK_SIZE = 16
@@ -44,6 +46,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--turns", type=int, default=16, help="requests per conversation")
     p.add_argument("--message-words", type=int, default=150, help="words per message")
     p.add_argument("--unique", type=int, default=400, help="unique completion prompts")
+    p.add_argument("--chain", choices=CHAINS, default="kvpool",
+                   help="the blocks' hashes: kvpool workers' chain, or vLLM's (its "
+                   "--prefix-caching-hash-algo) as the proxy computes it for KV events")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--json", action="store_true", help="one JSON object per row")
     p.set_defaults(func=_main)
@@ -72,18 +77,42 @@ def unique_texts(count: int, words: int) -> list[str]:
     return [f"{i}: {_message(rng, words)}" for i in range(count)]
 
 
-def _timed(tok: ModelTokenizer, memo: ChainMemo | None, texts: list[str],
-           add_special_tokens: bool) -> tuple[float, list[tuple[list[int], list[int]]]]:
+CHAINS = ("kvpool", "sha256", "sha256_cbor")
+
+
+class Chain:
+    """A prompt's blocks' hashes as the proxy makes them for one backend: kvpool's chain
+    (never remembered: a lookup costs about what a block's hash does), or vLLM's (a
+    `BlockHasher`, whose sha256_cbor chain is remembered unless `memo_bytes` is 0)."""
+
+    def __init__(self, kind: str, memo_bytes: int) -> None:
+        self._hasher = None if kind == "kvpool" else \
+            BlockHasher(kind, BLOCK_SIZE, memo_bytes=memo_bytes)  # type: ignore[arg-type]
+
+    def __call__(self, ids: list[int]) -> list[Any]:
+        if self._hasher is not None:
+            return self._hasher.block_hashes(ids)
+        return prefix_block_hashes(ids, BLOCK_SIZE, ROOT)
+
+    def looked_up(self) -> float:
+        """The share of blocks whose hash was looked up."""
+        h = self._hasher
+        hits, misses = (h.memo_hits, h.memo_misses) if h is not None else (0, 0)
+        return hits / max(1, hits + misses)
+
+
+def _timed(tok: ModelTokenizer, chain: Chain, texts: list[str],
+           add_special_tokens: bool) -> tuple[float, list[tuple[list[int], list[Any]]]]:
     start = time.perf_counter()
     out = []
     for t in texts:
         ids = tok.encode(t, add_special_tokens)
-        out.append((ids, prefix_block_hashes(ids, BLOCK_SIZE, ROOT, memo)))
+        out.append((ids, chain(ids)))
     return time.perf_counter() - start, out
 
 
 def measure(model: str, texts: list[str], add_special_tokens: bool,
-            rounds: int) -> dict[str, Any]:
+            rounds: int, chain: str = "kvpool") -> dict[str, Any]:
     from kvpool.serve.models import resolve_model
 
     folder = resolve_model(model)
@@ -91,10 +120,10 @@ def measure(model: str, texts: list[str], add_special_tokens: bool,
     took: dict[str, list[float]] = {"library": [], "kvpool": []}
     for r in range(rounds):
         ours = ModelTokenizer(folder)  # a cache as a proxy starts with: empty
-        memo = ChainMemo(DEFAULT_CACHE_BYTES)
+        memo = Chain(chain, DEFAULT_CACHE_BYTES)
         for name in ("library", "kvpool") if r % 2 == 0 else ("kvpool", "library"):
-            took_s, ids = _timed(anchor, None, texts, add_special_tokens) if name == "library" \
-                else _timed(ours, memo, texts, add_special_tokens)
+            took_s, ids = _timed(anchor, Chain(chain, 0), texts, add_special_tokens) \
+                if name == "library" else _timed(ours, memo, texts, add_special_tokens)
             took[name].append(took_s)
             if name == "library":
                 want = ids
@@ -110,8 +139,7 @@ def measure(model: str, texts: list[str], add_special_tokens: bool,
             "library_us_per_request": round(lib_s / n * 1e6, 1),
             "kvpool_us_per_request": round(our_s / n * 1e6, 1),
             "speed_up": round(lib_s / our_s, 2), "cached_share": round(hit, 3),
-            "blocks_looked_up": round(memo.hits / max(1, memo.hits + memo.misses), 3),
-            "cache": c is not None}
+            "blocks_looked_up": round(memo.looked_up(), 3), "cache": c is not None}
 
 
 def _main(args: argparse.Namespace) -> int:
@@ -122,14 +150,15 @@ def _main(args: argparse.Namespace) -> int:
                       False),
              "unique": (unique_texts(args.unique, args.message_words), True)}
     for name, (texts, add) in loads.items():
-        row = {"load": name, "model": args.model, **measure(args.model, texts, add, args.rounds)}
+        row = {"load": name, "model": args.model, "chain": args.chain,
+               **measure(args.model, texts, add, args.rounds, args.chain)}
         print(json.dumps(row) if args.json else _fmt(row), flush=True)
     return 0
 
 
 def _fmt(r: dict[str, Any]) -> str:
     cache = "" if r["cache"] else "  (no cache: this tokenizer's pieces read differently alone)"
-    return (f"{r['load']:<7} {r['requests']:5d} requests, {r['tokens_per_request']:6d} tokens "
+    return (f"{r['load']:<7} {r['chain']:<11} {r['requests']:5d} requests, {r['tokens_per_request']:6d} tokens "
             f"each: library {r['library_us_per_request']:9.1f} us/request, kvpool "
             f"{r['kvpool_us_per_request']:9.1f} us/request  x{r['speed_up']:.2f}  "
             f"({100 * r['cached_share']:.0f}% of the tokens looked up){cache}")

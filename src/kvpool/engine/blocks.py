@@ -15,8 +15,6 @@ they are; the store keys an object by `block_key(h)`.
 from __future__ import annotations
 
 import hashlib
-import threading
-from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
@@ -61,72 +59,23 @@ def _chained(parent: int, block: bytes | memoryview) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def prefix_block_hashes(token_ids: Sequence[int], block_size: int, root: int,
-                        memo: ChainMemo | None = None) -> list[int]:
+def prefix_block_hashes(token_ids: Sequence[int], block_size: int, root: int) -> list[int]:
     """One hash per full block of `token_ids`, each chained on the one before it. The tokens
     are made bytes once, not once per block (a long prompt's chain is on the proxy's path of
-    every request: about 1.5x faster from 2,048 tokens on, docs/serve.md); with `memo`, the
-    blocks it holds are looked up."""
+    every request: about 1.5x faster from 2,048 tokens on, docs/serve.md)."""
     if block_size <= 0:
         raise InvalidArgument(f"block_size must be positive, got {block_size}")
     n = len(token_ids) // block_size * block_size
     if not n:
         return []
-    raw = np.asarray(token_ids[:n], dtype=np.int64).tobytes()
+    data = memoryview(np.asarray(token_ids[:n], dtype=np.int64).tobytes())
     step = block_size * 8
-    if memo is not None:
-        return memo.chain(root, raw, step)
-    data = memoryview(raw)
     hashes: list[int] = []
     parent = root
     for start in range(0, n * 8, step):
         parent = _chained(parent, data[start:start + step])
         hashes.append(parent)
     return hashes
-
-
-class ChainMemo:
-    """Block hashes remembered by their parent's hash and their tokens, the least recently
-    used let go first: a conversation's next prompt repeats the blocks of its last, whose
-    hashes are then looked up (about a quarter of computing them) instead of computed. The
-    values are those of `_chained` for the same inputs."""
-
-    ENTRY_BYTES = 270
-    """About what one remembered block takes beyond its tokens' bytes (the dict slot, the
-    key's tuple, its int and bytes object, the value)."""
-
-    def __init__(self, budget_bytes: int) -> None:
-        self.budget_bytes = budget_bytes
-        self.size_bytes = 0
-        self._hashes: OrderedDict[tuple[int, bytes], int] = OrderedDict()
-        self._lock = threading.Lock()
-        self.hits = 0
-        self.misses = 0
-
-    @property
-    def blocks(self) -> int:
-        return len(self._hashes)
-
-    def chain(self, parent: int, data: bytes, step: int) -> list[int]:
-        """The chain of `data`'s blocks of `step` bytes from `parent`."""
-        out: list[int] = []
-        held = self._hashes
-        with self._lock:
-            for start in range(0, len(data), step):
-                key = (parent, data[start:start + step])
-                h = held.get(key)
-                if h is None:
-                    h = held[key] = _chained(parent, key[1])
-                    self.misses += 1
-                    self.size_bytes += step + self.ENTRY_BYTES
-                    while self.size_bytes > self.budget_bytes and held:
-                        self.size_bytes -= len(held.popitem(last=False)[0][1]) + self.ENTRY_BYTES
-                else:
-                    held.move_to_end(key)
-                    self.hits += 1
-                out.append(h)
-                parent = h
-        return out
 
 
 def block_key(block_hash: int, layer: int | None = None) -> str:

@@ -93,7 +93,7 @@ class Proxy:
         self.clock = clock or MonotonicClock()
         access.enable(config.access_log)
         self.model_name = config.model_name or served_name(Path(config.model_dir))
-        self.tokenizer = ModelTokenizer(config.model_dir, config.prompt_cache_bytes // 2)
+        self.tokenizer = ModelTokenizer(config.model_dir, config.prompt_cache_bytes)
         self.context_len = _config_context_len(Path(config.model_dir))
         cost = load_cost_model(config.cost_path) if config.cost_path else CostModel()
         self.cluster = LiveCluster(cost, self.clock, config.dead_after_failures,
@@ -107,7 +107,8 @@ class Proxy:
         self.poller = Poller(self.cluster, self.client, config.poll_interval_s)
         self.loop_poll = LoopPoller(config.loop_poll_us, self.cluster, LOOP_POLL_MAX_IN_FLIGHT)
         self.metrics.watch_loop_poll(self.loop_poll)
-        self.metrics.watch_prompts(self.tokenizer.cache, getattr(self.client, "chain_memo", None))
+        if self.tokenizer.cache is not None:
+            self.metrics.watch_tokenizer(self.tokenizer.cache)
         self.client.streams.on_lines = self.loop_poll.kick
         self.peers = (PeerLink.attach(self.cluster, Path(config.peer_dir), config.peer_index,
                                       config.num_peers, self.clock)

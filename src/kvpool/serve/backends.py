@@ -12,8 +12,7 @@ from kvpool.serve.worker_client import WorkerClient
 def create_backend(config: ProxyConfig) -> EngineBackend:
     if config.backend == "kvpool":
         return WorkerClient(config.worker_timeout_s, config.token,
-                            merge_frames=config.merge_frames,
-                            chain_memo_bytes=config.prompt_cache_bytes // 2)
+                            merge_frames=config.merge_frames)
     if config.backend == "vllm":
         from kvpool.serve.vllm.backend import VllmBackend
 

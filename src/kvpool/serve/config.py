@@ -66,11 +66,11 @@ class ProxyConfig:
     default: the worker makes text per engine step where the proxy makes it per read, and it
     cost the emulated worker more than it saved the proxy (docs/serve.md)."""
     prompt_cache_mib: float = 64.0
-    """What the proxy may keep of the prompts it has seen, half for the tokenizer's pieces
-    (serve/token_cache.py: the pieces between special tokens, a chat's earlier turns and
-    system prompt, are looked up instead of encoded again), half for their blocks' hashes
-    (kvpool workers: engine/blocks.py `ChainMemo`); 0 = every prompt encoded and hashed
-    whole."""
+    """What each of the proxy's memories of the prompts it has seen may take: the tokenizer's
+    pieces (serve/token_cache.py: the pieces between special tokens, a chat's earlier turns and
+    system prompt, are looked up instead of encoded again), and with the vllm backend on
+    vLLM's sha256_cbor chain, the blocks' digests (kvevents/hashing.py `BlockHasher`); 0 =
+    every prompt encoded and hashed whole."""
     peer_dir: str = ""
     """`kvpool proxy --workers N`: the folder of the processes' booking sockets ("" = one
     process); `peer_index` is this process's, `num_peers` N."""

@@ -21,7 +21,6 @@ from kvpool.conductor.cost import CostModel
 from kvpool.conductor.measured import MeasuredCostModel
 
 if TYPE_CHECKING:
-    from kvpool.engine.blocks import ChainMemo
     from kvpool.loop_poll import LoopPoller
     from kvpool.serve.backend import EngineBackend
     from kvpool.serve.cluster import LiveCluster
@@ -87,10 +86,10 @@ class ProxyMetrics:
         """Export the cost model `in_use()` returns (the model, its source) at each scrape."""
         self.registry.register(_CostCollector(in_use))
 
-    def watch_prompts(self, cache: PieceCache | None, memo: ChainMemo | None) -> None:
-        """Export what the tokenizer's cache of prompt pieces and the memo of their blocks'
-        hashes found and kept, at each scrape."""
-        self.registry.register(_PromptCacheCollector(cache, memo))
+    def watch_tokenizer(self, cache: PieceCache) -> None:
+        """Export what the tokenizer's cache of prompt pieces found and kept, at each
+        scrape."""
+        self.registry.register(_TokenCacheCollector(cache))
 
     def watch_loop_poll(self, poller: LoopPoller) -> None:
         """Export the event loop's polling (kvpool.loop_poll) at each scrape."""
@@ -165,21 +164,12 @@ class _WorkerCollector(Collector):
         yield from fams.values()
 
 
-class _PromptCacheCollector(Collector):
-    def __init__(self, cache: PieceCache | None, memo: ChainMemo | None) -> None:
-        self.cache, self.memo = cache, memo
+class _TokenCacheCollector(Collector):
+    def __init__(self, cache: PieceCache) -> None:
+        self.cache = cache
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
-        if self.memo is not None:
-            blocks = CounterMetricFamily(
-                "kvpool_proxy_block_hash_memo_blocks", "Prompt blocks whose hash was looked "
-                "up in the memo (hit) or computed (miss)", labels=["result"])
-            blocks.add_metric(["hit"], self.memo.hits)
-            blocks.add_metric(["miss"], self.memo.misses)
-            yield blocks
         c = self.cache
-        if c is None:
-            return
         tokens = CounterMetricFamily(
             "kvpool_proxy_tokenizer_cache_tokens", "Prompt tokens (between special tokens) "
             "looked up in the tokenizer's cache: found, or encoded", labels=["result"])

@@ -22,16 +22,15 @@ import re
 import sys
 import threading
 from array import array
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
+
+from kvpool.sized_lru import SizedLru
 
 EncodeMany = Callable[[list[str]], list[list[int]]]
 """Each text's ids, without the post-processor's tokens (one call for every missed piece)."""
 
 ENTRY_BYTES = 150
 """What an entry costs beyond its text and ids (the dict slot and the array object)."""
-MAX_ENTRY_SHARE = 8
-"""A piece bigger than 1/8 of the budget is encoded every time, not kept."""
 
 
 class PieceCache:
@@ -43,17 +42,23 @@ class PieceCache:
         self._split: Callable[[str], list[str]] = \
             re.compile("(" + "|".join(map(re.escape, names)) + ")").split if names \
             else (lambda text: [text])
-        self.budget_bytes = budget_bytes
-        self._pieces: OrderedDict[str, array[int]] = OrderedDict()
+        self._pieces: SizedLru[str, array[int]] = SizedLru(budget_bytes, _cost)
+        """A piece over 1/8 of the budget is encoded every time, not kept."""
         self._lock = threading.Lock()
-        self.size_bytes = 0
         self.hit_tokens = 0
         self.miss_tokens = 0
-        self.evicted = 0
 
     @property
     def entries(self) -> int:
         return len(self._pieces)
+
+    @property
+    def size_bytes(self) -> int:
+        return self._pieces.size_bytes
+
+    @property
+    def evicted(self) -> int:
+        return self._pieces.evicted
 
     def ids(self, text: str) -> list[int]:
         parts = self._split(text)  # pieces at even places, the specials between them
@@ -70,7 +75,6 @@ class PieceCache:
                 if held is None:
                     missed.setdefault(piece, []).append(i)
                 else:
-                    self._pieces.move_to_end(piece)
                     found[i] = held
                     self.hit_tokens += len(held)
         if missed:
@@ -90,13 +94,12 @@ class PieceCache:
         with self._lock:
             held = self._pieces.get(piece)
             if held is not None:
-                self._pieces.move_to_end(piece)
                 self.hit_tokens += len(held)
                 return held.tolist()
         ids = self._encode_many([piece])[0]
         with self._lock:
             self.miss_tokens += len(ids)
-            self._keep(piece, array("I", ids))
+            self._pieces.put(piece, array("I", ids))
         return ids
 
     def _encode_missed(self, missed: dict[str, list[int]],
@@ -108,25 +111,12 @@ class PieceCache:
                 for i in missed[piece]:
                     found[i] = ids
                 self.miss_tokens += len(ids) * len(missed[piece])
-                self._keep(piece, ids)
-
-    def _keep(self, piece: str, ids: array[int]) -> None:
-        """Under the lock: `piece` remembered, the least recently used pieces let go while
-        over the budget."""
-        cost = _cost(piece, ids)
-        if cost * MAX_ENTRY_SHARE > self.budget_bytes or piece in self._pieces:
-            return
-        self._pieces[piece] = ids
-        self.size_bytes += cost
-        while self.size_bytes > self.budget_bytes:
-            old, old_ids = self._pieces.popitem(last=False)
-            self.size_bytes -= _cost(old, old_ids)
-            self.evicted += 1
+                self._pieces.put(piece, ids)
 
     def clear(self) -> None:
         with self._lock:
             self._pieces.clear()
-            self.size_bytes = self.hit_tokens = self.miss_tokens = self.evicted = 0
+            self.hit_tokens = self.miss_tokens = 0
 
 
 def _cost(piece: str, ids: array[int]) -> int:

@@ -14,7 +14,7 @@ from typing import TypeVar
 
 import httpx
 
-from kvpool.engine.blocks import ChainMemo, prefix_block_hashes, salted_root
+from kvpool.engine.blocks import prefix_block_hashes, salted_root
 from kvpool.engine.config import SamplingParams
 from kvpool.engine.worker import auth
 from kvpool.engine.worker.auth import CHALLENGE_PATH
@@ -62,11 +62,8 @@ class WorkerClient:
                                first_token_from_prefill=True)
 
     def __init__(self, timeout_s: float, token: str | None = None,
-                 now: Callable[[], float] = time.time, merge_frames: bool = True,
-                 chain_memo_bytes: int = 0) -> None:
+                 now: Callable[[], float] = time.time, merge_frames: bool = True) -> None:
         self.token, self.now, self.timeout_s = token, now, timeout_s
-        self.chain_memo = ChainMemo(chain_memo_bytes) if chain_memo_bytes > 0 else None
-        """The blocks' hashes of prompts seen before (a conversation's earlier turns)."""
         self.merge_frames = merge_frames
         """The plain frames one read of a stream brings are one frame (`read_frames`)."""
         self.http = httpx.AsyncClient(
@@ -139,7 +136,7 @@ class WorkerClient:
                      reference: InfoReply) -> list[int]:
         """kvpool's chain (engine/blocks.py), rooted in the workers' model identity."""
         root = salted_root(reference.model_hash, cache_salt)
-        return prefix_block_hashes(prompt_ids, reference.block_size, root, self.chain_memo)
+        return prefix_block_hashes(prompt_ids, reference.block_size, root)
 
     def unsupported(self, sampling: SamplingParams) -> str | None:
         return None

@@ -154,7 +154,7 @@ class VllmBackend:
 
             replay = {url.rstrip("/"): ep for url, ep in config.kv_events_replay}
             events = KvEventsFeed(config.kv_events, config.hash_algo, config.hash_seed, replay,
-                                  config.pool_topic)
+                                  config.pool_topic, memo_bytes=config.prompt_cache_bytes)
             log.info("KV events: bound %s (topic = each instance's URL; the pool's: %r)",
                      events.endpoint, config.pool_topic)
         p2p = (MooncakeP2P(dict(config.mooncake_bootstrap))

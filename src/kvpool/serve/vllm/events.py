@@ -30,9 +30,12 @@ class KvEventsFeed:
     vLLM's default (PYTHONHASHSEED unset on the instances)."""
 
     def __init__(self, endpoint: str, algo: str = "", hash_seed: str | None = None,
-                 replay: Mapping[str, str] | None = None, pool_topic: str = "") -> None:
+                 replay: Mapping[str, str] | None = None, pool_topic: str = "",
+                 memo_bytes: int = 0) -> None:
         """`replay`: instance URL (or the pool's topic) -> the replay endpoint it binds;
-        `pool_topic`: the pool's events' topic ("" = none expected)."""
+        `pool_topic`: the pool's events' topic ("" = none expected); `memo_bytes`: what
+        each hasher may keep of the blocks it hashed (`BlockHasher`)."""
+        self.memo_bytes = memo_bytes
         self.index = CacheIndex()
         self.pool_topic = pool_topic
         self.subscriber = KvEventSubscriber(endpoint, self.index,
@@ -54,7 +57,8 @@ class KvEventsFeed:
         algo = self.algo or reported_algo or DEFAULT_ALGO
         hasher = self._hashers.get((algo, block_size))
         if hasher is None:
-            hasher = BlockHasher(algo, block_size, self.hash_seed)  # type: ignore[arg-type]
+            hasher = BlockHasher(algo, block_size, self.hash_seed,  # type: ignore[arg-type]
+                                 memo_bytes=self.memo_bytes)
             self._hashers[(algo, block_size)] = hasher
         return [int(h) for h in hasher.block_hashes(prompt_ids)]
 
