@@ -213,26 +213,34 @@ def test_a_last_chunk_ends_the_body_and_its_disconnect_is_no_client_gone() -> No
     assert order == ["cleaned up"] and gone is False
 
 
+async def _endless(events: list[str]) -> AsyncIterator[bytes]:
+    """A chunk every 10 ms until closed ("closed" in `events` then)."""
+    try:
+        while True:
+            yield b"x"
+            await asyncio.sleep(0.01)
+    finally:
+        events.append("closed")
+
+
+def _until(events: list[str], event: str) -> None:
+    deadline = time.monotonic() + 2
+    while event not in events and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def test_on_httptools_a_client_gone_ends_the_stream_without_a_watcher_task() -> None:
     """The server tells the stream of its client's going (`BodyWriter.watch_disconnect`): the
     generator closes and `on_close(True)` runs at once, no task reads the disconnect; a
     stream that ended, on a connection kept alive and then closed, is no client gone."""
     events: list[str] = []
 
-    async def endless() -> AsyncIterator[bytes]:
-        try:
-            while True:
-                yield b"x"
-                await asyncio.sleep(0.01)
-        finally:
-            events.append("closed")
-
     async def short() -> AsyncIterator[bytes]:
         yield LastChunk(b"done")
 
     async def app(scope: dict, receive: object, send: object) -> None:  # type: ignore[type-arg]
         tasks = len(asyncio.all_tasks())
-        stream = EventStream(endless() if scope["path"] == "/endless" else short())
+        stream = EventStream(_endless(events) if scope["path"] == "/endless" else short())
         stream.on_close = lambda gone: events.append(f"on_close {gone} {tasks}")
         await stream(scope, receive, send)
         events.append(f"tasks {len(asyncio.all_tasks())}")
@@ -246,9 +254,7 @@ def test_on_httptools_a_client_gone_ends_the_stream_without_a_watcher_task() -> 
         with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
             s.sendall(_post_head(0).replace(b"POST / ", b"POST /endless "))
             assert s.recv(4096).startswith(b"HTTP/1.1 200")
-        deadline = time.monotonic() + 2
-        while "closed" not in events and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _until(events, "closed")
     # the short stream: no client gone, and no task left beside the request's own
     # (the tasks counted before the stream began, then after it ended)
     (_, short_gone, before), after = events[0].split(), events[1]
@@ -263,16 +269,8 @@ def test_a_client_gone_with_a_request_pipelined_behind_its_stream_ends_the_strea
     `on_close(True)`)."""
     events: list[str] = []
 
-    async def endless() -> AsyncIterator[bytes]:
-        try:
-            while True:
-                yield b"x"
-                await asyncio.sleep(0.01)
-        finally:
-            events.append("closed")
-
     async def app(scope: dict, receive: object, send: object) -> None:  # type: ignore[type-arg]
-        stream = EventStream(endless())
+        stream = EventStream(_endless(events))
         stream.on_close = lambda gone: events.append(f"on_close {gone}")
         await stream(scope, receive, send)
 
@@ -280,7 +278,5 @@ def test_a_client_gone_with_a_request_pipelined_behind_its_stream_ends_the_strea
         with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
             s.sendall(_post_head(0) + _post_head(0))  # the second waits behind the first
             assert s.recv(4096).startswith(b"HTTP/1.1 200")
-        deadline = time.monotonic() + 2
-        while "on_close True" not in events and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _until(events, "on_close True")
     assert events == ["closed", "on_close True"]
