@@ -51,6 +51,9 @@ def test_a_memo_gives_vllms_recorded_hashes_and_looks_up_the_blocks_it_holds() -
     (pickle) costs about what a lookup does: no memo."""
     algo = "sha256_cbor"
     assert BlockHasher("sha256", 16, memo_bytes=1 << 20).memo is None
+    salted = BlockHasher(algo, 16, memo_bytes=1 << 20)  # extra keys are never looked up:
+    first = salted.digests(list(range(16)), [((1,),)])  # 1 == True == 1.0 to a lookup
+    assert salted.digests(list(range(16)), [((True,),)]) != first and salted.memo_hits == 0
     for memo_bytes in (1 << 24, 40_000):
         hashers: dict[tuple[int, str], BlockHasher] = {}
         for case in [c for c in DATA["cases"] if c["algo"] == algo] * 2:

@@ -280,3 +280,28 @@ def test_a_client_gone_with_a_request_pipelined_behind_its_stream_ends_the_strea
             assert s.recv(4096).startswith(b"HTTP/1.1 200")
         _until(events, "on_close True")
     assert events == ["closed", "on_close True"]
+
+
+def test_a_stream_whose_connection_the_server_closed_before_it_began_writes_nothing() -> None:
+    """A connection closed by the server (evicted at the connection limit: the request
+    pipelined behind a stream's had stalled its body) before the stream began: the stream is
+    told at once, when it starts, and writes nothing (uvicorn marked the queued request, not
+    the stream's, and a write on the closed transport would raise)."""
+    events: list[str] = []
+
+    async def app(scope: dict, receive: object, send: object) -> None:  # type: ignore[type-arg]
+        if scope["path"] == "/slow":
+            await asyncio.sleep(1.2)  # waits, as a request may for its worker
+        stream = EventStream(_endless(events))
+        stream.on_close = lambda gone: events.append(f"on_close {gone}")
+        await stream(scope, receive, send)
+
+    limits = HttpLimits(max_concurrency=2, body_idle_s=0.3, idle_timeout_s=30)
+    with _serving(limits, app) as port:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as a:
+            a.sendall(_post_head(0).replace(b"POST / ", b"POST /slow ") + _post_head(10) + b"ab")
+            time.sleep(0.6)  # the second request's body stalls
+            with socket.create_connection(("127.0.0.1", port), timeout=5):
+                assert a.recv(100) == b""  # evicted for the new connection
+                _until(events, "on_close True")
+    assert events == ["closed", "on_close True"]

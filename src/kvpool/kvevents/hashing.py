@@ -89,9 +89,11 @@ class BlockHasher:
         num_blocks = len(token_ids) // self.block_size
         if extra_keys is not None and len(extra_keys) < num_blocks:
             raise InvalidArgument(f"extra_keys has {len(extra_keys)} entries for {num_blocks} blocks")
-        if self.memo is not None:
+        if self.memo is not None and extra_keys is None:
+            # (extra keys are not remembered: Python's equality, which a lookup uses, takes
+            # 1 for True and 1.0, where their CBOR differs)
             with self._memo_lock:
-                return self._remembered(token_ids, extra_keys, num_blocks, self.memo)
+                return self._remembered(token_ids, num_blocks, self.memo)
         out: list[bytes] = []
         parent = self.none_hash
         for i in range(num_blocks):
@@ -101,14 +103,16 @@ class BlockHasher:
             out.append(parent)
         return out
 
-    def _remembered(self, token_ids: Sequence[int], extra_keys: Sequence[Any] | None,
-                    num_blocks: int, memo: SizedLru[Any, bytes]) -> list[bytes]:
-        """`digests` through the memo (under its lock)."""
+    def _remembered(self, token_ids: Sequence[int], num_blocks: int,
+                    memo: SizedLru[Any, bytes]) -> list[bytes]:
+        """`digests` without extra keys, through the memo (under its lock). Token ids are
+        ints in every caller (a request's are validated as ints, True made 1): a bool, which
+        a lookup takes for that int, would find the int's digest where CBOR tells them
+        apart. The digests only route requests: a wrong one costs a cache miss."""
         out: list[bytes] = []
         parent, bs = self.none_hash, self.block_size
         for i in range(num_blocks):
-            key = (parent, tuple(token_ids[i * bs:(i + 1) * bs]),
-                   _as_tuples(extra_keys[i]) if extra_keys is not None else None)
+            key = (parent, tuple(token_ids[i * bs:(i + 1) * bs]), None)
             parent = memo.get(key)  # type: ignore[assignment]
             if parent is None:
                 parent = self._hash(key)

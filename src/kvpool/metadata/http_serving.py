@@ -194,7 +194,10 @@ class BodyWriter:
         what a task reading the ASGI disconnect would learn, without the task. Returns what
         stops the watch."""
         cycle, proto = self._cycle, self._proto
-        if cycle.disconnected:
+        if cycle.disconnected or proto.transport.is_closing():
+            # gone already (its connection lost or being closed before this response began,
+            # a pipelined request behind it marked in its stead): nothing more is written
+            cycle.disconnected = True
             return cast(Callable[[], None], proto.loop.call_soon(callback).cancel)
         proto.lost_watch = (cycle, callback)
 
