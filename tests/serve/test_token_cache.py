@@ -168,26 +168,33 @@ def test_the_cache_keeps_to_its_budget_least_recently_used_first() -> None:
         calls.append(texts)
         return _fake_encode(texts)
 
+    def ids(text: str) -> list[int]:
+        return _fake_encode([text.replace("|", "\0")])[0]
+
     cache = PieceCache(encode, {"|": 0}, budget_bytes=4000)
     pieces = [f"piece {i:03d} " * 4 for i in range(30)]  # 40 characters, 160 bytes of ids
     cost = sys.getsizeof(pieces[0]) + 4 * 40 + ENTRY_BYTES
     for p in pieces:
-        assert cache.ids(p) == [ord(c) for c in p]
+        assert cache.ids(f"{p}|") == ids(f"{p}|")
     assert cache.size_bytes <= 4000 and cache.evicted == 30 - cache.entries
     assert cache.entries == 4000 // cost
     calls.clear()
-    assert cache.ids(pieces[-1]) == [ord(c) for c in pieces[-1]] and not calls  # kept
-    assert cache.ids(pieces[0]) == [ord(c) for c in pieces[0]] and calls == [[pieces[0]]]
+    assert cache.ids(f"|{pieces[-1]}") == ids(f"|{pieces[-1]}") and not calls  # kept
+    assert cache.ids(f"{pieces[0]}|") == ids(f"{pieces[0]}|") and calls == [[pieces[0]]]
     # pieces between specials: each missed piece encoded once, in one call, in order
     calls.clear()
     text = f"{pieces[1]}|{pieces[-1]}|{pieces[1]}||x"
-    assert cache.ids(text) == _fake_encode([text.replace("|", "\0")])[0]
+    assert cache.ids(text) == ids(text)
     assert calls == [[pieces[1], "x"]]
     # a piece over an eighth of the budget is encoded every time, never kept
     big = "y" * 300
-    cache.ids(big)
-    cache.ids(big)
+    cache.ids(f"|{big}")
+    cache.ids(f"|{big}")
     assert big not in cache._pieces and calls[-2:] == [[big], [big]]
+    # a text without a special token is encoded whole, and not kept
+    calls.clear()
+    assert cache.ids(pieces[5]) == ids(pieces[5]) and cache.ids(pieces[5]) == ids(pieces[5])
+    assert calls == [[pieces[5]], [pieces[5]]]
 
 
 def test_probes_refuse_a_cache_that_is_not_the_whole_texts_ids() -> None:

@@ -6,7 +6,9 @@ reads it (normalizers and pre-tokenizers run on each piece between them apart), 
 ids are its pieces' ids, with the special tokens' ids between them. A chat's prompt is its
 messages between the template's special tokens: the turns a conversation sent before, its
 system prompt, a tool list, come again in its next request and are looked up here instead of
-encoded again (the new message alone is). What is looked up and what is encoded are the same
+encoded again (the new message alone is). A text without a special token (a completion's
+prompt, most often) is encoded whole and not kept: it comes again whole seldom, and keeping
+every one cost each a lookup and an entry for nothing. What is looked up and what is encoded are the same
 ids; `ModelTokenizer` checks that on probes before it uses a cache, and keeps none for a
 tokenizer whose pieces read differently alone (a Metaspace pre-tokenizer that marks only the
 first piece, BPE dropout).
@@ -62,8 +64,8 @@ class PieceCache:
 
     def ids(self, text: str) -> list[int]:
         parts = self._split(text)  # pieces at even places, the specials between them
-        if len(parts) == 1:  # no special token in it (a completion's prompt, most often)
-            return self._one(text) if text else []
+        if len(parts) == 1:  # no special token in it: a completion's prompt, encoded whole
+            return self._encode_many([text])[0] if text else []
         found: list[array[int] | None] = [None] * len(parts)
         missed: dict[str, list[int]] = {}
         with self._lock:
@@ -89,18 +91,6 @@ class PieceCache:
                 if ids is not None:
                     out.extend(ids)
         return out
-
-    def _one(self, piece: str) -> list[int]:
-        with self._lock:
-            held = self._pieces.get(piece)
-            if held is not None:
-                self.hit_tokens += len(held)
-                return held.tolist()
-        ids = self._encode_many([piece])[0]
-        with self._lock:
-            self.miss_tokens += len(ids)
-            self._pieces.put(piece, array("I", ids))
-        return ids
 
     def _encode_missed(self, missed: dict[str, list[int]],
                        found: list[array[int] | None]) -> None:
