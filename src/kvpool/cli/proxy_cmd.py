@@ -69,9 +69,10 @@ def _add_leg_args(p: argparse.ArgumentParser) -> None:
                    "or the proxy fell behind (default: the steps missed go as one chunk); with "
                    "either backend, a stream's chunks are then written together per wake-up")
     p.add_argument("--prompt-cache-mib", type=float, default=_D.prompt_cache_mib,
-                   metavar="MIB", help="memory for what the proxy remembers of prompts: the "
-                   "token ids of their pieces between special tokens (a chat's earlier turns, "
-                   "its system prompt) and their blocks' hashes; 0: off")
+                   metavar="MIB", help="memory for each of what the proxy remembers of "
+                   "prompts: the token ids of their pieces between special tokens (a chat's "
+                   "earlier turns, its system prompt), and with --backend vllm on vLLM's "
+                   "sha256_cbor chain their blocks' digests; 0: off")
     p.add_argument("--no-read-relay", dest="read_relay", action="store_false",
                    help="every chunk of a stream through the proxy's generators (default: a "
                    "streamed choice of text alone is relayed in the "
