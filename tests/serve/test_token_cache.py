@@ -207,3 +207,27 @@ def test_probes_refuse_a_cache_that_is_not_the_whole_texts_ids() -> None:
     cache = PieceCache(_fake_encode, {}, 1 << 20)
     exact, edges = checked(cache, lambda t, add: ([1] if add else []) + _fake_encode([t])[0], [])
     assert exact and edges == ([1], []) and cache.entries == 0
+
+
+@pytest.mark.slow  # imports the GGUF file's tokenizer (about 10 s)
+def test_the_default_models_prompts_are_the_librarys_ids(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """SmolLM2's tokenizer (Digits then ByteLevel, 17 special tokens) keeps a cache, and its
+    chats and random texts are the library's ids, cold and warm."""
+    pytest.importorskip("gguf")
+    from kvpool.serve.models import resolve_model
+
+    monkeypatch.setenv("KVPOOL_MODEL_CACHE", str(tmp_path))
+    folder = resolve_model("smollm2")
+    ours, ref = ModelTokenizer(folder), _reference(folder)
+    assert ours.cache is not None
+    rng = random.Random(13)
+    texts = [_random_text(rng, _specials(ref), 60) for _ in range(300)]
+    messages = [{"role": "system", "content": "You keep the pool."}]
+    for turn in range(6):
+        messages += [{"role": "user", "content": f"Turn {turn}: what is 12 + {turn}?"}]
+        texts.append(ours.render_chat(messages))
+        messages += [{"role": "assistant", "content": f"{12 + turn}, é 中文 🙂"}]
+    _assert_exact(ours, ref, texts)
+    _assert_exact(ours, ref, texts)
+    assert ours.cache.hit_tokens > 0
