@@ -29,7 +29,7 @@ import hashlib
 import pickle
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 from kvpool.errors import InvalidArgument
@@ -89,39 +89,39 @@ class BlockHasher:
         num_blocks = len(token_ids) // self.block_size
         if extra_keys is not None and len(extra_keys) < num_blocks:
             raise InvalidArgument(f"extra_keys has {len(extra_keys)} entries for {num_blocks} blocks")
-        if self.memo is not None and extra_keys is None:
-            # (extra keys are not remembered: Python's equality, which a lookup uses, takes
-            # 1 for True and 1.0, where their CBOR differs)
-            with self._memo_lock:
-                return self._remembered(token_ids, num_blocks, self.memo)
+        if self.memo is None or extra_keys is not None:
+            return self._chain(token_ids, extra_keys, num_blocks, self._hash)
+        # (extra keys are not remembered: Python's equality, which a lookup uses, takes 1
+        # for True and 1.0, where their CBOR differs)
+        with self._memo_lock:
+            return self._chain(token_ids, None, num_blocks, self._remembered)
+
+    def _chain(self, token_ids: Sequence[int], extra_keys: Sequence[Any] | None,
+               num_blocks: int, hashed: Callable[[Any], bytes]) -> list[bytes]:
         out: list[bytes] = []
         parent = self.none_hash
         for i in range(num_blocks):
             block = tuple(token_ids[i * self.block_size : (i + 1) * self.block_size])
             keys = _as_tuples(extra_keys[i]) if extra_keys is not None else None
-            parent = self._hash((parent, block, keys))
+            parent = hashed((parent, block, keys))
             out.append(parent)
         return out
 
-    def _remembered(self, token_ids: Sequence[int], num_blocks: int,
-                    memo: SizedLru[Any, bytes]) -> list[bytes]:
-        """`digests` without extra keys, through the memo (under its lock). Token ids are
-        ints in every caller (a request's are validated as ints, True made 1): a bool, which
-        a lookup takes for that int, would find the int's digest where CBOR tells them
-        apart. The digests only route requests: a wrong one costs a cache miss."""
-        out: list[bytes] = []
-        parent, bs = self.none_hash, self.block_size
-        for i in range(num_blocks):
-            key = (parent, tuple(token_ids[i * bs:(i + 1) * bs]), None)
-            parent = memo.get(key)  # type: ignore[assignment]
-            if parent is None:
-                parent = self._hash(key)
-                memo.put(key, parent)
-                self.memo_misses += 1
-            else:
-                self.memo_hits += 1
-            out.append(parent)
-        return out
+    def _remembered(self, key: tuple[bytes, tuple[int, ...], None]) -> bytes:
+        """One block's digest through the memo (under its lock). Token ids are ints in every
+        caller (a request's are validated as ints, True made 1): a bool, which a lookup takes
+        for that int, would find the int's digest where CBOR tells them apart. The digests
+        only route requests: a wrong one costs a cache miss."""
+        memo = self.memo
+        assert memo is not None
+        digest = memo.get(key)
+        if digest is None:
+            digest = self._hash(key)
+            memo.put(key, digest)
+            self.memo_misses += 1
+        else:
+            self.memo_hits += 1
+        return digest
 
     def block_hashes(
         self, token_ids: Sequence[int], extra_keys: Sequence[Any] | None = None
