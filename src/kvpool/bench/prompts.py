@@ -11,8 +11,8 @@ the same prompts:
     unique   completion prompts that no request repeats (every piece missed: what the cache
              costs where it cannot help)
 
-Every request's ids and hashes are checked against the anchor's; the rounds alternate the two and the
-figures are each one's median over them.
+Every request's ids and hashes are checked against the anchor's; the rounds alternate the two
+and the figures are each one's median over them.
 """
 
 from __future__ import annotations
@@ -121,17 +121,14 @@ def measure(model: str, texts: list[str], add_special_tokens: bool,
     for r in range(rounds):
         ours = ModelTokenizer(folder)  # a cache as a proxy starts with: empty
         memo = Chain(chain, DEFAULT_CACHE_BYTES)
+        ways = {"library": (anchor, Chain(chain, 0)), "kvpool": (ours, memo)}
+        got = {}
         for name in ("library", "kvpool") if r % 2 == 0 else ("kvpool", "library"):
-            took_s, ids = _timed(anchor, Chain(chain, 0), texts, add_special_tokens) \
-                if name == "library" else _timed(ours, memo, texts, add_special_tokens)
+            took_s, got[name] = _timed(*ways[name], texts, add_special_tokens)
             took[name].append(took_s)
-            if name == "library":
-                want = ids
-            else:
-                got = ids
-        if got != want:
+        if got["kvpool"] != got["library"]:
             raise AssertionError("kvpool gave other ids or hashes than the library and chain")
-    c = ours.cache
+    want, c = got["library"], ours.cache
     hit = c.hit_tokens / max(1, c.hit_tokens + c.miss_tokens) if c is not None else 0.0
     n, tokens = len(texts), sum(len(ids) for ids, _ in want)
     lib_s, our_s = statistics.median(took["library"]), statistics.median(took["kvpool"])
@@ -158,7 +155,7 @@ def _main(args: argparse.Namespace) -> int:
 
 def _fmt(r: dict[str, Any]) -> str:
     cache = "" if r["cache"] else "  (no cache: this tokenizer's pieces read differently alone)"
-    return (f"{r['load']:<7} {r['chain']:<11} {r['requests']:5d} requests, {r['tokens_per_request']:6d} tokens "
-            f"each: library {r['library_us_per_request']:9.1f} us/request, kvpool "
+    return (f"{r['load']:<7} {r['chain']:<11} {r['requests']:5d} requests, "
+            f"{r['tokens_per_request']:6d} tokens each: library {r['library_us_per_request']:9.1f} us/request, kvpool "
             f"{r['kvpool_us_per_request']:9.1f} us/request  x{r['speed_up']:.2f}  "
             f"({100 * r['cached_share']:.0f}% of the tokens looked up){cache}")
