@@ -148,3 +148,21 @@ def test_a_status_below_100_and_an_upgrade_are_refused() -> None:
         ReplyReader().feed(b"HTTP/1.1 000 X\r\n\r\n")
     with pytest.raises(ReplyError, match="an upgrade"):
         ReplyReader().feed(b"HTTP/1.1 101 Switching\r\nUpgrade: x\r\nConnection: upgrade\r\n\r\n")
+
+
+def test_a_finished_reply_leaves_no_reference_cycle() -> None:
+    """The parser (which holds the reader's callbacks) is let go once the reply is done, so the
+    reader goes with its last reference, not at the collector's next run."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        reader = ReplyReader()
+        reader.feed(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\n{}\n")
+        assert reader.done and reader.keep_alive and reader.lines() == [b"{}"]
+        gone = weakref.ref(reader)
+        del reader
+        assert gone() is None
+    finally:
+        gc.enable()

@@ -49,7 +49,8 @@ class ReplyReader:
         """llhttp's verdict at the reply's end: the connection may carry another (HTTP/1.1 or
         a 1.0 keep-alive, no `Connection: close` among its tokens, the body delimited). Read
         when the reply completes: llhttp resets it for the next one."""
-        self._parser = httptools.HttpResponseParser(self)
+        self._parser: httptools.HttpResponseParser | None = httptools.HttpResponseParser(self)
+        """None once the reply is done (`on_message_complete`)."""
 
     @property
     def pending_bytes(self) -> int:
@@ -74,8 +75,10 @@ class ReplyReader:
             if data:
                 raise ReplyError(f"data after the end of the reply: {bytes(data[:60])!r}")
             return
+        parser = self._parser
+        assert parser is not None, "dropped only once the reply is done"
         try:
-            self._parser.feed_data(data)
+            parser.feed_data(data)
         except httptools.HttpParserError as exc:
             if self.done:  # the parser went on to read the rest as the next reply
                 raise ReplyError(f"data after the end of the reply: {bytes(data[-60:])!r}") \
@@ -132,6 +135,7 @@ class ReplyReader:
         self.headers[name.decode("latin-1").strip().lower()] = value.decode("latin-1").strip()
 
     def on_headers_complete(self) -> None:
+        assert self._parser is not None  # it is calling
         code = self._parser.get_status_code()
         if code < 100:
             raise ReplyError(f"status {code}")
@@ -148,8 +152,12 @@ class ReplyReader:
         if self._interim:
             self._interim = False
             return
+        assert self._parser is not None  # it is calling
         self._keep = self._parser.should_keep_alive()
         self.done = True
+        self._parser = None  # it holds this reader's callbacks: letting it go leaves no
+        # reference cycle per reply for the garbage collector to find (the parser that calls
+        # this is held by its own call until it returns)
 
     def on_message_begin(self) -> None:
         if self.done:
