@@ -256,7 +256,7 @@ def test_rows_carry_latency_added_over_direct_and_decisions() -> None:
     tallies = {("kvpool", "req16", 1): Tally(), ("direct", "req16", 1): Tally()}
     tallies["kvpool", "req16", 1].add(Load(4, 64, 0.02, (0.005, 0.005, 0.006, 0.010)), 0.008,
                                       0.004, Scrape({1e-4: 3.0, 2e-4: 4.0, float("inf"): 4.0},
-                                                    chunks=40.0, relayed=30.0),
+                                                    chunks=40.0, relayed=30.0, gc_s=0.0002),
                                       relay_writes=16)
     tallies["direct", "req16", 1].add(Load(4, 64, 0.016, (0.004,) * 4), 0.0, 0.004)
     out = {r["relay"]: r for r in rows(tallies, {"engines": 1})}
@@ -270,9 +270,16 @@ def test_rows_carry_latency_added_over_direct_and_decisions() -> None:
     assert "decision_p50_us" not in d and d["req_per_relay_cpu_s"] is None
     assert k["read_relay_share"] == 0.75 and "read_relay_share" not in d
     assert "75% of chunks relayed in the read callback" in fmt(k)
+    assert k["relay_gc_us_per_request"] == 50.0 and "gc 50 us/request" in fmt(k)
+    assert "relay_gc_us_per_request" not in d
     assert with_added_latency([{"relay": "kvpool", "load": "x", "concurrency": 1,
                                 "latency_p50_ms": 1.0}]) == [
         {"relay": "kvpool", "load": "x", "concurrency": 1, "latency_p50_ms": 1.0}]
+
+
+def test_a_reading_without_the_collector_s_figure_has_none_between() -> None:
+    old, new = Scrape({}, gc_s=None), Scrape({}, gc_s=0.5)
+    assert old.delta(new).gc_s is None and Scrape({}, gc_s=0.25).delta(new).gc_s == 0.25
 
 
 def test_the_load_client_times_each_request(tmp_path: Path) -> None:
@@ -337,8 +344,9 @@ def test_the_proxy_bench_runs_with_its_nginx_anchor() -> None:
         assert ("added_p50_ms" in r) == (r["relay"] != "direct")
     kvpool = [r for r in rows if r["relay"].startswith("kvpool")]
     assert all(r["relay_us_per_token"] > 0 and r["relay_ms_per_request"] > 0 for r in kvpool)
-    for r in kvpool:  # one process's histogram is read; a group's is not
+    for r in kvpool:  # one process's histograms are read; a group's are not
         assert (r.get("decision_p50_us") is not None) == (r["relay"] != "kvpool-p2"), r
+        assert (r.get("relay_gc_us_per_request", -1) >= 0) == (r["relay"] != "kvpool-p2"), r
     if "nginx" in relays:
         req16 = next(r for r in kvpool if r["load"] == "req16" and r["concurrency"] == 4)
         nginx16 = next(r for r in rows if (r["relay"], r["load"], r["concurrency"]) ==

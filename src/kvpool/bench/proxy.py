@@ -54,6 +54,7 @@ from kvpool.bench.proxy_rows import (
     CHUNKS_METRIC,
     DECISION_METRIC,
     DIRECT,
+    GC_METRIC,
     RELAYED_METRIC,
     Scrape,
     Tally,
@@ -226,6 +227,8 @@ def _scrape(url: str | None) -> Scrape | None:
                 out.chunks = s.value
             elif s.name == RELAYED_METRIC:
                 out.relayed = s.value
+            elif s.name == GC_METRIC:
+                out.gc_s = (out.gc_s or 0.0) + s.value
     return out
 
 

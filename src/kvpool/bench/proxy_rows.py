@@ -6,7 +6,9 @@ client asking the worker straight). Pure: no processes, no sockets.
     request and requests per relay-CPU second, the worker's CPU per token, latency p50/p99,
     added latency p50/p99 over `direct`, the conductor's decision time p50/p99 (from the
     proxy's kvpool_proxy_decision_seconds histogram), the share of its streams' chunks after
-    the first taken in the read callback (`read_relay_share`), and `ratio_*` over nginx.
+    the first taken in the read callback (`read_relay_share`), the proxy's time in its
+    garbage collector per request (`relay_gc_us_per_request`, from its
+    kvpool_proxy_gc_pause_seconds), and `ratio_*` over nginx.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ CHUNKS_METRIC = "kvpool_proxy_tbt_seconds_count"
 """The chunks of streams after their first (one TBT observation each)."""
 RELAYED_METRIC = "kvpool_proxy_read_relay_frames_total"
 """Of those, the frames taken in the worker connection's read callback."""
+GC_METRIC = "kvpool_proxy_gc_pause_seconds_sum"
+"""Seconds the proxy's process spent in its garbage collector (a sample per generation)."""
 
 Buckets = dict[float, float]
 """A Prometheus histogram's cumulative counts by upper bound (`le`; inf included)."""
@@ -38,10 +42,13 @@ class Scrape:
     decisions: Buckets
     chunks: float = 0.0
     relayed: float = 0.0
+    gc_s: float | None = None
+    """In the garbage collector (None: a proxy that does not say, an older one)."""
 
     def delta(self, after: Scrape) -> Scrape:
+        gc_s = None if self.gc_s is None or after.gc_s is None else after.gc_s - self.gc_s
         return Scrape(bucket_delta(self.decisions, after.decisions),
-                      after.chunks - self.chunks, after.relayed - self.relayed)
+                      after.chunks - self.chunks, after.relayed - self.relayed, gc_s)
 
 
 @dataclass
@@ -65,6 +72,8 @@ class Tally:
     relayed: float = 0.0
     """Chunks of streams after their first, and of those the frames relayed in the read
     callback (from /metrics, where it is read)."""
+    gc_s: float | None = None
+    """The proxy's time in its garbage collector (from /metrics, where it says)."""
 
     def add(self, load: Load, relay_cpu_s: float, worker_cpu_s: float,
             scrape: Scrape | None = None, engine_cpu_s: float = 0.0,
@@ -81,6 +90,8 @@ class Tally:
             self.decisions = add_buckets(self.decisions or {}, scrape.decisions)
             self.chunks += scrape.chunks
             self.relayed += scrape.relayed
+            if scrape.gc_s is not None:
+                self.gc_s = (self.gc_s or 0.0) + scrape.gc_s
 
 
 def add_buckets(a: Buckets, b: Buckets) -> Buckets:
@@ -141,6 +152,8 @@ def rows(tallies: dict[tuple[str, str, int], Tally],
                 row[f"decision_p{q}_us"] = None if got is None else round(got * 1e6, 1)
         if t.chunks:
             row["read_relay_share"] = round(t.relayed / t.chunks, 3)
+        if t.gc_s is not None:
+            row["relay_gc_us_per_request"] = round(per_unit(t.gc_s, t.requests, 1e6), 1)
         out.append(row)
     return with_added_latency(with_ratios(out))
 
@@ -207,6 +220,8 @@ def fmt(row: dict[str, Any]) -> str:
         line += f"  decision p50/p99 {row['decision_p50_us']}/{row['decision_p99_us']} us"
     if row.get("read_relay_share") is not None:
         line += f"  {100 * row['read_relay_share']:.0f}% of chunks relayed in the read callback"
+    if row.get("relay_gc_us_per_request") is not None:
+        line += f"  gc {row['relay_gc_us_per_request']:.0f} us/request"
     ratio = row.get("ratio_relay_us_per_token")
     if ratio:
         line += (f"  x{ratio:.1f} nginx per token, x{row['ratio_relay_ms_per_request']:.1f} "

@@ -19,6 +19,7 @@ from prometheus_client.utils import floatToGoString
 from kvpool import busypoll
 from kvpool.conductor.cost import CostModel
 from kvpool.conductor.measured import MeasuredCostModel
+from kvpool.gc_pauses import GcPauses
 
 if TYPE_CHECKING:
     from kvpool.loop_poll import LoopPoller
@@ -73,6 +74,7 @@ class ProxyMetrics:
         self.cost_refits = Counter("kvpool_proxy_cost_refits",
                                    "Times the prefill cost was learned again (--fit-cost)",
                                    registry=r)
+        r.register(_GcPauseCollector(GcPauses.installed()))
 
     def watch(self, cluster: LiveCluster, restart_counts: str | None = None,
               backend: EngineBackend | None = None) -> None:
@@ -114,11 +116,19 @@ class LoopHistogram(Collector):
         self.sum += value
 
     def collect(self) -> Iterator[HistogramMetricFamily]:
-        cumulative, total = [], 0
-        for bound, count in zip(self.bounds, self.counts, strict=True):
-            total += count
-            cumulative.append((floatToGoString(bound), total))
-        yield HistogramMetricFamily(self.name, self.doc, buckets=cumulative, sum_value=self.sum)
+        yield HistogramMetricFamily(self.name, self.doc, buckets=cumulative(self.bounds,
+                                                                            self.counts),
+                                    sum_value=self.sum)
+
+
+def cumulative(bounds: tuple[float, ...], counts: list[int]) -> list[tuple[str, float]]:
+    """A histogram's buckets as Prometheus has them: (`le`, count up to that bound)."""
+    out: list[tuple[str, float]] = []
+    total = 0
+    for bound, count in zip(bounds, counts, strict=True):
+        total += count
+        out.append((floatToGoString(bound), total))
+    return out
 
 
 class LoopCounter(Collector):
@@ -132,6 +142,21 @@ class LoopCounter(Collector):
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         yield CounterMetricFamily(self.name, self.doc, value=self.value)
+
+
+class _GcPauseCollector(Collector):
+    def __init__(self, pauses: GcPauses) -> None:
+        self.pauses = pauses
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        p = self.pauses
+        fam = HistogramMetricFamily(
+            "kvpool_proxy_gc_pause_seconds", "Runs of Python's cyclic garbage collector in "
+            "the proxy's process, by generation: each holds every stream in flight",
+            labels=["generation"])
+        for gen, counts in enumerate(p.counts):
+            fam.add_metric([str(gen)], cumulative(p.bounds, counts), p.sums[gen])
+        yield fam
 
 
 class _WorkerCollector(Collector):
