@@ -233,3 +233,28 @@ def test_a_migrated_decode_moves_its_load_to_the_worker_that_resumes_it() -> Non
     live.finish(b, 2.0)
     assert (new.num_assigned, new.num_active, new.assigned_tokens) == (0, 0, 0)
     assert (old.num_assigned, old.num_active) == (0, 0)
+
+
+@pytest.mark.parametrize(("raw", "problem"), [
+    (b"", "body: Invalid JSON"), (b"<html>", "body: Invalid JSON"),
+    (b"[]", "body: Input should be an object"),
+    (b'{"block_events": [[1, "x"]]}', "block_events.0.1: Input should be a valid boolean")])
+def test_a_reply_that_is_not_the_message_names_the_worker_the_call_and_the_problem(
+        raw: bytes, problem: str) -> None:
+    from kvpool.engine.worker.messages import LoadReply, reply_from
+    from kvpool.errors import WorkerCallError
+
+    with pytest.raises(WorkerCallError) as err:
+        reply_from("http://127.0.0.1:9", "/load", LoadReply, raw)
+    text = str(err.value)
+    assert "http://127.0.0.1:9" in text and f"malformed /load reply: {problem}" in text
+    assert repr(raw[:200]) in text
+
+
+def test_a_load_reply_keeps_64_bit_hashes_and_event_order() -> None:
+    from kvpool.engine.worker.messages import LoadReply, reply_from
+
+    top = 2**64 - 1
+    load = reply_from("http://w", "/load", LoadReply,
+                      b'{"block_events": [[%d, true], [5, false], [%d, false]]}' % (top, top))
+    assert load.block_events == [(top, True), (5, False), (top, False)]

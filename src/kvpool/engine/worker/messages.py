@@ -16,7 +16,6 @@ lines carry their `type`.
 from __future__ import annotations
 
 import itertools
-import json
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -255,18 +254,25 @@ def parse(model: type[M], obj: Any, what: str) -> M:
     try:
         return model.model_validate(obj)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(p) for p in err["loc"]) or "body"
-        raise InvalidArgument(f"malformed {what}: {where}: {err['msg']}") from None
+        raise InvalidArgument(_malformed(exc, what)) from None
+
+
+def _malformed(exc: ValidationError, what: str) -> str:
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err["loc"]) or "body"
+    return f"malformed {what}: {where}: {err['msg']}"
 
 
 def reply_from(url: str, call: str, model: type[M], raw: bytes) -> M:
     """A worker's reply body as `model`; WorkerCallError (naming the worker and the call) if
-    it is not JSON or not that message. Both worker clients read replies with it."""
+    it is not JSON or not that message. Both worker clients read replies with it. The JSON
+    is read by pydantic itself: a /load reply's thousands of block events in half the time
+    of `json.loads` and a validation of its objects."""
     try:
-        return parse(model, json.loads(raw), f"{call} reply")
-    except ValueError as exc:  # not JSON, or InvalidArgument
-        raise WorkerCallError(url, call, f"{exc} (reply {raw[:200]!r})") from None
+        return model.model_validate_json(raw)
+    except ValidationError as exc:  # not JSON, or not the message
+        raise WorkerCallError(url, call, f"{_malformed(exc, f'{call} reply')} "
+                                         f"(reply {raw[:200]!r})") from None
 
 
 _JSON = msgspec.json.Encoder()
