@@ -9,11 +9,12 @@ import asyncio
 import socket
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
 from kvpool.metadata.http_front import EventStream, LastChunk, Outbox
-from kvpool.metadata.http_serving import HttpLimits
+from kvpool.metadata.http_serving import BodyWriter, HttpLimits
 from tests.metadata.test_http_serving import _post_head, _serving
 
 
@@ -305,3 +306,54 @@ def test_a_stream_whose_connection_the_server_closed_before_it_began_writes_noth
                 assert a.recv(100) == b""  # evicted for the new connection
                 _until(events, "on_close True")
     assert events == ["closed", "on_close True"]
+
+
+def test_pipelined_streams_written_from_callbacks_keep_apart_and_a_kept_writer_goes_quiet(
+        ) -> None:
+    """Two pipelined streams, each written by its BodyWriter from loop callbacks: each
+    response has its own chunks only; the first's writer, kept past its response (as a relay
+    may keep it), is never ready again and its watch never fires (its cycle, held weakly, is
+    gone)."""
+    import gc
+
+    from kvpool.metadata.http_serving import BODY_WRITER
+
+    kept: list[BodyWriter] = []
+    log: list[object] = []
+
+    async def app(scope: dict, receive: Any, send: Any) -> None:  # type: ignore[type-arg]
+        n, writer = len(kept), scope["extensions"][BODY_WRITER]
+        kept.append(writer)
+        loop = asyncio.get_running_loop()
+
+        def write(i: int) -> None:
+            if writer.ready():
+                writer.write(b"r%d-%d;" % (n, i))
+
+        async def content() -> AsyncIterator[bytes]:
+            for i in range(5):
+                loop.call_soon(write, i)
+                await asyncio.sleep(0.005)
+            if n == 1:  # the first response is over
+                gc.collect()
+                log.append(kept[0].ready())
+                kept[0].watch_disconnect(lambda: log.append("fired"))()
+                await asyncio.sleep(0.01)
+            yield LastChunk(b"end%d" % n)
+
+        await EventStream(content(), on_writer=lambda w: None)(scope, receive, send)
+
+    with _serving(HttpLimits(idle_timeout_s=30), app) as port, \
+            socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(_post_head(0) + _post_head(0))
+        data = b""
+        while data.count(b"0\r\n\r\n") < 2:
+            part = s.recv(65536)
+            assert part, data
+            data += part
+    first, second = data.split(b"HTTP/1.1 200")[1:]
+    for n, part in enumerate((first, second)):
+        assert all(b"r%d-%d;" % (n, i) in part for i in range(5)), part
+        assert b"end%d" % n in part and part.endswith(b"0\r\n\r\n")
+        assert b"r%d-" % (1 - n) not in part, part
+    assert log == [False], log
