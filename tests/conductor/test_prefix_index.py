@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvpool.conductor import PrefixIndex
 from kvpool.errors import InvalidArgument
@@ -37,3 +39,63 @@ def test_remove_and_misuse() -> None:
     assert idx.match([5]).best_blocks == 0
     with pytest.raises(InvalidArgument):
         idx.remove(0, 5)
+
+
+def test_ids_are_checked_and_holders_are_the_ids() -> None:
+    idx = PrefixIndex()
+    with pytest.raises(InvalidArgument, match="negative"):
+        idx.add(-1, 5)
+    idx.add(100, 5)  # any non-negative id
+    idx.add(3, 5)
+    assert idx.holders(5) == {3, 100} and idx.holders(6) == frozenset()
+    with pytest.raises(InvalidArgument):
+        idx.remove(4, 5)  # others hold it, not this one
+    with pytest.raises(InvalidArgument):
+        idx.remove(-1, 5)
+    idx.remove(100, 5)
+    assert idx.holders(5) == {3} and len(idx) == 1
+
+
+def _reference_match(held: dict[int, set[int]], blocks: list[int]) -> dict[int, int]:
+    """Each instance's leading run of `blocks`, counted one instance at a time."""
+    instances = set().union(*held.values()) if held else set()
+    lens = {}
+    for inst in instances:
+        n = 0
+        while n < len(blocks) and inst in held.get(blocks[n], set()):
+            n += 1
+        if n:
+            lens[inst] = n
+    return lens
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from("arm"), st.integers(0, 9), st.integers(0, 7)),
+                max_size=80),
+       st.lists(st.integers(0, 7), max_size=10))
+def test_the_index_matches_a_set_per_block_model(ops: list[tuple[str, int, int]],
+                                                 blocks: list[int]) -> None:
+    idx, held = PrefixIndex(), {}  # held: the reference, a set of instances per block
+    for op, inst, block in ops:
+        if op == "a":
+            idx.add(inst, block)
+            held.setdefault(block, set()).add(inst)
+        elif op == "r":
+            if inst in held.get(block, set()):
+                idx.remove(inst, block)
+                held[block].discard(inst)
+                if not held[block]:
+                    del held[block]
+            else:
+                with pytest.raises(InvalidArgument):
+                    idx.remove(inst, block)
+        else:
+            expected = _reference_match(held, blocks)
+            m = idx.match(blocks)
+            assert m.lens == expected
+            best = max(expected.values(), default=0)
+            assert m.best_blocks == best
+            assert m.best_instance == (min(i for i, n in expected.items() if n == best)
+                                       if expected else None)
+        assert len(idx) == len(held)
+        assert all(idx.holders(b) == insts for b, insts in held.items())

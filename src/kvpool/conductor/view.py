@@ -48,52 +48,79 @@ class PrefixLookup(Protocol):
 
 
 class PrefixIndex:
-    """block hash -> set of instances whose cache holds that block."""
+    """block hash -> the instances whose cache holds that block.
+
+    Each block's holders are one int, bit i for instance i (instance ids are small: the
+    index of the instance in its view). A set per block made the index tens of thousands
+    of containers for Python's garbage collector to walk, and a match one new set per block;
+    a dict of ints is left out of the collector's way, and a match is a bitwise `and` per
+    block."""
 
     def __init__(self) -> None:
-        self._holders: dict[int, set[int]] = {}
+        self._holders: dict[int, int] = {}
 
     def add(self, instance_id: int, block_hash: int) -> None:
-        self._holders.setdefault(block_hash, set()).add(instance_id)
+        if instance_id < 0:
+            raise InvalidArgument(f"instance id {instance_id} is negative")
+        holders = self._holders
+        holders[block_hash] = holders.get(block_hash, 0) | (1 << instance_id)
 
     def remove(self, instance_id: int, block_hash: int) -> None:
-        holders = self._holders.get(block_hash)
-        if holders is None or instance_id not in holders:
+        holders = self._holders.get(block_hash, 0)
+        bit = 1 << instance_id if instance_id >= 0 else 0
+        if not holders & bit:
             raise InvalidArgument(f"instance {instance_id} does not hold block {block_hash}")
-        holders.discard(instance_id)
-        if not holders:
+        holders &= ~bit
+        if holders:
+            self._holders[block_hash] = holders
+        else:
             del self._holders[block_hash]
 
-    def holders(self, block_hash: int) -> frozenset[int] | set[int]:
-        return self._holders.get(block_hash, _EMPTY)
+    def holders(self, block_hash: int) -> frozenset[int]:
+        mask = self._holders.get(block_hash)
+        return _EMPTY if mask is None else frozenset(_instances(mask))
 
     def __len__(self) -> int:
         return len(self._holders)
 
     def match(self, block_hashes: Sequence[int]) -> PrefixMatch:
-        """Leading run of `block_hashes` held by each instance; O(matched blocks) set ops."""
+        """Leading run of `block_hashes` held by each instance; a bitwise `and` per matched
+        block."""
+        holders = self._holders
         lens: dict[int, int] = {}
-        alive: set[int] = set()
+        alive = 0
         depth = 0
         for depth, block in enumerate(block_hashes):
-            holders = self._holders.get(block)
-            if holders is None:
+            mask = holders.get(block)
+            if mask is None:
                 break
-            nxt = set(holders) if depth == 0 else alive & holders
-            for gone in alive - nxt:
-                lens[gone] = depth
+            nxt = mask if depth == 0 else alive & mask
+            gone = alive & ~nxt
+            if gone:
+                for inst in _instances(gone):
+                    lens[inst] = depth
             alive = nxt
             if not alive:
                 break
         else:
             depth = len(block_hashes)
-        for inst in alive:
+        for inst in _instances(alive):
             lens[inst] = depth
         if not lens:
             return PrefixMatch(lens, 0, None)
         best = max(lens.values())
         best_inst = min(i for i, n in lens.items() if n == best)
         return PrefixMatch(lens, best, best_inst)
+
+
+def _instances(mask: int) -> list[int]:
+    """The instance ids whose bits `mask` has, lowest first."""
+    out = []
+    while mask:
+        low = mask & -mask
+        out.append(low.bit_length() - 1)
+        mask ^= low
+    return out
 
 
 @dataclass(slots=True)
