@@ -382,13 +382,15 @@ LONG = {"model": "emulated-model", "prompt": "the pool keeps every block of the 
 @pytest.fixture(scope="module")
 def proxies() -> Iterator[Proxies]:
     """One emulated worker (sped up 100x: a step every half millisecond or so), a proxy with
-    the relay and one without."""
+    the relay, one without, and one relaying the text chunks the worker makes
+    (--worker-sse)."""
     from kvpool.bench.proxy_cluster import start_proxy, start_worker
 
     with ExitStack() as stack, tempfile.TemporaryDirectory() as tmp:
         proc, port = start_worker(stack, Path(tmp), SPEED_UP)
         out = {}
-        for name, flags in (("relay", ()), ("plain", ("--no-read-relay",))):
+        for name, flags in (("relay", ()), ("plain", ("--no-read-relay",)),
+                            ("wsse", ("--worker-sse",))):
             _, proxy_port, _ = start_proxy(stack, Path(tmp), proc, port, SPEED_UP,
                                             flags=flags)
             out[name] = f"http://127.0.0.1:{proxy_port}"
@@ -410,8 +412,9 @@ def _text_and_usage(body: str) -> tuple[str, Any]:
 
 
 def test_a_stream_relayed_in_the_read_callback_is_the_streams_text(proxies: Proxies) -> None:
-    """The same text and usage through both proxies; only the relaying one takes frames in
-    its read callback: most of a 400-token stream's, read by a client that keeps up."""
+    """The same text and usage through every proxy; only the relaying ones take frames in
+    their read callback (the worker's text chunks too, with --worker-sse): most of a
+    400-token stream's, read by a client that keeps up."""
     got = {}
     for name, url in proxies.items():
         before = _relayed_frames(url)
@@ -422,6 +425,7 @@ def test_a_stream_relayed_in_the_read_callback_is_the_streams_text(proxies: Prox
     (relay_text, relayed), (plain_text, not_relayed) = got["relay"], got["plain"]
     assert relay_text == plain_text and relay_text[1][0]["completion_tokens"] == 400
     assert relayed > 100 and not_relayed == 0
+    assert got["wsse"][0] == plain_text and got["wsse"][1] > 100
 
 
 def test_a_stop_string_ends_a_relayed_stream_where_it_ends_the_others(
@@ -439,8 +443,9 @@ def test_a_stop_string_ends_a_relayed_stream_where_it_ends_the_others(
         events = [json.loads(e[6:]) for e in resp.text.split("\n\n") if e.startswith("data: {")]
         reasons = [c["finish_reason"] for e in events for c in e["choices"] if c["finish_reason"]]
         got[name] = (_text_and_usage(resp.text)[0], reasons, _relayed_frames(url) - before)
-    assert got["relay"][:2] == got["plain"][:2] == (text[:text.index(stop)], ["stop"])
-    assert got["relay"][2] > 10 and got["plain"][2] == 0
+    assert got["relay"][:2] == got["plain"][:2] == got["wsse"][:2] == \
+        (text[:text.index(stop)], ["stop"])
+    assert got["relay"][2] > 10 and got["wsse"][2] > 10 and got["plain"][2] == 0
 
 
 def _raw_stream(url: str, body: dict[str, Any], pause_s: float) -> bytes:
@@ -475,7 +480,28 @@ def test_a_client_too_slow_for_the_relay_gets_every_byte_in_order(proxies: Proxi
     """A client that stops reading for a second while its 3,000-token stream runs: the
     proxy's writes wait for it (the relay stands aside while the client's buffer is full) and
     it gets the same text as a client that keeps up."""
-    want = _text_and_usage(httpx.post(proxies["relay"] + "/v1/completions", json=LONG,
-                                      timeout=120).text)
-    got = _text_and_usage(_raw_stream(proxies["relay"], LONG, 1.0).decode())
-    assert got == want
+    for name in ("relay", "wsse"):
+        want = _text_and_usage(httpx.post(proxies[name] + "/v1/completions", json=LONG,
+                                          timeout=120).text)
+        got = _text_and_usage(_raw_stream(proxies[name], LONG, 1.0).decode())
+        assert got == want, name
+
+
+def test_a_chat_stream_of_the_workers_text_is_relayed_after_its_role_chunk(
+        proxies: Proxies) -> None:
+    """--worker-sse, chat: the role chunk, then the worker's text chunks (most of them taken
+    in the read callback), the same content as the proxy's own text."""
+    body = {"model": LONG["model"], "messages": [{"role": "user", "content": LONG["prompt"]}],
+            "max_tokens": 300, "ignore_eos": True, "temperature": 0, "stream": True}
+    got = {}
+    for name in ("plain", "wsse"):
+        before = _relayed_frames(proxies[name])
+        resp = httpx.post(proxies[name] + "/v1/chat/completions", json=body, timeout=120)
+        assert resp.status_code == 200, resp.text
+        events = [json.loads(e[6:]) for e in resp.text.split("\n\n") if e.startswith("data: {")]
+        deltas = [c["delta"] for e in events for c in e["choices"]]
+        got[name] = (deltas[0], "".join(d.get("content") or "" for d in deltas),
+                     _relayed_frames(proxies[name]) - before)
+    assert got["wsse"][:2] == got["plain"][:2] and got["plain"][0] == {"role": "assistant",
+                                                                      "content": ""}
+    assert got["wsse"][2] > 50 and got["plain"][2] == 0

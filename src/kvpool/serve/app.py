@@ -267,7 +267,7 @@ class Proxy:
         """The one streamed choice's relay in the read callback (config.read_relay), set on
         its run before its legs start; None where its chunks all go through the generators."""
         if not (self.config.read_relay and self.config.merge_frames
-                and relayable(prep, len(runs)) and runs[0].sse is None):
+                and relayable(prep, len(runs))):
             return None
         relay = runs[0].relay_chunk = ChoiceRelay(self.metrics)
         return relay

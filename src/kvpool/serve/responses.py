@@ -138,15 +138,22 @@ class ChoiceRelay:
 
     def accepts(self, ids: list[int]) -> bool:
         """No stop string can end in these tokens, nor ended the text already (a stop ends
-        the stream: the generators' part)."""
+        the stream: the generators' part). With --worker-sse the worker finds the stop
+        strings in the text it makes (its finish line is the generators' to read)."""
         c = self.choice
-        return c is not None and not c.text.stopped and c.text.cannot_stop(ids)
+        return c is not None and not c.text.stopped and (c.run.sse is not None
+                                                         or c.text.cannot_stop(ids))
 
     def take(self, ids: list[int]) -> None:
         c, m = self.choice, self._metrics
         assert c is not None and c.texts is not None and self._writer is not None  # ready()
         m.read_relay_frames.inc()
         c.arrived(m, len(ids))
+        if c.run.sse is not None:  # the worker's text, as `_relayed` relays it
+            m.output_tokens.inc(len(ids))
+            if c.run.frame_sse:
+                self._writer.write(c.run.frame_sse.encode())
+            return
         delta = c.push(m, ids)
         assert not delta.stopped, "accepts() said no stop string ends here"
         if delta.text:
@@ -269,6 +276,7 @@ async def _relayed(proxy: Proxy, prep: PreparedRequest, c: Choice) -> AsyncItera
     if prep.kind == "chat":
         yield sse(chunk(prep.kind, prep.request_id, proxy.model_name, "", None, first=True,
                         index=c.job.index))
+    c.texts = texts  # its events began: a ChoiceRelay may take frames from here on
     finish: str | None = None
     async with contextlib.aclosing(c.chunks):
         delta = c.push(m, c.first)
