@@ -177,7 +177,7 @@ class BodyWriter:
 
     It holds its request cycle weakly: the cycle's scope holds the writer, and a strong
     reference back would leave every request a reference cycle for the garbage collector to
-    find (about 16 objects each, in the proxy and the workers alike). A cycle that is gone
+    find (9 objects each, in the proxy and the workers alike). A cycle that is gone
     has finished its response: the writer is then never `ready()`."""
 
     __slots__ = ("_cycle", "_proto")
@@ -373,9 +373,10 @@ SERVING_GC_THRESHOLDS = (10_000, 20, 100)
 Python's (700, 10, 10). A young collection walks every tracked object allocated since the
 last one and still alive: on the per-token path, the in-flight streams' objects, walked again
 and again while they live and then promoted to be walked by the older collections. Measured
-(`kvpool bench proxy --streams 4000 --concurrency 32 --loads stream256`, 4,000 streams): the
-proxy's collections 520 -> 84 ms in all, the worker's 1,170 -> 310 ms, a young collection
-about 3 ms. A pause grows with the first threshold (50,000: 13-17 ms each)."""
+(`kvpool bench proxy --streams 4000 --concurrency 32 --loads stream256`, 4,000 streams, the
+start-up collection left out): the proxy's collections 460 -> 84 ms in all, the worker's
+1,090 -> 310 ms, a young collection about 3 ms. A pause grows with the first threshold
+(50,000: 13-19 ms each). docs/serve.md, "The garbage collector"."""
 
 
 def freeze_startup_heap() -> None:
