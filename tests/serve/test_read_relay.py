@@ -505,3 +505,46 @@ def test_a_chat_stream_of_the_workers_text_is_relayed_after_its_role_chunk(
     assert got["wsse"][:2] == got["plain"][:2] and got["plain"][0] == {"role": "assistant",
                                                                       "content": ""}
     assert got["wsse"][2] > 50 and got["plain"][2] == 0
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_a_worker_made_stream_whose_worker_failed_after_its_last_token_keeps_the_held_text(
+        tiny_model: Path, kind: str) -> None:
+    """--worker-sse: the decode worker holds the output's end back (it begins a stop string)
+    and fails once the output is complete, before its finish line (`Run._complete`: the
+    request is done, nothing to resume): the proxy sends that held text itself, so the client
+    has the whole text, then `length`."""
+    from kvpool.engine.worker.messages import SseSpec
+    from kvpool.engine.worker.sse_text import SseText
+    from kvpool.serve.responses import _relayed as relayed_events
+
+    tok = ModelTokenizer(str(tiny_model))
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    first, *rest = _chunks(ids)
+    stop = [TEXT[-3:] + "qq"]  # begins with the text's end, never ends in it
+    job = ChoiceJob(0, 0, [5, 6], SamplingParams(max_tokens=len(ids)))
+    prep = PreparedRequest(kind, "cmpl-1", [[5, 6]], [job], stop, True, False)  # type: ignore[arg-type]
+    spec = SseSpec(kind=kind, id="cmpl-1", model="m", index=0, stop=stop)
+    worker = SseText(spec, tok.decode, sent_ids=first, pieces=tok.byte_pieces)
+    run = SimpleNamespace(sse=spec, frame_sse=None, finish_sse=None, finish_reason=None,
+                          token_ids=list(first))
+
+    async def frames() -> AsyncIterator[list[int]]:
+        for chunk_ids in rest:
+            run.token_ids += chunk_ids
+            run.frame_sse = worker.take(chunk_ids)[1]
+            yield chunk_ids
+        run.finish_reason = "length"  # the worker failed here: no finish line
+
+    async def body() -> bytes:
+        c = Choice(job, run, first, frames(),  # type: ignore[arg-type]
+                   TextStream(tok.decode, stop, tok.byte_pieces))
+        return b"".join([e async for e in relayed_events(proxy, prep, c)])
+
+    proxy = SimpleNamespace(metrics=ProxyMetrics(), model_name="m", tokenizer=tok)
+    events = [json.loads(e[6:])["choices"][0] for e in asyncio.run(body()).decode().split("\n\n")
+              if e.startswith("data: {")]
+    text = "".join((e.get("text") if kind == "completion" else e["delta"].get("content")) or ""
+                   for e in events)
+    assert text == TEXT and events[-1]["finish_reason"] == "length"
+    assert worker.finish_events("length").startswith("data: ")  # it held text back

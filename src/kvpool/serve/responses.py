@@ -294,9 +294,27 @@ async def _relayed(proxy: Proxy, prep: PreparedRequest, c: Choice) -> AsyncItera
     c.finish = finish or c.run.finish_reason or "stop"
     if finish is None and c.run.finish_sse is not None:
         yield _Finish(c.run.finish_sse.encode())
-    else:
-        yield _Finish(sse(chunk(prep.kind, prep.request_id, proxy.model_name, None, c.finish,
-                                index=c.job.index)))
+        return
+    if finish is None:  # no finish line: its worker failed after the last token it owed
+        tail = _held_tail(c)
+        if tail:
+            yield texts.sse(tail)
+    yield _Finish(sse(chunk(prep.kind, prep.request_id, proxy.model_name, None, c.finish,
+                            index=c.job.index)))
+
+
+def _held_tail(c: Choice) -> str:
+    """--worker-sse, a stream whose decode worker failed once its output was complete (no
+    finish line, `Run._complete`): the text that worker held back for its finish (an
+    unfinished character, the beginning of a stop string), found by the proxy's own text
+    stream taking the tokens the worker made text of, as the worker's did; `c.finish` becomes
+    "stop" where a stop string ends there."""
+    text = c.text
+    text.push_many(c.run.token_ids[text.num_tokens:])  # their text went out from the worker
+    tail = "" if text.stopped else text.flush()
+    if text.stopped:
+        c.finish = "stop"
+    return tail
 
 
 async def _choice_events(proxy: Proxy, prep: PreparedRequest,
