@@ -279,13 +279,13 @@ async def _relayed(proxy: Proxy, prep: PreparedRequest, c: Choice) -> AsyncItera
     c.texts = texts  # its events began: a ChoiceRelay may take frames from here on
     finish: str | None = None
     async with contextlib.aclosing(c.chunks):
+        c.last_t = time.perf_counter()  # the first chunk came (TBT from here, as `_deltas`)
         delta = c.push(m, c.first)
         if delta.text:
             yield texts.sse(delta.text)
         if delta.stopped:
             finish = "stop"
         else:
-            c.last_t = time.perf_counter()
             async for ids in c.chunks:
                 c.arrived(m, len(ids))
                 m.output_tokens.inc(len(ids))  # the worker's text: its frames' tokens
