@@ -18,8 +18,6 @@ import hashlib
 import struct
 from collections.abc import Sequence
 
-import numpy as np
-
 from kvpool.errors import InvalidArgument
 
 _MASK = (1 << 64) - 1
@@ -49,7 +47,13 @@ _BLOCK_HASH = hashlib.blake2b(digest_size=8, person=b"kvpool-block")
 
 def chain_hash(parent: int, tokens: Sequence[int]) -> int:
     """The hash of one full block given its parent's hash."""
-    return _chained(parent, np.asarray(tokens, dtype=np.int64).tobytes())
+    return _chained(parent, _int64s(tokens))
+
+
+def _int64s(tokens: Sequence[int]) -> bytes:
+    """Tokens as little-endian int64s, the chain's form of a block (struct from a list: 2.5x
+    numpy's way)."""
+    return struct.pack(f"<{len(tokens)}q", *tokens)
 
 
 def _chained(parent: int, block: bytes | memoryview) -> int:
@@ -69,7 +73,7 @@ def prefix_block_hashes(token_ids: Sequence[int], block_size: int, root: int) ->
     n = len(token_ids) // block_size * block_size
     if not n:
         return []
-    data = memoryview(struct.pack(f"<{n}q", *token_ids[:n]))  # 2.5x numpy's way from a list
+    data = memoryview(_int64s(token_ids[:n]))
     step = block_size * 8
     hashes: list[int] = []
     parent = root
