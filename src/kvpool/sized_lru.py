@@ -26,6 +26,9 @@ class SizedLru(Generic[K, V]):
     def __len__(self) -> int:
         return len(self._entries)
 
+    def __contains__(self, key: K) -> bool:
+        return key in self._entries
+
     def get(self, key: K) -> V | None:
         """The value kept for `key`, now the most recently used; None if none is."""
         value = self._entries.get(key)
