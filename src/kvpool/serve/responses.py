@@ -297,6 +297,8 @@ async def _relayed(proxy: Proxy, prep: PreparedRequest, c: Choice) -> AsyncItera
         return
     if finish is None:  # no finish line: its worker failed after the last token it owed
         tail = _held_tail(c)
+        if c.text.stopped:  # a stop string ends in what the worker held
+            c.finish = "stop"
         if tail:
             yield texts.sse(tail)
     yield _Finish(sse(chunk(prep.kind, prep.request_id, proxy.model_name, None, c.finish,
@@ -307,14 +309,11 @@ def _held_tail(c: Choice) -> str:
     """--worker-sse, a stream whose decode worker failed once its output was complete (no
     finish line, `Run._complete`): the text that worker held back for its finish (an
     unfinished character, the beginning of a stop string), found by the proxy's own text
-    stream taking the tokens the worker made text of, as the worker's did; `c.finish` becomes
-    "stop" where a stop string ends there."""
+    stream (`c.text`) taking the tokens the worker made text of, as the worker's did: up to a
+    stop string, where one ends there (`c.text.stopped` then)."""
     text = c.text
     text.push_many(c.run.token_ids[text.num_tokens:])  # their text went out from the worker
-    tail = "" if text.stopped else text.flush()
-    if text.stopped:
-        c.finish = "stop"
-    return tail
+    return "" if text.stopped else text.flush()
 
 
 async def _choice_events(proxy: Proxy, prep: PreparedRequest,
