@@ -113,11 +113,12 @@ async def serve(port: int, upstream: tuple[str, int]) -> None:
 
 
 @contextmanager
-def running_loop_relay(upstream_port: int) -> Iterator[tuple[int, int]]:
-    """A relay (a child process) to `HOST:upstream_port`: (its port, its pid) once it listens
-    (KvpoolError if it exits first, TimeoutError after 10 s); stopped on exit."""
+def running_loop_relay(upstream_port: int, module: str = __name__) -> Iterator[tuple[int, int]]:
+    """A relay (a child process running `module`, this one or another taking the same
+    arguments) to `HOST:upstream_port`: (its port, its pid) once it listens (KvpoolError if it
+    exits first, TimeoutError after 10 s); stopped on exit."""
     port = free_port(HOST)
-    proc = subprocess.Popen([sys.executable, "-m", __name__, str(port), HOST, str(upstream_port)],
+    proc = subprocess.Popen([sys.executable, "-m", module, str(port), HOST, str(upstream_port)],
                             stdout=subprocess.DEVNULL, preexec_fn=die_with_parent(os.getpid()))
     try:
         wait_port(port, HOST, 10.0, procs=[proc])  # KvpoolError if it exits first

@@ -20,9 +20,11 @@ kvpool_proxy_decision_seconds histogram, read before and after each run. `--engi
 workers behind the relays (the proxy schedules among them, nginx takes turns; the direct way
 asks the first), for the scheduling cost per request at scale.
 
-With `--py-relay` a bare byte relay in Python on uvloop (kvpool.bench.loop_relay) stands in
-front of the worker too, relaying what nginx relays: the floor of a relay written in Python,
-so that what the proxy spends above it is seen to be its own work, not the interpreter's.
+With `--py-relay` two relays in Python on uvloop stand in front of the worker too, relaying
+what nginx relays: a bare byte relay (kvpool.bench.loop_relay, row py-relay) and the least HTTP
+relay (kvpool.bench.http_relay, row py-http: each request and reply parsed, bodies re-chunked,
+as nginx does). They are the floors of a relay written in Python, with and without reading
+HTTP, so that what the proxy spends above them is seen to be its own work.
 
 Without nginx installed the bench says so and prints kvpool's figures (and direct's) alone.
 """
@@ -46,6 +48,7 @@ import httpx
 
 from kvpool.bench.common import print_goals
 from kvpool.bench.http_load import Load, drive
+from kvpool.bench.http_relay import running_http_relay
 from kvpool.bench.loop_relay import running_loop_relay
 from kvpool.bench.nginx import INSTALL_HINT, find_nginx, running_nginx
 from kvpool.bench.proc_cpu import CpuMeter, ThreadShareMeter, WriteMeter, child_pids
@@ -73,6 +76,8 @@ LOADS = {"stream256": (256, True), "req16": (16, True), "json16": (16, False),
 DEFAULT_LOADS = "stream256,req16"
 PY_RELAY = "py-relay"
 """The bare Python relay's row (`--py-relay`)."""
+PY_HTTP = "py-http"
+"""The least HTTP relay's row (`--py-relay`)."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -102,9 +107,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="also a proxy of N processes (kvpool proxy --workers N), in the same "
                    "rounds: relay kvpool-pN")
     p.add_argument("--py-relay", action="store_true",
-                   help="also a bare byte relay in Python on uvloop in front of the worker "
-                   "(kvpool.bench.loop_relay: no parsing, a write per read), the floor of any "
-                   "relay written in Python: relay py-relay")
+                   help="also two relays in Python on uvloop in front of the worker, the floors "
+                   "of any relay written in Python: a bare byte relay (kvpool.bench.loop_relay: "
+                   "no parsing, a write per read; relay py-relay) and the least HTTP relay "
+                   "(kvpool.bench.http_relay: requests and replies parsed, bodies re-chunked, "
+                   "as nginx does; relay py-http)")
     p.add_argument("--no-nginx", action="store_true", help="without nginx's rows")
     p.add_argument("--baseline-src", type=Path, default=None, metavar="DIR",
                    help="also a proxy run from another kvpool's sources (DIR holds its kvpool "
@@ -277,8 +284,9 @@ def relays(tmp: Path, speed_up: float, nginx_exe: str | None,
                                                    [port for _, port in workers], HOST))
             out.append(Relay("nginx", ng.port, ng.pids, _generate(prompt_ids), _ndjson_tokens))
         if py_relay:
-            port, pid = stack.enter_context(running_loop_relay(worker_port))
-            out.append(Relay(PY_RELAY, port, [pid], _generate(prompt_ids), _ndjson_tokens))
+            for name, running in ((PY_RELAY, running_loop_relay), (PY_HTTP, running_http_relay)):
+                port, pid = stack.enter_context(running(worker_port))
+                out.append(Relay(name, port, [pid], _generate(prompt_ids), _ndjson_tokens))
         out.append(Relay(DIRECT, worker_port, [], _generate(prompt_ids), _ndjson_tokens))
         yield out, [w.pid for w, _ in workers]
 
