@@ -357,3 +357,35 @@ def test_pipelined_streams_written_from_callbacks_keep_apart_and_a_kept_writer_g
         assert b"end%d" % n in part and part.endswith(b"0\r\n\r\n")
         assert b"r%d-" % (1 - n) not in part, part
     assert log == [False], log
+
+
+def test_a_streams_chunks_go_through_its_writer_and_the_bytes_are_those_send_makes() -> None:
+    """Where the server offers a BodyWriter, a plain stream's middle chunks are written by it
+    (only its head, an empty chunk, which `send` skips and a write would make the body's end,
+    and its last chunk pass the ASGI `send`); the client reads the chunks `send` would have
+    written."""
+    messages: list[str] = []
+
+    async def content() -> AsyncIterator[bytes]:
+        for part in (b"one;", b"", "two;", b"three;"):
+            yield part
+        yield LastChunk(b"end")
+
+    async def app(scope: dict, receive: Any, send: Any) -> None:  # type: ignore[type-arg]
+        async def counted(message: dict) -> None:  # type: ignore[type-arg]
+            messages.append(message["type"])
+            await send(message)
+        await EventStream(content())(scope, receive, counted)
+
+    with _serving(HttpLimits(idle_timeout_s=30), app) as port, \
+            socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(_post_head(0))
+        data = b""
+        while not data.endswith(b"0\r\n\r\n"):
+            part = s.recv(65536)
+            assert part, data
+            data += part
+    body = data.split(b"\r\n\r\n", 1)[1]
+    assert body == b"4\r\none;\r\n4\r\ntwo;\r\n6\r\nthree;\r\n3\r\nend\r\n0\r\n\r\n", body
+    assert messages == ["http.response.start", "http.response.body", "http.response.body"], \
+        messages

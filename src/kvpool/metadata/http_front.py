@@ -119,6 +119,9 @@ class EventStream(StreamingResponse):
             last = isinstance(data, LastChunk)
             if not isinstance(data, bytes | memoryview):
                 data = data.encode(self.charset)
+            if not last and data and writer is not None and writer.ready():
+                writer.write(data)  # what `send` would write, without its layers
+                continue
             self.complete = last
             await send({"type": "http.response.body", "body": data, "more_body": not last})
             if last:
