@@ -169,9 +169,10 @@ def test_decode_rows_are_the_rows_of_the_whole_sequence() -> None:
     assert np.array_equal(got ^ kvbytes.layer_constant(0, 0, e.cache.row_bytes), want)
 
 
-def test_a_steps_rows_go_to_every_layer_and_kind_and_nowhere_else() -> None:
+@pytest.mark.parametrize("row", [24, 8])  # rows of several words, and of one (a flat scatter)
+def test_a_steps_rows_go_to_every_layer_and_kind_and_nowhere_else(row: int) -> None:
     """ByteKVCache.write_all against an assignment per layer and kind, on bytes."""
-    layers, blocks, bs, row = 3, 10, 4, 24
+    layers, blocks, bs = 3, 10, 4
     cache, want = ByteKVCache(layers, blocks, bs, row), ByteKVCache(layers, blocks, bs, row)
     rng = np.random.default_rng(5)
     cache.kv[:] = want.kv[:] = rng.integers(0, 256, cache.kv.shape, dtype=np.uint8)
