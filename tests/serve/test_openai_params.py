@@ -44,9 +44,10 @@ def test_echo_with_prompt_and_output_logprobs(cluster: ServingCluster) -> None:
         reference_logprobs(cluster.model_dir, ids)[-1]))])
     for i in range(1, len(ids)):
         assert lp.token_logprobs[i] == pytest.approx(ref[i - 1, ids[i]].item(), abs=1e-4)
-        top = lp.top_logprobs[i]
-        assert top is not None and 1 <= len(top) <= 2  # keyed by text: two ids may share one
-        best = torch.topk(ref[i - 1], 2).values.tolist()
+        top = lp.top_logprobs[i]  # the best two and the prompt's own token (keyed by text:
+        assert top is not None and 1 <= len(top) <= 3  # two ids may share one)
+        assert lp.tokens[i] in top
+        best = [*torch.topk(ref[i - 1], 2).values.tolist(), lp.token_logprobs[i]]
         assert all(any(abs(v - b) < 1e-4 for b in best) for v in top.values()), (top, best)
     first_out = lp.token_logprobs[len(ids)]
     assert first_out == pytest.approx(ref[len(ids) - 1].max().item(), abs=1e-4)  # greedy
@@ -93,6 +94,24 @@ def test_max_tokens_0_without_echo_is_a_400_naming_it(cluster: ServingCluster) -
         error = reply.json()["error"]
         assert reply.status_code == 400 and error["param"] == "max_tokens", reply.text
         assert "only with echo" in error["message"]
+
+
+def test_a_sampled_token_is_always_among_its_top_logprobs(cluster: ServingCluster) -> None:
+    """OpenAI's completions give up to `logprobs` + 1 entries a position: the most likely
+    tokens and the chosen one, which sampling may take from outside them; `logprobs=0`, the
+    chosen one alone."""
+    for n in (0, 1):
+        out = client(cluster.proxy_url).completions.create(
+            model=cluster.model_name, prompt=PROMPT, max_tokens=16, temperature=2.0, seed=11,
+            logprobs=n, extra_body={"ignore_eos": True})
+        lp = out.choices[0].logprobs
+        assert lp is not None and lp.tokens and lp.top_logprobs and lp.token_logprobs
+        for token, chosen, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs,
+                                      strict=True):
+            assert top is not None and token in top and 1 <= len(top) <= n + 1, (token, top)
+            assert chosen <= max(top.values()) + 1e-6
+            if n == 0:
+                assert top == {token: chosen}
 
 
 def test_streamed_logprobs_equal_the_whole_body(cluster: ServingCluster) -> None:

@@ -5,7 +5,9 @@ reading) are masked; everything else, JSON spacing and chunk boundaries included
 
 The recorded file is `data/stream_bytes.json` (case name -> body); `record()` writes it. It was
 recorded before frames, then once more without the empty delta sent before each finish chunk
-(that change alone: every other byte as before)."""
+(that change alone: every other byte as before), and once more when a completions position's
+`top_logprobs` took the chosen token where sampling took it from outside the top ones (those
+entries added: every other byte as before)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Token logprobs in OpenAI's two shapes (pure functions over the engine's `TokenLogprob`s).
 
     completions  {"tokens": [...], "token_logprobs": [...], "top_logprobs": [{text: lp}],
-                  "text_offset": [...]}      (the first prompt token of an echo: nulls)
+                  "text_offset": [...]}      (the first prompt token of an echo: nulls; a
+                                             position's top ones and the chosen token)
     chat         {"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}
 
 A token's text is its own decode (a byte-level token that is part of a character decodes to
@@ -27,9 +28,19 @@ def completion_logprobs(decode: Decode, token_ids: Sequence[int],
         offset += len(text)
     return {"tokens": tokens,
             "token_logprobs": [None if e is None else e.logprob for e in entries],
-            "top_logprobs": [None if e is None else {decode([t]): lp for t, lp in e.top}
+            "top_logprobs": [None if e is None else _completion_top(decode, e)
                              for e in entries],
             "text_offset": offsets}
+
+
+def _completion_top(decode: Decode, e: TokenLogprob) -> dict[str, float]:
+    """The most likely tokens' logprobs by their text, and the chosen token's where it is not
+    among them: OpenAI's completions give up to `logprobs` + 1 (vLLM's too), so a sampled
+    token outside the top ones still has its entry, and `logprobs=0` gives the chosen one."""
+    top = {decode([t]): lp for t, lp in e.top}
+    if all(t != e.token_id for t, _ in e.top):
+        top.setdefault(decode([e.token_id]), e.logprob)
+    return top
 
 
 def merge_completion(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
