@@ -19,7 +19,9 @@ from kvpool.serve.cluster import LiveCluster
 from kvpool.serve.peer_link import PeerLink, peer_socket
 from kvpool.serve.shared_bookings import SILENT_S, SharedBookings
 from tests.conductor.conftest import SIMPLE_COST
-from tests.serve.test_cluster import P1, P2, info, two_prefill_one_decode
+from tests.serve.test_cluster import D1, P1, P2, info, two_prefill_one_decode
+
+D2 = "http://d2"
 
 live = two_prefill_one_decode
 
@@ -155,6 +157,38 @@ def test_a_booking_on_workers_this_view_lacks_is_not_booked(vclock: VirtualClock
     held = sb.num_remote()
     assert held == (1 if placed.prefill.url == P2 else 0)  # type: ignore[attr-defined]
     assert sb.num_bad == 0
+
+
+def test_a_decode_moved_on_one_process_moves_in_the_others_view(vclock: VirtualClock) -> None:
+    """A decode leg resumed on another worker: the other process's view moves the booking's
+    decode load there too, and its finish releases it there; a view without that worker
+    releases the booking (it cannot queue it where it went)."""
+    def with_two_decoders() -> LiveCluster:
+        c = live(vclock)
+        c.add(D2)
+        c.join(D2, info("decode"))
+        return c
+    a, b, short = with_two_decoders(), with_two_decoders(), live(vclock)
+    sa, sb, ss = SharedBookings(a, 0, 1), SharedBookings(b, 1, 2), SharedBookings(short, 2, 3)
+    a.sink = sa
+    placed = book(a, 1)
+    a.decode_start(placed, 0.5)  # type: ignore[arg-type]
+    first = placed.decode.url  # type: ignore[attr-defined]
+    other = D2 if first == D1 else D1
+    a.move_decode(placed, a.workers[other], 1.0)  # type: ignore[arg-type]
+    for msg in sa.outbox:
+        sb.apply(msg, 1.0)
+        ss.apply(msg, 1.0)
+    loads = {url: b.workers[url].decode_load for url in (D1, D2)}
+    assert (loads[first].num_assigned, loads[other].num_assigned) == (0, 1)  # type: ignore[union-attr]
+    assert loads[other].assigned_tokens == 100  # type: ignore[union-attr]
+    held = ss.num_remote()
+    assert held == (1 if other == D1 else 0) and sb.num_bad == ss.num_bad == 0
+    sa.outbox.clear()
+    a.finish(placed, 2.0)  # type: ignore[arg-type]
+    for msg in sa.outbox:
+        sb.apply(msg, 2.0)
+    assert sb.num_remote() == 0 and loads[other].num_assigned == 0  # type: ignore[union-attr]
 
 
 def test_the_socket_folder_is_the_users_alone(tmp_path: Path, vclock: VirtualClock) -> None:

@@ -127,6 +127,8 @@ class BookingSink(Protocol):
 
     def decode_started(self, b: Booking) -> None: ...
 
+    def decode_moved(self, b: Booking) -> None: ...
+
     def finished(self, b: Booking) -> None: ...
 
 
@@ -330,6 +332,8 @@ class LiveCluster:
             self.view.record_decode_end(b.decode_load.instance_id, b.req, b.decode_started)
         b.decode, b.decode_load, b.decode_started = to, to.decode_load, False
         self.view.record_decode_moved(to.decode_load.instance_id, b.req, now)
+        if self.sink is not None and not b.remote:
+            self.sink.decode_moved(b)
 
     def finish(self, b: Booking, now: float) -> None:
         """Release the booking (finished, failed or abandoned); idempotent."""

@@ -60,6 +60,10 @@ class PeerLink:
         self.shared.decode_started(b)
         self.flush()
 
+    def decode_moved(self, b: Booking) -> None:
+        self.shared.decode_moved(b)
+        self.flush()
+
     def finished(self, b: Booking) -> None:
         self.shared.finished(b)
         self.flush()

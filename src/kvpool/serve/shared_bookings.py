@@ -7,7 +7,8 @@ event (booked, prefill done, decode started, finished) is also told to the other
 own view (`apply`): a remote `Booking` (`remote=True`) on the same workers by URL, with the
 same predicted transfer and prefill seconds and the same tokens, released by the same events.
 So a request booked on one process queues on that prefill worker in every process's view, and
-the decode load, the admission checks and early rejection count it everywhere.
+the decode load, the admission checks and early rejection count it everywhere. A decode leg
+resumed on another worker moves the booking's decode load there in every view.
 
 Messages (msgpack arrays; the first field is the kind, the second the sender's index and
 incarnation):
@@ -16,6 +17,8 @@ incarnation):
      local_prefix_len, transfer_s, prefill_s, tbt_s]       booked
     ["p", peer, inc, rid]                                  its prefill ended
     ["d", peer, inc, rid]                                  its decode started
+    ["m", peer, inc, rid, decode_url]                      its decode moved there (a
+                                                           failed leg resumed)
     ["f", peer, inc, rid]                                  finished (or failed)
     ["h", peer, inc, [rid, ...]]                           heartbeat, every HEARTBEAT_S,
                                                            with the open bookings' ids
@@ -88,6 +91,9 @@ class SharedBookings:
     def decode_started(self, b: Booking) -> None:
         self._send("d", b.req.request_id)
 
+    def decode_moved(self, b: Booking) -> None:
+        self._send("m", b.req.request_id, b.decode.url)
+
     def finished(self, b: Booking) -> None:
         self._open.discard(b.req.request_id)
         self._send("f", b.req.request_id)
@@ -113,6 +119,8 @@ class SharedBookings:
                 self._book(peer, peer_index, msg[3:], now)
             elif kind in ("p", "d", "f"):
                 self._event(peer, kind, int(msg[3]), now)
+            elif kind == "m":
+                self._moved(peer, int(msg[3]), str(msg[4]), now)
             elif kind == "h":
                 if len(msg) > 3 and msg[3] is not None:
                     self._keep_only(peer, {int(rid) for rid in msg[3]}, now)
@@ -154,6 +162,19 @@ class SharedBookings:
         elif kind == "d":
             self.cluster.decode_start(b, now)
         else:
+            self.cluster.finish(b, now)
+            del peer.bookings[rid]
+
+    def _moved(self, peer: _Peer, rid: int, decode_url: str, now: float) -> None:
+        """The peer's booking decodes on `decode_url` now; one this view cannot move there
+        (the worker is not in its rotation) is released, as one booked there would not be."""
+        b = peer.bookings.get(rid)
+        if b is None:
+            return
+        to = self.cluster.workers.get(decode_url)
+        if to is not None and to.alive and to.decode_load is not None:
+            self.cluster.move_decode(b, to, now)
+        if b.decode is not to:
             self.cluster.finish(b, now)
             del peer.bookings[rid]
 
