@@ -241,7 +241,7 @@ class ClientBase(ReadPath):
             if reply.segment_id != segment_id:
                 self._segments[reply.segment_id] = self._segments.pop(segment_id)
         self._publish_due = True
-        self.stats.remounts += 1
+        self.stats.add(remounts=1)
         return True
 
     def _publish(self) -> bool:

@@ -166,8 +166,7 @@ class ReadPath:
         else:
             began.abandon()
         self._remember(key, fresh)
-        self.stats.early_reads += 1
-        self.stats.early_reads_refused += not served
+        self.stats.add(early_reads=1, early_reads_refused=int(not served))
         return fresh, t0, served
 
     def _lookup_begun(self, key: str, began: BegunRead) -> LookupResult:
@@ -290,7 +289,7 @@ class ReadPath:
                 checksums=[looks[i].checksum or 0 for i, _ in damaged[lo:hi]]),
             lambda code: code)
         dropped = sum(1 for code in codes if code == E.OK)
-        self.stats.damaged_dropped += dropped
+        self.stats.add(damaged_dropped=dropped)
         log.warning("dropped %d of %d damaged replicas from the pool (%s)", dropped,
                     len(damaged), ", ".join(sorted(set(names))[:4]))
 
@@ -301,7 +300,7 @@ class ReadPath:
                                 self._hasher)
         bad = {i for i, h in got.items() if h != looks[i].checksum}
         if bad:
-            self.stats.checksum_mismatches += len(bad)
+            self.stats.add(checksum_mismatches=len(bad))
             log.warning("checksum mismatch on %d replica reads; trying other replicas",
                         len(bad))
         return bad

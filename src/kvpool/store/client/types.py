@@ -3,12 +3,16 @@ imports the other)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 
 @dataclass
 class ClientStats:
-    """Counters of one client (read them any time; they only grow)."""
+    """Counters of one client (read them any time; they only grow). Several threads share a
+    client (a connector's, a worker's transfer threads): counts go through `add`, under a lock
+    (`x += n` on an attribute is a read and a write, and a thread switch between them loses
+    the other thread's count)."""
 
     checksum_mismatches: int = 0
     """Replica reads whose bytes did not match the object's checksum (refused)."""
@@ -21,3 +25,10 @@ class ClientStats:
     the master answered a new lookup (store/client/early.py)."""
     early_reads_refused: int = 0
     """Of those, reads the master's answer did not vouch for (read again the ordinary way)."""
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **counts: int) -> None:
+        """Add to the named counters."""
+        with self._lock:
+            for name, n in counts.items():
+                setattr(self, name, getattr(self, name) + n)
