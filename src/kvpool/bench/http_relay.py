@@ -22,9 +22,8 @@ import sys
 from contextlib import AbstractContextManager
 
 import httptools
-import uvloop
 
-from kvpool.bench.loop_relay import HOST, running_loop_relay
+from kvpool.bench.loop_relay import HOST, relay_main, running_loop_relay
 
 _REASONS = {200: b"OK", 400: b"Bad Request", 404: b"Not Found", 429: b"Too Many Requests",
             500: b"Internal Server Error", 503: b"Service Unavailable"}
@@ -180,11 +179,7 @@ def running_http_relay(upstream_port: int) -> AbstractContextManager[tuple[int, 
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 3:
-        print(__doc__.strip().splitlines()[-4].strip(), file=sys.stderr)
-        return 2
-    uvloop.run(serve(int(argv[0]), (argv[1], int(argv[2]))))
-    return 0
+    return relay_main(argv, serve, __doc__.strip().splitlines()[-4].strip())
 
 
 if __name__ == "__main__":

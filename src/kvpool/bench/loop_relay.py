@@ -16,8 +16,9 @@ import asyncio
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import uvloop
 
@@ -127,12 +128,21 @@ def running_loop_relay(upstream_port: int, module: str = __name__) -> Iterator[t
         stop(proc, timeout_s=5.0, sig=15)
 
 
-def main(argv: list[str]) -> int:
+Serve = Callable[[int, tuple[str, int]], Coroutine[Any, Any, None]]
+"""A relay's `serve(port, (upstream host, upstream port))`."""
+
+
+def relay_main(argv: list[str], serve_relay: Serve, usage: str) -> int:
+    """A relay's `python -m`: PORT UPSTREAM_HOST UPSTREAM_PORT, served until stopped."""
     if len(argv) != 3:
-        print(__doc__.strip().splitlines()[-1].strip(), file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
-    uvloop.run(serve(int(argv[0]), (argv[1], int(argv[2]))))
+    uvloop.run(serve_relay(int(argv[0]), (argv[1], int(argv[2]))))
     return 0
+
+
+def main(argv: list[str]) -> int:
+    return relay_main(argv, serve, __doc__.strip().splitlines()[-1].strip())
 
 
 if __name__ == "__main__":
