@@ -117,6 +117,9 @@ class _Client(asyncio.Protocol):
         except httptools.HttpParserError:
             self.close()
 
+    def on_message_begin(self) -> None:
+        self._url, self._type, self._body = b"", b"application/json", []
+
     def on_url(self, url: bytes) -> None:
         self._url += url
 
@@ -132,7 +135,6 @@ class _Client(asyncio.Protocol):
         method = self._parser.get_method()
         request = b"%s %s HTTP/1.1\r\nhost: upstream\r\ncontent-type: %s\r\ncontent-length: %d" \
                   b"\r\n\r\n%s" % (method, self._url, self._type, len(body), body)
-        self._url, self._body = b"", []
         up = self.up
         if up is None or up.transport is None:
             self._early.append(request)
