@@ -173,8 +173,13 @@ def test_a_decode_moved_on_one_process_moves_in_the_others_view(vclock: VirtualC
     a.sink = sa
     placed = book(a, 1)
     a.decode_start(placed, 0.5)  # type: ignore[arg-type]
-    first = placed.decode.url  # type: ignore[attr-defined]
-    other = D2 if first == D1 else D1
+    first, other = D1, D2
+    assert placed.decode.url == first  # type: ignore[attr-defined]  # the view's first
+    for msg in sa.outbox:
+        sb.apply(msg, 0.5)
+        ss.apply(msg, 0.5)
+    assert sb.num_remote() == ss.num_remote() == 1  # both views hold it (on d1)
+    sa.outbox.clear()
     a.move_decode(placed, a.workers[other], 1.0)  # type: ignore[arg-type]
     for msg in sa.outbox:
         sb.apply(msg, 1.0)
@@ -182,8 +187,8 @@ def test_a_decode_moved_on_one_process_moves_in_the_others_view(vclock: VirtualC
     loads = {url: b.workers[url].decode_load for url in (D1, D2)}
     assert (loads[first].num_assigned, loads[other].num_assigned) == (0, 1)  # type: ignore[union-attr]
     assert loads[other].assigned_tokens == 100  # type: ignore[union-attr]
-    held = ss.num_remote()
-    assert held == (1 if other == D1 else 0) and sb.num_bad == ss.num_bad == 0
+    assert ss.num_remote() == 0 and short.view.decode[0].num_assigned == 0  # it lacks d2
+    assert sb.num_bad == ss.num_bad == 0
     sa.outbox.clear()
     a.finish(placed, 2.0)  # type: ignore[arg-type]
     for msg in sa.outbox:

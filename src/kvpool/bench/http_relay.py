@@ -11,8 +11,8 @@ one upstream connection of its own, kept while both live.
 
     python -m kvpool.bench.http_relay PORT UPSTREAM_HOST UPSTREAM_PORT     (listens on 127.0.0.1)
 
-A request or reply that is not HTTP/1.1, or an upstream that cannot be reached or closes
-early, closes the client's connection.
+Bytes that llhttp cannot read as a request or a reply, or an upstream that cannot be reached
+or closes early, close the client's connection.
 """
 
 from __future__ import annotations
@@ -52,6 +52,9 @@ class _Upstream(asyncio.Protocol):
         if self._out:
             self.client.write(b"".join(self._out))
             self._out.clear()
+
+    def on_message_begin(self) -> None:
+        self._type = b"application/octet-stream"
 
     def on_header(self, name: bytes, value: bytes) -> None:
         if name.lower() == b"content-type":

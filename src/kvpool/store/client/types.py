@@ -25,7 +25,8 @@ class ClientStats:
     the master answered a new lookup (store/client/early.py)."""
     early_reads_refused: int = 0
     """Of those, reads the master's answer did not vouch for (read again the ordinary way)."""
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False,
+                                  compare=False)
 
     def add(self, **counts: int) -> None:
         """Add to the named counters."""
