@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import zmq
@@ -274,3 +275,65 @@ def test_a_publisher_restarted_past_its_old_counter_is_resynced(index: CacheInde
             new.close()
     finally:
         sub.close()
+
+
+def _port_pair() -> int:
+    """A port P with P + 1 free as well (a server's rank 0 and rank 1)."""
+    import socket
+
+    for _ in range(50):
+        port = free_port()
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise AssertionError("no two free ports in a row")
+
+
+def test_a_servers_data_parallel_ranks_are_instances_of_their_own(index: CacheIndex) -> None:
+    """vLLM's rank r publishes at the endpoint's port plus r, under the server's topic and
+    with a sequence of its own: each rank's events land on an instance of its own (`#dp1`),
+    each rank is ordered and replayed apart, and one rank's blocks are not the other's."""
+    port = _port_pair()
+    sub = KvEventSubscriber(f"tcp://127.0.0.1:{port}", index, replay_timeout_s=0.5,
+                            ranks=1).start()
+    server = "http://h:8000"
+    rank0 = KvEventPublisher(f"tcp://127.0.0.1:{port}", LOCAL, server)
+    rank1 = KvEventPublisher(f"tcp://127.0.0.1:{port + 1}", LOCAL, server, data_parallel_rank=1)
+    sub.set_replay_endpoint(server, rank0.replay_endpoint)
+    sub.set_replay_endpoint(f"{server}#dp1", rank1.replay_endpoint)
+    try:
+        joined(sub, rank0, server, 10)
+        joined(sub, rank1, f"{server}#dp1", 20)
+        for i in (1, 2):
+            rank0.publish(stored(10 + i))
+            rank1.publish(stored(20 + i))
+        assert rank0.flush() and rank1.flush()
+        wait_for(lambda: sub.stats(server).last_seq == rank0.next_seq - 1
+                 and sub.stats(f"{server}#dp1").last_seq == rank1.next_seq - 1)
+        assert index.matched_blocks(server, [10, 11, 12]) == 3
+        assert index.matched_blocks(f"{server}#dp1", [20, 21, 22]) == 3
+        assert index.matched_blocks(server, [20]) == index.matched_blocks(f"{server}#dp1", [10]) == 0
+        for name in (server, f"{server}#dp1"):  # two sequences from 0, neither a restart
+            assert sub.stats(name).num_resyncs == 1 and not sub.stats(name).partial
+        assert sorted(sub.instances()) == [server, f"{server}#dp1"]
+    finally:
+        rank0.close(), rank1.close()
+        sub.close()
+
+
+def test_ranks_need_an_endpoint_whose_port_can_be_offset(index: CacheIndex,
+                                                         tmp_path: Path) -> None:
+    from kvpool.errors import ConfigError
+    from kvpool.kvevents.subscriber import offset_port
+
+    assert offset_port("tcp://127.0.0.1:5557", 2) == "tcp://127.0.0.1:5559"
+    assert offset_port("inproc://cache", 1) == "inproc://cache_dp1"
+    assert offset_port("tcp://*:5557", 0) == "tcp://*:5557"
+    for bad in ("tcp://127.0.0.1:0", "ipc:///tmp/x", "tcp://127.0.0.1"):
+        with pytest.raises(ConfigError, match="data-parallel ranks"):
+            offset_port(bad, 1)
+    with pytest.raises(ConfigError, match="data-parallel ranks"):
+        KvEventSubscriber(f"ipc://{tmp_path}/events.sock", index, ranks=1)

@@ -115,7 +115,8 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
                    help="the engines behind the proxy: kvpool workers, or unmodified vLLM "
                         "OpenAI servers (docs/serve.md, kvpool in front of vLLM)")
     p.add_argument("--colocated", action="append", default=[], metavar="URL",
-                   help="vllm: an instance that prefills and decodes; repeat for more")
+                   help="vllm: an instance that prefills and decodes; repeat for more "
+                   "(URL#dpR: rank R of a server run with --data-parallel-size)")
     p.add_argument("--engine-model", default=_D.engine_model, metavar="NAME",
                    help="vllm: the model name the instances serve (default: the first "
                         "instance's; every other must serve it)")

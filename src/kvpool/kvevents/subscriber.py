@@ -17,6 +17,13 @@ thread acts:
 The sink is anything with `apply(instance, batch)` and `clear(instance)` (a `CacheIndex`). It
 is called from the subscriber's thread only. `close()` stops the thread and closes the
 sockets; nothing is applied after it returns.
+
+Data-parallel ranks (`ranks` N > 0): a vLLM server of N + 1 ranks runs a publisher per rank,
+rank r at the endpoint's port plus r (vLLM's offset, bound or connected alike), all under the
+server's topic, each counting its own sequence. The subscriber reads each rank's port with a
+socket of its own and gives rank r's messages the topic `rank_topic(r, topic)` (by default
+`topic#dpR` for r > 0, the topic itself for rank 0): each rank is an instance, with its own
+order, replay and resync.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from typing import Protocol
 import xxhash
 import zmq
 
-from kvpool.errors import RemoteProtocolError
+from kvpool.errors import ConfigError, RemoteProtocolError
 from kvpool.kvevents.codec import decode_batch
 from kvpool.kvevents.events import EventBatch
 from kvpool.kvevents.publisher import END_SEQ, bind_socket
@@ -74,9 +81,12 @@ class KvEventSubscriber:
         replay_endpoints: Mapping[str, str] | None = None,
         instance_of: Callable[[bytes], str] | None = None,
         replay_timeout_s: float = 1.0,
+        ranks: int = 0,
+        rank_topic: Callable[[int, bytes], bytes] | None = None,
     ) -> None:
         """`replay_endpoints` maps an instance name to its replay ROUTER endpoint;
-        `instance_of` names the instance a topic belongs to (default: the topic text)."""
+        `instance_of` names the instance a topic belongs to (default: the topic text);
+        `ranks`, `rank_topic`: data-parallel ranks 1..ranks read too (the module's text)."""
         self._sink = sink
         self._replay_endpoints = dict(replay_endpoints or {})
         self._instance_of = instance_of or (lambda t: t.decode("utf-8", "replace"))
@@ -99,7 +109,26 @@ class KvEventSubscriber:
         else:
             self._sub.connect(endpoint)
             self.endpoint = endpoint
+        self._rank_topic = rank_topic or _rank_topic
+        self._subs = [self._sub]
+        """Rank r's socket at index r (rank 0's is `_sub`)."""
+        try:
+            for r in range(1, ranks + 1):
+                self._subs.append(self._rank_socket(offset_port(self.endpoint, r), bind))
+        except ConfigError:
+            self._close_sockets()
+            raise
         self._thread = threading.Thread(target=self._run, name="kv-event-subscriber", daemon=True)
+
+    def _rank_socket(self, endpoint: str, bind: bool) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        if bind:
+            bind_socket(sock, endpoint)
+        else:
+            sock.connect(endpoint)
+        return sock
 
     def start(self) -> KvEventSubscriber:
         self._thread.start()
@@ -109,8 +138,13 @@ class KvEventSubscriber:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
-        elif not self._sub.closed:
-            self._sub.close()
+        else:
+            self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for sock in self._subs:
+            if not sock.closed:
+                sock.close()
 
     def connect(self, endpoint: str) -> None:
         """Also read a publisher that binds its own endpoint (vLLM given `tcp://*:PORT`);
@@ -144,18 +178,24 @@ class KvEventSubscriber:
     # -- the thread ----------------------------------------------------------------------
 
     def _run(self) -> None:
+        poller = zmq.Poller()
+        for sock in self._subs:
+            poller.register(sock, zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 with self._lock:
                     endpoints, self._to_connect = self._to_connect, []
                 for endpoint in endpoints:
                     self._sub.connect(endpoint)
-                if self._sub.poll(POLL_MS):
-                    self._on_message(self._sub.recv_multipart())
+                for sock, _ in poller.poll(POLL_MS):
+                    frames = sock.recv_multipart()
+                    if frames:
+                        frames[0] = self._rank_topic(self._subs.index(sock), frames[0])
+                    self._on_message(frames)
         except Exception:
             log.exception("KV-event subscriber thread failed")
         finally:
-            self._sub.close()
+            self._close_sockets()
 
     def _on_message(self, frames: list[bytes]) -> None:
         if len(frames) != 3 or len(frames[1]) != 8:
@@ -263,6 +303,24 @@ class KvEventSubscriber:
             stats = self._stats.setdefault(instance, FeedStats())
             for name, delta in deltas.items():
                 setattr(stats, name, getattr(stats, name) + delta)
+
+
+def _rank_topic(rank: int, topic: bytes) -> bytes:
+    return topic + b"#dp%d" % rank if rank else topic
+
+
+def offset_port(endpoint: str, rank: int) -> str:
+    """Rank `rank`'s endpoint, as vLLM offsets a data-parallel rank's: a tcp port plus the
+    rank, an inproc name with `_dpR` after it; ConfigError for another endpoint."""
+    if rank == 0:
+        return endpoint
+    if endpoint.startswith("inproc://"):
+        return f"{endpoint}_dp{rank}"
+    head, sep, port = endpoint.rpartition(":")
+    if not endpoint.startswith("tcp://") or not sep or not port.isdigit() or int(port) == 0:
+        raise ConfigError(f"data-parallel ranks need a tcp://HOST:PORT (or inproc://) KV-event "
+                          f"endpoint, not {endpoint!r}")
+    return f"{head}:{int(port) + rank}"
 
 
 def fetch_replay(ctx: zmq.Context, endpoint: str, start: int, timeout_ms: int) -> list[tuple[int, bytes]]:

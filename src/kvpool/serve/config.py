@@ -192,3 +192,14 @@ class ProxyConfig:
             raise ConfigError(f"dead_after_failures must be >= 1, got {self.dead_after_failures}")
         if not 0 <= self.port < 65536:
             raise ConfigError(f"port must be in 0..65535, got {self.port}")
+        _check_fragments(self)
+
+
+def _check_fragments(config: ProxyConfig) -> None:
+    """A worker URL's #dpN names a vLLM server's data-parallel rank (serve/vllm/ranks.py):
+    only the vllm backend reads it."""
+    urls = (*config.prefill_urls, *config.decode_urls, *config.colocated_urls)
+    named = [url for url in urls if "#" in url]
+    if named and config.backend != "vllm":
+        raise ConfigError(f"{named[0]!r}: #dpN (a data-parallel rank) names a vLLM server's "
+                          "rank; a kvpool worker's URL has no fragment")

@@ -44,7 +44,7 @@ from kvpool.engine.worker.messages import (
     Role,
     TokensLine,
 )
-from kvpool.errors import InvalidArgument, WorkerCallError
+from kvpool.errors import ConfigError, InvalidArgument, WorkerCallError
 from kvpool.log import get_logger
 from kvpool.metadata.http_serving import CLIENT_KEEPALIVE_S
 from kvpool.serve.backend import BackendFeatures, EnginePrefixes, FrameRelay, read_relay
@@ -53,6 +53,7 @@ from kvpool.serve.ndjson_reply import ReplyError as HttpReplyError
 from kvpool.serve.vllm.metrics_text import METRICS_PATH, EngineMetrics, parse_metrics
 from kvpool.serve.vllm.mooncake_p2p import MooncakeP2P, new_transfer_id
 from kvpool.serve.vllm.prefixes import InstancePrefixes
+from kvpool.serve.vllm.ranks import Ranks
 from kvpool.serve.vllm.wire import (
     PREFILL_KV_PARAMS,
     ReplyError,
@@ -116,6 +117,8 @@ class VllmBackend:
                  model: str = "", block_size: int = 0, events: EventFeed | None = None,
                  p2p: MooncakeP2P | None = None, handoff_wait_s: float = 0.0) -> None:
         self.roles = {url.rstrip("/"): role for url, role in roles.items()}
+        self.ranks = Ranks(self.roles)
+        """The data-parallel ranks named as instances (URL#dpN): calls pinned to their rank."""
         self.model = model
         """The served model name every instance must serve ("" until the first joins)."""
         self.block_size = block_size
@@ -148,13 +151,19 @@ class VllmBackend:
                            (config.colocated_urls, "both")):
             for url in urls:
                 roles[url] = role  # type: ignore[assignment]
+        ranks = Ranks(roles)  # ConfigError for a URL it cannot read
+        ranked = [url for url in roles if ranks.named(url)]
+        if config.kv_transfer == "mooncake" and ranked:
+            raise ConfigError("--kv-transfer mooncake does not take data-parallel ranks as "
+                              "instances (URL#dpN): name each server once")
         events: EventFeed | None = None
         if config.kv_events:
             from kvpool.serve.vllm.events import KvEventsFeed
 
             replay = {url.rstrip("/"): ep for url, ep in config.kv_events_replay}
             events = KvEventsFeed(config.kv_events, config.hash_algo, config.hash_seed, replay,
-                                  config.pool_topic, memo_bytes=config.prompt_cache_bytes)
+                                  config.pool_topic, memo_bytes=config.prompt_cache_bytes,
+                                  ranked=ranked)
             log.info("KV events: bound %s (topic = each instance's URL; the pool's: %r)",
                      events.endpoint, config.pool_topic)
         p2p = (MooncakeP2P(dict(config.mooncake_bootstrap))
@@ -198,9 +207,10 @@ class VllmBackend:
                     method: str = "GET",
                     headers: dict[str, str] | None = None) -> tuple[int, bytes]:
         """(status, body) of one call, read whole; WorkerCallError when it fails."""
-        sent = {**self._auth, **JSON_TYPE, **(headers or {})}
+        base, pin = self.ranks.target(url)
+        sent = {**self._auth, **JSON_TYPE, **(headers or {}), **pin}
         try:
-            return await call_whole(self.streams, self.http, url, path, sent, body, CONNECT_S,
+            return await call_whole(self.streams, self.http, base, path, sent, body, CONNECT_S,
                                     timeout_s, method)
         except (OSError, ValueError, httpx.HTTPError) as exc:  # ValueError: HttpReplyError
             raise WorkerCallError(url, path, repr(exc)) from None
@@ -213,7 +223,7 @@ class VllmBackend:
 
     async def _metrics(self, url: str, timeout_s: float) -> EngineMetrics:
         text = (await self._get(url, METRICS_PATH, timeout_s)).decode("utf-8", "replace")
-        found = parse_metrics(text)
+        found = parse_metrics(text, self.ranks.engine(url))
         if found is None:
             raise InvalidArgument(f"{url}/metrics has no vllm: samples: not a vLLM server")
         return found
@@ -356,13 +366,15 @@ class VllmBackend:
             raise WorkerCallError(url, COMPLETIONS, "a vLLM decode leg makes every output "
                                   "token itself: no first_token_id", 400)
         body = json.dumps(self._generate_body(url, req)).encode()
-        headers = {**self._auth, **JSON_TYPE, **self._headers(req.request_id)}
-        if not url.startswith("http://"):
-            async for line in self._httpx_generate(url, body, headers, req.sampling.logprobs):
+        base, pin = self.ranks.target(url)
+        headers = {**self._auth, **JSON_TYPE, **self._headers(req.request_id), **pin}
+        if not base.startswith("http://"):
+            async for line in self._httpx_generate(url, base, body, headers,
+                                                   req.sampling.logprobs):
                 yield line
             return
         try:
-            call = await self.streams.open(url, COMPLETIONS, headers, body, CONNECT_S,
+            call = await self.streams.open(base, COMPLETIONS, headers, body, CONNECT_S,
                                            self.timeout_s)
         except (OSError, ValueError) as exc:  # HttpReplyError, a URL it cannot use
             raise WorkerCallError(url, COMPLETIONS, repr(exc)) from None
@@ -380,10 +392,10 @@ class VllmBackend:
         finally:
             call.close()  # one not read to its end is closed: vLLM aborts the request
 
-    async def _httpx_generate(self, url: str, body: bytes, headers: dict[str, str],
+    async def _httpx_generate(self, url: str, base: str, body: bytes, headers: dict[str, str],
                               logprobs_k: int | None) -> AsyncGenerator[Frame | FinishLine]:
         try:
-            async with self.http.stream("POST", url + COMPLETIONS, content=body,
+            async with self.http.stream("POST", base + COMPLETIONS, content=body,
                                         headers=headers) as resp:
                 if resp.status_code != 200:
                     self._reply(url, resp.status_code, await resp.aread())

@@ -17,9 +17,10 @@ from collections.abc import Mapping, Sequence
 
 from kvpool.kvevents.hashing import BlockHasher
 from kvpool.kvevents.index import CacheIndex
-from kvpool.kvevents.subscriber import KvEventSubscriber
+from kvpool.kvevents.subscriber import KvEventSubscriber, offset_port
 from kvpool.log import get_logger
 from kvpool.serve.vllm.prefixes import POOL_MEDIA, InstancePrefixes
+from kvpool.serve.vllm.ranks import Ranks, split_rank
 
 log = get_logger("serve.vllm.events")
 DEFAULT_ALGO = "sha256"
@@ -31,15 +32,21 @@ class KvEventsFeed:
 
     def __init__(self, endpoint: str, algo: str = "", hash_seed: str | None = None,
                  replay: Mapping[str, str] | None = None, pool_topic: str = "",
-                 memo_bytes: int = 0) -> None:
+                 memo_bytes: int = 0, ranked: Sequence[str] = ()) -> None:
         """`replay`: instance URL (or the pool's topic) -> the replay endpoint it binds;
         `pool_topic`: the pool's events' topic ("" = none expected); `memo_bytes`: what
-        each hasher may keep of the blocks it hashed (`BlockHasher`)."""
+        each hasher may keep of the blocks it hashed (`BlockHasher`); `ranked`: the
+        instances that are data-parallel ranks (serve/vllm/ranks.py), whose events come at
+        the endpoint's port plus their rank."""
         self.memo_bytes = memo_bytes
         self.index = CacheIndex()
         self.pool_topic = pool_topic
+        ranks = Ranks(ranked)
+        self._ranked = set(ranked)
         self.subscriber = KvEventSubscriber(endpoint, self.index,
-                                            replay_endpoints=replay).start()
+                                            replay_endpoints=_rank_replays(replay or {}, ranked),
+                                            ranks=ranks.max_rank,
+                                            rank_topic=self._rank_topic).start()
         self.endpoint = self.subscriber.endpoint
         self.algo, self.hash_seed = algo, hash_seed
         self._hashers: dict[tuple[str, int], BlockHasher] = {}
@@ -47,6 +54,12 @@ class KvEventsFeed:
 
     def close(self) -> None:
         self.subscriber.close()
+
+    def _rank_topic(self, rank: int, topic: bytes) -> bytes:
+        """The instance a rank's message is for: `URL#dpR` where that rank is named (rank
+        0 may be named by its bare URL), else the topic (the bare URL, the pool)."""
+        named = b"%s#dp%d" % (topic, rank)
+        return named if rank or named.decode("utf-8", "replace") in self._ranked else topic
 
     def rejoined(self, url: str) -> None:
         """`url` joined the rotation (again): it may be a new process with an empty cache."""
@@ -98,3 +111,14 @@ class KvEventsFeed:
                 f"{self.pool_topic}/{m}": float(self.index.num_blocks(self.pool_topic, m))
                 for m in POOL_MEDIA}
         return gauges
+
+
+def _rank_replays(replay: Mapping[str, str], ranked: Sequence[str]) -> dict[str, str]:
+    """`replay`, and for each rank without an endpoint of its own its server's offset by the
+    rank (vLLM binds rank r's replay socket there)."""
+    out = dict(replay)
+    for url in ranked:
+        base, rank = split_rank(url)
+        if url not in out and base in replay and rank:
+            out[url] = offset_port(replay[base], rank)
+    return out

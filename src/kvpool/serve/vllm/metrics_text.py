@@ -7,8 +7,10 @@
                                      num_gpu_blocks, prefix_caching_hash_algo,
                                      enable_prefix_caching
 
-Counts are summed over engines, the KV usage averaged, the block count summed. A text without a
-single `vllm:` sample is not a vLLM's: `parse_metrics` returns None.
+Counts are summed over engines, the KV usage averaged, the block count summed; or, for one
+data-parallel rank named as an instance (serve/vllm/ranks.py), its engine's samples alone
+(label `engine`). A text without a single `vllm:` sample is not a vLLM's: `parse_metrics`
+returns None.
 """
 
 from __future__ import annotations
@@ -56,8 +58,9 @@ def _int(labels: dict[str, str], key: str) -> int | None:
     return int(value) if value.isdigit() else None
 
 
-def parse_metrics(text: str) -> EngineMetrics | None:
-    """The engine's load, or None when `text` holds no vLLM sample."""
+def parse_metrics(text: str, engine: str | None = None) -> EngineMetrics | None:
+    """The engine's load (of every engine, or of the one labelled `engine`), or None when
+    `text` holds no vLLM sample."""
     running = waiting = 0.0
     usages: list[float] = []
     blocks: list[int] = []
@@ -71,6 +74,8 @@ def parse_metrics(text: str) -> EngineMetrics | None:
         if m is None:
             continue
         name, labels, raw = m.groups()
+        if engine is not None and _labels(labels).get("engine", engine) != engine:
+            continue
         try:
             value = float(raw)
         except ValueError:
