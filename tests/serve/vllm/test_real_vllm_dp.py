@@ -1,0 +1,95 @@
+"""A real vLLM of two data-parallel ranks behind the vllm backend (slow job; `$KVPOOL_VLLM_PYTHON`
+as in test_real_vllm_live.py): vLLM's CPU build runs `--data-parallel-size 2` as two engine
+cores, each with its own KV cache and KV-event publisher (rank 1 at the endpoint's port plus
+one). The proxy names each rank (`URL#dp0`, `URL#dp1`): both ranks' events reach it, each
+under its rank, and a prompt sent again runs on the rank that holds it, every time; sent to
+vLLM itself, whose balancer routes by load, the same prompts find their cache on about half
+their runs (said, not asserted: its balancer's choices are its own)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from kvpool.engine.gguf_checkpoint import served_name
+from kvpool.launch.children import stop
+from kvpool.launch.ports import free_port
+from kvpool.launch.wait import wait_http
+from kvpool.serve.models import resolve_model
+from tests.kvevents.test_subscriber import _port_pair
+from tests.serve.vllm.conftest import Fleet, events_config, real_vllm_python
+from tests.serve.vllm.test_real_vllm_live import stop_group
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+    vllm_python = real_vllm_python()
+    model = resolve_model("smollm2")
+    logs = tmp_path_factory.mktemp("dp")
+    f = Fleet()
+    port, events = free_port(), f"tcp://127.0.0.1:{_port_pair()}"
+    f.urls["vllm"] = url = f"http://127.0.0.1:{port}"
+    try:
+        with (logs / "vllm.log").open("w") as out:
+            f.procs.append(subprocess.Popen(
+                [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                 "--served-model-name", "smol", "--host", "127.0.0.1", "--port", str(port),
+                 "--max-model-len", "2048", "--enable-prompt-tokens-details",
+                 "--data-parallel-size", "2", "--kv-events-config", events_config(events, url)],
+                env=os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"},
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+        f.proxy("proxy", model, logs / "proxy.log", "--colocated", f"{url}#dp0",
+                "--colocated", f"{url}#dp1", "--kv-events", events)
+        wait_http(url + "/health", f.procs, "vLLM", timeout_s=600)
+        f.wait_joined("proxy", 2, 2)
+        f.urls["model"] = served_name(model)
+        yield f
+    finally:
+        for p in reversed(f.procs[1:]):
+            stop(p)
+        if f.procs:
+            stop_group(f.procs[0])
+
+
+def _cached(url: str, model: str, prompt: list[int], max_tokens: int) -> int:
+    r = httpx.post(url + "/v1/completions", timeout=300, json={
+        "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+        "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    return int((r.json()["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+def _runs(url: str, model: str, tag: int) -> list[int]:
+    """Eight 600-token prompts at once (the ranks share them), then each again, extended:
+    the cached tokens of each second run."""
+    prompts = [[1] + [300 + ((i + 977 * k + 7919 * tag) * 53) % 4000 for i in range(600)]
+               for k in range(8)]
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda p: _cached(url, model, p, 24), prompts))
+    time.sleep(1.5)  # their events arrive
+    return [_cached(url, model, p + [5, 6, 7], 2) for p in prompts]
+
+
+def test_each_rank_is_an_instance_and_a_prompt_runs_where_it_is_cached(two_ranks: Fleet) -> None:
+    proxy, vllm = two_ranks.urls["proxy"], two_ranks.urls["vllm"]
+    through = _runs(proxy, two_ranks.urls["model"], 1)
+    assert all(c >= 512 for c in through), through  # four full 128-token blocks, each time
+    metrics = httpx.get(proxy + "/metrics").text
+    blocks = {ln.split('"')[1]: float(ln.rsplit(" ", 1)[1]) for ln in metrics.splitlines()
+              if ln.startswith("kvpool_proxy_engine_kv_events_blocks{")}
+    assert blocks[f"{vllm}#dp0"] >= 4 and blocks[f"{vllm}#dp1"] >= 4, blocks
+    unmatched = [ln for ln in metrics.splitlines()
+                 if ln.startswith("kvpool_proxy_engine_kv_events_unmatched{")]
+    assert unmatched and all(ln.endswith(" 0.0") for ln in unmatched), unmatched
+    direct = _runs(vllm, "smol", 2)  # vLLM's balancer: by load
+    hits = [sum(c >= 512 for c in runs) for runs in (through, direct)]
+    print(f"second runs that found their prompt cached: through the proxy {hits[0]}/8, "
+          f"to vLLM itself {hits[1]}/8")
