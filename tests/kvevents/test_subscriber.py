@@ -324,6 +324,26 @@ def test_a_servers_data_parallel_ranks_are_instances_of_their_own(index: CacheIn
         sub.close()
 
 
+def test_connecting_to_a_binding_server_reads_its_ranks_too(index: CacheIndex) -> None:
+    """vLLM given `tcp://*:PORT` binds, each rank at the port plus its rank: a subscriber of
+    ranks that connects to the server's endpoint reads every rank."""
+    port = _port_pair()
+    rank0 = KvEventPublisher(f"tcp://127.0.0.1:{port}", topic="s", bind=True)
+    rank1 = KvEventPublisher(f"tcp://127.0.0.1:{port + 1}", topic="s", bind=True,
+                             data_parallel_rank=1)
+    own = _port_pair()  # (the server's two are bound by now)
+    sub = KvEventSubscriber(f"tcp://127.0.0.1:{own}", index, ranks=1).start()
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        until(lambda: (rank0.publish(stored(1)), rank1.publish(stored(2))),
+              lambda: index.matched_blocks("s", [1]) == 1
+              and index.matched_blocks("s#dp1", [2]) == 1)
+        assert index.matched_blocks("s", [2]) == 0
+    finally:
+        rank0.close(), rank1.close()
+        sub.close()
+
+
 def test_ranks_need_an_endpoint_whose_port_can_be_offset(index: CacheIndex,
                                                          tmp_path: Path) -> None:
     from kvpool.errors import ConfigError

@@ -36,6 +36,8 @@ def test_overload_is_refused_with_429(cluster: ServingCluster, tmp_path: Path,
             reply = httpx.post(url + "/workers/register", json={"url": urls[0]})
             assert reply.json() == {"ok": True, "url": urls[0]}
         assert httpx.post(url + "/workers/register", json={"nope": 1}).status_code == 400
+        fragment = httpx.post(url + "/workers/register", json={"url": urls[0] + "#dp1"})
+        assert fragment.status_code == 400 and "fragment" in fragment.text
         wait_http(url + "/health", [proc], "proxy with registered workers", timeout_s=30)
 
         async def burst() -> list[httpx.Response]:

@@ -95,7 +95,8 @@ class KvEventSubscriber:
         self._stats: dict[str, FeedStats] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._to_connect: list[str] = []
+        self._to_connect: list[tuple[int, str]] = []
+        """(rank, endpoint) to connect that rank's socket to."""
         self._to_forget: list[bytes] = []
         self._last: dict[bytes, tuple[int, int, float]] = {}
         """Topic -> (seq, xxh3_64 of the payload, time.monotonic()) of the batch applied
@@ -115,7 +116,7 @@ class KvEventSubscriber:
         try:
             for r in range(1, ranks + 1):
                 self._subs.append(self._rank_socket(offset_port(self.endpoint, r), bind))
-        except ConfigError:
+        except (ConfigError, zmq.ZMQError):
             self._close_sockets()
             raise
         self._thread = threading.Thread(target=self._run, name="kv-event-subscriber", daemon=True)
@@ -124,10 +125,14 @@ class KvEventSubscriber:
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
-        if bind:
-            bind_socket(sock, endpoint)
-        else:
-            sock.connect(endpoint)
+        try:
+            if bind:
+                bind_socket(sock, endpoint)
+            else:
+                sock.connect(endpoint)
+        except (ConfigError, zmq.ZMQError):
+            sock.close()
+            raise
         return sock
 
     def start(self) -> KvEventSubscriber:
@@ -147,10 +152,12 @@ class KvEventSubscriber:
                 sock.close()
 
     def connect(self, endpoint: str) -> None:
-        """Also read a publisher that binds its own endpoint (vLLM given `tcp://*:PORT`);
-        the subscriber's thread connects at its next turn."""
+        """Also read a publisher that binds its own endpoint (vLLM given `tcp://*:PORT`),
+        and its ranks' at that port plus each rank; the subscriber's thread connects at its
+        next turn. ConfigError for an endpoint whose port cannot be offset, with ranks."""
+        ranked = [(r, offset_port(endpoint, r)) for r in range(len(self._subs))]
         with self._lock:
-            self._to_connect.append(endpoint)
+            self._to_connect.extend(ranked)
 
     def forget(self, topic: str) -> None:
         """The instance publishing under `topic` may have restarted (it left and came back):
@@ -185,8 +192,8 @@ class KvEventSubscriber:
             while not self._stop.is_set():
                 with self._lock:
                     endpoints, self._to_connect = self._to_connect, []
-                for endpoint in endpoints:
-                    self._sub.connect(endpoint)
+                for rank, endpoint in endpoints:
+                    self._subs[rank].connect(endpoint)
                 for sock, _ in poller.poll(POLL_MS):
                     frames = sock.recv_multipart()
                     if frames:

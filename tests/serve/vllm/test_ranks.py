@@ -17,7 +17,7 @@ import pytest
 
 from kvpool.engine.config import SamplingParams
 from kvpool.engine.worker.messages import FinishLine, GenerateRequest, PlainFrame
-from kvpool.errors import ConfigError
+from kvpool.errors import ConfigError, InvalidArgument
 from kvpool.serve.config import ProxyConfig
 from kvpool.serve.vllm.backend import VllmBackend
 from kvpool.serve.vllm.metrics_text import parse_metrics
@@ -27,12 +27,15 @@ from tests.serve.vllm.test_metrics_text import NEW
 
 def test_a_rank_is_named_by_its_servers_url_and_dp_n() -> None:
     assert split_rank("http://h:8000#dp1") == ("http://h:8000", 1)
-    assert split_rank("http://h:8000/#dp12") == ("http://h:8000", 12)
+    assert split_rank("http://h:8000#dp255") == ("http://h:8000", 255)
     assert split_rank("http://h:8000") == ("http://h:8000", None)
     for bad in ("http://h:8000#1", "http://h:8000#dp", "http://h:8000#dp01",
-                "http://h:8000#dp-1", "http://h:8000#dp1x", "http://h:8000#x#dp1"):
+                "http://h:8000#dp-1", "http://h:8000#dp1x", "http://h:8000#x#dp1",
+                "http://h:8000#dp256", "http://h:8000#dp5000"):
         with pytest.raises(ConfigError, match="#dpN"):
             split_rank(bad)
+    with pytest.raises(ConfigError, match="without a slash"):  # one name per instance
+        split_rank("http://h:8000/#dp1")
 
 
 def test_the_bare_url_beside_a_rank_is_rank_0_and_a_lone_one_is_left_to_vllm() -> None:
@@ -48,6 +51,7 @@ def test_the_bare_url_beside_a_rank_is_rank_0_and_a_lone_one_is_left_to_vllm() -
 
 
 def test_a_ranks_load_is_its_own_engines() -> None:
+    assert parse_metrics(NEW, "2") is None  # no such engine: no rank of that server
     one = parse_metrics(NEW, "1")
     assert one is not None and (one.num_running, one.num_waiting, one.kv_usage) == (2, 0, 0.25)
     assert one.num_gpu_blocks == 100 and one.block_size == 128
@@ -61,6 +65,14 @@ def test_ranks_are_the_vllm_backends_alone_and_not_with_mooncakes_handoff() -> N
     with pytest.raises(ConfigError, match="#dpN"):
         VllmBackend.from_config(ProxyConfig(model_dir="m", backend="vllm",
                                             colocated_urls=("http://w:1#rank1",)))
+    import threading
+
+    before = {t.name for t in threading.enumerate()}
+    with pytest.raises(ConfigError, match="named twice"):  # before its events' sockets
+        VllmBackend.from_config(ProxyConfig(
+            model_dir="m", backend="vllm", kv_events="tcp://127.0.0.1:0",
+            colocated_urls=("http://w:1/", "http://w:1#dp0")))
+    assert "kv-event-subscriber" not in {t.name for t in threading.enumerate()} - before
     with pytest.raises(ConfigError, match="mooncake does not take data-parallel ranks"):
         VllmBackend.from_config(ProxyConfig(
             model_dir="m", backend="vllm", kv_transfer="mooncake",
@@ -129,9 +141,18 @@ def test_every_call_for_a_rank_goes_to_its_server_pinned_to_it() -> None:
         finally:
             await backend.aclose()
 
+    async def missing(url: str) -> None:
+        backend = VllmBackend({f"{url}#dp2": "both"}, 5.0, model="m")
+        try:
+            await backend.info(f"{url}#dp2", 5.0)
+        finally:
+            await backend.aclose()
+
     with _server() as url:
         info, load, lines = asyncio.run(go(url))
         seen = list(_TwoRanks.seen)
+        with pytest.raises(InvalidArgument, match="no engine 2"):  # it never joins
+            asyncio.run(missing(url))
     assert info.kv_capacity_tokens == 100 * 128  # type: ignore[attr-defined]  # one engine's
     assert (load.num_running, load.num_waiting) == (2, 0)  # type: ignore[attr-defined]
     assert isinstance(lines[0], PlainFrame) and lines[0].token_ids == [5, 6]
@@ -153,6 +174,10 @@ def test_a_servers_ranks_events_reach_its_ranks_named_either_way() -> None:
     assert _rank_replays({"http://h:1": "tcp://127.0.0.1:7000"},
                          ["http://h:1", "http://h:1#dp2", "http://g:1#dp1"]) == \
         {"http://h:1": "tcp://127.0.0.1:7000", "http://h:1#dp2": "tcp://127.0.0.1:7002"}
+    assert _rank_replays({"http://h:1": "tcp://127.0.0.1:7000"},
+                         ["http://h:1#dp0", "http://h:1#dp1"]) == \
+        {"http://h:1": "tcp://127.0.0.1:7000", "http://h:1#dp0": "tcp://127.0.0.1:7000",
+         "http://h:1#dp1": "tcp://127.0.0.1:7001"}
     port, server = _port_pair(), "http://h:8000"
     names = [f"{server}#dp0", f"{server}#dp1"]
     feed = KvEventsFeed(f"tcp://127.0.0.1:{port}", ranked=names)

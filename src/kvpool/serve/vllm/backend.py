@@ -151,7 +151,8 @@ class VllmBackend:
                            (config.colocated_urls, "both")):
             for url in urls:
                 roles[url] = role  # type: ignore[assignment]
-        ranks = Ranks(roles)  # ConfigError for a URL it cannot read
+        ranks = Ranks(url.rstrip("/") for url in roles)  # as __init__ reads them: before
+        # the events' sockets are bound, ConfigError for names it cannot take
         ranked = [url for url in roles if ranks.named(url)]
         if config.kv_transfer == "mooncake" and ranked:
             raise ConfigError("--kv-transfer mooncake does not take data-parallel ranks as "
@@ -223,7 +224,11 @@ class VllmBackend:
 
     async def _metrics(self, url: str, timeout_s: float) -> EngineMetrics:
         text = (await self._get(url, METRICS_PATH, timeout_s)).decode("utf-8", "replace")
-        found = parse_metrics(text, self.ranks.engine(url))
+        engine = self.ranks.engine(url)
+        found = parse_metrics(text, engine)
+        if found is None and engine is not None and parse_metrics(text) is not None:
+            raise InvalidArgument(f"{url}: its server's /metrics has no engine {engine}: "
+                                  "not a data-parallel rank of that server")
         if found is None:
             raise InvalidArgument(f"{url}/metrics has no vllm: samples: not a vLLM server")
         return found

@@ -119,6 +119,6 @@ def _rank_replays(replay: Mapping[str, str], ranked: Sequence[str]) -> dict[str,
     out = dict(replay)
     for url in ranked:
         base, rank = split_rank(url)
-        if url not in out and base in replay and rank:
+        if url not in out and base in replay and rank is not None:
             out[url] = offset_port(replay[base], rank)
     return out

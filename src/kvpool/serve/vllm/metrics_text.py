@@ -60,8 +60,9 @@ def _int(labels: dict[str, str], key: str) -> int | None:
 
 def parse_metrics(text: str, engine: str | None = None) -> EngineMetrics | None:
     """The engine's load (of every engine, or of the one labelled `engine`), or None when
-    `text` holds no vLLM sample."""
+    `text` holds no vLLM sample (of that engine)."""
     running = waiting = 0.0
+    seen = False
     usages: list[float] = []
     blocks: list[int] = []
     info: dict[str, str] = {}
@@ -80,6 +81,7 @@ def parse_metrics(text: str, engine: str | None = None) -> EngineMetrics | None:
             value = float(raw)
         except ValueError:
             continue
+        seen = True
         if name == "vllm:num_requests_running":
             running += value
         elif name == "vllm:num_requests_waiting":
@@ -91,6 +93,8 @@ def parse_metrics(text: str, engine: str | None = None) -> EngineMetrics | None:
             n = _int(info, "num_gpu_blocks")
             if n is not None:
                 blocks.append(n)
+    if not seen:
+        return None
     return EngineMetrics(int(running), int(waiting),
                          sum(usages) / len(usages) if usages else 0.0,
                          _int(info, "block_size"), sum(blocks) if blocks else None,

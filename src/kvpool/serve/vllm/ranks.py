@@ -24,19 +24,25 @@ from collections.abc import Iterable
 from kvpool.errors import ConfigError
 
 RANK_HEADER = "X-data-parallel-rank"
-_FRAGMENT = re.compile(r"dp(0|[1-9][0-9]{0,3})")
+MAX_RANK = 255
+"""The highest rank a name may take (the proxy binds a KV-event port per rank up to it)."""
+_FRAGMENT = re.compile(r"dp(0|[1-9][0-9]{0,2})")
 
 
 def split_rank(url: str) -> tuple[str, int | None]:
-    """(the server's URL, the rank named, or None); ConfigError for another fragment."""
+    """(the server's URL, the rank named, or None); ConfigError for another fragment, a
+    rank past MAX_RANK, or a slash before `#` (an instance has one name: its events, replay
+    and rotation all go by it)."""
     base, sep, fragment = url.partition("#")
     if not sep:
         return url, None
     m = _FRAGMENT.fullmatch(fragment)
-    if m is None:
+    if m is None or int(m.group(1)) > MAX_RANK:
         raise ConfigError(f"{url!r}: a vLLM instance's URL may end in #dpN (its "
-                          "data-parallel rank N), nothing else after #")
-    return base.rstrip("/"), int(m.group(1))
+                          f"data-parallel rank N, 0..{MAX_RANK}), nothing else after #")
+    if base.endswith("/"):
+        raise ConfigError(f"{url!r}: write a rank's URL without a slash before #dp")
+    return base, int(m.group(1))
 
 
 class Ranks:
