@@ -150,9 +150,9 @@ class VllmBackend:
         for urls, role in ((config.prefill_urls, "prefill"), (config.decode_urls, "decode"),
                            (config.colocated_urls, "both")):
             for url in urls:
-                roles[url] = role  # type: ignore[assignment]
-        ranks = Ranks(url.rstrip("/") for url in roles)  # as __init__ reads them: before
-        # the events' sockets are bound, ConfigError for names it cannot take
+                roles[url.rstrip("/")] = role  # type: ignore[assignment]  # as __init__ keys
+        ranks = Ranks(roles)  # before the events' sockets are bound: ConfigError for names
+        # it cannot take
         ranked = [url for url in roles if ranks.named(url)]
         if config.kv_transfer == "mooncake" and ranked:
             raise ConfigError("--kv-transfer mooncake does not take data-parallel ranks as "
