@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -13,10 +15,13 @@ import httpx
 import pytest
 
 from kvpool.engine.emulated.kvbytes import expected_output, ordinary_vocab
-from kvpool.launch.children import kvpool_argv, spawn, stop
+from kvpool.engine.gguf_checkpoint import served_name
+from kvpool.launch.children import kvpool_argv, spawn, stop, stop_group
 from kvpool.launch.ports import free_port
 from kvpool.launch.wait import answers, wait_for
 from kvpool.serve.launch import ensure_emulated_model
+from kvpool.serve.models import resolve_model
+from tests.kvevents.test_subscriber import _port_pair
 from tests.support.procs import python_env
 from tests.support.require import missing
 
@@ -125,3 +130,33 @@ def events_config(endpoint: str, topic: str) -> str:
     """vLLM's --kv-events-config publishing to `endpoint` under `topic`."""
     return json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
                        "endpoint": endpoint, "topic": topic})
+
+
+@contextmanager
+def real_vllm(logs: Path, *extra: str) -> Iterator[Fleet]:
+    """A Fleet with one real vLLM OpenAI server ($KVPOOL_VLLM_PYTHON; SmolLM2 served as
+    "smol", its KV events published to f.urls["events"] under its URL, f.urls["vllm"];
+    `extra`: more server arguments), its log in `logs`. On exit the fleet's other processes
+    are stopped, then the server's session (its engine processes)."""
+    vllm_python = real_vllm_python()
+    model = resolve_model("smollm2")
+    f = Fleet()
+    port, events = free_port(), f"tcp://127.0.0.1:{_port_pair()}"
+    f.urls["vllm"] = url = f"http://127.0.0.1:{port}"
+    f.urls["events"] = events
+    try:
+        with (logs / "vllm.log").open("w") as out:
+            f.procs.append(subprocess.Popen(
+                [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                 "--served-model-name", "smol", "--host", "127.0.0.1", "--port", str(port),
+                 "--max-model-len", "2048", "--enable-prompt-tokens-details",
+                 "--kv-events-config", events_config(events, url), *extra],
+                env=os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"},
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+        f.urls["model"] = served_name(model)
+        yield f
+    finally:
+        for p in reversed(f.procs[1:]):
+            stop(p)
+        if f.procs:
+            stop_group(f.procs[0], timeout_s=30)

@@ -8,8 +8,6 @@ their runs (said, not asserted: its balancer's choices are its own)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -17,46 +15,23 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from kvpool.engine.gguf_checkpoint import served_name
-from kvpool.launch.children import stop
-from kvpool.launch.ports import free_port
 from kvpool.launch.wait import wait_http
 from kvpool.serve.models import resolve_model
-from tests.kvevents.test_subscriber import _port_pair
-from tests.serve.vllm.conftest import Fleet, events_config, real_vllm_python
-from tests.serve.vllm.test_real_vllm_live import stop_group
+from tests.serve.vllm.conftest import Fleet, real_vllm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    vllm_python = real_vllm_python()
-    model = resolve_model("smollm2")
     logs = tmp_path_factory.mktemp("dp")
-    f = Fleet()
-    port, events = free_port(), f"tcp://127.0.0.1:{_port_pair()}"
-    f.urls["vllm"] = url = f"http://127.0.0.1:{port}"
-    try:
-        with (logs / "vllm.log").open("w") as out:
-            f.procs.append(subprocess.Popen(
-                [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-                 "--served-model-name", "smol", "--host", "127.0.0.1", "--port", str(port),
-                 "--max-model-len", "2048", "--enable-prompt-tokens-details",
-                 "--data-parallel-size", "2", "--kv-events-config", events_config(events, url)],
-                env=os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"},
-                stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
-        f.proxy("proxy", model, logs / "proxy.log", "--colocated", f"{url}#dp0",
-                "--colocated", f"{url}#dp1", "--kv-events", events)
+    with real_vllm(logs, "--data-parallel-size", "2") as f:
+        url = f.urls["vllm"]
+        f.proxy("proxy", resolve_model("smollm2"), logs / "proxy.log", "--colocated",
+                f"{url}#dp0", "--colocated", f"{url}#dp1", "--kv-events", f.urls["events"])
         wait_http(url + "/health", f.procs, "vLLM", timeout_s=600)
         f.wait_joined("proxy", 2, 2)
-        f.urls["model"] = served_name(model)
         yield f
-    finally:
-        for p in reversed(f.procs[1:]):
-            stop(p)
-        if f.procs:
-            stop_group(f.procs[0])
 
 
 def _cached(url: str, model: str, prompt: list[int], max_tokens: int) -> int:

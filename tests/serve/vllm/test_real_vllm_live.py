@@ -9,9 +9,6 @@ fails under KVPOOL_CI=1."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -19,58 +16,23 @@ from typing import Any
 import httpx
 import pytest
 
-from kvpool.engine.gguf_checkpoint import served_name
-from kvpool.launch.children import stop
-from kvpool.launch.ports import free_port
 from kvpool.launch.wait import wait_http
 from kvpool.serve.models import resolve_model
-from tests.serve.vllm.conftest import Fleet, events_config, real_vllm_python
+from tests.serve.vllm.conftest import Fleet, real_vllm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # vLLM starts in 1-2 minutes here
 
 
 @pytest.fixture(scope="module")
 def real(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    vllm_python = real_vllm_python()
-    model = resolve_model("smollm2")
     logs = tmp_path_factory.mktemp("real")
-    f = Fleet()
-    port, events = free_port(), f"tcp://127.0.0.1:{free_port()}"
-    f.urls["vllm"] = url = f"http://127.0.0.1:{port}"
-    try:
-        with (logs / "vllm.log").open("w") as out:
-            f.procs.append(subprocess.Popen(
-                [vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-                 "--served-model-name", "smol", "--host", "127.0.0.1", "--port", str(port),
-                 "--max-model-len", "2048", "--enable-prompt-tokens-details",
-                 "--kv-events-config", events_config(events, url)],
-                env=os.environ | {"VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"},
-                stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
-        f.proxy("proxy", model, logs / "proxy.log", "--colocated", url, "--kv-events", events,
-                "--poll-interval", "0.5")
+    with real_vllm(logs) as f:
+        url = f.urls["vllm"]
+        f.proxy("proxy", resolve_model("smollm2"), logs / "proxy.log", "--colocated", url,
+                "--kv-events", f.urls["events"], "--poll-interval", "0.5")
         wait_http(url + "/health", f.procs, "vLLM", timeout_s=600)
         wait_http(f.urls["proxy"] + "/health", f.procs, "the proxy", timeout_s=60)
-        f.urls["model"] = served_name(model)
         yield f
-    finally:
-        for p in reversed(f.procs[1:]):
-            stop(p)
-        if f.procs:
-            stop_group(f.procs[0])
-
-
-def stop_group(proc: subprocess.Popen[bytes]) -> None:
-    """vLLM's server and its engine processes (a session of their own)."""
-    for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(wait_s)
-            time.sleep(1.0)  # its engine children exit after it
-        except subprocess.TimeoutExpired:
-            continue
 
 
 def ids_of(url: str, body: dict[str, Any]) -> list[int]:
