@@ -329,7 +329,7 @@ def test_the_proxy_bench_runs_with_its_nginx_anchor() -> None:
         capture_output=True, text=True, timeout=600, env=python_env())
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
-    relays = ["kvpool", "kvpool-wsse", "kvpool-p2", "py-relay", "direct",
+    relays = ["kvpool", "kvpool-wsse", "kvpool-p2", "py-relay", "py-http", "direct",
               *(["nginx"] if find_nginx() else [])]
     assert sorted((r["relay"], r["load"], r["concurrency"]) for r in rows) == sorted(
         (relay, load, c) for relay in relays for load in ("req16", "stream256", "json16")
