@@ -1,5 +1,5 @@
 """The least HTTP relay in Python on uvloop: what any front door written in Python spends to
-relay a worker's stream once it reads HTTP, for `kvpool bench proxy --py-http-relay` to show
+relay a worker's stream once it reads HTTP, for `kvpool bench proxy --py-relay` to show
 beside nginx, the bare byte relay (`loop_relay`) and the proxy.
 
 It does what nginx does with `proxy_buffering off` and kept-alive upstream connections, and

@@ -186,6 +186,7 @@ class KvEventSubscriber:
 
     def _run(self) -> None:
         poller = zmq.Poller()
+        rank_of = {sock: rank for rank, sock in enumerate(self._subs)}
         for sock in self._subs:
             poller.register(sock, zmq.POLLIN)
         try:
@@ -197,7 +198,7 @@ class KvEventSubscriber:
                 for sock, _ in poller.poll(POLL_MS):
                     frames = sock.recv_multipart()
                     if frames:
-                        frames[0] = self._rank_topic(self._subs.index(sock), frames[0])
+                        frames[0] = self._rank_topic(rank_of[sock], frames[0])
                     self._on_message(frames)
         except Exception:
             log.exception("KV-event subscriber thread failed")

@@ -42,7 +42,9 @@ class KvEventsFeed:
         self.index = CacheIndex()
         self.pool_topic = pool_topic
         ranks = Ranks(ranked)
-        self._ranked = set(ranked)
+        self._rank0_named = {url.removesuffix("#dp0").encode() for url in ranked
+                             if url.endswith("#dp0")}
+        """Servers whose rank 0 is named `URL#dp0` (else by the bare URL)."""
         self.subscriber = KvEventSubscriber(endpoint, self.index,
                                             replay_endpoints=_rank_replays(replay or {}, ranked),
                                             ranks=ranks.max_rank,
@@ -58,8 +60,9 @@ class KvEventsFeed:
     def _rank_topic(self, rank: int, topic: bytes) -> bytes:
         """The instance a rank's message is for: `URL#dpR` where that rank is named (rank
         0 may be named by its bare URL), else the topic (the bare URL, the pool)."""
-        named = b"%s#dp%d" % (topic, rank)
-        return named if rank or named.decode("utf-8", "replace") in self._ranked else topic
+        if rank or topic in self._rank0_named:
+            return b"%s#dp%d" % (topic, rank)
+        return topic
 
     def rejoined(self, url: str) -> None:
         """`url` joined the rotation (again): it may be a new process with an empty cache."""
