@@ -1,4 +1,4 @@
-"""The vllm backend's relay in the read callback (`read_relay` over `_token_chunks`): the chunks of tokens a read
+"""The vllm backend's relay in the read callback (`read_relay` over `token_chunks`): the chunks of tokens a read
 of a vLLM stream begins with go to the run as one frame; the chunk with the finish reason, the
 usage, handoff parameters, an error, and everything after them are the reader's."""
 
@@ -7,7 +7,8 @@ from __future__ import annotations
 from kvpool.engine.worker.messages import PlainFrame
 from kvpool.serve.backend import read_relay
 from kvpool.serve.ndjson_reply import ReplyReader
-from kvpool.serve.vllm.backend import _Tally, _token_chunks
+from kvpool.serve.vllm.backend import _Tally
+from kvpool.serve.vllm.wire import token_chunks
 from tests.serve.test_worker_stream import HEAD
 
 TOKENS = b'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"m","choices":' \
@@ -42,7 +43,7 @@ def _reply(*lines: bytes) -> ReplyReader:
 
 
 def _ids(lines: list[bytes]) -> tuple[int, list[int] | None]:
-    count, frame = _token_chunks(lines)
+    count, frame = token_chunks(lines)
     return count, None if frame is None else frame.token_ids
 
 
@@ -56,7 +57,7 @@ def test_the_chunks_of_tokens_a_read_begins_with_are_counted() -> None:
 
 def test_a_relayed_vllm_stream_leaves_its_end_to_the_reader() -> None:
     relay, tally, told = _Relay(), _Tally(), []
-    take = read_relay(relay, _token_chunks, lambda: told.append(1), tally.add)
+    take = read_relay(relay, token_chunks, lambda: told.append(1), tally.add)
     reply = _reply(TOKENS, MORE)
     assert take(reply) is True and relay.frames == [[7, 8, 9]] and tally.num_tokens == 3
     reply.feed(b"%x\r\n%s\r\n" % (len(MORE + b"\n\n" + FINISH + b"\n\n" + USAGE + b"\n\n"),
@@ -70,7 +71,7 @@ def test_a_relayed_vllm_stream_leaves_its_end_to_the_reader() -> None:
 
 def test_a_frame_the_run_does_not_take_goes_back_whole() -> None:
     tally = _Tally()
-    take = read_relay(_Relay(takes=False), _token_chunks, lambda: None, tally.add)
+    take = read_relay(_Relay(takes=False), token_chunks, lambda: None, tally.add)
     reply = _reply(TOKENS, MORE)
     assert take(reply) is False and tally.num_tokens == 0
     assert reply.lines() == [TOKENS, MORE]

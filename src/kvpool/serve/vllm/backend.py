@@ -60,6 +60,7 @@ from kvpool.serve.vllm.wire import (
     completion_body,
     read_choice,
     stream_delta,
+    token_chunks,
 )
 from kvpool.serve.worker_client import CONNECT_S
 from kvpool.serve.worker_stream import StreamCall, StreamPool, call_whole
@@ -388,7 +389,7 @@ class VllmBackend:
             if call.status != 200:
                 self._reply(url, call.status, await call.read_all())
             if relay is not None and req.sampling.logprobs is None:
-                call.relay_with(read_relay(relay, _token_chunks, self.streams.on_lines,
+                call.relay_with(read_relay(relay, token_chunks, self.streams.on_lines,
                                            tally.add))
             async for line in self._lines(url, _call_lines(call), req.sampling.logprobs, tally):
                 yield line
@@ -432,7 +433,7 @@ class VllmBackend:
         """The stream's tokens, a frame per read (the chunks that came in together, as one
         engine step's would), then one finish line once the stream is done (after vLLM's usage
         chunk, which says how many prompt tokens were cached). `tally` counts the output
-        tokens, those a relay took in the read callback too (`read_relay`, `_token_chunks`)."""
+        tokens, those a relay took in the read callback too (`read_relay`, `wire.token_chunks`)."""
         finish: str | None = None
         cached = 0
         tally = tally or _Tally()
@@ -474,29 +475,6 @@ class _Tally:
 
     def add(self, frame: PlainFrame) -> None:
         self.num_tokens += len(frame.token_ids)
-
-
-def _token_chunks(lines: Sequence[bytes]) -> tuple[int, PlainFrame | None]:
-    """How many of `lines` are, from the first, chunks of tokens alone (or lines without a
-    chunk: `[DONE]`, comments), and their tokens as one frame (None: none). A chunk that ends
-    the stream or says more (a finish reason, the usage, handoff parameters, an error, a line
-    it cannot read) ends them: the vllm backend's relay in the read callback takes these."""
-    ids: list[int] = []
-    count = len(lines)
-    for i, raw in enumerate(lines):
-        try:
-            delta = stream_delta(raw, None)
-        except ReplyError:
-            count = i
-            break
-        if delta is None:
-            continue
-        if delta.finish_reason is not None or delta.num_cached_tokens is not None \
-                or delta.kv_transfer_params is not None:
-            count = i
-            break
-        ids += delta.token_ids
-    return count, PlainFrame(ids, [time.monotonic()] * len(ids)) if ids else None
 
 
 async def _call_lines(call: StreamCall) -> AsyncIterator[list[bytes]]:

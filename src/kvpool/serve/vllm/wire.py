@@ -21,6 +21,8 @@ P/D, as vLLM's own disaggregation proxies drive it:
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +30,7 @@ import msgspec
 
 from kvpool.engine.config import SamplingParams
 from kvpool.engine.sequence import TokenLogprob
+from kvpool.engine.worker.messages import PlainFrame
 
 PREFILL_KV_PARAMS: dict[str, Any] = {
     "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -204,3 +207,26 @@ def sse_data(line: str) -> Any | None:
         return json.loads(data)
     except ValueError:
         raise ReplyError(f"malformed stream line {line[:200]!r}") from None
+
+
+def token_chunks(lines: Sequence[bytes]) -> tuple[int, PlainFrame | None]:
+    """How many of `lines` are, from the first, chunks of tokens alone (or lines without a
+    chunk: `[DONE]`, comments), and their tokens as one frame (None: none). A chunk that ends
+    the stream or says more (a finish reason, the usage, handoff parameters, an error, a line
+    it cannot read) ends them: the vllm backend's relay in the read callback takes these."""
+    ids: list[int] = []
+    count = len(lines)
+    for i, raw in enumerate(lines):
+        try:
+            delta = stream_delta(raw, None)
+        except ReplyError:
+            count = i
+            break
+        if delta is None:
+            continue
+        if delta.finish_reason is not None or delta.num_cached_tokens is not None \
+                or delta.kv_transfer_params is not None:
+            count = i
+            break
+        ids += delta.token_ids
+    return count, PlainFrame(ids, [time.monotonic()] * len(ids)) if ids else None
