@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -198,7 +199,8 @@ def test_each_object_of_a_batch_read_is_held_to_its_own_lease(verify: bool) -> N
     LEASE_EXPIRED (not another object's bytes, not a checksum failure reported as damage),
     "a" its own bytes."""
     with store_cluster(1, "4MiB") as cluster:
-        with StoreClient(ClientConfig(master=cluster.address, verify_checksums=verify)) as store:
+        with StoreClient(ClientConfig(master=cluster.address, verify_checksums=verify,
+                                      lease_retries=0)) as store:
             a, b = b"A" * 65536, b"B" * 65536
             assert store.put("a", a).ok and store.put("b", b).ok
             lookup, run_copies = store._lookup, store._run_copies
@@ -243,3 +245,51 @@ def test_no_replica_is_read_once_an_objects_lease_has_ended() -> None:
             got = store.get_batch(["a", "b"])
             assert (got[0].code, got[0].data) == (E.OK, b"A" * 4096)
             assert got[1].code == E.LEASE_EXPIRED and copied == [0]
+            assert store.stats.lease_retries == 2            # looked up twice more, in vain
+
+
+def _lease_ended_once(store: StoreClient, key: str,
+                      then: Callable[[], object] = lambda: None) -> None:
+    """Patch `store` so that the first lookup naming `key` grants a lease already over;
+    `then` runs right after that lookup."""
+    lookup, ended = store._lookup, []
+
+    def once(keys):  # type: ignore[no-untyped-def]
+        looks, t0 = lookup(keys)
+        if key in keys and not ended:
+            ended.append(key)
+            looks = [x._replace(lease_ttl_s=-1.0) if k == key else x
+                     for k, x in zip(keys, looks, strict=True)]
+            then()
+        return looks, t0
+
+    store._lookup = once  # type: ignore[method-assign]
+
+
+def test_a_read_whose_lease_ended_is_looked_up_and_read_again() -> None:
+    """A lease that ends before the read (a slow moment, a short lease on a copy loaded from
+    disk) is not the caller's failure: the object is looked up and read again."""
+    with store_cluster(1, "4MiB") as cluster:
+        with StoreClient(ClientConfig(master=cluster.address, early_reads=False)) as store:
+            assert store.put("a", b"A" * 4096).ok and store.put("b", b"B" * 8192).ok
+            _lease_ended_once(store, "b")
+            got = store.get_batch(["a", "b"])
+            assert [(g.code, g.data) for g in got] == [(E.OK, b"A" * 4096), (E.OK, b"B" * 8192)]
+            assert store.stats.lease_retries == 1
+            buf = bytearray(8192)
+            reg = store.register_buffer(buf)
+            _lease_ended_once(store, "b")
+            assert store.get_into("b", reg.addr, 8192).code == E.OK and buf == b"B" * 8192
+            assert store.stats.lease_retries == 2
+
+
+def test_an_object_that_changed_size_meanwhile_is_not_read_again() -> None:
+    """The bytes API sized its buffer for the first lookup: an object upserted to another
+    size while its lease ran out answers LEASE_EXPIRED, never a buffer's stale tail."""
+    with store_cluster(1, "4MiB") as cluster:
+        with StoreClient(ClientConfig(master=cluster.address, early_reads=False)) as store:
+            assert store.put("b", b"B" * 8192).ok
+            _lease_ended_once(store, "b", then=lambda: (store.remove("b", force=True),
+                                                        store.put("b", b"b" * 4096)))
+            assert store.get("b").code == E.LEASE_EXPIRED
+            assert store.get("b").data == b"b" * 4096

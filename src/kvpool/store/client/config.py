@@ -65,6 +65,10 @@ class ClientConfig:
     while the master answers a new lookup, and serve them only when that answer vouches for
     them (same replica, size and checksum; store/client/early.py): one master round trip's
     wait less per get. Needs verify_checksums."""
+    lease_retries: int = 2
+    """Times a get looks up again and rereads the objects whose read lease ended before their
+    bytes were in (a copy loaded from disk has a short lease, which a slow moment outlives);
+    within rpc_timeout_s of the first lookup. 0 answers LEASE_EXPIRED at once."""
 
     def __post_init__(self) -> None:
         if self.global_segment_size < 0 or self.local_buffer_size < 0:
@@ -74,6 +78,8 @@ class ClientConfig:
             raise ConfigError(f"rpc_batch_keys must be in [1, 2**20], got {self.rpc_batch_keys}")
         for name in ("reply_poll_us", "request_poll_us"):
             check_window_us(name, getattr(self, name))
+        if not 0 <= self.lease_retries <= 16:
+            raise ConfigError(f"lease_retries must be in 0..16, got {self.lease_retries}")
         if not 0 <= self.te_port <= 65535:
             raise ConfigError(f"te_port must be in 0..65535, got {self.te_port}")
         for name in ("rpc_timeout_s", "heartbeat_interval_s", "transfer_timeout_s",

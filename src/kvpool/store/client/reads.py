@@ -190,6 +190,28 @@ class ReadPath:
                 out[i] = look
         return out
 
+    def _read_relooked(self, keys: Sequence[str], looks: Sequence[LookupResult],
+                       parts: Sequence[Sequence[Part] | None], t0: float) -> list[ReadResult]:
+        """`_read`, then the objects whose lease ended before their bytes were in looked up
+        and read again, up to `lease_retries` times within `rpc_timeout_s` of `t0`: a slow
+        moment outlives a copy loaded from disk (its lease is short), and the object is
+        still there to be read. What a last try leaves expired answers LEASE_EXPIRED, and
+        so does an object whose size changed meanwhile (the parts were sized for the old)."""
+        results = self._read(keys, looks, parts, t0)
+        for _ in range(self.config.lease_retries):
+            again = [i for i, r in enumerate(results) if r.code == E.LEASE_EXPIRED]
+            if not again or self.clock.now() >= t0 + self.config.rpc_timeout_s:
+                break
+            self.stats.add(lease_retries=len(again))
+            relooked, t1 = self._lookup([keys[i] for i in again])
+            same = [(i, look) for i, look in zip(again, relooked, strict=True)
+                    if look.code is not _OK or look.size == looks[i].size]
+            reads = self._read([keys[i] for i, _ in same], [look for _, look in same],
+                               [parts[i] for i, _ in same], t1)
+            for (i, _), r in zip(same, reads, strict=True):
+                results[i] = r
+        return results
+
     def _read(self, keys: Sequence[str], looks: Sequence[LookupResult],
               parts: Sequence[Sequence[Part] | None], t0: float) -> list[ReadResult]:
         """Read each found object (`keys[i]`, looked up as `looks[i]`) into its parts from

@@ -96,7 +96,7 @@ class StoreClient(ClientBase):
                 addr, view, token = self._staging.acquire(look.size)
                 staged.append((view, token))
                 parts.append([(addr, look.size)])
-            reads = self._read(keys, looks, parts, t0)
+            reads = self._read_relooked(keys, looks, parts, t0)
             return [GetResult(r.code, bytes(s[0]) if r.ok and s else b"")
                     for r, s in zip(reads, staged, strict=True)]
         finally:
@@ -158,7 +158,7 @@ class StoreClient(ClientBase):
                 return [read_ok(early[0].size)]
             looked = _looked(early)
         looks, t0 = looked or self._lookup(keys)
-        return self._read(keys, looks, parts, t0)
+        return self._read_relooked(keys, looks, parts, t0)
 
     # -- metadata operations -----------------------------------------------------------------
 

@@ -25,6 +25,9 @@ class ClientStats:
     the master answered a new lookup (store/client/early.py)."""
     early_reads_refused: int = 0
     """Of those, reads the master's answer did not vouch for (read again the ordinary way)."""
+    lease_retries: int = 0
+    """Objects looked up and read again because their read lease ended before the read did
+    (ClientConfig.lease_retries)."""
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False,
                                   compare=False)
 
