@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -170,6 +171,31 @@ def test_replay_protocol_bytes(index: CacheIndex) -> None:
     assert frames[4] == [b"", b"", b"\xff" * 8, b""]
     req.close(0)
     pub.close()
+
+
+def test_a_replay_without_topics_is_read_as_earlier_vllm_releases_send_it() -> None:
+    """Before vLLM named the topic in its replies, a replay ROUTER answered each kept batch
+    as (client, b"", seq, payload) and ended with (client, b"", END_SEQ, b"")."""
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+
+    def answer() -> None:
+        client, _, start = router.recv_multipart()
+        for seq in range(int.from_bytes(start, "big"), 4):
+            router.send_multipart((client, b"", seq.to_bytes(8, "big"), encode_batch(stored(seq))))
+        router.send_multipart((client, b"", b"\xff" * 8, b""))
+
+    thread = threading.Thread(target=answer, daemon=True)
+    thread.start()
+    try:
+        got = fetch_replay(ctx, f"tcp://127.0.0.1:{port}", 1, 2000)
+    finally:
+        thread.join(5)
+        router.close()
+    assert [seq for seq, _ in got] == [1, 2, 3]
+    assert decode_batch(got[2][1]).events == stored(3).events
 
 
 def test_a_forgotten_instance_is_cleared_and_its_next_batch_is_a_join(

@@ -133,3 +133,39 @@ def test_a_worker_that_fails_its_proof_leaves_the_rotation_at_once() -> None:
             assert w.alive and client.proven(url) and len(worker.loads) == 2
         await client.aclose()
     asyncio.run(main())
+
+
+class BrokenLoads(WorkerClient):
+    """A backend whose /load answers raise what no parse foresaw (vLLM's /metrics once made
+    the vllm backend raise ValueError on a NaN sample)."""
+
+    broken = False
+
+    async def load(self, url: str, path: str, timeout_s: float):  # type: ignore[no-untyped-def]
+        if self.broken:
+            raise ValueError("cannot convert float NaN to integer")
+        return await super().load(url, path, timeout_s)
+
+
+def test_an_unforeseen_error_is_a_failed_poll_and_the_polling_goes_on() -> None:
+    async def main() -> None:
+        clock = VirtualClock()
+        cluster = LiveCluster(CostModel(), clock, silent_dead_s=10.0)
+        client = BrokenLoads(5.0, token=TOKEN)
+        poller = Poller(cluster, client, interval_s=0.01)
+        async with slow_worker() as (worker, url):
+            poller.watch(url)
+            w = cluster.workers[url]
+            while not w.alive:
+                await asyncio.sleep(0.01)
+            client.broken = True
+            clock.advance(10.0)
+            while w.alive:  # the next poll fails, 10 s after the last good one: out
+                await asyncio.sleep(0.01)
+                assert not poller._tasks[url].done()
+            client.broken = False
+            while not w.alive:  # and back once its answers are
+                await asyncio.sleep(0.01)
+            await poller.stop()
+        await client.aclose()
+    asyncio.run(asyncio.wait_for(main(), 10.0))

@@ -333,7 +333,9 @@ def offset_port(endpoint: str, rank: int) -> str:
 
 def fetch_replay(ctx: zmq.Context, endpoint: str, start: int, timeout_ms: int) -> list[tuple[int, bytes]]:
     """Ask a replay ROUTER for every kept batch from `start` on; [] when it does not answer
-    within `timeout_ms` (between two frames). Stops at the end marker."""
+    within `timeout_ms` (between two frames). Stops at the end marker. A batch comes as
+    [b"", topic, seq, payload] (vLLM's publisher since it names the topic in replays, and
+    kvpool's) or [b"", seq, payload] (earlier vLLM releases)."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     out: list[tuple[int, bytes]] = []
@@ -342,12 +344,12 @@ def fetch_replay(ctx: zmq.Context, endpoint: str, start: int, timeout_ms: int) -
         sock.send_multipart((b"", start.to_bytes(8, "big")))
         while sock.poll(timeout_ms):
             frames = sock.recv_multipart()
-            if len(frames) != 4 or len(frames[2]) != 8:
+            if len(frames) not in (3, 4) or len(frames[-2]) != 8:
                 log.warning("malformed KV-event replay frame from %s (%d parts)", endpoint, len(frames))
                 return out
-            if frames[2] == END_SEQ:
+            if frames[-2] == END_SEQ:
                 return out
-            out.append((int.from_bytes(frames[2], "big"), frames[3]))
+            out.append((int.from_bytes(frames[-2], "big"), frames[-1]))
         log.warning("KV-event replay from %s timed out after %d batches", endpoint, len(out))
         return out
     finally:

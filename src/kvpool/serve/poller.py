@@ -24,6 +24,7 @@ class Poller:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._refused: set[str] = set()
         self._not_joined: dict[str, str] = {}
+        self._crashed: dict[str, str] = {}
         """url -> the last reason it has not joined (logged when it changes)."""
 
     def watch(self, url: str) -> None:
@@ -81,5 +82,11 @@ class Poller:
 
     async def _loop(self, url: str) -> None:
         while True:
-            await self.poll_once(url)
+            try:
+                await self.poll_once(url)
+            except Exception as exc:  # what no parse foresaw: a failed poll, not a dead loop
+                if self._crashed.get(url) != repr(exc):  # its traceback once per new error
+                    self._crashed[url] = repr(exc)
+                    log.exception("polling %s failed", url)
+                self.cluster.poll_failed(url, False)
             await asyncio.sleep(self.interval_s)

@@ -54,7 +54,7 @@ def test_a_ranks_load_is_its_own_engines() -> None:
     assert parse_metrics(NEW, "2") is None  # no such engine: no rank of that server
     one = parse_metrics(NEW, "1")
     assert one is not None and (one.num_running, one.num_waiting, one.kv_usage) == (2, 0, 0.25)
-    assert one.num_gpu_blocks == 100 and one.block_size == 128
+    assert one.num_gpu_blocks == 100 and one.block_size == 128  # the server's 200, halved
     zero = parse_metrics(NEW, "0")
     assert zero is not None and (zero.num_running, zero.num_waiting) == (3, 4)
 

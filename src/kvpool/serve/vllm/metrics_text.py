@@ -7,14 +7,18 @@
                                      num_gpu_blocks, prefix_caching_hash_algo,
                                      enable_prefix_caching
 
-Counts are summed over engines, the KV usage averaged, the block count summed; or, for one
-data-parallel rank named as an instance (serve/vllm/ranks.py), its engine's samples alone
-(label `engine`). A text without a single `vllm:` sample is not a vLLM's: `parse_metrics`
-returns None.
+Counts are summed over engines and the KV usage averaged; or, for one data-parallel rank named
+as an instance (serve/vllm/ranks.py), its engine's samples alone (label `engine`). The block
+count is the server's already: its API server adds up its engines' blocks into one cache
+config and writes that config into every engine's cache_config_info series, so a rank's share
+is the count over the number of those series. A sample that is not a finite number, or a
+label that is not a decimal count, is read as absent. A text without a single `vllm:` sample
+is not a vLLM's: `parse_metrics` returns None.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -55,7 +59,7 @@ def _labels(text: str | None) -> dict[str, str]:
 
 def _int(labels: dict[str, str], key: str) -> int | None:
     value = labels.get(key, "")
-    return int(value) if value.isdigit() else None
+    return int(value) if value.isascii() and value.isdigit() else None
 
 
 def parse_metrics(text: str, engine: str | None = None) -> EngineMetrics | None:
@@ -64,8 +68,7 @@ def parse_metrics(text: str, engine: str | None = None) -> EngineMetrics | None:
     running = waiting = 0.0
     seen = False
     usages: list[float] = []
-    blocks: list[int] = []
-    info: dict[str, str] = {}
+    configs: dict[str, dict[str, str]] = {}  # cache_config_info's labels, by engine
     if "\nvllm:" not in text and not text.startswith("vllm:"):
         return None
     for line in text.splitlines():
@@ -74,12 +77,17 @@ def parse_metrics(text: str, engine: str | None = None) -> EngineMetrics | None:
         m = _SAMPLE.match(line)
         if m is None:
             continue
-        name, labels, raw = m.groups()
-        if engine is not None and _labels(labels).get("engine", engine) != engine:
+        name, raw_labels, raw = m.groups()
+        labels = _labels(raw_labels)
+        if name == "vllm:cache_config_info":  # every engine's: their number divides blocks
+            configs[labels.get("engine", "")] = labels
+        if engine is not None and labels.get("engine", engine) != engine:
             continue
         try:
             value = float(raw)
         except ValueError:
+            continue
+        if not math.isfinite(value):
             continue
         seen = True
         if name == "vllm:num_requests_running":
@@ -88,14 +96,13 @@ def parse_metrics(text: str, engine: str | None = None) -> EngineMetrics | None:
             waiting += value
         elif name in KV_USAGE_NAMES:
             usages.append(value)
-        elif name == "vllm:cache_config_info":
-            info = _labels(labels)
-            n = _int(info, "num_gpu_blocks")
-            if n is not None:
-                blocks.append(n)
     if not seen:
         return None
+    info = configs.get(engine if engine is not None else "", next(iter(configs.values()), {}))
+    blocks = _int(info, "num_gpu_blocks")
+    if blocks is not None and engine is not None:
+        blocks //= max(1, len(configs))
     return EngineMetrics(int(running), int(waiting),
                          sum(usages) / len(usages) if usages else 0.0,
-                         _int(info, "block_size"), sum(blocks) if blocks else None,
+                         _int(info, "block_size"), blocks,
                          info.get("prefix_caching_hash_algo") or None)
