@@ -131,6 +131,8 @@ def test_without_vllm_one_line_names_the_package_and_nothing_starts(cache_home: 
     (("--kv-transfer", "push"), "through the pool"),
     (("--hosts", "3"), "this host only"),
     (("--proxy-workers", "2"), "one proxy process"),
+    (("--vllm-args", "--enforce-eager --data-parallel-size 2"), "URL#dpN"),
+    (("--vllm-args=-dp 4",), "URL#dpN"),
 ])
 def test_layouts_vllm_cannot_serve_are_refused(cache_home: Path, args: tuple[str, ...],
                                                why: str) -> None:

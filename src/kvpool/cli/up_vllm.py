@@ -56,4 +56,17 @@ def refusal(args: argparse.Namespace) -> str | None:
     if getattr(args, "proxy_workers", 1) > 1:
         return ("--backend vllm runs one proxy process (it binds the instances' KV events "
                 "endpoint), not --proxy-workers")
+    if _data_parallel(shlex.split(args.vllm_args)) not in ("", "1"):
+        return ("--backend vllm starts servers of one engine (their events on one port, their "
+                "replay on an ipc socket); serve a server of several data-parallel ranks with "
+                "`kvpool proxy --backend vllm` naming each rank (URL#dpN, docs/serve.md)")
     return None
+
+
+def _data_parallel(argv: list[str]) -> str:
+    """The --data-parallel-size (-dp) value in vLLM arguments, "" when absent."""
+    for i, arg in enumerate(argv):
+        name, eq, value = arg.partition("=")
+        if name in ("--data-parallel-size", "-dp"):
+            return value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+    return ""

@@ -492,8 +492,9 @@ def _admin_routes(app: FastAPI, proxy: Proxy) -> None:
             url = str(obj["url"])
         except (ValueError, KeyError, TypeError):
             return _json_error(bad_request('body must be {"url": "http://host:port"}'))
-        if not url.startswith(("http://", "https://")) or "#" in url:
-            return _json_error(bad_request(f"not an http URL without a fragment (a vLLM "
-                                           f"server's rank is named at start): {url!r}"))
+        if not url.startswith(("http://", "https://")):
+            return _json_error(bad_request(f"not an http URL: {url!r}"))
+        if (why := proxy.client.refused_instance(url)) is not None:
+            return _json_error(bad_request(f"{url!r} not registered: {why}"))
         proxy.poller.watch(url)
         return JSONResponse({"ok": True, "url": url.rstrip("/")})

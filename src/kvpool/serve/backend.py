@@ -176,6 +176,10 @@ class EngineBackend(Protocol):
     def unsupported(self, sampling: SamplingParams) -> str | None:
         """The request parameter this backend cannot serve (a 400 names it), or None."""
 
+    def refused_instance(self, url: str) -> str | None:
+        """Why `url` cannot join as an instance after start (`/workers/register`; a 400 says
+        it), or None."""
+
     def engine_gauges(self) -> dict[str, dict[str, float]]:
         """Backend-specific gauges for the proxy's /metrics: name -> {instance url: value}
         (rendered as kvpool_proxy_engine_NAME{worker=URL})."""

@@ -141,6 +141,9 @@ class WorkerClient:
     def unsupported(self, sampling: SamplingParams) -> str | None:
         return None
 
+    def refused_instance(self, url: str) -> str | None:
+        return "a kvpool worker's URL has no fragment" if "#" in url else None
+
     def engine_gauges(self) -> dict[str, dict[str, float]]:
         return {}
 

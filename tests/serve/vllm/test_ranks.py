@@ -59,6 +59,17 @@ def test_a_ranks_load_is_its_own_engines() -> None:
     assert zero is not None and (zero.num_running, zero.num_waiting) == (3, 4)
 
 
+def test_a_server_with_named_ranks_takes_no_registered_instance() -> None:
+    """Registered after start, the bare URL of a server whose rank 1 is named would get rank
+    0's events but calls unpinned (vLLM's balancer choosing): refused, as ranks are; other
+    servers' URLs are not."""
+    ranks = Ranks(["http://h:1#dp1", "http://g:1"])
+    assert ranks.refused("http://h:1") is not None and "http://h:1#dp0" in ranks.refused(
+        "http://h:1/")  # type: ignore[operator]
+    assert "named at start" in ranks.refused("http://g:1#dp1")  # type: ignore[operator]
+    assert ranks.refused("http://g:1") is None and ranks.refused("http://k:1") is None
+
+
 def test_ranks_are_the_vllm_backends_alone_and_not_with_mooncakes_handoff() -> None:
     with pytest.raises(ConfigError, match="kvpool worker's URL has no fragment"):
         ProxyConfig(model_dir="m", colocated_urls=("http://w:1#dp1",))

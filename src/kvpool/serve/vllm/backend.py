@@ -188,6 +188,9 @@ class VllmBackend:
     def unsupported(self, sampling: SamplingParams) -> str | None:
         return "prompt_logprobs" if sampling.prompt_logprobs is not None else None
 
+    def refused_instance(self, url: str) -> str | None:
+        return self.ranks.refused(url)
+
     def block_hashes(self, prompt_ids: Sequence[int], cache_salt: str | None,
                      reference: InfoReply) -> list[int]:
         """vLLM's own chain, with KV events; [] without them, and for a salted request (its

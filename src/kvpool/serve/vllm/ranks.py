@@ -50,7 +50,8 @@ class Ranks:
 
     def __init__(self, urls: Iterable[str]) -> None:
         self._rank: dict[str, int] = {}
-        ranked: set[str] = set()
+        self._ranked: set[str] = set()
+        ranked = self._ranked
         bare: set[str] = set()
         for url in urls:
             base, rank = split_rank(url)
@@ -79,3 +80,14 @@ class Ranks:
 
     def named(self, url: str) -> bool:
         return url in self._rank
+
+    def refused(self, url: str) -> str | None:
+        """Why `url` cannot be added after start: a rank (the proxy bound its ranks' event
+        sockets at start), or the bare URL of a server whose ranks are named (rank 0's events
+        are filed under a name given at start, and calls to the bare URL are not pinned)."""
+        if "#" in url:
+            return "a server's data-parallel ranks are named at start (URL#dpN), not registered"
+        if (base := url.rstrip("/")) in self._ranked:
+            return (f"{base} runs data-parallel ranks named as instances at start; name its "
+                    f"rank 0 there too ({base}#dp0)")
+        return None
