@@ -196,3 +196,52 @@ def test_a_ranged_read_that_outlives_its_lease_is_refused(store: MooncakeDistrib
         monkeypatch.setattr(store.client, "_run_copies", late)
         got = store.get_into_ranges([dst], [["a"]], [[[0]]], [[[0]]], [[[4096]]])
         assert got == [[[-707]]]
+
+
+def test_a_session_never_reads_another_value_of_its_object(store: MooncakeDistributedStore) -> None:
+    """A session whose lease ran out looks its object up again: if the key holds another
+    value by then (another checksum), its ranges would build an object that never existed
+    (first layers of one value, later layers of another): -707, and the session is over."""
+    raw, ptr = _buffer(8192, 1)
+    dst_raw, dst = _buffer(4096, 0)
+    assert store.register_buffer(ptr, 8192) == 0 and store.register_buffer(dst, 4096) == 0
+    assert store.put_from("a", ptr, 4096) == 0
+    assert store.batch_get_session_start(["a"]) == [0]
+    assert store.batch_get_into_multi_buffer_ranges(["a"], [[dst]], [[2048]], [[0]]) == [2048]
+    time.sleep(LEASE_MS / 1000 + 0.3)  # a slow layer: the session's lease ran out
+    ctypes.memset(ptr + 4096, 0x5A, 4096)
+    assert store.upsert_from("a", ptr + 4096, 4096) == 0  # the same size, other bytes
+    assert store.batch_get_into_multi_buffer_ranges(["a"], [[dst + 2048]], [[2048]],
+                                                    [[2048]]) == [-707]
+    assert store.batch_get_into_multi_buffer_ranges(["a"], [[dst]], [[8]], [[0]]) == [-600]
+    assert bytes(dst_raw[:2048]) == bytes(raw[:2048])
+
+
+def test_ranged_reads_take_dram_replicas_only() -> None:
+    """A copy loaded from disk is listed after its disk replica: a ranged read never sends a
+    READ to the disk replica's address (nothing of the object is there)."""
+    from types import SimpleNamespace
+
+    from kvpool.clock import VirtualClock
+    from kvpool.compat.mooncake.store_ranges import StoreRanges
+    from kvpool.store.wire.codes import ErrorCode, Tier
+    from tests.store.master.test_ssd_tiering import load, offloaded
+
+    clock = VirtualClock()
+    core, ssd_id, key = offloaded(clock, promote_after=5)
+    load(core, ssd_id, key, clock)
+    look = core.get_replicas([key])[0]
+    assert look.code is ErrorCode.OK and [r.tier for r in look.replicas] == [Tier.SSD, Tier.DRAM]
+    targets: list[tuple[str, int]] = []
+
+    def run_copies(op, copies, arrivals=None):  # type: ignore[no-untyped-def]
+        targets.extend((c.target, c.target_addr) for cs in copies.values() for c in cs)
+        return set()
+
+    ranges = StoreRanges.__new__(StoreRanges)
+    ranges._client = SimpleNamespace(endpoint="127.0.0.1:1", host="127.0.0.1", clock=clock,
+                                     _run_copies=run_copies)
+    ranges._registered = lambda parts: True  # type: ignore[method-assign]
+    assert ranges._read_ranges([look], [[(0x1000, 0, 64)]], [clock.now()]) == [64]
+    dram = look.replicas[1]
+    assert targets == [(dram.endpoint, dram.addr)]

@@ -6,6 +6,7 @@ import asyncio
 import ctypes
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -84,6 +85,10 @@ def test_batches_and_bad_input(store: StoreClient) -> None:
     assert store.remove_regex("^k[0-4]$", force=True) == 4
     assert store.remove_regex("(") == E.INVALID_PARAMS
     assert store.remove_all(force=True) == 35
+    bad: Any = ["k2"]  # not a str: INVALID_PARAMS, one key or many, never a TypeError
+    assert store.get(bad).code == E.INVALID_PARAMS
+    assert store.get_batch([bad])[0].code == E.INVALID_PARAMS
+    assert store.size(bad).code == E.INVALID_PARAMS and store.remove(bad) == E.INVALID_PARAMS
 
 
 def test_zero_copy_numpy_torch_and_raw(store: StoreClient) -> None:

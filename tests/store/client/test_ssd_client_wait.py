@@ -64,3 +64,22 @@ def test_waiting_ends_at_the_rpc_timeout() -> None:
     out = lookup(master, ["a"])
     assert out[0].code == E.REPLICA_IS_NOT_READY
     assert master.clock.now() <= 1.0
+
+
+def test_a_key_loaded_again_after_its_renewal_is_waited_for_with_the_back_off() -> None:
+    """The renewal goes out at once; if it finds "a" being loaded again (its copy's lease
+    ran out while "b" loaded), the next lookups wait 2, 4 ... 50 ms again, not none (a busy
+    loop on the master's one RPC thread for up to rpc_timeout_s)."""
+    def ready(key: str, now: float) -> bool:
+        if key == "b":
+            return now >= 0.3
+        return now < 0.25 or now >= 0.5
+
+    class Timed(ScriptedMaster):
+        def _lookup_once(self, keys: Sequence[str]) -> list[LookupResult]:
+            self.clock.advance(0.0002)  # a master round trip
+            return super()._lookup_once(keys)
+
+    master = Timed(ready)
+    assert [r.code for r in lookup(master, ["a", "b"])] == [E.OK, E.OK]
+    assert len(master.calls) < 40, len(master.calls)

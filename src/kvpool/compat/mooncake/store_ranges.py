@@ -13,8 +13,9 @@ started session, a range past the object's end, unregistered memory or mismatche
 
 kvpool differences (docs/mooncake.md): a put session assembles the object in this process and
 stores it at `batch_put_session_end` (the pool's space is claimed then, not at start); a get
-session whose read lease ran out looks its replicas up again instead of reading stale ones;
-ranged reads are not checked against the object's checksum (only whole-object reads are).
+session whose read lease ran out looks its replicas up again instead of reading stale ones
+(-707, the session over, when the key holds another value by then); ranged reads take DRAM
+replicas only and are not checked against the object's checksum (only whole-object reads are).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from collections.abc import Sequence
 from kvpool.compat.mooncake.store_base import INVALID, needs_setup, per_key
 from kvpool.compat.mooncake.store_tensors import StoreTensors
 from kvpool.compat.mooncake.types import ReplicateConfig
-from kvpool.store.client.plan import Copy, order_replicas
+from kvpool.store.client.plan import Copy, dram_first
 from kvpool.store.config import ReplicateConfig as NativeReplicateConfig
 from kvpool.store.wire.codes import ErrorCode, LookupResult, PutResult, ReplicaDesc
 from kvpool.transfer import OpCode
@@ -88,6 +89,10 @@ class StoreRanges(StoreTensors):
             (fresh,), t0 = self.client.leased_lookup([key])
             if fresh.code is not E.OK:
                 return None
+            if (fresh.size, fresh.checksum) != (session.look.size, session.look.checksum):
+                with self._ranges_lock:  # another value now: its ranges would not be the
+                    self._get_sessions.pop(key, None)  # session's object (-707, start again)
+                return _GetSession(LookupResult(E.LEASE_EXPIRED), t0)
             session = _GetSession(fresh, t0)
             with self._ranges_lock:
                 self._get_sessions[key] = session
@@ -151,13 +156,16 @@ class StoreRanges(StoreTensors):
         out = [INVALID] * len(looks)
         todo: dict[int, list[ReplicaDesc]] = {}
         for i, (look, rs) in enumerate(zip(looks, ranges, strict=True)):
-            if look is None or rs is None or look.code is not E.OK:
+            if look is None or rs is None:
+                continue
+            if look.code is not E.OK:  # a session whose object changed (-707)
+                out[i] = int(look.code)
                 continue
             if not all(0 <= off and off + n <= look.size for _, off, n in rs):
                 continue
             if not self._registered([(local, n) for local, _, n in rs]):
                 continue
-            todo[i] = order_replicas(look.replicas, self.client.endpoint, self.client.host)
+            todo[i] = dram_first(look.replicas, self.client.endpoint, self.client.host)
             out[i] = TRANSFER_FAIL
         while todo:
             copies = {i: [Copy(local, n, q[0].endpoint, q[0].addr + off, q[0].fence)

@@ -56,6 +56,8 @@ class Places:
         return len(self._found)
 
     def get(self, key: str) -> Place | None:
+        if type(key) is not str:  # (a bad key is INVALID_PARAMS at the master's call)
+            return None
         got = self._found.get(key)
         if got is None:
             return None
@@ -66,6 +68,8 @@ class Places:
     def remember(self, key: str, size: int, checksum: int | None,
                  replica: ReplicaDesc | None) -> None:
         """Keep where `key` was found (`replica` None: it was not, or not in DRAM)."""
+        if type(key) is not str:
+            return
         with self._lock:
             found = self._found
             found.pop(key, None)
@@ -81,7 +85,8 @@ class Places:
     def forget(self, keys: Sequence[str]) -> None:
         with self._lock:
             for key in keys:
-                self._found.pop(key, None)
+                if type(key) is str:
+                    self._found.pop(key, None)
 
     def clear(self) -> None:
         with self._lock:

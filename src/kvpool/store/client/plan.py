@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from kvpool.store.wire.codes import ReplicaDesc
+from kvpool.store.wire.codes import ReplicaDesc, Tier
 from kvpool.transfer.batch import OpCode, TransferRequest
 
 _new = tuple.__new__
@@ -90,3 +90,11 @@ def order_replicas(replicas: Sequence[ReplicaDesc], own_endpoint: str,
             return 0
         return 1 if r.host == own_host else 2
     return sorted(replicas, key=distance)
+
+
+def dram_first(replicas: Sequence[ReplicaDesc], endpoint: str, host: str) -> list[ReplicaDesc]:
+    """The DRAM replicas, closest first (a disk replica is read through a load, never at
+    its address)."""
+    if len(replicas) == 1:  # the common case: no list to filter, nothing to order
+        return [replicas[0]] if replicas[0].tier is Tier.DRAM else []
+    return order_replicas([r for r in replicas if r.tier is Tier.DRAM], endpoint, host)

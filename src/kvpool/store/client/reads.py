@@ -18,7 +18,7 @@ from kvpool.store.client.plan import (
     Copy,
     Part,
     copies_for,
-    order_replicas,
+    dram_first,
     parts_total,
     valid_parts,
 )
@@ -31,7 +31,6 @@ from kvpool.store.wire.codes import (
     ReadResult,
     ReplicaDesc,
     ReplicaState,
-    Tier,
 )
 from kvpool.store.wire.validate import valid_key
 from kvpool.transfer import OpCode, TransferEngine
@@ -39,7 +38,7 @@ from kvpool.transfer.routing import BegunRead
 
 E = ErrorCode
 log = get_logger("store.client")
-_OK, _DRAM = E.OK, Tier.DRAM
+_OK = E.OK
 NOT_READY_PAUSE_S = 0.002
 NOT_READY_MAX_PAUSE_S = 0.05
 """Pauses between lookups of an object being loaded from disk (doubling up to the max)."""
@@ -56,13 +55,6 @@ def read_ok(size: int) -> ReadResult:
         if len(_READ_OK) < 4096:
             _READ_OK[size] = got
     return got
-
-
-def _dram_first(replicas: Sequence[ReplicaDesc], endpoint: str, host: str) -> list[ReplicaDesc]:
-    """The DRAM replicas, closest first (disk replicas are read through a load)."""
-    if len(replicas) == 1:  # the common case: no list to filter, nothing to order
-        return [replicas[0]] if replicas[0].tier is _DRAM else []
-    return order_replicas([r for r in replicas if r.tier is _DRAM], endpoint, host)
 
 
 class ReadPath:
@@ -100,8 +92,8 @@ class ReadPath:
         pause = NOT_READY_PAUSE_S
         waiting = [i for i, r in enumerate(out) if r.code == E.REPLICA_IS_NOT_READY]
         while waiting and self.clock.now() + pause < t0 + self.config.rpc_timeout_s:
-            self.clock.sleep(pause)
-            pause = min(pause * 2, NOT_READY_MAX_PAUSE_S)
+            self.clock.sleep(pause)  # (0 once, before a renewal; then the back-off again)
+            pause = min(max(pause * 2, NOT_READY_PAUSE_S), NOT_READY_MAX_PAUSE_S)
             since_t0 = self.clock.now() - t0  # leases count from t0 for the caller
             for i, r in zip(waiting, self._lookup_once([keys[i] for i in waiting]),
                             strict=True):
@@ -128,7 +120,7 @@ class ReadPath:
         """Keep where `key` lives, among `replicas` (a single-key lookup's, or those this
         client's own single-key put wrote: its first read is then an early one too; named as
         a lookup names them once the put has ended)."""
-        dram = _dram_first(replicas, self.endpoint, self.host)
+        dram = dram_first(replicas, self.endpoint, self.host)
         self._places.remember(key, size, checksum,
                               dram[0]._replace(state=ReplicaState.COMPLETE) if dram else None)
 
@@ -230,7 +222,7 @@ class ReadPath:
             elif p is None or not valid_parts(p) or parts_total(p) < look.size \
                     or not self._registered(p, writable=True):
                 results.append(ReadResult(E.INVALID_PARAMS))
-            elif queue := _dram_first(look.replicas, self.endpoint, self.host):
+            elif queue := dram_first(look.replicas, self.endpoint, self.host):
                 results.append(read_ok(look.size))
                 queues[i] = queue
             else:  # disk replicas are read through a load, never directly
