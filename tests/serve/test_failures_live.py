@@ -130,8 +130,9 @@ def _running_on(urls: list[str]) -> str:
     return wait_for(the_one, 10.0, "a single decode worker to run the request", 0.05)
 
 
-@pytest.mark.parametrize("flags,stream", [((), True), (("--worker-sse",), True), ((), False)],
-                         ids=["proxy-text", "worker-sse", "whole"])
+@pytest.mark.parametrize("flags,stream", [
+    ((), True), pytest.param(("--worker-sse",), True, marks=pytest.mark.slow),
+    pytest.param((), False, marks=pytest.mark.slow)], ids=["proxy-text", "worker-sse", "whole"])
 def test_a_decode_worker_killed_mid_stream_hands_the_request_over(
         cluster: ServingCluster, flags: tuple[str, ...], stream: bool) -> None:
     """Two decode workers; the one streaming a greedy completion is SIGKILLed after some

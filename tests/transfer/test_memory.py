@@ -140,7 +140,7 @@ def test_engines_started_again_in_one_process_never_reuse_file_names() -> None:
     or the peer would take the new file for the old one at the old address."""
     import gc
     names = []
-    for _ in range(40):
+    for _ in range(12):
         engine = TransferEngine(TransferConfig()).start()
         names.append(engine.allocate_managed(4096).shm_name)
         engine.close()
