@@ -11,6 +11,7 @@ import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from kvpool.clock import VirtualClock
@@ -140,6 +141,52 @@ def test_a_malformed_datagram_is_counted_and_changes_nothing(raw: bytes,
     sb.apply(raw, 0.0)
     assert sb.num_bad == 1 and sb.num_remote() == 0
     assert sum(p.num_queued for p in b.view.prefill) == 0
+
+
+_ENC = msgspec.msgpack.Encoder().encode
+
+
+@pytest.mark.parametrize("fields", [
+    [5, P1, D1, 100, 4, 0, 0, 0.0, float("nan"), 0.01],   # would leave the queue NaN for good
+    [5, P1, D1, 100, 4, 0, 0, 0.0, float("inf"), 0.01],
+    [5, P1, D1, 100, 4, 0, 0, -1.0, 0.1, 0.01],
+    [5, P1, D1, -100, 4, 0, 0, 0.0, 0.1, 0.01],
+])
+def test_a_booking_whose_numbers_are_out_of_range_is_dropped(fields: list[object],
+                                                            vclock: VirtualClock) -> None:
+    b = live(vclock)
+    sb = SharedBookings(b, 1, 1)
+    sb.apply(_ENC(["b", 0, 7, *fields]), 0.0)
+    sb.apply(_ENC(["p", 0, 7, float("inf")]), 0.0)  # int(inf): OverflowError, counted too
+    assert sb.num_bad == 2 and sb.num_remote() == 0
+    assert all(p.busy_until_s == 0.0 for p in b.view.prefill)
+
+
+def test_a_booking_told_twice_is_booked_once(vclock: VirtualClock) -> None:
+    b = live(vclock)
+    sb = SharedBookings(b, 1, 1)
+    booked = _ENC(["b", 0, 7, 5, P1, D1, 100, 4, 0, 0, 0.0, 0.1, 0.01, None])
+    sb.apply(booked, 0.0)
+    sb.apply(booked, 0.0)
+    sb.apply(_ENC(["f", 0, 7, 5]), 1.0)
+    assert sb.num_bad == 1 and b.view.decode[0].num_assigned == 0  # nothing orphaned
+
+
+def test_a_peer_queues_a_booking_as_the_booking_process_did(vclock: VirtualClock) -> None:
+    """The second request queues behind the first on the same prefill worker: every view
+    predicts the same decode start for it (early rejection counts it in the same window)."""
+    a, b = live(vclock), live(vclock)
+    b.withdraw(P2, "in this test")  # one prefill worker in both views: both queue there
+    a.withdraw(P2, "in this test")
+    sa, sb = SharedBookings(a, 0, 1), SharedBookings(b, 1, 2)
+    a.sink = sa
+    book(a, 1)
+    book(a, 2)
+    for msg in sa.outbox:
+        sb.apply(msg, 0.0)
+    mine = sorted(a.view.decode[0].planned.values())
+    assert sorted(b.view.decode[0].planned.values()) == mine and mine[0][0] < mine[1][0]
+    assert b.view.prefill[0].busy_until_s == a.view.prefill[0].busy_until_s
 
 
 def test_a_booking_on_workers_this_view_lacks_is_not_booked(vclock: VirtualClock) -> None:

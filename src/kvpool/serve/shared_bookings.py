@@ -5,7 +5,10 @@ Each process books its own requests on its `LiveCluster` as one process does; ev
 event (booked, prefill done, decode started, finished) is also told to the other processes
 (`SharedBookings.outbox`, sent by serve/peer_link.py), which book the same request on their
 own view (`apply`): a remote `Booking` (`remote=True`) on the same workers by URL, with the
-same predicted transfer and prefill seconds and the same tokens, released by the same events.
+same predicted transfer and prefill seconds and the same tokens, queued behind what that
+view has queued there (as the booking process queued it behind what its view had), its fetch
+booked on the source's NIC, released by the same events. A message whose numbers are not
+finite and non-negative, or that books an id the peer booked already, is counted and dropped.
 So a request booked on one process queues on that prefill worker in every process's view, and
 the decode load, the admission checks and early rejection count it everywhere. A decode leg
 resumed on another worker moves the booking's decode load there in every view.
@@ -14,7 +17,9 @@ Messages (msgpack arrays; the first field is the kind, the second the sender's i
 incarnation):
 
     ["b", peer, inc, rid, prefill_url, decode_url, input_len, output_len, prefix_len,
-     local_prefix_len, transfer_s, prefill_s, tbt_s]       booked
+     local_prefix_len, transfer_s, prefill_s, tbt_s,
+     source_url | None]                                    booked (the source: where the
+                                                           prefix is fetched from)
     ["p", peer, inc, rid]                                  its prefill ended
     ["d", peer, inc, rid]                                  its decode started
     ["m", peer, inc, rid, decode_url]                      its decode moved there (a
@@ -35,6 +40,7 @@ nothing: queues are predictions). Sans-I/O: time is the caller's `now`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,9 +87,10 @@ class SharedBookings:
     def booked(self, b: Booking) -> None:
         self._open.add(b.req.request_id)
         c = b.decision.prefill
+        source = None if c.source_id is None else self.cluster.prefill_urls[c.source_id]
         self._send("b", b.req.request_id, b.prefill.url, b.decode.url, b.req.input_len,
                    b.req.output_len, c.prefix_len, c.local_prefix_len, c.transfer_s,
-                   c.prefill_s, b.decision.decode.tbt_s)
+                   c.prefill_s, b.decision.decode.tbt_s, source)
 
     def prefill_done(self, b: Booking) -> None:
         self._send("p", b.req.request_id)
@@ -126,7 +133,8 @@ class SharedBookings:
                     self._keep_only(peer, {int(rid) for rid in msg[3]}, now)
             else:
                 raise InvalidArgument(f"unknown kind {kind!r}")
-        except (msgspec.DecodeError, IndexError, TypeError, ValueError, InvalidArgument) as exc:
+        except (msgspec.DecodeError, IndexError, TypeError, ValueError, OverflowError,
+                InvalidArgument) as exc:
             self.num_bad += 1
             log.warning("a malformed message from a peer process: %s", exc)
 
@@ -142,16 +150,31 @@ class SharedBookings:
 
     def _book(self, peer: _Peer, peer_index: int, f: Sequence[Any], now: float) -> None:
         rid, prefill_url, decode_url = int(f[0]), str(f[1]), str(f[2])
+        counts, seconds = [int(x) for x in f[3:7]], [float(x) for x in f[7:10]]
+        if min(rid, *counts) < 0 or not all(0.0 <= x < math.inf for x in seconds):
+            raise InvalidArgument(f"a booking's numbers out of range: {list(f[:10])}")
+        if rid in peer.bookings:
+            raise InvalidArgument(f"request {rid} booked twice")
         p, d = self.cluster.workers.get(prefill_url), self.cluster.workers.get(decode_url)
         if p is None or d is None or not (p.alive and d.alive) or p.prefill_load is None \
                 or d.decode_load is None:
             return  # not in this view's rotation: nothing to queue it on
         p_id, d_id = p.prefill_load.instance_id, d.decode_load.instance_id  # alive: in view
-        req = RequestInfo(-(peer_index * REMOTE_IDS + rid), int(f[3]), int(f[4]), ())
-        choice = PrefillChoice(p_id, int(f[5]), int(f[6]), None, 0.0, float(f[7]), float(f[8]))
-        booking = self.cluster.book(req, Accepted(choice, DecodeChoice(d_id, float(f[9]))), now,
+        req = RequestInfo(-(peer_index * REMOTE_IDS + rid), counts[0], counts[1], ())
+        queue_s = max(0.0, p.prefill_load.busy_until_s - now)  # behind what this view queued
+        choice = PrefillChoice(p_id, counts[2], counts[3], self._source(f), queue_s,
+                               seconds[0], seconds[1])
+        booking = self.cluster.book(req, Accepted(choice, DecodeChoice(d_id, seconds[2])), now,
                                     remote=True)
         peer.bookings[rid] = booking
+
+    def _source(self, f: Sequence[Any]) -> int | None:
+        """The booking's fetch source in this view (its NIC is booked too), if in rotation."""
+        if len(f) < 11 or f[10] is None:
+            return None
+        w = self.cluster.workers.get(str(f[10]))
+        return w.prefill_load.instance_id if w is not None and w.alive and \
+            w.prefill_load is not None else None
 
     def _event(self, peer: _Peer, kind: str, rid: int, now: float) -> None:
         b = peer.bookings.get(rid)

@@ -17,6 +17,7 @@ import pytest
 
 from kvpool.launch.wait import wait_http
 from kvpool.serve.models import resolve_model
+from kvpool.serve.vllm.metrics_text import METRICS_PATH, parse_metrics
 from tests.serve.vllm.conftest import Fleet, real_vllm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -64,6 +65,10 @@ def test_each_rank_is_an_instance_and_a_prompt_runs_where_it_is_cached(two_ranks
     unmatched = [ln for ln in metrics.splitlines()
                  if ln.startswith("kvpool_proxy_engine_kv_events_unmatched{")]
     assert unmatched and all(ln.endswith(" 0.0") for ln in unmatched), unmatched
+    server = parse_metrics(httpx.get(vllm + METRICS_PATH).text)  # both engines' blocks
+    assert server is not None and server.kv_capacity_tokens
+    samples = httpx.get(proxy + "/stats/samples").json()  # a rank's: its own engine's half
+    assert samples["kv_capacity_tokens"] * 2 == server.kv_capacity_tokens, samples
     direct = _runs(vllm, "smol", 2)  # vLLM's balancer: by load
     hits = [sum(c >= 512 for c in runs) for runs in (through, direct)]
     print(f"second runs that found their prompt cached: through the proxy {hits[0]}/8, "
