@@ -53,6 +53,27 @@ def test_kvcache_centric_fetches_remote_prefix_from_busy_holder(cost: CostModel)
     assert p.replicate
 
 
+def test_a_fetch_waits_for_the_sources_nic_and_books_it_once(cost: CostModel) -> None:
+    """The wait for a NIC busy with earlier fetches is the request's queue, not its own
+    TTFT: an idle cluster would not have it (so no "unreachable" verdict comes of it), and
+    the NIC is booked for the new fetch's seconds alone, after the ones before."""
+    view = view_with({0: [1, 2, 3, 4]})
+    view.prefill[0].busy_until_s = 10.0
+    view.prefill[0].nic_busy_until_s = 6.0
+    c = Conductor(ConductorConfig(prefill_policy="kvcache_centric", ttft_slo_s=5.0,
+                                  admission="early_rejection"), cost)
+    d = c.schedule(req(0, [1, 2, 3, 4, 9]), view, 0.0)
+    assert isinstance(d, Rejected) and d.reason == "ttft"  # 6 s of NIC wait: a wait
+    assert d.unloaded_ttft_s == pytest.approx(0.514048) and d.unloaded_ttft_s < d.ttft_limit_s
+    d = conductor(cost, "kvcache_centric").schedule(req(1, [1, 2, 3, 4, 9]), view, 0.0)
+    assert isinstance(d, Accepted) and d.prefill.source_id == 0
+    assert (d.prefill.wait_s, d.prefill.transfer_s) == (6.0, pytest.approx(0.002048))
+    assert d.prefill.ttft_s == pytest.approx(6.514048)
+    view.record_accept(req(1, [1, 2, 3, 4, 9]), d, 0.0)
+    assert view.prefill[0].nic_busy_until_s == pytest.approx(6.002048)
+    assert view.prefill[1].busy_until_s == pytest.approx(6.514048)
+
+
 def test_kvcache_centric_threshold_keeps_local_prefix(cost: CostModel) -> None:
     view = view_with({0: [1, 2, 3, 4, 5, 6], 1: [1, 2, 3, 4, 5]})
     view.prefill[0].busy_until_s = 10.0
@@ -107,6 +128,36 @@ def test_decode_goes_to_least_loaded_and_rejection_is_typed(cost: CostModel) -> 
     assert r.prefill_load == pytest.approx(1.024)
     with pytest.raises(InvalidArgument):
         c.schedule(req(2, [], input_len=0), view, 0.0)
+
+
+def test_decode_goes_where_the_request_fits(cost: CostModel) -> None:
+    """The least predicted TBT among the instances whose KV capacity holds the request: a
+    nearly full one with a short batch does not refuse what another can hold."""
+    view = view_with({}, num_prefill=1, num_decode=2, kv_capacity_tokens=1000)
+    d0, d1 = view.decode
+    d0.num_active = d0.num_assigned = 1
+    d0.active_tokens = d0.assigned_tokens = 900
+    d1.num_active = d1.num_assigned = 5
+    d1.active_tokens = d1.assigned_tokens = 500
+    c = Conductor(ConductorConfig(admission="early_rejection"), cost)
+    d = c.schedule(req(0, [1], input_len=200), view, 0.0)
+    assert isinstance(d, Accepted) and d.decode.instance_id == 1
+    d = c.schedule(req(1, [1], input_len=600), view, 0.0)  # fits nowhere: the usual order
+    assert isinstance(d, Rejected) and d.reason == "kv_capacity"
+
+
+def test_a_worker_that_does_both_decodes_what_it_prefilled(cost: CostModel) -> None:
+    """The decode judged is the prefill worker's own (`view.colocated`), so a full one
+    refuses: admission never judges one instance and the request runs on another."""
+    view = view_with({1: [1, 2]}, num_prefill=2, num_decode=2, kv_capacity_tokens=1000)
+    view.colocated = {0: 1, 1: 0}
+    c = Conductor(ConductorConfig(prefill_policy="cache_aware",
+                                  admission="early_rejection", ttft_slo_s=100.0), cost)
+    d = c.schedule(req(0, [1, 2, 3], input_len=700), view, 0.0)
+    assert isinstance(d, Accepted) and (d.prefill.instance_id, d.decode.instance_id) == (1, 0)
+    view.decode[0].assigned_tokens = view.decode[0].active_tokens = 950
+    d = c.schedule(req(1, [1, 2, 3], input_len=700), view, 0.0)
+    assert isinstance(d, Rejected) and d.reason == "kv_capacity"
 
 
 def test_schedule_reads_the_injected_clock(cost: CostModel) -> None:

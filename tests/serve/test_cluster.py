@@ -150,7 +150,7 @@ def test_both_role_worker_decodes_what_it_prefilled(vclock: VirtualClock) -> Non
     req = RequestInfo(1, 8, 4, (1, 2))
     decision = conductor.schedule(req, c.view, 0.0)
     assert isinstance(decision, Accepted)
-    b = c.book(req, c.colocate(decision), 0.0)
+    b = c.book(req, decision, 0.0)  # the conductor paired b's decode with its prefill
     assert b.colocated and b.prefill.url == "http://b"
 
 
@@ -258,3 +258,16 @@ def test_a_load_reply_keeps_64_bit_hashes_and_event_order() -> None:
     load = reply_from("http://w", "/load", LoadReply,
                       b'{"block_events": [[%d, true], [5, false], [%d, false]]}' % (top, top))
     assert load.block_events == [(top, True), (5, False), (top, False)]
+
+
+def test_a_block_stored_again_stays_held(vclock: VirtualClock) -> None:
+    """An event stream that says "stored" of a block held already (a replay overlapping
+    what was read) keeps it: only "removed" takes a block out."""
+    c = two_prefill_one_decode(vclock)
+    events = LoadReply(num_waiting=0, num_running=0, queued_prefill_tokens=0, running_tokens=0,
+                       free_kv_tokens=900, kv_capacity_tokens=1000,
+                       block_events=[(5, True), (5, True), (6, True), (6, False)])
+    c.apply_load(P1, events, 0.0)
+    assert c.workers[P1].blocks == {5}
+    assert c.view.index.holders(5) == {c.workers[P1].prefill_load.instance_id}  # type: ignore[union-attr]
+    c.check_integrity()

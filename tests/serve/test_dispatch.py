@@ -209,6 +209,21 @@ def test_a_short_uncached_part_goes_straight_to_the_decode_worker(vclock: Virtua
     assert not off.schedule([1], 4).direct
 
 
+def test_a_direct_requests_first_token_moves_no_prefill_queue(vclock: VirtualClock) -> None:
+    """Its prefill ends with the decode worker's first token: that time says nothing of the
+    prefill worker's queue, which is not shifted by it (the request before still prefills
+    until 0.2 s)."""
+    d = dispatcher(vclock, direct_below_tokens=64, admission="none")
+    queued = d.schedule(list(range(100)), 4)
+    p = queued.prefill_load
+    assert not queued.direct and p.busy_until_s == pytest.approx(0.2)
+    short = d.schedule(list(range(1000, 1008)), 4)
+    assert short.direct
+    vclock.advance(0.01)
+    d.cluster.prefill_done(short, vclock.now())  # at its first token
+    assert p.busy_until_s == pytest.approx(0.2) and p.num_queued == 1
+
+
 def test_a_run_whose_text_its_decode_legs_make_moves_only_to_a_worker_that_makes_text(
         vclock: VirtualClock) -> None:
     """After its decode worker fails, a run that relays its decode legs' SSE text goes on

@@ -2,7 +2,8 @@
 
     match   = index.match(request blocks)           prefix held by each prefill instance
     prefill = prefill policy (match, queues, cost)  instance, reused prefix, predicted TTFT
-    decode  = least predicted TBT                   decode instance
+    decode  = least predicted TBT that holds it     decode instance (the prefill's own
+                                                    on a worker that does both)
     verdict = admission policy                      Accepted(...) or Rejected(reason, loads)
 
 The caller books an Accepted decision with `ClusterView.record_accept` and runs it.
@@ -52,7 +53,7 @@ class Conductor:
             raise InvalidArgument("the cluster view has no prefill instance")
         match = (prefixes or view.index).match(req.block_hashes)
         prefill = self.prefill_policy.choose(req, match, view, now)
-        decode = select_decode(self.cost, view, req)
+        decode = select_decode(self.cost, view, req, prefill.instance_id)
         verdict = self.admission.at_arrival(req, prefill, decode, view, now)
         if verdict is not None:
             return verdict

@@ -62,15 +62,22 @@ def predicted_at(d: DecodeLoad, at_s: float, horizon_s: float) -> tuple[int, int
     return count, tokens
 
 
-def select_decode(cost: CostModel, view: ClusterView, req: RequestInfo) -> DecodeChoice | None:
-    """Least-loaded decode instance by predicted TBT, then by assigned requests, then by id;
-    None when there is no decode pool."""
+def select_decode(cost: CostModel, view: ClusterView, req: RequestInfo,
+                  prefill_id: int | None = None) -> DecodeChoice | None:
+    """The decode instance of the prefill's own worker where it does both
+    (`view.colocated`); else the least-loaded one by predicted TBT among those whose KV
+    capacity holds the request (all of them when none does), then by assigned requests, then
+    by id; None when there is no decode pool."""
+    pair = view.colocated.get(prefill_id) if prefill_id is not None else None
+    if pair is not None:
+        return DecodeChoice(pair, assigned_tbt_s(cost, view.decode[pair], req))
     best: DecodeLoad | None = None
-    best_key = (0.0, 0)
+    best_key = (True, 0.0, 0)
     for d in view.decode:
-        key = (assigned_tbt_s(cost, d, req), d.num_assigned)
+        full = 0 < d.kv_capacity_tokens < d.assigned_tokens + req.input_len
+        key = (full, assigned_tbt_s(cost, d, req), d.num_assigned)
         if best is None or key < best_key:
             best, best_key = d, key
     if best is None:
         return None
-    return DecodeChoice(best.instance_id, best_key[0])
+    return DecodeChoice(best.instance_id, best_key[1])

@@ -90,6 +90,8 @@ class _Plan(NamedTuple):
     transfer_s: float
     prefill_s: float
     source: int | None
+    wait_s: float = 0.0
+    """The fetch's wait for the source's NIC."""
 
 
 class _LowestTtft(_Base):
@@ -105,13 +107,13 @@ class _LowestTtft(_Base):
             plan = plans.get(local)
             if plan is None:
                 plan = plans[local] = self._plan(req, match, view, local, now)
-            ttft = max(0.0, p.busy_until_s - now) + plan.transfer_s + plan.prefill_s
+            ttft = max(0.0, p.busy_until_s - now) + plan.wait_s + plan.transfer_s + plan.prefill_s
             if best_inst < 0 or ttft < best_ttft:
                 best_ttft, best_inst, best_local = ttft, p.instance_id, local
         plan = plans[best_local]
         return PrefillChoice(best_inst, plan.prefix, plan.local, plan.source,
                              view.prefill[best_inst].queue_s(now), plan.transfer_s,
-                             plan.prefill_s)
+                             plan.prefill_s, plan.wait_s)
 
     def _plan(self, req: RequestInfo, match: PrefixMatch, view: ClusterView, local: int,
               now: float) -> _Plan:
@@ -144,9 +146,8 @@ class KVCacheCentricPolicy(_LowestTtft):
             return super()._plan(req, match, view, local, now)
         prefix, local_tokens = self._tokens(req, best), self._tokens(req, local)
         nic_wait = max(0.0, view.prefill[source].nic_busy_until_s - now)
-        transfer = nic_wait + self.cost.kv_transfer_s(prefix - local_tokens)
-        return _Plan(prefix, local_tokens, transfer,
-                     self.cost.prefill_with_load_s(req.input_len, prefix), source)
+        return _Plan(prefix, local_tokens, self.cost.kv_transfer_s(prefix - local_tokens),
+                     self.cost.prefill_with_load_s(req.input_len, prefix), source, nic_wait)
 
 
 PolicyFactory = Callable[[CostModel, ConductorConfig], PrefillPolicy]

@@ -29,15 +29,20 @@ class PrefillChoice:
     """Instance the remote part of the prefix is fetched from, or None."""
     queue_s: float
     transfer_s: float
+    """Seconds to get the prefix's missing part (the pool's load, or a fetch from
+    `source_id`), not counting a wait for the source's NIC."""
     prefill_s: float
+    wait_s: float = 0.0
+    """Seconds the fetch waits for the source's NIC (busy with fetches booked before)."""
 
     @property
     def ttft_s(self) -> float:
-        return self.queue_s + self.transfer_s + self.prefill_s
+        return self.queue_s + self.wait_s + self.transfer_s + self.prefill_s
 
     @property
     def unloaded_ttft_s(self) -> float:
-        """The TTFT without the queue."""
+        """The TTFT without the queues (the instance's and the source NIC's): what an idle
+        cluster would take."""
         return self.transfer_s + self.prefill_s
 
     @property

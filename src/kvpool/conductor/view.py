@@ -162,6 +162,9 @@ class ClusterView:
     prefill: list[PrefillLoad]
     decode: list[DecodeLoad]
     index: PrefixIndex = field(default_factory=PrefixIndex)
+    colocated: dict[int, int] = field(default_factory=dict)
+    """Prefill instance id -> the decode instance of the same worker, for workers that do
+    both (a request prefilled there decodes there: the colocated layout)."""
 
     @classmethod
     def create(cls, num_prefill: int, num_decode: int, kv_capacity_tokens: int) -> ClusterView:
@@ -175,9 +178,10 @@ class ClusterView:
         """Book an accepted request: prefill queue, sender NIC, decode assignment."""
         choice = decision.prefill
         p = self.prefill[choice.instance_id]
-        p.busy_until_s = max(p.busy_until_s, now) + choice.transfer_s + choice.prefill_s
+        p.busy_until_s = max(p.busy_until_s, now) + choice.wait_s + choice.transfer_s \
+            + choice.prefill_s
         p.num_queued += 1
-        if choice.source_id is not None and choice.transfer_s > 0:
+        if choice.source_id is not None and choice.transfer_s > 0:  # (its wait is this)
             src = self.prefill[choice.source_id]
             src.nic_busy_until_s = max(src.nic_busy_until_s, now) + choice.transfer_s
         if self.decode:

@@ -18,7 +18,6 @@ from kvpool.conductor import (
     Accepted,
     ClusterView,
     CostModel,
-    DecodeChoice,
     DecodeLoad,
     PrefillLoad,
     PrefixIndex,
@@ -221,7 +220,10 @@ class LiveCluster:
             assert w.decode_load is not None
             w.decode_load.instance_id = j
         self.view = ClusterView([w.prefill_load for w in self._prefill if w.prefill_load],
-                                [w.decode_load for w in self._decode if w.decode_load], index)
+                                [w.decode_load for w in self._decode if w.decode_load], index,
+                                {w.prefill_load.instance_id: w.decode_load.instance_id
+                                 for w in self._prefill if w.prefill_load and w.decode_load
+                                 and w.info is not None and w.info.role == "both"})
 
     # -- load reports -----------------------------------------------------------------------
 
@@ -239,10 +241,11 @@ class LiveCluster:
             events = list(load.block_events or ())
         index = self.view.index if w.alive and w.prefill_load is not None else None
         for h, stored in events:
-            if stored and h not in w.blocks:
-                w.blocks.add(h)
-                if index is not None:
-                    index.add(w.prefill_load.instance_id, h)  # type: ignore[union-attr]
+            if stored:
+                if h not in w.blocks:  # (stored again: held already)
+                    w.blocks.add(h)
+                    if index is not None:
+                        index.add(w.prefill_load.instance_id, h)  # type: ignore[union-attr]
             elif h in w.blocks:
                 w.blocks.discard(h)
                 if index is not None:
@@ -252,16 +255,6 @@ class LiveCluster:
             w.decode_load.kv_capacity_tokens = w.load.kv_capacity_tokens
 
     # -- bookings ---------------------------------------------------------------------------
-
-    def colocate(self, decision: Accepted) -> Accepted:
-        """A prefill on a `both` worker decodes there too (the colocated baseline)."""
-        w = self._prefill[decision.prefill.instance_id]
-        if w.info is None or w.info.role != "both" or w.decode_load is None:
-            return decision
-        d = w.decode_load.instance_id
-        if d == decision.decode.instance_id:
-            return decision
-        return Accepted(decision.prefill, DecodeChoice(d, decision.decode.tbt_s))
 
     def is_colocated(self, decision: Accepted) -> bool:
         """Whether `decision` prefills and decodes on the same worker."""
@@ -305,7 +298,7 @@ class LiveCluster:
         if self._in_view(b, prefill=True):
             self.view.record_prefill_done(b.prefill_load.instance_id)
             load = b.prefill_load
-            if ran:
+            if ran and not b.direct:  # (a direct one's first token is the decode worker's)
                 # the queue behind this request starts later (or earlier) than predicted:
                 # shift it by the error, exactly as kvpool.sim.disagg does
                 delta = now - (b.predicted_end_s + b.prefill.shift_s - b.shift_then_s)

@@ -83,10 +83,11 @@ class Dispatcher:
                 raise slo_unreachable(decision.unloaded_ttft_s, decision.ttft_limit_s, note)
             raise rejected(decision.reason, decision.predicted_ttft_s, decision.predicted_tbt_s,
                            self._retry_after_s(decision), note)
-        decision = self.cluster.colocate(decision)
         direct = self._direct(req, decision)
-        if direct:  # its prefill instance does no work for it (booked and released at once)
-            decision = Accepted(replace(decision.prefill, transfer_s=0.0, prefill_s=0.0),
+        if direct:  # its prefill instance does no work for it (booked with none; its end
+            # at the first token shifts no queue there)
+            decision = Accepted(replace(decision.prefill, transfer_s=0.0, prefill_s=0.0,
+                                        wait_s=0.0),
                                 decision.decode)
             self.metrics.direct.inc()
         booking = self.cluster.book(req, decision, now)

@@ -162,8 +162,11 @@ class SharedBookings:
         p_id, d_id = p.prefill_load.instance_id, d.decode_load.instance_id  # alive: in view
         req = RequestInfo(-(peer_index * REMOTE_IDS + rid), counts[0], counts[1], ())
         queue_s = max(0.0, p.prefill_load.busy_until_s - now)  # behind what this view queued
-        choice = PrefillChoice(p_id, counts[2], counts[3], self._source(f), queue_s,
-                               seconds[0], seconds[1])
+        source = self._source(f)
+        wait_s = 0.0 if source is None else \
+            max(0.0, self.cluster.view.prefill[source].nic_busy_until_s - now)
+        choice = PrefillChoice(p_id, counts[2], counts[3], source, queue_s, seconds[0],
+                               seconds[1], wait_s)
         booking = self.cluster.book(req, Accepted(choice, DecodeChoice(d_id, seconds[2])), now,
                                     remote=True)
         peer.bookings[rid] = booking

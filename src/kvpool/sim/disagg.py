@@ -107,9 +107,9 @@ class DisaggSim:
             self.caches[choice.source_id].access(info.block_hashes[:blocks])
         p = choice.instance_id
         sr.prefill_gpu_s = choice.prefill_s * self._error_factor()
-        sr.reused_tokens, sr.transfer_s = choice.prefix_len, choice.transfer_s
+        sr.reused_tokens, sr.transfer_s = choice.prefix_len, choice.wait_s + choice.transfer_s
         start = max(now, self._free_at[p])
-        self._free_at[p] = end = start + choice.transfer_s + sr.prefill_gpu_s
+        self._free_at[p] = end = start + sr.transfer_s + sr.prefill_gpu_s
         predicted_end = self.view.prefill[p].busy_until_s
         self.loop.at(end, self._prefill_done, sr, decision, predicted_end, self._shift[p])
 
