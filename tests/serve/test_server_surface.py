@@ -4,6 +4,8 @@ one log line, no traceback. A second real proxy over the session's workers, its 
 
 from __future__ import annotations
 
+import json
+import socket
 import subprocess
 import sys
 import time
@@ -127,6 +129,47 @@ def test_access_log_and_a_client_that_goes_away(proxy: tuple[str, Path],
     decode = cluster.worker_urls["decode"][0]
     wait_for(lambda: not httpx.get(decode + "/load", timeout=10).json()["num_running"],
              deadline + 20 - time.monotonic(), "the abandoned request to stop decoding", 0.1)
+
+
+def test_a_client_gone_mid_body_is_an_access_line(proxy: tuple[str, Path]) -> None:
+    """A client that closes while its body is still coming: one access line (a 400 no one
+    reads), no traceback."""
+    url, log = proxy
+    before = log.read_text().count("POST /v1/completions 400")
+    port = int(url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                  b"application/json\r\nContent-Length: 500\r\n\r\n{\"model\": ")
+        time.sleep(0.2)
+    wait_for(lambda: log.read_text().count("POST /v1/completions 400") > before, 10.0,
+             log.read_text, 0.1)
+    assert "Traceback" not in log.read_text() and "ClientDisconnect" not in log.read_text()
+
+
+def test_a_client_gone_is_seen_with_a_request_pipelined_behind(
+        proxy: tuple[str, Path], cluster: ServingCluster) -> None:
+    """A non-streamed request with another pipelined behind it on its connection: the client
+    going is seen by the one running (uvicorn marks only the newest), which stops decoding
+    and writes nothing to the closed connection."""
+    url, log = proxy
+    limit = httpx.get(url + "/v1/models").json()["data"][0]["max_model_len"]
+    decode = cluster.worker_urls["decode"][0]
+
+    def post(max_tokens: int) -> bytes:
+        body = json.dumps({"model": "served-name", "prompt": "the pool",
+                           "max_tokens": max_tokens, "ignore_eos": True}).encode()
+        return (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                b"\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+
+    port = int(url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(post(limit - 8) + post(2))  # the first decodes for well over 5 s
+        wait_for(lambda: httpx.get(decode + "/load", timeout=10).json()["num_running"] > 0,
+                 20.0, "the first request to decode", 0.05)
+    wait_for(lambda: not httpx.get(decode + "/load", timeout=10).json()["num_running"], 3.0,
+             "the abandoned request to stop decoding", 0.1)
+    time.sleep(0.3)
+    assert "Traceback" not in log.read_text(), log.read_text()[-2000:]
 
 
 @pytest.mark.slow

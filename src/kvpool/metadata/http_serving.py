@@ -235,25 +235,32 @@ if HttpToolsProtocol is not None:
         """The request cycle whose client going away is watched, and whom to tell
         (`BodyWriter.watch_disconnect`)."""
 
+        open_cycles: tuple[Any, ...] = ()
+        """The connection's request cycles whose responses were not complete when the last
+        request came (the one running, those pipelined behind it)."""
+
         def on_headers_complete(self) -> None:
             super().on_headers_complete()
             cycle = self.cycle
             if cycle is not None and cycle.scope is self.scope:  # not after an upgrade
                 extensions = cast(dict[str, Any], self.scope.setdefault("extensions", {}))
                 extensions[BODY_WRITER] = BodyWriter(cycle, self)
+                self.open_cycles = (*(c for c in self.open_cycles if not c.response_complete),
+                                    cycle)
 
         def connection_lost(self, exc: Exception | None) -> None:
             watch, self.lost_watch = self.lost_watch, None
             super().connection_lost(exc)
-            if watch is None:
-                return
-            cycle, callback = watch
-            if not cycle.response_complete:
-                # uvicorn marks only its newest cycle; with a request pipelined behind this
-                # one, that is the queued request's, and this response would go on writing
-                cycle.disconnected = True
-                cycle.message_event.set()
-                callback()
+            # uvicorn marks only its newest cycle; with a request pipelined behind the one
+            # running, that is the queued request's, and the running one would never learn
+            # (its `receive` waits on, its response goes on being made and written)
+            cycles, self.open_cycles = self.open_cycles, ()
+            for cycle in cycles:
+                if not cycle.response_complete:
+                    cycle.disconnected = True
+                    cycle.message_event.set()
+            if watch is not None and not watch[0].response_complete:
+                watch[1]()
 
 
 def fast_stack() -> tuple[str, bool]:

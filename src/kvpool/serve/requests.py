@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Protocol, TypeVar
 
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from kvpool.engine.config import SamplingParams
 from kvpool.log import get_logger
@@ -220,6 +221,8 @@ async def _body(request: Any, limit: int) -> bytes:
     except TimeoutError:
         raise ApiError(408, f"the request body did not arrive within {BODY_DEADLINE_S:g} s",
                        code="request_timeout") from None
+    except ClientDisconnect:  # answered to no one, but logged and counted as any other
+        raise ApiError(400, "the client went away before its body was in") from None
 
 
 async def parse_body(request: Any, model: type[M], limit: int) -> M:

@@ -436,31 +436,38 @@ class VllmBackend:
         """The stream's tokens, a frame per read (the chunks that came in together, as one
         engine step's would), then one finish line once the stream is done (after vLLM's usage
         chunk, which says how many prompt tokens were cached). `tally` counts the output
-        tokens, those a relay took in the read callback too (`read_relay`, `wire.token_chunks`)."""
+        tokens, those a relay took in the read callback too (`read_relay`, `wire.token_chunks`).
+        A stream that breaks after its finish chunk has finished all the same: the answer is
+        whole (resuming it would make tokens past its end), only the cached count is lost."""
         finish: str | None = None
         cached = 0
         tally = tally or _Tally()
-        async for batch in batches:
-            ids: list[int] = []
-            lps: list[TokenLogprob | None] = []
-            for raw in batch:
-                try:
-                    delta = stream_delta(raw, logprobs_k)
-                except ReplyError as exc:
-                    raise WorkerCallError(url, COMPLETIONS, str(exc)) from None
-                if delta is None:
-                    continue
-                ids += delta.token_ids
-                if logprobs_k is not None:
-                    lps += delta.logprobs
-                finish = delta.finish_reason or finish
-                cached = delta.num_cached_tokens if delta.num_cached_tokens is not None \
-                    else cached
-            if ids:
-                tally.num_tokens += len(ids)
-                stamps = [time.monotonic()] * len(ids)
-                yield PlainFrame(ids, stamps) if logprobs_k is None else \
-                    TokensLine(token_ids=ids, t=stamps, logprobs=lps)
+        try:
+            async for batch in batches:
+                ids: list[int] = []
+                lps: list[TokenLogprob | None] = []
+                for raw in batch:
+                    try:
+                        delta = stream_delta(raw, logprobs_k)
+                    except ReplyError as exc:
+                        raise WorkerCallError(url, COMPLETIONS, str(exc)) from None
+                    if delta is None:
+                        continue
+                    ids += delta.token_ids
+                    if logprobs_k is not None:
+                        lps += delta.logprobs
+                    finish = delta.finish_reason or finish
+                    cached = delta.num_cached_tokens if delta.num_cached_tokens is not None \
+                        else cached
+                if ids:
+                    tally.num_tokens += len(ids)
+                    stamps = [time.monotonic()] * len(ids)
+                    yield PlainFrame(ids, stamps) if logprobs_k is None else \
+                        TokensLine(token_ids=ids, t=stamps, logprobs=lps)
+        except (WorkerCallError, OSError, HttpReplyError, httpx.HTTPError) as exc:
+            if finish is None:
+                raise
+            log.debug("%s on %s broke after its finish chunk: %r", COMPLETIONS, url, exc)
         if finish is not None:
             yield FinishLine(finish_reason=finish, num_output_tokens=tally.num_tokens,
                              num_cached_tokens=cached)
