@@ -154,8 +154,8 @@ class MasterCore:
             self._revoke(self.pending[key], by_master=True)
         self._hold_leased(seg)
         self.objects.drop_segment(seg)
+        self.tiering.after_segment_dropped(seg)  # (its loads' targets held, then kept:)
         self.space.quarantine(seg)
-        self.tiering.after_segment_dropped(seg)
 
     def _hold_leased(self, seg: Segment) -> None:
         """Ranges of `seg` a reader's lease still covers go on the release delay, so that

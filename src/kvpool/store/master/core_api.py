@@ -21,6 +21,14 @@ if TYPE_CHECKING:
     from kvpool.store.wire.codes import ErrorCode, PutStartResult, Tier
 
 
+class DiskTier(Protocol):
+    """The disk tier (tiering.Tiering), as the drain uses it."""
+
+    def drop_disk_replica(self, obj: StoredObject, rep: Replica) -> None:
+        """Take a disk replica out (its file deleted; the object plain DRAM again, or
+        removed where it was its only replica)."""
+
+
 class JournalHooks(Protocol):
     """Persistence (persist.Journal): told of every durable change, and of each tick."""
 
@@ -55,6 +63,9 @@ class CoreApi(Protocol):
     space: FreeSpace
     clients: dict[str, ClientState]
     journal: JournalHooks | None
+
+    @property
+    def tiering(self) -> DiskTier: ...
 
     @property
     def capacity_bytes(self) -> int: ...

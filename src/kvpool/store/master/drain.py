@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from kvpool.store.master.state import Replica, Segment, StoredObject
-from kvpool.store.wire.codes import ErrorCode, ReplicaState
+from kvpool.store.wire.codes import ErrorCode, ReplicaState, Tier
 from kvpool.store.wire.drain import DrainPlan, DrainStep, ReplicaMove, Unplaced
 
 if TYPE_CHECKING:
@@ -248,7 +248,11 @@ class DrainManager:
 
     def _drop_replica(self, obj: StoredObject, replica: Replica) -> None:
         """Take one replica out of an object that keeps another; its range is freed when
-        the object's read lease ends (a reader may be copying from it)."""
+        the object's read lease ends (a reader may be copying from it). A disk replica
+        goes through the disk tier (its file deleted, the object plain DRAM again)."""
+        if replica.segment.tier is Tier.SSD:
+            self.core.tiering.drop_disk_replica(obj, replica)
+            return
         self.core.objects.drop_replica(obj, replica)
         self.core.space.free_after(replica, obj.lease_until)
         if self.core.journal is not None:

@@ -216,14 +216,14 @@ class TierState:
         mount = self.mounts.pop(seg.segment_id, None)
         for task in list(mount.tasks.values()) if mount is not None else []:
             self._leave(task)
-            self._cancel(task)
+            self._cancel(task, seg)
         for table in (self.under_way.offloading, self.under_way.loading):
             for task in [t for t in table.values() if t.dram and t.dram.segment is seg]:
-                self._cancel(task)
+                self._cancel(task, seg)
         on_disk = self.on_disk
         for key in [k for k in on_disk.tiered if self._disk_replicas(k) == 0]:
-            if self.core.objects.get(key) is not None and key not in on_disk.transient:
-                self.core.objects.set_evictable(key, True)
+            if self.core.objects.get(key) is not None:  # its DRAM copy (a loaded one too,
+                self.core.objects.set_evictable(key, True)  # untiered below) is plain now
             on_disk.untier(key)
         for key, gen in on_disk.forget_segment(seg.segment_id).items():
             self.left.left(key, gen)
@@ -240,9 +240,11 @@ class TierState:
         obj = self.core.objects.get(key)
         return 0 if obj is None else sum(r.segment.tier is Tier.SSD for r in obj.replicas)
 
-    def _cancel(self, task: Task) -> None:
+    def _cancel(self, task: Task, dropped: Segment | None = None) -> None:
         """Forget a task whose disk or DRAM segment went away. A load's DRAM range is held
-        for put_release_timeout_s: the node may still be writing it."""
+        for put_release_timeout_s: the node may still be writing it (on `dropped`, the
+        segment being dropped, the hold goes into its quarantine, kept if the same memory
+        is mounted again under the same fence)."""
         if task.kind == OFFLOAD:
             self.under_way.untrack_offload(task)
         else:
@@ -252,7 +254,7 @@ class TierState:
         core = self.core
         if task.kind == LOAD and task.dram is not None:
             seg = task.dram.segment
-            if core.segments.get(seg.segment_id) is seg:
+            if seg is dropped or core.segments.get(seg.segment_id) is seg:
                 core.space.release_at(core.clock.now() + core.config.put_release_timeout_s,
                                       seg, task.dram.offset)
         if task.kind == OFFLOAD and task.ssd is not None:
