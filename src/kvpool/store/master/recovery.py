@@ -52,7 +52,9 @@ class Recovery:
         dropped: list[str] = []
         changed: list[StoredObject] = []
         attached = 0
-        for rec in self._by_segment.pop(seg.segment_id, {}).values():
+        recs = list(self._by_segment.pop(seg.segment_id, {}).values())
+        clashing = _clashing(recs, seg.segment_id)
+        for rec in recs:
             offset = next(o for s, o in rec.replicas if s == seg.segment_id)
             obj = core.objects.get(rec.key)
             ours = self._attached.get(rec.key)
@@ -62,7 +64,7 @@ class Recovery:
                 # back elsewhere and gone since (its segment left), or a put of the same
                 # key is in flight (the old value is gone)
                 dropped.append(rec.key)
-            elif seg.allocator.reserve(offset, rec.size):
+            elif rec.key not in clashing and seg.allocator.reserve(offset, rec.size):
                 self._attach(core, seg, rec, offset, obj)
                 attached += 1
             elif obj is None:
@@ -102,3 +104,19 @@ class Recovery:
             self.give_up(segment_id)
         self._attached.clear()
         return gone
+
+
+def _clashing(recs: list[ObjRec], segment_id: str) -> set[str]:
+    """Keys of records whose ranges on the segment overlap another's. Two live objects never
+    share memory, so one of them was removed and its record of removal lost (a damaged
+    record the replay skipped); which one the log cannot tell, so neither comes back."""
+    spans = sorted((o, o + r.size, r.key) for r in recs for s, o in r.replicas
+                   if s == segment_id)
+    out: set[str] = set()
+    reach, holder = -1, ""
+    for start, end, key in spans:
+        if start < reach:
+            out.update((key, holder))
+        if end > reach:
+            reach, holder = end, key
+    return out
