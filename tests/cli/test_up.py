@@ -8,9 +8,13 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
+import pytest
+
+from tests.serve.conftest import marked_pids, wait_gone
 from tests.support.procs import python_env
 from tests.support.wait import wait_for
 
@@ -46,6 +50,14 @@ def test_up_refuses_no_proxy_process() -> None:
                          capture_output=True, text=True, timeout=60, env=python_env())
     assert out.returncode == 2
     assert out.stderr == "kvpool up: --proxy-workers must be >= 1\n"
+
+
+@pytest.mark.parametrize("port", ["0", "70000"])
+def test_up_refuses_a_port_it_could_not_be_reached_on(port: str) -> None:
+    out = subprocess.run([sys.executable, "-m", "kvpool", "up", "--port", port],
+                         capture_output=True, text=True, timeout=60, env=python_env())
+    assert out.returncode == 2
+    assert out.stderr == f"kvpool up: --port must be in 1..65535, got {port}\n"
 
 
 def test_up_needs_a_prefill_and_a_decode_worker() -> None:
@@ -99,3 +111,35 @@ def test_up_passes_the_proxys_flags_on_as_given() -> None:
     assert "--worker-sse" in flags
     assert "--loop-poll-us" not in _proxy_flags(build_parser().parse_args(["up"]))
 
+
+
+@pytest.mark.slow
+def test_a_sigterm_during_the_give_up_stop_keeps_status_1(tmp_path: Path) -> None:
+    """Given up on a process, `up` exits 1, a SIGTERM during its stop (a service manager's, a
+    second Ctrl-C) notwithstanding; a stopped (SIGSTOP) node is continued and stopped."""
+    marker = f"up-{uuid.uuid4().hex}"
+    log = tmp_path / "up.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvpool", "up", "--store-only", "--store-nodes", "2",
+             "--dram", "16MiB", "--max-restarts", "0"], stdout=out, stderr=subprocess.STDOUT,
+            env=python_env() | {"KVPOOL_TEST_MARKER": marker})
+    try:
+        wait_for(lambda: "Ctrl-C to stop" in log.read_text(), 90.0, log.read_text, 0.1,
+                 procs=[proc])
+        nodes = [p for p in marked_pids(marker)
+                 if b"\0store-node\0" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        assert len(nodes) == 2
+        os.kill(nodes[1], signal.SIGSTOP)  # slow to stop: the stop takes its 10 s
+        os.kill(nodes[0], signal.SIGKILL)  # given up on: exit status 1 is due
+        wait_for(lambda: "giving up on" in log.read_text(), 30, log.read_text, 0.1)
+        time.sleep(1.0)  # the stop is under way
+        proc.send_signal(signal.SIGTERM)  # e.g. a service manager's stop, or a second Ctrl-C
+        assert proc.wait(30) == 1, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pid in marked_pids(marker):
+            os.kill(pid, signal.SIGKILL)
+        wait_gone(marker)

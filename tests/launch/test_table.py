@@ -4,11 +4,17 @@ gone left unsaid, and the end with its time."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import pytest
+
+from kvpool.launch import children as children_module
 from kvpool.launch.children import Command
 from kvpool.launch.ready import ReadyPipe
 from kvpool.launch.table import ChildTable
@@ -49,3 +55,67 @@ def test_silent_without_say() -> None:
     table.shell("proxy", "exec sleep 30")
     table.stop_all()
     assert table.procs["proxy"].returncode is not None
+
+
+def test_the_ten_seconds_are_the_groups_and_a_stopped_child_is_continued(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Children that ignore SIGTERM are killed when the group's time is up, not one after
+    another; a stopped one (SIGSTOP) is continued, so it acts on SIGTERM at once."""
+    monkeypatch.setattr(children_module, "STOP_S", 1.0)
+    table = Table()
+    for i in range(3):
+        table.shell(f"decode-{i}", "trap '' TERM; while :; do sleep 0.05; done")
+    table.shell("master", SLOW_TERM)
+    time.sleep(0.2)
+    table.procs["master"].send_signal(signal.SIGSTOP)
+    t0 = time.monotonic()
+    table.stop_all()
+    took = time.monotonic() - t0
+    assert took < 2.5, took  # 1 s for the three workers at once, 0.5 s for the master
+    assert all(p.poll() is not None for p in table.procs.values())
+    assert table.procs["master"].returncode == 0  # it ran its SIGTERM trap
+
+
+def test_a_restart_kills_what_the_last_incarnation_left_in_its_session(tmp_path: Path) -> None:
+    """A server that started an engine process in its session (vLLM's API server) and died:
+    the engine goes before the server starts again."""
+    pidfile = tmp_path / "engine.pid"
+    table = Table()
+    table.run("decode-1", Command(("/bin/sh", "-c", f"sleep 300 & echo $! > {pidfile}; wait")))
+    deadline = time.monotonic() + 10
+    while not (pidfile.exists() and pidfile.read_text().strip()):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    engine = int(pidfile.read_text())
+    table.procs["decode-1"].kill()
+    table.procs["decode-1"].wait()
+    table.restart("decode-1")
+    try:
+        deadline = time.monotonic() + 5
+        while _alive(engine):
+            assert time.monotonic() < deadline, "the engine of the first incarnation lives on"
+            time.sleep(0.02)
+    finally:
+        table.stop_all()
+
+
+def test_a_signal_during_the_stop_does_not_cut_it_short() -> None:
+    """A second Ctrl-C (or SIGTERM) while children stop is ignored: every group is stopped."""
+    table = Table()
+    table.shell("master", SLOW_TERM)
+    table.shell("proxy", SLOW_TERM)
+
+    def say(line: str) -> None:  # told as the stop goes: the user presses Ctrl-C again
+        if line == "stopping the proxy":
+            os.kill(os.getpid(), signal.SIGINT)
+
+    table.stop_all(say)  # a KeyboardInterrupt here would leave the master running
+    assert all(p.poll() is not None for p in table.procs.values())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -282,6 +282,9 @@ def _prepare_serving(args: argparse.Namespace) -> int:
     if args.proxy_workers < 1:
         print("kvpool up: --proxy-workers must be >= 1", file=sys.stderr)
         return 2
+    if not 0 < args.port < 65536:  # (0 would bind anywhere, and the cluster be unreachable)
+        print(f"kvpool up: --port must be in 1..65535, got {args.port}", file=sys.stderr)
+        return 2
     refused = backend_refusal(args)
     if refused:
         print(f"kvpool up: {refused}", file=sys.stderr)

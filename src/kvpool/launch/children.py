@@ -25,13 +25,17 @@ from typing import Any
 from kvpool.errors import KvpoolError
 
 _PR_SET_PDEATHSIG = 1
+STOP_S = 10.0
+"""How long children told to stop (a group of them at once) have before SIGKILL."""
 
 
 def stop(proc: subprocess.Popen[Any], timeout_s: float = 10.0,
          sig: int = signal.SIGTERM) -> None:
-    """`sig` (SIGTERM), then SIGKILL if it has not exited within `timeout_s`; reaps it."""
+    """`sig` (SIGTERM), then SIGKILL if it has not exited within `timeout_s`; reaps it. A
+    stopped child (SIGSTOP) is continued, or it would not act on `sig` before the SIGKILL."""
     if proc.poll() is None:
         proc.send_signal(sig)
+        proc.send_signal(signal.SIGCONT)
     try:
         proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
@@ -43,15 +47,18 @@ def stop_group(proc: subprocess.Popen[Any], timeout_s: float = 10.0) -> None:
     """`stop` for a child that leads a session of its own (start_new_session), and whatever
     it started there (a vLLM server's engine processes): SIGTERM to the group, SIGKILL to what
     is left of it once the leader has exited or `timeout_s` has passed."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-    except (ProcessLookupError, PermissionError):
-        pass
+    signal_group(proc.pid, signal.SIGTERM, signal.SIGCONT)
     stop(proc, timeout_s)
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+    signal_group(proc.pid, signal.SIGKILL)
+
+
+def signal_group(pid: int, *sigs: int) -> None:
+    """Send `sigs` in turn to the process group `pid` leads, if any is left of it."""
+    for sig in sigs:
+        try:
+            os.killpg(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
 
 
 def kvpool_argv(*args: str) -> list[str]:

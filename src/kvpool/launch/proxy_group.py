@@ -22,7 +22,7 @@ import time
 from collections.abc import Sequence
 from types import FrameType
 
-from kvpool.launch.children import Command, spawn_command, stop
+from kvpool.launch.children import STOP_S, Command, spawn_command, stop
 from kvpool.log import get_logger
 
 log = get_logger("launch.proxy_group")
@@ -70,8 +70,10 @@ def run_group(argv: Sequence[str], host: str, port: int, count: int, backlog: in
         for p in procs:
             with contextlib.suppress(ProcessLookupError):
                 p.send_signal(signal.SIGTERM)
+                p.send_signal(signal.SIGCONT)  # a stopped one acts on SIGTERM
+        deadline = time.monotonic() + STOP_S  # the group's, not each member's in turn
         for p in procs:
-            stop(p)
+            stop(p, max(0.1, deadline - time.monotonic()))
         listener.close()
         shutil.rmtree(folder, ignore_errors=True)
         for s, handler in old.items():

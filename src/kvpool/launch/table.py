@@ -4,11 +4,22 @@ it is ready (kvpool.launch.ready), and stopped in order, a group at a time."""
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
-from kvpool.launch.children import Command, kvpool_argv, spawn_command, stop_group
+from kvpool.launch import children
+from kvpool.launch.children import (
+    Command,
+    kvpool_argv,
+    signal_group,
+    spawn_command,
+    stop_group,
+)
 from kvpool.launch.ready import ReadyPipe
 
 
@@ -48,9 +59,13 @@ class ChildTable:
         return self.procs[name]
 
     def restart(self, name: str) -> subprocess.Popen[bytes]:
-        """Start child `name` again (its last incarnation has exited). A worker comes back on
+        """Start child `name` again (its last incarnation has exited; what it started in its
+        session, a vLLM server's engine processes, is killed first). A worker comes back on
         its URL, where the proxy's poller finds it and has it prove the cluster token again
         before it rejoins the rotation."""
+        old = self.procs.get(name)
+        if old is not None and old.poll() is not None and not _pid_taken(old.pid):
+            signal_group(old.pid, signal.SIGKILL)  # (a group whose leader is gone is ours)
         return self.run(name, self.commands[name], name in self.ready)
 
     def wait_ready(self, name: str, what: str, timeout_s: float) -> str:
@@ -66,20 +81,51 @@ class ChildTable:
         """Stop every child, last started first, a group at a time (the proxy, the workers,
         the store nodes, the master): SIGTERM to the whole group, then each is waited for
         (SIGKILL after 10 s), with what each started in its session (a vLLM server's engine
-        processes). `say` is told each group as it goes and the end."""
+        processes): the 10 s are the group's, not each child's in turn. A SIGINT or SIGTERM
+        meanwhile is ignored (it would cut the stop short and leave children running). `say`
+        is told each group as it goes and the end."""
         started = time.monotonic()
-        for group, procs in _groups(list(self.procs.items())[::-1]):
-            if say is not None and any(p.poll() is None for p in procs):
-                say(f"stopping {group}")
-            for p in procs:
-                if p.poll() is None:
-                    p.terminate()
-            for p in procs:
-                stop_group(p)
-        for pipe in self.ready.values():
-            pipe.close()
+        with _uninterrupted():
+            for group, procs in _groups(list(self.procs.items())[::-1]):
+                if say is not None and any(p.poll() is None for p in procs):
+                    say(f"stopping {group}")
+                for p in procs:
+                    if p.poll() is None:  # (SIGCONT: a stopped child acts on SIGTERM)
+                        p.terminate()
+                        p.send_signal(signal.SIGCONT)
+                        signal_group(p.pid, signal.SIGTERM, signal.SIGCONT)
+                deadline = time.monotonic() + children.STOP_S
+                for p in procs:
+                    stop_group(p, max(0.1, deadline - time.monotonic()))
+            for pipe in self.ready.values():
+                pipe.close()
         if say is not None:
             say(f"stopped ({time.monotonic() - started:.1f} s)")
+
+
+def _pid_taken(pid: int) -> bool:
+    """Whether a process has `pid` (the number of a reaped child given to another)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextmanager
+def _uninterrupted() -> Iterator[None]:
+    """SIGINT and SIGTERM ignored for the block (on the main thread, where handlers live)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
 
 
 def _groups(named: list[tuple[str, subprocess.Popen[bytes]]]
