@@ -3,6 +3,7 @@ cluster, and without one nothing binds beyond loopback unless told to."""
 
 from __future__ import annotations
 
+import pathlib
 import subprocess
 import sys
 
@@ -11,7 +12,7 @@ import pytest
 
 from kvpool.cli.main import build_parser
 from kvpool.cli.master_cmd import build_configs
-from kvpool.cli.security import bind_refusal, is_loopback
+from kvpool.cli.security import bind_refusal, is_loopback, token_file
 from tests.support.net import free_port, wait_port
 from tests.support.procs import python_env, running, spawn_kvpool
 from tests.support.wait import wait_for
@@ -89,3 +90,13 @@ def test_up_demo_with_a_token() -> None:
          "--token", TOKEN], capture_output=True, text=True, timeout=180, env=python_env())
     assert out.returncode == 0, out.stdout + out.stderr
     assert "demo: all checks passed" in out.stdout
+
+
+def test_clusters_on_two_addresses_and_one_port_keep_their_own_token_files(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> None:
+    """A second `kvpool up --host 127.0.0.2 --port P` beside one on 127.0.0.1:P (the port
+    check is per address) neither rewrites nor deletes the first one's token file."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    assert token_file(8000) == tmp_path / "kvpool" / "up-8000.token"
+    assert token_file(8000, "127.0.0.2") == tmp_path / "kvpool" / "up-127.0.0.2-8000.token"
+    assert token_file(8000, "::1").name == "up-__1-8000.token"

@@ -47,12 +47,14 @@ def export_token(token: str | None) -> None:
         os.environ[TOKEN_ENV] = token
 
 
-def token_file(port: int) -> Path:
-    """Where `kvpool up` on `port` keeps the cluster token it made: the user's runtime
-    directory (or cache), readable by the user alone."""
+def token_file(port: int, host: str = "127.0.0.1") -> Path:
+    """Where `kvpool up` on `host`:`port` keeps the cluster token it made: the user's runtime
+    directory (or cache), readable by the user alone; `up-PORT.token` on 127.0.0.1, else
+    `up-HOST-PORT.token` (a cluster on another address and the same port has its own)."""
     base = os.environ.get("XDG_RUNTIME_DIR") or os.environ.get("XDG_CACHE_HOME") \
         or str(Path.home() / ".cache")
-    return Path(base) / "kvpool" / f"up-{port}.token"
+    name = f"up-{port}" if host == "127.0.0.1" else f"up-{host.replace(':', '_')}-{port}"
+    return Path(base) / "kvpool" / f"{name}.token"
 
 
 def new_token_file(path: Path) -> str:

@@ -239,7 +239,7 @@ def _serve_local(args: argparse.Namespace, model: Path, proxy_args: tuple[str, .
     from kvpool.serve.launch import ServingSpec, serving_cluster
 
     if not args.demo:  # the proxy's /metrics shows the restart counts kept there
-        args.counts_file = counts_file(token_file(args.port))
+        args.counts_file = counts_file(token_file(args.port, args.host))
         proxy_args += ("--restart-counts", str(args.counts_file))
     spec = ServingSpec(model, args.host, args.port, args.prefill, args.decode,
                        args.colocated, args.dram, args.store_nodes or 1, proxy_args,
@@ -295,8 +295,8 @@ def _prepare_serving(args: argparse.Namespace) -> int:
         print(f"kvpool up: {exc}", file=sys.stderr)
         return 1
     if not args.token and not args.no_token:  # every child of the cluster runs with one
-        args.token = new_token_file(token_file(args.port))
-        args.token_file = token_file(args.port)  # only once made: the finally removes it
+        args.token = new_token_file(token_file(args.port, args.host))
+        args.token_file = token_file(args.port, args.host)  # once made: the finally removes it
     if not _secure_or_refuse(args):
         return 2
     _export_api_keys(args)
