@@ -73,6 +73,28 @@ def test_registry_answers_the_innermost_of_overlapping_buffers_every_time() -> N
     assert registry.find(inner.addr - 16, 16) is outer
 
 
+@pytest.mark.parametrize("inner_first", [True, False])
+def test_an_inner_region_at_the_outer_ones_start_answers_for_itself(inner_first: bool) -> None:
+    """Whichever was registered first, the inner region sharing the outer one's start answers
+    for its range (its fence and read-only flag hold there); `at` and `remove` take the one
+    registered last at that address."""
+    registry = MemoryRegistry()
+    whole = np.zeros(8192, dtype=np.uint8)
+    outer_buf = buffer_of(whole)
+    inner_buf = Buffer(outer_buf.addr, 4096, view_at(outer_buf.addr, 4096), readonly=True)
+    if inner_first:
+        inner, outer = registry.add(inner_buf), registry.add(outer_buf)
+    else:
+        outer, inner = registry.add(outer_buf), registry.add(inner_buf)
+    assert registry.find(outer.addr, 16) is inner
+    assert registry.find(outer.addr + 4096, 16) is outer
+    assert registry.find(outer.addr + 4000, 200) is None  # across the inner one's end
+    last = outer if inner_first else inner
+    assert registry.at(outer.addr) is last
+    assert registry.remove(outer.addr) is last
+    assert registry.at(outer.addr) is (inner if inner_first else outer)
+
+
 def test_register_kinds() -> None:
     arr = np.arange(16, dtype=np.float32)
     assert buffer_of(arr).length == 64

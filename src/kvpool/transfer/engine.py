@@ -157,7 +157,7 @@ class TransferEngine:
         then replaces the region's fence (0 keeps it: remove a fence with set_fence)."""
         found = self.registry.add(buf)
         if found is not buf and buf.fence.value not in (0, found.fence.value):
-            self.set_fence(found.addr, buf.fence.value)
+            self._set_fence(found, buf.fence.value)
         return found
 
     def set_fence(self, addr: int, fence: int) -> None:
@@ -175,10 +175,12 @@ class TransferEngine:
         A region whose fence could not be set cleanly must not be handed out under the new
         fence; `renew_managed` gives a managed buffer that can.
         """
+        self._set_fence(self.registry.at(addr), fence)
+
+    def _set_fence(self, buf: Buffer, fence: int) -> None:
         check_fence(fence)
-        buf = self.registry.at(addr)
         timeout_s = self.config.timeout_s * 2
-        self._arena.publish_fence(addr, fence, timeout_s)
+        self._arena.publish_fence(buf.addr, fence, timeout_s)
         buf.fence.set(fence, timeout_s)
 
     def renew_managed(self, buf: Buffer, fence: int) -> Buffer:

@@ -113,10 +113,16 @@ def _straddles(buffers: tuple[Buffer, ...], starts: tuple[int, ...], found: int,
 
 
 class MemoryRegistry:
-    """The registered buffers of one engine, sorted by address."""
+    """The registered buffers of one engine, sorted by address (of two that start at the
+    same address, the longer first: the inner one answers for its range, whichever was
+    registered first)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._added: dict[int, int] = {}
+        """id(buffer) -> when it was registered (a counter): of several registrations that
+        start at one address, `at` and `remove` take the latest."""
+        self._count = 0
         self._starts: tuple[int, ...] = ()
         self._buffers: tuple[Buffer, ...] = ()
         self._disjoint = True
@@ -133,7 +139,9 @@ class MemoryRegistry:
             for existing in self._buffers:
                 if existing.addr == buf.addr and existing.length == buf.length:
                     return existing
-            items = sorted((*self._buffers, buf), key=lambda b: b.addr)
+            self._count += 1
+            self._added[id(buf)] = self._count
+            items = sorted((*self._buffers, buf), key=lambda b: (b.addr, -b.length))
             self._set(tuple(items))
         return buf
 
@@ -145,11 +153,11 @@ class MemoryRegistry:
 
     def remove(self, addr: int) -> Buffer:
         with self._lock:
-            for i, existing in enumerate(self._buffers):
-                if existing.addr == addr:
-                    self._set(self._buffers[:i] + self._buffers[i + 1 :])
-                    return existing
-        raise MemoryRegistrationError(f"no buffer registered at {addr:#x}")
+            existing = self.at(addr)
+            i = next(i for i, b in enumerate(self._buffers) if b is existing)
+            self._set(self._buffers[:i] + self._buffers[i + 1 :])
+            self._added.pop(id(existing), None)
+            return existing
 
     def find(self, addr: int, length: int) -> Buffer | None:
         """The registered buffer that holds all of [addr, addr+length), or None."""
@@ -169,11 +177,12 @@ class MemoryRegistry:
         return None
 
     def at(self, addr: int) -> Buffer:
-        """The buffer registered to start at `addr`; MemoryRegistrationError if none."""
-        for existing in self._buffers:
-            if existing.addr == addr:
-                return existing
-        raise MemoryRegistrationError(f"no buffer registered at {addr:#x}")
+        """The buffer registered to start at `addr` (the latest registered of several);
+        MemoryRegistrationError if none."""
+        found = [b for b in self._buffers if b.addr == addr]
+        if not found:
+            raise MemoryRegistrationError(f"no buffer registered at {addr:#x}")
+        return max(found, key=lambda b: self._added.get(id(b), 0))
 
     def view(self, addr: int, length: int) -> memoryview | None:
         buf = self.find(addr, length)
