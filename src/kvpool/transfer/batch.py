@@ -87,8 +87,9 @@ class Batch:
         self._status: list[RequestStatus] = []
         self._open = 0
         self._callbacks: list[Callable[[], None]] = []
-        self._running: dict[int, socket.socket] = {}
-        """Connections of the frames of this batch moving bytes on worker threads."""
+        self._running: dict[int, socket.socket | None] = {}
+        """Connections of the frames of this batch moving bytes on worker threads (None for
+        a copy in memory: shared memory or the own segment, which cannot be cut short)."""
         self._given_up = False
         self._failed = False
         """A request failed: other frames of the batch (its other slices, the others'
@@ -180,10 +181,22 @@ class Batch:
             self._running[id(sock)] = sock
             return True
 
-    def frame_ended(self, sock: socket.socket) -> None:
+    def copy_started(self, key: object) -> bool:
+        """A memory copy of this batch (`key`: its own object) starts on a pool thread;
+        False when the batch was given up (it must not run). A give-up waits for it to end
+        (`frame_ended(key)`)."""
         with self._cond:
-            if self._running.pop(id(sock), None) is not None and not self._running:
-                self._cond.notify_all()
+            if self._given_up:
+                return False
+            self._running[id(key)] = None
+            return True
+
+    def frame_ended(self, sock: object) -> None:
+        with self._cond:
+            if id(sock) in self._running:
+                del self._running[id(sock)]
+                if not self._running:
+                    self._cond.notify_all()
 
     @property
     def failed(self) -> bool:
@@ -216,8 +229,9 @@ class Batch:
         `_given_up`) and wait up to `timeout_s` for them to end."""
         with self._cond:  # (a frame that ends meanwhile waits: no connection it handed
             for sock in self._running.values():  # back is shut down)
-                with contextlib.suppress(OSError):
-                    sock.shutdown(socket.SHUT_RDWR)
+                if sock is not None:  # (a memory copy is waited for)
+                    with contextlib.suppress(OSError):
+                        sock.shutdown(socket.SHUT_RDWR)
             return self._cond.wait_for(lambda: not self._running, timeout_s)
 
     def fail_open(self, reason: str) -> None:

@@ -213,7 +213,13 @@ def _copy_all(op: OpCode, batch: Batch, items: list[ShmItem], peer: ShmPeer | No
         return
     done: list[int] = []
     for item in items:
-        reason = copy_one(op, item, helper)
+        if not batch.copy_started(item):  # given up: no byte of it may land any more
+            batch.complete([item[0]], "the transfer was given up before this copy began")
+            continue
+        try:
+            reason = copy_one(op, item, helper)
+        finally:
+            batch.frame_ended(item)
         if reason is None:
             done.append(item[0])
         else:
