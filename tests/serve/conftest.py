@@ -172,7 +172,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def wait_gone(marker: str, timeout_s: float = 30.0) -> list[int]:
+def wait_gone(marker: str, timeout_s: float = 30.0) -> list[str]:
+    """[] once no process marked `marker` is left, else (after `timeout_s`) what each left
+    is (pid, state, command line), each then killed."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         left = marked_pids(marker)
@@ -180,9 +182,20 @@ def wait_gone(marker: str, timeout_s: float = 30.0) -> list[int]:
             return []
         time.sleep(0.2)
     left = marked_pids(marker)
+    described = [_described(pid) for pid in left]
     for pid in left:  # never leave them behind, even when the test fails
         os.kill(pid, signal.SIGKILL)
-    return left
+    return described
+
+
+def _described(pid: int) -> str:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        wchan = Path(f"/proc/{pid}/wchan").read_text()
+    except OSError:
+        return f"{pid} (gone)"
+    return f"{pid} state {state} in {wchan or '?'}: {argv[:300]}"
 
 
 def kvpool_up(marker: str, cache_home: Path, *args: str,
