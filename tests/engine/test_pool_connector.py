@@ -273,7 +273,7 @@ def prefilled(engine: LLMEngine, conn: PoolConnector, request_id: str,
     """`prompt_ids` prefilled on `engine`, its full blocks in the pool once this returns."""
     engine.add_request(request_id, prompt_ids, GREEDY, prefill_only=True)
     drain(engine)
-    conn.saver.flush()  # type: ignore[union-attr]
+    conn.saver.wait()  # type: ignore[union-attr]
 
 
 def test_prefill_reuses_pool_blocks(tiny_llama: Path) -> None:
@@ -333,7 +333,7 @@ def test_other_weights_never_read_each_others_blocks(seed0_and_seed7: tuple[Path
     a, conn_a = make(s0, store, save=True)
     a.add_request("a", shared + [1, 2], GREEDY, prefill_only=True)
     drain(a)
-    conn_a.saver.flush()  # type: ignore[union-attr]
+    conn_a.saver.wait()  # type: ignore[union-attr]
     assert len(store.objects) == 3 * 2  # 3 full blocks x 2 layers
     b, _ = make(s7, store, save=True)
     seq = b.add_request("b", shared + [3, 4, 5], GREEDY)
@@ -354,7 +354,7 @@ def test_another_dtype_never_reads_the_blocks(seed0_and_seed7: tuple[Path, Path]
     a, conn_a = make(s0, store, save=True)
     a.add_request("a", shared + [1], GREEDY, prefill_only=True)
     drain(a)
-    conn_a.saver.flush()  # type: ignore[union-attr]
+    conn_a.saver.wait()  # type: ignore[union-attr]
     b, _ = make(s0, store, save=False, dtype="bfloat16")
     seq = b.add_request("b", shared + [2, 3], GREEDY)
     drain(b)

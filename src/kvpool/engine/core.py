@@ -100,8 +100,10 @@ class EngineCore:
             raise InvalidArgument(f"request {request_id}: {len(prompt)} prompt tokens + "
                                   f"max_tokens {sampling.max_tokens} exceed max_model_len "
                                   f"{self.config.max_model_len}")
-        if -(-len(prompt) // self.config.block_size) + 1 > self.config.num_blocks:
-            raise InvalidArgument(f"request {request_id}: {len(prompt)} tokens do not fit in "
+        if -(-(len(prompt) + sampling.max_tokens) // self.config.block_size) \
+                > self.config.num_blocks:  # (else it preempts itself and stalls the queue)
+            raise InvalidArgument(f"request {request_id}: {len(prompt)} prompt tokens + "
+                                  f"max_tokens {sampling.max_tokens} do not fit in "
                                   f"{self.config.kv_capacity_tokens} tokens of KV cache")
         root = salted_root(self.root_hash, sampling.cache_salt)
         return Sequence(request_id, list(prompt) + done, len(prompt), sampling,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvpool.engine.blocks import block_key, request_key
@@ -66,7 +66,8 @@ class LayerSaver:
         self.store, self.cache = store, cache
         self.key_of: BlockKeyFn = block_key
         self._queue: queue.Queue[tuple[int, list[tuple[int, int]]] | None] = queue.Queue()
-        self._failures: list[str] = []
+        self._failures: dict[int, str] = {}
+        """Block hash -> why its put failed, until the request holding it asks (`flush`)."""
         self._thread = threading.Thread(target=self._run, daemon=True, name="kvpool-kv-saver")
         self._thread.start()
 
@@ -78,11 +79,16 @@ class LayerSaver:
         """Wait until every submitted put has read its blocks."""
         self._queue.join()
 
-    def flush(self) -> list[str]:
-        """Wait as `wait`; returns (and forgets) the failures so far."""
+    def flush(self, hashes: Iterable[int]) -> list[str]:
+        """Wait as `wait`; returns (and forgets) the failures of the blocks of `hashes` (one
+        request's: another's failures are its own)."""
         self._queue.join()
-        failures, self._failures = self._failures, []
-        return failures
+        return [f for h in hashes if (f := self._failures.pop(h, None)) is not None]
+
+    def forget(self, hashes: Iterable[int]) -> None:
+        """Drop the failures of the blocks of `hashes` (a request that ended otherwise)."""
+        for h in hashes:
+            self._failures.pop(h, None)
 
     def close(self) -> None:
         self._queue.put(None)
@@ -93,7 +99,8 @@ class LayerSaver:
             try:
                 self._put(*item)
             except Exception as exc:  # a failed put must not kill the thread
-                self._failures.append(f"{type(exc).__name__}: {exc}")
+                for h, _ in item[1]:
+                    self._failures[h] = f"{type(exc).__name__}: {exc}"
             finally:
                 self._queue.task_done()
         self._queue.task_done()
@@ -101,9 +108,10 @@ class LayerSaver:
     def _put(self, layer: int, blocks: list[tuple[int, int]]) -> None:
         keys = [self.key_of(h, layer) for h, _ in blocks]
         parts = [[self.cache.layer_part(b, layer)] for _, b in blocks]
-        for key, result in zip(keys, self.store.batch_put_from_parts(keys, parts), strict=True):
+        results = self.store.batch_put_from_parts(keys, parts)
+        for (h, _), key, result in zip(blocks, keys, results, strict=True):
             if not result.ok:
-                self._failures.append(f"put {key}: {result.code.name}")
+                self._failures[h] = f"put {key}: {result.code.name}"
 
 
 class PoolConnector(KVConnector):
@@ -111,12 +119,15 @@ class PoolConnector(KVConnector):
     pushes use (the worker's TransferEngine)."""
 
     def __init__(self, cache: KVLayout, store: KVStore | None, transfer: KVTransport,
-                 save_blocks: bool) -> None:
+                 save_blocks: bool, save_planned_only: bool = False) -> None:
         self.cache, self.transfer = cache, transfer
         self.store = store
         self.bs = cache.block_size
         self.plans: dict[str, PoolPlan | PushPlan] = {}
         self.saver = LayerSaver(store, cache) if store is not None and save_blocks else None
+        self.save_planned_only = save_planned_only
+        """Only the blocks of requests with a hand-over plan (a `both` worker's prefill legs,
+        not what it serves whole) go to the pool as they are computed."""
         self._pending: list[tuple[int, int]] = []
         self.num_recomputed = 0
         """Requests whose KV the pool held damaged, computed here instead (`_recompute`)."""
@@ -232,12 +243,16 @@ class PoolConnector(KVConnector):
 
     def on_abort(self, seq: Sequence) -> None:
         self.plans.pop(seq.request_id, None)
+        if self.saver is not None:
+            self.saver.forget(seq.block_hashes)
 
     def before_forward(self, batch: ScheduledBatch) -> None:
         self._pending = []
         if self.saver is None:
             return
         for seq, n in batch:
+            if self.save_planned_only and seq.request_id not in self.plans:
+                continue
             done = min((seq.num_computed_tokens + n) // self.bs, len(seq.block_hashes))
             for i in range(seq.num_computed_tokens // self.bs, done):
                 self._pending.append((seq.block_hashes[i], seq.block_table[i]))
@@ -250,7 +265,7 @@ class PoolConnector(KVConnector):
 
     def on_finish(self, seq: Sequence) -> KVFailure | None:
         plan = self.plans.pop(seq.request_id, None)
-        failures = self.saver.flush() if self.saver is not None else []
+        failures = self.saver.flush(seq.block_hashes) if self.saver is not None else []
         if plan is None:
             return None
         try:

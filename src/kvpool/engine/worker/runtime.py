@@ -124,7 +124,8 @@ class Worker:
         self.engine = make_engine(config)
         self.transfer.register(self.engine.cache.kv)
         self.connector = PoolConnector(self.engine.cache, self.store, self.transfer,
-                                       save_blocks=config.role == "prefill")
+                                       save_blocks=config.role in ("prefill", "both"),
+                                       save_planned_only=config.role == "both")
         self.engine.connector = self.connector
         self.reservations = Reservations(config.reserve_ttl_s, clock)
         """Blocks held for prompts a prefill worker pushes here (engine thread only)."""
@@ -316,6 +317,10 @@ class Worker:
         resumed = req.resume_output_ids
         if resumed and (source is not KVSource.COMPUTE or first_token is not None):
             raise InvalidArgument("resume_output_ids needs kv_source none and no first_token_id")
+        vocab = self.engine.vocab_size
+        if first_token is not None and vocab and not 0 <= first_token < vocab:
+            raise InvalidArgument(f"first_token_id {first_token} is outside the model's "
+                                  f"vocabulary (0..{vocab - 1})")
         over = self.engine.finish_reason_of(sampling, resumed)
         if over is not None:  # the legs before this one produced the whole output
             return self._already_over(request_id, over)
@@ -330,7 +335,11 @@ class Worker:
                     engine.blocks.release(reserved)
                     raise RequestFailed(f"request {request_id} reserved {len(reserved)} blocks, "
                                         f"too few for {len(prompt)} prompt tokens")
-                engine.start_pushed(request_id, prompt, first_token or 0, sampling, reserved)
+                try:
+                    engine.start_pushed(request_id, prompt, first_token or 0, sampling, reserved)
+                except KvpoolError:  # (an id already running here): the blocks are not its
+                    engine.blocks.release(reserved)
+                    raise
                 return
             seq = engine.add_request(request_id, prompt, sampling, outputs=resumed,
                                      kv_source=source, joins_prefilled=req.joins_prefilled)
@@ -434,6 +443,8 @@ class Worker:
         listen = self.mailbox.listener(loop, outputs)
 
         def start(engine: EngineCore) -> None:
+            if engine.scheduler.find(request_id) is not None:  # its listener stays its own
+                raise InvalidArgument(f"request {request_id} is already running here")
             self.loop.subscribe(request_id, listen)
             try:
                 add(engine)
