@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import inspect
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -229,6 +230,24 @@ def test_failed_push_fails_the_request(tiny_llama: Path) -> None:
     outs = drain(prefill)
     assert outs[-1].error is not None and "closed the connection" in outs[-1].error
     assert prefill.blocks.num_free_blocks == 32
+
+
+def test_no_push_starts_once_the_reservation_may_be_gone(tiny_llama: Path) -> None:
+    """A prefill that ends after its reservation's time (it queued long): the push is not
+    started (the decode worker may have given the blocks to another request, whose cached KV
+    it would overwrite); the request fails instead, and the decode worker's memory is as it
+    was."""
+    decode, _ = make(tiny_llama, None, save=False)
+    reserved = decode.reserve_blocks(13)
+    assert reserved is not None
+    before = decode.cache.kv.clone()
+    prefill, conn = make(tiny_llama, None, save=False)
+    conn.plans["r"] = PushPlan("local", push_parts(decode.cache, reserved),
+                               push_by=time.monotonic() - 0.001)
+    prefill.add_request("r", prompt(13, 3), GREEDY, prefill_only=True)
+    outs = drain(prefill)
+    assert outs[-1].error is not None and "reservation ran out" in outs[-1].error
+    assert torch.equal(decode.cache.kv, before)
 
 
 def test_kv_missing_from_the_pool_is_an_error(tiny_llama: Path) -> None:

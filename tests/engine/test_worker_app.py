@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
+from kvpool.clock import VirtualClock
 from kvpool.engine.config import EngineConfig, SamplingParams
 from kvpool.engine.worker.app import create_app
 from kvpool.engine.worker.messages import GenerateRequest
@@ -64,14 +65,30 @@ def test_generate_takes_json_only_and_other_methods_fall_through(client: TestCli
     assert typed.status_code == 200
 
 
-def test_reserve_until_full_then_503_and_abort_gives_back(client: TestClient) -> None:
-    one = client.post("/kv/reserve", json={"request_id": "a", "num_tokens": 20}, headers=AUTH)
-    assert one.status_code == 200 and len(one.json()["regions"]) == 3 * 2 * 2
-    full = client.post("/kv/reserve", json={"request_id": "b", "num_tokens": 40}, headers=AUTH)
-    assert full.status_code == 503 and full.json()["error"]["type"] == "out_of_kv_space"
-    assert client.get("/load", headers=AUTH).json()["free_kv_tokens"] == 5 * 8
-    assert client.post("/abort", json={"request_id": "a"}, headers=AUTH).json() == {"ok": True}
-    assert client.get("/load", headers=AUTH).json()["free_kv_tokens"] == 8 * 8
+def test_reserve_until_full_then_503_and_abort_gives_back_after_the_grace(
+        tiny_llama: Path) -> None:
+    """An aborted reservation's blocks come back once a push its prefill worker may have
+    started before the deadline is over (deadline + grace), not at the abort."""
+    clock = VirtualClock()
+    worker = Worker(WorkerConfig(str(tiny_llama), role="decode", token="s3cret",
+                                 engine=EngineConfig(block_size=8, num_blocks=8,
+                                                     max_model_len=64)), clock=clock)
+    with TestClient(create_app(worker)) as client:
+        one = client.post("/kv/reserve", json={"request_id": "a", "num_tokens": 20},
+                          headers=AUTH)
+        assert one.status_code == 200 and len(one.json()["regions"]) == 3 * 2 * 2
+        assert one.json()["ttl_s"] == worker.reservations.ttl_s
+        full = client.post("/kv/reserve", json={"request_id": "b", "num_tokens": 40},
+                           headers=AUTH)
+        assert full.status_code == 503 and full.json()["error"]["type"] == "out_of_kv_space"
+        assert client.get("/load", headers=AUTH).json()["free_kv_tokens"] == 5 * 8
+        assert client.post("/abort", json={"request_id": "a"}, headers=AUTH).json() == \
+            {"ok": True}
+        assert client.get("/load", headers=AUTH).json()["free_kv_tokens"] == 5 * 8  # held
+        clock.advance(worker.reservations.ttl_s + worker.reservations.grace_s + 0.1)
+        for _ in range(2):  # the loop's idle turns after a command
+            worker.loop.call(lambda engine: None).result(timeout=5)
+        assert client.get("/load", headers=AUTH).json()["free_kv_tokens"] == 8 * 8
 
 
 def test_colocated_stream(client: TestClient) -> None:

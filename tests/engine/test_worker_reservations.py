@@ -27,12 +27,13 @@ def test_a_reservation_is_held_until_its_deadline_then_expires() -> None:
     table.check_integrity()
     assert list(table) == ["a", "b"] and "a" in table and len(table) == 2
     clock.advance(50.0)                      # now 160: "a" ends at 160, not before
-    assert table.take_expired() == []
+    assert table.retire_expired() == []
     clock.advance(0.5)
-    assert table.take_expired() == [("a", [3, 4])]
+    assert table.retire_expired() == ["a"] and table.release_due() == [[3, 4]]
     assert "a" not in table and table.get("b") == Reservation([5], 170.0)
     clock.advance(20.0)
-    assert table.take_expired() == [("b", [5])] and len(table) == 0
+    assert table.retire_expired() == ["b"] and len(table) == 0
+    assert table.release_due() == [[5]]
     table.check_integrity()
 
 
@@ -43,7 +44,27 @@ def test_expired_reservations_come_back_oldest_first() -> None:
         table.add(rid, [i])
         clock.advance(1.0)
     clock.advance(10.0)
-    assert table.take_expired() == [("c", [0]), ("a", [1]), ("b", [2])]
+    assert table.retire_expired() == ["c", "a", "b"]
+    assert table.release_due() == [[0], [1], [2]]
+
+
+def test_blocks_not_taken_go_back_only_once_a_late_push_is_over() -> None:
+    """An aborted or expired reservation's blocks may still be written by a push its prefill
+    worker started before the deadline: they go back at deadline + grace_s, not before."""
+    clock = VirtualClock()
+    table = Reservations(ttl_s=10.0, clock=clock, grace_s=31.0)
+    table.add("aborted", [1, 2])
+    table.add("expired", [3])
+    clock.advance(1.0)
+    assert table.retire("aborted") and not table.retire("aborted")
+    assert "aborted" not in table and table.release_due() == []
+    clock.advance(9.5)
+    assert table.retire_expired() == ["expired"] and table.release_due() == []
+    table.check_integrity()
+    clock.advance(30.0)                      # 40.5: 10 + 31 not passed
+    assert table.release_due() == []
+    clock.advance(1.0)
+    assert table.release_due() == [[1, 2], [3]] and table.release_due() == []
 
 
 def test_take_hands_the_blocks_over_once() -> None:
@@ -79,9 +100,11 @@ def test_the_integrity_check_finds_a_block_held_twice() -> None:
 
 
 def test_a_worker_gives_an_unused_reservation_back_when_it_expires(tiny_llama: Path) -> None:
-    """On the worker's own clock: nothing expires at the deadline, and the engine loop's next
-    idle turn after it releases the blocks. (The loop runs `_expire` after each batch of
-    commands, so a second command sent after the first has answered runs after it.)"""
+    """On the worker's own clock: nothing expires at the deadline; the engine loop's next
+    idle turn after it retires the reservation, and the blocks come back once a push its
+    prefill worker may have started before the deadline is over (3 x remote_timeout_s + 1).
+    (The loop runs `_expire` after each batch of commands, so a second command sent after
+    the first has answered runs after it.)"""
     clock = VirtualClock()
     worker = Worker(WorkerConfig(str(tiny_llama), role="decode", token="s3cret",
                                  reserve_ttl_s=30.0,
@@ -105,5 +128,8 @@ def test_a_worker_gives_an_unused_reservation_back_when_it_expires(tiny_llama: P
         assert "a" in worker.reservations and free_tokens() == 5 * 8
         clock.advance(0.1)
         one_idle_turn()
-        assert len(worker.reservations) == 0 and free_tokens() == 8 * 8
+        assert len(worker.reservations) == 0 and free_tokens() == 5 * 8
+        clock.advance(3 * worker.config.remote_timeout_s + 1.0)
+        one_idle_turn()
+        assert free_tokens() == 8 * 8
         worker.reservations.check_integrity()

@@ -204,6 +204,9 @@ class ReserveReply(_Reply):
     block_bytes: int
     regions: list[tuple[int, int]]
     """(address, length) of each reserved region in `segment`."""
+    ttl_s: float = 0.0
+    """Seconds the regions are held from the reservation on: a push must start within them
+    (after them the regions may hold another request's KV; 0: not said)."""
 
 
 class AbortRequest(_Request):

@@ -18,6 +18,7 @@ block (`PoolPlan`), or writes every block straight into the decode worker's rese
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -52,6 +53,8 @@ class PushPlan:
 
     segment: str
     regions: list[Part]  # (addr, bytes), in `push_parts` order
+    push_by: float = math.inf
+    """time.monotonic() after which the reservation may be gone: no push starts then."""
 
 
 def push_parts(cache: KVLayout, block_ids: list[int]) -> list[Part]:
@@ -279,6 +282,9 @@ class PoolConnector(KVConnector):
             return KVFailure(f"{type(exc).__name__}: {exc}")
 
     def _push(self, seq: Sequence, plan: PushPlan) -> KVFailure | None:
+        if time.monotonic() >= plan.push_by:  # its blocks may be another request's by now
+            return KVFailure("the decode worker's reservation ran out before the prompt's "
+                             "KV could be pushed")
         num_blocks = -(-seq.num_prompt_tokens // self.bs)
         local = push_parts(self.cache, seq.block_table[:num_blocks])
         if len(local) != len(plan.regions) or any(a[1] != b[1] for a, b in zip(local, plan.regions, strict=True)):

@@ -3,8 +3,15 @@ that request's prompt KV into, held until the decode leg takes them or a deadlin
 
     reserve   add(rid, blocks)     deadline = clock.now() + ttl_s
     decode    take(rid)            the blocks go to the request (start_pushed)
-    abort     take(rid)            the caller releases the blocks
-    idle      take_expired()       reservations past their deadline; the caller releases them
+    abort     retire(rid)          the blocks are held until deadline + grace_s
+    idle      retire_expired()     reservations past their deadline: held until + grace_s
+              release_due()        held blocks whose time has come; the caller releases them
+
+A push may still be writing a reservation's blocks after it was aborted or expired: its
+prefill worker starts it only before the deadline (it is told `ttl_s`, and counts it from
+before it asked), and a write that started runs at most `grace_s` (its transfer's timeouts).
+So blocks of a reservation that was not taken go back to the cache only at deadline +
+grace_s: never into another request's KV while a late push may land in them.
 
 `Reservations` is the only writer of its map; the blocks themselves belong to the engine's
 block manager, which the caller gives them back to. It runs on the engine thread (no lock)
@@ -24,15 +31,18 @@ class Reservation(NamedTuple):
     blocks: list[int]
     """Block ids, in `push_parts` order."""
     deadline: float
-    """On the table's clock: after it, `take_expired` hands the blocks back."""
+    """On the table's clock: after it, the reservation is retired (`retire_expired`)."""
 
 
 class Reservations:
-    def __init__(self, ttl_s: float, clock: Clock = SYSTEM_CLOCK) -> None:
-        if ttl_s <= 0:
-            raise InvalidArgument(f"reservation ttl_s must be > 0 (got {ttl_s})")
-        self.ttl_s, self.clock = ttl_s, clock
+    def __init__(self, ttl_s: float, clock: Clock = SYSTEM_CLOCK, grace_s: float = 0.0) -> None:
+        if ttl_s <= 0 or grace_s < 0:
+            raise InvalidArgument(f"reservation ttl_s must be > 0 and grace_s >= 0 (got "
+                                  f"{ttl_s}, {grace_s})")
+        self.ttl_s, self.clock, self.grace_s = ttl_s, clock, grace_s
         self._by_request: dict[str, Reservation] = {}
+        self._retired: list[tuple[float, list[int]]] = []
+        """(when they may go back, blocks) of reservations aborted or expired untaken."""
 
     # -- reads -----------------------------------------------------------------------------
 
@@ -66,24 +76,44 @@ class Reservations:
         held = self._by_request.pop(request_id, None)
         return held.blocks if held is not None else None
 
-    def take_expired(self) -> list[tuple[str, list[int]]]:
-        """Forget every reservation whose deadline has passed and return (request id,
-        blocks) of each, oldest first, for the caller to release."""
+    def retire(self, request_id: str) -> bool:
+        """The reservation of `request_id` will not be taken (an abort): its blocks go back at
+        its deadline + grace_s (`release_due`). False if it holds none."""
+        held = self._by_request.pop(request_id, None)
+        if held is not None:
+            self._retired.append((held.deadline + self.grace_s, held.blocks))
+        return held is not None
+
+    def retire_expired(self) -> list[str]:
+        """Retire every reservation whose deadline has passed; their request ids, oldest
+        first."""
         now = self.clock.now()
-        gone = [(rid, held) for rid, held in self._by_request.items() if held.deadline < now]
+        gone = sorted(((rid, held) for rid, held in self._by_request.items()
+                       if held.deadline < now), key=lambda item: item[1].deadline)
         for rid, _ in gone:
-            del self._by_request[rid]
-        return [(rid, held.blocks)
-                for rid, held in sorted(gone, key=lambda item: item[1].deadline)]
+            self.retire(rid)
+        return [rid for rid, _ in gone]
+
+    def release_due(self) -> list[list[int]]:
+        """The blocks of retired reservations whose grace has passed, for the caller to
+        release (forgotten here)."""
+        now = self.clock.now()
+        due = [blocks for at, blocks in self._retired if at < now]
+        if due:
+            self._retired = [(at, blocks) for at, blocks in self._retired if at >= now]
+        return due
 
     def check_integrity(self) -> None:
         """AssertionError unless no block is held twice, every id is a valid block id, and
         no deadline is further than ttl_s ahead of the clock."""
         seen: set[int] = set()
         limit = self.clock.now() + self.ttl_s
+        held_by = [(rid, held.blocks) for rid, held in self._by_request.items()]
         for rid, held in self._by_request.items():
             assert held.deadline <= limit, f"{rid} held until {held.deadline} > now + ttl {limit}"
-            for block in held.blocks:
+        held_by += [("(retired)", blocks) for _, blocks in self._retired]
+        for rid, blocks in held_by:
+            for block in blocks:
                 assert block >= 0, f"{rid} holds block id {block}"
                 assert block not in seen, f"block {block} reserved twice ({rid})"
                 seen.add(block)

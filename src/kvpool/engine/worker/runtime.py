@@ -4,6 +4,7 @@ engine, push reservations, and the async calls the HTTP handlers make."""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
@@ -127,7 +128,8 @@ class Worker:
                                        save_blocks=config.role in ("prefill", "both"),
                                        save_planned_only=config.role == "both")
         self.engine.connector = self.connector
-        self.reservations = Reservations(config.reserve_ttl_s, clock)
+        self.reservations = Reservations(config.reserve_ttl_s, clock,
+                                         grace_s=3 * config.remote_timeout_s + 1.0)
         """Blocks held for prompts a prefill worker pushes here (engine thread only)."""
         self.epoch = uuid.uuid4().hex
         """Names this process's block-event numbering (a restarted worker starts anew)."""
@@ -266,6 +268,7 @@ class Worker:
 
     async def _reserve(self, decode_url: str, request_id: str, num_tokens: int) -> PushPlan:
         msg = ReserveRequest(request_id=request_id, num_tokens=num_tokens)
+        asked = time.monotonic()  # the decode worker's deadline counts from later than this
         try:
             reply = await self.peers.post(decode_url, "/kv/reserve", msg)
         except httpx.HTTPError as exc:
@@ -281,7 +284,8 @@ class Worker:
         if not got.ok:
             raise RequestFailed(f"decode worker {decode_url} refused to reserve KV for "
                                 f"{num_tokens} tokens: {reply.text[:300]}")
-        return PushPlan(got.segment, list(got.regions))
+        return PushPlan(got.segment, list(got.regions),
+                        asked + got.ttl_s if got.ttl_s > 0 else math.inf)
 
     async def _quietly_abort(self, url: str, request_id: str) -> None:
         try:
@@ -303,7 +307,8 @@ class Worker:
             self.reservations.add(request_id, blocks)
             return ReserveReply(ok=True, segment=self.transfer.segment_name,
                                 block_bytes=engine.cache.block_bytes,
-                                regions=push_parts(engine.cache, blocks))
+                                regions=push_parts(engine.cache, blocks),
+                                ttl_s=self.reservations.ttl_s)
         reply: ReserveReply | None = await self._on_engine(reserve)
         return reply
 
@@ -406,10 +411,8 @@ class Worker:
         """Stop the request here; a prefill worker also drops the last block it left in the
         pool for a decode leg that will not read it now."""
         def abort(engine: EngineCore) -> bool:
-            reserved = self.reservations.take(request_id)
-            if reserved is not None:
-                engine.blocks.release(reserved)
-            return engine.abort(request_id) or reserved is not None
+            retired = self.reservations.retire(request_id)  # (a push may still land there)
+            return engine.abort(request_id) or retired
         found = bool(await self._on_engine(abort))
         if self.config.role == "prefill":
             await asyncio.to_thread(self._drop_partial, request_id)
@@ -422,8 +425,9 @@ class Worker:
             self.store.remove(request_key(request_id), True)
 
     def _expire(self) -> None:
-        for request_id, blocks in self.reservations.take_expired():
+        for request_id in self.reservations.retire_expired():
             log.warning("reservation of %s expired unused", request_id)
+        for blocks in self.reservations.release_due():
             self.engine.blocks.release(blocks)
 
     # -- plumbing ----------------------------------------------------------------------------
