@@ -18,6 +18,7 @@ from kvpool.launch import children as children_module
 from kvpool.launch.children import Command
 from kvpool.launch.ready import ReadyPipe
 from kvpool.launch.table import ChildTable
+from tests.serve.conftest import pid_alive
 
 SLOW_TERM = "trap 'sleep 0.5; exit 0' TERM; while :; do sleep 0.05; done"
 """A child that takes 0.5 s to exit on SIGTERM, as a worker closing its pool client does."""
@@ -92,7 +93,7 @@ def test_a_restart_kills_what_the_last_incarnation_left_in_its_session(tmp_path:
     table.restart("decode-1")
     try:
         deadline = time.monotonic() + 5
-        while _alive(engine):
+        while pid_alive(engine):
             assert time.monotonic() < deadline, "the engine of the first incarnation lives on"
             time.sleep(0.02)
     finally:
@@ -112,10 +113,3 @@ def test_a_signal_during_the_stop_does_not_cut_it_short() -> None:
     table.stop_all(say)  # a KeyboardInterrupt here would leave the master running
     assert all(p.poll() is not None for p in table.procs.values())
 
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False

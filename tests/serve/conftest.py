@@ -145,7 +145,7 @@ def marked_pids(marker: str) -> list[int]:
                     pids.append(int(entry))
         except OSError:
             continue
-    return [p for p in pids if _alive(p)]
+    return [p for p in pids if pid_alive(p)]
 
 
 def child_pid(marker: str, command: str) -> int:
@@ -164,7 +164,8 @@ def child_pid(marker: str, command: str) -> int:
     return found[0]
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie does not)."""
     try:
         with open(f"/proc/{pid}/stat") as fh:
             return fh.read().rsplit(")", 1)[1].split()[0] != "Z"

@@ -4,7 +4,6 @@ it is ready (kvpool.launch.ready), and stopped in order, a group at a time."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import threading
@@ -21,6 +20,7 @@ from kvpool.launch.children import (
     stop_group,
 )
 from kvpool.launch.ready import ReadyPipe
+from kvpool.transfer.segment import pid_exists
 
 
 class ChildTable:
@@ -64,7 +64,7 @@ class ChildTable:
         its URL, where the proxy's poller finds it and has it prove the cluster token again
         before it rejoins the rotation."""
         old = self.procs.get(name)
-        if old is not None and old.poll() is not None and not _pid_taken(old.pid):
+        if old is not None and old.poll() is not None and not pid_exists(old.pid):
             signal_group(old.pid, signal.SIGKILL)  # (a group whose leader is gone is ours)
         return self.run(name, self.commands[name], name in self.ready)
 
@@ -101,17 +101,6 @@ class ChildTable:
                 pipe.close()
         if say is not None:
             say(f"stopped ({time.monotonic() - started:.1f} s)")
-
-
-def _pid_taken(pid: int) -> bool:
-    """Whether a process has `pid` (the number of a reaped child given to another)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @contextmanager
