@@ -91,11 +91,8 @@ class EngineCore:
         if len(done) >= sampling.max_tokens:
             raise InvalidArgument(f"request {request_id}: {len(done)} tokens already produced, "
                                   f"max_tokens is {sampling.max_tokens}: nothing to resume")
-        vocab = self.vocab_size
-        if vocab and (min(prompt) < 0 or max(prompt) >= vocab
-                      or any(not 0 <= t < vocab for t in done)):
-            raise InvalidArgument(f"request {request_id}: a token id outside the model's "
-                                  f"vocabulary (0..{vocab - 1})")
+        tokens = list(prompt) + done
+        self.check_tokens(request_id, tokens)
         if len(prompt) + sampling.max_tokens > self.config.max_model_len:
             raise InvalidArgument(f"request {request_id}: {len(prompt)} prompt tokens + "
                                   f"max_tokens {sampling.max_tokens} exceed max_model_len "
@@ -106,17 +103,26 @@ class EngineCore:
                                   f"max_tokens {sampling.max_tokens} do not fit in "
                                   f"{self.config.kv_capacity_tokens} tokens of KV cache")
         root = salted_root(self.root_hash, sampling.cache_salt)
-        return Sequence(request_id, list(prompt) + done, len(prompt), sampling,
-                        self.config.block_size, root, **kw)
+        return Sequence(request_id, tokens, len(prompt), sampling, self.config.block_size,
+                        root, **kw)
+
+    def check_tokens(self, request_id: str, tokens: list[int]) -> None:
+        """InvalidArgument for a token id outside the model's vocabulary (a forward over it
+        would fail the step of every request in the batch)."""
+        vocab = self.vocab_size
+        if vocab and tokens and (min(tokens) < 0 or max(tokens) >= vocab):
+            raise InvalidArgument(f"request {request_id}: a token id outside the model's "
+                                  f"vocabulary (0..{vocab - 1})")
 
     def add_request(self, request_id: str, prompt: list[int], sampling: SamplingParams,
                     **kw: Any) -> Sequence:
-        self._check_new_id(request_id)
+        self.check_new_id(request_id)
         seq = self.new_sequence(request_id, prompt, sampling, **kw)
         self.scheduler.add(seq)
         return seq
 
-    def _check_new_id(self, request_id: str) -> None:
+    def check_new_id(self, request_id: str) -> None:
+        """InvalidArgument when a request of this id runs here already."""
         if self.scheduler.find(request_id) is not None:
             raise InvalidArgument(f"request {request_id} is already running here")
 
@@ -284,7 +290,7 @@ class EngineCore:
     def start_pushed(self, request_id: str, prompt: list[int], first_token: int,
                      sampling: SamplingParams, block_ids: list[int]) -> Sequence:
         """Continue a request whose prompt KV was written into `block_ids`."""
-        self._check_new_id(request_id)
+        self.check_new_id(request_id)
         seq = self.new_sequence(request_id, prompt, sampling, kv_source=KVSource.PUSH)
         seq.block_table = list(block_ids)
         seq.num_computed_tokens = len(prompt)

@@ -6,6 +6,8 @@ challenged again once before the call is retried."""
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable
 
 import httpx
@@ -13,6 +15,8 @@ from pydantic import BaseModel
 
 from kvpool.engine.worker import auth
 from kvpool.engine.worker.auth import CHALLENGE_PATH
+from kvpool.engine.worker.messages import AbortRequest, ReserveReply, ReserveRequest, parse
+from kvpool.engine.worker.pool import PushPlan
 from kvpool.errors import AuthError, RequestFailed
 
 JSON = {"Content-Type": "application/json"}
@@ -56,3 +60,34 @@ class PeerCalls:
                                 f"{exc}") from None
         self._incarnations[url] = incarnation
         return incarnation
+
+    async def reserve(self, decode_url: str, request_id: str, num_tokens: int) -> PushPlan:
+        """Room for `request_id`'s prompt KV on the decode worker at `decode_url`: where to
+        push it, and by when (the reservation's ttl, counted from before it was asked for,
+        so before the decode worker's deadline). RequestFailed when there is none."""
+        msg = ReserveRequest(request_id=request_id, num_tokens=num_tokens)
+        asked = time.monotonic()
+        try:
+            reply = await self.post(decode_url, "/kv/reserve", msg)
+        except httpx.HTTPError as exc:
+            raise RequestFailed(f"decode worker {decode_url} unreachable: "
+                                f"{type(exc).__name__}: {exc}") from exc
+        if reply.status_code != 200:
+            raise RequestFailed(f"decode worker {decode_url} refused to reserve KV for "
+                                f"{num_tokens} tokens: {reply.status_code} {reply.text[:300]}")
+        try:
+            got = parse(ReserveReply, reply.json(), "/kv/reserve reply")
+        except ValueError as exc:  # InvalidArgument, or a body that is not JSON
+            raise RequestFailed(f"decode worker {decode_url}: {exc}") from None
+        if not got.ok:
+            raise RequestFailed(f"decode worker {decode_url} refused to reserve KV for "
+                                f"{num_tokens} tokens: {reply.text[:300]}")
+        return PushPlan(got.segment, list(got.regions),
+                        asked + got.ttl_s if got.ttl_s > 0 else math.inf)
+
+    async def abort_quietly(self, url: str, request_id: str) -> None:
+        """Ask the worker at `url` to drop `request_id`; best effort."""
+        try:
+            await self.post(url, "/abort", AbortRequest(request_id=request_id))
+        except (httpx.HTTPError, RequestFailed):
+            pass

@@ -108,10 +108,10 @@ class Reservations:
         no deadline is further than ttl_s ahead of the clock."""
         seen: set[int] = set()
         limit = self.clock.now() + self.ttl_s
-        held_by = [(rid, held.blocks) for rid, held in self._by_request.items()]
         for rid, held in self._by_request.items():
             assert held.deadline <= limit, f"{rid} held until {held.deadline} > now + ttl {limit}"
-        held_by += [("(retired)", blocks) for _, blocks in self._retired]
+        held_by = [(rid, held.blocks) for rid, held in self._by_request.items()] + \
+            [("(retired)", blocks) for _, blocks in self._retired]
         for rid, blocks in held_by:
             for block in blocks:
                 assert block >= 0, f"{rid} holds block id {block}"

@@ -4,7 +4,6 @@ engine, push reservations, and the async calls the HTTP handlers make."""
 from __future__ import annotations
 
 import asyncio
-import math
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
@@ -23,7 +22,6 @@ from kvpool.engine.worker.loop import EngineLoop
 from kvpool.engine.worker.mailbox import StepMailbox, StepQueue
 from kvpool.engine.worker.messages import (
     MAX_STREAM_INTERVAL,
-    AbortRequest,
     GenerateRequest,
     InfoReply,
     LoadReply,
@@ -31,7 +29,6 @@ from kvpool.engine.worker.messages import (
     PrefillRequest,
     ReserveReply,
     ReserveRequest,
-    parse,
 )
 from kvpool.engine.worker.peers import PeerCalls
 from kvpool.engine.worker.pool import PoolConnector, PoolPlan, PushPlan, push_parts
@@ -221,12 +218,12 @@ class Worker:
         if mode == "push":
             if not decode_url:
                 raise InvalidArgument("kv_transfer push needs a decode_url")
-            plan = await self._reserve(decode_url, rid, len(prompt))
+            plan = await self.peers.reserve(decode_url, rid, len(prompt))
         try:
             first, end = await self._run_prefill(rid, prompt, sampling, plan)
         except KvpoolError:  # RequestFailed included
             if decode_url:
-                await self._quietly_abort(decode_url, rid)
+                await self.peers.abort_quietly(decode_url, rid)
             raise
         stats = end.stats
         num_pool, num_cached = int(stats["num_pool_tokens"]), int(stats["num_cached_tokens"])
@@ -266,33 +263,6 @@ class Worker:
                     return first, out
         raise RequestFailed(f"request {request_id} ended without a token")
 
-    async def _reserve(self, decode_url: str, request_id: str, num_tokens: int) -> PushPlan:
-        msg = ReserveRequest(request_id=request_id, num_tokens=num_tokens)
-        asked = time.monotonic()  # the decode worker's deadline counts from later than this
-        try:
-            reply = await self.peers.post(decode_url, "/kv/reserve", msg)
-        except httpx.HTTPError as exc:
-            raise RequestFailed(f"decode worker {decode_url} unreachable: "
-                                f"{type(exc).__name__}: {exc}") from exc
-        if reply.status_code != 200:
-            raise RequestFailed(f"decode worker {decode_url} refused to reserve KV for "
-                                f"{num_tokens} tokens: {reply.status_code} {reply.text[:300]}")
-        try:
-            got = parse(ReserveReply, reply.json(), "/kv/reserve reply")
-        except ValueError as exc:  # InvalidArgument, or a body that is not JSON
-            raise RequestFailed(f"decode worker {decode_url}: {exc}") from None
-        if not got.ok:
-            raise RequestFailed(f"decode worker {decode_url} refused to reserve KV for "
-                                f"{num_tokens} tokens: {reply.text[:300]}")
-        return PushPlan(got.segment, list(got.regions),
-                        asked + got.ttl_s if got.ttl_s > 0 else math.inf)
-
-    async def _quietly_abort(self, url: str, request_id: str) -> None:
-        try:
-            await self.peers.post(url, "/abort", AbortRequest(request_id=request_id))
-        except (httpx.HTTPError, RequestFailed):
-            pass
-
     # -- decode leg --------------------------------------------------------------------------
 
     async def reserve(self, req: ReserveRequest) -> ReserveReply | None:
@@ -322,10 +292,8 @@ class Worker:
         resumed = req.resume_output_ids
         if resumed and (source is not KVSource.COMPUTE or first_token is not None):
             raise InvalidArgument("resume_output_ids needs kv_source none and no first_token_id")
-        vocab = self.engine.vocab_size
-        if first_token is not None and vocab and not 0 <= first_token < vocab:
-            raise InvalidArgument(f"first_token_id {first_token} is outside the model's "
-                                  f"vocabulary (0..{vocab - 1})")
+        if first_token is not None:
+            self.engine.check_tokens(request_id, [first_token])
         over = self.engine.finish_reason_of(sampling, resumed)
         if over is not None:  # the legs before this one produced the whole output
             return self._already_over(request_id, over)
@@ -447,8 +415,7 @@ class Worker:
         listen = self.mailbox.listener(loop, outputs)
 
         def start(engine: EngineCore) -> None:
-            if engine.scheduler.find(request_id) is not None:  # its listener stays its own
-                raise InvalidArgument(f"request {request_id} is already running here")
+            engine.check_new_id(request_id)  # before a refused one takes the listener
             self.loop.subscribe(request_id, listen)
             try:
                 add(engine)
