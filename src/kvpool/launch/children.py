@@ -16,8 +16,9 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,24 @@ def stop_group(proc: subprocess.Popen[Any], timeout_s: float = 10.0) -> None:
     signal_group(proc.pid, signal.SIGTERM, signal.SIGCONT)
     stop(proc, timeout_s)
     signal_group(proc.pid, signal.SIGKILL)
+
+
+def stop_together(procs: Sequence[subprocess.Popen[Any]],
+                  stop_one: Callable[[subprocess.Popen[Any], float], None] = stop_group,
+                  timeout_s: float | None = None) -> None:
+    """Stop `procs` at once: each still running, and its group if it leads one, is sent
+    SIGTERM (and SIGCONT, so a stopped one acts on it) before any is waited for; then each
+    is `stop_one`d within what is left of `timeout_s` (STOP_S): the time is theirs together,
+    not each one's in turn."""
+    for p in procs:
+        if p.poll() is None:
+            with suppress(ProcessLookupError):
+                p.send_signal(signal.SIGTERM)
+                p.send_signal(signal.SIGCONT)
+            signal_group(p.pid, signal.SIGTERM, signal.SIGCONT)
+    deadline = time.monotonic() + (STOP_S if timeout_s is None else timeout_s)
+    for p in procs:
+        stop_one(p, max(0.1, deadline - time.monotonic()))
 
 
 def signal_group(pid: int, *sigs: int) -> None:

@@ -11,7 +11,6 @@ starts the proxy again).
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 import signal
 import socket
@@ -22,7 +21,7 @@ import time
 from collections.abc import Sequence
 from types import FrameType
 
-from kvpool.launch.children import STOP_S, Command, spawn_command, stop
+from kvpool.launch.children import Command, spawn_command, stop, stop_together
 from kvpool.log import get_logger
 
 log = get_logger("launch.proxy_group")
@@ -67,13 +66,7 @@ def run_group(argv: Sequence[str], host: str, port: int, count: int, backlog: in
             time.sleep(POLL_S)
         return 0
     finally:
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                p.send_signal(signal.SIGTERM)
-                p.send_signal(signal.SIGCONT)  # a stopped one acts on SIGTERM
-        deadline = time.monotonic() + STOP_S  # the group's, not each member's in turn
-        for p in procs:
-            stop(p, max(0.1, deadline - time.monotonic()))
+        stop_together(procs, stop)
         listener.close()
         shutil.rmtree(folder, ignore_errors=True)
         for s, handler in old.items():

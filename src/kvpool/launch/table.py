@@ -11,13 +11,12 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from kvpool.launch import children
 from kvpool.launch.children import (
     Command,
     kvpool_argv,
     signal_group,
     spawn_command,
-    stop_group,
+    stop_together,
 )
 from kvpool.launch.ready import ReadyPipe
 from kvpool.transfer.segment import pid_exists
@@ -89,14 +88,7 @@ class ChildTable:
             for group, procs in _groups(list(self.procs.items())[::-1]):
                 if say is not None and any(p.poll() is None for p in procs):
                     say(f"stopping {group}")
-                for p in procs:
-                    if p.poll() is None:  # (SIGCONT: a stopped child acts on SIGTERM)
-                        p.terminate()
-                        p.send_signal(signal.SIGCONT)
-                        signal_group(p.pid, signal.SIGTERM, signal.SIGCONT)
-                deadline = time.monotonic() + children.STOP_S
-                for p in procs:
-                    stop_group(p, max(0.1, deadline - time.monotonic()))
+                stop_together(procs)
             for pipe in self.ready.values():
                 pipe.close()
         if say is not None:
