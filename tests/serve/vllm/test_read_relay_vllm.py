@@ -7,7 +7,7 @@ from __future__ import annotations
 from kvpool.engine.worker.messages import PlainFrame
 from kvpool.serve.backend import read_relay
 from kvpool.serve.ndjson_reply import ReplyReader
-from kvpool.serve.vllm.backend import _Tally
+from kvpool.serve.vllm.stream import Tally
 from kvpool.serve.vllm.wire import token_chunks
 from tests.serve.test_worker_stream import HEAD
 
@@ -56,7 +56,7 @@ def test_the_chunks_of_tokens_a_read_begins_with_are_counted() -> None:
 
 
 def test_a_relayed_vllm_stream_leaves_its_end_to_the_reader() -> None:
-    relay, tally, told = _Relay(), _Tally(), []
+    relay, tally, told = _Relay(), Tally(), []
     take = read_relay(relay, token_chunks, lambda: told.append(1), tally.add)
     reply = _reply(TOKENS, MORE)
     assert take(reply) is True and relay.frames == [[7, 8, 9]] and tally.num_tokens == 3
@@ -70,7 +70,7 @@ def test_a_relayed_vllm_stream_leaves_its_end_to_the_reader() -> None:
 
 
 def test_a_frame_the_run_does_not_take_goes_back_whole() -> None:
-    tally = _Tally()
+    tally = Tally()
     take = read_relay(_Relay(takes=False), token_chunks, lambda: None, tally.add)
     reply = _reply(TOKENS, MORE)
     assert take(reply) is False and tally.num_tokens == 0

@@ -24,25 +24,22 @@ import asyncio
 import hashlib
 import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import AsyncGenerator, Sequence
+from dataclasses import replace
 from typing import Any, Protocol
 
 import httpx
 
 from kvpool.engine.config import SamplingParams
-from kvpool.engine.sequence import TokenLogprob
 from kvpool.engine.worker.messages import (
     FinishLine,
     Frame,
     GenerateRequest,
     InfoReply,
     LoadReply,
-    PlainFrame,
     PrefillReply,
     PrefillRequest,
     Role,
-    TokensLine,
 )
 from kvpool.errors import ConfigError, InvalidArgument, WorkerCallError
 from kvpool.log import get_logger
@@ -54,22 +51,22 @@ from kvpool.serve.vllm.metrics_text import METRICS_PATH, EngineMetrics, parse_me
 from kvpool.serve.vllm.mooncake_p2p import MooncakeP2P, new_transfer_id
 from kvpool.serve.vllm.prefixes import InstancePrefixes
 from kvpool.serve.vllm.ranks import Ranks
+from kvpool.serve.vllm.stream import Tally, call_lines, one_by_one, stream_frames
 from kvpool.serve.vllm.wire import (
+    COMPLETIONS,
     PREFILL_KV_PARAMS,
     ReplyError,
     completion_body,
     read_choice,
-    stream_delta,
     token_chunks,
 )
 from kvpool.serve.worker_client import CONNECT_S
-from kvpool.serve.worker_stream import StreamCall, StreamPool, call_whole
+from kvpool.serve.worker_stream import StreamPool, call_whole
 
 log = get_logger("serve.vllm")
 DEFAULT_BLOCK_SIZE = 16
-COMPLETIONS = "/v1/completions"
-JSON_TYPE = {"Content-Type": "application/json"}
 """vLLM's default --block-size on GPUs, when neither the flag nor /metrics says."""
+JSON_TYPE = {"Content-Type": "application/json"}
 UNKNOWN_LEN = 1 << 30
 """max_model_len of an instance whose /v1/models does not say (the model's own limit holds)."""
 UNKNOWN_CAPACITY_TOKENS = 1 << 20
@@ -387,14 +384,14 @@ class VllmBackend:
                                            self.timeout_s)
         except (OSError, ValueError) as exc:  # HttpReplyError, a URL it cannot use
             raise WorkerCallError(url, COMPLETIONS, repr(exc)) from None
-        tally = _Tally()
+        tally = Tally()
         try:
             if call.status != 200:
                 self._reply(url, call.status, await call.read_all())
             if relay is not None and req.sampling.logprobs is None:
                 call.relay_with(read_relay(relay, token_chunks, self.streams.on_lines,
                                            tally.add))
-            async for line in self._lines(url, _call_lines(call), req.sampling.logprobs, tally):
+            async for line in stream_frames(url, call_lines(call), req.sampling.logprobs, tally):
                 yield line
         except (OSError, HttpReplyError) as exc:
             raise WorkerCallError(url, COMPLETIONS, repr(exc)) from None
@@ -408,7 +405,7 @@ class VllmBackend:
                                         headers=headers) as resp:
                 if resp.status_code != 200:
                     self._reply(url, resp.status_code, await resp.aread())
-                async for line in self._lines(url, _one_by_one(resp.aiter_lines()), logprobs_k):
+                async for line in stream_frames(url, one_by_one(resp.aiter_lines()), logprobs_k):
                     yield line
         except httpx.HTTPError as exc:
             raise WorkerCallError(url, COMPLETIONS, repr(exc)) from None
@@ -430,72 +427,9 @@ class VllmBackend:
                                max_tokens=max(1, s.max_tokens - done), stream=True,
                                kv_transfer_params=req.kv_transfer_params)
 
-    async def _lines(self, url: str, batches: AsyncIterator[Sequence[str | bytes]],
-                     logprobs_k: int | None,
-                     tally: _Tally | None = None) -> AsyncGenerator[Frame | FinishLine]:
-        """The stream's tokens, a frame per read (the chunks that came in together, as one
-        engine step's would), then one finish line once the stream is done (after vLLM's usage
-        chunk, which says how many prompt tokens were cached). `tally` counts the output
-        tokens, those a relay took in the read callback too (`read_relay`, `wire.token_chunks`).
-        A stream that breaks after its finish chunk has finished all the same: the answer is
-        whole (resuming it would make tokens past its end), only the cached count is lost."""
-        finish: str | None = None
-        cached = 0
-        tally = tally or _Tally()
-        try:
-            async for batch in batches:
-                ids: list[int] = []
-                lps: list[TokenLogprob | None] = []
-                for raw in batch:
-                    try:
-                        delta = stream_delta(raw, logprobs_k)
-                    except ReplyError as exc:
-                        raise WorkerCallError(url, COMPLETIONS, str(exc)) from None
-                    if delta is None:
-                        continue
-                    ids += delta.token_ids
-                    if logprobs_k is not None:
-                        lps += delta.logprobs
-                    finish = delta.finish_reason or finish
-                    cached = delta.num_cached_tokens if delta.num_cached_tokens is not None \
-                        else cached
-                if ids:
-                    tally.num_tokens += len(ids)
-                    stamps = [time.monotonic()] * len(ids)
-                    yield PlainFrame(ids, stamps) if logprobs_k is None else \
-                        TokensLine(token_ids=ids, t=stamps, logprobs=lps)
-        except (WorkerCallError, OSError, HttpReplyError, httpx.HTTPError) as exc:
-            if finish is None:
-                raise
-            log.debug("%s on %s broke after its finish chunk: %r", COMPLETIONS, url, exc)
-        if finish is not None:
-            yield FinishLine(finish_reason=finish, num_output_tokens=tally.num_tokens,
-                             num_cached_tokens=cached)
-
     async def abort(self, url: str, request_id: str) -> None:
         """Nothing to send: vLLM aborts a request when its connection closes, which the
         dispatcher's leg did already."""
-
-
-@dataclass(slots=True)
-class _Tally:
-    """A decode leg's output tokens so far, counted by its reader and its relay alike."""
-
-    num_tokens: int = 0
-
-    def add(self, frame: PlainFrame) -> None:
-        self.num_tokens += len(frame.token_ids)
-
-
-async def _call_lines(call: StreamCall) -> AsyncIterator[list[bytes]]:
-    """The lines of a reply read by the lean client, a list per read."""
-    while batch := await call.next_lines():
-        yield batch
-
-
-async def _one_by_one(lines: AsyncIterator[str]) -> AsyncIterator[list[str]]:
-    async for line in lines:
-        yield [line]
 
 
 def _json(raw: bytes) -> Any:

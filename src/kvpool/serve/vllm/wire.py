@@ -32,6 +32,8 @@ from kvpool.engine.config import SamplingParams
 from kvpool.engine.sequence import TokenLogprob
 from kvpool.engine.worker.messages import PlainFrame
 
+COMPLETIONS = "/v1/completions"
+
 PREFILL_KV_PARAMS: dict[str, Any] = {
     "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
     "remote_block_ids": None, "remote_host": None, "remote_port": None}
