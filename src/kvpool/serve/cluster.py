@@ -222,8 +222,7 @@ class LiveCluster:
         self.view = ClusterView([w.prefill_load for w in self._prefill if w.prefill_load],
                                 [w.decode_load for w in self._decode if w.decode_load], index,
                                 {w.prefill_load.instance_id: w.decode_load.instance_id
-                                 for w in self._prefill if w.prefill_load and w.decode_load
-                                 and w.info is not None and w.info.role == "both"})
+                                 for w in self._prefill if w.prefill_load and w.decode_load})
 
     # -- load reports -----------------------------------------------------------------------
 
@@ -258,10 +257,8 @@ class LiveCluster:
 
     def is_colocated(self, decision: Accepted) -> bool:
         """Whether `decision` prefills and decodes on the same worker."""
-        p = self._prefill[decision.prefill.instance_id]
-        return p.decode_load is not None and \
-            p.decode_load.instance_id == decision.decode.instance_id and \
-            self._decode[decision.decode.instance_id] is p
+        return self.view.colocated.get(decision.prefill.instance_id) == \
+            decision.decode.instance_id
 
     def book(self, req: RequestInfo, decision: Accepted, now: float,
              remote: bool = False) -> Booking:
