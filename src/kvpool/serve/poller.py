@@ -24,8 +24,10 @@ class Poller:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._refused: set[str] = set()
         self._not_joined: dict[str, str] = {}
-        self._crashed: dict[str, str] = {}
         """url -> the last reason it has not joined (logged when it changes)."""
+        self._crashed: dict[str, str] = {}
+        """url -> the last unforeseen error of its polls (its traceback logged when it
+        changes)."""
 
     def watch(self, url: str) -> None:
         """Start polling `url` (idempotent); needs a running event loop."""
