@@ -10,11 +10,13 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
-from tests.serve.conftest import marked_pids, wait_gone
+from tests.serve.conftest import child_pid, marked_pids, wait_gone
 from tests.support.procs import python_env
 from tests.support.wait import wait_for
 
@@ -67,21 +69,33 @@ def test_up_needs_a_prefill_and_a_decode_worker() -> None:
     assert "need at least one prefill and one decode worker" in out.stderr
 
 
-def test_up_stops_with_status_1_when_it_gives_up_on_a_process(tmp_path: Path) -> None:
-    """`--max-restarts 0`: the store node SIGKILLed, `kvpool up` says which process it gave up
-    on and how it ended, stops the rest and exits 1 (a supervisor above it sees a failure)."""
-    from tests.serve.conftest import child_pid, marked_pids, wait_gone
-
+@contextmanager
+def _store_only_up(tmp_path: Path, nodes: int, dram: str) -> Iterator[
+        tuple[subprocess.Popen[bytes], Path, str]]:
+    """`kvpool up --store-only --max-restarts 0` until its banner (the process, its log, the
+    marker its children carry); whatever is left of it is killed at the end."""
     marker = f"up-{uuid.uuid4().hex}"
     log = tmp_path / "up.log"
     with log.open("w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kvpool", "up", "--store-only", "--store-nodes", "1",
-             "--dram", "64MiB", "--max-restarts", "0"], stdout=out, stderr=subprocess.STDOUT,
+            [sys.executable, "-m", "kvpool", "up", "--store-only", "--store-nodes", str(nodes),
+             "--dram", dram, "--max-restarts", "0"], stdout=out, stderr=subprocess.STDOUT,
             env=python_env() | {"KVPOOL_TEST_MARKER": marker})
     try:
         wait_for(lambda: "Ctrl-C to stop" in log.read_text(), 90.0, log.read_text, 0.1,
                  procs=[proc])
+        yield proc, log, marker
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        wait_gone(marker)  # (kills what is left)
+
+
+def test_up_stops_with_status_1_when_it_gives_up_on_a_process(tmp_path: Path) -> None:
+    """`--max-restarts 0`: the store node SIGKILLed, `kvpool up` says which process it gave up
+    on and how it ended, stops the rest and exits 1 (a supervisor above it sees a failure)."""
+    with _store_only_up(tmp_path, 1, "64MiB") as (proc, log, marker):
         node = child_pid(marker, "store-node")
         os.kill(node, signal.SIGKILL)
         assert proc.wait(30) == 1, log.read_text()
@@ -89,12 +103,7 @@ def test_up_stops_with_status_1_when_it_gives_up_on_a_process(tmp_path: Path) ->
                 "restarts within 300 s; stopping the cluster; no process was restarted"
                 ) in log.read_text()
         assert wait_gone(marker) == []
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        wait_gone(marker)
-        assert marked_pids(marker) == []
+    assert marked_pids(marker) == []
 
 
 def test_up_passes_the_proxys_flags_on_as_given() -> None:
@@ -117,16 +126,7 @@ def test_up_passes_the_proxys_flags_on_as_given() -> None:
 def test_a_sigterm_during_the_give_up_stop_keeps_status_1(tmp_path: Path) -> None:
     """Given up on a process, `up` exits 1, a SIGTERM during its stop (a service manager's, a
     second Ctrl-C) notwithstanding; a stopped (SIGSTOP) node is continued and stopped."""
-    marker = f"up-{uuid.uuid4().hex}"
-    log = tmp_path / "up.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvpool", "up", "--store-only", "--store-nodes", "2",
-             "--dram", "16MiB", "--max-restarts", "0"], stdout=out, stderr=subprocess.STDOUT,
-            env=python_env() | {"KVPOOL_TEST_MARKER": marker})
-    try:
-        wait_for(lambda: "Ctrl-C to stop" in log.read_text(), 90.0, log.read_text, 0.1,
-                 procs=[proc])
+    with _store_only_up(tmp_path, 2, "16MiB") as (proc, log, marker):
         nodes = [p for p in marked_pids(marker)
                  if b"\0store-node\0" in Path(f"/proc/{p}/cmdline").read_bytes()]
         assert len(nodes) == 2
@@ -136,10 +136,3 @@ def test_a_sigterm_during_the_give_up_stop_keeps_status_1(tmp_path: Path) -> Non
         time.sleep(1.0)  # the stop is under way
         proc.send_signal(signal.SIGTERM)  # e.g. a service manager's stop, or a second Ctrl-C
         assert proc.wait(30) == 1, log.read_text()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        for pid in marked_pids(marker):
-            os.kill(pid, signal.SIGKILL)
-        wait_gone(marker)

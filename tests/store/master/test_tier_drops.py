@@ -4,6 +4,8 @@ dropped becomes a plain DRAM object that eviction can take; a drain that drops a
 replica drops it through the disk tier (its file deleted, the object plain DRAM again)."""
 from __future__ import annotations
 
+from typing import Any
+
 from kvpool.clock import VirtualClock
 from kvpool.store.config import MasterConfig, ReplicateConfig
 from kvpool.store.master.core import MasterCore
@@ -15,22 +17,31 @@ KIB = 1024
 A, B = "127.0.0.1:9000", "127.0.0.1:9001"
 
 
-def test_load_target_of_a_dropped_segment_is_not_reused_on_same_fence_remount() -> None:
-    clock = VirtualClock()
-    core = MasterCore(MasterConfig(seed=7, lease_ttl_s=1.0), clock)
-    assert core.mount_segment("ca", A, 0x10000, 64 * KIB)[0] == E.OK
-    code, b_dram = core.mount_segment("cb", B, 0x10000, 64 * KIB)
+def _copied_ahead(clock: VirtualClock, on: str, disk_files: int,
+                  **config: Any) -> tuple[MasterCore, str, str]:
+    """A master with node A ("ca") and node B ("cb") mounted, a disk attached to node `on`,
+    and "k" put on that node's DRAM and copied to its disk ahead of eviction: (the master,
+    that node's DRAM segment id, its disk's)."""
+    core = MasterCore(MasterConfig(seed=7, lease_ttl_s=1.0, **config), clock)
+    ids = {}
+    for client, endpoint in (("ca", A), ("cb", B)):
+        code, ids[client] = core.mount_segment(client, endpoint, 0x10000, 64 * KIB)
+        assert code == E.OK
+    code, ssd = core.tiering.attach(on, A if on == "ca" else B, 64 * KIB, disk_files)
     assert code == E.OK
-    code, b_ssd = core.tiering.attach("cb", B, 64 * KIB, 1)
-    assert code == E.OK
-    # an object on node B, copied to B's disk ahead of eviction
-    started = core.put_start("w", ["k"], [4 * KIB], ReplicateConfig(preferred_segment=b_dram))
-    assert started[0].code == E.OK and started[0].replicas[0].segment_id == b_dram
+    started = core.put_start("w", ["k"], [4 * KIB], ReplicateConfig(preferred_segment=ids[on]))
+    assert started[0].code == E.OK and started[0].replicas[0].segment_id == ids[on]
     assert core.put_end("w", ["k"], [123])[0] == E.OK
     core.tick()
-    code, due = core.tiering.next_tasks("cb", b_ssd)
+    code, due = core.tiering.next_tasks(on, ssd)
     assert [t.kind for t in due] == [OFFLOAD]
-    core.tiering.report("cb", b_ssd, [(due[0].task_id, DONE)])
+    core.tiering.report(on, ssd, [(due[0].task_id, DONE)])
+    return core, ids[on], ssd
+
+
+def test_load_target_of_a_dropped_segment_is_not_reused_on_same_fence_remount() -> None:
+    # an object on node B, copied to B's disk ahead of eviction
+    core, b_dram, b_ssd = _copied_ahead(VirtualClock(), "cb", 1)
     # B's DRAM leaves: k is on disk only; a read loads it into A's segment
     assert core.unmount_segment("cb", b_dram) == E.OK
     assert core.get_replicas(["k"])[0].code == E.REPLICA_IS_NOT_READY
@@ -50,21 +61,9 @@ def test_load_target_of_a_dropped_segment_is_not_reused_on_same_fence_remount() 
         "the LOAD target was handed to a new put while the disk node may still write it"
 
 
-
 def test_transient_copy_left_after_disk_node_death_is_evictable() -> None:
     clock = VirtualClock()
-    core = MasterCore(MasterConfig(seed=7, lease_ttl_s=1.0, client_ttl_s=10.0), clock)
-    assert core.mount_segment("ca", A, 0x10000, 64 * KIB)[0] == E.OK
-    code, b_dram = core.mount_segment("cb", B, 0x10000, 64 * KIB)
-    code, b_ssd = core.tiering.attach("cb", B, 64 * KIB, 1 << 20)
-    assert code == E.OK
-    started = core.put_start("w", ["k"], [4 * KIB], ReplicateConfig(preferred_segment=b_dram))
-    assert started[0].replicas[0].segment_id == b_dram
-    assert core.put_end("w", ["k"], [123])[0] == E.OK
-    core.tick()                                             # copy ahead to B's disk
-    _, due = core.tiering.next_tasks("cb", b_ssd)
-    assert [t.kind for t in due] == [OFFLOAD]
-    core.tiering.report("cb", b_ssd, [(due[0].task_id, DONE)])
+    core, b_dram, b_ssd = _copied_ahead(clock, "cb", 1 << 20, client_ttl_s=10.0)
     clock.advance(2.0)
     assert core.evict(4 * KIB)                               # k's DRAM goes: on B's disk only
     assert [r.segment.tier for r in core.objects["k"].replicas] == [Tier.SSD]
@@ -97,19 +96,7 @@ def test_transient_copy_left_after_disk_node_death_is_evictable() -> None:
 
 def _drained_setup() -> tuple[MasterCore, VirtualClock, str]:
     clock = VirtualClock()
-    core = MasterCore(MasterConfig(seed=7, lease_ttl_s=1.0), clock)
-    code, a_dram = core.mount_segment("ca", A, 0x10000, 64 * KIB)
-    assert code == E.OK
-    assert core.mount_segment("cb", B, 0x10000, 64 * KIB)[0] == E.OK
-    code, a_ssd = core.tiering.attach("ca", A, 64 * KIB, 2)
-    assert code == E.OK
-    started = core.put_start("w", ["k"], [4 * KIB], ReplicateConfig(preferred_segment=a_dram))
-    assert started[0].replicas[0].segment_id == a_dram
-    assert core.put_end("w", ["k"], [123])[0] == E.OK
-    core.tick()                                           # copy ahead to A's disk
-    code, due = core.tiering.next_tasks("ca", a_ssd)
-    assert [t.kind for t in due] == [OFFLOAD]
-    core.tiering.report("ca", a_ssd, [(due[0].task_id, DONE)])
+    core, _, a_ssd = _copied_ahead(clock, "ca", 2)
     assert sorted(r.segment.tier for r in core.objects["k"].replicas) == [Tier.DRAM, Tier.SSD]
     core.check_integrity()
     return core, clock, a_ssd
